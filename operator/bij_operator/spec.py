@@ -1,0 +1,332 @@
+"""The BatchInferenceJob spec: one model for `bij run`, the worker and the operator.
+
+The YAML a user `kubectl apply`s is the input here too. Field names are the
+camelCase ones from the CRD; Python attributes are snake_case. Every error
+names the field path (``spec.model.engine``) and the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "batchinference.io"
+API_VERSION = "v1alpha1"
+KIND = "BatchInferenceJob"
+
+# Kubernetes object names (RFC 1123 subdomain); the round Job name `<name>-r<round>` must
+# stay a valid DNS label, so the bij name itself is capped below 63.
+NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME_LEN = 52
+
+
+class SpecError(ValueError):
+    """A spec that can never work. The message names each bad field and why."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(where + "invalid BatchInferenceJob:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class S3Options(_Model):
+    endpoint_url: str | None = None
+    region: str | None = None
+
+
+class StorageSpec(_Model):
+    s3: S3Options = S3Options()
+    # Name of a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (operator only);
+    # without it the pod's service account (IRSA / workload identity) is used.
+    credentials_secret: str | None = None
+
+
+class InputSpec(_Model):
+    uri: str
+    format: Literal["jsonl", "openai"] = "jsonl"
+    id_field: str = "id"
+    text_field: str = "text"
+    messages_field: str | None = None
+
+    @model_validator(mode="after")
+    def _uri_scheme(self) -> InputSpec:
+        _check_uri(self.uri, "spec.input.uri")
+        return self
+
+
+class OutputSpec(_Model):
+    uri: str
+    compression: Literal["zstd", "none"] = "zstd"
+
+    @model_validator(mode="after")
+    def _uri_scheme(self) -> OutputSpec:
+        _check_uri(self.uri, "spec.output.uri")
+        return self
+
+
+class VllmOptions(_Model):
+    gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
+    max_num_seqs: int = Field(512, ge=1)
+    enable_prefix_caching: bool = True
+    quantization: str | None = None
+    max_model_len: int | None = Field(8192, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = "auto"
+
+
+class ModelSpec(_Model):
+    engine: Literal["echo", "sentence-transformers", "transformers", "vllm"] = "echo"
+    name: str | None = None
+    task: Literal["embed", "generate", "chat"] = "embed"
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0, le=2)
+    seed: int = 0
+    # Rows whose prompt exceeds this many tokens are bad rows; default: the engine's limit.
+    max_input_tokens: int | None = Field(None, ge=1)
+    vllm: VllmOptions = VllmOptions()
+
+    @model_validator(mode="after")
+    def _task_fits_engine(self) -> ModelSpec:
+        if self.engine == "sentence-transformers" and self.task != "embed":
+            raise ValueError("engine sentence-transformers only supports task embed")
+        if self.engine == "transformers" and self.task == "embed":
+            raise ValueError("engine transformers supports tasks generate and chat, not embed")
+        return self
+
+
+class ShardingSpec(_Model):
+    target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    chunk_rows: int = Field(512, ge=1, le=1_000_000)
+
+
+class BatchingSpec(_Model):
+    target_batch_tokens: int = Field(32000, ge=1)
+    max_batch_size: int = Field(256, ge=1)
+    sort_by_length: bool = True
+    prefetch_chunks: int = Field(2, ge=1, le=64)
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class ModelCacheSpec(_Model):
+    type: Literal["emptyDir", "hostPath", "pvc"] = "emptyDir"
+    path: str | None = None  # hostPath only
+    claim_name: str | None = None  # pvc only
+    size_limit: str | None = None  # emptyDir only
+    mount_path: str = "/models"
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelCacheSpec:
+        if self.type == "hostPath" and not self.path:
+            raise ValueError("modelCache.type hostPath needs modelCache.path")
+        if self.type == "pvc" and not self.claim_name:
+            raise ValueError("modelCache.type pvc needs modelCache.claimName")
+        return self
+
+
+class WorkersSpec(_Model):
+    parallelism: int = Field(4, ge=1, le=10_000)
+    image: str | None = None  # default: the operator's configured worker image
+    gpus: int = Field(0, ge=0, le=64)
+    cpu: str | None = None
+    memory: str | None = None
+    shm_size: str | None = "8Gi"
+    spot: bool = False
+    spot_provider: Literal["all", "gke", "eks", "karpenter", "aks"] = "all"
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    affinity: dict[str, Any] | None = None
+    priority_class_name: str | None = None
+    queue_name: str | None = None
+    service_account_name: str | None = None
+    backoff_limit_per_index: int = Field(3, ge=0, le=100)
+    max_failed_indexes: int | None = Field(None, ge=0)
+    termination_grace_period_seconds: int = Field(60, ge=1, le=3600)
+    ttl_seconds_after_finished: int | None = Field(86400, ge=0)
+    model_cache: ModelCacheSpec = ModelCacheSpec()
+    env: dict[str, str] = {}
+
+
+class JudgeSpec(_Model):
+    type: Literal["regex", "jsonSchema", "llm"]
+    pattern: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    prompt: str | None = None
+    approve_pattern: str = r"^\s*(yes|approve)"
+    strategy: Literal["rounds", "inPlace", "hybrid"] = "rounds"
+    max_rounds: int = Field(3, ge=1, le=20)
+    max_attempts: int = Field(3, ge=1, le=100)
+    # hybrid: switch to inPlace when a round approves less than this share of its rows,
+    # or after this many rounds, whichever comes first.
+    hybrid_min_approval_rate: float = Field(0.5, ge=0, le=1)
+    hybrid_switch_after_rounds: int = Field(2, ge=1, le=20)
+
+    @model_validator(mode="after")
+    def _judge_fields(self) -> JudgeSpec:
+        if self.type == "regex":
+            if not self.pattern:
+                raise ValueError("judge.type regex needs judge.pattern")
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"judge.pattern is not a valid regular expression: {e}") from e
+        if self.type == "jsonSchema" and self.json_schema is None:
+            raise ValueError("judge.type jsonSchema needs judge.schema")
+        if self.type == "llm":
+            if not self.prompt:
+                raise ValueError("judge.type llm needs judge.prompt")
+            if "{output}" not in self.prompt:
+                raise ValueError("judge.prompt must contain {output}")
+        try:
+            re.compile(self.approve_pattern)
+        except re.error as e:
+            raise ValueError(f"judge.approvePattern is not a valid regular expression: {e}") from e
+        return self
+
+
+class JobSpec(_Model):
+    input: InputSpec
+    output: OutputSpec
+    model: ModelSpec = ModelSpec()
+    sharding: ShardingSpec = ShardingSpec()
+    batching: BatchingSpec = BatchingSpec()
+    workers: WorkersSpec = WorkersSpec()
+    storage: StorageSpec = StorageSpec()
+    judge: JudgeSpec | None = None
+    max_error_ratio: float | None = Field(None, ge=0, le=1)
+    suspend: bool = False
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        if self.judge is not None and self.model.task == "embed":
+            raise ValueError("judge needs a generate or chat task: embeddings have no text to judge")
+        if self.model.task == "chat" and self.input.format == "jsonl" and not self.input.messages_field:
+            # A plain text field is wrapped as one user message; that is allowed.
+            pass
+        return self
+
+
+class Metadata(_Model):
+    name: str
+    namespace: str = "default"
+    uid: str | None = None
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+    @model_validator(mode="after")
+    def _name(self) -> Metadata:
+        if not NAME_RE.match(self.name) or len(self.name) > MAX_NAME_LEN:
+            raise ValueError(
+                f"metadata.name {self.name!r} must be lowercase letters, digits and '-', "
+                f"start and end alphanumeric, at most {MAX_NAME_LEN} characters"
+            )
+        return self
+
+
+class BatchInferenceJob(_Model):
+    api_version: str = f"{API_GROUP}/{API_VERSION}"
+    kind: str = KIND
+    metadata: Metadata
+    spec: JobSpec
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+    @model_validator(mode="after")
+    def _kind(self) -> BatchInferenceJob:
+        if self.kind != KIND:
+            raise ValueError(f"kind must be {KIND}, got {self.kind!r}")
+        if self.api_version != f"{API_GROUP}/{API_VERSION}":
+            raise ValueError(f"apiVersion must be {API_GROUP}/{API_VERSION}, got {self.api_version!r}")
+        return self
+
+    @property
+    def job_id(self) -> str:
+        """Stable id of this job's working state: the uid in a cluster, the name locally."""
+        return self.metadata.uid or self.metadata.name
+
+
+def _check_uri(uri: str, field: str) -> None:
+    if not (uri.startswith("file://") or uri.startswith("s3://")):
+        raise ValueError(f"{field} must start with file:// or s3://, got {uri!r}")
+    if uri.startswith("s3://") and len(uri) <= len("s3://"):
+        raise ValueError(f"{field} needs a bucket: {uri!r}")
+
+
+def _format_errors(err: ValidationError, prefix: str = "") -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",))
+        path = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "(document)"
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        problems.append(f"{path}: {msg}")
+    return problems
+
+
+def parse_job(doc: Any, source: str | None = None) -> BatchInferenceJob:
+    """Validate a BatchInferenceJob document (a dict as parsed from YAML or from the API)."""
+    if not isinstance(doc, dict):
+        raise SpecError(["(document): must be a mapping with apiVersion, kind, metadata and spec"], source)
+    if "spec" not in doc:
+        raise SpecError(["spec: missing"], source)
+    try:
+        return BatchInferenceJob.model_validate(doc)
+    except ValidationError as e:
+        raise SpecError(_format_errors(e), source) from None
+
+
+def parse_spec(spec: Any, name: str = "job", source: str | None = None) -> JobSpec:
+    """Validate only a `spec` mapping (the operator gets metadata from the API)."""
+    try:
+        return JobSpec.model_validate(spec)
+    except ValidationError as e:
+        raise SpecError(_format_errors(e, "spec."), source) from None
+
+
+def load_job(path: str | Path) -> BatchInferenceJob:
+    """Load and validate a BatchInferenceJob from a YAML file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SpecError([f"cannot read file: {e.strerror}"], str(p)) from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        raise SpecError([f"not valid YAML: {e}"], str(p)) from None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if len(jobs) != 1:
+        raise SpecError([f"expected exactly one {KIND} document, found {len(jobs)}"], str(p))
+    return parse_job(jobs[0], str(p))
+
+
+def job_to_dict(job: BatchInferenceJob) -> dict[str, Any]:
+    """The job as a JSON-able dict with camelCase keys (what the worker receives)."""
+    return job.model_dump(mode="json", by_alias=True, exclude_none=True)

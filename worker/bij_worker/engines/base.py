@@ -1,0 +1,88 @@
+"""The one engine interface: echo, sentence-transformers, transformers and vLLM sit behind it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Request:
+    """One row's work. `text` for embed/generate, `messages` (OpenAI chat shape) for chat."""
+
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+@dataclass
+class Result:
+    """One row's answer, or an error that belongs to this row alone."""
+
+    output: str | None = None
+    embedding: list[float] | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine needs from the spec (spec.model), flattened."""
+
+    task: str = "embed"  # embed | generate | chat
+    name: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    max_input_tokens: int | None = None
+    vllm: dict[str, Any] = field(default_factory=dict)
+    device: str | None = None  # None: cuda when available, else cpu
+
+
+class Engine(Protocol):
+    """A loaded model. `load` runs once per process; `run` many times.
+
+    `run` returns one Result per request, in the same order. A problem with one
+    row is that row's `Result.error`; an exception means the whole batch (and
+    the process) is in trouble.
+    """
+
+    name: str
+    # True when the engine schedules a whole chunk itself (vLLM): the worker then
+    # hands it the chunk at once instead of token-budget batches.
+    schedules_itself: bool
+
+    def load(self) -> None: ...
+
+    def count_tokens(self, requests: list[Request]) -> list[int]:
+        """Prompt tokens per request: the real tokenizer where the engine has one."""
+        ...
+
+    def max_input_tokens(self) -> int | None:
+        """Longest prompt the model accepts, or None when unbounded."""
+        ...
+
+    def run(self, requests: list[Request]) -> list[Result]: ...
+
+
+def estimate_tokens(text: str) -> int:
+    """A tokenizer-free estimate (about 4 bytes a token for English BPE vocabularies)."""
+    return max(1, len(text.encode("utf-8", "replace")) // 4)
+
+
+def request_text(req: Request) -> str:
+    """The text a request carries, chat messages flattened (for counting and echo)."""
+    if req.text is not None:
+        return req.text
+    parts = []
+    for m in req.messages or []:
+        c = m.get("content")
+        if isinstance(c, str):
+            parts.append(c)
+        elif isinstance(c, list):
+            parts.extend(str(p.get("text", "")) for p in c if isinstance(p, dict))
+    return "\n".join(parts)
