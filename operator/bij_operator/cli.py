@@ -1,0 +1,68 @@
+"""`bij`: run a job locally, be a worker, render or validate a spec, run the operator."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bij", description="Batch inference on spot GPUs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run a BatchInferenceJob on this machine (resumes when run again)")
+    p.add_argument("spec", help="BatchInferenceJob YAML")
+    p.add_argument("--parallelism", type=int, default=None, help="worker processes (default: spec.workers.parallelism)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sub.add_parser("worker", help="the pod entry point (same as bij-worker)", add_help=False)
+
+    p = sub.add_parser("render", help="print the Job the operator would create for a round")
+    p.add_argument("spec")
+    p.add_argument("--round", type=int, default=0)
+    p.add_argument("--image", default=None, help="worker image (default: the chart's default)")
+    p.add_argument("--shards", type=int, default=None, help="shard count (default: plan the input now)")
+
+    p = sub.add_parser("validate", help="check a spec against the CRD schema and its rules, offline")
+    p.add_argument("spec")
+
+    p = sub.add_parser("publish", help="publish the manifest of a finished job (normally automatic)")
+    p.add_argument("spec")
+
+    sub.add_parser("operator", help="run the kopf operator (in-cluster or with a kubeconfig)", add_help=False)
+
+    if argv is None:
+        argv = sys.argv[1:]
+    # `worker` and `operator` take their own flags: hand the rest through untouched.
+    if argv and argv[0] == "worker":
+        from bij_worker.main import main as worker_main
+
+        return worker_main(argv[1:])
+    if argv and argv[0] == "operator":
+        from bij_operator.handlers import main as operator_main
+
+        return operator_main(argv[1:])
+
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        from bij_operator.local import cli_run
+
+        return cli_run(args)
+    if args.command == "render":
+        from bij_operator.jobs import cli_render
+
+        return cli_render(args)
+    if args.command == "validate":
+        from bij_operator.validate import cli_validate
+
+        return cli_validate(args)
+    if args.command == "publish":
+        from bij_operator.local import cli_publish
+
+        return cli_publish(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
