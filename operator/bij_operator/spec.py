@@ -23,6 +23,11 @@ KIND = "BatchInferenceJob"
 # stay a valid DNS label, so the bij name itself is capped below 63.
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME_LEN = 52
+# A Kubernetes resource quantity ("4", "500m", "16Gi"); the CRD uses the same pattern.
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
+    r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 
 
 class SpecError(ValueError):
@@ -125,12 +130,23 @@ class Toleration(_Model):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
 
+    @model_validator(mode="after")
+    def _pod_rules(self) -> Toleration:
+        # The same rules the API server applies to a Pod; caught here, not when the Job is created.
+        if self.operator == "Exists" and self.value:
+            raise ValueError("a toleration with operator Exists must not have a value")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("a toleration without a key must use operator Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds needs effect NoExecute")
+        return self
+
 
 class ModelCacheSpec(_Model):
     type: Literal["emptyDir", "hostPath", "pvc"] = "emptyDir"
     path: str | None = None  # hostPath only
     claim_name: str | None = None  # pvc only
-    size_limit: str | None = None  # emptyDir only
+    size_limit: str | None = Field(None, pattern=QUANTITY_PATTERN)  # emptyDir only
     mount_path: str = "/models"
 
     @model_validator(mode="after")
@@ -146,9 +162,9 @@ class WorkersSpec(_Model):
     parallelism: int = Field(4, ge=1, le=10_000)
     image: str | None = None  # default: the operator's configured worker image
     gpus: int = Field(0, ge=0, le=64)
-    cpu: str | None = None
-    memory: str | None = None
-    shm_size: str | None = "8Gi"
+    cpu: str | None = Field(None, pattern=QUANTITY_PATTERN)
+    memory: str | None = Field(None, pattern=QUANTITY_PATTERN)
+    shm_size: str | None = Field("8Gi", pattern=QUANTITY_PATTERN)
     spot: bool = False
     spot_provider: Literal["all", "gke", "eks", "karpenter", "aks"] = "all"
     node_selector: dict[str, str] = {}
@@ -158,7 +174,8 @@ class WorkersSpec(_Model):
     queue_name: str | None = None
     service_account_name: str | None = None
     backoff_limit_per_index: int = Field(3, ge=0, le=100)
-    max_failed_indexes: int | None = Field(None, ge=0)
+    # Kubernetes caps maxFailedIndexes (and completions with backoffLimitPerIndex) at 100000.
+    max_failed_indexes: int | None = Field(None, ge=0, le=100_000)
     termination_grace_period_seconds: int = Field(60, ge=1, le=3600)
     ttl_seconds_after_finished: int | None = Field(86400, ge=0)
     model_cache: ModelCacheSpec = ModelCacheSpec()
