@@ -1,0 +1,396 @@
+"""The round state machine: what to do next, from (spec, status, observed Jobs) alone.
+
+`decide()` is a pure function. The kopf handlers read the three inputs, apply the
+one decision it returns, and ask again until it says `Wait` or `Nothing`. Every
+fact the next decision needs is written back to ``status`` (or is visible on the
+Job), so an operator killed at any line and restarted asks the same question,
+gets the same answer, and re-applies an idempotent step: no duplicate Job, no
+lost round.
+
+The state that survives restarts lives in ``status.rounds``, one record per
+planned round::
+
+    {"round": 0, "shards": 8, "startTime": "...", "completionTime": "..."}
+
+A record exists once the round is planned; ``completionTime`` is set once its Job
+completed. Judge rounds hang off `after_round()`: a finished round either
+publishes or plans the next round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .spec import API_GROUP, BatchInferenceJob
+
+JOB_LABEL = f"{API_GROUP}/job"
+ROUND_LABEL = f"{API_GROUP}/round"
+
+Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+# Reasons under which a Failed phase is not final: the operator itself may clear it.
+RECOVERABLE_FAILURES: frozenset[str] = frozenset({"InvalidSpec"})
+
+
+# --- Job observation ---------------------------------------------------------------------------
+
+
+def parse_ranges(text: str | None) -> frozenset[int]:
+    """Indexes from a Job's ``completedIndexes``/``failedIndexes`` string, e.g. ``"1,3-5,7"``."""
+    out: set[int] = set()
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if sep:
+            out.update(range(int(lo), int(hi) + 1))
+        else:
+            out.add(int(lo))
+    return frozenset(out)
+
+
+def format_ranges(indexes: Iterable[int]) -> str:
+    """The inverse of `parse_ranges`: sorted, with consecutive runs folded (``"1,3-5,7"``)."""
+    items = sorted(set(indexes))
+    parts: list[str] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        parts.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shards:
+    """Shard progress of one round: what the `SHARDS` column shows as done/total."""
+
+    done: int
+    failed: int
+    total: int
+
+    @property
+    def summary(self) -> str:
+        return f"{self.done}/{self.total}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Condition:
+    status: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobView:
+    """The parts of an observed ``batch/v1`` Job that decisions depend on."""
+
+    name: str
+    round: int | None
+    owner_uids: frozenset[str]
+    deleting: bool
+    completions: int
+    parallelism: int | None
+    suspend: bool
+    active: int
+    completed: frozenset[int]
+    failed: frozenset[int]
+    conditions: Mapping[str, Condition]
+
+    @classmethod
+    def of(cls, job: Mapping[str, Any]) -> JobView:
+        meta = job.get("metadata") or {}
+        spec = job.get("spec") or {}
+        status = job.get("status") or {}
+        round_label = (meta.get("labels") or {}).get(ROUND_LABEL)
+        conditions = {
+            c["type"]: Condition(
+                status=str(c.get("status")) == "True",
+                reason=str(c.get("reason") or ""),
+                message=str(c.get("message") or ""),
+            )
+            for c in status.get("conditions") or []
+            if c.get("type")
+        }
+        return cls(
+            name=str(meta.get("name", "")),
+            round=int(round_label) if round_label is not None and str(round_label).isdigit() else None,
+            owner_uids=frozenset(str(o.get("uid")) for o in meta.get("ownerReferences") or []),
+            deleting=bool(meta.get("deletionTimestamp")),
+            completions=int(spec.get("completions") or 0),
+            parallelism=spec.get("parallelism"),
+            suspend=bool(spec.get("suspend")),
+            active=int(status.get("active") or 0),
+            completed=parse_ranges(status.get("completedIndexes")),
+            failed=parse_ranges(status.get("failedIndexes")),
+            conditions=conditions,
+        )
+
+    def has(self, condition_type: str) -> bool:
+        c = self.conditions.get(condition_type)
+        return c is not None and c.status
+
+    @property
+    def succeeded(self) -> bool:
+        # SuccessCriteriaMet comes first (Kubernetes >= 1.31), Complete once pods are gone; either
+        # means every shard's results are durable.
+        return self.has("Complete") or self.has("SuccessCriteriaMet")
+
+    @property
+    def failed_for_good(self) -> bool:
+        # FailureTarget is set as soon as the Job controller has decided; Failed follows once the
+        # remaining pods have terminated. Nothing can rescue the round after either.
+        return self.has("Failed") or self.has("FailureTarget")
+
+    @property
+    def failure(self) -> Condition | None:
+        for kind in ("Failed", "FailureTarget"):
+            c = self.conditions.get(kind)
+            if c is not None and c.status:
+                return c
+        return None
+
+    @property
+    def shards(self) -> Shards:
+        return Shards(done=len(self.completed), failed=len(self.failed), total=self.completions)
+
+
+# --- decisions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What to do next, plus how the bij should look once it is done.
+
+    ``phase``/``reason``/``message`` become ``status.phase`` and the conditions; ``shards``
+    is the current round's progress when a Job is observed.
+    """
+
+    round: int
+    phase: Phase
+    reason: str
+    message: str
+    shards: Shards | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRound(Decision):
+    """Plan round `round` (idempotent) and record it in ``status.rounds``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CreateJob(Decision):
+    """Create the round's Indexed Job (a 409 means an earlier attempt already did)."""
+
+    completions: int
+    suspend: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PatchJob(Decision):
+    """Bring the running Job in line with the spec: suspend/resume, parallelism."""
+
+    job_name: str
+    suspend: bool | None = None
+    parallelism: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishRound(Decision):
+    """Record the round as finished in ``status.rounds`` (it survives the Job's TTL)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Publish(Decision):
+    """Write ``<output>/manifest.json`` over rounds ``0..rounds-1``, then phase Succeeded."""
+
+    rounds: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MarkFailed(Decision):
+    """The round's Job failed for good: phase Failed, naming the failed shards."""
+
+    failed_shards: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Wait(Decision):
+    """Nothing to change; a Job is working (or suspended, or an old one is going away)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Nothing(Decision):
+    """The bij is finished (Succeeded or Failed); leave it alone."""
+
+
+# --- status accessors --------------------------------------------------------------------------
+
+
+def round_records(status: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
+    """``status.rounds`` keyed by round number."""
+    out: dict[int, Mapping[str, Any]] = {}
+    for rec in status.get("rounds") or []:
+        if isinstance(rec, Mapping) and isinstance(rec.get("round"), int):
+            out[rec["round"]] = rec
+    return out
+
+
+def current_round(status: Mapping[str, Any]) -> int:
+    value = status.get("round")
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+def failure_reason(status: Mapping[str, Any]) -> str | None:
+    """The reason on the ``Failed`` condition, if the bij is marked failed."""
+    for c in status.get("conditions") or []:
+        if c.get("type") == "Failed" and c.get("status") == "True":
+            return str(c.get("reason") or "")
+    return None
+
+
+# --- the decision ------------------------------------------------------------------------------
+
+
+def round_job(
+    job: BatchInferenceJob, round_no: int, observed_jobs: Sequence[Mapping[str, Any]]
+) -> JobView | None:
+    """The observed Job of `round_no` for this bij (by labels, so no name is computed twice)."""
+    for raw in observed_jobs:
+        view = JobView.of(raw)
+        labels = (raw.get("metadata") or {}).get("labels") or {}
+        if labels.get(JOB_LABEL) == job.metadata.name and view.round == round_no:
+            return view
+    return None
+
+
+def is_ours(job: BatchInferenceJob, view: JobView) -> bool:
+    """A Job left over from a deleted bij of the same name belongs to another uid."""
+    if view.deleting:
+        return False
+    uid = job.metadata.uid
+    return uid is None or not view.owner_uids or uid in view.owner_uids
+
+
+def decide(
+    job: BatchInferenceJob,
+    status: Mapping[str, Any],
+    observed_jobs: Sequence[Mapping[str, Any]],
+) -> Decision:
+    """The next step for `job`, given its current ``status`` and the Jobs labelled with its name."""
+    status = status or {}
+    phase = status.get("phase")
+    r = current_round(status)
+
+    if phase == "Succeeded":
+        return Nothing(round=r, phase="Succeeded", reason="Published",
+                       message=str(_condition_message(status, "Succeeded") or "manifest published"))
+    if phase == "Failed" and failure_reason(status) not in RECOVERABLE_FAILURES:
+        return Nothing(round=r, phase="Failed", reason=failure_reason(status) or "Failed",
+                       message=str(_condition_message(status, "Failed") or "failed"))
+
+    rec = round_records(status).get(r)
+    if rec is None:
+        return PlanRound(round=r, phase="Pending", reason="Planning", message=f"planning round {r}")
+
+    planned = int(rec.get("shards") or 0)
+    if rec.get("completionTime"):
+        # The round's results are recorded as complete; the Job may already be gone (TTL).
+        return after_round(job, status, r)
+
+    view = round_job(job, r, observed_jobs)
+    if view is None:
+        if planned == 0:
+            # Empty input: nothing to run, the round is trivially finished.
+            return FinishRound(round=r, phase="Running", reason="RoundFinished",
+                               message=f"round {r} has no shards", shards=Shards(done=0, failed=0, total=0))
+        # Not created yet, or deleted before it finished: (re)create it. Workers resume from
+        # what is durable, so a recreated Job redoes no finished rows.
+        suspend = job.spec.suspend
+        return CreateJob(round=r, phase="Suspended" if suspend else "Pending",
+                         reason="Suspended" if suspend else "RoundStarting",
+                         message=f"round {r}: creating the Job for {planned} shards",
+                         shards=Shards(done=0, failed=0, total=planned),
+                         completions=planned, suspend=suspend)
+
+    if not is_ours(job, view):
+        return Wait(round=r, phase="Pending", reason="WaitingForOldJob",
+                    message=f"Job {view.name} belongs to an earlier object of this name; "
+                            "waiting for it to be deleted")
+
+    shards = view.shards
+    if view.failed_for_good:
+        return job_failed(r, view)
+    if view.succeeded:
+        return FinishRound(round=r, phase="Running", reason="RoundFinished",
+                           message=f"round {r}: all {shards.total} shards done", shards=shards)
+
+    want_suspend = job.spec.suspend
+    want_parallelism = job.spec.workers.parallelism
+    patch_suspend = want_suspend if view.suspend != want_suspend else None
+    patch_parallelism = want_parallelism if view.parallelism != want_parallelism else None
+    if patch_suspend is not None or patch_parallelism is not None:
+        verb = {True: "suspending", False: "resuming", None: "updating"}[patch_suspend]
+        return PatchJob(round=r, phase="Suspended" if want_suspend else "Running",
+                        reason="Suspended" if want_suspend else "Running",
+                        message=f"round {r}: {verb} Job {view.name}", shards=shards,
+                        job_name=view.name, suspend=patch_suspend, parallelism=patch_parallelism)
+
+    return Wait(round=r, **_progress(r, view, shards))
+
+
+def _progress(r: int, view: JobView, shards: Shards) -> dict[str, Any]:
+    """Phase, reason and message of a round whose Job is neither finished nor in need of a patch."""
+    failed = f", {shards.failed} failed ({format_ranges(view.failed)})" if shards.failed else ""
+    counts = f"{shards.done}/{shards.total} shards done{failed}"
+    if view.suspend:
+        return dict(phase="Suspended", reason="Suspended", shards=shards,
+                    message=f"round {r} suspended: {counts}")
+    if view.active == 0 and shards.done == 0 and shards.failed == 0:
+        return dict(phase="Pending", reason="WaitingForPods", shards=shards,
+                    message=f"round {r}: waiting for worker pods to start")
+    return dict(phase="Running", reason="Running", shards=shards,
+                message=f"round {r}: {counts}, {view.active} active")
+
+
+def job_failed(r: int, view: JobView) -> MarkFailed:
+    """Phase Failed with the Job's reason and which shards failed."""
+    cond = view.failure
+    reason = cond.reason if cond and cond.reason else "JobFailed"
+    detail = f" ({cond.message})" if cond and cond.message else ""
+    if view.failed:
+        which = f"shards {format_ranges(view.failed)} failed"
+    else:
+        which = "the Job failed"
+    return MarkFailed(round=r, phase="Failed", reason=reason,
+                      message=f"round {r}: {which}; Job {view.name}: {reason}{detail}",
+                      shards=view.shards, failed_shards=tuple(sorted(view.failed)))
+
+
+def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int) -> Decision:
+    """A round finished: publish, or (judge strategy ``rounds``) plan the next round.
+
+    The next round is only planned when the finished round recorded rejected rows and the
+    ``maxRounds`` cap allows it; reaching the cap publishes what was approved (the manifest
+    reports the rest), it never loops.
+    """
+    rec = round_records(status).get(r) or {}
+    judge = job.spec.judge
+    rejected = int(rec.get("rejectedRows") or 0)
+    if judge is not None and judge.strategy == "rounds" and rejected > 0 and r + 1 < judge.max_rounds:
+        return PlanRound(round=r + 1, phase="Running", reason="Planning",
+                         message=f"round {r} rejected {rejected} rows; planning round {r + 1}")
+    return Publish(round=r, phase="Publishing", reason="Publishing",
+                   message=f"publishing the manifest of {r + 1} round(s)", rounds=r + 1)
+
+
+def _condition_message(status: Mapping[str, Any], type_: str) -> str | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == type_:
+            return c.get("message")
+    return None

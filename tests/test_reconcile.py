@@ -1,0 +1,433 @@
+"""The round state machine as a pure function: (spec, status, observed Jobs) -> one decision."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from bij_operator import reconcile as rc
+from bij_operator.reconcile import (
+    CreateJob,
+    FinishRound,
+    MarkFailed,
+    Nothing,
+    PatchJob,
+    PlanRound,
+    Publish,
+    Wait,
+    decide,
+    format_ranges,
+    parse_ranges,
+)
+from bij_operator.spec import BatchInferenceJob, parse_job
+from bij_operator.status import decision_status, phase_conditions, rows_progress, set_condition
+
+UID = "0b6a2c1e-uid"
+
+
+def make_job(*, suspend: bool = False, parallelism: int = 4, judge: dict | None = None,
+             task: str = "embed", uid: str | None = UID) -> BatchInferenceJob:
+    spec: dict[str, Any] = {
+        "input": {"uri": "file:///data/in"},
+        "output": {"uri": "file:///data/out"},
+        "model": {"engine": "echo", "task": task},
+        "workers": {"parallelism": parallelism},
+        "suspend": suspend,
+    }
+    if judge is not None:
+        spec["judge"] = judge
+    meta: dict[str, Any] = {"name": "emb", "namespace": "ml"}
+    if uid:
+        meta["uid"] = uid
+    return parse_job({"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
+                      "metadata": meta, "spec": spec})
+
+
+def planned(round_no: int = 0, shards: int = 8, done: bool = False, **extra: Any) -> dict[str, Any]:
+    rounds = [{"round": r, "shards": shards, "startTime": "2024-01-01T00:00:00Z",
+               "completionTime": "2024-01-01T01:00:00Z"} for r in range(round_no)]
+    rec: dict[str, Any] = {"round": round_no, "shards": shards, "startTime": "2024-01-01T00:00:00Z"}
+    if done:
+        rec["completionTime"] = "2024-01-01T01:00:00Z"
+    rec.update(extra)
+    rounds.append(rec)
+    return {"phase": "Running", "round": round_no, "rounds": rounds}
+
+
+def k8s_job(round_no: int = 0, *, completions: int = 8, parallelism: int = 4, suspend: bool = False,
+            completed: str = "", failed: str = "", active: int = 0,
+            conditions: list[tuple[str, str, str, str]] = (), owner_uid: str | None = UID,
+            name: str = "emb", deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": f"{name}-r{round_no}",
+        "namespace": "ml",
+        "labels": {rc.JOB_LABEL: name, rc.ROUND_LABEL: str(round_no)},
+    }
+    if owner_uid:
+        meta["ownerReferences"] = [{"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
+                                    "name": name, "uid": owner_uid, "controller": True}]
+    if deleting:
+        meta["deletionTimestamp"] = "2024-01-01T00:00:00Z"
+    status: dict[str, Any] = {"active": active}
+    if completed:
+        status["completedIndexes"] = completed
+    if failed:
+        status["failedIndexes"] = failed
+    if conditions:
+        status["conditions"] = [{"type": t, "status": s, "reason": r, "message": m}
+                                for t, s, r, m in conditions]
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
+            "spec": {"completions": completions, "parallelism": parallelism, "suspend": suspend,
+                     "completionMode": "Indexed"},
+            "status": status}
+
+
+# --- index range strings -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, indexes", [
+    ("", set()),
+    (None, set()),
+    ("0", {0}),
+    ("1,3-5,7", {1, 3, 4, 5, 7}),
+    ("0-2,4-6", {0, 1, 2, 4, 5, 6}),
+    (" 2 , 9 ", {2, 9}),
+])
+def test_parse_ranges_reads_the_job_index_syntax(text: str | None, indexes: set[int]) -> None:
+    assert parse_ranges(text) == indexes
+
+
+@pytest.mark.parametrize("indexes, text", [
+    ([], ""),
+    ([5], "5"),
+    ([7, 1, 3, 4, 5], "1,3-5,7"),
+    ([0, 1, 2, 3], "0-3"),
+    ([2, 2, 3], "2-3"),
+])
+def test_format_ranges_folds_consecutive_runs(indexes: list[int], text: str) -> None:
+    assert format_ranges(indexes) == text
+    assert parse_ranges(format_ranges(indexes)) == set(indexes)
+
+
+# --- the round lifecycle -----------------------------------------------------------------------
+
+
+def test_a_new_job_plans_round_zero() -> None:
+    d = decide(make_job(), {}, [])
+    assert isinstance(d, PlanRound)
+    assert (d.round, d.phase) == (0, "Pending")
+
+
+def test_a_planned_round_without_a_job_creates_it_with_the_planned_shard_count() -> None:
+    d = decide(make_job(), planned(shards=8), [])
+    assert isinstance(d, CreateJob)
+    assert (d.round, d.completions, d.suspend) == (0, 8, False)
+    assert d.shards is not None and d.shards.summary == "0/8"
+
+
+def test_a_suspended_spec_creates_the_job_suspended() -> None:
+    d = decide(make_job(suspend=True), planned(shards=3), [])
+    assert isinstance(d, CreateJob)
+    assert d.suspend is True
+    assert d.phase == "Suspended"
+
+
+def test_an_existing_job_is_never_created_again() -> None:
+    # The operator died after creating the Job but before writing anything else.
+    d = decide(make_job(), planned(), [k8s_job(active=4)])
+    assert not isinstance(d, CreateJob)
+    assert isinstance(d, Wait)
+
+
+def test_a_running_job_reports_progress_from_its_completed_indexes() -> None:
+    d = decide(make_job(), planned(), [k8s_job(completed="0-2,5", active=4)])
+    assert isinstance(d, Wait)
+    assert d.phase == "Running"
+    assert d.shards == rc.Shards(done=4, failed=0, total=8)
+    assert "4/8 shards done" in d.message
+
+
+def test_a_job_without_pods_yet_is_pending() -> None:
+    d = decide(make_job(), planned(), [k8s_job(active=0)])
+    assert isinstance(d, Wait)
+    assert d.phase == "Pending"
+
+
+def test_failed_indexes_of_a_running_job_show_but_do_not_fail_the_bij_yet() -> None:
+    # With backoffLimitPerIndex the other indexes keep running; the Job decides when it is over.
+    d = decide(make_job(), planned(), [k8s_job(completed="0-3", failed="6", active=3)])
+    assert isinstance(d, Wait)
+    assert d.phase == "Running"
+    assert d.shards == rc.Shards(done=4, failed=1, total=8)
+    assert "1 failed (6)" in d.message
+
+
+def test_jobs_of_other_bijs_and_other_rounds_are_ignored() -> None:
+    other = k8s_job(name="other", completed="0-7", conditions=[("Complete", "True", "", "")])
+    old_round = k8s_job(round_no=1, completed="0-7", conditions=[("Complete", "True", "", "")])
+    d = decide(make_job(), planned(), [other, old_round])
+    assert isinstance(d, CreateJob)
+
+
+@pytest.mark.parametrize("condition", ["Complete", "SuccessCriteriaMet"])
+def test_a_completed_job_finishes_the_round(condition: str) -> None:
+    job = k8s_job(completed="0-7", conditions=[(condition, "True", "CompletionsReached", "")])
+    d = decide(make_job(), planned(), [job])
+    assert isinstance(d, FinishRound)
+    assert d.round == 0
+    assert d.shards == rc.Shards(done=8, failed=0, total=8)
+
+
+def test_a_condition_that_is_false_means_nothing() -> None:
+    job = k8s_job(completed="0-6", active=1, conditions=[("Complete", "False", "", "")])
+    assert isinstance(decide(make_job(), planned(), [job]), Wait)
+
+
+def test_a_finished_round_publishes_all_rounds_so_far() -> None:
+    d = decide(make_job(), planned(done=True), [k8s_job(completed="0-7")])
+    assert isinstance(d, Publish)
+    assert (d.rounds, d.phase) == (1, "Publishing")
+
+
+def test_a_finished_round_whose_job_is_gone_after_its_ttl_still_publishes() -> None:
+    d = decide(make_job(), planned(done=True), [])
+    assert isinstance(d, Publish)
+    assert d.rounds == 1
+
+
+def test_an_unfinished_round_whose_job_vanished_is_recreated() -> None:
+    # Someone deleted the Job mid-round: workers resume from durable state, nothing is redone.
+    d = decide(make_job(), planned(shards=5), [])
+    assert isinstance(d, CreateJob)
+    assert d.completions == 5
+
+
+def test_an_empty_input_finishes_its_round_without_a_job() -> None:
+    d = decide(make_job(), planned(shards=0), [])
+    assert isinstance(d, FinishRound)
+    assert d.shards == rc.Shards(done=0, failed=0, total=0)
+
+
+def test_publishing_again_after_a_crash_mid_publish_is_the_decision() -> None:
+    status = planned(done=True)
+    status["phase"] = "Publishing"
+    assert isinstance(decide(make_job(), status, []), Publish)
+
+
+def test_a_succeeded_bij_is_left_alone() -> None:
+    status = planned(done=True)
+    status["phase"] = "Succeeded"
+    assert isinstance(decide(make_job(), status, [k8s_job(completed="0-7")]), Nothing)
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+
+def test_a_failed_job_marks_the_bij_failed_naming_the_failed_shards() -> None:
+    job = k8s_job(completed="0-1,3-5,7", failed="2,6",
+                  conditions=[("Failed", "True", "FailedIndexes", "Job has failed indexes")])
+    d = decide(make_job(), planned(), [job])
+    assert isinstance(d, MarkFailed)
+    assert d.phase == "Failed"
+    assert d.reason == "FailedIndexes"
+    assert d.failed_shards == (2, 6)
+    assert "shards 2,6 failed" in d.message
+    assert "emb-r0" in d.message
+
+
+def test_failure_target_fails_the_round_before_the_pods_are_gone() -> None:
+    job = k8s_job(active=2, conditions=[
+        ("FailureTarget", "True", "PodFailurePolicy",
+         "Container worker for pod ml/emb-r0-3-x failed with exit code 42 matching FailJob rule at index 3"),
+    ])
+    d = decide(make_job(), planned(), [job])
+    assert isinstance(d, MarkFailed)
+    assert d.reason == "PodFailurePolicy"
+    assert "index 3" in d.message
+    assert "exit code 42" in d.message
+
+
+def test_a_failed_bij_stays_failed() -> None:
+    status = planned()
+    status["phase"] = "Failed"
+    status["conditions"] = [{"type": "Failed", "status": "True", "reason": "FailedIndexes", "message": "x"}]
+    failed = k8s_job(failed="1", conditions=[("Failed", "True", "FailedIndexes", "")])
+    d = decide(make_job(), status, [failed])
+    assert isinstance(d, Nothing)
+    assert d.phase == "Failed"
+
+
+def test_a_bij_failed_for_an_invalid_spec_starts_once_the_spec_is_valid() -> None:
+    status = {"phase": "Failed", "conditions": [
+        {"type": "Failed", "status": "True", "reason": "InvalidSpec", "message": "spec.model.engine: bad"}]}
+    assert isinstance(decide(make_job(), status, []), PlanRound)
+
+
+# --- suspend and parallelism -------------------------------------------------------------------
+
+
+def test_suspending_the_spec_patches_the_running_job() -> None:
+    d = decide(make_job(suspend=True), planned(), [k8s_job(completed="0-2", active=4)])
+    assert isinstance(d, PatchJob)
+    assert (d.job_name, d.suspend, d.parallelism) == ("emb-r0", True, None)
+    assert d.phase == "Suspended"
+    # Progress is kept: the done shards are still reported.
+    assert d.shards is not None and d.shards.done == 3
+
+
+def test_resuming_the_spec_unsuspends_the_job() -> None:
+    d = decide(make_job(suspend=False), planned(), [k8s_job(completed="0-2", suspend=True)])
+    assert isinstance(d, PatchJob)
+    assert d.suspend is False
+    assert d.phase == "Running"
+
+
+def test_a_suspended_job_that_matches_the_spec_waits_suspended() -> None:
+    d = decide(make_job(suspend=True), planned(), [k8s_job(completed="0-2", suspend=True)])
+    assert isinstance(d, Wait)
+    assert d.phase == "Suspended"
+    assert d.shards is not None and d.shards.summary == "3/8"
+
+
+def test_a_parallelism_change_is_applied_to_the_job() -> None:
+    d = decide(make_job(parallelism=16), planned(), [k8s_job(parallelism=4, active=4)])
+    assert isinstance(d, PatchJob)
+    assert (d.suspend, d.parallelism) == (None, 16)
+
+
+def test_a_completed_job_is_not_resumed_or_patched() -> None:
+    job = k8s_job(completed="0-7", suspend=True, conditions=[("Complete", "True", "", "")])
+    assert isinstance(decide(make_job(suspend=False), planned(), [job]), FinishRound)
+
+
+# --- ownership ---------------------------------------------------------------------------------
+
+
+def test_a_job_left_by_a_deleted_bij_of_the_same_name_is_waited_out() -> None:
+    stale = k8s_job(owner_uid="uid-of-the-old-object", completed="0-7",
+                    conditions=[("Complete", "True", "", "")])
+    d = decide(make_job(), planned(), [stale])
+    assert isinstance(d, Wait)
+    assert d.reason == "WaitingForOldJob"
+
+
+def test_a_job_being_deleted_is_not_ours_to_finish() -> None:
+    d = decide(make_job(), planned(), [k8s_job(deleting=True, completed="0-7",
+                                               conditions=[("Complete", "True", "", "")])])
+    assert isinstance(d, Wait)
+
+
+def test_locally_named_jobs_without_uid_match_by_labels() -> None:
+    job = k8s_job(owner_uid=None, completed="0-7", conditions=[("Complete", "True", "", "")])
+    assert isinstance(decide(make_job(uid=None), planned(), [job]), FinishRound)
+
+
+# --- judge rounds ------------------------------------------------------------------------------
+
+
+JUDGE = {"type": "regex", "pattern": "ok", "strategy": "rounds", "maxRounds": 3}
+
+
+def test_a_round_with_rejected_rows_plans_the_next_round() -> None:
+    d = decide(make_job(task="generate", judge=JUDGE), planned(done=True, rejectedRows=5), [])
+    assert isinstance(d, PlanRound)
+    assert d.round == 1
+
+
+def test_the_last_allowed_round_publishes_even_with_rejected_rows() -> None:
+    d = decide(make_job(task="generate", judge=JUDGE), planned(round_no=2, done=True, rejectedRows=5), [])
+    assert isinstance(d, Publish)
+    assert d.rounds == 3
+
+
+def test_a_round_without_rejections_publishes() -> None:
+    d = decide(make_job(task="generate", judge=JUDGE), planned(done=True, rejectedRows=0), [])
+    assert isinstance(d, Publish)
+
+
+def test_in_place_judging_never_adds_rounds() -> None:
+    judge = dict(JUDGE, strategy="inPlace")
+    d = decide(make_job(task="generate", judge=judge), planned(done=True, rejectedRows=5), [])
+    assert isinstance(d, Publish)
+
+
+def test_the_second_round_creates_its_own_job() -> None:
+    d = decide(make_job(task="generate", judge=JUDGE), planned(round_no=1, shards=2),
+               [k8s_job(round_no=0, completed="0-7", conditions=[("Complete", "True", "", "")])])
+    assert isinstance(d, CreateJob)
+    assert (d.round, d.completions) == (1, 2)
+
+
+# --- replaying a whole run ---------------------------------------------------------------------
+
+
+def test_replaying_the_decisions_of_a_whole_run_reaches_succeeded_with_one_job() -> None:
+    """Apply each decision to a fake cluster the way the handler does, and count Jobs."""
+    job = make_job()
+    status: dict[str, Any] = {}
+    jobs: list[dict[str, Any]] = []
+    created = 0
+    for step in range(20):  # noqa: B007 - asserted after the loop
+        d = decide(job, status, jobs)
+        status.update({"phase": d.phase, "round": d.round})
+        if isinstance(d, PlanRound):
+            status.setdefault("rounds", []).append({"round": d.round, "shards": 3})
+        elif isinstance(d, CreateJob):
+            created += 1
+            jobs.append(k8s_job(completions=d.completions, active=3))
+        elif isinstance(d, Wait):
+            # The Job controller finishes every index.
+            jobs[0] = k8s_job(completions=3, completed="0-2", conditions=[("Complete", "True", "", "")])
+        elif isinstance(d, FinishRound):
+            status["rounds"][d.round]["completionTime"] = "2024-01-01T01:00:00Z"
+        elif isinstance(d, Publish):
+            status["phase"] = "Succeeded"
+        elif isinstance(d, Nothing):
+            break
+    assert status["phase"] == "Succeeded"
+    assert created == 1
+    assert step < 10
+
+
+# --- status and conditions ---------------------------------------------------------------------
+
+T0 = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+T1 = T0 + dt.timedelta(seconds=30)
+
+
+def test_a_condition_keeps_its_transition_time_while_its_status_holds() -> None:
+    cs = set_condition([], "Running", True, "Running", "1/8", generation=1, now=T0)
+    cs = set_condition(cs, "Running", True, "Running", "5/8", generation=2, now=T1)
+    assert cs == [{"type": "Running", "status": "True", "reason": "Running", "message": "5/8",
+                   "lastTransitionTime": "2024-01-01T00:00:00Z", "observedGeneration": 2}]
+    cs = set_condition(cs, "Running", False, "Suspended", "", generation=2, now=T1)
+    assert cs[0]["lastTransitionTime"] == "2024-01-01T00:00:30Z"
+
+
+def test_phase_conditions_list_every_type_once_with_the_phase_true() -> None:
+    cs = phase_conditions([], "Suspended", "Suspended", "round 0 suspended", generation=3, now=T0)
+    by_type = {c["type"]: c for c in cs}
+    assert sorted(by_type) == sorted(["Ready", "Running", "Suspended", "Succeeded", "Failed"])
+    assert by_type["Suspended"]["status"] == "True"
+    assert by_type["Running"]["status"] == "False"
+    assert by_type["Ready"]["status"] == "False"
+    assert by_type["Ready"]["message"] == "round 0 suspended"
+    assert all(c["observedGeneration"] == 3 for c in cs)
+
+
+def test_decision_status_fills_the_printer_columns() -> None:
+    d = decide(make_job(), planned(), [k8s_job(completed="0-2", active=4)])
+    patch = decision_status({}, d, generation=1, now=T0, output_uri="file:///data/out")
+    assert patch["phase"] == "Running"
+    assert patch["round"] == 0
+    assert patch["shardsSummary"] == "3/8"
+    assert patch["shards"] == {"done": 3, "failed": 0, "total": 8}
+    assert patch["startTime"] == "2024-01-01T00:00:00Z"
+    assert "completionTime" not in patch
+
+
+def test_rows_progress_sums_completion_records_over_wall_time() -> None:
+    records = [{"rows": 100, "errors": 2}, {"rows": 50, "errors": 0}]
+    out = rows_progress(records, "2024-01-01T00:00:00Z", T1)
+    assert out == {"rows": {"done": 150, "failed": 2}, "rowsPerSecond": 5.0}
