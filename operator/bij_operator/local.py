@@ -1,0 +1,242 @@
+"""`bij run`: a whole BatchInferenceJob on one machine, with the pod contract kept exactly.
+
+Each shard runs as a `bij-worker` subprocess with `JOB_COMPLETION_INDEX` set,
+as an Indexed Job pod would; up to `parallelism` at once. A failed index is
+retried up to `workers.backoffLimitPerIndex` times; exit 42 (bad
+configuration) stops everything. Ctrl-C asks every worker to stop cleanly;
+running the same command again resumes from what is durable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from bij_worker.worker import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
+
+from . import layout
+from .planner import PlanError, RoundPlan, plan_round
+from .progress import shard_records
+from .publish import PublishError, publish
+from .spec import BatchInferenceJob, SpecError, load_job
+
+
+def worker_command() -> list[str]:
+    """`bij-worker` from the same environment as this process."""
+    found = shutil.which("bij-worker", path=os.path.dirname(sys.executable))
+    return [found] if found else [sys.executable, "-m", "bij_worker.main"]
+
+
+@dataclass
+class _Progress:
+    total_bytes: int
+    shards: int
+    done_shards: int = 0
+    rows: int = 0
+    errors: int = 0
+    bytes: int = 0
+    started: float = field(default_factory=time.monotonic)
+    start_rows: int = 0
+    start_frac: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def line(self, round_no: int) -> str:
+        elapsed = max(1e-6, time.monotonic() - self.started)
+        rate = (self.rows + self.errors - self.start_rows) / elapsed
+        frac = min(1.0, self.bytes / self.total_bytes) if self.total_bytes else 1.0
+        eta = "?"
+        if 0 < frac < 1 and elapsed > 1:
+            left = elapsed / max(1e-9, frac - self.start_frac) * (1 - frac) if frac > self.start_frac else 0
+            eta = f"{int(left // 60)}m{int(left % 60):02d}s"
+        width = 24
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        return (f"round {round_no} [{bar}] {frac:5.1%} shards {self.done_shards}/{self.shards} "
+                f"rows {self.rows:,} errors {self.errors:,} {rate:,.0f} rows/s ETA {eta}")
+
+
+class LocalRunner:
+    """Runs the rounds of one job with worker subprocesses."""
+
+    def __init__(self, job: BatchInferenceJob, parallelism: int | None = None, show_progress: bool = True):
+        self.job = job
+        self.parallelism = parallelism or job.spec.workers.parallelism
+        self.show_progress = show_progress and sys.stderr.isatty()
+        self.log_progress = show_progress
+        self.stopping = False
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def _env(self, index: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env["JOB_COMPLETION_INDEX"] = str(index)
+        s3 = self.job.spec.storage.s3
+        if s3.endpoint_url:
+            env["AWS_ENDPOINT_URL"] = s3.endpoint_url
+        if s3.region:
+            env["AWS_REGION"] = s3.region
+        env.update(self.job.spec.workers.env)
+        return env
+
+    def run_round(self, round_no: int, plan: RoundPlan) -> tuple[bool, str]:
+        """Run every unfinished shard of a round. Returns (succeeded, message)."""
+        done = shard_records(self.job, round_no)
+        pending = deque(i for i in range(plan.shard_count) if i not in done)
+        prog = _Progress(total_bytes=plan.total_bytes, shards=plan.shard_count, done_shards=len(done))
+        for rec in done.values():
+            prog.rows += rec.get("rows", 0)
+            prog.errors += rec.get("errors", 0)
+        attempts: dict[int, int] = {}
+        limit = self.job.spec.workers.backoff_limit_per_index
+        failed: list[int] = []
+        bad_config: str | None = None
+        readers: list[threading.Thread] = []
+        last_draw = 0.0
+        if done:
+            prog.bytes = int(plan.total_bytes * len(done) / max(1, plan.shard_count))
+        prog.start_frac = prog.bytes / plan.total_bytes if plan.total_bytes else 0.0
+        prog.start_rows = prog.rows + prog.errors
+
+        while pending or self.procs:
+            while pending and len(self.procs) < self.parallelism and not self.stopping and bad_config is None:
+                i = pending.popleft()
+                attempts[i] = attempts.get(i, 0) + 1
+                p = subprocess.Popen(
+                    [*worker_command(), "--manifest", plan.manifest_uri, "--progress"],
+                    env=self._env(i), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                )
+                self.procs[i] = p
+                assert p.stdout is not None
+                t = threading.Thread(target=self._follow, args=(p.stdout, prog), daemon=True)
+                t.start()
+                readers.append(t)
+            for i, p in list(self.procs.items()):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                del self.procs[i]
+                if rc == EXIT_OK:
+                    with prog.lock:
+                        prog.done_shards += 1
+                elif rc == EXIT_BAD_CONFIG:
+                    bad_config = f"shard {i}: the worker reported a bad configuration (exit 42); see its log above"
+                    self._stop_all()
+                elif self.stopping or rc == EXIT_TERMINATED or rc == -signal.SIGINT:
+                    pass
+                elif attempts[i] <= limit:
+                    print(f"bij: shard {i} failed (exit {rc}), retry {attempts[i]}/{limit}", file=sys.stderr)
+                    pending.append(i)
+                else:
+                    failed.append(i)
+            now = time.monotonic()
+            if self.show_progress and now - last_draw > 0.5:
+                with prog.lock:
+                    sys.stderr.write("\r" + prog.line(round_no) + "\x1b[K")
+                sys.stderr.flush()
+                last_draw = now
+            if not pending and not self.procs:
+                break
+            time.sleep(0.05)
+        for t in readers:
+            t.join(timeout=5)
+        if self.show_progress:
+            sys.stderr.write("\r" + prog.line(round_no) + "\x1b[K\n")
+        elif self.log_progress:
+            print(prog.line(round_no), file=sys.stderr)
+        if bad_config:
+            return False, bad_config
+        if self.stopping:
+            return False, "stopped; run the same command again to resume"
+        if failed:
+            return False, f"shards {', '.join(map(str, sorted(failed)))} failed after {limit} retries"
+        return True, ""
+
+    def _follow(self, stream: IO[bytes], prog: _Progress) -> None:
+        for raw in stream:
+            try:
+                ev: dict[str, Any] = json.loads(raw)
+            except ValueError:
+                continue
+            with prog.lock:
+                if ev.get("event") == "chunk":
+                    prog.rows += ev.get("rows", 0)
+                    prog.errors += ev.get("errors", 0)
+                    prog.bytes += ev.get("bytes", 0)
+                elif ev.get("event") == "resume":
+                    prog.rows += ev.get("rows", 0)
+                    prog.errors += ev.get("errors", 0)
+                    prog.bytes += ev.get("bytes", 0)
+                    prog.start_rows += ev.get("rows", 0) + ev.get("errors", 0)
+
+    def _stop_all(self) -> None:
+        self.stopping = True
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    def run(self) -> int:
+        """Plan, run and publish. Returns the process exit code."""
+        previous = signal.getsignal(signal.SIGINT)
+
+        def on_int(signum: int, frame: Any) -> None:
+            if self.stopping:
+                for p in self.procs.values():
+                    p.kill()
+                return
+            print("\nbij: stopping workers cleanly (Ctrl-C again to kill them)", file=sys.stderr)
+            self._stop_all()
+
+        signal.signal(signal.SIGINT, on_int)
+        signal.signal(signal.SIGTERM, on_int)
+        try:
+            try:
+                plan = plan_round(self.job, 0)
+            except PlanError as e:
+                print(f"bij: {e}", file=sys.stderr)
+                return 2
+            print(f"bij: {self.job.metadata.name}: round 0, {plan.shard_count} shards, "
+                  f"{plan.total_bytes:,} bytes in {plan.objects} objects", file=sys.stderr)
+            ok, msg = self.run_round(0, plan)
+            if not ok:
+                print(f"bij: {msg}", file=sys.stderr)
+                return 130 if self.stopping and "stopped" in msg else 1
+            try:
+                manifest = publish(self.job, rounds=1)
+            except PublishError as e:
+                print(f"bij: publish failed: {e}", file=sys.stderr)
+                return 1
+            c = manifest["counts"]
+            print(f"bij: published {layout.manifest_uri(self.job)}: {c['rows']:,} rows, {c['errors']:,} errors "
+                  f"in {len(manifest['files'])} result files", file=sys.stderr)
+            print(layout.manifest_uri(self.job))
+            return 0
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def cli_run(args: argparse.Namespace) -> int:
+    try:
+        job = load_job(args.spec)
+    except SpecError as e:
+        print(f"bij: {e}", file=sys.stderr)
+        return 2
+    return LocalRunner(job, args.parallelism, show_progress=not args.no_progress).run()
+
+
+def cli_publish(args: argparse.Namespace) -> int:
+    try:
+        job = load_job(args.spec)
+        manifest = publish(job, rounds=1)
+    except (SpecError, PublishError) as e:
+        print(f"bij: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(manifest["counts"]))
+    return 0

@@ -1,0 +1,137 @@
+"""Cut a round's input into shards from object sizes alone, and write the round plan once.
+
+Planning never reads rows: it is O(number of objects). A shard is a list of
+pieces ``[object index, start, end)``. A plain JSONL piece owns every line whose
+first byte lies in ``[start, end)`` — the reader aligns to line starts — so byte
+ranges can be cut anywhere and no line is read twice or lost. A `.zst` object
+cannot be entered mid-stream, so it is always one whole piece. Small objects
+share a shard until it reaches `targetShardBytes`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bij_worker.storage import ObjectInfo, StorageError, open_storage
+
+from . import layout
+from .spec import BatchInferenceJob, job_to_dict
+
+INPUT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.zst", ".ndjson.zst", ".json.zst")
+PLAN_VERSION = 1
+
+Piece = tuple[int, int, int]  # (object index, start, end)
+
+
+class PlanError(ValueError):
+    """The input cannot be planned (nothing there, wrong files); names the URI."""
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    manifest_uri: str
+    shard_count: int
+    objects: int
+    total_bytes: int
+
+
+def is_compressed(uri: str) -> bool:
+    return uri.endswith(".zst")
+
+
+def input_objects(objects: list[ObjectInfo]) -> list[ObjectInfo]:
+    """The objects that are input rows: JSONL files, plain or zstd; empty ones skipped."""
+    return [o for o in objects if o.uri.endswith(INPUT_SUFFIXES) and o.size > 0
+            and not o.uri.rsplit("/", 1)[-1].startswith((".", "_"))]
+
+
+def plan_shards(sizes: list[tuple[int, bool]], target_bytes: int) -> list[list[Piece]]:
+    """Shards for objects given as (size, compressed), in object order. Pure and O(objects + shards)."""
+    shards: list[list[Piece]] = []
+    current: list[Piece] = []
+    fill = 0
+    for idx, (size, compressed) in enumerate(sizes):
+        if size <= 0:
+            continue
+        if compressed:
+            if current and fill + size > target_bytes:
+                shards.append(current)
+                current, fill = [], 0
+            current.append((idx, 0, size))
+            fill += size
+            if fill >= target_bytes:
+                shards.append(current)
+                current, fill = [], 0
+            continue
+        offset = 0
+        while offset < size:
+            take = min(size - offset, target_bytes - fill)
+            current.append((idx, offset, offset + take))
+            offset += take
+            fill += take
+            if fill >= target_bytes:
+                shards.append(current)
+                current, fill = [], 0
+    if current:
+        shards.append(current)
+    return shards
+
+
+def round_inputs(job: BatchInferenceJob, round_no: int) -> str:
+    """Where a round's input rows are: the spec's input for round 0, else the last round's rejects."""
+    if round_no == 0:
+        return job.spec.input.uri
+    return layout.join(layout.round_prefix(job, round_no - 1), "rejected") + "/"
+
+
+def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo], input_uri: str) -> dict[str, Any]:
+    """The round plan document (shards.json) for these input objects."""
+    sizes = [(o.size, is_compressed(o.uri)) for o in objects]
+    shards = plan_shards(sizes, job.spec.sharding.target_shard_bytes)
+    base = input_uri if input_uri.endswith("/") else input_uri.rsplit("/", 1)[0] + "/"
+    return {
+        "version": PLAN_VERSION,
+        "round": round_no,
+        "createdAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "roundPrefix": layout.round_prefix(job, round_no),
+        "inputUri": input_uri,
+        "job": job_to_dict(job),
+        "objects": [
+            {"uri": o.uri, "size": o.size, "name": o.uri[len(base):] if o.uri.startswith(base) else o.uri}
+            for o in objects
+        ],
+        "shards": [[list(p) for p in s] for s in shards],
+    }
+
+
+def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
+    """Plan a round and write its shards.json, or read the one already written (idempotent)."""
+    uri = layout.round_manifest_uri(job, round_no)
+    store = open_storage(uri, job.spec.storage.s3)
+    if store.exists(uri):
+        doc = json.loads(store.read_bytes(uri))
+        return RoundPlan(uri, len(doc["shards"]), len(doc["objects"]), sum(o["size"] for o in doc["objects"]))
+    input_uri = round_inputs(job, round_no)
+    in_store = open_storage(input_uri, job.spec.storage.s3)
+    try:
+        objects = input_objects(in_store.list(input_uri))
+    except StorageError as e:
+        raise PlanError(f"spec.input.uri: cannot list {input_uri}: {e}") from None
+    if not objects and round_no == 0:
+        raise PlanError(
+            f"spec.input.uri: no input at {input_uri} (looked for non-empty {', '.join(INPUT_SUFFIXES)} files)"
+        )
+    doc = build_plan(job, round_no, objects, input_uri)
+    store.write_bytes(uri, json.dumps(doc, separators=(",", ":")).encode())
+    return RoundPlan(uri, len(doc["shards"]), len(objects), sum(o.size for o in objects))
+
+
+def plan_shards_for(job: BatchInferenceJob, round_no: int = 0) -> int:
+    """How many shards a round would have, without writing anything (for `bij render`)."""
+    input_uri = round_inputs(job, round_no)
+    objects = input_objects(open_storage(input_uri, job.spec.storage.s3).list(input_uri))
+    sizes = [(o.size, is_compressed(o.uri)) for o in objects]
+    return len(plan_shards(sizes, job.spec.sharding.target_shard_bytes))

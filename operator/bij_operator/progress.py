@@ -1,0 +1,28 @@
+"""What the workers have finished: their per-shard completion records."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from bij_worker.storage import NotFound, open_storage
+
+from . import layout
+from .spec import BatchInferenceJob
+
+
+def shard_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, Any]]:
+    """Completion records of a round's finished shards, by index (rows, errors, tokensIn, tokensOut, seconds)."""
+    folder = layout.join(layout.round_prefix(job, round_no), "done") + "/"
+    store = open_storage(folder, job.spec.storage.s3)
+    out: dict[int, dict[str, Any]] = {}
+    for obj in store.list(folder):
+        name = obj.uri.rsplit("/", 1)[-1]
+        if not name.endswith(".json") or not name[:-5].isdigit():
+            continue
+        try:
+            rec = json.loads(store.read_bytes(obj.uri))
+        except (NotFound, ValueError):
+            continue
+        out[int(name[:-5])] = rec
+    return out

@@ -1,0 +1,161 @@
+"""Publish a finished job: result and error files, then `manifest.json` last, in one atomic write.
+
+Readers trust only the manifest. Publishing reads every shard's durable log in
+input order, keeps the first occurrence of each id (a retried index or a
+duplicate pod can leave a row twice; an id repeated across shards is a bad
+row), writes one result file and one error file per shard, and then the
+manifest with row counts and checksums. It is deterministic: publishing again
+gives the same files and the same manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+
+from bij_worker.inputs import id_key
+from bij_worker.segments import ShardLog, encode_records
+from bij_worker.storage import NotFound, Storage, open_storage
+from bij_worker.worker import done_uri, shard_prefix
+
+from . import layout
+from .spec import BatchInferenceJob
+
+
+class PublishError(RuntimeError):
+    """The job cannot be published: a shard is not finished, or too many rows failed."""
+
+
+@dataclass
+class _Totals:
+    rows: int = 0
+    errors: int = 0
+    duplicates: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    files: list[dict[str, Any]] = field(default_factory=list)
+    error_files: list[dict[str, Any]] = field(default_factory=list)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+
+
+def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
+    try:
+        return dict(json.loads(store.read_bytes(layout.round_manifest_uri(job, round_no))))
+    except NotFound:
+        raise PublishError(f"round {round_no} was never planned") from None
+
+
+def _encode(rows: list[dict[str, Any]], compression: str) -> bytes:
+    data = encode_records(rows)
+    if compression == "zstd":
+        return zstandard.ZstdCompressor(level=3).compress(data)
+    return data
+
+
+def _write_file(store: Storage, job: BatchInferenceJob, folder: str, name: str,
+                rows: list[dict[str, Any]]) -> dict[str, Any]:
+    compression = job.spec.output.compression
+    path = f"{folder}/{name}.jsonl" + (".zst" if compression == "zstd" else "")
+    data = _encode(rows, compression)
+    store.write_bytes(layout.join(job.spec.output.uri, path), data)
+    return {"path": path, "rows": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _row_id(row: dict[str, Any]) -> Any:
+    return row["custom_id"] if "custom_id" in row else row.get("id")
+
+
+def _usage(row: dict[str, Any]) -> dict[str, int]:
+    u = row.get("usage")
+    if u is None and isinstance(row.get("response"), dict):
+        u = row["response"].get("body", {}).get("usage")
+    return u or {}
+
+
+def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
+    """Write result/error files for rounds 0..rounds-1 and then the manifest. Returns the manifest."""
+    out_uri = job.spec.output.uri
+    store = open_storage(out_uri, job.spec.storage.s3)
+    seen: set[str] = set()
+    t = _Totals()
+    for r in range(rounds):
+        plan = load_round_plan(store, job, r)
+        names = [o.get("name") or o["uri"] for o in plan["objects"]]
+        round_rows = round_errors = 0
+        for index in range(len(plan["shards"])):
+            if not store.exists(done_uri(plan, index)):
+                raise PublishError(f"round {r} shard {index} has not finished")
+            records = ShardLog(store, shard_prefix(plan, index)).read(repair=False).records
+            records.sort(key=lambda rec: (rec["at"][0], rec["at"][1]))  # input order, whoever wrote them
+            results: list[dict[str, Any]] = []
+            errors: list[dict[str, Any]] = []
+            for rec in records:
+                row = rec["row"]
+                rid = _row_id(row)
+                key = id_key(rid) if rid is not None else None
+                if rec["kind"] == "result":
+                    if key in seen:
+                        t.duplicates += 1
+                        errors.append({"id": rid, "error": {
+                            "code": "duplicate_id",
+                            "message": f"id {json.dumps(rid)} was seen before; the first occurrence wins"},
+                            "object": names[rec["at"][0]], "offset": rec["at"][1]})
+                        continue
+                    results.append(row)
+                    u = _usage(row)
+                    t.tokens_in += u.get("prompt_tokens", 0)
+                    t.tokens_out += u.get("completion_tokens", 0)
+                else:
+                    errors.append(row)
+                if key is not None:
+                    seen.add(key)
+            name = f"r{r}-{index:05d}"
+            if results:
+                t.files.append({**_write_file(store, job, "results", name, results), "round": r, "shard": index})
+            if errors:
+                t.error_files.append({**_write_file(store, job, "errors", name, errors), "round": r,
+                                      "shard": index})
+            round_rows += len(results)
+            round_errors += len(errors)
+        t.rows += round_rows
+        t.errors += round_errors
+        t.rounds.append({"round": r, "shards": len(plan["shards"]), "rows": round_rows, "errors": round_errors})
+    total = t.rows + t.errors
+    ratio = t.errors / total if total else 0.0
+    limit = job.spec.max_error_ratio
+    if limit is not None and ratio > limit:
+        raise PublishError(
+            f"{t.errors} of {total} rows failed ({ratio:.1%}), above spec.maxErrorRatio {limit:.1%}; "
+            f"error rows are in {layout.join(out_uri, 'errors')}/"
+        )
+    manifest = {
+        "apiVersion": f"{job.api_version}",
+        "kind": "BatchInferenceJobManifest",
+        "job": {"name": job.metadata.name, "namespace": job.metadata.namespace, "id": job.job_id},
+        "outputUri": out_uri,
+        "format": "openai" if job.spec.input.format == "openai" else "jsonl",
+        "compression": job.spec.output.compression,
+        "model": {"engine": job.spec.model.engine, "name": job.spec.model.name, "task": job.spec.model.task},
+        "files": t.files,
+        "errorFiles": t.error_files,
+        "counts": {"rows": t.rows, "errors": t.errors, "duplicates": t.duplicates, "inputRows": total,
+                   "tokensIn": t.tokens_in, "tokensOut": t.tokens_out},
+        "rounds": t.rounds,
+        "publishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())
+    return manifest
+
+
+def read_manifest(job: BatchInferenceJob) -> dict[str, Any] | None:
+    """The published manifest, or None when the job has not been published."""
+    store = open_storage(job.spec.output.uri, job.spec.storage.s3)
+    try:
+        return dict(json.loads(store.read_bytes(layout.manifest_uri(job))))
+    except NotFound:
+        return None

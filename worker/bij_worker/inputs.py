@@ -1,0 +1,223 @@
+"""Input rows in, result and error rows out: `jsonl` rows and OpenAI batch request lines.
+
+A bad row never stops a shard: it becomes an error row that says what is wrong
+and where the row is (object and byte offset). Rows without an id get a stable
+one from their place, ``<object name>:<byte offset>``, the same on every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .engines.base import Request, Result
+
+OPENAI_URLS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "generate",
+    "/v1/embeddings": "embed",
+}
+
+
+@dataclass
+class Row:
+    """One parsed input line: a request to run, or an error to record."""
+
+    at: tuple[int, int, int]  # (object index, offset, end)
+    id: Any  # str or int exactly as given (or generated); None when unknown
+    request: Request | None = None
+    error_code: str | None = None
+    error: str | None = None
+    url: str | None = None  # OpenAI batch lines: which endpoint shape to answer in
+    generated_id: bool = False
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    format: str = "jsonl"
+    id_field: str = "id"
+    text_field: str = "text"
+    messages_field: str | None = None
+    task: str = "embed"
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    model_name: str = "bij"
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> InputOptions:
+        """From the camelCase spec dict (as carried in the round plan)."""
+        inp, model = spec["input"], spec.get("model", {})
+        return cls(
+            format=inp.get("format", "jsonl"),
+            id_field=inp.get("idField", "id"),
+            text_field=inp.get("textField", "text"),
+            messages_field=inp.get("messagesField"),
+            task=model.get("task", "embed"),
+            max_tokens=int(model.get("maxTokens", 256)),
+            temperature=float(model.get("temperature", 0.0)),
+            seed=int(model.get("seed", 0)),
+            model_name=model.get("name") or model.get("engine", "bij"),
+        )
+
+
+def id_key(value: Any) -> str:
+    """A set key that keeps 1 and "1" apart: ids come back exactly as given."""
+    return ("s:" + value) if isinstance(value, str) else ("i:" + str(value))
+
+
+def _valid_id(value: Any) -> bool:
+    return (isinstance(value, str) and value != "") or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _bad(at: tuple[int, int, int], code: str, msg: str, rid: Any = None) -> Row:
+    return Row(at=at, id=rid, error_code=code, error=msg)
+
+
+def _messages_ok(msgs: Any) -> str | None:
+    if not isinstance(msgs, list) or not msgs:
+        return "must be a non-empty list of {role, content} messages"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f"message {i} must be an object with a string role"
+        c = m.get("content")
+        if not (isinstance(c, str) or isinstance(c, list)):
+            return f"message {i} content must be a string or a list of parts"
+    return None
+
+
+def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: InputOptions) -> Row:
+    """Parse one input line into a Row (never raises for bad input)."""
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        return _bad(at, "invalid_json", f"not valid JSON: {e}")
+    if not isinstance(obj, dict):
+        return _bad(at, "invalid_row", f"a row must be a JSON object, got {type(obj).__name__}")
+    if opts.format == "openai":
+        return _parse_openai(obj, at, opts)
+    return _parse_plain(obj, at, object_name, opts)
+
+
+def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str, opts: InputOptions) -> Row:
+    generated = opts.id_field not in obj or obj[opts.id_field] is None
+    if generated:
+        rid: Any = f"{object_name}:{at[1]}"
+    else:
+        rid = obj[opts.id_field]
+        if not _valid_id(rid):
+            return _bad(at, "invalid_id", f"field {opts.id_field!r} must be a non-empty string or an integer, "
+                        f"got {json.dumps(rid)[:80]}")
+    base = Request(max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed)
+    if opts.task == "chat" and opts.messages_field and opts.messages_field in obj:
+        msgs = obj[opts.messages_field]
+        problem = _messages_ok(msgs)
+        if problem:
+            return _bad(at, "invalid_messages", f"field {opts.messages_field!r} {problem}", rid)
+        req = Request(messages=msgs, max_tokens=base.max_tokens, temperature=base.temperature, seed=base.seed)
+        return Row(at=at, id=rid, request=req, generated_id=generated)
+    if opts.text_field not in obj:
+        wanted = f"{opts.text_field!r}" + (f" or {opts.messages_field!r}" if opts.messages_field else "")
+        return _bad(at, "missing_text", f"no field {wanted}", rid)
+    text = obj[opts.text_field]
+    if not isinstance(text, str):
+        return _bad(at, "invalid_text", f"field {opts.text_field!r} must be a string, got {type(text).__name__}", rid)
+    if not text.strip():
+        return _bad(at, "empty_text", f"field {opts.text_field!r} is empty", rid)
+    if opts.task == "chat":
+        req = Request(messages=[{"role": "user", "content": text}], max_tokens=base.max_tokens,
+                      temperature=base.temperature, seed=base.seed)
+    else:
+        req = Request(text=text, max_tokens=base.max_tokens, temperature=base.temperature, seed=base.seed)
+    return Row(at=at, id=rid, request=req, generated_id=generated)
+
+
+def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOptions) -> Row:
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return _bad(at, "invalid_id", "custom_id must be a non-empty string", cid if _valid_id(cid) else None)
+    url = obj.get("url")
+    if obj.get("method", "POST") != "POST":
+        return _bad(at, "invalid_request", f"method must be POST, got {obj.get('method')!r}", cid)
+    if url not in OPENAI_URLS:
+        return _bad(at, "invalid_request", f"url must be one of {', '.join(OPENAI_URLS)}, got {url!r}", cid)
+    kind = OPENAI_URLS[url]
+    if kind != opts.task:
+        return _bad(at, "invalid_request", f"url {url} needs model.task {kind}, the job runs {opts.task}", cid)
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return _bad(at, "invalid_request", "body must be an object", cid)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", opts.max_tokens))
+    temperature = body.get("temperature", opts.temperature)
+    seed = body.get("seed", opts.seed)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return _bad(at, "invalid_request", "body.max_tokens must be a positive integer", cid)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
+        return _bad(at, "invalid_request", "body.temperature must be a number from 0 to 2", cid)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return _bad(at, "invalid_request", "body.seed must be an integer", cid)
+    common = {"max_tokens": max_tokens, "temperature": float(temperature), "seed": seed}
+    if kind == "chat":
+        msgs = body.get("messages")
+        problem = _messages_ok(msgs)
+        if problem:
+            return _bad(at, "invalid_request", f"body.messages {problem}", cid)
+        return Row(at=at, id=cid, request=Request(messages=msgs, **common), url=url)
+    field = "input" if kind == "embed" else "prompt"
+    text = body.get(field)
+    if not isinstance(text, str) or not text.strip():
+        return _bad(at, "invalid_request", f"body.{field} must be a non-empty string", cid)
+    return Row(at=at, id=cid, request=Request(text=text, **common), url=url)
+
+
+def _usage(res: Result) -> dict[str, int]:
+    usage: dict[str, int] = {}
+    if res.prompt_tokens is not None:
+        usage["prompt_tokens"] = res.prompt_tokens
+    if res.completion_tokens is not None:
+        usage["completion_tokens"] = res.completion_tokens
+    if usage:
+        usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+    return usage
+
+
+def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
+    """The published result row for a successful request."""
+    usage = _usage(res)
+    if opts.format != "openai":
+        out: dict[str, Any] = {"id": row.id}
+        if res.embedding is not None:
+            out["embedding"] = res.embedding
+        else:
+            out["output"] = res.output
+        if usage:
+            out["usage"] = usage
+        return out
+    digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
+    kind = OPENAI_URLS.get(row.url or "", opts.task)
+    body: dict[str, Any]
+    finish = "length" if (res.completion_tokens or 0) >= (row.request.max_tokens if row.request else 0) else "stop"
+    if kind == "embed":
+        body = {"object": "list", "model": opts.model_name,
+                "data": [{"object": "embedding", "index": 0, "embedding": res.embedding}], "usage": usage}
+    elif kind == "chat":
+        body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "model": opts.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.output},
+                             "finish_reason": finish}], "usage": usage}
+    else:
+        body = {"id": f"cmpl-{digest}", "object": "text_completion", "model": opts.model_name,
+                "choices": [{"index": 0, "text": res.output, "finish_reason": finish}], "usage": usage}
+    return {"id": f"batch_req_{digest}", "custom_id": row.id,
+            "response": {"status_code": 200, "request_id": f"req_{digest}", "body": body}, "error": None}
+
+
+def error_row(row: Row, object_name: str, opts: InputOptions) -> dict[str, Any]:
+    """The published error row: the id (null if unknown), what went wrong, and where the row is."""
+    out: dict[str, Any] = {"id": row.id, "error": {"code": row.error_code, "message": row.error},
+                           "object": object_name, "offset": row.at[1]}
+    if opts.format == "openai":
+        out["custom_id"] = row.id
+        out["response"] = None
+    return out

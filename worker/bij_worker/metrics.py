@@ -1,0 +1,65 @@
+"""Prometheus metrics of one worker process, and the same numbers as plain stats for records."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+@dataclass
+class Stats:
+    """Counters the worker keeps whether or not Prometheus is scraped (they go into the done record)."""
+
+    rows: int = 0
+    errors: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    batches: int = 0
+    chunks: int = 0
+    engine_busy_s: float = 0.0
+    model_load_s: float = 0.0
+    started_at: float = 0.0
+
+    def as_record(self) -> dict[str, float | int]:
+        d = asdict(self)
+        return {
+            "rows": d["rows"], "errors": d["errors"], "tokensIn": d["tokens_in"], "tokensOut": d["tokens_out"],
+            "batches": d["batches"], "chunks": d["chunks"], "engineBusySeconds": round(d["engine_busy_s"], 3),
+            "modelLoadSeconds": round(d["model_load_s"], 3),
+        }
+
+
+class Metrics:
+    """The worker's Prometheus series. A private registry, so tests can make many."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.rows = Counter("bij_rows", "Rows finished, by status (ok or error)", ["status"], registry=r)
+        self.tokens = Counter("bij_tokens", "Tokens processed, by direction (in or out)", ["direction"], registry=r)
+        self.batch_size = Histogram("bij_batch_size", "Rows per engine batch",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=r)
+        self.batch_tokens = Histogram("bij_batch_tokens", "Padded tokens per engine batch",
+                                      buckets=(64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 524288),
+                                      registry=r)
+        self.engine_busy = Counter("bij_engine_busy_seconds", "Seconds the engine spent running batches",
+                                   registry=r)
+        self.engine_idle = Counter("bij_engine_idle_seconds",
+                                   "Seconds the loaded engine waited for input or commits", registry=r)
+        self.model_load = Gauge("bij_model_load_seconds", "Seconds the model took to load", registry=r)
+        self.commit_latency = Histogram("bij_chunk_commit_seconds", "Seconds to make one chunk durable",
+                                        buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30), registry=r)
+        self.queue_depth = Gauge("bij_prefetch_queue_depth", "Chunks read ahead and waiting", registry=r)
+        self._idle_since: float | None = None
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+
+    def engine_started(self) -> None:
+        if self._idle_since is not None:
+            self.engine_idle.inc(time.perf_counter() - self._idle_since)
+            self._idle_since = None
+
+    def engine_stopped(self) -> None:
+        self._idle_since = time.perf_counter()

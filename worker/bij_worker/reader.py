@@ -1,0 +1,125 @@
+"""Stream a shard's input lines, aligned to line starts, through a bounded prefetch queue.
+
+A piece ``[start, end)`` of a plain object owns the lines whose first byte lies
+in it: reading starts one byte early and drops the partial line, and stops at
+the first line that starts at or after `end`. Compressed objects are read from
+their beginning. Resuming starts at the cursor (always a line start) instead.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+
+from .storage import Storage, iter_lines
+
+Line = tuple[tuple[int, int, int], bytes]  # ((object, offset, end), line)
+
+
+def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: int,
+               resume_at: int = -1) -> Iterator[Line]:
+    """Lines of one piece, each with its place; from `resume_at` when that is past `start`."""
+    obj_placeholder = 0
+    if compressed:
+        with storage.open_read(uri) as raw:
+            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20)
+            for off, line in iter_lines(reader, 0):  # type: ignore[arg-type]
+                if off < resume_at:
+                    continue
+                yield (obj_placeholder, off, off + len(line) + 1), line
+        return
+    begin = max(start, resume_at)
+    if begin >= end:
+        return
+    # A resume cursor is a line start; a plain piece start may not be.
+    open_at = begin if begin == resume_at or begin == 0 else begin - 1
+    with storage.open_read(uri, open_at) as f:
+        for off, line in iter_lines(f, open_at):
+            if off < begin:
+                continue
+            if off >= end:
+                break
+            yield (obj_placeholder, off, off + len(line) + 1), line
+
+
+def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, Any]], pieces: list[list[int]],
+               cursor: tuple[int, int] = (-1, -1)) -> Iterator[Line]:
+    """All lines of a shard in input order, skipping what lies before the durable cursor."""
+    for obj, start, end in pieces:
+        if obj < cursor[0]:
+            continue
+        resume_at = cursor[1] if obj == cursor[0] else -1
+        info = objects[obj]
+        uri = info["uri"]
+        for (_, off, stop), line in iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at):
+            if line.strip():
+                yield (obj, off, stop), line.rstrip(b"\r")
+
+
+@dataclass
+class Chunk:
+    lines: list[Line] = field(default_factory=list)
+    bytes: int = 0
+
+
+_DONE = object()
+
+
+class Prefetcher:
+    """Reads chunks of `chunk_rows` lines in a thread; at most `depth` chunks wait in memory.
+
+    The bound is the backpressure: however large the shard, memory holds the
+    chunk being worked plus `depth` read ahead.
+    """
+
+    def __init__(self, lines: Iterator[Line], chunk_rows: int, depth: int):
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(lines, chunk_rows), daemon=True,
+                                        name="bij-prefetch")
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, lines: Iterator[Line], chunk_rows: int) -> None:
+        try:
+            chunk = Chunk()
+            for item in lines:
+                chunk.lines.append(item)
+                chunk.bytes += item[0][2] - item[0][1]
+                if len(chunk.lines) >= chunk_rows:
+                    if not self._put(chunk):
+                        return
+                    chunk = Chunk()
+            if chunk.lines and not self._put(chunk):
+                return
+            self._put(_DONE)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put(e)
+
+    def depth(self) -> int:
+        return self._q.qsize()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        while True:
+            item = self._q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
