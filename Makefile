@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of PyTorch; a bare "torch" requirement may pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast bench lint e2e sync-crd clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[cpu,dev]"
+	touch $@
+
+demo: install
+	$(PY) examples/make_corpus.py examples/data/corpus.jsonl
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/bij run examples/local-embed.yaml
+
+test: install
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) bench/run_all.py
+
+lint: install
+	$(VENV)/bin/ruff check operator worker tests bench examples
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf demo-out examples/data/corpus.jsonl
