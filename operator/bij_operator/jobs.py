@@ -1,0 +1,361 @@
+"""The batch/v1 Job of one round: an Indexed Job whose pod `i` works shard `i` of the round plan.
+
+`render_job` is a pure function of the spec and the round; the operator creates what it returns
+and `bij render` prints it. Everything that decides how a round survives spot preemptions lives
+here: the pod failure policy, per-index retries, spot scheduling and the grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from typing import Any
+
+import yaml
+
+from . import layout
+from .spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, load_job
+
+DEFAULT_WORKER_IMAGE = "ghcr.io/bij-project/bij-worker:0.1.0"
+DEFAULT_SERVICE_ACCOUNT = "bij-worker"
+WORKER_CONTAINER = "worker"
+WORKER_METRICS_PORT = 9400
+# bij-worker's exit code for "bad configuration": a retry cannot help (see bij_worker.main).
+EXIT_BAD_CONFIG = 42
+# Kubernetes caps completions at 10^5 when backoffLimitPerIndex is set.
+MAX_COMPLETIONS = 100_000
+WORKER_UID = 1000
+
+LABEL_JOB = f"{API_GROUP}/job"
+LABEL_ROUND = f"{API_GROUP}/round"
+ANNOTATION_MANIFEST = f"{API_GROUP}/manifest"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+# Spot node labels by provider: (label, value). Karpenter and EKS managed node groups do not
+# taint spot nodes by default; GKE (when asked to, as its docs recommend) and AKS do.
+SPOT_NODE_LABELS: dict[str, tuple[str, str]] = {
+    "gke": ("cloud.google.com/gke-spot", "true"),
+    "eks": ("eks.amazonaws.com/capacityType", "SPOT"),
+    "karpenter": ("karpenter.sh/capacity-type", "spot"),
+    "aks": ("kubernetes.azure.com/scalesetpriority", "spot"),
+}
+SPOT_TOLERATIONS: dict[str, dict[str, str]] = {
+    "gke": {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+    "aks": {
+        "key": "kubernetes.azure.com/scalesetpriority",
+        "operator": "Equal",
+        "value": "spot",
+        "effect": "NoSchedule",
+    },
+}
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def job_name(job: BatchInferenceJob, round_no: int) -> str:
+    """The round Job's deterministic name, so a restarted operator finds instead of duplicates it."""
+    return f"{job.metadata.name}-r{round_no}"
+
+
+def desired_parallelism(job: BatchInferenceJob, completions: int) -> int:
+    """Pods at once: spec.workers.parallelism, but never more than there are shards."""
+    return min(job.spec.workers.parallelism, completions)
+
+
+def worker_image_default() -> str:
+    """The worker image when the spec names none: env BIJ_WORKER_IMAGE (set by the chart)."""
+    return os.environ.get("BIJ_WORKER_IMAGE") or DEFAULT_WORKER_IMAGE
+
+
+def job_labels(job: BatchInferenceJob, round_no: int) -> dict[str, str]:
+    """Labels on the round Job and its pods (selectors for the operator, PodMonitor and kubectl)."""
+    return {
+        "app.kubernetes.io/name": "bij-worker",
+        "app.kubernetes.io/instance": job.metadata.name,
+        "app.kubernetes.io/component": "worker",
+        "app.kubernetes.io/part-of": "bij",
+        "app.kubernetes.io/managed-by": "bij-operator",
+        LABEL_JOB: job.metadata.name,
+        LABEL_ROUND: str(round_no),
+    }
+
+
+def render_job(
+    job: BatchInferenceJob,
+    round_no: int,
+    completions: int,
+    manifest_uri: str,
+    *,
+    image: str = DEFAULT_WORKER_IMAGE,
+    owner_uid: str | None = None,
+) -> dict[str, Any]:
+    """The batch/v1 Job that runs round `round_no` of `job` with one index per shard.
+
+    `image` is the operator's default worker image; spec.workers.image wins over it.
+    With `owner_uid` the Job is owned by (and garbage-collected with) the BatchInferenceJob.
+    """
+    if not 1 <= completions <= MAX_COMPLETIONS:
+        raise ValueError(f"a round needs 1 to {MAX_COMPLETIONS} shards, got {completions}")
+    if round_no < 0:
+        raise ValueError(f"round must be >= 0, got {round_no}")
+    w = job.spec.workers
+    labels = job_labels(job, round_no)
+    metadata: dict[str, Any] = {
+        "name": job_name(job, round_no),
+        "namespace": job.metadata.namespace,
+        "labels": dict(labels),
+        "annotations": {ANNOTATION_MANIFEST: manifest_uri},
+    }
+    if w.queue_name:
+        metadata["labels"][KUEUE_QUEUE_LABEL] = w.queue_name
+    if owner_uid:
+        metadata["ownerReferences"] = [
+            {
+                "apiVersion": f"{API_GROUP}/{API_VERSION}",
+                "kind": KIND,
+                "name": job.metadata.name,
+                "uid": owner_uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    max_failed = completions if w.max_failed_indexes is None else min(w.max_failed_indexes, completions)
+    spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": completions,
+        "parallelism": desired_parallelism(job, completions),
+        # Kueue admits a queued Job by unsuspending it, so such a Job is created suspended.
+        "suspend": job.spec.suspend or bool(w.queue_name),
+        # Retries are counted per shard: one bad shard cannot use up the whole round's budget.
+        "backoffLimitPerIndex": w.backoff_limit_per_index,
+        # Shards are independent and their finished chunks durable, so by default every shard
+        # gets its chance; the operator decides about the round from the failed indexes (a failed
+        # shard can run again next round). A job-wide mistake is stopped by the FailJob rule below.
+        "maxFailedIndexes": max_failed,
+        "podFailurePolicy": {
+            "rules": [
+                # A preempted/evicted pod (spot reclaim, node drain) is not a failure: its index
+                # is retried without counting against backoffLimitPerIndex.
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                # Bad configuration (unknown model, missing plan) fails every shard the same way:
+                # FailJob stops the round at once. FailIndex would only stop that index and let
+                # every other shard start, pull the image and load the model, just to fail too.
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                        "containerName": WORKER_CONTAINER,
+                        "operator": "In",
+                        "values": [EXIT_BAD_CONFIG],
+                    },
+                },
+            ]
+        },
+        # A replacement pod starts only once the old one has fully terminated, so two pods never
+        # write the same shard while the preempted one is still committing its last chunk.
+        "podReplacementPolicy": "Failed",
+        "template": {
+            "metadata": {
+                "labels": dict(labels),
+                "annotations": {"kubectl.kubernetes.io/default-container": WORKER_CONTAINER},
+            },
+            "spec": _pod_spec(job, manifest_uri, w.image or image),
+        },
+    }
+    if w.ttl_seconds_after_finished is not None:
+        spec["ttlSecondsAfterFinished"] = w.ttl_seconds_after_finished
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
+
+
+def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str) -> dict[str, Any]:
+    w = job.spec.workers
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    cache = w.model_cache
+    if cache.type == "hostPath":
+        # DirectoryOrCreate makes a root-owned directory: pre-create it writable for uid 1000
+        # (or pre-fill it) when the workers should download into it.
+        source: dict[str, Any] = {"hostPath": {"path": cache.path, "type": "DirectoryOrCreate"}}
+    elif cache.type == "pvc":
+        source = {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+    else:
+        source = {"emptyDir": {"sizeLimit": cache.size_limit} if cache.size_limit else {}}
+    volumes.append({"name": "model-cache", **source})
+    mounts.append({"name": "model-cache", "mountPath": cache.mount_path})
+    if w.shm_size:
+        # NCCL and PyTorch data loaders need a /dev/shm larger than the runtime's 64 MiB default.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": w.shm_size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+
+    container: dict[str, Any] = {
+        "name": WORKER_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["bij-worker"],
+        "args": ["--manifest", manifest_uri, "--metrics-port", str(WORKER_METRICS_PORT)],
+        "env": _env(job, manifest_uri),
+        "ports": [{"name": "metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"}],
+        "volumeMounts": mounts,
+        # readOnlyRootFilesystem stays off: vLLM, torch.compile and Triton write caches under $HOME.
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": WORKER_UID,
+            "runAsGroup": WORKER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if job.spec.storage.credentials_secret:
+        # Credentials only by reference; the secret may also carry HF_TOKEN for gated models.
+        container["envFrom"] = [{"secretRef": {"name": job.spec.storage.credentials_secret}}]
+    resources = _resources(job)
+    if resources:
+        container["resources"] = resources
+
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": w.termination_grace_period_seconds,
+        "serviceAccountName": w.service_account_name or DEFAULT_SERVICE_ACCOUNT,
+        # Workers talk to storage, never to the Kubernetes API. Projected cloud identities
+        # (IRSA, workload identity) do not depend on this token.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": WORKER_UID,
+            "runAsGroup": WORKER_UID,
+            "fsGroup": WORKER_UID,
+            # A model cache PVC can hold many GB of files: chown it once, not on every mount.
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": volumes,
+    }
+    node_selector, tolerations, affinity = _scheduling(job)
+    if node_selector:
+        pod["nodeSelector"] = node_selector
+    if tolerations:
+        pod["tolerations"] = tolerations
+    if affinity:
+        pod["affinity"] = affinity
+    if w.priority_class_name:
+        pod["priorityClassName"] = w.priority_class_name
+    return pod
+
+
+def _env(job: BatchInferenceJob, manifest_uri: str) -> list[dict[str, str]]:
+    w = job.spec.workers
+    env: dict[str, str] = {
+        "HF_HOME": layout.join(w.model_cache.mount_path, "huggingface"),
+        # After SIGTERM the in-flight chunk may run for two thirds of the grace period; the
+        # rest is for its durable write and a clean exit before the kubelet's SIGKILL.
+        "BIJ_DRAIN_SECONDS": str(max(1, w.termination_grace_period_seconds * 2 // 3)),
+    }
+    s3 = job.spec.storage.s3
+    if s3.endpoint_url:
+        env["AWS_ENDPOINT_URL"] = s3.endpoint_url
+    if s3.region:
+        env["AWS_REGION"] = s3.region
+    env.update(w.env)  # the user's settings win over our defaults...
+    env["BIJ_MANIFEST"] = manifest_uri  # ...except the plan the pod must work on
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _resources(job: BatchInferenceJob) -> dict[str, dict[str, str]]:
+    w = job.spec.workers
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    # Limits equal to requests: with cpu and memory both given the pod is Guaranteed QoS, the
+    # last to be evicted when a node runs short.
+    for name, value in (("cpu", w.cpu), ("memory", w.memory)):
+        if value:
+            requests[name] = limits[name] = value
+    if w.gpus > 0:
+        limits[GPU_RESOURCE] = str(w.gpus)  # extended resources: the request defaults to the limit
+    out: dict[str, dict[str, str]] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _scheduling(job: BatchInferenceJob) -> tuple[dict[str, str], list[dict[str, Any]], dict[str, Any]]:
+    """nodeSelector, tolerations and affinity: spot and GPU placement merged with the user's."""
+    w = job.spec.workers
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = []
+    affinity: dict[str, Any] = copy.deepcopy(w.affinity) if w.affinity else {}
+    if w.spot and w.spot_provider != "all":
+        label, value = SPOT_NODE_LABELS[w.spot_provider]
+        node_selector[label] = value
+        if w.spot_provider in SPOT_TOLERATIONS:
+            tolerations.append(dict(SPOT_TOLERATIONS[w.spot_provider]))
+    elif w.spot:
+        # A nodeSelector cannot say "any of these labels": tolerate every spot taint and prefer
+        # (not require) nodes with any spot label, so a cluster without spot nodes still runs.
+        tolerations += [dict(t) for t in SPOT_TOLERATIONS.values()]
+        preferred = affinity.setdefault("nodeAffinity", {}).setdefault(
+            "preferredDuringSchedulingIgnoredDuringExecution", []
+        )
+        for label, value in SPOT_NODE_LABELS.values():
+            preferred.append(
+                {
+                    "weight": 100,
+                    "preference": {"matchExpressions": [{"key": label, "operator": "In", "values": [value]}]},
+                }
+            )
+    if w.gpus > 0:
+        tolerations.append(dict(GPU_TOLERATION))
+    node_selector.update(w.node_selector)
+    for t in w.tolerations:
+        tolerations.append(t.model_dump(by_alias=True, exclude_none=True))
+    unique: list[dict[str, Any]] = []
+    for t in tolerations:
+        if t not in unique:
+            unique.append(t)
+    return node_selector, unique, affinity
+
+
+def cli_render(args: argparse.Namespace) -> int:
+    """`bij render SPEC [--round R] [--shards N] [--image IMG]`: print the round's Job as YAML.
+
+    Without --shards the input is planned now (object sizes only) to count the shards.
+    """
+    try:
+        job = load_job(args.spec)
+    except SpecError as e:
+        print(e, file=sys.stderr)
+        return 1
+    completions = args.shards
+    if completions is None:
+        from .planner import PlanError, plan_shards_for
+
+        try:
+            completions = plan_shards_for(job, args.round)
+        except (PlanError, OSError, RuntimeError) as e:
+            # RuntimeError covers bij_worker.storage.StorageError (listing the input failed).
+            print(f"cannot plan round {args.round} of {job.metadata.name}: {e}", file=sys.stderr)
+            print("pass --shards N to render without reading the input", file=sys.stderr)
+            return 1
+        if completions == 0:
+            print(f"round {args.round} of {job.metadata.name} has no input to shard; pass --shards N",
+                  file=sys.stderr)
+            return 1
+    try:
+        rendered = render_job(
+            job,
+            args.round,
+            completions,
+            layout.round_manifest_uri(job, args.round),
+            image=args.image or worker_image_default(),
+            owner_uid=job.metadata.uid,
+        )
+    except ValueError as e:
+        print(f"cannot render: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write(yaml.safe_dump(rendered, sort_keys=False))
+    return 0

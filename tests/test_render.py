@@ -1,0 +1,369 @@
+"""The round Job (`bij_operator.jobs.render_job`, `bij render`): valid for Kubernetes, and with the
+failure, spot and security settings a preemptible batch round depends on."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from bij_operator import jobs, layout
+from bij_operator.cli import main as bij_main
+from bij_operator.jobs import render_job
+from bij_operator.spec import BatchInferenceJob, load_job, parse_job
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+KUBE_VERSIONS = ["1.31", "1.33"]
+MANIFEST = "s3://bucket/out/_bij/uid-1/round-0/shards.json"
+
+
+def make_job(**spec: Any) -> BatchInferenceJob:
+    doc: dict[str, Any] = {
+        "apiVersion": "batchinference.io/v1alpha1",
+        "kind": "BatchInferenceJob",
+        "metadata": {"name": "summaries", "namespace": "team-a", "uid": "uid-1"},
+        "spec": {"input": {"uri": "s3://bucket/in/"}, "output": {"uri": "s3://bucket/out/"}},
+    }
+    doc["spec"].update(copy.deepcopy(spec))
+    return parse_job(doc)
+
+
+def render(job: BatchInferenceJob, completions: int = 10, **kw: Any) -> dict[str, Any]:
+    return render_job(job, 0, completions, MANIFEST, **kw)
+
+
+def pod(rendered: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = rendered["spec"]["template"]["spec"]
+    return spec
+
+
+def container(rendered: dict[str, Any]) -> dict[str, Any]:
+    (worker,) = pod(rendered)["containers"]
+    assert isinstance(worker, dict)
+    return worker
+
+
+def env(rendered: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container(rendered)["env"]}
+
+
+# --- valid for the API server ---------------------------------------------------------------
+
+VARIANTS = {
+    "minimal": {},
+    "everything": {
+        "model": {"engine": "vllm", "name": "m", "task": "generate"},
+        "judge": {"type": "regex", "pattern": "ok"},
+        "suspend": True,
+        "storage": {"s3": {"endpointUrl": "http://minio:9000", "region": "eu-west-1"}, "credentialsSecret": "s3"},
+        "workers": {
+            "gpus": 2, "cpu": "8", "memory": "64Gi", "spot": True, "spotProvider": "all",
+            "nodeSelector": {"pool": "gpu"}, "priorityClassName": "batch-low", "queueName": "gpu-queue",
+            "serviceAccountName": "inference", "maxFailedIndexes": 2, "ttlSecondsAfterFinished": None,
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+                "weight": 10, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                  "labelSelector": {"matchLabels": {"batchinference.io/job": "x"}}}}]}},
+            "modelCache": {"type": "pvc", "claimName": "models"}, "env": {"VLLM_LOGGING_LEVEL": "DEBUG"},
+        },
+    },
+    "hostpath-cache-no-shm": {"workers": {"modelCache": {"type": "hostPath", "path": "/mnt/m"}, "shmSize": None}},
+    "gke-spot": {"workers": {"spot": True, "spotProvider": "gke", "gpus": 1}},
+}
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_rendered_job_is_valid_for_kubernetes(name: str, kube: str) -> None:
+    kubernetes_validate.validate(render(make_job(**VARIANTS[name]), owner_uid="uid-1"), kube, strict=True)
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_renders_a_valid_job(path: Path, kube: str) -> None:
+    job = load_job(path)
+    rendered = render_job(job, 0, 7, layout.round_manifest_uri(job, 0), owner_uid="0000-1111")
+    kubernetes_validate.validate(rendered, kube, strict=True)
+
+
+def test_longest_name_and_last_round_still_give_a_valid_job_name() -> None:
+    job = parse_job({**make_job().model_dump(by_alias=True), "metadata": {"name": "a" * 52}})
+    rendered = render_job(job, 20, 1, MANIFEST)
+    assert len(rendered["metadata"]["name"]) <= 63
+    kubernetes_validate.validate(rendered, "1.33", strict=True)
+
+
+# --- identity -------------------------------------------------------------------------------
+
+
+def test_name_namespace_labels_and_owner() -> None:
+    rendered = render_job(make_job(), 2, 5, MANIFEST, owner_uid="uid-1")
+    meta = rendered["metadata"]
+    assert meta["name"] == "summaries-r2" and meta["namespace"] == "team-a"
+    assert meta["labels"]["batchinference.io/job"] == "summaries"
+    assert meta["labels"]["batchinference.io/round"] == "2"
+    assert meta["labels"]["app.kubernetes.io/managed-by"] == "bij-operator"
+    assert rendered["spec"]["template"]["metadata"]["labels"] == {
+        k: v for k, v in meta["labels"].items() if not k.startswith("kueue.")
+    }
+    assert meta["ownerReferences"] == [{
+        "apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "name": "summaries",
+        "uid": "uid-1", "controller": True, "blockOwnerDeletion": True,
+    }]
+
+
+def test_no_owner_reference_without_an_owner_uid() -> None:
+    assert "ownerReferences" not in render(make_job())["metadata"]
+
+
+# --- failure policy -------------------------------------------------------------------------
+
+
+def test_indexed_job_with_per_index_retries_and_preemption_ignored() -> None:
+    spec = render(make_job(workers={"backoffLimitPerIndex": 5}), completions=12)["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == 12
+    assert spec["backoffLimitPerIndex"] == 5
+    assert spec["podReplacementPolicy"] == "Failed"
+    ignore, fail = spec["podFailurePolicy"]["rules"]
+    assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert fail == {"action": "FailJob",
+                    "onExitCodes": {"containerName": "worker", "operator": "In", "values": [42]}}
+    assert container(render(make_job()))["name"] == fail["onExitCodes"]["containerName"]
+
+
+@pytest.mark.parametrize("given, completions, expected", [(None, 12, 12), (3, 12, 3), (50, 12, 12), (0, 4, 0)])
+def test_max_failed_indexes_defaults_to_every_shard_and_never_exceeds_completions(
+    given: int | None, completions: int, expected: int
+) -> None:
+    job = make_job(workers={"maxFailedIndexes": given})
+    assert render(job, completions=completions)["spec"]["maxFailedIndexes"] == expected
+
+
+@pytest.mark.parametrize("parallelism, completions, expected", [(4, 10, 4), (16, 3, 3)])
+def test_parallelism_never_exceeds_the_shard_count(parallelism: int, completions: int, expected: int) -> None:
+    job = make_job(workers={"parallelism": parallelism})
+    assert render(job, completions=completions)["spec"]["parallelism"] == expected
+    assert jobs.desired_parallelism(job, completions) == expected
+
+
+@pytest.mark.parametrize("completions", [0, 100_001])
+def test_shard_counts_kubernetes_cannot_run_are_refused(completions: int) -> None:
+    with pytest.raises(ValueError, match="shards"):
+        render(make_job(), completions=completions)
+
+
+def test_suspend_ttl_and_grace_period_come_from_the_spec() -> None:
+    rendered = render(make_job(suspend=True, workers={"ttlSecondsAfterFinished": 600,
+                                                      "terminationGracePeriodSeconds": 90}))
+    assert rendered["spec"]["suspend"] is True
+    assert rendered["spec"]["ttlSecondsAfterFinished"] == 600
+    assert pod(rendered)["terminationGracePeriodSeconds"] == 90
+    assert pod(rendered)["restartPolicy"] == "Never"
+    # The worker's drain after SIGTERM fits inside the grace period.
+    assert 0 < int(env(rendered)["BIJ_DRAIN_SECONDS"]) < 90
+    assert "ttlSecondsAfterFinished" not in render(make_job(workers={"ttlSecondsAfterFinished": None}))["spec"]
+
+
+def test_kueue_queue_label_and_the_job_starts_suspended_for_kueue_to_admit() -> None:
+    rendered = render(make_job(workers={"queueName": "gpu-queue"}))
+    assert rendered["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    assert rendered["spec"]["suspend"] is True
+    assert "kueue.x-k8s.io/queue-name" not in render(make_job())["metadata"]["labels"]
+
+
+# --- the worker container -------------------------------------------------------------------
+
+
+def test_worker_command_manifest_metrics_and_image() -> None:
+    rendered = render(make_job(), image="registry.local/bij-worker:dev")
+    worker = container(rendered)
+    assert worker["image"] == "registry.local/bij-worker:dev"
+    assert worker["command"] == ["bij-worker"]
+    assert worker["args"] == ["--manifest", MANIFEST, "--metrics-port", "9400"]
+    assert worker["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+    assert env(rendered)["BIJ_MANIFEST"] == MANIFEST
+    assert container(render(make_job(workers={"image": "mine:1"}), image="default:1"))["image"] == "mine:1"
+
+
+def test_user_env_overrides_defaults_but_not_the_manifest() -> None:
+    job = make_job(workers={"env": {"HF_HOME": "/elsewhere", "BIJ_MANIFEST": "s3://x/y", "FOO": "1"}})
+    values = env(render(job))
+    assert values["HF_HOME"] == "/elsewhere" and values["FOO"] == "1"
+    assert values["BIJ_MANIFEST"] == MANIFEST
+
+
+def test_s3_settings_as_env_and_credentials_only_by_secret_reference() -> None:
+    job = make_job(storage={"s3": {"endpointUrl": "http://minio:9000", "region": "eu-west-1"},
+                            "credentialsSecret": "s3-creds"})
+    rendered = render(job)
+    values = env(rendered)
+    assert values["AWS_ENDPOINT_URL"] == "http://minio:9000" and values["AWS_REGION"] == "eu-west-1"
+    assert container(rendered)["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert not any(name.startswith("AWS_SECRET") or name == "AWS_ACCESS_KEY_ID" for name in values)
+    plain = render(make_job())
+    assert "envFrom" not in container(plain) and "AWS_ENDPOINT_URL" not in env(plain)
+
+
+def test_gpus_cpu_and_memory() -> None:
+    rendered = render(make_job(workers={"gpus": 2, "cpu": "8", "memory": "64Gi"}))
+    assert container(rendered)["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi"},
+        "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"},
+    }
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod(rendered)["tolerations"]
+    cpu_only = render(make_job())
+    assert "resources" not in container(cpu_only) and "tolerations" not in pod(cpu_only)
+
+
+def test_shm_and_model_cache_volumes() -> None:
+    rendered = render(make_job(workers={"shmSize": "16Gi", "modelCache": {"sizeLimit": "50Gi", "mountPath": "/cache"}}))
+    volumes = {v["name"]: v for v in pod(rendered)["volumes"]}
+    assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
+    assert volumes["model-cache"] == {"name": "model-cache", "emptyDir": {"sizeLimit": "50Gi"}}
+    mounts = {m["name"]: m["mountPath"] for m in container(rendered)["volumeMounts"]}
+    assert mounts == {"dshm": "/dev/shm", "model-cache": "/cache"}
+    assert env(rendered)["HF_HOME"] == "/cache/huggingface"
+
+    host = pod(render(make_job(workers={"modelCache": {"type": "hostPath", "path": "/mnt/models"}, "shmSize": None})))
+    assert host["volumes"] == [
+        {"name": "model-cache", "hostPath": {"path": "/mnt/models", "type": "DirectoryOrCreate"}}
+    ]
+    pvc = pod(render(make_job(workers={"modelCache": {"type": "pvc", "claimName": "weights"}})))
+    assert pvc["volumes"][0] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "weights"}}
+
+
+def test_pod_meets_the_restricted_pod_security_standard() -> None:
+    rendered = render(make_job(workers={"gpus": 1}))
+    pod_ctx = pod(rendered)["securityContext"]
+    ctx = container(rendered)["securityContext"]
+    assert pod_ctx["runAsNonRoot"] is True and pod_ctx["runAsUser"] == 1000
+    assert pod_ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}
+    assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == 1000
+    assert pod(rendered)["serviceAccountName"] == "bij-worker"
+    assert pod(rendered)["automountServiceAccountToken"] is False
+    assert pod(render(make_job(workers={"serviceAccountName": "mine"})))["serviceAccountName"] == "mine"
+
+
+# --- spot scheduling ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "provider, label, value, taint",
+    [
+        ("gke", "cloud.google.com/gke-spot", "true", True),
+        ("eks", "eks.amazonaws.com/capacityType", "SPOT", False),
+        ("karpenter", "karpenter.sh/capacity-type", "spot", False),
+        ("aks", "kubernetes.azure.com/scalesetpriority", "spot", True),
+    ],
+)
+def test_spot_provider_selects_its_spot_nodes(provider: str, label: str, value: str, taint: bool) -> None:
+    spec = pod(render(make_job(workers={"spot": True, "spotProvider": provider})))
+    assert spec["nodeSelector"] == {label: value}
+    expected = [{"key": label, "operator": "Equal", "value": value, "effect": "NoSchedule"}] if taint else []
+    assert spec.get("tolerations", []) == expected
+    assert "affinity" not in spec
+
+
+def test_spot_on_all_providers_tolerates_every_taint_and_prefers_any_spot_label() -> None:
+    spec = pod(render(make_job(workers={"spot": True, "spotProvider": "all"})))
+    assert "nodeSelector" not in spec
+    assert {t["key"] for t in spec["tolerations"]} == {
+        "cloud.google.com/gke-spot", "kubernetes.azure.com/scalesetpriority"
+    }
+    node_affinity = spec["affinity"]["nodeAffinity"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in node_affinity
+    preferred = node_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    terms = {(e["key"], e["values"][0]) for p in preferred for e in p["preference"]["matchExpressions"]}
+    assert terms == set(jobs.SPOT_NODE_LABELS.values())
+
+
+def test_spot_placement_merges_with_the_users_placement() -> None:
+    user_affinity = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]},
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 5, "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}}],
+    }}
+    user_toleration = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+    job = make_job(workers={"spot": True, "spotProvider": "all", "affinity": user_affinity,
+                            "nodeSelector": {"pool": "batch"}, "tolerations": [user_toleration]})
+    spec = pod(render(job))
+    assert spec["nodeSelector"] == {"pool": "batch"}
+    node_affinity = spec["affinity"]["nodeAffinity"]
+    assert node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] == \
+        user_affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert len(node_affinity["preferredDuringSchedulingIgnoredDuringExecution"]) == 1 + len(jobs.SPOT_NODE_LABELS)
+    assert spec["tolerations"].count(user_toleration) == 1  # no duplicates
+    assert job.spec.workers.affinity == user_affinity  # the spec itself is left alone
+
+    gke = pod(render(make_job(workers={"spot": True, "spotProvider": "gke",
+                                       "nodeSelector": {"cloud.google.com/gke-spot": "true", "pool": "x"}})))
+    assert gke["nodeSelector"] == {"cloud.google.com/gke-spot": "true", "pool": "x"}
+
+
+def test_no_spot_placement_when_spot_is_off() -> None:
+    spec = pod(render(make_job(workers={"spotProvider": "gke"})))
+    assert not ({"nodeSelector", "tolerations", "affinity"} & spec.keys())
+
+
+# --- bij render -----------------------------------------------------------------------------
+
+
+def test_cli_render_with_shards_prints_the_job(capsys: pytest.CaptureFixture[str]) -> None:
+    path = ROOT / "examples" / "vllm-generate-spot.yaml"
+    assert bij_main(["render", str(path), "--shards", "3", "--round", "1", "--image", "img:1"]) == 0
+    rendered = yaml.safe_load(capsys.readouterr().out)
+    job = load_job(path)
+    assert rendered["metadata"]["name"] == "vllm-generate-spot-r1"
+    assert rendered["spec"]["completions"] == 3
+    assert container(rendered)["image"] == "img:1"
+    assert container(rendered)["args"][1] == layout.round_manifest_uri(job, 1)
+    assert container(rendered)["args"][1].endswith("/_bij/vllm-generate-spot/round-1/shards.json")
+
+
+def test_cli_render_plans_the_input_when_no_shard_count_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bij_operator.planner import plan_shards_for
+
+    data = tmp_path / "in"
+    data.mkdir()
+    for i in range(3):
+        (data / f"part-{i}.jsonl").write_text("".join(f'{{"id": {n}, "text": "{"x" * 900}"}}\n' for n in range(3)))
+    spec = {
+        "apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": "planned"},
+        "spec": {"input": {"uri": f"file://{data}"}, "output": {"uri": f"file://{tmp_path}/out"},
+                 "sharding": {"targetShardBytes": 2048}},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    monkeypatch.setenv("BIJ_WORKER_IMAGE", "from-env:2")
+    assert bij_main(["render", str(path)]) == 0
+    rendered = yaml.safe_load(capsys.readouterr().out)
+    expected = plan_shards_for(load_job(path), 0)
+    assert expected > 1 and rendered["spec"]["completions"] == expected
+    assert container(rendered)["image"] == "from-env:2"
+
+
+def test_cli_render_without_input_asks_for_a_shard_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = {
+        "apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": "missing"},
+        "spec": {"input": {"uri": f"file://{tmp_path}/nothing-here"}, "output": {"uri": f"file://{tmp_path}/out"}},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert bij_main(["render", str(path)]) == 1
+    assert "--shards" in capsys.readouterr().err
+
+
+def test_cli_render_reports_an_invalid_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("apiVersion: batchinference.io/v1alpha1\nkind: BatchInferenceJob\nmetadata: {name: x}\n"
+                    "spec: {input: {uri: 'http://x'}, output: {uri: 'file:///o'}}\n")
+    assert bij_main(["render", str(path), "--shards", "2"]) == 1
+    assert "spec.input.uri" in capsys.readouterr().err
