@@ -330,25 +330,25 @@ JUDGE = {"type": "regex", "pattern": "ok", "strategy": "rounds", "maxRounds": 3}
 
 
 def test_a_round_with_rejected_rows_plans_the_next_round() -> None:
-    d = decide(make_job(task="generate", judge=JUDGE), planned(done=True, rejectedRows=5), [])
+    d = decide(make_job(task="generate", judge=JUDGE), planned(done=True, rejected=5), [])
     assert isinstance(d, PlanRound)
     assert d.round == 1
 
 
 def test_the_last_allowed_round_publishes_even_with_rejected_rows() -> None:
-    d = decide(make_job(task="generate", judge=JUDGE), planned(round_no=2, done=True, rejectedRows=5), [])
+    d = decide(make_job(task="generate", judge=JUDGE), planned(round_no=2, done=True, rejected=5), [])
     assert isinstance(d, Publish)
     assert d.rounds == 3
 
 
 def test_a_round_without_rejections_publishes() -> None:
-    d = decide(make_job(task="generate", judge=JUDGE), planned(done=True, rejectedRows=0), [])
+    d = decide(make_job(task="generate", judge=JUDGE), planned(done=True, rejected=0), [])
     assert isinstance(d, Publish)
 
 
 def test_in_place_judging_never_adds_rounds() -> None:
     judge = dict(JUDGE, strategy="inPlace")
-    d = decide(make_job(task="generate", judge=judge), planned(done=True, rejectedRows=5), [])
+    d = decide(make_job(task="generate", judge=judge), planned(done=True, rejected=5), [])
     assert isinstance(d, Publish)
 
 

@@ -381,7 +381,7 @@ def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int) -> De
     """
     rec = round_records(status).get(r) or {}
     judge = job.spec.judge
-    rejected = int(rec.get("rejectedRows") or 0)
+    rejected = int(rec.get("rejected") or 0)
     if judge is not None and judge.strategy == "rounds" and rejected > 0 and r + 1 < judge.max_rounds:
         return PlanRound(round=r + 1, phase="Running", reason="Planning",
                          message=f"round {r} rejected {rejected} rows; planning round {r + 1}")
