@@ -1,0 +1,112 @@
+{{/* The release's full name: "<release>-bij-operator", or the release name when it already says so. */}}
+{{- define "bij-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "bij-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "bij-operator.labels" -}}
+{{ include "bij-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: bij
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "bij-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "bij-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "bij-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "bij-operator.workerImage" -}}
+{{- printf "%s:%s" .Values.workerImage.repository (default .Chart.AppVersion .Values.workerImage.tag) -}}
+{{- end -}}
+
+{{/* Namespaces the operator watches when not cluster-wide, as a JSON list. */}}
+{{- define "bij-operator.watchNamespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- .Values.watch.namespaces | uniq | toJson -}}
+{{- else -}}
+{{- list .Release.Namespace | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Namespaces that get the bij-worker service account, as a JSON list: where round Jobs run. */}}
+{{- define "bij-operator.workerNamespaces" -}}
+{{- $namespaces := list -}}
+{{- if .Values.watch.allNamespaces -}}
+{{- $namespaces = list .Release.Namespace -}}
+{{- else -}}
+{{- $namespaces = include "bij-operator.watchNamespaces" . | fromJsonArray -}}
+{{- end -}}
+{{- concat $namespaces .Values.workerServiceAccount.namespaces | uniq | toJson -}}
+{{- end -}}
+
+{{/*
+The operator's permissions: the one list. Rules for objects that live in the namespaces of the
+BatchInferenceJobs go in a Role per watched namespace, or in the ClusterRole when cluster-wide;
+cluster-scoped objects always go in the ClusterRole.
+*/}}
+{{- define "bij-operator.rules.namespaced" -}}
+# The jobs themselves: kopf watches them and patches finalizers and its progress annotations.
+- apiGroups: [batchinference.io]
+  resources: [batchinferencejobs]
+  verbs: [get, list, watch, patch]
+- apiGroups: [batchinference.io]
+  resources: [batchinferencejobs/status]
+  verbs: [get, patch, update]
+# Round Jobs are created with an ownerReference with blockOwnerDeletion, which clusters running
+# the OwnerReferencesPermissionEnforcement admission plugin allow only with this permission.
+- apiGroups: [batchinference.io]
+  resources: [batchinferencejobs/finalizers]
+  verbs: [update]
+# One Indexed Job per round: created, watched, patched (suspend, parallelism), deleted.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch, delete]
+# Events on the BatchInferenceJobs (kopf posts core events; events.k8s.io for the newer API).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- if and .Values.peering.enabled (not .Values.watch.allNamespaces) }}
+# kopf peering in namespaced mode: one KopfPeering per watched namespace.
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end -}}
+
+{{- define "bij-operator.rules.cluster" -}}
+# kopf finds the resources it serves by scanning CRDs.
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [get, list, watch]
+{{- if .Values.watch.allNamespaces }}
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- if .Values.peering.enabled }}
+# kopf peering in cluster-wide mode: one ClusterKopfPeering.
+- apiGroups: [kopf.dev]
+  resources: [clusterkopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end }}
+{{- end -}}

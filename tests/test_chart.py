@@ -1,0 +1,332 @@
+"""The Helm chart, rendered and linted by Helm itself (helm_python binds Helm's Go library)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from bij_operator import jobs
+from bij_operator.spec import parse_job
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "bij-operator"
+KUBE_VERSIONS = ["1.31", "1.33"]
+NAMESPACE = "bij-system"
+# Kinds Kubernetes itself does not know: validated against their own CRD schema, or by shape.
+CRD_KINDS = {"monitoring.coreos.com/v1": {"ServiceMonitor", "PodMonitor"}, "kopf.dev/v1": {"KopfPeering",
+                                                                                         "ClusterKopfPeering"}}
+
+NON_DEFAULT = {
+    "watch": {"allNamespaces": False, "namespaces": ["team-a", "team-b"]},
+    "peering": {"enabled": True, "name": "bij"},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "podMonitor": {"enabled": True},
+    "workerServiceAccount": {
+        "namespaces": ["team-c", "team-a"], "annotations": {"iam.gke.io/gcp-service-account": "w"}
+    },
+    "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/bij"}},
+    "image": {"repository": "registry.local/bij-operator", "tag": "dev", "pullPolicy": "Always"},
+    "workerImage": {"repository": "registry.local/bij-worker", "tag": "dev"},
+    "imagePullSecrets": [{"name": "registry"}],
+    "logLevel": "DEBUG",
+    "extraEnv": [{"name": "AWS_REGION", "value": "eu-west-1"}],
+    "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
+    "nodeSelector": {"pool": "system"},
+    "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
+    "priorityClassName": "system-cluster-critical",
+}
+CLUSTER_WIDE_PEERING = {"peering": {"enabled": True}, "podMonitor": {"enabled": True}}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[helm.Chart]:
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    manifests = chart.render(values or {}, name="bij", namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects += [d for d in yaml.safe_load_all(text) if d]
+    return objects
+
+
+def of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = of_kind(objects, kind)
+    return found
+
+
+def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert isinstance(container, dict)
+    return container
+
+
+def grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def chart_crds(chart: helm.Chart) -> list[dict[str, Any]]:
+    return [d for c in chart.crds for d in yaml.safe_load_all(c["data"]) if d]
+
+
+# --- Helm's own checks --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT, CLUSTER_WIDE_PEERING], ids=["default", "namespaced", "peering"])
+def test_chart_lints_without_warnings(values: dict[str, Any]) -> None:
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version="v1.31.0")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_values_schema_rejects_misspelled_keys(chart: helm.Chart) -> None:
+    jsonschema.Draft7Validator.check_schema(chart.schema)
+    with pytest.raises(helm.HelmError, match="allNamespace"):
+        chart.render({"watch": {"allNamespace": False}}, name="bij", namespace=NAMESPACE)
+    with pytest.raises(helm.HelmError, match="logLevel"):
+        chart.render({"logLevel": "verbose"}, name="bij", namespace=NAMESPACE)
+
+
+def test_every_documented_value_is_in_the_schema(chart: helm.Chart) -> None:
+    chart.validate_schema(chart.values)
+    assert set(chart.values) <= set(chart.schema["properties"])
+
+
+# --- objects valid for Kubernetes ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT, CLUSTER_WIDE_PEERING], ids=["default", "namespaced", "peering"])
+def test_rendered_objects_are_valid_for_kubernetes(chart: helm.Chart, values: dict[str, Any], kube: str) -> None:
+    objects = render(chart, values)
+    crd_schemas = {
+        (c["spec"]["group"], c["spec"]["names"]["kind"]): v["schema"]["openAPIV3Schema"]
+        for c in chart_crds(chart) for v in c["spec"]["versions"]
+    }
+    for obj in objects:
+        if obj["kind"] in CRD_KINDS.get(obj["apiVersion"], set()):
+            group = obj["apiVersion"].split("/")[0]
+            if (group, obj["kind"]) in crd_schemas:
+                jsonschema.validate(obj, crd_schemas[(group, obj["kind"])])
+            continue
+        kubernetes_validate.validate(obj, kube, strict=True)
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+def test_chart_crds_are_valid_for_kubernetes(chart: helm.Chart, kube: str) -> None:
+    crds = chart_crds(chart)
+    assert {c["metadata"]["name"] for c in crds} == {
+        "batchinferencejobs.batchinference.io", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"
+    }
+    for crd in crds:
+        kubernetes_validate.validate(crd, kube, strict=True)
+
+
+def test_chart_crd_is_the_generated_copy_of_the_source() -> None:
+    spec = importlib.util.spec_from_file_location("sync_crd", ROOT / "tools" / "sync_crd.py")
+    assert spec and spec.loader
+    sync = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sync)
+    copy = CHART / "crds" / "batchinferencejobs.yaml"
+    assert copy not in sync.drifted(ROOT), "the chart's CRD drifted from crds/: run python tools/sync_crd.py"
+    source = yaml.safe_load((ROOT / "crds" / "batchinferencejobs.yaml").read_text())
+    assert yaml.safe_load(copy.read_text()) == source
+
+
+# --- the operator Deployment --------------------------------------------------------------
+
+
+def test_operator_deployment_defaults(chart: helm.Chart) -> None:
+    objects = render(chart)
+    deployment = one(objects, "Deployment")
+    assert deployment["metadata"]["namespace"] == NAMESPACE
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    container = operator_container(objects)
+    assert container["command"] == ["bij", "operator"]
+    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--all-namespaces", "--standalone"]
+    probe = container["livenessProbe"]["httpGet"]
+    port = {p["name"]: p["containerPort"] for p in container["ports"]}[probe["port"]]
+    assert (probe["path"], port) == ("/healthz", 8080)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # The chart's default worker image is the one `bij render` and the operator fall back to.
+    assert env["BIJ_WORKER_IMAGE"] == jobs.DEFAULT_WORKER_IMAGE
+    assert container["image"] == "ghcr.io/bij-project/bij-operator:" + chart.metadata["appVersion"]
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+
+
+def test_operator_pod_meets_the_restricted_pod_security_standard(chart: helm.Chart) -> None:
+    objects = render(chart)
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    ctx = operator_container(objects)["securityContext"]
+    assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}
+    assert ctx["readOnlyRootFilesystem"] is True
+
+
+def test_operator_deployment_with_non_default_values(chart: helm.Chart) -> None:
+    objects = render(chart, NON_DEFAULT)
+    container = operator_container(objects)
+    assert container["args"] == [
+        "--liveness=http://0.0.0.0:8080/healthz", "--namespace=team-a", "--namespace=team-b", "--peering=bij"
+    ]
+    assert container["image"] == "registry.local/bij-operator:dev" and container["imagePullPolicy"] == "Always"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["BIJ_WORKER_IMAGE"] == "registry.local/bij-worker:dev"
+    assert env["BIJ_LOG_LEVEL"] == "DEBUG" and env["AWS_REGION"] == "eu-west-1"
+    assert env["BIJ_METRICS_PORT"] == "9401"
+    assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "system"} and pod["tolerations"] == NON_DEFAULT["tolerations"]
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+
+
+# --- service accounts ---------------------------------------------------------------------
+
+
+def test_worker_service_account_exists_where_round_jobs_run(chart: helm.Chart) -> None:
+    default_job = parse_job({"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
+                             "metadata": {"name": "j"}, "spec": {"input": {"uri": "file:///i"},
+                                                                  "output": {"uri": "file:///o"}}})
+    rendered = jobs.render_job(default_job, 0, 1, "file:///o/m.json")
+    worker_sa = rendered["spec"]["template"]["spec"]["serviceAccountName"]
+
+    accounts = of_kind(render(chart), "ServiceAccount")
+    assert {(a["metadata"]["namespace"], a["metadata"]["name"]) for a in accounts} == {
+        (NAMESPACE, "bij-bij-operator"), (NAMESPACE, worker_sa)
+    }
+    accounts = of_kind(render(chart, NON_DEFAULT), "ServiceAccount")
+    workers = {a["metadata"]["namespace"] for a in accounts if a["metadata"]["name"] == worker_sa}
+    assert workers == {"team-a", "team-b", "team-c"}
+    for account in accounts:
+        if account["metadata"]["name"] == worker_sa:
+            assert account["automountServiceAccountToken"] is False
+            assert account["metadata"]["annotations"] == {"iam.gke.io/gcp-service-account": "w"}
+            assert account["imagePullSecrets"] == [{"name": "registry"}]
+        else:
+            assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/bij"}
+
+
+# --- RBAC: exactly what the operator needs ------------------------------------------------
+
+NAMESPACED_GRANTS = grants([
+    {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"],
+     "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/status"],
+     "verbs": ["get", "patch", "update"]},
+    {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/finalizers"], "verbs": ["update"]},
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+])
+CRD_GRANTS = grants([{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+                      "verbs": ["get", "list", "watch"]}])
+NAMESPACE_GRANTS = grants([{"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}])
+PEERING_VERBS = ["get", "list", "watch", "patch"]
+
+
+def bound_to_operator(binding: dict[str, Any], objects: list[dict[str, Any]]) -> bool:
+    account = next(a for a in of_kind(objects, "ServiceAccount") if a["metadata"]["name"] != "bij-worker")
+    return binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": account["metadata"]["namespace"]}]
+
+
+def test_cluster_wide_rbac_is_one_cluster_role_with_exactly_the_needed_grants(chart: helm.Chart) -> None:
+    objects = render(chart)
+    role = one(objects, "ClusterRole")
+    assert grants(role["rules"]) == NAMESPACED_GRANTS | CRD_GRANTS | NAMESPACE_GRANTS
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"] and bound_to_operator(binding, objects)
+    assert of_kind(objects, "Role") == [] and of_kind(objects, "RoleBinding") == []
+
+
+def test_namespaced_rbac_grants_namespaced_objects_only_in_watched_namespaces(chart: helm.Chart) -> None:
+    objects = render(chart, NON_DEFAULT)
+    peering = {("kopf.dev", "kopfpeerings", v) for v in PEERING_VERBS}
+    assert grants(one(objects, "ClusterRole")["rules"]) == CRD_GRANTS
+    roles = of_kind(objects, "Role")
+    assert {r["metadata"]["namespace"] for r in roles} == {"team-a", "team-b"}
+    for role in roles:
+        assert grants(role["rules"]) == NAMESPACED_GRANTS | peering
+    bindings = of_kind(objects, "RoleBinding")
+    assert {b["metadata"]["namespace"] for b in bindings} == {"team-a", "team-b"}
+    assert all(b["roleRef"]["kind"] == "Role" and bound_to_operator(b, objects) for b in bindings)
+
+
+def test_peering_adds_its_grants_and_its_peering_object(chart: helm.Chart) -> None:
+    objects = render(chart, CLUSTER_WIDE_PEERING)
+    peering = {("kopf.dev", "clusterkopfpeerings", v) for v in PEERING_VERBS}
+    assert grants(one(objects, "ClusterRole")["rules"]) == NAMESPACED_GRANTS | CRD_GRANTS | NAMESPACE_GRANTS | peering
+    assert one(objects, "ClusterKopfPeering")["metadata"]["name"] == "bij-operator"
+    assert "--peering=bij-operator" in operator_container(objects)["args"]
+    namespaced = render(chart, NON_DEFAULT)
+    assert {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in of_kind(namespaced, "KopfPeering")} == {
+        ("team-a", "bij"), ("team-b", "bij")
+    }
+    assert not ({"KopfPeering", "ClusterKopfPeering"} & {o["kind"] for o in render(chart)})
+
+
+def test_no_rbac_when_disabled(chart: helm.Chart) -> None:
+    kinds = {o["kind"] for o in render(chart, {"rbac": {"create": False}})}
+    assert not (kinds & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+
+
+# --- monitoring ---------------------------------------------------------------------------
+
+
+def test_monitors_are_off_by_default(chart: helm.Chart) -> None:
+    kinds = {o["kind"] for o in render(chart)}
+    assert not (kinds & {"ServiceMonitor", "PodMonitor", "Service"})
+
+
+def test_pod_monitor_scrapes_the_pods_of_round_jobs(chart: helm.Chart) -> None:
+    monitor = one(render(chart, NON_DEFAULT), "PodMonitor")
+    job = parse_job({"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
+                     "metadata": {"name": "j", "namespace": "team-a"},
+                     "spec": {"input": {"uri": "file:///i"}, "output": {"uri": "file:///o"}}})
+    template = jobs.render_job(job, 0, 1, "file:///o/m.json")["spec"]["template"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= template["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+    assert ports[endpoint["port"]] == jobs.WORKER_METRICS_PORT
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    cluster_wide = one(render(chart, CLUSTER_WIDE_PEERING), "PodMonitor")
+    assert cluster_wide["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_service_monitor_scrapes_the_operator_metrics_port(chart: helm.Chart) -> None:
+    objects = render(chart, NON_DEFAULT)
+    monitor, service = one(objects, "ServiceMonitor"), one(objects, "Service")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (port,) = service["spec"]["ports"]
+    assert endpoint["port"] == port["name"] == "metrics"
+    pod_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    container_ports = {p["name"]: p["containerPort"] for p in operator_container(objects)["ports"]}
+    assert container_ports[port["targetPort"]] == port["port"] == 9401
+
+
+def test_notes_name_the_worker_namespaces(chart: helm.Chart) -> None:
+    notes = chart.render(NON_DEFAULT, name="bij", namespace=NAMESPACE)["bij-operator/templates/NOTES.txt"]
+    assert "BatchInferenceJobs in: team-a, team-b." in notes
+    assert "created in:\n  team-a, team-b, team-c\n" in notes
+    assert '["' not in notes  # no raw JSON lists from the helpers
