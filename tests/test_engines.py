@@ -1,0 +1,565 @@
+"""The engines behind the one Engine interface: echo, sentence-transformers, transformers, vLLM.
+
+Models are local: the packaged all-MiniLM-L6-v2, and tiny Llama models built here.
+The "successor" model is wired by hand so that greedy decoding is known in advance:
+each token's only successor is the next word of a fixed chain (a b c d e f g h </s>),
+so outputs, token counts and row order can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Nothing here may reach a model hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+from bij_worker.engines import create_engine  # noqa: E402
+from bij_worker.engines.base import EngineConfig, Request, Result  # noqa: E402
+from bij_worker.engines.echo import ECHO_DIM, EchoEngine  # noqa: E402
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+TEMPLATE_WORDS = ["user", "assistant", "system", ":"]
+CHAIN = ["a", "b", "c", "d", "e", "f", "g", "h"]
+OTHER = ["x", "y", "z"]
+VOCAB = SPECIALS + TEMPLATE_WORDS + CHAIN + OTHER
+IDS = {w: i for i, w in enumerate(VOCAB)}
+PAD, BOS, EOS = IDS["<pad>"], IDS["<s>"], IDS["</s>"]
+MAX_POSITIONS = 64
+
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}"
+    "{{ raise_exception('the first message must not be from the assistant') }}{% endif %}"
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def successor(word: str) -> str:
+    """The successor model's only continuation of `word`."""
+    if word in CHAIN[:-1]:
+        return CHAIN[CHAIN.index(word) + 1]
+    if word == ":":  # the end of the chat prompt: answers start at f
+        return "f"
+    return "</s>"
+
+
+def chain_after(word: str) -> list[str]:
+    """Words the successor model generates after `word`, EOS not included."""
+    out = []
+    while (word := successor(word)) != "</s>":
+        out.append(word)
+    return out
+
+
+def build_model(path: Path, *, wired: bool = True, pad_token: bool = True, chat_template: bool = True) -> Path:
+    """Save a tiny Llama and its word-level tokenizer to `path`.
+
+    wired=True: attention and MLP outputs are zero, embeddings are one-hot, and the LM
+    head maps each token to its successor, so the next token depends on the last token only.
+    wired=False: random weights (for determinism and sampling checks).
+    Head size 64 keeps the model within vLLM's attention kernels' supported sizes.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(vocab=IDS, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    tk.decoder = decoders.WordPiece()
+    specials: dict[str, str] = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if pad_token:
+        specials["pad_token"] = "<pad>"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, **specials)
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB), hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD if pad_token else None,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    if wired:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            model.model.embed_tokens.weight.zero_()
+            model.lm_head.weight.zero_()
+            for word, i in IDS.items():
+                model.model.embed_tokens.weight[i, i] = 1.0
+                model.lm_head.weight[IDS[successor(word)], i] = 10.0
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def wired_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("wired"))
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("random"), wired=False)
+
+
+def loaded(engine: Any) -> Any:
+    engine.load()
+    return engine
+
+
+# --- echo -----------------------------------------------------------------------------------
+
+
+def test_echo_returns_each_rows_text_in_order() -> None:
+    engine = loaded(EchoEngine(EngineConfig(task="generate")))
+    texts = ["one", "two two", "three three three"]
+    results = engine.run([Request(text=t) for t in texts])
+    assert [r.output for r in results] == texts
+    assert [r.prompt_tokens for r in results] == engine.count_tokens([Request(text=t) for t in texts])
+
+
+def test_echo_embedding_is_a_stable_vector_of_the_text() -> None:
+    engine = loaded(create_engine("echo", EngineConfig(task="embed")))
+    a1, b, a2 = engine.run([Request(text="alpha"), Request(text="beta"), Request(text="alpha")])
+    assert a1.embedding is not None and len(a1.embedding) == ECHO_DIM
+    assert a1.embedding == a2.embedding != b.embedding
+
+
+# --- sentence-transformers --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Any:
+    return loaded(create_engine("sentence-transformers", EngineConfig(task="embed", device="cpu")))
+
+
+def cosine(u: list[float], v: list[float]) -> float:
+    dot = sum(a * b for a, b in zip(u, v, strict=True))
+    return dot / math.sqrt(sum(a * a for a in u) * sum(b * b for b in v))
+
+
+def test_minilm_embeddings_are_384_dimensional_unit_vectors(minilm: Any) -> None:
+    (res,) = minilm.run([Request(text="The cat sits on the mat.")])
+    assert res.error is None and res.embedding is not None
+    assert len(res.embedding) == 384
+    assert all(type(x) is float for x in res.embedding)
+    assert math.isclose(math.sqrt(sum(x * x for x in res.embedding)), 1.0, rel_tol=1e-4)
+
+
+def test_minilm_paraphrases_are_closer_than_unrelated_text(minilm: Any) -> None:
+    a, b, c = minilm.run([
+        Request(text="How do I reset my password?"),
+        Request(text="I forgot my password, how can I change it?"),
+        Request(text="The stock market fell sharply on Tuesday."),
+    ])
+    assert cosine(a.embedding, b.embedding) > cosine(a.embedding, c.embedding) + 0.3
+
+
+def test_minilm_batch_keeps_row_order(minilm: Any) -> None:
+    texts = ["short", "a considerably longer sentence about trains and weather", "mid length text here"]
+    batch = minilm.run([Request(text=t) for t in texts])
+    for text, res in zip(texts, batch, strict=True):
+        (alone,) = minilm.run([Request(text=text)])
+        assert cosine(res.embedding, alone.embedding) > 0.9999
+
+
+def test_minilm_counts_tokens_with_the_models_tokenizer(minilm: Any) -> None:
+    texts = ["hello world", "Tokenization of unbelievably long words", ""]
+    expected = [len(ids) for ids in minilm.tokenizer(texts)["input_ids"]]  # special tokens included
+    assert expected[0] == 4  # [CLS] hello world [SEP]
+    assert minilm.count_tokens([Request(text=t) for t in texts]) == expected
+    assert [r.prompt_tokens for r in minilm.run([Request(text=t) for t in texts])] == expected
+
+
+def test_minilm_row_over_max_seq_length_is_a_row_error(minilm: Any) -> None:
+    assert minilm.max_input_tokens() == 256
+    long, short = minilm.run([Request(text="word " * 300), Request(text="fine")])
+    assert long.error is not None and "256" in long.error and long.embedding is None
+    assert short.error is None and short.embedding is not None
+
+
+def test_minilm_config_can_lower_the_input_limit() -> None:
+    engine = loaded(create_engine("sentence-transformers", EngineConfig(task="embed", max_input_tokens=8)))
+    assert engine.max_input_tokens() == 8
+    over, ok = engine.run([Request(text="one two three four five six seven"), Request(text="one")])
+    assert over.error is not None and ok.embedding is not None
+
+
+def test_sentence_transformers_refuses_generate() -> None:
+    with pytest.raises(ValueError, match="embed"):
+        create_engine("sentence-transformers", EngineConfig(task="generate"))
+
+
+# --- transformers ---------------------------------------------------------------------------
+
+
+def tf_engine(path: Path, task: str = "generate", **kw: Any) -> Any:
+    return loaded(create_engine("transformers", EngineConfig(task=task, name=str(path), device="cpu", **kw)))
+
+
+def test_generate_continues_every_prompt_of_a_mixed_length_batch_in_order(wired_model: Path) -> None:
+    engine = tf_engine(wired_model)
+    prompts = ["a", "x y z c", "g", "h", "b c d e f"]
+    results = engine.run([Request(text=p) for p in prompts])
+    for prompt, res in zip(prompts, results, strict=True):
+        words = chain_after(prompt.split()[-1])
+        assert res.error is None
+        assert res.output == " ".join(words), prompt
+        assert res.prompt_tokens == len(prompt.split()) + 1  # + BOS
+        assert res.completion_tokens == len(words) + 1  # + EOS
+        assert res.extra["finish_reason"] == "stop"
+
+
+def test_max_tokens_cuts_each_row_on_its_own(wired_model: Path) -> None:
+    engine = tf_engine(wired_model)
+    cut, full = engine.run([Request(text="a", max_tokens=2), Request(text="a", max_tokens=50)])
+    assert (cut.output, cut.completion_tokens, cut.extra["finish_reason"]) == ("b c", 2, "length")
+    assert (full.output, full.completion_tokens) == ("b c d e f g h", 8)
+
+
+def test_transformers_counts_prompt_tokens_as_the_tokenizer_does(wired_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    engine = tf_engine(wired_model)
+    texts = ["a b c", "x", "z y x w"]  # w is unknown: one <unk>
+    expected = [len(ids) for ids in AutoTokenizer.from_pretrained(wired_model)(texts)["input_ids"]]
+    assert expected == [4, 2, 5]
+    assert engine.count_tokens([Request(text=t) for t in texts]) == expected
+
+
+def test_chat_renders_the_template_once_with_a_single_bos(wired_model: Path) -> None:
+    engine = tf_engine(wired_model, task="chat")
+    req = Request(messages=[{"role": "user", "content": "a b"}])
+    # <s> user : a b assistant :
+    assert engine.count_tokens([req]) == [7]
+    (res,) = engine.run([req])
+    assert (res.output, res.prompt_tokens, res.completion_tokens) == ("f g h", 7, 4)
+
+
+def test_chat_wraps_plain_text_as_one_user_message(wired_model: Path) -> None:
+    engine = tf_engine(wired_model, task="chat")
+    as_text, as_parts = engine.run([
+        Request(text="a b"),
+        Request(messages=[{"role": "user", "content": [{"type": "text", "text": "a b"}]}]),
+    ])
+    assert as_text.output == as_parts.output == "f g h"
+    assert as_text.prompt_tokens == as_parts.prompt_tokens == 7
+
+
+def test_chat_template_error_stays_with_its_row(wired_model: Path) -> None:
+    engine = tf_engine(wired_model, task="chat")
+    bad, good = engine.run([
+        Request(messages=[{"role": "assistant", "content": "a"}]),
+        Request(messages=[{"role": "user", "content": "c"}]),
+    ])
+    assert bad.error is not None and "assistant" in bad.error and bad.output is None
+    assert good.output == "f g h"
+
+
+def test_chat_without_a_template_fails_at_load(tmp_path: Path) -> None:
+    path = build_model(tmp_path, chat_template=False)
+    engine = create_engine("transformers", EngineConfig(task="chat", name=str(path), device="cpu"))
+    with pytest.raises(ValueError, match="chat template"):
+        engine.load()
+
+
+def test_prompt_over_the_position_limit_is_a_row_error(wired_model: Path) -> None:
+    engine = tf_engine(wired_model)
+    assert engine.max_input_tokens() == MAX_POSITIONS
+    long, ok = engine.run([Request(text="x " * MAX_POSITIONS), Request(text="g")])
+    assert long.error is not None and long.prompt_tokens == MAX_POSITIONS + 1
+    assert ok.output == "h"
+
+
+def test_generation_stops_at_the_position_limit(wired_model: Path) -> None:
+    engine = tf_engine(wired_model)
+    (res,) = engine.run([Request(text=" ".join(["x"] * 60 + ["a"]), max_tokens=50)])
+    # 62 prompt tokens leave room for 2 in a 64-position model.
+    assert (res.output, res.completion_tokens, res.extra["finish_reason"]) == ("b c", 2, "length")
+
+
+def test_learned_position_model_is_not_run_past_its_table(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = build_model(tmp_path)
+    config = GPT2Config(vocab_size=len(VOCAB), n_positions=MAX_POSITIONS, n_embd=32, n_layer=1, n_head=2,
+                        bos_token_id=BOS, eos_token_id=EOS)
+    GPT2LMHeadModel(config).save_pretrained(path)  # replaces the Llama weights and config
+    engine = tf_engine(path)
+    (res,) = engine.run([Request(text=" ".join(["x"] * 60), max_tokens=50)])
+    # GPT-2 has no position past 63: an unclamped generate would index out of its table.
+    assert res.error is None and res.completion_tokens is not None and res.completion_tokens <= 3
+
+
+def test_config_max_input_tokens_lowers_the_limit(wired_model: Path) -> None:
+    engine = tf_engine(wired_model, max_input_tokens=3)
+    assert engine.max_input_tokens() == 3
+    over, ok = engine.run([Request(text="a b c"), Request(text="a b")])
+    assert over.error is not None and ok.output == "c d e f g h"
+
+
+def test_missing_pad_token_falls_back_to_eos(tmp_path: Path) -> None:
+    engine = tf_engine(build_model(tmp_path, pad_token=False))
+    assert engine.tokenizer.pad_token == "</s>"
+    short, long = engine.run([Request(text="g"), Request(text="x y z a")])
+    assert (short.output, short.completion_tokens) == ("h", 2)
+    assert (long.output, long.completion_tokens) == ("b c d e f g h", 8)
+
+
+def test_greedy_decoding_is_deterministic(random_model: Path) -> None:
+    engine = tf_engine(random_model)
+    reqs = [Request(text="a b c", max_tokens=12), Request(text="x", max_tokens=12)]
+    first, second = engine.run(reqs), engine.run(reqs)
+    assert [r.output for r in first] == [r.output for r in second]
+    assert all(r.completion_tokens is not None and 1 <= r.completion_tokens <= 12 for r in first)
+
+
+def test_sampling_repeats_with_the_same_seed_and_varies_with_another(random_model: Path) -> None:
+    engine = tf_engine(random_model)
+
+    def sample(seed: int) -> list[str | None]:
+        reqs = [Request(text=t, max_tokens=16, temperature=1.0, seed=seed) for t in ("a", "b c", "x y z")]
+        return [r.output for r in engine.run(reqs)]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_transformers_refuses_embed_and_needs_a_model_name() -> None:
+    with pytest.raises(ValueError, match="embed"):
+        create_engine("transformers", EngineConfig(task="embed", name="x"))
+    with pytest.raises(ValueError, match="model.name"):
+        create_engine("transformers", EngineConfig(task="generate"))
+
+
+# --- vLLM, without vLLM: the adapter against a stand-in `vllm` module -------------------------
+
+
+def test_llm_kwargs_pass_every_spec_knob_through() -> None:
+    from bij_worker.engines.vllm import llm_kwargs
+
+    config = EngineConfig(
+        task="generate", name="/models/m", seed=3,
+        vllm={"gpuMemoryUtilization": 0.8, "maxNumSeqs": 64, "enablePrefixCaching": False, "quantization": "fp8",
+              "maxModelLen": 4096, "tensorParallelSize": 2, "dtype": "bfloat16"},
+    )
+    assert llm_kwargs(config) == {
+        "model": "/models/m", "seed": 3, "gpu_memory_utilization": 0.8, "max_num_seqs": 64,
+        "enable_prefix_caching": False, "quantization": "fp8", "max_model_len": 4096,
+        "tensor_parallel_size": 2, "dtype": "bfloat16",
+    }
+
+
+def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
+    from bij_worker.engines.vllm import llm_kwargs
+
+    config = EngineConfig(task="embed", name="m")
+    assert llm_kwargs(config, has_runner=True)["runner"] == "pooling"
+    assert llm_kwargs(config, has_runner=False, version=(0, 8))["task"] == "embed"
+    assert llm_kwargs(config, has_runner=False, version=(0, 6))["task"] == "embedding"
+    assert "runner" not in llm_kwargs(EngineConfig(task="generate", name="m"))
+
+
+class _Completion:
+    def __init__(self, text: str, token_ids: list[int], finish_reason: str = "stop"):
+        self.text, self.token_ids, self.finish_reason = text, token_ids, finish_reason
+
+
+class _Output:
+    def __init__(self, prompt_ids: list[int], outputs: Any):
+        self.prompt_token_ids, self.outputs = prompt_ids, outputs
+
+
+class _FakeLLM:
+    """Behaves like vllm.LLM where the adapter relies on it: whole-call rejection, order, usage."""
+
+    instances: list[_FakeLLM] = []
+
+    def __init__(self, model: str, *, runner: str = "auto", **kwargs: Any):
+        from transformers import AutoTokenizer
+
+        self.kwargs = {"model": model, "runner": runner, **kwargs}
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        max_len = kwargs.get("max_model_len") or MAX_POSITIONS
+        self.llm_engine = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(max_model_len=max_len),
+            has_unfinished_requests=lambda: False,
+        )
+        self.calls: list[int] = []
+        _FakeLLM.instances.append(self)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(self, prompts: list[dict[str, Any]], sampling_params: Any, use_tqdm: bool) -> list[_Output]:
+        self.calls.append(len(prompts))
+        outs = []
+        for p, sp in zip(prompts, sampling_params, strict=True):
+            ids = p["prompt_token_ids"]
+            if IDS["z"] in ids:  # stands in for any input vLLM rejects
+                raise ValueError("z is not allowed")
+            words = chain_after(VOCAB[ids[-1]])[: sp.max_tokens]
+            gen = [IDS[w] for w in words] + ([EOS] if len(words) < sp.max_tokens else [])
+            outs.append(_Output(ids, [_Completion(" ".join(words), gen, "stop" if gen[-1:] == [EOS] else "length")]))
+        return outs
+
+    def embed(self, prompts: list[dict[str, Any]], use_tqdm: bool) -> list[_Output]:
+        self.calls.append(len(prompts))
+        return [_Output(p["prompt_token_ids"], types.SimpleNamespace(embedding=[float(p["prompt_token_ids"][-1])]))
+                for p in prompts]
+
+
+class _FakeSamplingParams:
+    def __init__(self, max_tokens: int, temperature: float, seed: int | None):
+        self.max_tokens, self.temperature, self.seed = max_tokens, temperature, seed
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from bij_worker.engines import vllm as engine_module
+
+    module = types.ModuleType("vllm")
+    module.LLM = _FakeLLM  # type: ignore[attr-defined]
+    module.SamplingParams = _FakeSamplingParams  # type: ignore[attr-defined]
+    module.__version__ = "0.11.0"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    _FakeLLM.instances.clear()
+    engine_module.shutdown_llm()
+    yield module
+    engine_module.shutdown_llm()
+
+
+def test_vllm_engine_module_imports_without_vllm() -> None:
+    from bij_worker.engines.vllm import VllmEngine
+
+    engine = VllmEngine(EngineConfig(task="generate", name="m"))
+    assert engine.schedules_itself is True
+    if "vllm" not in sys.modules:
+        with pytest.raises(RuntimeError, match="vllm"):
+            engine.load()
+
+
+def test_vllm_rejected_rows_become_row_errors_and_the_rest_keep_order(fake_vllm: Any, wired_model: Path) -> None:
+    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model),
+                                                       vllm={"maxModelLen": 16})))
+    assert engine.max_input_tokens() == 15  # one position left for the first generated token
+    prompts = ["a", "x z", "g", "x " * 20, "b c", "z"]
+    results = engine.run([Request(text=p, max_tokens=4) for p in prompts])
+    assert [r.output for r in results] == ["b c d e", None, "h", None, "d e f g", None]
+    assert results[1].error is not None and "z is not allowed" in results[1].error
+    assert results[3].error is not None and "longer than" in results[3].error
+    assert (results[0].completion_tokens, results[0].extra["finish_reason"]) == (4, "length")
+    assert (results[2].prompt_tokens, results[2].completion_tokens) == (2, 2)
+    llm = _FakeLLM.instances[0]
+    assert llm.calls[0] == 5  # the whole chunk at once first; the too-long row never reached it
+
+
+def test_vllm_embed_builds_a_pooling_model_and_keeps_order(fake_vllm: Any, wired_model: Path) -> None:
+    engine = loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model))))
+    llm = _FakeLLM.instances[0]
+    assert llm.kwargs["runner"] == "pooling" and llm.kwargs["seed"] == 0
+    assert engine.max_input_tokens() == MAX_POSITIONS
+    results = engine.run([Request(text=t) for t in ("a b", "c", "x y")])
+    assert [r.embedding for r in results] == [[float(IDS["b"])], [float(IDS["c"])], [float(IDS["y"])]]
+    assert [r.prompt_tokens for r in results] == [3, 2, 3]
+
+
+def test_vllm_sampling_params_carry_each_rows_ask(fake_vllm: Any, wired_model: Path) -> None:
+    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), seed=5)))
+    params = engine._sampling_params([
+        Request(text="a", max_tokens=3), Request(text="b", max_tokens=3),
+        Request(text="c", temperature=0.7, seed=11), Request(text="d", temperature=0.7),
+    ])
+    assert params[0] is params[1] and params[0].seed is None and params[0].temperature == 0.0
+    assert (params[2].temperature, params[2].seed) == (0.7, 11)
+    assert params[3].seed == 5  # the spec's seed when the row has none
+
+
+def test_one_llm_per_process(fake_vllm: Any, wired_model: Path) -> None:
+    loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model))))
+    loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model))))
+    assert len(_FakeLLM.instances) == 1
+    with pytest.raises(RuntimeError, match="one per process"):
+        loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model))))
+
+
+# --- vLLM for real (a CUDA machine with vllm installed) -------------------------------------
+
+
+def _real_vllm() -> Any:
+    vllm = pytest.importorskip("vllm")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a CUDA GPU")
+    return vllm
+
+
+VLLM_KNOBS = {"maxModelLen": MAX_POSITIONS, "gpuMemoryUtilization": 0.3, "maxNumSeqs": 16,
+              "enablePrefixCaching": True, "dtype": "bfloat16", "enforceEager": True}
+
+
+@pytest.fixture
+def real_vllm() -> Any:
+    from bij_worker.engines.vllm import shutdown_llm
+
+    module = _real_vllm()
+    shutdown_llm()
+    yield module
+    shutdown_llm()
+
+
+@pytest.mark.slow
+def test_vllm_generates_like_the_wired_model_says(real_vllm: Any, wired_model: Path) -> None:
+    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), vllm=VLLM_KNOBS)))
+    assert engine.max_input_tokens() == MAX_POSITIONS - 1
+    prompts = ["a", "x y z c", "g", "h", "x " * 70, "b c d e f"]
+    results = engine.run([Request(text=p, max_tokens=6 if p == "a" else 20) for p in prompts])
+    assert results[4].error is not None and results[4].output is None
+    for prompt, res in zip(prompts, results, strict=True):
+        if res is results[4]:
+            continue
+        words = chain_after(prompt.split()[-1])
+        if prompt == "a":
+            assert (res.output.split(), res.completion_tokens) == (words[:6], 6)
+            continue
+        assert res.error is None, res.error
+        assert res.output.split() == words, prompt
+        assert (res.prompt_tokens, res.completion_tokens) == (len(prompt.split()) + 1, len(words) + 1)
+    assert engine.count_tokens([Request(text="a b c")]) == [4]
+
+
+@pytest.mark.slow
+def test_vllm_chat_uses_the_models_template(real_vllm: Any, wired_model: Path) -> None:
+    engine = loaded(create_engine("vllm", EngineConfig(task="chat", name=str(wired_model), vllm=VLLM_KNOBS)))
+    good, bad = engine.run([
+        Request(messages=[{"role": "user", "content": "a b"}]),
+        Request(messages=[{"role": "assistant", "content": "a"}]),
+    ])
+    assert (good.output.split(), good.prompt_tokens, good.completion_tokens) == (["f", "g", "h"], 7, 4)
+    assert bad.error is not None
+
+
+@pytest.mark.slow
+def test_vllm_embeds_with_a_pooling_model(real_vllm: Any, wired_model: Path) -> None:
+    engine = loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model), vllm=VLLM_KNOBS)))
+    texts = ["c c c", "e e", "a a a a"]
+    results = engine.run([Request(text=t) for t in texts])
+    for text, res in zip(texts, results, strict=True):
+        vec = res.embedding
+        assert isinstance(res, Result) and vec is not None and len(vec) == 128
+        # Hidden state = one-hot of the token (the wiring), so the embedding points at it.
+        assert max(range(128), key=lambda k: vec[k]) == IDS[text.split()[-1]]

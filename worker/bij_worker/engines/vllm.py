@@ -1,0 +1,271 @@
+"""The vLLM engine: an adapter on vLLM's offline `LLM` class (no HTTP server in between).
+
+vLLM schedules a whole chunk itself (continuous batching, prefix caching), so the
+worker hands it every row of a chunk at once (`schedules_itself`).
+
+Version notes (vLLM >= 0.6.3):
+- embeddings: vLLM >= 0.10 picks the pooling runner with `runner="pooling"`; older
+  releases take `task="embed"` (0.7 to 0.9) or `task="embedding"` (0.6). `LLM.embed`
+  exists from 0.6.6 on; before that `LLM.encode` returned the same outputs.
+- a prompt vLLM rejects raises for the whole call; recent releases abort the requests
+  already added, older ones leave them queued. Rows are therefore checked first (empty,
+  too long), and a call that still fails is split in halves until the bad rows are
+  alone; each becomes its own `Result.error`, queued leftovers are drained first.
+- a decoder prompt needs room for one generated token: the prompt limit is
+  `max_model_len - 1` for generate and chat, `max_model_len` for embed.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .base import EngineConfig, Request, Result, estimate_tokens, request_text
+from .transformers import GREEDY_EPS, chat_messages
+
+# One LLM per process: it claims most of the GPU's memory, a second would not fit.
+_LLM: Any = None
+_LLM_KWARGS: dict[str, Any] | None = None
+
+
+def snake_case(key: str) -> str:
+    """`gpuMemoryUtilization` -> `gpu_memory_utilization` (already snake_case keys pass unchanged)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
+
+
+def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[int, int] = (0, 10)) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` from the engine config.
+
+    Every key of `config.vllm` (camelCase, from spec.model.vllm) is passed through as its
+    snake_case `LLM`/`EngineArgs` name. `has_runner`/`version` describe the installed
+    vLLM and decide how the embedding (pooling) model is requested.
+    """
+    if not config.name:
+        raise ValueError("engine vllm needs model.name (a model directory or a Hugging Face id)")
+    kwargs: dict[str, Any] = {"model": config.name, "seed": config.seed}
+    for key, value in config.vllm.items():
+        kwargs[snake_case(key)] = value
+    if config.task == "embed":
+        if has_runner:
+            kwargs["runner"] = "pooling"
+        else:
+            kwargs["task"] = "embed" if version >= (0, 7) else "embedding"
+    return kwargs
+
+
+def _version(text: str) -> tuple[int, int]:
+    parts = re.findall(r"\d+", text)[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+
+
+def shared_llm(config: EngineConfig) -> Any:
+    """This process's `vllm.LLM`, built on first use; asking for a different one is an error."""
+    global _LLM, _LLM_KWARGS
+    try:
+        import vllm
+    except ImportError as e:
+        raise RuntimeError("engine vllm needs the vllm package (pip install 'bij[vllm]'; a CUDA machine)") from e
+    kwargs = llm_kwargs(
+        config,
+        has_runner="runner" in inspect.signature(vllm.LLM.__init__).parameters,
+        version=_version(getattr(vllm, "__version__", "0.0")),
+    )
+    if _LLM is not None:
+        if kwargs != _LLM_KWARGS:
+            raise RuntimeError(
+                f"this process already holds a vLLM engine built with {_LLM_KWARGS}; one per process"
+            )
+        return _LLM
+    _LLM = vllm.LLM(**kwargs)
+    _LLM_KWARGS = kwargs
+    return _LLM
+
+
+def shutdown_llm() -> None:
+    """Drop this process's LLM so that another can be built (tests; a worker simply exits)."""
+    global _LLM, _LLM_KWARGS
+    _LLM, _LLM_KWARGS = None, None
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+class VllmEngine:
+    """Generate, chat or embed with vLLM's offline `LLM`; one shared instance per process."""
+
+    name = "vllm"
+    schedules_itself = True
+
+    def __init__(self, config: EngineConfig):
+        if config.task not in ("generate", "chat", "embed"):
+            raise ValueError(f"engine vllm supports tasks generate, chat and embed, not {config.task!r}")
+        llm_kwargs(config)  # a missing model name fails here, before any GPU work
+        self.config = config
+        self.llm: Any = None
+        self.tokenizer: Any = None
+        self._max_model_len: int | None = None
+
+    def load(self) -> None:
+        """Build (or reuse) the process's LLM; vllm is imported only here."""
+        if self.llm is not None:
+            return
+        self.llm = shared_llm(self.config)
+        self.tokenizer = self.llm.get_tokenizer()
+        self._max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    def _loaded(self) -> Any:
+        if self.llm is None:
+            raise RuntimeError("VllmEngine.load() must run before count_tokens() or run()")
+        return self.llm
+
+    def max_input_tokens(self) -> int | None:
+        """max_model_len (minus one for the first generated token), or config.max_input_tokens if smaller."""
+        self._loaded()
+        limit = self._max_model_len
+        if limit is not None and self.config.task != "embed":
+            limit -= 1
+        limits = [n for n in (limit, self.config.max_input_tokens) if n]
+        return min(limits) if limits else None
+
+    def _prompt_ids(self, requests: list[Request]) -> list[list[int] | str]:
+        """Token ids per request as vLLM will see them, or why a request cannot be rendered."""
+        tok = self.tokenizer
+        if self.config.task != "chat":
+            # vLLM adds the tokenizer's special tokens to plain prompts (decoder-only and embedding models).
+            return [list(ids) for ids in tok([request_text(r) for r in requests], add_special_tokens=True)["input_ids"]]
+        rendered: list[str | None] = []
+        problems: dict[int, str] = {}
+        for i, r in enumerate(requests):
+            try:
+                rendered.append(tok.apply_chat_template(chat_messages(r), add_generation_prompt=True, tokenize=False))
+            except Exception as e:  # a template's raise_exception() (bad roles, order): this row only
+                rendered.append(None)
+                problems[i] = f"chat template rejected the messages: {e}"
+        texts = [t for t in rendered if t is not None]
+        ids = iter(tok(texts, add_special_tokens=False)["input_ids"]) if texts else iter([])
+        return [problems[i] if t is None else list(next(ids)) for i, t in enumerate(rendered)]
+
+    def count_tokens(self, requests: list[Request]) -> list[int]:
+        """Prompt tokens per request from vLLM's own tokenizer (batched)."""
+        self._loaded()
+        if not requests:
+            return []
+        return [
+            len(p) if isinstance(p, list) else estimate_tokens(request_text(r))
+            for r, p in zip(requests, self._prompt_ids(requests), strict=True)
+        ]
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Run a whole chunk through vLLM; bad rows become row errors, the rest keep their order."""
+        llm = self._loaded()
+        results = [Result() for _ in requests]
+        if not requests:
+            return results
+        limit = self.max_input_tokens()
+        prompts = self._prompt_ids(requests)
+        runnable: list[int] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                results[i] = Result(error=p)
+            elif not p:
+                results[i] = Result(prompt_tokens=0, error="empty prompt")
+            elif limit is not None and len(p) > limit:
+                results[i] = Result(
+                    prompt_tokens=len(p), error=f"prompt is {len(p)} tokens, longer than the model's limit of {limit}"
+                )
+            else:
+                runnable.append(i)
+
+        task = self.config.task
+        call: Callable[[list[int]], list[Any]]
+        if task == "embed":
+            embed = getattr(llm, "embed", None) or llm.encode
+
+            def call(idx: list[int]) -> list[Any]:
+                # Token ids, not text: vLLM skips tokenizing again what was tokenized to check the rows.
+                return list(embed([{"prompt_token_ids": prompts[i]} for i in idx], use_tqdm=False))
+        else:
+            params = self._sampling_params(requests)
+            if task == "generate":
+
+                def call(idx: list[int]) -> list[Any]:
+                    return list(
+                        llm.generate(
+                            [{"prompt_token_ids": prompts[i]} for i in idx],
+                            sampling_params=[params[i] for i in idx],
+                            use_tqdm=False,
+                        )
+                    )
+            else:
+                # LLM.chat renders the template itself (content-part formats, model quirks).
+                def call(idx: list[int]) -> list[Any]:
+                    convs = [requests[i].messages or chat_messages(requests[i]) for i in idx]
+                    return list(llm.chat(convs, sampling_params=[params[i] for i in idx], use_tqdm=False))
+
+        for i, out in self._isolate(runnable, call).items():
+            results[i] = out if isinstance(out, Result) else self._result(out)
+        return results
+
+    def _sampling_params(self, requests: Sequence[Request]) -> list[Any]:
+        """One SamplingParams per request; identical asks share one object."""
+        from vllm import SamplingParams
+
+        cache: dict[tuple[int, float, int | None], Any] = {}
+        out = []
+        for r in requests:
+            greedy = r.temperature < GREEDY_EPS
+            # A seeded row samples the same tokens whatever else shares its batch (resume-safe).
+            seed = None if greedy else (r.seed if r.seed is not None else self.config.seed)
+            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed)
+            if key not in cache:
+                cache[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed)
+            out.append(cache[key])
+        return out
+
+    def _isolate(self, idx: list[int], call: Callable[[list[int]], list[Any]]) -> dict[int, Any]:
+        """Outputs by row index; a call vLLM rejects is split until each bad row stands alone."""
+        if not idx:
+            return {}
+        try:
+            outs = call(idx)
+        except ValueError as e:  # vLLM's input validation; engine failures and our own bugs propagate
+            self._drain()
+            if len(idx) == 1:
+                return {idx[0]: Result(error=f"vllm rejected the request: {e}")}
+            mid = len(idx) // 2
+            return {**self._isolate(idx[:mid], call), **self._isolate(idx[mid:], call)}
+        if len(outs) != len(idx):
+            raise RuntimeError(f"vllm returned {len(outs)} outputs for {len(idx)} prompts")
+        return dict(zip(idx, outs, strict=True))
+
+    def _drain(self) -> None:
+        # Releases before the abort-on-error fix keep the requests added before the bad one
+        # queued; they would come back mixed into the next call's outputs.
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            self.llm._run_engine(use_tqdm=False)
+
+    def _result(self, out: Any) -> Result:
+        prompt_tokens = len(out.prompt_token_ids) if out.prompt_token_ids is not None else None
+        if self.config.task == "embed":
+            emb = out.outputs.embedding
+            return Result(embedding=emb.tolist() if hasattr(emb, "tolist") else list(emb), prompt_tokens=prompt_tokens)
+        comp = out.outputs[0]
+        if comp.finish_reason not in ("stop", "length"):
+            return Result(
+                prompt_tokens=prompt_tokens, error=f"generation ended without finishing ({comp.finish_reason})"
+            )
+        return Result(
+            output=comp.text,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(comp.token_ids),
+            extra={"finish_reason": comp.finish_reason},
+        )
