@@ -311,12 +311,11 @@ def _scheduling(job: BatchInferenceJob) -> tuple[dict[str, str], list[dict[str, 
     if w.gpus > 0:
         tolerations.append(dict(GPU_TOLERATION))
     node_selector.update(w.node_selector)
-    for t in w.tolerations:
-        tolerations.append(t.model_dump(by_alias=True, exclude_none=True))
+    tolerations += [t.model_dump(by_alias=True, exclude_none=True) for t in w.tolerations]
     unique: list[dict[str, Any]] = []
-    for t in tolerations:
-        if t not in unique:
-            unique.append(t)
+    for toleration in tolerations:
+        if toleration not in unique:
+            unique.append(toleration)
     return node_selector, unique, affinity
 
 

@@ -267,7 +267,7 @@ def _cel_errors(value: Any, schema: dict[str, Any], path: list[str | int], *, ro
         activation = {"self": celpy.json_to_cel(self_value)}
         for rule in rules:
             try:
-                result = _cel_program(rule["rule"]).evaluate(activation)
+                result: object = _cel_program(rule["rule"]).evaluate(activation)
             except celpy.CELEvalError as e:
                 result = e
             rule_path = path + [p for p in rule.get("fieldPath", "").split(".") if p]
@@ -277,7 +277,7 @@ def _cel_errors(value: Any, schema: dict[str, Any], path: list[str | int], *, ro
             if isinstance(result, celpy.celtypes.BoolType):
                 detail = rule.get("message") or f"failed rule: {rule['rule']}"
             else:  # an evaluation error: the API server reports it, never lets it pass
-                detail = f"rule {rule['rule']!r} could not be evaluated: {result}"
+                detail = f"rule {rule['rule']!r} could not be evaluated: {result!s}"
             problems.append(f'{where}: Invalid value: "{schema.get("type", "object")}": {detail}')
     if isinstance(value, dict):
         props = schema.get("properties", {})
