@@ -27,6 +27,7 @@ import yaml
 
 from .spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
 
+# Generated from crds/batchinferencejobs.yaml by tools/sync_crd.py; a test fails when they drift.
 CRD_RESOURCE = ("crds", "batchinferencejobs.yaml")
 
 # Schema violations after which the API server does not run the CEL rules (a rule could not
@@ -41,7 +42,8 @@ RULES_SKIPPED = (
 @functools.cache
 def load_crd() -> dict[str, Any]:
     """The BatchInferenceJob CRD shipped with this package."""
-    text = resources.files("bij_operator").joinpath(*CRD_RESOURCE).read_text()
+    folder, name = CRD_RESOURCE
+    text = resources.files("bij_operator").joinpath(folder).joinpath(name).read_text()
     crd: dict[str, Any] = yaml.safe_load(text)
     return crd
 
