@@ -112,10 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise BadConfig(str(e)) from None
         worker = ShardWorker(plan, index, engine, metrics=metrics, stop=stop, progress=emit, stats=stats)
+        name = spec.get("model", {}).get("name")
+        if name and (name.startswith(("/", "./", "../"))) and not os.path.exists(name):
+            raise BadConfig(f"spec.model.name: no model at {name}")
         t = time.perf_counter()
         try:
             engine.load()
-        except (FileNotFoundError, ImportError, OSError, ValueError) as e:
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            # Only what fails on every node alike: a full disk or a flaky mount is an
+            # OSError worth a retry elsewhere, and must not fail the whole round.
             raise BadConfig(f"cannot load model for engine {engine_name}: {type(e).__name__}: {e}") from None
         stats.model_load_s = time.perf_counter() - t
         metrics.model_load.set(stats.model_load_s)
