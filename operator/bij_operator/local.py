@@ -28,6 +28,7 @@ from . import layout
 from .planner import PlanError, RoundPlan, plan_round
 from .progress import shard_records
 from .publish import PublishError, publish
+from .rounds import RoundStats, needs_another_round, round_history
 from .spec import BatchInferenceJob, SpecError, load_job
 
 
@@ -67,8 +68,11 @@ class _Progress:
 class LocalRunner:
     """Runs the rounds of one job with worker subprocesses."""
 
-    def __init__(self, job: BatchInferenceJob, parallelism: int | None = None, show_progress: bool = True):
+    def __init__(self, job: BatchInferenceJob, parallelism: int | None = None, show_progress: bool = True,
+                 worker_cmd: list[str] | None = None):
         self.job = job
+        # The pod's command; a library user can run workers another way (a container, another venv).
+        self.worker_cmd = worker_cmd or worker_command()
         self.parallelism = parallelism or job.spec.workers.parallelism
         self.show_progress = show_progress and sys.stderr.isatty()
         self.log_progress = show_progress
@@ -110,7 +114,7 @@ class LocalRunner:
                 i = pending.popleft()
                 attempts[i] = attempts.get(i, 0) + 1
                 p = subprocess.Popen(
-                    [*worker_command(), "--manifest", plan.manifest_uri, "--progress"],
+                    [*self.worker_cmd, "--manifest", plan.manifest_uri, "--progress"],
                     env=self._env(i), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                 )
                 self.procs[i] = p
@@ -197,25 +201,40 @@ class LocalRunner:
         signal.signal(signal.SIGINT, on_int)
         signal.signal(signal.SIGTERM, on_int)
         try:
+            round_no = 0
+            history: list[RoundStats] = []
+            while True:
+                try:
+                    plan = plan_round(self.job, round_no)
+                except PlanError as e:
+                    print(f"bij: {e}", file=sys.stderr)
+                    return 2
+                print(f"bij: {self.job.metadata.name}: round {round_no}, {plan.shard_count} shards, "
+                      f"{plan.total_bytes:,} bytes in {plan.objects} objects", file=sys.stderr)
+                ok, msg = self.run_round(round_no, plan)
+                if not ok:
+                    print(f"bij: {msg}", file=sys.stderr)
+                    return 130 if self.stopping and "stopped" in msg else 1
+                history = round_history(self.job, round_no + 1)
+                stats = history[-1]
+                if self.job.spec.judge is not None:
+                    print(f"bij: round {round_no}: {stats.rows_in:,} rows in, {stats.approved:,} approved, "
+                          f"{stats.rejected:,} rejected, {stats.capped:,} capped "
+                          f"(approval {stats.approval_rate:.1%})", file=sys.stderr)
+                if not needs_another_round(self.job.spec.judge, history):
+                    break
+                round_no += 1
             try:
-                plan = plan_round(self.job, 0)
-            except PlanError as e:
-                print(f"bij: {e}", file=sys.stderr)
-                return 2
-            print(f"bij: {self.job.metadata.name}: round 0, {plan.shard_count} shards, "
-                  f"{plan.total_bytes:,} bytes in {plan.objects} objects", file=sys.stderr)
-            ok, msg = self.run_round(0, plan)
-            if not ok:
-                print(f"bij: {msg}", file=sys.stderr)
-                return 130 if self.stopping and "stopped" in msg else 1
-            try:
-                manifest = publish(self.job, rounds=1)
+                manifest = publish(self.job, rounds=round_no + 1)
             except PublishError as e:
                 print(f"bij: publish failed: {e}", file=sys.stderr)
                 return 1
             c = manifest["counts"]
             print(f"bij: published {layout.manifest_uri(self.job)}: {c['rows']:,} rows, {c['errors']:,} errors "
                   f"in {len(manifest['files'])} result files", file=sys.stderr)
+            if c.get("capped"):
+                print(f"bij: RetryCapReached: {c['capped']:,} rows were still rejected at the cap; "
+                      f"they are in the manifest's cappedFiles", file=sys.stderr)
             print(layout.manifest_uri(self.job))
             return 0
         finally:
@@ -231,10 +250,21 @@ def cli_run(args: argparse.Namespace) -> int:
     return LocalRunner(job, args.parallelism, show_progress=not args.no_progress).run()
 
 
+def planned_rounds(job: BatchInferenceJob) -> int:
+    """How many rounds have a plan (publish covers all of them)."""
+    from bij_worker.storage import open_storage
+
+    store = open_storage(job.spec.output.uri, job.spec.storage.s3)
+    n = 0
+    while store.exists(layout.round_manifest_uri(job, n)):
+        n += 1
+    return n
+
+
 def cli_publish(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.spec)
-        manifest = publish(job, rounds=1)
+        manifest = publish(job, rounds=max(1, planned_rounds(job)))
     except (SpecError, PublishError) as e:
         print(f"bij: {e}", file=sys.stderr)
         return 1

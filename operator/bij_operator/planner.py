@@ -18,6 +18,7 @@ from typing import Any
 from bij_worker.storage import ObjectInfo, StorageError, open_storage
 
 from . import layout
+from .rounds import RoundMode, round_history, round_mode
 from .spec import BatchInferenceJob, job_to_dict
 
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.zst", ".ndjson.zst", ".json.zst")
@@ -87,8 +88,10 @@ def round_inputs(job: BatchInferenceJob, round_no: int) -> str:
     return layout.join(layout.round_prefix(job, round_no - 1), "rejected") + "/"
 
 
-def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo], input_uri: str) -> dict[str, Any]:
+def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo], input_uri: str,
+               mode: RoundMode | None = None) -> dict[str, Any]:
     """The round plan document (shards.json) for these input objects."""
+    mode = mode or round_mode(job.spec.judge, [])
     sizes = [(o.size, is_compressed(o.uri)) for o in objects]
     shards = plan_shards(sizes, job.spec.sharding.target_shard_bytes)
     base = input_uri if input_uri.endswith("/") else input_uri.rsplit("/", 1)[0] + "/"
@@ -98,6 +101,7 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
         "createdAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "roundPrefix": layout.round_prefix(job, round_no),
         "inputUri": input_uri,
+        "judgeMode": mode.as_plan(),
         "job": job_to_dict(job),
         "objects": [
             {"uri": o.uri, "size": o.size, "name": o.uri[len(base):] if o.uri.startswith(base) else o.uri}
@@ -124,7 +128,9 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
         raise PlanError(
             f"spec.input.uri: no input at {input_uri} (looked for non-empty {', '.join(INPUT_SUFFIXES)} files)"
         )
-    doc = build_plan(job, round_no, objects, input_uri)
+    # A judge round's mode depends on how the rounds before it went.
+    mode = round_mode(job.spec.judge, round_history(job, round_no) if round_no else [])
+    doc = build_plan(job, round_no, objects, input_uri, mode)
     store.write_bytes(uri, json.dumps(doc, separators=(",", ":")).encode())
     return RoundPlan(uri, len(doc["shards"]), len(objects), sum(o.size for o in objects))
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zstandard
-
 from bij_worker.inputs import id_key
 from bij_worker.segments import ShardLog, encode_records
 from bij_worker.storage import NotFound, Storage, open_storage
@@ -35,11 +34,13 @@ class PublishError(RuntimeError):
 class _Totals:
     rows: int = 0
     errors: int = 0
+    capped: int = 0
     duplicates: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
     files: list[dict[str, Any]] = field(default_factory=list)
     error_files: list[dict[str, Any]] = field(default_factory=list)
+    capped_files: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -78,7 +79,11 @@ def _usage(row: dict[str, Any]) -> dict[str, int]:
 
 
 def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
-    """Write result/error files for rounds 0..rounds-1 and then the manifest. Returns the manifest."""
+    """Write result/error/capped files for rounds 0..rounds-1 and then the manifest. Returns the manifest.
+
+    Rows a judge still rejected at the cap go to `capped/` files with their last
+    output, attempts and verdicts, and are counted in `counts.capped`.
+    """
     out_uri = job.spec.output.uri
     store = open_storage(out_uri, job.spec.storage.s3)
     seen: set[str] = set()
@@ -94,7 +99,10 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
             records.sort(key=lambda rec: (rec["at"][0], rec["at"][1]))  # input order, whoever wrote them
             results: list[dict[str, Any]] = []
             errors: list[dict[str, Any]] = []
+            capped: list[dict[str, Any]] = []
             for rec in records:
+                if rec["kind"] in ("attempt", "rejected"):
+                    continue  # steps on the way; the row's outcome is in a later record or round
                 row = rec["row"]
                 rid = _row_id(row)
                 key = id_key(rid) if rid is not None else None
@@ -110,6 +118,8 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
                     u = _usage(row)
                     t.tokens_in += u.get("prompt_tokens", 0)
                     t.tokens_out += u.get("completion_tokens", 0)
+                elif rec["kind"] == "capped":
+                    capped.append(row)
                 else:
                     errors.append(row)
                 if key is not None:
@@ -120,12 +130,22 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
             if errors:
                 t.error_files.append({**_write_file(store, job, "errors", name, errors), "round": r,
                                       "shard": index})
+            if capped:
+                t.capped_files.append({**_write_file(store, job, "capped", name, capped), "round": r,
+                                       "shard": index})
             round_rows += len(results)
             round_errors += len(errors)
+            t.capped += len(capped)
         t.rows += round_rows
         t.errors += round_errors
         t.rounds.append({"round": r, "shards": len(plan["shards"]), "rows": round_rows, "errors": round_errors})
-    total = t.rows + t.errors
+    if job.spec.judge is not None:
+        # The judge's view of each round (rows in, approved, rejected, approval rate).
+        from .rounds import round_history
+
+        t.rounds = [{**h.as_status(), "rows": d["rows"], "errors": d["errors"]}
+                    for h, d in zip(round_history(job, rounds), t.rounds, strict=True)]
+    total = t.rows + t.errors + t.capped
     ratio = t.errors / total if total else 0.0
     limit = job.spec.max_error_ratio
     if limit is not None and ratio > limit:
@@ -143,7 +163,9 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
         "model": {"engine": job.spec.model.engine, "name": job.spec.model.name, "task": job.spec.model.task},
         "files": t.files,
         "errorFiles": t.error_files,
-        "counts": {"rows": t.rows, "errors": t.errors, "duplicates": t.duplicates, "inputRows": total,
+        "cappedFiles": t.capped_files,
+        "counts": {"rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
+                   "inputRows": total,
                    "tokensIn": t.tokens_in, "tokensOut": t.tokens_out},
         "rounds": t.rounds,
         "publishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

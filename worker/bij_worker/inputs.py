@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .engines.base import Request, Result
+
+# Reserved field of re-dispatched rows (judge rounds): {"id", "attempts", "verdicts", "output"}.
+CARRY_FIELD = "_bij"
 
 OPENAI_URLS = {
     "/v1/chat/completions": "chat",
@@ -32,6 +35,10 @@ class Row:
     error: str | None = None
     url: str | None = None  # OpenAI batch lines: which endpoint shape to answer in
     generated_id: bool = False
+    # Judge rounds: attempts and verdicts a row already had in earlier rounds
+    # (carried in the re-dispatched line's "_bij" field).
+    prior_attempts: int = 0
+    verdicts: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -96,9 +103,22 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
         return _bad(at, "invalid_json", f"not valid JSON: {e}")
     if not isinstance(obj, dict):
         return _bad(at, "invalid_row", f"a row must be a JSON object, got {type(obj).__name__}")
-    if opts.format == "openai":
-        return _parse_openai(obj, at, opts)
-    return _parse_plain(obj, at, object_name, opts)
+    carried = obj.pop(CARRY_FIELD, None)
+    row = _parse_openai(obj, at, opts) if opts.format == "openai" else _parse_plain(obj, at, object_name, opts)
+    if isinstance(carried, dict):
+        # A row re-dispatched by a judge round keeps its id (even a generated one) and history.
+        if "id" in carried and row.generated_id:
+            row.id, row.generated_id = carried["id"], False
+        row.prior_attempts = int(carried.get("attempts", 0))
+        row.verdicts = [str(v) for v in carried.get("verdicts", [])]
+    return row
+
+
+def redispatch_line(line: bytes, row: Row, attempts: int, verdicts: list[str], output: str | None) -> str:
+    """The input line for the next judge round: the original row plus its id and history."""
+    obj = json.loads(line)
+    obj[CARRY_FIELD] = {"id": row.id, "attempts": attempts, "verdicts": verdicts[-20:], "output": output}
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str, opts: InputOptions) -> Row:
@@ -198,7 +218,8 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
     kind = OPENAI_URLS.get(row.url or "", opts.task)
     body: dict[str, Any]
-    finish = "length" if (res.completion_tokens or 0) >= (row.request.max_tokens if row.request else 0) else "stop"
+    finish = res.extra.get("finish_reason") or (
+        "length" if (res.completion_tokens or 0) >= (row.request.max_tokens if row.request else 0) else "stop")
     if kind == "embed":
         body = {"object": "list", "model": opts.model_name,
                 "data": [{"object": "embedding", "index": 0, "embedding": res.embedding}], "usage": usage}

@@ -16,6 +16,10 @@ class Stats:
     errors: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
+    rejected: int = 0  # judge: sent to the next round
+    capped: int = 0  # judge: still rejected at the cap
+    engine_calls: int = 0  # rows sent to the engine (every attempt counts)
+    judge_calls: int = 0  # rows sent to the engine by an llm judge
     batches: int = 0
     chunks: int = 0
     engine_busy_s: float = 0.0
@@ -26,7 +30,8 @@ class Stats:
         d = asdict(self)
         return {
             "rows": d["rows"], "errors": d["errors"], "tokensIn": d["tokens_in"], "tokensOut": d["tokens_out"],
-            "batches": d["batches"], "chunks": d["chunks"], "engineBusySeconds": round(d["engine_busy_s"], 3),
+            "rejected": d["rejected"], "capped": d["capped"], "engineCalls": d["engine_calls"],
+            "judgeCalls": d["judge_calls"], "batches": d["batches"], "chunks": d["chunks"], "engineBusySeconds": round(d["engine_busy_s"], 3),
             "modelLoadSeconds": round(d["model_load_s"], 3),
         }
 
@@ -36,7 +41,8 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.rows = Counter("bij_rows", "Rows finished, by status (ok or error)", ["status"], registry=r)
+        self.rows = Counter("bij_rows", "Rows finished, by status (ok, error, or capped by the judge)",
+                            ["status"], registry=r)
         self.tokens = Counter("bij_tokens", "Tokens processed, by direction (in or out)", ["direction"], registry=r)
         self.batch_size = Histogram("bij_batch_size", "Rows per engine batch",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=r)

@@ -13,7 +13,7 @@ as it will be published.
   overwrite each other; the reader keeps the first record for each place.
 
 Both are read by the same code: list the shard's objects in name order, parse
-lines, drop a torn tail, de-duplicate by place.
+lines, drop a torn tail, de-duplicate by place (and attempt).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class ShardLog:
     def read(self, repair: bool = True) -> DurableState:
         """All durable records in commit order. With `repair`, a torn file tail is cut off."""
         state = DurableState()
-        seen: set[tuple[int, int]] = set()
+        seen: set[tuple[int, int, int]] = set()
         objects = self.storage.list(self.prefix + "/")
         segments = [o for o in objects if o.uri.rsplit("/", 1)[-1].startswith("seg-")]
         self._next_segment = len(segments)
@@ -90,7 +90,9 @@ class ShardLog:
                     # Only possible for a torn line that later got a newline appended
                     # by another writer; the row will simply be recomputed.
                     continue
-                place = (rec["at"][0], rec["at"][1])
+                # A row has one final record per round, and before it (judge, inPlace) one
+                # record per attempt.
+                place = (rec["at"][0], rec["at"][1], rec.get("attempt", -1) if rec["kind"] == "attempt" else -1)
                 if place in seen:
                     continue
                 seen.add(place)

@@ -16,12 +16,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .batcher import plan_batches
 from .engines.base import Engine, Request, Result
-from .inputs import InputOptions, Row, error_row, id_key, parse_line, result_row
+from .inputs import InputOptions, Row, error_row, id_key, parse_line, redispatch_line, result_row
+from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
 from .reader import Prefetcher, iter_shard
 from .segments import ShardLog
@@ -112,6 +113,20 @@ class ShardOutcome:
     errors: int
 
 
+@dataclass
+class _Live:
+    """A row being worked on in this process: its request, its line, and its attempts so far."""
+
+    row: Row
+    line: bytes
+    attempts_here: int = 0  # attempts in this round (inPlace counts these against maxAttempts)
+    last_output: str | None = None
+
+
+# Record kinds that end a row's story in a round; "attempt" records are the steps before.
+FINAL_KINDS = ("result", "error", "rejected", "capped")
+
+
 class ShardWorker:
     """Runs one shard of a round plan with an already loaded engine."""
 
@@ -130,6 +145,7 @@ class ShardWorker:
         if not 0 <= index < len(shards):
             raise BadConfig(f"shard index {index} is out of range: the round has {len(shards)} shards")
         self.plan, self.index, self.engine = plan, index, engine
+        self.round = int(plan.get("round", 0))
         self.pieces = shards[index]
         self.objects = plan["objects"]
         spec = plan["job"]["spec"]
@@ -143,6 +159,12 @@ class ShardWorker:
         self.chunk_rows = int(spec.get("sharding", {}).get("chunkRows", 512))
         self.max_tokens = spec.get("model", {}).get("maxInputTokens")
         self.s3 = spec.get("storage", {}).get("s3")
+        judge_spec = spec.get("judge")
+        self.judge = Judge(judge_spec) if judge_spec else None
+        mode = plan.get("judgeMode") or {}
+        self.in_place = bool(self.judge) and mode.get("mode") == "inPlace"
+        self.final_round = mode.get("final", True)
+        self.max_attempts = int(judge_spec.get("maxAttempts", 3)) if judge_spec else 1
         self.metrics = metrics or Metrics()
         self.stop = stop or StopFlag()
         self.progress = progress or (lambda event: None)
@@ -164,38 +186,46 @@ class ShardWorker:
         limits = [x for x in (self.max_tokens, self.engine.max_input_tokens()) if x]
         return min(limits) if limits else None
 
+    def _row_id(self, row: dict[str, Any]) -> Any:
+        return row.get("custom_id", row.get("id")) if self.opts.format == "openai" else row.get("id")
+
     def run(self) -> ShardOutcome:
         """Work the shard to its end, or until asked to stop."""
         t0 = time.monotonic()
-        if self.out.exists(done_uri(self.plan, self.index)):
-            rec = json.loads(self.out.read_bytes(done_uri(self.plan, self.index)))
+        done_at = done_uri(self.plan, self.index)
+        if self.out.exists(done_at):
+            rec = json.loads(self.out.read_bytes(done_at))
             self.progress({"event": "done", "index": self.index, "rows": rec["rows"], "errors": rec["errors"]})
             return ShardOutcome("done", rec["rows"], rec["errors"])
         state = self.log.read()
         seen: set[str] = set()
-        rows = errors = 0
-        tokens_in = tokens_out = 0
         resumed_bytes = 0
+        finals: set[tuple[int, int]] = set()
+        attempts: dict[tuple[int, int], dict[str, Any]] = {}
         for rec in state.records:
-            rid = rec["row"].get("custom_id", rec["row"].get("id")) if self.opts.format == "openai" \
-                else rec["row"].get("id")
+            place = (rec["at"][0], rec["at"][1])
+            if rec["kind"] == "attempt":
+                if place not in attempts or rec["attempt"] > attempts[place]["attempt"]:
+                    attempts[place] = rec
+                continue
+            finals.add(place)
+            rid = self._row_id(rec["row"])
             if rid is not None:
                 seen.add(id_key(rid))
             resumed_bytes += rec["at"][2] - rec["at"][1]
-            if rec["kind"] == "result":
-                rows += 1
-                usage = _usage_of(rec["row"])
-                tokens_in += usage.get("prompt_tokens", 0)
-                tokens_out += usage.get("completion_tokens", 0)
-            else:
-                errors += 1
+            self._count_final(rec)
+        # Rows between attempts when the worker stopped: continue them at their next attempt.
+        pending = [rec for place, rec in sorted(attempts.items()) if place not in finals]
+        for rec in pending:
+            seen.add(id_key(rec["id"]))
+            resumed_bytes += rec["at"][2] - rec["at"][1]
         if state.records:
-            log.info("shard %d: resuming after %d durable rows (%d torn bytes cut)", self.index,
-                     len(state.records), state.torn_bytes)
-        self.progress({"event": "resume", "index": self.index, "rows": rows, "errors": errors,
-                       "bytes": resumed_bytes})
-        self.stats.rows, self.stats.errors = rows, errors
-        self.stats.tokens_in, self.stats.tokens_out = tokens_in, tokens_out
+            log.info("shard %d: resuming after %d durable records (%d rows between attempts, %d torn bytes cut)",
+                     self.index, len(state.records), len(pending), state.torn_bytes)
+        self.progress({"event": "resume", "index": self.index, "rows": self.stats.rows,
+                       "errors": self.stats.errors, "bytes": resumed_bytes})
+        if pending and not self._resume_attempts(pending):
+            return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
 
         lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor)
         prefetch = Prefetcher(lines, self.chunk_rows, self.depth)
@@ -205,30 +235,60 @@ class ShardWorker:
                 self.metrics.queue_depth.set(prefetch.depth())
                 if self.stop.requested:
                     return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
-                records = self._work_chunk(chunk.lines, seen)
-                if records is None:  # asked to stop and out of time: the chunk is dropped whole
+                rows_before, errors_before = self.stats.rows, self.stats.errors
+                if not self._work_chunk(chunk.lines, seen):
+                    # Asked to stop and out of time: what was not committed is dropped whole.
                     return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
-                t = time.perf_counter()
-                self.log.append(records)
-                self.metrics.commit_latency.observe(time.perf_counter() - t)
-                ok = sum(1 for r in records if r["kind"] == "result")
-                self.stats.rows += ok
-                self.stats.errors += len(records) - ok
                 self.stats.chunks += 1
-                self.metrics.rows.labels("ok").inc(ok)
-                self.metrics.rows.labels("error").inc(len(records) - ok)
-                self.progress({"event": "chunk", "index": self.index, "rows": ok, "errors": len(records) - ok,
-                               "bytes": chunk.bytes})
+                self.progress({"event": "chunk", "index": self.index, "rows": self.stats.rows - rows_before,
+                               "errors": self.stats.errors - errors_before, "bytes": chunk.bytes})
         finally:
             prefetch.close()
-        record = {"index": self.index, **self.stats.as_record(), "seconds": round(time.monotonic() - t0, 3),
+        self._finish(t0)
+        return ShardOutcome("done", self.stats.rows, self.stats.errors)
+
+    def _finish(self, t0: float) -> None:
+        if self.judge is not None:
+            # The next round's input: every row this shard rejected, with its id and history.
+            lines = [rec["line"] for rec in sorted(self.log.read(repair=False).records,
+                                                   key=lambda r: (r["at"][0], r["at"][1]))
+                     if rec["kind"] == "rejected"]
+            uri = f"{self.plan['roundPrefix']}/rejected/{self.index:05d}.jsonl"
+            if lines:
+                self.out.write_bytes(uri, ("\n".join(lines) + "\n").encode())
+        record = {"index": self.index, "round": self.round, **self.stats.as_record(),
+                  "seconds": round(time.monotonic() - t0, 3),
                   "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.out.write_bytes(done_uri(self.plan, self.index), json.dumps(record).encode())
         self.progress({"event": "done", "index": self.index, "rows": self.stats.rows, "errors": self.stats.errors})
-        return ShardOutcome("done", self.stats.rows, self.stats.errors)
 
-    def _work_chunk(self, lines: list[tuple[tuple[int, int, int], bytes]], seen: set[str]) -> \
-            list[dict[str, Any]] | None:
+    def _count_final(self, rec: dict[str, Any]) -> None:
+        kind = rec["kind"]
+        if kind == "result":
+            self.stats.rows += 1
+            usage = _usage_of(rec["row"])
+            self.stats.tokens_in += usage.get("prompt_tokens", 0)
+            self.stats.tokens_out += usage.get("completion_tokens", 0)
+        elif kind == "error":
+            self.stats.errors += 1
+        elif kind == "rejected":
+            self.stats.rejected += 1
+        elif kind == "capped":
+            self.stats.capped += 1
+
+    def _resume_attempts(self, pending: list[dict[str, Any]]) -> bool:
+        live = []
+        for rec in pending:
+            line = rec["line"].encode()
+            row = parse_line(line, tuple(rec["at"]), self.object_name(rec["at"][0]), self.opts)  # type: ignore[arg-type]
+            row.id = rec["id"]
+            row.prior_attempts = int(rec["attempts"])
+            row.verdicts = list(rec.get("verdicts", []))
+            live.append(_Live(row, line, attempts_here=int(rec["attemptsHere"]), last_output=rec.get("output")))
+        return self._attempt_loop(live, [])
+
+    def _work_chunk(self, lines: list[tuple[tuple[int, int, int], bytes]], seen: set[str]) -> bool:
+        """Parse, run and commit one chunk. False when stopped before the chunk was committed."""
         rows: list[Row] = [parse_line(line, at, self.object_name(at[0]), self.opts) for at, line in lines]
         for row in rows:
             if row.id is None:
@@ -240,31 +300,150 @@ class ShardWorker:
                         f"id {json.dumps(row.id)} was seen before; the first occurrence wins", None
             else:
                 seen.add(key)
-        todo = [i for i, r in enumerate(rows) if r.request is not None]
-        requests: list[Request] = [rows[i].request for i in todo]  # type: ignore[misc]
-        tokens = self.engine.count_tokens(requests) if requests else []
-        limit = self.token_limit()
-        if limit:
-            keep = []
-            for i, t in zip(todo, tokens, strict=True):
-                if t > limit:
-                    rows[i].error_code = "too_many_tokens"
-                    rows[i].error = f"prompt has {t} tokens, the model takes at most {limit}"
-                    rows[i].request = None
+        records: list[dict[str, Any]] = []
+        live = []
+        for row, (_, line) in zip(rows, lines, strict=True):
+            if row.request is None:
+                records.append(self._error_record(row))
+            else:
+                live.append(_Live(row, line))
+        return self._attempt_loop(live, records)
+
+    def _error_record(self, row: Row) -> dict[str, Any]:
+        return {"at": list(row.at), "kind": "error", "row": error_row(row, self.object_name(row.at[0]), self.opts)}
+
+    def _attempt_loop(self, live: list[_Live], records: list[dict[str, Any]]) -> bool:
+        """Run rows until each is final; with inPlace judging, commit every attempt as it completes."""
+        while live:
+            results = self._run_engine(live)
+            if results is None:
+                return False
+            retry: list[_Live] = []
+            verdicts = self._verdicts(live, results)
+            for item, res, verdict in zip(live, results, verdicts, strict=True):
+                row = item.row
+                if res.error is not None:
+                    row.error_code, row.error = "engine_error", res.error
+                    records.append(self._error_record(row))
+                    continue
+                self._count_tokens(res)
+                if verdict is None or verdict.approved:
+                    out = result_row(row, res, self.opts)
+                    if self.judge is not None:
+                        out["attempts"] = row.prior_attempts + item.attempts_here + 1
+                        out["round"] = self.round
+                    records.append({"at": list(row.at), "kind": "result", "row": out})
+                    continue
+                item.attempts_here += 1
+                item.last_output = res.output
+                row.verdicts.append(verdict.reason)
+                total = row.prior_attempts + item.attempts_here
+                if self.in_place and item.attempts_here < self.max_attempts:
+                    records.append({"at": list(row.at), "kind": "attempt", "attempt": total, "id": row.id,
+                                    "attempts": total, "attemptsHere": item.attempts_here,
+                                    "line": item.line.decode("utf-8", "replace"), "output": res.output,
+                                    "verdicts": row.verdicts})
+                    retry.append(item)
+                elif not self.final_round:
+                    records.append({"at": list(row.at), "kind": "rejected", "row": {"id": row.id},
+                                    "line": redispatch_line(item.line, row, total, row.verdicts, res.output)})
                 else:
-                    keep.append((i, t))
-            todo = [i for i, _ in keep]
-            tokens = [t for _, t in keep]
-        results: dict[int, Result] = {}
+                    records.append({"at": list(row.at), "kind": "capped",
+                                    "row": self._capped_row(row, total, res.output)})
+            self._commit(records)
+            records = []
+            live = retry
+        self._commit(records)
+        return True
+
+    def _capped_row(self, row: Row, attempts: int, output: str | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": row.id, "output": output, "attempts": attempts, "round": self.round,
+                               "verdicts": row.verdicts,
+                               "error": {"code": "retry_cap_reached",
+                                         "message": f"still rejected after {attempts} attempts"}}
+        if self.opts.format == "openai":
+            out["custom_id"] = row.id
+        return out
+
+    def _commit(self, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        t = time.perf_counter()
+        self.log.append(records)
+        self.metrics.commit_latency.observe(time.perf_counter() - t)
+        for rec in records:
+            if rec["kind"] != "attempt":
+                self._count_final_live(rec)
+
+    def _count_final_live(self, rec: dict[str, Any]) -> None:
+        kind = rec["kind"]
+        if kind == "result":
+            self.stats.rows += 1
+            self.metrics.rows.labels("ok").inc()
+        elif kind == "error":
+            self.stats.errors += 1
+            self.metrics.rows.labels("error").inc()
+        elif kind == "rejected":
+            self.stats.rejected += 1
+        elif kind == "capped":
+            self.stats.capped += 1
+            self.metrics.rows.labels("capped").inc()
+
+    def _count_tokens(self, res: Result) -> None:
+        if res.prompt_tokens:
+            self.stats.tokens_in += res.prompt_tokens
+            self.metrics.tokens.labels("in").inc(res.prompt_tokens)
+        if res.completion_tokens:
+            self.stats.tokens_out += res.completion_tokens
+            self.metrics.tokens.labels("out").inc(res.completion_tokens)
+
+    def _verdicts(self, live: list[_Live], results: list[Result]) -> list[Verdict | None]:
+        if self.judge is None:
+            return [None] * len(live)
+        idx = [i for i, r in enumerate(results) if r.error is None]
+        verdicts: list[Verdict | None] = [None] * len(live)
+        if idx:
+            reqs: list[Request] = [live[i].row.request for i in idx]  # type: ignore[misc]
+            outs = [results[i].output if results[i].output is not None else json.dumps(results[i].embedding)
+                    for i in idx]
+            t = time.perf_counter()
+            got = self.judge.judge(reqs, outs, self.engine)
+            self.stats.engine_busy_s += time.perf_counter() - t if self.judge.type == "llm" else 0.0
+            for i, v in zip(idx, got, strict=True):
+                verdicts[i] = v
+        self.stats.judge_calls = self.judge.engine_calls
+        return verdicts
+
+    def _run_engine(self, live: list[_Live]) -> list[Result] | None:
+        """Results for live rows in their order; None when stopped mid-way (nothing is kept)."""
+        requests: list[Request] = []
+        for item in live:
+            req = item.row.request
+            assert req is not None
+            attempt = item.row.prior_attempts + item.attempts_here
+            if attempt:
+                temperature, seed = attempt_params(req.temperature, req.seed, attempt)
+                req = replace(req, temperature=temperature, seed=seed)
+            requests.append(req)
+        tokens = self.engine.count_tokens(requests)
+        limit = self.token_limit()
+        results: list[Result | None] = [None] * len(live)
+        todo = list(range(len(live)))
+        if limit:
+            for i, t in enumerate(tokens):
+                if t > limit:
+                    results[i] = Result(error=f"prompt has {t} tokens, the model takes at most {limit}")
+            todo = [i for i in todo if results[i] is None]
         if todo:
+            todo_tokens = [tokens[i] for i in todo]
             if self.engine.schedules_itself:
                 batches = [list(range(len(todo)))]
             else:
-                batches = plan_batches(tokens, self.target_tokens, self.max_batch, self.sort)
+                batches = plan_batches(todo_tokens, self.target_tokens, self.max_batch, self.sort)
             for batch in batches:
                 if self.stop.drain_expired():
                     return None
-                reqs: list[Request] = [rows[todo[j]].request for j in batch]  # type: ignore[misc]
+                reqs = [requests[todo[j]] for j in batch]
                 self.metrics.engine_started()
                 t = time.perf_counter()
                 out = run_isolating(self.engine, reqs)
@@ -273,28 +452,14 @@ class ShardWorker:
                 self.metrics.engine_busy.inc(busy)
                 self.stats.engine_busy_s += busy
                 self.stats.batches += 1
+                self.stats.engine_calls += len(reqs)
                 self.metrics.batch_size.observe(len(batch))
-                self.metrics.batch_tokens.observe(len(batch) * max(tokens[j] for j in batch))
+                self.metrics.batch_tokens.observe(len(batch) * max(todo_tokens[j] for j in batch))
                 for j, res in zip(batch, out, strict=True):
                     results[todo[j]] = res
-        records: list[dict[str, Any]] = []
-        for i, row in enumerate(rows):
-            res = results.get(i)
-            if res is not None and res.error is not None:
-                row.error_code, row.error = "engine_error", res.error
-                res = None
-            if res is None:
-                records.append({"at": list(row.at), "kind": "error",
-                                "row": error_row(row, self.object_name(row.at[0]), self.opts)})
-                continue
-            if res.prompt_tokens:
-                self.stats.tokens_in += res.prompt_tokens
-                self.metrics.tokens.labels("in").inc(res.prompt_tokens)
-            if res.completion_tokens:
-                self.stats.tokens_out += res.completion_tokens
-                self.metrics.tokens.labels("out").inc(res.completion_tokens)
-            records.append({"at": list(row.at), "kind": "result", "row": result_row(row, res, self.opts)})
-        return records
+        final = [r for r in results if r is not None]
+        assert len(final) == len(live)
+        return final
 
 
 def _usage_of(row: dict[str, Any]) -> dict[str, int]:
