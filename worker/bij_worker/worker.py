@@ -282,7 +282,8 @@ class ShardWorker:
             line = rec["line"].encode()
             row = parse_line(line, tuple(rec["at"]), self.object_name(rec["at"][0]), self.opts)  # type: ignore[arg-type]
             row.id = rec["id"]
-            row.prior_attempts = int(rec["attempts"])
+            # "attempts" counts every attempt so far, earlier rounds included.
+            row.prior_attempts = int(rec["attempts"]) - int(rec["attemptsHere"])
             row.verdicts = list(rec.get("verdicts", []))
             live.append(_Live(row, line, attempts_here=int(rec["attemptsHere"]), last_output=rec.get("output")))
         return self._attempt_loop(live, [])
