@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[cpu,dev]"
+	$(PY) -m pip install -q -e ".[cpu,dev,operator]"
 	touch $@
 
 demo: install
@@ -21,7 +21,7 @@ demo: install
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/bij run examples/local-embed.yaml
 
 test: install
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e" $(PYTEST_ARGS)
 
 test-fast: install
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
@@ -32,6 +32,12 @@ bench: install
 lint: install
 	$(VENV)/bin/ruff check operator worker tests bench examples
 	$(VENV)/bin/mypy
+
+sync-crd: install
+	$(PY) tools/sync_crd.py
+
+e2e: install
+	$(VENV)/bin/pytest -q -m e2e tests/e2e
 
 clean:
 	rm -rf demo-out examples/data/corpus.jsonl
