@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .engines.base import Request, Result
@@ -178,18 +178,18 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
         return _bad(at, "invalid_request", "body.temperature must be a number from 0 to 2", cid)
     if not isinstance(seed, int) or isinstance(seed, bool):
         return _bad(at, "invalid_request", "body.seed must be an integer", cid)
-    common = {"max_tokens": max_tokens, "temperature": float(temperature), "seed": seed}
+    base = Request(max_tokens=max_tokens, temperature=float(temperature), seed=seed)
     if kind == "chat":
         msgs = body.get("messages")
         problem = _messages_ok(msgs)
         if problem:
             return _bad(at, "invalid_request", f"body.messages {problem}", cid)
-        return Row(at=at, id=cid, request=Request(messages=msgs, **common), url=url)
+        return Row(at=at, id=cid, request=replace(base, messages=msgs), url=url)
     field = "input" if kind == "embed" else "prompt"
     text = body.get(field)
     if not isinstance(text, str) or not text.strip():
         return _bad(at, "invalid_request", f"body.{field} must be a non-empty string", cid)
-    return Row(at=at, id=cid, request=Request(text=text, **common), url=url)
+    return Row(at=at, id=cid, request=replace(base, text=text), url=url)
 
 
 def _usage(res: Result) -> dict[str, int]:

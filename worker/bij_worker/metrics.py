@@ -31,7 +31,8 @@ class Stats:
         return {
             "rows": d["rows"], "errors": d["errors"], "tokensIn": d["tokens_in"], "tokensOut": d["tokens_out"],
             "rejected": d["rejected"], "capped": d["capped"], "engineCalls": d["engine_calls"],
-            "judgeCalls": d["judge_calls"], "batches": d["batches"], "chunks": d["chunks"], "engineBusySeconds": round(d["engine_busy_s"], 3),
+            "judgeCalls": d["judge_calls"], "batches": d["batches"], "chunks": d["chunks"],
+            "engineBusySeconds": round(d["engine_busy_s"], 3),
             "modelLoadSeconds": round(d["model_load_s"], 3),
         }
 

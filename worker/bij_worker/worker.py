@@ -405,8 +405,8 @@ class ShardWorker:
         verdicts: list[Verdict | None] = [None] * len(live)
         if idx:
             reqs: list[Request] = [live[i].row.request for i in idx]  # type: ignore[misc]
-            outs = [results[i].output if results[i].output is not None else json.dumps(results[i].embedding)
-                    for i in idx]
+            outs = [str(results[i].output) if results[i].output is not None
+                    else json.dumps(results[i].embedding) for i in idx]
             t = time.perf_counter()
             got = self.judge.judge(reqs, outs, self.engine)
             self.stats.engine_busy_s += time.perf_counter() - t if self.judge.type == "llm" else 0.0
@@ -446,9 +446,9 @@ class ShardWorker:
                     return None
                 reqs = [requests[todo[j]] for j in batch]
                 self.metrics.engine_started()
-                t = time.perf_counter()
+                started = time.perf_counter()
                 out = run_isolating(self.engine, reqs)
-                busy = time.perf_counter() - t
+                busy = time.perf_counter() - started
                 self.metrics.engine_stopped()
                 self.metrics.engine_busy.inc(busy)
                 self.stats.engine_busy_s += busy
