@@ -109,7 +109,9 @@ class LocalRunner:
         prog.start_frac = prog.bytes / plan.total_bytes if plan.total_bytes else 0.0
         prog.start_rows = prog.rows + prog.errors
 
-        while pending or self.procs:
+        # Once stopping (Ctrl-C, or a bad configuration), pending shards are not started: wait only for
+        # the running ones, or the loop would spin forever on a queue nothing drains.
+        while self.procs or (pending and not self.stopping):
             while pending and len(self.procs) < self.parallelism and not self.stopping and bad_config is None:
                 i = pending.popleft()
                 attempts[i] = attempts.get(i, 0) + 1
@@ -146,7 +148,7 @@ class LocalRunner:
                     sys.stderr.write("\r" + prog.line(round_no) + "\x1b[K")
                 sys.stderr.flush()
                 last_draw = now
-            if not pending and not self.procs:
+            if not self.procs and (not pending or self.stopping):
                 break
             time.sleep(0.05)
         for t in readers:
