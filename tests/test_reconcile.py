@@ -27,7 +27,8 @@ UID = "0b6a2c1e-uid"
 
 
 def make_job(*, suspend: bool = False, parallelism: int = 4, judge: dict | None = None,
-             task: str = "embed", uid: str | None = UID) -> BatchInferenceJob:
+             task: str = "embed", uid: str | None = UID, queue: str | None = None,
+             max_error_ratio: float | None = None) -> BatchInferenceJob:
     spec: dict[str, Any] = {
         "input": {"uri": "file:///data/in"},
         "output": {"uri": "file:///data/out"},
@@ -35,6 +36,10 @@ def make_job(*, suspend: bool = False, parallelism: int = 4, judge: dict | None 
         "workers": {"parallelism": parallelism},
         "suspend": suspend,
     }
+    if queue:
+        spec["workers"]["queueName"] = queue
+    if max_error_ratio is not None:
+        spec["maxErrorRatio"] = max_error_ratio
     if judge is not None:
         spec["judge"] = judge
     meta: dict[str, Any] = {"name": "emb", "namespace": "ml"}
@@ -46,7 +51,7 @@ def make_job(*, suspend: bool = False, parallelism: int = 4, judge: dict | None 
 
 def planned(round_no: int = 0, shards: int = 8, done: bool = False, **extra: Any) -> dict[str, Any]:
     rounds = [{"round": r, "shards": shards, "startTime": "2024-01-01T00:00:00Z",
-               "completionTime": "2024-01-01T01:00:00Z"} for r in range(round_no)]
+               "completionTime": "2024-01-01T01:00:00Z", "approved": 10, "rejected": 5} for r in range(round_no)]
     rec: dict[str, Any] = {"round": round_no, "shards": shards, "startTime": "2024-01-01T00:00:00Z"}
     if done:
         rec["completionTime"] = "2024-01-01T01:00:00Z"
@@ -244,7 +249,8 @@ def test_failure_target_fails_the_round_before_the_pods_are_gone() -> None:
     d = decide(make_job(), planned(), [job])
     assert isinstance(d, MarkFailed)
     assert d.reason == "PodFailurePolicy"
-    assert "index 3" in d.message
+    assert d.failed_shards == (3,)
+    assert "round 0: shard 3 failed" in d.message
     assert "exit code 42" in d.message
 
 
@@ -291,9 +297,31 @@ def test_a_suspended_job_that_matches_the_spec_waits_suspended() -> None:
 
 
 def test_a_parallelism_change_is_applied_to_the_job() -> None:
+    d = decide(make_job(parallelism=6), planned(), [k8s_job(parallelism=4, active=4)])
+    assert isinstance(d, PatchJob)
+    assert (d.suspend, d.parallelism) == (None, 6)
+    # More pods than shards cannot run: the patch stops at the Job's completions.
     d = decide(make_job(parallelism=16), planned(), [k8s_job(parallelism=4, active=4)])
     assert isinstance(d, PatchJob)
-    assert (d.suspend, d.parallelism) == (None, 16)
+    assert d.parallelism == 8
+
+
+def test_parallelism_capped_by_the_shard_count_is_not_patched() -> None:
+    # The Job runs min(parallelism, shards) pods; that is not a difference to fix.
+    d = decide(make_job(parallelism=16), planned(shards=3), [k8s_job(completions=3, parallelism=3, active=3)])
+    assert isinstance(d, Wait)
+
+
+def test_a_job_queued_in_kueue_is_never_unsuspended_by_the_operator() -> None:
+    d = decide(make_job(queue="gpu"), planned(), [k8s_job(suspend=True)])
+    assert isinstance(d, Wait)
+    assert (d.phase, d.reason) == ("Pending", "Queued")
+
+
+def test_a_job_queued_in_kueue_is_still_suspended_on_request() -> None:
+    d = decide(make_job(queue="gpu", suspend=True), planned(), [k8s_job(active=2)])
+    assert isinstance(d, PatchJob)
+    assert d.suspend is True
 
 
 def test_a_completed_job_is_not_resumed_or_patched() -> None:
@@ -323,6 +351,19 @@ def test_locally_named_jobs_without_uid_match_by_labels() -> None:
     assert isinstance(decide(make_job(uid=None), planned(), [job]), FinishRound)
 
 
+def test_too_many_error_rows_fail_instead_of_publishing() -> None:
+    status = planned(done=True, approved=80, capped=10, errors=10)
+    d = decide(make_job(max_error_ratio=0.05), status, [])
+    assert isinstance(d, MarkFailed)
+    assert d.reason == "TooManyErrors"
+    assert "10 of 100 rows failed" in d.message
+
+
+def test_error_rows_within_the_budget_publish() -> None:
+    d = decide(make_job(max_error_ratio=0.2), planned(done=True, approved=90, errors=10), [])
+    assert isinstance(d, Publish)
+
+
 # --- judge rounds ------------------------------------------------------------------------------
 
 
@@ -335,8 +376,9 @@ def test_a_round_with_rejected_rows_plans_the_next_round() -> None:
     assert d.round == 1
 
 
-def test_the_last_allowed_round_publishes_even_with_rejected_rows() -> None:
-    d = decide(make_job(task="generate", judge=JUDGE), planned(round_no=2, done=True, rejected=5), [])
+def test_the_last_allowed_round_caps_its_rejects_and_publishes() -> None:
+    # The worker of the final round records still-rejected rows as capped, not rejected.
+    d = decide(make_job(task="generate", judge=JUDGE), planned(round_no=2, done=True, rejected=0, capped=5), [])
     assert isinstance(d, Publish)
     assert d.rounds == 3
 
@@ -346,10 +388,8 @@ def test_a_round_without_rejections_publishes() -> None:
     assert isinstance(d, Publish)
 
 
-def test_in_place_judging_never_adds_rounds() -> None:
-    judge = dict(JUDGE, strategy="inPlace")
-    d = decide(make_job(task="generate", judge=judge), planned(done=True, rejected=5), [])
-    assert isinstance(d, Publish)
+def test_without_a_judge_rejections_cannot_add_rounds() -> None:
+    assert isinstance(decide(make_job(), planned(done=True, rejected=5), []), Publish)
 
 
 def test_the_second_round_creates_its_own_job() -> None:
@@ -375,10 +415,11 @@ def test_replaying_the_decisions_of_a_whole_run_reaches_succeeded_with_one_job()
             status.setdefault("rounds", []).append({"round": d.round, "shards": 3})
         elif isinstance(d, CreateJob):
             created += 1
-            jobs.append(k8s_job(completions=d.completions, active=3))
+            jobs.append(k8s_job(completions=d.completions, parallelism=3, active=3))
         elif isinstance(d, Wait):
             # The Job controller finishes every index.
-            jobs[0] = k8s_job(completions=3, completed="0-2", conditions=[("Complete", "True", "", "")])
+            jobs[0] = k8s_job(completions=3, parallelism=3, completed="0-2",
+                              conditions=[("Complete", "True", "", "")])
         elif isinstance(d, FinishRound):
             status["rounds"][d.round]["completionTime"] = "2024-01-01T01:00:00Z"
         elif isinstance(d, Publish):

@@ -10,19 +10,23 @@ lost round.
 The state that survives restarts lives in ``status.rounds``, one record per
 planned round::
 
-    {"round": 0, "shards": 8, "startTime": "...", "completionTime": "..."}
+    {"round": 0, "shards": 8, "startTime": "...", "completionTime": "...", "approved": 980, "errors": 20, ...}
 
-A record exists once the round is planned; ``completionTime`` is set once its Job
-completed. Judge rounds hang off `after_round()`: a finished round either
+A record exists once the round is planned; ``completionTime`` and the round's statistics
+(`rounds.RoundStats.as_status`: approved, rejected, capped, errors, ...) are added once its
+Job completed. Judge rounds hang off `after_round()`: a finished round either
 publishes or plans the next round.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .jobs import desired_parallelism
+from .rounds import RoundStats, needs_another_round
 from .spec import API_GROUP, BatchInferenceJob
 
 JOB_LABEL = f"{API_GROUP}/job"
@@ -331,9 +335,15 @@ def decide(
                            message=f"round {r}: all {shards.total} shards done", shards=shards)
 
     want_suspend = job.spec.suspend
-    want_parallelism = job.spec.workers.parallelism
-    patch_suspend = want_suspend if view.suspend != want_suspend else None
-    patch_parallelism = want_parallelism if view.parallelism != want_parallelism else None
+    # Kueue admits a queued Job by unsuspending it: the operator may suspend such a Job but
+    # must never unsuspend it, or it would bypass the queue.
+    queued = bool(job.spec.workers.queue_name)
+    if want_suspend:
+        patch_suspend = True if not view.suspend else None
+    else:
+        patch_suspend = False if view.suspend and not queued else None
+    want_parallelism = desired_parallelism(job, view.completions) if view.completions else None
+    patch_parallelism = want_parallelism if want_parallelism and view.parallelism != want_parallelism else None
     if patch_suspend is not None or patch_parallelism is not None:
         verb = {True: "suspending", False: "resuming", None: "updating"}[patch_suspend]
         return PatchJob(round=r, phase="Suspended" if want_suspend else "Running",
@@ -341,13 +351,16 @@ def decide(
                         message=f"round {r}: {verb} Job {view.name}", shards=shards,
                         job_name=view.name, suspend=patch_suspend, parallelism=patch_parallelism)
 
-    return Wait(round=r, **_progress(r, view, shards))
+    return Wait(round=r, **_progress(r, view, shards, want_suspend))
 
 
-def _progress(r: int, view: JobView, shards: Shards) -> dict[str, Any]:
+def _progress(r: int, view: JobView, shards: Shards, want_suspend: bool) -> dict[str, Any]:
     """Phase, reason and message of a round whose Job is neither finished nor in need of a patch."""
     failed = f", {shards.failed} failed ({format_ranges(view.failed)})" if shards.failed else ""
     counts = f"{shards.done}/{shards.total} shards done{failed}"
+    if view.suspend and not want_suspend:
+        return dict(phase="Pending", reason="Queued", shards=shards,
+                    message=f"round {r}: Job {view.name} is queued (suspended until Kueue admits it); {counts}")
     if view.suspend:
         return dict(phase="Suspended", reason="Suspended", shards=shards,
                     message=f"round {r} suspended: {counts}")
@@ -363,28 +376,56 @@ def job_failed(r: int, view: JobView) -> MarkFailed:
     cond = view.failure
     reason = cond.reason if cond and cond.reason else "JobFailed"
     detail = f" ({cond.message})" if cond and cond.message else ""
-    if view.failed:
-        which = f"shards {format_ranges(view.failed)} failed"
+    failed = set(view.failed)
+    if not failed and cond is not None:
+        # FailJob names no failed index, only the pod: Indexed Job pods are named
+        # <job>-<index>-<random>, so the pod name says which shard it was.
+        m = re.search(rf"for pod [^/\s]+/{re.escape(view.name)}-(\d+)-", cond.message)
+        if m:
+            failed.add(int(m.group(1)))
+    if failed:
+        noun = "shard" if len(failed) == 1 else "shards"
+        which = f"{noun} {format_ranges(failed)} failed"
     else:
         which = "the Job failed"
     return MarkFailed(round=r, phase="Failed", reason=reason,
                       message=f"round {r}: {which}; Job {view.name}: {reason}{detail}",
-                      shards=view.shards, failed_shards=tuple(sorted(view.failed)))
+                      shards=view.shards, failed_shards=tuple(sorted(failed)))
+
+
+def round_stats(status: Mapping[str, Any]) -> list[RoundStats]:
+    """The finished rounds' statistics as recorded in ``status.rounds``, in round order."""
+    out = []
+    for r, rec in sorted(round_records(status).items()):
+        if not rec.get("completionTime"):
+            break
+        out.append(RoundStats(round=r, shards=int(rec.get("shards") or 0), approved=int(rec.get("approved") or 0),
+                              rejected=int(rec.get("rejected") or 0), capped=int(rec.get("capped") or 0),
+                              errors=int(rec.get("errors") or 0), engine_calls=int(rec.get("engineCalls") or 0)))
+    return out
 
 
 def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int) -> Decision:
-    """A round finished: publish, or (judge strategy ``rounds``) plan the next round.
+    """A round finished: plan the next judge round if rows were rejected, else publish.
 
-    The next round is only planned when the finished round recorded rejected rows and the
-    ``maxRounds`` cap allows it; reaching the cap publishes what was approved (the manifest
-    reports the rest), it never loops.
+    Whether another round follows is `rounds.needs_another_round`, shared with ``bij run``:
+    the worker of a judge's last allowed round caps rejected rows instead of rejecting them,
+    so the rounds end at ``maxRounds`` without a check here. Error rows beyond
+    ``spec.maxErrorRatio`` fail the job instead of publishing.
     """
-    rec = round_records(status).get(r) or {}
-    judge = job.spec.judge
-    rejected = int(rec.get("rejected") or 0)
-    if judge is not None and judge.strategy == "rounds" and rejected > 0 and r + 1 < judge.max_rounds:
+    history = round_stats(status)
+    limit = job.spec.max_error_ratio
+    if limit is not None:
+        errors = sum(h.errors for h in history)
+        total = sum(h.approved + h.errors + h.capped for h in history)
+        if total and errors / total > limit:
+            return MarkFailed(round=r, phase="Failed", reason="TooManyErrors",
+                              message=f"{errors} of {total} rows failed ({errors / total:.1%}), "
+                                      f"above spec.maxErrorRatio {limit:.1%}; nothing was published")
+    if needs_another_round(job.spec.judge, history):
+        rejected = history[-1].rejected
         return PlanRound(round=r + 1, phase="Running", reason="Planning",
-                         message=f"round {r} rejected {rejected} rows; planning round {r + 1}")
+                         message=f"round {r}: the judge rejected {rejected} rows; planning round {r + 1}")
     return Publish(round=r, phase="Publishing", reason="Publishing",
                    message=f"publishing the manifest of {r + 1} round(s)", rounds=r + 1)
 

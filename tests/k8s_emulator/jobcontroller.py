@@ -11,8 +11,9 @@ cluster writes: ``completedIndexes``/``failedIndexes`` range strings, ``active``
 ``Complete``, ``FailureTarget`` then ``Failed``, ``Suspended``, and
 ``ttlSecondsAfterFinished``.
 
-Tests steer it with `inject_exit()` (the next pod of an index exits with a given code)
-and `preempt()` (a spot node goes away under a running pod).
+Tests steer it with `inject_exit()` (the next pod of an index exits with a given code,
+optionally after a while), `hold()`/`release()` (pods of an index wait, as if
+unschedulable) and `preempt()` (a spot node goes away under a running pod).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class JobController:
         self.entrypoint = entrypoint or ["bij-worker"]
         self.workdir = str(workdir) if workdir else None
         self.jobs: dict[str, JobState] = {}
-        self._faults: dict[tuple[str, int], list[int]] = {}
+        self._faults: dict[tuple[str, int], list[tuple[int, float]]] = {}
+        self._held: set[tuple[str, int]] = set()
         self._res: Resource | None = None
         self._pending: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -110,9 +112,23 @@ class JobController:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def inject_exit(self, job_name: str, index: int, exit_code: int, times: int = 1) -> None:
-        """The next `times` pods of `index` of Job `job_name` exit with `exit_code` instead of working."""
-        self.emulator.call(lambda: self._faults.setdefault((job_name, index), []).extend([exit_code] * times))
+    def inject_exit(self, job_name: str, index: int, exit_code: int, times: int = 1, sleep: float = 0.0) -> None:
+        """The next `times` pods of `index` of Job `job_name` run for `sleep` seconds (a stand-in
+        for a slow shard) and exit with `exit_code`, instead of running the worker."""
+        fault = (exit_code, sleep)
+        self.emulator.call(lambda: self._faults.setdefault((job_name, index), []).extend([fault] * times))
+
+    def hold(self, job_name: str, *indexes: int) -> None:
+        """Pods of these indexes are not started (as if unschedulable) until `release()`."""
+        self.emulator.call(lambda: self._held.update((job_name, i) for i in indexes))
+
+    def release(self, job_name: str) -> None:
+        def go() -> None:
+            self._held.difference_update({k for k in self._held if k[0] == job_name})
+            for st in self.jobs.values():
+                if st.name == job_name:
+                    self._schedule({"metadata": {"uid": st.uid, "namespace": st.namespace, "name": st.name}})
+        self.emulator.call(go)
 
     def preempt(self, job_name: str, index: int) -> bool:
         """A spot node goes away: the pod of `index` gets SIGTERM and a DisruptionTarget condition."""
@@ -218,7 +234,8 @@ class JobController:
                 conditions = _set(conditions, "Suspended", "False", "JobResumed", "Job resumed")
             st.started = st.started or status.get("startTime") or now_iso()
             todo = [i for i in range(completions)
-                    if i not in st.completed and i not in st.failed_indexes and i not in st.pods]
+                    if i not in st.completed and i not in st.failed_indexes and i not in st.pods
+                    and (st.name, i) not in self._held]
             room = int(spec.get("parallelism", 1)) - len(live)
             for index in todo[:max(room, 0)]:
                 self._start_pod(st, job, index)
@@ -302,7 +319,8 @@ class JobController:
         cmd = [ports.get(a, a) for a in cmd]
         fault = self._faults.get((job["metadata"]["name"], index))
         if fault:
-            cmd = [sys.executable, "-c", f"import sys; sys.exit({fault.pop(0)})"]
+            code, sleep = fault.pop(0)
+            cmd = [sys.executable, "-c", f"import sys, time; time.sleep({sleep}); sys.exit({code})"]
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "PYTHONPATH", "LANG", "TMPDIR")}
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         for item in container.get("env") or []:

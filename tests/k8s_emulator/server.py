@@ -28,9 +28,12 @@ T = TypeVar("T")
 _NAMESPACE_SUBRESOURCES = ("status", "finalize")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class RequestRecord:
-    """One API request as RBAC sees it: verb on group/resource[/subresource] in a namespace."""
+    """One API request as RBAC sees it: verb on group/resource[/subresource] in a namespace.
+
+    Logged when the request arrives (a watch may never end); `code` is filled in when it does.
+    """
 
     verb: str
     group: str | None  # None for non-resource URLs (/api, /apis, /version)
@@ -40,8 +43,8 @@ class RequestRecord:
     namespace: str | None
     name: str | None
     path: str
-    code: int
     user_agent: str
+    code: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -218,7 +221,9 @@ class Emulator:
 
     def events_for(self, name: str, namespace: str = "default") -> list[Obj]:
         """Core v1 Events whose involvedObject is `name`, oldest first."""
-        return [e for e in self.list("v1", "events", namespace) if (e.get("involvedObject") or {}).get("name") == name]
+        events = [e for e in self.list("v1", "events", namespace)
+                  if (e.get("involvedObject") or {}).get("name") == name]
+        return sorted(events, key=lambda e: int(e["metadata"]["resourceVersion"]))
 
     def printer_columns(self, api_version: str, plural: str, name: str, namespace: str | None = None,
                         *, wide: bool = False) -> dict[str, Any]:
@@ -271,27 +276,25 @@ class Emulator:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         target = parse_path(request.path)
-        verb = verb_of(request.method, target, request.query)
-        code = 500
+        is_resource = target is not None and target.plural is not None
+        record = RequestRecord(
+            verb=verb_of(request.method, target, request.query),
+            group=target.group if target and is_resource else None,
+            version=target.version if target and is_resource else None,
+            resource=target.plural if target and is_resource else None,
+            subresource=target.subresource if target and is_resource else None,
+            namespace=target.namespace if target and is_resource else None,
+            name=target.name if target and is_resource else None,
+            path=request.path, user_agent=request.headers.get("User-Agent", ""),
+        )
+        self._requests.append(record)
         try:
             response = await handler(request)
-            code = response.status
+            record.code = response.status
             return response
         except ApiError as e:
-            code = e.code
+            record.code = e.code
             return web.json_response(e.status(), status=e.code)
-        finally:
-            is_resource = target is not None and target.plural is not None
-            self._requests.append(RequestRecord(
-                verb=verb,
-                group=target.group if is_resource and target else None,
-                version=target.version if is_resource and target else None,
-                resource=target.plural if is_resource and target else None,
-                subresource=target.subresource if is_resource and target else None,
-                namespace=target.namespace if is_resource and target else None,
-                name=target.name if is_resource and target else None,
-                path=request.path, code=code, user_agent=request.headers.get("User-Agent", ""),
-            ))
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         assert self.store is not None
