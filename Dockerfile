@@ -28,8 +28,10 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/home/bij \
     HF_HOME=/models/huggingface
+# A CPU worker for tests: --build-arg VLLM_IMAGE=python:3.11-slim-bookworm --build-arg WORKER_EXTRAS=
+ARG WORKER_EXTRAS=[vllm]
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    python3 -m pip install "$(ls /wheels/bij-*.whl)[vllm]" \
+    python3 -m pip install "$(ls /wheels/bij-*.whl)${WORKER_EXTRAS}" \
     && python3 -c "import bij_worker.main"
 # uid 1000, as the round Jobs' securityContext expects (runAsNonRoot needs a numeric USER).
 # Some bases already have a uid 1000 user (ubuntu); reuse it, with our own HOME.
