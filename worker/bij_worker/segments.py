@@ -104,7 +104,9 @@ class ShardLog:
         """Make one chunk's records durable, all in one write (file://) or one object (s3://)."""
         if not records:
             return
-        data = encode_records(records)
+        # In input order: a torn write then keeps a prefix of the chunk, and the resume cursor (the
+        # furthest durable row) never jumps over a row whose record was cut off behind it.
+        data = encode_records(sorted(records, key=lambda r: (r["at"][0], r["at"][1])))
         if self.storage.supports_append:
             self.storage.append_durable(self.log_uri, data)
         else:

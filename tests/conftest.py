@@ -1,0 +1,370 @@
+"""Shared fixtures: where a test's data lives (file:// or an S3 emulator), datasets, specs, published output.
+
+- `s3_endpoint`: moto's S3 server on 127.0.0.1 (a free port), one per session; fake
+  credentials in the AWS_* environment, so boto3 never looks further.
+- `file_place`, `s3_place`, `place` (both): a fresh folder or bucket prefix, with its
+  `Storage`, the spec's `storage` block and the environment a worker subprocess needs.
+- `make_job`: write a BatchInferenceJob YAML (echo engine by default) and load it.
+- `read_output`: the published manifest, checked against its files (rows, sha256),
+  and every result and error row.
+- `worker_env`: the environment for real `bij` / `bij-worker` subprocesses, with an
+  optional test harness (see `_HARNESS`) that counts rows the echo engine computes,
+  slows it down, or fails a segment upload — the production code has no test hooks.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+import zstandard
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1; AWS_* credentials are fake and set for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    saved = {k: os.environ.get(k) for k in [*env, "AWS_SESSION_TOKEN", "AWS_PROFILE"]}
+    os.environ.update(env)
+    for k in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        os.environ.pop(k, None)
+    with socket.socket() as s:  # a free port; moto's server takes it right after
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@dataclass
+class Place:
+    """Where a test's input and output live: a file:// folder, or a prefix in a fresh emulator bucket."""
+
+    scheme: str
+    base: str  # ends with "/"
+    endpoint: str | None = None
+    _storage: Any = field(default=None, repr=False)
+
+    def uri(self, *parts: str) -> str:
+        return self.base + "/".join(p.strip("/") for p in parts)
+
+    @property
+    def storage(self) -> Any:
+        if self._storage is None:
+            from bij_worker.storage import open_storage
+
+            self._storage = open_storage(self.base, {"endpointUrl": self.endpoint} if self.endpoint else None)
+        return self._storage
+
+    @property
+    def spec_storage(self) -> dict[str, Any]:
+        """The spec's `storage` block for this place."""
+        return {"s3": {"endpointUrl": self.endpoint}} if self.endpoint else {}
+
+    def env(self) -> dict[str, str]:
+        """What a worker subprocess needs to reach this place (the Job sets the same for a pod)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint} if self.endpoint else {}
+
+    def write_jsonl(self, name: str, rows: list[Any], *, zst: bool = False) -> str:
+        """Write rows (dicts are JSON-encoded, str/bytes are written as the raw line) and return the URI."""
+        data = b"".join(_line(r) for r in rows)
+        if zst:
+            data = zstandard.ZstdCompressor().compress(data)
+        uri = self.uri(name)
+        self.storage.write_bytes(uri, data)
+        return uri
+
+
+def _line(row: Any) -> bytes:
+    if isinstance(row, bytes):
+        return row if row.endswith(b"\n") else row + b"\n"
+    if isinstance(row, str):
+        return (row if row.endswith("\n") else row + "\n").encode()
+    return json.dumps(row, ensure_ascii=False).encode() + b"\n"
+
+
+@pytest.fixture
+def file_place(tmp_path: Path) -> Place:
+    (tmp_path / "data").mkdir()
+    return Place("file", f"file://{tmp_path}/data/")
+
+
+@pytest.fixture
+def s3_place(s3_endpoint: str) -> Place:
+    import boto3
+
+    bucket = f"bij-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    return Place("s3", f"s3://{bucket}/data/", s3_endpoint)
+
+
+@pytest.fixture(params=["file", "s3"])
+def place(request: pytest.FixtureRequest) -> Place:
+    """Each test that takes `place` runs once on file:// and once on s3:// (the emulator)."""
+    return request.getfixturevalue(f"{request.param}_place")  # type: ignore[no-any-return]
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.fixture
+def make_job(tmp_path: Path) -> Any:
+    """make_job(place, input_uri, **spec) -> (spec path, BatchInferenceJob); spec keys merge into the defaults."""
+    from bij_operator.spec import load_job
+
+    def make(place: Place, input_uri: str, *, name: str = "t", output: str = "out/", **spec: Any) -> Any:
+        doc = {
+            "apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": name},
+            "spec": _merge({
+                "input": {"uri": input_uri},
+                "output": {"uri": place.uri(output), "compression": "none"},
+                "model": {"engine": "echo", "task": "generate"},
+                "sharding": {"targetShardBytes": 4096, "chunkRows": 16},
+                "workers": {"parallelism": 2, "backoffLimitPerIndex": 0},
+                "storage": place.spec_storage,
+            }, spec),
+        }
+        path = tmp_path / f"{name}-{uuid.uuid4().hex[:6]}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path, load_job(path)
+
+    return make
+
+
+@dataclass
+class Output:
+    manifest: dict[str, Any]
+    results: list[dict[str, Any]]  # in file order (files in manifest order)
+    errors: list[dict[str, Any]]
+    raw: dict[str, bytes]  # path -> stored bytes of every listed file
+
+    @property
+    def result_ids(self) -> list[Any]:
+        return [r.get("custom_id", r.get("id")) for r in self.results]
+
+
+@pytest.fixture
+def read_output() -> Any:
+    """read_output(job) -> Output; fails when a file's rows, bytes or sha256 disagree with the manifest."""
+    from bij_worker.storage import open_storage
+
+    def read(job: Any) -> Output:
+        out_uri = job.spec.output.uri.rstrip("/") + "/"
+        store = open_storage(out_uri, job.spec.storage.s3)
+        manifest = json.loads(store.read_bytes(out_uri + "manifest.json"))
+        raw: dict[str, bytes] = {}
+
+        def rows_of(files: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            rows: list[dict[str, Any]] = []
+            for f in files:
+                data = store.read_bytes(out_uri + f["path"])
+                raw[f["path"]] = data
+                assert hashlib.sha256(data).hexdigest() == f["sha256"], f["path"]
+                assert len(data) == f["bytes"], f["path"]
+                if f["path"].endswith(".zst"):
+                    data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30)
+                got = [json.loads(line) for line in data.splitlines()]
+                assert len(got) == f["rows"], f["path"]
+                rows += got
+            return rows
+
+        return Output(manifest, rows_of(manifest["files"]), rows_of(manifest["errorFiles"]), raw)
+
+    return read
+
+
+def shard_log_lines(place: Place, job: Any, round_no: int = 0) -> dict[int, list[dict[str, Any]]]:
+    """Every raw durable record of each shard, as written (no de-duplication), by shard index."""
+    from bij_operator import layout
+
+    prefix = layout.join(layout.round_prefix(job, round_no), "shards") + "/"
+    out: dict[int, list[dict[str, Any]]] = {}
+    for obj in place.storage.list(prefix):
+        index = int(obj.uri[len(prefix):].split("/", 1)[0])
+        data = place.storage.read_bytes(obj.uri)
+        out.setdefault(index, []).extend(json.loads(line) for line in data.splitlines() if line.strip())
+    return out
+
+
+@pytest.fixture
+def log_lines() -> Any:
+    """log_lines(place, job) -> {shard index: [raw durable records]} (see `shard_log_lines`)."""
+    return shard_log_lines
+
+
+# Loaded as `sitecustomize` into worker subprocesses (PYTHONPATH), so the real entry points
+# (`bij run`, `bij-worker`) run unchanged while a test observes or disturbs the engine and storage.
+_HARNESS = '''
+import os
+
+if os.environ.get("BIJ_TEST_HARNESS"):
+    import time
+
+    from bij_worker.engines import echo
+    from bij_worker.engines.base import request_text
+    from bij_worker import storage
+
+    _log = os.environ.get("BIJ_TEST_ECHO_LOG")  # one line per row the engine computes
+    _delay = float(os.environ.get("BIJ_TEST_ECHO_DELAY", "0"))  # seconds per batch
+    _fail = int(os.environ.get("BIJ_TEST_FAIL_SEGMENT", "0"))  # the n-th segment upload fails
+    _run = echo.EchoEngine.run
+
+    def run(self, requests):
+        if _delay:
+            time.sleep(_delay)
+        out = _run(self, requests)
+        if _log:
+            with open(_log, "a") as f:
+                f.write("".join(request_text(r).replace("\\n", " ") + "\\n" for r in requests))
+        return out
+
+    echo.EchoEngine.run = run
+
+    if _fail:
+        _write = storage.S3Storage.write_bytes
+        _segments = [0]
+
+        def write_bytes(self, uri, data):
+            if uri.rsplit("/", 1)[-1].startswith("seg-"):
+                _segments[0] += 1
+                if _segments[0] == _fail:
+                    raise storage.StorageError(f"write {uri}: InternalError: simulated failed upload")
+            return _write(self, uri, data)
+
+        storage.S3Storage.write_bytes = write_bytes
+'''
+
+
+@pytest.fixture(scope="session")
+def _harness_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("harness")
+    (d / "sitecustomize.py").write_text(_HARNESS)
+    return d
+
+
+@pytest.fixture
+def worker_env(_harness_dir: Path) -> Any:
+    """worker_env(place, echo_log=None, echo_delay=0, fail_segment=0, **extra) -> env for bij/bij-worker."""
+
+    def env(place: Place | None = None, *, echo_log: Path | None = None, echo_delay: float = 0.0,
+            fail_segment: int = 0, **extra: str) -> dict[str, str]:
+        e = dict(os.environ)
+        e.update(place.env() if place else {})
+        e["PYTHONUNBUFFERED"] = "1"
+        e["HF_HUB_OFFLINE"] = e["TRANSFORMERS_OFFLINE"] = "1"
+        if echo_log or echo_delay or fail_segment:
+            e["BIJ_TEST_HARNESS"] = "1"
+            e["PYTHONPATH"] = os.pathsep.join(p for p in (str(_harness_dir), e.get("PYTHONPATH")) if p)
+            if echo_log:
+                e["BIJ_TEST_ECHO_LOG"] = str(echo_log)
+            if echo_delay:
+                e["BIJ_TEST_ECHO_DELAY"] = str(echo_delay)
+            if fail_segment:
+                e["BIJ_TEST_FAIL_SEGMENT"] = str(fail_segment)
+        e.update(extra)
+        return e
+
+    return env
+
+
+@pytest.fixture
+def bij_bin() -> Any:
+    """bij_bin("bij-worker") -> the console script of this environment."""
+    return lambda name: str(VENV_BIN / name)
+
+
+class RecordingEcho:
+    """The echo engine, recording every batch it runs; `fail_on` makes rows containing it raise."""
+
+    def __init__(self, task: str = "generate", max_input_tokens: int | None = None, fail_on: str | None = None):
+        from bij_worker.engines.base import EngineConfig
+        from bij_worker.engines.echo import EchoEngine
+
+        self.inner = EchoEngine(EngineConfig(task=task, max_input_tokens=max_input_tokens))
+        self.name, self.schedules_itself = "echo", False
+        self.fail_on = fail_on
+        self.batches: list[list[str]] = []
+
+    @property
+    def seen(self) -> list[str]:
+        """Texts in the order the engine ran them."""
+        return [t for b in self.batches for t in b]
+
+    def load(self) -> None:
+        self.inner.load()
+
+    def count_tokens(self, requests: list[Any]) -> list[int]:
+        return self.inner.count_tokens(requests)
+
+    def max_input_tokens(self) -> int | None:
+        return self.inner.max_input_tokens()
+
+    def run(self, requests: list[Any]) -> list[Any]:
+        from bij_worker.engines.base import request_text
+
+        texts = [request_text(r) for r in requests]
+        if self.fail_on is not None and any(self.fail_on in t for t in texts):
+            raise RuntimeError(f"cannot run {self.fail_on!r}")
+        self.batches.append(texts)
+        return self.inner.run(requests)
+
+
+@pytest.fixture
+def run_shards() -> Any:
+    """run_shards(job, engine=None, indexes=None, stop=None) -> {index: ShardOutcome}, in this process.
+
+    Plans round 0 (or reads its plan) and works the shards with `engine` (a RecordingEcho
+    for the job's task by default; it is returned as `run_shards.engine`).
+    """
+    from bij_operator import layout
+    from bij_operator.planner import plan_round
+    from bij_worker.worker import ShardWorker, load_plan
+
+    def run(job: Any, engine: Any = None, indexes: list[int] | None = None, **kw: Any) -> dict[int, Any]:
+        plan_round(job, 0)
+        plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
+        if engine is None:
+            engine = RecordingEcho(job.spec.model.task, job.spec.model.max_input_tokens)
+        run.engine = engine  # type: ignore[attr-defined]
+        engine.load()
+        todo = range(len(plan["shards"])) if indexes is None else indexes
+        return {i: ShardWorker(plan, i, engine, **kw).run() for i in todo}
+
+    return run
+
+
+@pytest.fixture
+def recording_echo() -> Any:
+    """recording_echo(task="generate", max_input_tokens=None, fail_on=None) -> RecordingEcho."""
+    return RecordingEcho

@@ -1,0 +1,300 @@
+"""Resume: whatever stops a worker (kill -9, SIGTERM, a torn write, a failed upload), a rerun finishes
+the shard with every row exactly once, recomputing at most the chunk that was in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bij_operator import layout
+from bij_operator.planner import plan_round
+from bij_operator.publish import publish
+from bij_worker.worker import EXIT_FAILED, EXIT_TERMINATED, ShardWorker, StopFlag, done_uri, load_plan
+
+
+def rows_with_mixed_lengths(n: int, seed: int = 7, bad_every: int = 0) -> list[Any]:
+    rnd = random.Random(seed)
+    rows: list[Any] = []
+    for i in range(n):
+        if bad_every and i % bad_every == bad_every - 1:
+            rows.append(f'{{"id": {i}, "text": ')  # invalid JSON: an error row, never sent to the engine
+        else:
+            rows.append({"id": i, "text": f"row {i} " + "w" * rnd.choice([1, 5, 40, 300])})
+    return rows
+
+
+def check_complete(out: Any, inputs: list[Any]) -> None:
+    """Every input row is published exactly once: good rows as results (echo: output == text, in input
+    order), bad rows as errors."""
+    good = [r for r in inputs if isinstance(r, dict)]
+    assert out.result_ids == [r["id"] for r in good]
+    assert [r["output"] for r in out.results] == [r["text"] for r in good]
+    assert len(out.errors) == len(inputs) - len(good)
+    assert all(e["error"]["code"] == "invalid_json" for e in out.errors)
+    assert out.manifest["counts"]["rows"] == len(good)
+    assert out.manifest["counts"]["inputRows"] == len(inputs)
+
+
+def places_once(log_lines: Any, place: Any, job: Any) -> int:
+    """Raw durable records (no de-duplication): each row's place appears exactly once. Returns the count."""
+    total = 0
+    for index, records in log_lines(place, job).items():
+        counts = Counter((r["at"][0], r["at"][1]) for r in records)
+        assert max(counts.values()) == 1, f"shard {index} has a row committed twice"
+        total += len(records)
+    return total
+
+
+def shard_plan(job: Any) -> dict[str, Any]:
+    plan_round(job, 0)
+    return load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
+
+
+def test_resume_skips_rows_already_durable(file_place, make_job, run_shards, recording_echo, read_output):
+    inputs = rows_with_mixed_lengths(100)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"chunkRows": 10,
+                                                                                        "targetShardBytes": 1 << 20})
+    # Stop after three chunks are durable (the flag is checked before each new chunk).
+    stop = StopFlag()
+    events: list[dict[str, Any]] = []
+
+    def progress(ev: dict[str, Any]) -> None:
+        events.append(ev)
+        if sum(1 for e in events if e["event"] == "chunk") == 3:
+            stop.request()
+
+    first = run_shards(job, stop=stop, progress=progress)
+    assert first[0].status == "stopped" and first[0].rows == 30
+
+    engine = recording_echo()
+    second = run_shards(job, engine=engine)
+    assert second[0].status == "done" and second[0].rows == 100
+    assert sorted(engine.seen) == sorted(r["text"] for r in inputs[30:])  # batches run sorted by length
+    publish(job)
+    check_complete(read_output(job), inputs)
+
+
+def tear_log(log: Path, keep: int, partial: bool = True) -> bytes:
+    """Keep `keep` whole lines of a shard log, plus (with `partial`) half of the next one, as a crash would."""
+    lines = log.read_bytes().splitlines(keepends=True)
+    torn = lines[keep][: len(lines[keep]) // 2] if partial else b""
+    log.write_bytes(b"".join(lines[:keep]) + torn)
+    return torn
+
+
+def test_torn_last_line_is_cut_and_only_that_row_recomputed(file_place, make_job, run_shards, recording_echo,
+                                                            read_output, log_lines):
+    inputs = rows_with_mixed_lengths(40)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      sharding={"chunkRows": 8, "targetShardBytes": 1 << 20})
+    run_shards(job)
+    plan = shard_plan(job)
+    log = Path(layout.join(plan["roundPrefix"], "shards/00000/log.jsonl")[len("file://"):])
+    torn = tear_log(log, keep=39)
+    assert torn and not torn.endswith(b"\n")
+    os.unlink(done_uri(plan, 0)[len("file://"):])  # the crash came before the shard finished
+
+    engine = recording_echo()
+    run_shards(job, engine=engine)
+    assert engine.seen == [inputs[39]["text"]]
+    assert places_once(log_lines, file_place, job) == 40
+    publish(job)
+    check_complete(read_output(job), inputs)
+
+
+def test_a_torn_tail_never_skips_an_earlier_row_of_its_chunk(file_place, make_job, run_shards, recording_echo,
+                                                            read_output, log_lines):
+    # Bad rows are recorded without the engine; a chunk's records must still be durable in input
+    # order, or a tear that cuts a good row's record behind a later bad row's loses that good row.
+    inputs: list[Any] = [{"id": i, "text": f"row {i}"} for i in range(11)]
+    inputs[3] = "not json"
+    inputs[10] = "not json either"
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      sharding={"chunkRows": 6, "targetShardBytes": 1 << 20})
+    run_shards(job)
+    plan = shard_plan(job)
+    log = Path(layout.join(plan["roundPrefix"], "shards/00000/log.jsonl")[len("file://"):])
+    full = log.read_bytes()
+    for keep in range(len(inputs)):
+        for partial in (True, False):
+            log.write_bytes(full)
+            tear_log(log, keep, partial)
+            Path(done_uri(plan, 0)[len("file://"):]).unlink(missing_ok=True)
+            engine = recording_echo()
+            run_shards(job, engine=engine)
+            assert places_once(log_lines, file_place, job) == len(inputs), (keep, partial)
+            # Only rows whose records were cut run again.
+            assert len(engine.seen) <= len(inputs) - keep
+            publish(job)
+            check_complete(read_output(job), inputs)
+
+
+def start_worker(bij_bin: Any, env: dict[str, str], manifest: str, index: int, *args: str,
+                 stderr: Any = subprocess.PIPE) -> subprocess.Popen[str]:
+    return subprocess.Popen([bij_bin("bij-worker"), "--manifest", manifest, "--progress", *args],
+                            env={**env, "JOB_COMPLETION_INDEX": str(index)}, stdout=subprocess.PIPE,
+                            stderr=stderr, text=True)
+
+
+def kill_9_after(p: subprocess.Popen[str], chunks: int, extra_s: float) -> bool:
+    """SIGKILL a worker `extra_s` after its `chunks`-th commit (0: after it resumed, before any commit).
+    False when it ended by itself first."""
+    assert p.stdout is not None
+    seen = -1
+    while seen < chunks:
+        line = p.stdout.readline()
+        if not line:
+            return False
+        event = json.loads(line)["event"]
+        seen += event in ("resume", "chunk")
+    time.sleep(extra_s)
+    if p.poll() is not None:
+        return False
+    p.send_signal(signal.SIGKILL)
+    return True
+
+
+# On s3 every worker start costs about a CPU second (boto3), which makes that sweep slow.
+@pytest.mark.parametrize("place", ["file", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
+def test_kill_9_at_many_points_then_rerun_publishes_every_row_once(place, make_job, read_output, log_lines,
+                                                                   worker_env, bij_bin, tmp_path):
+    rnd = random.Random(1234 if place.scheme == "file" else 4321)
+    inputs = rows_with_mixed_lengths(450, bad_every=37)
+    place.write_jsonl("in/a.jsonl", inputs[:200])
+    place.write_jsonl("in/b.jsonl", inputs[200:])
+    chunk_rows = 8
+    _, job = make_job(place, place.uri("in/"), sharding={"chunkRows": chunk_rows, "targetShardBytes": 18_000},
+                      batching={"maxBatchSize": 4})
+    plan = shard_plan(job)
+    manifest = layout.round_manifest_uri(job, 0)
+    shards = range(len(plan["shards"]))
+    assert len(shards) == 3
+    logs = {i: tmp_path / f"computed-{i}.txt" for i in shards}
+    kills = Counter[int]()
+
+    # Each round starts a worker for every unfinished shard (like an Indexed Job's pods) and
+    # kills each one a random moment after a random number of commits: before the first, in
+    # the middle of a chunk, right after a commit.
+    # An s3 worker spends about a CPU second starting (boto3): fewer rounds there, still 15 kills.
+    for _ in range(10 if place.scheme == "file" else 5):
+        todo = [i for i in shards if not place.storage.exists(done_uri(plan, i))]
+        if not todo:
+            break
+        with ThreadPoolExecutor(len(todo)) as pool:
+            procs = {i: start_worker(bij_bin, worker_env(place, echo_log=logs[i], echo_delay=0.004), manifest, i,
+                                     stderr=subprocess.DEVNULL) for i in todo}
+            killed = {i: pool.submit(kill_9_after, p, rnd.randint(0, 4), rnd.uniform(0, 0.012))
+                      for i, p in procs.items()}
+            for i, p in procs.items():
+                kills[i] += killed[i].result(timeout=60)
+                p.wait(timeout=60)
+                p.stdout.close()  # type: ignore[union-attr]
+    unfinished = [i for i in shards if not place.storage.exists(done_uri(plan, i))]
+    assert sum(kills.values()) >= 12 and unfinished, "the kills must land while shards are being worked"
+
+    finals = {i: start_worker(bij_bin, worker_env(place, echo_log=logs[i]), manifest, i) for i in shards}
+    for p in finals.values():
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+
+    assert places_once(log_lines, place, job) == len(inputs)
+    # The engine computed each good row at least once, and at most one chunk again per kill.
+    records = log_lines(place, job)
+    for i in shards:
+        good = sum(1 for r in records[i] if r["kind"] == "result")
+        computed = len(logs[i].read_text().splitlines()) if logs[i].exists() else 0
+        assert good <= computed <= good + kills[i] * chunk_rows, (i, good, computed, kills[i])
+    publish(job)
+    check_complete(read_output(job), inputs)
+
+
+def read_events(p: subprocess.Popen[str], until: Any, timeout: float = 30) -> list[dict[str, Any]]:
+    """Progress events from a worker's stdout until `until(events)` holds."""
+    assert p.stdout is not None
+    events: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while not until(events):
+        assert time.monotonic() < deadline, "worker made no progress"
+        line = p.stdout.readline()
+        assert line, "worker ended early"
+        events.append(json.loads(line))
+    return events
+
+
+@pytest.mark.parametrize("drain", [3.0, 0.05], ids=["drain-commits-in-flight-chunk", "drain-drops-it"])
+def test_sigterm_mid_chunk_exits_143_within_the_drain_time_and_loses_nothing(
+        drain, file_place, make_job, read_output, log_lines, worker_env, bij_bin):
+    inputs = rows_with_mixed_lengths(80)
+    chunk_rows = 10
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      sharding={"chunkRows": chunk_rows, "targetShardBytes": 1 << 20}, batching={"maxBatchSize": 2})
+    shard_plan(job)
+    manifest = layout.round_manifest_uri(job, 0)
+    # 0.1 s per batch of 2: a chunk takes half a second, so the signal lands inside one.
+    p = start_worker(bij_bin, worker_env(echo_delay=0.1), manifest, 0, "--drain-seconds", str(drain))
+    events = read_events(p, lambda ev: sum(e["event"] == "chunk" for e in ev) == 1)
+    time.sleep(0.25)
+    t = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    elapsed = time.monotonic() - t
+    assert p.returncode == EXIT_TERMINATED, err
+    assert elapsed < drain + 1.0
+    events += [json.loads(line) for line in out.splitlines()]
+    committed = sum(e["rows"] + e["errors"] for e in events if e["event"] == "chunk")
+    durable = places_once(log_lines, file_place, job)
+    assert durable == committed
+    # Long drain: the in-flight chunk is finished and committed. Short: it is dropped whole.
+    assert durable == (2 * chunk_rows if drain > 1 else chunk_rows)
+
+    p = start_worker(bij_bin, worker_env(), manifest, 0)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert places_once(log_lines, file_place, job) == len(inputs)
+    publish(job)
+    check_complete(read_output(job), inputs)
+
+
+def test_failed_segment_upload_fails_the_worker_and_a_rerun_completes(s3_place, make_job, read_output, log_lines,
+                                                                     worker_env, bij_bin):
+    inputs = rows_with_mixed_lengths(60)
+    _, job = make_job(s3_place, s3_place.write_jsonl("in.jsonl", inputs),
+                      sharding={"chunkRows": 10, "targetShardBytes": 1 << 20})
+    shard_plan(job)
+    manifest = layout.round_manifest_uri(job, 0)
+    p = start_worker(bij_bin, worker_env(s3_place, fail_segment=3), manifest, 0)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == EXIT_FAILED, err  # worth a retry: not 0, not 42 (bad config), not 143
+    assert "simulated failed upload" in err
+    assert places_once(log_lines, s3_place, job) == 20  # the two segments before the failure
+
+    p = start_worker(bij_bin, worker_env(s3_place), manifest, 0)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert places_once(log_lines, s3_place, job) == len(inputs)
+    publish(job)
+    check_complete(read_output(job), inputs)
+
+
+def test_a_stopped_worker_leaves_no_done_record_and_a_finished_shard_is_not_rerun(
+        file_place, make_job, run_shards, recording_echo):
+    inputs = rows_with_mixed_lengths(30)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"chunkRows": 10})
+    stop = StopFlag()
+    stop.request()
+    assert run_shards(job, stop=stop)[0].status == "stopped"
+    plan = shard_plan(job)
+    assert not file_place.storage.exists(done_uri(plan, 0))
+    run_shards(job)
+    engine = recording_echo()
+    outcome = ShardWorker(plan, 0, engine).run()
+    assert (outcome.status, outcome.rows, engine.seen) == ("done", 30, [])

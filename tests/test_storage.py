@@ -1,0 +1,296 @@
+"""Storage: one interface for file:// and s3://; S3 errors that can pass are retried, others name the URI."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from bij_worker import storage
+from bij_worker.storage import FileStorage, NotFound, S3Storage, StorageError, iter_lines, open_storage, split_s3
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    EndpointConnectionError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+from moto.core import DEFAULT_ACCOUNT_ID
+from moto.s3.models import s3_backends
+
+# --- file:// ---------------------------------------------------------------------------------------
+
+
+def test_file_list_gives_sizes_in_uri_order_and_nothing_for_a_missing_path(tmp_path: Path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x.jsonl").write_bytes(b"12345")
+    (tmp_path / "a.jsonl").write_bytes(b"1")
+    fs = FileStorage()
+    assert [(o.uri, o.size) for o in fs.list(f"file://{tmp_path}")] == [
+        (f"file://{tmp_path}/a.jsonl", 1), (f"file://{tmp_path}/b/x.jsonl", 5)]
+    assert [o.size for o in fs.list(f"file://{tmp_path}/b/x.jsonl")] == [5]
+    assert fs.list(f"file://{tmp_path}/nothing") == []
+
+
+def test_file_reads_from_an_offset_and_a_missing_file_is_not_found(tmp_path: Path):
+    (tmp_path / "f").write_bytes(b"0123456789")
+    fs = FileStorage()
+    with fs.open_read(f"file://{tmp_path}/f", 4) as f:
+        assert f.read() == b"456789"
+    with pytest.raises(NotFound, match="nope"):
+        fs.read_bytes(f"file://{tmp_path}/nope")
+
+
+def test_file_write_replaces_atomically_and_a_failed_write_keeps_the_old_object(tmp_path: Path, monkeypatch):
+    fs = FileStorage()
+    uri = f"file://{tmp_path}/deep/dir/obj.json"
+    fs.write_bytes(uri, b"old")
+    fs.write_bytes(uri, b"new")
+    assert fs.read_bytes(uri) == b"new"
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage.os, "fsync", broken_fsync)
+    with pytest.raises(OSError):
+        fs.write_bytes(uri, b"half")
+    assert fs.read_bytes(uri) == b"new"
+    assert os.listdir(tmp_path / "deep" / "dir") == ["obj.json"]  # no temp file left behind
+
+
+def test_file_append_is_durable_and_truncate_cuts_a_torn_tail(tmp_path: Path):
+    fs = FileStorage()
+    uri = f"file://{tmp_path}/new/log.jsonl"
+    fs.append_durable(uri, b"a\n")
+    fs.append_durable(uri, b"b\nhal")
+    fs.truncate(uri, 4)
+    assert fs.read_bytes(uri) == b"a\nb\n"
+
+
+def test_iter_lines_gives_each_line_with_the_offset_of_its_first_byte():
+    rnd = random.Random(3)
+    for _ in range(200):
+        lines = [bytes(rnd.choice(b"ab\r{}") for _ in range(rnd.randint(0, 9))) for _ in range(rnd.randint(0, 8))]
+        data = b"\n".join(lines) + rnd.choice([b"", b"\n"])
+        base = rnd.randint(0, 100)
+        got = list(iter_lines(io.BytesIO(data), base, block=rnd.randint(1, 7)))
+        want, off = [], base
+        for part in data.split(b"\n")[: data.count(b"\n")]:
+            want.append((off, part))
+            off += len(part) + 1
+        if not data.endswith(b"\n") and data:
+            want.append((off, data.rsplit(b"\n", 1)[-1]))
+        assert got == want
+
+
+def test_open_storage_picks_by_scheme_and_rejects_others():
+    assert isinstance(open_storage("file:///x"), FileStorage)
+    assert isinstance(open_storage("s3://b/k", {"endpointUrl": "http://127.0.0.1:9"}), S3Storage)
+    with pytest.raises(StorageError, match="gs://b"):
+        open_storage("gs://b/k")
+    with pytest.raises(StorageError, match="no bucket"):
+        split_s3("s3:///k")
+
+
+# --- s3:// on the emulator -------------------------------------------------------------------------
+
+
+class Spy:
+    """A boto3 client wrapper that records calls and can inject failures or broken bodies."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.fail: dict[str, list[BaseException]] = {}
+        self.break_bodies: list[tuple[int, BaseException]] = []  # (bytes delivered, then this error)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)
+
+        def call(**kwargs: Any) -> Any:
+            self.calls.append((name, kwargs))
+            if self.fail.get(name):
+                raise self.fail[name].pop(0)
+            out = method(**kwargs)
+            if name == "get_object" and self.break_bodies:
+                after, exc = self.break_bodies.pop(0)
+                out = {**out, "Body": BreakingBody(out["Body"], after, exc)}
+            return out
+
+        return call
+
+
+class BreakingBody:
+    def __init__(self, body: Any, after: int, exc: BaseException):
+        self.body, self.left, self.exc = body, after, exc
+
+    def read(self, n: int = -1) -> bytes:
+        if self.left <= 0:
+            raise self.exc
+        data = self.body.read(min(n, self.left) if n and n > 0 else self.left)
+        self.left -= len(data)
+        return data
+
+    def close(self) -> None:
+        self.body.close()
+
+
+@pytest.fixture
+def s3(s3_place: Any) -> tuple[S3Storage, Spy, str]:
+    spy = Spy(s3_place.storage.client)
+    return S3Storage(client=spy, base_delay=0.001), spy, s3_place.base
+
+
+def test_s3_list_pages_past_1000_keys_with_sizes(s3):
+    st, spy, base = s3
+    sizes = {f"{base}many/k{i:05d}.jsonl": i % 17 + 1 for i in range(1005)}
+    # 1005 PUTs over HTTP take seconds; the emulator runs in this process, so fill its store directly.
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    for uri, size in sizes.items():
+        backend.put_object(*split_s3(uri), b"x" * size)
+    got = st.list(base + "many/")
+    assert [(o.uri, o.size) for o in got] == sorted(sizes.items())
+    assert sum(1 for name, _ in spy.calls if name == "list_objects_v2") == 2
+
+
+def test_s3_list_of_a_prefix_does_not_take_sibling_names(s3):
+    st, _, base = s3
+    for key in ("docs", "docs/a.jsonl", "docs/sub/b.jsonl", "docs-old/c.jsonl", "docsx.jsonl"):
+        st.write_bytes(base + key, b"1")
+    assert [o.uri[len(base):] for o in st.list(base + "docs")] == ["docs", "docs/a.jsonl", "docs/sub/b.jsonl"]
+    assert [o.uri[len(base):] for o in st.list(base + "docs/")] == ["docs/a.jsonl", "docs/sub/b.jsonl"]
+
+
+def test_s3_ranged_reads_start_at_the_byte(s3):
+    st, _, base = s3
+    data = bytes(range(256)) * 40
+    st.write_bytes(base + "r.bin", data)
+    for start in (0, 1, 255, 5000, len(data) - 1):
+        with st.open_read(base + "r.bin", start) as f:
+            assert f.read() == data[start:]
+
+
+def test_s3_write_replaces_the_whole_object_and_a_missing_key_is_not_found(s3):
+    st, _, base = s3
+    st.write_bytes(base + "o.json", b"first version")
+    st.write_bytes(base + "o.json", b"2nd")
+    assert st.read_bytes(base + "o.json") == b"2nd"
+    assert st.exists(base + "o.json") and not st.exists(base + "none.json")
+    st.delete(base + "o.json")
+    with pytest.raises(NotFound, match="none.json"):
+        st.read_bytes(base + "none.json")
+    with pytest.raises(StorageError, match="append"):
+        st.append_durable(base + "x", b"1")
+
+
+def test_s3_a_missing_bucket_fails_at_once_naming_the_uri(s3_endpoint):
+    st = S3Storage(endpoint_url=s3_endpoint, base_delay=0.001)
+    with pytest.raises(StorageError, match=r"s3://no-such-bucket-here/k.*NoSuchBucket") as e:
+        st.write_bytes("s3://no-such-bucket-here/k", b"1")
+    assert not isinstance(e.value, NotFound)
+
+
+@pytest.mark.parametrize("exc", [
+    ResponseStreamingError(error=ConnectionResetError("reset")),
+    IncompleteReadError(actual_bytes=10, expected_bytes=20),
+    ConnectionResetError("Connection reset by peer"),
+], ids=["streaming-error", "incomplete-read", "connection-reset"])
+def test_s3_a_broken_stream_resumes_from_the_byte_it_reached(s3, exc):
+    st, spy, base = s3
+    data = os.urandom(100_000)
+    st.write_bytes(base + "big.bin", data)
+    spy.break_bodies = [(30_000, exc), (1, exc)]
+    with st.open_read(base + "big.bin", 7) as f:
+        assert f.read() == data[7:]
+    ranges = [kw.get("Range") for name, kw in spy.calls if name == "get_object"]
+    assert ranges == ["bytes=7-", "bytes=30007-", "bytes=30008-"]
+
+
+# --- retries, with a scripted client --------------------------------------------------------------
+
+
+def client_error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": f"{code} happened"},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+class Scripted:
+    """A fake S3 client: each call pops the next outcome (an exception to raise, or a value to return)."""
+
+    def __init__(self, *outcomes: Any):
+        self.outcomes = list(outcomes)
+        self.calls = 0
+
+    def put_object(self, **kwargs: Any) -> Any:
+        return self._next()
+
+    def list_objects_v2(self, **kwargs: Any) -> Any:
+        return self._next()
+
+    def _next(self) -> Any:
+        self.calls += 1
+        out = self.outcomes.pop(0)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+
+@pytest.fixture
+def delays(monkeypatch) -> list[float]:
+    slept: list[float] = []
+    monkeypatch.setattr(storage, "time", SimpleNamespace(sleep=slept.append))
+    return slept
+
+
+@pytest.mark.parametrize("exc", [
+    client_error("SlowDown", 503), client_error("InternalError", 500), client_error("ServiceUnavailable", 503),
+    client_error("Throttling", 400), client_error("TooManyRequests", 429), client_error("RequestTimeout", 400),
+    EndpointConnectionError(endpoint_url="http://s3"), ConnectionClosedError(endpoint_url="http://s3"),
+    ReadTimeoutError(endpoint_url="http://s3"), ConnectionResetError("reset"),
+], ids=lambda e: type(e).__name__ + ("-" + e.response["Error"]["Code"] if isinstance(e, ClientError) else ""))
+def test_errors_that_can_pass_are_retried_with_growing_backoff(exc, delays):
+    client = Scripted(exc, exc, exc, {})
+    S3Storage(client=client, base_delay=1.0).write_bytes("s3://b/k", b"x")
+    assert client.calls == 4
+    # base * 2^(n-1), jittered by 0.5 to 1.5
+    for n, d in enumerate(delays, start=1):
+        assert 0.5 * 2 ** (n - 1) <= d <= 1.5 * 2 ** (n - 1)
+
+
+@pytest.mark.parametrize("code,status", [("AccessDenied", 403), ("NoSuchBucket", 404), ("InvalidAccessKeyId", 403),
+                                         ("SignatureDoesNotMatch", 403)])
+def test_permanent_errors_fail_at_once_with_a_message_naming_the_uri(code, status, delays):
+    client = Scripted(client_error(code, status), {})
+    with pytest.raises(StorageError) as e:
+        S3Storage(client=client).write_bytes("s3://bucket/some/key.jsonl", b"x")
+    assert "s3://bucket/some/key.jsonl" in str(e.value) and code in str(e.value)
+    assert client.calls == 1 and delays == []
+
+
+def test_a_missing_key_is_not_found_without_retries(delays):
+    client = Scripted(client_error("NoSuchKey", 404))
+    with pytest.raises(NotFound, match="s3://b/k"):
+        S3Storage(client=client).write_bytes("s3://b/k", b"x")
+    assert client.calls == 1
+
+
+def test_retries_give_up_after_max_attempts_naming_the_uri(delays):
+    client = Scripted(*[client_error("SlowDown", 503)] * 4)
+    with pytest.raises(StorageError, match=r"s3://b/p.*still failing after 4 attempts.*SlowDown"):
+        S3Storage(client=client, max_attempts=4).list("s3://b/p")
+    assert client.calls == 4 and len(delays) == 3
+
+
+def test_list_follows_continuation_tokens_after_a_retry(delays):
+    client = Scripted(
+        {"Contents": [{"Key": "p/a.jsonl", "Size": 3}], "IsTruncated": True, "NextContinuationToken": "t1"},
+        client_error("InternalError", 500),
+        {"Contents": [{"Key": "p/b.jsonl", "Size": 4}, {"Key": "p/dir/", "Size": 0}], "IsTruncated": False},
+    )
+    got = S3Storage(client=client).list("s3://b/p/")
+    assert [(o.uri, o.size) for o in got] == [("s3://b/p/a.jsonl", 3), ("s3://b/p/b.jsonl", 4)]
