@@ -73,7 +73,8 @@ class Place:
     _storage: Any = field(default=None, repr=False)
 
     def uri(self, *parts: str) -> str:
-        return self.base + "/".join(p.strip("/") for p in parts)
+        """A URI under the base; a trailing slash (a folder) is kept."""
+        return self.base + "/".join(p.strip("/") for p in parts) + ("/" if parts and parts[-1].endswith("/") else "")
 
     @property
     def storage(self) -> Any:
