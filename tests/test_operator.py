@@ -9,7 +9,9 @@ tmp_path and the engine is `echo`, so results are exact.
 from __future__ import annotations
 
 import json
+import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +63,18 @@ class Cluster:
         return [r.code for r in self.api.requests if r.verb == "create" and r.resource == "jobs"]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture()
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     write_rows(tmp_path / "in", ROWS)
     with Emulator(crds=[CRD]) as api, JobController(api, log_dir=tmp_path / "pods", workdir=tmp_path) as ctl:
-        op = OperatorProcess(api, tmp_path, args=["--all-namespaces", "--standalone", "--status-interval", "0.3"])
+        op = OperatorProcess(api, tmp_path, args=["--all-namespaces", "--standalone", "--status-interval", "0.3",
+                                                  f"--liveness=http://127.0.0.1:{free_port()}/healthz"])
         try:
             yield Cluster(api, ctl, op.start(), tmp_path)
         finally:
@@ -128,6 +137,12 @@ def test_a_job_runs_to_succeeded_and_publishes_every_row_once(cluster: Cluster) 
     c.api.wait_for(lambda: "Published" in c.event_reasons("emb"), 10, message="the Published event")
     assert c.event_reasons("emb") == ["RoundPlanned", "RoundStarted", "RoundFinished", "Published"]
     assert c.job_creations() == [201]
+
+    # The liveness endpoint the chart's probe calls answers, with our probe in it.
+    (url,) = [a.split("=", 1)[1] for a in c.operator.args if a.startswith("--liveness=")]
+    with urllib.request.urlopen(url, timeout=5) as r:
+        assert r.status == 200
+        assert json.loads(r.read())["trackedJobs"] >= 0
 
 
 # --- (b) the operator killed mid-round ---------------------------------------------------------
@@ -284,6 +299,22 @@ def test_judge_rounds_run_one_job_per_round_and_report_the_capped_rows(cluster: 
     assert (manifest["counts"]["rows"], manifest["counts"]["capped"]) == (half, half)
     c.api.wait_for(lambda: "RetryCapReached" in c.event_reasons("judged"), 10, message="the cap is reported")
     assert c.event_reasons("judged").count("RoundStarted") == 2
+
+
+def test_a_foreign_job_with_the_rounds_name_is_reported_never_adopted(cluster: Cluster) -> None:
+    c = cluster
+    foreign = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "clash-r0"}, "spec": {
+        "template": {"spec": {"restartPolicy": "Never", "containers": [{"name": "x", "image": "busybox"}]}}}}
+    c.jobs.hold("clash-r0", 0)  # nothing runs for it
+    c.api.create("batch/v1", "jobs", foreign, NS)
+    c.api.create(BIJ, PLURAL, bij_doc("clash", c.tmp), NS)
+    st = c.api.wait_for(lambda: (lambda s: s if s.get("conditions") and condition(s, "Ready")["reason"]
+                                 == "JobNameConflict" else None)(c.status("clash")), 30, message="the conflict")
+    assert st["phase"] == "Pending"
+    assert "a Job named clash-r0 already exists" in st["message"]
+    job = c.api.get("batch/v1", "jobs", "clash-r0", NS)
+    assert job is not None and "ownerReferences" not in job["metadata"]  # left alone
+    c.api.wait_for(lambda: "JobNameConflict" in c.event_reasons("clash"), 10, message="the Warning event")
 
 
 def test_deleting_the_bij_deletes_its_job_and_keeps_the_results(cluster: Cluster) -> None:

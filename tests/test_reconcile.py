@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -62,7 +63,7 @@ def planned(round_no: int = 0, shards: int = 8, done: bool = False, **extra: Any
 
 def k8s_job(round_no: int = 0, *, completions: int = 8, parallelism: int = 4, suspend: bool = False,
             completed: str = "", failed: str = "", active: int = 0,
-            conditions: list[tuple[str, str, str, str]] = (), owner_uid: str | None = UID,
+            conditions: Sequence[tuple[str, str, str, str]] = (), owner_uid: str | None = UID,
             name: str = "emb", deleting: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": f"{name}-r{round_no}",
@@ -344,6 +345,14 @@ def test_a_job_being_deleted_is_not_ours_to_finish() -> None:
     d = decide(make_job(), planned(), [k8s_job(deleting=True, completed="0-7",
                                                conditions=[("Complete", "True", "", "")])])
     assert isinstance(d, Wait)
+
+
+def test_a_job_of_the_same_name_without_our_label_is_not_ours() -> None:
+    foreign = k8s_job(owner_uid=None)
+    del foreign["metadata"]["labels"][rc.JOB_LABEL]
+    assert not rc.owns(make_job(), foreign)
+    assert rc.owns(make_job(), k8s_job())
+    assert not rc.owns(make_job(), k8s_job(owner_uid="someone-else"))
 
 
 def test_locally_named_jobs_without_uid_match_by_labels() -> None:

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import kopf
 import urllib3
@@ -44,6 +44,7 @@ from .reconcile import (
     Publish,
     Wait,
     decide,
+    owns,
     round_records,
 )
 from .rounds import summarize
@@ -134,6 +135,15 @@ class Api:
             if e.status == 409:
                 return False
             raise
+
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            resp = await self._call(self.batch.read_namespaced_job, name, namespace, _preload_content=False)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return dict(json.loads(resp.data))
 
     async def patch_job(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         await self._call(self.batch.patch_namespaced_job, name, namespace, patch,
@@ -248,22 +258,36 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
             await write_status(raw, {**base(raw, failed, now), "message": failed.message},
                                event=("Warning", "CannotCreateJob", failed.message))
             return False
-        kopf.adopt(body, owner=raw)
+        kopf.adopt(body, owner=as_body(raw))
         created = await api().create_job(ns, body)
+        job_name = body["metadata"]["name"]
+        if not created:
+            # 409: normally an earlier attempt of ours. A Job of that name made by someone else
+            # is never adopted or replaced: report it and look again later.
+            existing = await api().get_job(ns, job_name)
+            if existing is not None and not owns(job, existing):
+                msg = (f"round {d.round}: a Job named {job_name} already exists and does not belong to this "
+                       "BatchInferenceJob; delete or rename it")
+                conflict = dataclasses.replace(d, phase="Pending", reason="JobNameConflict", message=msg)
+                await write_status(raw, {**base(raw, conflict, now), "message": msg},
+                                   event=("Warning", "JobNameConflict", msg) if status.get("message") != msg
+                                   else None)
+                schedule(ns, name, 15.0)
+                return False
         spec = body["spec"]
-        msg = (f"round {d.round}: created Job {body['metadata']['name']} for {d.completions} shards, "
+        msg = (f"round {d.round}: created Job {job_name} for {d.completions} shards, "
                f"parallelism {spec['parallelism']}" + (", suspended" if spec.get("suspend") else ""))
         await write_status(raw, {**base(raw, d, now), "message": msg},
                            event=("Normal", "RoundStarted", msg) if created else None)
         return True
 
     if isinstance(d, PatchJob):
-        patch: dict[str, Any] = {}
+        job_spec: dict[str, Any] = {}
         if d.suspend is not None:
-            patch["suspend"] = d.suspend
+            job_spec["suspend"] = d.suspend
         if d.parallelism is not None:
-            patch["parallelism"] = d.parallelism
-        await api().patch_job(ns, d.job_name, {"spec": patch})
+            job_spec["parallelism"] = d.parallelism
+        await api().patch_job(ns, d.job_name, {"spec": job_spec})
         reason = {True: "Suspended", False: "Resumed", None: "Scaled"}[d.suspend]
         what = {True: "suspended (durable work is kept)", False: "resumed",
                 None: f"parallelism set to {d.parallelism}"}[d.suspend]
@@ -307,7 +331,7 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
             capped = (f"RetryCapReached: {counts['capped']} rows were still rejected by the judge at the cap; "
                       "they are in the manifest's cappedFiles")
             msg += f"; {capped}"
-            kopf.event(raw, type="Warning", reason="RetryCapReached", message=capped)
+            kopf.event(as_body(raw), type="Warning", reason="RetryCapReached", message=capped)
         done = dataclasses.replace(d, phase="Succeeded", reason="Published", message=msg)
         patch = {**base(raw, done, now), "manifestUri": uri, "message": msg,
                  "rows": {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}}
@@ -372,6 +396,11 @@ async def _reconcile_quietly(namespace: str, name: str) -> None:
         log.exception("%s/%s: deferred status refresh failed", namespace, name)
 
 
+def as_body(raw: dict[str, Any]) -> kopf.Body:
+    """The API's dict as kopf's Body (for Events and owner references)."""
+    return kopf.Body(cast(kopf.RawBody, raw))
+
+
 def generation(raw: dict[str, Any]) -> int | None:
     value = raw.get("metadata", {}).get("generation")
     return int(value) if value is not None else None
@@ -396,7 +425,7 @@ async def progress(job: BatchInferenceJob, status: dict[str, Any], round_no: int
     except (OSError, RuntimeError) as e:
         log.warning("%s/%s: cannot read shard records: %s", job.metadata.namespace, job.metadata.name, e)
         return {}
-    started = status.get("startTime") or min((r.get("startTime") for r in round_records(status).values()
+    started = status.get("startTime") or min((str(r["startTime"]) for r in round_records(status).values()
                                               if r.get("startTime")), default=None)
     return rows_progress(records, started, now)
 
@@ -410,7 +439,7 @@ async def write_status(raw: dict[str, Any], patch: dict[str, Any],
         await api().patch_status(meta["namespace"], meta["name"], patch)
     if event is not None:
         type_, reason, message = event
-        kopf.event(raw, type=type_, reason=reason, message=message)
+        kopf.event(as_body(raw), type=type_, reason=reason, message=message)
 
 
 async def mark_invalid(raw: dict[str, Any], err: SpecError) -> None:
@@ -441,6 +470,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.reporting_component = "bij-operator"
     settings.posting.event_name_prefix = "bij-"
     settings.posting.level = logging.INFO
+    if not CONFIG.clusterwide and not any(ch in ns for ns in CONFIG.namespaces for ch in "*?[]!,"):
+        # Exact namespace names: no need to list and watch namespaces (and CRDs) cluster-wide, so
+        # a namespaced install runs on Roles alone. The CRD must exist before the operator starts.
+        settings.scanning.disabled = True
     settings.peering.standalone = CONFIG.standalone
     if CONFIG.peering:
         settings.peering.name = CONFIG.peering
@@ -457,16 +490,17 @@ def tracked_jobs(**_: Any) -> int:
 @kopf.on.create(API_GROUP, API_VERSION, PLURAL)
 @kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
 @kopf.on.update(API_GROUP, API_VERSION, PLURAL, field="spec")
-async def bij_changed(namespace: str, name: str, **_: Any) -> None:
+async def bij_changed(namespace: str | None, name: str, **_: Any) -> None:
     """A bij appeared, the operator restarted, or its spec changed (suspend, parallelism)."""
+    assert namespace is not None  # the CRD is namespaced
     await reconcile(namespace, name)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={JOB_LABEL: kopf.PRESENT})
-async def round_job_changed(body: kopf.Body, namespace: str, logger: kopf.Logger, **_: Any) -> None:
+async def round_job_changed(body: kopf.Body, namespace: str | None, logger: kopf.Logger, **_: Any) -> None:
     """Any change of a round Job (pods done, failed, suspended, deleted) moves its bij."""
     owner = body.metadata.labels.get(JOB_LABEL)
-    if not owner:
+    if not owner or namespace is None:
         return
     try:
         await reconcile(namespace, owner)

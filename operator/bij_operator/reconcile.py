@@ -273,6 +273,12 @@ def round_job(
     return None
 
 
+def owns(job: BatchInferenceJob, raw_job: Mapping[str, Any]) -> bool:
+    """Whether a Job found by name was made for this bij (a 409 on create may be someone else's)."""
+    labels = (raw_job.get("metadata") or {}).get("labels") or {}
+    return labels.get(JOB_LABEL) == job.metadata.name and is_ours(job, JobView.of(raw_job))
+
+
 def is_ours(job: BatchInferenceJob, view: JobView) -> bool:
     """A Job left over from a deleted bij of the same name belongs to another uid."""
     if view.deleting:

@@ -85,7 +85,7 @@ def phase_conditions(
         "Succeeded": phase == "Succeeded",
         "Failed": phase == "Failed",
     }
-    out = list(conditions)
+    out: list[dict[str, Any]] = [dict(c) for c in conditions]
     for type_ in CONDITION_TYPES:
         if truth[type_] or type_ == "Ready":
             # Ready always explains itself: why the results are (not yet) readable.

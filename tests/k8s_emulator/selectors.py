@@ -32,47 +32,52 @@ def _split(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def _requirement(part: str) -> tuple[str, str, frozenset[str]]:
+    """One requirement as (key, operator, values); operators: in, notin, exists, absent."""
+    m = _SET_RE.match(part)
+    if m:
+        return m.group(1), m.group(2), frozenset(v.strip() for v in m.group(3).split(","))
+    if "!=" in part:
+        key, value = (s.strip() for s in part.split("!=", 1))
+        return key, "notin", frozenset([value])
+    if "=" in part:
+        key, value = (s.strip() for s in re.split("==?", part, maxsplit=1))
+        return key, "in", frozenset([value])
+    if part.startswith("!"):
+        return part[1:].strip(), "absent", frozenset()
+    if re.fullmatch(r"[A-Za-z0-9./_-]+", part):
+        return part, "exists", frozenset()
+    raise SelectorError(f"unable to parse requirement: {part!r}")
+
+
+def _holds(req: tuple[str, str, frozenset[str]], labels: Mapping[str, str]) -> bool:
+    key, op, values = req
+    if op == "exists":
+        return key in labels
+    if op == "absent":
+        return key not in labels
+    if op == "in":
+        return labels.get(key) in values
+    return labels.get(key) not in values  # notin, != (a missing label matches, as in Kubernetes)
+
+
 def parse_label_selector(text: str | None) -> Callable[[Mapping[str, str]], bool]:
     """A predicate over a labels map."""
-    reqs: list[Callable[[Mapping[str, str]], bool]] = []
-    for part in _split(text or ""):
-        m = _SET_RE.match(part)
-        if m:
-            key, op, values = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}
-            if op == "in":
-                reqs.append(lambda ls, k=key, vs=values: ls.get(k) in vs)
-            else:
-                reqs.append(lambda ls, k=key, vs=values: ls.get(k) not in vs)
-        elif "!=" in part:
-            key, value = (s.strip() for s in part.split("!=", 1))
-            reqs.append(lambda ls, k=key, v=value: ls.get(k) != v)
-        elif "==" in part or "=" in part:
-            key, value = (s.strip() for s in re.split("==?", part, maxsplit=1))
-            reqs.append(lambda ls, k=key, v=value: ls.get(k) == v)
-        elif part.startswith("!"):
-            absent = part[1:].strip()
-            reqs.append(lambda ls, k=absent: k not in ls)
-        elif re.fullmatch(r"[A-Za-z0-9./_-]+", part):
-            reqs.append(lambda ls, k=part: k in ls)
-        else:
-            raise SelectorError(f"unable to parse requirement: {part!r}")
-    return lambda labels: all(r(labels) for r in reqs)
+    reqs = [_requirement(part) for part in _split(text or "")]
+    return lambda labels: all(_holds(r, labels) for r in reqs)
 
 
-_FIELDS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
-    "metadata.name": lambda o: (o.get("metadata") or {}).get("name"),
-    "metadata.namespace": lambda o: (o.get("metadata") or {}).get("namespace"),
-}
+def _field(obj: Mapping[str, Any], key: str) -> Any:
+    return (obj.get("metadata") or {}).get(key.split(".", 1)[1])
 
 
 def parse_field_selector(text: str | None) -> Matcher:
     """A predicate over an object; only the fields every resource supports."""
-    reqs: list[Matcher] = []
+    reqs: list[tuple[str, bool, str]] = []
     for part in _split(text or ""):
         neg = "!=" in part
         key, value = (s.strip() for s in re.split("!=|==?", part, maxsplit=1))
-        if key not in _FIELDS:
+        if key not in ("metadata.name", "metadata.namespace"):
             raise SelectorError(f'field label not supported: "{key}"')
-        get = _FIELDS[key]
-        reqs.append((lambda o, g=get, v=value: g(o) != v) if neg else (lambda o, g=get, v=value: g(o) == v))
-    return lambda obj: all(r(obj) for r in reqs)
+        reqs.append((key, neg, value))
+    return lambda obj: all((_field(obj, k) != v) if neg else (_field(obj, k) == v) for k, neg, v in reqs)

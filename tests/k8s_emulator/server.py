@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import concurrent.futures
 import dataclasses
 import json
@@ -219,7 +220,7 @@ class Emulator:
         res = self.resource(api_version, plural)
         return self.call(self.store.delete, res, namespace, name)  # type: ignore[union-attr]
 
-    def events_for(self, name: str, namespace: str = "default") -> list[Obj]:
+    def events_for(self, name: str, namespace: str = "default") -> builtins.list[Obj]:
         """Core v1 Events whose involvedObject is `name`, oldest first."""
         events = [e for e in self.list("v1", "events", namespace)
                   if (e.get("involvedObject") or {}).get("name") == name]
@@ -243,11 +244,11 @@ class Emulator:
         return out
 
     @property
-    def requests(self) -> list[RequestRecord]:
+    def requests(self) -> builtins.list[RequestRecord]:
         """Every HTTP request served so far (the operator's, since tests use the facade)."""
         return list(self._requests)
 
-    def wait_for(self, predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05,
+    def wait_for(self, predicate: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.05,
                  message: str = "condition") -> T:
         """Poll `predicate` from the test thread until it returns something truthy."""
         deadline = time.monotonic() + timeout

@@ -275,10 +275,10 @@ def test_an_index_that_keeps_failing_becomes_a_failed_index(cluster: Any, tmp_pa
     api, _ = cluster
     api.create("batch/v1", "jobs", job("flaky", env={"OUT": str(tmp_path), "EXIT_1": "1", "SLEEP": "0"},
                                        backoff_per_index=1), "default")
-    api.wait_for(lambda: condition(api, "flaky", "Failed"), 20, message="Failed")
+    failed = api.wait_for(lambda: condition(api, "flaky", "Failed"), 20, message="Failed")
     st = job_status(api, "flaky")
     assert (st["completedIndexes"], st["failedIndexes"], st["failed"]) == ("0,2", "1", 2)
-    assert condition(api, "flaky", "Failed")["reason"] == "FailedIndexes"
+    assert failed["reason"] == "FailedIndexes"
     assert condition(api, "flaky", "FailureTarget")
 
 
@@ -286,8 +286,7 @@ def test_exit_42_fails_the_job_at_once_by_the_pod_failure_policy(cluster: Any, t
     api, ctl = cluster
     ctl.inject_exit("bad", 0, 42)
     api.create("batch/v1", "jobs", job("bad", completions=4, parallelism=1, env={"OUT": str(tmp_path)}), "default")
-    api.wait_for(lambda: condition(api, "bad", "Failed"), 20, message="Failed")
-    failed = condition(api, "bad", "Failed")
+    failed = api.wait_for(lambda: condition(api, "bad", "Failed"), 20, message="Failed")
     assert failed["reason"] == "PodFailurePolicy"
     assert "exit code 42" in failed["message"] and "default/bad-0-" in failed["message"]
     assert ctl.pods_started == [("bad", 0)]
