@@ -324,7 +324,7 @@ class ShardWorker:
             for item, res, verdict in zip(live, results, verdicts, strict=True):
                 row = item.row
                 if res.error is not None:
-                    row.error_code, row.error = "engine_error", res.error
+                    row.error_code, row.error = res.extra.get("code", "engine_error"), res.error
                     records.append(self._error_record(row))
                     continue
                 self._count_tokens(res)
@@ -433,7 +433,8 @@ class ShardWorker:
         if limit:
             for i, t in enumerate(tokens):
                 if t > limit:
-                    results[i] = Result(error=f"prompt has {t} tokens, the model takes at most {limit}")
+                    results[i] = Result(error=f"prompt has {t} tokens, the model takes at most {limit}",
+                                        extra={"code": "too_many_tokens"})
             todo = [i for i in todo if results[i] is None]
         if todo:
             todo_tokens = [tokens[i] for i in todo]

@@ -1,0 +1,197 @@
+"""Input rows: every bad row becomes an error row with its reason and place, and the job goes on."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from bij_operator.planner import plan_round
+from bij_operator.publish import publish
+from bij_worker.engines.echo import echo_embedding
+from bij_worker.inputs import InputOptions, id_key, parse_line
+
+AT = (0, 120, 140)
+PLAIN = InputOptions(task="generate")
+
+
+def parse(line: Any, opts: InputOptions = PLAIN) -> Any:
+    raw = line if isinstance(line, bytes) else json.dumps(line).encode()
+    return parse_line(raw, AT, "in/a.jsonl", opts)
+
+
+@pytest.mark.parametrize("line,code,message", [
+    (b'{"id": 1, "text": "unterminated', "invalid_json", "not valid JSON"),
+    (b"\xff\xfe", "invalid_json", "not valid JSON"),
+    ([1, 2], "invalid_row", "JSON object, got list"),
+    ("just a string", "invalid_row", "JSON object, got str"),
+    (7, "invalid_row", "JSON object, got int"),
+    ({"id": 1}, "missing_text", "no field 'text'"),
+    ({"id": 1, "text": 5}, "invalid_text", "must be a string, got int"),
+    ({"id": 1, "text": ["a"]}, "invalid_text", "must be a string, got list"),
+    ({"id": 1, "text": ""}, "empty_text", "is empty"),
+    ({"id": 1, "text": " \n\t"}, "empty_text", "is empty"),
+    ({"id": True, "text": "a"}, "invalid_id", "non-empty string or an integer, got true"),
+    ({"id": 1.5, "text": "a"}, "invalid_id", "got 1.5"),
+    ({"id": [1], "text": "a"}, "invalid_id", "got [1]"),
+    ({"id": {"a": 1}, "text": "a"}, "invalid_id", "got {"),
+    ({"id": "", "text": "a"}, "invalid_id", 'got ""'),
+])
+def test_a_bad_plain_row_becomes_an_error_with_its_reason(line, code, message):
+    row = parse(line)
+    assert row.request is None and row.error_code == code and message in str(row.error)
+    assert row.at == AT
+
+
+@pytest.mark.parametrize("body,code,message", [
+    ({"url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}},
+     "invalid_id", "custom_id must be a non-empty string"),
+    ({"custom_id": 5, "url": "/v1/chat/completions", "body": {}}, "invalid_id", "custom_id"),
+    ({"custom_id": "a", "url": "/v1/images", "body": {}}, "invalid_request", "url must be one of"),
+    ({"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}, "invalid_request",
+     "url /v1/embeddings needs model.task embed, the job runs chat"),
+    ({"custom_id": "a", "url": "/v1/chat/completions", "body": "hi"}, "invalid_request", "body must be an object"),
+    ({"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": []}}, "invalid_request",
+     "body.messages must be a non-empty list"),
+    ({"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"content": "x"}]}},
+     "invalid_request", "message 0 must be an object with a string role"),
+    ({"custom_id": "a", "url": "/v1/chat/completions", "method": "GET", "body": {}}, "invalid_request",
+     "method must be POST"),
+    ({"custom_id": "a", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}}, "invalid_request",
+     "max_tokens must be a positive integer"),
+    ({"custom_id": "a", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": "x"}], "temperature": 3}}, "invalid_request",
+     "temperature must be a number from 0 to 2"),
+])
+def test_a_bad_openai_request_becomes_an_error_with_its_reason(body, code, message):
+    row = parse(body, InputOptions(format="openai", task="chat"))
+    assert row.request is None and row.error_code == code and message in str(row.error)
+
+
+def test_a_row_without_id_gets_a_stable_one_from_its_place():
+    assert parse({"text": "a"}).id == "in/a.jsonl:120"
+    assert parse({"id": None, "text": "a"}).id == "in/a.jsonl:120"
+    assert parse({"text": "a"}).generated_id
+
+
+def test_ids_come_back_exactly_as_given_and_1_is_not_1_as_a_string():
+    assert parse({"id": 1, "text": "a"}).id == 1
+    assert parse({"id": "1", "text": "a"}).id == "1"
+    assert id_key(1) != id_key("1")
+    assert parse({"doc": "x", "body": "b"}, InputOptions(id_field="doc", text_field="body")).id == "x"
+
+
+def test_openai_requests_take_their_parameters_from_the_body():
+    row = parse({"custom_id": "r1", "url": "/v1/completions",
+                 "body": {"prompt": "say", "max_tokens": 7, "temperature": 0.5, "seed": 3}},
+                InputOptions(format="openai", task="generate"))
+    assert (row.id, row.request.text, row.request.max_tokens, row.request.temperature, row.request.seed) == \
+        ("r1", "say", 7, 0.5, 3)
+
+
+def offsets(lines: list[Any]) -> list[int]:
+    out, off = [], 0
+    for line in lines:
+        out.append(off)
+        off += len(line if isinstance(line, bytes) else (json.dumps(line) if not isinstance(line, str)
+                                                          else line).encode()) + 1
+    return out
+
+
+def test_every_bad_row_kind_lands_in_an_error_file_with_its_place_and_the_job_goes_on(
+        file_place, make_job, run_shards, read_output):
+    lines: list[Any] = [
+        {"id": "ok-1", "text": "first"},
+        '{"id": "broken", "text": ',
+        [1, 2, 3],
+        {"id": "no-text"},
+        {"id": "typed", "text": {"a": 1}},
+        {"id": "blank", "text": "   "},
+        {"id": False, "text": "bool id"},
+        {"id": 2.5, "text": "float id"},
+        {"id": ["x"], "text": "list id"},
+        {"id": "long", "text": "w" * 400},
+        {"id": "ok-1", "text": "same id again"},
+        {"id": "ok-2", "text": "last"},
+    ]
+    want = {  # line number -> error code
+        1: "invalid_json", 2: "invalid_row", 3: "missing_text", 4: "invalid_text", 5: "empty_text",
+        6: "invalid_id", 7: "invalid_id", 8: "invalid_id", 9: "too_many_tokens", 10: "duplicate_id",
+    }
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", lines),
+                      model={"maxInputTokens": 50}, sharding={"chunkRows": 4})
+    run_shards(job)
+    publish(job)
+    out = read_output(job)
+    assert [(r["id"], r["output"]) for r in out.results] == [("ok-1", "first"), ("ok-2", "last")]
+    where = offsets(lines)
+    got = {where.index(e["offset"]): e for e in out.errors}
+    assert {n: e["error"]["code"] for n, e in got.items()} == want
+    assert all(e["object"] == "in.jsonl" and e["error"]["message"] for e in got.values())
+    assert got[3]["id"] == "no-text" and got[1]["id"] is None and got[6]["id"] is None
+    assert "400" not in got[9]["error"]["message"] and "at most 50" in got[9]["error"]["message"]
+    assert out.manifest["counts"] == {**out.manifest["counts"], "rows": 2, "errors": 10, "inputRows": 12}
+
+
+def test_an_id_repeated_across_shards_keeps_the_first_in_input_order(file_place, make_job, run_shards, read_output):
+    a = [{"id": "dup", "text": "from a"}] + [{"id": f"a{i}", "text": f"a{i} " + "x" * 60} for i in range(30)]
+    b = [{"id": f"b{i}", "text": f"b{i} " + "x" * 60} for i in range(30)] + [{"id": "dup", "text": "from b"}]
+    file_place.write_jsonl("in/a.jsonl", a)
+    file_place.write_jsonl("in/b.jsonl", b)
+    _, job = make_job(file_place, file_place.uri("in/"), sharding={"targetShardBytes": 1024})
+    shards = plan_round(job, 0).shard_count
+    assert shards >= 4
+    run_shards(job, indexes=list(reversed(range(shards))))  # the order shards finish in does not matter
+    publish(job)
+    out = read_output(job)
+    assert out.result_ids == [r["id"] for r in a + b[:-1]]
+    assert [r["output"] for r in out.results if r["id"] == "dup"] == ["from a"]
+    [dup] = out.errors
+    assert (dup["id"], dup["error"]["code"], dup["object"], dup["offset"]) == \
+        ("dup", "duplicate_id", "b.jsonl", offsets(b)[-1])
+    assert out.manifest["counts"]["duplicates"] == 1
+
+
+def test_rows_without_id_get_the_same_generated_id_on_every_run(file_place, make_job, run_shards, read_output):
+    lines = [{"text": "one"}, {"id": 9, "text": "nine"}, {"text": "three"}, "bad"]
+    uri = file_place.write_jsonl("in/x.jsonl", lines)
+    ids = []
+    for out_dir in ("out1/", "out2/"):
+        _, job = make_job(file_place, uri, output=out_dir)
+        run_shards(job)
+        publish(job)
+        out = read_output(job)
+        ids.append((out.result_ids, [e["id"] for e in out.errors]))
+    where = offsets(lines)
+    assert ids[0] == ids[1] == ([f"x.jsonl:{where[0]}", 9, f"x.jsonl:{where[2]}"], [None])
+
+
+def test_openai_batch_errors_carry_custom_id_and_place(file_place, make_job, run_shards, read_output):
+    def chat(cid: Any, text: str) -> dict[str, Any]:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": text}]}}
+
+    lines = [chat("c1", "hello"), {"method": "POST", "url": "/v1/chat/completions", "body": {}},
+             {**chat("c2", "x"), "url": "/v1/nope"}, {**chat("c3", "x"), "url": "/v1/embeddings"},
+             {**chat("c4", "x"), "body": [1]}, chat("c5", "bye")]
+    _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
+                      input={"format": "openai"}, model={"task": "chat"})
+    run_shards(job)
+    publish(job)
+    out = read_output(job)
+    assert out.result_ids == ["c1", "c5"]
+    where = offsets(lines)
+    assert [(e["custom_id"], e["error"]["code"], e["offset"], e["response"]) for e in out.errors] == [
+        (None, "invalid_id", where[1], None), ("c2", "invalid_request", where[2], None),
+        ("c3", "invalid_request", where[3], None), ("c4", "invalid_request", where[4], None)]
+
+
+def test_embed_rows_get_the_echo_vector_of_their_text(file_place, make_job, run_shards, read_output):
+    texts = ["alpha", "beta beta", "γάμμα"]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": t, "text": t} for t in texts]),
+                      model={"task": "embed"})
+    run_shards(job)
+    publish(job)
+    out = read_output(job)
+    assert [(r["id"], r["embedding"]) for r in out.results] == [(t, echo_embedding(t)) for t in texts]
