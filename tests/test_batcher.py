@@ -1,0 +1,100 @@
+"""Batching: sorted token-budget batches, every row once, and results restored to input order."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+from bij_operator.publish import publish
+from bij_worker.batcher import plan_batches
+from bij_worker.reader import Line, Prefetcher
+
+
+def test_batches_hold_every_row_once_within_the_padded_budget():
+    rnd = random.Random(2)
+    for _ in range(300):
+        tokens = [rnd.choice([0, 1, 2, 5, 30, 200, 5000]) for _ in range(rnd.randint(0, 60))]
+        budget, max_size = rnd.choice([1, 10, 100, 1000, 4096]), rnd.randint(1, 20)
+        for sort in (True, False):
+            batches = plan_batches(tokens, budget, max_size, sort)
+            assert sorted(i for b in batches for i in b) == list(range(len(tokens)))
+            for b in batches:
+                assert 1 <= len(b) <= max_size
+                padded = len(b) * max(max(1, tokens[i]) for i in b)
+                assert padded <= budget or len(b) == 1  # a row over the budget runs alone
+            order = [i for b in batches for i in b]
+            if sort:
+                assert [tokens[i] for i in order] == sorted(tokens, reverse=True)
+            else:
+                assert order == list(range(len(tokens)))
+
+
+def test_sorted_batches_waste_less_padding_than_input_order():
+    rnd = random.Random(4)
+    tokens = [rnd.choice([4, 8, 500]) for _ in range(400)]
+
+    def padded(batches: list[list[int]]) -> int:
+        return sum(len(b) * max(tokens[i] for i in b) for b in batches)
+
+    assert padded(plan_batches(tokens, 4000, 64, True)) < padded(plan_batches(tokens, 4000, 64, False)) / 2
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_results_come_back_in_input_order_whatever_order_the_engine_ran(sort, file_place, make_job, run_shards,
+                                                                        recording_echo, read_output):
+    rnd = random.Random(9)
+    rows = [{"id": i, "text": f"{i}:" + "z" * rnd.choice([0, 3, 17, 90, 700, 2500])} for i in range(300)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows),
+                      sharding={"chunkRows": 64, "targetShardBytes": 1 << 20},
+                      batching={"sortByLength": sort, "targetBatchTokens": 2000, "maxBatchSize": 16})
+    engine = recording_echo()
+    run_shards(job, engine=engine)
+    publish(job)
+    out = read_output(job)
+    assert [(r["id"], r["output"]) for r in out.results] == [(r["id"], r["text"]) for r in rows]
+    ran = engine.seen
+    assert sorted(ran) == sorted(r["text"] for r in rows)
+    # The engine really ran them in another order (longest first within each chunk) when sorting.
+    assert (ran != [r["text"] for r in rows]) == sort
+    assert len(engine.batches) > 300 // 16
+
+
+def lines(n: int, consumed: list[int]) -> Iterator[Line]:
+    for i in range(n):
+        consumed.append(i)
+        yield (0, i * 10, i * 10 + 10), b"x" * 9
+
+
+def test_prefetch_reads_ahead_at_most_depth_chunks():
+    consumed: list[int] = []
+    pre = Prefetcher(lines(10_000, consumed), chunk_rows=10, depth=2)
+    chunks = iter(pre)
+    first = next(chunks)
+    time.sleep(0.3)  # the reader thread has had every chance to run ahead
+    # The chunk in hand, `depth` waiting in the queue, and one being filled while the put blocks.
+    assert len(first.lines) == 10 and len(consumed) <= 10 * (1 + 2 + 1)
+    rest = [c for c in chunks]
+    assert sum(len(c.lines) for c in rest) == 10_000 - 10
+    assert [c.lines[0][0][1] for c in rest[:2]] == [100, 200]
+    pre.close()
+
+
+def test_prefetch_hands_a_read_error_to_the_consumer_and_close_stops_the_reader():
+    def failing() -> Iterator[Line]:
+        yield (0, 0, 2), b"a"
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        list(Prefetcher(failing(), chunk_rows=1, depth=1))
+
+    consumed: list[int] = []
+    pre = Prefetcher(lines(10_000, consumed), chunk_rows=10, depth=1)
+    next(iter(pre))
+    pre.close()
+    time.sleep(0.5)
+    stopped_at = len(consumed)
+    time.sleep(0.3)
+    assert len(consumed) == stopped_at < 10_000
+    assert not pre._thread.is_alive()
