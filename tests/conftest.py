@@ -141,15 +141,15 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture
 def make_job(tmp_path: Path) -> Any:
-    """make_job(place, input_uri, **spec) -> (spec path, BatchInferenceJob); spec keys merge into the defaults."""
+    """make_job(place, input_uri, out_dir="out/", **spec) -> (spec path, job); spec keys merge into the defaults."""
     from bij_operator.spec import load_job
 
-    def make(place: Place, input_uri: str, *, name: str = "t", output: str = "out/", **spec: Any) -> Any:
+    def make(place: Place, input_uri: str, *, name: str = "t", out_dir: str = "out/", **spec: Any) -> Any:
         doc = {
             "apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": name},
             "spec": _merge({
                 "input": {"uri": input_uri},
-                "output": {"uri": place.uri(output), "compression": "none"},
+                "output": {"uri": place.uri(out_dir), "compression": "none"},
                 "model": {"engine": "echo", "task": "generate"},
                 "sharding": {"targetShardBytes": 4096, "chunkRows": 16},
                 "workers": {"parallelism": 2, "backoffLimitPerIndex": 0},

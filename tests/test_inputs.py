@@ -158,7 +158,7 @@ def test_rows_without_id_get_the_same_generated_id_on_every_run(file_place, make
     uri = file_place.write_jsonl("in/x.jsonl", lines)
     ids = []
     for out_dir in ("out1/", "out2/"):
-        _, job = make_job(file_place, uri, output=out_dir)
+        _, job = make_job(file_place, uri, out_dir=out_dir)
         run_shards(job)
         publish(job)
         out = read_output(job)

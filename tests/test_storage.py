@@ -88,6 +88,12 @@ def test_iter_lines_gives_each_line_with_the_offset_of_its_first_byte():
         assert got == want
 
 
+def test_open_storage_shares_one_s3_client_per_endpoint():
+    a = open_storage("s3://b/k", {"endpointUrl": "http://127.0.0.1:9"})
+    assert open_storage("s3://other/x", {"endpointUrl": "http://127.0.0.1:9"}) is a
+    assert open_storage("s3://b/k", {"endpointUrl": "http://127.0.0.1:10"}) is not a
+
+
 def test_open_storage_picks_by_scheme_and_rejects_others():
     assert isinstance(open_storage("file:///x"), FileStorage)
     assert isinstance(open_storage("s3://b/k", {"endpointUrl": "http://127.0.0.1:9"}), S3Storage)

@@ -9,6 +9,7 @@ reached; anything else stops with a `StorageError` that names the URI.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import random
@@ -79,8 +80,14 @@ def open_storage(uri: str, s3: Any = None) -> Storage:
             endpoint, region = s3.get("endpointUrl"), s3.get("region")
         else:
             endpoint, region = s3.endpoint_url, s3.region
-        return S3Storage(endpoint_url=endpoint, region=region)
+        return _shared_s3(endpoint, region)
     raise StorageError(f"unsupported URI {uri!r}: use file:// or s3://")
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_s3(endpoint: str | None, region: str | None) -> S3Storage:
+    # A boto3 client costs about half a CPU second to build and is thread-safe: one per endpoint.
+    return S3Storage(endpoint_url=endpoint, region=region)
 
 
 def _local_path(uri: str) -> Path:

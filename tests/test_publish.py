@@ -1,0 +1,189 @@
+"""Publish: result and error files first, then one manifest that lists them with counts and checksums."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import zstandard
+from bij_operator import layout
+from bij_operator import publish as publish_module
+from bij_operator.planner import plan_round
+from bij_operator.publish import PublishError, publish, read_manifest
+from bij_worker.engines.base import estimate_tokens
+from bij_worker.engines.echo import echo_embedding
+from bij_worker.segments import ShardLog
+from bij_worker.storage import open_storage
+from bij_worker.worker import done_uri, load_plan, shard_prefix
+
+
+class RecordingStorage:
+    """The real storage, with the order of every whole-object write recorded."""
+
+    def __init__(self, inner: Any, writes: list[str]):
+        self.inner, self.writes = inner, writes
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        self.writes.append(uri)
+        self.inner.write_bytes(uri, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def rows(n: int, prefix: str = "r") -> list[dict[str, Any]]:
+    return [{"id": f"{prefix}{i}", "text": f"text {i} " + "y" * (i % 50)} for i in range(n)]
+
+
+def test_the_manifest_is_written_last_and_once(place, make_job, run_shards, read_output, monkeypatch):
+    inputs = rows(200) + ["bad line"]
+    _, job = make_job(place, place.write_jsonl("in.jsonl", inputs))
+    run_shards(job)
+    writes: list[str] = []
+    monkeypatch.setattr(publish_module, "open_storage",
+                        lambda uri, s3=None: RecordingStorage(open_storage(uri, s3), writes))
+    manifest = publish(job)
+    out = read_output(job)
+    assert writes[-1] == layout.manifest_uri(job)
+    assert writes.count(layout.manifest_uri(job)) == 1
+    listed = [layout.join(job.spec.output.uri, f["path"]) for f in manifest["files"] + manifest["errorFiles"]]
+    assert set(listed) == set(writes[:-1]) and len(manifest["files"]) >= 2
+    assert out.manifest == manifest
+
+
+def test_counts_and_checksums_describe_the_files(file_place, make_job, run_shards, read_output):
+    good = rows(120)
+    inputs: list[Any] = good[:60] + ["{oops", {"id": "e", "text": ""}] + good[60:]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 2048})
+    run_shards(job)
+    manifest = publish(job)
+    out = read_output(job)  # checks rows, bytes and sha256 of every listed file
+    tokens = sum(estimate_tokens(r["text"]) for r in good)
+    assert manifest["counts"] == {"rows": 120, "errors": 2, "capped": 0, "duplicates": 0, "inputRows": 122,
+                                  "tokensIn": tokens, "tokensOut": tokens}
+    assert sum(f["rows"] for f in manifest["files"]) == 120
+    assert [f["shard"] for f in manifest["files"]] == sorted(f["shard"] for f in manifest["files"])
+    assert out.result_ids == [r["id"] for r in good]
+    assert manifest["outputUri"] == job.spec.output.uri and manifest["format"] == "jsonl"
+
+
+def test_ids_repeated_across_shards_are_published_once_and_1_differs_from_1_as_a_string(
+        file_place, make_job, run_shards, read_output):
+    first = [{"id": 1, "text": "int one"}, {"id": "1", "text": "string one"}] + rows(40, "a")
+    second = rows(40, "b") + [{"id": 1, "text": "int one again"}, {"id": "a3", "text": "a3 again"}]
+    file_place.write_jsonl("in/1.jsonl", first)
+    file_place.write_jsonl("in/2.jsonl", second)
+    _, job = make_job(file_place, file_place.uri("in/"), sharding={"targetShardBytes": 1024})
+    run_shards(job)
+    manifest = publish(job)
+    out = read_output(job)
+    assert out.result_ids == [r["id"] for r in first + second[:-2]]
+    assert [(e["id"], e["error"]["code"], e["object"]) for e in out.errors] == [
+        (1, "duplicate_id", "2.jsonl"), ("a3", "duplicate_id", "2.jsonl")]
+    assert manifest["counts"]["duplicates"] == 2
+
+
+def test_a_duplicate_pods_records_are_published_once(s3_place, make_job, run_shards, read_output):
+    inputs = rows(50)
+    _, job = make_job(s3_place, s3_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})
+    run_shards(job)
+    plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
+    log = ShardLog(s3_place.storage, shard_prefix(plan, 0), writer_id="speculative-pod")
+    records = log.read().records
+    log.append(records[::-1])  # the same rows again, from another writer
+    publish(job)
+    out = read_output(job)
+    assert out.result_ids == [r["id"] for r in inputs] and out.errors == []
+
+
+@pytest.mark.parametrize("limit,ok", [(0.2, True), (0.19, False)])
+def test_an_error_ratio_above_max_error_ratio_fails_and_writes_no_manifest(limit, ok, file_place, make_job,
+                                                                           run_shards):
+    inputs: list[Any] = rows(8) + ["x", "y"]  # 2 errors in 10 rows: 20%
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), maxErrorRatio=limit)
+    run_shards(job)
+    if ok:
+        assert publish(job)["counts"]["errors"] == 2
+        assert read_manifest(job) is not None
+        return
+    with pytest.raises(PublishError, match=r"2 of 10 rows failed \(20.0%\), above spec.maxErrorRatio 19.0%"):
+        publish(job)
+    assert read_manifest(job) is None
+
+
+def test_publishing_before_every_shard_finished_fails_and_writes_no_manifest(file_place, make_job, run_shards):
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(300)), sharding={"targetShardBytes": 2048})
+    run_shards(job)
+    plan = load_plan(layout.round_manifest_uri(job, 0))
+    file_place.storage.delete(done_uri(plan, 1))
+    with pytest.raises(PublishError, match="shard 1 has not finished"):
+        publish(job)
+    assert read_manifest(job) is None
+
+
+@pytest.mark.parametrize("compression,suffix", [("zstd", ".jsonl.zst"), ("none", ".jsonl")])
+def test_result_files_are_zstd_or_plain_jsonl(compression, suffix, place, make_job, run_shards, read_output):
+    inputs = rows(30)
+    _, job = make_job(place, place.write_jsonl("in.jsonl", inputs), output={"compression": compression})
+    run_shards(job)
+    manifest = publish(job)
+    out = read_output(job)
+    assert manifest["compression"] == compression
+    [f] = manifest["files"]
+    assert f["path"] == f"results/r0-00000{suffix}"
+    data = out.raw[f["path"]]
+    if compression == "zstd":
+        assert data.startswith(b"\x28\xb5\x2f\xfd")  # the zstd frame magic
+        data = zstandard.ZstdDecompressor().decompress(data)
+    assert [json.loads(line)["output"] for line in data.splitlines()] == [r["text"] for r in inputs]
+
+
+def openai_line(cid: str, url: str, text: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m"}
+    if url == "/v1/chat/completions":
+        body["messages"] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+    elif url == "/v1/embeddings":
+        body["input"] = text
+    else:
+        body["prompt"] = text
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+
+@pytest.mark.parametrize("task,url", [("chat", "/v1/chat/completions"), ("generate", "/v1/completions"),
+                                      ("embed", "/v1/embeddings")])
+def test_openai_batch_input_gets_openai_batch_output(task, url, file_place, make_job, run_shards, read_output):
+    texts = [f"question {i}" for i in range(5)]
+    lines = [openai_line(f"req-{i}", url, t) for i, t in enumerate(texts)]
+    _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
+                      input={"format": "openai"}, model={"task": task, "name": "my-model"})
+    run_shards(job)
+    manifest = publish(job)
+    out = read_output(job)
+    assert manifest["format"] == "openai"
+    for i, (row, text) in enumerate(zip(out.results, texts, strict=True)):
+        assert row["custom_id"] == f"req-{i}" and row["error"] is None and row["id"].startswith("batch_req_")
+        assert row["response"]["status_code"] == 200
+        body = row["response"]["body"]
+        assert body["model"] == "my-model"
+        if task == "chat":
+            assert body["object"] == "chat.completion"
+            assert body["choices"][0]["message"] == {"role": "assistant", "content": "be brief\n" + text}
+        elif task == "generate":
+            assert body["object"] == "text_completion" and body["choices"][0]["text"] == text
+        else:
+            assert body["object"] == "list" and body["data"][0]["embedding"] == echo_embedding(text)
+        assert body["usage"]["prompt_tokens"] >= 1
+
+
+def test_publishing_again_gives_the_same_files(file_place, make_job, run_shards, read_output):
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(100) + ["bad"]),
+                      sharding={"targetShardBytes": 2048}, output={"compression": "zstd"})
+    run_shards(job)
+    first = publish(job)
+    raw = read_output(job).raw
+    second = publish(job)
+    assert {k: v for k, v in first.items() if k != "publishedAt"} == \
+        {k: v for k, v in second.items() if k != "publishedAt"}
+    assert read_output(job).raw == raw
+    assert plan_round(job, 0).shard_count == len(first["files"])
