@@ -62,51 +62,47 @@ BatchInferenceJobs go in a Role per watched namespace, or in the ClusterRole whe
 cluster-scoped objects always go in the ClusterRole.
 */}}
 {{- define "bij-operator.rules.namespaced" -}}
-# The jobs themselves: kopf watches them and patches finalizers and its progress annotations.
+# The jobs themselves: kopf watches them and patches its progress annotations.
 - apiGroups: [batchinference.io]
   resources: [batchinferencejobs]
   verbs: [get, list, watch, patch]
 - apiGroups: [batchinference.io]
   resources: [batchinferencejobs/status]
-  verbs: [get, patch, update]
+  verbs: [patch]
 # Round Jobs are created with an ownerReference with blockOwnerDeletion, which clusters running
 # the OwnerReferencesPermissionEnforcement admission plugin allow only with this permission.
 - apiGroups: [batchinference.io]
   resources: [batchinferencejobs/finalizers]
   verbs: [update]
-# One Indexed Job per round: created, watched, patched (suspend, parallelism), deleted.
+# One Indexed Job per round: created, watched, patched (suspend, parallelism). Deleting a
+# BatchInferenceJob deletes its Jobs through owner references, not through the operator.
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create, patch, delete]
-# Events on the BatchInferenceJobs (kopf posts core events; events.k8s.io for the newer API).
+  verbs: [get, list, watch, create, patch]
+# Events on the BatchInferenceJobs (kopf posts core v1 events).
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
-- apiGroups: [events.k8s.io]
-  resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- if and .Values.peering.enabled (not .Values.watch.allNamespaces) }}
 # kopf peering in namespaced mode: one KopfPeering per watched namespace.
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 {{- end }}
 {{- end -}}
 
 {{- define "bij-operator.rules.cluster" -}}
-# kopf finds the resources it serves by scanning CRDs.
+{{- if .Values.watch.allNamespaces }}
+# Cluster-wide, kopf finds the resources it serves by scanning CRDs. With exact namespaces
+# the operator turns scanning off and needs no cluster-scoped permission at all.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
-  verbs: [get, list, watch]
-{{- if .Values.watch.allNamespaces }}
-- apiGroups: [""]
-  resources: [namespaces]
   verbs: [list, watch]
 {{- if .Values.peering.enabled }}
 # kopf peering in cluster-wide mode: one ClusterKopfPeering.
 - apiGroups: [kopf.dev]
   resources: [clusterkopfpeerings]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 {{- end }}
 {{- end }}
 {{- end -}}
