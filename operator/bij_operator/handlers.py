@@ -31,7 +31,7 @@ from . import layout
 from .jobs import render_job, worker_image_default
 from .planner import PlanError, plan_round
 from .progress import shard_records
-from .publish import PublishError, publish
+from .publish import ErrorRatioExceeded, PublishError, publish
 from .reconcile import (
     JOB_LABEL,
     CreateJob,
@@ -318,6 +318,12 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
             await write_status(raw, {**base(raw, d, now), "message": d.message})
         try:
             manifest = await asyncio.to_thread(publish, job, d.rounds)
+        except ErrorRatioExceeded as e:
+            # Permanent: duplicates found only at publish can push the share of bad rows over the limit.
+            failed = MarkFailed(round=d.round, phase="Failed", reason="TooManyErrors", message=str(e))
+            await write_status(raw, {**base(raw, failed, now), "message": failed.message},
+                               event=("Warning", "TooManyErrors", failed.message))
+            return False
         except (PublishError, OSError, RuntimeError) as e:
             msg = f"publish failed: {e}"
             await write_status(raw, {"message": msg}, event=("Warning", "PublishFailed", msg))

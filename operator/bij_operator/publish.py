@@ -27,7 +27,11 @@ from .spec import BatchInferenceJob
 
 
 class PublishError(RuntimeError):
-    """The job cannot be published: a shard is not finished, or too many rows failed."""
+    """The job cannot be published yet: a round or shard has not finished."""
+
+
+class ErrorRatioExceeded(PublishError):
+    """More rows failed than spec.maxErrorRatio allows: the job failed, publishing again will not help."""
 
 
 @dataclass
@@ -149,7 +153,7 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
     ratio = t.errors / total if total else 0.0
     limit = job.spec.max_error_ratio
     if limit is not None and ratio > limit:
-        raise PublishError(
+        raise ErrorRatioExceeded(
             f"{t.errors} of {total} rows failed ({ratio:.1%}), above spec.maxErrorRatio {limit:.1%}; "
             f"error rows are in {layout.join(out_uri, 'errors')}/"
         )
