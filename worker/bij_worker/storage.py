@@ -80,6 +80,10 @@ def open_storage(uri: str, s3: Any = None) -> Storage:
             endpoint, region = s3.get("endpointUrl"), s3.get("region")
         else:
             endpoint, region = s3.endpoint_url, s3.region
+        # Keyed by what the client will use, so "from the environment" and the same value given
+        # in the spec share one client.
+        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
+        region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
         return _shared_s3(endpoint, region)
     raise StorageError(f"unsupported URI {uri!r}: use file:// or s3://")
 
