@@ -115,9 +115,11 @@ class LocalRunner:
             while pending and len(self.procs) < self.parallelism and not self.stopping and bad_config is None:
                 i = pending.popleft()
                 attempts[i] = attempts.get(i, 0) + 1
+                # A session of its own: a terminal's Ctrl-C reaches only bij, which asks each worker
+                # once (SIGTERM) to drain; a second signal would make the worker quit at once.
                 p = subprocess.Popen(
                     [*self.worker_cmd, "--manifest", plan.manifest_uri, "--progress"],
-                    env=self._env(i), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                    env=self._env(i), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
                 )
                 self.procs[i] = p
                 assert p.stdout is not None
