@@ -6,8 +6,10 @@
   `Storage`, the spec's `storage` block and the environment a worker subprocess needs.
 - `make_job`: write a BatchInferenceJob YAML (echo engine by default) and load it.
 - `read_output`: the published manifest, checked against its files (rows, sha256),
-  and every result and error row.
-- `worker_env`: the environment for real `bij` / `bij-worker` subprocesses, with an
+  and every result and error row; `log_lines`: a round's raw durable records per shard.
+- `run_shards`: plan round 0 and work its shards in this process (`recording_echo`:
+  the echo engine, recording what it ran).
+- `bij_bin`, `worker_env`: the environment for real `bij` / `bij-worker` subprocesses, with an
   optional test harness (see `_HARNESS`) that counts rows the echo engine computes,
   slows it down, or fails a segment upload — the production code has no test hooks.
 """
@@ -30,7 +32,6 @@ import pytest
 import yaml
 import zstandard
 
-REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
 
