@@ -15,6 +15,7 @@ from bij_worker.worker import (
     BadConfig,
     EngineFailure,
     ShardWorker,
+    StopFlag,
     done_uri,
     load_plan,
     run_isolating,
@@ -143,3 +144,24 @@ def test_bad_configurations_exit_42(file_place, make_job, worker_env, bij_bin):
         file_place.storage.write_bytes(plan_uri + ".bad", json.dumps(doc).encode())
         p = worker(bij_bin, env, "--manifest", plan_uri + ".bad", index="0")
         assert p.returncode == EXIT_BAD_CONFIG, (model, p.stderr)
+
+
+def test_a_compressed_input_resumes_inside_the_object(place, make_job, run_shards, recording_echo, read_output):
+    inputs = rows(120)
+    place.write_jsonl("in/a.jsonl.zst", inputs[:70], zst=True)
+    place.write_jsonl("in/b.jsonl", inputs[70:])
+    _, job = make_job(place, place.uri("in/"), sharding={"chunkRows": 20, "targetShardBytes": 1 << 20})
+    stop = StopFlag()
+    events: list[dict[str, Any]] = []
+
+    def progress(ev: dict[str, Any]) -> None:
+        events.append(ev)
+        if sum(e["event"] == "chunk" for e in events) == 2:
+            stop.request()
+
+    assert run_shards(job, stop=stop, progress=progress)[0].rows == 40
+    engine = recording_echo()
+    run_shards(job, engine=engine)
+    assert sorted(engine.seen) == sorted(r["text"] for r in inputs[40:])
+    publish(job)
+    assert read_output(job).result_ids == [r["id"] for r in inputs]
