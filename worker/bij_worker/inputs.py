@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from .engines.base import Request, Result
 
 # Reserved field of re-dispatched rows (judge rounds): {"id", "attempts", "verdicts", "output"}.
@@ -98,11 +100,19 @@ def _messages_ok(msgs: Any) -> str | None:
 def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: InputOptions) -> Row:
     """Parse one input line into a Row (never raises for bad input)."""
     try:
+        obj = orjson.loads(line)
+    except ValueError:
+        try:  # the stdlib's message says where the JSON breaks
+            json.loads(line)
+        except ValueError as e:
+            return _bad(at, "invalid_json", f"not valid JSON: {e}")
         obj = json.loads(line)
-    except ValueError as e:
-        return _bad(at, "invalid_json", f"not valid JSON: {e}")
     if not isinstance(obj, dict):
         return _bad(at, "invalid_row", f"a row must be a JSON object, got {type(obj).__name__}")
+    carried_id = obj[CARRY_FIELD].get("id") if isinstance(obj.get(CARRY_FIELD), dict) else None
+    if isinstance(obj.get(opts.id_field), float) or isinstance(carried_id, float):
+        # orjson reads integers beyond 64 bits as floats: ids must come back exactly as given.
+        obj = json.loads(line)
     carried = obj.pop(CARRY_FIELD, None)
     row = _parse_openai(obj, at, opts) if opts.format == "openai" else _parse_plain(obj, at, object_name, opts)
     if isinstance(carried, dict):
@@ -130,13 +140,12 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
         if not _valid_id(rid):
             return _bad(at, "invalid_id", f"field {opts.id_field!r} must be a non-empty string or an integer, "
                         f"got {json.dumps(rid)[:80]}")
-    base = Request(max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed)
     if opts.task == "chat" and opts.messages_field and opts.messages_field in obj:
         msgs = obj[opts.messages_field]
         problem = _messages_ok(msgs)
         if problem:
             return _bad(at, "invalid_messages", f"field {opts.messages_field!r} {problem}", rid)
-        req = Request(messages=msgs, max_tokens=base.max_tokens, temperature=base.temperature, seed=base.seed)
+        req = Request(messages=msgs, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed)
         return Row(at=at, id=rid, request=req, generated_id=generated)
     if opts.text_field not in obj:
         wanted = f"{opts.text_field!r}" + (f" or {opts.messages_field!r}" if opts.messages_field else "")
@@ -147,10 +156,10 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
     if not text.strip():
         return _bad(at, "empty_text", f"field {opts.text_field!r} is empty", rid)
     if opts.task == "chat":
-        req = Request(messages=[{"role": "user", "content": text}], max_tokens=base.max_tokens,
-                      temperature=base.temperature, seed=base.seed)
+        req = Request(messages=[{"role": "user", "content": text}], max_tokens=opts.max_tokens,
+                      temperature=opts.temperature, seed=opts.seed)
     else:
-        req = Request(text=text, max_tokens=base.max_tokens, temperature=base.temperature, seed=base.seed)
+        req = Request(text=text, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed)
     return Row(at=at, id=rid, request=req, generated_id=generated)
 
 

@@ -45,6 +45,10 @@ class Metrics:
         self.rows = Counter("bij_rows", "Rows finished, by status (ok, error, or capped by the judge)",
                             ["status"], registry=r)
         self.tokens = Counter("bij_tokens", "Tokens processed, by direction (in or out)", ["direction"], registry=r)
+        # Label children resolved once: the worker counts per commit, and a lookup per call adds up.
+        self.rows_ok, self.rows_error = self.rows.labels("ok"), self.rows.labels("error")
+        self.rows_capped = self.rows.labels("capped")
+        self.tokens_in, self.tokens_out = self.tokens.labels("in"), self.tokens.labels("out")
         self.batch_size = Histogram("bij_batch_size", "Rows per engine batch",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=r)
         self.batch_tokens = Histogram("bij_batch_tokens", "Padded tokens per engine batch",

@@ -21,11 +21,13 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .storage import NotFound, Storage
+import orjson
+
+from .storage import NotFound, Storage, iter_lines
 
 LOG_NAME = "log.jsonl"
 
@@ -41,15 +43,35 @@ class DurableState:
     torn_bytes: int = 0  # bytes cut from a torn tail (file://)
 
 
-# One encoder for every record: json.dumps with options builds a new one per call, a
-# per-row cost that showed in the echo benchmark. Records are plain trees (no cycles).
+# The stdlib encoder handles what orjson refuses (integers beyond 64 bits).
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
+
+
+def _dump(record: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(record)
+    except TypeError:
+        return _ENCODER.encode(record).encode("utf-8")
 
 
 def encode_records(records: Iterable[dict[str, Any]]) -> bytes:
     """JSON lines, one per record, each ending in a newline; empty for no records."""
-    lines = "\n".join(map(_ENCODER.encode, records))
-    return (lines + "\n").encode("utf-8") if lines else b""
+    lines = b"\n".join(map(_dump, records))
+    return lines + b"\n" if lines else b""
+
+
+def loads_record(line: bytes) -> Any:
+    """Parse one log record fast, ids exactly as the stdlib would read them.
+
+    orjson reads an integer beyond 64 bits as a float; an id is never a float, so
+    a float id means such an integer, and the stdlib parses that line instead.
+    """
+    rec = orjson.loads(line)
+    row = rec.get("row")
+    if isinstance(rec.get("id"), float) or (isinstance(row, dict) and isinstance(
+            row.get("custom_id", row.get("id")), float)):
+        return json.loads(line)
+    return rec
 
 
 class ShardLog:
@@ -60,50 +82,64 @@ class ShardLog:
         self.prefix = prefix.rstrip("/")
         self.writer_id = writer_id or f"{os.getpid():x}-{uuid.uuid4().hex[:8]}"
         self._next_segment = 0
+        self.state = DurableState()
 
     @property
     def log_uri(self) -> str:
         return f"{self.prefix}/{LOG_NAME}"
 
     def read(self, repair: bool = True) -> DurableState:
-        """All durable records in commit order. With `repair`, a torn file tail is cut off."""
-        state = DurableState()
-        seen: set[tuple[int, int, int]] = set()
+        """All durable records in commit order, in memory (publish: one shard at a time)."""
+        records = list(self.scan(repair))
+        state = self.state
+        state.records = records
+        return state
+
+    def scan(self, repair: bool = True) -> Iterator[dict[str, Any]]:
+        """Stream the durable records in commit order; `self.state` has the cursor once done.
+
+        With `repair`, a torn file tail (a last line without its newline) is cut off.
+        Memory stays small however long the log: one int per record for de-duplication.
+        """
+        state = self.state = DurableState()
+        seen: set[int] = set()
         objects = self.storage.list(self.prefix + "/")
         segments = [o for o in objects if o.uri.rsplit("/", 1)[-1].startswith("seg-")]
         self._next_segment = len(segments)
-        sources = [o.uri for o in segments]
-        if self.storage.supports_append and any(o.uri == self.log_uri for o in objects):
-            sources = [self.log_uri] + sources
-        for uri in sources:
+        sources = segments
+        if self.storage.supports_append:
+            sources = [o for o in objects if o.uri == self.log_uri] + segments
+        for obj in sources:
             try:
-                data = self.storage.read_bytes(uri)
+                stream = self.storage.open_read(obj.uri)
             except NotFound:
                 continue
-            good_end = data.rfind(b"\n") + 1
-            if good_end < len(data):
-                # The last line never got its newline: the write was torn mid-line.
-                state.torn_bytes += len(data) - good_end
-                if repair and uri == self.log_uri:
-                    self.storage.truncate(uri, good_end)
-            for line in data[:good_end].splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    # Only possible for a torn line that later got a newline appended
-                    # by another writer; the row will simply be recomputed.
-                    continue
-                # A row has one final record per round, and before it (judge, inPlace) one
-                # record per attempt.
-                place = (rec["at"][0], rec["at"][1], rec.get("attempt", -1) if rec["kind"] == "attempt" else -1)
-                if place in seen:
-                    continue
-                seen.add(place)
-                state.records.append(rec)
-                state.cursor = max(state.cursor, (rec["at"][0], rec["at"][2]))
-        return state
+            with stream:
+                for off, line in iter_lines(stream, 0):
+                    if off + len(line) + 1 > obj.size:
+                        # The last line never got its newline: the write was torn mid-line.
+                        state.torn_bytes += obj.size - off
+                        if repair and obj.uri == self.log_uri:
+                            self.storage.truncate(obj.uri, off)
+                        break
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = loads_record(line)
+                    except ValueError:
+                        # Only a torn line that later got a newline appended by another
+                        # writer; the row is simply recomputed.
+                        continue
+                    at = rec["at"]
+                    # A row has one final record per round, and before it (judge, inPlace) one
+                    # record per attempt.
+                    attempt = rec.get("attempt", -1) if rec["kind"] == "attempt" else -1
+                    key = (((at[0] << 40) | at[1]) << 8) | ((attempt + 1) & 0xFF)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    state.cursor = max(state.cursor, (at[0], at[2]))
+                    yield rec
 
     def append(self, records: list[dict[str, Any]]) -> None:
         """Make one chunk's records durable, all in one write (file://) or one object (s3://)."""

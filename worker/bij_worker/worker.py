@@ -1,6 +1,6 @@
 """Work one shard: resume from what is durable, stream, batch, run the engine, commit each chunk.
 
-Per chunk: parse rows (bad rows become error rows), drop ids seen before,
+Per chunk: parse rows (bad rows become error rows),
 count tokens, sort and batch by token budget, run the engine, restore input
 order, append the chunk to the shard's durable log. Chunks are committed in
 input order, so the durable part of a shard is always a prefix of it and a
@@ -21,7 +21,7 @@ from typing import Any
 
 from .batcher import plan_batches
 from .engines.base import Engine, Request, Result
-from .inputs import InputOptions, Row, error_row, id_key, parse_line, redispatch_line, result_row
+from .inputs import InputOptions, Row, error_row, parse_line, redispatch_line, result_row
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
 from .reader import Prefetcher, iter_shard
@@ -197,31 +197,26 @@ class ShardWorker:
             rec = json.loads(self.out.read_bytes(done_at))
             self.progress({"event": "done", "index": self.index, "rows": rec["rows"], "errors": rec["errors"]})
             return ShardOutcome("done", rec["rows"], rec["errors"])
-        state = self.log.read()
-        seen: set[str] = set()
-        resumed_bytes = 0
-        finals: set[tuple[int, int]] = set()
-        attempts: dict[tuple[int, int], dict[str, Any]] = {}
-        for rec in state.records:
+        # Stream the durable log: resuming a long shard must not hold its records in memory.
+        resumed_bytes = records = 0
+        attempts: dict[tuple[int, int], dict[str, Any]] = {}  # rows between attempts, by place
+        for rec in self.log.scan():
+            records += 1
             place = (rec["at"][0], rec["at"][1])
             if rec["kind"] == "attempt":
                 if place not in attempts or rec["attempt"] > attempts[place]["attempt"]:
                     attempts[place] = rec
                 continue
-            finals.add(place)
-            rid = self._row_id(rec["row"])
-            if rid is not None:
-                seen.add(id_key(rid))
+            attempts.pop(place, None)  # a row's final record comes after its attempts
             resumed_bytes += rec["at"][2] - rec["at"][1]
             self._count_final(rec)
+        state = self.log.state
         # Rows between attempts when the worker stopped: continue them at their next attempt.
-        pending = [rec for place, rec in sorted(attempts.items()) if place not in finals]
-        for rec in pending:
-            seen.add(id_key(rec["id"]))
-            resumed_bytes += rec["at"][2] - rec["at"][1]
-        if state.records:
+        pending = [rec for _, rec in sorted(attempts.items())]
+        resumed_bytes += sum(rec["at"][2] - rec["at"][1] for rec in pending)
+        if records:
             log.info("shard %d: resuming after %d durable records (%d rows between attempts, %d torn bytes cut)",
-                     self.index, len(state.records), len(pending), state.torn_bytes)
+                     self.index, records, len(pending), state.torn_bytes)
         self.progress({"event": "resume", "index": self.index, "rows": self.stats.rows,
                        "errors": self.stats.errors, "bytes": resumed_bytes})
         if pending and not self._resume_attempts(pending):
@@ -236,7 +231,7 @@ class ShardWorker:
                 if self.stop.requested:
                     return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
                 rows_before, errors_before = self.stats.rows, self.stats.errors
-                if not self._work_chunk(chunk.lines, seen):
+                if not self._work_chunk(chunk.lines):
                     # Asked to stop and out of time: what was not committed is dropped whole.
                     return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
                 self.stats.chunks += 1
@@ -288,19 +283,13 @@ class ShardWorker:
             live.append(_Live(row, line, attempts_here=int(rec["attemptsHere"]), last_output=rec.get("output")))
         return self._attempt_loop(live, [])
 
-    def _work_chunk(self, lines: list[tuple[tuple[int, int, int], bytes]], seen: set[str]) -> bool:
-        """Parse, run and commit one chunk. False when stopped before the chunk was committed."""
+    def _work_chunk(self, lines: list[tuple[tuple[int, int, int], bytes]]) -> bool:
+        """Parse, run and commit one chunk. False when stopped before the chunk was committed.
+
+        Ids repeated within or across shards are found at publish, which sees every shard
+        in input order: a set of every id here would grow with the shard.
+        """
         rows: list[Row] = [parse_line(line, at, self.object_name(at[0]), self.opts) for at, line in lines]
-        for row in rows:
-            if row.id is None:
-                continue
-            key = id_key(row.id)
-            if key in seen:
-                if row.error is None:
-                    row.error_code, row.error, row.request = "duplicate_id", \
-                        f"id {json.dumps(row.id)} was seen before; the first occurrence wins", None
-            else:
-                seen.add(key)
         records: list[dict[str, Any]] = []
         live = []
         for row, (_, line) in zip(rows, lines, strict=True):
@@ -320,6 +309,7 @@ class ShardWorker:
             if results is None:
                 return False
             retry: list[_Live] = []
+            self._count_tokens(results)
             verdicts = self._verdicts(live, results)
             for item, res, verdict in zip(live, results, verdicts, strict=True):
                 row = item.row
@@ -327,7 +317,6 @@ class ShardWorker:
                     row.error_code, row.error = res.extra.get("code", "engine_error"), res.error
                     records.append(self._error_record(row))
                     continue
-                self._count_tokens(res)
                 if verdict is None or verdict.approved:
                     out = result_row(row, res, self.opts)
                     if self.judge is not None:
@@ -372,31 +361,25 @@ class ShardWorker:
         t = time.perf_counter()
         self.log.append(records)
         self.metrics.commit_latency.observe(time.perf_counter() - t)
+        counts = {"result": 0, "error": 0, "rejected": 0, "capped": 0, "attempt": 0}
         for rec in records:
-            if rec["kind"] != "attempt":
-                self._count_final_live(rec)
+            counts[rec["kind"]] += 1
+        self.stats.rows += counts["result"]
+        self.stats.errors += counts["error"]
+        self.stats.rejected += counts["rejected"]
+        self.stats.capped += counts["capped"]
+        # Once per commit, not per row: each labelled increment takes a lock.
+        self.metrics.rows_ok.inc(counts["result"])
+        self.metrics.rows_error.inc(counts["error"])
+        self.metrics.rows_capped.inc(counts["capped"])
 
-    def _count_final_live(self, rec: dict[str, Any]) -> None:
-        kind = rec["kind"]
-        if kind == "result":
-            self.stats.rows += 1
-            self.metrics.rows.labels("ok").inc()
-        elif kind == "error":
-            self.stats.errors += 1
-            self.metrics.rows.labels("error").inc()
-        elif kind == "rejected":
-            self.stats.rejected += 1
-        elif kind == "capped":
-            self.stats.capped += 1
-            self.metrics.rows.labels("capped").inc()
-
-    def _count_tokens(self, res: Result) -> None:
-        if res.prompt_tokens:
-            self.stats.tokens_in += res.prompt_tokens
-            self.metrics.tokens.labels("in").inc(res.prompt_tokens)
-        if res.completion_tokens:
-            self.stats.tokens_out += res.completion_tokens
-            self.metrics.tokens.labels("out").inc(res.completion_tokens)
+    def _count_tokens(self, results: list[Result]) -> None:
+        tokens_in = sum(r.prompt_tokens or 0 for r in results if r.error is None)
+        tokens_out = sum(r.completion_tokens or 0 for r in results if r.error is None)
+        self.stats.tokens_in += tokens_in
+        self.stats.tokens_out += tokens_out
+        self.metrics.tokens_in.inc(tokens_in)
+        self.metrics.tokens_out.inc(tokens_out)
 
     def _verdicts(self, live: list[_Live], results: list[Result]) -> list[Verdict | None]:
         if self.judge is None:
