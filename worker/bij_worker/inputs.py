@@ -26,7 +26,7 @@ OPENAI_URLS = {
 }
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     """One parsed input line: a request to run, or an error to record."""
 
@@ -109,11 +109,12 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
         obj = json.loads(line)
     if not isinstance(obj, dict):
         return _bad(at, "invalid_row", f"a row must be a JSON object, got {type(obj).__name__}")
-    carried_id = obj[CARRY_FIELD].get("id") if isinstance(obj.get(CARRY_FIELD), dict) else None
-    if isinstance(obj.get(opts.id_field), float) or isinstance(carried_id, float):
+    carried = obj.pop(CARRY_FIELD, None)
+    if isinstance(obj.get(opts.id_field), float) or (isinstance(carried, dict)
+                                                     and isinstance(carried.get("id"), float)):
         # orjson reads integers beyond 64 bits as floats: ids must come back exactly as given.
         obj = json.loads(line)
-    carried = obj.pop(CARRY_FIELD, None)
+        carried = obj.pop(CARRY_FIELD, None)
     row = _parse_openai(obj, at, opts) if opts.format == "openai" else _parse_plain(obj, at, object_name, opts)
     if isinstance(carried, dict):
         # A row re-dispatched by a judge round keeps its id (even a generated one) and history.
@@ -153,7 +154,7 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
     text = obj[opts.text_field]
     if not isinstance(text, str):
         return _bad(at, "invalid_text", f"field {opts.text_field!r} must be a string, got {type(text).__name__}", rid)
-    if not text.strip():
+    if not text or text.isspace():
         return _bad(at, "empty_text", f"field {opts.text_field!r} is empty", rid)
     if opts.task == "chat":
         req = Request(messages=[{"role": "user", "content": text}], max_tokens=opts.max_tokens,

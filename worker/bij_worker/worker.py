@@ -148,6 +148,7 @@ class ShardWorker:
         self.round = int(plan.get("round", 0))
         self.pieces = shards[index]
         self.objects = plan["objects"]
+        self.names = [str(o.get("name") or o["uri"]) for o in self.objects]
         spec = plan["job"]["spec"]
         self.spec = spec
         self.opts = InputOptions.from_spec(spec)
@@ -180,7 +181,7 @@ class ShardWorker:
         return self._stores[scheme]
 
     def object_name(self, obj: int) -> str:
-        return str(self.objects[obj].get("name") or self.objects[obj]["uri"])
+        return self.names[obj]
 
     def token_limit(self) -> int | None:
         limits = [x for x in (self.max_tokens, self.engine.max_input_tokens()) if x]
@@ -289,7 +290,8 @@ class ShardWorker:
         Ids repeated within or across shards are found at publish, which sees every shard
         in input order: a set of every id here would grow with the shard.
         """
-        rows: list[Row] = [parse_line(line, at, self.object_name(at[0]), self.opts) for at, line in lines]
+        names, opts = self.names, self.opts
+        rows: list[Row] = [parse_line(line, at, names[at[0]], opts) for at, line in lines]
         records: list[dict[str, Any]] = []
         live = []
         for row, (_, line) in zip(rows, lines, strict=True):
