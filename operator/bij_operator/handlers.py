@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -213,6 +214,7 @@ async def _reconcile(namespace: str, name: str) -> None:
             jobs = await api().list_jobs(namespace, name)
             decision = decide(job, raw.get("status") or {}, jobs)
             log.debug("%s/%s: %s", namespace, name, decision)
+            METRICS.decisions.labels(type(decision).__name__).inc()
             if not await apply(raw, job, decision, t):
                 return
     log.warning("%s/%s: still changing after %d steps; continuing on the next event", namespace, name, MAX_STEPS)
@@ -519,6 +521,28 @@ async def round_job_changed(body: kopf.Body, namespace: str | None, logger: kopf
 # --- `bij operator` --------------------------------------------------------------------------------
 
 
+class OperatorMetrics:
+    """What the operator did, for Prometheus (served with --metrics-port or env BIJ_METRICS_PORT)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self.decisions = Counter("bij_operator_decisions", "Reconcile decisions applied, by kind",
+                                 ["decision"], registry=self.registry)
+        self.tracked = Gauge("bij_operator_tracked_jobs", "BatchInferenceJobs this process follows",
+                             registry=self.registry)
+        self.tracked.set_function(lambda: len(TRACKERS))
+
+    def serve(self, port: int) -> None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, registry=self.registry)
+
+
+METRICS = OperatorMetrics()
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bij operator", description="Run the BatchInferenceJob operator (kopf).")
     p.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
@@ -534,6 +558,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="worker image when a spec names none (default: env BIJ_WORKER_IMAGE)")
     p.add_argument("--status-interval", type=float, default=STATUS_INTERVAL, metavar="SECONDS",
                    help=f"least time between progress-only status writes per job (default {STATUS_INTERVAL:g})")
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("BIJ_METRICS_PORT") or 0) or None,
+                   help="serve Prometheus metrics on this port (default: env BIJ_METRICS_PORT, else none)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return p.parse_args(argv)
 
@@ -552,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     CONFIG.status_interval = args.status_interval
     if args.worker_image:
         CONFIG.worker_image = args.worker_image
+    if args.metrics_port:
+        METRICS.serve(args.metrics_port)
     kopf.configure(verbose=args.verbose)
     # The API client's debug log prints every response body: too much even for --verbose.
     logging.getLogger("kubernetes.client.rest").setLevel(logging.INFO)
