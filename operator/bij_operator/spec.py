@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "batchinference.io"
@@ -65,20 +65,20 @@ class InputSpec(_Model):
     text_field: str = "text"
     messages_field: str | None = None
 
-    @model_validator(mode="after")
-    def _uri_scheme(self) -> InputSpec:
-        _check_uri(self.uri, "spec.input.uri")
-        return self
+    @field_validator("uri")
+    @classmethod
+    def _uri_scheme(cls, uri: str) -> str:
+        return _check_uri(uri)
 
 
 class OutputSpec(_Model):
     uri: str
     compression: Literal["zstd", "none"] = "zstd"
 
-    @model_validator(mode="after")
-    def _uri_scheme(self) -> OutputSpec:
-        _check_uri(self.uri, "spec.output.uri")
-        return self
+    @field_validator("uri")
+    @classmethod
+    def _uri_scheme(cls, uri: str) -> str:
+        return _check_uri(uri)
 
 
 class VllmOptions(_Model):
@@ -286,11 +286,12 @@ class BatchInferenceJob(_Model):
         return self.metadata.uid or self.metadata.name
 
 
-def _check_uri(uri: str, field: str) -> None:
+def _check_uri(uri: str) -> str:
     if not (uri.startswith("file://") or uri.startswith("s3://")):
-        raise ValueError(f"{field} must start with file:// or s3://, got {uri!r}")
+        raise ValueError(f"must start with file:// or s3://, got {uri!r}")
     if uri.startswith("s3://") and len(uri) <= len("s3://"):
-        raise ValueError(f"{field} needs a bucket: {uri!r}")
+        raise ValueError(f"s3:// needs a bucket: {uri!r}")
+    return uri
 
 
 def _format_errors(err: ValidationError, prefix: str = "") -> list[str]:
