@@ -40,13 +40,16 @@ def run(tmp: Path, rows: int, strategy: str, approval: int, args: argparse.Names
     with (work / "in" / "rows.jsonl").open("w") as f:
         for i in range(rows):
             f.write(json.dumps({"id": i, "text": f"row {i} " + "lorem " * (i % 17)}) + "\n")
+    size = (work / "in" / "rows.jsonl").stat().st_size
     doc = {
         "apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
         "metadata": {"name": f"judge-{strategy.lower()}-{approval}"},
         "spec": {
             "input": {"uri": f"file://{work}/in/"}, "output": {"uri": f"file://{work}/out/"},
             "model": {"engine": "echo", "task": "generate"},
-            "sharding": {"targetShardBytes": max(4096, rows * 60 // (args.parallelism * 2)), "chunkRows": 256},
+            # One shard per worker in round 0, as a real job sized by targetShardBytes would have;
+            # later rounds are smaller and fit in as many shards or fewer.
+            "sharding": {"targetShardBytes": max(4096, size // args.parallelism + 1), "chunkRows": 256},
             "batching": {"maxBatchSize": 64},
             "workers": {"parallelism": args.parallelism},
             "judge": {"type": "regex", "pattern": coin_engine.approve_pattern(approval), "strategy": strategy,
