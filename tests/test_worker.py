@@ -165,3 +165,29 @@ def test_a_compressed_input_resumes_inside_the_object(place, make_job, run_shard
     assert sorted(engine.seen) == sorted(r["text"] for r in inputs[40:])
     publish(job)
     assert read_output(job).result_ids == [r["id"] for r in inputs]
+
+
+def test_a_running_shard_reports_live_counts_that_the_done_record_supersedes(file_place, make_job, monkeypatch):
+    from bij_operator.progress import live_records, shard_records
+    from bij_worker.engines.base import EngineConfig
+    from bij_worker.engines.echo import EchoEngine
+    from bij_worker.storage import open_storage
+    from bij_worker.worker import progress_uri
+
+    monkeypatch.setenv("BIJ_PROGRESS_SECONDS", "0")  # after every commit
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(40)),
+                      sharding={"chunkRows": 8, "targetShardBytes": 1 << 20})
+    plan = planned(job)
+    seen: list[int] = []
+
+    class Watching(EchoEngine):
+        def run(self, requests):  # type: ignore[no-untyped-def]
+            # Before this chunk is committed, the operator sees the rows of the chunks before it.
+            seen.append(sum(r["rows"] for r in live_records(job, 0).values()))
+            return super().run(requests)
+
+    ShardWorker(plan, 0, Watching(EngineConfig(task="generate"))).run()
+    assert seen == [0, 8, 16, 24, 32]
+    assert shard_records(job, 0)[0]["rows"] == 40 == live_records(job, 0)[0]["rows"]
+    last = json.loads(open_storage(progress_uri(plan, 0)).read_bytes(progress_uri(plan, 0)))
+    assert (last["index"], last["rows"], last["errors"]) == (0, 40, 0)

@@ -31,7 +31,7 @@ from kubernetes.client import ApiException
 from . import layout
 from .jobs import render_job, worker_image_default
 from .planner import PlanError, plan_round
-from .progress import shard_records
+from .progress import live_records, shard_records
 from .publish import ErrorRatioExceeded, PublishError, publish
 from .reconcile import (
     JOB_LABEL,
@@ -56,6 +56,8 @@ PLURAL = "batchinferencejobs"
 # Progress-only status writes (shard counts, rows) per bij at most this often; phase
 # changes and actions are written at once.
 STATUS_INTERVAL = 5.0
+# How often a running bij's rows are refreshed from its workers' live progress records.
+PROGRESS_INTERVAL = 30.0
 # Steps applied per trigger before yielding; a whole run takes about six.
 MAX_STEPS = 12
 
@@ -421,11 +423,13 @@ def base(raw: dict[str, Any], d: Decision, now: Any) -> dict[str, Any]:
 
 
 async def progress(job: BatchInferenceJob, status: dict[str, Any], round_no: int, now: Any) -> dict[str, Any]:
-    """``rows`` and ``rowsPerSecond`` from the completion records of rounds 0..round_no."""
+    """``rows`` and ``rowsPerSecond`` from the completion records of rounds 0..round_no, and the
+    live progress records of the current round's running shards."""
     def read() -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for r in range(round_no + 1):
+        for r in range(round_no):
             out.extend(shard_records(job, r).values())
+        out.extend(live_records(job, round_no).values())
         return out
 
     try:
@@ -516,6 +520,15 @@ async def round_job_changed(body: kopf.Body, namespace: str | None, logger: kopf
         pass  # already reported on the bij; Job events cannot fix a spec
     except kopf.TemporaryError as e:
         logger.warning("%s/%s: %s (retrying)", namespace, owner, e)
+
+
+@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=PROGRESS_INTERVAL, initial_delay=PROGRESS_INTERVAL,
+            field="status.phase", value="Running")
+async def running_progress(namespace: str | None, name: str, **_: Any) -> None:
+    """While a round runs, Job events are rare (only when a shard finishes): refresh ROWS from
+    the workers' live progress records every so often."""
+    assert namespace is not None
+    await reconcile(namespace, name)
 
 
 # --- `bij operator` --------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
     <output>/_bij/<job_id>/round-<r>/shards.json    the round plan (written once)
     <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable log of one shard
     <output>/_bij/<job_id>/round-<r>/done/<index>.json  a shard's completion record
+    <output>/_bij/<job_id>/round-<r>/progress/<index>.json  a running shard's live counts
     <output>/_bij/<job_id>/round-<r>/input/        judge rounds: rejected rows, next round's input
 """
 

@@ -13,7 +13,17 @@ from .spec import BatchInferenceJob
 
 def shard_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, Any]]:
     """Completion records of a round's finished shards, by index (rows, errors, tokensIn, tokensOut, seconds)."""
-    folder = layout.join(layout.round_prefix(job, round_no), "done") + "/"
+    return _records(job, round_no, "done")
+
+
+def live_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, Any]]:
+    """Counts of every shard that has any: finished shards' completion records, and the
+    progress records running shards rewrite every BIJ_PROGRESS_SECONDS (30 s by default)."""
+    return {**_records(job, round_no, "progress"), **_records(job, round_no, "done")}
+
+
+def _records(job: BatchInferenceJob, round_no: int, kind: str) -> dict[int, dict[str, Any]]:
+    folder = layout.join(layout.round_prefix(job, round_no), kind) + "/"
     store = open_storage(folder, job.spec.storage.s3)
     out: dict[int, dict[str, Any]] = {}
     for obj in store.list(folder):

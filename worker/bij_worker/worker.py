@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +72,11 @@ def shard_prefix(plan: dict[str, Any], index: int) -> str:
 
 def done_uri(plan: dict[str, Any], index: int) -> str:
     return f"{plan['roundPrefix']}/done/{index:05d}.json"
+
+
+def progress_uri(plan: dict[str, Any], index: int) -> str:
+    """A running shard's live counts (rewritten now and then; the done record supersedes it)."""
+    return f"{plan['roundPrefix']}/progress/{index:05d}.json"
 
 
 def load_plan(uri: str, s3: Any = None) -> dict[str, Any]:
@@ -170,6 +176,10 @@ class ShardWorker:
         self.stop = stop or StopFlag()
         self.progress = progress or (lambda event: None)
         self.stats = stats or Stats()
+        # How often the shard's live progress record is rewritten (for `kubectl get bij` ROWS
+        # while a long shard runs); one small atomic write, so never more than this often.
+        self.report_every = float(os.environ.get("BIJ_PROGRESS_SECONDS", "30"))
+        self._last_report = time.monotonic()
         self._stores: dict[str, Storage] = {}
         self.out = self.storage_for(plan["roundPrefix"])
         self.log = ShardLog(self.out, shard_prefix(plan, index))
@@ -370,6 +380,11 @@ class ShardWorker:
         self.stats.errors += counts["error"]
         self.stats.rejected += counts["rejected"]
         self.stats.capped += counts["capped"]
+        if time.monotonic() - self._last_report >= self.report_every:
+            self._last_report = time.monotonic()
+            record = {"index": self.index, "round": self.round, **self.stats.as_record(),
+                      "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            self.out.write_bytes(progress_uri(self.plan, self.index), json.dumps(record).encode())
         # Once per commit, not per row: each labelled increment takes a lock.
         self.metrics.rows_ok.inc(counts["result"])
         self.metrics.rows_error.inc(counts["error"])
