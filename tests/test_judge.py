@@ -13,7 +13,6 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).parent))
 import coin_engine  # noqa: E402
-
 from bij_operator import layout  # noqa: E402
 from bij_operator.local import LocalRunner  # noqa: E402
 from bij_operator.planner import plan_round  # noqa: E402
@@ -73,7 +72,7 @@ def test_rounds_every_row_ends_once_and_round_statuses_add_up(tmp_path: Path) ->
     assert m["counts"]["rows"] == len(results) and m["counts"]["capped"] == len(capped) > 0
     rounds = m["rounds"]
     assert len(rounds) == 3
-    for before, after in zip(rounds, rounds[1:]):
+    for before, after in zip(rounds, rounds[1:], strict=False):
         assert after["rowsIn"] == before["rejected"]
     assert rounds[0]["rowsIn"] == 300
     assert sum(r["approved"] for r in rounds) == len(results)
@@ -222,3 +221,16 @@ def test_round_plans_carry_their_mode(tmp_path: Path) -> None:
     plan = load_plan(plan_round(job, 0).manifest_uri)
     assert plan_round(job, 0).manifest_uri == layout.round_manifest_uri(job, 0)
     assert plan["judgeMode"] == {"mode": "rounds", "final": True}
+
+
+def test_later_judge_rounds_are_cut_so_every_worker_gets_a_share(tmp_path: Path) -> None:
+    from bij_operator.planner import round_target_bytes
+
+    write_rows(tmp_path / "in" / "a.jsonl", 10)
+    doc = job_doc(tmp_path, {"type": "regex", "pattern": "x"})
+    doc["spec"]["sharding"] = {"targetShardBytes": 64 << 20}
+    doc["spec"]["workers"] = {"parallelism": 8}
+    job = parse_job(doc)
+    assert round_target_bytes(job, 0, 1 << 20) == 64 << 20  # round 0: the user's size
+    assert round_target_bytes(job, 1, 8 << 20) == 1 << 20  # 8 MiB of rejects: 8 shards of 1 MiB
+    assert round_target_bytes(job, 1, 8 << 30) == 64 << 20  # never above targetShardBytes

@@ -81,6 +81,17 @@ def plan_shards(sizes: list[tuple[int, bool]], target_bytes: int) -> list[list[P
     return shards
 
 
+def round_target_bytes(job: BatchInferenceJob, round_no: int, total_bytes: int) -> int:
+    """Shard size for a round. A judge round after the first holds only the rows rejected
+    before, often far less than one shard: cut it for every worker to get a share rather
+    than leave all but one GPU idle for the round (never above targetShardBytes)."""
+    target = job.spec.sharding.target_shard_bytes
+    if round_no == 0:
+        return target
+    share = -(-total_bytes // job.spec.workers.parallelism)
+    return max(1024, min(target, share))
+
+
 def round_inputs(job: BatchInferenceJob, round_no: int) -> str:
     """Where a round's input rows are: the spec's input for round 0, else the last round's rejects."""
     if round_no == 0:
@@ -93,7 +104,7 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
     """The round plan document (shards.json) for these input objects."""
     mode = mode or round_mode(job.spec.judge, [])
     sizes = [(o.size, is_compressed(o.uri)) for o in objects]
-    shards = plan_shards(sizes, job.spec.sharding.target_shard_bytes)
+    shards = plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes)))
     base = input_uri if input_uri.endswith("/") else input_uri.rsplit("/", 1)[0] + "/"
     return {
         "version": PLAN_VERSION,
@@ -140,4 +151,4 @@ def plan_shards_for(job: BatchInferenceJob, round_no: int = 0) -> int:
     input_uri = round_inputs(job, round_no)
     objects = input_objects(open_storage(input_uri, job.spec.storage.s3).list(input_uri))
     sizes = [(o.size, is_compressed(o.uri)) for o in objects]
-    return len(plan_shards(sizes, job.spec.sharding.target_shard_bytes))
+    return len(plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes))))
