@@ -126,7 +126,6 @@ class _Live:
     row: Row
     line: bytes
     attempts_here: int = 0  # attempts in this round (inPlace counts these against maxAttempts)
-    last_output: str | None = None
 
 
 # Record kinds that end a row's story in a round; "attempt" records are the steps before.
@@ -291,7 +290,7 @@ class ShardWorker:
             # "attempts" counts every attempt so far, earlier rounds included.
             row.prior_attempts = int(rec["attempts"]) - int(rec["attemptsHere"])
             row.verdicts = list(rec.get("verdicts", []))
-            live.append(_Live(row, line, attempts_here=int(rec["attemptsHere"]), last_output=rec.get("output")))
+            live.append(_Live(row, line, attempts_here=int(rec["attemptsHere"])))
         return self._attempt_loop(live, [])
 
     def _work_chunk(self, lines: list[tuple[tuple[int, int, int], bytes]]) -> bool:
@@ -337,7 +336,6 @@ class ShardWorker:
                     records.append({"at": list(row.at), "kind": "result", "row": out})
                     continue
                 item.attempts_here += 1
-                item.last_output = res.output
                 row.verdicts.append(verdict.reason)
                 total = row.prior_attempts + item.attempts_here
                 if self.in_place and item.attempts_here < self.max_attempts:
