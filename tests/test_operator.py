@@ -277,6 +277,8 @@ def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(cluster
     # Finished shards never ran again; only the interrupted one got a second pod.
     assert sorted(started) == sorted([*range(total), 0])
     assert len(read_published(c.tmp / "out-sus" / "manifest.json")) == ROWS
+    # kopf posts events from a queue: the Published event may trail the Succeeded status.
+    c.api.wait_for(lambda: "Published" in c.event_reasons("sus"), 10, message="the Published event")
     reasons = c.event_reasons("sus")
     assert reasons.index("Suspended") < reasons.index("Resumed") < reasons.index("Published")
 
