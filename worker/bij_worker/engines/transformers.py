@@ -21,26 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import EngineConfig, Request, Result, estimate_tokens, request_text
-from .sentence_transformers import pick_device
-
-# Below this a temperature is greedy (vLLM uses the same cut-off).
-GREEDY_EPS = 1e-5
-
-
-def chat_messages(req: Request) -> list[dict[str, Any]]:
-    """The request as chat messages: plain text becomes one user message, content parts become text."""
-    if req.messages is None:
-        return [{"role": "user", "content": req.text or ""}]
-    out = []
-    for m in req.messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            # OpenAI content parts; most chat templates expect a plain string.
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            m = {**m, "content": content}
-        out.append(m)
-    return out
+from .base import EngineConfig, Request, Result
+from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids
 
 
 class TransformersEngine:
@@ -125,34 +107,12 @@ class TransformersEngine:
 
     def _prompt_ids(self, requests: list[Request]) -> list[list[int] | str]:
         """Token ids per request, or the reason a request cannot become a prompt."""
-        tok = self.tokenizer
-        if self.config.task == "generate":
-            enc = tok([request_text(r) for r in requests], add_special_tokens=True, verbose=False)
-            return list(enc["input_ids"])
-        rendered: list[str | None] = []
-        problems: dict[int, str] = {}
-        for i, r in enumerate(requests):
-            try:
-                rendered.append(
-                    tok.apply_chat_template(chat_messages(r), add_generation_prompt=True, tokenize=False)
-                )
-            except Exception as e:  # a template's raise_exception() (bad roles, order): this row only
-                rendered.append(None)
-                problems[i] = f"chat template rejected the messages: {e}"
-        texts = [t for t in rendered if t is not None]
-        # The template already holds BOS and friends; adding them again would double them.
-        ids = iter(tok(texts, add_special_tokens=False, verbose=False)["input_ids"]) if texts else iter([])
-        return [problems[i] if t is None else list(next(ids)) for i, t in enumerate(rendered)]
+        return prompt_ids(self.tokenizer, requests, chat=self.config.task != "generate")
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
         """Prompt tokens per request as the model receives them (batched tokenizer calls)."""
         self._loaded()
-        if not requests:
-            return []
-        return [
-            len(p) if isinstance(p, list) else estimate_tokens(request_text(r))
-            for r, p in zip(requests, self._prompt_ids(requests), strict=True)
-        ]
+        return count_prompt_tokens(self.tokenizer, requests, chat=self.config.task != "generate")
 
     def run(self, requests: list[Request]) -> list[Result]:
         """Generate for the batch; rows that cannot run (too long, bad template) become row errors."""

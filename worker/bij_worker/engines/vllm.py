@@ -23,8 +23,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import EngineConfig, Request, Result, estimate_tokens, request_text
-from .transformers import GREEDY_EPS, chat_messages
+from .base import EngineConfig, Request, Result
+from .prompts import GREEDY_EPS, chat_messages, count_prompt_tokens, prompt_ids
 
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
 _LLM: Any = None
@@ -136,32 +136,14 @@ class VllmEngine:
         return min(limits) if limits else None
 
     def _prompt_ids(self, requests: list[Request]) -> list[list[int] | str]:
-        """Token ids per request as vLLM will see them, or why a request cannot be rendered."""
-        tok = self.tokenizer
-        if self.config.task != "chat":
-            # vLLM adds the tokenizer's special tokens to plain prompts (decoder-only and embedding models).
-            return [list(ids) for ids in tok([request_text(r) for r in requests], add_special_tokens=True)["input_ids"]]
-        rendered: list[str | None] = []
-        problems: dict[int, str] = {}
-        for i, r in enumerate(requests):
-            try:
-                rendered.append(tok.apply_chat_template(chat_messages(r), add_generation_prompt=True, tokenize=False))
-            except Exception as e:  # a template's raise_exception() (bad roles, order): this row only
-                rendered.append(None)
-                problems[i] = f"chat template rejected the messages: {e}"
-        texts = [t for t in rendered if t is not None]
-        ids = iter(tok(texts, add_special_tokens=False)["input_ids"]) if texts else iter([])
-        return [problems[i] if t is None else list(next(ids)) for i, t in enumerate(rendered)]
+        """Token ids per request as vLLM will see them (it adds special tokens to plain prompts,
+        decoder-only and embedding models alike), or why a request cannot be rendered."""
+        return prompt_ids(self.tokenizer, requests, chat=self.config.task == "chat")
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
         """Prompt tokens per request from vLLM's own tokenizer (batched)."""
         self._loaded()
-        if not requests:
-            return []
-        return [
-            len(p) if isinstance(p, list) else estimate_tokens(request_text(r))
-            for r, p in zip(requests, self._prompt_ids(requests), strict=True)
-        ]
+        return count_prompt_tokens(self.tokenizer, requests, chat=self.config.task == "chat")
 
     def run(self, requests: list[Request]) -> list[Result]:
         """Run a whole chunk through vLLM; bad rows become row errors, the rest keep their order."""

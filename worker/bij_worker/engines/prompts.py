@@ -1,0 +1,64 @@
+"""What the tokenizer-backed engines share: chat messages, prompt token ids, device choice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Request, estimate_tokens, request_text
+
+# Below this a temperature is greedy (vLLM uses the same cut-off).
+GREEDY_EPS = 1e-5
+
+
+def pick_device(configured: str | None) -> str:
+    """The configured device, else cuda when a GPU is visible, else cpu."""
+    if configured:
+        return configured
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def chat_messages(req: Request) -> list[dict[str, Any]]:
+    """The request as chat messages: plain text becomes one user message, content parts become text."""
+    if req.messages is None:
+        return [{"role": "user", "content": req.text or ""}]
+    out = []
+    for m in req.messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            # OpenAI content parts; most chat templates expect a plain string.
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            m = {**m, "content": content}
+        out.append(m)
+    return out
+
+
+def prompt_ids(tok: Any, requests: list[Request], chat: bool) -> list[list[int] | str]:
+    """Token ids per request as the model receives them, or why a request cannot become a prompt.
+
+    Plain prompts get the tokenizer's special tokens; chat prompts are rendered with the
+    chat template, which already holds BOS and friends, so none are added again.
+    """
+    if not chat:
+        enc = tok([request_text(r) for r in requests], add_special_tokens=True, verbose=False)
+        return [list(ids) for ids in enc["input_ids"]]
+    rendered: list[str | None] = []
+    problems: dict[int, str] = {}
+    for i, r in enumerate(requests):
+        try:
+            rendered.append(tok.apply_chat_template(chat_messages(r), add_generation_prompt=True, tokenize=False))
+        except Exception as e:  # a template's raise_exception() (bad roles, order): this row only
+            rendered.append(None)
+            problems[i] = f"chat template rejected the messages: {e}"
+    texts = [t for t in rendered if t is not None]
+    ids = iter(tok(texts, add_special_tokens=False, verbose=False)["input_ids"]) if texts else iter([])
+    return [problems[i] if t is None else list(next(ids)) for i, t in enumerate(rendered)]
+
+
+def count_prompt_tokens(tok: Any, requests: list[Request], chat: bool) -> list[int]:
+    """Prompt tokens per request; a request the template rejects is estimated (it fails in run)."""
+    if not requests:
+        return []
+    return [len(p) if isinstance(p, list) else estimate_tokens(request_text(r))
+            for r, p in zip(requests, prompt_ids(tok, requests, chat), strict=True)]
