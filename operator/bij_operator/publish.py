@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zstandard
-from bij_worker.inputs import id_key
+from bij_worker.inputs import id_key, row_id, row_usage
 from bij_worker.segments import ShardLog, encode_records
 from bij_worker.storage import NotFound, Storage, open_storage
 from bij_worker.worker import done_uri, shard_prefix
@@ -71,17 +71,6 @@ def _write_file(store: Storage, job: BatchInferenceJob, folder: str, name: str,
     return {"path": path, "rows": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _row_id(row: dict[str, Any]) -> Any:
-    return row["custom_id"] if "custom_id" in row else row.get("id")
-
-
-def _usage(row: dict[str, Any]) -> dict[str, int]:
-    u = row.get("usage")
-    if u is None and isinstance(row.get("response"), dict):
-        u = row["response"].get("body", {}).get("usage")
-    return u or {}
-
-
 def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
     """Write result/error/capped files for rounds 0..rounds-1 and then the manifest. Returns the manifest.
 
@@ -108,7 +97,7 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
                 if rec["kind"] in ("attempt", "rejected"):
                     continue  # steps on the way; the row's outcome is in a later record or round
                 row = rec["row"]
-                rid = _row_id(row)
+                rid = row_id(row)
                 key = id_key(rid) if rid is not None else None
                 if rec["kind"] == "result":
                     if key in seen:
@@ -119,7 +108,7 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
                             "object": names[rec["at"][0]], "offset": rec["at"][1]})
                         continue
                     results.append(row)
-                    u = _usage(row)
+                    u = row_usage(row)
                     t.tokens_in += u.get("prompt_tokens", 0)
                     t.tokens_out += u.get("completion_tokens", 0)
                 elif rec["kind"] == "capped":

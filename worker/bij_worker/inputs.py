@@ -202,6 +202,19 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     return Row(at=at, id=cid, request=replace(base, text=text), url=url)
 
 
+def row_id(row: dict[str, Any]) -> Any:
+    """The input id a published row carries: `custom_id` in OpenAI batch shape, else `id`."""
+    return row["custom_id"] if "custom_id" in row else row.get("id")
+
+
+def row_usage(row: dict[str, Any]) -> dict[str, int]:
+    """The token usage a published result row carries, in either output shape."""
+    usage = row.get("usage")
+    if usage is None and isinstance(row.get("response"), dict):
+        usage = row["response"].get("body", {}).get("usage")
+    return usage or {}
+
+
 def _usage(res: Result) -> dict[str, int]:
     usage: dict[str, int] = {}
     if res.prompt_tokens is not None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from .batcher import plan_batches
 from .engines.base import Engine, Request, Result
-from .inputs import InputOptions, Row, error_row, parse_line, redispatch_line, result_row
+from .inputs import InputOptions, Row, error_row, parse_line, redispatch_line, result_row, row_usage
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
 from .reader import Prefetcher, iter_shard
@@ -196,9 +196,6 @@ class ShardWorker:
         limits = [x for x in (self.max_tokens, self.engine.max_input_tokens()) if x]
         return min(limits) if limits else None
 
-    def _row_id(self, row: dict[str, Any]) -> Any:
-        return row.get("custom_id", row.get("id")) if self.opts.format == "openai" else row.get("id")
-
     def run(self) -> ShardOutcome:
         """Work the shard to its end, or until asked to stop."""
         t0 = time.monotonic()
@@ -271,7 +268,7 @@ class ShardWorker:
         kind = rec["kind"]
         if kind == "result":
             self.stats.rows += 1
-            usage = _usage_of(rec["row"])
+            usage = row_usage(rec["row"])
             self.stats.tokens_in += usage.get("prompt_tokens", 0)
             self.stats.tokens_out += usage.get("completion_tokens", 0)
         elif kind == "error":
@@ -460,10 +457,3 @@ class ShardWorker:
         final = [r for r in results if r is not None]
         assert len(final) == len(live)
         return final
-
-
-def _usage_of(row: dict[str, Any]) -> dict[str, int]:
-    usage = row.get("usage")
-    if usage is None and isinstance(row.get("response"), dict):
-        usage = row["response"].get("body", {}).get("usage")
-    return usage or {}
