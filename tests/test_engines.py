@@ -345,6 +345,53 @@ def test_transformers_refuses_embed_and_needs_a_model_name() -> None:
         create_engine("transformers", EngineConfig(task="generate"))
 
 
+# --- the simulated engine ---------------------------------------------------------------------
+
+
+def simulated(max_num_seqs: int, task: str = "generate", max_tokens: int = 256) -> Any:
+    return loaded(create_engine("simulated", EngineConfig(task=task, max_tokens=max_tokens,
+                                                          simulated={"maxNumSeqs": max_num_seqs,
+                                                                     "stepSeconds": 0})))
+
+
+def test_simulated_engine_adds_one_word_per_step_and_admits_new_requests_at_the_next_step() -> None:
+    engine = simulated(2)
+    engine.submit(0, Request(text="one", max_tokens=8))
+    engine.submit(1, Request(text=" three  words\nhere ", max_tokens=8))
+    engine.submit(2, Request(text="two words", max_tokens=8))
+    assert engine.unfinished() == 3
+    first = engine.step()  # 0 and 1 run; 0 needs one step
+    assert [t for t, _ in first] == [0]
+    engine.submit(3, Request(text="late", max_tokens=8))
+    assert engine.step() == []  # 1 at its second word, 2 joined the freed slot
+    done = dict(engine.step())
+    assert sorted(done) == [1, 2]
+    assert done[1].output == "three words here" and done[1].completion_tokens == 3
+    assert done[1].prompt_tokens == 3 and done[1].extra["finish_reason"] == "stop"
+    assert dict(engine.step())[3].output == "late"
+    assert (engine.steps, engine.occupied, engine.unfinished()) == (4, 2 + 2 + 2 + 1, 0)
+
+
+def test_simulated_engine_stops_at_max_tokens_and_counts_words_as_tokens() -> None:
+    engine = simulated(4, max_tokens=2)
+    (res,) = engine.run([Request(text="a b c d", max_tokens=2)])
+    assert (res.output, res.prompt_tokens, res.completion_tokens, res.extra["finish_reason"]) == ("a b", 4, 2,
+                                                                                                  "length")
+    assert engine.count_tokens([Request(text="a b  c")]) == [3]
+    (emb,) = simulated(4, task="embed").run([Request(text="a b")])
+    assert emb.embedding is not None and len(emb.embedding) == ECHO_DIM
+
+
+def test_simulated_engine_sleeps_each_step() -> None:
+    import time
+
+    engine = loaded(create_engine("simulated", EngineConfig(task="generate",
+                                                            simulated={"maxNumSeqs": 1, "stepSeconds": 0.01})))
+    t = time.perf_counter()
+    engine.run([Request(text="a b c"), Request(text="d")])
+    assert time.perf_counter() - t >= 0.04 and engine.steps == 4
+
+
 # --- vLLM, without vLLM: the adapter against a stand-in `vllm` module -------------------------
 
 
@@ -379,8 +426,57 @@ class _Completion:
 
 
 class _Output:
-    def __init__(self, prompt_ids: list[int], outputs: Any):
+    def __init__(self, prompt_ids: list[int], outputs: Any, request_id: str = "", finished: bool = True):
         self.prompt_token_ids, self.outputs = prompt_ids, outputs
+        self.request_id, self.finished = request_id, finished
+
+
+class _FakeEngineLoop:
+    """vLLM's engine loop (`LLM.llm_engine`): add_request validates and queues, each step runs up to
+    max_num_seqs requests one token further and reports every request it ran (cumulative output,
+    `finished` set on the last), as vLLM's LLMEngine.step does."""
+
+    def __init__(self, max_len: int, max_num_seqs: int, pooling: bool):
+        self.model_config = types.SimpleNamespace(max_model_len=max_len)
+        self.max_num_seqs, self.pooling = max_num_seqs, pooling
+        self.waiting: list[list[Any]] = []
+        self.running: list[list[Any]] = []
+        self.added: list[str] = []
+        self.batch_sizes: list[int] = []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
+        ids = prompt["prompt_token_ids"]
+        if IDS["z"] in ids:
+            raise ValueError("z is not allowed")
+        if len(ids) > self.model_config.max_model_len:
+            raise ValueError("prompt too long")
+        words = [] if self.pooling else chain_after(VOCAB[ids[-1]])[: params.max_tokens]
+        self.added.append(request_id)
+        self.waiting.append([request_id, ids, params, words, 0])
+
+    def step(self) -> list[_Output]:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            self.running.append(self.waiting.pop(0))
+        self.batch_sizes.append(len(self.running))
+        outs, still = [], []
+        for req in self.running:
+            rid, ids, params, words, done = req
+            if self.pooling:
+                outs.append(_Output(ids, types.SimpleNamespace(embedding=[float(ids[-1])]), rid, True))
+                continue
+            req[4] = done = done + 1
+            stopped = done > len(words)  # the step that emits EOS
+            finished = stopped or done >= params.max_tokens
+            gen = [IDS[w] for w in words[:done]] + ([EOS] if stopped else [])
+            outs.append(_Output(ids, [_Completion(" ".join(words[:done]), gen, "stop" if stopped else "length")],
+                                rid, finished))
+            if not finished:
+                still.append(req)
+        self.running = still
+        return outs
 
 
 class _FakeLLM:
@@ -394,10 +490,7 @@ class _FakeLLM:
         self.kwargs = {"model": model, "runner": runner, **kwargs}
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         max_len = kwargs.get("max_model_len") or MAX_POSITIONS
-        self.llm_engine = types.SimpleNamespace(
-            model_config=types.SimpleNamespace(max_model_len=max_len),
-            has_unfinished_requests=lambda: False,
-        )
+        self.llm_engine = _FakeEngineLoop(max_len, kwargs.get("max_num_seqs", 256), runner == "pooling")
         self.calls: list[int] = []
         _FakeLLM.instances.append(self)
 
@@ -427,6 +520,11 @@ class _FakeSamplingParams:
         self.max_tokens, self.temperature, self.seed = max_tokens, temperature, seed
 
 
+class _FakePoolingParams:
+    def __init__(self, task: str | None = None):
+        self.task = task
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
     from bij_worker.engines import vllm as engine_module
@@ -434,6 +532,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
     module = types.ModuleType("vllm")
     module.LLM = _FakeLLM  # type: ignore[attr-defined]
     module.SamplingParams = _FakeSamplingParams  # type: ignore[attr-defined]
+    module.PoolingParams = _FakePoolingParams  # type: ignore[attr-defined]
     module.__version__ = "0.11.0"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", module)
     _FakeLLM.instances.clear()
@@ -487,6 +586,54 @@ def test_vllm_sampling_params_carry_each_rows_ask(fake_vllm: Any, wired_model: P
     assert params[0] is params[1] and params[0].seed is None and params[0].temperature == 0.0
     assert (params[2].temperature, params[2].seed) == (0.7, 11)
     assert params[3].seed == 5  # the spec's seed when the row has none
+
+
+def drive(engine: Any, requests: list[Request], keep_in_flight: int) -> tuple[list[Result | None], list[int]]:
+    """Feed a continuous engine as the worker does: at most `keep_in_flight` submitted and unfinished."""
+    results: list[Result | None] = [None] * len(requests)
+    queued = list(range(len(requests)))
+    in_flight: list[int] = []
+    while queued or engine.unfinished():
+        while queued and engine.unfinished() < keep_in_flight:
+            i = queued.pop(0)
+            try:
+                engine.submit(i, requests[i])
+            except ValueError as e:
+                results[i] = Result(error=str(e))
+        in_flight.append(engine.unfinished())
+        for tag, res in engine.step():
+            assert results[tag] is None
+            results[tag] = res
+    return results, in_flight
+
+
+def test_vllm_engine_loop_keeps_requests_flowing_and_returns_each_when_it_finishes(
+        fake_vllm: Any, wired_model: Path) -> None:
+    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model),
+                                                       vllm={"maxNumSeqs": 3, "maxModelLen": 16})))
+    assert engine.continuous and engine.concurrency() == 3
+    prompts = ["a", "x z", "g", "f", "b c", "x " * 20, "e"]
+    reqs = [Request(text=p, max_tokens=4) for p in prompts]
+    assert engine.count_tokens(reqs)[:2] == [2, 3]  # BOS + the words; the ids wait for submit
+    results, in_flight = drive(engine, reqs, keep_in_flight=4)
+    assert [r.output if r else None for r in results] == ["b c d e", None, "h", "g h", "d e f g", None, "f g h"]
+    assert results[1] is not None and results[1].error is not None and "z is not allowed" in results[1].error
+    assert results[5] is not None and results[5].error is not None and "longer than" in results[5].error
+    assert (results[2].prompt_tokens, results[2].completion_tokens) == (2, 2)  # type: ignore[union-attr]
+    assert results[0].extra["finish_reason"] == "length"  # type: ignore[union-attr]
+    loop = _FakeLLM.instances[0].llm_engine
+    # A finished request's slot is taken at the next step by one submitted meanwhile.
+    assert max(loop.batch_sizes) == 3 and loop.batch_sizes.count(3) >= 3
+    assert engine.unfinished() == 0 and engine.steps == len(loop.batch_sizes)
+
+
+def test_vllm_engine_loop_embeds_with_pooling_params(fake_vllm: Any, wired_model: Path) -> None:
+    engine = loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model))))
+    reqs = [Request(text=t) for t in ("a b", "c", "x y")]
+    engine.count_tokens(reqs)
+    results, _ = drive(engine, reqs, keep_in_flight=8)
+    assert [r.embedding for r in results] == [[float(IDS["b"])], [float(IDS["c"])], [float(IDS["y"])]]  # type: ignore[union-attr]
+    assert engine._pooling_params().task == "embed"
 
 
 def test_one_llm_per_process(fake_vllm: Any, wired_model: Path) -> None:

@@ -19,6 +19,10 @@ def create_engine(engine: str, config: EngineConfig) -> Engine:
         from .transformers import TransformersEngine
 
         return TransformersEngine(config)
+    if engine == "simulated":
+        from .simulated import SimulatedEngine
+
+        return SimulatedEngine(config)
     if engine == "vllm":
         from .vllm import VllmEngine
 

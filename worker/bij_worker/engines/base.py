@@ -40,6 +40,7 @@ class EngineConfig:
     seed: int = 0
     max_input_tokens: int | None = None
     vllm: dict[str, Any] = field(default_factory=dict)
+    simulated: dict[str, Any] = field(default_factory=dict)
     device: str | None = None  # None: cuda when available, else cpu
 
 
@@ -67,6 +68,48 @@ class Engine(Protocol):
         ...
 
     def run(self, requests: list[Request]) -> list[Result]: ...
+
+
+class ContinuousEngine(Engine, Protocol):
+    """An engine with its own continuous batching (vLLM, simulated): requests join and leave
+    the running batch at any step, so the worker keeps it fed instead of handing it batches.
+
+    `submit` queues one request under the caller's tag (a request it cannot take at all
+    may raise ValueError: that row fails alone); each `step` advances every running
+    sequence and returns the requests that finished, in any order; `unfinished` counts
+    requests submitted and not yet returned; `concurrency` is how many run at once.
+    """
+
+    continuous: bool
+
+    def concurrency(self) -> int: ...
+
+    def submit(self, tag: int, request: Request) -> None: ...
+
+    def step(self) -> list[tuple[int, Result]]: ...
+
+    def unfinished(self) -> int: ...
+
+
+def is_continuous(engine: Engine) -> bool:
+    return bool(getattr(engine, "continuous", False))
+
+
+def run_to_completion(engine: ContinuousEngine, requests: list[Request]) -> list[Result]:
+    """`run` for a continuous engine: submit every request, step until all are back, in order.
+
+    Only for an engine with nothing else in flight (the worker's judge path, tests).
+    """
+    results: list[Result | None] = [None] * len(requests)
+    for i, req in enumerate(requests):
+        try:
+            engine.submit(i, req)
+        except ValueError as e:
+            results[i] = Result(error=f"the engine rejected the request: {e}")
+    while engine.unfinished():
+        for tag, res in engine.step():
+            results[tag] = res
+    return [r if r is not None else Result(error="the engine returned no result") for r in results]
 
 
 def estimate_tokens(text: str) -> int:

@@ -54,6 +54,12 @@ class SentenceTransformersEngine:
             limit = min(limit, self.config.max_input_tokens) if limit else self.config.max_input_tokens
         self._max_input = limit
 
+    def batch_shape(self) -> tuple[int, int]:
+        """(rows, padded tokens) per batch when the spec leaves them out: on a CPU large batches are
+        slower per row (sentence-transformers' own default is 32 rows); a GPU wants them large."""
+        device = str(getattr(self.model, "device", "")) if self.model is not None else pick_device(self.config.device)
+        return (256, 65536) if device.startswith("cuda") else (32, 8192)
+
     def _loaded(self) -> Any:
         if self.model is None:
             raise RuntimeError("SentenceTransformersEngine.load() must run before count_tokens() or run()")

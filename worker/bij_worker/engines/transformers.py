@@ -94,6 +94,11 @@ class TransformersEngine:
         self.tokenizer = tokenizer
         self.model = model
 
+    def batch_shape(self) -> tuple[int, int]:
+        """(rows, padded prompt tokens) per batch when the spec leaves them out, by device."""
+        device = self.device if self.model is not None else pick_device(self.config.device)
+        return (64, 65536) if device.startswith("cuda") else (16, 8192)
+
     def _loaded(self) -> Any:
         if self.model is None:
             raise RuntimeError("TransformersEngine.load() must run before count_tokens() or run()")

@@ -1,7 +1,12 @@
 """The vLLM engine: an adapter on vLLM's offline `LLM` class (no HTTP server in between).
 
-vLLM schedules a whole chunk itself (continuous batching, prefix caching), so the
-worker hands it every row of a chunk at once (`schedules_itself`).
+vLLM batches continuously itself, so the worker drives its engine loop
+(`continuous`): `submit` adds one request to `LLM.llm_engine` (`add_request`
+with the prompt's token ids), `step` runs one engine step and returns the
+requests that finished. The worker keeps about twice `maxNumSeqs` requests in
+flight across chunk boundaries, so the running batch never drains at a chunk's
+end. `run` (a whole list at once, through `LLM.generate` / `embed` / `chat`)
+serves the judge's chunk-by-chunk path.
 
 Version notes (vLLM >= 0.6.3):
 - embeddings: vLLM >= 0.10 picks the pooling runner with `runner="pooling"`; older
@@ -23,8 +28,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import EngineConfig, Request, Result
-from .prompts import GREEDY_EPS, chat_messages, count_prompt_tokens, prompt_ids
+from .base import EngineConfig, Request, Result, estimate_tokens, request_text
+from .prompts import GREEDY_EPS, chat_messages, prompt_ids
 
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
 _LLM: Any = None
@@ -103,6 +108,7 @@ class VllmEngine:
 
     name = "vllm"
     schedules_itself = True
+    continuous = True
 
     def __init__(self, config: EngineConfig):
         if config.task not in ("generate", "chat", "embed"):
@@ -112,6 +118,11 @@ class VllmEngine:
         self.llm: Any = None
         self.tokenizer: Any = None
         self._max_model_len: int | None = None
+        self._ids: dict[int, tuple[Request, list[int] | str]] = {}  # count_tokens' ids, kept for submit
+        self._params: Any = None
+        self._unfinished = 0
+        self.steps = 0  # engine steps taken through `step`
+        self.occupied = 0  # min(unfinished, maxNumSeqs) summed over steps: what could run
 
     def load(self) -> None:
         """Build (or reuse) the process's LLM; vllm is imported only here."""
@@ -141,9 +152,65 @@ class VllmEngine:
         return prompt_ids(self.tokenizer, requests, chat=self.config.task == "chat")
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
-        """Prompt tokens per request from vLLM's own tokenizer (batched)."""
+        """Prompt tokens per request from vLLM's own tokenizer (batched); the ids wait for `submit`."""
         self._loaded()
-        return count_prompt_tokens(self.tokenizer, requests, chat=self.config.task == "chat")
+        if not requests:
+            return []
+        if len(self._ids) > 1_000_000:  # rows counted and never submitted (the worker refused them)
+            self._ids.clear()
+        prompts = self._prompt_ids(requests)
+        for r, p in zip(requests, prompts, strict=True):
+            self._ids[id(r)] = (r, p)
+        return [len(p) if isinstance(p, list) else estimate_tokens(request_text(r))
+                for r, p in zip(requests, prompts, strict=True)]
+
+    def concurrency(self) -> int:
+        """Sequences vLLM runs at once (max_num_seqs)."""
+        return int(self.config.vllm.get("maxNumSeqs", self.config.vllm.get("max_num_seqs", 256)))
+
+    def unfinished(self) -> int:
+        return self._unfinished
+
+    def submit(self, tag: int, request: Request) -> None:
+        """Add one request to vLLM's engine; a prompt it cannot take raises ValueError (that row fails)."""
+        llm = self._loaded()
+        kept = self._ids.pop(id(request), None)
+        prompt = kept[1] if kept is not None and kept[0] is request else self._prompt_ids([request])[0]
+        if isinstance(prompt, str):
+            raise ValueError(prompt)
+        if not prompt:
+            raise ValueError("empty prompt")
+        limit = self.max_input_tokens()
+        if limit is not None and len(prompt) > limit:
+            raise ValueError(f"prompt is {len(prompt)} tokens, longer than the model's limit of {limit}")
+        if self.config.task == "embed":
+            params = self._pooling_params()
+        else:
+            params = self._sampling_params([request])[0]
+        llm.llm_engine.add_request(str(tag), {"prompt_token_ids": prompt}, params)
+        self._unfinished += 1
+
+    def step(self) -> list[tuple[int, Result]]:
+        """One vLLM engine step; the requests that finished in it, as (tag, result)."""
+        engine = self._loaded().llm_engine
+        self.steps += 1
+        self.occupied += min(self._unfinished, self.concurrency())
+        done = []
+        for out in engine.step():
+            if getattr(out, "finished", True):
+                done.append((int(out.request_id), self._result(out)))
+        self._unfinished -= len(done)
+        return done
+
+    def _pooling_params(self) -> Any:
+        if self._params is None:
+            from vllm import PoolingParams
+
+            try:
+                self._params = PoolingParams(task="embed")
+            except TypeError:  # releases before pooling tasks
+                self._params = PoolingParams()
+        return self._params
 
     def run(self, requests: list[Request]) -> list[Result]:
         """Run a whole chunk through vLLM; bad rows become row errors, the rest keep their order."""
