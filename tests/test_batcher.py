@@ -98,3 +98,39 @@ def test_prefetch_hands_a_read_error_to_the_consumer_and_close_stops_the_reader(
     time.sleep(0.3)
     assert len(consumed) == stopped_at < 10_000
     assert not pre._thread.is_alive()
+
+
+def test_padding_waste_cap_cuts_a_batch_before_short_rows_pad_to_a_long_one():
+    from bij_worker.batcher import plan_batches
+
+    tokens = [100] * 8 + [10] * 8
+    assert plan_batches(tokens, 10_000, 16) == [list(range(16))]
+    capped = plan_batches(tokens, 10_000, 16, max_padding_waste=0.2)
+    # Two short rows pad 180 of 1000 tokens (18%); a third would make it 270 of 1100 (25%).
+    assert capped == [list(range(10)), list(range(10, 16))]
+    # Small batches (under a quarter of the size) are never cut for waste alone.
+    assert plan_batches([100, 10, 10], 10_000, 16, max_padding_waste=0.2) == [[0, 1, 2]]
+
+
+def test_run_order_groups_shared_prefixes_first_seen_first_then_longest_first():
+    from bij_worker.batcher import MIN_SHARED_PREFIX, run_order
+
+    a, b = "A" * MIN_SHARED_PREFIX, "B" * MIN_SHARED_PREFIX
+    texts = [b + "x", a + "xyz", "The cat", b + "xyz", a + "x", "The dog sat"]
+    tokens = [len(t) for t in texts]
+    order = run_order(texts, tokens)
+    assert order == [3, 0, 1, 4, 2, 5] or order == [3, 0, 1, 4, 5, 2]
+    assert [texts[i][0] for i in order[:4]] == ["B", "B", "A", "A"]
+    assert run_order(texts, tokens, by_prefix=False) == sorted(range(6), key=lambda i: -tokens[i])
+    assert sorted(run_order(texts, tokens, by_length=False)) == list(range(6))
+
+
+def test_prefix_share_counts_characters_shared_with_the_prompt_before():
+    from bij_worker.batcher import PrefixShare, shared_prefix
+
+    assert shared_prefix("system: be brief. q1", "system: be brief. q2") == 19
+    assert shared_prefix("abc", "abc") == 3 and shared_prefix("", "x") == 0
+    share = PrefixShare()
+    for text in ("aaaa1", "aaaa2", "bbbb1"):
+        share.add(text)
+    assert (share.shared, share.total) == (4, 15)

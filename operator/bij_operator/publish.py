@@ -46,6 +46,26 @@ class _Totals:
     error_files: list[dict[str, Any]] = field(default_factory=list)
     capped_files: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    # From the shards' completion records: how busy the engine was and what its prefix cache could reuse.
+    busy_s: float = 0.0
+    steps: int = 0
+    occupancy_steps: float = 0.0  # meanOccupancy x steps, summed
+    shared_chars: float = 0.0  # prefixShare x promptChars, summed
+    prompt_chars: int = 0
+
+    def add_done(self, rec: dict[str, Any]) -> None:
+        self.busy_s += float(rec.get("engineBusySeconds", 0.0))
+        steps = int(rec.get("engineSteps", 0))
+        self.steps += steps
+        self.occupancy_steps += float(rec.get("meanOccupancy", 0.0)) * steps
+        chars = int(rec.get("promptChars", 0))
+        self.prompt_chars += chars
+        self.shared_chars += float(rec.get("prefixShare", 0.0)) * chars
+
+    def engine(self) -> dict[str, Any]:
+        return {"busySeconds": round(self.busy_s, 3), "steps": self.steps,
+                "meanOccupancy": round(self.occupancy_steps / self.steps, 4) if self.steps else None,
+                "prefixShare": round(self.shared_chars / self.prompt_chars, 4) if self.prompt_chars else None}
 
 
 def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
@@ -86,8 +106,10 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
         names = [o.get("name") or o["uri"] for o in plan["objects"]]
         round_rows = round_errors = 0
         for index in range(len(plan["shards"])):
-            if not store.exists(done_uri(plan, index)):
-                raise PublishError(f"round {r} shard {index} has not finished")
+            try:
+                t.add_done(json.loads(store.read_bytes(done_uri(plan, index))))
+            except NotFound:
+                raise PublishError(f"round {r} shard {index} has not finished") from None
             records = ShardLog(store, shard_prefix(plan, index)).read(repair=False).records
             records.sort(key=lambda rec: (rec["at"][0], rec["at"][1]))  # input order, whoever wrote them
             results: list[dict[str, Any]] = []
@@ -161,6 +183,7 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
                    "inputRows": total,
                    "tokensIn": t.tokens_in, "tokensOut": t.tokens_out},
         "rounds": t.rounds,
+        "engine": t.engine(),
         "publishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())

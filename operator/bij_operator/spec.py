@@ -91,8 +91,16 @@ class VllmOptions(_Model):
     dtype: str = "auto"
 
 
+class SimulatedOptions(_Model):
+    """The simulated engine: continuous batching on a clock (dry runs, cost estimates, benchmarks)."""
+
+    max_num_seqs: int = Field(256, ge=1)
+    step_seconds: float = Field(0.02, ge=0, le=60)
+    load_seconds: float = Field(0.0, ge=0, le=3600)  # slept once per process, as a model load
+
+
 class ModelSpec(_Model):
-    engine: Literal["echo", "sentence-transformers", "transformers", "vllm"] = "echo"
+    engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated"] = "echo"
     name: str | None = None
     task: Literal["embed", "generate", "chat"] = "embed"
     max_tokens: int = Field(256, ge=1)
@@ -101,6 +109,7 @@ class ModelSpec(_Model):
     # Rows whose prompt exceeds this many tokens are bad rows; default: the engine's limit.
     max_input_tokens: int | None = Field(None, ge=1)
     vllm: VllmOptions = VllmOptions()
+    simulated: SimulatedOptions = SimulatedOptions()
 
     @model_validator(mode="after")
     def _task_fits_engine(self) -> ModelSpec:
@@ -117,10 +126,17 @@ class ShardingSpec(_Model):
 
 
 class BatchingSpec(_Model):
-    target_batch_tokens: int = Field(32000, ge=1)
-    max_batch_size: int = Field(256, ge=1)
+    # None: the engine's choice for its device (see the worker's batching defaults).
+    target_batch_tokens: int | None = Field(None, ge=1)
+    max_batch_size: int | None = Field(None, ge=1)
     sort_by_length: bool = True
+    # Prompts sharing a prefix (system prompt, few-shot block) run together within the in-flight window.
+    prefix_order: bool = True
     prefetch_chunks: int = Field(2, ge=1, le=64)
+    # Rows read and not yet handed to the commit writer; None: about 2 x what the engine runs at once.
+    in_flight_rows: int | None = Field(None, ge=1, le=1_000_000)
+    # Finished chunks waiting for storage before compute waits too.
+    commit_queue_chunks: int = Field(2, ge=1, le=64)
 
 
 class Toleration(_Model):

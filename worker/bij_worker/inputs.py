@@ -41,6 +41,7 @@ class Row:
     # (carried in the re-dispatched line's "_bij" field).
     prior_attempts: int = 0
     verdicts: list[str] = field(default_factory=list)
+    tokens: int = 0  # prompt tokens, once the worker has counted them
 
 
 @dataclass(frozen=True)

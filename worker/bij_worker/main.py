@@ -49,6 +49,7 @@ def engine_config(spec: dict[str, Any]) -> EngineConfig:
         seed=int(m.get("seed", 0)),
         max_input_tokens=m.get("maxInputTokens"),
         vllm=dict(m.get("vllm", {})),
+        simulated=dict(m.get("simulated", {})),
         device=os.environ.get("BIJ_DEVICE") or None,
     )
 

@@ -25,6 +25,20 @@ class Stats:
     engine_busy_s: float = 0.0
     model_load_s: float = 0.0
     started_at: float = 0.0
+    engine_steps: int = 0  # continuous engines: steps taken
+    occupied: int = 0  # ... and running sequences summed over those steps
+    max_num_seqs: int = 0  # ... out of this many at most
+    prefix_shared_chars: int = 0  # prompt characters shared with the prompt run just before
+    prompt_chars: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        """Mean running sequences per step / the most the engine runs at once."""
+        return self.occupied / (self.engine_steps * self.max_num_seqs) if self.engine_steps else 0.0
+
+    @property
+    def prefix_share(self) -> float:
+        return self.prefix_shared_chars / self.prompt_chars if self.prompt_chars else 0.0
 
     def as_record(self) -> dict[str, float | int]:
         d = asdict(self)
@@ -34,6 +48,8 @@ class Stats:
             "judgeCalls": d["judge_calls"], "batches": d["batches"], "chunks": d["chunks"],
             "engineBusySeconds": round(d["engine_busy_s"], 3),
             "modelLoadSeconds": round(d["model_load_s"], 3),
+            "engineSteps": d["engine_steps"], "meanOccupancy": round(self.occupancy, 4),
+            "prefixShare": round(self.prefix_share, 4), "promptChars": d["prompt_chars"],
         }
 
 

@@ -80,6 +80,7 @@ class Prefetcher:
     def __init__(self, lines: Iterator[Line], chunk_rows: int, depth: int):
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self.finished = False
         self._thread = threading.Thread(target=self._run, args=(lines, chunk_rows), daemon=True,
                                         name="bij-prefetch")
         self._thread.start()
@@ -111,6 +112,21 @@ class Prefetcher:
 
     def depth(self) -> int:
         return self._q.qsize()
+
+    def next_chunk(self, block: bool = True) -> Chunk | None:
+        """The next chunk; None when none is ready yet (`block=False`) or the lines are over (`finished`)."""
+        if self.finished:
+            return None
+        try:
+            item = self._q.get(block=block)
+        except queue.Empty:
+            return None
+        if item is _DONE:
+            self.finished = True
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[Chunk]:
         while True:

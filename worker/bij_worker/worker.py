@@ -1,12 +1,21 @@
-"""Work one shard: resume from what is durable, stream, batch, run the engine, commit each chunk.
+"""Work one shard: resume from what is durable, stream rows through the engine, commit each chunk.
 
-Per chunk: parse rows (bad rows become error rows),
-count tokens, sort and batch by token budget, run the engine, restore input
-order, append the chunk to the shard's durable log. Chunks are committed in
+Rows stream into the engine across chunk boundaries: chunks are read ahead,
+parsed (bad rows become error rows) and their token counts taken as they join
+the in-flight window (`batching.inFlightRows`, default about twice what the
+engine runs at once). Within the window rows run in the order that suits the
+engine: a continuous-batching engine (vLLM, simulated) is kept fed step by
+step, prompts sharing a prefix together; a batch engine gets token-budget
+batches cut from the whole window sorted by length. Results come back in any
+order; a chunk whose rows are all back goes to the commit writer, a background
+thread that appends it to the shard's durable log. Chunks are committed in
 input order, so the durable part of a shard is always a prefix of it and a
-restarted worker continues at the cursor: at most the in-flight chunk is
-recomputed. A finished shard gets a completion record; a second run of a
-finished shard does nothing.
+restarted worker continues at the cursor: at most the in-flight window and the
+commit queue (`batching.commitQueueChunks`) are recomputed. A finished shard
+gets a completion record; a second run of a finished shard does nothing.
+
+Jobs with a judge run chunk by chunk (a row may need several attempts before
+its chunk can commit).
 """
 
 from __future__ import annotations
@@ -16,16 +25,18 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .batcher import plan_batches
-from .engines.base import Engine, Request, Result
+from .batcher import PrefixShare, cut_batches, plan_batches, run_order
+from .commits import CommitWriter
+from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
 from .inputs import InputOptions, Row, error_row, parse_line, redispatch_line, result_row, row_usage
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
-from .reader import Prefetcher, iter_shard
+from .reader import Chunk, Prefetcher, iter_shard
 from .segments import ShardLog
 from .storage import NotFound, Storage, open_storage
 
@@ -128,6 +139,27 @@ class _Live:
     attempts_here: int = 0  # attempts in this round (inPlace counts these against maxAttempts)
 
 
+@dataclass(slots=True)
+class _Open:
+    """A chunk in the in-flight window: its rows' results fill in as the engine returns them."""
+
+    chunk: Chunk
+    records: list[dict[str, Any]]  # rows that never reach the engine (bad input, too long)
+    rows: list[Row]  # rows for the engine
+    results: list[Result | None]
+    left: int  # rows still out
+
+
+# Padding a batch engine may waste before a batch is cut short (see batcher.plan_batches).
+MAX_PADDING_WASTE = 0.2
+
+
+def batch_shape(engine: Engine) -> tuple[int, int]:
+    """(maxBatchSize, targetBatchTokens) the engine prefers on its device, when the spec leaves them out."""
+    shape = getattr(engine, "batch_shape", None)
+    return shape() if callable(shape) else (256, 32000)
+
+
 # Record kinds that end a row's story in a round; "attempt" records are the steps before.
 FINAL_KINDS = ("result", "error", "rejected", "capped")
 
@@ -158,11 +190,15 @@ class ShardWorker:
         self.spec = spec
         self.opts = InputOptions.from_spec(spec)
         batching = spec.get("batching", {})
-        self.target_tokens = int(batching.get("targetBatchTokens", 32000))
-        self.max_batch = int(batching.get("maxBatchSize", 256))
+        default_batch, default_tokens = batch_shape(engine)
+        self.target_tokens = int(batching.get("targetBatchTokens") or default_tokens)
+        self.max_batch = int(batching.get("maxBatchSize") or default_batch)
         self.sort = bool(batching.get("sortByLength", True))
+        self.prefix_order = bool(batching.get("prefixOrder", True))
         self.depth = int(batching.get("prefetchChunks", 2))
         self.chunk_rows = int(spec.get("sharding", {}).get("chunkRows", 512))
+        self.window = int(batching.get("inFlightRows") or self.default_window())
+        self.commit_slots = int(batching.get("commitQueueChunks", 2))
         self.max_tokens = spec.get("model", {}).get("maxInputTokens")
         self.s3 = spec.get("storage", {}).get("s3")
         judge_spec = spec.get("judge")
@@ -182,6 +218,12 @@ class ShardWorker:
         self._stores: dict[str, Storage] = {}
         self.out = self.storage_for(plan["roundPrefix"])
         self.log = ShardLog(self.out, shard_prefix(plan, index))
+
+    def default_window(self) -> int:
+        """About twice what the engine runs at once, and never less than two chunks."""
+        engine = self.engine
+        running = engine.concurrency() if is_continuous(engine) else self.max_batch  # type: ignore[attr-defined]
+        return max(2 * running, 2 * self.chunk_rows)
 
     def storage_for(self, uri: str) -> Storage:
         scheme = uri.split("://", 1)[0]
@@ -232,22 +274,206 @@ class ShardWorker:
         lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor)
         prefetch = Prefetcher(lines, self.chunk_rows, self.depth)
         self.metrics.engine_stopped()
+        steps0, occupied0 = getattr(self.engine, "steps", 0), getattr(self.engine, "occupied", 0)
         try:
-            for chunk in prefetch:
-                self.metrics.queue_depth.set(prefetch.depth())
-                if self.stop.requested:
-                    return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
-                rows_before, errors_before = self.stats.rows, self.stats.errors
-                if not self._work_chunk(chunk.lines):
-                    # Asked to stop and out of time: what was not committed is dropped whole.
-                    return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
-                self.stats.chunks += 1
-                self.progress({"event": "chunk", "index": self.index, "rows": self.stats.rows - rows_before,
-                               "errors": self.stats.errors - errors_before, "bytes": chunk.bytes})
+            finished = self._by_chunk(prefetch) if self.judge is not None else self._stream(prefetch)
         finally:
             prefetch.close()
+            steps = getattr(self.engine, "steps", 0) - steps0
+            if steps:
+                self.stats.engine_steps += steps
+                self.stats.occupied += getattr(self.engine, "occupied", 0) - occupied0
+                self.stats.max_num_seqs = self.engine.concurrency()  # type: ignore[attr-defined]
+        if not finished:
+            return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
         self._finish(t0)
         return ShardOutcome("done", self.stats.rows, self.stats.errors)
+
+    def _by_chunk(self, prefetch: Prefetcher) -> bool:
+        """One chunk at a time, every attempt committed before the next chunk (judge jobs)."""
+        for chunk in prefetch:
+            self.metrics.queue_depth.set(prefetch.depth())
+            if self.stop.requested:
+                return False
+            rows_before, errors_before = self.stats.rows, self.stats.errors
+            if not self._work_chunk(chunk.lines):
+                # Asked to stop and out of time: what was not committed is dropped whole.
+                return False
+            self.stats.chunks += 1
+            self.progress({"event": "chunk", "index": self.index, "rows": self.stats.rows - rows_before,
+                           "errors": self.stats.errors - errors_before, "bytes": chunk.bytes})
+        return True
+
+    def _stream(self, prefetch: Prefetcher) -> bool:
+        """Stream rows through the engine across chunks; True when the shard's rows are all durable.
+
+        Chunks join the window while it has room and leave it, in input order, as soon as
+        all their rows are back: to the commit writer, which compute waits for only when its
+        queue is full. After a stop request no chunk joins; rows in the window still run
+        until the drain time is over, and whole chunks that finish are committed.
+        """
+        engine = self.engine
+        continuous = is_continuous(engine)
+        writer = CommitWriter(self._commit_chunk, self.commit_slots)
+        opened: deque[_Open] = deque()
+        pending: list[tuple[_Open, int]] = []  # rows in the window not yet given to the engine
+        taken = 0  # how many of `pending` went to the engine since it was last ordered
+        tags: dict[int, tuple[_Open, int]] = {}
+        next_tag = 0
+        open_rows = 0
+        share = PrefixShare()
+        try:
+            while True:
+                writer.check()
+                if self.stop.drain_expired():
+                    return False
+                # Fill the window with whole chunks (the reader keeps `prefetchChunks` ready, so this
+                # waits only when reading is slower than the engine, which then starves anyway).
+                joined = False
+                while not prefetch.finished and not self.stop.requested and (
+                        not opened or open_rows + self.chunk_rows <= self.window):
+                    chunk = prefetch.next_chunk()
+                    self.metrics.queue_depth.set(prefetch.depth())
+                    if chunk is None:
+                        break
+                    op = self._open(chunk)
+                    opened.append(op)
+                    open_rows += len(chunk.lines)
+                    pending.extend((op, i) for i, res in enumerate(op.results) if res is None)
+                    joined = True
+                # Chunks whose rows are all back leave the window, in input order.
+                while opened and opened[0].left == 0:
+                    op = opened.popleft()
+                    open_rows -= len(op.chunk.lines)
+                    self._count_tokens([r for r in op.results if r is not None])
+                    writer.put((op.chunk, self._chunk_records(op)))
+                if not opened:
+                    if prefetch.finished or self.stop.requested:
+                        break
+                    continue  # the window has room again
+                if joined:
+                    pending = pending[taken:]
+                    taken = 0
+                    order = run_order([request_text(op.rows[i].request) for op, i in pending],  # type: ignore[arg-type]
+                                      [op.rows[i].tokens for op, i in pending],
+                                      by_prefix=self.prefix_order and continuous, by_length=self.sort)
+                    pending = [pending[j] for j in order]
+                if continuous:
+                    # Keep the engine's own queue short: rows wait here, in window order, so that
+                    # a chunk that joins later can still run before them where that is better.
+                    most = engine.concurrency()  # type: ignore[attr-defined]
+                    room = most + max(1, most // 8) - engine.unfinished()  # type: ignore[attr-defined]
+                    while room > 0 and taken < len(pending):
+                        op, i = pending[taken]
+                        taken += 1
+                        req = op.rows[i].request
+                        assert req is not None
+                        share.add(request_text(req))
+                        try:
+                            engine.submit(next_tag, req)  # type: ignore[attr-defined]
+                        except ValueError as e:
+                            self._place(op, i, Result(error=f"the engine rejected the request: {e}"))
+                            continue
+                        tags[next_tag] = (op, i)
+                        next_tag += 1
+                        room -= 1
+                    if engine.unfinished():  # type: ignore[attr-defined]
+                        for tag, res in self._step(engine):  # type: ignore[arg-type]
+                            op, i = tags.pop(tag)
+                            self._place(op, i, res)
+                elif taken < len(pending):
+                    rest = pending[taken:]
+                    (batch, *_) = cut_batches([max(1, op.rows[i].tokens) for op, i in rest], list(range(len(rest))),
+                                              self.target_tokens, self.max_batch,
+                                              MAX_PADDING_WASTE if self.sort else None)
+                    items = [rest[j] for j in batch]
+                    taken += len(batch)
+                    for op, i in items:
+                        share.add(request_text(op.rows[i].request))  # type: ignore[arg-type]
+                    out = self._run_batch([op.rows[i].request for op, i in items],  # type: ignore[misc]
+                                          [op.rows[i].tokens for op, i in items])
+                    for (op, i), res in zip(items, out, strict=True):
+                        self._place(op, i, res)
+        finally:
+            self.stats.prefix_shared_chars += share.shared
+            self.stats.prompt_chars += share.total
+            writer.close()
+        return prefetch.finished
+
+    def _step(self, engine: ContinuousEngine) -> list[tuple[int, Result]]:
+        self.metrics.engine_started()
+        started = time.perf_counter()
+        done = engine.step()
+        busy = time.perf_counter() - started
+        self.metrics.engine_stopped()
+        self.metrics.engine_busy.inc(busy)
+        self.stats.engine_busy_s += busy
+        self.stats.engine_calls += len(done)
+        return done
+
+    def _run_batch(self, requests: list[Request], tokens: list[int]) -> list[Result]:
+        self.metrics.engine_started()
+        started = time.perf_counter()
+        out = run_isolating(self.engine, requests)
+        busy = time.perf_counter() - started
+        self.metrics.engine_stopped()
+        self.metrics.engine_busy.inc(busy)
+        self.stats.engine_busy_s += busy
+        self.stats.batches += 1
+        self.stats.engine_calls += len(requests)
+        self.metrics.batch_size.observe(len(requests))
+        self.metrics.batch_tokens.observe(len(requests) * max(tokens))
+        return out
+
+    @staticmethod
+    def _place(op: _Open, i: int, res: Result) -> None:
+        op.results[i] = res
+        op.left -= 1
+
+    def _open(self, chunk: Chunk) -> _Open:
+        """Parse a chunk and count its prompts' tokens; rows that cannot run are settled here."""
+        names, opts = self.names, self.opts
+        records: list[dict[str, Any]] = []
+        rows: list[Row] = []
+        for at, line in chunk.lines:
+            row = parse_line(line, at, names[at[0]], opts)
+            if row.request is None:
+                records.append(self._error_record(row))
+            else:
+                rows.append(row)
+        results: list[Result | None] = [None] * len(rows)
+        left = len(rows)
+        if rows:
+            tokens = self.engine.count_tokens([r.request for r in rows])  # type: ignore[misc]
+            limit = self.token_limit()
+            for i, (row, t) in enumerate(zip(rows, tokens, strict=True)):
+                row.tokens = t
+                if limit and t > limit:
+                    results[i] = Result(error=f"prompt has {t} tokens, the model takes at most {limit}",
+                                        extra={"code": "too_many_tokens"})
+                    left -= 1
+        return _Open(chunk, records, rows, results, left)
+
+    def _chunk_records(self, op: _Open) -> list[dict[str, Any]]:
+        records = op.records
+        opts = self.opts
+        for row, res in zip(op.rows, op.results, strict=True):
+            assert res is not None
+            if res.error is not None:
+                row.error_code, row.error = res.extra.get("code", "engine_error"), res.error
+                records.append(self._error_record(row))
+            else:
+                records.append({"at": list(row.at), "kind": "result", "row": result_row(row, res, opts)})
+        return records
+
+    def _commit_chunk(self, item: tuple[Chunk, list[dict[str, Any]]]) -> None:
+        """The commit writer's work for one chunk: make it durable, then count and report it."""
+        chunk, records = item
+        rows_before, errors_before = self.stats.rows, self.stats.errors
+        self._commit(records)
+        self.stats.chunks += 1
+        self.progress({"event": "chunk", "index": self.index, "rows": self.stats.rows - rows_before,
+                       "errors": self.stats.errors - errors_before, "bytes": chunk.bytes})
 
     def _finish(self, t0: float) -> None:
         if self.judge is not None:
