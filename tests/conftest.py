@@ -309,11 +309,12 @@ def bij_bin() -> Any:
 class RecordingEcho:
     """The echo engine, recording every batch it runs; `fail_on` makes rows containing it raise."""
 
-    def __init__(self, task: str = "generate", max_input_tokens: int | None = None, fail_on: str | None = None):
+    def __init__(self, task: str = "generate", max_input_tokens: int | None = None, fail_on: str | None = None,
+                 truncate: bool = False):
         from bij_worker.engines.base import EngineConfig
         from bij_worker.engines.echo import EchoEngine
 
-        self.inner = EchoEngine(EngineConfig(task=task, max_input_tokens=max_input_tokens))
+        self.inner = EchoEngine(EngineConfig(task=task, max_input_tokens=max_input_tokens, truncate=truncate))
         self.name, self.schedules_itself = "echo", False
         self.fail_on = fail_on
         self.batches: list[list[str]] = []
@@ -357,7 +358,8 @@ def run_shards() -> Any:
         plan_round(job, 0)
         plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
         if engine is None:
-            engine = RecordingEcho(job.spec.model.task, job.spec.model.max_input_tokens)
+            m = job.spec.model
+            engine = RecordingEcho(m.task, m.max_input_tokens, truncate=m.truncates)
         run.engine = engine  # type: ignore[attr-defined]
         engine.load()
         todo = range(len(plan["shards"])) if indexes is None else indexes
@@ -368,5 +370,5 @@ def run_shards() -> Any:
 
 @pytest.fixture
 def recording_echo() -> Any:
-    """recording_echo(task="generate", max_input_tokens=None, fail_on=None) -> RecordingEcho."""
+    """recording_echo(task="generate", max_input_tokens=None, fail_on=None, truncate=False) -> RecordingEcho."""
     return RecordingEcho

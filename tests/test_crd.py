@@ -237,6 +237,13 @@ BAD = [
      "spec.workers.parallelism in body should be greater than or equal to 1"),
     ("too-many-gpus", with_spec(workers={"gpus": 65}),
      "spec.workers.gpus: Invalid value: 65: spec.workers.gpus in body should be less than or equal to 64"),
+    ("vllm-without-gpus", with_spec(model={"engine": "vllm", "name": "m"}, workers={"gpus": 0}),
+     'spec.workers.gpus: Invalid value: "object": workers.gpus must be at least model.vllm.tensorParallelSize '
+     "x model.vllm.pipelineParallelSize with model.engine vllm"),
+    ("vllm-fewer-gpus-than-it-spans", with_spec(model={"engine": "vllm", "name": "m",
+                                                       "vllm": {"tensorParallelSize": 2, "pipelineParallelSize": 2}},
+                                                workers={"gpus": 2}),
+     'spec.workers.gpus: Invalid value: "object": workers.gpus must be at least'),
     ("parallelism-as-words", with_spec(workers={"parallelism": "four"}),
      'spec.workers.parallelism: Invalid value: "string": spec.workers.parallelism in body must be of type integer'),
     ("cpu-not-a-quantity", with_spec(workers={"cpu": "lots"}),
@@ -285,6 +292,8 @@ GOOD = [
     ("pvc-cache", with_spec(workers={"modelCache": {"type": "pvc", "claimName": "models"}})),
     ("quantities", with_spec(workers={"cpu": "500m", "memory": "1.5Gi", "shmSize": "1e9"})),
     ("longest-name", {**minimal(), "metadata": {"name": "a" * 52}}),
+    ("vllm-default-gpus", with_spec(model={"engine": "vllm", "name": "m", "vllm": {"tensorParallelSize": 2}})),
+    ("vllm-more-gpus", with_spec(model={"engine": "vllm", "name": "m"}, workers={"gpus": 4})),
     ("transformers-chat", with_spec(model={"engine": "transformers", "task": "chat", "name": "gpt2"})),
 ]
 

@@ -198,6 +198,26 @@ def test_minilm_config_can_lower_the_input_limit() -> None:
     assert over.error is not None and ok.embedding is not None
 
 
+def test_minilm_with_truncate_embeds_a_long_row_as_sentence_transformers_encode_does(minilm: Any) -> None:
+    engine = loaded(create_engine("sentence-transformers", EngineConfig(task="embed", device="cpu", truncate=True)))
+    text = " ".join(f"word{i}" for i in range(400))
+    long, short = engine.run([Request(text=text), Request(text="fine")])
+    assert long.error is None and long.prompt_tokens == 256
+    # encode() of the plain model truncates to max_seq_length: the same vector.
+    (reference,) = minilm.model.encode([text], convert_to_numpy=True).tolist()
+    assert cosine(long.embedding, reference) > 0.9999
+    (tail,) = minilm.run([Request(text=" ".join(f"word{i}" for i in range(350, 400)))])
+    assert cosine(long.embedding, tail.embedding) < 0.99  # the head was kept, not the tail
+    assert cosine(short.embedding, minilm.run([Request(text="fine")])[0].embedding) > 0.9999
+
+
+def test_minilm_truncates_to_a_lowered_limit() -> None:
+    cut = loaded(create_engine("sentence-transformers", EngineConfig(task="embed", max_input_tokens=4, truncate=True)))
+    (res,) = cut.run([Request(text="alpha beta gamma delta epsilon")])
+    (head,) = cut.run([Request(text="alpha beta")])  # [CLS] alpha beta [SEP] is 4 tokens
+    assert res.prompt_tokens == 4 and res.embedding == head.embedding
+
+
 def test_sentence_transformers_refuses_generate() -> None:
     with pytest.raises(ValueError, match="embed"):
         create_engine("sentence-transformers", EngineConfig(task="generate"))
@@ -282,6 +302,13 @@ def test_prompt_over_the_position_limit_is_a_row_error(wired_model: Path) -> Non
     long, ok = engine.run([Request(text="x " * MAX_POSITIONS), Request(text="g")])
     assert long.error is not None and long.prompt_tokens == MAX_POSITIONS + 1
     assert ok.output == "h"
+
+
+def test_truncated_prompt_keeps_its_last_tokens(wired_model: Path) -> None:
+    engine = tf_engine(wired_model, max_input_tokens=4, truncate=True)
+    (res,) = engine.run([Request(text="x y z x y c", max_tokens=3)])
+    # The tail "z x y c" (BOS cut off with the head) continues from c.
+    assert (res.error, res.prompt_tokens, res.output) == (None, 4, "d e f")
 
 
 def test_generation_stops_at_the_position_limit(wired_model: Path) -> None:
@@ -575,6 +602,22 @@ def test_vllm_embed_builds_a_pooling_model_and_keeps_order(fake_vllm: Any, wired
     results = engine.run([Request(text=t) for t in ("a b", "c", "x y")])
     assert [r.embedding for r in results] == [[float(IDS["b"])], [float(IDS["c"])], [float(IDS["y"])]]
     assert [r.prompt_tokens for r in results] == [3, 2, 3]
+
+
+def test_vllm_truncate_cuts_generate_prompts_to_the_tail_and_embeddings_to_the_head(
+        fake_vllm: Any, wired_model: Path) -> None:
+    gen = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), truncate=True,
+                                                    vllm={"maxModelLen": 4})))
+    (res,) = gen.run([Request(text="x y x y a", max_tokens=2)])
+    assert (res.error, res.prompt_tokens, res.output) == (None, 3, "b c")
+    from bij_worker.engines import vllm as engine_module
+
+    engine_module.shutdown_llm()
+    emb = loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model), truncate=True,
+                                                    max_input_tokens=3)))
+    (res,) = emb.run([Request(text="a b c d e")])
+    # The tokenizer's own truncation: <s> a b, the head of the text.
+    assert (res.error, res.prompt_tokens, res.embedding) == (None, 3, [float(IDS["b"])])
 
 
 def test_vllm_sampling_params_carry_each_rows_ask(fake_vllm: Any, wired_model: Path) -> None:

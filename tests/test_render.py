@@ -219,6 +219,28 @@ def test_gpus_cpu_and_memory() -> None:
     assert "resources" not in container(cpu_only) and "tolerations" not in pod(cpu_only)
 
 
+def test_vllm_without_gpus_gets_tensor_x_pipeline_parallel_gpus() -> None:
+    vllm = {"engine": "vllm", "name": "m", "task": "generate"}
+    one = render(make_job(model=vllm))
+    assert container(one)["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod(one)["tolerations"]
+    four = render(make_job(model={**vllm, "vllm": {"tensorParallelSize": 2, "pipelineParallelSize": 2}}))
+    assert container(four)["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    eight = render(make_job(model=vllm, workers={"gpus": 8}))  # more than the engine needs: the user's call
+    assert container(eight)["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    echo = render(make_job(workers={"gpus": 0}))
+    assert "resources" not in container(echo)
+
+
+def test_vllm_with_too_few_gpus_is_refused_naming_both_fields() -> None:
+    from bij_operator.spec import SpecError
+
+    for workers, vllm in (({"gpus": 0}, {}), ({"gpus": 1}, {"tensorParallelSize": 2})):
+        with pytest.raises(SpecError) as e:
+            make_job(model={"engine": "vllm", "name": "m", "task": "generate", "vllm": vllm}, workers=workers)
+        assert "workers.gpus" in str(e.value) and "model.engine vllm" in str(e.value)
+
+
 def test_shm_and_model_cache_volumes() -> None:
     rendered = render(make_job(workers={"shmSize": "16Gi", "modelCache": {"sizeLimit": "50Gi", "mountPath": "/cache"}}))
     volumes = {v["name"]: v for v in pod(rendered)["volumes"]}

@@ -273,8 +273,9 @@ def _resources(job: BatchInferenceJob) -> dict[str, dict[str, str]]:
     for name, value in (("cpu", w.cpu), ("memory", w.memory)):
         if value:
             requests[name] = limits[name] = value
-    if w.gpus > 0:
-        limits[GPU_RESOURCE] = str(w.gpus)  # extended resources: the request defaults to the limit
+    gpus = job.spec.gpus
+    if gpus > 0:
+        limits[GPU_RESOURCE] = str(gpus)  # extended resources: the request defaults to the limit
     out: dict[str, dict[str, str]] = {}
     if requests:
         out["requests"] = requests
@@ -308,7 +309,7 @@ def _scheduling(job: BatchInferenceJob) -> tuple[dict[str, str], list[dict[str, 
                     "preference": {"matchExpressions": [{"key": label, "operator": "In", "values": [value]}]},
                 }
             )
-    if w.gpus > 0:
+    if job.spec.gpus > 0:
         tolerations.append(dict(GPU_TOLERATION))
     node_selector.update(w.node_selector)
     tolerations += [t.model_dump(by_alias=True, exclude_none=True) for t in w.tolerations]

@@ -236,6 +236,9 @@ class LocalRunner:
             c = manifest["counts"]
             print(f"bij: published {layout.manifest_uri(self.job)}: {c['rows']:,} rows, {c['errors']:,} errors "
                   f"in {len(manifest['files'])} result files", file=sys.stderr)
+            if c.get("truncated"):
+                print(f"bij: {c['truncated']:,} rows were longer than the model's input limit and were truncated "
+                      f"(marked \"truncated\": true in their result)", file=sys.stderr)
             if c.get("capped"):
                 print(f"bij: RetryCapReached: {c['capped']:,} rows were still rejected at the cap; "
                       f"they are in the manifest's cappedFiles", file=sys.stderr)

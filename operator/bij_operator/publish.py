@@ -40,6 +40,7 @@ class _Totals:
     errors: int = 0
     capped: int = 0
     duplicates: int = 0
+    truncated: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
     files: list[dict[str, Any]] = field(default_factory=list)
@@ -130,6 +131,7 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
                             "object": names[rec["at"][0]], "offset": rec["at"][1]})
                         continue
                     results.append(row)
+                    t.truncated += bool(row.get("truncated"))
                     u = row_usage(row)
                     t.tokens_in += u.get("prompt_tokens", 0)
                     t.tokens_out += u.get("completion_tokens", 0)
@@ -180,7 +182,7 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
         "errorFiles": t.error_files,
         "cappedFiles": t.capped_files,
         "counts": {"rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
-                   "inputRows": total,
+                   "truncated": t.truncated, "inputRows": total,
                    "tokensIn": t.tokens_in, "tokensOut": t.tokens_out},
         "rounds": t.rounds,
         "engine": t.engine(),

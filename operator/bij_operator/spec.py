@@ -30,6 +30,13 @@ QUANTITY_PATTERN = (
 )
 
 
+# The CRD's rule says the same (crds/batchinferencejobs.yaml).
+GPUS_FOR_VLLM = (
+    "workers.gpus must be at least model.vllm.tensorParallelSize x model.vllm.pipelineParallelSize "
+    "with model.engine vllm (leave workers.gpus unset for exactly that many)"
+)
+
+
 class SpecError(ValueError):
     """A spec that can never work. The message names each bad field and why."""
 
@@ -88,7 +95,13 @@ class VllmOptions(_Model):
     quantization: str | None = None
     max_model_len: int | None = Field(8192, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
     dtype: str = "auto"
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one vLLM engine spans: tensor-parallel x pipeline-parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class SimulatedOptions(_Model):
@@ -106,10 +119,18 @@ class ModelSpec(_Model):
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0, le=2)
     seed: int = 0
-    # Rows whose prompt exceeds this many tokens are bad rows; default: the engine's limit.
+    # The prompt limit; default: the engine's limit.
     max_input_tokens: int | None = Field(None, ge=1)
+    # A prompt over the limit is cut to it (and marked) instead of becoming a too_many_tokens
+    # error row; unset means true for embed (as SentenceTransformer.encode does), false otherwise.
+    truncate: bool | None = None
     vllm: VllmOptions = VllmOptions()
     simulated: SimulatedOptions = SimulatedOptions()
+
+    @property
+    def truncates(self) -> bool:
+        """Whether prompts over the limit are truncated (the task's default when unset)."""
+        return self.truncate if self.truncate is not None else self.task == "embed"
 
     @model_validator(mode="after")
     def _task_fits_engine(self) -> ModelSpec:
@@ -177,7 +198,8 @@ class ModelCacheSpec(_Model):
 class WorkersSpec(_Model):
     parallelism: int = Field(4, ge=1, le=10_000)
     image: str | None = None  # default: the operator's configured worker image
-    gpus: int = Field(0, ge=0, le=64)
+    # GPUs per worker pod; unset: what the engine needs (JobSpec.gpus).
+    gpus: int | None = Field(None, ge=0, le=64)
     cpu: str | None = Field(None, pattern=QUANTITY_PATTERN)
     memory: str | None = Field(None, pattern=QUANTITY_PATTERN)
     shm_size: str | None = Field("8Gi", pattern=QUANTITY_PATTERN)
@@ -251,10 +273,16 @@ class JobSpec(_Model):
     def _cross_field(self) -> JobSpec:
         if self.judge is not None and self.model.task == "embed":
             raise ValueError("judge needs a generate or chat task: embeddings have no text to judge")
-        if self.model.task == "chat" and self.input.format == "jsonl" and not self.input.messages_field:
-            # A plain text field is wrapped as one user message; that is allowed.
-            pass
+        if self.model.engine == "vllm" and self.workers.gpus is not None and self.workers.gpus < self.model.vllm.gpus:
+            raise ValueError(GPUS_FOR_VLLM)
         return self
+
+    @property
+    def gpus(self) -> int:
+        """GPUs per worker pod: spec.workers.gpus, else tensor x pipeline parallel for vLLM, else 0."""
+        if self.workers.gpus is not None:
+            return self.workers.gpus
+        return self.model.vllm.gpus if self.model.engine == "vllm" else 0
 
 
 class Metadata(_Model):

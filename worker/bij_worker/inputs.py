@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +43,7 @@ class Row:
     prior_attempts: int = 0
     verdicts: list[str] = field(default_factory=list)
     tokens: int = 0  # prompt tokens, once the worker has counted them
+    truncated: bool = False  # the prompt was over the limit and the engine cut it (model.truncate)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class InputOptions:
     temperature: float = 0.0
     seed: int = 0
     model_name: str = "bij"
+    truncate: bool = True  # prompts over the token limit are cut (and marked) rather than refused
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> InputOptions:
@@ -70,7 +73,14 @@ class InputOptions:
             temperature=float(model.get("temperature", 0.0)),
             seed=int(model.get("seed", 0)),
             model_name=model.get("name") or model.get("engine", "bij"),
+            truncate=truncates(model),
         )
+
+
+def truncates(model: dict[str, Any]) -> bool:
+    """spec.model.truncate, or its default: true for embed (as SentenceTransformer.encode), else false."""
+    value = model.get("truncate")
+    return bool(value) if value is not None else model.get("task", "embed") == "embed"
 
 
 def id_key(value: Any) -> str:
@@ -238,6 +248,8 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
             out["output"] = res.output
         if usage:
             out["usage"] = usage
+        if row.truncated:
+            out["truncated"] = True
         return out
     digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
     kind = OPENAI_URLS.get(row.url or "", opts.task)
@@ -248,14 +260,20 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
         body = {"object": "list", "model": opts.model_name,
                 "data": [{"object": "embedding", "index": 0, "embedding": res.embedding}], "usage": usage}
     elif kind == "chat":
-        body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "model": opts.model_name,
+        body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": int(time.time()),
+                "model": opts.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": res.output},
-                             "finish_reason": finish}], "usage": usage}
+                             "logprobs": None, "finish_reason": finish}], "usage": usage}
     else:
-        body = {"id": f"cmpl-{digest}", "object": "text_completion", "model": opts.model_name,
-                "choices": [{"index": 0, "text": res.output, "finish_reason": finish}], "usage": usage}
-    return {"id": f"batch_req_{digest}", "custom_id": row.id,
+        body = {"id": f"cmpl-{digest}", "object": "text_completion", "created": int(time.time()),
+                "model": opts.model_name,
+                "choices": [{"index": 0, "text": res.output, "logprobs": None, "finish_reason": finish}],
+                "usage": usage}
+    line = {"id": f"batch_req_{digest}", "custom_id": row.id,
             "response": {"status_code": 200, "request_id": f"req_{digest}", "body": body}, "error": None}
+    if row.truncated:
+        line["truncated"] = True
+    return line
 
 
 def error_row(row: Row, object_name: str, opts: InputOptions) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from .engines import EngineConfig, create_engine
+from .inputs import truncates
 from .metrics import Metrics, Stats
 from .storage import StorageError
 from .worker import (
@@ -48,6 +49,7 @@ def engine_config(spec: dict[str, Any]) -> EngineConfig:
         temperature=float(m.get("temperature", 0.0)),
         seed=int(m.get("seed", 0)),
         max_input_tokens=m.get("maxInputTokens"),
+        truncate=truncates(m),
         vllm=dict(m.get("vllm", {})),
         simulated=dict(m.get("simulated", {})),
         device=os.environ.get("BIJ_DEVICE") or None,

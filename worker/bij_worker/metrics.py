@@ -14,6 +14,7 @@ class Stats:
 
     rows: int = 0
     errors: int = 0
+    truncated: int = 0  # result rows whose prompt was cut to the model's limit
     tokens_in: int = 0
     tokens_out: int = 0
     rejected: int = 0  # judge: sent to the next round
@@ -43,7 +44,8 @@ class Stats:
     def as_record(self) -> dict[str, float | int]:
         d = asdict(self)
         return {
-            "rows": d["rows"], "errors": d["errors"], "tokensIn": d["tokens_in"], "tokensOut": d["tokens_out"],
+            "rows": d["rows"], "errors": d["errors"], "truncated": d["truncated"],
+            "tokensIn": d["tokens_in"], "tokensOut": d["tokens_out"],
             "rejected": d["rejected"], "capped": d["capped"], "engineCalls": d["engine_calls"],
             "judgeCalls": d["judge_calls"], "batches": d["batches"], "chunks": d["chunks"],
             "engineBusySeconds": round(d["engine_busy_s"], 3),

@@ -449,6 +449,9 @@ class ShardWorker:
             for i, (row, t) in enumerate(zip(rows, tokens, strict=True)):
                 row.tokens = t
                 if limit and t > limit:
+                    if opts.truncate:  # the engine cuts the prompt to the limit (it was told to)
+                        row.tokens, row.truncated = limit, True
+                        continue
                     results[i] = Result(error=f"prompt has {t} tokens, the model takes at most {limit}",
                                         extra={"code": "too_many_tokens"})
                     left -= 1
@@ -494,6 +497,7 @@ class ShardWorker:
         kind = rec["kind"]
         if kind == "result":
             self.stats.rows += 1
+            self.stats.truncated += bool(rec["row"].get("truncated"))
             usage = row_usage(rec["row"])
             self.stats.tokens_in += usage.get("prompt_tokens", 0)
             self.stats.tokens_out += usage.get("completion_tokens", 0)
@@ -597,6 +601,8 @@ class ShardWorker:
         counts = {"result": 0, "error": 0, "rejected": 0, "capped": 0, "attempt": 0}
         for rec in records:
             counts[rec["kind"]] += 1
+            if rec["kind"] == "result" and rec["row"].get("truncated"):
+                self.stats.truncated += 1
         self.stats.rows += counts["result"]
         self.stats.errors += counts["error"]
         self.stats.rejected += counts["rejected"]
@@ -653,7 +659,12 @@ class ShardWorker:
         todo = list(range(len(live)))
         if limit:
             for i, t in enumerate(tokens):
-                if t > limit:
+                if t <= limit:
+                    continue
+                if self.opts.truncate:  # the engine cuts the prompt to the limit (it was told to)
+                    live[i].row.truncated = True
+                    tokens[i] = limit
+                else:
                     results[i] = Result(error=f"prompt has {t} tokens, the model takes at most {limit}",
                                         extra={"code": "too_many_tokens"})
             todo = [i for i in todo if results[i] is None]

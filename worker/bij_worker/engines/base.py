@@ -39,6 +39,8 @@ class EngineConfig:
     temperature: float = 0.0
     seed: int = 0
     max_input_tokens: int | None = None
+    # Cut prompts over max_input_tokens() to it instead of refusing them (spec.model.truncate).
+    truncate: bool = False
     vllm: dict[str, Any] = field(default_factory=dict)
     simulated: dict[str, Any] = field(default_factory=dict)
     device: str | None = None  # None: cuda when available, else cpu

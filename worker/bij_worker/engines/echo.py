@@ -20,6 +20,14 @@ def echo_embedding(text: str, dim: int = ECHO_DIM) -> list[float]:
     return [round(v / 2**32, 6) for v in struct.unpack(f"<{dim}I", digest)]
 
 
+def truncate_text(text: str, tokens: int, head: bool) -> str:
+    """The head (embed) or tail (generate, chat) of `text` that estimates to `tokens` tokens,
+    cut on a character boundary: the sides the real engines keep (see prompts.truncate_prompt)."""
+    data = text.encode("utf-8")
+    part = data[: tokens * 4] if head else data[len(data) - tokens * 4:]
+    return part.decode("utf-8", "ignore")
+
+
 class EchoEngine:
     name = "echo"
     schedules_itself = False
@@ -38,9 +46,12 @@ class EchoEngine:
 
     def run(self, requests: list[Request]) -> list[Result]:
         out = []
+        limit = self.config.max_input_tokens if self.config.truncate else None
         for r in requests:
             text = request_text(r)
             n = estimate_tokens(text)
+            if limit is not None and n > limit:
+                text, n = truncate_text(text, limit, head=self.config.task == "embed"), limit
             if self.config.task == "embed":
                 out.append(Result(embedding=echo_embedding(text), prompt_tokens=n))
             else:

@@ -62,3 +62,19 @@ def count_prompt_tokens(tok: Any, requests: list[Request], chat: bool) -> list[i
         return []
     return [len(p) if isinstance(p, list) else estimate_tokens(request_text(r))
             for r, p in zip(requests, prompt_ids(tok, requests, chat), strict=True)]
+
+
+def truncate_prompt(tok: Any, req: Request, ids: list[int], limit: int, embed: bool) -> list[int]:
+    """A prompt cut to `limit` tokens.
+
+    Embeddings keep the head, cut by the tokenizer itself so the special tokens stay (what
+    `SentenceTransformer.encode` does); generation keeps the tail, as vLLM's
+    `truncate_prompt_tokens` does, so the end of the text and a chat template's generation
+    prompt stay next to the first generated token.
+    """
+    if len(ids) <= limit:
+        return ids
+    if embed:
+        enc = tok(request_text(req), add_special_tokens=True, truncation=True, max_length=limit, verbose=False)
+        return list(enc["input_ids"])
+    return ids[-limit:]

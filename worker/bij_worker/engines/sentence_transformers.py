@@ -2,7 +2,8 @@
 
 Token counts include the special tokens ([CLS]/[SEP] or the model's own):
 `max_seq_length` bounds the whole sequence the encoder sees, so a row whose
-count is within `max_input_tokens()` is embedded without truncation.
+count is within `max_input_tokens()` is embedded without truncation; a longer
+one is cut to that many tokens when `config.truncate` is set, else refused.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class SentenceTransformersEngine:
         if self.config.max_input_tokens is not None:
             limit = min(limit, self.config.max_input_tokens) if limit else self.config.max_input_tokens
         self._max_input = limit
+        if self.config.truncate and limit:
+            # encode() cuts every text to max_seq_length (special tokens included).
+            self.model.max_seq_length = limit
 
     def batch_shape(self) -> tuple[int, int]:
         """(rows, padded tokens) per batch when the spec leaves them out: on a CPU large batches are
@@ -87,10 +91,11 @@ class SentenceTransformersEngine:
         return self._max_input
 
     def run(self, requests: list[Request]) -> list[Result]:
-        """Embed the batch as given (the caller sorts and sizes it); too-long rows become row errors.
+        """Embed the batch as given (the caller sorts and sizes it).
 
-        sentence-transformers would silently truncate a long row; an embedding of half a
-        document is a wrong answer, so such rows are reported instead of embedded.
+        With `config.truncate` a row over the limit is embedded from its first `limit`
+        tokens (special tokens kept), as `SentenceTransformer.encode` does. Without it the
+        row is an error: the caller asked for whole documents or nothing.
         """
         model = self._loaded()
         if not requests:
@@ -98,6 +103,8 @@ class SentenceTransformersEngine:
         texts = [request_text(r) for r in requests]
         counts = self.count_tokens(requests)
         limit = self._max_input
+        if self.config.truncate and limit is not None:
+            counts = [min(n, limit) for n in counts]
         results: list[Result] = [Result() for _ in requests]
         ok = [i for i, n in enumerate(counts) if limit is None or n <= limit]
         for i, n in enumerate(counts):

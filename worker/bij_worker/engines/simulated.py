@@ -72,6 +72,10 @@ class SimulatedEngine:
 
     def submit(self, tag: int, request: Request) -> None:
         words = request_text(request).split()
+        limit = self.config.max_input_tokens
+        if self.config.truncate and limit and len(words) > limit:
+            # The sides the real engines keep: the head for embeddings, the tail for generation.
+            words = words[:limit] if self.config.task == "embed" else words[-limit:]
         k = 1 if self.config.task == "embed" else min(len(words), request.max_tokens)
         self._waiting.append(_Seq(tag, words, max(1, k)))
 

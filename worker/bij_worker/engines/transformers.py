@@ -12,6 +12,8 @@ For small models, CPU runs and tests. Choices a user can observe:
 - Seeds are per batch: `torch.manual_seed` runs before each sampled batch with the
   first row's seed (else `config.seed`). The same batch gives the same answers; a
   row's sample can change when it lands in a different batch.
+- With `config.truncate` a prompt over the limit keeps its last tokens (as vLLM's
+  `truncate_prompt_tokens`); without it the row is an error.
 - A tokenizer without a chat template fails `load()` for task chat: it is a
   configuration that can never work, better stopped before any row is read than
   turned into one error per row.
@@ -22,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import EngineConfig, Request, Result
-from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids
+from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 
 
 class TransformersEngine:
@@ -132,12 +134,14 @@ class TransformersEngine:
                 results[i] = Result(error=p)
             elif not p:
                 results[i] = Result(prompt_tokens=0, error="empty prompt: nothing to continue from")
-            elif limit is not None and len(p) > limit:
+            elif limit is not None and len(p) > limit and not self.config.truncate:
                 results[i] = Result(
                     prompt_tokens=len(p),
                     error=f"prompt is {len(p)} tokens, longer than the model's limit of {limit}",
                 )
             else:
+                if limit is not None:
+                    p = truncate_prompt(self.tokenizer, req, p, limit, embed=False)
                 # One generate call serves one temperature; rows of the same job usually share it.
                 temp = 0.0 if req.temperature < GREEDY_EPS else req.temperature
                 groups.setdefault(temp, []).append(i)

@@ -16,6 +16,9 @@ Version notes (vLLM >= 0.6.3):
   already added, older ones leave them queued. Rows are therefore checked first (empty,
   too long), and a call that still fails is split in halves until the bad rows are
   alone; each becomes its own `Result.error`, queued leftovers are drained first.
+- with `config.truncate`, a prompt over the limit is cut by bij before vLLM sees it
+  (`truncate_prompt` in prompts.py: embeddings keep the head, generation the tail); a
+  cut chat prompt goes in as token ids of the rendered template.
 - a decoder prompt needs room for one generated token: the prompt limit is
   `max_model_len - 1` for generate and chat, `max_model_len` for embed.
 """
@@ -29,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .base import EngineConfig, Request, Result, estimate_tokens, request_text
-from .prompts import GREEDY_EPS, chat_messages, prompt_ids
+from .prompts import GREEDY_EPS, chat_messages, prompt_ids, truncate_prompt
 
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
 _LLM: Any = None
@@ -182,7 +185,9 @@ class VllmEngine:
             raise ValueError("empty prompt")
         limit = self.max_input_tokens()
         if limit is not None and len(prompt) > limit:
-            raise ValueError(f"prompt is {len(prompt)} tokens, longer than the model's limit of {limit}")
+            if not self.config.truncate:
+                raise ValueError(f"prompt is {len(prompt)} tokens, longer than the model's limit of {limit}")
+            prompt = truncate_prompt(self.tokenizer, request, prompt, limit, embed=self.config.task == "embed")
         if self.config.task == "embed":
             params = self._pooling_params()
         else:
@@ -221,20 +226,25 @@ class VllmEngine:
         limit = self.max_input_tokens()
         prompts = self._prompt_ids(requests)
         runnable: list[int] = []
+        cut: list[int] = []  # chat rows cut to the limit: sent as token ids, the template already applied
+        task = self.config.task
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 results[i] = Result(error=p)
             elif not p:
                 results[i] = Result(prompt_tokens=0, error="empty prompt")
-            elif limit is not None and len(p) > limit:
+            elif limit is not None and len(p) > limit and not self.config.truncate:
                 results[i] = Result(
                     prompt_tokens=len(p), error=f"prompt is {len(p)} tokens, longer than the model's limit of {limit}"
                 )
+            elif limit is not None and len(p) > limit:
+                prompts[i] = truncate_prompt(self.tokenizer, requests[i], p, limit, embed=task == "embed")
+                (cut if task == "chat" else runnable).append(i)
             else:
                 runnable.append(i)
 
-        task = self.config.task
         call: Callable[[list[int]], list[Any]]
+        by_ids: Callable[[list[int]], list[Any]] | None = None
         if task == "embed":
             embed = getattr(llm, "embed", None) or llm.encode
 
@@ -243,23 +253,28 @@ class VllmEngine:
                 return list(embed([{"prompt_token_ids": prompts[i]} for i in idx], use_tqdm=False))
         else:
             params = self._sampling_params(requests)
-            if task == "generate":
 
-                def call(idx: list[int]) -> list[Any]:
-                    return list(
-                        llm.generate(
-                            [{"prompt_token_ids": prompts[i]} for i in idx],
-                            sampling_params=[params[i] for i in idx],
-                            use_tqdm=False,
-                        )
+            def by_ids(idx: list[int]) -> list[Any]:
+                return list(
+                    llm.generate(
+                        [{"prompt_token_ids": prompts[i]} for i in idx],
+                        sampling_params=[params[i] for i in idx],
+                        use_tqdm=False,
                     )
+                )
+
+            if task == "generate":
+                call = by_ids
             else:
                 # LLM.chat renders the template itself (content-part formats, model quirks).
                 def call(idx: list[int]) -> list[Any]:
                     convs = [requests[i].messages or chat_messages(requests[i]) for i in idx]
                     return list(llm.chat(convs, sampling_params=[params[i] for i in idx], use_tqdm=False))
 
-        for i, out in self._isolate(runnable, call).items():
+        outs = self._isolate(runnable, call)
+        if cut and by_ids is not None:
+            outs.update(self._isolate(cut, by_ids))
+        for i, out in outs.items():
             results[i] = out if isinstance(out, Result) else self._result(out)
         return results
 
