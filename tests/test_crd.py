@@ -111,8 +111,8 @@ def test_every_cel_rule_compiles() -> None:
 def test_printer_columns_point_at_fields_of_their_type() -> None:
     (version,) = crd()["spec"]["versions"]
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Phase", "Round", "Shards", "Rows", "Age", "Throughput", "Output"]
-    assert {n for n, c in columns.items() if c.get("priority") == 1} == {"Throughput", "Output"}
+    assert list(columns) == ["Phase", "Round", "Shards", "Rows", "Age", "Throughput", "ETA", "Cost", "Output"]
+    assert {n for n, c in columns.items() if c.get("priority") == 1} == {"Throughput", "ETA", "Cost", "Output"}
     schema = validate.crd_schema()
     for name, column in columns.items():
         if column["jsonPath"] == ".metadata.creationTimestamp":
@@ -244,6 +244,11 @@ BAD = [
                                                        "vllm": {"tensorParallelSize": 2, "pipelineParallelSize": 2}},
                                                 workers={"gpus": 2}),
      'spec.workers.gpus: Invalid value: "object": workers.gpus must be at least'),
+    ("price-as-words", with_spec(workers={"pricePerHour": "two dollars"}),
+     'spec.workers.pricePerHour: Invalid value: "string": spec.workers.pricePerHour in body must be of type number'),
+    ("negative-price", with_spec(workers={"pricePerHour": -1}),
+     "spec.workers.pricePerHour: Invalid value: -1: spec.workers.pricePerHour in body should be greater than or "
+     "equal to 0"),
     ("parallelism-as-words", with_spec(workers={"parallelism": "four"}),
      'spec.workers.parallelism: Invalid value: "string": spec.workers.parallelism in body must be of type integer'),
     ("cpu-not-a-quantity", with_spec(workers={"cpu": "lots"}),

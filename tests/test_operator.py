@@ -116,7 +116,8 @@ def test_a_job_runs_to_succeeded_and_publishes_every_row_once(cluster: Cluster) 
     done = c.wait_phase("emb", "Succeeded")
     cols = c.columns("emb")
     assert (cols["Phase"], cols["Round"], cols["Shards"], cols["Rows"]) == ("Succeeded", 0, f"{total}/{total}", ROWS)
-    assert cols["Throughput"] > 0
+    assert cols["Throughput"] > 0 and cols["ETA"] == "0s"
+    assert done["efficiency"]["workerSeconds"] > 0 and "cost" not in done  # no spec.workers.pricePerHour
     assert done["manifestUri"] == f"file://{c.tmp}/out-emb/manifest.json"
     assert done["outputUri"] == f"file://{c.tmp}/out-emb"
     assert done["rows"] == {"done": ROWS, "failed": 0}

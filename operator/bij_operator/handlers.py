@@ -29,6 +29,7 @@ import urllib3
 from kubernetes.client import ApiException
 
 from . import layout
+from .efficiency import status_fields
 from .jobs import render_job, worker_image_default
 from .planner import PlanError, plan_round
 from .progress import live_records, shard_records
@@ -50,7 +51,15 @@ from .reconcile import (
 )
 from .rounds import summarize
 from .spec import API_GROUP, API_VERSION, BatchInferenceJob, SpecError, parse_job
-from .status import decision_status, fmt_time, now_utc, phase_conditions, rows_progress, status_differs
+from .status import (
+    decision_status,
+    fmt_time,
+    now_utc,
+    parse_time,
+    phase_conditions,
+    rows_progress,
+    status_differs,
+)
 
 PLURAL = "batchinferencejobs"
 # Progress-only status writes (shard counts, rows) per bij at most this often; phase
@@ -241,7 +250,8 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
                                event=("Warning", "PlanFailed", msg))
             raise kopf.TemporaryError(msg, delay=30) from e
         rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
-        rounds.append({"round": d.round, "shards": plan.shard_count, "startTime": fmt_time(now)})
+        rounds.append({"round": d.round, "shards": plan.shard_count, "bytes": plan.total_bytes,
+                       "startTime": fmt_time(now)})
         msg = f"round {d.round}: planned {plan.shard_count} shards from {plan.objects} input objects"
         patch = {**base(raw, d, now), "rounds": rounds, "message": msg,
                  "shards": {"done": 0, "failed": 0, "total": plan.shard_count},
@@ -425,21 +435,26 @@ def base(raw: dict[str, Any], d: Decision, now: Any) -> dict[str, Any]:
 async def progress(job: BatchInferenceJob, status: dict[str, Any], round_no: int, now: Any) -> dict[str, Any]:
     """``rows`` and ``rowsPerSecond`` from the completion records of rounds 0..round_no, and the
     live progress records of the current round's running shards."""
-    def read() -> list[dict[str, Any]]:
+    def read() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         out: list[dict[str, Any]] = []
         for r in range(round_no):
             out.extend(shard_records(job, r).values())
-        out.extend(live_records(job, round_no).values())
-        return out
+        current = list(live_records(job, round_no).values())
+        return out + current, current
 
     try:
-        records = await asyncio.to_thread(read)
+        records, current = await asyncio.to_thread(read)
     except (OSError, RuntimeError) as e:
         log.warning("%s/%s: cannot read shard records: %s", job.metadata.namespace, job.metadata.name, e)
         return {}
     started = status.get("startTime") or min((str(r["startTime"]) for r in round_records(status).values()
                                               if r.get("startTime")), default=None)
-    return rows_progress(records, started, now)
+    this_round = round_records(status).get(round_no) or {}
+    round_start = parse_time(this_round.get("startTime"))
+    return {**rows_progress(records, started, now),
+            **status_fields(records, current, this_round.get("bytes"),
+                            (now - round_start).total_seconds() if round_start else None,
+                            job.spec.workers.price_per_hour)}
 
 
 async def write_status(raw: dict[str, Any], patch: dict[str, Any],

@@ -25,6 +25,7 @@ from typing import IO, Any
 from bij_worker.worker import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
 
 from . import layout
+from .efficiency import fmt_money
 from .planner import PlanError, RoundPlan, plan_round
 from .progress import shard_records
 from .publish import PublishError, publish
@@ -236,6 +237,14 @@ class LocalRunner:
             c = manifest["counts"]
             print(f"bij: published {layout.manifest_uri(self.job)}: {c['rows']:,} rows, {c['errors']:,} errors "
                   f"in {len(manifest['files'])} result files", file=sys.stderr)
+            eff, spent = manifest["efficiency"], manifest.get("cost")
+            print(f"bij: {eff['workerSeconds']:,.1f} worker seconds ({eff['modelLoadSeconds']:,.1f} loading the "
+                  f"model), engine busy {eff['engineBusyFraction']:.0%}, "
+                  f"{eff['rowsPerSecondPerWorker']:,.1f} rows/s per worker", file=sys.stderr)
+            if spent is not None:
+                print(f"bij: cost {fmt_money(spent['total'])} at {spent['pricePerHour']:g}/hour per worker: "
+                      f"{fmt_money(spent['perMillionRows'])} per million rows, "
+                      f"{fmt_money(spent['perMillionTokens'])} per million tokens", file=sys.stderr)
             if c.get("truncated"):
                 print(f"bij: {c['truncated']:,} rows were longer than the model's input limit and were truncated "
                       f"(marked \"truncated\": true in their result)", file=sys.stderr)

@@ -23,6 +23,7 @@ from bij_worker.storage import NotFound, Storage, open_storage
 from bij_worker.worker import done_uri, shard_prefix
 
 from . import layout
+from .efficiency import cost, efficiency
 from .spec import BatchInferenceJob
 
 
@@ -53,8 +54,10 @@ class _Totals:
     occupancy_steps: float = 0.0  # meanOccupancy x steps, summed
     shared_chars: float = 0.0  # prefixShare x promptChars, summed
     prompt_chars: int = 0
+    done_records: list[dict[str, Any]] = field(default_factory=list)  # O(shards): efficiency and cost
 
     def add_done(self, rec: dict[str, Any]) -> None:
+        self.done_records.append(rec)
         self.busy_s += float(rec.get("engineBusySeconds", 0.0))
         steps = int(rec.get("engineSteps", 0))
         self.steps += steps
@@ -170,7 +173,8 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
             f"{t.errors} of {total} rows failed ({ratio:.1%}), above spec.maxErrorRatio {limit:.1%}; "
             f"error rows are in {layout.join(out_uri, 'errors')}/"
         )
-    manifest = {
+    eff = efficiency(t.done_records)
+    manifest: dict[str, Any] = {
         "apiVersion": f"{job.api_version}",
         "kind": "BatchInferenceJobManifest",
         "job": {"name": job.metadata.name, "namespace": job.metadata.namespace, "id": job.job_id},
@@ -186,8 +190,13 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
                    "tokensIn": t.tokens_in, "tokensOut": t.tokens_out},
         "rounds": t.rounds,
         "engine": t.engine(),
+        "efficiency": eff,
         "publishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], t.rows,
+                 t.tokens_in + t.tokens_out)
+    if spent is not None:
+        manifest["cost"] = spent
     store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())
     return manifest
 

@@ -200,6 +200,8 @@ class WorkersSpec(_Model):
     image: str | None = None  # default: the operator's configured worker image
     # GPUs per worker pod; unset: what the engine needs (JobSpec.gpus).
     gpus: int | None = Field(None, ge=0, le=64)
+    # Price of one worker pod per hour, any currency: the manifest and status then say what the job cost.
+    price_per_hour: float | None = Field(None, ge=0, strict=True)
     cpu: str | None = Field(None, pattern=QUANTITY_PATTERN)
     memory: str | None = Field(None, pattern=QUANTITY_PATTERN)
     shm_size: str | None = Field("8Gi", pattern=QUANTITY_PATTERN)

@@ -31,6 +31,9 @@ class Stats:
     max_num_seqs: int = 0  # ... out of this many at most
     prefix_shared_chars: int = 0  # prompt characters shared with the prompt run just before
     prompt_chars: int = 0
+    bytes: int = 0  # input bytes (Parquet: rows) of the shard behind the durable rows, for ETAs
+    int_ids: int = 0  # result rows whose id is an integer ...
+    str_ids: int = 0  # ... or a string (Parquet output picks the id column's type from these)
 
     @property
     def occupancy(self) -> float:
@@ -52,6 +55,7 @@ class Stats:
             "modelLoadSeconds": round(d["model_load_s"], 3),
             "engineSteps": d["engine_steps"], "meanOccupancy": round(self.occupancy, 4),
             "prefixShare": round(self.prefix_share, 4), "promptChars": d["prompt_chars"],
+            "bytes": d["bytes"], "intIds": d["int_ids"], "strIds": d["str_ids"],
         }
 
 

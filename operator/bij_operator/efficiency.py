@@ -1,0 +1,96 @@
+"""How well a job used its workers and what it cost, from the shards' completion records.
+
+Pure functions over the records the workers write (one per shard: finished shards'
+done records, running shards' progress records), so the operator's work grows with
+shards, never with rows. Worker seconds are the time the runs that wrote the records
+took, model load included (the run that finished a shard; time a preempted run spent
+before it is not in any record, so cost is a lower bound after preemptions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+
+def efficiency(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Worker seconds, model load seconds, engine busy seconds and fraction, rows/s and tokens/s per worker."""
+    worker = load = busy = 0.0
+    rows = tokens = 0
+    for rec in records:
+        load += float(rec.get("modelLoadSeconds") or 0)
+        worker += float(rec.get("seconds") or 0) + float(rec.get("modelLoadSeconds") or 0)
+        busy += float(rec.get("engineBusySeconds") or 0)
+        rows += int(rec.get("rows") or 0)
+        tokens += int(rec.get("tokensIn") or 0) + int(rec.get("tokensOut") or 0)
+    return {
+        "workerSeconds": round(worker, 3),
+        "modelLoadSeconds": round(load, 3),
+        "engineBusySeconds": round(busy, 3),
+        "engineBusyFraction": round(busy / worker, 4) if worker else 0.0,
+        "rowsPerSecondPerWorker": round(rows / worker, 3) if worker else 0.0,
+        "tokensPerSecondPerWorker": round(tokens / worker, 3) if worker else 0.0,
+    }
+
+
+def cost(price_per_hour: float | None, worker_seconds: float, rows: int, tokens: int) -> dict[str, Any] | None:
+    """What the worker pods cost at `price_per_hour` (one pod, any currency); None without a price.
+
+    perMillionRows = total / rows x 1e6 (result rows), perMillionTokens likewise over tokens in + out.
+    """
+    if price_per_hour is None:
+        return None
+    total = price_per_hour * worker_seconds / 3600
+    return {
+        "pricePerHour": price_per_hour,
+        "total": round(total, 6),
+        "perMillionRows": round(total / rows * 1e6, 6) if rows else None,
+        "perMillionTokens": round(total / tokens * 1e6, 6) if tokens else None,
+    }
+
+
+def eta_seconds(done: float, total: float, elapsed: float) -> float | None:
+    """Seconds left at the rate so far (`done` of `total` in `elapsed` seconds); None before any progress."""
+    if total <= 0 or done <= 0 or elapsed <= 0:
+        return None
+    if done >= total:
+        return 0.0
+    return elapsed * (total - done) / done
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """`1h02m`, `12m30s`, `45s`; `?` when unknown."""
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def fmt_money(value: float | None) -> str:
+    """A price with four significant digits (no currency: the user's price says which)."""
+    return "-" if value is None else f"{value:.4g}"
+
+
+def status_fields(records: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]], round_bytes: int | None,
+                  round_seconds: float | None, price_per_hour: float | None) -> dict[str, Any]:
+    """`efficiency`, `cost` (so far) and `eta` for the bij's status.
+
+    `records` are every shard record so far (all rounds), `current` the current round's;
+    the ETA is the current round's: its input bytes done against `round_bytes` over the
+    `round_seconds` it has run.
+    """
+    eff = efficiency(records)
+    out: dict[str, Any] = {"efficiency": eff}
+    rows = sum(int(r.get("rows") or 0) for r in records)
+    tokens = sum(int(r.get("tokensIn") or 0) + int(r.get("tokensOut") or 0) for r in records)
+    spent = cost(price_per_hour, eff["workerSeconds"], rows, tokens)
+    if spent is not None:
+        out["cost"] = spent
+    if round_bytes and round_seconds is not None:
+        done = sum(int(r.get("bytes") or 0) for r in current)
+        out["eta"] = fmt_duration(eta_seconds(done, round_bytes, round_seconds))
+    return out

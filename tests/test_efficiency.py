@@ -1,0 +1,68 @@
+"""Efficiency and cost: from the shards' completion records into the manifest, the status and `bij run`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from bij_operator.efficiency import cost, efficiency, eta_seconds, fmt_duration, status_fields
+from bij_operator.publish import publish
+from bij_operator.spec import SpecError, parse_spec
+
+RECORDS = [
+    {"rows": 600, "errors": 1, "tokensIn": 30000, "tokensOut": 0, "seconds": 50.0, "modelLoadSeconds": 10.0,
+     "engineBusySeconds": 45.0, "bytes": 1000},
+    {"rows": 400, "errors": 0, "tokensIn": 20000, "tokensOut": 0, "seconds": 30.0, "modelLoadSeconds": 10.0,
+     "engineBusySeconds": 15.0, "bytes": 500},
+]
+
+
+def test_efficiency_sums_worker_time_with_model_load_and_divides_by_it() -> None:
+    eff = efficiency(RECORDS)
+    assert eff == {"workerSeconds": 100.0, "modelLoadSeconds": 20.0, "engineBusySeconds": 60.0,
+                   "engineBusyFraction": 0.6, "rowsPerSecondPerWorker": 10.0, "tokensPerSecondPerWorker": 500.0}
+
+
+def test_cost_per_million_rows_is_total_over_rows() -> None:
+    spent = cost(2.5, 7200.0, rows=1000, tokens=50000)
+    assert spent is not None
+    assert spent["total"] == 5.0  # two pod hours
+    assert spent["perMillionRows"] == 5.0 / 1000 * 1e6 and spent["perMillionTokens"] == 100.0
+    assert cost(None, 7200.0, 1000, 1) is None
+    assert cost(1.0, 10.0, 0, 0) == {"pricePerHour": 1.0, "total": round(10 / 3600, 6),
+                                     "perMillionRows": None, "perMillionTokens": None}
+
+
+def test_status_has_cost_so_far_and_the_rounds_eta() -> None:
+    # 1,500 of 6,000 bytes in 60 s: 180 s to go.
+    out = status_fields(RECORDS, RECORDS, round_bytes=6000, round_seconds=60.0, price_per_hour=36.0)
+    assert out["eta"] == "3m00s"
+    assert out["cost"]["total"] == 1.0  # 100 worker seconds at 36 an hour
+    assert "cost" not in status_fields(RECORDS, RECORDS, 6000, 60.0, None)
+    assert status_fields([], [], 6000, 60.0, None)["eta"] == "?"
+    assert eta_seconds(10, 10, 5) == 0.0 and fmt_duration(3725) == "1h02m" and fmt_duration(None) == "?"
+
+
+def test_manifest_carries_efficiency_and_with_a_price_cost(file_place, make_job, run_shards, read_output) -> None:
+    rows = [{"id": i, "text": f"row {i}"} for i in range(50)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows), workers={"pricePerHour": 3.6})
+    run_shards(job)
+    manifest = publish(job)
+    eff, spent = manifest["efficiency"], manifest["cost"]
+    assert eff["workerSeconds"] > 0 and 0 <= eff["engineBusyFraction"] <= 1
+    assert math.isclose(eff["rowsPerSecondPerWorker"], 50 / eff["workerSeconds"], rel_tol=1e-2)
+    assert math.isclose(spent["total"], 3.6 * eff["workerSeconds"] / 3600, rel_tol=1e-3, abs_tol=1e-6)
+    assert math.isclose(spent["perMillionRows"], spent["total"] / 50 * 1e6, rel_tol=1e-3)
+    assert read_output(job).manifest["cost"] == spent
+
+    _, free = make_job(file_place, file_place.write_jsonl("in2.jsonl", rows), out_dir="out2/")
+    run_shards(free)
+    assert "cost" not in publish(free) and "efficiency" in read_output(free).manifest
+
+
+@pytest.mark.parametrize("price", ["two dollars", "$2.50", -1, True])
+def test_a_price_that_is_not_a_number_names_the_field(price: object) -> None:
+    spec = {"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"}, "workers": {"pricePerHour": price}}
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec)
+    assert "spec.workers.pricePerHour" in str(e.value)
