@@ -179,23 +179,28 @@ def write_rows(path: Path, texts: list[str], id_prefix: str = "doc-") -> int:
 # ---------------------------------------------------------------- jobs and runs
 
 
-def write_spec(path: Path, name: str, input_path: Path, output_path: Path, model: dict[str, Any],
+def write_spec(path: Path, name: str, input_path: Path, output_path: Path | str, model: dict[str, Any],
                chunk_rows: int = 512, batching: dict[str, Any] | None = None,
-               shard_bytes: int = 1 << 40) -> Path:
-    """A BatchInferenceJob for this machine: one shard (unless `shard_bytes` is small), one worker."""
+               shard_bytes: int = 1 << 40, storage: dict[str, Any] | None = None) -> Path:
+    """A BatchInferenceJob for this machine: one shard (unless `shard_bytes` is small), one worker.
+
+    `output_path` is a folder, or a URI (s3://bucket/prefix/, with `storage` naming the endpoint).
+    """
     import yaml
 
+    out_uri = output_path if isinstance(output_path, str) else output_path.resolve().as_uri() + "/"
     job = {
         "apiVersion": "batchinference.io/v1alpha1",
         "kind": "BatchInferenceJob",
         "metadata": {"name": name},
         "spec": {
             "input": {"uri": input_path.resolve().as_uri(), "format": "jsonl"},
-            "output": {"uri": output_path.resolve().as_uri() + "/", "compression": "none"},
+            "output": {"uri": out_uri, "compression": "none"},
             "model": model,
             "sharding": {"targetShardBytes": shard_bytes, "chunkRows": chunk_rows},
             "batching": batching or {},
             "workers": {"parallelism": 1, "backoffLimitPerIndex": 0},
+            **({"storage": storage} if storage else {}),
         },
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -274,7 +274,9 @@ def test_failed_segment_upload_fails_the_worker_and_a_rerun_completes(s3_place, 
                                                                      worker_env, bij_bin):
     inputs = rows_with_mixed_lengths(60)
     _, job = make_job(s3_place, s3_place.write_jsonl("in.jsonl", inputs),
-                      sharding={"chunkRows": 10, "targetShardBytes": 1 << 20})
+                      sharding={"chunkRows": 10, "targetShardBytes": 1 << 20},
+                      # One chunk in flight, one waiting: each segment holds one chunk.
+                      batching={"inFlightRows": 10, "commitQueueChunks": 1})
     shard_plan(job)
     manifest = layout.round_manifest_uri(job, 0)
     p = start_worker(bij_bin, worker_env(s3_place, fail_segment=3), manifest, 0)

@@ -154,10 +154,10 @@ class BatchingSpec(_Model):
     # Prompts sharing a prefix (system prompt, few-shot block) run together within the in-flight window.
     prefix_order: bool = True
     prefetch_chunks: int = Field(2, ge=1, le=64)
-    # Rows read and not yet handed to the commit writer; None: about 2 x what the engine runs at once.
+    # Rows read and not yet handed to the commit writer; None: 8 x what the engine runs at once.
     in_flight_rows: int | None = Field(None, ge=1, le=1_000_000)
     # Finished chunks waiting for storage before compute waits too.
-    commit_queue_chunks: int = Field(2, ge=1, le=64)
+    commit_queue_chunks: int = Field(4, ge=1, le=64)
 
 
 class Toleration(_Model):

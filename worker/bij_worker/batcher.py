@@ -70,7 +70,7 @@ def shared_prefix(a: str, b: str) -> int:
 
 
 def run_order(texts: list[str], tokens: list[int], by_prefix: bool = True, by_length: bool = True) -> list[int]:
-    """The order to run a window's rows in: prefix groups (first seen first), then longest first.
+    """The order to run a window's rows in: prefix groups (longest prompt first), then longest first.
 
     A prefix group is a run of prompts, in sorted text order, each sharing at least
     MIN_SHARED_PREFIX leading characters with the one before it.
@@ -90,7 +90,12 @@ def run_order(texts: list[str], tokens: list[int], by_prefix: bool = True, by_le
     for i in range(n):
         first.setdefault(group[i], i)
     if by_length:
-        return sorted(range(n), key=lambda i: (first[group[i]], -tokens[i]))
+        # Groups with the longest prompt first (a long sequence started late is the tail that
+        # keeps a batch from filling), then longest first inside a group.
+        longest: dict[int, int] = {}
+        for i in range(n):
+            longest[group[i]] = max(longest.get(group[i], 0), tokens[i])
+        return sorted(range(n), key=lambda i: (-longest[group[i]], first[group[i]], -tokens[i]))
     return sorted(range(n), key=lambda i: first[group[i]])
 
 

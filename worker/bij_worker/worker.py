@@ -2,7 +2,7 @@
 
 Rows stream into the engine across chunk boundaries: chunks are read ahead,
 parsed (bad rows become error rows) and their token counts taken as they join
-the in-flight window (`batching.inFlightRows`, default about twice what the
+the in-flight window (`batching.inFlightRows`, default eight times what the
 engine runs at once). Within the window rows run in the order that suits the
 engine: a continuous-batching engine (vLLM, simulated) is kept fed step by
 step, prompts sharing a prefix together; a batch engine gets token-budget
@@ -148,6 +148,7 @@ class _Open:
     rows: list[Row]  # rows for the engine
     results: list[Result | None]
     left: int  # rows still out
+    final: list[dict[str, Any]] | None = None  # the chunk's records, once every row is back
 
 
 # Padding a batch engine may waste before a batch is cut short (see batcher.plan_batches).
@@ -198,7 +199,7 @@ class ShardWorker:
         self.depth = int(batching.get("prefetchChunks", 2))
         self.chunk_rows = int(spec.get("sharding", {}).get("chunkRows", 512))
         self.window = int(batching.get("inFlightRows") or self.default_window())
-        self.commit_slots = int(batching.get("commitQueueChunks", 2))
+        self.commit_slots = int(batching.get("commitQueueChunks", 4))
         self.max_tokens = spec.get("model", {}).get("maxInputTokens")
         self.s3 = spec.get("storage", {}).get("s3")
         judge_spec = spec.get("judge")
@@ -220,10 +221,15 @@ class ShardWorker:
         self.log = ShardLog(self.out, shard_prefix(plan, index))
 
     def default_window(self) -> int:
-        """About twice what the engine runs at once, and never less than two chunks."""
+        """Eight times what the engine runs at once, and never less than two chunks.
+
+        Chunks commit in input order, so the window also holds rows that finished while an
+        earlier chunk's longest row still runs; with twice the batch (what vLLM's run_batch
+        keeps in flight) the batch ran half empty on mixed lengths, with eight times full.
+        """
         engine = self.engine
         running = engine.concurrency() if is_continuous(engine) else self.max_batch  # type: ignore[attr-defined]
-        return max(2 * running, 2 * self.chunk_rows)
+        return max(8 * running, 2 * self.chunk_rows)
 
     def storage_for(self, uri: str) -> Storage:
         scheme = uri.split("://", 1)[0]
@@ -316,7 +322,7 @@ class ShardWorker:
         """
         engine = self.engine
         continuous = is_continuous(engine)
-        writer = CommitWriter(self._commit_chunk, self.commit_slots)
+        writer = CommitWriter(self._commit_chunks, self.commit_slots)
         opened: deque[_Open] = deque()
         pending: list[tuple[_Open, int]] = []  # rows in the window not yet given to the engine
         taken = 0  # how many of `pending` went to the engine since it was last ordered
@@ -343,12 +349,18 @@ class ShardWorker:
                     open_rows += len(chunk.lines)
                     pending.extend((op, i) for i, res in enumerate(op.results) if res is None)
                     joined = True
-                # Chunks whose rows are all back leave the window, in input order.
+                # Chunks whose rows are all back leave the window, in input order, for the commit
+                # writer; with its queue full they wait in the window while the engine has work.
                 while opened and opened[0].left == 0:
-                    op = opened.popleft()
+                    op = opened[0]
+                    if op.final is None:
+                        self._count_tokens([r for r in op.results if r is not None])
+                        op.final = self._chunk_records(op)
+                    idle = taken >= len(pending) and not (continuous and engine.unfinished())  # type: ignore[attr-defined]
+                    if not writer.put((op.chunk, op.final), block=idle):
+                        break
+                    opened.popleft()
                     open_rows -= len(op.chunk.lines)
-                    self._count_tokens([r for r in op.results if r is not None])
-                    writer.put((op.chunk, self._chunk_records(op)))
                 if not opened:
                     if prefetch.finished or self.stop.requested:
                         break
@@ -471,15 +483,16 @@ class ShardWorker:
                 records.append({"at": list(row.at), "kind": "result", "row": result_row(row, res, opts)})
         return records
 
-    def _commit_chunk(self, item: tuple[Chunk, list[dict[str, Any]]]) -> None:
-        """The commit writer's work for one chunk: make it durable, then count and report it."""
-        chunk, records = item
-        rows_before, errors_before = self.stats.rows, self.stats.errors
-        self.stats.bytes += chunk.bytes  # before the commit: its progress record counts the chunk
-        self._commit(records)
-        self.stats.chunks += 1
-        self.progress({"event": "chunk", "index": self.index, "rows": self.stats.rows - rows_before,
-                       "errors": self.stats.errors - errors_before, "bytes": chunk.bytes})
+    def _commit_chunks(self, items: list[tuple[Chunk, list[dict[str, Any]]]]) -> None:
+        """The commit writer's work: make finished chunks durable in one write, then report each."""
+        # Before the commit: its progress record counts the chunks' bytes.
+        self.stats.bytes += sum(chunk.bytes for chunk, _ in items)
+        self._commit([rec for _, records in items for rec in records])
+        for chunk, records in items:
+            kinds = [rec["kind"] for rec in records]
+            self.stats.chunks += 1
+            self.progress({"event": "chunk", "index": self.index, "rows": kinds.count("result"),
+                           "errors": kinds.count("error"), "bytes": chunk.bytes})
 
     def _finish(self, t0: float) -> None:
         if self.judge is not None:

@@ -1,0 +1,82 @@
+"""A small TCP proxy that delays every HTTP write request (PUT/POST) by a fixed time.
+
+Put it in front of moto's S3 server to give every segment upload and object write the
+latency of real object storage, while reads pass at once:
+
+    proxy = LatencyProxy(("127.0.0.1", moto_port), write_delay=0.1)
+    proxy.start()            # listens on proxy.url
+
+Requests are told apart by the bytes a client sends first after the previous response
+(a request line starting with PUT or POST); a body that happens to start a later read
+with those bytes would be delayed too, which a benchmark can live with.
+"""
+
+from __future__ import annotations
+
+import socket
+import socketserver
+import threading
+import time
+
+WRITES = (b"PUT ", b"POST ")
+
+
+class LatencyProxy:
+    """Forward 127.0.0.1:<port> to `target`, sleeping `write_delay` before each write request."""
+
+    def __init__(self, target: tuple[str, int], write_delay: float):
+        self.target, self.write_delay = target, write_delay
+        self.delayed = 0
+        proxy = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                upstream = socket.create_connection(proxy.target)
+                client = self.request
+                done = threading.Event()
+
+                def back() -> None:
+                    try:
+                        while data := upstream.recv(1 << 16):
+                            client.sendall(data)
+                    except OSError:
+                        pass
+                    finally:
+                        done.set()
+                        try:
+                            client.shutdown(socket.SHUT_WR)
+                        except OSError:
+                            pass
+
+                threading.Thread(target=back, daemon=True).start()
+                try:
+                    while data := client.recv(1 << 16):
+                        if data.startswith(WRITES):
+                            proxy.delayed += 1
+                            time.sleep(proxy.write_delay)
+                        upstream.sendall(data)
+                except OSError:
+                    pass
+                finally:
+                    try:
+                        upstream.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass
+                    done.wait(5)
+                    upstream.close()
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="latency-proxy")
+
+    def start(self) -> LatencyProxy:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
