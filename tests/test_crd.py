@@ -205,32 +205,32 @@ def test_examples_cover_spot_gpus_and_a_judge() -> None:
 
 BAD = [
     ("regex-judge-without-pattern", with_spec(model={"task": "generate"}, judge={"type": "regex"}),
-     'spec.judge: Invalid value: "object": judge.type regex needs judge.pattern'),
+     'spec.judge: Invalid value: judge.type regex needs judge.pattern'),
     ("jsonschema-judge-without-schema", with_spec(model={"task": "chat"}, judge={"type": "jsonSchema"}),
-     'spec.judge: Invalid value: "object": judge.type jsonSchema needs judge.schema'),
+     'spec.judge: Invalid value: judge.type jsonSchema needs judge.schema'),
     ("llm-judge-without-prompt", with_spec(model={"task": "generate"}, judge={"type": "llm"}),
-     "spec.judge: Invalid value: \"object\": judge.type llm needs judge.prompt"),
+     "spec.judge: Invalid value: judge.type llm needs judge.prompt"),
     ("llm-judge-prompt-without-output", with_spec(model={"task": "generate"},
                                                   judge={"type": "llm", "prompt": "Is it good?"}),
-     "spec.judge: Invalid value: \"object\": judge.prompt must contain {output}"),
+     "spec.judge: Invalid value: judge.prompt must contain {output}"),
     ("judge-on-embeddings", with_spec(judge={"type": "regex", "pattern": "x"}),
-     "spec.judge: Invalid value: \"object\": judge needs a generate or chat task"),
+     "spec.judge: Invalid value: judge needs a generate or chat task"),
     ("judge-without-type", with_spec(model={"task": "generate"}, judge={"pattern": "x"}),
      "spec.judge.type: Required value"),
     ("sentence-transformers-generating", with_spec(model={"engine": "sentence-transformers", "task": "generate"}),
-     "spec.model: Invalid value: \"object\": engine sentence-transformers only supports task embed"),
+     "spec.model: Invalid value: engine sentence-transformers only supports task embed"),
     ("transformers-embedding", with_spec(model={"engine": "transformers", "task": "embed"}),
-     "spec.model: Invalid value: \"object\": engine transformers supports tasks generate and chat"),
+     "spec.model: Invalid value: engine transformers supports tasks generate and chat"),
     ("unknown-engine", with_spec(model={"engine": "tgi"}),
      'spec.model.engine: Unsupported value: "tgi": supported values: "echo", "sentence-transformers"'),
     ("hostpath-cache-without-path", with_spec(workers={"modelCache": {"type": "hostPath"}}),
-     'spec.workers.modelCache: Invalid value: "object": modelCache.type hostPath needs modelCache.path'),
+     'spec.workers.modelCache: Invalid value: modelCache.type hostPath needs modelCache.path'),
     ("pvc-cache-without-claim", with_spec(workers={"modelCache": {"type": "pvc", "claimName": ""}}),
-     'spec.workers.modelCache: Invalid value: "object": modelCache.type pvc needs modelCache.claimName'),
+     'spec.workers.modelCache: Invalid value: modelCache.type pvc needs modelCache.claimName'),
     ("http-input", with_spec(input={"uri": "https://example.com/in.jsonl"}),
-     'spec.input.uri: Invalid value: "string": must start with file:// or s3://'),
+     'spec.input.uri: Invalid value: "https://example.com/in.jsonl": must start with file:// or s3://'),
     ("s3-output-without-bucket", with_spec(output={"uri": "s3://"}),
-     'spec.output.uri: Invalid value: "string": must start with file:// or s3://'),
+     'spec.output.uri: Invalid value: "s3://": must start with file:// or s3://'),
     ("no-output", {**minimal(), "spec": {"input": {"uri": "file:///in"}}}, "spec.output: Required value"),
     ("zero-parallelism", with_spec(workers={"parallelism": 0}),
      "spec.workers.parallelism: Invalid value: 0: "
@@ -257,12 +257,12 @@ BAD = [
      "spec.workers.maxFailedIndexes: Invalid value: 100001: "),
     ("toleration-exists-with-value", with_spec(workers={"tolerations": [{"key": "a", "operator": "Exists",
                                                                          "value": "b"}]}),
-     'spec.workers.tolerations[0]: Invalid value: "object": a toleration with operator Exists must not have a value'),
+     'spec.workers.tolerations[0]: Invalid value: a toleration with operator Exists must not have a value'),
     ("toleration-without-key", with_spec(workers={"tolerations": [{"operator": "Equal", "value": "b"}]}),
-     'spec.workers.tolerations[0]: Invalid value: "object": a toleration without a key must use operator Exists'),
+     'spec.workers.tolerations[0]: Invalid value: a toleration without a key must use operator Exists'),
     ("toleration-seconds-without-noexecute", with_spec(workers={"tolerations": [
         {"key": "a", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}]}),
-     'spec.workers.tolerations[0]: Invalid value: "object": tolerationSeconds needs effect NoExecute'),
+     'spec.workers.tolerations[0]: Invalid value: tolerationSeconds needs effect NoExecute'),
     ("temperature-too-high", with_spec(model={"temperature": 2.5}),
      "spec.model.temperature: Invalid value: 2.5: spec.model.temperature in body should be less than or equal to 2"),
     ("gpu-memory-utilization-zero", with_spec(model={"vllm": {"gpuMemoryUtilization": 0}}),
@@ -273,9 +273,9 @@ BAD = [
      "spec.judge.maxRounds: Invalid value: 0:"),
     ("misspelled-field", with_spec(workers={"gpu": 1}), 'unknown field "spec.workers.gpu"'),
     ("name-too-long", {**minimal(), "metadata": {"name": "a" * 53}},
-     '<nil>: Invalid value: "object": metadata.name must be at most 52 characters'),
+     '<nil>: Invalid value: metadata.name must be at most 52 characters'),
     ("name-with-dots", {**minimal(), "metadata": {"name": "my.job"}},
-     '<nil>: Invalid value: "object": metadata.name must be lowercase letters'),
+     '<nil>: Invalid value: metadata.name must be lowercase letters'),
 ]
 
 
@@ -354,7 +354,7 @@ def test_cli_validate_lists_every_problem(tmp_path: Path, capsys: pytest.Capture
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f'{path}: BatchInferenceJob "job" is invalid:'
     assert out[1].startswith("  * spec.workers.parallelism: Invalid value: 0:")
-    assert out[2].startswith('  * spec.workers.modelCache: Invalid value: "object": modelCache.type pvc needs')
+    assert out[2].startswith('  * spec.workers.modelCache: Invalid value: modelCache.type pvc needs')
 
 
 def test_cli_validate_fails_on_a_file_without_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

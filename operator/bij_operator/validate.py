@@ -3,7 +3,8 @@
 The API server's verdict comes from the CRD (the copy packaged with bij_operator, generated from
 crds/batchinferencejobs.yaml): unknown fields, pruning of nulls, defaults, the openAPI schema and
 the CEL rules (x-kubernetes-validations, evaluated with cel-python). Messages have the API server's
-shape, e.g. ``spec.judge: Invalid value: "object": judge.type regex needs judge.pattern``.
+shape, e.g. ``spec.judge: Invalid value: judge.type regex needs judge.pattern`` (checked against a
+real kube-apiserver by tests/test_cluster.py).
 
 The operator parses what the API server stored (the defaulted object) with ``spec.parse_job``;
 anything the CRD lets through but the model rejects is reported too, since such a job would be
@@ -280,7 +281,9 @@ def _cel_errors(value: Any, schema: dict[str, Any], path: list[str | int], *, ro
                 detail = rule.get("message") or f"failed rule: {rule['rule']}"
             else:  # an evaluation error: the API server reports it, never lets it pass
                 detail = f"rule {rule['rule']!r} could not be evaluated: {result!s}"
-            problems.append(f'{where}: Invalid value: "{schema.get("type", "object")}": {detail}')
+            # The API server's wording: the value itself for a scalar, nothing for an object or list.
+            shown = "" if isinstance(value, (dict, list)) else f"{json.dumps(value)}: "
+            problems.append(f"{where}: Invalid value: {shown}{detail}")
     if isinstance(value, dict):
         props = schema.get("properties", {})
         addl = schema.get("additionalProperties")
