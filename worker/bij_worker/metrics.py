@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("bij.worker")
 
 
 @dataclass
@@ -87,7 +90,11 @@ class Metrics:
         self._idle_since: float | None = None
 
     def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+        """Serve /metrics on `port`; a port already taken costs the metrics, never the shard."""
+        try:
+            start_http_server(port, registry=self.registry)
+        except OSError as e:
+            log.warning("metrics: cannot listen on port %d (%s); this worker runs without /metrics", port, e)
 
     def engine_started(self) -> None:
         if self._idle_since is not None:
