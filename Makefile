@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench lint e2e sync-crd clean
+.PHONY: install demo test test-fast bench lint e2e sync-crd clean cluster-bin cluster-up cluster-down
 
 install: $(VENV)/.installed
 
@@ -20,7 +20,19 @@ demo: install
 	$(PY) examples/make_corpus.py examples/data/corpus.jsonl
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/bij run examples/local-embed.yaml
 
-test: install
+# The control plane the cluster tests run against, built from Kubernetes' own Go modules (the
+# first build takes 15-25 minutes, later ones seconds). Without Go the cluster tests are skipped,
+# except in CI, where they must run.
+cluster-bin:
+	@bash tests/cluster/build.sh || { [ "$$CI" != true ] && echo "make: no local control plane; tests/test_cluster.py will be skipped"; }
+
+cluster-up: install
+	PYTHONPATH=tests $(PY) -m cluster up
+
+cluster-down:
+	PYTHONPATH=tests $(PY) -m cluster down
+
+test: install cluster-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e" $(PYTEST_ARGS)
 
 test-fast: install

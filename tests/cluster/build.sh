@@ -15,20 +15,28 @@ fi
 mkdir -p "$out"
 cd "$here"
 stamp="$out/.built-from"
-want="$(cat go.mod go.sum | sha256sum | cut -d' ' -f1) $(go version)"
+want="$(cat go.mod go.sum build.sh | sha256sum | cut -d' ' -f1) $(go version)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] &&
    [[ -x "$out/etcd" && -x "$out/kube-apiserver" && -x "$out/kube-controller-manager" && -x "$out/kube-scheduler" && -x "$out/kubectl" ]]; then
   exit 0
 fi
 echo "bij cluster: building etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl into $out" >&2
 start=$SECONDS
-go build -ldflags="-s -w" -o "$out/" \
+# The version a release build stamps in (hack/lib/version.sh): clients and Helm read it.
+release="$(sed -n 's/^\s*k8s.io\/kubernetes \(v[0-9.]*\)$/\1/p' go.mod)"
+minor="$(echo "$release" | cut -d. -f2)"
+ldflags="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  ldflags+=" -X $pkg.gitVersion=$release -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+  ldflags+=" -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
+go build -ldflags="$ldflags" -o "$out/" \
   go.etcd.io/etcd/server/v3 \
   k8s.io/kubernetes/cmd/kube-apiserver \
   k8s.io/kubernetes/cmd/kube-controller-manager \
   k8s.io/kubernetes/cmd/kube-scheduler \
   k8s.io/kubernetes/cmd/kubectl
-# go build names the etcd main after its module path's last element ("v3").
-mv -f "$out/v3" "$out/etcd"
+# go build names etcd's main after the path element before its major version: "server".
+mv -f "$out/server" "$out/etcd"
 echo "$want" > "$stamp"
 echo "bij cluster: built in $((SECONDS - start)) s" >&2

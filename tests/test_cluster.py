@@ -1,0 +1,485 @@
+"""bij on a real control plane: etcd, kube-apiserver, kube-controller-manager and kube-scheduler
+built from Kubernetes' own modules (tests/cluster), the operator installed from charts/bij-operator
+with real Helm and running as a pod under the chart's ServiceAccount and RBAC, worker pods run by
+the process kubelet as local processes. Jobs, pods, garbage collection, evictions and scheduling
+are the real controllers' doing.
+
+Each test works in a namespace of its own; the cluster and the operator are shared by the session.
+Worker pods get test hooks through `spec.workers.env` (tests/cluster/podhooks): a file holds a
+shard at its n-th batch or makes its first pods exit with a code, so states are driven, not raced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from cluster import ClusterError, build
+from cluster.harness import OPERATOR_NAMESPACE, LocalCluster, wait_for
+from kubernetes.client import ApiException
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOKS = ROOT / "tests" / "cluster" / "podhooks"
+GROUP, VERSION, PLURAL = "batchinference.io", "v1alpha1", "batchinferencejobs"
+ROWS = 120
+
+
+@pytest.fixture(scope="session")
+def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    try:
+        build()
+    except ClusterError as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the control-plane tests: {e}")
+        pytest.skip(f"no local control plane: {e}")
+    state = tmp_path_factory.mktemp("cluster")
+    cluster = LocalCluster(state)
+    try:
+        cluster.start()
+        # Status writes every 0.3 s instead of 5 s, so tests see progress without waiting.
+        cluster.install_operator(values={"extraArgs": ["--status-interval", "0.3"]})
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@dataclass
+class Env:
+    """One test's namespace on the shared cluster, with its files and API clients."""
+
+    cluster: LocalCluster
+    ns: str
+    tmp: Path
+    gates: Path
+
+    @property
+    def api(self) -> kubernetes.client.ApiClient:
+        assert self.cluster.api is not None
+        return self.cluster.api
+
+    @property
+    def core(self) -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self.api)
+
+    @property
+    def batch(self) -> kubernetes.client.BatchV1Api:
+        return kubernetes.client.BatchV1Api(self.api)
+
+    @property
+    def custom(self) -> kubernetes.client.CustomObjectsApi:
+        return kubernetes.client.CustomObjectsApi(self.api)
+
+    def doc(self, name: str, **spec: Any) -> dict[str, Any]:
+        """A small echo job over this test's input, with the pod hooks switched on."""
+        pythonpath = os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)
+        body: dict[str, Any] = {
+            "input": {"uri": f"file://{self.tmp}/in"},
+            "output": {"uri": f"file://{self.tmp}/out-{name}", "compression": "none"},
+            "model": {"engine": "echo", "task": "generate"},
+            "sharding": {"targetShardBytes": 1024, "chunkRows": 8},
+            "workers": {"parallelism": 2, "backoffLimitPerIndex": 1, "terminationGracePeriodSeconds": 10,
+                        "env": {"PYTHONPATH": pythonpath, "BIJ_TEST_GATES": str(self.gates)}},
+        }
+        for key, value in spec.items():
+            if isinstance(value, dict) and isinstance(body.get(key), dict):
+                body[key] = {**body[key], **value}
+            else:
+                body[key] = value
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "BatchInferenceJob", "metadata": {"name": name},
+                "spec": body}
+
+    def create(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return dict(self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, doc))
+
+    def bij(self, name: str) -> dict[str, Any]:
+        return dict(self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name))
+
+    def status(self, name: str) -> dict[str, Any]:
+        return dict(self.bij(name).get("status") or {})
+
+    def wait_phase(self, name: str, phase: str, timeout: float = 120) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            st = self.status(name)
+            if st.get("phase") == phase:
+                return st
+            if st.get("phase") in ("Succeeded", "Failed") and phase not in ("Succeeded", "Failed"):
+                raise AssertionError(f"{name} ended {st.get('phase')} while waiting for {phase}: {st.get('message')}")
+            return None
+
+        try:
+            return wait_for(reached, timeout, f"bij {name} phase {phase}")
+        except (TimeoutError, AssertionError):
+            print(json.dumps(self.status(name), indent=1)[-4000:])
+            raise
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return [self.api.sanitize_for_serialization(j) for j in self.batch.list_namespaced_job(self.ns).items]
+
+    def job(self, name: str) -> dict[str, Any]:
+        return dict(self.api.sanitize_for_serialization(self.batch.read_namespaced_job(name, self.ns)))
+
+    def pods(self, job: str | None = None) -> list[dict[str, Any]]:
+        sel = f"batch.kubernetes.io/job-name={job}" if job else None
+        return [self.api.sanitize_for_serialization(p)
+                for p in self.core.list_namespaced_pod(self.ns, label_selector=sel).items]
+
+    def running_pod(self, job: str, index: int) -> dict[str, Any] | None:
+        for p in self.pods(job):
+            ann = p["metadata"].get("annotations") or {}
+            if (ann.get("batch.kubernetes.io/job-completion-index") == str(index)
+                    and p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")):
+                return p
+        return None
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        evs = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.name={name}").items
+        return [self.api.sanitize_for_serialization(e) for e in evs]
+
+    def reasons(self, name: str) -> list[str]:
+        return [e["reason"] for e in sorted(self.events(name), key=lambda e: e.get("firstTimestamp") or "")]
+
+    def gate(self, kind: str, job: str, index: int, value: str) -> Path:
+        path = self.gates / f"{kind}-{job}-{index}"
+        path.write_text(value)
+        return path
+
+    def computed(self, job: str) -> list[str]:
+        """Every row text the engine computed for `job`'s shards, recomputations included."""
+        return [line for p in sorted(self.gates.glob(f"computed-{job}-*")) for line in p.read_text().splitlines()]
+
+    def kubectl(self, *args: str) -> str:
+        return self.cluster.kubectl("-n", self.ns, *args).stdout
+
+
+def write_rows(folder: Path, n: int) -> list[Any]:
+    folder.mkdir(parents=True, exist_ok=True)
+    ids: list[Any] = [i if i % 3 else f"row-{i}" for i in range(n)]
+    with open(folder / "rows.jsonl", "w") as f:
+        for i, rid in enumerate(ids):
+            f.write(json.dumps({"id": rid, "text": f"row {i}: " + "lorem ipsum " * 3}) + "\n")
+    return ids
+
+
+def published(manifest: Path) -> list[dict[str, Any]]:
+    doc = json.loads(manifest.read_text())
+    rows: list[dict[str, Any]] = []
+    for f in doc["files"]:
+        with open(manifest.parent / f["path"]) as fh:
+            rows.extend(json.loads(line) for line in fh if line.strip())
+    return rows
+
+
+def assert_every_row_once(manifest: Path, ids: list[Any]) -> None:
+    rows = published(manifest)
+    got = [json.dumps(r["id"]) for r in rows]
+    assert sorted(got) == sorted(json.dumps(i) for i in ids)
+    assert all(r["output"].startswith("row ") for r in rows)
+
+
+def operator_log(cluster: LocalCluster) -> str:
+    return cluster.pod_logs(OPERATOR_NAMESPACE, "bij-")
+
+
+@pytest.fixture()
+def env(local_cluster: LocalCluster, tmp_path: Path) -> Iterator[Env]:
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    core = kubernetes.client.CoreV1Api(local_cluster.api)
+    core.create_namespace({"metadata": {"name": ns}})
+    # Round pods run as bij-worker; with watch.allNamespaces the chart creates it only where told.
+    wait_for(lambda: core.read_namespaced_service_account("default", ns), 30, "the namespace's default SA")
+    core.create_namespaced_service_account(ns, {"metadata": {"name": "bij-worker"}})
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    log_before = len(operator_log(local_cluster))
+    e = Env(local_cluster, ns, tmp_path, gates)
+    yield e
+    new_log = operator_log(local_cluster)[log_before:]
+    for gate in gates.glob("hold-*"):
+        gate.unlink()
+    try:
+        core.delete_namespace(ns)
+    except ApiException:
+        pass
+    # RBAC is what the API server enforces: the operator must never be refused anything.
+    forbidden = [line for line in new_log.splitlines() if "403" in line and "Forbidden" in line]
+    assert not forbidden, "the operator met a 403:\n" + "\n".join(forbidden[:5])
+
+
+def job_ids(env: Env, n: int = ROWS) -> list[Any]:
+    return write_rows(env.tmp / "in", n)
+
+
+# --- the chart, the CRD and admission -------------------------------------------------------------
+
+
+def test_the_chart_installs_and_the_operator_runs_as_a_pod_under_its_service_account(
+        local_cluster: LocalCluster) -> None:
+    ext = kubernetes.client.ApiextensionsV1Api(local_cluster.api)
+    crd = ext.read_custom_resource_definition("batchinferencejobs.batchinference.io")
+    conditions = {c.type: c.status for c in crd.status.conditions}
+    assert conditions["Established"] == "True" and conditions["NamesAccepted"] == "True"
+    pod = local_cluster.operator_pod()
+    sa = pod["spec"]["serviceAccountName"]
+    kubernetes.client.CoreV1Api(local_cluster.api).read_namespaced_service_account(sa, OPERATOR_NAMESPACE)
+    assert pod["spec"]["nodeName"] == "ondemand-cpu-0"  # spot GPU nodes are tainted
+    owner = pod["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "ReplicaSet"  # the real Deployment and ReplicaSet controllers made it
+    nodes = local_cluster.kubectl("get", "nodes", "-o", "name").stdout.split()
+    assert sorted(nodes) == ["node/gke-spot-gpu-0", "node/karpenter-spot-gpu-0", "node/ondemand-cpu-0"]
+
+
+def test_every_example_is_accepted_by_the_real_api_server(env: Env) -> None:
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc.get("kind") != "BatchInferenceJob":
+                continue
+            doc["spec"]["input"]["uri"] = f"file://{env.tmp}/in/"
+            doc["spec"]["output"]["uri"] = f"file://{env.tmp}/out/{path.stem}/"
+            doc["metadata"].pop("namespace", None)
+            stored = env.custom.create_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, doc, dry_run="All",
+                                                                field_validation="Strict")
+            assert stored["spec"]["workers"]["parallelism"] >= 1, path.name  # defaulted by the server
+
+
+def _server_verdict(env: Env, doc: dict[str, Any]) -> str | None:
+    try:
+        env.custom.create_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, doc, dry_run="All",
+                                                   field_validation="Strict")
+    except ApiException as e:
+        return str(json.loads(e.body).get("message"))
+    return None
+
+
+def test_every_bad_spec_is_refused_by_the_real_api_server_as_bij_validate_says(env: Env) -> None:
+    from bij_operator import validate
+    from test_crd import BAD
+
+    mismatches = []
+    for case, doc, expected in BAD:
+        server = _server_verdict(env, json.loads(json.dumps(doc)))
+        ours = validate.validate_document(doc)
+        if server is None:
+            mismatches.append(f"{case}: the API server accepted it; bij validate says {ours}")
+            continue
+        if expected not in server:
+            mismatches.append(f"{case}: the table expects {expected!r}; the API server says {server!r}")
+        for problem in ours:
+            if problem == validate.RULES_SKIPPED or problem.endswith("the BatchInferenceJob model does not)"):
+                continue
+            field = problem.split(": ", 1)[0]
+            if field not in server:
+                mismatches.append(f"{case}: bij validate names {field!r}, the API server does not: {server!r}")
+    assert not mismatches, "\n".join(mismatches)
+
+
+# --- a job, start to finish -----------------------------------------------------------------------
+
+
+def test_a_job_runs_to_succeeded_through_the_operator_pod(env: Env) -> None:
+    ids = job_ids(env)
+    env.gate("hold", "emb-r0", 0, "0")  # shard 0 waits at its first batch: the running state can be seen
+    env.create(env.doc("emb"))
+    running = wait_for(lambda: (lambda s: s if s.get("phase") == "Running" and s.get("shards", {}).get("total")
+                                and s["shards"]["done"] == s["shards"]["total"] - 1 else None)(env.status("emb")),
+                       120, "every shard but the held one done")
+    total = running["shards"]["total"]
+    assert total >= 3
+    line = env.kubectl("get", "bij", "emb", "--no-headers").split()
+    assert line[:4] == ["emb", "Running", "0", f"{total - 1}/{total}"]
+    assert 0 < int(line[4]) < ROWS
+    (job,) = env.jobs()
+    assert job["metadata"]["name"] == "emb-r0" and job["spec"]["completionMode"] == "Indexed"
+    assert job["metadata"]["ownerReferences"][0]["name"] == "emb"
+
+    (env.gates / "hold-emb-r0-0").unlink()
+    done = env.wait_phase("emb", "Succeeded")
+    line = env.kubectl("get", "bij", "emb", "--no-headers").split()
+    assert line[:5] == ["emb", "Succeeded", "0", f"{total}/{total}", str(ROWS)]
+    wide = env.kubectl("get", "bij", "emb", "-o", "wide", "--no-headers")
+    assert f"file://{env.tmp}/out-emb" in wide
+    assert done["manifestUri"] == f"file://{env.tmp}/out-emb/manifest.json"
+    assert_every_row_once(env.tmp / "out-emb" / "manifest.json", ids)
+    wait_for(lambda: "Published" in env.reasons("emb"), 30, "the Published event")
+    described = env.kubectl("describe", "bij", "emb")
+    for reason in ("RoundStarted", "RoundFinished", "Published"):
+        assert reason in described
+    # The Job controller itself said the round is complete.
+    assert any(c["type"] == "Complete" and c["status"] == "True" for c in env.job("emb-r0")["status"]["conditions"])
+
+
+# --- spot: preemption is not a failure ------------------------------------------------------------
+
+
+def _hold_then_wait_running(env: Env, name: str, index: int, after: int) -> dict[str, Any]:
+    return wait_for(lambda: env.running_pod(f"{name}-r0", index) if len(
+        (env.gates / f"computed-{name}-r0-{index}").read_text().splitlines()
+        if (env.gates / f"computed-{name}-r0-{index}").exists() else []) >= after else None,
+        120, f"{name} shard {index} running with {after} rows computed")
+
+
+def test_an_evicted_worker_pod_is_not_a_failure_and_its_shard_resumes(env: Env) -> None:
+    ids = job_ids(env)
+    # One shard of all rows, 8-row chunks: hold it after two chunks, so two are durable.
+    spec = {"sharding": {"targetShardBytes": 1 << 20, "chunkRows": 8}}
+    env.gate("hold", "evict-r0", 0, "2")
+    env.create(env.doc("evict", **spec))
+    pod = _hold_then_wait_running(env, "evict", 0, after=16)
+    body = kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=pod["metadata"]["name"],
+                                                                                 namespace=env.ns))
+    env.core.create_namespaced_pod_eviction(pod["metadata"]["name"], env.ns, body)
+    (env.gates / "hold-evict-r0-0").unlink()
+    done = env.wait_phase("evict", "Succeeded")
+    assert done["rows"]["done"] == ROWS
+    job = env.job("evict-r0")
+    assert job["status"].get("failed", 0) == 0  # DisruptionTarget: Ignore, not counted
+    assert len(env.jobs()) == 1
+    started = (env.gates / "started-evict-r0-0").read_text().splitlines()
+    assert len(started) == 2  # the evicted pod and its replacement
+    assert_every_row_once(env.tmp / "out-evict" / "manifest.json", ids)
+    computed = env.computed("evict-r0")
+    assert len(computed) - ROWS <= 2 * 8, "the eviction cost more than the chunk in flight"
+
+
+@pytest.mark.slow
+def test_a_node_deleted_under_running_pods_costs_only_its_chunks(env: Env) -> None:
+    ids = job_ids(env)
+    spec = {"sharding": {"targetShardBytes": 1 << 20, "chunkRows": 8}, "workers": {
+        **env.doc("x")["spec"]["workers"], "gpus": 1, "spot": True, "spotProvider": "gke", "parallelism": 1}}
+    env.gate("hold", "node-r0", 0, "2")
+    env.create(env.doc("node", **spec))
+    pod = _hold_then_wait_running(env, "node", 0, after=16)
+    assert pod["spec"]["nodeName"] == "gke-spot-gpu-0"
+    assert env.cluster.kubelet is not None
+    env.cluster.kubelet.kill_node("gke-spot-gpu-0")
+    env.core.delete_node("gke-spot-gpu-0")
+    (env.gates / "hold-node-r0-0").unlink()
+
+    def collected() -> bool:
+        # The pod garbage collector fails a pod whose node is gone (DisruptionTarget), after a
+        # 40 s quarantine, and deletes it.
+        try:
+            p = env.core.read_namespaced_pod(pod["metadata"]["name"], env.ns)
+        except ApiException as e:
+            return e.status == 404
+        return any(c.type == "DisruptionTarget" for c in p.status.conditions or [])
+
+    try:
+        wait_for(collected, 180, "the pod garbage collector to fail the orphaned pod")
+    finally:
+        # The node comes back (a new spot VM of the same pool); the replacement pod lands there.
+        env.cluster.kubelet.revive_node("gke-spot-gpu-0")
+    done = env.wait_phase("node", "Succeeded", timeout=180)
+    assert env.job("node-r0")["status"].get("failed", 0) == 0
+    assert done["rows"]["done"] == ROWS
+    assert_every_row_once(env.tmp / "out-node" / "manifest.json", ids)
+    assert len(env.computed("node-r0")) - ROWS <= 2 * 8
+
+
+# --- failures -------------------------------------------------------------------------------------
+
+
+def test_exit_42_fails_the_job_through_its_pod_failure_policy_and_the_bij_says_why(env: Env) -> None:
+    job_ids(env)
+    env.gate("exit", "cfg-r0", 1, "42 1")
+    env.create(env.doc("cfg"))
+    failed = env.wait_phase("cfg", "Failed")
+    job = env.job("cfg-r0")
+    cond = {c["type"]: c for c in job["status"]["conditions"]}
+    assert cond["Failed"]["reason"] == "PodFailurePolicy"
+    bij_failed = {c["type"]: c for c in failed["conditions"]}["Failed"]
+    assert bij_failed["status"] == "True" and bij_failed["reason"] == "PodFailurePolicy"
+    assert "shard 1" in bij_failed["message"]
+    assert len((env.gates / "started-cfg-r0-1").read_text().splitlines()) == 1  # no retry can help
+    assert not (env.tmp / "out-cfg" / "manifest.json").exists()
+
+
+def test_per_index_failures_use_up_backoff_limit_per_index_then_fail_the_bij(env: Env) -> None:
+    job_ids(env)
+    env.gate("exit", "flaky-r0", 0, "1 5")
+    env.gate("exit", "flaky-r0", 2, "1 1")  # fails once, then succeeds on its retry
+    env.create(env.doc("flaky"))
+    failed = env.wait_phase("flaky", "Failed", timeout=180)
+    job = env.job("flaky-r0")
+    assert job["status"]["failedIndexes"] == "0"
+    assert "2" in job["status"]["completedIndexes"].replace("-", ",").split(",") or \
+        job["status"]["completedIndexes"].startswith("1-")
+    assert len((env.gates / "started-flaky-r0-0").read_text().splitlines()) == 2  # backoffLimitPerIndex 1
+    assert len((env.gates / "started-flaky-r0-2").read_text().splitlines()) == 2
+    cond = {c["type"]: c for c in failed["conditions"]}["Failed"]
+    assert cond["reason"] == "FailedIndexes" and "shard 0" in cond["message"]
+
+
+# --- the operator itself ----------------------------------------------------------------------------
+
+
+def test_the_operator_pod_deleted_mid_round_is_replaced_and_finishes_with_one_job(env: Env) -> None:
+    ids = job_ids(env)
+    env.gate("hold", "opk-r0", 0, "0")
+    env.create(env.doc("opk"))
+    wait_for(lambda: env.running_pod("opk-r0", 0), 120, "shard 0 running")
+    old = env.cluster.operator_pod()
+    env.core.delete_namespaced_pod(old["metadata"]["name"], OPERATOR_NAMESPACE)
+    new = env.cluster.operator_pod(timeout=120, not_uid=old["metadata"]["uid"])
+    assert new["metadata"]["name"] != old["metadata"]["name"]
+    (env.gates / "hold-opk-r0-0").unlink()
+    env.wait_phase("opk", "Succeeded")
+    assert [j["metadata"]["name"] for j in env.jobs()] == ["opk-r0"]
+    assert_every_row_once(env.tmp / "out-opk" / "manifest.json", ids)
+
+
+def test_judge_rounds_run_one_job_per_round(env: Env) -> None:
+    job_ids(env)
+    judge = {"type": "regex", "pattern": r"^row \d*[02468]:", "strategy": "rounds", "maxRounds": 2}
+    env.create(env.doc("judged", model={"engine": "echo", "task": "generate"}, judge=judge))
+    done = env.wait_phase("judged", "Succeeded", timeout=180)
+    assert sorted(j["metadata"]["name"] for j in env.jobs()) == ["judged-r0", "judged-r1"]
+    r0, r1 = done["rounds"]
+    assert (r0["rowsIn"], r0["approved"], r0["rejected"]) == (ROWS, ROWS // 2, ROWS // 2)
+    assert (r1["rowsIn"], r1["capped"]) == (ROWS // 2, ROWS // 2)
+
+
+def test_spot_pods_land_only_on_the_providers_spot_nodes_and_gpu_requests_fit(env: Env) -> None:
+    job_ids(env)
+    workers = {**env.doc("x")["spec"]["workers"], "gpus": 1, "spot": True, "spotProvider": "gke", "parallelism": 4}
+    env.gate("hold", "spot-r0", 0, "0")
+    env.gate("hold", "spot-r0", 1, "0")
+    env.create(env.doc("spot", workers=workers))
+    wait_for(lambda: env.running_pod("spot-r0", 0) and env.running_pod("spot-r0", 1), 120, "two spot pods running")
+    pods = [p for p in env.pods("spot-r0") if p["status"].get("phase") in ("Pending", "Running")]
+    placed = [p for p in pods if p["spec"].get("nodeName")]
+    assert {p["spec"]["nodeName"] for p in placed} == {"gke-spot-gpu-0"}
+    # The node has 2 GPUs: with both held pods on it, the scheduler keeps the other two pending.
+    pending = wait_for(lambda: [p for p in env.pods("spot-r0") if p["status"].get("phase") == "Pending"
+                                and any(c.get("reason") == "Unschedulable"
+                                        for c in p["status"].get("conditions") or [])] or None,
+                       60, "pods the scheduler could not place")
+    message = next(c["message"] for c in pending[0]["status"]["conditions"] if c.get("reason") == "Unschedulable")
+    assert "nvidia.com/gpu" in message
+    for i in (0, 1):
+        (env.gates / f"hold-spot-r0-{i}").unlink()
+    env.wait_phase("spot", "Succeeded", timeout=180)
+    nodes = {p["spec"]["nodeName"] for p in env.pods("spot-r0")}
+    assert nodes == {"gke-spot-gpu-0"}
+
+
+def test_deleting_the_bij_removes_its_jobs_and_pods_through_the_garbage_collector(env: Env) -> None:
+    ids = job_ids(env)
+    env.create(env.doc("gone"))
+    env.wait_phase("gone", "Succeeded")
+    assert env.jobs() and env.pods()
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "gone")
+    wait_for(lambda: not env.jobs() and not env.pods() or None, 60, "the Job and its pods collected")
+    assert_every_row_once(env.tmp / "out-gone" / "manifest.json", ids)
+    time.sleep(1)
+    assert env.jobs() == []  # and the operator does not bring anything back
