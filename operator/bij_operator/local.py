@@ -215,7 +215,7 @@ class LocalRunner:
                     print(f"bij: {e}", file=sys.stderr)
                     return 2
                 print(f"bij: {self.job.metadata.name}: round {round_no}, {plan.shard_count} shards, "
-                      f"{plan.total_bytes:,} bytes in {plan.objects} objects", file=sys.stderr)
+                      f"{plan.total_bytes:,} {plan.unit} in {plan.objects} objects", file=sys.stderr)
                 ok, msg = self.run_round(round_no, plan)
                 if not ok:
                     print(f"bij: {msg}", file=sys.stderr)

@@ -4,8 +4,10 @@ Planning never reads rows: it is O(number of objects). A shard is a list of
 pieces ``[object index, start, end)``. A plain JSONL piece owns every line whose
 first byte lies in ``[start, end)`` — the reader aligns to line starts — so byte
 ranges can be cut anywhere and no line is read twice or lost. A `.zst` object
-cannot be entered mid-stream, so it is always one whole piece. Small objects
-share a shard until it reaches `targetShardBytes`.
+cannot be entered mid-stream, so it is always one whole piece. A Parquet
+object is cut between row groups, whose sizes come from its footer (one ranged
+read at its end); its pieces are ``[object index, first group, end group)``.
+Small objects share a shard until it reaches `targetShardBytes`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
+from bij_worker.parquet import Footer, read_footer
 from bij_worker.storage import ObjectInfo, StorageError, open_storage
 
 from . import layout
@@ -36,26 +40,57 @@ class RoundPlan:
     manifest_uri: str
     shard_count: int
     objects: int
+    # The round's size in the unit workers report progress in: bytes, or rows for Parquet objects.
     total_bytes: int
+    unit: str = "bytes"
+
+
+def _round_plan(uri: str, doc: dict[str, Any]) -> RoundPlan:
+    objects = doc["objects"]
+    if any("rowGroups" in o for o in objects):
+        return RoundPlan(uri, len(doc["shards"]), len(objects),
+                         sum(sum(o.get("rowGroups", [])) for o in objects), "rows")
+    return RoundPlan(uri, len(doc["shards"]), len(objects), sum(o["size"] for o in objects))
 
 
 def is_compressed(uri: str) -> bool:
     return uri.endswith(".zst")
 
 
-def input_objects(objects: list[ObjectInfo]) -> list[ObjectInfo]:
-    """The objects that are input rows: JSONL files, plain or zstd; empty ones skipped."""
-    return [o for o in objects if o.uri.endswith(INPUT_SUFFIXES) and o.size > 0
+def input_objects(objects: list[ObjectInfo], parquet: bool = False) -> list[ObjectInfo]:
+    """The objects that are input rows: JSONL files, plain or zstd (or Parquet files); empty ones skipped."""
+    suffixes = (PARQUET_SUFFIX,) if parquet else INPUT_SUFFIXES
+    return [o for o in objects if o.uri.endswith(suffixes) and o.size > 0
             and not o.uri.rsplit("/", 1)[-1].startswith((".", "_"))]
 
 
-def plan_shards(sizes: list[tuple[int, bool]], target_bytes: int) -> list[list[Piece]]:
-    """Shards for objects given as (size, compressed), in object order. Pure and O(objects + shards)."""
+def plan_shards(sizes: list[tuple[int, bool]], target_bytes: int,
+                groups: dict[int, list[int]] | None = None) -> list[list[Piece]]:
+    """Shards for objects given as (size, compressed), in object order. Pure and O(objects + shards).
+
+    An object in `groups` (Parquet: the compressed bytes of each row group) is cut between
+    row groups, and its pieces are ``[object, first group, end group)``.
+    """
     shards: list[list[Piece]] = []
     current: list[Piece] = []
     fill = 0
     for idx, (size, compressed) in enumerate(sizes):
         if size <= 0:
+            continue
+        if groups is not None and idx in groups:
+            start = 0
+            for g, group_bytes in enumerate(groups[idx]):
+                if fill > 0 and fill + group_bytes > target_bytes:
+                    if g > start:
+                        current.append((idx, start, g))
+                    shards.append(current)
+                    current, fill, start = [], 0, g
+                fill += group_bytes
+            if len(groups[idx]) > start:
+                current.append((idx, start, len(groups[idx])))
+            if fill >= target_bytes:
+                shards.append(current)
+                current, fill = [], 0
             continue
         if compressed:
             if current and fill + size > target_bytes:
@@ -99,12 +134,37 @@ def round_inputs(job: BatchInferenceJob, round_no: int) -> str:
     return layout.join(layout.round_prefix(job, round_no - 1), "rejected") + "/"
 
 
+def is_parquet_round(job: BatchInferenceJob, round_no: int) -> bool:
+    """Round 0 of a Parquet job reads Parquet; later rounds read the JSONL rows a judge rejected."""
+    return round_no == 0 and job.spec.input.format == "parquet"
+
+
+def read_footers(job: BatchInferenceJob, objects: list[ObjectInfo]) -> dict[int, Footer]:
+    """Each Parquet object's footer (a ranged read at its end, no row read), checked for the
+    columns the spec names: a missing text column is a planning error that names the field."""
+    inp = job.spec.input
+    footers: dict[int, Footer] = {}
+    for i, o in enumerate(objects):
+        try:
+            footer = read_footer(open_storage(o.uri, job.spec.storage.s3), o.uri, o.size)
+        except (OSError, ValueError) as e:  # pyarrow: ArrowInvalid is a ValueError, a bad footer
+            raise PlanError(f"spec.input.uri: {o.uri} is not a readable Parquet file: {e}") from None
+        wanted = [inp.text_field] + ([inp.messages_field] if inp.messages_field else [])
+        if not any(c in footer.columns for c in wanted):
+            field = "spec.input.textField" + (" / spec.input.messagesField" if inp.messages_field else "")
+            raise PlanError(f"{field}: {o.uri} has no column {' or '.join(map(repr, wanted))} "
+                            f"(its columns: {', '.join(footer.columns)})")
+        footers[i] = footer
+    return footers
+
+
 def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo], input_uri: str,
-               mode: RoundMode | None = None) -> dict[str, Any]:
-    """The round plan document (shards.json) for these input objects."""
+               mode: RoundMode | None = None, footers: dict[int, Footer] | None = None) -> dict[str, Any]:
+    """The round plan document (shards.json) for these input objects (with Parquet footers, if any)."""
     mode = mode or round_mode(job.spec.judge, [])
     sizes = [(o.size, is_compressed(o.uri)) for o in objects]
-    shards = plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes)))
+    groups = {i: f.group_bytes for i, f in footers.items()} if footers else None
+    shards = plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes)), groups)
     base = input_uri if input_uri.endswith("/") else input_uri.rsplit("/", 1)[0] + "/"
     return {
         "version": PLAN_VERSION,
@@ -115,8 +175,9 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
         "judgeMode": mode.as_plan(),
         "job": job_to_dict(job),
         "objects": [
-            {"uri": o.uri, "size": o.size, "name": o.uri[len(base):] if o.uri.startswith(base) else o.uri}
-            for o in objects
+            {"uri": o.uri, "size": o.size, "name": o.uri[len(base):] if o.uri.startswith(base) else o.uri,
+             **({"rowGroups": footers[i].group_rows} if footers and i in footers else {})}
+            for i, o in enumerate(objects)
         ],
         "shards": [[list(p) for p in s] for s in shards],
     }
@@ -127,28 +188,29 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
     uri = layout.round_manifest_uri(job, round_no)
     store = open_storage(uri, job.spec.storage.s3)
     if store.exists(uri):
-        doc = json.loads(store.read_bytes(uri))
-        return RoundPlan(uri, len(doc["shards"]), len(doc["objects"]), sum(o["size"] for o in doc["objects"]))
+        return _round_plan(uri, json.loads(store.read_bytes(uri)))
     input_uri = round_inputs(job, round_no)
     in_store = open_storage(input_uri, job.spec.storage.s3)
+    parquet = is_parquet_round(job, round_no)
     try:
-        objects = input_objects(in_store.list(input_uri))
+        objects = input_objects(in_store.list(input_uri), parquet)
     except StorageError as e:
         raise PlanError(f"spec.input.uri: cannot list {input_uri}: {e}") from None
     if not objects and round_no == 0:
-        raise PlanError(
-            f"spec.input.uri: no input at {input_uri} (looked for non-empty {', '.join(INPUT_SUFFIXES)} files)"
-        )
+        looked = PARQUET_SUFFIX if parquet else ", ".join(INPUT_SUFFIXES)
+        raise PlanError(f"spec.input.uri: no input at {input_uri} (looked for non-empty {looked} files)")
+    footers = read_footers(job, objects) if parquet else None
     # A judge round's mode depends on how the rounds before it went.
     mode = round_mode(job.spec.judge, round_history(job, round_no) if round_no else [])
-    doc = build_plan(job, round_no, objects, input_uri, mode)
+    doc = build_plan(job, round_no, objects, input_uri, mode, footers)
     store.write_bytes(uri, json.dumps(doc, separators=(",", ":")).encode())
-    return RoundPlan(uri, len(doc["shards"]), len(objects), sum(o.size for o in objects))
+    return _round_plan(uri, doc)
 
 
 def plan_shards_for(job: BatchInferenceJob, round_no: int = 0) -> int:
     """How many shards a round would have, without writing anything (for `bij render`)."""
     input_uri = round_inputs(job, round_no)
-    objects = input_objects(open_storage(input_uri, job.spec.storage.s3).list(input_uri))
-    sizes = [(o.size, is_compressed(o.uri)) for o in objects]
-    return len(plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes))))
+    parquet = is_parquet_round(job, round_no)
+    objects = input_objects(open_storage(input_uri, job.spec.storage.s3).list(input_uri), parquet)
+    footers = read_footers(job, objects) if parquet else None
+    return len(build_plan(job, round_no, objects, input_uri, footers=footers)["shards"])

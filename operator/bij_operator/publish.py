@@ -18,6 +18,8 @@ from typing import Any
 
 import zstandard
 from bij_worker.inputs import id_key, row_id, row_usage
+from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
+from bij_worker.parquet import encode_results, id_kind
 from bij_worker.segments import ShardLog, encode_records
 from bij_worker.storage import NotFound, Storage, open_storage
 from bij_worker.worker import done_uri, shard_prefix
@@ -87,12 +89,25 @@ def _encode(rows: list[dict[str, Any]], compression: str) -> bytes:
 
 
 def _write_file(store: Storage, job: BatchInferenceJob, folder: str, name: str,
-                rows: list[dict[str, Any]]) -> dict[str, Any]:
+                rows: list[dict[str, Any]], ids: str | None = None) -> dict[str, Any]:
+    """One published file; `ids` (the job's id kind) asks for Parquet (result files only)."""
     compression = job.spec.output.compression
-    path = f"{folder}/{name}.jsonl" + (".zst" if compression == "zstd" else "")
-    data = _encode(rows, compression)
+    if ids is not None:
+        path = f"{folder}/{name}{PARQUET_SUFFIX}"
+        data = encode_results(rows, job.spec.model.task, ids, job.spec.judge is not None, compression)
+    else:
+        path = f"{folder}/{name}.jsonl" + (".zst" if compression == "zstd" else "")
+        data = _encode(rows, compression)
     store.write_bytes(layout.join(job.spec.output.uri, path), data)
     return {"path": path, "rows": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def result_id_kind(done_records: list[dict[str, Any]]) -> str:
+    """'int', 'str' or 'mixed': the Parquet `id` column's type for the whole job, from the workers'
+    counts of integer and string ids (a record without them counts as mixed)."""
+    if any("intIds" not in rec or "strIds" not in rec for rec in done_records):
+        return id_kind(None, None)
+    return id_kind(sum(int(rec["intIds"]) for rec in done_records), sum(int(rec["strIds"]) for rec in done_records))
 
 
 def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
@@ -105,15 +120,18 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
     store = open_storage(out_uri, job.spec.storage.s3)
     seen: set[str] = set()
     t = _Totals()
-    for r in range(rounds):
-        plan = load_round_plan(store, job, r)
-        names = [o.get("name") or o["uri"] for o in plan["objects"]]
-        round_rows = round_errors = 0
+    plans = [load_round_plan(store, job, r) for r in range(rounds)]
+    for r, plan in enumerate(plans):  # every completion record first: O(shards), and the id kind needs them all
         for index in range(len(plan["shards"])):
             try:
                 t.add_done(json.loads(store.read_bytes(done_uri(plan, index))))
             except NotFound:
                 raise PublishError(f"round {r} shard {index} has not finished") from None
+    ids = result_id_kind(t.done_records) if job.spec.output.format == "parquet" else None
+    for r, plan in enumerate(plans):
+        names = [o.get("name") or o["uri"] for o in plan["objects"]]
+        round_rows = round_errors = 0
+        for index in range(len(plan["shards"])):
             records = ShardLog(store, shard_prefix(plan, index)).read(repair=False).records
             records.sort(key=lambda rec: (rec["at"][0], rec["at"][1]))  # input order, whoever wrote them
             results: list[dict[str, Any]] = []
@@ -146,7 +164,8 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
                     seen.add(key)
             name = f"r{r}-{index:05d}"
             if results:
-                t.files.append({**_write_file(store, job, "results", name, results), "round": r, "shard": index})
+                t.files.append({**_write_file(store, job, "results", name, results, ids), "round": r,
+                                "shard": index})
             if errors:
                 t.error_files.append({**_write_file(store, job, "errors", name, errors), "round": r,
                                       "shard": index})
@@ -179,7 +198,8 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
         "kind": "BatchInferenceJobManifest",
         "job": {"name": job.metadata.name, "namespace": job.metadata.namespace, "id": job.job_id},
         "outputUri": out_uri,
-        "format": "openai" if job.spec.input.format == "openai" else "jsonl",
+        # What the result files hold: JSON lines (plain or OpenAI batch output) or Parquet.
+        "format": "openai" if job.spec.input.format == "openai" else job.spec.output.format,
         "compression": job.spec.output.compression,
         "model": {"engine": job.spec.model.engine, "name": job.spec.model.name, "task": job.spec.model.task},
         "files": t.files,

@@ -30,7 +30,10 @@ QUANTITY_PATTERN = (
 )
 
 
-# The CRD's rule says the same (crds/batchinferencejobs.yaml).
+# The CRD's rules say the same (crds/batchinferencejobs.yaml).
+PARQUET_NOT_OPENAI = (
+    "output.format parquet needs input.format jsonl or parquet: OpenAI batch output is JSON lines by definition"
+)
 GPUS_FOR_VLLM = (
     "workers.gpus must be at least model.vllm.tensorParallelSize x model.vllm.pipelineParallelSize "
     "with model.engine vllm (leave workers.gpus unset for exactly that many)"
@@ -67,7 +70,7 @@ class StorageSpec(_Model):
 
 class InputSpec(_Model):
     uri: str
-    format: Literal["jsonl", "openai"] = "jsonl"
+    format: Literal["jsonl", "openai", "parquet"] = "jsonl"
     id_field: str = "id"
     text_field: str = "text"
     messages_field: str | None = None
@@ -80,6 +83,8 @@ class InputSpec(_Model):
 
 class OutputSpec(_Model):
     uri: str
+    # Result files: JSON lines, or Parquet (error and capped files stay JSON lines).
+    format: Literal["jsonl", "parquet"] = "jsonl"
     compression: Literal["zstd", "none"] = "zstd"
 
     @field_validator("uri")
@@ -275,6 +280,8 @@ class JobSpec(_Model):
     def _cross_field(self) -> JobSpec:
         if self.judge is not None and self.model.task == "embed":
             raise ValueError("judge needs a generate or chat task: embeddings have no text to judge")
+        if self.output.format == "parquet" and self.input.format == "openai":
+            raise ValueError(PARQUET_NOT_OPENAI)
         if self.model.engine == "vllm" and self.workers.gpus is not None and self.workers.gpus < self.model.vllm.gpus:
             raise ValueError(GPUS_FOR_VLLM)
         return self

@@ -77,6 +77,11 @@ class InputOptions:
         )
 
 
+def parquet_columns(opts: InputOptions) -> list[str]:
+    """The columns a Parquet input is read for: id, text and chat messages."""
+    return [c for c in (opts.id_field, opts.text_field, opts.messages_field) if c]
+
+
 def truncates(model: dict[str, Any]) -> bool:
     """spec.model.truncate, or its default: true for embed (as SentenceTransformer.encode), else false."""
     value = model.get("truncate")

@@ -4,6 +4,7 @@ A piece ``[start, end)`` of a plain object owns the lines whose first byte lies
 in it: reading starts one byte early and drops the partial line, and stops at
 the first line that starts at or after `end`. Compressed objects are read from
 their beginning. Resuming starts at the cursor (always a line start) instead.
+Parquet pieces are row groups; their rows come as JSON lines (see parquet.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import zstandard
 
+from .parquet import iter_parquet_piece
 from .storage import Storage, iter_lines
 
 Line = tuple[tuple[int, int, int], bytes]  # ((object, offset, end), line)
@@ -48,14 +50,23 @@ def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: in
 
 
 def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, Any]], pieces: list[list[int]],
-               cursor: tuple[int, int] = (-1, -1)) -> Iterator[Line]:
-    """All lines of a shard in input order, skipping what lies before the durable cursor."""
+               cursor: tuple[int, int] = (-1, -1), columns: list[str] | None = None) -> Iterator[Line]:
+    """All lines of a shard in input order, skipping what lies before the durable cursor.
+
+    A Parquet object (one with `rowGroups` in the plan) yields its rows as JSON lines of
+    `columns`, each placed at (object, row number, row number + 1).
+    """
     for obj, start, end in pieces:
         if obj < cursor[0]:
             continue
         resume_at = cursor[1] if obj == cursor[0] else -1
         info = objects[obj]
         uri = info["uri"]
+        if "rowGroups" in info:
+            for row, line in iter_parquet_piece(storage_for(uri), uri, int(info["size"]), info["rowGroups"],
+                                                start, end, columns or [], resume_at):
+                yield (obj, row, row + 1), line
+            continue
         for (_, off, stop), line in iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at):
             if line.strip():
                 yield (obj, off, stop), line.rstrip(b"\r")

@@ -33,7 +33,17 @@ from typing import Any
 from .batcher import PrefixShare, cut_batches, plan_batches, run_order
 from .commits import CommitWriter
 from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
-from .inputs import InputOptions, Row, error_row, parse_line, redispatch_line, result_row, row_id, row_usage
+from .inputs import (
+    InputOptions,
+    Row,
+    error_row,
+    parquet_columns,
+    parse_line,
+    redispatch_line,
+    result_row,
+    row_id,
+    row_usage,
+)
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
 from .reader import Chunk, Prefetcher, iter_shard
@@ -278,7 +288,7 @@ class ShardWorker:
         if pending and not self._resume_attempts(pending):
             return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
 
-        lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor)
+        lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor, parquet_columns(self.opts))
         prefetch = Prefetcher(lines, self.chunk_rows, self.depth)
         self.metrics.engine_stopped()
         steps0, occupied0 = getattr(self.engine, "steps", 0), getattr(self.engine, "occupied", 0)
