@@ -323,6 +323,34 @@ def test_service_monitor_scrapes_the_operator_metrics_port(chart: helm.Chart) ->
     assert container_ports[port["targetPort"]] == port["port"] == 9401
 
 
+def test_grafana_dashboard_is_off_by_default_and_a_labelled_configmap_when_on(chart: helm.Chart) -> None:
+    import json
+    import re
+
+    from bij_worker.metrics import Metrics
+
+    assert not [o for o in render(chart) if o["kind"] == "ConfigMap"]
+    values = {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "Batch"}}}
+    cm = one(render(chart, values), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == NAMESPACE and cm["metadata"]["annotations"] == {"grafana_folder": "Batch"}
+    dashboard = json.loads(cm["data"]["bij.json"])
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert titles == {"Rows per second", "Tokens per second", "Engine busy fraction", "Batch size (rows)",
+                      "Prefetch queue depth", "Model load time", "Error rows by code"}
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert all("by (bij" in e and 'bij=~"$bij"' in e for e in exprs)
+    # Every series the dashboard asks for is one the worker exports (names cannot drift apart).
+    metrics = Metrics()
+    metrics.row_errors.labels("invalid_json")  # a labelled series exists once it has a child
+    exported = {s.name for m in metrics.registry.collect() for s in m.samples}
+    asked = {name for e in exprs for name in re.findall(r"\b(bij_[a-z_]+)\{", e)}
+    assert asked and asked <= exported, asked - exported
+    other = one(render(chart, {"grafanaDashboard": {"enabled": True, "label": "dash", "labelValue": "yes",
+                                                    "namespace": "monitoring"}}), "ConfigMap")
+    assert other["metadata"]["labels"]["dash"] == "yes" and other["metadata"]["namespace"] == "monitoring"
+
+
 def test_notes_name_the_worker_namespaces(chart: helm.Chart) -> None:
     notes = chart.render(NON_DEFAULT, name="bij", namespace=NAMESPACE)["bij-operator/templates/NOTES.txt"]
     assert "BatchInferenceJobs in: team-a, team-b." in notes

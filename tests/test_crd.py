@@ -238,15 +238,15 @@ BAD = [
     ("too-many-gpus", with_spec(workers={"gpus": 65}),
      "spec.workers.gpus: Invalid value: 65: spec.workers.gpus in body should be less than or equal to 64"),
     ("vllm-without-gpus", with_spec(model={"engine": "vllm", "name": "m"}, workers={"gpus": 0}),
-     'spec.workers.gpus: Invalid value: "object": workers.gpus must be at least model.vllm.tensorParallelSize '
+     'spec.workers.gpus: Invalid value: workers.gpus must be at least model.vllm.tensorParallelSize '
      "x model.vllm.pipelineParallelSize with model.engine vllm"),
     ("vllm-fewer-gpus-than-it-spans", with_spec(model={"engine": "vllm", "name": "m",
                                                        "vllm": {"tensorParallelSize": 2, "pipelineParallelSize": 2}},
                                                 workers={"gpus": 2}),
-     'spec.workers.gpus: Invalid value: "object": workers.gpus must be at least'),
+     'spec.workers.gpus: Invalid value: workers.gpus must be at least'),
     ("parquet-from-openai-lines", with_spec(input={"uri": "file:///in", "format": "openai"},
                                             output={"uri": "file:///out", "format": "parquet"}),
-     'spec.output.format: Invalid value: "object": output.format parquet needs input.format jsonl or parquet'),
+     'spec.output.format: Invalid value: output.format parquet needs input.format jsonl or parquet'),
     ("price-as-words", with_spec(workers={"pricePerHour": "two dollars"}),
      'spec.workers.pricePerHour: Invalid value: "string": spec.workers.pricePerHour in body must be of type number'),
     ("negative-price", with_spec(workers={"pricePerHour": -1}),

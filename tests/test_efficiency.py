@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from bij_operator.efficiency import cost, efficiency, eta_seconds, fmt_duration, status_fields
+from bij_operator.efficiency import cost, efficiency, eta_seconds, fmt_duration, fmt_money, status_fields
 from bij_operator.publish import publish
 from bij_operator.spec import SpecError, parse_spec
 
@@ -41,6 +41,11 @@ def test_status_has_cost_so_far_and_the_rounds_eta() -> None:
     assert "cost" not in status_fields(RECORDS, RECORDS, 6000, 60.0, None)
     assert status_fields([], [], 6000, 60.0, None)["eta"] == "?"
     assert eta_seconds(10, 10, 5) == 0.0 and fmt_duration(3725) == "1h02m" and fmt_duration(None) == "?"
+
+
+def test_money_reads_without_exponents() -> None:
+    assert [fmt_money(v) for v in (0.000003125, 0.0123456, 2.5, 1234.5678, 0, None)] == \
+        ["0.000003125", "0.01235", "2.500", "1,235", "0", "-"]
 
 
 def test_manifest_carries_efficiency_and_with_a_price_cost(file_place, make_job, run_shards, read_output) -> None:

@@ -46,8 +46,12 @@ def test_embed_cuts_a_long_row_marks_it_and_counts_it(file_place, make_job, run_
 
 
 def test_truncate_false_keeps_a_long_embed_row_an_error(file_place, make_job, run_shards, read_output) -> None:
+    from bij_worker.metrics import Metrics
+
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows()), model=spec_for("embed", False))
-    run_shards(job)
+    metrics = Metrics()
+    run_shards(job, metrics=metrics)
+    assert metrics.registry.get_sample_value("bij_row_errors_total", {"code": "too_many_tokens"}) == 1
     publish(job)
     out = read_output(job)
     assert [(e["id"], e["error"]["code"]) for e in out.errors] == [(2, "too_many_tokens")]

@@ -1,4 +1,4 @@
-"""`bij`: run a job locally, be a worker, render or validate a spec, run the operator."""
+"""`bij`: run a job locally, be a worker, render or validate a spec, read results, run the operator."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("publish", help="publish the manifest of a finished job (normally automatic)")
     p.add_argument("spec")
 
+    p = sub.add_parser("results", help="print published rows as JSON lines (checks every file's sha256)")
+    p.add_argument("manifest", help="the manifest's URI (file://... or s3://...), or the output URI")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--errors", action="store_true", help="the error rows instead of the results")
+    which.add_argument("--capped", action="store_true", help="rows still rejected by the judge at the cap")
+    p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",
+                   help="jsonl: JSON lines on stdout (default); parquet: one Parquet stream of the results")
+
+    p = sub.add_parser("status", help="a short summary of a job: rounds, shards, rows, errors, truncated, cost")
+    p.add_argument("target", help="the job's YAML, or its manifest URI (file://... or s3://...)")
+
     sub.add_parser("operator", help="run the kopf operator (in-cluster or with a kubeconfig)", add_help=False)
 
     if argv is None:
@@ -56,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         from bij_operator.validate import cli_validate
 
         return cli_validate(args)
+    if args.command == "results":
+        from bij_operator.results import cli_results
+
+        return cli_results(args)
+    if args.command == "status":
+        from bij_operator.results import cli_status
+
+        return cli_status(args)
     if args.command == "publish":
         from bij_operator.local import cli_publish
 

@@ -9,6 +9,7 @@ before it is not in any record, so cost is a lower bound after preemptions).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -71,8 +72,13 @@ def fmt_duration(seconds: float | None) -> str:
 
 
 def fmt_money(value: float | None) -> str:
-    """A price with four significant digits (no currency: the user's price says which)."""
-    return "-" if value is None else f"{value:.4g}"
+    """An amount with four significant digits, never in exponent form (no currency: the price's own)."""
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    decimals = max(0, 3 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{decimals}f}"
 
 
 def status_fields(records: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]], round_bytes: int | None,

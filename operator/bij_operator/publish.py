@@ -202,6 +202,7 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
         "format": "openai" if job.spec.input.format == "openai" else job.spec.output.format,
         "compression": job.spec.output.compression,
         "model": {"engine": job.spec.model.engine, "name": job.spec.model.name, "task": job.spec.model.task},
+        "judge": job.spec.judge.type if job.spec.judge else None,
         "files": t.files,
         "errorFiles": t.error_files,
         "cappedFiles": t.capped_files,

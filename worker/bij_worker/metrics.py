@@ -69,6 +69,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.rows = Counter("bij_rows", "Rows finished, by status (ok, error, or capped by the judge)",
                             ["status"], registry=r)
+        self.row_errors = Counter("bij_row_errors", "Error rows, by error code (too_many_tokens, invalid_json, ...)",
+                                  ["code"], registry=r)
         self.tokens = Counter("bij_tokens", "Tokens processed, by direction (in or out)", ["direction"], registry=r)
         # Label children resolved once: the worker counts per commit, and a lookup per call adds up.
         self.rows_ok, self.rows_error = self.rows.labels("ok"), self.rows.labels("error")

@@ -5,7 +5,8 @@ float32) for embed or `output` and the usage columns for generate and chat, `tru
 and `attempts` / `round` when a judge ran. The `id` column is int64 when every result id
 of the job is an integer, string when every one is a string; when a job mixes them, `id`
 holds every id as text and `id_int` (int64, null for string ids) keeps the integers, so
-`1` and `"1"` stay apart. The choice is made once per job (from the shards' completion
+`1` and `"1"` stay apart (an integer id beyond 64 bits is kept as text only). The choice
+is made once per job (from the shards' completion
 records), so every file of a job has the same schema.
 
 Input: the planner reads only the footer of each object (row-group row counts and sizes,
@@ -27,6 +28,11 @@ from .storage import Storage
 
 ID_INT = "id_int"
 SUFFIX = ".parquet"
+
+
+def is_int64(value: Any) -> bool:
+    """An id the int64 `id` / `id_int` columns can hold (integers beyond 64 bits are kept as text)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
 def id_kind(int_ids: int | None, str_ids: int | None) -> str:
@@ -51,7 +57,7 @@ def results_table(rows: list[dict[str, Any]], task: str, ids: str, judged: bool)
     else:
         columns["id"] = pa.array([None if v is None else str(v) for v in raw], type=pa.string())
         if ids == "mixed":
-            columns[ID_INT] = pa.array([v if isinstance(v, int) else None for v in raw], type=pa.int64())
+            columns[ID_INT] = pa.array([v if is_int64(v) else None for v in raw], type=pa.int64())
     usage = [r.get("usage") or {} for r in rows]
     if task == "embed":
         columns["embedding"] = pa.array([r.get("embedding") for r in rows], type=pa.list_(pa.float32()))

@@ -46,6 +46,7 @@ from .inputs import (
 )
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
+from .parquet import is_int64
 from .reader import Chunk, Prefetcher, iter_shard
 from .segments import ShardLog
 from .storage import NotFound, Storage, open_storage
@@ -536,7 +537,7 @@ class ShardWorker:
 
     def _count_result(self, row: dict[str, Any]) -> None:
         self.stats.truncated += bool(row.get("truncated"))
-        if isinstance(row_id(row), int):
+        if is_int64(row_id(row)):
             self.stats.int_ids += 1
         else:
             self.stats.str_ids += 1
@@ -632,10 +633,14 @@ class ShardWorker:
         self.log.append(records)
         self.metrics.commit_latency.observe(time.perf_counter() - t)
         counts = {"result": 0, "error": 0, "rejected": 0, "capped": 0, "attempt": 0}
+        codes: dict[str, int] = {}
         for rec in records:
             counts[rec["kind"]] += 1
             if rec["kind"] == "result":
                 self._count_result(rec["row"])
+            elif rec["kind"] == "error":
+                code = str((rec["row"].get("error") or {}).get("code") or "unknown")
+                codes[code] = codes.get(code, 0) + 1
         self.stats.rows += counts["result"]
         self.stats.errors += counts["error"]
         self.stats.rejected += counts["rejected"]
@@ -650,6 +655,8 @@ class ShardWorker:
         self.metrics.rows_ok.inc(counts["result"])
         self.metrics.rows_error.inc(counts["error"])
         self.metrics.rows_capped.inc(counts["capped"])
+        for code, n in codes.items():
+            self.metrics.row_errors.labels(code).inc(n)
 
     def _count_tokens(self, results: list[Result]) -> None:
         tokens_in = sum(r.prompt_tokens or 0 for r in results if r.error is None)
