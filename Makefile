@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) examples/make_corpus.py examples/data/corpus.jsonl
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/bij run examples/local-embed.yaml
+	$(VENV)/bin/bij status examples/local-embed.yaml
 
 # The control plane the cluster tests run against, built from Kubernetes' own Go modules (the
 # first build takes 15-25 minutes, later ones seconds). Without Go the cluster tests are skipped,
