@@ -670,6 +670,17 @@ def test_vllm_engine_loop_keeps_requests_flowing_and_returns_each_when_it_finish
     assert engine.unfinished() == 0 and engine.steps == len(loop.batch_sizes)
 
 
+def test_vllm_engine_loop_truncates_what_it_would_refuse(fake_vllm: Any, wired_model: Path) -> None:
+    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), truncate=True,
+                                                       vllm={"maxModelLen": 4})))
+    reqs = [Request(text="x y x y a", max_tokens=2), Request(text="b", max_tokens=2)]
+    engine.count_tokens(reqs)
+    results, _ = drive(engine, reqs, keep_in_flight=4)
+    # The tail of the long prompt ("x y a", the limit of 3) goes in and continues from a.
+    assert [(r.error, r.prompt_tokens, r.output) for r in results] == [  # type: ignore[union-attr]
+        (None, 3, "b c"), (None, 2, "c d")]
+
+
 def test_vllm_engine_loop_embeds_with_pooling_params(fake_vllm: Any, wired_model: Path) -> None:
     engine = loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model))))
     reqs = [Request(text=t) for t in ("a b", "c", "x y")]
