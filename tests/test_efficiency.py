@@ -71,3 +71,31 @@ def test_a_price_that_is_not_a_number_names_the_field(price: object) -> None:
     with pytest.raises(SpecError) as e:
         parse_spec(spec)
     assert "spec.workers.pricePerHour" in str(e.value)
+
+
+def test_time_a_stopped_run_spent_counts_towards_the_shard(file_place, make_job, run_shards) -> None:
+    from bij_operator import layout
+    from bij_operator.progress import live_records, shard_records
+    from bij_worker.metrics import Stats
+    from bij_worker.worker import StopFlag
+
+    rows = [{"id": i, "text": f"row {i}"} for i in range(100)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows),
+                      sharding={"chunkRows": 10, "targetShardBytes": 1 << 20},
+                      batching={"inFlightRows": 10, "commitQueueChunks": 1})
+    stop = StopFlag()
+    chunks: list[int] = []
+
+    def progress(ev: dict) -> None:
+        if ev["event"] == "chunk":
+            chunks.append(1)
+            if len(chunks) == 2:
+                stop.request()
+
+    assert run_shards(job, stop=stop, progress=progress, stats=Stats(model_load_s=5.0))[0].status == "stopped"
+    (first,) = live_records(job, 0).values()  # the stopped run's progress record
+    assert first["seconds"] > 0 and first["modelLoadSeconds"] == 5.0
+    assert not file_place.storage.exists(layout.join(layout.round_prefix(job, 0), "done/00000.json"))
+    assert run_shards(job, stats=Stats(model_load_s=2.0))[0].status == "done"
+    (done,) = shard_records(job, 0).values()
+    assert done["seconds"] >= first["seconds"] and done["modelLoadSeconds"] == 7.0

@@ -2,9 +2,10 @@
 
 Pure functions over the records the workers write (one per shard: finished shards'
 done records, running shards' progress records), so the operator's work grows with
-shards, never with rows. Worker seconds are the time the runs that wrote the records
-took, model load included (the run that finished a shard; time a preempted run spent
-before it is not in any record, so cost is a lower bound after preemptions).
+shards, never with rows. Worker seconds are the time every run of a shard took, model
+load included: a run carries on from the progress record the run before it left (written
+every BIJ_PROGRESS_SECONDS and at a clean stop), so a pod killed outright loses at most
+that interval from the count, and cost is then a slight underestimate.
 """
 
 from __future__ import annotations

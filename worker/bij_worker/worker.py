@@ -49,7 +49,7 @@ from .metrics import Metrics, Stats
 from .parquet import is_int64
 from .reader import Chunk, Prefetcher, iter_shard
 from .segments import ShardLog
-from .storage import NotFound, Storage, open_storage
+from .storage import NotFound, Storage, StorageError, open_storage
 
 log = logging.getLogger("bij.worker")
 
@@ -263,6 +263,14 @@ class ShardWorker:
             rec = json.loads(self.out.read_bytes(done_at))
             self.progress({"event": "done", "index": self.index, "rows": rec["rows"], "errors": rec["errors"]})
             return ShardOutcome("done", rec["rows"], rec["errors"])
+        # Time earlier runs of this shard spent (a preempted pod's last progress record) counts
+        # towards this shard's worker seconds, so a job's cost includes the work it lost.
+        try:
+            before = json.loads(self.out.read_bytes(progress_uri(self.plan, self.index)))
+            t0 = self._t0 = t0 - float(before.get("seconds") or 0)
+            self.stats.model_load_s += float(before.get("modelLoadSeconds") or 0)
+        except (NotFound, ValueError):
+            pass
         # Stream the durable log: resuming a long shard must not hold its records in memory.
         resumed_bytes = records = 0
         attempts: dict[tuple[int, int], dict[str, Any]] = {}  # rows between attempts, by place
@@ -287,7 +295,7 @@ class ShardWorker:
         self.progress({"event": "resume", "index": self.index, "rows": self.stats.rows,
                        "errors": self.stats.errors, "bytes": resumed_bytes})
         if pending and not self._resume_attempts(pending):
-            return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
+            return self._stopped()
 
         lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor, parquet_columns(self.opts))
         prefetch = Prefetcher(lines, self.chunk_rows, self.depth)
@@ -303,9 +311,17 @@ class ShardWorker:
                 self.stats.occupied += getattr(self.engine, "occupied", 0) - occupied0
                 self.stats.max_num_seqs = self.engine.concurrency()  # type: ignore[attr-defined]
         if not finished:
-            return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
+            return self._stopped()
         self._finish(t0)
         return ShardOutcome("done", self.stats.rows, self.stats.errors)
+
+    def _stopped(self) -> ShardOutcome:
+        """Stopped before the end: the time spent so far goes into the progress record for the next run."""
+        try:
+            self._report()
+        except StorageError as e:  # a clean stop stays a clean stop; only the time is not carried over
+            log.warning("shard %d: cannot write the progress record: %s", self.index, e)
+        return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
 
     def _by_chunk(self, prefetch: Prefetcher) -> bool:
         """One chunk at a time, every attempt committed before the next chunk (judge jobs)."""
@@ -646,17 +662,21 @@ class ShardWorker:
         self.stats.rejected += counts["rejected"]
         self.stats.capped += counts["capped"]
         if time.monotonic() - self._last_report >= self.report_every:
-            self._last_report = time.monotonic()
-            record = {"index": self.index, "round": self.round, **self.stats.as_record(),
-                      "seconds": round(time.monotonic() - self._t0, 3),
-                      "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            self.out.write_bytes(progress_uri(self.plan, self.index), json.dumps(record).encode())
+            self._report()
         # Once per commit, not per row: each labelled increment takes a lock.
         self.metrics.rows_ok.inc(counts["result"])
         self.metrics.rows_error.inc(counts["error"])
         self.metrics.rows_capped.inc(counts["capped"])
         for code, n in codes.items():
             self.metrics.row_errors.labels(code).inc(n)
+
+    def _report(self) -> None:
+        """Rewrite the shard's progress record: live counts, and the time spent on it so far."""
+        self._last_report = time.monotonic()
+        record = {"index": self.index, "round": self.round, **self.stats.as_record(),
+                  "seconds": round(time.monotonic() - self._t0, 3),
+                  "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.out.write_bytes(progress_uri(self.plan, self.index), json.dumps(record).encode())
 
     def _count_tokens(self, results: list[Result]) -> None:
         tokens_in = sum(r.prompt_tokens or 0 for r in results if r.error is None)
