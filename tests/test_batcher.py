@@ -134,3 +134,15 @@ def test_prefix_share_counts_characters_shared_with_the_prompt_before():
     for text in ("aaaa1", "aaaa2", "bbbb1"):
         share.add(text)
     assert (share.shared, share.total) == (4, 15)
+
+
+def test_first_batch_cuts_where_plan_batches_does():
+    from bij_worker.batcher import cut_batches, first_batch
+
+    rnd = random.Random(8)
+    for _ in range(300):
+        lengths = sorted((rnd.choice([1, 3, 8, 40, 300]) for _ in range(rnd.randint(1, 50))), reverse=True)
+        budget, size = rnd.choice([10, 100, 1000, 10_000]), rnd.randint(1, 20)
+        waste = rnd.choice([None, 0.2])
+        batches = cut_batches(lengths, list(range(len(lengths))), budget, size, waste)
+        assert first_batch(lengths, budget, size, waste) == len(batches[0])

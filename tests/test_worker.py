@@ -322,3 +322,31 @@ def test_sigterm_stops_taking_chunks_and_finishes_the_window(file_place, make_jo
     # The window (2 chunks) and the commit queue (2 chunks) may hold work when the signal comes.
     assert outcome.status == "stopped" and outcome.rows % 10 == 0 and 10 <= outcome.rows <= 50
     assert sum(e["rows"] for e in events if e["event"] == "chunk") == outcome.rows
+
+
+def test_chunks_parsed_in_the_reader_thread_give_the_same_output(file_place, make_job, run_shards, recording_echo,
+                                                                 read_output):
+    import threading
+
+    inputs: list[Any] = [*rows(70), "not json", {"id": "x"}, *rows(75)[70:]]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      sharding={"chunkRows": 8, "targetShardBytes": 1 << 20}, batching={"maxBatchSize": 4})
+    engine = recording_echo()
+    engine.parallel_prepare = True  # as torch and vLLM engines say: parse while the engine computes
+    parsed_in: set[str] = set()
+    parse = ShardWorker._parse
+
+    def watching(self: Any, chunk: Any) -> Any:
+        parsed_in.add(threading.current_thread().name)
+        return parse(self, chunk)
+
+    ShardWorker._parse = watching  # type: ignore[method-assign]
+    try:
+        assert run_shards(job, engine=engine)[0].rows == 75
+    finally:
+        ShardWorker._parse = parse  # type: ignore[method-assign]
+    assert parsed_in == {"bij-prefetch"}
+    publish(job)
+    out = read_output(job)
+    assert out.result_ids == list(range(75))
+    assert [e["error"]["code"] for e in out.errors] == ["invalid_json", "missing_text"]

@@ -10,6 +10,8 @@ caller keeps the permutation and restores input order.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # Prompts sharing fewer leading characters than this are not a prefix group ("The ", "{").
 MIN_SHARED_PREFIX = 32
 
@@ -54,10 +56,29 @@ def cut_batches(lengths: list[int], order: list[int], target_batch_tokens: int, 
     return batches
 
 
+def first_batch(lengths: Iterable[int], target_batch_tokens: int, max_batch_size: int,
+                max_padding_waste: float | None = None) -> int:
+    """How many of the leading rows (in run order) make the next batch; the rule of cut_batches."""
+    n = longest = real = 0
+    min_rows = max(1, max_batch_size // 4)
+    for t in lengths:
+        t = max(1, t)
+        new_longest = max(longest, t)
+        if n and (n >= max_batch_size or (n + 1) * new_longest > target_batch_tokens):
+            break
+        if max_padding_waste is not None and n >= min_rows and \
+                (n + 1) * new_longest - (real + t) > max_padding_waste * (n + 1) * new_longest:
+            break
+        n, longest, real = n + 1, new_longest, real + t
+    return n
+
+
 def shared_prefix(a: str, b: str) -> int:
     """Length of the longest common prefix (slice compares, not a loop over characters)."""
     lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
+    if hi > 16 and a[:16] != b[:16]:
+        hi = 16  # most unrelated prompts differ early: search only there
+    elif a[:hi] == b[:hi]:
         return hi
     hi -= 1
     while lo < hi:  # invariant: a[:lo] == b[:lo], and the answer is at most hi
@@ -75,8 +96,8 @@ def run_order(texts: list[str], tokens: list[int], by_prefix: bool = True, by_le
     A prefix group is a run of prompts, in sorted text order, each sharing at least
     MIN_SHARED_PREFIX leading characters with the one before it.
     """
-    n = len(texts)
-    if not by_prefix:
+    n = len(tokens)
+    if not by_prefix:  # texts are not needed (and may be left out)
         return sorted(range(n), key=lambda i: -tokens[i]) if by_length else list(range(n))
     group = [0] * n
     by_text = sorted(range(n), key=texts.__getitem__)

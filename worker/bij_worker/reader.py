@@ -68,8 +68,8 @@ def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, An
                 yield (obj, row, row + 1), line
             continue
         for (_, off, stop), line in iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at):
-            if line.strip():
-                yield (obj, off, stop), line.rstrip(b"\r")
+            if line and not line.isspace():
+                yield (obj, off, stop), (line[:-1] if line.endswith(b"\r") else line)
 
 
 @dataclass
@@ -85,12 +85,16 @@ class Prefetcher:
     """Reads chunks of `chunk_rows` lines in a thread; at most `depth` chunks wait in memory.
 
     The bound is the backpressure: however large the shard, memory holds the
-    chunk being worked plus `depth` read ahead.
+    chunk being worked plus `depth` read ahead. With `prepare`, the thread also
+    turns each chunk into what the consumer works on (parsed rows), so that work
+    runs while the consumer waits on an engine that lets go of the interpreter.
     """
 
-    def __init__(self, lines: Iterator[Line], chunk_rows: int, depth: int):
+    def __init__(self, lines: Iterator[Line], chunk_rows: int, depth: int,
+                 prepare: Callable[[Chunk], Any] | None = None):
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._prepare = prepare
         self.finished = False
         self._thread = threading.Thread(target=self._run, args=(lines, chunk_rows), daemon=True,
                                         name="bij-prefetch")
@@ -112,10 +116,10 @@ class Prefetcher:
                 chunk.lines.append(item)
                 chunk.bytes += item[0][2] - item[0][1]
                 if len(chunk.lines) >= chunk_rows:
-                    if not self._put(chunk):
+                    if not self._put(self._prepare(chunk) if self._prepare else chunk):
                         return
                     chunk = Chunk()
-            if chunk.lines and not self._put(chunk):
+            if chunk.lines and not self._put(self._prepare(chunk) if self._prepare else chunk):
                 return
             self._put(_DONE)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
@@ -124,7 +128,7 @@ class Prefetcher:
     def depth(self) -> int:
         return self._q.qsize()
 
-    def next_chunk(self, block: bool = True) -> Chunk | None:
+    def next_chunk(self, block: bool = True) -> Any:
         """The next chunk; None when none is ready yet (`block=False`) or the lines are over (`finished`)."""
         if self.finished:
             return None
@@ -137,7 +141,7 @@ class Prefetcher:
             return None
         if isinstance(item, BaseException):
             raise item
-        return item  # type: ignore[no-any-return]
+        return item
 
     def __iter__(self) -> Iterator[Chunk]:
         while True:

@@ -23,6 +23,7 @@ import os
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -56,7 +57,11 @@ def _dump(record: dict[str, Any]) -> bytes:
 
 def encode_records(records: Iterable[dict[str, Any]]) -> bytes:
     """JSON lines, one per record, each ending in a newline; empty for no records."""
-    lines = b"\n".join(map(_dump, records))
+    records = records if isinstance(records, list) else list(records)
+    try:
+        lines = b"\n".join(map(orjson.dumps, records))
+    except TypeError:  # an integer beyond 64 bits somewhere: record by record, the stdlib for those
+        lines = b"\n".join(map(_dump, records))
     return lines + b"\n" if lines else b""
 
 
@@ -147,7 +152,8 @@ class ShardLog:
             return
         # In input order: a torn write then keeps a prefix of the chunk, and the resume cursor (the
         # furthest durable row) never jumps over a row whose record was cut off behind it.
-        data = encode_records(sorted(records, key=lambda r: (r["at"][0], r["at"][1])))
+        # "at" is [object, offset, end]: lists compare item by item, and (object, offset) is unique.
+        data = encode_records(sorted(records, key=itemgetter("at")))
         if self.storage.supports_append:
             self.storage.append_durable(self.log_uri, data)
         else:

@@ -426,14 +426,11 @@ def iter_lines(stream: BinaryIO, base_offset: int, block: int = 1 << 20) -> Iter
         if not data:
             break
         buf = buf + data if buf else data
-        start = 0
-        while True:
-            nl = buf.find(b"\n", start)
-            if nl < 0:
-                break
-            yield pos + start, buf[start:nl]
-            start = nl + 1
-        pos += start
-        buf = buf[start:]
+        # One split per block (C), not one find and slice per line.
+        lines = buf.split(b"\n")
+        buf = lines.pop()  # the part after the last newline: the start of a line still to come
+        for line in lines:
+            yield pos, line
+            pos += len(line) + 1
     if buf:
         yield pos, buf

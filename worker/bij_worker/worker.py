@@ -20,6 +20,7 @@ its chunk can commit).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .batcher import PrefixShare, cut_batches, plan_batches, run_order
+from .batcher import PrefixShare, first_batch, plan_batches, run_order
 from .commits import CommitWriter
 from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
 from .inputs import (
@@ -298,7 +299,10 @@ class ShardWorker:
             return self._stopped()
 
         lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor, parquet_columns(self.opts))
-        prefetch = Prefetcher(lines, self.chunk_rows, self.depth)
+        # Engines whose compute lets go of the interpreter (torch, vLLM) get the next chunks parsed in
+        # the reader thread meanwhile; for the others it would only take turns with them.
+        parse = self._parse if self.judge is None and getattr(self.engine, "parallel_prepare", False) else None
+        prefetch = Prefetcher(lines, self.chunk_rows, self.depth, prepare=parse)
         self.metrics.engine_stopped()
         steps0, occupied0 = getattr(self.engine, "steps", 0), getattr(self.engine, "occupied", 0)
         try:
@@ -367,13 +371,13 @@ class ShardWorker:
                 joined = False
                 while not prefetch.finished and not self.stop.requested and (
                         not opened or open_rows + self.chunk_rows <= self.window):
-                    chunk = prefetch.next_chunk()
+                    item = prefetch.next_chunk()
                     self.metrics.queue_depth.set(prefetch.depth())
-                    if chunk is None:
+                    if item is None:
                         break
-                    op = self._open(chunk)
+                    op = self._count(item if isinstance(item, _Open) else self._parse(item))
                     opened.append(op)
-                    open_rows += len(chunk.lines)
+                    open_rows += len(op.chunk.lines)
                     pending.extend((op, i) for i, res in enumerate(op.results) if res is None)
                     joined = True
                 # Chunks whose rows are all back leave the window, in input order, for the commit
@@ -395,9 +399,10 @@ class ShardWorker:
                 if joined:
                     pending = pending[taken:]
                     taken = 0
-                    order = run_order([request_text(op.rows[i].request) for op, i in pending],  # type: ignore[arg-type]
-                                      [op.rows[i].tokens for op, i in pending],
-                                      by_prefix=self.prefix_order and continuous, by_length=self.sort)
+                    by_prefix = self.prefix_order and continuous
+                    texts = [request_text(op.rows[i].request) for op, i in pending] if by_prefix else []  # type: ignore[arg-type]
+                    order = run_order(texts, [op.rows[i].tokens for op, i in pending],
+                                      by_prefix=by_prefix, by_length=self.sort)
                     pending = [pending[j] for j in order]
                 if continuous:
                     # Keep the engine's own queue short: rows wait here, in window order, so that
@@ -423,12 +428,10 @@ class ShardWorker:
                             op, i = tags.pop(tag)
                             self._place(op, i, res)
                 elif taken < len(pending):
-                    rest = pending[taken:]
-                    (batch, *_) = cut_batches([max(1, op.rows[i].tokens) for op, i in rest], list(range(len(rest))),
-                                              self.target_tokens, self.max_batch,
-                                              MAX_PADDING_WASTE if self.sort else None)
-                    items = [rest[j] for j in batch]
-                    taken += len(batch)
+                    k = first_batch((op.rows[i].tokens for op, i in itertools.islice(pending, taken, None)),
+                                    self.target_tokens, self.max_batch, MAX_PADDING_WASTE if self.sort else None)
+                    items = pending[taken:taken + k]
+                    taken += k
                     for op, i in items:
                         share.add(request_text(op.rows[i].request))  # type: ignore[arg-type]
                     out = self._run_batch([op.rows[i].request for op, i in items],  # type: ignore[misc]
@@ -471,8 +474,8 @@ class ShardWorker:
         op.results[i] = res
         op.left -= 1
 
-    def _open(self, chunk: Chunk) -> _Open:
-        """Parse a chunk and count its prompts' tokens; rows that cannot run are settled here."""
+    def _parse(self, chunk: Chunk) -> _Open:
+        """Parse a chunk's lines (in the reader thread or this one); bad rows are settled here."""
         names, opts = self.names, self.opts
         records: list[dict[str, Any]] = []
         rows: list[Row] = []
@@ -482,8 +485,11 @@ class ShardWorker:
                 records.append(self._error_record(row))
             else:
                 rows.append(row)
-        results: list[Result | None] = [None] * len(rows)
-        left = len(rows)
+        return _Open(chunk, records, rows, [None] * len(rows), len(rows))
+
+    def _count(self, op: _Open) -> _Open:
+        """Count the prompts' tokens (the engine's tokenizer, in this thread); too long rows are settled."""
+        rows, results, opts = op.rows, op.results, self.opts
         if rows:
             tokens = self.engine.count_tokens([r.request for r in rows])  # type: ignore[misc]
             limit = self.token_limit()
@@ -495,8 +501,8 @@ class ShardWorker:
                         continue
                     results[i] = Result(error=f"prompt has {t} tokens, the model takes at most {limit}",
                                         extra={"code": "too_many_tokens"})
-                    left -= 1
-        return _Open(chunk, records, rows, results, left)
+                    op.left -= 1
+        return op
 
     def _chunk_records(self, op: _Open) -> list[dict[str, Any]]:
         records = op.records

@@ -30,6 +30,7 @@ class SentenceTransformersEngine:
     """
 
     name = "sentence-transformers"
+    parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
 
     def __init__(self, config: EngineConfig):

@@ -35,6 +35,7 @@ class TransformersEngine:
     """
 
     name = "transformers"
+    parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
 
     def __init__(self, config: EngineConfig):

@@ -110,6 +110,7 @@ class VllmEngine:
     """Generate, chat or embed with vLLM's offline `LLM`; one shared instance per process."""
 
     name = "vllm"
+    parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = True
     continuous = True
 

