@@ -113,7 +113,7 @@ def child_generate(model_dir: str, texts_path: str, device: str, batch: int, tok
     generated = 0
     with torch.inference_mode():
         for i in range(0, len(texts), batch):
-            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True).to(device)
+            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, return_token_type_ids=False).to(device)
             out = model.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
             new = out[:, enc["input_ids"].shape[1]:]
             generated += int((new != tok.pad_token_id).sum())
