@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -126,6 +127,15 @@ class Env:
     def jobs(self) -> list[dict[str, Any]]:
         return [self.api.sanitize_for_serialization(j) for j in self.batch.list_namespaced_job(self.ns).items]
 
+    def foreign_job(self, name: str) -> None:
+        """Someone else's (suspended) Job, named as a round Job would be."""
+        container = {"name": "x", "image": "busybox", "command": ["true"]}
+        self.batch.create_namespaced_job(self.ns, {"metadata": {"name": name}, "spec": {
+            "suspend": True, "template": {"spec": {"restartPolicy": "Never", "containers": [container]}}}})
+
+    def jobs_named(self, name: str) -> list[dict[str, Any]]:
+        return [j for j in self.jobs() if j["metadata"]["name"] == name]
+
     def job(self, name: str) -> dict[str, Any]:
         return dict(self.api.sanitize_for_serialization(self.batch.read_namespaced_job(name, self.ns)))
 
@@ -212,7 +222,7 @@ def env(local_cluster: LocalCluster, tmp_path: Path) -> Iterator[Env]:
     except ApiException:
         pass
     # RBAC is what the API server enforces: the operator must never be refused anything.
-    forbidden = [line for line in new_log.splitlines() if "403" in line and "Forbidden" in line]
+    forbidden = [line for line in new_log.splitlines() if "403" in line and "Forbidden" in line and " cannot " in line]
     assert not forbidden, "the operator met a 403:\n" + "\n".join(forbidden[:5])
 
 
@@ -235,6 +245,9 @@ def test_the_chart_installs_and_the_operator_runs_as_a_pod_under_its_service_acc
     assert pod["spec"]["nodeName"] == "ondemand-cpu-0"  # spot GPU nodes are tainted
     owner = pod["metadata"]["ownerReferences"][0]
     assert owner["kind"] == "ReplicaSet"  # the real Deployment and ReplicaSet controllers made it
+    # The endpoint the chart's liveness probe calls (pods share the host's network here).
+    with urllib.request.urlopen(f"http://127.0.0.1:{local_cluster.liveness_port}/healthz", timeout=10) as r:
+        assert r.status == 200 and "trackedJobs" in json.loads(r.read())
     nodes = local_cluster.kubectl("get", "nodes", "-o", "name").stdout.split()
     assert sorted(nodes) == ["node/gke-spot-gpu-0", "node/karpenter-spot-gpu-0", "node/ondemand-cpu-0"]
 
@@ -483,3 +496,162 @@ def test_deleting_the_bij_removes_its_jobs_and_pods_through_the_garbage_collecto
     assert_every_row_once(env.tmp / "out-gone" / "manifest.json", ids)
     time.sleep(1)
     assert env.jobs() == []  # and the operator does not bring anything back
+
+
+def test_a_spec_only_the_operator_can_judge_invalid_fails_without_a_job_until_fixed(env: Env) -> None:
+    job_ids(env)
+    # CEL cannot tell whether a regular expression compiles; the operator's spec model can.
+    env.create(env.doc("regex", model={"engine": "echo", "task": "generate"},
+                       judge={"type": "regex", "pattern": "(unclosed"}))
+    failed = env.wait_phase("regex", "Failed")
+    cond = {c["type"]: c for c in failed["conditions"]}["Failed"]
+    assert cond["reason"] == "InvalidSpec" and "not a valid regular expression" in cond["message"]
+    assert env.jobs() == []
+    env.custom.patch_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "regex", {"spec": {"judge": None}})
+    done = env.wait_phase("regex", "Succeeded")
+    assert done["observedGeneration"] == 2
+
+
+def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(env: Env) -> None:
+    ids = job_ids(env)
+    env.gate("hold", "sus-r0", 0, "0")
+    env.create(env.doc("sus"))
+    wait_for(lambda: (lambda s: s.get("shards", {}).get("total") and s["shards"]["done"] == s["shards"]["total"] - 1)(
+        env.status("sus")), 120, "every shard but the held one done")
+    env.custom.patch_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "sus", {"spec": {"suspend": True}})
+    suspended = env.wait_phase("sus", "Suspended")
+    total = suspended["shards"]["total"]
+    assert suspended["shardsSummary"] == f"{total - 1}/{total}"
+    # The Job controller deletes the running pod of a suspended Job; it is not a failure.
+    wait_for(lambda: not [p for p in env.pods("sus-r0") if p["status"].get("phase") == "Running"] or None, 60,
+             "the held pod stopped")
+    job = env.job("sus-r0")
+    assert job["spec"]["suspend"] is True and job["status"].get("failed", 0) == 0
+    (env.gates / "hold-sus-r0-0").unlink()
+    env.custom.patch_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "sus", {"spec": {"suspend": False}})
+    done = env.wait_phase("sus", "Succeeded")
+    assert done["observedGeneration"] == 3
+    started = {int(p.name.rsplit("-", 1)[1]): len(p.read_text().splitlines())
+               for p in env.gates.glob("started-sus-r0-*")}
+    assert started[0] == 2 and all(n == 1 for i, n in started.items() if i != 0)  # finished shards never re-ran
+    assert_every_row_once(env.tmp / "out-sus" / "manifest.json", ids)
+
+
+def test_a_foreign_job_with_the_rounds_name_is_reported_never_adopted(env: Env) -> None:
+    job_ids(env)
+    env.foreign_job("clash-r0")
+    env.create(env.doc("clash"))
+    st = wait_for(lambda: (lambda s: s if any(c["type"] == "Ready" and c.get("reason") == "JobNameConflict"
+                                              for c in s.get("conditions") or []) else None)(env.status("clash")),
+                  60, "the JobNameConflict condition")
+    assert "a Job named clash-r0 already exists" in st["message"]
+    assert "ownerReferences" not in env.job("clash-r0")["metadata"]
+
+
+# --- RBAC: what the chart grants is exactly what the operator uses -------------------------------------
+#
+# For each way the chart can run the operator, `helm upgrade` to it and drive one session through
+# everything the operator does: a job with a scale change, suspend, an operator restart and resume,
+# a failing job, a spec only the operator can reject, a Job name taken by someone else, a deletion.
+# The API server enforces the chart's RBAC (any 403 fails) and its audit log records every request
+# the operator's pods made; each grant must have been used. These run last: they change the install.
+
+# Grants the operator's own requests never exercise, each with the reason it must stay.
+JUSTIFIED = {
+    ("batchinference.io", "batchinferencejobs/finalizers", "update"):
+        "round Jobs carry an ownerReference with blockOwnerDeletion; the OwnerReferencesPermissionEnforcement "
+        "admission plugin (on in this cluster) checks this permission when they are created",
+}
+MODES = {
+    "all-namespaces": {},
+    "namespaced": {"watch": {"allNamespaces": False, "namespaces": ["{ns}"]}},
+    "peering": {"peering": {"enabled": True, "name": "bij-operator"}},
+    "namespaced-peering": {"watch": {"allNamespaces": False, "namespaces": ["{ns}"]},
+                           "peering": {"enabled": True, "name": "bij-operator"}},
+}
+POD_NAME = "authentication.kubernetes.io/pod-name"
+
+
+def _grants(api: kubernetes.client.ApiClient, sa: str) -> set[tuple[str, str, str]]:
+    """(group, resource, verb) granted to the operator's ServiceAccount by the installed RBAC objects."""
+    rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+
+    def bound(b: Any) -> bool:
+        return any(s.kind == "ServiceAccount" and s.name == sa and s.namespace == OPERATOR_NAMESPACE
+                   for s in b.subjects or [])
+
+    rules: list[Any] = []
+    for b in rbac.list_cluster_role_binding().items:
+        if bound(b):
+            rules += rbac.read_cluster_role(b.role_ref.name).rules or []
+    for b in rbac.list_role_binding_for_all_namespaces().items:
+        if bound(b):
+            role = (rbac.read_namespaced_role(b.role_ref.name, b.metadata.namespace) if b.role_ref.kind == "Role"
+                    else rbac.read_cluster_role(b.role_ref.name))
+            rules += role.rules or []
+    return {(g, r, v) for rule in rules for g in rule.api_groups or [] for r in rule.resources or []
+            for v in rule.verbs or []}
+
+
+def _operator_session(env: Env, restart: Any) -> None:
+    write_rows(env.tmp / "in", 60)
+    env.gate("hold", "ok-r0", 0, "0")
+    env.create(env.doc("ok"))
+    wait_for(lambda: env.running_pod("ok-r0", 0), 120, "ok running")
+    patch = env.custom.patch_namespaced_custom_object
+    patch(GROUP, VERSION, env.ns, PLURAL, "ok", {"spec": {"workers": {"parallelism": 3}}})
+    patch(GROUP, VERSION, env.ns, PLURAL, "ok", {"spec": {"suspend": True}})
+    env.wait_phase("ok", "Suspended")
+    restart()
+    patch(GROUP, VERSION, env.ns, PLURAL, "ok", {"spec": {"suspend": False}})
+    (env.gates / "hold-ok-r0-0").unlink()
+    env.wait_phase("ok", "Succeeded")
+
+    env.gate("exit", "bad-r0", 0, "42 1")
+    env.create(env.doc("bad"))
+    env.wait_phase("bad", "Failed")
+    env.create(env.doc("invalid", model={"engine": "echo", "task": "generate"},
+                       judge={"type": "regex", "pattern": "("}))
+    env.wait_phase("invalid", "Failed")
+    env.foreign_job("clash-r0")
+    env.create(env.doc("clash"))
+    wait_for(lambda: "JobNameConflict" in json.dumps(env.status("clash")), 60, "the name conflict")
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "ok")
+    wait_for(lambda: not env.jobs_named("ok-r0") or None, 60, "ok's Job collected")
+    wait_for(lambda: "InvalidSpec" in env.reasons("invalid"), 30, "the last Event posted")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_chart_rbac_is_exactly_what_the_operator_uses(env: Env, mode: str) -> None:
+    cluster = env.cluster
+    values = json.loads(json.dumps(MODES[mode]).replace("{ns}", env.ns))
+    if "watch" in values:  # namespaced installs create bij-worker in the watched namespaces themselves
+        env.core.delete_namespaced_service_account("bij-worker", env.ns)
+    before = cluster.operator_pod()
+    cluster.install_operator(values={"extraArgs": ["--status-interval", "0.3"], **values})
+    pods = {cluster.operator_pod(120, not_uid=before["metadata"]["uid"])["metadata"]["name"]}
+
+    def restart() -> None:
+        old = cluster.operator_pod()
+        env.core.delete_namespaced_pod(old["metadata"]["name"], OPERATOR_NAMESPACE)
+        pods.add(cluster.operator_pod(120, not_uid=old["metadata"]["uid"])["metadata"]["name"])
+
+    _operator_session(env, restart)
+
+    entries = [json.loads(line) for line in cluster.plane.audit_log.read_text().splitlines()]
+    ours = [e for e in entries if set((e["user"].get("extra") or {}).get(POD_NAME) or []) & pods]
+    assert ours, f"no audit entries carry the operator pods' names {pods}"
+    # RBAC's refusals only ("User ... cannot ..."); a 403 for a namespace being deleted is admission's.
+    denied = sorted({(e["verb"], e["requestURI"]) for e in ours if e.get("responseStatus", {}).get("code") == 403
+                     and " cannot " in e["responseStatus"].get("message", "")})
+    assert not denied, f"{mode}: the API server refused the operator: {denied}"
+    used = set()
+    for e in ours:
+        ref = e.get("objectRef")
+        if ref and ref.get("resource"):
+            res = f"{ref['resource']}/{ref['subresource']}" if ref.get("subresource") else ref["resource"]
+            used.add((ref.get("apiGroup", ""), res, e["verb"]))
+    sa = before["spec"]["serviceAccountName"]
+    unused = sorted(g for g in _grants(env.api, sa) - used if g not in JUSTIFIED)
+    assert not unused, f"{mode}: the chart grants what the operator never uses: {unused}"
+    assert set(JUSTIFIED) <= _grants(env.api, sa), "a justified grant is no longer granted: drop it"

@@ -32,7 +32,8 @@ ADMISSION = "NodeRestriction,OwnerReferencesPermissionEnforcement"
 AUDITED_GROUP = "system:serviceaccounts:bij-system"
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
-    "rules": [{"level": "Metadata", "userGroups": [AUDITED_GROUP]}, {"level": "None"}],
+    "rules": [{"level": "Request", "userGroups": [AUDITED_GROUP], "verbs": ["create", "update", "patch"]},
+              {"level": "Metadata", "userGroups": [AUDITED_GROUP]}, {"level": "None"}],
 }
 
 

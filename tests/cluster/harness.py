@@ -49,6 +49,7 @@ class LocalCluster:
         self.kubelet_env = kubelet_env or {}
         self.kubelet: ProcessKubelet | None = None
         self.api: kubernetes.client.ApiClient | None = None
+        self.liveness_port = 0
 
     @property
     def kubeconfig(self) -> Path:
@@ -78,6 +79,7 @@ class LocalCluster:
 
         merged: dict[str, Any] = {"livenessPort": free_port(), "logLevel": "DEBUG"}
         merged.update(values or {})
+        self.liveness_port = int(merged["livenessPort"])
         cfg = helm.Config(kubeconfig_path=str(self.kubeconfig), namespace=OPERATOR_NAMESPACE)
         try:
             try:

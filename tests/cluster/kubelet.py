@@ -147,6 +147,19 @@ class PodRunner:
 
     # --- set-up ------------------------------------------------------------------------------
 
+    def _mount_volumes(self, attempts: int = 20) -> dict[str, Path]:
+        """Set the volumes up, retrying as a kubelet does: the Node authorizer learns of a pod's
+        binding from its own watch, so a token asked for at once may be refused for a moment."""
+        for attempt in range(attempts):
+            try:
+                return self._volumes()
+            except ApiException as e:
+                if e.status not in (403, 404) or attempt == attempts - 1 or self.deleting.is_set():
+                    raise
+                log.info("pod %s/%s: volume set-up failed (%s), retrying", self.ns, self.name, e.reason)
+                self.deleting.wait(min(0.2 * 2**attempt, 2.0))
+        raise AssertionError("unreachable")
+
     def _volumes(self) -> dict[str, Path]:
         """A host folder for each of the pod's volumes, filled as the kubelet fills them."""
         spec = self.pod["spec"]
@@ -299,7 +312,7 @@ class PodRunner:
         spec = self.pod["spec"]
         self.grace = float(spec.get("terminationGracePeriodSeconds", 30))
         self.dir.mkdir(parents=True, exist_ok=True)
-        volumes = self._volumes()
+        volumes = self._mount_volumes()
         containers = spec["containers"]
         for init in spec.get("initContainers") or []:
             code = self._run_once(init, volumes, 0)
@@ -518,20 +531,23 @@ class Node:
 
     def _seen(self, pod: dict[str, Any]) -> None:
         uid = pod["metadata"]["uid"]
+        deleting = bool(pod["metadata"].get("deletionTimestamp"))
         with self.lock:
             runner = self.pods.get(uid)
-            if runner is None:
+            fresh = runner is None
+            if fresh:
                 if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
                     return
-                if pod["metadata"].get("deletionTimestamp"):
-                    # Never started here: nothing to stop, only the final delete to send.
-                    runner = PodRunner(self, pod)
-                    runner.deleting.set()
-                    runner._finish()
-                    return
-                runner = self.pods[uid] = PodRunner(self, pod)
-                runner.thread.start()
-        if pod["metadata"].get("deletionTimestamp"):
+                runner = PodRunner(self, pod)
+                if not deleting:
+                    self.pods[uid] = runner
+        if fresh and deleting:
+            # Never started here: nothing to stop, only the final delete to send.
+            runner.deleting.set()
+            runner._finish()
+        elif fresh:
+            runner.thread.start()
+        elif deleting:
             runner.delete(pod["metadata"].get("deletionGracePeriodSeconds"))
 
     def _deleted(self, pod: dict[str, Any]) -> None:
