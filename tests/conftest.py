@@ -207,7 +207,8 @@ def read_output() -> Any:
 
 
 def shard_log_lines(place: Place, job: Any, round_no: int = 0) -> dict[int, list[dict[str, Any]]]:
-    """Every raw durable record of each shard, as written (no de-duplication), by shard index."""
+    """Every raw durable record of each shard, as written (no de-duplication), by shard index; a torn
+    last line of a log is not a record."""
     from bij_operator import layout
 
     prefix = layout.join(layout.round_prefix(job, round_no), "shards") + "/"
@@ -215,6 +216,7 @@ def shard_log_lines(place: Place, job: Any, round_no: int = 0) -> dict[int, list
     for obj in place.storage.list(prefix):
         index = int(obj.uri[len(prefix):].split("/", 1)[0])
         data = place.storage.read_bytes(obj.uri)
+        data = data[: data.rfind(b"\n") + 1]  # a torn tail (no newline) is no record: readers skip it
         out.setdefault(index, []).extend(json.loads(line) for line in data.splitlines() if line.strip())
     return out
 
@@ -239,11 +241,12 @@ if os.environ.get("BIJ_TEST_HARNESS"):
 
     _log = os.environ.get("BIJ_TEST_ECHO_LOG")  # one line per row the engine computes
     _delay = float(os.environ.get("BIJ_TEST_ECHO_DELAY", "0"))  # seconds per batch
+    _hold = os.environ.get("BIJ_TEST_ECHO_HOLD")  # with it, the delay holds only while this file exists
     _fail = int(os.environ.get("BIJ_TEST_FAIL_SEGMENT", "0"))  # the n-th segment upload fails
     _run = echo.EchoEngine.run
 
     def run(self, requests):
-        if _delay:
+        if _delay and (not _hold or os.path.exists(_hold)):
             time.sleep(_delay)
         out = _run(self, requests)
         if _log:
@@ -277,10 +280,11 @@ def _harness_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def worker_env(_harness_dir: Path) -> Any:
-    """worker_env(place, echo_log=None, echo_delay=0, fail_segment=0, **extra) -> env for bij/bij-worker."""
+    """worker_env(place, echo_log=None, echo_delay=0, echo_hold=None, fail_segment=0, **extra) -> env for
+    bij/bij-worker; with `echo_hold`, the echo delay applies only while that file exists."""
 
     def env(place: Place | None = None, *, echo_log: Path | None = None, echo_delay: float = 0.0,
-            fail_segment: int = 0, **extra: str) -> dict[str, str]:
+            echo_hold: Path | None = None, fail_segment: int = 0, **extra: str) -> dict[str, str]:
         e = dict(os.environ)
         e.update(place.env() if place else {})
         e["PYTHONUNBUFFERED"] = "1"
@@ -292,6 +296,8 @@ def worker_env(_harness_dir: Path) -> Any:
                 e["BIJ_TEST_ECHO_LOG"] = str(echo_log)
             if echo_delay:
                 e["BIJ_TEST_ECHO_DELAY"] = str(echo_delay)
+            if echo_hold:
+                e["BIJ_TEST_ECHO_HOLD"] = str(echo_hold)
             if fail_segment:
                 e["BIJ_TEST_FAIL_SEGMENT"] = str(fail_segment)
         e.update(extra)

@@ -23,6 +23,7 @@ from bij_worker.storage import NotFound, Storage, open_storage
 from bij_worker.worker import done_uri, shard_prefix
 
 from . import layout
+from .fingerprint import PlanRefused, spec_changes
 from .spec import BatchInferenceJob
 
 
@@ -83,12 +84,17 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
     t = _Totals()
     for r in range(rounds):
         plan = load_round_plan(store, job, r)
+        changes = spec_changes(plan["job"]["spec"], job)
+        if changes:
+            # The manifest must name what made the rows, never a spec edited since.
+            raise PlanRefused(f"cannot publish: {'; '.join(changes)} since round {r} was planned; undo the change, "
+                              "or start over with `bij run --restart`")
         names = [o.get("name") or o["uri"] for o in plan["objects"]]
         round_rows = round_errors = 0
         for index in range(len(plan["shards"])):
             if not store.exists(done_uri(plan, index)):
                 raise PublishError(f"round {r} shard {index} has not finished")
-            records = ShardLog(store, shard_prefix(plan, index)).read(repair=False).records
+            records = ShardLog(store, shard_prefix(plan, index)).read().records
             records.sort(key=lambda rec: (rec["at"][0], rec["at"][1]))  # input order, whoever wrote them
             results: list[dict[str, Any]] = []
             errors: list[dict[str, Any]] = []

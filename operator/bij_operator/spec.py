@@ -7,6 +7,7 @@ names the field path (``spec.model.engine``) and the reason.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -46,8 +47,15 @@ class _Model(BaseModel):
     )
 
 
+# An S3 endpoint: scheme, host, optional port and path (botocore refuses anything else).
+ENDPOINT_PATTERN = r"^https?://[^\s/?#:]+(:[0-9]{1,5})?(/[^\s]*)?$"
+# s3://bucket[/key] with a bucket; file:// with a path (absolute, or relative to the working directory).
+URI_PATTERN = r"^(s3://[^/\s]+(/.*)?|file://.+)$"
+DEFAULT_MAX_LINE_BYTES = 32 << 20
+
+
 class S3Options(_Model):
-    endpoint_url: str | None = None
+    endpoint_url: str | None = Field(None, pattern=ENDPOINT_PATTERN)
     region: str | None = None
 
 
@@ -64,6 +72,8 @@ class InputSpec(_Model):
     id_field: str = "id"
     text_field: str = "text"
     messages_field: str | None = None
+    # A longer line is an error row (its bytes are never held in memory).
+    max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31)
 
     @field_validator("uri")
     @classmethod
@@ -112,7 +122,7 @@ class ModelSpec(_Model):
 
 
 class ShardingSpec(_Model):
-    target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=1 << 40)
     chunk_rows: int = Field(512, ge=1, le=1_000_000)
 
 
@@ -235,9 +245,8 @@ class JobSpec(_Model):
     def _cross_field(self) -> JobSpec:
         if self.judge is not None and self.model.task == "embed":
             raise ValueError("judge needs a generate or chat task: embeddings have no text to judge")
-        if self.model.task == "chat" and self.input.format == "jsonl" and not self.input.messages_field:
-            # A plain text field is wrapped as one user message; that is allowed.
-            pass
+        if uris_overlap(self.input.uri, self.output.uri):
+            raise ValueError(OVERLAP_MESSAGE)
         return self
 
 
@@ -286,12 +295,32 @@ class BatchInferenceJob(_Model):
         return self.metadata.uid or self.metadata.name
 
 
+OVERLAP_MESSAGE = ("spec.output.uri must not be spec.input.uri, lie inside it or contain it: a job would read "
+                   "its own (or an earlier job's) state and results as input; choose a separate output folder")
+
+
 def _check_uri(uri: str) -> str:
     if not (uri.startswith("file://") or uri.startswith("s3://")):
         raise ValueError(f"must start with file:// or s3://, got {uri!r}")
-    if uri.startswith("s3://") and len(uri) <= len("s3://"):
-        raise ValueError(f"s3:// needs a bucket: {uri!r}")
+    if uri.startswith("s3://") and not re.match(URI_PATTERN, uri):
+        raise ValueError(f"s3:// needs a bucket (s3://bucket/prefix), got {uri!r}")
+    if not re.match(URI_PATTERN, uri):
+        raise ValueError(f"file:// needs a path (file:///absolute/path or file://relative/path), got {uri!r}")
     return uri
+
+
+def folder_key(uri: str) -> str:
+    """A URI as a folder, for comparing places: one trailing slash, `.`/`..` resolved in file:// paths."""
+    if uri.startswith("file://"):
+        path = posixpath.normpath(uri[len("file://"):])
+        uri = "file://" + path
+    return uri.rstrip("/") + "/"
+
+
+def uris_overlap(a: str, b: str) -> bool:
+    """Whether one URI is the other or lies under it (`in/` and `in-old/` do not overlap)."""
+    fa, fb = folder_key(a), folder_key(b)
+    return fa.startswith(fb) or fb.startswith(fa)
 
 
 def _format_errors(err: ValidationError, prefix: str = "") -> list[str]:

@@ -4,6 +4,10 @@ A piece ``[start, end)`` of a plain object owns the lines whose first byte lies
 in it: reading starts one byte early and drops the partial line, and stops at
 the first line that starts at or after `end`. Compressed objects are read from
 their beginning. Resuming starts at the cursor (always a line start) instead.
+
+What cannot be a row is never dropped quietly: a line longer than
+`input.maxLineBytes`, and a `.zst` object that is cut or damaged, come out as an
+`InputProblem` at their place, which the worker records as an error row.
 """
 
 from __future__ import annotations
@@ -16,39 +20,119 @@ from typing import Any
 
 import zstandard
 
-from .storage import Storage, iter_lines
+from .storage import Storage, split_lines
 
-Line = tuple[tuple[int, int, int], bytes]  # ((object, offset, end), line)
+DEFAULT_MAX_LINE_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class InputProblem:
+    """A place in the input that is no line to parse; the worker makes it an error row."""
+
+    code: str
+    message: str
+
+
+Line = tuple[tuple[int, int, int], bytes | InputProblem]  # ((object, offset, end), line)
+
+
+class CorruptInput(Exception):
+    """A compressed object that ends inside a frame or whose data is damaged."""
+
+
+class ZstdFrames:
+    """Every frame of a .zst stream, decompressed; `read()` as a file's.
+
+    zstandard's stream reader reads a cut frame as a clean end of the object. This one
+    raises `CorruptInput` for a stream that ends inside a frame, or damaged data.
+    Raw bytes go in small pieces (smaller while the data expands a lot), so memory stays
+    bounded however well a piece compresses.
+    """
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+        self.dctx = zstandard.ZstdDecompressor()
+        self.obj = self.dctx.decompressobj()
+        self.in_frame = False
+        self.piece = 64 << 10
+        self.left = b""  # raw bytes read but not fed yet
+
+    def read(self, size: int = -1) -> bytes:
+        while True:
+            if not self.left:
+                self.left = self.raw.read(1 << 20)
+                if not self.left:
+                    if self.in_frame:
+                        raise CorruptInput("the object ends inside a zstd frame (cut short, or still uploading)")
+                    return b""
+            data, self.left = self.left[: self.piece], self.left[self.piece:]
+            out = self._feed(data)
+            if len(out) > 8 << 20:
+                self.piece = max(1024, self.piece // 8)
+            elif len(out) < 1 << 20 and self.piece < 64 << 10:
+                self.piece *= 2
+            if out:
+                return out
+
+    def _feed(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            try:
+                out.append(self.obj.decompress(data))
+            except zstandard.ZstdError as e:
+                raise CorruptInput(f"damaged zstd data ({e})") from None
+            if self.obj.eof:  # a frame ended; what follows is the next frame
+                data = self.obj.unused_data
+                self.obj = self.dctx.decompressobj()
+                self.in_frame = False
+            else:
+                data = b""
+                self.in_frame = True
+        return b"".join(out)
+
+
+def _too_long(n: int, limit: int | None) -> InputProblem:
+    return InputProblem("line_too_long", f"the line has {n} bytes, more than spec.input.maxLineBytes ({limit})")
 
 
 def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: int,
-               resume_at: int = -1) -> Iterator[Line]:
-    """Lines of one piece, each with its place; from `resume_at` when that is past `start`."""
+               resume_at: int = -1, *, max_line: int | None = DEFAULT_MAX_LINE_BYTES,
+               version: str | None = None) -> Iterator[Line]:
+    """Lines of one piece, each with its place; from `resume_at` when that is past `start`.
+
+    With `version` (from the plan), another version of the object is refused (`ObjectChanged`).
+    """
     obj_placeholder = 0
     if compressed:
-        with storage.open_read(uri) as raw:
-            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20)
-            for off, line in iter_lines(reader, 0):  # type: ignore[arg-type]
-                if off < resume_at:
-                    continue
-                yield (obj_placeholder, off, off + len(line) + 1), line
+        with storage.open_read(uri, 0, version) as raw:
+            at = 0  # where the next line starts (uncompressed)
+            try:
+                for off, line, n in split_lines(ZstdFrames(raw), 0, max_line=max_line):
+                    at = off + n + 1
+                    if off >= resume_at:
+                        yield (obj_placeholder, off, at), line if line is not None else _too_long(n, max_line)
+            except CorruptInput as e:
+                # The partial line before the break was never yielded: the error row takes its place.
+                if at >= resume_at:
+                    yield (obj_placeholder, at, at + 1), InputProblem(
+                        "corrupt_input", f"{e} at uncompressed byte {at}; the rest of the object cannot be read")
         return
     begin = max(start, resume_at)
     if begin >= end:
         return
     # A resume cursor is a line start; a plain piece start may not be.
     open_at = begin if begin == resume_at or begin == 0 else begin - 1
-    with storage.open_read(uri, open_at) as f:
-        for off, line in iter_lines(f, open_at):
+    with storage.open_read(uri, open_at, version) as f:
+        for off, line, n in split_lines(f, open_at, max_line=max_line):
             if off < begin:
                 continue
             if off >= end:
                 break
-            yield (obj_placeholder, off, off + len(line) + 1), line
+            yield (obj_placeholder, off, off + n + 1), line if line is not None else _too_long(n, max_line)
 
 
 def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, Any]], pieces: list[list[int]],
-               cursor: tuple[int, int] = (-1, -1)) -> Iterator[Line]:
+               cursor: tuple[int, int] = (-1, -1), max_line: int | None = DEFAULT_MAX_LINE_BYTES) -> Iterator[Line]:
     """All lines of a shard in input order, skipping what lies before the durable cursor."""
     for obj, start, end in pieces:
         if obj < cursor[0]:
@@ -56,8 +140,11 @@ def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, An
         resume_at = cursor[1] if obj == cursor[0] else -1
         info = objects[obj]
         uri = info["uri"]
-        for (_, off, stop), line in iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at):
-            if line.strip():
+        for (_, off, stop), line in iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at,
+                                               max_line=max_line, version=info.get("version")):
+            if isinstance(line, InputProblem):
+                yield (obj, off, stop), line
+            elif line.strip():
                 yield (obj, off, stop), line.rstrip(b"\r")
 
 

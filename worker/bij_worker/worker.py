@@ -25,7 +25,7 @@ from .engines.base import Engine, Request, Result
 from .inputs import InputOptions, Row, error_row, parse_line, redispatch_line, result_row, row_usage
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
-from .reader import Prefetcher, iter_shard
+from .reader import DEFAULT_MAX_LINE_BYTES, InputProblem, Line, Prefetcher, iter_shard
 from .segments import ShardLog
 from .storage import NotFound, Storage, open_storage
 
@@ -163,6 +163,7 @@ class ShardWorker:
         self.sort = bool(batching.get("sortByLength", True))
         self.depth = int(batching.get("prefetchChunks", 2))
         self.chunk_rows = int(spec.get("sharding", {}).get("chunkRows", 512))
+        self.max_line = int(spec["input"].get("maxLineBytes", DEFAULT_MAX_LINE_BYTES))
         self.max_tokens = spec.get("model", {}).get("maxInputTokens")
         self.s3 = spec.get("storage", {}).get("s3")
         judge_spec = spec.get("judge")
@@ -207,14 +208,18 @@ class ShardWorker:
         # Stream the durable log: resuming a long shard must not hold its records in memory.
         resumed_bytes = records = 0
         attempts: dict[tuple[int, int], dict[str, Any]] = {}  # rows between attempts, by place
+        # Rows with a final record: another writer's log may list a row's attempts after it.
+        finals: set[tuple[int, int]] = set()
         for rec in self.log.scan():
             records += 1
             place = (rec["at"][0], rec["at"][1])
             if rec["kind"] == "attempt":
-                if place not in attempts or rec["attempt"] > attempts[place]["attempt"]:
+                if place not in finals and (place not in attempts or rec["attempt"] > attempts[place]["attempt"]):
                     attempts[place] = rec
                 continue
-            attempts.pop(place, None)  # a row's final record comes after its attempts
+            if self.in_place:
+                finals.add(place)
+                attempts.pop(place, None)
             resumed_bytes += rec["at"][2] - rec["at"][1]
             self._count_final(rec)
         state = self.log.state
@@ -229,7 +234,7 @@ class ShardWorker:
         if pending and not self._resume_attempts(pending):
             return ShardOutcome("stopped", self.stats.rows, self.stats.errors)
 
-        lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor)
+        lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor, self.max_line)
         prefetch = Prefetcher(lines, self.chunk_rows, self.depth)
         self.metrics.engine_stopped()
         try:
@@ -252,7 +257,7 @@ class ShardWorker:
     def _finish(self, t0: float) -> None:
         if self.judge is not None:
             # The next round's input: every row this shard rejected, with its id and history.
-            lines = [rec["line"] for rec in sorted(self.log.read(repair=False).records,
+            lines = [rec["line"] for rec in sorted(self.log.read().records,
                                                    key=lambda r: (r["at"][0], r["at"][1]))
                      if rec["kind"] == "rejected"]
             uri = f"{self.plan['roundPrefix']}/rejected/{self.index:05d}.jsonl"
@@ -290,17 +295,20 @@ class ShardWorker:
             live.append(_Live(row, line, attempts_here=int(rec["attemptsHere"])))
         return self._attempt_loop(live, [])
 
-    def _work_chunk(self, lines: list[tuple[tuple[int, int, int], bytes]]) -> bool:
+    def _work_chunk(self, lines: list[Line]) -> bool:
         """Parse, run and commit one chunk. False when stopped before the chunk was committed.
 
         Ids repeated within or across shards are found at publish, which sees every shard
         in input order: a set of every id here would grow with the shard.
         """
         names, opts = self.names, self.opts
-        rows: list[Row] = [parse_line(line, at, names[at[0]], opts) for at, line in lines]
         records: list[dict[str, Any]] = []
         live = []
-        for row, (_, line) in zip(rows, lines, strict=True):
+        for at, line in lines:
+            if isinstance(line, InputProblem):
+                records.append(self._error_record(Row(at=at, id=None, error_code=line.code, error=line.message)))
+                continue
+            row = parse_line(line, at, names[at[0]], opts)
             if row.request is None:
                 records.append(self._error_record(row))
             else:
