@@ -38,7 +38,10 @@ class SpecError(ValueError):
         self.problems = problems
         self.source = source
         where = f"{source}: " if source else ""
-        super().__init__(where + "invalid BatchInferenceJob:\n" + "\n".join(f"  - {p}" for p in problems))
+        if len(problems) == 1:  # one line for one problem
+            super().__init__(f"{where}invalid BatchInferenceJob: {problems[0]}")
+        else:
+            super().__init__(where + "invalid BatchInferenceJob:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 class _Model(BaseModel):
@@ -55,8 +58,15 @@ DEFAULT_MAX_LINE_BYTES = 32 << 20
 
 
 class S3Options(_Model):
-    endpoint_url: str | None = Field(None, pattern=ENDPOINT_PATTERN)
+    endpoint_url: str | None = None
     region: str | None = None
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(ENDPOINT_PATTERN, url):
+            raise ValueError(f"must be an http(s) URL such as https://s3.example.com:9000, got {url!r}")
+        return url
 
 
 class StorageSpec(_Model):
