@@ -281,3 +281,19 @@ def test_an_output_inside_the_input_is_refused_at_plan_time_with_paths_resolved(
     with pytest.raises(PlanRefused, match="spec.output.uri must not be spec.input.uri, lie inside it"):
         plan_round(job, 0)
     assert not (tmp_path / "data" / "in" / "out").exists()
+
+
+def test_each_run_removes_temp_files_that_killed_writes_left(file_place, make_job):
+    import os
+
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "a"}]))
+    plan_round(job, 0)
+    out = Path(job.spec.output.uri[len("file://"):])
+    left = [out / ".manifest.json.k1llx9q2.tmp", out / "results" / ".r0-00000.jsonl.0123456789abcdef.tmp",
+            out / "_bij" / "t" / "round-0" / "done" / ".00000.json.a1b2c3d4.tmp"]
+    for f in left:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"half a file")
+        os.utime(f, (time.time() - 3600, time.time() - 3600))
+    plan_round(job, 0)  # the next run
+    assert not any(f.exists() for f in left)

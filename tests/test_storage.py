@@ -381,3 +381,18 @@ def test_a_line_over_the_limit_is_reported_by_length_and_never_held():
         tracemalloc.stop()
     assert got == [(0, b"a", 1), (2, None, 32 << 20), (3 + (32 << 20), b"b", 1), (5 + (32 << 20), 2000, 2000)]
     assert peak < 4 << 20  # the 32 MiB line was dropped as it was read
+
+
+def test_reading_a_version_that_was_replaced_is_refused(place):
+    from bij_worker.storage import ObjectChanged
+
+    uri = place.uri("in/a.jsonl")
+    place.storage.write_bytes(uri, b'{"id": 1}\n')
+    (info,) = place.storage.list(uri)
+    with place.storage.open_read(uri, 0, info.version) as f:
+        assert f.read() == b'{"id": 1}\n'
+    time.sleep(0.01)  # a coarse mtime clock must still see a new version
+    place.storage.write_bytes(uri, b'{"id": 2}\n')
+    with pytest.raises(ObjectChanged, match="after the job was planned"):
+        with place.storage.open_read(uri, 3, info.version) as f:
+            f.read()

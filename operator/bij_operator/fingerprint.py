@@ -36,6 +36,8 @@ class PlanRefused(ValueError):
     """The job must not run as it stands: it does not match its plan, its output belongs to another
     job, or its URIs overlap. No retry helps; the message says what changed and what to do."""
 
+    permanent = True
+
 
 def _get(spec: Mapping[str, Any], path: str) -> Any:
     value: Any = spec

@@ -218,7 +218,7 @@ class LocalRunner:
             return self._run()
         except (PlanError, PlanRefused) as e:
             print(f"bij: {e}", file=sys.stderr)
-            return EXIT_BAD_CONFIG if getattr(e, "permanent", True) else 1
+            return EXIT_BAD_CONFIG if e.permanent else 1
         except StorageError as e:
             print(f"bij: storage: {e}", file=sys.stderr)
             return EXIT_BAD_CONFIG if e.permanent else 1
@@ -284,7 +284,7 @@ def cli_run(args: argparse.Namespace) -> int:
         except StorageError as e:
             print(f"bij: --restart: {e}", file=sys.stderr)
             return EXIT_BAD_CONFIG if e.permanent else 1
-        print(f"bij: --restart: deleted {gone} objects (the manifest, plans and durable results) of "
+        print(f"bij: --restart: deleted the manifest and {gone} objects (plans, durable results) of "
               f"{job.metadata.name} under {job.spec.output.uri}", file=sys.stderr)
     return LocalRunner(job, args.parallelism, show_progress=not args.no_progress).run()
 

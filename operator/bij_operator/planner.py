@@ -232,13 +232,13 @@ def claim_output(job: BatchInferenceJob, store: Storage) -> None:
 
 
 def reset_output(job: BatchInferenceJob) -> int:
-    """Start the job over: delete its manifest, then its plans and durable results. Returns objects deleted."""
+    """Start the job over: delete its manifest, then its plans and durable results (how many objects)."""
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
-    store.delete(layout.manifest_uri(job))
+    store.delete(layout.manifest_uri(job))  # first: no reader may trust it over what follows
     objects = store.list(layout.state_prefix(job) + "/")
     for o in objects:
         store.delete(o.uri)
-    return len(objects) + 1
+    return len(objects)
 
 
 def plan_shards_for(job: BatchInferenceJob, round_no: int = 0) -> int:

@@ -204,44 +204,27 @@ class FileStorage:
 
     def write_bytes(self, uri: str, data: bytes) -> None:
         p = _local_path(uri)
-        tmp = p.parent / f".{p.name}.{secrets.token_hex(8)}.tmp"
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            # 0666 less the umask, like any file a program writes (mkstemp would make it 0600).
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            tmp = _durable_temp(p, data)
+            try:
+                os.replace(tmp, p)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         except OSError as e:
             raise _os_error("write", uri, e) from None
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException as e:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            if isinstance(e, OSError):
-                raise _os_error("write", uri, e) from None
-            raise
         _fsync_dir(p.parent)
 
     def create(self, uri: str, data: bytes) -> bool:
         p = _local_path(uri)
-        tmp = p.parent / f".{p.name}.{secrets.token_hex(8)}.tmp"
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            tmp = _durable_temp(p, data)
             try:
                 os.link(tmp, p)  # fails if the name exists: whole and exclusive at once
             except FileExistsError:
                 return False
             finally:
-                os.unlink(tmp)
+                tmp.unlink()
         except OSError as e:
             raise _os_error("write", uri, e) from None
         _fsync_dir(p.parent)
@@ -293,6 +276,23 @@ class FileStorage:
             raise _os_error("append to", uri, e) from None
         if new:
             _fsync_dir(p.parent)
+
+
+def _durable_temp(p: Path, data: bytes) -> Path:
+    """`data` in a new, fsynced temp file beside `p` (removed again if anything fails)."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.parent / f".{p.name}.{secrets.token_hex(8)}.tmp"
+    # 0666 less the umask, like any file a program writes (mkstemp would make it 0600).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
 
 
 def _fsync_dir(path: Path) -> None:
@@ -427,13 +427,12 @@ class S3Storage:
             try:
                 return fn()
             except Exception as e:  # noqa: BLE001 - classified below
-                code = ""
                 if isinstance(e, ClientError):
                     code = str(e.response.get("Error", {}).get("Code", ""))
                     if code in {"NoSuchKey", "404", "NotFound"}:
                         raise NotFound(f"{uri}: no such object") from None
-                if isinstance(e, ClientError) and code == "PreconditionFailed":
-                    raise ObjectChanged(f"{uri} was replaced after the job was planned (ETag differs)") from None
+                    if code == "PreconditionFailed":  # IfMatch / IfNoneMatch
+                        raise ObjectChanged(f"{uri} was replaced after the job was planned (ETag differs)") from None
                 if not _is_transient(e):
                     raise StorageError(f"{what} {uri}: {_describe(e)}", permanent=True) from None
                 if attempt == self.max_attempts:
