@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from bij_worker import storage
-from bij_worker.storage import FileStorage, NotFound, S3Storage, StorageError, iter_lines, open_storage, split_s3
+from bij_worker.storage import FileStorage, NotFound, S3Storage, StorageError, open_storage, split_lines, split_s3
 from botocore.exceptions import (
     ClientError,
     ConnectionClosedError,
@@ -109,13 +109,13 @@ def test_temp_files_of_killed_writes_are_removed_once_stale(tmp_path: Path):
     assert (tmp_path / "results" / "r0-00000.jsonl").exists()
 
 
-def test_iter_lines_gives_each_line_with_the_offset_of_its_first_byte():
+def test_split_lines_gives_each_line_with_the_offset_of_its_first_byte():
     rnd = random.Random(3)
     for _ in range(200):
         lines = [bytes(rnd.choice(b"ab\r{}") for _ in range(rnd.randint(0, 9))) for _ in range(rnd.randint(0, 8))]
         data = b"\n".join(lines) + rnd.choice([b"", b"\n"])
         base = rnd.randint(0, 100)
-        got = list(iter_lines(io.BytesIO(data), base, block=rnd.randint(1, 7)))
+        got = [(off, line) for off, line, _ in split_lines(io.BytesIO(data), base, block=rnd.randint(1, 7))]
         want, off = [], base
         for part in data.split(b"\n")[: data.count(b"\n")]:
             want.append((off, part))
@@ -359,17 +359,15 @@ def test_a_long_line_is_split_in_linear_time():
     short_lines = (b"x" * 99 + b"\n") * (n // 100)
     one_line = b"y" * n + b"\n"
     t = time.perf_counter()
-    assert sum(1 for _ in iter_lines(io.BytesIO(short_lines), 0, block)) == n // 100
+    assert sum(1 for _ in split_lines(io.BytesIO(short_lines), 0, block)) == n // 100
     anchor = time.perf_counter() - t
     t = time.perf_counter()
-    assert list(iter_lines(io.BytesIO(one_line), 7, block)) == [(7, one_line[:-1])]
+    assert list(split_lines(io.BytesIO(one_line), 7, block)) == [(7, one_line[:-1], n)]
     assert time.perf_counter() - t < 5 * anchor + 0.5
 
 
 def test_a_line_over_the_limit_is_reported_by_length_and_never_held():
     import tracemalloc
-
-    from bij_worker.storage import split_lines
 
     data = b"a\n" + b"z" * (32 << 20) + b"\nb\n" + b"tail-without-newline" * 100
     tracemalloc.start()
@@ -396,3 +394,20 @@ def test_reading_a_version_that_was_replaced_is_refused(place):
     with pytest.raises(ObjectChanged, match="after the job was planned"):
         with place.storage.open_read(uri, 3, info.version) as f:
             f.read()
+
+
+def test_split_lines_with_a_limit_agrees_with_a_plain_split():
+    rnd = random.Random(5)
+    for _ in range(500):
+        lines = [bytes(rnd.choice(b"ab{}") for _ in range(rnd.randint(0, 12))) for _ in range(rnd.randint(0, 8))]
+        data = b"\n".join(lines) + rnd.choice([b"", b"\n"])
+        limit = rnd.choice([None, 0, 1, 3, 6, 20])
+        got = list(split_lines(io.BytesIO(data), 10, block=rnd.randint(1, 9), max_line=limit))
+        parts = data.split(b"\n")
+        if data.endswith(b"\n") or not data:
+            parts = parts[:-1]
+        want, off = [], 10
+        for part in parts:
+            want.append((off, part if limit is None or len(part) <= limit else None, len(part)))
+            off += len(part) + 1
+        assert got == want, (data, limit)

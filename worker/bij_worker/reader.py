@@ -55,17 +55,19 @@ class ZstdFrames:
         self.obj = self.dctx.decompressobj()
         self.in_frame = False
         self.piece = 64 << 10
-        self.left = b""  # raw bytes read but not fed yet
+        self.raw_block = b""  # raw bytes read; fed from `self.at` on
+        self.at = 0
 
     def read(self, size: int = -1) -> bytes:
         while True:
-            if not self.left:
-                self.left = self.raw.read(1 << 20)
-                if not self.left:
+            if self.at >= len(self.raw_block):
+                self.raw_block, self.at = self.raw.read(1 << 20), 0
+                if not self.raw_block:
                     if self.in_frame:
                         raise CorruptInput("the object ends inside a zstd frame (cut short, or still uploading)")
                     return b""
-            data, self.left = self.left[: self.piece], self.left[self.piece:]
+            data = self.raw_block[self.at: self.at + self.piece]
+            self.at += len(data)
             out = self._feed(data)
             if len(out) > 8 << 20:
                 self.piece = max(1024, self.piece // 8)

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from .storage import NotFound, Storage, iter_lines
+from .storage import NotFound, Storage, split_lines
 
 # file://: a log per writer; logs of older versions were all named "log.jsonl".
 LOG_PREFIX = "log"
@@ -141,8 +141,8 @@ class ShardLog:
                 continue
             with stream:
                 # Only the bytes there when listed: what a running writer appends later is its own.
-                for off, line in iter_lines(_Limited(stream, obj.size), 0):
-                    if off + len(line) + 1 > obj.size:
+                for off, line, n in split_lines(_Limited(stream, obj.size), 0):
+                    if off + n + 1 > obj.size or line is None:
                         # No newline yet: a write torn by a crash, or one still under way.
                         state.torn_bytes += obj.size - off
                         break

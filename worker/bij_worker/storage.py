@@ -577,7 +577,8 @@ def split_lines(stream: Any, base_offset: int, block: int = 1 << 20,
     comes as (offset, None, length), with its bytes dropped as they are read. A last line
     without a trailing newline is yielded too.
     """
-    parts: list[bytes] = []  # pieces of the line not ended yet
+    limit = -1 if max_line is None else max_line
+    parts: list[bytes] = []  # pieces of the line not ended yet (none once it is over the limit)
     size = 0  # its length so far
     pos = base_offset  # offset of its first byte
     while True:
@@ -585,36 +586,41 @@ def split_lines(stream: Any, base_offset: int, block: int = 1 << 20,
         if not data:
             break
         start = 0
-        while True:
-            nl = data.find(b"\n", start)
+        nl = data.find(b"\n")
+        if size:  # the line left open by the last block
             if nl < 0:
-                break
-            n = size + nl - start
-            if max_line is not None and n > max_line:
-                yield pos, None, n
-            elif parts:
-                parts.append(data[start:nl])
+                size += len(data)
+                if limit < 0 or size <= limit:
+                    parts.append(data)
+                else:
+                    parts = []
+                continue
+            n = size + nl
+            if limit < 0 or n <= limit:
+                parts.append(data[:nl])
                 yield pos, b"".join(parts), n
             else:
-                yield pos, data[start:nl], n
+                yield pos, None, n
             parts, size = [], 0
             pos += n + 1
             start = nl + 1
+            nl = data.find(b"\n", start)
+        if limit < 0 or len(data) - start <= limit:
+            while nl >= 0:  # the common case: no line inside this block can be over the limit
+                yield pos, data[start:nl], nl - start
+                pos += nl - start + 1
+                start = nl + 1
+                nl = data.find(b"\n", start)
+        else:
+            while nl >= 0:
+                n = nl - start
+                yield pos, data[start:nl] if n <= limit else None, n
+                pos += n + 1
+                start = nl + 1
+                nl = data.find(b"\n", start)
         if start < len(data):
-            size += len(data) - start
-            if max_line is None or size <= max_line:
+            size = len(data) - start
+            if limit < 0 or size <= limit:
                 parts.append(data[start:] if start else data)
-            else:
-                parts = []
     if size:
-        yield pos, (b"".join(parts) if max_line is None or size <= max_line else None), size
-
-
-def iter_lines(stream: Any, base_offset: int, block: int = 1 << 20) -> Iterator[tuple[int, bytes]]:
-    """Yield (offset of the line's first byte, line without its newline) from a byte stream.
-
-    A last line without a trailing newline is yielded too.
-    """
-    for off, line, _ in split_lines(stream, base_offset, block):
-        assert line is not None
-        yield off, line
+        yield pos, b"".join(parts) if limit < 0 or size <= limit else None, size
