@@ -254,6 +254,7 @@ def test_a_rerun_over_replaced_input_is_refused_and_a_worker_never_reads_it(file
     in_uri = file_place.write_jsonl("in.jsonl", inputs)
     spec, job = make_job(file_place, in_uri)
     plan_round(job, 0)
+    time.sleep(0.05)  # past a tick of the kernel's coarse clock, which stamps mtimes
     file_place.write_jsonl("in.jsonl", [{**r, "text": r["text"].replace("document", "DOCUMENT")} for r in inputs])
     p = bij_run(bij_bin, spec, worker_env())
     assert p.returncode == 42

@@ -232,6 +232,7 @@ def test_a_rerun_over_changed_input_objects_is_refused(place, make_job):
     place.write_jsonl("in/b.jsonl", [{"id": "b", "text": "b"}])
     _, job = make_job(place, place.uri("in/"))
     plan_round(job, 0)
+    time.sleep(0.05)  # past a tick of the kernel's coarse clock, which stamps mtimes
     place.write_jsonl("in/b.jsonl", [{"id": "B", "text": "B"}])  # same size, new content
     with pytest.raises(PlanRefused, match=r"1 input object\(s\) changed: .*b\.jsonl \(rewritten"):
         plan_round(job, 0)
