@@ -53,7 +53,7 @@ class _Model(BaseModel):
 # An S3 endpoint: scheme, host, optional port and path (botocore refuses anything else).
 ENDPOINT_PATTERN = r"^https?://[^\s/?#:]+(:[0-9]{1,5})?(/[^\s]*)?$"
 # s3://bucket[/key] with a bucket; file:// with a path (absolute, or relative to the working directory).
-URI_PATTERN = r"^(s3://[^/\s]+(/.*)?|file://.+)$"
+URI_PATTERN = r"^(s3://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the same
 DEFAULT_MAX_LINE_BYTES = 32 << 20
 
 
