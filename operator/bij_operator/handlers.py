@@ -235,7 +235,7 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
         except PlanRefused as e:
             # Another job owns the output, the URIs overlap, or the plan there was made from another
             # spec or input: a retry cannot help, a spec edit may (the phase is not final).
-            refused = MarkFailed(round=d.round, phase="Failed", reason="PlanRefused", message=f"{e}")
+            refused = MarkFailed(round=d.round, phase="Failed", reason="PlanRefused", message=str(e))
             await write_status(raw, {**base(raw, refused, now), "message": refused.message},
                                event=("Warning", "PlanRefused", refused.message)
                                if status.get("message") != refused.message else None)

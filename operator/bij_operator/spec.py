@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from bij_worker.reader import DEFAULT_MAX_LINE_BYTES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -54,7 +55,6 @@ class _Model(BaseModel):
 ENDPOINT_PATTERN = r"^https?://[^\s/?#:]+(:[0-9]{1,5})?(/[^\s]*)?$"
 # s3://bucket[/key] with a bucket; file:// with a path (absolute, or relative to the working directory).
 URI_PATTERN = r"^(s3://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the same
-DEFAULT_MAX_LINE_BYTES = 32 << 20
 
 
 class S3Options(_Model):
