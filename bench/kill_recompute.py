@@ -55,9 +55,9 @@ def slow_worker(side_file: str, seconds_per_row: float, worker_argv: list[str]) 
 
 
 def log_rows(out: Path) -> tuple[int, int]:
-    """(records, distinct input places) in the shard's durable log."""
-    lines = [json.loads(x) for p in out.glob("_bij/*/round-*/shards/*/*.jsonl") for x in p.read_text().splitlines()
-             if x.strip()]
+    """(records, distinct input places) in the shard's durable logs (one per writer; a torn tail is no record)."""
+    texts = [p.read_text() for p in out.glob("_bij/*/round-*/shards/*/*.jsonl")]
+    lines = [json.loads(x) for t in texts for x in t[: t.rfind("\n") + 1].splitlines() if x.strip()]
     return len(lines), len({(r["at"][0], r["at"][1]) for r in lines})
 
 

@@ -11,7 +11,8 @@
   the echo engine, recording what it ran).
 - `bij_bin`, `worker_env`: the environment for real `bij` / `bij-worker` subprocesses, with an
   optional test harness (see `_HARNESS`) that counts rows the echo engine computes,
-  slows it down, or fails a segment upload — the production code has no test hooks.
+  slows it down, fails a segment upload, caps S3 retries or fills the disk — the production code
+  has no test hooks.
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def read_output() -> Any:
 
 
 def shard_log_lines(place: Place, job: Any, round_no: int = 0) -> dict[int, list[dict[str, Any]]]:
-    """Every raw durable record of each shard, as written (no de-duplication), by shard index."""
+    """Every raw durable record of each shard, as written (no de-duplication), by shard index; a torn
+    last line of a log is not a record."""
     from bij_operator import layout
 
     prefix = layout.join(layout.round_prefix(job, round_no), "shards") + "/"
@@ -215,6 +217,7 @@ def shard_log_lines(place: Place, job: Any, round_no: int = 0) -> dict[int, list
     for obj in place.storage.list(prefix):
         index = int(obj.uri[len(prefix):].split("/", 1)[0])
         data = place.storage.read_bytes(obj.uri)
+        data = data[: data.rfind(b"\n") + 1]  # a torn tail (no newline) is no record: readers skip it
         out.setdefault(index, []).extend(json.loads(line) for line in data.splitlines() if line.strip())
     return out
 
@@ -239,11 +242,12 @@ if os.environ.get("BIJ_TEST_HARNESS"):
 
     _log = os.environ.get("BIJ_TEST_ECHO_LOG")  # one line per row the engine computes
     _delay = float(os.environ.get("BIJ_TEST_ECHO_DELAY", "0"))  # seconds per batch
+    _hold = os.environ.get("BIJ_TEST_ECHO_HOLD")  # with it, the delay holds only while this file exists
     _fail = int(os.environ.get("BIJ_TEST_FAIL_SEGMENT", "0"))  # the n-th segment upload fails
     _run = echo.EchoEngine.run
 
     def run(self, requests):
-        if _delay:
+        if _delay and (not _hold or os.path.exists(_hold)):
             time.sleep(_delay)
         out = _run(self, requests)
         if _log:
@@ -252,6 +256,48 @@ if os.environ.get("BIJ_TEST_HARNESS"):
         return out
 
     echo.EchoEngine.run = run
+
+    _attempts = os.environ.get("BIJ_TEST_S3_ATTEMPTS")  # S3 retries before giving up (default 8)
+    if _attempts:
+        _init = storage.S3Storage.__init__
+
+        def init(self, *args, **kwargs):
+            _init(self, *args, **kwargs)
+            self.max_attempts, self.base_delay = int(_attempts), 0.01
+
+        storage.S3Storage.__init__ = init
+
+    _full = os.environ.get("BIJ_TEST_FULL_DISK")  # writes of files whose path has this in it: ENOSPC
+    if _full:
+        import errno
+
+        _fdopen = os.fdopen
+
+        class _FullDisk:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+        def fdopen(fd, *args, **kwargs):
+            f = _fdopen(fd, *args, **kwargs)
+            try:
+                path = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                return f
+            return _FullDisk(f) if _full in path and "w" in (args[0] if args else kwargs.get("mode", "r")) else f
+
+        os.fdopen = fdopen
 
     if _fail:
         _write = storage.S3Storage.write_bytes
@@ -277,23 +323,33 @@ def _harness_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def worker_env(_harness_dir: Path) -> Any:
-    """worker_env(place, echo_log=None, echo_delay=0, fail_segment=0, **extra) -> env for bij/bij-worker."""
+    """worker_env(place, echo_log=None, echo_delay=0, echo_hold=None, fail_segment=0, s3_attempts=0, full_disk="",
+    **extra) -> env for bij/bij-worker; with `echo_hold`, the echo delay applies only while that file exists;
+    `s3_attempts` caps S3 retries (fast, for unreachable endpoints); `full_disk` makes writes of files whose
+    path contains it fail with ENOSPC."""
 
     def env(place: Place | None = None, *, echo_log: Path | None = None, echo_delay: float = 0.0,
-            fail_segment: int = 0, **extra: str) -> dict[str, str]:
+            echo_hold: Path | None = None, fail_segment: int = 0, s3_attempts: int = 0, full_disk: str = "",
+            **extra: str) -> dict[str, str]:
         e = dict(os.environ)
         e.update(place.env() if place else {})
         e["PYTHONUNBUFFERED"] = "1"
         e["HF_HUB_OFFLINE"] = e["TRANSFORMERS_OFFLINE"] = "1"
-        if echo_log or echo_delay or fail_segment:
+        if echo_log or echo_delay or fail_segment or s3_attempts or full_disk:
             e["BIJ_TEST_HARNESS"] = "1"
             e["PYTHONPATH"] = os.pathsep.join(p for p in (str(_harness_dir), e.get("PYTHONPATH")) if p)
             if echo_log:
                 e["BIJ_TEST_ECHO_LOG"] = str(echo_log)
             if echo_delay:
                 e["BIJ_TEST_ECHO_DELAY"] = str(echo_delay)
+            if echo_hold:
+                e["BIJ_TEST_ECHO_HOLD"] = str(echo_hold)
             if fail_segment:
                 e["BIJ_TEST_FAIL_SEGMENT"] = str(fail_segment)
+            if s3_attempts:
+                e["BIJ_TEST_S3_ATTEMPTS"] = str(s3_attempts)
+            if full_disk:
+                e["BIJ_TEST_FULL_DISK"] = full_disk
         e.update(extra)
         return e
 

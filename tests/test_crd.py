@@ -231,6 +231,27 @@ BAD = [
      'spec.input.uri: Invalid value: "https://example.com/in.jsonl": must start with file:// or s3://'),
     ("s3-output-without-bucket", with_spec(output={"uri": "s3://"}),
      'spec.output.uri: Invalid value: "s3://": must start with file:// or s3://'),
+    ("s3-input-with-an-empty-bucket", with_spec(input={"uri": "s3:///"}),
+     'spec.input.uri: Invalid value: "s3:///": must start with file:// or s3://, as s3://bucket/prefix (a bucket)'),
+    ("file-output-without-path", with_spec(output={"uri": "file://"}),
+     'spec.output.uri: Invalid value: "file://": must start with file:// or s3://'),
+    ("endpoint-not-a-url", with_spec(storage={"s3": {"endpointUrl": "not a url::"}}),
+     'spec.storage.s3.endpointUrl: Invalid value: "not a url::": spec.storage.s3.endpointUrl in body should match'),
+    ("output-is-the-input", with_spec(input={"uri": "s3://b/data"}, output={"uri": "s3://b/data/"}),
+     'spec.output.uri: Invalid value: spec.output.uri must not be spec.input.uri, lie inside it'),
+    ("output-inside-the-input", with_spec(input={"uri": "file:///data/"}, output={"uri": "file:///data/runs/a"}),
+     'spec.output.uri: Invalid value: spec.output.uri must not be spec.input.uri, lie inside it'),
+    ("input-inside-the-output", with_spec(input={"uri": "s3://b/out/in.jsonl"}, output={"uri": "s3://b/out"}),
+     'spec.output.uri: Invalid value: spec.output.uri must not be spec.input.uri, lie inside it'),
+    ("line-limit-below-a-kib", with_spec(input={"uri": "file:///in", "maxLineBytes": 10}),
+     "spec.input.maxLineBytes: Invalid value: 10: spec.input.maxLineBytes in body should be greater than or equal"),
+    ("parallelism-beyond-int64", with_spec(workers={"parallelism": 10 ** 30}),
+     'spec.workers.parallelism: Invalid value: "number": spec.workers.parallelism in body must be of type integer'),
+    ("shard-bytes-beyond-int64", with_spec(sharding={"targetShardBytes": 2 ** 64}),
+     'spec.sharding.targetShardBytes: Invalid value: "number": spec.sharding.targetShardBytes in body must be of'),
+    ("shard-bytes-beyond-a-tib", with_spec(sharding={"targetShardBytes": 2 ** 41}),
+     "spec.sharding.targetShardBytes: Invalid value: 2199023255552: spec.sharding.targetShardBytes in body should "
+     "be less than or equal to 1099511627776"),
     ("no-output", {**minimal(), "spec": {"input": {"uri": "file:///in"}}}, "spec.output: Required value"),
     ("zero-parallelism", with_spec(workers={"parallelism": 0}),
      "spec.workers.parallelism: Invalid value: 0: "
@@ -305,6 +326,9 @@ GOOD = [
     ("vllm-default-gpus", with_spec(model={"engine": "vllm", "name": "m", "vllm": {"tensorParallelSize": 2}})),
     ("vllm-more-gpus", with_spec(model={"engine": "vllm", "name": "m"}, workers={"gpus": 4})),
     ("transformers-chat", with_spec(model={"engine": "transformers", "task": "chat", "name": "gpt2"})),
+    ("sibling-folders", with_spec(input={"uri": "s3://b/in"}, output={"uri": "s3://b/in-runs/"})),
+    ("relative-file-path", with_spec(input={"uri": "file://data/in.jsonl"}, output={"uri": "file://out/"})),
+    ("endpoint-with-port-and-path", with_spec(storage={"s3": {"endpointUrl": "http://minio.local:9000/s3"}})),
 ]
 
 

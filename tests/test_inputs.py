@@ -195,3 +195,74 @@ def test_embed_rows_get_the_echo_vector_of_their_text(file_place, make_job, run_
     publish(job)
     out = read_output(job)
     assert [(r["id"], r["embedding"]) for r in out.results] == [(t, echo_embedding(t)) for t in texts]
+
+
+def test_a_lone_surrogate_escape_is_an_error_row_not_a_crash():
+    row = parse(b'{"id": 7, "text": "half a pair: \\ud800 here"}')
+    assert (row.error_code, row.id, row.request) == ("invalid_unicode", 7, None)
+    assert "lone surrogate" in str(row.error)
+    # The id itself may be the broken part: the place still says where the row is.
+    assert parse(b'{"id": "\\udfff", "text": "a"}').id is None
+    assert parse(b'{"id": 1, "text": "\\ud83d\\ude00 a whole pair is fine"}').request is not None
+
+
+def test_lone_surrogates_and_overlong_lines_become_error_rows_and_the_job_goes_on(file_place, make_job, run_shards,
+                                                                                  read_output):
+    rows: list[Any] = [{"id": i, "text": f"row {i}"} for i in range(20)]
+    rows[3] = '{"id": 3, "text": "\\ud800"}'
+    rows[11] = json.dumps({"id": 11, "text": "x" * 5000})  # longer than maxLineBytes
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows), input={"maxLineBytes": 1024})
+    run_shards(job)
+    publish(job)
+    out = read_output(job)
+    assert out.result_ids == [i for i in range(20) if i not in (3, 11)]
+    errors = {e["error"]["code"]: e for e in out.errors}
+    assert set(errors) == {"invalid_unicode", "line_too_long"}
+    assert errors["invalid_unicode"]["id"] == 3
+    long = errors["line_too_long"]
+    assert long["id"] is None and long["offset"] == sum(len(json.dumps(r) if isinstance(r, dict) else r) + 1
+                                                        for r in rows[:11])
+    assert f"{len(rows[11])} bytes, more than spec.input.maxLineBytes (1024)" in long["error"]["message"]
+
+
+@pytest.mark.parametrize("damage", ["cut", "corrupt"])
+def test_a_cut_or_damaged_zst_object_ends_in_an_error_row_naming_it_never_quietly(
+        place, make_job, run_shards, read_output, damage):
+    import zstandard
+
+    rows = [{"id": i, "text": f"row {i} " + "z" * (i % 50)} for i in range(4000)]
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    whole = zstandard.ZstdCompressor(level=1).compress(data)
+    if damage == "cut":
+        broken = whole[: len(whole) * 2 // 3]  # an upload cut short
+    else:
+        broken = bytearray(whole)
+        broken[len(whole) // 2] ^= 0xFF
+    place.storage.write_bytes(place.uri("in/b.jsonl.zst"), bytes(broken))
+    place.write_jsonl("in/a.jsonl", [{"id": "a", "text": "a"}])
+    _, job = make_job(place, place.uri("in/"), sharding={"chunkRows": 100, "targetShardBytes": 1 << 20})
+    run_shards(job)
+    publish(job)
+    out = read_output(job)
+    (err,) = out.errors
+    assert err["object"] == "b.jsonl.zst" and err["error"]["code"] == "corrupt_input"
+    assert f"at uncompressed byte {err['offset']}" in err["error"]["message"]
+    # Every row before the break is a result; the error row stands where the readable part ends.
+    good = [r for r in out.result_ids if r != "a"]
+    assert good == list(range(len(good))) and len(good) < len(rows)
+    assert damage == "corrupt" or len(good) > 0  # a cut keeps what came before it; damage may sit in block 1
+    assert err["offset"] == sum(len(json.dumps(r)) + 1 for r in rows[: len(good)])
+    assert out.manifest["counts"]["errors"] == 1
+
+
+def test_a_zst_object_of_several_frames_is_read_to_its_end(file_place, make_job, run_shards, read_output):
+    import zstandard
+
+    rows = [{"id": i, "text": f"row {i}"} for i in range(30)]
+    frames = b"".join(zstandard.ZstdCompressor().compress(b"".join(json.dumps(r).encode() + b"\n" for r in part))
+                      for part in (rows[:10], rows[10:25], rows[25:]))  # `cat a.zst b.zst`, pzstd
+    file_place.storage.write_bytes(file_place.uri("in.jsonl.zst"), frames)
+    _, job = make_job(file_place, file_place.uri("in.jsonl.zst"))
+    run_shards(job)
+    publish(job)
+    assert read_output(job).result_ids == list(range(30))

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import zstandard
 from bij_operator import layout
+from bij_operator.fingerprint import PlanRefused
 from bij_operator.planner import PlanError, input_objects, plan_round, plan_shards
 from bij_worker.reader import iter_shard
 from bij_worker.storage import FileStorage, ObjectInfo
@@ -147,6 +148,16 @@ def test_planning_memory_is_proportional_to_the_plan_not_to_the_bytes(case):
     assert peak < 500 * len(shards)
 
 
+def test_input_objects_skip_underscore_and_dot_folders_at_any_depth_below_the_input():
+    base = "s3://b/_data/in/"  # the input's own path may have such names: the user chose it
+    names = ["a.jsonl", "_temporary/0/part-1.jsonl", "x/.staging/b.jsonl", "_bij/t/round-0/rejected/00000.jsonl",
+             "y/z/c.jsonl", "y/_tmp/z/d.jsonl"]
+    objs = [ObjectInfo(base + n, 5) for n in names]
+    assert [o.uri[len(base):] for o in input_objects(objs, base)] == ["a.jsonl", "y/z/c.jsonl"]
+    # A single object named by the input URI is read whatever its folders are called.
+    assert input_objects([ObjectInfo(base + "a.jsonl", 5)], base + "a.jsonl") == [ObjectInfo(base + "a.jsonl", 5)]
+
+
 def test_input_objects_are_jsonl_files_skipping_empty_hidden_and_other_files():
     objs = [ObjectInfo(f"s3://b/in/{n}", size) for n, size in [
         ("a.jsonl", 5), ("b.ndjson", 5), ("c.json", 5), ("d.jsonl.zst", 5), ("e.jsonl", 0), ("_SUCCESS", 5),
@@ -164,10 +175,11 @@ def test_plan_round_writes_the_plan_once_and_names_objects_relative_to_the_input
     assert [o["name"] for o in doc["objects"]] == ["b.jsonl", "sub/a.jsonl"]
     assert first.shard_count == len(doc["shards"]) >= 3
     assert doc["roundPrefix"] == layout.round_prefix(job, 0)
-    # A second plan (an operator restart) reads the plan already written, even if the input changed.
-    file_place.write_jsonl("in/c.jsonl", [{"id": "c", "text": "z"}])
+    # A second plan (an operator restart, a rerun) reads the plan already written.
     assert plan_round(job, 0) == first
     assert json.loads(file_place.storage.read_bytes(uri)) == doc
+    # It records what decides the rows: the input objects with their versions, and a fingerprint.
+    assert all(o["version"] for o in doc["objects"]) and set(doc["fingerprint"]) == {"spec", "input"}
 
 
 def test_planning_an_empty_input_fails_naming_the_uri(place, make_job):
@@ -175,3 +187,114 @@ def test_planning_an_empty_input_fails_naming_the_uri(place, make_job):
     _, job = make_job(place, place.uri("in/"))
     with pytest.raises(PlanError, match=r"spec\.input\.uri: no input at " + place.uri("in/")):
         plan_round(job, 0)
+
+
+# --- a plan is a promise -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"input": {"textField": "body"}}, 'spec.input.textField changed from "text" to "body"'),
+    ({"model": {"engine": "echo", "name": "other-model"}}, 'spec.model.name changed from null to "other-model"'),
+    ({"model": {"maxTokens": 7}}, "spec.model.maxTokens changed from 256 to 7"),
+    ({"judge": {"type": "regex", "pattern": "x"}}, "spec.judge changed from null to"),
+])
+def test_a_rerun_whose_spec_decides_rows_differently_is_refused_naming_the_change(file_place, make_job, change,
+                                                                                  says):
+    uri = file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "a", "body": "b"}])
+    _, job = make_job(file_place, uri)
+    plan_round(job, 0)
+    _, changed = make_job(file_place, uri, **change)
+    with pytest.raises(PlanRefused) as e:
+        plan_round(changed, 0)
+    assert says in str(e.value)
+    assert "bij run --restart" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_rerun_with_another_input_uri_is_refused(file_place, make_job):
+    _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", [{"id": 1, "text": "a"}]))
+    plan_round(job, 0)
+    _, other = make_job(file_place, file_place.write_jsonl("in/b.jsonl", [{"id": 1, "text": "a"}]))
+    with pytest.raises(PlanRefused, match=r"spec\.input\.uri changed from .*a\.jsonl.* to .*b\.jsonl"):
+        plan_round(other, 0)
+
+
+def test_spec_fields_that_only_say_how_the_work_is_done_may_change(file_place, make_job):
+    uri = file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "a"}])
+    _, job = make_job(file_place, uri)
+    first = plan_round(job, 0)
+    _, faster = make_job(file_place, uri, workers={"parallelism": 9}, batching={"maxBatchSize": 3},
+                         sharding={"chunkRows": 5}, maxErrorRatio=0.5, model={"vllm": {"gpuMemoryUtilization": 0.5}})
+    assert plan_round(faster, 0) == first
+
+
+def test_a_rerun_over_changed_input_objects_is_refused(place, make_job):
+    place.write_jsonl("in/a.jsonl", [{"id": i, "text": "a"} for i in range(10)])
+    place.write_jsonl("in/b.jsonl", [{"id": "b", "text": "b"}])
+    _, job = make_job(place, place.uri("in/"))
+    plan_round(job, 0)
+    time.sleep(0.05)  # past a tick of the kernel's coarse clock, which stamps mtimes
+    place.write_jsonl("in/b.jsonl", [{"id": "B", "text": "B"}])  # same size, new content
+    with pytest.raises(PlanRefused, match=r"1 input object\(s\) changed: .*b\.jsonl \(rewritten"):
+        plan_round(job, 0)
+    place.write_jsonl("in/b.jsonl", [{"id": "bb", "text": "b"}])
+    place.write_jsonl("in/c.jsonl", [{"id": "c", "text": "c"}])
+    place.storage.delete(place.uri("in/a.jsonl"))
+    with pytest.raises(PlanRefused) as e:
+        plan_round(job, 0)
+    assert "1 input object(s) added (" in str(e.value) and "c.jsonl" in str(e.value)
+    assert "1 input object(s) gone (" in str(e.value) and "a.jsonl" in str(e.value)
+    assert "b.jsonl (size 25 -> 26)" in str(e.value)
+
+
+def test_a_second_job_at_an_output_another_job_owns_is_refused(place, make_job):
+    uri = place.write_jsonl("in.jsonl", [{"id": 1, "text": "a"}])
+    _, first = make_job(place, uri, name="first")
+    plan_round(first, 0)
+    _, second = make_job(place, uri, name="second")
+    with pytest.raises(PlanRefused, match=r"spec\.output\.uri: .* belongs to BatchInferenceJob default/first"):
+        plan_round(second, 0)
+    _, elsewhere = make_job(place, uri, name="second", out_dir="out-second/")
+    plan_round(elsewhere, 0)
+
+
+def test_the_same_job_made_again_takes_its_output_over_and_drops_the_old_manifest(file_place, make_job):
+    from bij_operator.spec import parse_job
+
+    uri = file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "a"}])
+    _, job = make_job(file_place, uri)
+    doc = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+    old = parse_job({**doc, "metadata": {"name": "t", "uid": "uid-1"}})
+    plan_round(old, 0)
+    file_place.storage.write_bytes(layout.manifest_uri(old), b"{}")  # published by the first object
+    new = parse_job({**doc, "metadata": {"name": "t", "uid": "uid-2"}})  # deleted and applied again
+    plan_round(new, 0)
+    assert not file_place.storage.exists(layout.manifest_uri(new))
+    owner = json.loads(file_place.storage.read_bytes(layout.owner_uri(new)))
+    assert (owner["name"], owner["id"]) == ("t", "uid-2")
+
+
+def test_an_output_inside_the_input_is_refused_at_plan_time_with_paths_resolved(file_place, make_job, tmp_path,
+                                                                                monkeypatch):
+    file_place.write_jsonl("in/a.jsonl", [{"id": 1, "text": "a"}])
+    monkeypatch.chdir(tmp_path)
+    # Written apart (one relative, one absolute), the spec check cannot see that they overlap.
+    _, job = make_job(file_place, file_place.uri("in/"), output={"uri": "file://data/in/out/"})
+    with pytest.raises(PlanRefused, match="spec.output.uri must not be spec.input.uri, lie inside it"):
+        plan_round(job, 0)
+    assert not (tmp_path / "data" / "in" / "out").exists()
+
+
+def test_each_run_removes_temp_files_that_killed_writes_left(file_place, make_job):
+    import os
+
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "a"}]))
+    plan_round(job, 0)
+    out = Path(job.spec.output.uri[len("file://"):])
+    left = [out / ".manifest.json.k1llx9q2.tmp", out / "results" / ".r0-00000.jsonl.0123456789abcdef.tmp",
+            out / "_bij" / "t" / "round-0" / "done" / ".00000.json.a1b2c3d4.tmp"]
+    for f in left:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"half a file")
+        os.utime(f, (time.time() - 3600, time.time() - 3600))
+    plan_round(job, 0)  # the next run
+    assert not any(f.exists() for f in left)

@@ -187,3 +187,15 @@ def test_publishing_again_gives_the_same_files(file_place, make_job, run_shards,
         {k: v for k, v in second.items() if k != "publishedAt"}
     assert read_output(job).raw == raw
     assert plan_round(job, 0).shard_count == len(first["files"])
+
+
+def test_publishing_with_a_spec_that_decides_rows_differently_is_refused(file_place, make_job, run_shards):
+    from bij_operator.fingerprint import PlanRefused
+
+    uri = file_place.write_jsonl("in.jsonl", [{"id": i, "text": f"row {i}"} for i in range(10)])
+    _, job = make_job(file_place, uri)
+    run_shards(job)
+    _, renamed = make_job(file_place, uri, model={"name": "a-model-that-made-nothing"})
+    with pytest.raises(PlanRefused, match='spec.model.name changed from null to "a-model-that-made-nothing"'):
+        publish(renamed)  # the manifest would name a model that made none of the rows
+    assert publish(job)["model"]["name"] is None

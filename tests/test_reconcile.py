@@ -481,3 +481,29 @@ def test_rows_progress_sums_completion_records_over_wall_time() -> None:
     records = [{"rows": 100, "errors": 2}, {"rows": 50, "errors": 0}]
     out = rows_progress(records, "2024-01-01T00:00:00Z", T1)
     assert out == {"rows": {"done": 150, "failed": 2}, "rowsPerSecond": 5.0}
+
+
+# --- a plan is a promise: edits of what decides the rows after planning ---------------------------
+
+
+def with_fields(job: BatchInferenceJob, **spec: Any) -> BatchInferenceJob:
+    doc = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+    for section, fields in spec.items():
+        doc["spec"][section] = {**doc["spec"].get(section, {}), **fields}
+    return parse_job(doc)
+
+
+def test_editing_a_row_deciding_field_after_planning_fails_the_bij_naming_it() -> None:
+    from bij_operator.fingerprint import field_digests
+
+    job = make_job()
+    status = planned(0, specDigests=field_digests(job))
+    edited = with_fields(job, model={"name": "another-model"}, input={"textField": "body"})
+    d = decide(edited, status, [k8s_job(0, completed="0-3", active=4)])
+    assert isinstance(d, MarkFailed) and d.reason == "SpecChanged"
+    assert "spec.input.textField, spec.model.name changed after round 0 was planned" in d.message
+    # Fields that only say how the work is done may change; so may a spec changed back.
+    assert isinstance(decide(with_fields(job, workers={"parallelism": 2}), status, []), CreateJob)
+    failed = {**status, "phase": "Failed", "conditions": [{"type": "Failed", "status": "True",
+                                                           "reason": "SpecChanged"}]}
+    assert isinstance(decide(job, failed, []), CreateJob)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import os
 import random
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from bij_worker import storage
-from bij_worker.storage import FileStorage, NotFound, S3Storage, StorageError, iter_lines, open_storage, split_s3
+from bij_worker.storage import FileStorage, NotFound, S3Storage, StorageError, open_storage, split_lines, split_s3
 from botocore.exceptions import (
     ClientError,
     ConnectionClosedError,
@@ -57,28 +58,64 @@ def test_file_write_replaces_atomically_and_a_failed_write_keeps_the_old_object(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(storage.os, "fsync", broken_fsync)
-    with pytest.raises(OSError):
+    # One line that names the object and says what to do, not a traceback.
+    with pytest.raises(StorageError, match=r"cannot write file://.*obj.json: No space left on device: free some space"):
         fs.write_bytes(uri, b"half")
     assert fs.read_bytes(uri) == b"new"
     assert os.listdir(tmp_path / "deep" / "dir") == ["obj.json"]  # no temp file left behind
 
 
-def test_file_append_is_durable_and_truncate_cuts_a_torn_tail(tmp_path: Path):
+def test_file_append_is_durable(tmp_path: Path):
     fs = FileStorage()
     uri = f"file://{tmp_path}/new/log.jsonl"
     fs.append_durable(uri, b"a\n")
-    fs.append_durable(uri, b"b\nhal")
-    fs.truncate(uri, 4)
+    fs.append_durable(uri, b"b\n")
     assert fs.read_bytes(uri) == b"a\nb\n"
 
 
-def test_iter_lines_gives_each_line_with_the_offset_of_its_first_byte():
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_files_follow_the_umask_like_any_data_file(tmp_path: Path, umask: int):
+    fs = FileStorage()
+    old = os.umask(umask)
+    try:
+        fs.write_bytes(f"file://{tmp_path}/manifest.json", b"{}")
+        fs.append_durable(f"file://{tmp_path}/log.jsonl", b"a\n")
+        assert fs.create(f"file://{tmp_path}/owner.json", b"{}")
+    finally:
+        os.umask(old)
+    for name in ("manifest.json", "log.jsonl", "owner.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_create_writes_only_where_nothing_is(place):
+    uri = place.uri("claims/owner.json")
+    assert place.storage.create(uri, b"first")
+    assert not place.storage.create(uri, b"second")
+    assert place.storage.read_bytes(uri) == b"first"
+
+
+def test_temp_files_of_killed_writes_are_removed_once_stale(tmp_path: Path):
+    fs = FileStorage()
+    fs.write_bytes(f"file://{tmp_path}/results/r0-00000.jsonl", b"x\n")
+    stale = tmp_path / "results" / ".r0-00001.jsonl.0123456789abcdef.tmp"  # what a kill mid-write leaves
+    fresh = tmp_path / ".manifest.json.fedcba9876543210.tmp"  # a write under way right now
+    data = tmp_path / ".hidden-data.tmp"  # not ours: never touched
+    for f in (stale, fresh, data):
+        f.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    os.utime(data, (time.time() - 3600, time.time() - 3600))
+    assert fs.remove_stale_temp(f"file://{tmp_path}", older_than_s=600) == 1
+    assert not stale.exists() and fresh.exists() and data.exists()
+    assert (tmp_path / "results" / "r0-00000.jsonl").exists()
+
+
+def test_split_lines_gives_each_line_with_the_offset_of_its_first_byte():
     rnd = random.Random(3)
     for _ in range(200):
         lines = [bytes(rnd.choice(b"ab\r{}") for _ in range(rnd.randint(0, 9))) for _ in range(rnd.randint(0, 8))]
         data = b"\n".join(lines) + rnd.choice([b"", b"\n"])
         base = rnd.randint(0, 100)
-        got = list(iter_lines(io.BytesIO(data), base, block=rnd.randint(1, 7)))
+        got = [(off, line) for off, line, _ in split_lines(io.BytesIO(data), base, block=rnd.randint(1, 7))]
         want, off = [], base
         for part in data.split(b"\n")[: data.count(b"\n")]:
             want.append((off, part))
@@ -103,6 +140,17 @@ def test_open_storage_picks_by_scheme_and_rejects_others():
         open_storage("gs://b/k")
     with pytest.raises(StorageError, match="no bucket"):
         split_s3("s3:///k")
+
+
+@pytest.mark.parametrize("uri, s3, message", [
+    ("s3:///", None, "has no bucket: use s3://bucket/prefix"),
+    ("file://", None, "has no path: use file:///absolute/path"),
+    ("s3://b/k", {"endpointUrl": "not a url::"}, "endpointUrl .* is not a usable endpoint"),
+])
+def test_a_uri_or_endpoint_that_can_never_work_is_one_permanent_error(uri, s3, message):
+    with pytest.raises(StorageError, match=message) as e:
+        open_storage(uri, s3)
+    assert e.value.permanent and "\n" not in str(e.value)
 
 
 # --- s3:// on the emulator -------------------------------------------------------------------------
@@ -302,3 +350,64 @@ def test_list_follows_continuation_tokens_after_a_retry(delays):
     )
     got = S3Storage(client=client).list("s3://b/p/")
     assert [(o.uri, o.size) for o in got] == [("s3://b/p/a.jsonl", 3), ("s3://b/p/b.jsonl", 4)]
+
+
+def test_a_long_line_is_split_in_linear_time():
+    # The same 16 MiB, once as short lines and once as one line, read in small blocks: a splitter that
+    # re-joins and re-searches its buffer on every read takes thousands of times longer on the long line.
+    n, block = 16 << 20, 4096
+    short_lines = (b"x" * 99 + b"\n") * (n // 100)
+    one_line = b"y" * n + b"\n"
+    t = time.perf_counter()
+    assert sum(1 for _ in split_lines(io.BytesIO(short_lines), 0, block)) == n // 100
+    anchor = time.perf_counter() - t
+    t = time.perf_counter()
+    assert list(split_lines(io.BytesIO(one_line), 7, block)) == [(7, one_line[:-1], n)]
+    assert time.perf_counter() - t < 5 * anchor + 0.5
+
+
+def test_a_line_over_the_limit_is_reported_by_length_and_never_held():
+    import tracemalloc
+
+    data = b"a\n" + b"z" * (32 << 20) + b"\nb\n" + b"tail-without-newline" * 100
+    tracemalloc.start()
+    try:
+        got = [(off, line if line is None or len(line) < 10 else len(line), n)
+               for off, line, n in split_lines(io.BytesIO(data), 0, 1 << 16, max_line=1 << 20)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == [(0, b"a", 1), (2, None, 32 << 20), (3 + (32 << 20), b"b", 1), (5 + (32 << 20), 2000, 2000)]
+    assert peak < 4 << 20  # the 32 MiB line was dropped as it was read
+
+
+def test_reading_a_version_that_was_replaced_is_refused(place):
+    from bij_worker.storage import ObjectChanged
+
+    uri = place.uri("in/a.jsonl")
+    place.storage.write_bytes(uri, b'{"id": 1}\n')
+    (info,) = place.storage.list(uri)
+    with place.storage.open_read(uri, 0, info.version) as f:
+        assert f.read() == b'{"id": 1}\n'
+    time.sleep(0.05)  # past a tick of the kernel's coarse clock, which stamps mtimes
+    place.storage.write_bytes(uri, b'{"id": 2}\n')
+    with pytest.raises(ObjectChanged, match="after the job was planned"):
+        with place.storage.open_read(uri, 3, info.version) as f:
+            f.read()
+
+
+def test_split_lines_with_a_limit_agrees_with_a_plain_split():
+    rnd = random.Random(5)
+    for _ in range(500):
+        lines = [bytes(rnd.choice(b"ab{}") for _ in range(rnd.randint(0, 12))) for _ in range(rnd.randint(0, 8))]
+        data = b"\n".join(lines) + rnd.choice([b"", b"\n"])
+        limit = rnd.choice([None, 0, 1, 3, 6, 20])
+        got = list(split_lines(io.BytesIO(data), 10, block=rnd.randint(1, 9), max_line=limit))
+        parts = data.split(b"\n")
+        if data.endswith(b"\n") or not data:
+            parts = parts[:-1]
+        want, off = [], 10
+        for part in parts:
+            want.append((off, part if limit is None or len(part) <= limit else None, len(part)))
+            off += len(part) + 1
+        assert got == want, (data, limit)

@@ -146,6 +146,14 @@ def test_bad_configurations_exit_42(file_place, make_job, worker_env, bij_bin):
         assert p.returncode == EXIT_BAD_CONFIG, (model, p.stderr)
 
 
+def test_a_storage_error_no_retry_fixes_exits_42(s3_place, make_job, worker_env, bij_bin):
+    # A bucket that is not there (or access denied, or no credentials) is the same on every node and retry.
+    p = worker(bij_bin, worker_env(s3_place), "--manifest", "s3://no-such-bucket-here/_bij/t/round-0/shards.json",
+               index="0")
+    assert p.returncode == EXIT_BAD_CONFIG, p.stderr
+    assert "NoSuchBucket" in p.stderr and "create the bucket or fix the URI" in p.stderr
+
+
 def test_a_compressed_input_resumes_inside_the_object(place, make_job, run_shards, recording_echo, read_output):
     inputs = rows(120)
     place.write_jsonl("in/a.jsonl.zst", inputs[:70], zst=True)

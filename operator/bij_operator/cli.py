@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("spec", help="BatchInferenceJob YAML")
     p.add_argument("--parallelism", type=int, default=None, help="worker processes (default: spec.workers.parallelism)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--restart", action="store_true",
+                   help="start over: delete this job's manifest, plans and durable results first")
 
     sub.add_parser("worker", help="the pod entry point (same as bij-worker)", add_help=False)
 

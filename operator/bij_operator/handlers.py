@@ -30,6 +30,7 @@ from kubernetes.client import ApiException
 
 from . import layout
 from .efficiency import status_fields
+from .fingerprint import PlanRefused, field_digests
 from .jobs import render_job, worker_image_default
 from .planner import PlanError, plan_round
 from .progress import live_records, shard_records
@@ -240,6 +241,14 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
     if isinstance(d, PlanRound):
         try:
             plan = await asyncio.to_thread(plan_round, job, d.round)
+        except PlanRefused as e:
+            # Another job owns the output, the URIs overlap, or the plan there was made from another
+            # spec or input: a retry cannot help, a spec edit may (the phase is not final).
+            refused = MarkFailed(round=d.round, phase="Failed", reason="PlanRefused", message=str(e))
+            await write_status(raw, {**base(raw, refused, now), "message": refused.message},
+                               event=("Warning", "PlanRefused", refused.message)
+                               if status.get("message") != refused.message else None)
+            return False
         except (PlanError, OSError, RuntimeError) as e:
             # Missing or unreadable input may appear later (an upload still running): retry.
             msg = f"cannot plan round {d.round}: {e}"
@@ -250,8 +259,11 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
                                event=("Warning", "PlanFailed", msg))
             raise kopf.TemporaryError(msg, delay=30) from e
         rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
-        rounds.append({"round": d.round, "shards": plan.shard_count, "bytes": plan.total_bytes,
-                       "startTime": fmt_time(now)})
+        rec: dict[str, Any] = {"round": d.round, "shards": plan.shard_count, "bytes": plan.total_bytes,
+                               "startTime": fmt_time(now)}
+        if d.round == 0:
+            rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
+        rounds.append(rec)
         msg = f"round {d.round}: planned {plan.shard_count} shards from {plan.objects} input objects"
         patch = {**base(raw, d, now), "rounds": rounds, "message": msg,
                  "shards": {"done": 0, "failed": 0, "total": plan.shard_count},
@@ -361,7 +373,9 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
 
     if isinstance(d, MarkFailed):
         patch = {**base(raw, d, now), "message": d.message, **await progress(job, status, d.round, now)}
-        await write_status(raw, patch, event=("Warning", "Failed", d.message))
+        # Once per failure: a recoverable one (SpecChanged) is decided again on every Job event.
+        await write_status(raw, patch, event=("Warning", "Failed", d.message)
+                           if status.get("message") != d.message else None)
         return False
 
     if isinstance(d, Nothing):

@@ -3,8 +3,9 @@
     <output>/manifest.json                          published last; readers trust only this
     <output>/results/r<round>-<index>.jsonl[.zst]  published result files
     <output>/errors/r<round>-<index>.jsonl[.zst]   published error rows
+    <output>/_bij/owner.json                        which job owns this output (namespace, name, id)
     <output>/_bij/<job_id>/round-<r>/shards.json    the round plan (written once)
-    <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable log of one shard
+    <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable logs of one shard (one per writer)
     <output>/_bij/<job_id>/round-<r>/done/<index>.json  a shard's completion record
     <output>/_bij/<job_id>/round-<r>/progress/<index>.json  a running shard's live counts
     <output>/_bij/<job_id>/round-<r>/input/        judge rounds: rejected rows, next round's input
@@ -33,6 +34,10 @@ def round_prefix(job: BatchInferenceJob, round_no: int) -> str:
 
 def round_manifest_uri(job: BatchInferenceJob, round_no: int) -> str:
     return join(round_prefix(job, round_no), "shards.json")
+
+
+def owner_uri(job: BatchInferenceJob) -> str:
+    return join(job.spec.output.uri, "_bij", "owner.json")
 
 
 def manifest_uri(job: BatchInferenceJob) -> str:

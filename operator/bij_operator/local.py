@@ -5,6 +5,10 @@ as an Indexed Job pod would; up to `parallelism` at once. A failed index is
 retried up to `workers.backoffLimitPerIndex` times; exit 42 (bad
 configuration) stops everything. Ctrl-C asks every worker to stop cleanly;
 running the same command again resumes from what is durable.
+
+Exit codes: 0 published; 1 failed, a rerun may help (it resumes); 42 bad
+configuration, a rerun cannot help until something changes (the spec, the
+flags, the environment; the message says what); 130 stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from bij_worker.storage import StorageError
 from bij_worker.worker import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
 
 from . import layout
 from .efficiency import fmt_money
-from .planner import PlanError, RoundPlan, plan_round
+from .fingerprint import PlanRefused
+from .planner import PlanError, RoundPlan, plan_round, reset_output
 from .progress import shard_records
 from .publish import PublishError, publish
 from .rounds import RoundStats, needs_another_round, round_history
@@ -71,6 +77,8 @@ class LocalRunner:
 
     def __init__(self, job: BatchInferenceJob, parallelism: int | None = None, show_progress: bool = True,
                  worker_cmd: list[str] | None = None):
+        if parallelism is not None and parallelism < 1:
+            raise ValueError(f"--parallelism must be at least 1, got {parallelism}")
         self.job = job
         # The pod's command; a library user can run workers another way (a container, another venv).
         self.worker_cmd = worker_cmd or worker_command()
@@ -78,6 +86,7 @@ class LocalRunner:
         self.show_progress = show_progress and sys.stderr.isatty()
         self.log_progress = show_progress
         self.stopping = False
+        self.bad_config = False  # a worker exited 42: no retry can help
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def _env(self, index: int) -> dict[str, str]:
@@ -137,6 +146,7 @@ class LocalRunner:
                         prog.done_shards += 1
                 elif rc == EXIT_BAD_CONFIG:
                     bad_config = f"shard {i}: the worker reported a bad configuration (exit 42); see its log above"
+                    self.bad_config = True
                     self._stop_all()
                 elif self.stopping or rc == EXIT_TERMINATED or rc == -signal.SIGINT:
                     pass
@@ -206,55 +216,69 @@ class LocalRunner:
         signal.signal(signal.SIGINT, on_int)
         signal.signal(signal.SIGTERM, on_int)
         try:
-            round_no = 0
-            history: list[RoundStats] = []
-            while True:
-                try:
-                    plan = plan_round(self.job, round_no)
-                except PlanError as e:
-                    print(f"bij: {e}", file=sys.stderr)
-                    return 2
-                print(f"bij: {self.job.metadata.name}: round {round_no}, {plan.shard_count} shards, "
-                      f"{plan.total_bytes:,} {plan.unit} in {plan.objects} objects", file=sys.stderr)
-                ok, msg = self.run_round(round_no, plan)
-                if not ok:
-                    print(f"bij: {msg}", file=sys.stderr)
-                    return 130 if self.stopping and "stopped" in msg else 1
-                history = round_history(self.job, round_no + 1)
-                stats = history[-1]
-                if self.job.spec.judge is not None:
-                    print(f"bij: round {round_no}: {stats.rows_in:,} rows in, {stats.approved:,} approved, "
-                          f"{stats.rejected:,} rejected, {stats.capped:,} capped "
-                          f"(approval {stats.approval_rate:.1%})", file=sys.stderr)
-                if not needs_another_round(self.job.spec.judge, history):
-                    break
-                round_no += 1
-            try:
-                manifest = publish(self.job, rounds=round_no + 1)
-            except PublishError as e:
-                print(f"bij: publish failed: {e}", file=sys.stderr)
-                return 1
-            c = manifest["counts"]
-            print(f"bij: published {layout.manifest_uri(self.job)}: {c['rows']:,} rows, {c['errors']:,} errors "
-                  f"in {len(manifest['files'])} result files", file=sys.stderr)
-            eff, spent = manifest["efficiency"], manifest.get("cost")
-            print(f"bij: {eff['workerSeconds']:,.1f} worker seconds ({eff['modelLoadSeconds']:,.1f} loading the "
-                  f"model), engine busy {eff['engineBusyFraction']:.0%}, "
-                  f"{eff['rowsPerSecondPerWorker']:,.1f} rows/s per worker", file=sys.stderr)
-            if spent is not None:
-                print(f"bij: cost {fmt_money(spent['total'])} at {spent['pricePerHour']:g}/hour per worker: "
-                      f"{fmt_money(spent['perMillionRows'])} per million rows, "
-                      f"{fmt_money(spent['perMillionTokens'])} per million tokens", file=sys.stderr)
-            if c.get("truncated"):
-                print(f"bij: {c['truncated']:,} rows were longer than the model's input limit and were truncated "
-                      f"(marked \"truncated\": true in their result)", file=sys.stderr)
-            if c.get("capped"):
-                print(f"bij: RetryCapReached: {c['capped']:,} rows were still rejected at the cap; "
-                      f"they are in the manifest's cappedFiles", file=sys.stderr)
-            print(layout.manifest_uri(self.job))
-            return 0
+            return self._run()
+        except (PlanError, PlanRefused) as e:
+            print(f"bij: {e}", file=sys.stderr)
+            return EXIT_BAD_CONFIG if e.permanent else 1
+        except StorageError as e:
+            print(f"bij: storage: {e}", file=sys.stderr)
+            return EXIT_BAD_CONFIG if e.permanent else 1
         finally:
             signal.signal(signal.SIGINT, previous)
+
+    def _run(self) -> int:
+        if self.job.spec.suspend:
+            print(f"bij: {self.job.metadata.name} is suspended (spec.suspend: true): nothing was run; "
+                  "set spec.suspend to false to run it", file=sys.stderr)
+            return EXIT_BAD_CONFIG
+        round_no = 0
+        history: list[RoundStats] = []
+        while True:
+            plan = plan_round(self.job, round_no)
+            print(f"bij: {self.job.metadata.name}: round {round_no}, {plan.shard_count} shards, "
+                  f"{plan.total_bytes:,} {plan.unit} in {plan.objects} objects", file=sys.stderr)
+            ok, msg = self.run_round(round_no, plan)
+            if not ok:
+                print(f"bij: {msg}", file=sys.stderr)
+                if self.bad_config:
+                    return EXIT_BAD_CONFIG
+                return 130 if self.stopping and "stopped" in msg else 1
+            history = round_history(self.job, round_no + 1)
+            stats = history[-1]
+            if self.job.spec.judge is not None:
+                print(f"bij: round {round_no}: {stats.rows_in:,} rows in, {stats.approved:,} approved, "
+                      f"{stats.rejected:,} rejected, {stats.capped:,} capped "
+                      f"(approval {stats.approval_rate:.1%})", file=sys.stderr)
+            if not needs_another_round(self.job.spec.judge, history):
+                break
+            round_no += 1
+        try:
+            manifest = publish(self.job, rounds=round_no + 1)
+        except PublishError as e:
+            print(f"bij: publish failed: {e}", file=sys.stderr)
+            return 1
+        except StorageError as e:
+            print(f"bij: publish failed: {e}", file=sys.stderr)
+            return EXIT_BAD_CONFIG if e.permanent else 1
+        c = manifest["counts"]
+        print(f"bij: published {layout.manifest_uri(self.job)}: {c['rows']:,} rows, {c['errors']:,} errors "
+              f"in {len(manifest['files'])} result files", file=sys.stderr)
+        eff, spent = manifest["efficiency"], manifest.get("cost")
+        print(f"bij: {eff['workerSeconds']:,.1f} worker seconds ({eff['modelLoadSeconds']:,.1f} loading the "
+              f"model), engine busy {eff['engineBusyFraction']:.0%}, "
+              f"{eff['rowsPerSecondPerWorker']:,.1f} rows/s per worker", file=sys.stderr)
+        if spent is not None:
+            print(f"bij: cost {fmt_money(spent['total'])} at {spent['pricePerHour']:g}/hour per worker: "
+                  f"{fmt_money(spent['perMillionRows'])} per million rows, "
+                  f"{fmt_money(spent['perMillionTokens'])} per million tokens", file=sys.stderr)
+        if c.get("truncated"):
+            print(f"bij: {c['truncated']:,} rows were longer than the model's input limit and were truncated "
+                  f"(marked \"truncated\": true in their result)", file=sys.stderr)
+        if c.get("capped"):
+            print(f"bij: RetryCapReached: {c['capped']:,} rows were still rejected at the cap; "
+                  f"they are in the manifest's cappedFiles", file=sys.stderr)
+        print(layout.manifest_uri(self.job))
+        return 0
 
 
 def cli_run(args: argparse.Namespace) -> int:
@@ -262,7 +286,18 @@ def cli_run(args: argparse.Namespace) -> int:
         job = load_job(args.spec)
     except SpecError as e:
         print(f"bij: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
+    if args.parallelism is not None and args.parallelism < 1:
+        print(f"bij: --parallelism must be at least 1, got {args.parallelism}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if args.restart:
+        try:
+            gone = reset_output(job)
+        except StorageError as e:
+            print(f"bij: --restart: {e}", file=sys.stderr)
+            return EXIT_BAD_CONFIG if e.permanent else 1
+        print(f"bij: --restart: deleted the manifest and {gone} objects (plans, durable results) of "
+              f"{job.metadata.name} under {job.spec.output.uri}", file=sys.stderr)
     return LocalRunner(job, args.parallelism, show_progress=not args.no_progress).run()
 
 
@@ -281,8 +316,11 @@ def cli_publish(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.spec)
         manifest = publish(job, rounds=max(1, planned_rounds(job)))
-    except (SpecError, PublishError) as e:
+    except (SpecError, PlanRefused) as e:
         print(f"bij: {e}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_CONFIG
+    except (PublishError, StorageError) as e:
+        print(f"bij: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG if getattr(e, "permanent", False) else 1
     print(json.dumps(manifest["counts"]))
     return 0

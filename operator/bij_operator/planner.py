@@ -13,26 +13,37 @@ Small objects share a shard until it reaches `targetShardBytes`.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import Footer, read_footer
-from bij_worker.storage import ObjectInfo, StorageError, open_storage
+from bij_worker.storage import NotFound, ObjectInfo, Storage, StorageError, open_storage
 
 from . import layout
+from .fingerprint import PlanRefused, digest, input_changes, row_fields, spec_changes
 from .rounds import RoundMode, round_history, round_mode
-from .spec import BatchInferenceJob, job_to_dict
+from .spec import OVERLAP_MESSAGE, BatchInferenceJob, job_to_dict, uris_overlap
 
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.zst", ".ndjson.zst", ".json.zst")
 PLAN_VERSION = 1
+# A temp file of an atomic write untouched this long was left by a killed writer.
+STALE_TEMP_SECONDS = 600.0
 
 Piece = tuple[int, int, int]  # (object index, start, end)
 
 
 class PlanError(ValueError):
-    """The input cannot be planned (nothing there, wrong files); names the URI."""
+    """The input cannot be planned (nothing there, wrong files); names the URI.
+
+    `permanent`: the same on every retry (`bij run` exits 42); otherwise an outage that may pass.
+    """
+
+    def __init__(self, message: str, permanent: bool = True):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 @dataclass(frozen=True)
@@ -57,11 +68,21 @@ def is_compressed(uri: str) -> bool:
     return uri.endswith(".zst")
 
 
-def input_objects(objects: list[ObjectInfo], parquet: bool = False) -> list[ObjectInfo]:
-    """The objects that are input rows: JSONL files, plain or zstd (or Parquet files); empty ones skipped."""
+def input_objects(objects: list[ObjectInfo], input_uri: str = "", parquet: bool = False) -> list[ObjectInfo]:
+    """The objects that are input rows: JSONL files, plain or zstd (or Parquet files); empty ones
+    skipped, and so is anything whose name or folder (at any depth below `input_uri`) starts with
+    "_" or "." (`_temporary/`, `.staging/`, `_bij/`, `_SUCCESS`)."""
     suffixes = (PARQUET_SUFFIX,) if parquet else INPUT_SUFFIXES
-    return [o for o in objects if o.uri.endswith(suffixes) and o.size > 0
-            and not o.uri.rsplit("/", 1)[-1].startswith((".", "_"))]
+    base = input_uri.rstrip("/")
+    out = []
+    for o in objects:
+        if not o.uri.endswith(suffixes) or o.size <= 0:
+            continue
+        rel = o.uri[len(base):] if base and o.uri.startswith(base) else o.uri.rsplit("/", 1)[-1]
+        if any(part.startswith((".", "_")) for part in rel.split("/") if part):
+            continue
+        out.append(o)
+    return out
 
 
 def plan_shards(sizes: list[tuple[int, bool]], target_bytes: int,
@@ -176,26 +197,43 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
         "job": job_to_dict(job),
         "objects": [
             {"uri": o.uri, "size": o.size, "name": o.uri[len(base):] if o.uri.startswith(base) else o.uri,
-             **({"rowGroups": footers[i].group_rows} if footers and i in footers else {})}
+             **({"rowGroups": footers[i].group_rows} if footers and i in footers else {}),
+             **({"version": o.version} if o.version is not None else {})}
             for i, o in enumerate(objects)
         ],
+        "fingerprint": {"spec": digest(row_fields(job_to_dict(job)["spec"])),
+                        "input": digest([[o.uri, o.size, o.version] for o in objects])},
         "shards": [[list(p) for p in s] for s in shards],
     }
 
 
 def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
-    """Plan a round and write its shards.json, or read the one already written (idempotent)."""
+    """Plan a round and write its shards.json, or read the one already written (idempotent).
+
+    A plan already written must match the job: the same row-deciding spec fields and, for
+    round 0, the same input objects; otherwise `PlanRefused` says what changed. The output must
+    not overlap the input and must belong to this job (`claim_output`).
+    """
     uri = layout.round_manifest_uri(job, round_no)
     store = open_storage(uri, job.spec.storage.s3)
-    if store.exists(uri):
-        return _round_plan(uri, json.loads(store.read_bytes(uri)))
+    check_places(job)
+    claim_output(job, store)
+    # Temp files of atomic writes that a kill cut short (file:// only; a PUT leaves none).
+    store.remove_stale_temp(job.spec.output.uri, STALE_TEMP_SECONDS)
     input_uri = round_inputs(job, round_no)
-    in_store = open_storage(input_uri, job.spec.storage.s3)
+    if store.exists(uri):
+        doc = json.loads(store.read_bytes(uri))
+        changes = spec_changes(doc["job"]["spec"], job)
+        if round_no == 0 and not changes:
+            changes = input_changes(doc["objects"], _list_input(job, input_uri, is_parquet_round(job, 0)))
+        if changes:
+            raise PlanRefused(
+                f"{'; '.join(changes)} since round {round_no} was planned ({uri}): rows made before and after "
+                "would be mixed. Undo the change, or start over: `bij run --restart` (deletes the plan and "
+                "durable results under " + layout.state_prefix(job) + "/) or choose a new spec.output.uri")
+        return _round_plan(uri, doc)
     parquet = is_parquet_round(job, round_no)
-    try:
-        objects = input_objects(in_store.list(input_uri), parquet)
-    except StorageError as e:
-        raise PlanError(f"spec.input.uri: cannot list {input_uri}: {e}") from None
+    objects = _list_input(job, input_uri, parquet)
     if not objects and round_no == 0:
         looked = PARQUET_SUFFIX if parquet else ", ".join(INPUT_SUFFIXES)
         raise PlanError(f"spec.input.uri: no input at {input_uri} (looked for non-empty {looked} files)")
@@ -207,10 +245,68 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
     return _round_plan(uri, doc)
 
 
+def _list_input(job: BatchInferenceJob, input_uri: str, parquet: bool = False) -> list[ObjectInfo]:
+    try:
+        return input_objects(open_storage(input_uri, job.spec.storage.s3).list(input_uri), input_uri, parquet)
+    except StorageError as e:
+        raise PlanError(f"spec.input.uri: cannot list {input_uri}: {e}", permanent=e.permanent) from None
+
+
+def local_place(uri: str) -> str:
+    """A URI with a file:// path made absolute, links resolved (the place it names on this machine)."""
+    if uri.startswith("file://"):
+        return "file://" + os.path.realpath(uri[len("file://"):]) + ("/" if uri.endswith("/") else "")
+    return uri
+
+
+def check_places(job: BatchInferenceJob) -> None:
+    """Refuse an output that is the input, lies inside it or contains it, with file:// paths resolved
+    (the spec check compares the URIs as written)."""
+    if uris_overlap(local_place(job.spec.input.uri), local_place(job.spec.output.uri)):
+        raise PlanRefused(f"{OVERLAP_MESSAGE} (input {job.spec.input.uri}, output {job.spec.output.uri})")
+
+
+def claim_output(job: BatchInferenceJob, store: Storage) -> None:
+    """Record this job as the owner of its output URI, or refuse when another job owns it.
+
+    The owner is the job's namespace and name. The same name with another id is the same job
+    made again (deleted and re-applied): it takes the output over and starts a new generation,
+    and the old generation's manifest is removed first, so no reader trusts it over new files.
+    """
+    uri = layout.owner_uri(job)
+    mine = {"namespace": job.metadata.namespace, "name": job.metadata.name, "id": job.job_id}
+    body = json.dumps({**mine, "claimedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()
+    if store.create(uri, body):
+        return
+    try:
+        owner = json.loads(store.read_bytes(uri))
+    except (NotFound, ValueError):
+        store.write_bytes(uri, body)  # removed or damaged in between: ours now
+        return
+    if (owner.get("namespace"), owner.get("name")) != (mine["namespace"], mine["name"]):
+        raise PlanRefused(
+            f"spec.output.uri: {job.spec.output.uri} belongs to BatchInferenceJob "
+            f"{owner.get('namespace')}/{owner.get('name')} (recorded in {uri}); two jobs must not share an "
+            "output: choose another spec.output.uri, or delete that job's output first")
+    if owner.get("id") != mine["id"]:
+        store.delete(layout.manifest_uri(job))
+        store.write_bytes(uri, body)
+
+
+def reset_output(job: BatchInferenceJob) -> int:
+    """Start the job over: delete its manifest, then its plans and durable results (how many objects)."""
+    store = open_storage(job.spec.output.uri, job.spec.storage.s3)
+    store.delete(layout.manifest_uri(job))  # first: no reader may trust it over what follows
+    objects = store.list(layout.state_prefix(job) + "/")
+    for o in objects:
+        store.delete(o.uri)
+    return len(objects)
+
+
 def plan_shards_for(job: BatchInferenceJob, round_no: int = 0) -> int:
     """How many shards a round would have, without writing anything (for `bij render`)."""
     input_uri = round_inputs(job, round_no)
     parquet = is_parquet_round(job, round_no)
-    objects = input_objects(open_storage(input_uri, job.spec.storage.s3).list(input_uri), parquet)
+    objects = _list_input(job, input_uri, parquet)
     footers = read_footers(job, objects) if parquet else None
     return len(build_plan(job, round_no, objects, input_uri, footers=footers)["shards"])

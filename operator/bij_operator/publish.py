@@ -26,6 +26,7 @@ from bij_worker.worker import done_uri, shard_prefix
 
 from . import layout
 from .efficiency import cost, efficiency
+from .fingerprint import PlanRefused, spec_changes
 from .spec import BatchInferenceJob
 
 
@@ -121,6 +122,12 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
     seen: set[str] = set()
     t = _Totals()
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
+    for r, plan in enumerate(plans):
+        changes = spec_changes(plan["job"]["spec"], job)
+        if changes:
+            # The manifest must name what made the rows, never a spec edited since.
+            raise PlanRefused(f"cannot publish: {'; '.join(changes)} since round {r} was planned; undo the change, "
+                              "or start over with `bij run --restart`")
     for r, plan in enumerate(plans):  # every completion record first: O(shards), and the id kind needs them all
         for index in range(len(plan["shards"])):
             try:
@@ -132,7 +139,7 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
         names = [o.get("name") or o["uri"] for o in plan["objects"]]
         round_rows = round_errors = 0
         for index in range(len(plan["shards"])):
-            records = ShardLog(store, shard_prefix(plan, index)).read(repair=False).records
+            records = ShardLog(store, shard_prefix(plan, index)).read().records
             records.sort(key=lambda rec: (rec["at"][0], rec["at"][1]))  # input order, whoever wrote them
             results: list[dict[str, Any]] = []
             errors: list[dict[str, Any]] = []

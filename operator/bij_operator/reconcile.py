@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .fingerprint import field_digests
 from .jobs import desired_parallelism
 from .rounds import RoundStats, needs_another_round
 from .spec import API_GROUP, BatchInferenceJob
@@ -34,8 +35,8 @@ ROUND_LABEL = f"{API_GROUP}/round"
 
 Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
-# Reasons under which a Failed phase is not final: the operator itself may clear it.
-RECOVERABLE_FAILURES: frozenset[str] = frozenset({"InvalidSpec"})
+# Reasons under which a Failed phase is not final: a spec edit may clear it.
+RECOVERABLE_FAILURES: frozenset[str] = frozenset({"InvalidSpec", "SpecChanged", "PlanRefused"})
 
 
 # --- Job observation ---------------------------------------------------------------------------
@@ -304,6 +305,13 @@ def decide(
         return Nothing(round=r, phase="Failed", reason=failure_reason(status) or "Failed",
                        message=str(_condition_message(status, "Failed") or "failed"))
 
+    changed = spec_changed_since_planning(job, status)
+    if changed:
+        return MarkFailed(round=r, phase="Failed", reason="SpecChanged",
+                          message=f"{', '.join(changed)} changed after round 0 was planned: rows made before and "
+                                  "after would be mixed; undo the change, or delete and re-create the "
+                                  "BatchInferenceJob to start over")
+
     rec = round_records(status).get(r)
     if rec is None:
         return PlanRound(round=r, phase="Pending", reason="Planning", message=f"planning round {r}")
@@ -397,6 +405,16 @@ def job_failed(r: int, view: JobView) -> MarkFailed:
     return MarkFailed(round=r, phase="Failed", reason=reason,
                       message=f"round {r}: {which}; Job {view.name}: {reason}{detail}",
                       shards=view.shards, failed_shards=tuple(sorted(failed)))
+
+
+def spec_changed_since_planning(job: BatchInferenceJob, status: Mapping[str, Any]) -> list[str]:
+    """The row-deciding spec fields (`fingerprint.ROW_FIELDS`) that differ from the digests recorded
+    when round 0 was planned; empty when none differ or none were recorded."""
+    recorded = (round_records(status).get(0) or {}).get("specDigests")
+    if not isinstance(recorded, Mapping):
+        return []
+    now = field_digests(job)
+    return [path for path, d in now.items() if path in recorded and recorded[path] != d]
 
 
 def round_stats(status: Mapping[str, Any]) -> list[RoundStats]:

@@ -7,11 +7,13 @@ names the field path (``spec.model.engine``) and the reason.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from bij_worker.reader import DEFAULT_MAX_LINE_BYTES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -47,7 +49,10 @@ class SpecError(ValueError):
         self.problems = problems
         self.source = source
         where = f"{source}: " if source else ""
-        super().__init__(where + "invalid BatchInferenceJob:\n" + "\n".join(f"  - {p}" for p in problems))
+        if len(problems) == 1:  # one line for one problem
+            super().__init__(f"{where}invalid BatchInferenceJob: {problems[0]}")
+        else:
+            super().__init__(where + "invalid BatchInferenceJob:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 class _Model(BaseModel):
@@ -56,9 +61,22 @@ class _Model(BaseModel):
     )
 
 
+# An S3 endpoint: scheme, host, optional port and path (botocore refuses anything else).
+ENDPOINT_PATTERN = r"^https?://[^\s/?#:]+(:[0-9]{1,5})?(/[^\s]*)?$"
+# s3://bucket[/key] with a bucket; file:// with a path (absolute, or relative to the working directory).
+URI_PATTERN = r"^(s3://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the same
+
+
 class S3Options(_Model):
     endpoint_url: str | None = None
     region: str | None = None
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(ENDPOINT_PATTERN, url):
+            raise ValueError(f"must be an http(s) URL such as https://s3.example.com:9000, got {url!r}")
+        return url
 
 
 class StorageSpec(_Model):
@@ -74,6 +92,8 @@ class InputSpec(_Model):
     id_field: str = "id"
     text_field: str = "text"
     messages_field: str | None = None
+    # A longer line is an error row (its bytes are never held in memory).
+    max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31)
 
     @field_validator("uri")
     @classmethod
@@ -147,7 +167,7 @@ class ModelSpec(_Model):
 
 
 class ShardingSpec(_Model):
-    target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=1 << 40)
     chunk_rows: int = Field(512, ge=1, le=1_000_000)
 
 
@@ -284,6 +304,8 @@ class JobSpec(_Model):
             raise ValueError(PARQUET_NOT_OPENAI)
         if self.model.engine == "vllm" and self.workers.gpus is not None and self.workers.gpus < self.model.vllm.gpus:
             raise ValueError(GPUS_FOR_VLLM)
+        if uris_overlap(self.input.uri, self.output.uri):
+            raise ValueError(OVERLAP_MESSAGE)
         return self
 
     @property
@@ -339,12 +361,32 @@ class BatchInferenceJob(_Model):
         return self.metadata.uid or self.metadata.name
 
 
+OVERLAP_MESSAGE = ("spec.output.uri must not be spec.input.uri, lie inside it or contain it: a job would read "
+                   "its own (or an earlier job's) state and results as input; choose a separate output folder")
+
+
 def _check_uri(uri: str) -> str:
     if not (uri.startswith("file://") or uri.startswith("s3://")):
         raise ValueError(f"must start with file:// or s3://, got {uri!r}")
-    if uri.startswith("s3://") and len(uri) <= len("s3://"):
-        raise ValueError(f"s3:// needs a bucket: {uri!r}")
+    if uri.startswith("s3://") and not re.match(URI_PATTERN, uri):
+        raise ValueError(f"s3:// needs a bucket (s3://bucket/prefix), got {uri!r}")
+    if not re.match(URI_PATTERN, uri):
+        raise ValueError(f"file:// needs a path (file:///absolute/path or file://relative/path), got {uri!r}")
     return uri
+
+
+def folder_key(uri: str) -> str:
+    """A URI as a folder, for comparing places: one trailing slash, `.`/`..` resolved in file:// paths."""
+    if uri.startswith("file://"):
+        path = posixpath.normpath(uri[len("file://"):])
+        uri = "file://" + path
+    return uri.rstrip("/") + "/"
+
+
+def uris_overlap(a: str, b: str) -> bool:
+    """Whether one URI is the other or lies under it (`in/` and `in-old/` do not overlap)."""
+    fa, fb = folder_key(a), folder_key(b)
+    return fa.startswith(fb) or fb.startswith(fa)
 
 
 def _format_errors(err: ValidationError, prefix: str = "") -> list[str]:

@@ -123,7 +123,10 @@ def api_server_problems(doc: dict[str, Any]) -> tuple[list[str], dict[str, Any] 
         problems.append("metadata.name: Required value: name or generateName is required")
         return problems, None
     _apply_defaults(obj, schema)
-    schema_errors = _schema_errors(obj, schema)
+    # The API server decodes an integer beyond int64 as a float: a type error for an integer field.
+    schema_errors = [("type", f'{_field_path(p, schema)}: Invalid value: "number": {_field_path(p, schema)} in body '
+                              'must be of type integer: "number"') for p in _drop_huge_ints(obj, [])]
+    schema_errors += _schema_errors(obj, schema)
     problems += [msg for _, msg in schema_errors]
     if any(kind in BLOCKING_FOR_RULES for kind, _ in schema_errors):
         problems.append(RULES_SKIPPED)
@@ -179,6 +182,25 @@ def _apply_defaults(value: Any, schema: dict[str, Any]) -> None:
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for item in value:
             _apply_defaults(item, schema["items"])
+
+
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _drop_huge_ints(value: Any, path: list[str | int]) -> list[list[str | int]]:
+    """Remove integers that do not fit in int64 (in place), returning their paths."""
+    found: list[list[str | int]] = []
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    for key, sub in list(items):
+        if isinstance(sub, int) and not isinstance(sub, bool) and not INT64[0] <= sub <= INT64[1]:
+            found.append(path + [key])
+            if isinstance(value, dict):
+                del value[key]
+            else:
+                value[key] = 0
+        else:
+            found += _drop_huge_ints(sub, path + [key])
+    return found
 
 
 # --- openAPI schema ---------------------------------------------------------------------------
@@ -267,11 +289,11 @@ def _cel_errors(value: Any, schema: dict[str, Any], path: list[str | int], *, ro
             # Root rules may read only metadata.name and metadata.generateName.
             meta = value.get("metadata") or {}
             self_value = {**value, "metadata": {k: meta[k] for k in ("name", "generateName") if k in meta}}
-        activation = {"self": celpy.json_to_cel(self_value)}
+        activation = {"self": celpy.json_to_cel(self_value)}  # integers beyond int64 were dropped before
         for rule in rules:
             try:
                 result: object = _cel_program(rule["rule"]).evaluate(activation)
-            except celpy.CELEvalError as e:
+            except (celpy.CELEvalError, ValueError, OverflowError) as e:  # cel-python: ValueError("overflow")
                 result = e
             rule_path = path + [p for p in rule.get("fieldPath", "").split(".") if p]
             where = _field_path(rule_path, crd_schema()) if rule_path else "<nil>"

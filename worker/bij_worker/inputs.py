@@ -119,10 +119,16 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
         obj = orjson.loads(line)
     except ValueError:
         try:  # the stdlib's message says where the JSON breaks
-            json.loads(line)
+            obj = json.loads(line)
         except ValueError as e:
             return _bad(at, "invalid_json", f"not valid JSON: {e}")
-        obj = json.loads(line)
+        # The stdlib also accepts what orjson refuses for good reason: a lone surrogate escape
+        # ("\ud800") is no Unicode text, and no result or error row could be written with it.
+        problem = _not_unicode(obj)
+        if problem:
+            rid = obj.get("custom_id" if opts.format == "openai" else opts.id_field) if isinstance(obj, dict) else None
+            return _bad(at, "invalid_unicode", f"not valid Unicode: {problem}",
+                        rid if _valid_id(rid) and not _not_unicode(rid) else None)
     if not isinstance(obj, dict):
         return _bad(at, "invalid_row", f"a row must be a JSON object, got {type(obj).__name__}")
     carried = obj.pop(CARRY_FIELD, None)
@@ -139,6 +145,15 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
         row.prior_attempts = int(carried.get("attempts", 0))
         row.verdicts = [str(v) for v in carried.get("verdicts", [])]
     return row
+
+
+def _not_unicode(value: Any) -> str | None:
+    """Where a parsed value holds a string that cannot be UTF-8 (a lone surrogate), else None."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate escape (\\u{ord(e.object[e.start]):04x})"
 
 
 def redispatch_line(line: bytes, row: Row, attempts: int, verdicts: list[str], output: str | None) -> str:

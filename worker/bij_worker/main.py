@@ -5,7 +5,8 @@ Exit codes (the Job's podFailurePolicy relies on them):
 - 0    the shard is done (its completion record is written)
 - 143  terminated by SIGTERM/SIGINT: the in-flight chunk was committed or dropped whole;
        a rerun resumes where it stopped
-- 42   bad configuration (missing plan, index out of range, unknown engine, missing model):
+- 42   bad configuration (missing plan, index out of range, unknown engine, missing model,
+       a storage error no retry fixes, an input object changed since planning):
        a retry cannot help, the Job fails at once
 - other  a failure worth a retry (storage outage, engine crash); a rerun resumes
 """
@@ -133,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad configuration: %s", e)
         return EXIT_BAD_CONFIG
     except StorageError as e:
+        if e.permanent:
+            # A missing bucket, denied access, no credentials, an input replaced after planning:
+            # the same on every retry and every node.
+            log.error("bad configuration: storage: %s", e)
+            return EXIT_BAD_CONFIG
         log.error("storage: %s", e)
         return EXIT_FAILED
     except Exception:

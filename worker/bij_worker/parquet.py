@@ -121,11 +121,12 @@ class RangeFile(io.RawIOBase):
     """A seekable, read-only view of one object: each read is one ranged read through `Storage`.
 
     Enough for pyarrow to read a footer (a read or two at the end) and then only the column
-    chunks of the row groups asked for.
+    chunks of the row groups asked for. With `version` (from the plan), every read is of that
+    version of the object (`ObjectChanged` otherwise).
     """
 
-    def __init__(self, storage: Storage, uri: str, size: int):
-        self.storage, self.uri, self.size = storage, uri, size
+    def __init__(self, storage: Storage, uri: str, size: int, version: str | None = None):
+        self.storage, self.uri, self.size, self.version = storage, uri, size, version
         self.pos = 0
         self.bytes_read = 0
 
@@ -149,7 +150,7 @@ class RangeFile(io.RawIOBase):
             return 0
         got = 0
         view = memoryview(b)
-        with self.storage.open_read(self.uri, self.pos) as stream:
+        with self.storage.open_read(self.uri, self.pos, self.version) as stream:
             while got < want:
                 chunk = stream.read(want - got)
                 if not chunk:
@@ -184,7 +185,8 @@ def read_footer(storage: Storage, uri: str, size: int) -> Footer:
 
 
 def iter_parquet_piece(storage: Storage, uri: str, size: int, group_rows: list[int], start: int, end: int,
-                       columns: list[str], resume_at: int = -1, batch_rows: int = 1024) -> Iterator[tuple[int, bytes]]:
+                       columns: list[str], resume_at: int = -1, batch_rows: int = 1024,
+                       version: str | None = None) -> Iterator[tuple[int, bytes]]:
     """(row number, JSON line) for the rows of row groups [start, end) from `resume_at` on.
 
     Row groups wholly before the resume row are not read at all.
@@ -201,7 +203,7 @@ def iter_parquet_piece(storage: Storage, uri: str, size: int, group_rows: list[i
     if not groups:
         return
     groups += list(range(groups[0] + 1, end))
-    pf = pq.ParquetFile(RangeFile(storage, uri, size))
+    pf = pq.ParquetFile(RangeFile(storage, uri, size, version))
     present = [c for c in columns if c in pf.schema_arrow.names]
     row = first
     for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=present):

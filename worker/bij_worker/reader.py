@@ -5,6 +5,10 @@ in it: reading starts one byte early and drops the partial line, and stops at
 the first line that starts at or after `end`. Compressed objects are read from
 their beginning. Resuming starts at the cursor (always a line start) instead.
 Parquet pieces are row groups; their rows come as JSON lines (see parquet.py).
+
+What cannot be a row is never dropped quietly: a line longer than
+`input.maxLineBytes`, and a `.zst` object that is cut or damaged, come out as an
+`InputProblem` at their place, which the worker records as an error row.
 """
 
 from __future__ import annotations
@@ -18,39 +22,122 @@ from typing import Any
 import zstandard
 
 from .parquet import iter_parquet_piece
-from .storage import Storage, iter_lines
+from .storage import Storage, split_lines
 
-Line = tuple[tuple[int, int, int], bytes]  # ((object, offset, end), line)
+DEFAULT_MAX_LINE_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class InputProblem:
+    """A place in the input that is no line to parse; the worker makes it an error row."""
+
+    code: str
+    message: str
+
+
+Line = tuple[tuple[int, int, int], bytes | InputProblem]  # ((object, offset, end), line)
+
+
+class CorruptInput(Exception):
+    """A compressed object that ends inside a frame or whose data is damaged."""
+
+
+class ZstdFrames:
+    """Every frame of a .zst stream, decompressed; `read()` as a file's.
+
+    zstandard's stream reader reads a cut frame as a clean end of the object. This one
+    raises `CorruptInput` for a stream that ends inside a frame, or damaged data.
+    Raw bytes go in small pieces (smaller while the data expands a lot), so memory stays
+    bounded however well a piece compresses.
+    """
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+        self.dctx = zstandard.ZstdDecompressor()
+        self.obj = self.dctx.decompressobj()
+        self.in_frame = False
+        self.piece = 64 << 10
+        self.raw_block = b""  # raw bytes read; fed from `self.at` on
+        self.at = 0
+
+    def read(self, size: int = -1) -> bytes:
+        while True:
+            if self.at >= len(self.raw_block):
+                self.raw_block, self.at = self.raw.read(1 << 20), 0
+                if not self.raw_block:
+                    if self.in_frame:
+                        raise CorruptInput("the object ends inside a zstd frame (cut short, or still uploading)")
+                    return b""
+            data = self.raw_block[self.at: self.at + self.piece]
+            self.at += len(data)
+            out = self._feed(data)
+            if len(out) > 8 << 20:
+                self.piece = max(1024, self.piece // 8)
+            elif len(out) < 1 << 20 and self.piece < 64 << 10:
+                self.piece *= 2
+            if out:
+                return out
+
+    def _feed(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            try:
+                out.append(self.obj.decompress(data))
+            except zstandard.ZstdError as e:
+                raise CorruptInput(f"damaged zstd data ({e})") from None
+            if self.obj.eof:  # a frame ended; what follows is the next frame
+                data = self.obj.unused_data
+                self.obj = self.dctx.decompressobj()
+                self.in_frame = False
+            else:
+                data = b""
+                self.in_frame = True
+        return b"".join(out)
+
+
+def _too_long(n: int, limit: int | None) -> InputProblem:
+    return InputProblem("line_too_long", f"the line has {n} bytes, more than spec.input.maxLineBytes ({limit})")
 
 
 def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: int,
-               resume_at: int = -1) -> Iterator[Line]:
-    """Lines of one piece, each with its place; from `resume_at` when that is past `start`."""
+               resume_at: int = -1, *, max_line: int | None = DEFAULT_MAX_LINE_BYTES,
+               version: str | None = None) -> Iterator[Line]:
+    """Lines of one piece, each with its place; from `resume_at` when that is past `start`.
+
+    With `version` (from the plan), another version of the object is refused (`ObjectChanged`).
+    """
     obj_placeholder = 0
     if compressed:
-        with storage.open_read(uri) as raw:
-            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20)
-            for off, line in iter_lines(reader, 0):  # type: ignore[arg-type]
-                if off < resume_at:
-                    continue
-                yield (obj_placeholder, off, off + len(line) + 1), line
+        with storage.open_read(uri, 0, version) as raw:
+            at = 0  # where the next line starts (uncompressed)
+            try:
+                for off, line, n in split_lines(ZstdFrames(raw), 0, max_line=max_line):
+                    at = off + n + 1
+                    if off >= resume_at:
+                        yield (obj_placeholder, off, at), line if line is not None else _too_long(n, max_line)
+            except CorruptInput as e:
+                # The partial line before the break was never yielded: the error row takes its place.
+                if at >= resume_at:
+                    yield (obj_placeholder, at, at + 1), InputProblem(
+                        "corrupt_input", f"{e} at uncompressed byte {at}; the rest of the object cannot be read")
         return
     begin = max(start, resume_at)
     if begin >= end:
         return
     # A resume cursor is a line start; a plain piece start may not be.
     open_at = begin if begin == resume_at or begin == 0 else begin - 1
-    with storage.open_read(uri, open_at) as f:
-        for off, line in iter_lines(f, open_at):
+    with storage.open_read(uri, open_at, version) as f:
+        for off, line, n in split_lines(f, open_at, max_line=max_line):
             if off < begin:
                 continue
             if off >= end:
                 break
-            yield (obj_placeholder, off, off + len(line) + 1), line
+            yield (obj_placeholder, off, off + n + 1), line if line is not None else _too_long(n, max_line)
 
 
 def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, Any]], pieces: list[list[int]],
-               cursor: tuple[int, int] = (-1, -1), columns: list[str] | None = None) -> Iterator[Line]:
+               cursor: tuple[int, int] = (-1, -1), columns: list[str] | None = None,
+               max_line: int | None = DEFAULT_MAX_LINE_BYTES) -> Iterator[Line]:
     """All lines of a shard in input order, skipping what lies before the durable cursor.
 
     A Parquet object (one with `rowGroups` in the plan) yields its rows as JSON lines of
@@ -64,11 +151,14 @@ def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, An
         uri = info["uri"]
         if "rowGroups" in info:
             for row, line in iter_parquet_piece(storage_for(uri), uri, int(info["size"]), info["rowGroups"],
-                                                start, end, columns or [], resume_at):
+                                                start, end, columns or [], resume_at, version=info.get("version")):
                 yield (obj, row, row + 1), line
             continue
-        for (_, off, stop), line in iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at):
-            if line and not line.isspace():
+        for (_, off, stop), line in iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at,
+                                               max_line=max_line, version=info.get("version")):
+            if isinstance(line, InputProblem):
+                yield (obj, off, stop), line
+            elif line and not line.isspace():
                 yield (obj, off, stop), (line[:-1] if line.endswith(b"\r") else line)
 
 

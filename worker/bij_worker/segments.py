@@ -5,15 +5,20 @@ where ``at`` is the input row's place (object index in the round plan, byte
 offset of its line, offset just past it) and ``row`` the result or error row
 as it will be published.
 
-- file:// — one append-only ``log.jsonl`` per shard; each chunk is one write,
-  flushed and fsynced. A torn last line (a crash mid-write) is cut on resume.
+- file:// — one append-only ``log-<writer>.jsonl`` per writer (a worker process);
+  each chunk is one write, flushed and fsynced. A last line without its newline is
+  a write torn by a crash, or one still under way: it is skipped, never cut, since
+  the file may belong to a writer that is still running.
 - s3:// — each chunk is one immutable segment object written with a single PUT,
-  so a segment exists whole or not at all. Segment names carry the writer's id,
-  so two pods working the same index (a retried or duplicate pod) never
-  overwrite each other; the reader keeps the first record for each place.
+  so a segment exists whole or not at all.
+
+Every name carries the writer's id, so two processes working the same index (a
+replacement pod racing a slow termination, `bij run` started twice) never write
+into each other's file, and nothing one of them reads can change the other's;
+the reader keeps the first record for each place.
 
 Both are read by the same code: list the shard's objects in name order, parse
-lines, drop a torn tail, de-duplicate by place (and attempt).
+lines, skip a torn tail, de-duplicate by place (and attempt).
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from typing import Any
 
 import orjson
 
-from .storage import NotFound, Storage, iter_lines
+from .storage import NotFound, Storage, split_lines
 
-LOG_NAME = "log.jsonl"
+# file://: a log per writer; logs of older versions were all named "log.jsonl".
+LOG_PREFIX = "log"
 
 
 @dataclass
@@ -41,7 +47,7 @@ class DurableState:
     # (object index, end offset) of the furthest input line committed: chunks are
     # committed in input order, so everything before it is durable.
     cursor: tuple[int, int] = (-1, -1)
-    torn_bytes: int = 0  # bytes cut from a torn tail (file://)
+    torn_bytes: int = 0  # bytes in torn tails (file://), skipped
 
 
 # The stdlib encoder handles what orjson refuses (integers beyond 64 bits).
@@ -63,6 +69,20 @@ def encode_records(records: Iterable[dict[str, Any]]) -> bytes:
     except TypeError:  # an integer beyond 64 bits somewhere: record by record, the stdlib for those
         lines = b"\n".join(map(_dump, records))
     return lines + b"\n" if lines else b""
+
+
+class _Limited:
+    """The first `size` bytes of a stream."""
+
+    def __init__(self, stream: Any, size: int):
+        self.stream, self.left = stream, size
+
+    def read(self, n: int = -1) -> Any:
+        if self.left <= 0:
+            return b""
+        data = self.stream.read(self.left if n < 0 else min(n, self.left))
+        self.left -= len(data)
+        return data
 
 
 def loads_record(line: bytes) -> Any:
@@ -91,49 +111,52 @@ class ShardLog:
 
     @property
     def log_uri(self) -> str:
-        return f"{self.prefix}/{LOG_NAME}"
+        """This writer's own log (file://)."""
+        return f"{self.prefix}/{LOG_PREFIX}-{self.writer_id}.jsonl"
 
-    def read(self, repair: bool = True) -> DurableState:
+    def read(self) -> DurableState:
         """All durable records in commit order, in memory (publish: one shard at a time)."""
-        records = list(self.scan(repair))
+        records = list(self.scan())
         state = self.state
         state.records = records
         return state
 
-    def scan(self, repair: bool = True) -> Iterator[dict[str, Any]]:
+    def scan(self) -> Iterator[dict[str, Any]]:
         """Stream the durable records in commit order; `self.state` has the cursor once done.
 
-        With `repair`, a torn file tail (a last line without its newline) is cut off.
-        Memory stays small however long the log: one int per record for de-duplication.
+        Reading changes nothing: a torn tail is skipped, never cut, so a writer still
+        running elsewhere keeps every line it made durable. Memory stays small however
+        long the log: one int per record for de-duplication.
         """
         state = self.state = DurableState()
         seen: set[int] = set()
         objects = self.storage.list(self.prefix + "/")
-        segments = [o for o in objects if o.uri.rsplit("/", 1)[-1].startswith("seg-")]
+        names = [o.uri.rsplit("/", 1)[-1] for o in objects]
+        segments = [o for o, n in zip(objects, names, strict=True) if n.startswith("seg-")]
         self._next_segment = len(segments)
         sources = segments
         if self.storage.supports_append:
-            sources = [o for o in objects if o.uri == self.log_uri] + segments
+            logs = [o for o, n in zip(objects, names, strict=True)
+                    if n.startswith(LOG_PREFIX) and n.endswith(".jsonl")]
+            sources = logs + segments
         for obj in sources:
             try:
                 stream = self.storage.open_read(obj.uri)
             except NotFound:
                 continue
             with stream:
-                for off, line in iter_lines(stream, 0):
-                    if off + len(line) + 1 > obj.size:
-                        # The last line never got its newline: the write was torn mid-line.
+                # Only the bytes there when listed: what a running writer appends later is its own.
+                for off, line, n in split_lines(_Limited(stream, obj.size), 0):
+                    if off + n + 1 > obj.size or line is None:
+                        # No newline yet: a write torn by a crash, or one still under way.
                         state.torn_bytes += obj.size - off
-                        if repair and obj.uri == self.log_uri:
-                            self.storage.truncate(obj.uri, off)
                         break
                     if not line.strip():
                         continue
                     try:
                         rec = loads_record(line)
                     except ValueError:
-                        # Only a torn line that later got a newline appended by another
-                        # writer; the row is simply recomputed.
+                        # A damaged line; the row is simply recomputed.
                         continue
                     at = rec["at"]
                     # A row has one final record per round, and before it (judge, inPlace) one

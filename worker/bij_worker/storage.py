@@ -9,11 +9,13 @@ reached; anything else stops with a `StorageError` that names the URI.
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import os
 import random
-import tempfile
+import re
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,17 +26,39 @@ T = TypeVar("T")
 
 
 class StorageError(RuntimeError):
-    """A storage operation that failed for good (after retries, or not worth retrying)."""
+    """A storage operation that failed for good (after retries, or not worth retrying).
+
+    `permanent`: no retry can help (a missing bucket, denied access, no credentials, a bad
+    endpoint): the worker exits 42 and `bij run` stops at once. Otherwise (an outage that
+    outlasted the retries, a full disk) a later retry may succeed.
+    """
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class NotFound(StorageError):
     """The object does not exist."""
+
+    def __init__(self, message: str):
+        super().__init__(message, permanent=True)
+
+
+class ObjectChanged(StorageError):
+    """The object is not the version that was planned (its ETag or mtime differs)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, permanent=True)
 
 
 @dataclass(frozen=True)
 class ObjectInfo:
     uri: str
     size: int
+    # Which version of the object this is: the ETag on s3://, the mtime in ns on file://.
+    # A plan records it; reading another version of the object is refused.
+    version: str | None = None
 
 
 class Storage(Protocol):
@@ -46,14 +70,19 @@ class Storage(Protocol):
         """Objects at `uri` (one object) or under it (a prefix), sorted by URI."""
         ...
 
-    def open_read(self, uri: str, start: int = 0) -> BinaryIO:
-        """A stream of the object's bytes from `start` to its end."""
+    def open_read(self, uri: str, start: int = 0, version: str | None = None) -> BinaryIO:
+        """A stream of the object's bytes from `start` to its end; with `version`, only of that
+        version of the object (`ObjectChanged` otherwise)."""
         ...
 
     def read_bytes(self, uri: str) -> bytes: ...
 
     def write_bytes(self, uri: str, data: bytes) -> None:
         """Write a whole object atomically: readers see the old object, or the new one, never a part."""
+        ...
+
+    def create(self, uri: str, data: bytes) -> bool:
+        """Write a whole object only if none exists there; False (and nothing written) if one does."""
         ...
 
     def exists(self, uri: str) -> bool: ...
@@ -64,16 +93,20 @@ class Storage(Protocol):
         """Append and fsync (file:// only)."""
         ...
 
-    def truncate(self, uri: str, size: int) -> None:
-        """Cut an object to `size` bytes (file:// only: a torn last line after a crash)."""
+    def remove_stale_temp(self, uri: str, older_than_s: float) -> int:
+        """Delete temp files of atomic writes killed midway under `uri` (file:// only); returns how many."""
         ...
 
 
 def open_storage(uri: str, s3: Any = None) -> Storage:
     """The storage for a URI's scheme. `s3` is spec.storage.s3 (object or dict) or None."""
     if uri.startswith("file://"):
+        if len(uri) == len("file://"):
+            raise StorageError(f"{uri!r} has no path: use file:///absolute/path or file://relative/path",
+                               permanent=True)
         return FileStorage()
     if uri.startswith("s3://"):
+        split_s3(uri)
         if s3 is None:
             endpoint, region = None, None
         elif isinstance(s3, dict):
@@ -85,19 +118,42 @@ def open_storage(uri: str, s3: Any = None) -> Storage:
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
         return _shared_s3(endpoint, region)
-    raise StorageError(f"unsupported URI {uri!r}: use file:// or s3://")
+    raise StorageError(f"unsupported URI {uri!r}: use file:// or s3://", permanent=True)
 
 
 @functools.lru_cache(maxsize=16)
 def _shared_s3(endpoint: str | None, region: str | None) -> S3Storage:
     # A boto3 client costs about half a CPU second to build and is thread-safe: one per endpoint.
-    return S3Storage(endpoint_url=endpoint, region=region)
+    try:
+        return S3Storage(endpoint_url=endpoint, region=region)
+    except ValueError as e:  # botocore: "Invalid endpoint: ..."
+        raise StorageError(f"spec.storage.s3.endpointUrl (or AWS_ENDPOINT_URL) {endpoint!r} is not a usable "
+                           f"endpoint ({e}): give a URL such as https://s3.example.com:9000", permanent=True) from None
 
 
 def _local_path(uri: str) -> Path:
     if not uri.startswith("file://"):
-        raise StorageError(f"not a file:// URI: {uri!r}")
+        raise StorageError(f"not a file:// URI: {uri!r}", permanent=True)
     return Path(uri[len("file://") :])
+
+
+def _os_error(what: str, uri: str, e: OSError) -> StorageError:
+    """One line that names the URI; a full disk or a read-only file system says what to do."""
+    hint = ""
+    if e.errno == errno.ENOSPC:
+        hint = ": free some space and run again (what is durable is kept)"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = ": make it writable for this user, or choose another location"
+    return StorageError(f"cannot {what} {uri}: {e.strerror or e}{hint}",
+                        permanent=e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR))
+
+
+def _version(st: os.stat_result) -> str:
+    return str(st.st_mtime_ns)
+
+
+# Temp files of atomic writes: ".<name>.<random>.tmp" beside the object (8 characters: mkstemp's, before).
+_TEMP_RE = re.compile(r"^\..+\.[A-Za-z0-9_]{8,16}\.tmp$")
 
 
 class FileStorage:
@@ -107,26 +163,37 @@ class FileStorage:
 
     def list(self, uri: str) -> list[ObjectInfo]:
         p = _local_path(uri)
-        if p.is_file():
-            return [ObjectInfo(uri, p.stat().st_size)]
-        if not p.is_dir():
-            return []
-        out = []
-        for root, dirs, files in os.walk(p):
-            dirs.sort()
-            for f in files:
-                fp = Path(root) / f
-                out.append(ObjectInfo("file://" + str(fp), fp.stat().st_size))
+        try:
+            if p.is_file():
+                st = p.stat()
+                return [ObjectInfo(uri, st.st_size, _version(st))]
+            if not p.is_dir():
+                return []
+            out = []
+            for root, dirs, files in os.walk(p):
+                dirs.sort()
+                for f in files:
+                    fp = Path(root) / f
+                    try:
+                        st = fp.stat()
+                    except FileNotFoundError:  # removed while listing (a temp file renamed)
+                        continue
+                    out.append(ObjectInfo("file://" + str(fp), st.st_size, _version(st)))
+        except OSError as e:
+            raise _os_error("list", uri, e) from None
         out.sort(key=lambda o: o.uri)
         return out
 
-    def open_read(self, uri: str, start: int = 0) -> BinaryIO:
+    def open_read(self, uri: str, start: int = 0, version: str | None = None) -> BinaryIO:
         try:
             f = open(_local_path(uri), "rb", buffering=1 << 20)  # noqa: SIM115 - caller closes
         except FileNotFoundError:
             raise NotFound(f"{uri}: no such file") from None
         except OSError as e:
-            raise StorageError(f"{uri}: cannot open: {e.strerror}") from None
+            raise _os_error("open", uri, e) from None
+        if version is not None and _version(os.fstat(f.fileno())) != version:
+            f.close()
+            raise ObjectChanged(f"{uri} was modified after the job was planned (mtime differs)")
         if start:
             f.seek(start)
         return f
@@ -137,21 +204,49 @@ class FileStorage:
 
     def write_bytes(self, uri: str, data: bytes) -> None:
         p = _local_path(uri)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
+            tmp = _durable_temp(p, data)
             try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+                os.replace(tmp, p)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise _os_error("write", uri, e) from None
         _fsync_dir(p.parent)
+
+    def create(self, uri: str, data: bytes) -> bool:
+        p = _local_path(uri)
+        try:
+            tmp = _durable_temp(p, data)
+            try:
+                os.link(tmp, p)  # fails if the name exists: whole and exclusive at once
+            except FileExistsError:
+                return False
+            finally:
+                tmp.unlink()
+        except OSError as e:
+            raise _os_error("write", uri, e) from None
+        _fsync_dir(p.parent)
+        return True
+
+    def remove_stale_temp(self, uri: str, older_than_s: float) -> int:
+        # A temp file still being written is younger: its writer touches it as it writes.
+        root = _local_path(uri)
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for folder, _, files in os.walk(root):
+            for f in files:
+                if not _TEMP_RE.match(f):
+                    continue
+                fp = os.path.join(folder, f)
+                try:
+                    if os.stat(fp).st_mtime < cutoff:
+                        os.unlink(fp)
+                        removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
 
     def exists(self, uri: str) -> bool:
         return _local_path(uri).is_file()
@@ -165,26 +260,39 @@ class FileStorage:
     def append_durable(self, uri: str, data: bytes) -> None:
         p = _local_path(uri)
         new = not p.exists()
-        if new:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            if new:
+                p.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _os_error("append to", uri, e) from None
         if new:
             _fsync_dir(p.parent)
 
-    def truncate(self, uri: str, size: int) -> None:
-        p = _local_path(uri)
-        with open(p, "r+b") as f:
-            f.truncate(size)
+
+def _durable_temp(p: Path, data: bytes) -> Path:
+    """`data` in a new, fsynced temp file beside `p` (removed again if anything fails)."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.parent / f".{p.name}.{secrets.token_hex(8)}.tmp"
+    # 0666 less the umask, like any file a program writes (mkstemp would make it 0600).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
 
 
 def _fsync_dir(path: Path) -> None:
@@ -206,7 +314,7 @@ def split_s3(uri: str) -> tuple[str, str]:
     rest = uri[len("s3://") :]
     bucket, _, key = rest.partition("/")
     if not bucket:
-        raise StorageError(f"{uri!r} has no bucket")
+        raise StorageError(f"{uri!r} has no bucket: use s3://bucket/prefix", permanent=True)
     return bucket, key
 
 
@@ -247,13 +355,38 @@ def _is_transient(exc: BaseException) -> bool:
     return False
 
 
+# What to do about an error that no retry fixes, by S3 error code.
+_HINTS = {
+    "NoSuchBucket": "create the bucket or fix the URI",
+    "AccessDenied": "grant this identity access, or check spec.storage.credentialsSecret / the AWS_* environment",
+    "AllAccessDisabled": "grant this identity access, or check spec.storage.credentialsSecret / the AWS_* environment",
+    "InvalidAccessKeyId": "check the credentials (AWS_ACCESS_KEY_ID, spec.storage.credentialsSecret)",
+    "SignatureDoesNotMatch": "check the credentials (AWS_SECRET_ACCESS_KEY, spec.storage.credentialsSecret)",
+    "ExpiredToken": "renew the credentials",
+    "InvalidBucketName": "fix the bucket name in the URI",
+}
+
+
 def _describe(exc: BaseException) -> str:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import ClientError, NoCredentialsError
 
     if isinstance(exc, ClientError):
         err = exc.response.get("Error", {})
-        return f"{err.get('Code', '?')}: {err.get('Message', '') or exc}"
+        code = str(err.get("Code", "?"))
+        hint = f"; {_HINTS[code]}" if code in _HINTS else ""
+        return f"{code}: {err.get('Message', '') or exc}{hint}"
+    if isinstance(exc, NoCredentialsError):
+        return ("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
+                "or spec.storage.credentialsSecret on a cluster")
+    if _is_unreachable(exc):
+        return f"{type(exc).__name__}: {exc}; check spec.storage.s3.endpointUrl and that the endpoint is up"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
+
+    return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
 
 
 class S3Storage:
@@ -298,8 +431,10 @@ class S3Storage:
                     code = str(e.response.get("Error", {}).get("Code", ""))
                     if code in {"NoSuchKey", "404", "NotFound"}:
                         raise NotFound(f"{uri}: no such object") from None
+                    if code == "PreconditionFailed":  # IfMatch / IfNoneMatch
+                        raise ObjectChanged(f"{uri} was replaced after the job was planned (ETag differs)") from None
                 if not _is_transient(e):
-                    raise StorageError(f"{what} {uri}: {_describe(e)}") from None
+                    raise StorageError(f"{what} {uri}: {_describe(e)}", permanent=True) from None
                 if attempt == self.max_attempts:
                     raise StorageError(f"{what} {uri}: still failing after {attempt} attempts: {_describe(e)}") \
                         from None
@@ -322,22 +457,25 @@ class S3Storage:
                     continue
                 if k.endswith("/"):
                     continue
-                out.append(ObjectInfo(f"s3://{bucket}/{k}", int(obj["Size"])))
+                out.append(ObjectInfo(f"s3://{bucket}/{k}", int(obj["Size"]), obj.get("ETag")))
             if not page.get("IsTruncated"):
                 break
             token = page.get("NextContinuationToken")
         out.sort(key=lambda o: o.uri)
         return out
 
-    def _get(self, uri: str, start: int) -> Any:
+    def _get(self, uri: str, start: int, version: str | None = None) -> Any:
         bucket, key = split_s3(uri)
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
         if start:
             kwargs["Range"] = f"bytes={start}-"
+        if version is not None:
+            kwargs["IfMatch"] = version  # a replaced object answers 412, never its new bytes
         return self._call("read", uri, lambda: self.client.get_object(**kwargs)["Body"])
 
-    def open_read(self, uri: str, start: int = 0) -> BinaryIO:
-        return io.BufferedReader(_ResumingS3Stream(self, uri, start), buffer_size=1 << 20)  # type: ignore[return-value]
+    def open_read(self, uri: str, start: int = 0, version: str | None = None) -> BinaryIO:
+        return io.BufferedReader(_ResumingS3Stream(self, uri, start, version),  # type: ignore[return-value]
+                                 buffer_size=1 << 20)
 
     def read_bytes(self, uri: str) -> bytes:
         with self.open_read(uri) as f:
@@ -347,6 +485,22 @@ class S3Storage:
         bucket, key = split_s3(uri)
         # One PUT: S3 makes the object visible whole or not at all.
         self._call("write", uri, lambda: self.client.put_object(Bucket=bucket, Key=key, Body=data))
+
+    def create(self, uri: str, data: bytes) -> bool:
+        bucket, key = split_s3(uri)
+        try:
+            self._call("write", uri, lambda: self.client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*"))
+            return True
+        except ObjectChanged:  # 412: the object exists
+            return False
+        except StorageError as e:
+            if "NotImplemented" not in str(e):
+                raise
+        # A store without conditional writes: check, then write (a narrow race, and the best it allows).
+        if self.exists(uri):
+            return False
+        self.write_bytes(uri, data)
+        return True
 
     def exists(self, uri: str) -> bool:
         bucket, key = split_s3(uri)
@@ -363,15 +517,15 @@ class S3Storage:
     def append_durable(self, uri: str, data: bytes) -> None:
         raise StorageError("s3:// objects are immutable: write segments instead of appending")
 
-    def truncate(self, uri: str, size: int) -> None:
-        raise StorageError("s3:// objects are immutable: cannot truncate")
+    def remove_stale_temp(self, uri: str, older_than_s: float) -> int:
+        return 0  # a PUT is atomic: nothing is left behind
 
 
 class _ResumingS3Stream(io.RawIOBase):
     """A GET body that re-opens at the current offset when the connection breaks."""
 
-    def __init__(self, storage: S3Storage, uri: str, start: int):
-        self.storage, self.uri, self.pos = storage, uri, start
+    def __init__(self, storage: S3Storage, uri: str, start: int, version: str | None = None):
+        self.storage, self.uri, self.pos, self.version = storage, uri, start, version
         self.body: Any = None
         self.failures = 0
 
@@ -382,7 +536,7 @@ class _ResumingS3Stream(io.RawIOBase):
         while True:
             try:
                 if self.body is None:
-                    self.body = self.storage._get(self.uri, self.pos)
+                    self.body = self.storage._get(self.uri, self.pos, self.version)
                 data = self.body.read(len(b))
                 n = len(data)
                 b[:n] = data
@@ -393,7 +547,7 @@ class _ResumingS3Stream(io.RawIOBase):
                 raise
             except Exception as e:  # noqa: BLE001
                 if not _is_transient(e):
-                    raise StorageError(f"read {self.uri}: {_describe(e)}") from None
+                    raise StorageError(f"read {self.uri}: {_describe(e)}", permanent=True) from None
                 self.failures += 1
                 if self.failures >= self.storage.max_attempts:
                     raise StorageError(f"read {self.uri}: stream broke {self.failures} times: {_describe(e)}") \
@@ -414,23 +568,53 @@ class _ResumingS3Stream(io.RawIOBase):
         super().close()
 
 
-def iter_lines(stream: BinaryIO, base_offset: int, block: int = 1 << 20) -> Iterator[tuple[int, bytes]]:
-    """Yield (offset of the line's first byte, line without its newline) from a byte stream.
+def split_lines(stream: Any, base_offset: int, block: int = 1 << 20,
+                max_line: int | None = None) -> Iterator[tuple[int, bytes | None, int]]:
+    """Yield (offset of the line's first byte, line without its newline, its length) from a byte stream.
 
-    A last line without a trailing newline is yielded too.
+    Linear in the bytes read, however long a line: each block is searched once, and a line
+    that spans blocks is joined once. A line longer than `max_line` bytes is not kept: it
+    comes as (offset, None, length), with its bytes dropped as they are read. A last line
+    without a trailing newline is yielded too.
     """
-    buf = b""
-    pos = base_offset  # offset of buf[0]
+    limit = -1 if max_line is None else max_line
+    parts: list[bytes] = []  # pieces of the line not ended yet (none once it is over the limit)
+    size = 0  # its length so far
+    pos = base_offset  # offset of its first byte
     while True:
         data = stream.read(block)
         if not data:
             break
-        buf = buf + data if buf else data
         # One split per block (C), not one find and slice per line.
-        lines = buf.split(b"\n")
-        buf = lines.pop()  # the part after the last newline: the start of a line still to come
-        for line in lines:
-            yield pos, line
-            pos += len(line) + 1
-    if buf:
-        yield pos, buf
+        lines = data.split(b"\n")
+        tail = lines.pop()  # the part after the last newline: the start of a line still to come
+        first = 0
+        if size and lines:  # the line left open by the last block ends in this one
+            n = size + len(lines[0])
+            if limit < 0 or n <= limit:
+                parts.append(lines[0])
+                yield pos, b"".join(parts), n
+            else:
+                yield pos, None, n
+            parts, size = [], 0
+            pos += n + 1
+            first = 1
+        if limit < 0 or len(data) <= limit:  # the common case: no line inside this block can be over the limit
+            for i in range(first, len(lines)):
+                line = lines[i]
+                yield pos, line, len(line)
+                pos += len(line) + 1
+        else:
+            for i in range(first, len(lines)):
+                line = lines[i]
+                n = len(line)
+                yield pos, line if n <= limit else None, n
+                pos += n + 1
+        if tail:
+            size += len(tail)
+            if limit < 0 or size <= limit:
+                parts.append(tail)
+            else:
+                parts = []
+    if size:
+        yield pos, b"".join(parts) if limit < 0 or size <= limit else None, size

@@ -48,7 +48,7 @@ from .inputs import (
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
 from .parquet import is_int64
-from .reader import Chunk, Prefetcher, iter_shard
+from .reader import DEFAULT_MAX_LINE_BYTES, Chunk, InputProblem, Line, Prefetcher, iter_shard
 from .segments import ShardLog
 from .storage import NotFound, Storage, StorageError, open_storage
 
@@ -212,6 +212,7 @@ class ShardWorker:
         self.chunk_rows = int(spec.get("sharding", {}).get("chunkRows", 512))
         self.window = int(batching.get("inFlightRows") or self.default_window())
         self.commit_slots = int(batching.get("commitQueueChunks", 4))
+        self.max_line = int(spec["input"].get("maxLineBytes", DEFAULT_MAX_LINE_BYTES))
         self.max_tokens = spec.get("model", {}).get("maxInputTokens")
         self.s3 = spec.get("storage", {}).get("s3")
         judge_spec = spec.get("judge")
@@ -275,14 +276,18 @@ class ShardWorker:
         # Stream the durable log: resuming a long shard must not hold its records in memory.
         resumed_bytes = records = 0
         attempts: dict[tuple[int, int], dict[str, Any]] = {}  # rows between attempts, by place
+        # Rows with a final record: another writer's log may list a row's attempts after it.
+        finals: set[tuple[int, int]] = set()
         for rec in self.log.scan():
             records += 1
             place = (rec["at"][0], rec["at"][1])
             if rec["kind"] == "attempt":
-                if place not in attempts or rec["attempt"] > attempts[place]["attempt"]:
+                if place not in finals and (place not in attempts or rec["attempt"] > attempts[place]["attempt"]):
                     attempts[place] = rec
                 continue
-            attempts.pop(place, None)  # a row's final record comes after its attempts
+            if self.in_place:
+                finals.add(place)
+                attempts.pop(place, None)
             resumed_bytes += rec["at"][2] - rec["at"][1]
             self._count_final(rec)
         state = self.log.state
@@ -290,7 +295,7 @@ class ShardWorker:
         pending = [rec for _, rec in sorted(attempts.items())]
         resumed_bytes += sum(rec["at"][2] - rec["at"][1] for rec in pending)
         if records:
-            log.info("shard %d: resuming after %d durable records (%d rows between attempts, %d torn bytes cut)",
+            log.info("shard %d: resuming after %d durable records (%d rows between attempts, %d torn bytes skipped)",
                      self.index, records, len(pending), state.torn_bytes)
         self.stats.bytes = resumed_bytes
         self.progress({"event": "resume", "index": self.index, "rows": self.stats.rows,
@@ -298,7 +303,8 @@ class ShardWorker:
         if pending and not self._resume_attempts(pending):
             return self._stopped()
 
-        lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor, parquet_columns(self.opts))
+        lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor, parquet_columns(self.opts),
+                           self.max_line)
         # Engines whose compute lets go of the interpreter (torch, vLLM) get the next chunks parsed in
         # the reader thread meanwhile; for the others it would only take turns with them.
         parse = self._parse if self.judge is None and getattr(self.engine, "parallel_prepare", False) else None
@@ -480,6 +486,9 @@ class ShardWorker:
         records: list[dict[str, Any]] = []
         rows: list[Row] = []
         for at, line in chunk.lines:
+            if isinstance(line, InputProblem):  # an over-long line, a cut .zst: an error row in its place
+                records.append(self._error_record(Row(at=at, id=None, error_code=line.code, error=line.message)))
+                continue
             row = parse_line(line, at, names[at[0]], opts)
             if row.request is None:
                 records.append(self._error_record(row))
@@ -530,7 +539,7 @@ class ShardWorker:
     def _finish(self, t0: float) -> None:
         if self.judge is not None:
             # The next round's input: every row this shard rejected, with its id and history.
-            lines = [rec["line"] for rec in sorted(self.log.read(repair=False).records,
+            lines = [rec["line"] for rec in sorted(self.log.read().records,
                                                    key=lambda r: (r["at"][0], r["at"][1]))
                      if rec["kind"] == "rejected"]
             uri = f"{self.plan['roundPrefix']}/rejected/{self.index:05d}.jsonl"
@@ -576,17 +585,20 @@ class ShardWorker:
             live.append(_Live(row, line, attempts_here=int(rec["attemptsHere"])))
         return self._attempt_loop(live, [])
 
-    def _work_chunk(self, lines: list[tuple[tuple[int, int, int], bytes]]) -> bool:
+    def _work_chunk(self, lines: list[Line]) -> bool:
         """Parse, run and commit one chunk. False when stopped before the chunk was committed.
 
         Ids repeated within or across shards are found at publish, which sees every shard
         in input order: a set of every id here would grow with the shard.
         """
         names, opts = self.names, self.opts
-        rows: list[Row] = [parse_line(line, at, names[at[0]], opts) for at, line in lines]
         records: list[dict[str, Any]] = []
         live = []
-        for row, (_, line) in zip(rows, lines, strict=True):
+        for at, line in lines:
+            if isinstance(line, InputProblem):
+                records.append(self._error_record(Row(at=at, id=None, error_code=line.code, error=line.message)))
+                continue
+            row = parse_line(line, at, names[at[0]], opts)
             if row.request is None:
                 records.append(self._error_record(row))
             else:
