@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from bij_worker import publish_rows
 from bij_worker.worker import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
 
 from . import layout
@@ -230,7 +231,8 @@ class LocalRunner:
                     break
                 round_no += 1
             try:
-                manifest = publish(self.job, rounds=round_no + 1)
+                # The row-level passes run as worker processes, like the rounds.
+                manifest = publish(self.job, rounds=round_no + 1, processes=self.parallelism)
             except PublishError as e:
                 print(f"bij: publish failed: {e}", file=sys.stderr)
                 return 1
@@ -280,9 +282,15 @@ def planned_rounds(job: BatchInferenceJob) -> int:
 def cli_publish(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.spec)
-        manifest = publish(job, rounds=max(1, planned_rounds(job)))
+        stats: list[dict[str, Any]] = []
+        processes = job.spec.workers.parallelism if args.parallelism is None else args.parallelism
+        manifest = publish(job, rounds=max(1, planned_rounds(job)), processes=processes,
+                           bucket_rows=args.bucket_rows or publish_rows.BUCKET_ROWS, stats=stats)
     except (SpecError, PublishError) as e:
         print(f"bij: {e}", file=sys.stderr)
         return 1
+    if args.process_stats:
+        with open(args.process_stats, "w") as f:
+            json.dump(stats, f)
     print(json.dumps(manifest["counts"]))
     return 0
