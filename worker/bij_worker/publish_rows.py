@@ -99,7 +99,8 @@ def _order_uri(plan: dict[str, Any], unit: int) -> str:
 def run_ids(plan: dict[str, Any], index: int, store: Storage) -> None:
     """Pass 1: every id of shard `index` with its place, into the bucket files."""
     buckets = int(plan["buckets"])
-    parts: list[list[bytes]] = [[] for _ in range(buckets)]
+    # bytearrays, not lists of orjson's bytes: each of those keeps a 4 KiB buffer.
+    parts = [bytearray() for _ in range(buckets)]
     unit = plan["units"][index]
     last: tuple[int, int] = (-1, -1)
     ordered = True
@@ -112,9 +113,12 @@ def run_ids(plan: dict[str, Any], index: int, store: Storage) -> None:
             continue
         key = id_key(rid)
         entry = [key, rec["at"][0], rec["at"][1], rec["kind"] == "result"]
-        parts[bucket_of(key, buckets)].append(orjson.dumps(entry))
-    for b, lines in enumerate(parts):
-        store.write_bytes(_ids_uri(plan, index, b), b"\n".join(lines) + (b"\n" if lines else b""))
+        part = parts[bucket_of(key, buckets)]
+        part += orjson.dumps(entry)
+        part += b"\n"
+    for b in range(buckets):
+        store.write_bytes(_ids_uri(plan, index, b), bytes(parts[b]))
+        parts[b] = bytearray()
     store.write_bytes(_order_uri(plan, index), json.dumps({"ordered": ordered}).encode())
 
 
