@@ -11,6 +11,7 @@ from bij_operator import layout
 from bij_operator import publish as publish_module
 from bij_operator.planner import plan_round
 from bij_operator.publish import PublishError, publish, read_manifest
+from bij_worker import publish_rows
 from bij_worker.engines.base import estimate_tokens
 from bij_worker.engines.echo import echo_embedding
 from bij_worker.segments import ShardLog
@@ -41,14 +42,16 @@ def test_the_manifest_is_written_last_and_once(place, make_job, run_shards, read
     _, job = make_job(place, place.write_jsonl("in.jsonl", inputs))
     run_shards(job)
     writes: list[str] = []
-    monkeypatch.setattr(publish_module, "open_storage",
-                        lambda uri, s3=None: RecordingStorage(open_storage(uri, s3), writes))
+    for module in (publish_module, publish_rows):
+        monkeypatch.setattr(module, "open_storage",
+                            lambda uri, s3=None: RecordingStorage(open_storage(uri, s3), writes))
     manifest = publish(job)
     out = read_output(job)
     assert writes[-1] == layout.manifest_uri(job)
     assert writes.count(layout.manifest_uri(job)) == 1
     listed = [layout.join(job.spec.output.uri, f["path"]) for f in manifest["files"] + manifest["errorFiles"]]
-    assert set(listed) == set(writes[:-1]) and len(manifest["files"]) >= 2
+    published = [w for w in writes[:-1] if not w.startswith(layout.state_prefix(job))]  # not the passes' work files
+    assert set(listed) == set(published) and len(manifest["files"]) >= 2
     assert out.manifest == manifest
 
 
@@ -199,3 +202,69 @@ def test_publishing_with_a_spec_that_decides_rows_differently_is_refused(file_pl
     with pytest.raises(PlanRefused, match='spec.model.name changed from null to "a-model-that-made-nothing"'):
         publish(renamed)  # the manifest would name a model that made none of the rows
     assert publish(job)["model"]["name"] is None
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return {k: v for k, v in a.items() if k != "publishedAt"} == {k: v for k, v in b.items() if k != "publishedAt"}
+
+
+def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(file_place, make_job, run_shards,
+                                                                               read_output):
+    first = [{"id": 7, "text": "seven"}] + rows(60, "a") + ["bad line"]
+    second = rows(30, "b") + [{"id": 7, "text": "seven again"}, {"id": "a5", "text": "a5 again"}] + rows(30, "c")
+    file_place.write_jsonl("in/1.jsonl", first)
+    file_place.write_jsonl("in/2.jsonl", second)
+    _, job = make_job(file_place, file_place.uri("in/"), sharding={"targetShardBytes": 1024})
+    run_shards(job)
+    inline = publish(job)
+    raw = read_output(job).raw
+    stats: list[dict[str, Any]] = []
+    spread = publish(job, processes=2, bucket_rows=10, stats=stats)
+    assert _same(inline, spread) and read_output(job).raw == raw
+    assert inline["counts"]["duplicates"] == 2
+    plan = publish_rows.load(publish_rows.plan_uri(publish_module.publish_prefix(job)))
+    assert plan["buckets"] == 13  # 124 rows, 10 ids a bucket
+    shards = len(plan["units"])
+    expected = [("ids", i) for i in range(shards)] + [("dedupe", b) for b in range(13)]
+    assert sorted((s["pass"], s["index"]) for s in stats) == sorted(expected + [("write", i) for i in range(shards)])
+    assert all(s["rc"] == 0 and s["maxRssKiB"] > 0 for s in stats)
+
+
+def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place, make_job, run_shards, read_output):
+    inputs = rows(60)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})
+    run_shards(job)
+    plan = load_plan(layout.round_manifest_uri(job, 0))
+    records = ShardLog(file_place.storage, shard_prefix(plan, 0)).read().records
+    for obj in file_place.storage.list(shard_prefix(plan, 0) + "/"):
+        file_place.storage.delete(obj.uri)
+    log = ShardLog(file_place.storage, shard_prefix(plan, 0))
+    log.append(records[40:])  # a later writer's rows first, as a resumed writer's log can list first
+    log.append(records[:40])
+    manifest = publish(job)
+    assert read_output(job).result_ids == [r["id"] for r in inputs] and manifest["counts"]["rows"] == 60
+
+
+def test_a_shard_with_more_rows_than_a_file_holds_is_published_in_parts(file_place, make_job, run_shards,
+                                                                        read_output, monkeypatch):
+    inputs = rows(25)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), output={"compression": "zstd"})
+    run_shards(job)
+    monkeypatch.setattr(publish_rows, "FILE_ROWS", 10)
+    manifest = publish(job)
+    assert [(f["path"], f["rows"]) for f in manifest["files"]] == [
+        ("results/r0-00000.jsonl.zst", 10), ("results/r0-00000-001.jsonl.zst", 10),
+        ("results/r0-00000-002.jsonl.zst", 5)]
+    assert read_output(job).result_ids == [r["id"] for r in inputs]
+
+
+def test_a_publish_pass_with_an_index_out_of_range_is_a_bad_configuration(file_place, make_job, run_shards):
+    from bij_worker.main import main
+
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)))
+    run_shards(job)
+    publish(job)
+    uri = publish_rows.plan_uri(publish_module.publish_prefix(job))
+    assert main(["publish", "--plan", uri, "--pass", "dedupe", "--index", "1"]) == 42
+    assert main(["publish", "--plan", uri + ".missing", "--pass", "ids", "--index", "0"]) == 42
+    assert main(["publish", "--plan", uri, "--pass", "write", "--index", "0"]) == 0

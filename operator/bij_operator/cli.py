@@ -30,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("publish", help="publish the manifest of a finished job (normally automatic)")
     p.add_argument("spec")
+    p.add_argument("--parallelism", type=int, default=None,
+                   help="worker processes for the row-level passes (default: spec.workers.parallelism; 0: in this one)")
+    p.add_argument("--bucket-rows", type=int, default=None,
+                   help="ids one duplicate-detection process holds at once (default 250000)")
+    p.add_argument("--process-stats", default=None, metavar="FILE",
+                   help="write each publish process's peak RSS and time to FILE as JSON")
 
     p = sub.add_parser("results", help="print published rows as JSON lines (checks every file's sha256)")
     p.add_argument("manifest", help="the manifest's URI (file://... or s3://...), or the output URI")

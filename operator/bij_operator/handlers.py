@@ -8,8 +8,9 @@ names, 409 means "already done", planning and publishing rewrite nothing), so an
 operator killed anywhere continues where it stopped.
 
 API calls go through the official client in a thread; kopf watches, dispatches, posts
-Events and serves the liveness probe. No finalizer is used: deleting a bij deletes its
-Jobs by owner reference and keeps the results.
+Events and serves the liveness probe. Deleting a bij deletes its Jobs by owner reference
+and keeps the results; kopf puts a finalizer on each bij for the progress timer (a real API
+server shows it), so a bij is only deleted while an operator runs.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from bij_worker import publish_rows
 from bij_worker.storage import StorageError
 from bij_worker.worker import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
 
@@ -253,10 +254,11 @@ class LocalRunner:
                 break
             round_no += 1
         try:
-            manifest = publish(self.job, rounds=round_no + 1)
+            # The row-level passes run as worker processes, like the rounds.
+            manifest = publish(self.job, rounds=round_no + 1, processes=self.parallelism)
         except PublishError as e:
             print(f"bij: publish failed: {e}", file=sys.stderr)
-            return 1
+            return EXIT_BAD_CONFIG if e.permanent else 1
         except StorageError as e:
             print(f"bij: publish failed: {e}", file=sys.stderr)
             return EXIT_BAD_CONFIG if e.permanent else 1
@@ -315,12 +317,18 @@ def planned_rounds(job: BatchInferenceJob) -> int:
 def cli_publish(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.spec)
-        manifest = publish(job, rounds=max(1, planned_rounds(job)))
+        stats: list[dict[str, Any]] = []
+        processes = job.spec.workers.parallelism if args.parallelism is None else args.parallelism
+        manifest = publish(job, rounds=max(1, planned_rounds(job)), processes=processes,
+                           bucket_rows=args.bucket_rows or publish_rows.BUCKET_ROWS, stats=stats)
     except (SpecError, PlanRefused) as e:
         print(f"bij: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except (PublishError, StorageError) as e:
         print(f"bij: {e}", file=sys.stderr)
-        return EXIT_BAD_CONFIG if getattr(e, "permanent", False) else 1
+        return EXIT_BAD_CONFIG if e.permanent else 1
+    if args.process_stats:
+        with open(args.process_stats, "w") as f:
+            json.dump(stats, f)
     print(json.dumps(manifest["counts"]))
     return 0

@@ -1,28 +1,30 @@
 """Publish a finished job: result and error files, then `manifest.json` last, in one atomic write.
 
-Readers trust only the manifest. Publishing reads every shard's durable log in
-input order, keeps the first occurrence of each id (a retried index or a
-duplicate pod can leave a row twice; an id repeated across shards is a bad
-row), writes one result file and one error file per shard, and then the
-manifest with row counts and checksums. It is deterministic: publishing again
-gives the same files and the same manifest.
+Readers trust only the manifest. Publishing keeps the first occurrence of each
+id in input order (a retried index or a duplicate pod can leave a row twice; an
+id repeated across shards is a bad row), writes result and error files per
+shard, and then the manifest with row counts and checksums. The row-level work
+runs in bounded-memory passes (`bij_worker.publish_rows`), as worker processes
+or in this one; what is done here grows with shards, never with rows. It is
+deterministic: publishing again gives the same files and the same manifest.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import zstandard
-from bij_worker.inputs import id_key, row_id, row_usage
-from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
-from bij_worker.parquet import encode_results, id_kind
-from bij_worker.segments import ShardLog, encode_records
+from bij_worker import publish_rows
+from bij_worker.parquet import id_kind
 from bij_worker.storage import NotFound, Storage, open_storage
-from bij_worker.worker import done_uri, shard_prefix
+from bij_worker.worker import EXIT_BAD_CONFIG, done_uri, shard_prefix
 
 from . import layout
 from .efficiency import cost, efficiency
@@ -31,7 +33,12 @@ from .spec import BatchInferenceJob
 
 
 class PublishError(RuntimeError):
-    """The job cannot be published yet: a round or shard has not finished."""
+    """The job cannot be published yet: a round or shard has not finished.
+
+    `permanent`: a publish process reported what no retry fixes (exit 42).
+    """
+
+    permanent = False
 
 
 class ErrorRatioExceeded(PublishError):
@@ -82,27 +89,6 @@ def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> di
         raise PublishError(f"round {round_no} was never planned") from None
 
 
-def _encode(rows: list[dict[str, Any]], compression: str) -> bytes:
-    data = encode_records(rows)
-    if compression == "zstd":
-        return zstandard.ZstdCompressor(level=3).compress(data)
-    return data
-
-
-def _write_file(store: Storage, job: BatchInferenceJob, folder: str, name: str,
-                rows: list[dict[str, Any]], ids: str | None = None) -> dict[str, Any]:
-    """One published file; `ids` (the job's id kind) asks for Parquet (result files only)."""
-    compression = job.spec.output.compression
-    if ids is not None:
-        path = f"{folder}/{name}{PARQUET_SUFFIX}"
-        data = encode_results(rows, job.spec.model.task, ids, job.spec.judge is not None, compression)
-    else:
-        path = f"{folder}/{name}.jsonl" + (".zst" if compression == "zstd" else "")
-        data = _encode(rows, compression)
-    store.write_bytes(layout.join(job.spec.output.uri, path), data)
-    return {"path": path, "rows": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
 def result_id_kind(done_records: list[dict[str, Any]]) -> str:
     """'int', 'str' or 'mixed': the Parquet `id` column's type for the whole job, from the workers'
     counts of integer and string ids (a record without them counts as mixed)."""
@@ -111,15 +97,115 @@ def result_id_kind(done_records: list[dict[str, Any]]) -> str:
     return id_kind(sum(int(rec["intIds"]) for rec in done_records), sum(int(rec["strIds"]) for rec in done_records))
 
 
-def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
+def publish_prefix(job: BatchInferenceJob) -> str:
+    """Where the row-level passes keep their work files (under the job's `_bij/` state)."""
+    return layout.join(layout.state_prefix(job), "publish")
+
+
+def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[dict[str, Any]],
+                       done_records: list[dict[str, Any]], bucket_rows: int) -> tuple[str, dict[str, Any]]:
+    """The plan the row-level passes follow: O(shards) to write, one bucket per `bucket_rows` ids."""
+    rows = sum(int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
+               for rec in done_records)
+    prefix = publish_prefix(job)
+    plan: dict[str, Any] = {
+        "prefix": prefix,
+        "outputUri": job.spec.output.uri,
+        "units": [[r, index, shard_prefix(p, index)] for r, p in enumerate(plans) for index in range(len(p["shards"]))],
+        "objectNames": [[o.get("name") or o["uri"] for o in p["objects"]] for p in plans],
+        "buckets": max(1, -(-rows // max(1, bucket_rows))),
+        "compression": job.spec.output.compression,
+        "format": job.spec.output.format,
+        "task": job.spec.model.task,
+        "judge": job.spec.judge is not None,
+        "idKind": result_id_kind(done_records) if job.spec.output.format == "parquet" else None,
+    }
+    uri = publish_rows.plan_uri(prefix)
+    store.write_bytes(uri, json.dumps(plan, indent=1).encode())
+    return uri, plan
+
+
+def run_passes(job: BatchInferenceJob, plan_uri: str, plan: dict[str, Any], processes: int,
+               stats: list[dict[str, Any]] | None = None) -> None:
+    """Run the three row-level passes: in this process (`processes` 0) or as that many worker processes."""
+    for pass_name in publish_rows.PASSES:
+        n = publish_rows.count(plan, pass_name)
+        if processes <= 0:
+            for index in range(n):
+                publish_rows.run_pass(plan, pass_name, index, job.spec.storage.s3)
+            continue
+        _run_processes(job, plan_uri, pass_name, n, processes, stats)
+
+
+# The worker's log format in front of its last line: the message alone says what failed.
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ [A-Z]+ [\w.]+: ")
+
+
+def _run_processes(job: BatchInferenceJob, plan_uri: str, pass_name: str, n: int, processes: int,
+                   stats: list[dict[str, Any]] | None) -> None:
+    """`bij-worker publish` for indexes 0..n-1 of a pass, at most `processes` at a time; any failure fails it."""
+    pending = list(range(n))
+    running: dict[int, tuple[int, float, subprocess.Popen[bytes], Any]] = {}
+    failed: list[str] = []
+    permanent = False
+    env = dict(os.environ)  # S3 settings as a round's workers get them: the standard AWS variables
+    s3 = job.spec.storage.s3
+    if s3.endpoint_url:
+        env["AWS_ENDPOINT_URL"] = s3.endpoint_url
+    if s3.region:
+        env["AWS_REGION"] = s3.region
+    while pending or running:
+        while pending and len(running) < processes and not failed:
+            index = pending.pop(0)
+            cmd = [sys.executable, "-m", "bij_worker.main", "publish", "--plan", plan_uri, "--pass", pass_name,
+                   "--index", str(index)]
+            err_file = tempfile.TemporaryFile()  # a file, not a pipe: a chatty child never blocks on it
+            p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file,
+                                 env=env)
+            running[p.pid] = (index, time.perf_counter(), p, err_file)
+        if not running:
+            break
+        # Only our own children, by pid: a wait for any child could reap a process someone else waits on.
+        done = None
+        for pid in list(running):
+            got, status, usage = os.wait4(pid, os.WNOHANG)
+            if got == pid:
+                done = pid
+                break
+        if done is None:
+            time.sleep(0.02)
+            continue
+        index, started, p, err_file = running.pop(done)
+        rc = os.waitstatus_to_exitcode(status)
+        p.returncode = rc
+        err_file.seek(0)
+        err = err_file.read().decode(errors="replace")
+        err_file.close()
+        if stats is not None:
+            stats.append({"pass": pass_name, "index": index, "maxRssKiB": usage.ru_maxrss,
+                          "seconds": round(time.perf_counter() - started, 3), "rc": rc})
+        if rc != 0:
+            last = err.strip().splitlines()[-1] if err.strip() else ""
+            failed.append(f"{pass_name} {index} exited {rc}: {_LOG_PREFIX.sub('', last)}")
+            permanent = permanent or rc == EXIT_BAD_CONFIG
+    if failed:
+        e = PublishError(f"publish pass failed: {'; '.join(failed)}")
+        e.permanent = permanent
+        raise e
+
+
+def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
+            bucket_rows: int = publish_rows.BUCKET_ROWS, stats: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Write result/error/capped files for rounds 0..rounds-1 and then the manifest. Returns the manifest.
 
+    The row-level work runs in the passes of `bij_worker.publish_rows`, in this process
+    or in `processes` worker processes (`stats` gets each one's peak RSS); this function
+    reads only plans, completion records and per-shard summaries, O(shards).
     Rows a judge still rejected at the cap go to `capped/` files with their last
     output, attempts and verdicts, and are counted in `counts.capped`.
     """
     out_uri = job.spec.output.uri
     store = open_storage(out_uri, job.spec.storage.s3)
-    seen: set[str] = set()
     t = _Totals()
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
     for r, plan in enumerate(plans):
@@ -134,57 +220,24 @@ def publish(job: BatchInferenceJob, rounds: int = 1) -> dict[str, Any]:
                 t.add_done(json.loads(store.read_bytes(done_uri(plan, index))))
             except NotFound:
                 raise PublishError(f"round {r} shard {index} has not finished") from None
-    ids = result_id_kind(t.done_records) if job.spec.output.format == "parquet" else None
-    for r, plan in enumerate(plans):
-        names = [o.get("name") or o["uri"] for o in plan["objects"]]
-        round_rows = round_errors = 0
-        for index in range(len(plan["shards"])):
-            records = ShardLog(store, shard_prefix(plan, index)).read().records
-            records.sort(key=lambda rec: (rec["at"][0], rec["at"][1]))  # input order, whoever wrote them
-            results: list[dict[str, Any]] = []
-            errors: list[dict[str, Any]] = []
-            capped: list[dict[str, Any]] = []
-            for rec in records:
-                if rec["kind"] in ("attempt", "rejected"):
-                    continue  # steps on the way; the row's outcome is in a later record or round
-                row = rec["row"]
-                rid = row_id(row)
-                key = id_key(rid) if rid is not None else None
-                if rec["kind"] == "result":
-                    if key in seen:
-                        t.duplicates += 1
-                        errors.append({"id": rid, "error": {
-                            "code": "duplicate_id",
-                            "message": f"id {json.dumps(rid)} was seen before; the first occurrence wins"},
-                            "object": names[rec["at"][0]], "offset": rec["at"][1]})
-                        continue
-                    results.append(row)
-                    t.truncated += bool(row.get("truncated"))
-                    u = row_usage(row)
-                    t.tokens_in += u.get("prompt_tokens", 0)
-                    t.tokens_out += u.get("completion_tokens", 0)
-                elif rec["kind"] == "capped":
-                    capped.append(row)
-                else:
-                    errors.append(row)
-                if key is not None:
-                    seen.add(key)
-            name = f"r{r}-{index:05d}"
-            if results:
-                t.files.append({**_write_file(store, job, "results", name, results, ids), "round": r,
-                                "shard": index})
-            if errors:
-                t.error_files.append({**_write_file(store, job, "errors", name, errors), "round": r,
-                                      "shard": index})
-            if capped:
-                t.capped_files.append({**_write_file(store, job, "capped", name, capped), "round": r,
-                                       "shard": index})
-            round_rows += len(results)
-            round_errors += len(errors)
-            t.capped += len(capped)
-        t.rows += round_rows
-        t.errors += round_errors
-        t.rounds.append({"round": r, "shards": len(plan["shards"]), "rows": round_rows, "errors": round_errors})
+    plan_uri, pplan = write_publish_plan(store, job, plans, t.done_records, bucket_rows)
+    run_passes(job, plan_uri, pplan, processes, stats)
+    t.rounds = [{"round": r, "shards": len(p["shards"]), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
+    for unit in range(len(pplan["units"])):
+        summary = json.loads(store.read_bytes(publish_rows.summary_uri(pplan, unit)))
+        c = summary["counts"]
+        t.files += summary["files"]
+        t.error_files += summary["errorFiles"]
+        t.capped_files += summary["cappedFiles"]
+        t.rows += c["rows"]
+        t.errors += c["errors"]
+        t.capped += c["capped"]
+        t.duplicates += c["duplicates"]
+        t.truncated += c["truncated"]
+        t.tokens_in += c["tokensIn"]
+        t.tokens_out += c["tokensOut"]
+        t.rounds[summary["round"]]["rows"] += c["rows"]
+        t.rounds[summary["round"]]["errors"] += c["errors"]
     if job.spec.judge is not None:
         # The judge's view of each round (rows in, approved, rejected, approval rate).
         from .rounds import round_history

@@ -247,14 +247,14 @@ def row_usage(row: dict[str, Any]) -> dict[str, int]:
 
 
 def _usage(res: Result) -> dict[str, int]:
-    usage: dict[str, int] = {}
-    if res.prompt_tokens is not None:
-        usage["prompt_tokens"] = res.prompt_tokens
-    if res.completion_tokens is not None:
-        usage["completion_tokens"] = res.completion_tokens
-    if usage:
-        usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-    return usage
+    p, c = res.prompt_tokens, res.completion_tokens
+    if p is not None and c is not None:  # the common case, in one dict display
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if p is not None:
+        return {"prompt_tokens": p, "total_tokens": p}
+    if c is not None:
+        return {"completion_tokens": c, "total_tokens": c}
+    return {}
 
 
 def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:

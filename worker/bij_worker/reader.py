@@ -150,9 +150,9 @@ def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, An
         info = objects[obj]
         uri = info["uri"]
         if "rowGroups" in info:
-            for row, line in iter_parquet_piece(storage_for(uri), uri, int(info["size"]), info["rowGroups"],
-                                                start, end, columns or [], resume_at, version=info.get("version")):
-                yield (obj, row, row + 1), line
+            for row, record in iter_parquet_piece(storage_for(uri), uri, int(info["size"]), info["rowGroups"],
+                                                  start, end, columns or [], resume_at, version=info.get("version")):
+                yield (obj, row, row + 1), record
             continue
         for (_, off, stop), line in iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at,
                                                max_line=max_line, version=info.get("version")):

@@ -438,12 +438,12 @@ class ShardWorker:
                                     self.target_tokens, self.max_batch, MAX_PADDING_WASTE if self.sort else None)
                     items = pending[taken:taken + k]
                     taken += k
-                    for op, i in items:
-                        share.add(request_text(op.rows[i].request))  # type: ignore[arg-type]
+                    # No prefix share here: a batch engine has no prefix cache to reuse it.
                     out = self._run_batch([op.rows[i].request for op, i in items],  # type: ignore[misc]
                                           [op.rows[i].tokens for op, i in items])
                     for (op, i), res in zip(items, out, strict=True):
-                        self._place(op, i, res)
+                        op.results[i] = res
+                        op.left -= 1
         finally:
             self.stats.prefix_shared_chars += share.shared
             self.stats.prompt_chars += share.total

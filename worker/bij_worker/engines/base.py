@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass pays a setattr call per field, per row
 class Request:
     """One row's work. `text` for embed/generate, `messages` (OpenAI chat shape) for chat."""
 

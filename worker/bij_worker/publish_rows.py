@@ -1,0 +1,242 @@
+"""The row-level work of publishing, in passes whose memory does not grow with the job.
+
+The operator (or `bij run`) writes a publish plan and runs three passes, each
+indexed like a round's shards, as worker processes or in its own process; it then
+writes `manifest.json` from the small per-shard summaries the last pass leaves.
+
+1. ``ids`` (one per shard): stream the shard's durable log and write every row's
+   id with its place into one of N bucket files, by a hash of the id.
+2. ``dedupe`` (one per bucket): read the bucket from every shard; for each id the
+   first occurrence in input order (round, shard, object, offset) wins, whatever
+   its kind; every later *result* with that id is a loser.
+3. ``write`` (one per shard): stream the log again and write its result, error
+   and capped files, losers turned into ``duplicate_id`` error rows, in input
+   order; leave a summary record with counts, files and checksums.
+
+A pass holds one bucket (``bucketRows`` ids), or one file part (``fileRows``
+rows), never the job. Every pass is deterministic and rewrites its outputs
+whole, so publishing again gives the same files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import zstandard
+
+from .inputs import id_key, row_id, row_usage
+from .parquet import SUFFIX as PARQUET_SUFFIX
+from .parquet import encode_results
+from .segments import ShardLog, encode_records
+from .storage import NotFound, Storage, open_storage
+
+PASSES = ("ids", "dedupe", "write")
+BUCKET_ROWS = 250_000  # ids one dedupe process holds at once
+FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
+
+
+class PublishPlanError(ValueError):
+    """The publish plan is missing or does not fit the pass asked for."""
+
+
+def plan_uri(prefix: str) -> str:
+    return f"{prefix.rstrip('/')}/plan.json"
+
+
+def _ids_uri(plan: dict[str, Any], unit: int, bucket: int) -> str:
+    return f"{plan['prefix']}/ids/{unit:05d}/{bucket:05d}.jsonl"
+
+
+def _losers_uri(plan: dict[str, Any], bucket: int) -> str:
+    return f"{plan['prefix']}/losers/{bucket:05d}.json"
+
+
+def summary_uri(plan: dict[str, Any], unit: int) -> str:
+    return f"{plan['prefix']}/shards/{unit:05d}.json"
+
+
+def bucket_of(key: str, buckets: int) -> int:
+    """A stable bucket for an id key (crc32: the same in every process and Python version)."""
+    return zlib.crc32(key.encode("utf-8", "surrogatepass")) % buckets
+
+
+def load(uri: str, s3: Any = None) -> dict[str, Any]:
+    try:
+        return dict(json.loads(open_storage(uri, s3).read_bytes(uri)))
+    except NotFound:
+        raise PublishPlanError(f"publish plan {uri} does not exist") from None
+
+
+def count(plan: dict[str, Any], pass_name: str) -> int:
+    """How many indexes a pass has: one per shard, or one per bucket."""
+    return int(plan["buckets"]) if pass_name == "dedupe" else len(plan["units"])
+
+
+def _records(store: Storage, unit: list[Any], ordered: bool) -> Iterator[dict[str, Any]]:
+    """A shard's final records (no judge steps), in input order.
+
+    A log whose records are already in input order (one writer, the usual case) is
+    streamed; when several writers interleave (a resumed or duplicate pod) the
+    shard is sorted in memory, bounded by the shard's size rather than the job's.
+    """
+    records = (rec for rec in ShardLog(store, unit[2]).scan()
+               if rec["kind"] not in ("attempt", "rejected"))
+    if ordered:
+        yield from records
+        return
+    yield from sorted(records, key=lambda rec: (rec["at"][0], rec["at"][1]))
+
+
+def _order_uri(plan: dict[str, Any], unit: int) -> str:
+    return f"{plan['prefix']}/ids/{unit:05d}/order.json"
+
+
+def run_ids(plan: dict[str, Any], index: int, store: Storage) -> None:
+    """Pass 1: every id of shard `index` with its place, into the bucket files."""
+    buckets = int(plan["buckets"])
+    # bytearrays, not lists of orjson's bytes: each of those keeps a 4 KiB buffer.
+    parts = [bytearray() for _ in range(buckets)]
+    unit = plan["units"][index]
+    last: tuple[int, int] = (-1, -1)
+    ordered = True
+    for rec in _records(store, unit, ordered=True):  # the log's own order: pass 1 needs no other
+        at = (rec["at"][0], rec["at"][1])
+        ordered = ordered and at > last
+        last = max(last, at)
+        rid = row_id(rec["row"])
+        if rid is None:
+            continue
+        key = id_key(rid)
+        entry = [key, rec["at"][0], rec["at"][1], rec["kind"] == "result"]
+        part = parts[bucket_of(key, buckets)]
+        part += orjson.dumps(entry)
+        part += b"\n"
+    for b in range(buckets):
+        store.write_bytes(_ids_uri(plan, index, b), bytes(parts[b]))
+        parts[b] = bytearray()
+    store.write_bytes(_order_uri(plan, index), json.dumps({"ordered": ordered}).encode())
+
+
+def run_dedupe(plan: dict[str, Any], bucket: int, store: Storage) -> None:
+    """Pass 2: the first occurrence of each id in bucket `bucket` wins; the results after it lose."""
+    first: dict[str, tuple[int, int, int]] = {}
+    results: list[tuple[str, tuple[int, int, int]]] = []
+    for unit in range(len(plan["units"])):
+        data = store.read_bytes(_ids_uri(plan, unit, bucket))
+        for line in data.splitlines():
+            key, obj, off, is_result = orjson.loads(line)
+            place = (unit, obj, off)
+            if key not in first or place < first[key]:
+                first[key] = place
+            if is_result:
+                results.append((key, place))
+        del data
+    losers: dict[str, list[list[int]]] = {}
+    for key, place in results:
+        if first[key] != place:
+            losers.setdefault(str(place[0]), []).append([place[1], place[2]])
+    store.write_bytes(_losers_uri(plan, bucket), json.dumps(losers, sort_keys=True).encode())
+
+
+class _FileParts:
+    """One kind of published file for a shard (results, errors or capped), cut into parts of `FILE_ROWS`."""
+
+    def __init__(self, plan: dict[str, Any], store: Storage, folder: str, name: str, parquet: bool):
+        self.plan, self.store, self.folder, self.name, self.parquet = plan, store, folder, name, parquet
+        self.rows: list[dict[str, Any]] = []  # Parquet: rows; JSON lines: each row already encoded
+        self.lines: list[bytes] = []
+        self.files: list[dict[str, Any]] = []
+        self.limit = int(plan.get("fileRows", FILE_ROWS))
+
+    def add(self, row: dict[str, Any]) -> None:
+        if self.parquet:
+            self.rows.append(row)
+        else:
+            self.lines.append(encode_records([row]))
+        if len(self.rows) + len(self.lines) >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        n = len(self.rows) + len(self.lines)
+        if not n:
+            return
+        part = len(self.files)
+        name = self.name if part == 0 else f"{self.name}-{part:03d}"
+        compression = self.plan["compression"]
+        if self.parquet:
+            path = f"{self.folder}/{name}{PARQUET_SUFFIX}"
+            data = encode_results(self.rows, self.plan["task"], self.plan["idKind"], self.plan["judge"],
+                                  compression)
+        else:
+            path = f"{self.folder}/{name}.jsonl" + (".zst" if compression == "zstd" else "")
+            data = b"".join(self.lines)
+            if compression == "zstd":
+                data = zstandard.ZstdCompressor(level=3).compress(data)
+        self.store.write_bytes(f"{self.plan['outputUri'].rstrip('/')}/{path}", data)
+        self.files.append({"path": path, "rows": n, "bytes": len(data),
+                           "sha256": hashlib.sha256(data).hexdigest()})
+        self.rows, self.lines = [], []
+
+
+def run_write(plan: dict[str, Any], index: int, store: Storage) -> None:
+    """Pass 3: shard `index`'s published files, losers as duplicate_id errors, and its summary."""
+    losers: set[tuple[int, int]] = set()
+    for b in range(int(plan["buckets"])):
+        for obj, off in json.loads(store.read_bytes(_losers_uri(plan, b))).get(str(index), []):
+            losers.add((obj, off))
+    round_no, shard = plan["units"][index][0], plan["units"][index][1]
+    names = plan["objectNames"][round_no]
+    name = f"r{round_no}-{shard:05d}"
+    results = _FileParts(plan, store, "results", name, plan["format"] == "parquet")
+    errors = _FileParts(plan, store, "errors", name, False)
+    capped = _FileParts(plan, store, "capped", name, False)
+    counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
+              "tokensOut": 0}
+    ordered = bool(json.loads(store.read_bytes(_order_uri(plan, index)))["ordered"])
+    for rec in _records(store, plan["units"][index], ordered):
+        row = rec["row"]
+        if rec["kind"] == "result":
+            if (rec["at"][0], rec["at"][1]) in losers:
+                rid = row_id(row)
+                counts["duplicates"] += 1
+                counts["errors"] += 1
+                errors.add({"id": rid, "error": {
+                    "code": "duplicate_id",
+                    "message": f"id {json.dumps(rid)} was seen before; the first occurrence wins"},
+                    "object": names[rec["at"][0]], "offset": rec["at"][1]})
+                continue
+            results.add(row)
+            counts["rows"] += 1
+            counts["truncated"] += bool(row.get("truncated"))
+            u = row_usage(row)
+            counts["tokensIn"] += u.get("prompt_tokens", 0)
+            counts["tokensOut"] += u.get("completion_tokens", 0)
+        elif rec["kind"] == "capped":
+            capped.add(row)
+            counts["capped"] += 1
+        else:
+            errors.add(row)
+            counts["errors"] += 1
+    for parts in (results, errors, capped):
+        parts.flush()
+    where = {"round": round_no, "shard": shard}
+    summary = {**where, "counts": counts,
+               "files": [{**f, **where} for f in results.files],
+               "errorFiles": [{**f, **where} for f in errors.files],
+               "cappedFiles": [{**f, **where} for f in capped.files]}
+    store.write_bytes(summary_uri(plan, index), json.dumps(summary).encode())
+
+
+def run_pass(plan: dict[str, Any], pass_name: str, index: int, s3: Any = None) -> None:
+    """Run one index of one pass."""
+    if pass_name not in PASSES:
+        raise PublishPlanError(f"unknown publish pass {pass_name!r}; one of {', '.join(PASSES)}")
+    if not 0 <= index < count(plan, pass_name):
+        raise PublishPlanError(f"publish pass {pass_name} has {count(plan, pass_name)} indexes, not {index}")
+    store = open_storage(plan["outputUri"], s3)
+    {"ids": run_ids, "dedupe": run_dedupe, "write": run_write}[pass_name](plan, index, store)
