@@ -248,7 +248,8 @@ BAD = [
     ("parallelism-beyond-int64", with_spec(workers={"parallelism": 10 ** 30}),
      'spec.workers.parallelism: Invalid value: "number": spec.workers.parallelism in body must be of type integer'),
     ("shard-bytes-beyond-int64", with_spec(sharding={"targetShardBytes": 2 ** 64}),
-     'spec.sharding.targetShardBytes: Invalid value: "number": spec.sharding.targetShardBytes in body must be of'),
+     'spec.sharding.targetShardBytes: Invalid value: "float64": spec.sharding.targetShardBytes in body must be of '
+     "type int64"),
     ("shard-bytes-beyond-a-tib", with_spec(sharding={"targetShardBytes": 2 ** 41}),
      "spec.sharding.targetShardBytes: Invalid value: 2199023255552: spec.sharding.targetShardBytes in body should "
      "be less than or equal to 1099511627776"),

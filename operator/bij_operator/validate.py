@@ -124,8 +124,7 @@ def api_server_problems(doc: dict[str, Any]) -> tuple[list[str], dict[str, Any] 
         return problems, None
     _apply_defaults(obj, schema)
     # The API server decodes an integer beyond int64 as a float: a type error for an integer field.
-    schema_errors = [("type", f'{_field_path(p, schema)}: Invalid value: "number": {_field_path(p, schema)} in body '
-                              'must be of type integer: "number"') for p in _drop_huge_ints(obj, [])]
+    schema_errors = [("type", _huge_int_error(p, schema)) for p in _drop_huge_ints(obj, [])]
     schema_errors += _schema_errors(obj, schema)
     problems += [msg for _, msg in schema_errors]
     if any(kind in BLOCKING_FOR_RULES for kind, _ in schema_errors):
@@ -185,6 +184,25 @@ def _apply_defaults(value: Any, schema: dict[str, Any]) -> None:
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _huge_int_error(parts: list[str | int], schema: dict[str, Any]) -> str:
+    """The API server's words for an integer beyond int64: a float where an integer (of format int64,
+    when the field has that format) was expected."""
+    node: dict[str, Any] | None = schema
+    for part in parts:
+        if node is None:
+            break
+        if isinstance(part, int):
+            node = node.get("items")
+        else:
+            props = node.get("properties", {})
+            extra = node.get("additionalProperties")
+            node = props[part] if part in props else extra if isinstance(extra, dict) else None
+    path = _field_path(parts, schema)
+    if node is not None and node.get("format") == "int64":
+        return f'{path}: Invalid value: "float64": {path} in body must be of type int64: "float64"'
+    return f'{path}: Invalid value: "number": {path} in body must be of type integer: "number"'
 
 
 def _drop_huge_ints(value: Any, path: list[str | int]) -> list[list[str | int]]:
