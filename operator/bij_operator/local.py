@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from bij_worker import publish_rows
+from bij_worker.storage import open_storage
 from bij_worker.worker import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
 
 from . import layout
 from .efficiency import fmt_money
 from .planner import PlanError, RoundPlan, plan_round
 from .progress import shard_records
-from .publish import PublishError, publish
+from .publish import PublishError, publish, read_manifest, removed_record
 from .rounds import RoundStats, needs_another_round, round_history
 from .spec import BatchInferenceJob, SpecError, load_job
 
@@ -207,6 +208,14 @@ class LocalRunner:
         signal.signal(signal.SIGINT, on_int)
         signal.signal(signal.SIGTERM, on_int)
         try:
+            store = open_storage(self.job.spec.output.uri, self.job.spec.storage.s3)
+            removed = removed_record(store, self.job)
+            if removed is not None and read_manifest(self.job) is not None:
+                # A rerun of a finished job: nothing to work, and its logs are gone (keepIntermediate false).
+                print(f"bij: {self.job.metadata.name} was published before; its work files were removed at "
+                      f"{removed.get('removedAt')} (output.keepIntermediate: false), nothing to do", file=sys.stderr)
+                print(layout.manifest_uri(self.job))
+                return 0
             round_no = 0
             history: list[RoundStats] = []
             while True:
