@@ -4,7 +4,7 @@ with real Helm and running as a pod under the chart's ServiceAccount and RBAC, w
 the process kubelet as local processes. Jobs, pods, garbage collection, evictions and scheduling
 are the real controllers' doing.
 
-Each test works in a namespace of its own; the cluster and the operator are shared by the session.
+Each test works in a namespace of its own; the cluster and the operator are shared by the module.
 Worker pods get test hooks through `spec.workers.env` (tests/cluster/podhooks): a file holds a
 shard at its n-th batch or makes its first pods exit with a code, so states are driven, not raced.
 """
@@ -36,7 +36,8 @@ GROUP, VERSION, PLURAL = "batchinference.io", "v1alpha1", "batchinferencejobs"
 ROWS = 120
 
 
-@pytest.fixture(scope="session")
+# One cluster for this module, stopped when it ends so the rest of the suite runs without it.
+@pytest.fixture(scope="module")
 def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     try:
         build()

@@ -54,13 +54,15 @@ def test_bij_run_publishes_and_prints_the_manifest_path(place, make_job, read_ou
     check_published(out, inputs, errors=1)
 
 
-def test_a_second_run_is_a_no_op_that_republishes_the_same_files(file_place, make_job, read_output, log_lines,
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_second_run_is_a_no_op_that_republishes_the_same_files(keep, file_place, make_job, read_output, log_lines,
                                                                  worker_env, bij_bin, tmp_path):
     inputs = rows(300)
     spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
-                         sharding={"targetShardBytes": 8192}, output={"compression": "zstd"})
+                         sharding={"targetShardBytes": 8192}, output={"compression": "zstd", "keepIntermediate": keep})
     assert bij_run(bij_bin, spec, worker_env()).returncode == 0
     first, logs = read_output(job), log_lines(file_place, job)
+    assert bool(logs) == keep  # without keepIntermediate the durable logs went once published
     computed = tmp_path / "computed.txt"
     p = bij_run(bij_bin, spec, worker_env(echo_log=computed))
     assert p.returncode == 0, p.stderr
@@ -68,8 +70,11 @@ def test_a_second_run_is_a_no_op_that_republishes_the_same_files(file_place, mak
     assert not computed.exists()  # no row was computed again
     assert log_lines(file_place, job) == logs
     assert second.raw == first.raw
-    assert {k: v for k, v in second.manifest.items() if k != "publishedAt"} == \
-        {k: v for k, v in first.manifest.items() if k != "publishedAt"}
+    if keep:
+        assert {k: v for k, v in second.manifest.items() if k != "publishedAt"} == \
+            {k: v for k, v in first.manifest.items() if k != "publishedAt"}
+    else:  # nothing left to publish from: the manifest stands as it was
+        assert second.manifest == first.manifest and "nothing to do" in p.stderr
     check_published(second, inputs)
 
 

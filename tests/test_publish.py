@@ -47,11 +47,13 @@ def test_the_manifest_is_written_last_and_once(place, make_job, run_shards, read
                             lambda uri, s3=None: RecordingStorage(open_storage(uri, s3), writes))
     manifest = publish(job)
     out = read_output(job)
-    assert writes[-1] == layout.manifest_uri(job)
+    published = [w for w in writes if not w.startswith(layout.state_prefix(job))]  # not the passes' work files
+    assert published[-1] == layout.manifest_uri(job)
     assert writes.count(layout.manifest_uri(job)) == 1
     listed = [layout.join(job.spec.output.uri, f["path"]) for f in manifest["files"] + manifest["errorFiles"]]
-    published = [w for w in writes[:-1] if not w.startswith(layout.state_prefix(job))]  # not the passes' work files
-    assert set(listed) == set(published) and len(manifest["files"]) >= 2
+    assert set(listed) == set(published[:-1]) and len(manifest["files"]) >= 2
+    # Only the record of the removed work files comes after the manifest (output.keepIntermediate false).
+    assert writes[writes.index(layout.manifest_uri(job)) + 1:] == [layout.removed_uri(job)]
     assert out.manifest == manifest
 
 
@@ -181,7 +183,7 @@ def test_openai_batch_input_gets_openai_batch_output(task, url, file_place, make
 
 def test_publishing_again_gives_the_same_files(file_place, make_job, run_shards, read_output):
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(100) + ["bad"]),
-                      sharding={"targetShardBytes": 2048}, output={"compression": "zstd"})
+                      sharding={"targetShardBytes": 2048}, output={"compression": "zstd", "keepIntermediate": True})
     run_shards(job)
     first = publish(job)
     raw = read_output(job).raw
@@ -214,7 +216,8 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
     second = rows(30, "b") + [{"id": 7, "text": "seven again"}, {"id": "a5", "text": "a5 again"}] + rows(30, "c")
     file_place.write_jsonl("in/1.jsonl", first)
     file_place.write_jsonl("in/2.jsonl", second)
-    _, job = make_job(file_place, file_place.uri("in/"), sharding={"targetShardBytes": 1024})
+    _, job = make_job(file_place, file_place.uri("in/"), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
     run_shards(job)
     inline = publish(job)
     raw = read_output(job).raw
@@ -261,10 +264,30 @@ def test_a_shard_with_more_rows_than_a_file_holds_is_published_in_parts(file_pla
 def test_a_publish_pass_with_an_index_out_of_range_is_a_bad_configuration(file_place, make_job, run_shards):
     from bij_worker.main import main
 
-    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)))
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)), output={"keepIntermediate": True})
     run_shards(job)
     publish(job)
     uri = publish_rows.plan_uri(publish_module.publish_prefix(job))
     assert main(["publish", "--plan", uri, "--pass", "dedupe", "--index", "1"]) == 42
     assert main(["publish", "--plan", uri + ".missing", "--pass", "ids", "--index", "0"]) == 42
     assert main(["publish", "--plan", uri, "--pass", "write", "--index", "0"]) == 0
+
+
+def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file_place, make_job, run_shards,
+                                                                           read_output):
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(100) + ["bad"]),
+                      sharding={"targetShardBytes": 2048})
+    run_shards(job)
+    plan = load_plan(layout.round_manifest_uri(job, 0))
+    logs = file_place.storage.list(shard_prefix(plan, 0) + "/")
+    manifest = publish(job)
+    state = {o.uri for o in file_place.storage.list(layout.state_prefix(job) + "/")}
+    assert logs and not state & {o.uri for o in logs}  # the durable logs are gone
+    assert layout.round_manifest_uri(job, 0) in state and done_uri(plan, 0) in state  # plans and records stay
+    removed = json.loads(file_place.storage.read_bytes(layout.removed_uri(job)))
+    assert removed["objects"] >= len(logs) and removed["bytes"] > 0
+    assert read_output(job).manifest == manifest  # what was published is untouched
+    refused = r"work files removed at .*\(output.keepIntermediate: false\).* new output URI"
+    with pytest.raises(PublishError, match=refused):
+        publish(job)
+    assert read_manifest(job) == manifest

@@ -35,7 +35,7 @@ from .fingerprint import PlanRefused, field_digests
 from .jobs import render_job, worker_image_default
 from .planner import PlanError, plan_round
 from .progress import live_records, shard_records
-from .publish import ErrorRatioExceeded, PublishError, publish
+from .publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved, publish, read_manifest
 from .reconcile import (
     JOB_LABEL,
     CreateJob,
@@ -345,6 +345,15 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
             await write_status(raw, {**base(raw, d, now), "message": d.message})
         try:
             manifest = await asyncio.to_thread(publish, job, d.rounds)
+        except WorkFilesRemoved as e:
+            # Published before the operator could say so (a restart in between): the manifest stands.
+            found = await asyncio.to_thread(read_manifest, job)
+            if found is None:
+                failed = MarkFailed(round=d.round, phase="Failed", reason="WorkFilesRemoved", message=str(e))
+                await write_status(raw, {**base(raw, failed, now), "message": failed.message},
+                                   event=("Warning", "WorkFilesRemoved", failed.message))
+                return False
+            manifest = found
         except ErrorRatioExceeded as e:
             # Permanent: duplicates found only at publish can push the share of bad rows over the limit.
             failed = MarkFailed(round=d.round, phase="Failed", reason="TooManyErrors", message=str(e))

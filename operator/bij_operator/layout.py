@@ -9,6 +9,8 @@
     <output>/_bij/<job_id>/round-<r>/done/<index>.json  a shard's completion record
     <output>/_bij/<job_id>/round-<r>/progress/<index>.json  a running shard's live counts
     <output>/_bij/<job_id>/round-<r>/input/        judge rounds: rejected rows, next round's input
+    <output>/_bij/<job_id>/publish/                 the publish passes' plan, id buckets and shard summaries
+    <output>/_bij/<job_id>/removed.json             what was removed after publishing (output.keepIntermediate)
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ def round_manifest_uri(job: BatchInferenceJob, round_no: int) -> str:
 
 def owner_uri(job: BatchInferenceJob) -> str:
     return join(job.spec.output.uri, "_bij", "owner.json")
+
+
+def removed_uri(job: BatchInferenceJob) -> str:
+    """The record of the work files removed after a successful publish; its presence refuses a republish."""
+    return join(state_prefix(job), "removed.json")
 
 
 def manifest_uri(job: BatchInferenceJob) -> str:

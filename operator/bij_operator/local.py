@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from bij_worker import publish_rows
-from bij_worker.storage import StorageError
+from bij_worker.storage import StorageError, open_storage
 from bij_worker.worker import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
 
 from . import layout
@@ -35,7 +35,7 @@ from .efficiency import fmt_money
 from .fingerprint import PlanRefused
 from .planner import PlanError, RoundPlan, plan_round, reset_output
 from .progress import shard_records
-from .publish import PublishError, publish
+from .publish import PublishError, publish, read_manifest, removed_record
 from .rounds import RoundStats, needs_another_round, round_history
 from .spec import BatchInferenceJob, SpecError, load_job
 
@@ -232,6 +232,15 @@ class LocalRunner:
             print(f"bij: {self.job.metadata.name} is suspended (spec.suspend: true): nothing was run; "
                   "set spec.suspend to false to run it", file=sys.stderr)
             return EXIT_BAD_CONFIG
+        store = open_storage(self.job.spec.output.uri, self.job.spec.storage.s3)
+        removed = removed_record(store, self.job)
+        if removed is not None and read_manifest(self.job) is not None:
+            plan_round(self.job, 0)  # a changed spec or input is refused here as on any rerun
+            # A rerun of a finished job: nothing to work, and its logs are gone (keepIntermediate false).
+            print(f"bij: {self.job.metadata.name} was published before; its work files were removed at "
+                  f"{removed.get('removedAt')} (output.keepIntermediate: false), nothing to do", file=sys.stderr)
+            print(layout.manifest_uri(self.job))
+            return 0
         round_no = 0
         history: list[RoundStats] = []
         while True:
@@ -328,7 +337,9 @@ def cli_publish(args: argparse.Namespace) -> int:
         print(f"bij: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG if e.permanent else 1
     if args.process_stats:
+        # This process's own peak (wait4 on it would also count its children's).
+        own = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")), 0)
         with open(args.process_stats, "w") as f:
-            json.dump(stats, f)
+            json.dump([*stats, {"pass": "driver", "index": 0, "maxRssKiB": own}], f)
     print(json.dumps(manifest["counts"]))
     return 0

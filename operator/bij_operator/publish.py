@@ -206,6 +206,12 @@ def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
     """
     out_uri = job.spec.output.uri
     store = open_storage(out_uri, job.spec.storage.s3)
+    removed = removed_record(store, job)
+    if removed is not None:
+        raise WorkFilesRemoved(
+            f"{job.metadata.name} was published and its work files removed at {removed.get('removedAt')} "
+            f"(output.keepIntermediate: false): {layout.manifest_uri(job)} stays valid, but publishing again "
+            "would find no rows; to publish anew, run the job into a new output URI")
     t = _Totals()
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
     for r, plan in enumerate(plans):
@@ -279,7 +285,39 @@ def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
     if spent is not None:
         manifest["cost"] = spent
     store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())
+    if not job.spec.output.keep_intermediate:
+        remove_work_files(store, job, plans, pplan)
     return manifest
+
+
+class WorkFilesRemoved(PublishError):
+    """The job was published and its work files removed (output.keepIntermediate false): it cannot be
+    published again."""
+
+
+def removed_record(store: Storage, job: BatchInferenceJob) -> dict[str, Any] | None:
+    """What was removed after the job was published, or None when its work files are all there."""
+    try:
+        return dict(json.loads(store.read_bytes(layout.removed_uri(job))))
+    except NotFound:
+        return None
+
+
+def remove_work_files(store: Storage, job: BatchInferenceJob, plans: list[dict[str, Any]],
+                      publish_plan: dict[str, Any]) -> dict[str, Any]:
+    """Remove what only publishing needed: the shards' durable logs, judge rounds' inputs and the
+    publish passes' id buckets. Plans, completion records and shard summaries stay (O(shards)), with
+    a record of what went; it is written first, so a removal cut short still refuses a republish."""
+    folders = [layout.join(p["roundPrefix"], sub) + "/" for p in plans for sub in ("shards", "input")]
+    folders += [layout.join(publish_plan["prefix"], sub) + "/" for sub in ("ids", "losers")]
+    objects = [obj for folder in folders for obj in store.list(folder)]
+    record = {"removedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "reason": "output.keepIntermediate is false: work files go once the manifest is published",
+              "folders": folders, "objects": len(objects), "bytes": sum(o.size for o in objects)}
+    store.write_bytes(layout.removed_uri(job), json.dumps(record, indent=1).encode())
+    for obj in objects:
+        store.delete(obj.uri)
+    return record
 
 
 def read_manifest(job: BatchInferenceJob) -> dict[str, Any] | None:

@@ -106,6 +106,9 @@ class OutputSpec(_Model):
     # Result files: JSON lines, or Parquet (error and capped files stay JSON lines).
     format: Literal["jsonl", "parquet"] = "jsonl"
     compression: Literal["zstd", "none"] = "zstd"
+    # After a successful publish, remove the work files under _bij/ (durable logs, judge inputs,
+    # publish buckets); plans, completion records and a record of what was removed stay.
+    keep_intermediate: bool = False
 
     @field_validator("uri")
     @classmethod
