@@ -128,8 +128,9 @@ def test_a_torn_tail_never_skips_an_earlier_row_of_its_chunk(file_place, make_jo
     inputs: list[Any] = [{"id": i, "text": f"row {i}"} for i in range(11)]
     inputs[3] = "not json"
     inputs[10] = "not json either"
+    # Published after each tear, then torn again: the log must outlive a publish.
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
-                      sharding={"chunkRows": 6, "targetShardBytes": 1 << 20})
+                      sharding={"chunkRows": 6, "targetShardBytes": 1 << 20}, output={"keepIntermediate": True})
     run_shards(job)
     plan = shard_plan(job)
     log = writer_log(plan, 0)
