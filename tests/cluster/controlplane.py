@@ -37,6 +37,15 @@ AUDIT_POLICY = {
 }
 
 
+def die_with_parent() -> None:
+    """In a child before exec: its own process group, and SIGKILL when the process that started
+    it dies, so a test run killed outright leaves no control plane or pod behind."""
+    import ctypes
+
+    os.setsid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 class ClusterError(RuntimeError):
     """The control plane could not be built or started; the message says why."""
 
@@ -94,7 +103,7 @@ class ControlPlane:
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"{name}.log", "ab") as log:
             # Own process group: Ctrl-C in a terminal reaches our stop(), not the children directly.
-            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
     def _component_kubeconfig(self, name: str, cn: str, orgs: tuple[str, ...] = ()) -> Path:
         return kubeconfig(self.state / f"{name}.kubeconfig", self.server, self.pki.ca.cert,

@@ -40,7 +40,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client import ApiException
 
-from .controlplane import ControlPlane
+from .controlplane import ControlPlane, die_with_parent
 
 log = logging.getLogger("bij.kubelet")
 
@@ -355,7 +355,7 @@ class PodRunner:
             out.write(f"--- {now()} {shlex.join(argv)}\n".encode())
             out.flush()
             proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         with self.lock:
             self.procs[c["name"]] = proc
         if self.deleting.is_set():
