@@ -136,6 +136,22 @@ def write_spec(tmp_path: Path, spec: dict[str, Any], name: str = "hostile") -> P
     return path
 
 
+def test_a_rerun_of_a_published_job_whose_work_files_went_still_refuses_a_changed_spec(
+        file_place, make_job, read_output, worker_env, bij_bin):
+    inputs = rows(50)
+    uri = file_place.write_jsonl("in.jsonl", inputs)
+    spec, job = make_job(file_place, uri)  # output.keepIntermediate false: the logs go once published
+    assert bij_run(bij_bin, spec, worker_env()).returncode == 0
+    first = read_output(job)
+    changed, _ = make_job(file_place, uri, model={"maxTokens": 7})
+    p = bij_run(bij_bin, changed, worker_env())
+    assert p.returncode == 42 and "spec.model.maxTokens changed from 256 to 7" in p.stderr, p.stderr
+    assert "nothing to do" not in p.stderr
+    assert read_output(job).manifest == first.manifest  # the manifest still names what made its rows
+    p = bij_run(bij_bin, spec, worker_env())
+    assert p.returncode == 0 and "nothing to do" in p.stderr, p.stderr
+
+
 def one_line(p: subprocess.CompletedProcess[str]) -> str:
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr

@@ -196,6 +196,7 @@ def test_planning_an_empty_input_fails_naming_the_uri(place, make_job):
     ({"input": {"textField": "body"}}, 'spec.input.textField changed from "text" to "body"'),
     ({"model": {"engine": "echo", "name": "other-model"}}, 'spec.model.name changed from null to "other-model"'),
     ({"model": {"maxTokens": 7}}, "spec.model.maxTokens changed from 256 to 7"),
+    ({"model": {"truncate": True}}, "spec.model.truncate changed from null to true"),
     ({"judge": {"type": "regex", "pattern": "x"}}, "spec.judge changed from null to"),
 ])
 def test_a_rerun_whose_spec_decides_rows_differently_is_refused_naming_the_change(file_place, make_job, change,
@@ -223,7 +224,8 @@ def test_spec_fields_that_only_say_how_the_work_is_done_may_change(file_place, m
     _, job = make_job(file_place, uri)
     first = plan_round(job, 0)
     _, faster = make_job(file_place, uri, workers={"parallelism": 9}, batching={"maxBatchSize": 3},
-                         sharding={"chunkRows": 5}, maxErrorRatio=0.5, model={"vllm": {"gpuMemoryUtilization": 0.5}})
+                         sharding={"chunkRows": 5}, maxErrorRatio=0.5, model={"vllm": {"gpuMemoryUtilization": 0.5}},
+                         output={"format": "parquet", "compression": "none", "keepIntermediate": True})
     assert plan_round(faster, 0) == first
 
 
