@@ -239,6 +239,7 @@ class PodRunner:
         env.update({"HOSTNAME": self.name, "KUBERNETES_SERVICE_HOST": "127.0.0.1",
                     "KUBERNETES_SERVICE_PORT": str(self.kubelet.plane.port),
                     "KUBERNETES_SERVICE_PORT_HTTPS": str(self.kubelet.plane.port)})
+        own = {e["name"] for e in c.get("env") or []}
         for src in c.get("envFrom") or []:
             prefix = src.get("prefix", "")
             if "secretRef" in src:
@@ -246,6 +247,7 @@ class PodRunner:
             else:
                 data = self._read("configmap", src["configMapRef"]["name"])
             env.update({prefix + k: v for k, v in data.items()})
+            own.update(prefix + k for k in data)
         for e in c.get("env") or []:
             if "value" in e:
                 env[e["name"]] = expand(e["value"], env)
@@ -260,14 +262,15 @@ class PodRunner:
                     env[e["name"]] = self._read("configmap", ref["name"])[ref["key"]]
             else:
                 env[e["name"]] = ""
-        # A volume's folder stands in for its mountPath wherever the env names it.
+        # A volume's folder stands in for its mountPath wherever the pod's own env names it (never
+        # in what this kubelet provides: PATH may well lie under /tmp).
         for m in c.get("volumeMounts") or []:
             mount, host = m["mountPath"].rstrip("/"), str(volumes[m["name"]])
+            for k, v in env.items():
+                if k in own and (v == mount or v.startswith(mount + "/")):
+                    env[k] = host + v[len(mount):]
             if mount == "/tmp":
                 env["TMPDIR"] = host
-            for k, v in env.items():
-                if v == mount or v.startswith(mount + "/"):
-                    env[k] = host + v[len(mount):]
         return env
 
     def _argv(self, c: dict[str, Any], env: dict[str, str], volumes: dict[str, Path]) -> list[str]:
