@@ -756,18 +756,7 @@ class ShardWorker:
             for batch in batches:
                 if self.stop.drain_expired():
                     return None
-                reqs = [requests[todo[j]] for j in batch]
-                self.metrics.engine_started()
-                started = time.perf_counter()
-                out = run_isolating(self.engine, reqs)
-                busy = time.perf_counter() - started
-                self.metrics.engine_stopped()
-                self.metrics.engine_busy.inc(busy)
-                self.stats.engine_busy_s += busy
-                self.stats.batches += 1
-                self.stats.engine_calls += len(reqs)
-                self.metrics.batch_size.observe(len(batch))
-                self.metrics.batch_tokens.observe(len(batch) * max(todo_tokens[j] for j in batch))
+                out = self._run_batch([requests[todo[j]] for j in batch], [todo_tokens[j] for j in batch])
                 for j, res in zip(batch, out, strict=True):
                     results[todo[j]] = res
         final = [r for r in results if r is not None]
