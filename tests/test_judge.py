@@ -223,7 +223,7 @@ def test_round_plans_carry_their_mode(tmp_path: Path) -> None:
     assert plan["judgeMode"] == {"mode": "rounds", "final": True}
 
 
-def test_later_judge_rounds_are_cut_so_every_worker_gets_a_share(tmp_path: Path) -> None:
+def test_every_round_is_cut_into_shards_per_lane_within_the_size_limits(tmp_path: Path) -> None:
     from bij_operator.planner import round_target_bytes
 
     write_rows(tmp_path / "in" / "a.jsonl", 10)
@@ -231,6 +231,13 @@ def test_later_judge_rounds_are_cut_so_every_worker_gets_a_share(tmp_path: Path)
     doc["spec"]["sharding"] = {"targetShardBytes": 64 << 20}
     doc["spec"]["workers"] = {"parallelism": 8}
     job = parse_job(doc)
-    assert round_target_bytes(job, 0, 1 << 20) == 64 << 20  # round 0: the user's size
-    assert round_target_bytes(job, 1, 8 << 20) == 1 << 20  # 8 MiB of rejects: 8 shards of 1 MiB
-    assert round_target_bytes(job, 1, 8 << 30) == 64 << 20  # never above targetShardBytes
+    # 8 lanes x 4 shards each: 1 GiB is cut into 32 shards of 32 MiB, not 16 of 64 MiB ...
+    assert round_target_bytes(job, 0, 1 << 30) == 32 << 20
+    assert round_target_bytes(job, 1, 1 << 30) == 32 << 20  # ... in a judge round too
+    assert round_target_bytes(job, 0, 8 << 30) == 64 << 20  # never above targetShardBytes
+    assert round_target_bytes(job, 1, 8 << 20) == 1 << 20  # never below minShardBytes (1 MiB)
+    doc["spec"]["sharding"] = {"targetShardBytes": 4096, "shardsPerLane": 2, "minShardBytes": 2048}
+    small = parse_job(doc)
+    assert round_target_bytes(small, 0, 64 << 10) == 4096  # the target wins when it is smaller
+    assert round_target_bytes(small, 0, 40 << 10) == 2560  # 40 KiB / (8 lanes x 2)
+    assert round_target_bytes(small, 0, 8 << 10) == 2048  # the minimum

@@ -125,11 +125,17 @@ def test_a_new_job_plans_round_zero() -> None:
     assert (d.round, d.phase) == (0, "Pending")
 
 
-def test_a_planned_round_without_a_job_creates_it_with_the_planned_shard_count() -> None:
-    d = decide(make_job(), planned(shards=8), [])
+def test_a_planned_round_without_a_job_creates_it_with_one_index_per_lane() -> None:
+    d = decide(make_job(), planned(shards=8, lanes=2), [])
     assert isinstance(d, CreateJob)
-    assert (d.round, d.completions, d.suspend) == (0, 8, False)
+    assert (d.round, d.completions, d.suspend) == (0, 2, False)
     assert d.shards is not None and d.shards.summary == "0/8"
+    assert "8 shards in 2 lanes" in d.message
+
+
+def test_a_round_planned_before_lanes_existed_has_one_lane_per_shard() -> None:
+    d = decide(make_job(), planned(shards=8), [])
+    assert isinstance(d, CreateJob) and d.completions == 8
 
 
 def test_a_suspended_spec_creates_the_job_suspended() -> None:
@@ -146,12 +152,13 @@ def test_an_existing_job_is_never_created_again() -> None:
     assert isinstance(d, Wait)
 
 
-def test_a_running_job_reports_progress_from_its_completed_indexes() -> None:
-    d = decide(make_job(), planned(), [k8s_job(completed="0-2,5", active=4)])
+def test_a_running_job_reports_shards_from_their_records_and_lanes_from_its_indexes() -> None:
+    d = decide(make_job(), planned(), [k8s_job(completed="0-2,5", active=4)], shards_done=6)
     assert isinstance(d, Wait)
     assert d.phase == "Running"
-    assert d.shards == rc.Shards(done=4, failed=0, total=8)
-    assert "4/8 shards done" in d.message
+    assert d.shards == rc.Shards(done=6, total=8)
+    assert d.lanes == rc.Lanes(done=4, failed=0, active=4, total=8)
+    assert "6/8 shards done, 4/8 lanes done" in d.message
 
 
 def test_a_job_without_pods_yet_is_pending() -> None:
@@ -162,10 +169,10 @@ def test_a_job_without_pods_yet_is_pending() -> None:
 
 def test_failed_indexes_of_a_running_job_show_but_do_not_fail_the_bij_yet() -> None:
     # With backoffLimitPerIndex the other indexes keep running; the Job decides when it is over.
-    d = decide(make_job(), planned(), [k8s_job(completed="0-3", failed="6", active=3)])
+    d = decide(make_job(), planned(), [k8s_job(completed="0-3", failed="6", active=3)], shards_done=5)
     assert isinstance(d, Wait)
     assert d.phase == "Running"
-    assert d.shards == rc.Shards(done=4, failed=1, total=8)
+    assert d.lanes == rc.Lanes(done=4, failed=1, active=3, total=8)
     assert "1 failed (6)" in d.message
 
 
@@ -182,7 +189,7 @@ def test_a_completed_job_finishes_the_round(condition: str) -> None:
     d = decide(make_job(), planned(), [job])
     assert isinstance(d, FinishRound)
     assert d.round == 0
-    assert d.shards == rc.Shards(done=8, failed=0, total=8)
+    assert d.shards == rc.Shards(done=8, total=8)
 
 
 def test_a_condition_that_is_false_means_nothing() -> None:
@@ -212,7 +219,7 @@ def test_an_unfinished_round_whose_job_vanished_is_recreated() -> None:
 def test_an_empty_input_finishes_its_round_without_a_job() -> None:
     d = decide(make_job(), planned(shards=0), [])
     assert isinstance(d, FinishRound)
-    assert d.shards == rc.Shards(done=0, failed=0, total=0)
+    assert d.shards == rc.Shards(done=0, total=0)
 
 
 def test_publishing_again_after_a_crash_mid_publish_is_the_decision() -> None:
@@ -230,16 +237,27 @@ def test_a_succeeded_bij_is_left_alone() -> None:
 # --- failures ----------------------------------------------------------------------------------
 
 
-def test_a_failed_job_marks_the_bij_failed_naming_the_failed_shards() -> None:
+def test_a_failed_job_with_shards_undone_marks_the_bij_failed_naming_the_failed_lanes() -> None:
     job = k8s_job(completed="0-1,3-5,7", failed="2,6",
                   conditions=[("Failed", "True", "FailedIndexes", "Job has failed indexes")])
-    d = decide(make_job(), planned(), [job])
+    d = decide(make_job(), planned(), [job], shards_done=6)
     assert isinstance(d, MarkFailed)
     assert d.phase == "Failed"
     assert d.reason == "FailedIndexes"
-    assert d.failed_shards == (2, 6)
-    assert "shards 2,6 failed" in d.message
+    assert d.failed_lanes == (2, 6)
+    assert "lanes 2,6 failed with 2 of 8 shards undone" in d.message
     assert "emb-r0" in d.message
+
+
+def test_failed_lanes_whose_shards_the_others_finished_leave_the_round_whole() -> None:
+    job = k8s_job(completions=4, completed="0-1,3", failed="2",
+                  conditions=[("Failed", "True", "FailedIndexes", "Job has failed indexes")])
+    d = decide(make_job(), planned(shards=8, lanes=4), [job], shards_done=8)
+    assert isinstance(d, FinishRound)
+    assert d.shards == rc.Shards(done=8, total=8)
+    assert "lane 2 failed; the other lanes finished its shards" in d.message
+    # Without the shard records the operator cannot tell: the Job's verdict stands.
+    assert isinstance(decide(make_job(), planned(shards=8, lanes=4), [job]), MarkFailed)
 
 
 def test_failure_target_fails_the_round_before_the_pods_are_gone() -> None:
@@ -250,8 +268,8 @@ def test_failure_target_fails_the_round_before_the_pods_are_gone() -> None:
     d = decide(make_job(), planned(), [job])
     assert isinstance(d, MarkFailed)
     assert d.reason == "PodFailurePolicy"
-    assert d.failed_shards == (3,)
-    assert "round 0: shard 3 failed" in d.message
+    assert d.failed_lanes == (3,)
+    assert "round 0: lane 3 failed" in d.message
     assert "exit code 42" in d.message
 
 
@@ -279,8 +297,8 @@ def test_suspending_the_spec_patches_the_running_job() -> None:
     assert isinstance(d, PatchJob)
     assert (d.job_name, d.suspend, d.parallelism) == ("emb-r0", True, None)
     assert d.phase == "Suspended"
-    # Progress is kept: the done shards are still reported.
-    assert d.shards is not None and d.shards.done == 3
+    # Progress is kept: the done lanes are still reported.
+    assert d.lanes is not None and d.lanes.done == 3
 
 
 def test_resuming_the_spec_unsuspends_the_job() -> None:
@@ -291,10 +309,11 @@ def test_resuming_the_spec_unsuspends_the_job() -> None:
 
 
 def test_a_suspended_job_that_matches_the_spec_waits_suspended() -> None:
-    d = decide(make_job(suspend=True), planned(), [k8s_job(completed="0-2", suspend=True)])
+    d = decide(make_job(suspend=True), planned(), [k8s_job(completed="0-2", suspend=True)], shards_done=5)
     assert isinstance(d, Wait)
     assert d.phase == "Suspended"
-    assert d.shards is not None and d.shards.summary == "3/8"
+    assert d.shards is not None and d.shards.summary == "5/8"
+    assert d.lanes is not None and d.lanes.summary == "3/8"
 
 
 def test_a_parallelism_change_is_applied_to_the_job() -> None:
@@ -467,12 +486,14 @@ def test_phase_conditions_list_every_type_once_with_the_phase_true() -> None:
 
 
 def test_decision_status_fills_the_printer_columns() -> None:
-    d = decide(make_job(), planned(), [k8s_job(completed="0-2", active=4)])
+    d = decide(make_job(), planned(), [k8s_job(completed="0-2", active=4)], shards_done=5)
     patch = decision_status({}, d, generation=1, now=T0, output_uri="file:///data/out")
     assert patch["phase"] == "Running"
     assert patch["round"] == 0
-    assert patch["shardsSummary"] == "3/8"
-    assert patch["shards"] == {"done": 3, "failed": 0, "total": 8}
+    assert patch["shardsSummary"] == "5/8"
+    assert patch["shards"] == {"done": 5, "total": 8}
+    assert patch["lanesSummary"] == "3/8"
+    assert patch["lanes"] == {"done": 3, "failed": 0, "active": 4, "total": 8}
     assert patch["startTime"] == "2024-01-01T00:00:00Z"
     assert "completionTime" not in patch
 

@@ -151,8 +151,8 @@ def test_parallelism_never_exceeds_the_shard_count(parallelism: int, completions
 
 
 @pytest.mark.parametrize("completions", [0, 100_001])
-def test_shard_counts_kubernetes_cannot_run_are_refused(completions: int) -> None:
-    with pytest.raises(ValueError, match="shards"):
+def test_lane_counts_kubernetes_cannot_run_are_refused(completions: int) -> None:
+    with pytest.raises(ValueError, match="lanes"):
         render(make_job(), completions=completions)
 
 
@@ -367,8 +367,9 @@ def test_cli_render_plans_the_input_when_no_shard_count_is_given(
     monkeypatch.setenv("BIJ_WORKER_IMAGE", "from-env:2")
     assert bij_main(["render", str(path)]) == 0
     rendered = yaml.safe_load(capsys.readouterr().out)
-    expected = plan_shards_for(load_job(path), 0)
-    assert expected > 1 and rendered["spec"]["completions"] == expected
+    shards = plan_shards_for(load_job(path), 0)
+    # One index per lane: workers.parallelism (4 by default), never more than there are shards.
+    assert shards > 1 and rendered["spec"]["completions"] == min(4, shards)
     assert container(rendered)["image"] == "from-env:2"
 
 

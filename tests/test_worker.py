@@ -112,13 +112,30 @@ def worker(bij_bin: Any, env: dict[str, str], *args: str, index: str | None = No
     return subprocess.run([bij_bin("bij-worker"), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_job_completion_index_picks_the_shard(place, make_job, worker_env, bij_bin):
-    _, job = make_job(place, place.write_jsonl("in.jsonl", rows(300)), sharding={"targetShardBytes": 2048})
+def test_job_completion_index_picks_the_lane_which_works_its_shards_first_then_the_rest(
+        place, make_job, worker_env, bij_bin):
+    _, job = make_job(place, place.write_jsonl("in.jsonl", rows(300)), sharding={"targetShardBytes": 2048},
+                      workers={"parallelism": 3})
     plan = planned(job)
-    assert len(plan["shards"]) >= 3
-    p = worker(bij_bin, worker_env(place), "--manifest", layout.round_manifest_uri(job, 0), index="2")
+    n = len(plan["shards"])
+    assert n >= 7 and plan["lanes"] == 3
+    p = worker(bij_bin, worker_env(place), "--manifest", layout.round_manifest_uri(job, 0), "--progress", index="2")
     assert p.returncode == 0, p.stderr
-    assert [place.storage.exists(done_uri(plan, i)) for i in range(3)] == [False, False, True]
+    order = [e["index"] for e in map(json.loads, p.stdout.splitlines()) if e["event"] == "done"]
+    own = list(range(2, n, 3))
+    assert order[:len(own)] == own  # its own shards, in order
+    assert sorted(order) == list(range(n))  # then every other one: nobody else was working
+    # The other lanes' shards were taken from the end of the lane with the most left (the first such lane).
+    left = {lane: list(range(lane, n, 3)) for lane in (0, 1)}
+    busiest = max(left, key=lambda lane: (len(left[lane]), -lane))
+    assert order[len(own)] == left[busiest][-1]
+    loads = [e for e in map(json.loads, p.stdout.splitlines()) if e["event"] == "loaded"]
+    assert len(loads) == 1  # one model load for all of them
+    records = [json.loads(place.storage.read_bytes(done_uri(plan, i))) for i in range(n)]
+    assert sum(r["modelLoads"] for r in records) == 1 and all(r["lane"] == 2 for r in records)
+    # A lane whose round is done does nothing, not even load the model.
+    again = worker(bij_bin, worker_env(place), "--manifest", layout.round_manifest_uri(job, 0), "--progress", index="0")
+    assert again.returncode == 0 and '"loaded"' not in again.stdout
 
 
 def test_bad_configurations_exit_42(file_place, make_job, worker_env, bij_bin):

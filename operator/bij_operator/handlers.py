@@ -27,6 +27,7 @@ from typing import Any, TypeVar, cast
 
 import kopf
 import urllib3
+from bij_worker.storage import StorageError
 from kubernetes.client import ApiException
 
 from . import layout
@@ -34,10 +35,11 @@ from .efficiency import status_fields
 from .fingerprint import PlanRefused, field_digests
 from .jobs import render_job, worker_image_default
 from .planner import PlanError, plan_round
-from .progress import live_records, shard_records
+from .progress import count_done, live_records, shard_records
 from .publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved, publish, read_manifest
 from .reconcile import (
     JOB_LABEL,
+    TERMINAL_PHASES,
     CreateJob,
     Decision,
     FinishRound,
@@ -47,6 +49,7 @@ from .reconcile import (
     PlanRound,
     Publish,
     Wait,
+    current_round,
     decide,
     owns,
     round_records,
@@ -225,7 +228,8 @@ async def _reconcile(namespace: str, name: str) -> None:
                 await mark_invalid(raw, e)
                 raise kopf.PermanentError(f"invalid spec: {e}") from None
             jobs = await api().list_jobs(namespace, name)
-            decision = decide(job, raw.get("status") or {}, jobs)
+            status = raw.get("status") or {}
+            decision = decide(job, status, jobs, await shards_done(job, status))
             log.debug("%s/%s: %s", namespace, name, decision)
             METRICS.decisions.labels(type(decision).__name__).inc()
             if not await apply(raw, job, decision, t):
@@ -260,15 +264,15 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
                                event=("Warning", "PlanFailed", msg))
             raise kopf.TemporaryError(msg, delay=30) from e
         rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
-        rec: dict[str, Any] = {"round": d.round, "shards": plan.shard_count, "bytes": plan.total_bytes,
-                               "startTime": fmt_time(now)}
+        rec: dict[str, Any] = {"round": d.round, "shards": plan.shard_count, "lanes": plan.lanes,
+                               "bytes": plan.total_bytes, "startTime": fmt_time(now)}
         if d.round == 0:
             rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
         rounds.append(rec)
-        msg = f"round {d.round}: planned {plan.shard_count} shards from {plan.objects} input objects"
+        msg = (f"round {d.round}: planned {plan.shard_count} shards in {plan.lanes} lanes from {plan.objects} "
+               "input objects")
         patch = {**base(raw, d, now), "rounds": rounds, "message": msg,
-                 "shards": {"done": 0, "failed": 0, "total": plan.shard_count},
-                 "shardsSummary": f"0/{plan.shard_count}"}
+                 "shards": {"done": 0, "total": plan.shard_count}, "shardsSummary": f"0/{plan.shard_count}"}
         if "rows" not in status:
             patch["rows"] = {"done": 0, "failed": 0}  # so the ROWS column reads 0, not <none>
         await write_status(raw, patch, event=("Normal", "RoundPlanned", msg))
@@ -302,8 +306,9 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
                 schedule(ns, name, 15.0)
                 return False
         spec = body["spec"]
-        msg = (f"round {d.round}: created Job {job_name} for {d.completions} shards, "
-               f"parallelism {spec['parallelism']}" + (", suspended" if spec.get("suspend") else ""))
+        msg = (f"round {d.round}: created Job {job_name} with {d.completions} lanes for "
+               f"{d.shards.total if d.shards else '?'} shards, parallelism {spec['parallelism']}"
+               + (", suspended" if spec.get("suspend") else ""))
         await write_status(raw, {**base(raw, d, now), "message": msg},
                            event=("Normal", "RoundStarted", msg) if created else None)
         return True
@@ -410,6 +415,19 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
     t.last_progress = time.monotonic()
     await write_status(raw, patch)
     return False
+
+
+async def shards_done(job: BatchInferenceJob, status: dict[str, Any]) -> int | None:
+    """How many shards of the current round have a completion record (one listing, no reads);
+    None when no round is running or the records cannot be listed."""
+    rec = round_records(status).get(current_round(status))
+    if rec is None or rec.get("completionTime") or status.get("phase") in TERMINAL_PHASES:
+        return None
+    try:
+        return await asyncio.to_thread(count_done, job, current_round(status))
+    except (OSError, StorageError) as e:
+        log.warning("%s/%s: cannot list shard records: %s", job.metadata.namespace, job.metadata.name, e)
+        return None
 
 
 def schedule(namespace: str, name: str, delay: float) -> None:

@@ -1,4 +1,7 @@
-"""The batch/v1 Job of one round: an Indexed Job whose pod `i` works shard `i` of the round plan.
+"""The batch/v1 Job of one round: an Indexed Job whose pod `i` is lane `i` of the round plan.
+
+A lane loads the model once and works its shards `i`, `i + lanes`, ..., then unfinished shards of
+other lanes (bij_worker.lanes), so the Job has one index per lane, not per shard.
 
 `render_job` is a pure function of the spec and the round; the operator creates what it returns
 and `bij render` prints it. Everything that decides how a round survives spot preemptions lives
@@ -60,7 +63,7 @@ def job_name(job: BatchInferenceJob, round_no: int) -> str:
 
 
 def desired_parallelism(job: BatchInferenceJob, completions: int) -> int:
-    """Pods at once: spec.workers.parallelism, but never more than there are shards."""
+    """Pods at once: spec.workers.parallelism, but never more than there are lanes."""
     return min(job.spec.workers.parallelism, completions)
 
 
@@ -91,13 +94,13 @@ def render_job(
     image: str = DEFAULT_WORKER_IMAGE,
     owner_uid: str | None = None,
 ) -> dict[str, Any]:
-    """The batch/v1 Job that runs round `round_no` of `job` with one index per shard.
+    """The batch/v1 Job that runs round `round_no` of `job` with one index per lane (`completions`).
 
     `image` is the operator's default worker image; spec.workers.image wins over it.
     With `owner_uid` the Job is owned by (and garbage-collected with) the BatchInferenceJob.
     """
     if not 1 <= completions <= MAX_COMPLETIONS:
-        raise ValueError(f"a round needs 1 to {MAX_COMPLETIONS} shards, got {completions}")
+        raise ValueError(f"a round needs 1 to {MAX_COMPLETIONS} lanes, got {completions}")
     if round_no < 0:
         raise ValueError(f"round must be >= 0, got {round_no}")
     w = job.spec.workers
@@ -128,20 +131,21 @@ def render_job(
         "parallelism": desired_parallelism(job, completions),
         # Kueue admits a queued Job by unsuspending it, so such a Job is created suspended.
         "suspend": job.spec.suspend or bool(w.queue_name),
-        # Retries are counted per shard: one bad shard cannot use up the whole round's budget.
+        # Retries are counted per lane: one bad lane cannot use up the whole round's budget.
         "backoffLimitPerIndex": w.backoff_limit_per_index,
-        # Shards are independent and their finished chunks durable, so by default every shard
-        # gets its chance; the operator decides about the round from the failed indexes (a failed
-        # shard can run again next round). A job-wide mistake is stopped by the FailJob rule below.
+        # Lanes are independent and their finished chunks durable, so by default every lane gets
+        # its chance: the shards of a lane that failed for good are taken over by the others, and
+        # the operator decides about the round from which shards are done. A job-wide mistake is
+        # stopped by the FailJob rule below.
         "maxFailedIndexes": max_failed,
         "podFailurePolicy": {
             "rules": [
                 # A preempted/evicted pod (spot reclaim, node drain) is not a failure: its index
                 # is retried without counting against backoffLimitPerIndex.
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                # Bad configuration (unknown model, missing plan) fails every shard the same way:
+                # Bad configuration (unknown model, missing plan) fails every lane the same way:
                 # FailJob stops the round at once. FailIndex would only stop that index and let
-                # every other shard start, pull the image and load the model, just to fail too.
+                # every other lane start, pull the image and load the model, just to fail too.
                 {
                     "action": "FailJob",
                     "onExitCodes": {
@@ -152,8 +156,8 @@ def render_job(
                 },
             ]
         },
-        # A replacement pod starts only once the old one has fully terminated, so two pods never
-        # write the same shard while the preempted one is still committing its last chunk.
+        # A replacement pod starts only once the old one has fully terminated, so it may take its
+        # lane's claims at once: the preempted pod has committed its last chunk.
         "podReplacementPolicy": "Failed",
         "template": {
             "metadata": {
@@ -323,7 +327,8 @@ def _scheduling(job: BatchInferenceJob) -> tuple[dict[str, str], list[dict[str, 
 def cli_render(args: argparse.Namespace) -> int:
     """`bij render SPEC [--round R] [--shards N] [--image IMG]`: print the round's Job as YAML.
 
-    Without --shards the input is planned now (object sizes only) to count the shards.
+    Without --shards the input is planned now (object sizes only) to count the shards; the Job
+    has one index per lane (workers.parallelism, at most one per shard).
     """
     try:
         job = load_job(args.spec)
@@ -345,11 +350,13 @@ def cli_render(args: argparse.Namespace) -> int:
             print(f"round {args.round} of {job.metadata.name} has no input to shard; pass --shards N",
                   file=sys.stderr)
             return 1
+    from .planner import lanes_for
+
     try:
         rendered = render_job(
             job,
             args.round,
-            completions,
+            lanes_for(job, completions),
             layout.round_manifest_uri(job, args.round),
             image=args.image or worker_image_default(),
             owner_uid=job.metadata.uid,

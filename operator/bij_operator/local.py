@@ -1,10 +1,13 @@
 """`bij run`: a whole BatchInferenceJob on one machine, with the pod contract kept exactly.
 
-Each shard runs as a `bij-worker` subprocess with `JOB_COMPLETION_INDEX` set,
-as an Indexed Job pod would; up to `parallelism` at once. A failed index is
-retried up to `workers.backoffLimitPerIndex` times; exit 42 (bad
-configuration) stops everything. Ctrl-C asks every worker to stop cleanly;
-running the same command again resumes from what is durable.
+Each lane runs as a `bij-worker` subprocess with `JOB_COMPLETION_INDEX` set,
+as an Indexed Job pod would; up to `parallelism` at once. A lane loads the
+model once and works many shards, taking over those of a lane that stopped
+(bij_worker.lanes). A failed lane is retried up to
+`workers.backoffLimitPerIndex` times, and the round still succeeds when the
+other lanes finished every shard; exit 42 (bad configuration) stops everything.
+Ctrl-C asks every worker to stop cleanly; running the same command again resumes
+from what is durable.
 
 Exit codes: 0 published; 1 failed, a rerun may help (it resumes); 42 bad
 configuration, a rerun cannot help until something changes (the spec, the
@@ -57,6 +60,7 @@ class _Progress:
     started: float = field(default_factory=time.monotonic)
     start_rows: int = 0
     start_frac: float = 0.0
+    finished: set[int] = field(default_factory=set)  # shards with a completion record
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def line(self, round_no: int) -> str:
@@ -80,6 +84,10 @@ class LocalRunner:
                  worker_cmd: list[str] | None = None):
         if parallelism is not None and parallelism < 1:
             raise ValueError(f"--parallelism must be at least 1, got {parallelism}")
+        if parallelism is not None and parallelism != job.spec.workers.parallelism:
+            # --parallelism decides the lanes of rounds not planned yet, as spec.workers.parallelism would.
+            job = job.model_copy(update={"spec": job.spec.model_copy(update={
+                "workers": job.spec.workers.model_copy(update={"parallelism": parallelism})})})
         self.job = job
         # The pod's command; a library user can run workers another way (a container, another venv).
         self.worker_cmd = worker_cmd or worker_command()
@@ -102,13 +110,18 @@ class LocalRunner:
         return env
 
     def run_round(self, round_no: int, plan: RoundPlan) -> tuple[bool, str]:
-        """Run every unfinished shard of a round. Returns (succeeded, message)."""
+        """Run the lanes of a round until every shard is done. Returns (succeeded, message)."""
         done = shard_records(self.job, round_no)
-        pending = deque(i for i in range(plan.shard_count) if i not in done)
         prog = _Progress(total_bytes=plan.total_bytes, shards=plan.shard_count, done_shards=len(done))
+        prog.finished.update(done)
         for rec in done.values():
             prog.rows += rec.get("rows", 0)
             prog.errors += rec.get("errors", 0)
+        if len(done) >= plan.shard_count:
+            return True, ""
+        # One process per lane, as the Job has one pod per lane; each loads the model once and
+        # works many shards, taking over those of a lane that stopped.
+        pending = deque(range(plan.lanes))
         attempts: dict[int, int] = {}
         limit = self.job.spec.workers.backoff_limit_per_index
         failed: list[int] = []
@@ -120,7 +133,7 @@ class LocalRunner:
         prog.start_frac = prog.bytes / plan.total_bytes if plan.total_bytes else 0.0
         prog.start_rows = prog.rows + prog.errors
 
-        # Once stopping (Ctrl-C, or a bad configuration), pending shards are not started: wait only for
+        # Once stopping (Ctrl-C, or a bad configuration), pending lanes are not started: wait only for
         # the running ones, or the loop would spin forever on a queue nothing drains.
         while self.procs or (pending and not self.stopping):
             while pending and len(self.procs) < self.parallelism and not self.stopping and bad_config is None:
@@ -143,18 +156,19 @@ class LocalRunner:
                     continue
                 del self.procs[i]
                 if rc == EXIT_OK:
-                    with prog.lock:
-                        prog.done_shards += 1
+                    pass
                 elif rc == EXIT_BAD_CONFIG:
-                    bad_config = f"shard {i}: the worker reported a bad configuration (exit 42); see its log above"
+                    bad_config = f"lane {i}: the worker reported a bad configuration (exit 42); see its log above"
                     self.bad_config = True
                     self._stop_all()
                 elif self.stopping or rc == EXIT_TERMINATED or rc == -signal.SIGINT:
                     pass
                 elif attempts[i] <= limit:
-                    print(f"bij: shard {i} failed (exit {rc}), retry {attempts[i]}/{limit}", file=sys.stderr)
+                    print(f"bij: lane {i} failed (exit {rc}), retry {attempts[i]}/{limit}", file=sys.stderr)
                     pending.append(i)
                 else:
+                    print(f"bij: lane {i} failed (exit {rc}) after {limit} retries; the other lanes take over "
+                          "its shards", file=sys.stderr)
                     failed.append(i)
             now = time.monotonic()
             if self.show_progress and now - last_draw > 0.5:
@@ -175,8 +189,11 @@ class LocalRunner:
             return False, bad_config
         if self.stopping:
             return False, "stopped; run the same command again to resume"
-        if failed:
-            return False, f"shards {', '.join(map(str, sorted(failed)))} failed after {limit} retries"
+        left = plan.shard_count - len(shard_records(self.job, round_no))
+        if left > 0:
+            which = f"lanes {', '.join(map(str, sorted(failed)))} failed after {limit} retries" if failed \
+                else "the lanes stopped"
+            return False, f"{which} with {left} of {plan.shard_count} shards undone; run again to resume"
         return True, ""
 
     def _follow(self, stream: IO[bytes], prog: _Progress) -> None:
@@ -190,6 +207,9 @@ class LocalRunner:
                     prog.rows += ev.get("rows", 0)
                     prog.errors += ev.get("errors", 0)
                     prog.bytes += ev.get("bytes", 0)
+                elif ev.get("event") == "done":
+                    prog.finished.add(int(ev.get("index", -1)))
+                    prog.done_shards = len(prog.finished)
                 elif ev.get("event") == "resume":
                     prog.rows += ev.get("rows", 0)
                     prog.errors += ev.get("errors", 0)
@@ -245,8 +265,8 @@ class LocalRunner:
         history: list[RoundStats] = []
         while True:
             plan = plan_round(self.job, round_no)
-            print(f"bij: {self.job.metadata.name}: round {round_no}, {plan.shard_count} shards, "
-                  f"{plan.total_bytes:,} {plan.unit} in {plan.objects} objects", file=sys.stderr)
+            print(f"bij: {self.job.metadata.name}: round {round_no}, {plan.shard_count} shards in {plan.lanes} "
+                  f"lanes, {plan.total_bytes:,} {plan.unit} in {plan.objects} objects", file=sys.stderr)
             ok, msg = self.run_round(round_no, plan)
             if not ok:
                 print(f"bij: {msg}", file=sys.stderr)

@@ -7,7 +7,10 @@ ranges can be cut anywhere and no line is read twice or lost. A `.zst` object
 cannot be entered mid-stream, so it is always one whole piece. A Parquet
 object is cut between row groups, whose sizes come from its footer (one ranged
 read at its end); its pieces are ``[object index, first group, end group)``.
-Small objects share a shard until it reaches `targetShardBytes`.
+Small objects share a shard until it reaches `targetShardBytes`; a round is cut into
+at least `shardsPerLane` shards per lane where `minShardBytes` allows. The round's Job
+has one index per lane (`lanes`: workers.parallelism, at most one per shard); each lane
+works many shards with its model loaded once (see bij_worker.lanes).
 """
 
 from __future__ import annotations
@@ -54,14 +57,17 @@ class RoundPlan:
     # The round's size in the unit workers report progress in: bytes, or rows for Parquet objects.
     total_bytes: int
     unit: str = "bytes"
+    # The round Job's indexes: each a worker that loads the model once and works many shards.
+    lanes: int = 0
 
 
 def _round_plan(uri: str, doc: dict[str, Any]) -> RoundPlan:
     objects = doc["objects"]
+    lanes = int(doc.get("lanes") or len(doc["shards"]))  # a plan from before lanes: one per shard
     if any("rowGroups" in o for o in objects):
         return RoundPlan(uri, len(doc["shards"]), len(objects),
-                         sum(sum(o.get("rowGroups", [])) for o in objects), "rows")
-    return RoundPlan(uri, len(doc["shards"]), len(objects), sum(o["size"] for o in objects))
+                         sum(sum(o.get("rowGroups", [])) for o in objects), "rows", lanes)
+    return RoundPlan(uri, len(doc["shards"]), len(objects), sum(o["size"] for o in objects), lanes=lanes)
 
 
 def is_compressed(uri: str) -> bool:
@@ -138,14 +144,19 @@ def plan_shards(sizes: list[tuple[int, bool]], target_bytes: int,
 
 
 def round_target_bytes(job: BatchInferenceJob, round_no: int, total_bytes: int) -> int:
-    """Shard size for a round. A judge round after the first holds only the rows rejected
-    before, often far less than one shard: cut it for every worker to get a share rather
-    than leave all but one GPU idle for the round (never above targetShardBytes)."""
-    target = job.spec.sharding.target_shard_bytes
-    if round_no == 0:
-        return target
-    share = -(-total_bytes // job.spec.workers.parallelism)
-    return max(1024, min(target, share))
+    """Shard size for a round: at most targetShardBytes, and small enough for `shardsPerLane`
+    shards per lane, so the shards still running at a round's end are short and a lane that
+    is done takes over the rest; never below minShardBytes (or targetShardBytes, if smaller).
+    A judge round after the first, holding only the rows rejected before, is cut the same way."""
+    sharding = job.spec.sharding
+    target = sharding.target_shard_bytes
+    share = -(-total_bytes // (sharding.shards_per_lane * job.spec.workers.parallelism))
+    return max(min(target, sharding.min_shard_bytes), min(target, share))
+
+
+def lanes_for(job: BatchInferenceJob, shards: int) -> int:
+    """The round Job's indexes: workers.parallelism, never more than there are shards."""
+    return min(job.spec.workers.parallelism, shards)
 
 
 def round_inputs(job: BatchInferenceJob, round_no: int) -> str:
@@ -204,6 +215,7 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
         "fingerprint": {"spec": digest(row_fields(job_to_dict(job)["spec"])),
                         "input": digest([[o.uri, o.size, o.version] for o in objects])},
         "shards": [[list(p) for p in s] for s in shards],
+        "lanes": lanes_for(job, len(shards)),
     }
 
 

@@ -16,6 +16,13 @@ def shard_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, 
     return _records(job, round_no, "done")
 
 
+def count_done(job: BatchInferenceJob, round_no: int) -> int:
+    """How many of a round's shards have a completion record: one listing, no object read."""
+    folder = layout.join(layout.round_prefix(job, round_no), "done") + "/"
+    names = (o.uri.rsplit("/", 1)[-1] for o in open_storage(folder, job.spec.storage.s3).list(folder))
+    return sum(1 for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+
 def live_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, Any]]:
     """Counts of every shard that has any: finished shards' completion records, and the
     progress records running shards rewrite every BIJ_PROGRESS_SECONDS (30 s by default)."""

@@ -10,7 +10,7 @@ lost round.
 The state that survives restarts lives in ``status.rounds``, one record per
 planned round::
 
-    {"round": 0, "shards": 8, "startTime": "...", "completionTime": "...", "approved": 980, "errors": 20, ...}
+    {"round": 0, "shards": 8, "lanes": 2, "startTime": "...", "completionTime": "...", "approved": 980, ...}
 
 A record exists once the round is planned; ``completionTime`` and the round's statistics
 (`rounds.RoundStats.as_status`: approved, rejected, capped, errors, ...) are added once its
@@ -73,10 +73,23 @@ def format_ranges(indexes: Iterable[int]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Shards:
-    """Shard progress of one round: what the `SHARDS` column shows as done/total."""
+    """Shard progress of one round (from the workers' completion records): the `SHARDS` column."""
+
+    done: int
+    total: int
+
+    @property
+    def summary(self) -> str:
+        return f"{self.done}/{self.total}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lanes:
+    """The round Job's indexes: lanes done, failed for good, running, and in all."""
 
     done: int
     failed: int
+    active: int
     total: int
 
     @property
@@ -161,8 +174,8 @@ class JobView:
         return None
 
     @property
-    def shards(self) -> Shards:
-        return Shards(done=len(self.completed), failed=len(self.failed), total=self.completions)
+    def lanes(self) -> Lanes:
+        return Lanes(done=len(self.completed), failed=len(self.failed), active=self.active, total=self.completions)
 
 
 # --- decisions ---------------------------------------------------------------------------------
@@ -173,7 +186,7 @@ class Decision:
     """What to do next, plus how the bij should look once it is done.
 
     ``phase``/``reason``/``message`` become ``status.phase`` and the conditions; ``shards``
-    is the current round's progress when a Job is observed.
+    is the current round's shard progress when known, ``lanes`` its Job's when one is observed.
     """
 
     round: int
@@ -181,6 +194,7 @@ class Decision:
     reason: str
     message: str
     shards: Shards | None = None
+    lanes: Lanes | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,7 +204,7 @@ class PlanRound(Decision):
 
 @dataclass(frozen=True, kw_only=True)
 class CreateJob(Decision):
-    """Create the round's Indexed Job (a 409 means an earlier attempt already did)."""
+    """Create the round's Indexed Job, one index per lane (a 409 means an earlier attempt already did)."""
 
     completions: int
     suspend: bool
@@ -219,9 +233,9 @@ class Publish(Decision):
 
 @dataclass(frozen=True, kw_only=True)
 class MarkFailed(Decision):
-    """The round's Job failed for good: phase Failed, naming the failed shards."""
+    """The round's Job failed for good with shards left undone: phase Failed, naming the failed lanes."""
 
-    failed_shards: tuple[int, ...] = ()
+    failed_lanes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,8 +306,14 @@ def decide(
     job: BatchInferenceJob,
     status: Mapping[str, Any],
     observed_jobs: Sequence[Mapping[str, Any]],
+    shards_done: int | None = None,
 ) -> Decision:
-    """The next step for `job`, given its current ``status`` and the Jobs labelled with its name."""
+    """The next step for `job`, given its current ``status``, the Jobs labelled with its name and
+    how many shards of the current round have a completion record (None: not looked at).
+
+    The Job has one index per lane and a lane works many shards, so the round is over when every
+    shard is done: a lane that failed for good costs nothing if the others finished its shards.
+    """
     status = status or {}
     phase = status.get("phase")
     r = current_round(status)
@@ -317,36 +337,47 @@ def decide(
         return PlanRound(round=r, phase="Pending", reason="Planning", message=f"planning round {r}")
 
     planned = int(rec.get("shards") or 0)
+    # A round planned before lanes existed has one lane per shard.
+    lanes = int(rec.get("lanes") or planned)
     if rec.get("completionTime"):
         # The round's results are recorded as complete; the Job may already be gone (TTL).
         return after_round(job, status, r)
+    shards = Shards(done=min(shards_done, planned), total=planned) if shards_done is not None else None
 
     view = round_job(job, r, observed_jobs)
     if view is None:
         if planned == 0:
             # Empty input: nothing to run, the round is trivially finished.
             return FinishRound(round=r, phase="Running", reason="RoundFinished",
-                               message=f"round {r} has no shards", shards=Shards(done=0, failed=0, total=0))
+                               message=f"round {r} has no shards", shards=Shards(done=0, total=0))
         # Not created yet, or deleted before it finished: (re)create it. Workers resume from
         # what is durable, so a recreated Job redoes no finished rows.
         suspend = job.spec.suspend
         return CreateJob(round=r, phase="Suspended" if suspend else "Pending",
                          reason="Suspended" if suspend else "RoundStarting",
-                         message=f"round {r}: creating the Job for {planned} shards",
-                         shards=Shards(done=0, failed=0, total=planned),
-                         completions=planned, suspend=suspend)
+                         message=f"round {r}: creating the Job for {planned} shards in {lanes} lanes",
+                         shards=shards or Shards(done=0, total=planned),
+                         completions=lanes, suspend=suspend)
 
     if not is_ours(job, view):
         return Wait(round=r, phase="Pending", reason="WaitingForOldJob",
                     message=f"Job {view.name} belongs to an earlier object of this name; "
                             "waiting for it to be deleted")
 
-    shards = view.shards
     if view.failed_for_good:
-        return job_failed(r, view)
+        if shards is not None and planned and shards.done >= planned:
+            # Lanes failed, but the others took over and finished their shards: the round is whole.
+            failed = format_ranges(view.failed)
+            return FinishRound(round=r, phase="Running", reason="RoundFinished",
+                               message=f"round {r}: all {planned} shards done"
+                                       + (f" (lane {failed} failed; the other lanes finished its shards)"
+                                          if failed else ""),
+                               shards=shards, lanes=view.lanes)
+        return job_failed(r, view, shards)
     if view.succeeded:
         return FinishRound(round=r, phase="Running", reason="RoundFinished",
-                           message=f"round {r}: all {shards.total} shards done", shards=shards)
+                           message=f"round {r}: all {planned} shards done", shards=Shards(done=planned, total=planned),
+                           lanes=view.lanes)
 
     want_suspend = job.spec.suspend
     # Kueue admits a queued Job by unsuspending it: the operator may suspend such a Job but
@@ -362,49 +393,52 @@ def decide(
         verb = {True: "suspending", False: "resuming", None: "updating"}[patch_suspend]
         return PatchJob(round=r, phase="Suspended" if want_suspend else "Running",
                         reason="Suspended" if want_suspend else "Running",
-                        message=f"round {r}: {verb} Job {view.name}", shards=shards,
+                        message=f"round {r}: {verb} Job {view.name}", shards=shards, lanes=view.lanes,
                         job_name=view.name, suspend=patch_suspend, parallelism=patch_parallelism)
 
     return Wait(round=r, **_progress(r, view, shards, want_suspend))
 
 
-def _progress(r: int, view: JobView, shards: Shards, want_suspend: bool) -> dict[str, Any]:
+def _progress(r: int, view: JobView, shards: Shards | None, want_suspend: bool) -> dict[str, Any]:
     """Phase, reason and message of a round whose Job is neither finished nor in need of a patch."""
-    failed = f", {shards.failed} failed ({format_ranges(view.failed)})" if shards.failed else ""
-    counts = f"{shards.done}/{shards.total} shards done{failed}"
+    lanes = view.lanes
+    failed = f", {lanes.failed} failed ({format_ranges(view.failed)})" if lanes.failed else ""
+    counts = (f"{shards.done}/{shards.total} shards done, " if shards is not None else "") + \
+        f"{lanes.done}/{lanes.total} lanes done{failed}"
     if view.suspend and not want_suspend:
-        return dict(phase="Pending", reason="Queued", shards=shards,
+        return dict(phase="Pending", reason="Queued", shards=shards, lanes=lanes,
                     message=f"round {r}: Job {view.name} is queued (suspended until Kueue admits it); {counts}")
     if view.suspend:
-        return dict(phase="Suspended", reason="Suspended", shards=shards,
+        return dict(phase="Suspended", reason="Suspended", shards=shards, lanes=lanes,
                     message=f"round {r} suspended: {counts}")
-    if view.active == 0 and shards.done == 0 and shards.failed == 0:
-        return dict(phase="Pending", reason="WaitingForPods", shards=shards,
+    if view.active == 0 and lanes.done == 0 and lanes.failed == 0 and not (shards and shards.done):
+        return dict(phase="Pending", reason="WaitingForPods", shards=shards, lanes=lanes,
                     message=f"round {r}: waiting for worker pods to start")
-    return dict(phase="Running", reason="Running", shards=shards,
+    return dict(phase="Running", reason="Running", shards=shards, lanes=lanes,
                 message=f"round {r}: {counts}, {view.active} active")
 
 
-def job_failed(r: int, view: JobView) -> MarkFailed:
-    """Phase Failed with the Job's reason and which shards failed."""
+def job_failed(r: int, view: JobView, shards: Shards | None = None) -> MarkFailed:
+    """Phase Failed with the Job's reason and which lanes failed."""
     cond = view.failure
     reason = cond.reason if cond and cond.reason else "JobFailed"
     detail = f" ({cond.message})" if cond and cond.message else ""
     failed = set(view.failed)
     if not failed and cond is not None:
         # FailJob names no failed index, only the pod: Indexed Job pods are named
-        # <job>-<index>-<random>, so the pod name says which shard it was.
+        # <job>-<index>-<random>, so the pod name says which lane it was.
         m = re.search(rf"for pod [^/\s]+/{re.escape(view.name)}-(\d+)-", cond.message)
         if m:
             failed.add(int(m.group(1)))
     if failed:
-        noun = "shard" if len(failed) == 1 else "shards"
+        noun = "lane" if len(failed) == 1 else "lanes"
         which = f"{noun} {format_ranges(failed)} failed"
     else:
         which = "the Job failed"
+    left = f" with {shards.total - shards.done} of {shards.total} shards undone" if shards is not None else ""
     return MarkFailed(round=r, phase="Failed", reason=reason,
-                      message=f"round {r}: {which}; Job {view.name}: {reason}{detail}",
-                      shards=view.shards, failed_shards=tuple(sorted(failed)))
+                      message=f"round {r}: {which}{left}; Job {view.name}: {reason}{detail}",
+                      shards=shards, lanes=view.lanes, failed_lanes=tuple(sorted(failed)))
 
 
 def spec_changed_since_planning(job: BatchInferenceJob, status: Mapping[str, Any]) -> list[str]:

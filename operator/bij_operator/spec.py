@@ -171,6 +171,10 @@ class ModelSpec(_Model):
 
 class ShardingSpec(_Model):
     target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=1 << 40)
+    # A round is cut into at least this many shards per lane, so the last shards in flight are
+    # short; never into shards smaller than minShardBytes (or targetShardBytes, if smaller).
+    shards_per_lane: int = Field(4, ge=1, le=64)
+    min_shard_bytes: int = Field(1024 * 1024, ge=1024, le=1 << 40)
     chunk_rows: int = Field(512, ge=1, le=1_000_000)
 
 
@@ -242,6 +246,9 @@ class WorkersSpec(_Model):
     queue_name: str | None = None
     service_account_name: str | None = None
     backoff_limit_per_index: int = Field(3, ge=0, le=100)
+    # A lane renews its claim on the shard it works this often / 3; a shard whose claim is older
+    # than this (its pod died) is taken over by another lane.
+    lease_seconds: int = Field(60, ge=3, le=3600)
     # Kubernetes caps maxFailedIndexes (and completions with backoffLimitPerIndex) at 100000.
     max_failed_indexes: int | None = Field(None, ge=0, le=100_000)
     termination_grace_period_seconds: int = Field(60, ge=1, le=3600)

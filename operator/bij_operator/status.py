@@ -126,7 +126,7 @@ def decision_status(
     now: dt.datetime,
     output_uri: str,
 ) -> dict[str, Any]:
-    """The status merge-patch that shows `decision` (phase, round, shards, conditions)."""
+    """The status merge-patch that shows `decision` (phase, round, shards, lanes, conditions)."""
     patch: dict[str, Any] = {
         "phase": decision.phase,
         "round": decision.round,
@@ -137,8 +137,12 @@ def decision_status(
     }
     if decision.shards is not None:
         s = decision.shards
-        patch["shards"] = {"done": s.done, "failed": s.failed, "total": s.total}
+        patch["shards"] = {"done": s.done, "total": s.total}
         patch["shardsSummary"] = s.summary
+    if decision.lanes is not None:
+        lanes = decision.lanes
+        patch["lanes"] = {"done": lanes.done, "failed": lanes.failed, "active": lanes.active, "total": lanes.total}
+        patch["lanesSummary"] = lanes.summary
     if not old.get("startTime"):
         patch["startTime"] = fmt_time(now)
     if decision.phase in ("Succeeded", "Failed") and not old.get("completionTime"):

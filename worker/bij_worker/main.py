@@ -1,9 +1,12 @@
-"""`bij-worker`: the pod entry point. Works shard JOB_COMPLETION_INDEX of a round plan.
+"""`bij-worker`: the pod entry point. Works lane JOB_COMPLETION_INDEX of a round plan.
+
+The lane's shards first, then unfinished shards of other lanes (see lanes.py), with the
+model loaded once for all of them.
 
 Exit codes (the Job's podFailurePolicy relies on them):
 
-- 0    the shard is done (its completion record is written)
-- 143  terminated by SIGTERM/SIGINT: the in-flight chunk was committed or dropped whole;
+- 0    every shard of the round is done (their completion records are written)
+- 143  terminated by SIGTERM/SIGINT: the in-flight chunks were committed or dropped whole;
        a rerun resumes where it stopped
 - 42   bad configuration (missing plan, index out of range, unknown engine, missing model,
        a storage error no retry fixes, an input object changed since planning):
@@ -20,12 +23,15 @@ import os
 import signal
 import sys
 import time
+import uuid
 from typing import Any
 
 from .engines import EngineConfig, create_engine
+from .engines.base import is_continuous
 from .inputs import truncates
+from .lanes import DEFAULT_LEASE_SECONDS, Claims, LeaseKeeper, lane_count, shares_shards
 from .metrics import Metrics, Stats
-from .storage import StorageError
+from .storage import StorageError, open_storage
 from .worker import (
     EXIT_BAD_CONFIG,
     EXIT_FAILED,
@@ -63,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--manifest", default=os.environ.get("BIJ_MANIFEST"),
                    help="URI of the round plan (shards.json); env BIJ_MANIFEST")
     p.add_argument("--index", type=int, default=None,
-                   help="shard index (default: env JOB_COMPLETION_INDEX, as set by an Indexed Job)")
+                   help="lane index (default: env JOB_COMPLETION_INDEX, as set by an Indexed Job)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--drain-seconds", type=float, default=float(os.environ.get("BIJ_DRAIN_SECONDS", "15")),
                    help="after SIGTERM, how long the in-flight chunk may still run before it is dropped")
@@ -111,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         return publish_main(rest[1:])
     args = parse_args(argv)
     stop = StopFlag(args.drain_seconds)
+    # The shard being worked has a stop flag of its own: a lost claim stops that shard only.
+    current: list[StopFlag] = []
 
     def on_signal(signum: int, frame: Any) -> None:
         if stop.requested:
@@ -119,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(EXIT_TERMINATED)
         log.info("signal %d: taking no new chunk", signum)
         stop.request()
+        for flag in current:
+            flag.request()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(json.dumps(event) + "\n")
             sys.stdout.flush()
 
+    lane = -1
     try:
         if not args.manifest:
             raise BadConfig("no round plan: pass --manifest or set BIJ_MANIFEST")
@@ -135,36 +146,77 @@ def main(argv: list[str] | None = None) -> int:
         if index is None:
             raw = os.environ.get("JOB_COMPLETION_INDEX")
             if raw is None or not raw.isdigit():
-                raise BadConfig(f"no shard index: pass --index or set JOB_COMPLETION_INDEX (got {raw!r})")
+                raise BadConfig(f"no lane index: pass --index or set JOB_COMPLETION_INDEX (got {raw!r})")
             index = int(raw)
+        lane = index
         # The plan says where everything else is; S3 settings for reading it come from the
         # standard AWS environment (AWS_ENDPOINT_URL, AWS_REGION), as the Job sets them.
         plan = load_plan(args.manifest)
         spec = plan["job"]["spec"]
+        lanes = lane_count(plan)
+        if not 0 <= lane < lanes:
+            raise BadConfig(f"lane index {lane} is out of range: the round has {lanes} lanes")
         metrics = Metrics()
         if args.metrics_port:
             metrics.serve(args.metrics_port)
-        stats = Stats(started_at=time.time())
         engine_name = spec.get("model", {}).get("engine", "echo")
         try:
             engine = create_engine(engine_name, engine_config(spec))
         except ValueError as e:
             raise BadConfig(str(e)) from None
-        worker = ShardWorker(plan, index, engine, metrics=metrics, stop=stop, progress=emit, stats=stats)
         name = spec.get("model", {}).get("name")
         if name and (name.startswith(("/", "./", "../"))) and not os.path.exists(name):
             raise BadConfig(f"spec.model.name: no model at {name}")
-        t = time.perf_counter()
-        try:
-            engine.load()
-        except (FileNotFoundError, ImportError, ValueError) as e:
-            # Only what fails on every node alike: a full disk or a flaky mount is an
-            # OSError worth a retry elsewhere, and must not fail the whole round.
-            raise BadConfig(f"cannot load model for engine {engine_name}: {type(e).__name__}: {e}") from None
-        stats.model_load_s = time.perf_counter() - t
-        metrics.model_load.set(stats.model_load_s)
-        emit({"event": "loaded", "index": index, "seconds": round(stats.model_load_s, 3)})
-        outcome = worker.run()
+        lease = float(spec.get("workers", {}).get("leaseSeconds") or DEFAULT_LEASE_SECONDS)
+        claims = Claims(open_storage(plan["roundPrefix"], spec.get("storage", {}).get("s3")), plan["roundPrefix"],
+                        lane=lane, lanes=lanes, shards=len(plan["shards"]), writer=uuid.uuid4().hex[:12],
+                        lease_seconds=lease, share=shares_shards(plan))
+        # Nothing left to claim (a replacement pod after its shards were finished elsewhere):
+        # done without loading the model.
+        claim = claims.next_or_wait(stop.event)
+        loaded = False
+        while claim is not None:
+            stats = Stats(started_at=time.time())
+            if not loaded:
+                t = time.perf_counter()
+                try:
+                    engine.load()
+                except (FileNotFoundError, ImportError, ValueError) as e:
+                    # Only what fails on every node alike: a full disk or a flaky mount is an
+                    # OSError worth a retry elsewhere, and must not fail the whole round.
+                    raise BadConfig(f"cannot load model for engine {engine_name}: {type(e).__name__}: {e}") from None
+                loaded = True
+                # The load counts with the first shard this process works (carried over to whoever
+                # resumes it, if this process stops before the shard is done).
+                stats.model_load_s, stats.model_loads = time.perf_counter() - t, 1
+                metrics.model_load.set(stats.model_load_s)
+                emit({"event": "loaded", "index": claim.shard, "lane": lane,
+                      "seconds": round(stats.model_load_s, 3)})
+            shard_stop = StopFlag(args.drain_seconds)
+            current[:] = [shard_stop]
+            if stop.requested:
+                shard_stop.request()
+            keeper = LeaseKeeper(claims, claim, lambda flag=shard_stop: flag.request(drain_seconds=0))
+            try:
+                worker = ShardWorker(plan, claim.shard, engine, metrics=metrics, stop=shard_stop, progress=emit,
+                                     stats=stats, lane=lane)
+                outcome = worker.run()
+            finally:
+                keeper.close()
+                current.clear()
+            if outcome.status == "stopped":
+                if stop.requested:
+                    log.info("lane %d: stopped with %d rows of shard %d durable", lane, outcome.rows, claim.shard)
+                    return EXIT_TERMINATED
+                # Another worker holds the shard now: what its rows still in the engine compute
+                # is not ours to commit.
+                drain(engine)
+            else:
+                log.info("lane %d: shard %d done, %d rows, %d errors", lane, claim.shard, outcome.rows,
+                         outcome.errors)
+            claim = claims.next_or_wait(stop.event)
+        if stop.requested:
+            return EXIT_TERMINATED
     except BadConfig as e:
         log.error("bad configuration: %s", e)
         return EXIT_BAD_CONFIG
@@ -177,13 +229,17 @@ def main(argv: list[str] | None = None) -> int:
         log.error("storage: %s", e)
         return EXIT_FAILED
     except Exception:
-        log.exception("shard failed")
+        log.exception("lane %d failed", lane)
         return EXIT_FAILED
-    if outcome.status == "stopped":
-        log.info("shard %d: stopped with %d rows durable", index, outcome.rows)
-        return EXIT_TERMINATED
-    log.info("shard %d: done, %d rows, %d errors", index, outcome.rows, outcome.errors)
+    log.info("lane %d: every shard of the round is done", lane)
     return EXIT_OK
+
+
+def drain(engine: Any) -> None:
+    """Let a continuous engine finish what it still runs, discarding the results."""
+    if is_continuous(engine):
+        while engine.unfinished():
+            engine.step()
 
 
 if __name__ == "__main__":

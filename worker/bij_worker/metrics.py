@@ -28,6 +28,7 @@ class Stats:
     chunks: int = 0
     engine_busy_s: float = 0.0
     model_load_s: float = 0.0
+    model_loads: int = 0  # model loads counted with this shard (a lane's process loads once, for its first)
     started_at: float = 0.0
     engine_steps: int = 0  # continuous engines: steps taken
     occupied: int = 0  # ... and running sequences summed over those steps
@@ -55,7 +56,7 @@ class Stats:
             "rejected": d["rejected"], "capped": d["capped"], "engineCalls": d["engine_calls"],
             "judgeCalls": d["judge_calls"], "batches": d["batches"], "chunks": d["chunks"],
             "engineBusySeconds": round(d["engine_busy_s"], 3),
-            "modelLoadSeconds": round(d["model_load_s"], 3),
+            "modelLoadSeconds": round(d["model_load_s"], 3), "modelLoads": d["model_loads"],
             "engineSteps": d["engine_steps"], "meanOccupancy": round(self.occupancy, 4),
             "prefixShare": round(self.prefix_share, 4), "promptChars": d["prompt_chars"],
             "bytes": d["bytes"], "intIds": d["int_ids"], "strIds": d["str_ids"],

@@ -76,7 +76,10 @@ class StopFlag:
         self._at: float | None = None
         self.event = threading.Event()
 
-    def request(self) -> None:
+    def request(self, drain_seconds: float | None = None) -> None:
+        """Stop; with `drain_seconds`, allow at most that long for the in-flight rows (0: none)."""
+        if drain_seconds is not None:
+            self.drain_seconds = min(self.drain_seconds, drain_seconds)
         if self._at is None:
             self._at = time.monotonic()
         self.event.set()
@@ -190,11 +193,13 @@ class ShardWorker:
         stop: StopFlag | None = None,
         progress: Callable[[dict[str, Any]], None] | None = None,
         stats: Stats | None = None,
+        lane: int | None = None,
     ):
         shards = plan["shards"]
         if not 0 <= index < len(shards):
             raise BadConfig(f"shard index {index} is out of range: the round has {len(shards)} shards")
         self.plan, self.index, self.engine = plan, index, engine
+        self.lane = index if lane is None else lane
         self.round = int(plan.get("round", 0))
         self.pieces = shards[index]
         self.objects = plan["objects"]
@@ -271,6 +276,7 @@ class ShardWorker:
             before = json.loads(self.out.read_bytes(progress_uri(self.plan, self.index)))
             t0 = self._t0 = t0 - float(before.get("seconds") or 0)
             self.stats.model_load_s += float(before.get("modelLoadSeconds") or 0)
+            self.stats.model_loads += int(before.get("modelLoads") or 0)
         except (NotFound, ValueError):
             pass
         # Stream the durable log: resuming a long shard must not hold its records in memory.
@@ -545,7 +551,7 @@ class ShardWorker:
             uri = f"{self.plan['roundPrefix']}/rejected/{self.index:05d}.jsonl"
             if lines:
                 self.out.write_bytes(uri, ("\n".join(lines) + "\n").encode())
-        record = {"index": self.index, "round": self.round, **self.stats.as_record(),
+        record = {"index": self.index, "round": self.round, "lane": self.lane, **self.stats.as_record(),
                   "seconds": round(time.monotonic() - t0, 3),
                   "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.out.write_bytes(done_uri(self.plan, self.index), json.dumps(record).encode())
@@ -691,7 +697,7 @@ class ShardWorker:
     def _report(self) -> None:
         """Rewrite the shard's progress record: live counts, and the time spent on it so far."""
         self._last_report = time.monotonic()
-        record = {"index": self.index, "round": self.round, **self.stats.as_record(),
+        record = {"index": self.index, "round": self.round, "lane": self.lane, **self.stats.as_record(),
                   "seconds": round(time.monotonic() - self._t0, 3),
                   "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.out.write_bytes(progress_uri(self.plan, self.index), json.dumps(record).encode())

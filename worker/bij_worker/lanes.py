@@ -1,0 +1,227 @@
+"""Lanes: one worker process works many shards of a round with its model loaded once.
+
+A round's Job has one index per lane. Lane `i` works its own shards first (`i`,
+`i + lanes`, ...), in order; with none left it takes unfinished shards of other
+lanes: first ones nobody has started (from the end of the lane with the most
+left, so that lane keeps its order), then ones whose holder stopped renewing.
+
+Every shard a process works it first claims in the output store with a conditional
+create, so exactly one process wins each claim:
+
+    <round>/claims/<shard:05d>-<generation:05d>.json   {"lane", "writer", "expiresAt"}
+
+The newest generation holds the shard. Its writer renews it (rewrites its own object
+with a later `expiresAt`) every third of the lease while it works, and gives the shard
+up as soon as it sees a newer generation. Anyone may take a shard whose newest claim
+has expired by creating the next generation; a new process of the same lane (the
+replacement pod after a preemption, which the Job starts only once the old pod has
+terminated) takes its lane's claims at once. A shard resumes from its durable prefix
+whoever works it, and two writers by accident cannot lose or duplicate a row: each
+writer appends to its own log (see segments.py).
+
+A lane exits once every shard of the round is done: while others still hold shards
+it waits, so that a shard whose holder dies is taken over when its lease expires.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .storage import NotFound, Storage
+
+log = logging.getLogger("bij.worker")
+
+DEFAULT_LEASE_SECONDS = 60.0
+_CLAIM_RE = re.compile(r"^(\d{5,})-(\d{5,})\.json$")
+_DONE_RE = re.compile(r"^(\d{5,})\.json$")
+
+
+def lane_count(plan: dict[str, Any]) -> int:
+    """The round's lanes; a plan written before lanes existed has one per shard."""
+    return int(plan.get("lanes") or len(plan["shards"]))
+
+
+def shares_shards(plan: dict[str, Any]) -> bool:
+    """Whether lanes take over each other's shards: plans written before lanes existed ran one
+    shard per index and nothing else."""
+    return "lanes" in plan
+
+
+def lane_shards(lane: int, lanes: int, shards: int) -> list[int]:
+    """The shards lane `lane` works first, in order."""
+    return list(range(lane, shards, lanes))
+
+
+@dataclass(frozen=True)
+class Claim:
+    shard: int
+    generation: int
+    lane: int
+    writer: str
+    expires_at: float
+
+
+class Claims:
+    """The claims of one round, seen from one worker process (`writer`) of lane `lane`."""
+
+    def __init__(self, store: Storage, round_prefix: str, *, lane: int, lanes: int, shards: int, writer: str,
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS, share: bool = True,
+                 clock: Callable[[], float] = time.time):
+        self.store, self.prefix = store, round_prefix.rstrip("/")
+        self.share = share  # False: this lane's own shards only
+        self.lane, self.lanes, self.shards = lane, lanes, shards
+        self.writer, self.lease, self.clock = writer, float(lease_seconds), clock
+
+    # --- what the store says -------------------------------------------------------------------
+
+    def uri(self, shard: int, generation: int) -> str:
+        return f"{self.prefix}/claims/{shard:05d}-{generation:05d}.json"
+
+    def done(self) -> set[int]:
+        """Shards with a completion record."""
+        out = set()
+        for o in self.store.list(f"{self.prefix}/done/"):
+            m = _DONE_RE.match(o.uri.rsplit("/", 1)[-1])
+            if m:
+                out.add(int(m.group(1)))
+        return out
+
+    def newest(self, shard: int | None = None) -> dict[int, int]:
+        """The newest claim generation of every claimed shard (or of one shard), from one listing."""
+        folder = f"{self.prefix}/claims/" + (f"{shard:05d}-" if shard is not None else "")
+        out: dict[int, int] = {}
+        for o in self.store.list(folder):
+            m = _CLAIM_RE.match(o.uri.rsplit("/", 1)[-1])
+            if m:
+                s, g = int(m.group(1)), int(m.group(2))
+                out[s] = max(g, out.get(s, -1))
+        return out
+
+    def read(self, shard: int, generation: int) -> Claim | None:
+        try:
+            doc = json.loads(self.store.read_bytes(self.uri(shard, generation)))
+            return Claim(shard, generation, int(doc["lane"]), str(doc["writer"]), float(doc["expiresAt"]))
+        except NotFound:
+            return None
+        except (ValueError, KeyError, TypeError):
+            # A claim we cannot read holds nothing: treat it as expired.
+            return Claim(shard, generation, -1, "", 0.0)
+
+    def _body(self, shard: int, generation: int) -> bytes:
+        return json.dumps({"shard": shard, "generation": generation, "lane": self.lane, "writer": self.writer,
+                           "expiresAt": round(self.clock() + self.lease, 3),
+                           "renewedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()
+
+    def take(self, shard: int, generation: int) -> Claim | None:
+        """Create claim `generation` of `shard`; None when another process created it first."""
+        if not self.store.create(self.uri(shard, generation), self._body(shard, generation)):
+            return None
+        return Claim(shard, generation, self.lane, self.writer, self.clock() + self.lease)
+
+    def renew(self, claim: Claim) -> bool:
+        """Extend our lease; False when a newer claim took the shard from us."""
+        if self.newest(claim.shard).get(claim.shard, -1) > claim.generation:
+            return False
+        self.store.write_bytes(self.uri(claim.shard, claim.generation), self._body(claim.shard, claim.generation))
+        return True
+
+    # --- which shard next ----------------------------------------------------------------------
+
+    def next(self) -> Claim | None | bool:
+        """Claim the next shard to work: a Claim; True when every shard left is held by a live
+        lease of someone else (wait and ask again); None when every shard is done."""
+        done = self.done()
+        if len(done) >= self.shards:
+            return None
+        if not self.share:
+            done |= {s for s in range(self.shards) if s % self.lanes != self.lane}
+            if len(done) >= self.shards:
+                return None
+        newest = self.newest()
+        held: dict[int, Claim] = {}
+        for s, g in sorted(newest.items()):
+            if s in done:
+                continue
+            c = self.read(s, g)
+            if c is None:  # removed in between: look again
+                return True
+            held[s] = c
+        # 1. What an earlier process of this lane held: it has stopped (a replacement pod starts
+        #    only once the old one is gone), so its shards continue here first.
+        for s, c in held.items():
+            if c.lane == self.lane and c.writer != self.writer:
+                got = self.take(s, c.generation + 1)
+                if got:
+                    return got
+        # 2. This lane's own shards, in order.
+        free = [s for s in range(self.shards) if s not in done and s not in newest]
+        for s in free:
+            if s % self.lanes == self.lane:
+                got = self.take(s, 0)
+                if got:
+                    return got
+        # 3. Shards nobody started: from the end of the lane with the most left.
+        by_lane: dict[int, list[int]] = {}
+        for s in free:
+            by_lane.setdefault(s % self.lanes, []).append(s)
+        for _, shards in sorted(by_lane.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            for s in reversed(shards):
+                got = self.take(s, 0)
+                if got:
+                    return got
+        # 4. Shards whose holder stopped renewing.
+        now = self.clock()
+        for s, c in sorted(held.items(), key=lambda kv: kv[1].expires_at):
+            if c.expires_at < now:
+                got = self.take(s, c.generation + 1)
+                if got:
+                    log.info("lane %d: took over shard %d from lane %d (its lease expired %.0f s ago)",
+                             self.lane, s, c.lane, now - c.expires_at)
+                    return got
+        return True
+
+    def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
+        """`next()`, waiting while others hold every shard left; None when all are done or when
+        `stopped` is set."""
+        poll = poll if poll is not None else max(0.2, min(5.0, self.lease / 4))
+        while not stopped.is_set():
+            got = self.next()
+            if got is None or isinstance(got, Claim):
+                return got
+            stopped.wait(poll)
+        return None
+
+
+class LeaseKeeper:
+    """Renews a claim every third of the lease while its shard is worked; calls `lost` once if a
+    newer claim took the shard."""
+
+    def __init__(self, claims: Claims, claim: Claim, lost: Callable[[], None]):
+        self.claims, self.claim, self.lost = claims, claim, lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{claim.shard}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        every = self.claims.lease / 3
+        while not self._stop.wait(every):
+            try:
+                if not self.claims.renew(self.claim):
+                    log.warning("lane %d: shard %d was taken over by another worker; giving it up",
+                                self.claims.lane, self.claim.shard)
+                    self.lost()
+                    return
+            except Exception as e:  # noqa: BLE001 - a storage hiccup: try again at the next renewal
+                log.warning("lane %d: cannot renew the claim on shard %d: %s", self.claims.lane,
+                            self.claim.shard, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
