@@ -19,7 +19,7 @@ RECORDS = [
 
 def test_efficiency_sums_worker_time_with_model_load_and_divides_by_it() -> None:
     eff = efficiency(RECORDS)
-    assert eff == {"workerSeconds": 100.0, "modelLoadSeconds": 20.0, "engineBusySeconds": 60.0,
+    assert eff == {"workerSeconds": 100.0, "modelLoads": 2, "modelLoadSeconds": 20.0, "engineBusySeconds": 60.0,
                    "engineBusyFraction": 0.6, "rowsPerSecondPerWorker": 10.0, "tokensPerSecondPerWorker": 500.0}
 
 
@@ -92,10 +92,11 @@ def test_time_a_stopped_run_spent_counts_towards_the_shard(file_place, make_job,
             if len(chunks) == 2:
                 stop.request()
 
-    assert run_shards(job, stop=stop, progress=progress, stats=Stats(model_load_s=5.0))[0].status == "stopped"
+    assert run_shards(job, stop=stop, progress=progress,
+                      stats=Stats(model_load_s=5.0, model_loads=1))[0].status == "stopped"
     (first,) = live_records(job, 0).values()  # the stopped run's progress record
-    assert first["seconds"] > 0 and first["modelLoadSeconds"] == 5.0
+    assert first["seconds"] > 0 and first["modelLoadSeconds"] == 5.0 and first["modelLoads"] == 1
     assert not file_place.storage.exists(layout.join(layout.round_prefix(job, 0), "done/00000.json"))
-    assert run_shards(job, stats=Stats(model_load_s=2.0))[0].status == "done"
+    assert run_shards(job, stats=Stats(model_load_s=2.0, model_loads=1))[0].status == "done"
     (done,) = shard_records(job, 0).values()
-    assert done["seconds"] >= first["seconds"] and done["modelLoadSeconds"] == 7.0
+    assert done["seconds"] >= first["seconds"] and done["modelLoadSeconds"] == 7.0 and done["modelLoads"] == 2

@@ -16,17 +16,21 @@ from typing import Any
 
 
 def efficiency(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Worker seconds, model load seconds, engine busy seconds and fraction, rows/s and tokens/s per worker."""
+    """Worker seconds, model loads and their seconds, engine busy seconds and fraction, rows/s and tokens/s
+    per worker."""
     worker = load = busy = 0.0
-    rows = tokens = 0
+    rows = tokens = loads = 0
     for rec in records:
         load += float(rec.get("modelLoadSeconds") or 0)
+        # Records from before lanes count a load wherever one took time (one process per shard then).
+        loads += int(rec["modelLoads"]) if "modelLoads" in rec else int(float(rec.get("modelLoadSeconds") or 0) > 0)
         worker += float(rec.get("seconds") or 0) + float(rec.get("modelLoadSeconds") or 0)
         busy += float(rec.get("engineBusySeconds") or 0)
         rows += int(rec.get("rows") or 0)
         tokens += int(rec.get("tokensIn") or 0) + int(rec.get("tokensOut") or 0)
     return {
         "workerSeconds": round(worker, 3),
+        "modelLoads": loads,
         "modelLoadSeconds": round(load, 3),
         "engineBusySeconds": round(busy, 3),
         "engineBusyFraction": round(busy / worker, 4) if worker else 0.0,

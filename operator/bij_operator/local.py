@@ -295,8 +295,8 @@ class LocalRunner:
         print(f"bij: published {layout.manifest_uri(self.job)}: {c['rows']:,} rows, {c['errors']:,} errors "
               f"in {len(manifest['files'])} result files", file=sys.stderr)
         eff, spent = manifest["efficiency"], manifest.get("cost")
-        print(f"bij: {eff['workerSeconds']:,.1f} worker seconds ({eff['modelLoadSeconds']:,.1f} loading the "
-              f"model), engine busy {eff['engineBusyFraction']:.0%}, "
+        print(f"bij: {eff['workerSeconds']:,.1f} worker seconds ({eff['modelLoads']} model loads, "
+              f"{eff['modelLoadSeconds']:,.1f} s), engine busy {eff['engineBusyFraction']:.0%}, "
               f"{eff['rowsPerSecondPerWorker']:,.1f} rows/s per worker", file=sys.stderr)
         if spent is not None:
             print(f"bij: cost {fmt_money(spent['total'])} at {spent['pricePerHour']:g}/hour per worker: "

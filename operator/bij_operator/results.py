@@ -187,7 +187,8 @@ def manifest_summary(manifest: dict[str, Any]) -> list[str]:
 def _efficiency_lines(eff: dict[str, Any] | None, spent: dict[str, Any] | None) -> list[str]:
     lines = []
     if eff:
-        lines.append(f"  workers   {eff['workerSeconds']:,.1f} s ({eff['modelLoadSeconds']:,.1f} s loading the model), "
+        lines.append(f"  workers   {eff['workerSeconds']:,.1f} s ({eff.get('modelLoads', 0)} model loads, "
+                     f"{eff['modelLoadSeconds']:,.1f} s), "
                      f"engine busy {eff['engineBusyFraction']:.0%}, {eff['rowsPerSecondPerWorker']:,.1f} rows/s "
                      f"and {eff['tokensPerSecondPerWorker']:,.0f} tokens/s per worker")
     if spent:
@@ -217,8 +218,9 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
         rows = sum(int(rec.get("rows") or 0) for rec in current)
         errors = sum(int(rec.get("errors") or 0) for rec in current)
         truncated = sum(int(rec.get("truncated") or 0) for rec in current)
-        lines.append(f"  round {r}   {done}/{len(plan['shards'])} shards done, {rows:,} rows, {errors:,} errors, "
-                     f"{truncated:,} truncated")
+        lanes = int(plan.get("lanes") or len(plan["shards"]))
+        lines.append(f"  round {r}   {done}/{len(plan['shards'])} shards done ({lanes} lanes), {rows:,} rows, "
+                     f"{errors:,} errors, {truncated:,} truncated")
         r += 1
     if r == 0:
         lines.append("  no round planned: run `bij run` (or apply it to a cluster)")

@@ -95,11 +95,10 @@ class Claims:
 
     def newest(self, shard: int | None = None) -> dict[int, int]:
         """The newest claim generation of every claimed shard (or of one shard), from one listing."""
-        folder = f"{self.prefix}/claims/" + (f"{shard:05d}-" if shard is not None else "")
         out: dict[int, int] = {}
-        for o in self.store.list(folder):
+        for o in self.store.list(f"{self.prefix}/claims/"):
             m = _CLAIM_RE.match(o.uri.rsplit("/", 1)[-1])
-            if m:
+            if m and (shard is None or int(m.group(1)) == shard):
                 s, g = int(m.group(1)), int(m.group(2))
                 out[s] = max(g, out.get(s, -1))
         return out

@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from .engines import EngineConfig, create_engine
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             current[:] = [shard_stop]
             if stop.requested:
                 shard_stop.request()
-            keeper = LeaseKeeper(claims, claim, lambda flag=shard_stop: flag.request(drain_seconds=0))
+            keeper = LeaseKeeper(claims, claim, lost_claim(shard_stop))
             try:
                 worker = ShardWorker(plan, claim.shard, engine, metrics=metrics, stop=shard_stop, progress=emit,
                                      stats=stats, lane=lane)
@@ -233,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     log.info("lane %d: every shard of the round is done", lane)
     return EXIT_OK
+
+
+def lost_claim(flag: StopFlag) -> Callable[[], None]:
+    """Stop working a shard another worker took over: nothing more of it is ours to commit."""
+    return lambda: flag.request(drain_seconds=0)
 
 
 def drain(engine: Any) -> None:

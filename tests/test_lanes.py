@@ -1,0 +1,188 @@
+"""Lanes: claims with leases in the output store, taking over, one model load per lane process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bij_operator import layout
+from bij_operator.planner import plan_round
+from bij_operator.publish import publish
+from bij_worker.lanes import Claims, LeaseKeeper
+from bij_worker.storage import FileStorage
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def claims(tmp_path: Path, lane: int, *, lanes: int = 2, shards: int = 6, writer: str | None = None,
+           clock: Clock | None = None, share: bool = True) -> Claims:
+    return Claims(FileStorage(), f"file://{tmp_path}/round-0", lane=lane, lanes=lanes, shards=shards,
+                  writer=writer or f"w{lane}", lease_seconds=30, share=share, clock=clock or Clock())
+
+
+def finish(tmp_path: Path, shard: int) -> None:
+    FileStorage().write_bytes(f"file://{tmp_path}/round-0/done/{shard:05d}.json", b"{}")
+
+
+def test_a_lane_claims_its_own_shards_in_order_then_the_end_of_the_busiest_lane(tmp_path: Path) -> None:
+    a = claims(tmp_path, 0, lanes=3, shards=8)
+    got = []
+    while True:
+        c = a.next()
+        if c is None:
+            break
+        assert not isinstance(c, bool)
+        got.append(c.shard)
+        finish(tmp_path, c.shard)
+    # Own shards 0, 3, 6; then lane 1 (1, 4, 7) and lane 2 (2, 5) from their ends, busiest first.
+    assert got[:3] == [0, 3, 6]
+    assert got[3] == 7 and sorted(got) == list(range(8))
+    assert a.next() is None  # every shard done
+
+
+def test_a_shard_claimed_by_a_live_lane_is_left_to_it_and_an_expired_one_is_taken_over(tmp_path: Path) -> None:
+    clock = Clock()
+    b = claims(tmp_path, 1, shards=2, clock=clock)
+    assert b.next().shard == 1  # type: ignore[union-attr]
+    a = claims(tmp_path, 0, shards=2, clock=clock)
+    assert a.next().shard == 0  # type: ignore[union-attr]
+    finish(tmp_path, 0)
+    assert a.next() is True  # shard 1 is held by lane 1 and its lease is live: wait
+    clock.now += 31  # lane 1 stopped renewing
+    taken = a.next()
+    assert not isinstance(taken, bool) and taken is not None
+    assert (taken.shard, taken.generation, taken.lane) == (1, 1, 0)
+    # The old holder sees the newer claim at its next renewal and gives the shard up.
+    old = b.read(1, 0)
+    assert old is not None and not b.renew(old)
+    assert a.renew(taken)
+
+
+def test_two_lanes_racing_for_one_claim_get_it_once(tmp_path: Path) -> None:
+    lanes = [claims(tmp_path, i, lanes=8, shards=1) for i in range(8)]
+    won: list[Any] = []
+    barrier = threading.Barrier(8)
+
+    def race(c: Claims) -> None:
+        barrier.wait()
+        won.append(c.take(0, 0))
+
+    threads = [threading.Thread(target=race, args=(c,)) for c in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len([w for w in won if w is not None]) == 1
+
+
+def test_a_new_process_of_a_lane_takes_its_lanes_claims_at_once(tmp_path: Path) -> None:
+    # The replacement pod of a preempted lane starts only once the old pod is gone: no lease to wait out.
+    old = claims(tmp_path, 1, writer="old")
+    first = old.next()
+    assert first is not None and not isinstance(first, bool) and first.shard == 1
+    new = claims(tmp_path, 1, writer="new")
+    again = new.next()
+    assert again is not None and not isinstance(again, bool)
+    assert (again.shard, again.generation, again.writer) == (1, 1, "new")
+
+
+def test_without_sharing_a_lane_works_only_its_own_shards(tmp_path: Path) -> None:
+    # Plans written before lanes existed: one shard per index, nothing else.
+    a = claims(tmp_path, 1, lanes=3, shards=3, share=False)
+    c = a.next()
+    assert c is not None and not isinstance(c, bool) and c.shard == 1
+    finish(tmp_path, 1)
+    assert a.next() is None
+
+
+def test_a_lease_keeper_renews_and_reports_a_lost_claim(tmp_path: Path) -> None:
+    a = Claims(FileStorage(), f"file://{tmp_path}/round-0", lane=0, lanes=1, shards=1, writer="a", lease_seconds=0.3)
+    c = a.take(0, 0)
+    assert c is not None
+    before = json.loads(FileStorage().read_bytes(a.uri(0, 0)))["expiresAt"]
+    lost = threading.Event()
+    keeper = LeaseKeeper(a, c, lost.set)
+    time.sleep(0.35)
+    assert json.loads(FileStorage().read_bytes(a.uri(0, 0)))["expiresAt"] > before  # renewed
+    assert not lost.is_set()
+    b = Claims(FileStorage(), f"file://{tmp_path}/round-0", lane=0, lanes=1, shards=1, writer="b", lease_seconds=0.3)
+    assert b.take(0, 1) is not None
+    assert lost.wait(2)
+    keeper.close()
+
+
+def rows(n: int) -> list[dict[str, Any]]:
+    return [{"id": i, "text": f"row {i} " + "lorem ipsum " * (i % 5)} for i in range(n)]
+
+
+def test_a_lane_killed_mid_shard_and_never_restarted_is_taken_over_after_its_lease(
+        file_place, make_job, worker_env, bij_bin, read_output, tmp_path):
+    inputs = rows(1200)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      sharding={"targetShardBytes": 8000, "chunkRows": 16}, batching={"maxBatchSize": 8},
+                      workers={"parallelism": 2, "leaseSeconds": 3})
+    plan = plan_round(job, 0)
+    assert plan.lanes == 2 and plan.shard_count >= 6
+    manifest = layout.round_manifest_uri(job, 0)
+    logs = [tmp_path / "computed-0.txt", tmp_path / "computed-1.txt"]
+
+    def lane(i: int, delay: float) -> subprocess.Popen[str]:
+        return subprocess.Popen([bij_bin("bij-worker"), "--manifest", manifest, "--progress"],
+                                env={**worker_env(file_place, echo_log=logs[i], echo_delay=delay),
+                                     "JOB_COMPLETION_INDEX": str(i)},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # Lane 0 is slow: it commits a chunk or two of its first shard, then is killed and never comes back.
+    a = lane(0, 0.05)
+    assert a.stdout is not None
+    seen = 0
+    while seen < 2:
+        event = json.loads(a.stdout.readline())
+        seen += event["event"] == "chunk"
+    a.send_signal(signal.SIGKILL)
+    a.wait(timeout=10)
+    b = lane(1, 0.0)
+    out, err = b.communicate(timeout=120)
+    assert b.returncode == 0, err
+    assert "took over shard 0 from lane 0" in err
+    done = [json.loads(line) for line in out.splitlines() if json.loads(line)["event"] == "done"]
+    assert sorted(e["index"] for e in done) == list(range(plan.shard_count))
+    publish(job)
+    out_rows = read_output(job).results
+    assert sorted(r["id"] for r in out_rows) == [r["id"] for r in inputs]  # every row exactly once
+    # Lane 1 resumed shard 0 after what lane 0 made durable: at most lane 0's window was computed twice.
+    computed = sum(len(p.read_text().splitlines()) for p in logs if p.exists())
+    assert len(inputs) <= computed <= len(inputs) + 512 + 4 * 16
+
+
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_bij_run_loads_the_model_once_per_lane(parallelism, file_place, make_job, worker_env, bij_bin,
+                                               read_output):
+    inputs = rows(900)
+    spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                         model={"engine": "simulated", "task": "generate", "maxTokens": 4,
+                                "simulated": {"maxNumSeqs": 64, "stepSeconds": 0.0, "loadSeconds": 0.2}},
+                         sharding={"targetShardBytes": 4000, "chunkRows": 32}, workers={"parallelism": parallelism})
+    p = subprocess.run([bij_bin("bij"), "run", str(spec)], env=worker_env(file_place), capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    plan = plan_round(job, 0)
+    assert plan.shard_count >= 4 * parallelism and plan.lanes == parallelism
+    manifest = read_output(job).manifest
+    assert manifest["counts"]["rows"] == len(inputs)
+    eff = manifest["efficiency"]
+    assert eff["modelLoads"] == parallelism
+    assert 0.19 * parallelism <= eff["modelLoadSeconds"] < 0.2 * parallelism + 2
+    assert f"{plan.shard_count} shards in {parallelism} lanes" in p.stderr
