@@ -11,6 +11,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -147,6 +148,44 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
     return row
 
 
+def parse_plain_lines(lines: list[bytes], opts: InputOptions) -> tuple[list[Any], list[Request]] | None:
+    """The ids and requests of a chunk's lines in one pass, when every line is a plain good row; else None.
+
+    A plain good row is what parse_line makes a request of without a second look: a JSON
+    object with a string or integer id and a non-blank string text (no messages to check,
+    no judge-round carry field). The checks run over the whole chunk at once, in C; any
+    line that is not such a row sends the whole chunk to parse_line, line by line, which
+    says what is wrong and where.
+    """
+    if opts.format != "jsonl" or not lines:
+        return None
+    try:
+        objs = list(map(orjson.loads, lines))
+    except ValueError:
+        return None
+    if set(map(type, objs)) != {dict}:
+        return None
+    ids = list(map(dict.get, objs, repeat(opts.id_field)))
+    kinds = set(map(type, ids))
+    # Not None (a generated id), a float (orjson's reading of an integer beyond 64 bits), a bool.
+    if not kinds <= {str, int} or (str in kinds and "" in ids):
+        return None
+    texts: list[str] = list(map(dict.get, objs, repeat(opts.text_field)))  # type: ignore[arg-type]
+    if set(map(type, texts)) != {str} or not all(texts) or any(map(str.isspace, texts)):
+        return None
+    if any(map(dict.__contains__, objs, repeat(CARRY_FIELD))):
+        return None
+    if opts.task == "chat":
+        if opts.messages_field and any(map(dict.__contains__, objs, repeat(opts.messages_field))):
+            return None
+        requests = [Request(None, [{"role": "user", "content": text}], opts.max_tokens, opts.temperature, opts.seed)
+                    for text in texts]
+    else:
+        requests = list(map(Request, texts, repeat(None), repeat(opts.max_tokens), repeat(opts.temperature),
+                            repeat(opts.seed)))
+    return ids, requests
+
+
 def _not_unicode(value: Any) -> str | None:
     """Where a parsed value holds a string that cannot be UTF-8 (a lone surrogate), else None."""
     try:
@@ -257,20 +296,26 @@ def _usage(res: Result) -> dict[str, int]:
     return {}
 
 
+def plain_result(rid: Any, res: Result, truncated: bool = False) -> dict[str, Any]:
+    """The published result row of a successful request in the plain (jsonl) shape."""
+    out: dict[str, Any] = {"id": rid}
+    if res.embedding is not None:
+        out["embedding"] = res.embedding
+    else:
+        out["output"] = res.output
+    usage = _usage(res)
+    if usage:
+        out["usage"] = usage
+    if truncated:
+        out["truncated"] = True
+    return out
+
+
 def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     """The published result row for a successful request."""
-    usage = _usage(res)
     if opts.format != "openai":
-        out: dict[str, Any] = {"id": row.id}
-        if res.embedding is not None:
-            out["embedding"] = res.embedding
-        else:
-            out["output"] = res.output
-        if usage:
-            out["usage"] = usage
-        if row.truncated:
-            out["truncated"] = True
-        return out
+        return plain_result(row.id, res, row.truncated)
+    usage = _usage(res)
     digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
     kind = OPENAI_URLS.get(row.url or "", opts.task)
     body: dict[str, Any]

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
 from typing import Any
 
 import zstandard
 
 from .parquet import iter_parquet_piece
-from .storage import Storage, split_lines
+from .storage import Storage
 
 DEFAULT_MAX_LINE_BYTES = 32 << 20
 
@@ -99,27 +101,116 @@ def _too_long(n: int, limit: int | None) -> InputProblem:
     return InputProblem("line_too_long", f"the line has {n} bytes, more than spec.input.maxLineBytes ({limit})")
 
 
-def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: int,
-               resume_at: int = -1, *, max_line: int | None = DEFAULT_MAX_LINE_BYTES,
-               version: str | None = None) -> Iterator[Line]:
-    """Lines of one piece, each with its place; from `resume_at` when that is past `start`.
+Place = tuple[int, int, int]  # (object, offset, end)
+# Lines of a shard a block at a time, in columns: their places, the lines, and each one's size
+# in the input (`end - offset`), so that a chunk's bytes are one sum over a slice.
+Block = tuple[list[Place], list[bytes | InputProblem], list[int]]
 
-    With `version` (from the plan), another version of the object is refused (`ObjectChanged`).
+_PLUS_ONE = (1).__add__
+
+
+def split_blocks(stream: Any, base_offset: int, block: int = 1 << 20,
+                 max_line: int | None = None) -> Iterator[tuple[int, list[bytes | None], list[int]]]:
+    """`storage.split_lines` a block at a time: (offset of the first line, lines, their lengths).
+
+    The lines of one item follow each other in the stream, each followed by its newline
+    (but perhaps the stream's last line). A line over `max_line` bytes is None, its
+    length still given. One split and one length pass per block, in C: no Python work
+    per line here.
     """
-    obj_placeholder = 0
+    limit = -1 if max_line is None else max_line
+    parts: list[bytes] = []  # pieces of the line not ended yet (none once it is over the limit)
+    size = 0  # its length so far
+    pos = base_offset  # offset of its first byte
+    while True:
+        data = stream.read(block)
+        if not data:
+            break
+        lines: list[bytes | None] = data.split(b"\n")  # type: ignore[assignment]
+        tail: bytes = lines.pop()  # type: ignore[assignment]
+        if size and lines:  # the line left open by the last block ends in this one
+            head: bytes = lines[0]  # type: ignore[assignment]
+            n = size + len(head)
+            if limit < 0 or n <= limit:
+                parts.append(head)
+                yield pos, [b"".join(parts)], [n]
+            else:
+                yield pos, [None], [n]
+            parts, size = [], 0
+            pos += n + 1
+            lines = lines[1:]
+        if lines:
+            lengths: list[int] = list(map(len, lines))  # type: ignore[arg-type]
+            if 0 <= limit < len(data):  # a line inside this block may be over the limit
+                lines = [line if n <= limit else None for line, n in zip(lines, lengths, strict=True)]
+            yield pos, lines, lengths
+            pos += sum(lengths) + len(lengths)
+        if tail:
+            size += len(tail)
+            if limit < 0 or size <= limit:
+                parts.append(tail)
+            else:
+                parts = []
+    if size:
+        yield pos, [b"".join(parts) if limit < 0 or size <= limit else None], [size]
+
+
+def _place(obj: int, pos: int, lines: list[bytes | None], lengths: list[int], begin: int, end: int | None,
+           max_line: int | None) -> Block | None:
+    """The lines of a split block whose first byte lies in [begin, end), each at (obj, offset, end):
+    blank lines left out, a trailing CR cut, a line over the limit an InputProblem."""
+    sizes = list(map(_PLUS_ONE, lengths))
+    offs = list(accumulate(sizes, initial=pos))  # offs[k], offs[k + 1]: where line k starts and ends
+    n = len(lines)
+    lo = bisect_left(offs, begin, 0, n) if begin > pos else 0
+    hi = bisect_left(offs, end, lo, n) if end is not None else n
+    if lo >= hi:
+        return None
+    if lo or hi < n:
+        lines, sizes, offs = lines[lo:hi], sizes[lo:hi], offs[lo:hi + 1]
+    # The common block, checked in C: every line kept as it is.
+    if None not in lines and all(lines):
+        full: list[bytes] = lines  # type: ignore[assignment]
+        if not any(map(bytes.isspace, full)) and not any(map(bytes.endswith, full, repeat(b"\r"))):
+            return list(zip(repeat(obj), offs, offs[1:], strict=False)), full, sizes  # type: ignore[return-value]
+    places: list[Place] = []
+    kept: list[bytes | InputProblem] = []
+    kept_sizes: list[int] = []
+    for k, line in enumerate(lines):
+        if line is None:
+            kept.append(_too_long(sizes[k] - 1, max_line))
+        elif line and not line.isspace():
+            kept.append(line[:-1] if line.endswith(b"\r") else line)
+        else:
+            continue
+        places.append((obj, offs[k], offs[k + 1]))
+        kept_sizes.append(sizes[k])
+    return (places, kept, kept_sizes) if places else None
+
+
+def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: int,
+               resume_at: int = -1, *, obj: int = 0, max_line: int | None = DEFAULT_MAX_LINE_BYTES,
+               version: str | None = None) -> Iterator[Block]:
+    """Blocks of the lines of one piece, each line with its place; from `resume_at` when that is past `start`.
+
+    Blank lines are left out. With `version` (from the plan), another version of the
+    object is refused (`ObjectChanged`).
+    """
     if compressed:
         with storage.open_read(uri, 0, version) as raw:
             at = 0  # where the next line starts (uncompressed)
             try:
-                for off, line, n in split_lines(ZstdFrames(raw), 0, max_line=max_line):
-                    at = off + n + 1
-                    if off >= resume_at:
-                        yield (obj_placeholder, off, at), line if line is not None else _too_long(n, max_line)
+                for pos, lines, lengths in split_blocks(ZstdFrames(raw), 0, max_line=max_line):
+                    at = pos + sum(lengths) + len(lengths)
+                    if at > resume_at:
+                        block = _place(obj, pos, lines, lengths, resume_at, None, max_line)
+                        if block:
+                            yield block
             except CorruptInput as e:
                 # The partial line before the break was never yielded: the error row takes its place.
                 if at >= resume_at:
-                    yield (obj_placeholder, at, at + 1), InputProblem(
-                        "corrupt_input", f"{e} at uncompressed byte {at}; the rest of the object cannot be read")
+                    yield [(obj, at, at + 1)], [InputProblem(
+                        "corrupt_input", f"{e} at uncompressed byte {at}; the rest of the object cannot be read")], [1]
         return
     begin = max(start, resume_at)
     if begin >= end:
@@ -127,18 +218,18 @@ def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: in
     # A resume cursor is a line start; a plain piece start may not be.
     open_at = begin if begin == resume_at or begin == 0 else begin - 1
     with storage.open_read(uri, open_at, version) as f:
-        for off, line, n in split_lines(f, open_at, max_line=max_line):
-            if off < begin:
-                continue
-            if off >= end:
+        for pos, lines, lengths in split_blocks(f, open_at, max_line=max_line):
+            if pos >= end:
                 break
-            yield (obj_placeholder, off, off + n + 1), line if line is not None else _too_long(n, max_line)
+            block = _place(obj, pos, lines, lengths, begin, end, max_line)
+            if block:
+                yield block
 
 
-def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, Any]], pieces: list[list[int]],
-               cursor: tuple[int, int] = (-1, -1), columns: list[str] | None = None,
-               max_line: int | None = DEFAULT_MAX_LINE_BYTES) -> Iterator[Line]:
-    """All lines of a shard in input order, skipping what lies before the durable cursor.
+def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: list[dict[str, Any]], pieces: list[list[int]],
+                      cursor: tuple[int, int] = (-1, -1), columns: list[str] | None = None,
+                      max_line: int | None = DEFAULT_MAX_LINE_BYTES, parquet_rows: int = 1024) -> Iterator[Block]:
+    """All lines of a shard in input order, in blocks, skipping what lies before the durable cursor.
 
     A Parquet object (one with `rowGroups` in the plan) yields its rows as JSON lines of
     `columns`, each placed at (object, row number, row number + 1).
@@ -150,25 +241,48 @@ def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, An
         info = objects[obj]
         uri = info["uri"]
         if "rowGroups" in info:
+            places: list[Place] = []
+            records: list[bytes | InputProblem] = []
             for row, record in iter_parquet_piece(storage_for(uri), uri, int(info["size"]), info["rowGroups"],
                                                   start, end, columns or [], resume_at, version=info.get("version")):
-                yield (obj, row, row + 1), record
+                places.append((obj, row, row + 1))
+                records.append(record)
+                if len(places) >= parquet_rows:
+                    yield places, records, [1] * len(places)
+                    places, records = [], []
+            if places:
+                yield places, records, [1] * len(places)
             continue
-        for (_, off, stop), line in iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at,
-                                               max_line=max_line, version=info.get("version")):
-            if isinstance(line, InputProblem):
-                yield (obj, off, stop), line
-            elif line and not line.isspace():
-                yield (obj, off, stop), (line[:-1] if line.endswith(b"\r") else line)
+        yield from iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at, obj=obj,
+                              max_line=max_line, version=info.get("version"))
+
+
+def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, Any]], pieces: list[list[int]],
+               cursor: tuple[int, int] = (-1, -1), columns: list[str] | None = None,
+               max_line: int | None = DEFAULT_MAX_LINE_BYTES) -> Iterator[Line]:
+    """All lines of a shard in input order, one by one (see iter_shard_blocks)."""
+    for places, lines, _ in iter_shard_blocks(storage_for, objects, pieces, cursor, columns, max_line):
+        yield from zip(places, lines, strict=True)
 
 
 @dataclass
 class Chunk:
-    lines: list[Line] = field(default_factory=list)
+    """Consecutive lines of a shard, in columns: their places and the lines."""
+
+    places: list[Place] = field(default_factory=list)
+    data: list[bytes | InputProblem] = field(default_factory=list)
     bytes: int = 0
+
+    @property
+    def lines(self) -> list[Line]:
+        return list(zip(self.places, self.data, strict=True))
 
 
 _DONE = object()
+
+
+def _one_line_block(line: Line) -> Block:
+    return [line[0]], [line[1]], [line[0][2] - line[0][1]]
 
 
 class Prefetcher:
@@ -178,15 +292,18 @@ class Prefetcher:
     chunk being worked plus `depth` read ahead. With `prepare`, the thread also
     turns each chunk into what the consumer works on (parsed rows), so that work
     runs while the consumer waits on an engine that lets go of the interpreter.
+    With `blocks`, `lines` yields blocks of lines (iter_shard_blocks), sliced into
+    chunks a block at a time.
     """
 
-    def __init__(self, lines: Iterator[Line], chunk_rows: int, depth: int,
-                 prepare: Callable[[Chunk], Any] | None = None):
+    def __init__(self, lines: Iterable[Line] | Iterable[Block], chunk_rows: int, depth: int,
+                 prepare: Callable[[Chunk], Any] | None = None, *, blocks: bool = False):
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._prepare = prepare
         self.finished = False
-        self._thread = threading.Thread(target=self._run, args=(lines, chunk_rows), daemon=True,
+        source: Iterable[Block] = lines if blocks else map(_one_line_block, lines)  # type: ignore[assignment,arg-type]
+        self._thread = threading.Thread(target=self._run, args=(source, chunk_rows), daemon=True,
                                         name="bij-prefetch")
         self._thread.start()
 
@@ -199,17 +316,27 @@ class Prefetcher:
                 continue
         return False
 
-    def _run(self, lines: Iterator[Line], chunk_rows: int) -> None:
+    def _run(self, blocks: Iterable[Block], chunk_rows: int) -> None:
         try:
             chunk = Chunk()
-            for item in lines:
-                chunk.lines.append(item)
-                chunk.bytes += item[0][2] - item[0][1]
-                if len(chunk.lines) >= chunk_rows:
-                    if not self._put(self._prepare(chunk) if self._prepare else chunk):
-                        return
-                    chunk = Chunk()
-            if chunk.lines and not self._put(self._prepare(chunk) if self._prepare else chunk):
+            for places, lines, sizes in blocks:
+                at, n = 0, len(places)
+                while at < n:
+                    take = min(chunk_rows - len(chunk.places), n - at)
+                    if take == n:
+                        chunk.places += places
+                        chunk.data += lines
+                        chunk.bytes += sum(sizes)
+                    else:
+                        chunk.places += places[at:at + take]
+                        chunk.data += lines[at:at + take]
+                        chunk.bytes += sum(sizes[at:at + take])
+                    at += take
+                    if len(chunk.places) >= chunk_rows:
+                        if not self._put(self._prepare(chunk) if self._prepare else chunk):
+                            return
+                        chunk = Chunk()
+            if chunk.places and not self._put(self._prepare(chunk) if self._prepare else chunk):
                 return
             self._put(_DONE)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer

@@ -28,7 +28,7 @@ import os
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import orjson
@@ -50,6 +50,11 @@ class DurableState:
     torn_bytes: int = 0  # bytes in torn tails (file://), skipped
 
 
+_PROMPT_TOKENS = attrgetter("prompt_tokens")
+_COMPLETION_TOKENS = attrgetter("completion_tokens")
+_EMBEDDING = attrgetter("embedding")
+_OUTPUT = attrgetter("output")
+
 # The stdlib encoder handles what orjson refuses (integers beyond 64 bits).
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
 
@@ -69,6 +74,38 @@ def encode_records(records: Iterable[dict[str, Any]]) -> bytes:
     except TypeError:  # an integer beyond 64 bits somewhere: record by record, the stdlib for those
         lines = b"\n".join(map(_dump, records))
     return lines + b"\n" if lines else b""
+
+
+# One result record of the common shape (result_row of a plain row: an output and full usage),
+# with the JSON of its place, id and output put in: what orjson writes for its dict.
+_PLAIN_RESULT = (b'{"at":%b,"kind":"result","row":{"id":%b,"output":%b,'
+                 b'"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}}')
+
+
+def encode_plain_results(places: list[tuple[int, int, int]], ids: list[Any], results: list[Any]) -> bytes | None:
+    """The log lines of a chunk's result records of the common shape, in one pass; None when they are not.
+
+    Byte for byte what encode_records writes for the records
+    ``{"at": place, "kind": "result", "row": result_row(...)}`` of plain rows, not cut to
+    the token limit, each with an output and both token counts (`results` are engine
+    Results): the place, id and output go through orjson, a column at a time, with no
+    record dict per row. Anything else (an embedding, a count missing, an id orjson cannot
+    write) is None: the caller builds the records.
+    """
+    if not results:
+        return b""
+    prompt = list(map(_PROMPT_TOKENS, results))
+    completion = list(map(_COMPLETION_TOKENS, results))
+    if set(map(type, prompt)) != {int} or set(map(type, completion)) != {int} \
+            or set(map(_EMBEDDING, results)) != {None}:
+        return None
+    try:
+        lines = [_PLAIN_RESULT % (at, rid, out, p, c, p + c) for at, rid, out, p, c in zip(
+            map(orjson.dumps, places), map(orjson.dumps, ids), map(orjson.dumps, map(_OUTPUT, results)),
+            prompt, completion, strict=True)]
+    except TypeError:  # an integer beyond 64 bits, text orjson refuses: the records' own encoding says
+        return None
+    return b"\n".join(lines) + b"\n"
 
 
 class _Limited:
@@ -171,12 +208,20 @@ class ShardLog:
 
     def append(self, records: list[dict[str, Any]]) -> None:
         """Make one chunk's records durable, all in one write (file://) or one object (s3://)."""
-        if not records:
-            return
+        self.write(self.encode(records))
+
+    @staticmethod
+    def encode(records: list[dict[str, Any]]) -> bytes:
+        """Records as the log holds them: in input order, a JSON line each."""
         # In input order: a torn write then keeps a prefix of the chunk, and the resume cursor (the
         # furthest durable row) never jumps over a row whose record was cut off behind it.
         # "at" is [object, offset, end]: lists compare item by item, and (object, offset) is unique.
-        data = encode_records(sorted(records, key=itemgetter("at")))
+        return encode_records(sorted(records, key=itemgetter("at")))
+
+    def write(self, data: bytes) -> None:
+        """Make encoded records durable (in input order, see `encode`), in one write or one object."""
+        if not data:
+            return
         if self.storage.supports_append:
             self.storage.append_durable(self.log_uri, data)
         else:

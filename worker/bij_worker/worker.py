@@ -28,7 +28,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 from .batcher import PrefixShare, first_batch, plan_batches, run_order
@@ -40,6 +42,7 @@ from .inputs import (
     error_row,
     parquet_columns,
     parse_line,
+    parse_plain_lines,
     redispatch_line,
     result_row,
     row_id,
@@ -48,8 +51,8 @@ from .inputs import (
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
 from .parquet import is_int64
-from .reader import DEFAULT_MAX_LINE_BYTES, Chunk, InputProblem, Line, Prefetcher, iter_shard
-from .segments import ShardLog
+from .reader import DEFAULT_MAX_LINE_BYTES, Chunk, InputProblem, Line, Prefetcher, iter_shard_blocks
+from .segments import ShardLog, encode_plain_results
 from .storage import NotFound, Storage, StorageError, open_storage
 
 log = logging.getLogger("bij.worker")
@@ -156,14 +159,79 @@ class _Live:
 
 @dataclass(slots=True)
 class _Open:
-    """A chunk in the in-flight window: its rows' results fill in as the engine returns them."""
+    """A chunk in the in-flight window: its rows' results fill in as the engine returns them.
+
+    The rows for the engine are columns (places, ids, requests, tokens), filled a chunk at a
+    time; `rows` keeps the parsed rows only where a chunk was parsed line by line.
+    """
 
     chunk: Chunk
     records: list[dict[str, Any]]  # rows that never reach the engine (bad input, too long)
-    rows: list[Row]  # rows for the engine
+    places: list[tuple[int, int, int]]  # the rows for the engine: their places in the input
+    ids: list[Any]
+    requests: list[Request]
     results: list[Result | None]
     left: int  # rows still out
-    final: list[dict[str, Any]] | None = None  # the chunk's records, once every row is back
+    rows: list[Row] | None = None  # the parsed rows, when the chunk was parsed line by line
+    tokens: list[int] = field(default_factory=list)  # prompt tokens, once counted
+    truncated: set[int] = field(default_factory=set)  # rows whose prompt the engine cuts to the limit
+    final: bytes | None = None  # the chunk's log lines, once every row is back
+    tally: _Tally | None = None  # what the final records add to the shard's counts
+
+
+@dataclass(slots=True)
+class _Tally:
+    """What committed records add to the shard's counts."""
+
+    results: int = 0
+    errors: int = 0
+    rejected: int = 0
+    capped: int = 0
+    truncated: int = 0
+    int_ids: int = 0
+    str_ids: int = 0
+    codes: dict[str, int] = field(default_factory=dict)  # error rows by code
+
+    @classmethod
+    def of(cls, records: list[dict[str, Any]]) -> _Tally:
+        t = cls()
+        for rec in records:
+            kind = rec["kind"]
+            if kind == "result":
+                t.results += 1
+                t.count_result(rec["row"])
+            elif kind == "error":
+                t.errors += 1
+                code = str((rec["row"].get("error") or {}).get("code") or "unknown")
+                t.codes[code] = t.codes.get(code, 0) + 1
+            elif kind == "rejected":
+                t.rejected += 1
+            elif kind == "capped":
+                t.capped += 1
+        return t
+
+    def count_result(self, row: dict[str, Any]) -> None:
+        self.truncated += bool(row.get("truncated"))
+        if is_int64(row_id(row)):
+            self.int_ids += 1
+        else:
+            self.str_ids += 1
+
+    def add(self, other: _Tally) -> None:
+        self.results += other.results
+        self.errors += other.errors
+        self.rejected += other.rejected
+        self.capped += other.capped
+        self.truncated += other.truncated
+        self.int_ids += other.int_ids
+        self.str_ids += other.str_ids
+        for code, n in other.codes.items():
+            self.codes[code] = self.codes.get(code, 0) + n
+
+
+_ERROR = attrgetter("error")
+_PROMPT_TOKENS = attrgetter("prompt_tokens")
+_COMPLETION_TOKENS = attrgetter("completion_tokens")
 
 
 # Padding a batch engine may waste before a batch is cut short (see batcher.plan_batches).
@@ -309,12 +377,12 @@ class ShardWorker:
         if pending and not self._resume_attempts(pending):
             return self._stopped()
 
-        lines = iter_shard(self.storage_for, self.objects, self.pieces, state.cursor, parquet_columns(self.opts),
-                           self.max_line)
+        blocks = iter_shard_blocks(self.storage_for, self.objects, self.pieces, state.cursor,
+                                   parquet_columns(self.opts), self.max_line)
         # Engines whose compute lets go of the interpreter (torch, vLLM) get the next chunks parsed in
         # the reader thread meanwhile; for the others it would only take turns with them.
         parse = self._parse if self.judge is None and getattr(self.engine, "parallel_prepare", False) else None
-        prefetch = Prefetcher(lines, self.chunk_rows, self.depth, prepare=parse)
+        prefetch = Prefetcher(blocks, self.chunk_rows, self.depth, prepare=parse, blocks=True)
         self.metrics.engine_stopped()
         steps0, occupied0 = getattr(self.engine, "steps", 0), getattr(self.engine, "occupied", 0)
         try:
@@ -368,6 +436,7 @@ class ShardWorker:
         writer = CommitWriter(self._commit_chunks, self.commit_slots)
         opened: deque[_Open] = deque()
         pending: list[tuple[_Open, int]] = []  # rows in the window not yet given to the engine
+        pending_tokens: list[int] = []  # their prompt tokens, in the same order
         taken = 0  # how many of `pending` went to the engine since it was last ordered
         tags: dict[int, tuple[_Open, int]] = {}
         next_tag = 0
@@ -389,33 +458,39 @@ class ShardWorker:
                         break
                     op = self._count(item if isinstance(item, _Open) else self._parse(item))
                     opened.append(op)
-                    open_rows += len(op.chunk.lines)
-                    pending.extend((op, i) for i, res in enumerate(op.results) if res is None)
+                    open_rows += len(op.chunk.places)
+                    if op.left == len(op.results):  # every row goes to the engine
+                        pending.extend(zip(repeat(op), range(op.left)))
+                        pending_tokens.extend(op.tokens)
+                    else:
+                        todo = [i for i, res in enumerate(op.results) if res is None]
+                        pending.extend(zip(repeat(op), todo))
+                        pending_tokens.extend(op.tokens[i] for i in todo)
                     joined = True
                 # Chunks whose rows are all back leave the window, in input order, for the commit
                 # writer; with its queue full they wait in the window while the engine has work.
                 while opened and opened[0].left == 0:
                     op = opened[0]
                     if op.final is None:
-                        self._count_tokens([r for r in op.results if r is not None])
-                        op.final = self._chunk_records(op)
+                        self._count_tokens(op.results)  # type: ignore[arg-type]
+                        op.final, op.tally = self._encode_chunk(op)
                     idle = taken >= len(pending) and not (continuous and engine.unfinished())  # type: ignore[attr-defined]
-                    if not writer.put((op.chunk, op.final), block=idle):
+                    if not writer.put((op.chunk, op.final, op.tally), block=idle):
                         break
                     opened.popleft()
-                    open_rows -= len(op.chunk.lines)
+                    open_rows -= len(op.chunk.places)
                 if not opened:
                     if prefetch.finished or self.stop.requested:
                         break
                     continue  # the window has room again
                 if joined:
-                    pending = pending[taken:]
+                    pending, pending_tokens = pending[taken:], pending_tokens[taken:]
                     taken = 0
                     by_prefix = self.prefix_order and continuous
-                    texts = [request_text(op.rows[i].request) for op, i in pending] if by_prefix else []  # type: ignore[arg-type]
-                    order = run_order(texts, [op.rows[i].tokens for op, i in pending],
-                                      by_prefix=by_prefix, by_length=self.sort)
-                    pending = [pending[j] for j in order]
+                    texts = [request_text(op.requests[i]) for op, i in pending] if by_prefix else []
+                    order = run_order(texts, pending_tokens, by_prefix=by_prefix, by_length=self.sort)
+                    pending = list(map(pending.__getitem__, order))
+                    pending_tokens = list(map(pending_tokens.__getitem__, order))
                 if continuous:
                     # Keep the engine's own queue short: rows wait here, in window order, so that
                     # a chunk that joins later can still run before them where that is better.
@@ -424,8 +499,7 @@ class ShardWorker:
                     while room > 0 and taken < len(pending):
                         op, i = pending[taken]
                         taken += 1
-                        req = op.rows[i].request
-                        assert req is not None
+                        req = op.requests[i]
                         share.add(request_text(req))
                         try:
                             engine.submit(next_tag, req)  # type: ignore[attr-defined]
@@ -440,13 +514,13 @@ class ShardWorker:
                             op, i = tags.pop(tag)
                             self._place(op, i, res)
                 elif taken < len(pending):
-                    k = first_batch((op.rows[i].tokens for op, i in itertools.islice(pending, taken, None)),
+                    k = first_batch(itertools.islice(pending_tokens, taken, taken + self.max_batch),
                                     self.target_tokens, self.max_batch, MAX_PADDING_WASTE if self.sort else None)
                     items = pending[taken:taken + k]
+                    tokens = pending_tokens[taken:taken + k]
                     taken += k
                     # No prefix share here: a batch engine has no prefix cache to reuse it.
-                    out = self._run_batch([op.rows[i].request for op, i in items],  # type: ignore[misc]
-                                          [op.rows[i].tokens for op, i in items])
+                    out = self._run_batch([op.requests[i] for op, i in items], tokens)
                     for (op, i), res in zip(items, out, strict=True):
                         op.results[i] = res
                         op.left -= 1
@@ -487,7 +561,17 @@ class ShardWorker:
         op.left -= 1
 
     def _parse(self, chunk: Chunk) -> _Open:
-        """Parse a chunk's lines (in the reader thread or this one); bad rows are settled here."""
+        """Parse a chunk's lines (in the reader thread or this one); bad rows are settled here.
+
+        A chunk of plain good rows (the common case) is parsed in one pass over its lines
+        (parse_plain_lines); any other chunk line by line, where every bad row becomes its
+        error row.
+        """
+        if set(map(type, chunk.data)) == {bytes}:
+            parsed = parse_plain_lines(chunk.data, self.opts)  # type: ignore[arg-type]
+            if parsed is not None:
+                ids, requests = parsed
+                return _Open(chunk, [], chunk.places, ids, requests, [None] * len(ids), len(ids))
         names, opts = self.names, self.opts
         records: list[dict[str, Any]] = []
         rows: list[Row] = []
@@ -500,47 +584,72 @@ class ShardWorker:
                 records.append(self._error_record(row))
             else:
                 rows.append(row)
-        return _Open(chunk, records, rows, [None] * len(rows), len(rows))
+        return _Open(chunk, records, [r.at for r in rows], [r.id for r in rows],
+                     [r.request for r in rows], [None] * len(rows), len(rows), rows)  # type: ignore[misc]
 
     def _count(self, op: _Open) -> _Open:
         """Count the prompts' tokens (the engine's tokenizer, in this thread); too long rows are settled."""
-        rows, results, opts = op.rows, op.results, self.opts
-        if rows:
-            tokens = self.engine.count_tokens([r.request for r in rows])  # type: ignore[misc]
-            limit = self.token_limit()
-            for i, (row, t) in enumerate(zip(rows, tokens, strict=True)):
-                row.tokens = t
-                if limit and t > limit:
-                    if opts.truncate:  # the engine cuts the prompt to the limit (it was told to)
-                        row.tokens, row.truncated = limit, True
-                        continue
-                    results[i] = Result(error=f"prompt has {t} tokens, the model takes at most {limit}",
-                                        extra={"code": "too_many_tokens"})
-                    op.left -= 1
+        if not op.requests:
+            return op
+        op.tokens = tokens = self.engine.count_tokens(op.requests)
+        limit = self.token_limit()
+        if limit and max(tokens) > limit:
+            for i, t in enumerate(tokens):
+                if t <= limit:
+                    continue
+                if self.opts.truncate:  # the engine cuts the prompt to the limit (it was told to)
+                    tokens[i] = limit
+                    op.truncated.add(i)
+                    if op.rows is not None:
+                        op.rows[i].truncated = True
+                    continue
+                op.results[i] = Result(error=f"prompt has {t} tokens, the model takes at most {limit}",
+                                       extra={"code": "too_many_tokens"})
+                op.left -= 1
         return op
 
-    def _chunk_records(self, op: _Open) -> list[dict[str, Any]]:
+    def _encode_chunk(self, op: _Open) -> tuple[bytes, _Tally]:
+        """The chunk's log lines once every row is back, and what they add to the counts.
+
+        A chunk parsed in one pass whose results all have the common shape is encoded in one
+        pass too (encode_plain_results) and counted in bulk; any other builds its records.
+        """
+        results: list[Result] = op.results  # type: ignore[assignment]
+        if op.rows is None and not op.truncated and set(map(_ERROR, results)) == {None}:
+            data = encode_plain_results(op.places, op.ids, results)
+            if data is not None:
+                tally = _Tally(results=len(results))
+                if set(map(type, op.ids)) == {str}:
+                    tally.str_ids = len(results)
+                else:
+                    tally.int_ids = sum(map(is_int64, op.ids))
+                    tally.str_ids = len(results) - tally.int_ids
+                return data, tally
+        rows = op.rows if op.rows is not None else [
+            Row(at=at, id=rid, request=req, truncated=i in op.truncated)
+            for i, (at, rid, req) in enumerate(zip(op.places, op.ids, op.requests, strict=True))]
         records = op.records
         opts = self.opts
-        for row, res in zip(op.rows, op.results, strict=True):
-            assert res is not None
+        for row, res in zip(rows, results, strict=True):
             if res.error is not None:
                 row.error_code, row.error = res.extra.get("code", "engine_error"), res.error
                 records.append(self._error_record(row))
             else:
                 records.append({"at": list(row.at), "kind": "result", "row": result_row(row, res, opts)})
-        return records
+        return ShardLog.encode(records), _Tally.of(records)
 
-    def _commit_chunks(self, items: list[tuple[Chunk, list[dict[str, Any]]]]) -> None:
+    def _commit_chunks(self, items: list[tuple[Chunk, bytes, _Tally]]) -> None:
         """The commit writer's work: make finished chunks durable in one write, then report each."""
         # Before the commit: its progress record counts the chunks' bytes.
-        self.stats.bytes += sum(chunk.bytes for chunk, _ in items)
-        self._commit([rec for _, records in items for rec in records])
-        for chunk, records in items:
-            kinds = [rec["kind"] for rec in records]
+        self.stats.bytes += sum(chunk.bytes for chunk, _, _ in items)
+        tally = _Tally()
+        for _, _, t in items:
+            tally.add(t)
+        self._commit_encoded(b"".join(data for _, data, _ in items), tally)
+        for chunk, _, t in items:
             self.stats.chunks += 1
-            self.progress({"event": "chunk", "index": self.index, "rows": kinds.count("result"),
-                           "errors": kinds.count("error"), "bytes": chunk.bytes})
+            self.progress({"event": "chunk", "index": self.index, "rows": t.results,
+                           "errors": t.errors, "bytes": chunk.bytes})
 
     def _finish(self, t0: float) -> None:
         if self.judge is not None:
@@ -667,31 +776,32 @@ class ShardWorker:
         return out
 
     def _commit(self, records: list[dict[str, Any]]) -> None:
-        if not records:
+        """Make records durable and count them."""
+        if records:
+            self._commit_encoded(ShardLog.encode(records), _Tally.of(records))
+
+    def _commit_encoded(self, data: bytes, tally: _Tally) -> None:
+        """Make encoded records durable (ShardLog.encode, encode_plain_results) and count them."""
+        if not data:
             return
         t = time.perf_counter()
-        self.log.append(records)
+        self.log.write(data)
         self.metrics.commit_latency.observe(time.perf_counter() - t)
-        counts = {"result": 0, "error": 0, "rejected": 0, "capped": 0, "attempt": 0}
-        codes: dict[str, int] = {}
-        for rec in records:
-            counts[rec["kind"]] += 1
-            if rec["kind"] == "result":
-                self._count_result(rec["row"])
-            elif rec["kind"] == "error":
-                code = str((rec["row"].get("error") or {}).get("code") or "unknown")
-                codes[code] = codes.get(code, 0) + 1
-        self.stats.rows += counts["result"]
-        self.stats.errors += counts["error"]
-        self.stats.rejected += counts["rejected"]
-        self.stats.capped += counts["capped"]
+        stats = self.stats
+        stats.rows += tally.results
+        stats.errors += tally.errors
+        stats.rejected += tally.rejected
+        stats.capped += tally.capped
+        stats.truncated += tally.truncated
+        stats.int_ids += tally.int_ids
+        stats.str_ids += tally.str_ids
         if time.monotonic() - self._last_report >= self.report_every:
             self._report()
         # Once per commit, not per row: each labelled increment takes a lock.
-        self.metrics.rows_ok.inc(counts["result"])
-        self.metrics.rows_error.inc(counts["error"])
-        self.metrics.rows_capped.inc(counts["capped"])
-        for code, n in codes.items():
+        self.metrics.rows_ok.inc(tally.results)
+        self.metrics.rows_error.inc(tally.errors)
+        self.metrics.rows_capped.inc(tally.capped)
+        for code, n in tally.codes.items():
             self.metrics.row_errors.labels(code).inc(n)
 
     def _report(self) -> None:
@@ -703,8 +813,10 @@ class ShardWorker:
         self.out.write_bytes(progress_uri(self.plan, self.index), json.dumps(record).encode())
 
     def _count_tokens(self, results: list[Result]) -> None:
-        tokens_in = sum(r.prompt_tokens or 0 for r in results if r.error is None)
-        tokens_out = sum(r.completion_tokens or 0 for r in results if r.error is None)
+        if set(map(_ERROR, results)) - {None}:
+            results = [r for r in results if r.error is None]
+        tokens_in = sum(filter(None, map(_PROMPT_TOKENS, results)))
+        tokens_out = sum(filter(None, map(_COMPLETION_TOKENS, results)))
         self.stats.tokens_in += tokens_in
         self.stats.tokens_out += tokens_out
         self.metrics.tokens_in.inc(tokens_in)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Protocol
 
 
@@ -118,6 +119,16 @@ def estimate_tokens(text: str) -> int:
     """A tokenizer-free estimate (about 4 bytes a token for English BPE vocabularies)."""
     # An ASCII string's length is its size in UTF-8: no copy to count it.
     return max(1, (len(text) if text.isascii() else len(text.encode("utf-8", "replace"))) // 4)
+
+
+def estimate_many(texts: list[str]) -> list[int]:
+    """estimate_tokens of each text, in one pass (one encode each, in C; ASCII text encodes as a copy)."""
+    return [n >> 2 or 1 for n in map(len, map(str.encode, texts, repeat("utf-8"), repeat("replace")))]
+
+
+def request_texts(requests: list[Request]) -> list[str]:
+    """request_text of each request, plain text without a call per row."""
+    return [r.text if r.text is not None else request_text(r) for r in requests]
 
 
 def request_text(req: Request) -> str:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from itertools import repeat
 
-from .base import EngineConfig, Request, Result, estimate_tokens, request_text
+from .base import EngineConfig, Request, Result, estimate_many, request_texts
 
 ECHO_DIM = 8
 
@@ -39,21 +40,20 @@ class EchoEngine:
         return None
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
-        return [estimate_tokens(request_text(r)) for r in requests]
+        return estimate_many(request_texts(requests))
 
     def max_input_tokens(self) -> int | None:
         return self.config.max_input_tokens
 
     def run(self, requests: list[Request]) -> list[Result]:
-        out = []
+        texts = request_texts(requests)
+        counts = estimate_many(texts)
         limit = self.config.max_input_tokens if self.config.truncate else None
-        for r in requests:
-            text = request_text(r)
-            n = estimate_tokens(text)
-            if limit is not None and n > limit:
-                text, n = truncate_text(text, limit, head=self.config.task == "embed"), limit
-            if self.config.task == "embed":
-                out.append(Result(embedding=echo_embedding(text), prompt_tokens=n))
-            else:
-                out.append(Result(output=text, prompt_tokens=n, completion_tokens=n))
-        return out
+        if limit is not None and counts and max(counts) > limit:
+            for i, n in enumerate(counts):
+                if n > limit:
+                    texts[i], counts[i] = truncate_text(texts[i], limit, head=self.config.task == "embed"), limit
+        if self.config.task == "embed":
+            return [Result(embedding=echo_embedding(text), prompt_tokens=n)
+                    for text, n in zip(texts, counts, strict=True)]
+        return list(map(Result, texts, repeat(None), counts, counts))
