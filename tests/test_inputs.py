@@ -266,3 +266,53 @@ def test_a_zst_object_of_several_frames_is_read_to_its_end(file_place, make_job,
     run_shards(job)
     publish(job)
     assert read_output(job).result_ids == list(range(30))
+
+
+# Lines a chunk may hold: plain good rows (the one-pass parse takes them) and every kind of
+# row that needs parse_line's closer look.
+PLAIN_LINES = [b'{"id": 1, "text": "one"}', b'{"id": "a-2", "text": "two"}', b'{"id": 0, "text": "z"}',
+               '{"id": "é", "text": "ünïcødé ✓ 🙂"}'.encode(), b'{"text": "x", "id": 9223372036854775807}',
+               b'{"id": -3, "text": "neg", "other": [1, {"a": null}]}', b'{"id":"t","text":"\\u00e9\\n"}']
+OTHER_LINES = [b'{"text": "no id"}', b'{"id": null, "text": "null id"}', b'{"id": true, "text": "bool id"}',
+               b'{"id": 1.5, "text": "float id"}', b'{"id": "", "text": "empty id"}',
+               b'{"id": 123456789012345678901234567890, "text": "big id"}',
+               b'{"id": 18446744073709551615, "text": "u64 id"}', b'{"id": 1, "text": ""}',
+               b'{"id": 1, "text": " \\t"}', b'{"id": 1, "text": 5}', b'{"id": 1}', b'[1, 2]', b'"text"',
+               b'not json', b'{"id": 1, "text": "lone \\ud800"}', b'{"id": 1, "text": NaN}',
+               b'{"id": 1, "text": "t", "_bij": {"id": "kept", "attempts": 1}}',
+               b'{"id": 1, "messages": [{"role": "user", "content": "hi"}], "text": "t"}']
+
+
+@pytest.mark.parametrize("opts", [PLAIN, InputOptions(task="embed"), InputOptions(task="chat"),
+                                  InputOptions(task="chat", messages_field="messages"),
+                                  InputOptions(task="generate", id_field="key", text_field="body")])
+def test_a_chunk_parsed_in_one_pass_gives_what_parse_line_gives(opts):
+    import random
+
+    from bij_worker.inputs import parse_plain_lines
+
+    def fields(line: bytes) -> bytes:  # the same rows under the job's field names
+        return line.replace(b'"id"', b'"%s"' % opts.id_field.encode()).replace(
+            b'"text"', b'"%s"' % opts.text_field.encode())
+
+    rnd = random.Random(7)
+    taken = 0
+    for _ in range(300):
+        lines = [fields(rnd.choice(PLAIN_LINES)) for _ in range(rnd.randint(1, 12))]
+        other = rnd.random() < 0.5
+        if other:
+            lines.insert(rnd.randrange(len(lines) + 1), fields(rnd.choice(OTHER_LINES)))
+        one_by_one = [parse_line(line, (0, i, i + 1), "in/a.jsonl", opts) for i, line in enumerate(lines)]
+        got = parse_plain_lines(lines, opts)
+        if got is None:  # parse_line takes the chunk, line by line: a plain chunk never goes that way
+            assert other, lines
+            continue
+        taken += 1
+        ids, requests = got
+        assert all(r.request is not None and not r.generated_id and not r.prior_attempts for r in one_by_one)
+        assert ids == [r.id for r in one_by_one]
+        assert [type(i) for i in ids] == [type(r.id) for r in one_by_one]  # 1 and "1" stay apart
+        assert requests == [r.request for r in one_by_one]
+    assert taken > 100
+    assert parse_plain_lines([], PLAIN) is None
+    assert parse_plain_lines(PLAIN_LINES, InputOptions(format="openai", task="generate")) is None

@@ -388,3 +388,34 @@ def test_a_stopped_worker_leaves_no_done_record_and_a_finished_shard_is_not_reru
     engine = recording_echo()
     outcome = ShardWorker(plan, 0, engine).run()
     assert (outcome.status, outcome.rows, engine.seen) == ("done", 30, [])
+
+
+def test_results_encoded_a_chunk_at_once_are_the_records_resume_and_publish_read():
+    """The one-pass encoding of the common result shape writes, byte for byte, what the records would."""
+    from bij_worker.engines.base import Result
+    from bij_worker.inputs import InputOptions, Row, result_row
+    from bij_worker.segments import encode_plain_results, loads_record
+
+    rnd = random.Random(3)
+    ids: list[Any] = ["a", 1, 0, -7, "é ✓", 9223372036854775807, 18446744073709551615, "1", "x\"y\\z\n"]
+    outputs: list[Any] = ["", "plain", "ünïcødé 🙂", 'quote " back \\ slash', "\x00\x1f ctl", None, "a\u2028b"]
+    for _ in range(200):
+        n = rnd.randint(1, 20)
+        places = sorted({(rnd.randint(0, 2), rnd.randint(0, 10**9), 0) for _ in range(n)})
+        places = [(o, off, off + rnd.randint(1, 500)) for o, off, _ in places]
+        row_ids = [rnd.choice(ids) for _ in places]
+        results = [Result(output=rnd.choice(outputs), prompt_tokens=rnd.randint(0, 10**6),
+                          completion_tokens=rnd.randint(0, 4096)) for _ in places]
+        records = [{"at": list(at), "kind": "result", "row": result_row(Row(at=at, id=rid), res, InputOptions())}
+                   for at, rid, res in zip(places, row_ids, results, strict=True)]
+        data = encode_plain_results(places, row_ids, results)
+        assert data == ShardLog.encode(records)
+        assert [loads_record(line) for line in data.splitlines()] == records  # type: ignore[union-attr]
+    # Any other shape is the records' to encode.
+    one = [(0, 0, 5)]
+    assert encode_plain_results(one, [1], [Result(embedding=[0.5], prompt_tokens=3)]) is None
+    assert encode_plain_results(one, [1], [Result(output="x", prompt_tokens=3)]) is None
+    assert encode_plain_results(one, [1], [Result(output="x", prompt_tokens=True, completion_tokens=1)]) is None
+    assert encode_plain_results(one, [2**70], [Result(output="x", prompt_tokens=1, completion_tokens=1)]) is None
+    assert encode_plain_results(one, [1], [Result(output="\ud800", prompt_tokens=1, completion_tokens=1)]) is None
+    assert encode_plain_results([], [], []) == b""

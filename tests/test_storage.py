@@ -411,3 +411,44 @@ def test_split_lines_with_a_limit_agrees_with_a_plain_split():
             want.append((off, part if limit is None or len(part) <= limit else None, len(part)))
             off += len(part) + 1
         assert got == want, (data, limit)
+
+
+def test_lines_split_a_block_at_a_time_are_the_lines_split_one_by_one():
+    from bij_worker.reader import split_blocks
+
+    rnd = random.Random(5)
+    for _ in range(2000):
+        parts = [rnd.choice([b"", b" ", b"ab", b"x" * rnd.randint(0, 30), b"\r", b"a\r", "é".encode()])
+                 for _ in range(rnd.randint(0, 12))]
+        data = b"\n".join(parts) + rnd.choice([b"", b"\n", b"tail"])
+        base, block, limit = rnd.randint(0, 5), rnd.randint(1, 9), rnd.choice([None, 3, 10])
+        got = []
+        for pos, lines, lengths in split_blocks(io.BytesIO(data), base, block, max_line=limit):
+            for line, n in zip(lines, lengths, strict=True):
+                got.append((pos, line, n))
+                pos += n + 1
+        assert got == list(split_lines(io.BytesIO(data), base, block, max_line=limit)), (data, block, limit)
+
+
+def test_a_shard_read_in_blocks_keeps_every_line_at_its_place_and_leaves_blank_lines_out(tmp_path):
+    from bij_worker.reader import InputProblem, iter_shard, iter_shard_blocks
+
+    lines = [b'{"id": 1}', b"", b"  ", b"crlf\r", b"x" * 40, "é".encode(), b"\t", b"last"]
+    data = b"\n".join(lines)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(data)
+    objects = [{"uri": path.as_uri(), "size": len(data)}]
+    fs = FileStorage()
+    want, off = [], 0
+    for line in lines:
+        if line.strip():
+            kept = InputProblem("line_too_long", "") if len(line) > 20 else line.removesuffix(b"\r")
+            want.append(((0, off, off + len(line) + 1), kept))
+        off += len(line) + 1
+    for cut in range(len(data) + 1):  # two pieces, cut anywhere: each line read once, at its place
+        pieces = [[0, 0, cut], [0, cut, len(data)]]
+        got = list(iter_shard(lambda uri: fs, objects, pieces, max_line=20))
+        assert [(at, line if isinstance(line, bytes) else InputProblem("line_too_long", ""))
+                for at, line in got] == want
+        blocks = list(iter_shard_blocks(lambda uri: fs, objects, pieces, max_line=20))
+        assert [size for _, _, sizes in blocks for size in sizes] == [at[2] - at[1] for at, _ in want]

@@ -375,3 +375,38 @@ def test_chunks_parsed_in_the_reader_thread_give_the_same_output(file_place, mak
     out = read_output(job)
     assert out.result_ids == list(range(75))
     assert [e["error"]["code"] for e in out.errors] == ["invalid_json", "missing_text"]
+
+
+def test_chunks_of_plain_rows_and_chunks_with_bad_rows_give_the_same_records(file_place, make_job, run_shards,
+                                                                           read_output, log_lines, monkeypatch):
+    """Plain chunks are parsed and encoded in one pass, others row by row: the rows cannot tell."""
+    good: list[Any] = [{"id": i if i % 3 else f"s{i}", "text": f"ünïcødé {i} ✓" + "w" * (i % 7)} for i in range(40)]
+    inputs: list[Any] = [*good[:16], *good[16:20], b'{"id": 99, "text": ', *good[20:23],  # chunk 3: a bad line
+                         *good[23:32], {"id": "1", "text": "string one"}, *good[32:]]
+    uri = file_place.write_jsonl("in.jsonl", inputs)
+    _, job = make_job(file_place, uri, sharding={"chunkRows": 8, "targetShardBytes": 1 << 20})
+    from bij_worker import worker
+
+    line_by_line: list[bytes] = []
+    parse_line = worker.parse_line
+    monkeypatch.setattr(worker, "parse_line", lambda line, *a: line_by_line.append(line) or parse_line(line, *a))
+    assert run_shards(job)[0].rows == 41
+    assert len(line_by_line) == 8  # the bad line's chunk alone
+    records = log_lines(file_place, job)[0]
+    results = [r for r in records if r["kind"] == "result"]
+    texts = {json.dumps(r["id"]): r["text"] for r in [*good, {"id": "1", "text": "string one"}]}
+    for rec in results:
+        row = rec["row"]
+        n = max(1, len(texts[json.dumps(row["id"])].encode()) // 4)
+        assert row == {"id": row["id"], "output": texts[json.dumps(row["id"])],
+                       "usage": {"prompt_tokens": n, "completion_tokens": n, "total_tokens": 2 * n}}
+        assert list(rec) == ["at", "kind", "row"] and list(row) == ["id", "output", "usage"]
+    [bad] = [r for r in records if r["kind"] == "error"]
+    offset = file_place.storage.read_bytes(uri).index(b'{"id": 99, "text": ')
+    assert bad["at"][1] == offset and bad["row"]["offset"] == offset and bad["row"]["object"].endswith("in.jsonl")
+    assert bad["row"]["error"]["code"] == "invalid_json" and "not valid JSON" in bad["row"]["error"]["message"]
+    publish(job)
+    out = read_output(job)
+    assert out.result_ids == [r["id"] for r in [*good[:32], {"id": "1"}, *good[32:]]]
+    assert [type(i) for i in out.result_ids] == [type(r["id"]) for r in [*good[:32], {"id": "1"}, *good[32:]]]
+    assert [r["output"] for r in out.results] == [texts[json.dumps(i)] for i in out.result_ids]
