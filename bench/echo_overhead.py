@@ -8,7 +8,7 @@ the same file, in a fresh process: read lines, `json.loads`, `json.dumps` a resu
 
 The worker runs as `bij-worker` on a one-shard plan (engine echo, task generate), timed
 from its "resume" progress event (start-up over, durable state read) to its "done"
-event — target >= 0.7 — and as a whole process (interpreter start included), reported.
+event — target >= 0.9 — and as a whole process (interpreter start included), reported.
 
     python bench/echo_overhead.py [--rows 200000] [--repeats 3] [--chunk-rows 512]
 """
