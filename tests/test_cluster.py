@@ -24,6 +24,7 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
+from bij_operator.reconcile import parse_ranges
 from cluster import ClusterError, build
 from cluster.harness import OPERATOR_NAMESPACE, LocalCluster, wait_for
 from kubernetes.client import ApiException
@@ -435,25 +436,41 @@ def test_exit_42_fails_the_job_through_its_pod_failure_policy_and_the_bij_says_w
     assert cond["Failed"]["reason"] == "PodFailurePolicy"
     bij_failed = {c["type"]: c for c in failed["conditions"]}["Failed"]
     assert bij_failed["status"] == "True" and bij_failed["reason"] == "PodFailurePolicy"
-    assert "shard 1" in bij_failed["message"]
+    assert "lane 1" in bij_failed["message"]
     assert len((env.gates / "started-cfg-r0-1").read_text().splitlines()) == 1  # no retry can help
     assert not (env.tmp / "out-cfg" / "manifest.json").exists()
 
 
-def test_per_index_failures_use_up_backoff_limit_per_index_then_fail_the_bij(env: Env) -> None:
-    job_ids(env)
+def test_a_lane_that_uses_up_its_retries_costs_nothing_when_the_others_finish_its_shards(env: Env) -> None:
+    ids = job_ids(env)
     env.gate("exit", "flaky-r0", 0, "1 5")
     env.gate("exit", "flaky-r0", 2, "1 1")  # fails once, then succeeds on its retry
-    env.create(env.doc("flaky"))
-    failed = env.wait_phase("flaky", "Failed", timeout=180)
+    env.create(env.doc("flaky", workers={"parallelism": 3}))
+    done = env.wait_phase("flaky", "Succeeded", timeout=180)
     job = env.job("flaky-r0")
-    assert job["status"]["failedIndexes"] == "0"
-    assert "2" in job["status"]["completedIndexes"].replace("-", ",").split(",") or \
-        job["status"]["completedIndexes"].startswith("1-")
-    assert len((env.gates / "started-flaky-r0-0").read_text().splitlines()) == 2  # backoffLimitPerIndex 1
+    # The Job controller failed lane 0 for good (backoffLimitPerIndex 1: two starts) ...
+    assert parse_ranges(job["status"]["failedIndexes"]) == {0}
+    assert parse_ranges(job["status"]["completedIndexes"]) == {1, 2}
+    assert any(c["type"] == "Failed" and c["status"] == "True" for c in job["status"]["conditions"])
+    assert len((env.gates / "started-flaky-r0-0").read_text().splitlines()) == 2
     assert len((env.gates / "started-flaky-r0-2").read_text().splitlines()) == 2
+    # ... and lanes 1 and 2 worked every shard, so the round was whole and published.
+    assert done["shards"]["done"] == done["shards"]["total"] >= 3
+    assert_every_row_once(env.tmp / "out-flaky" / "manifest.json", ids)
+    assert "lane 0 failed; the other lanes finished its shards" in env.kubectl("describe", "bij", "flaky")
+
+
+def test_lanes_that_all_use_up_their_retries_fail_the_bij_naming_them(env: Env) -> None:
+    job_ids(env)
+    env.gate("exit", "down-r0", 0, "1 5")
+    env.gate("exit", "down-r0", 1, "1 5")
+    env.create(env.doc("down"))
+    failed = env.wait_phase("down", "Failed", timeout=180)
+    assert parse_ranges(env.job("down-r0")["status"]["failedIndexes"]) == {0, 1}
     cond = {c["type"]: c for c in failed["conditions"]}["Failed"]
-    assert cond["reason"] == "FailedIndexes" and "shard 0" in cond["message"]
+    total = failed["shards"]["total"]
+    assert cond["reason"] == "FailedIndexes"
+    assert f"lanes 0-1 failed with {total} of {total} shards undone" in cond["message"]
 
 
 # --- the operator itself ----------------------------------------------------------------------------
@@ -554,9 +571,10 @@ def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(env: En
     env.custom.patch_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "sus", {"spec": {"suspend": False}})
     done = env.wait_phase("sus", "Succeeded")
     assert done["observedGeneration"] == 3
-    started = {int(p.name.rsplit("-", 1)[1]): len(p.read_text().splitlines())
-               for p in env.gates.glob("started-sus-r0-*")}
-    assert started[0] == 2 and all(n == 1 for i, n in started.items() if i != 0)  # finished shards never re-ran
+    # Both lanes' pods were stopped (lane 1 was waiting for the held shard) and started again ...
+    assert len((env.gates / "started-sus-r0-0").read_text().splitlines()) == 2
+    # ... yet finished shards never ran again: only rows of the held shard not yet durable were recomputed.
+    assert len(env.computed("sus-r0")) - ROWS <= 4 * 8
     assert_every_row_once(env.tmp / "out-sus" / "manifest.json", ids)
 
 

@@ -270,6 +270,8 @@ def test_failure_target_fails_the_round_before_the_pods_are_gone() -> None:
     assert d.reason == "PodFailurePolicy"
     assert d.failed_lanes == (3,)
     assert "round 0: lane 3 failed" in d.message
+    # A bad configuration fails the bij even when the other lanes got every shard done meanwhile.
+    assert isinstance(decide(make_job(), planned(), [job], shards_done=8), MarkFailed)
     assert "exit code 42" in d.message
 
 

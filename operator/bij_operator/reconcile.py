@@ -365,8 +365,10 @@ def decide(
                             "waiting for it to be deleted")
 
     if view.failed_for_good:
-        if shards is not None and planned and shards.done >= planned:
+        bad_config = view.failure is not None and view.failure.reason == "PodFailurePolicy"
+        if shards is not None and planned and shards.done >= planned and not bad_config:
             # Lanes failed, but the others took over and finished their shards: the round is whole.
+            # Not so after exit 42 (FailJob): a bad configuration fails the job whatever got done.
             failed = format_ranges(view.failed)
             return FinishRound(round=r, phase="Running", reason="RoundFinished",
                                message=f"round {r}: all {planned} shards done"
