@@ -457,7 +457,7 @@ def test_a_lane_that_uses_up_its_retries_costs_nothing_when_the_others_finish_it
     # ... and lanes 1 and 2 worked every shard, so the round was whole and published.
     assert done["shards"]["done"] == done["shards"]["total"] >= 3
     assert_every_row_once(env.tmp / "out-flaky" / "manifest.json", ids)
-    assert "lane 0 failed; the other lanes finished its shards" in env.kubectl("describe", "bij", "flaky")
+    assert "lane 0 failed, the other lanes finished their shards" in env.kubectl("describe", "bij", "flaky")
 
 
 def test_lanes_that_all_use_up_their_retries_fail_the_bij_naming_them(env: Env) -> None:

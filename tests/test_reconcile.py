@@ -256,6 +256,7 @@ def test_failed_lanes_whose_shards_the_others_finished_leave_the_round_whole() -
     assert isinstance(d, FinishRound)
     assert d.shards == rc.Shards(done=8, total=8)
     assert "lane 2 failed; the other lanes finished its shards" in d.message
+    assert d.failed_lanes == (2,)
     # Without the shard records the operator cannot tell: the Job's verdict stands.
     assert isinstance(decide(make_job(), planned(shards=8, lanes=4), [job]), MarkFailed)
 

@@ -51,6 +51,7 @@ from .reconcile import (
     Wait,
     current_round,
     decide,
+    format_ranges,
     owns,
     round_records,
 )
@@ -340,6 +341,9 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
               f"{stats.approved} rows, {stats.errors} error rows"
         if job.spec.judge is not None:
             msg += f", {stats.rejected} rejected, {stats.capped} capped (approval {stats.approval_rate:.1%})"
+        if d.failed_lanes:
+            noun = "lane" if len(d.failed_lanes) == 1 else "lanes"
+            msg += f"; {noun} {format_ranges(d.failed_lanes)} failed, the other lanes finished their shards"
         patch = {**base(raw, d, now), "rounds": rounds, "message": msg,
                  **await progress(job, status, d.round, now)}
         await write_status(raw, patch, event=("Normal", "RoundFinished", msg))

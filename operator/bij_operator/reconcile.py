@@ -223,6 +223,8 @@ class PatchJob(Decision):
 class FinishRound(Decision):
     """Record the round as finished in ``status.rounds`` (it survives the Job's TTL)."""
 
+    failed_lanes: tuple[int, ...] = ()  # lanes that failed for good while the others finished every shard
+
 
 @dataclass(frozen=True, kw_only=True)
 class Publish(Decision):
@@ -374,7 +376,7 @@ def decide(
                                message=f"round {r}: all {planned} shards done"
                                        + (f" (lane {failed} failed; the other lanes finished its shards)"
                                           if failed else ""),
-                               shards=shards, lanes=view.lanes)
+                               shards=shards, lanes=view.lanes, failed_lanes=tuple(sorted(view.failed)))
         return job_failed(r, view, shards)
     if view.succeeded:
         return FinishRound(round=r, phase="Running", reason="RoundFinished",
