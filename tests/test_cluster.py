@@ -342,6 +342,28 @@ def test_a_job_runs_to_succeeded_through_the_operator_pod(env: Env) -> None:
     assert any(c["type"] == "Complete" and c["status"] == "True" for c in env.job("emb-r0")["status"]["conditions"])
 
 
+def test_many_shards_run_in_lanes_with_one_model_load_per_lane_pod(env: Env) -> None:
+    ids = job_ids(env, 1000)
+    model = {"engine": "simulated", "task": "generate", "maxTokens": 4,
+             "simulated": {"maxNumSeqs": 64, "stepSeconds": 0.0, "loadSeconds": 0.3}}
+    env.create(env.doc("lanes", model=model, sharding={"targetShardBytes": 1024, "chunkRows": 16},
+                       workers={"parallelism": 4}))
+    done = env.wait_phase("lanes", "Succeeded", timeout=180)
+    (round0,) = done["rounds"]
+    assert round0["shards"] >= 64 and round0["lanes"] == 4
+    assert done["shards"] == {"done": round0["shards"], "total": round0["shards"]}
+    assert done["lanes"]["done"] == done["lanes"]["total"] == 4
+    job = env.job("lanes-r0")
+    assert job["spec"]["completions"] == 4 and job["spec"]["parallelism"] == 4
+    assert len(env.pods("lanes-r0")) == 4  # one pod per lane, none per shard
+    manifest = json.loads((env.tmp / "out-lanes" / "manifest.json").read_text())
+    assert manifest["efficiency"]["modelLoads"] == 4  # not one per shard
+    published_ids = [r["id"] for r in published(env.tmp / "out-lanes" / "manifest.json")]
+    assert sorted(map(json.dumps, published_ids)) == sorted(map(json.dumps, ids))
+    wide = env.kubectl("get", "bij", "lanes", "-o", "wide", "--no-headers").split()
+    assert "4/4" in wide
+
+
 # --- spot: preemption is not a failure ------------------------------------------------------------
 
 
