@@ -143,8 +143,11 @@ _LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ [A-Z]+ [\w.]+: ")
 
 def _run_processes(job: BatchInferenceJob, plan_uri: str, pass_name: str, n: int, processes: int,
                    stats: list[dict[str, Any]] | None) -> None:
-    """`bij-worker publish` for indexes 0..n-1 of a pass, at most `processes` at a time; any failure fails it."""
-    pending = list(range(n))
+    """`bij-worker publish` for indexes 0..n-1 of a pass in at most `processes` processes, process k
+    working indexes k, k + processes, ... one after the other (each index in the memory one needs,
+    without a process start for each of a job's many shards); any failure fails the pass."""
+    slots = min(processes, n)
+    pending = list(range(slots))
     running: dict[int, tuple[int, float, subprocess.Popen[bytes], Any]] = {}
     failed: list[str] = []
     permanent = False
@@ -158,7 +161,7 @@ def _run_processes(job: BatchInferenceJob, plan_uri: str, pass_name: str, n: int
         while pending and len(running) < processes and not failed:
             index = pending.pop(0)
             cmd = [sys.executable, "-m", "bij_worker.main", "publish", "--plan", plan_uri, "--pass", pass_name,
-                   "--index", str(index)]
+                   "--index", str(index), "--stride", str(slots)]
             err_file = tempfile.TemporaryFile()  # a file, not a pipe: a chatty child never blocks on it
             p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file,
                                  env=env)
@@ -182,7 +185,8 @@ def _run_processes(job: BatchInferenceJob, plan_uri: str, pass_name: str, n: int
         err = err_file.read().decode(errors="replace")
         err_file.close()
         if stats is not None:
-            stats.append({"pass": pass_name, "index": index, "maxRssKiB": usage.ru_maxrss,
+            stats.append({"pass": pass_name, "index": index, "indexes": len(range(index, n, slots)),
+                          "maxRssKiB": usage.ru_maxrss,
                           "seconds": round(time.perf_counter() - started, 3), "rc": rc})
         if rc != 0:
             last = err.strip().splitlines()[-1] if err.strip() else ""

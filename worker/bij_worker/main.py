@@ -79,7 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def publish_main(argv: list[str]) -> int:
-    """`bij-worker publish --plan URI --pass ids|dedupe|write [--index I]`: one index of a publish pass."""
+    """`bij-worker publish --plan URI --pass ids|dedupe|write [--index I] [--stride S]`: one index of a
+    publish pass, or with --stride every S-th index from I."""
     from . import publish_rows
 
     p = argparse.ArgumentParser(prog="bij-worker publish", description=publish_rows.__doc__,
@@ -88,6 +89,8 @@ def publish_main(argv: list[str]) -> int:
     p.add_argument("--pass", dest="pass_name", required=True, choices=publish_rows.PASSES)
     p.add_argument("--index", type=int, default=None,
                    help="shard or bucket index (default: env JOB_COMPLETION_INDEX, as set by an Indexed Job)")
+    p.add_argument("--stride", type=int, default=0,
+                   help="also work indexes index + stride, index + 2 x stride, ... of the pass, one after the other")
     args = p.parse_args(argv)
     index = args.index
     if index is None:
@@ -96,8 +99,14 @@ def publish_main(argv: list[str]) -> int:
             log.error("no index: pass --index or set JOB_COMPLETION_INDEX (got %r)", raw)
             return EXIT_BAD_CONFIG
         index = int(raw)
+    if args.stride < 0:
+        log.error("--stride must be >= 0, got %d", args.stride)
+        return EXIT_BAD_CONFIG
     try:
-        publish_rows.run_pass(publish_rows.load(args.plan), args.pass_name, index)
+        plan = publish_rows.load(args.plan)
+        indexes = range(index, publish_rows.count(plan, args.pass_name), args.stride) if args.stride else [index]
+        for i in indexes:
+            publish_rows.run_pass(plan, args.pass_name, i)
     except publish_rows.PublishPlanError as e:
         log.error("bad configuration: %s", e)
         return EXIT_BAD_CONFIG
