@@ -186,3 +186,48 @@ def test_bij_run_loads_the_model_once_per_lane(parallelism, file_place, make_job
     assert eff["modelLoads"] == parallelism
     assert 0.19 * parallelism <= eff["modelLoadSeconds"] < 0.2 * parallelism + 2
     assert f"{plan.shard_count} shards in {parallelism} lanes" in p.stderr
+
+
+def test_an_engine_share_routes_each_shards_results_to_it_and_drops_a_closed_ones() -> None:
+    from bij_worker.engines import EngineConfig, create_engine
+    from bij_worker.engines.base import Request
+    from bij_worker.lanes import EngineShare
+
+    engine: Any = create_engine("simulated", EngineConfig(task="generate", max_tokens=8,
+                                                          simulated={"maxNumSeqs": 4, "stepSeconds": 0.0}))
+    share = EngineShare(engine)
+    a, b, c = share.view(), share.view(), share.view()
+    for tag in range(3):
+        a.submit(tag, Request(text=f"a{tag} " * (tag + 1), max_tokens=8))
+        b.submit(tag, Request(text=f"b{tag} " * (3 - tag), max_tokens=8))
+    c.submit(0, Request(text="c " * 8, max_tokens=8))
+    c.close()  # its row still runs in the engine; its result goes nowhere
+    got: dict[str, dict[int, str]] = {"a": {}, "b": {}}
+    while a.unfinished() or b.unfinished():
+        for name, view in (("a", a), ("b", b)):
+            if view.unfinished():
+                got[name].update((tag, res.output) for tag, res in view.step())
+    assert got["a"] == {0: "a0", 1: "a1 a1", 2: "a2 a2 a2"}
+    assert got["b"] == {0: "b0 b0 b0", 1: "b1 b1", 2: "b2"}
+    while not share.idle():
+        assert a.step() == []  # stepping on finishes the closed view's row and drops it
+    assert a.concurrency() == 4  # the rest is the engine's
+
+
+def test_a_lane_starts_its_next_shard_while_the_last_rows_of_the_current_one_run(
+        file_place, make_job, worker_env, bij_bin):
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(400)),
+                      model={"engine": "simulated", "task": "generate", "maxTokens": 8,
+                             "simulated": {"maxNumSeqs": 16, "stepSeconds": 0.01}},
+                      sharding={"targetShardBytes": 4000, "chunkRows": 16}, workers={"parallelism": 1})
+    plan = plan_round(job, 0)
+    assert plan.lanes == 1 and plan.shard_count >= 4
+    p = subprocess.run([bij_bin("bij-worker"), "--manifest", layout.round_manifest_uri(job, 0), "--progress"],
+                       env={**worker_env(file_place), "JOB_COMPLETION_INDEX": "0"}, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    events = [json.loads(line) for line in p.stdout.splitlines()]
+    order = [(e["event"], e["index"]) for e in events if e["event"] in ("resume", "done")]
+    # Shard k + 1 starts (its resume event) before shard k is done: the engine never drains between them.
+    for k in range(plan.shard_count - 1):
+        assert order.index(("resume", k + 1)) < order.index(("done", k)), order

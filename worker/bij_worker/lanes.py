@@ -21,6 +21,10 @@ writer appends to its own log (see segments.py).
 
 A lane exits once every shard of the round is done: while others still hold shards
 it waits, so that a shard whose holder dies is taken over when its lease expires.
+
+With a continuous-batching engine (vLLM, simulated) a lane starts its next shard as soon as
+every row of the current one is in the engine (`EngineShare`), so the engine's running batch
+does not drain at each shard's end; at most two shards of a lane are open at once.
 """
 
 from __future__ import annotations
@@ -189,7 +193,8 @@ class Claims:
     def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
         """`next()`, waiting while others hold every shard left; None when all are done or when
         `stopped` is set."""
-        poll = poll if poll is not None else max(0.2, min(5.0, self.lease / 4))
+        # Often enough that a lane waiting at the round's end exits soon after the last shard is done.
+        poll = poll if poll is not None else max(0.2, min(1.0, self.lease / 4))
         while not stopped.is_set():
             got = self.next()
             if got is None or isinstance(got, Claim):
@@ -224,3 +229,90 @@ class LeaseKeeper:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+class EngineShare:
+    """One loaded continuous engine, shared by the shards a lane works at once.
+
+    While one shard's last rows run (its tail), the lane starts its next shard, so the engine's
+    running batch never drains between shards. Each shard's worker talks to its own `view`:
+    tags are mapped to engine-wide ones, and a step's results go to the view whose rows they are
+    (kept for it until it steps next). A closed view's rows still in the engine finish there,
+    and their results are dropped.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.lock = threading.Lock()
+        self._owner: dict[int, tuple[int, int]] = {}  # engine tag -> (view, its tag)
+        self._inbox: dict[int, list[tuple[int, Any]]] = {}
+        self._closed: set[int] = set()
+        self._next_tag = 0
+        self._next_view = 0
+
+    def view(self) -> EngineView:
+        with self.lock:
+            self._next_view += 1
+            self._inbox[self._next_view] = []
+            return EngineView(self, self._next_view)
+
+    def submit(self, view: int, tag: int, request: Any) -> None:
+        with self.lock:
+            g = self._next_tag
+            self._next_tag += 1
+            self.engine.submit(g, request)  # a ValueError: this row fails alone, nothing recorded
+            self._owner[g] = (view, tag)
+
+    def step(self, view: int) -> list[tuple[int, Any]]:
+        with self.lock:
+            mine = self._inbox[view]
+            if mine:
+                self._inbox[view] = []
+                return mine
+            for g, res in self.engine.step():
+                owner, tag = self._owner.pop(g)
+                if owner == view:
+                    mine.append((tag, res))
+                elif owner not in self._closed:
+                    self._inbox[owner].append((tag, res))
+            self._inbox[view] = []
+            return mine
+
+    def close(self, view: int) -> None:
+        with self.lock:
+            self._closed.add(view)
+            self._inbox.pop(view, None)
+
+    def idle(self) -> bool:
+        """Nothing of any view still in the engine (closed views' rows included)."""
+        with self.lock:
+            return not self._owner
+
+
+class EngineView:
+    """A shard's handle on a shared continuous engine: what the worker needs, with its own tags."""
+
+    continuous = True
+
+    def __init__(self, share: EngineShare, view: int):
+        self._share, self._view = share, view
+        self._out = 0  # submitted and not yet returned
+
+    def submit(self, tag: int, request: Any) -> None:
+        self._share.submit(self._view, tag, request)
+        self._out += 1
+
+    def step(self) -> list[tuple[int, Any]]:
+        done = self._share.step(self._view)
+        self._out -= len(done)
+        return done
+
+    def unfinished(self) -> int:
+        return self._out
+
+    def close(self) -> None:
+        self._share.close(self._view)
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (concurrency, count_tokens, max_input_tokens, steps, ...) is the engine's.
+        return getattr(self._share.engine, name)

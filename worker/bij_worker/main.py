@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from typing import Any
 from .engines import EngineConfig, create_engine
 from .engines.base import is_continuous
 from .inputs import truncates
-from .lanes import DEFAULT_LEASE_SECONDS, Claims, LeaseKeeper, lane_count, shares_shards
+from .lanes import DEFAULT_LEASE_SECONDS, Claim, Claims, EngineShare, LeaseKeeper, lane_count, shares_shards
 from .metrics import Metrics, Stats
 from .storage import StorageError, open_storage
 from .worker import (
@@ -39,6 +40,7 @@ from .worker import (
     EXIT_OK,
     EXIT_TERMINATED,
     BadConfig,
+    ShardOutcome,
     ShardWorker,
     StopFlag,
     load_plan,
@@ -184,8 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         # Nothing left to claim (a replacement pod after its shards were finished elsewhere):
         # done without loading the model.
         claim = claims.next_or_wait(stop.event)
+        # A continuous engine is shared by the lane's shards, so the next one starts during the
+        # current one's tail (judge jobs work chunk by chunk and do not overlap).
+        share = EngineShare(engine) if is_continuous(engine) and not spec.get("judge") else None
         loaded = False
-        while claim is not None:
+
+        def start(claim: Claim) -> ShardRun:
+            nonlocal loaded
             stats = Stats(started_at=time.time())
             if not loaded:
                 t = time.perf_counter()
@@ -202,29 +209,53 @@ def main(argv: list[str] | None = None) -> int:
                 metrics.model_load.set(stats.model_load_s)
                 emit({"event": "loaded", "index": claim.shard, "lane": lane,
                       "seconds": round(stats.model_load_s, 3)})
-            shard_stop = StopFlag(args.drain_seconds)
-            current[:] = [shard_stop]
+            run = ShardRun(plan, claim, engine, claims, share, metrics=metrics, progress=emit, stats=stats,
+                           drain_seconds=args.drain_seconds)
+            current.append(run.stop)
             if stop.requested:
-                shard_stop.request()
-            keeper = LeaseKeeper(claims, claim, lost_claim(shard_stop))
+                run.stop.request()
+            run.start()
+            return run
+
+        def finish(run: ShardRun) -> ShardOutcome:
             try:
-                worker = ShardWorker(plan, claim.shard, engine, metrics=metrics, stop=shard_stop, progress=emit,
-                                     stats=stats, lane=lane)
-                outcome = worker.run()
+                return run.join()
             finally:
-                keeper.close()
-                current.clear()
+                current.remove(run.stop)
+
+        run = start(claim) if claim is not None else None
+        while run is not None:
+            while not run.tail.wait(0.2):
+                pass
+            after: ShardRun | None = None
+            if share is not None and not stop.requested and run.alive():
+                got = claims.next()  # the next shard, if one is free now; never waits
+                if isinstance(got, Claim):
+                    after = start(got)
+            try:
+                outcome = finish(run)
+            except BaseException:
+                if after is not None:
+                    after.stop.request(drain_seconds=0)
+                    finish(after)
+                raise
             if outcome.status == "stopped":
                 if stop.requested:
-                    log.info("lane %d: stopped with %d rows of shard %d durable", lane, outcome.rows, claim.shard)
+                    log.info("lane %d: stopped with %d rows of shard %d durable", lane, outcome.rows, run.claim.shard)
+                    if after is not None:
+                        finish(after)
                     return EXIT_TERMINATED
-                # Another worker holds the shard now: what its rows still in the engine compute
-                # is not ours to commit.
-                drain(engine)
+                if share is None:
+                    # Another worker holds the shard now: what its rows still in the engine compute
+                    # is not ours to commit.
+                    drain(engine)
             else:
-                log.info("lane %d: shard %d done, %d rows, %d errors", lane, claim.shard, outcome.rows,
+                log.info("lane %d: shard %d done, %d rows, %d errors", lane, run.claim.shard, outcome.rows,
                          outcome.errors)
-            claim = claims.next_or_wait(stop.event)
+            if after is None:
+                claim = claims.next_or_wait(stop.event)
+                after = start(claim) if claim is not None else None
+            run = after
         if stop.requested:
             return EXIT_TERMINATED
     except BadConfig as e:
@@ -243,6 +274,52 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     log.info("lane %d: every shard of the round is done", lane)
     return EXIT_OK
+
+
+class ShardRun:
+    """One claimed shard worked in a thread of its own, its claim renewed meanwhile."""
+
+    def __init__(self, plan: dict[str, Any], claim: Claim, engine: Any, claims: Claims, share: EngineShare | None,
+                 *, metrics: Metrics, progress: Callable[[dict[str, Any]], None], stats: Stats,
+                 drain_seconds: float):
+        self.claim = claim
+        self.stop = StopFlag(drain_seconds)
+        self.tail = threading.Event()  # set once every row is in the engine, or the shard ended
+        self.view = share.view() if share is not None else None
+        self.worker = ShardWorker(plan, claim.shard, self.view or engine, metrics=metrics, stop=self.stop,
+                                  progress=progress, stats=stats, lane=claims.lane)
+        if self.view is not None:
+            self.worker.on_tail = self.tail.set
+        self.claims = claims
+        self.outcome: ShardOutcome | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"shard-{claim.shard}", daemon=True)
+
+    def start(self) -> None:
+        self.keeper = LeaseKeeper(self.claims, self.claim, lost_claim(self.stop))
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.outcome = self.worker.run()
+        except BaseException as e:  # noqa: BLE001 - raised again in the lane's thread by join()
+            self.error = e
+        finally:
+            self.keeper.close()
+            if self.view is not None:
+                self.view.close()
+            self.tail.set()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self) -> ShardOutcome:
+        while self.thread.is_alive():
+            self.thread.join(0.2)  # in slices: the lane's thread takes signals between them
+        if self.error is not None:
+            raise self.error
+        assert self.outcome is not None
+        return self.outcome
 
 
 def lost_claim(flag: StopFlag) -> Callable[[], None]:

@@ -305,6 +305,8 @@ class ShardWorker:
         self._stores: dict[str, Storage] = {}
         self.out = self.storage_for(plan["roundPrefix"])
         self.log = ShardLog(self.out, shard_prefix(plan, index))
+        # Called once when every row of the shard is in a continuous engine (see bij_worker.lanes).
+        self.on_tail: Callable[[], None] | None = None
 
     def default_window(self) -> int:
         """Eight times what the engine runs at once, and never less than two chunks.
@@ -509,6 +511,11 @@ class ShardWorker:
                         tags[next_tag] = (op, i)
                         next_tag += 1
                         room -= 1
+                    if prefetch.finished and taken >= len(pending) and self.on_tail is not None:
+                        # Every row is in the engine: only the shard's tail runs. The lane may start
+                        # its next shard now, so the engine does not drain between them.
+                        self.on_tail()
+                        self.on_tail = None
                     if engine.unfinished():  # type: ignore[attr-defined]
                         for tag, res in self._step(engine):  # type: ignore[arg-type]
                             op, i = tags.pop(tag)
