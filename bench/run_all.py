@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["embed", "sorting", "echo_overhead", "memory", "kill_recompute", "simulated", "prefix"]
+BENCHES = ["embed", "sorting", "echo_overhead", "memory", "kill_recompute", "simulated", "prefix", "lanes"]
 
 
 def run_vllm(model: str, extra: list[str]) -> dict[str, object]:
