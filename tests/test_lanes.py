@@ -123,7 +123,7 @@ def test_a_waiting_lane_exits_as_soon_as_the_last_shard_is_done_not_a_poll_later
     t0 = time.monotonic()
     finish(tmp_path, 1)
     waiter.join(timeout=10)
-    assert got == [None] and time.monotonic() - t0 < 1.5
+    assert got == [None] and time.monotonic() - t0 < 3
 
 
 def test_a_lease_keeper_renews_and_reports_a_lost_claim(tmp_path: Path) -> None:
