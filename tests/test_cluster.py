@@ -340,6 +340,14 @@ def test_a_job_runs_to_succeeded_through_the_operator_pod(env: Env) -> None:
         assert reason in described
     # The Job controller itself said the round is complete.
     assert any(c["type"] == "Complete" and c["status"] == "True" for c in env.job("emb-r0")["status"]["conditions"])
+    # Publishing ran as one Job per pass, its pods reading and writing the rows; the operator only
+    # planned it and wrote the manifest.
+    for pass_name in ("ids", "dedupe", "write"):
+        publish_job = env.job(f"emb-publish-{pass_name}")
+        assert any(c["type"] == "Complete" and c["status"] == "True" for c in publish_job["status"]["conditions"])
+        (pod,) = [p for p in env.pods(f"emb-publish-{pass_name}")]
+        assert pod["spec"]["containers"][0]["args"][:2] == ["publish", "--plan"]
+    assert "PublishPassStarted" in env.reasons("emb")
 
 
 def test_many_shards_run_in_lanes_with_one_model_load_per_lane_pod(env: Env) -> None:
@@ -402,7 +410,8 @@ def test_an_evicted_worker_pod_is_not_a_failure_and_its_shard_resumes(env: Env) 
     assert done["rows"]["done"] == ROWS
     job = env.job("evict-r0")
     assert job["status"].get("failed", 0) == 0  # DisruptionTarget: Ignore, not counted
-    assert len(env.jobs()) == 1
+    assert [j["metadata"]["name"] for j in env.jobs()] == ["evict-publish-dedupe", "evict-publish-ids",
+                                                         "evict-publish-write", "evict-r0"]
     started = (env.gates / "started-evict-r0-0").read_text().splitlines()
     assert len(started) == 2  # the evicted pod and its replacement
     assert_every_row_once(env.tmp / "out-evict" / "manifest.json", ids)
@@ -509,7 +518,7 @@ def test_the_operator_pod_deleted_mid_round_is_replaced_and_finishes_with_one_jo
     assert new["metadata"]["name"] != old["metadata"]["name"]
     (env.gates / "hold-opk-r0-0").unlink()
     env.wait_phase("opk", "Succeeded")
-    assert [j["metadata"]["name"] for j in env.jobs()] == ["opk-r0"]
+    assert [j["metadata"]["name"] for j in env.jobs() if "-publish-" not in j["metadata"]["name"]] == ["opk-r0"]
     assert_every_row_once(env.tmp / "out-opk" / "manifest.json", ids)
 
 
@@ -518,7 +527,8 @@ def test_judge_rounds_run_one_job_per_round(env: Env) -> None:
     judge = {"type": "regex", "pattern": r"^row \d*[02468]:", "strategy": "rounds", "maxRounds": 2}
     env.create(env.doc("judged", model={"engine": "echo", "task": "generate"}, judge=judge))
     done = env.wait_phase("judged", "Succeeded", timeout=180)
-    assert sorted(j["metadata"]["name"] for j in env.jobs()) == ["judged-r0", "judged-r1"]
+    assert sorted(j["metadata"]["name"] for j in env.jobs() if "-publish-" not in j["metadata"]["name"]) == [
+        "judged-r0", "judged-r1"]
     r0, r1 = done["rounds"]
     assert (r0["rowsIn"], r0["approved"], r0["rejected"]) == (ROWS, ROWS // 2, ROWS // 2)
     assert (r1["rowsIn"], r1["capped"]) == (ROWS // 2, ROWS // 2)

@@ -10,11 +10,13 @@ import pytest
 from bij_operator import reconcile as rc
 from bij_operator.reconcile import (
     CreateJob,
+    CreatePublishJob,
     FinishRound,
     MarkFailed,
     Nothing,
     PatchJob,
     PlanRound,
+    PreparePublish,
     Publish,
     Wait,
     decide,
@@ -199,14 +201,59 @@ def test_a_condition_that_is_false_means_nothing() -> None:
 
 def test_a_finished_round_publishes_all_rounds_so_far() -> None:
     d = decide(make_job(), planned(done=True), [k8s_job(completed="0-7")])
-    assert isinstance(d, Publish)
+    assert isinstance(d, PreparePublish)
     assert (d.rounds, d.phase) == (1, "Publishing")
 
 
 def test_a_finished_round_whose_job_is_gone_after_its_ttl_still_publishes() -> None:
     d = decide(make_job(), planned(done=True), [])
-    assert isinstance(d, Publish)
+    assert isinstance(d, PreparePublish)
     assert d.rounds == 1
+
+
+PASSES = {"ids": 8, "dedupe": 3, "write": 8}
+
+
+def publishing(**passes_done: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A status whose publish plan is written, and the pass Jobs: "done", "running" or "failed"."""
+    status = planned(done=True)
+    status["phase"] = "Publishing"
+    status["publish"] = {"rounds": 1, "planUri": "file:///out/_bij/emb/publish/plan.json", "passes": PASSES}
+    jobs = []
+    for pass_name, state in passes_done.items():
+        j = k8s_job(completions=2, completed="0-1" if state == "done" else "", active=2 if state == "running" else 0,
+                    conditions=[("Complete", "True", "", "")] if state == "done" else
+                    [("Failed", "True", "FailedIndexes", "Job has failed indexes")] if state == "failed" else [])
+        j["metadata"]["name"] = f"emb-publish-{pass_name}"
+        del j["metadata"]["labels"][rc.ROUND_LABEL]
+        j["metadata"]["labels"][rc.PUBLISH_LABEL] = pass_name
+        jobs.append(j)
+    return status, jobs
+
+
+def test_publishing_runs_one_job_per_pass_in_order_then_writes_the_manifest() -> None:
+    status, jobs = publishing()
+    d = decide(make_job(parallelism=4), status, jobs)
+    assert isinstance(d, CreatePublishJob)
+    assert (d.pass_name, d.completions, d.plan_uri) == ("ids", 4, status["publish"]["planUri"])
+    status, jobs = publishing(ids="running")
+    d = decide(make_job(), status, jobs)
+    assert isinstance(d, Wait) and d.phase == "Publishing" and "pass ids" in d.message
+    status, jobs = publishing(ids="done")
+    d = decide(make_job(parallelism=4), status, jobs)
+    assert isinstance(d, CreatePublishJob) and (d.pass_name, d.completions) == ("dedupe", 3)  # 3 buckets
+    status, jobs = publishing(ids="done", dedupe="done", write="done")
+    d = decide(make_job(), status, jobs)
+    assert isinstance(d, Publish) and d.rounds == 1
+    # The round Job's indexes are not a publish pass's, nor the other way round.
+    assert isinstance(decide(make_job(), *publishing(ids="done", dedupe="done", write="done")), Publish)
+
+
+def test_a_failed_publish_pass_fails_the_bij_naming_it() -> None:
+    status, jobs = publishing(ids="done", dedupe="failed")
+    d = decide(make_job(), status, jobs)
+    assert isinstance(d, MarkFailed) and d.reason == "PublishFailed"
+    assert "publish pass dedupe failed; Job emb-publish-dedupe: FailedIndexes" in d.message
 
 
 def test_an_unfinished_round_whose_job_vanished_is_recreated() -> None:
@@ -225,7 +272,7 @@ def test_an_empty_input_finishes_its_round_without_a_job() -> None:
 def test_publishing_again_after_a_crash_mid_publish_is_the_decision() -> None:
     status = planned(done=True)
     status["phase"] = "Publishing"
-    assert isinstance(decide(make_job(), status, []), Publish)
+    assert isinstance(decide(make_job(), status, []), PreparePublish)
 
 
 def test_a_succeeded_bij_is_left_alone() -> None:
@@ -392,7 +439,7 @@ def test_too_many_error_rows_fail_instead_of_publishing() -> None:
 
 def test_error_rows_within_the_budget_publish() -> None:
     d = decide(make_job(max_error_ratio=0.2), planned(done=True, approved=90, errors=10), [])
-    assert isinstance(d, Publish)
+    assert isinstance(d, PreparePublish)
 
 
 # --- judge rounds ------------------------------------------------------------------------------
@@ -410,17 +457,17 @@ def test_a_round_with_rejected_rows_plans_the_next_round() -> None:
 def test_the_last_allowed_round_caps_its_rejects_and_publishes() -> None:
     # The worker of the final round records still-rejected rows as capped, not rejected.
     d = decide(make_job(task="generate", judge=JUDGE), planned(round_no=2, done=True, rejected=0, capped=5), [])
-    assert isinstance(d, Publish)
+    assert isinstance(d, PreparePublish)
     assert d.rounds == 3
 
 
 def test_a_round_without_rejections_publishes() -> None:
     d = decide(make_job(task="generate", judge=JUDGE), planned(done=True, rejected=0), [])
-    assert isinstance(d, Publish)
+    assert isinstance(d, PreparePublish)
 
 
 def test_without_a_judge_rejections_cannot_add_rounds() -> None:
-    assert isinstance(decide(make_job(), planned(done=True, rejected=5), []), Publish)
+    assert isinstance(decide(make_job(), planned(done=True, rejected=5), []), PreparePublish)
 
 
 def test_the_second_round_creates_its_own_job() -> None:
@@ -433,33 +480,43 @@ def test_the_second_round_creates_its_own_job() -> None:
 # --- replaying a whole run ---------------------------------------------------------------------
 
 
-def test_replaying_the_decisions_of_a_whole_run_reaches_succeeded_with_one_job() -> None:
+def test_replaying_the_decisions_of_a_whole_run_reaches_succeeded_with_one_job_per_round_and_pass() -> None:
     """Apply each decision to a fake cluster the way the handler does, and count Jobs."""
     job = make_job()
     status: dict[str, Any] = {}
     jobs: list[dict[str, Any]] = []
-    created = 0
-    for step in range(20):  # noqa: B007 - asserted after the loop
+    created: list[str] = []
+    for step in range(30):  # noqa: B007 - asserted after the loop
         d = decide(job, status, jobs)
         status.update({"phase": d.phase, "round": d.round})
         if isinstance(d, PlanRound):
-            status.setdefault("rounds", []).append({"round": d.round, "shards": 3})
+            status.setdefault("rounds", []).append({"round": d.round, "shards": 12, "lanes": 3})
         elif isinstance(d, CreateJob):
-            created += 1
+            created.append("r0")
             jobs.append(k8s_job(completions=d.completions, parallelism=3, active=3))
+        elif isinstance(d, CreatePublishJob):
+            created.append(d.pass_name)
+            j = k8s_job(completions=d.completions, parallelism=d.completions, active=d.completions)
+            del j["metadata"]["labels"][rc.ROUND_LABEL]
+            j["metadata"]["labels"][rc.PUBLISH_LABEL] = d.pass_name
+            jobs.append(j)
         elif isinstance(d, Wait):
-            # The Job controller finishes every index.
-            jobs[0] = k8s_job(completions=3, parallelism=3, completed="0-2",
-                              conditions=[("Complete", "True", "", "")])
+            # The Job controller finishes every index of the Job last created.
+            n = jobs[-1]["spec"]["completions"]
+            jobs[-1]["status"] = {"completedIndexes": f"0-{n - 1}", "conditions": [
+                {"type": "Complete", "status": "True"}]}
         elif isinstance(d, FinishRound):
             status["rounds"][d.round]["completionTime"] = "2024-01-01T01:00:00Z"
+        elif isinstance(d, PreparePublish):
+            status["publish"] = {"rounds": d.rounds, "planUri": "file:///p.json", "passes": PASSES}
         elif isinstance(d, Publish):
             status["phase"] = "Succeeded"
         elif isinstance(d, Nothing):
             break
     assert status["phase"] == "Succeeded"
-    assert created == 1
-    assert step < 10
+    assert created == ["r0", "ids", "dedupe", "write"]
+    assert jobs[0]["spec"]["completions"] == 3  # a Job of 3 lanes for 12 shards
+    assert step < 20
 
 
 # --- status and conditions ---------------------------------------------------------------------

@@ -390,3 +390,27 @@ def test_cli_render_reports_an_invalid_spec(tmp_path: Path, capsys: pytest.Captu
                     "spec: {input: {uri: 'http://x'}, output: {uri: 'file:///o'}}\n")
     assert bij_main(["render", str(path), "--shards", "2"]) == 1
     assert "spec.input.uri" in capsys.readouterr().err
+
+
+def test_a_publish_pass_job_runs_every_nth_index_of_the_pass_without_gpu_or_spot_placement() -> None:
+    job = make_job(model={"engine": "vllm", "task": "generate", "name": "m"},
+                   workers={"spot": True, "spotProvider": "gke", "nodeSelector": {"pool": "batch"},
+                            "cpu": "2", "memory": "8Gi"})
+    body = jobs.render_publish_job(job, "dedupe", 3, "s3://b/out/_bij/t/publish/plan.json", image="img:1",
+                                   owner_uid="u-1")
+    assert body["metadata"]["name"] == f"{job.metadata.name}-publish-dedupe"
+    labels = body["metadata"]["labels"]
+    assert labels[jobs.LABEL_PUBLISH] == "dedupe" and jobs.LABEL_ROUND not in labels
+    assert labels[jobs.LABEL_JOB] == job.metadata.name
+    assert body["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    spec = body["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
+    assert spec["podFailurePolicy"] == render(job)["spec"]["podFailurePolicy"]  # exit 42 fails it at once
+    c = container(body)
+    assert c["command"] == ["bij-worker"]
+    assert c["args"] == ["publish", "--plan", "s3://b/out/_bij/t/publish/plan.json", "--pass", "dedupe",
+                         "--stride", "3"]
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}
+    p = pod(body)
+    assert p["nodeSelector"] == {"pool": "batch"}  # the user's placement, not the spot/GPU one
+    assert "tolerations" not in p and "affinity" not in p

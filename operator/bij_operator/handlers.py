@@ -27,26 +27,36 @@ from typing import Any, TypeVar, cast
 
 import kopf
 import urllib3
+from bij_worker import publish_rows
 from bij_worker.storage import StorageError
 from kubernetes.client import ApiException
 
 from . import layout
 from .efficiency import status_fields
 from .fingerprint import PlanRefused, field_digests
-from .jobs import render_job, worker_image_default
+from .jobs import render_job, render_publish_job, worker_image_default
 from .planner import PlanError, plan_round
 from .progress import count_done, live_records, shard_records
-from .publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved, publish, read_manifest
+from .publish import (
+    ErrorRatioExceeded,
+    PublishError,
+    WorkFilesRemoved,
+    finish_publish,
+    prepare_publish,
+    read_manifest,
+)
 from .reconcile import (
     JOB_LABEL,
     TERMINAL_PHASES,
     CreateJob,
+    CreatePublishJob,
     Decision,
     FinishRound,
     MarkFailed,
     Nothing,
     PatchJob,
     PlanRound,
+    PreparePublish,
     Publish,
     Wait,
     current_round,
@@ -349,11 +359,63 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
         await write_status(raw, patch, event=("Normal", "RoundFinished", msg))
         return True
 
+    if isinstance(d, PreparePublish):
+        if status.get("phase") != "Publishing":
+            await write_status(raw, {**base(raw, d, now), "message": d.message})
+        try:
+            plan_uri, pplan = await asyncio.to_thread(prepare_publish, job, d.rounds)
+        except WorkFilesRemoved as e:
+            # Published before the operator could say so (a restart in between): the manifest stands.
+            found = await asyncio.to_thread(read_manifest, job)
+            if found is None:
+                failed = MarkFailed(round=d.round, phase="Failed", reason="WorkFilesRemoved", message=str(e))
+                await write_status(raw, {**base(raw, failed, now), "message": failed.message},
+                                   event=("Warning", "WorkFilesRemoved", failed.message))
+                return False
+            return await published(raw, job, d, found, now)
+        except PlanRefused as e:
+            failed = MarkFailed(round=d.round, phase="Failed", reason="PlanRefused", message=str(e))
+            await write_status(raw, {**base(raw, failed, now), "message": failed.message},
+                               event=("Warning", "PlanRefused", failed.message))
+            return False
+        except (PublishError, OSError, StorageError) as e:
+            msg = f"publish failed: {e}"
+            await write_status(raw, {"message": msg}, event=("Warning", "PublishFailed", msg))
+            raise kopf.TemporaryError(msg, delay=30) from e
+        passes = {p: publish_rows.count(pplan, p) for p in publish_rows.PASSES}
+        msg = f"publishing {d.rounds} round(s): passes {', '.join(f'{p} {n}' for p, n in passes.items())} indexes"
+        await write_status(raw, {**base(raw, d, now), "message": msg,
+                                 "publish": {"rounds": d.rounds, "planUri": plan_uri, "passes": passes}})
+        return True
+
+    if isinstance(d, CreatePublishJob):
+        body = render_publish_job(job, d.pass_name, d.completions, d.plan_uri, image=CONFIG.worker_image,
+                                  owner_uid=job.metadata.uid)
+        kopf.adopt(body, owner=as_body(raw))
+        created = await api().create_job(ns, body)
+        job_name = body["metadata"]["name"]
+        if not created:
+            existing = await api().get_job(ns, job_name)
+            if existing is not None and not owns(job, existing):
+                msg = (f"publishing: a Job named {job_name} already exists and does not belong to this "
+                       "BatchInferenceJob; delete or rename it")
+                clash = dataclasses.replace(d, phase="Publishing", reason="JobNameConflict", message=msg)
+                await write_status(raw, {**base(raw, clash, now), "message": msg},
+                                   event=("Warning", "JobNameConflict", msg) if status.get("message") != msg
+                                   else None)
+                schedule(ns, name, 15.0)
+                return False
+        msg = f"publishing: created Job {job_name} for pass {d.pass_name} ({d.completions} pods)"
+        await write_status(raw, {**base(raw, d, now), "message": msg},
+                           event=("Normal", "PublishPassStarted", msg) if created else None)
+        return True
+
     if isinstance(d, Publish):
         if status.get("phase") != "Publishing":
             await write_status(raw, {**base(raw, d, now), "message": d.message})
         try:
-            manifest = await asyncio.to_thread(publish, job, d.rounds)
+            pplan = await asyncio.to_thread(publish_rows.load, str((status.get("publish") or {})["planUri"]))
+            manifest = await asyncio.to_thread(finish_publish, job, d.rounds, pplan)
         except WorkFilesRemoved as e:
             # Published before the operator could say so (a restart in between): the manifest stands.
             found = await asyncio.to_thread(read_manifest, job)
@@ -369,26 +431,11 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
             await write_status(raw, {**base(raw, failed, now), "message": failed.message},
                                event=("Warning", "TooManyErrors", failed.message))
             return False
-        except (PublishError, OSError, RuntimeError) as e:
+        except (PublishError, OSError, StorageError, publish_rows.PublishPlanError) as e:
             msg = f"publish failed: {e}"
             await write_status(raw, {"message": msg}, event=("Warning", "PublishFailed", msg))
             raise kopf.TemporaryError(msg, delay=30) from e
-        counts = manifest.get("counts") or {}
-        uri = layout.manifest_uri(job)
-        msg = (f"published {counts.get('rows', 0)} rows in {len(manifest.get('files') or [])} files "
-               f"({counts.get('errors', 0)} error rows) to {uri}")
-        if counts.get("capped"):
-            # Never silent: rows the judge still rejected at the cap are published apart and said so.
-            capped = (f"RetryCapReached: {counts['capped']} rows were still rejected by the judge at the cap; "
-                      "they are in the manifest's cappedFiles")
-            msg += f"; {capped}"
-            kopf.event(as_body(raw), type="Warning", reason="RetryCapReached", message=capped)
-        done = dataclasses.replace(d, phase="Succeeded", reason="Published", message=msg)
-        patch = {**base(raw, done, now), "manifestUri": uri, "message": msg,
-                 "rows": {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}}
-        patch.update({k: v for k, v in (await progress(job, status, d.round, now)).items() if k != "rows"})
-        await write_status(raw, patch, event=("Normal", "Published", msg))
-        return False
+        return await published(raw, job, d, manifest, now)
 
     if isinstance(d, MarkFailed):
         patch = {**base(raw, d, now), "message": d.message, **await progress(job, status, d.round, now)}
@@ -432,6 +479,28 @@ async def shards_done(job: BatchInferenceJob, status: dict[str, Any]) -> int | N
     except (OSError, StorageError) as e:
         log.warning("%s/%s: cannot list shard records: %s", job.metadata.namespace, job.metadata.name, e)
         return None
+
+
+async def published(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, manifest: dict[str, Any],
+                    now: Any) -> bool:
+    """Phase Succeeded with what the manifest says."""
+    status: dict[str, Any] = raw.get("status") or {}
+    counts = manifest.get("counts") or {}
+    uri = layout.manifest_uri(job)
+    msg = (f"published {counts.get('rows', 0)} rows in {len(manifest.get('files') or [])} files "
+           f"({counts.get('errors', 0)} error rows) to {uri}")
+    if counts.get("capped"):
+        # Never silent: rows the judge still rejected at the cap are published apart and said so.
+        capped = (f"RetryCapReached: {counts['capped']} rows were still rejected by the judge at the cap; "
+                  "they are in the manifest's cappedFiles")
+        msg += f"; {capped}"
+        kopf.event(as_body(raw), type="Warning", reason="RetryCapReached", message=capped)
+    done = dataclasses.replace(d, phase="Succeeded", reason="Published", message=msg)
+    patch = {**base(raw, done, now), "manifestUri": uri, "message": msg,
+             "rows": {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}}
+    patch.update({k: v for k, v in (await progress(job, status, d.round, now)).items() if k != "rows"})
+    await write_status(raw, patch, event=("Normal", "Published", msg))
+    return False
 
 
 def schedule(namespace: str, name: str, delay: float) -> None:
@@ -571,7 +640,7 @@ async def bij_changed(namespace: str | None, name: str, **_: Any) -> None:
 
 @kopf.on.event("batch", "v1", "jobs", labels={JOB_LABEL: kopf.PRESENT})
 async def round_job_changed(body: kopf.Body, namespace: str | None, logger: kopf.Logger, **_: Any) -> None:
-    """Any change of a round Job (pods done, failed, suspended, deleted) moves its bij."""
+    """Any change of a round or publish Job (pods done, failed, suspended, deleted) moves its bij."""
     owner = body.metadata.labels.get(JOB_LABEL)
     if not owner or namespace is None:
         return

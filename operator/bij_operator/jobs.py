@@ -33,7 +33,9 @@ WORKER_UID = 1000
 
 LABEL_JOB = f"{API_GROUP}/job"
 LABEL_ROUND = f"{API_GROUP}/round"
+LABEL_PUBLISH = f"{API_GROUP}/publish-pass"
 ANNOTATION_MANIFEST = f"{API_GROUP}/manifest"
+ANNOTATION_PUBLISH_PLAN = f"{API_GROUP}/publish-plan"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 # Spot node labels by provider: (label, value). Karpenter and EKS managed node groups do not
@@ -170,6 +172,53 @@ def render_job(
     if w.ttl_seconds_after_finished is not None:
         spec["ttlSecondsAfterFinished"] = w.ttl_seconds_after_finished
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
+
+
+def publish_job_name(job: BatchInferenceJob, pass_name: str) -> str:
+    return f"{job.metadata.name}-publish-{pass_name}"
+
+
+def render_publish_job(job: BatchInferenceJob, pass_name: str, completions: int, plan_uri: str, *,
+                       image: str = DEFAULT_WORKER_IMAGE, owner_uid: str | None = None) -> dict[str, Any]:
+    """The batch/v1 Job of one publish pass (ids, dedupe, write): `completions` pods, pod `i` working
+    indexes i, i + completions, ... of the pass (`bij-worker publish --stride`), each in the memory one
+    index needs. The row-level work of publishing runs here, never in the operator.
+
+    Same image, identity, storage settings and failure policy as the round's workers, but no GPU and
+    none of the spot/GPU placement: publishing reads and writes storage, on any node.
+    """
+    body = render_job(job, 0, completions, plan_uri, image=image, owner_uid=owner_uid)
+    meta = body["metadata"]
+    meta["name"] = publish_job_name(job, pass_name)
+    for labels in (meta["labels"], body["spec"]["template"]["metadata"]["labels"]):
+        labels.pop(LABEL_ROUND)
+        labels["app.kubernetes.io/component"] = "publish"
+        labels[LABEL_PUBLISH] = pass_name
+    meta["annotations"] = {ANNOTATION_PUBLISH_PLAN: plan_uri}
+    spec = body["spec"]
+    spec["suspend"] = False  # publishing is short and follows a round the queue admitted
+    meta["labels"].pop(KUEUE_QUEUE_LABEL, None)
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    container["args"] = ["publish", "--plan", plan_uri, "--pass", pass_name, "--stride", str(completions)]
+    container["env"] = [e for e in container["env"] if e["name"] != "BIJ_MANIFEST"]
+    container.pop("ports", None)
+    limits = container.get("resources", {}).get("limits", {})
+    limits.pop(GPU_RESOURCE, None)
+    if "resources" in container and not limits:
+        container["resources"].pop("limits", None)
+    if not container.get("resources"):
+        container.pop("resources", None)
+    w = job.spec.workers
+    for key in ("nodeSelector", "tolerations", "affinity"):
+        pod.pop(key, None)
+    if w.node_selector:
+        pod["nodeSelector"] = dict(w.node_selector)
+    if w.tolerations:
+        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in w.tolerations]
+    if w.affinity:
+        pod["affinity"] = copy.deepcopy(w.affinity)
+    return body
 
 
 def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str) -> dict[str, Any]:

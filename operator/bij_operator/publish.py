@@ -208,8 +208,16 @@ def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
     Rows a judge still rejected at the cap go to `capped/` files with their last
     output, attempts and verdicts, and are counted in `counts.capped`.
     """
-    out_uri = job.spec.output.uri
-    store = open_storage(out_uri, job.spec.storage.s3)
+    plan_uri, pplan = prepare_publish(job, rounds, bucket_rows)
+    run_passes(job, plan_uri, pplan, processes, stats)
+    return finish_publish(job, rounds, pplan)
+
+
+def prepare_publish(job: BatchInferenceJob, rounds: int = 1,
+                    bucket_rows: int = publish_rows.BUCKET_ROWS) -> tuple[str, dict[str, Any]]:
+    """Check that rounds 0..rounds-1 are whole and made by this spec, and write the publish plan the
+    row-level passes follow. O(shards). Returns the plan's URI and the plan."""
+    store = open_storage(job.spec.output.uri, job.spec.storage.s3)
     removed = removed_record(store, job)
     if removed is not None:
         raise WorkFilesRemoved(
@@ -224,14 +232,27 @@ def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
             # The manifest must name what made the rows, never a spec edited since.
             raise PlanRefused(f"cannot publish: {'; '.join(changes)} since round {r} was planned; undo the change, "
                               "or start over with `bij run --restart`")
-    for r, plan in enumerate(plans):  # every completion record first: O(shards), and the id kind needs them all
+    _read_done(store, plans, t)  # every completion record first: O(shards), and the id kind needs them all
+    return write_publish_plan(store, job, plans, t.done_records, bucket_rows)
+
+
+def _read_done(store: Storage, plans: list[dict[str, Any]], t: _Totals) -> None:
+    for r, plan in enumerate(plans):
         for index in range(len(plan["shards"])):
             try:
                 t.add_done(json.loads(store.read_bytes(done_uri(plan, index))))
             except NotFound:
                 raise PublishError(f"round {r} shard {index} has not finished") from None
-    plan_uri, pplan = write_publish_plan(store, job, plans, t.done_records, bucket_rows)
-    run_passes(job, plan_uri, pplan, processes, stats)
+
+
+def finish_publish(job: BatchInferenceJob, rounds: int, pplan: dict[str, Any]) -> dict[str, Any]:
+    """After the passes: the manifest from the completion records and the passes' per-shard summaries,
+    O(shards), written last in one atomic write; then the work files go (keepIntermediate false)."""
+    out_uri = job.spec.output.uri
+    store = open_storage(out_uri, job.spec.storage.s3)
+    plans = [load_round_plan(store, job, r) for r in range(rounds)]
+    t = _Totals()
+    _read_done(store, plans, t)
     t.rounds = [{"round": r, "shards": len(p["shards"]), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
     for unit in range(len(pplan["units"])):
         summary = json.loads(store.read_bytes(publish_rows.summary_uri(pplan, unit)))

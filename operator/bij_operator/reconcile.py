@@ -227,8 +227,26 @@ class FinishRound(Decision):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PreparePublish(Decision):
+    """Check rounds ``0..rounds-1`` and write the publish plan (O(shards)); record it in ``status.publish``."""
+
+    rounds: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CreatePublishJob(Decision):
+    """Create the Indexed Job of one publish pass: the row-level work runs in its pods."""
+
+    rounds: int
+    pass_name: str
+    completions: int
+    plan_uri: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Publish(Decision):
-    """Write ``<output>/manifest.json`` over rounds ``0..rounds-1``, then phase Succeeded."""
+    """Every publish pass is done: write ``<output>/manifest.json`` over rounds ``0..rounds-1`` from the
+    per-shard summaries (O(shards)), then phase Succeeded."""
 
     rounds: int
 
@@ -343,7 +361,7 @@ def decide(
     lanes = int(rec.get("lanes") or planned)
     if rec.get("completionTime"):
         # The round's results are recorded as complete; the Job may already be gone (TTL).
-        return after_round(job, status, r)
+        return after_round(job, status, r, observed_jobs)
     shards = Shards(done=min(shards_done, planned), total=planned) if shards_done is not None else None
 
     view = round_job(job, r, observed_jobs)
@@ -467,7 +485,62 @@ def round_stats(status: Mapping[str, Any]) -> list[RoundStats]:
     return out
 
 
-def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int) -> Decision:
+PUBLISH_PASSES = ("ids", "dedupe", "write")  # bij_worker.publish_rows.PASSES, in order
+PUBLISH_LABEL = f"{API_GROUP}/publish-pass"
+
+
+def publish_job(job: BatchInferenceJob, pass_name: str, observed_jobs: Sequence[Mapping[str, Any]]) -> JobView | None:
+    """The observed Job of one publish pass of this bij."""
+    for raw in observed_jobs:
+        labels = (raw.get("metadata") or {}).get("labels") or {}
+        if labels.get(JOB_LABEL) == job.metadata.name and labels.get(PUBLISH_LABEL) == pass_name:
+            return JobView.of(raw)
+    return None
+
+
+def publishing(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
+               observed_jobs: Sequence[Mapping[str, Any]]) -> Decision:
+    """The next publishing step: plan it, then one Job per pass in order, then the manifest.
+
+    The passes' row-level work (duplicate ids across shards, result/error files) runs in the pods of
+    the pass Jobs, in bounded memory; the operator only plans it and writes the manifest from per-shard
+    summaries, so its own work grows with shards, never with rows.
+    """
+    rounds = r + 1
+    rec = status.get("publish") or {}
+    if rec.get("rounds") != rounds or not rec.get("planUri") or not isinstance(rec.get("passes"), Mapping):
+        return PreparePublish(round=r, phase="Publishing", reason="Publishing",
+                              message=f"publishing {rounds} round(s): planning the publish passes", rounds=rounds)
+    for pass_name in PUBLISH_PASSES:
+        count = int(rec["passes"].get(pass_name) or 0)
+        if count == 0:
+            continue
+        view = publish_job(job, pass_name, observed_jobs)
+        if view is None:
+            pods = min(job.spec.workers.parallelism, count)
+            return CreatePublishJob(round=r, phase="Publishing", reason="Publishing",
+                                    message=f"publishing: pass {pass_name}, {count} indexes in {pods} pods",
+                                    rounds=rounds, pass_name=pass_name, completions=pods,
+                                    plan_uri=str(rec["planUri"]))
+        if not is_ours(job, view):
+            return Wait(round=r, phase="Publishing", reason="WaitingForOldJob",
+                        message=f"Job {view.name} belongs to an earlier object of this name; "
+                                "waiting for it to be deleted")
+        if view.failed_for_good:
+            cond = view.failure
+            detail = f": {cond.reason}" + (f" ({cond.message})" if cond.message else "") if cond else ""
+            return MarkFailed(round=r, phase="Failed", reason="PublishFailed",
+                              message=f"publish pass {pass_name} failed; Job {view.name}{detail}")
+        if not view.succeeded:
+            lanes = view.lanes
+            return Wait(round=r, phase="Publishing", reason="Publishing", lanes=lanes,
+                        message=f"publishing: pass {pass_name}, {lanes.done}/{lanes.total} pods done")
+    return Publish(round=r, phase="Publishing", reason="Publishing",
+                   message=f"publishing the manifest of {rounds} round(s)", rounds=rounds)
+
+
+def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
+                observed_jobs: Sequence[Mapping[str, Any]] = ()) -> Decision:
     """A round finished: plan the next judge round if rows were rejected, else publish.
 
     Whether another round follows is `rounds.needs_another_round`, shared with ``bij run``:
@@ -488,8 +561,7 @@ def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int) -> De
         rejected = history[-1].rejected
         return PlanRound(round=r + 1, phase="Running", reason="Planning",
                          message=f"round {r}: the judge rejected {rejected} rows; planning round {r + 1}")
-    return Publish(round=r, phase="Publishing", reason="Publishing",
-                   message=f"publishing the manifest of {r + 1} round(s)", rounds=r + 1)
+    return publishing(job, status, r, observed_jobs)
 
 
 def _condition_message(status: Mapping[str, Any], type_: str) -> str | None:
