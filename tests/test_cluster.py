@@ -201,6 +201,16 @@ def assert_every_row_once(manifest: Path, ids: list[Any]) -> None:
     assert all(r["output"].startswith("row ") for r in rows)
 
 
+def hold_row(env: Env, job: str) -> None:
+    """Row 0's shard waits at its engine call until the gate is removed, whichever lane works it."""
+    (env.gates / f"holdrow-{job}").write_text("row 0:")
+
+
+def all_but_one_shard_done(env: Env, name: str) -> bool:
+    shards = env.status(name).get("shards") or {}
+    return bool(shards.get("total")) and shards["done"] == shards["total"] - 1
+
+
 def operator_log(cluster: LocalCluster) -> str:
     return cluster.pod_logs(OPERATOR_NAMESPACE, "bij-")
 
@@ -219,7 +229,7 @@ def env(local_cluster: LocalCluster, tmp_path: Path) -> Iterator[Env]:
     e = Env(local_cluster, ns, tmp_path, gates)
     yield e
     new_log = operator_log(local_cluster)[log_before:]
-    for gate in gates.glob("hold-*"):
+    for gate in gates.glob("hold*"):
         gate.unlink()
     try:
         core.delete_namespace(ns)
@@ -312,7 +322,7 @@ def test_every_bad_spec_is_refused_by_the_real_api_server_as_bij_validate_says(e
 
 def test_a_job_runs_to_succeeded_through_the_operator_pod(env: Env) -> None:
     ids = job_ids(env)
-    env.gate("hold", "emb-r0", 0, "0")  # shard 0 waits at its first batch: the running state can be seen
+    hold_row(env, "emb-r0")  # the shard of row 0 waits, whichever lane works it: the running state can be seen
     env.create(env.doc("emb"))
     running = wait_for(lambda: (lambda s: s if s.get("phase") == "Running" and s.get("shards", {}).get("total")
                                 and s["shards"]["done"] == s["shards"]["total"] - 1 else None)(env.status("emb")),
@@ -326,7 +336,7 @@ def test_a_job_runs_to_succeeded_through_the_operator_pod(env: Env) -> None:
     assert job["metadata"]["name"] == "emb-r0" and job["spec"]["completionMode"] == "Indexed"
     assert job["metadata"]["ownerReferences"][0]["name"] == "emb"
 
-    (env.gates / "hold-emb-r0-0").unlink()
+    (env.gates / "holdrow-emb-r0").unlink()
     done = env.wait_phase("emb", "Succeeded")
     line = env.kubectl("get", "bij", "emb", "--no-headers").split()
     assert line[:5] == ["emb", "Succeeded", "0", f"{total}/{total}", str(ROWS)]
@@ -509,14 +519,14 @@ def test_lanes_that_all_use_up_their_retries_fail_the_bij_naming_them(env: Env) 
 
 def test_the_operator_pod_deleted_mid_round_is_replaced_and_finishes_with_one_job(env: Env) -> None:
     ids = job_ids(env)
-    env.gate("hold", "opk-r0", 0, "0")
+    hold_row(env, "opk-r0")
     env.create(env.doc("opk"))
-    wait_for(lambda: env.running_pod("opk-r0", 0), 120, "shard 0 running")
+    wait_for(lambda: all_but_one_shard_done(env, "opk"), 120, "every shard but the held one done")
     old = env.cluster.operator_pod()
     env.core.delete_namespaced_pod(old["metadata"]["name"], OPERATOR_NAMESPACE)
     new = env.cluster.operator_pod(timeout=120, not_uid=old["metadata"]["uid"])
     assert new["metadata"]["name"] != old["metadata"]["name"]
-    (env.gates / "hold-opk-r0-0").unlink()
+    (env.gates / "holdrow-opk-r0").unlink()
     env.wait_phase("opk", "Succeeded")
     assert [j["metadata"]["name"] for j in env.jobs() if "-publish-" not in j["metadata"]["name"]] == ["opk-r0"]
     assert_every_row_once(env.tmp / "out-opk" / "manifest.json", ids)
@@ -537,10 +547,11 @@ def test_judge_rounds_run_one_job_per_round(env: Env) -> None:
 def test_spot_pods_land_only_on_the_providers_spot_nodes_and_gpu_requests_fit(env: Env) -> None:
     job_ids(env)
     workers = {**env.doc("x")["spec"]["workers"], "gpus": 1, "spot": True, "spotProvider": "gke", "parallelism": 4}
-    env.gate("hold", "spot-r0", 0, "0")
-    env.gate("hold", "spot-r0", 1, "0")
+    for lane in range(4):  # every lane holds at its first batch: whichever two get the GPUs keep them
+        env.gate("hold", "spot-r0", lane, "0")
     env.create(env.doc("spot", workers=workers))
-    wait_for(lambda: env.running_pod("spot-r0", 0) and env.running_pod("spot-r0", 1), 120, "two spot pods running")
+    wait_for(lambda: sum(1 for lane in range(4) if env.running_pod("spot-r0", lane)) == 2 or None, 120,
+             "two spot pods running")
     pods = [p for p in env.pods("spot-r0") if p["status"].get("phase") in ("Pending", "Running")]
     placed = [p for p in pods if p["spec"].get("nodeName")]
     assert {p["spec"]["nodeName"] for p in placed} == {"gke-spot-gpu-0"}
@@ -551,8 +562,8 @@ def test_spot_pods_land_only_on_the_providers_spot_nodes_and_gpu_requests_fit(en
                        60, "pods the scheduler could not place")
     message = next(c["message"] for c in pending[0]["status"]["conditions"] if c.get("reason") == "Unschedulable")
     assert "nvidia.com/gpu" in message
-    for i in (0, 1):
-        (env.gates / f"hold-spot-r0-{i}").unlink()
+    for lane in range(4):
+        (env.gates / f"hold-spot-r0-{lane}").unlink()
     env.wait_phase("spot", "Succeeded", timeout=180)
     nodes = {p["spec"]["nodeName"] for p in env.pods("spot-r0")}
     assert nodes == {"gke-spot-gpu-0"}
@@ -586,10 +597,9 @@ def test_a_spec_only_the_operator_can_judge_invalid_fails_without_a_job_until_fi
 
 def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(env: Env) -> None:
     ids = job_ids(env)
-    env.gate("hold", "sus-r0", 0, "0")
+    hold_row(env, "sus-r0")
     env.create(env.doc("sus"))
-    wait_for(lambda: (lambda s: s.get("shards", {}).get("total") and s["shards"]["done"] == s["shards"]["total"] - 1)(
-        env.status("sus")), 120, "every shard but the held one done")
+    wait_for(lambda: all_but_one_shard_done(env, "sus"), 120, "every shard but the held one done")
     env.custom.patch_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "sus", {"spec": {"suspend": True}})
     suspended = env.wait_phase("sus", "Suspended")
     total = suspended["shards"]["total"]
@@ -599,12 +609,12 @@ def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(env: En
              "the held pod stopped")
     job = env.job("sus-r0")
     assert job["spec"]["suspend"] is True and job["status"].get("failed", 0) == 0
-    (env.gates / "hold-sus-r0-0").unlink()
+    (env.gates / "holdrow-sus-r0").unlink()
     env.custom.patch_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "sus", {"spec": {"suspend": False}})
     done = env.wait_phase("sus", "Succeeded")
     assert done["observedGeneration"] == 3
-    # Both lanes' pods were stopped (lane 1 was waiting for the held shard) and started again ...
-    assert len((env.gates / "started-sus-r0-0").read_text().splitlines()) == 2
+    # Both lanes' pods were stopped (one held, the other waiting for the held shard) and started again ...
+    assert sorted(len(p.read_text().splitlines()) for p in env.gates.glob("started-sus-r0-*")) == [2, 2]
     # ... yet finished shards never ran again: only rows of the held shard not yet durable were recomputed.
     assert len(env.computed("sus-r0")) - ROWS <= 4 * 8
     assert_every_row_once(env.tmp / "out-sus" / "manifest.json", ids)
@@ -668,16 +678,16 @@ def _grants(api: kubernetes.client.ApiClient, sa: str) -> set[tuple[str, str, st
 
 def _operator_session(env: Env, restart: Any) -> None:
     write_rows(env.tmp / "in", 60)
-    env.gate("hold", "ok-r0", 0, "0")
+    hold_row(env, "ok-r0")
     env.create(env.doc("ok"))
-    wait_for(lambda: env.running_pod("ok-r0", 0), 120, "ok running")
+    wait_for(lambda: all_but_one_shard_done(env, "ok"), 120, "ok running")
     patch = env.custom.patch_namespaced_custom_object
     patch(GROUP, VERSION, env.ns, PLURAL, "ok", {"spec": {"workers": {"parallelism": 3}}})
     patch(GROUP, VERSION, env.ns, PLURAL, "ok", {"spec": {"suspend": True}})
     env.wait_phase("ok", "Suspended")
     restart()
     patch(GROUP, VERSION, env.ns, PLURAL, "ok", {"spec": {"suspend": False}})
-    (env.gates / "hold-ok-r0-0").unlink()
+    (env.gates / "holdrow-ok-r0").unlink()
     env.wait_phase("ok", "Succeeded")
 
     env.gate("exit", "bad-r0", 0, "42 1")

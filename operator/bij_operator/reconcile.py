@@ -533,7 +533,7 @@ def publishing(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
                               message=f"publish pass {pass_name} failed; Job {view.name}{detail}")
         if not view.succeeded:
             lanes = view.lanes
-            return Wait(round=r, phase="Publishing", reason="Publishing", lanes=lanes,
+            return Wait(round=r, phase="Publishing", reason="Publishing",
                         message=f"publishing: pass {pass_name}, {lanes.done}/{lanes.total} pods done")
     return Publish(round=r, phase="Publishing", reason="Publishing",
                    message=f"publishing the manifest of {rounds} round(s)", rounds=rounds)
