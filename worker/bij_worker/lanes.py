@@ -194,7 +194,7 @@ class Claims:
         """`next()`, waiting while others hold every shard left; None when all are done or when
         `stopped` is set."""
         # Often enough that a lane waiting at the round's end exits soon after the last shard is done.
-        poll = poll if poll is not None else max(0.2, min(1.0, self.lease / 4))
+        poll = poll if poll is not None else max(0.2, min(0.5, self.lease / 4))
         while not stopped.is_set():
             got = self.next()
             if got is None or isinstance(got, Claim):
