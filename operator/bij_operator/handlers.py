@@ -55,6 +55,7 @@ from .reconcile import (
     MarkFailed,
     Nothing,
     PatchJob,
+    Phase,
     PlanRound,
     PreparePublish,
     Publish,
@@ -300,22 +301,10 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
             await write_status(raw, {**base(raw, failed, now), "message": failed.message},
                                event=("Warning", "CannotCreateJob", failed.message))
             return False
-        kopf.adopt(body, owner=as_body(raw))
-        created = await api().create_job(ns, body)
+        created = await create_owned_job(raw, job, d, body, f"round {d.round}", "Pending", now)
+        if created is None:
+            return False
         job_name = body["metadata"]["name"]
-        if not created:
-            # 409: normally an earlier attempt of ours. A Job of that name made by someone else
-            # is never adopted or replaced: report it and look again later.
-            existing = await api().get_job(ns, job_name)
-            if existing is not None and not owns(job, existing):
-                msg = (f"round {d.round}: a Job named {job_name} already exists and does not belong to this "
-                       "BatchInferenceJob; delete or rename it")
-                conflict = dataclasses.replace(d, phase="Pending", reason="JobNameConflict", message=msg)
-                await write_status(raw, {**base(raw, conflict, now), "message": msg},
-                                   event=("Warning", "JobNameConflict", msg) if status.get("message") != msg
-                                   else None)
-                schedule(ns, name, 15.0)
-                return False
         spec = body["spec"]
         msg = (f"round {d.round}: created Job {job_name} with {d.completions} lanes for "
                f"{d.shards.total if d.shards else '?'} shards, parallelism {spec['parallelism']}"
@@ -391,21 +380,10 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
     if isinstance(d, CreatePublishJob):
         body = render_publish_job(job, d.pass_name, d.completions, d.plan_uri, image=CONFIG.worker_image,
                                   owner_uid=job.metadata.uid)
-        kopf.adopt(body, owner=as_body(raw))
-        created = await api().create_job(ns, body)
-        job_name = body["metadata"]["name"]
-        if not created:
-            existing = await api().get_job(ns, job_name)
-            if existing is not None and not owns(job, existing):
-                msg = (f"publishing: a Job named {job_name} already exists and does not belong to this "
-                       "BatchInferenceJob; delete or rename it")
-                clash = dataclasses.replace(d, phase="Publishing", reason="JobNameConflict", message=msg)
-                await write_status(raw, {**base(raw, clash, now), "message": msg},
-                                   event=("Warning", "JobNameConflict", msg) if status.get("message") != msg
-                                   else None)
-                schedule(ns, name, 15.0)
-                return False
-        msg = f"publishing: created Job {job_name} for pass {d.pass_name} ({d.completions} pods)"
+        created = await create_owned_job(raw, job, d, body, "publishing", "Publishing", now)
+        if created is None:
+            return False
+        msg = f"publishing: created Job {body['metadata']['name']} for pass {d.pass_name} ({d.completions} pods)"
         await write_status(raw, {**base(raw, d, now), "message": msg},
                            event=("Normal", "PublishPassStarted", msg) if created else None)
         return True
@@ -414,17 +392,10 @@ async def apply(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, t: Tra
         if status.get("phase") != "Publishing":
             await write_status(raw, {**base(raw, d, now), "message": d.message})
         try:
+            # What finishing reads (plans, completion records, per-shard summaries) stays after the
+            # work files go, so a restart between the manifest and the status write finishes again.
             pplan = await asyncio.to_thread(publish_rows.load, str((status.get("publish") or {})["planUri"]))
             manifest = await asyncio.to_thread(finish_publish, job, d.rounds, pplan)
-        except WorkFilesRemoved as e:
-            # Published before the operator could say so (a restart in between): the manifest stands.
-            found = await asyncio.to_thread(read_manifest, job)
-            if found is None:
-                failed = MarkFailed(round=d.round, phase="Failed", reason="WorkFilesRemoved", message=str(e))
-                await write_status(raw, {**base(raw, failed, now), "message": failed.message},
-                                   event=("Warning", "WorkFilesRemoved", failed.message))
-                return False
-            manifest = found
         except ErrorRatioExceeded as e:
             # Permanent: duplicates found only at publish can push the share of bad rows over the limit.
             failed = MarkFailed(round=d.round, phase="Failed", reason="TooManyErrors", message=str(e))
@@ -479,6 +450,29 @@ async def shards_done(job: BatchInferenceJob, status: dict[str, Any]) -> int | N
     except (OSError, StorageError) as e:
         log.warning("%s/%s: cannot list shard records: %s", job.metadata.namespace, job.metadata.name, e)
         return None
+
+
+async def create_owned_job(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, body: dict[str, Any],
+                           what: str, phase: Phase, now: Any) -> bool | None:
+    """Create a Job owned by the bij: True if created, False if an earlier attempt of ours had (409);
+    None when a Job of that name belongs to someone else: it is never adopted or replaced, the bij
+    says so, and it is looked at again later."""
+    ns, name = job.metadata.namespace, job.metadata.name
+    kopf.adopt(body, owner=as_body(raw))
+    if await api().create_job(ns, body):
+        return True
+    job_name = body["metadata"]["name"]
+    existing = await api().get_job(ns, job_name)
+    if existing is None or owns(job, existing):
+        return False
+    msg = f"{what}: a Job named {job_name} already exists and does not belong to this BatchInferenceJob; " \
+          "delete or rename it"
+    conflict = dataclasses.replace(d, phase=phase, reason="JobNameConflict", message=msg)
+    status = raw.get("status") or {}
+    await write_status(raw, {**base(raw, conflict, now), "message": msg},
+                       event=("Warning", "JobNameConflict", msg) if status.get("message") != msg else None)
+    schedule(ns, name, 15.0)
+    return None
 
 
 async def published(raw: dict[str, Any], job: BatchInferenceJob, d: Decision, manifest: dict[str, Any],
