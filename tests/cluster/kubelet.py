@@ -128,7 +128,8 @@ class PodRunner:
             self.node.core.patch_namespaced_pod_status(self.name, self.ns, {"status": status}, _request_timeout=10)
         except ApiException as e:
             if e.status != 404:
-                log.warning("pod %s/%s: status update failed: %s", self.ns, self.name, e.reason)
+                log.warning("pod %s/%s: status update failed: %s %s", self.ns, self.name, e.reason,
+                            (e.body or "")[:500] if isinstance(e.body, str) else e.body)
 
     def _conditions(self, ready: bool) -> list[dict[str, Any]]:
         t = now()
@@ -434,6 +435,9 @@ class Node:
         self.core = kubernetes.client.CoreV1Api(self.api)
         self.coord = kubernetes.client.CoordinationV1Api(self.api)
         self.pods: dict[str, PodRunner] = {}
+        # Pods that ran here and ended: a watch event that still shows one as Running (sent before
+        # its terminal status) must not start it again, as a kubelet never runs a pod twice.
+        self.ended: set[str] = set()
         self.lock = threading.Lock()
         self.dead = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -539,7 +543,7 @@ class Node:
             runner = self.pods.get(uid)
             fresh = runner is None
             if fresh:
-                if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+                if pod.get("status", {}).get("phase") in ("Succeeded", "Failed") or uid in self.ended:
                     return
                 runner = PodRunner(self, pod)
                 if not deleting:
@@ -563,6 +567,7 @@ class Node:
     def forget(self, uid: str) -> None:
         with self.lock:
             self.pods.pop(uid, None)
+            self.ended.add(uid)
 
     def running(self) -> list[PodRunner]:
         with self.lock:
