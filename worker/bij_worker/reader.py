@@ -24,7 +24,7 @@ from typing import Any
 import zstandard
 
 from .parquet import iter_parquet_piece
-from .storage import Storage
+from .storage import Storage, split_blocks
 
 DEFAULT_MAX_LINE_BYTES = 32 << 20
 
@@ -107,52 +107,6 @@ Place = tuple[int, int, int]  # (object, offset, end)
 Block = tuple[list[Place], list[bytes | InputProblem], list[int]]
 
 _PLUS_ONE = (1).__add__
-
-
-def split_blocks(stream: Any, base_offset: int, block: int = 1 << 20,
-                 max_line: int | None = None) -> Iterator[tuple[int, list[bytes | None], list[int]]]:
-    """`storage.split_lines` a block at a time: (offset of the first line, lines, their lengths).
-
-    The lines of one item follow each other in the stream, each followed by its newline
-    (but perhaps the stream's last line). A line over `max_line` bytes is None, its
-    length still given. One split and one length pass per block, in C: no Python work
-    per line here.
-    """
-    limit = -1 if max_line is None else max_line
-    parts: list[bytes] = []  # pieces of the line not ended yet (none once it is over the limit)
-    size = 0  # its length so far
-    pos = base_offset  # offset of its first byte
-    while True:
-        data = stream.read(block)
-        if not data:
-            break
-        lines: list[bytes | None] = data.split(b"\n")  # type: ignore[assignment]
-        tail: bytes = lines.pop()  # type: ignore[assignment]
-        if size and lines:  # the line left open by the last block ends in this one
-            head: bytes = lines[0]  # type: ignore[assignment]
-            n = size + len(head)
-            if limit < 0 or n <= limit:
-                parts.append(head)
-                yield pos, [b"".join(parts)], [n]
-            else:
-                yield pos, [None], [n]
-            parts, size = [], 0
-            pos += n + 1
-            lines = lines[1:]
-        if lines:
-            lengths: list[int] = list(map(len, lines))  # type: ignore[arg-type]
-            if 0 <= limit < len(data):  # a line inside this block may be over the limit
-                lines = [line if n <= limit else None for line, n in zip(lines, lengths, strict=True)]
-            yield pos, lines, lengths
-            pos += sum(lengths) + len(lengths)
-        if tail:
-            size += len(tail)
-            if limit < 0 or size <= limit:
-                parts.append(tail)
-            else:
-                parts = []
-    if size:
-        yield pos, [b"".join(parts) if limit < 0 or size <= limit else None], [size]
 
 
 def _place(obj: int, pos: int, lines: list[bytes | None], lengths: list[int], begin: int, end: int | None,

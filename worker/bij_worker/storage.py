@@ -577,6 +577,21 @@ def split_lines(stream: Any, base_offset: int, block: int = 1 << 20,
     comes as (offset, None, length), with its bytes dropped as they are read. A last line
     without a trailing newline is yielded too.
     """
+    for pos, lines, lengths in split_blocks(stream, base_offset, block, max_line):
+        for line, n in zip(lines, lengths, strict=True):
+            yield pos, line, n
+            pos += n + 1
+
+
+def split_blocks(stream: Any, base_offset: int, block: int = 1 << 20,
+                 max_line: int | None = None) -> Iterator[tuple[int, list[bytes | None], list[int]]]:
+    """`split_lines` a block at a time: (offset of the first line, lines, their lengths).
+
+    The lines of one item follow each other in the stream, each followed by its newline
+    (but perhaps the stream's last line). A line over `max_line` bytes is None, its
+    length still given. One split and one length pass per block, in C: no Python work
+    per line here.
+    """
     limit = -1 if max_line is None else max_line
     parts: list[bytes] = []  # pieces of the line not ended yet (none once it is over the limit)
     size = 0  # its length so far
@@ -585,31 +600,25 @@ def split_lines(stream: Any, base_offset: int, block: int = 1 << 20,
         data = stream.read(block)
         if not data:
             break
-        # One split per block (C), not one find and slice per line.
-        lines = data.split(b"\n")
-        tail = lines.pop()  # the part after the last newline: the start of a line still to come
-        first = 0
+        lines: list[bytes | None] = data.split(b"\n")  # type: ignore[assignment]
+        tail: bytes = lines.pop()  # type: ignore[assignment]
         if size and lines:  # the line left open by the last block ends in this one
-            n = size + len(lines[0])
+            head: bytes = lines[0]  # type: ignore[assignment]
+            n = size + len(head)
             if limit < 0 or n <= limit:
-                parts.append(lines[0])
-                yield pos, b"".join(parts), n
+                parts.append(head)
+                yield pos, [b"".join(parts)], [n]
             else:
-                yield pos, None, n
+                yield pos, [None], [n]
             parts, size = [], 0
             pos += n + 1
-            first = 1
-        if limit < 0 or len(data) <= limit:  # the common case: no line inside this block can be over the limit
-            for i in range(first, len(lines)):
-                line = lines[i]
-                yield pos, line, len(line)
-                pos += len(line) + 1
-        else:
-            for i in range(first, len(lines)):
-                line = lines[i]
-                n = len(line)
-                yield pos, line if n <= limit else None, n
-                pos += n + 1
+            lines = lines[1:]
+        if lines:
+            lengths: list[int] = list(map(len, lines))  # type: ignore[arg-type]
+            if 0 <= limit < len(data):  # a line inside this block may be over the limit
+                lines = [line if n <= limit else None for line, n in zip(lines, lengths, strict=True)]
+            yield pos, lines, lengths
+            pos += sum(lengths) + len(lengths)
         if tail:
             size += len(tail)
             if limit < 0 or size <= limit:
@@ -617,4 +626,6 @@ def split_lines(stream: Any, base_offset: int, block: int = 1 << 20,
             else:
                 parts = []
     if size:
-        yield pos, b"".join(parts) if limit < 0 or size <= limit else None, size
+        yield pos, [b"".join(parts) if limit < 0 or size <= limit else None], [size]
+
+
