@@ -14,6 +14,7 @@ from bij_operator import jobs, layout
 from bij_operator.cli import main as bij_main
 from bij_operator.jobs import render_job
 from bij_operator.spec import BatchInferenceJob, load_job, parse_job
+from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -400,8 +401,8 @@ def test_a_publish_pass_job_runs_every_nth_index_of_the_pass_without_gpu_or_spot
                                    owner_uid="u-1")
     assert body["metadata"]["name"] == f"{job.metadata.name}-publish-dedupe"
     labels = body["metadata"]["labels"]
-    assert labels[jobs.LABEL_PUBLISH] == "dedupe" and jobs.LABEL_ROUND not in labels
-    assert labels[jobs.LABEL_JOB] == job.metadata.name
+    assert labels[PUBLISH_LABEL] == "dedupe" and ROUND_LABEL not in labels
+    assert labels[JOB_LABEL] == job.metadata.name
     assert body["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     spec = body["spec"]
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)

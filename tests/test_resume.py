@@ -18,8 +18,9 @@ import pytest
 from bij_operator import layout
 from bij_operator.planner import plan_round
 from bij_operator.publish import publish
+from bij_worker.contract.codes import EXIT_FAILED, EXIT_TERMINATED
 from bij_worker.segments import ShardLog
-from bij_worker.worker import EXIT_FAILED, EXIT_TERMINATED, ShardWorker, StopFlag, done_uri, load_plan
+from bij_worker.worker import ShardWorker, StopFlag, done_uri, load_plan
 
 
 def rows_with_mixed_lengths(n: int, seed: int = 7, bad_every: int = 0) -> list[Any]:

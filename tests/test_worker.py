@@ -10,8 +10,8 @@ import pytest
 from bij_operator import layout
 from bij_operator.planner import plan_round
 from bij_operator.publish import publish
+from bij_worker.contract.codes import EXIT_BAD_CONFIG
 from bij_worker.worker import (
-    EXIT_BAD_CONFIG,
     BadConfig,
     EngineFailure,
     ShardWorker,

@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bij_worker.contract.errors import BijError
 from bij_worker.storage import ObjectInfo
 
 from .spec import DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
@@ -32,7 +33,7 @@ ROW_FIELDS = (
 _ADDED_LATER = {"input.maxLineBytes": DEFAULT_MAX_LINE_BYTES}
 
 
-class PlanRefused(ValueError):
+class PlanRefused(BijError):
     """The job must not run as it stands: it does not match its plan, its output belongs to another
     job, or its URIs overlap. No retry helps; the message says what changed and what to do."""
 

@@ -17,6 +17,14 @@ import sys
 from typing import Any
 
 import yaml
+from bij_worker.contract.codes import (
+    EXIT_BAD_CONFIG,
+    JOB_LABEL,
+    MANIFEST_ANNOTATION,
+    PUBLISH_LABEL,
+    PUBLISH_PLAN_ANNOTATION,
+    ROUND_LABEL,
+)
 
 from . import layout
 from .spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, load_job
@@ -25,17 +33,10 @@ DEFAULT_WORKER_IMAGE = "ghcr.io/bij-project/bij-worker:0.1.0"
 DEFAULT_SERVICE_ACCOUNT = "bij-worker"
 WORKER_CONTAINER = "worker"
 WORKER_METRICS_PORT = 9400
-# bij-worker's exit code for "bad configuration": a retry cannot help (see bij_worker.main).
-EXIT_BAD_CONFIG = 42
 # Kubernetes caps completions at 10^5 when backoffLimitPerIndex is set.
 MAX_COMPLETIONS = 100_000
 WORKER_UID = 1000
 
-LABEL_JOB = f"{API_GROUP}/job"
-LABEL_ROUND = f"{API_GROUP}/round"
-LABEL_PUBLISH = f"{API_GROUP}/publish-pass"
-ANNOTATION_MANIFEST = f"{API_GROUP}/manifest"
-ANNOTATION_PUBLISH_PLAN = f"{API_GROUP}/publish-plan"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 # Spot node labels by provider: (label, value). Karpenter and EKS managed node groups do not
@@ -82,8 +83,8 @@ def job_labels(job: BatchInferenceJob, round_no: int) -> dict[str, str]:
         "app.kubernetes.io/component": "worker",
         "app.kubernetes.io/part-of": "bij",
         "app.kubernetes.io/managed-by": "bij-operator",
-        LABEL_JOB: job.metadata.name,
-        LABEL_ROUND: str(round_no),
+        JOB_LABEL: job.metadata.name,
+        ROUND_LABEL: str(round_no),
     }
 
 
@@ -111,7 +112,7 @@ def render_job(
         "name": job_name(job, round_no),
         "namespace": job.metadata.namespace,
         "labels": dict(labels),
-        "annotations": {ANNOTATION_MANIFEST: manifest_uri},
+        "annotations": {MANIFEST_ANNOTATION: manifest_uri},
     }
     if w.queue_name:
         metadata["labels"][KUEUE_QUEUE_LABEL] = w.queue_name
@@ -191,10 +192,10 @@ def render_publish_job(job: BatchInferenceJob, pass_name: str, completions: int,
     meta = body["metadata"]
     meta["name"] = publish_job_name(job, pass_name)
     for labels in (meta["labels"], body["spec"]["template"]["metadata"]["labels"]):
-        labels.pop(LABEL_ROUND)
+        labels.pop(ROUND_LABEL)
         labels["app.kubernetes.io/component"] = "publish"
-        labels[LABEL_PUBLISH] = pass_name
-    meta["annotations"] = {ANNOTATION_PUBLISH_PLAN: plan_uri}
+        labels[PUBLISH_LABEL] = pass_name
+    meta["annotations"] = {PUBLISH_PLAN_ANNOTATION: plan_uri}
     spec = body["spec"]
     spec["suspend"] = False  # publishing is short and follows a round the queue admitted
     meta["labels"].pop(KUEUE_QUEUE_LABEL, None)
@@ -386,12 +387,13 @@ def cli_render(args: argparse.Namespace) -> int:
         return 1
     completions = args.shards
     if completions is None:
+        from bij_worker.storage import StorageError
+
         from .planner import PlanError, plan_shards_for
 
         try:
             completions = plan_shards_for(job, args.round)
-        except (PlanError, OSError, RuntimeError) as e:
-            # RuntimeError covers bij_worker.storage.StorageError (listing the input failed).
+        except (PlanError, StorageError, OSError) as e:
             print(f"cannot plan round {args.round} of {job.metadata.name}: {e}", file=sys.stderr)
             print("pass --shards N to render without reading the input", file=sys.stderr)
             return 1

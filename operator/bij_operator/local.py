@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from bij_worker import publish_rows
+from bij_worker.contract.codes import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
 from bij_worker.storage import StorageError, open_storage
-from bij_worker.worker import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
 
 from . import layout
 from .efficiency import fmt_money

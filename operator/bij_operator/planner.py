@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bij_worker.contract.errors import BijError
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import Footer, read_footer
 from bij_worker.storage import NotFound, ObjectInfo, Storage, StorageError, open_storage
@@ -38,15 +39,14 @@ STALE_TEMP_SECONDS = 600.0
 Piece = tuple[int, int, int]  # (object index, start, end)
 
 
-class PlanError(ValueError):
+class PlanError(BijError):
     """The input cannot be planned (nothing there, wrong files); names the URI.
 
     `permanent`: the same on every retry (`bij run` exits 42); otherwise an outage that may pass.
     """
 
     def __init__(self, message: str, permanent: bool = True):
-        super().__init__(message)
-        self.permanent = permanent
+        super().__init__(message, permanent=permanent)
 
 
 @dataclass(frozen=True)

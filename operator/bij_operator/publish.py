@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bij_worker import publish_rows
+from bij_worker.contract.codes import EXIT_BAD_CONFIG
+from bij_worker.contract.errors import BijError
 from bij_worker.parquet import id_kind
 from bij_worker.storage import NotFound, Storage, open_storage
-from bij_worker.worker import EXIT_BAD_CONFIG, done_uri, shard_prefix
+from bij_worker.worker import done_uri, shard_prefix
 
 from . import layout
 from .efficiency import cost, efficiency
@@ -32,7 +34,7 @@ from .fingerprint import PlanRefused, spec_changes
 from .spec import BatchInferenceJob
 
 
-class PublishError(RuntimeError):
+class PublishError(BijError):
     """The job cannot be published yet: a round or shard has not finished.
 
     `permanent`: a publish process reported what no retry fixes (exit 42).

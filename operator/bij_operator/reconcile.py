@@ -25,13 +25,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
+
 from .fingerprint import field_digests
 from .jobs import desired_parallelism
 from .rounds import RoundStats, needs_another_round
-from .spec import API_GROUP, BatchInferenceJob
-
-JOB_LABEL = f"{API_GROUP}/job"
-ROUND_LABEL = f"{API_GROUP}/round"
+from .spec import BatchInferenceJob
 
 Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
@@ -486,7 +485,6 @@ def round_stats(status: Mapping[str, Any]) -> list[RoundStats]:
 
 
 PUBLISH_PASSES = ("ids", "dedupe", "write")  # bij_worker.publish_rows.PASSES, in order
-PUBLISH_LABEL = f"{API_GROUP}/publish-pass"
 
 
 def publish_job(job: BatchInferenceJob, pass_name: str, observed_jobs: Sequence[Mapping[str, Any]]) -> JobView | None:

@@ -17,6 +17,7 @@ from typing import IO, Any
 
 import orjson
 import zstandard
+from bij_worker.contract.errors import BijError
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import id_kind, is_int64, read_table, results_table, table_rows
 from bij_worker.storage import NotFound, Storage, StorageError, open_storage
@@ -29,7 +30,7 @@ from .spec import BatchInferenceJob, SpecError, load_job
 FILE_LISTS = {"results": "files", "errors": "errorFiles", "capped": "cappedFiles"}
 
 
-class ResultsError(RuntimeError):
+class ResultsError(BijError):
     """The results cannot be read: no manifest there, or a file that does not match it."""
 
 

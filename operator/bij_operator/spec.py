@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from bij_worker.contract.codes import API_GROUP
+from bij_worker.contract.errors import BijError
 from bij_worker.reader import DEFAULT_MAX_LINE_BYTES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-API_GROUP = "batchinference.io"
 API_VERSION = "v1alpha1"
 KIND = "BatchInferenceJob"
 
@@ -42,8 +43,10 @@ GPUS_FOR_VLLM = (
 )
 
 
-class SpecError(ValueError):
+class SpecError(BijError):
     """A spec that can never work. The message names each bad field and why."""
+
+    permanent = True
 
     def __init__(self, problems: list[str], source: str | None = None):
         self.problems = problems

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .storage import NotFound, Storage
+from .storage import NotFound, Storage, StorageError
 
 log = logging.getLogger("bij.worker")
 
@@ -222,7 +222,7 @@ class LeaseKeeper:
                                 self.claims.lane, self.claim.shard)
                     self.lost()
                     return
-            except Exception as e:  # noqa: BLE001 - a storage hiccup: try again at the next renewal
+            except (StorageError, OSError) as e:  # a storage hiccup: try again at the next renewal
                 log.warning("lane %d: cannot renew the claim on shard %d: %s", self.claims.lane,
                             self.claim.shard, e)
 

@@ -28,23 +28,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TERMINATED
 from .engines import EngineConfig, create_engine
 from .engines.base import is_continuous
 from .inputs import truncates
 from .lanes import DEFAULT_LEASE_SECONDS, Claim, Claims, EngineShare, LeaseKeeper, lane_count, shares_shards
 from .metrics import Metrics, Stats
 from .storage import StorageError, open_storage
-from .worker import (
-    EXIT_BAD_CONFIG,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_TERMINATED,
-    BadConfig,
-    ShardOutcome,
-    ShardWorker,
-    StopFlag,
-    load_plan,
-)
+from .worker import BadConfig, ShardOutcome, ShardWorker, StopFlag, load_plan
 
 log = logging.getLogger("bij.worker")
 

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 import zstandard
 
+from .contract.errors import BijError
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
 from .parquet import encode_results
@@ -40,8 +41,10 @@ BUCKET_ROWS = 250_000  # ids one dedupe process holds at once
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
 
 
-class PublishPlanError(ValueError):
+class PublishPlanError(BijError):
     """The publish plan is missing or does not fit the pass asked for."""
+
+    permanent = True
 
 
 def plan_uri(prefix: str) -> str:

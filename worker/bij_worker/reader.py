@@ -23,6 +23,7 @@ from typing import Any
 
 import zstandard
 
+from .contract.errors import BijError
 from .parquet import iter_parquet_piece
 from .storage import Storage, split_blocks
 
@@ -40,7 +41,7 @@ class InputProblem:
 Line = tuple[tuple[int, int, int], bytes | InputProblem]  # ((object, offset, end), line)
 
 
-class CorruptInput(Exception):
+class CorruptInput(BijError):
     """A compressed object that ends inside a frame or whose data is damaged."""
 
 

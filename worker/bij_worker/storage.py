@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
+from .contract.errors import BijError
+
 T = TypeVar("T")
 
 
-class StorageError(RuntimeError):
+class StorageError(BijError):
     """A storage operation that failed for good (after retries, or not worth retrying).
 
     `permanent`: no retry can help (a missing bucket, denied access, no credentials, a bad
@@ -34,8 +36,7 @@ class StorageError(RuntimeError):
     """
 
     def __init__(self, message: str, permanent: bool = False):
-        super().__init__(message)
-        self.permanent = permanent
+        super().__init__(message, permanent=permanent)
 
 
 class NotFound(StorageError):
@@ -326,6 +327,15 @@ _PERMANENT_CODES = {
 }
 
 
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """What boto3 and the HTTP stack under it raise: classified into StorageError. Anything else
+    (a KeyError, a TypeError) is a bug and propagates as itself."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from urllib3.exceptions import HTTPError
+
+    return (BotoCoreError, ClientError, HTTPError, OSError)
+
+
 def _is_transient(exc: BaseException) -> bool:
     from botocore.exceptions import (
         ClientError,
@@ -423,10 +433,11 @@ class S3Storage:
     def _call(self, what: str, uri: str, fn: Callable[[], T]) -> T:
         from botocore.exceptions import ClientError
 
+        errors = _client_errors()
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return fn()
-            except Exception as e:  # noqa: BLE001 - classified below
+            except errors as e:  # classified below
                 if isinstance(e, ClientError):
                     code = str(e.response.get("Error", {}).get("Code", ""))
                     if code in {"NoSuchKey", "404", "NotFound"}:
@@ -545,7 +556,7 @@ class _ResumingS3Stream(io.RawIOBase):
                 return n
             except StorageError:
                 raise
-            except Exception as e:  # noqa: BLE001
+            except _client_errors() as e:
                 if not _is_transient(e):
                     raise StorageError(f"read {self.uri}: {_describe(e)}", permanent=True) from None
                 self.failures += 1

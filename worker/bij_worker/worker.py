@@ -35,6 +35,7 @@ from typing import Any
 
 from .batcher import PrefixShare, first_batch, plan_batches, run_order
 from .commits import CommitWriter
+from .contract.errors import BijError
 from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
 from .inputs import (
     InputOptions,
@@ -57,17 +58,13 @@ from .storage import NotFound, Storage, StorageError, open_storage
 
 log = logging.getLogger("bij.worker")
 
-EXIT_OK = 0
-EXIT_FAILED = 1  # worth a retry (the Job's backoffLimitPerIndex decides)
-EXIT_BAD_CONFIG = 42  # never worth a retry: the Job's podFailurePolicy fails the Job
-EXIT_TERMINATED = 143  # SIGTERM: the in-flight chunk was committed or dropped whole
-
-
-class BadConfig(Exception):
+class BadConfig(BijError):
     """A problem no retry can fix: a missing plan, an index out of range, an unknown engine or model."""
 
+    permanent = True
 
-class EngineFailure(RuntimeError):
+
+class EngineFailure(BijError):
     """The engine failed on every row of a batch, one by one: the engine is broken, not the rows."""
 
 

@@ -1,0 +1,12 @@
+"""The contract between the operator and the worker, in one place both packages import.
+
+- `codes`: exit codes, Job labels and annotations
+- `errors`: the base of the errors bij raises on purpose (`BijError`, with `.permanent`)
+- `spec`: the BatchInferenceJob model (one set of defaults for both sides)
+- `layout`: every path under a job's output URI
+- `plan`: the round plan (shards.json) the operator writes and the worker reads
+- `records`: the durable records (completion, progress, claim, owner, removed)
+
+Nothing here imports the rest of bij_worker or bij_operator beyond the storage layer's names,
+so either side can import it without the other's dependencies.
+"""

@@ -1,0 +1,24 @@
+"""Exit codes, labels and annotations: the names the operator, the worker and Kubernetes share.
+
+The round Job's podFailurePolicy fails the Job on `EXIT_BAD_CONFIG`; the operator finds its
+Jobs by the labels and the worker's plan by the annotations.
+"""
+
+from __future__ import annotations
+
+API_GROUP = "batchinference.io"
+
+# bij-worker's exit codes (see bij_worker.main).
+EXIT_OK = 0
+EXIT_FAILED = 1  # worth a retry (the Job's backoffLimitPerIndex decides)
+EXIT_BAD_CONFIG = 42  # never worth a retry: the Job's podFailurePolicy fails the Job
+EXIT_TERMINATED = 143  # SIGTERM: the in-flight chunk was committed or dropped whole
+
+# Labels on the Jobs (and their pods) the operator creates for a bij.
+JOB_LABEL = f"{API_GROUP}/job"  # the bij's name
+ROUND_LABEL = f"{API_GROUP}/round"  # a round Job: its round number
+PUBLISH_LABEL = f"{API_GROUP}/publish-pass"  # a publish Job: its pass (ids, dedupe, write)
+
+# Annotations: where a Job's work is described.
+MANIFEST_ANNOTATION = f"{API_GROUP}/manifest"  # a round Job: its round plan (shards.json)
+PUBLISH_PLAN_ANNOTATION = f"{API_GROUP}/publish-plan"  # a publish Job: its publish plan (plan.json)
