@@ -212,7 +212,7 @@ def write_spec(path: Path, name: str, input_path: Path, output_path: Path | str,
 def plan(spec: Path) -> tuple[str, int]:
     """Write round 0's plan for a spec, as `bij run` would; returns (manifest URI, shard count)."""
     from bij_operator.planner import plan_round
-    from bij_operator.spec import load_job
+    from bij_worker.contract.spec import load_job
 
     p = plan_round(load_job(spec), 0)
     return p.manifest_uri, p.shard_count

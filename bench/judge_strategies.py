@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import coin_engine  # noqa: E402
 from bij_operator.local import LocalRunner  # noqa: E402
-from bij_operator.spec import load_job  # noqa: E402
+from bij_worker.contract.spec import load_job  # noqa: E402
 
 
 def run(tmp: Path, rows: int, strategy: str, approval: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     from bij_operator.local import LocalRunner
     from bij_operator.planner import plan_round
     from bij_operator.publish import publish as bij_publish
-    from bij_operator.spec import load_job
+    from bij_worker.contract.spec import load_job
     from bij_worker.storage import open_storage
 
     report = harness.Report("lanes")

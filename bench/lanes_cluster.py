@@ -54,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     args = harness.parse(p, argv)
 
     import kubernetes
-    from bij_operator import layout
     from bij_operator.jobs import render_job
     from bij_operator.planner import plan_round
-    from bij_operator.spec import load_job
+    from bij_worker.contract import layout
+    from bij_worker.contract.spec import load_job
     from bij_worker.storage import open_storage
     from cluster import build
     from cluster.harness import LocalCluster, wait_for

@@ -38,7 +38,7 @@ ANCHOR_COMMIT = "89d9e62"  # the last commit whose publish ran in the operator p
 ANCHOR = """
 import importlib.util, inspect, json, sys, time
 import bij_worker.segments as segments
-from bij_operator.spec import load_job
+from bij_worker.contract.spec import load_job
 src = open(sys.argv[1]).read()
 if "repair" not in inspect.signature(segments.ShardLog.read).parameters:
     src = src.replace(".read(repair=False)", ".read()")

@@ -144,7 +144,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture
 def make_job(tmp_path: Path) -> Any:
     """make_job(place, input_uri, out_dir="out/", **spec) -> (spec path, job); spec keys merge into the defaults."""
-    from bij_operator.spec import load_job
+    from bij_worker.contract.spec import load_job
 
     def make(place: Place, input_uri: str, *, name: str = "t", out_dir: str = "out/", **spec: Any) -> Any:
         doc = {
@@ -210,7 +210,7 @@ def read_output() -> Any:
 def shard_log_lines(place: Place, job: Any, round_no: int = 0) -> dict[int, list[dict[str, Any]]]:
     """Every raw durable record of each shard, as written (no de-duplication), by shard index; a torn
     last line of a log is not a record."""
-    from bij_operator import layout
+    from bij_worker.contract import layout
 
     prefix = layout.join(layout.round_prefix(job, round_no), "shards") + "/"
     out: dict[int, list[dict[str, Any]]] = {}
@@ -406,8 +406,8 @@ def run_shards() -> Any:
     Plans round 0 (or reads its plan) and works the shards with `engine` (a RecordingEcho
     for the job's task by default; it is returned as `run_shards.engine`).
     """
-    from bij_operator import layout
     from bij_operator.planner import plan_round
+    from bij_worker.contract import layout
     from bij_worker.worker import ShardWorker, load_plan
 
     def run(job: Any, engine: Any = None, indexes: list[int] | None = None, **kw: Any) -> dict[int, Any]:

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from bij_operator import jobs
-from bij_operator.spec import parse_job
+from bij_worker.contract.spec import parse_job
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "bij-operator"

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from bij_operator import validate
 from bij_operator.cli import main as bij_main
-from bij_operator.spec import job_to_dict, parse_job
+from bij_worker.contract.spec import job_to_dict, parse_job
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = ROOT / "crds" / "batchinferencejobs.yaml"

@@ -20,8 +20,8 @@ from bij_operator.fingerprint import PlanRefused
 from bij_operator.planner import PlanError
 from bij_operator.publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved
 from bij_operator.results import ResultsError
-from bij_operator.spec import SpecError
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.spec import SpecError
 from bij_worker.lanes import Claim, LeaseKeeper
 from bij_worker.publish_rows import PublishPlanError
 from bij_worker.reader import CorruptInput

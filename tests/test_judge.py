@@ -13,11 +13,11 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).parent))
 import coin_engine  # noqa: E402
-from bij_operator import layout  # noqa: E402
 from bij_operator.local import LocalRunner  # noqa: E402
 from bij_operator.planner import plan_round  # noqa: E402
 from bij_operator.rounds import RoundStats, needs_another_round, round_mode  # noqa: E402
-from bij_operator.spec import JudgeSpec, load_job, parse_job  # noqa: E402
+from bij_worker.contract import layout  # noqa: E402
+from bij_worker.contract.spec import JudgeSpec, load_job, parse_job  # noqa: E402
 from bij_worker.engines.base import EngineConfig, Request  # noqa: E402
 from bij_worker.engines.echo import EchoEngine  # noqa: E402
 from bij_worker.judge import Judge, attempt_params  # noqa: E402

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bij_operator import layout
 from bij_operator.planner import plan_round
 from bij_operator.publish import publish
+from bij_worker.contract import layout
 from bij_worker.lanes import Claims, LeaseKeeper
 from bij_worker.storage import FileStorage
 

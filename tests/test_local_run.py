@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import yaml
-from bij_operator import layout
 from bij_operator.planner import plan_round
 from bij_operator.publish import read_manifest
+from bij_worker.contract import layout
 
 
 def rows(n: int) -> list[dict[str, Any]]:

@@ -10,10 +10,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from bij_operator import layout
 from bij_operator.planner import PlanError, plan_round
 from bij_operator.publish import publish
 from bij_worker import parquet
+from bij_worker.contract import layout
 from bij_worker.engines.echo import echo_embedding
 from bij_worker.worker import StopFlag, load_plan
 
@@ -93,7 +93,7 @@ def test_string_ids_only_make_a_string_column_and_judge_columns_come_along(file_
 
 
 def test_parquet_output_refuses_openai_input() -> None:
-    from bij_operator.spec import SpecError, parse_spec
+    from bij_worker.contract.spec import SpecError, parse_spec
 
     with pytest.raises(SpecError, match="output.format parquet needs input.format jsonl or parquet"):
         parse_spec({"input": {"uri": "file:///in", "format": "openai"},

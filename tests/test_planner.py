@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import zstandard
-from bij_operator import layout
 from bij_operator.fingerprint import PlanRefused
 from bij_operator.planner import PlanError, input_objects, plan_round, plan_shards
+from bij_worker.contract import layout
 from bij_worker.reader import iter_shard
 from bij_worker.storage import FileStorage, ObjectInfo
 
@@ -260,7 +260,7 @@ def test_a_second_job_at_an_output_another_job_owns_is_refused(place, make_job):
 
 
 def test_the_same_job_made_again_takes_its_output_over_and_drops_the_old_manifest(file_place, make_job):
-    from bij_operator.spec import parse_job
+    from bij_worker.contract.spec import parse_job
 
     uri = file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "a"}])
     _, job = make_job(file_place, uri)

@@ -7,16 +7,16 @@ from typing import Any
 
 import pytest
 import zstandard
-from bij_operator import layout
 from bij_operator import publish as publish_module
 from bij_operator.planner import plan_round
 from bij_operator.publish import PublishError, publish, read_manifest
 from bij_worker import publish_rows
+from bij_worker.contract import layout
 from bij_worker.engines.base import estimate_tokens
 from bij_worker.engines.echo import echo_embedding
 from bij_worker.segments import ShardLog
 from bij_worker.storage import open_storage
-from bij_worker.worker import done_uri, load_plan, shard_prefix
+from bij_worker.worker import load_plan
 
 
 class RecordingStorage:
@@ -94,7 +94,7 @@ def test_a_duplicate_pods_records_are_published_once(s3_place, make_job, run_sha
     _, job = make_job(s3_place, s3_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
-    log = ShardLog(s3_place.storage, shard_prefix(plan, 0), writer_id="speculative-pod")
+    log = ShardLog(s3_place.storage, layout.shard_prefix(plan["roundPrefix"], 0), writer_id="speculative-pod")
     records = log.read().records
     log.append(records[::-1])  # the same rows again, from another writer
     publish(job)
@@ -121,7 +121,7 @@ def test_publishing_before_every_shard_finished_fails_and_writes_no_manifest(fil
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(300)), sharding={"targetShardBytes": 2048})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0))
-    file_place.storage.delete(done_uri(plan, 1))
+    file_place.storage.delete(layout.done_uri(plan["roundPrefix"], 1))
     with pytest.raises(PublishError, match="shard 1 has not finished"):
         publish(job)
     assert read_manifest(job) is None
@@ -225,7 +225,7 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
     spread = publish(job, processes=2, bucket_rows=10, stats=stats)
     assert _same(inline, spread) and read_output(job).raw == raw
     assert inline["counts"]["duplicates"] == 2
-    plan = publish_rows.load(publish_rows.plan_uri(publish_module.publish_prefix(job)))
+    plan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)))
     assert plan["buckets"] == 13  # 124 rows, 10 ids a bucket
     shards = len(plan["units"])
     # Two processes a pass, each working every other index of it.
@@ -240,10 +240,10 @@ def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0))
-    records = ShardLog(file_place.storage, shard_prefix(plan, 0)).read().records
-    for obj in file_place.storage.list(shard_prefix(plan, 0) + "/"):
+    records = ShardLog(file_place.storage, layout.shard_prefix(plan["roundPrefix"], 0)).read().records
+    for obj in file_place.storage.list(layout.shard_prefix(plan["roundPrefix"], 0) + "/"):
         file_place.storage.delete(obj.uri)
-    log = ShardLog(file_place.storage, shard_prefix(plan, 0))
+    log = ShardLog(file_place.storage, layout.shard_prefix(plan["roundPrefix"], 0))
     log.append(records[40:])  # a later writer's rows first, as a resumed writer's log can list first
     log.append(records[:40])
     manifest = publish(job)
@@ -269,7 +269,7 @@ def test_a_publish_pass_with_an_index_out_of_range_is_a_bad_configuration(file_p
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)), output={"keepIntermediate": True})
     run_shards(job)
     publish(job)
-    uri = publish_rows.plan_uri(publish_module.publish_prefix(job))
+    uri = layout.publish_plan_uri(layout.publish_prefix(job))
     assert main(["publish", "--plan", uri, "--pass", "dedupe", "--index", "1"]) == 42
     assert main(["publish", "--plan", uri + ".missing", "--pass", "ids", "--index", "0"]) == 42
     assert main(["publish", "--plan", uri, "--pass", "write", "--index", "0"]) == 0
@@ -281,11 +281,12 @@ def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file
                       sharding={"targetShardBytes": 2048})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0))
-    logs = file_place.storage.list(shard_prefix(plan, 0) + "/")
+    logs = file_place.storage.list(layout.shard_prefix(plan["roundPrefix"], 0) + "/")
     manifest = publish(job)
     state = {o.uri for o in file_place.storage.list(layout.state_prefix(job) + "/")}
     assert logs and not state & {o.uri for o in logs}  # the durable logs are gone
-    assert layout.round_manifest_uri(job, 0) in state and done_uri(plan, 0) in state  # plans and records stay
+    # Plans and records stay.
+    assert layout.round_manifest_uri(job, 0) in state and layout.done_uri(plan["roundPrefix"], 0) in state
     removed = json.loads(file_place.storage.read_bytes(layout.removed_uri(job)))
     assert removed["objects"] >= len(logs) and removed["bytes"] > 0
     assert read_output(job).manifest == manifest  # what was published is untouched

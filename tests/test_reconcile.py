@@ -23,8 +23,8 @@ from bij_operator.reconcile import (
     format_ranges,
     parse_ranges,
 )
-from bij_operator.spec import BatchInferenceJob, parse_job
 from bij_operator.status import decision_status, phase_conditions, rows_progress, set_condition
+from bij_worker.contract.spec import BatchInferenceJob, parse_job
 
 UID = "0b6a2c1e-uid"
 

@@ -10,11 +10,12 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from bij_operator import jobs, layout
+from bij_operator import jobs
 from bij_operator.cli import main as bij_main
 from bij_operator.jobs import render_job
-from bij_operator.spec import BatchInferenceJob, load_job, parse_job
+from bij_worker.contract import layout
 from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
+from bij_worker.contract.spec import BatchInferenceJob, load_job, parse_job
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -234,7 +235,7 @@ def test_vllm_without_gpus_gets_tensor_x_pipeline_parallel_gpus() -> None:
 
 
 def test_vllm_with_too_few_gpus_is_refused_naming_both_fields() -> None:
-    from bij_operator.spec import SpecError
+    from bij_worker.contract.spec import SpecError
 
     for workers, vllm in (({"gpus": 0}, {}), ({"gpus": 1}, {"tensorParallelSize": 2})):
         with pytest.raises(SpecError) as e:

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bij_operator import layout
 from bij_operator.planner import plan_round
 from bij_operator.publish import publish
+from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_FAILED, EXIT_TERMINATED
 from bij_worker.segments import ShardLog
-from bij_worker.worker import ShardWorker, StopFlag, done_uri, load_plan
+from bij_worker.worker import ShardWorker, StopFlag, load_plan
 
 
 def rows_with_mixed_lengths(n: int, seed: int = 7, bad_every: int = 0) -> list[Any]:
@@ -112,7 +112,7 @@ def test_a_torn_last_line_is_skipped_and_only_that_row_recomputed(file_place, ma
     log = writer_log(plan, 0)
     torn = tear_log(log, keep=39)
     assert torn and not torn.endswith(b"\n")
-    os.unlink(done_uri(plan, 0)[len("file://"):])  # the crash came before the shard finished
+    os.unlink(layout.done_uri(plan["roundPrefix"], 0)[len("file://"):])  # the crash came before the shard finished
 
     engine = recording_echo()
     run_shards(job, engine=engine)
@@ -143,7 +143,7 @@ def test_a_torn_tail_never_skips_an_earlier_row_of_its_chunk(file_place, make_jo
                     other.unlink()
             log.write_bytes(full)
             tear_log(log, keep, partial)
-            Path(done_uri(plan, 0)[len("file://"):]).unlink(missing_ok=True)
+            Path(layout.done_uri(plan["roundPrefix"], 0)[len("file://"):]).unlink(missing_ok=True)
             engine = recording_echo()
             run_shards(job, engine=engine)
             assert places_once(log_lines, file_place, job) == len(inputs), (keep, partial)
@@ -203,7 +203,7 @@ def test_kill_9_at_many_points_then_rerun_publishes_every_row_once(place, make_j
     # the middle of a chunk, right after a commit.
     # An s3 worker spends about a CPU second starting (boto3): fewer rounds there, still 15 kills.
     for _ in range(10 if place.scheme == "file" else 5):
-        todo = [i for i in shards if not place.storage.exists(done_uri(plan, i))]
+        todo = [i for i in shards if not place.storage.exists(layout.done_uri(plan["roundPrefix"], i))]
         if not todo:
             break
         with ThreadPoolExecutor(len(todo)) as pool:
@@ -215,7 +215,7 @@ def test_kill_9_at_many_points_then_rerun_publishes_every_row_once(place, make_j
                 kills[i] += killed[i].result(timeout=60)
                 p.wait(timeout=60)
                 p.stdout.close()  # type: ignore[union-attr]
-    unfinished = [i for i in shards if not place.storage.exists(done_uri(plan, i))]
+    unfinished = [i for i in shards if not place.storage.exists(layout.done_uri(plan["roundPrefix"], i))]
     assert sum(kills.values()) >= 12 and unfinished, "the kills must land while shards are being worked"
 
     finals = {i: start_worker(bij_bin, worker_env(place, echo_log=logs[i]), manifest, i) for i in shards}
@@ -384,7 +384,7 @@ def test_a_stopped_worker_leaves_no_done_record_and_a_finished_shard_is_not_reru
     stop.request()
     assert run_shards(job, stop=stop)[0].status == "stopped"
     plan = shard_plan(job)
-    assert not file_place.storage.exists(done_uri(plan, 0))
+    assert not file_place.storage.exists(layout.done_uri(plan["roundPrefix"], 0))
     run_shards(job)
     engine = recording_echo()
     outcome = ShardWorker(plan, 0, engine).run()

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from bij_operator.publish import publish
-from bij_operator.spec import parse_spec
+from bij_worker.contract.spec import parse_spec
 from bij_worker.engines.echo import echo_embedding
 
 LONG = "0123456789" * 10  # 100 bytes: 25 estimated tokens for the echo engine
@@ -86,8 +86,8 @@ def test_truncated_openai_lines_carry_the_mark(file_place, make_job, run_shards,
 
 
 def test_a_resumed_shard_counts_truncated_rows_already_durable(file_place, make_job, run_shards) -> None:
-    from bij_operator import layout
     from bij_operator.progress import shard_records
+    from bij_worker.contract import layout
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows()), model=spec_for("embed", None))
     run_shards(job)

@@ -7,16 +7,15 @@ import subprocess
 from typing import Any
 
 import pytest
-from bij_operator import layout
 from bij_operator.planner import plan_round
 from bij_operator.publish import publish
+from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_BAD_CONFIG
 from bij_worker.worker import (
     BadConfig,
     EngineFailure,
     ShardWorker,
     StopFlag,
-    done_uri,
     load_plan,
     run_isolating,
 )
@@ -38,7 +37,7 @@ def test_a_finished_shard_records_its_counts_and_is_not_worked_again(file_place,
     outcome = run_shards(job)[0]
     assert (outcome.status, outcome.rows, outcome.errors) == ("done", 50, 1)
     plan = planned(job)
-    done = json.loads(file_place.storage.read_bytes(done_uri(plan, 0)))
+    done = json.loads(file_place.storage.read_bytes(layout.done_uri(plan["roundPrefix"], 0)))
     assert (done["index"], done["round"], done["rows"], done["errors"], done["chunks"]) == (0, 0, 50, 1, 4)
     assert done["engineCalls"] == 50
     engine = recording_echo()
@@ -131,7 +130,7 @@ def test_job_completion_index_picks_the_lane_which_works_its_shards_first_then_t
     assert order[len(own)] == left[busiest][-1]
     loads = [e for e in map(json.loads, p.stdout.splitlines()) if e["event"] == "loaded"]
     assert len(loads) == 1  # one model load for all of them
-    records = [json.loads(place.storage.read_bytes(done_uri(plan, i))) for i in range(n)]
+    records = [json.loads(place.storage.read_bytes(layout.done_uri(plan["roundPrefix"], i))) for i in range(n)]
     assert sum(r["modelLoads"] for r in records) == 1 and all(r["lane"] == 2 for r in records)
     # A lane whose round is done does nothing, not even load the model.
     again = worker(bij_bin, worker_env(place), "--manifest", layout.round_manifest_uri(job, 0), "--progress", index="0")
@@ -201,7 +200,6 @@ def test_a_running_shard_reports_live_counts_that_the_done_record_supersedes(fil
     from bij_worker.engines.base import EngineConfig
     from bij_worker.engines.echo import EchoEngine
     from bij_worker.storage import open_storage
-    from bij_worker.worker import progress_uri
 
     monkeypatch.setenv("BIJ_PROGRESS_SECONDS", "0")  # after every commit
     # One chunk in the window, one in the commit queue: when chunk j runs, chunk j-2 is durable.
@@ -221,7 +219,8 @@ def test_a_running_shard_reports_live_counts_that_the_done_record_supersedes(fil
     assert seen[0] == 0 and len(seen) == 5
     assert all(seen[j] in (8 * (j - 1), 8 * j) for j in range(1, 5)), seen
     assert shard_records(job, 0)[0]["rows"] == 40 == live_records(job, 0)[0]["rows"]
-    last = json.loads(open_storage(progress_uri(plan, 0)).read_bytes(progress_uri(plan, 0)))
+    at = layout.progress_uri(plan["roundPrefix"], 0)
+    last = json.loads(open_storage(at).read_bytes(at))
     assert (last["index"], last["rows"], last["errors"]) == (0, 40, 0)
 
 
@@ -250,7 +249,7 @@ def test_a_continuous_engine_runs_rows_of_several_chunks_at_once(file_place, mak
 
     engine.step = recording_step
     assert run_shards(job, engine=engine)[0].status == "done"
-    done = json.loads(file_place.storage.read_bytes(done_uri(planned(job), 0)))
+    done = json.loads(file_place.storage.read_bytes(layout.done_uri(planned(job)["roundPrefix"], 0)))
     # Chunk by chunk, at most 2 rows (one chunk) could ever run together.
     assert max(running) == 8 and done["engineSteps"] == len(running)
     assert done["meanOccupancy"] == pytest.approx(sum(running) / (8 * len(running)), abs=1e-3)
@@ -298,7 +297,7 @@ def test_prompts_sharing_a_prefix_run_together_and_the_share_is_reported(file_pl
         out = read_output(job)
         assert out.result_ids == list(range(96))
         share[prefix] = out.manifest["engine"]["prefixShare"]
-        done = json.loads(file_place.storage.read_bytes(done_uri(planned(job), 0)))
+        done = json.loads(file_place.storage.read_bytes(layout.done_uri(planned(job)["roundPrefix"], 0)))
         assert done["prefixShare"] == share[prefix]
     # Four prompts in random order: as read, a row follows one with its prefix about a quarter of the time.
     assert share[True] > 0.6 and share[False] < 0.45 and share[True] > share[False] + 0.25

@@ -18,9 +18,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.spec import DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
 from bij_worker.storage import ObjectInfo
-
-from .spec import DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
 
 ROW_FIELDS = (
     "input.uri", "input.format", "input.idField", "input.textField", "input.messagesField", "input.maxLineBytes",

@@ -28,10 +28,11 @@ from typing import Any, TypeVar, cast
 import kopf
 import urllib3
 from bij_worker import publish_rows
+from bij_worker.contract import layout
+from bij_worker.contract.spec import API_GROUP, API_VERSION, BatchInferenceJob, SpecError, parse_job
 from bij_worker.storage import StorageError
 from kubernetes.client import ApiException
 
-from . import layout
 from .efficiency import status_fields
 from .fingerprint import PlanRefused, field_digests
 from .jobs import render_job, render_publish_job, worker_image_default
@@ -67,7 +68,6 @@ from .reconcile import (
     round_records,
 )
 from .rounds import summarize
-from .spec import API_GROUP, API_VERSION, BatchInferenceJob, SpecError, parse_job
 from .status import (
     decision_status,
     fmt_time,

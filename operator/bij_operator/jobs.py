@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 import yaml
+from bij_worker.contract import layout
 from bij_worker.contract.codes import (
     EXIT_BAD_CONFIG,
     JOB_LABEL,
@@ -25,9 +26,7 @@ from bij_worker.contract.codes import (
     PUBLISH_PLAN_ANNOTATION,
     ROUND_LABEL,
 )
-
-from . import layout
-from .spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, load_job
+from bij_worker.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, load_job
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/bij-project/bij-worker:0.1.0"
 DEFAULT_SERVICE_ACCOUNT = "bij-worker"

@@ -30,17 +30,17 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from bij_worker import publish_rows
+from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
+from bij_worker.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij_worker.storage import StorageError, open_storage
 
-from . import layout
 from .efficiency import fmt_money
 from .fingerprint import PlanRefused
 from .planner import PlanError, RoundPlan, plan_round, reset_output
 from .progress import shard_records
 from .publish import PublishError, publish, read_manifest, removed_record
 from .rounds import RoundStats, needs_another_round, round_history
-from .spec import BatchInferenceJob, SpecError, load_job
 
 
 def worker_command() -> list[str]:

@@ -21,15 +21,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, job_to_dict, uris_overlap
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import Footer, read_footer
 from bij_worker.storage import NotFound, ObjectInfo, Storage, StorageError, open_storage
 
-from . import layout
 from .fingerprint import PlanRefused, digest, input_changes, row_fields, spec_changes
 from .rounds import RoundMode, round_history, round_mode
-from .spec import OVERLAP_MESSAGE, BatchInferenceJob, job_to_dict, uris_overlap
 
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.zst", ".ndjson.zst", ".json.zst")
 PLAN_VERSION = 1
@@ -163,7 +163,7 @@ def round_inputs(job: BatchInferenceJob, round_no: int) -> str:
     """Where a round's input rows are: the spec's input for round 0, else the last round's rejects."""
     if round_no == 0:
         return job.spec.input.uri
-    return layout.join(layout.round_prefix(job, round_no - 1), "rejected") + "/"
+    return layout.rejected_folder(layout.round_prefix(job, round_no - 1))
 
 
 def is_parquet_round(job: BatchInferenceJob, round_no: int) -> bool:

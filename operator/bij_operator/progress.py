@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from bij_worker.contract import layout
+from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.storage import NotFound, open_storage
-
-from . import layout
-from .spec import BatchInferenceJob
 
 
 def shard_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, Any]]:
@@ -18,7 +17,7 @@ def shard_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, 
 
 def count_done(job: BatchInferenceJob, round_no: int) -> int:
     """How many of a round's shards have a completion record: one listing, no object read."""
-    folder = layout.join(layout.round_prefix(job, round_no), "done") + "/"
+    folder = layout.done_folder(layout.round_prefix(job, round_no))
     names = (o.uri.rsplit("/", 1)[-1] for o in open_storage(folder, job.spec.storage.s3).list(folder))
     return sum(1 for n in names if n.endswith(".json") and n[:-5].isdigit())
 
@@ -30,7 +29,8 @@ def live_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, A
 
 
 def _records(job: BatchInferenceJob, round_no: int, kind: str) -> dict[int, dict[str, Any]]:
-    folder = layout.join(layout.round_prefix(job, round_no), kind) + "/"
+    prefix = layout.round_prefix(job, round_no)
+    folder = layout.done_folder(prefix) if kind == "done" else layout.progress_folder(prefix)
     store = open_storage(folder, job.spec.storage.s3)
     out: dict[int, dict[str, Any]] = {}
     for obj in store.list(folder):

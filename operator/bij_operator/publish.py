@@ -22,16 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bij_worker import publish_rows
+from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_BAD_CONFIG
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.parquet import id_kind
 from bij_worker.storage import NotFound, Storage, open_storage
-from bij_worker.worker import done_uri, shard_prefix
 
-from . import layout
 from .efficiency import cost, efficiency
 from .fingerprint import PlanRefused, spec_changes
-from .spec import BatchInferenceJob
 
 
 class PublishError(BijError):
@@ -99,21 +98,17 @@ def result_id_kind(done_records: list[dict[str, Any]]) -> str:
     return id_kind(sum(int(rec["intIds"]) for rec in done_records), sum(int(rec["strIds"]) for rec in done_records))
 
 
-def publish_prefix(job: BatchInferenceJob) -> str:
-    """Where the row-level passes keep their work files (under the job's `_bij/` state)."""
-    return layout.join(layout.state_prefix(job), "publish")
-
-
 def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[dict[str, Any]],
                        done_records: list[dict[str, Any]], bucket_rows: int) -> tuple[str, dict[str, Any]]:
     """The plan the row-level passes follow: O(shards) to write, one bucket per `bucket_rows` ids."""
     rows = sum(int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
                for rec in done_records)
-    prefix = publish_prefix(job)
+    prefix = layout.publish_prefix(job)
     plan: dict[str, Any] = {
         "prefix": prefix,
         "outputUri": job.spec.output.uri,
-        "units": [[r, index, shard_prefix(p, index)] for r, p in enumerate(plans) for index in range(len(p["shards"]))],
+        "units": [[r, index, layout.shard_prefix(p["roundPrefix"], index)]
+                  for r, p in enumerate(plans) for index in range(len(p["shards"]))],
         "objectNames": [[o.get("name") or o["uri"] for o in p["objects"]] for p in plans],
         "buckets": max(1, -(-rows // max(1, bucket_rows))),
         "compression": job.spec.output.compression,
@@ -122,7 +117,7 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[dict[
         "judge": job.spec.judge is not None,
         "idKind": result_id_kind(done_records) if job.spec.output.format == "parquet" else None,
     }
-    uri = publish_rows.plan_uri(prefix)
+    uri = layout.publish_plan_uri(prefix)
     store.write_bytes(uri, json.dumps(plan, indent=1).encode())
     return uri, plan
 
@@ -242,7 +237,7 @@ def _read_done(store: Storage, plans: list[dict[str, Any]], t: _Totals) -> None:
     for r, plan in enumerate(plans):
         for index in range(len(plan["shards"])):
             try:
-                t.add_done(json.loads(store.read_bytes(done_uri(plan, index))))
+                t.add_done(json.loads(store.read_bytes(layout.done_uri(plan["roundPrefix"], index))))
             except NotFound:
                 raise PublishError(f"round {r} shard {index} has not finished") from None
 
@@ -257,7 +252,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: dict[str, Any]) -
     _read_done(store, plans, t)
     t.rounds = [{"round": r, "shards": len(p["shards"]), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
     for unit in range(len(pplan["units"])):
-        summary = json.loads(store.read_bytes(publish_rows.summary_uri(pplan, unit)))
+        summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan["prefix"], unit)))
         c = summary["counts"]
         t.files += summary["files"]
         t.error_files += summary["errorFiles"]

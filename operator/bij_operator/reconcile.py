@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
+from bij_worker.contract.spec import BatchInferenceJob
 
 from .fingerprint import field_digests
 from .jobs import desired_parallelism
 from .rounds import RoundStats, needs_another_round
-from .spec import BatchInferenceJob
 
 Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})

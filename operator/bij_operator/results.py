@@ -17,15 +17,15 @@ from typing import IO, Any
 
 import orjson
 import zstandard
+from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import id_kind, is_int64, read_table, results_table, table_rows
 from bij_worker.storage import NotFound, Storage, StorageError, open_storage
 
-from . import layout
 from .efficiency import fmt_money, status_fields
 from .progress import live_records
-from .spec import BatchInferenceJob, SpecError, load_job
 
 FILE_LISTS = {"results": "files", "errors": "errorFiles", "capped": "cappedFiles"}
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .spec import BatchInferenceJob, JudgeSpec
+from bij_worker.contract.spec import BatchInferenceJob, JudgeSpec
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,9 @@ def round_history(job: BatchInferenceJob, rounds: int) -> list[RoundStats]:
     """Statistics of rounds 0..rounds-1 from storage (every shard of them must be done)."""
     import json
 
+    from bij_worker.contract import layout
     from bij_worker.storage import open_storage
 
-    from . import layout
     from .progress import shard_records
 
     out = []

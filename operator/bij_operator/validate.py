@@ -25,8 +25,7 @@ from typing import Any
 import celpy
 import jsonschema
 import yaml
-
-from .spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
+from bij_worker.contract.spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
 
 # Generated from crds/batchinferencejobs.yaml by tools/sync_crd.py; a test fails when they drift.
 CRD_RESOURCE = ("crds", "batchinferencejobs.yaml")

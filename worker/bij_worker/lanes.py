@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .contract import layout
 from .storage import NotFound, Storage, StorageError
 
 log = logging.getLogger("bij.worker")
@@ -86,12 +87,12 @@ class Claims:
     # --- what the store says -------------------------------------------------------------------
 
     def uri(self, shard: int, generation: int) -> str:
-        return f"{self.prefix}/claims/{shard:05d}-{generation:05d}.json"
+        return layout.claim_uri(self.prefix, shard, generation)
 
     def done(self) -> set[int]:
         """Shards with a completion record."""
         out = set()
-        for o in self.store.list(f"{self.prefix}/done/"):
+        for o in self.store.list(layout.done_folder(self.prefix)):
             m = _DONE_RE.match(o.uri.rsplit("/", 1)[-1])
             if m:
                 out.add(int(m.group(1)))
@@ -100,7 +101,7 @@ class Claims:
     def newest(self, shard: int | None = None) -> dict[int, int]:
         """The newest claim generation of every claimed shard (or of one shard), from one listing."""
         out: dict[int, int] = {}
-        for o in self.store.list(f"{self.prefix}/claims/"):
+        for o in self.store.list(layout.claims_folder(self.prefix)):
             m = _CLAIM_RE.match(o.uri.rsplit("/", 1)[-1])
             if m and (shard is None or int(m.group(1)) == shard):
                 s, g = int(m.group(1)), int(m.group(2))

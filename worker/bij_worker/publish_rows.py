@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 import zstandard
 
+from .contract import layout
 from .contract.errors import BijError
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
@@ -45,22 +46,6 @@ class PublishPlanError(BijError):
     """The publish plan is missing or does not fit the pass asked for."""
 
     permanent = True
-
-
-def plan_uri(prefix: str) -> str:
-    return f"{prefix.rstrip('/')}/plan.json"
-
-
-def _ids_uri(plan: dict[str, Any], unit: int, bucket: int) -> str:
-    return f"{plan['prefix']}/ids/{unit:05d}/{bucket:05d}.jsonl"
-
-
-def _losers_uri(plan: dict[str, Any], bucket: int) -> str:
-    return f"{plan['prefix']}/losers/{bucket:05d}.json"
-
-
-def summary_uri(plan: dict[str, Any], unit: int) -> str:
-    return f"{plan['prefix']}/shards/{unit:05d}.json"
 
 
 def bucket_of(key: str, buckets: int) -> int:
@@ -95,10 +80,6 @@ def _records(store: Storage, unit: list[Any], ordered: bool) -> Iterator[dict[st
     yield from sorted(records, key=lambda rec: (rec["at"][0], rec["at"][1]))
 
 
-def _order_uri(plan: dict[str, Any], unit: int) -> str:
-    return f"{plan['prefix']}/ids/{unit:05d}/order.json"
-
-
 def run_ids(plan: dict[str, Any], index: int, store: Storage) -> None:
     """Pass 1: every id of shard `index` with its place, into the bucket files."""
     buckets = int(plan["buckets"])
@@ -120,9 +101,9 @@ def run_ids(plan: dict[str, Any], index: int, store: Storage) -> None:
         part += orjson.dumps(entry)
         part += b"\n"
     for b in range(buckets):
-        store.write_bytes(_ids_uri(plan, index, b), bytes(parts[b]))
+        store.write_bytes(layout.publish_ids_uri(plan["prefix"], index, b), bytes(parts[b]))
         parts[b] = bytearray()
-    store.write_bytes(_order_uri(plan, index), json.dumps({"ordered": ordered}).encode())
+    store.write_bytes(layout.publish_order_uri(plan["prefix"], index), json.dumps({"ordered": ordered}).encode())
 
 
 def run_dedupe(plan: dict[str, Any], bucket: int, store: Storage) -> None:
@@ -130,7 +111,7 @@ def run_dedupe(plan: dict[str, Any], bucket: int, store: Storage) -> None:
     first: dict[str, tuple[int, int, int]] = {}
     results: list[tuple[str, tuple[int, int, int]]] = []
     for unit in range(len(plan["units"])):
-        data = store.read_bytes(_ids_uri(plan, unit, bucket))
+        data = store.read_bytes(layout.publish_ids_uri(plan["prefix"], unit, bucket))
         for line in data.splitlines():
             key, obj, off, is_result = orjson.loads(line)
             place = (unit, obj, off)
@@ -143,7 +124,7 @@ def run_dedupe(plan: dict[str, Any], bucket: int, store: Storage) -> None:
     for key, place in results:
         if first[key] != place:
             losers.setdefault(str(place[0]), []).append([place[1], place[2]])
-    store.write_bytes(_losers_uri(plan, bucket), json.dumps(losers, sort_keys=True).encode())
+    store.write_bytes(layout.publish_losers_uri(plan["prefix"], bucket), json.dumps(losers, sort_keys=True).encode())
 
 
 class _FileParts:
@@ -190,7 +171,7 @@ def run_write(plan: dict[str, Any], index: int, store: Storage) -> None:
     """Pass 3: shard `index`'s published files, losers as duplicate_id errors, and its summary."""
     losers: set[tuple[int, int]] = set()
     for b in range(int(plan["buckets"])):
-        for obj, off in json.loads(store.read_bytes(_losers_uri(plan, b))).get(str(index), []):
+        for obj, off in json.loads(store.read_bytes(layout.publish_losers_uri(plan["prefix"], b))).get(str(index), []):
             losers.add((obj, off))
     round_no, shard = plan["units"][index][0], plan["units"][index][1]
     names = plan["objectNames"][round_no]
@@ -200,7 +181,7 @@ def run_write(plan: dict[str, Any], index: int, store: Storage) -> None:
     capped = _FileParts(plan, store, "capped", name, False)
     counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
               "tokensOut": 0}
-    ordered = bool(json.loads(store.read_bytes(_order_uri(plan, index)))["ordered"])
+    ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan["prefix"], index)))["ordered"])
     for rec in _records(store, plan["units"][index], ordered):
         row = rec["row"]
         if rec["kind"] == "result":
@@ -232,7 +213,7 @@ def run_write(plan: dict[str, Any], index: int, store: Storage) -> None:
                "files": [{**f, **where} for f in results.files],
                "errorFiles": [{**f, **where} for f in errors.files],
                "cappedFiles": [{**f, **where} for f in capped.files]}
-    store.write_bytes(summary_uri(plan, index), json.dumps(summary).encode())
+    store.write_bytes(layout.publish_summary_uri(plan["prefix"], index), json.dumps(summary).encode())
 
 
 def run_pass(plan: dict[str, Any], pass_name: str, index: int, s3: Any = None) -> None:

@@ -24,10 +24,9 @@ from typing import Any
 import zstandard
 
 from .contract.errors import BijError
+from .contract.spec import DEFAULT_MAX_LINE_BYTES
 from .parquet import iter_parquet_piece
 from .storage import Storage, split_blocks
-
-DEFAULT_MAX_LINE_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)

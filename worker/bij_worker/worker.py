@@ -35,6 +35,7 @@ from typing import Any
 
 from .batcher import PrefixShare, first_batch, plan_batches, run_order
 from .commits import CommitWriter
+from .contract import layout
 from .contract.errors import BijError
 from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
 from .inputs import (
@@ -90,19 +91,6 @@ class StopFlag:
 
     def drain_expired(self) -> bool:
         return self._at is not None and time.monotonic() - self._at > self.drain_seconds
-
-
-def shard_prefix(plan: dict[str, Any], index: int) -> str:
-    return f"{plan['roundPrefix']}/shards/{index:05d}"
-
-
-def done_uri(plan: dict[str, Any], index: int) -> str:
-    return f"{plan['roundPrefix']}/done/{index:05d}.json"
-
-
-def progress_uri(plan: dict[str, Any], index: int) -> str:
-    """A running shard's live counts (rewritten now and then; the done record supersedes it)."""
-    return f"{plan['roundPrefix']}/progress/{index:05d}.json"
 
 
 def load_plan(uri: str, s3: Any = None) -> dict[str, Any]:
@@ -301,7 +289,7 @@ class ShardWorker:
         self._last_report = self._t0 = time.monotonic()
         self._stores: dict[str, Storage] = {}
         self.out = self.storage_for(plan["roundPrefix"])
-        self.log = ShardLog(self.out, shard_prefix(plan, index))
+        self.log = ShardLog(self.out, layout.shard_prefix(plan["roundPrefix"], index))
         # Called once when every row of the shard is in a continuous engine (see bij_worker.lanes).
         self.on_tail: Callable[[], None] | None = None
 
@@ -332,7 +320,7 @@ class ShardWorker:
     def run(self) -> ShardOutcome:
         """Work the shard to its end, or until asked to stop."""
         t0 = self._t0 = time.monotonic()
-        done_at = done_uri(self.plan, self.index)
+        done_at = layout.done_uri(self.plan["roundPrefix"], self.index)
         if self.out.exists(done_at):
             rec = json.loads(self.out.read_bytes(done_at))
             self.progress({"event": "done", "index": self.index, "rows": rec["rows"], "errors": rec["errors"]})
@@ -340,7 +328,7 @@ class ShardWorker:
         # Time earlier runs of this shard spent (a preempted pod's last progress record) counts
         # towards this shard's worker seconds, so a job's cost includes the work it lost.
         try:
-            before = json.loads(self.out.read_bytes(progress_uri(self.plan, self.index)))
+            before = json.loads(self.out.read_bytes(layout.progress_uri(self.plan["roundPrefix"], self.index)))
             t0 = self._t0 = t0 - float(before.get("seconds") or 0)
             self.stats.model_load_s += float(before.get("modelLoadSeconds") or 0)
             self.stats.model_loads += int(before.get("modelLoads") or 0)
@@ -661,13 +649,13 @@ class ShardWorker:
             lines = [rec["line"] for rec in sorted(self.log.read().records,
                                                    key=lambda r: (r["at"][0], r["at"][1]))
                      if rec["kind"] == "rejected"]
-            uri = f"{self.plan['roundPrefix']}/rejected/{self.index:05d}.jsonl"
+            uri = layout.rejected_uri(self.plan["roundPrefix"], self.index)
             if lines:
                 self.out.write_bytes(uri, ("\n".join(lines) + "\n").encode())
         record = {"index": self.index, "round": self.round, "lane": self.lane, **self.stats.as_record(),
                   "seconds": round(time.monotonic() - t0, 3),
                   "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self.out.write_bytes(done_uri(self.plan, self.index), json.dumps(record).encode())
+        self.out.write_bytes(layout.done_uri(self.plan["roundPrefix"], self.index), json.dumps(record).encode())
         self.progress({"event": "done", "index": self.index, "rows": self.stats.rows, "errors": self.stats.errors})
 
     def _count_final(self, rec: dict[str, Any]) -> None:
@@ -814,7 +802,7 @@ class ShardWorker:
         record = {"index": self.index, "round": self.round, "lane": self.lane, **self.stats.as_record(),
                   "seconds": round(time.monotonic() - self._t0, 3),
                   "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self.out.write_bytes(progress_uri(self.plan, self.index), json.dumps(record).encode())
+        self.out.write_bytes(layout.progress_uri(self.plan["roundPrefix"], self.index), json.dumps(record).encode())
 
     def _count_tokens(self, results: list[Result]) -> None:
         if set(map(_ERROR, results)) - {None}:

@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from bij_worker.contract.codes import API_GROUP
-from bij_worker.contract.errors import BijError
-from bij_worker.reader import DEFAULT_MAX_LINE_BYTES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from .codes import API_GROUP
+from .errors import BijError
+
 API_VERSION = "v1alpha1"
 KIND = "BatchInferenceJob"
+# A longer input line is an error row (its bytes are never held in memory).
+DEFAULT_MAX_LINE_BYTES = 32 << 20
 
 # Kubernetes object names (RFC 1123 subdomain); the round Job name `<name>-r<round>` must
 # stay a valid DNS label, so the bij name itself is capped below 63.
