@@ -17,6 +17,7 @@ from bij_operator.local import LocalRunner  # noqa: E402
 from bij_operator.planner import plan_round  # noqa: E402
 from bij_operator.rounds import RoundStats, needs_another_round, round_mode  # noqa: E402
 from bij_worker.contract import layout  # noqa: E402
+from bij_worker.contract.plan import JudgeMode  # noqa: E402
 from bij_worker.contract.spec import JudgeSpec, load_job, parse_job  # noqa: E402
 from bij_worker.engines.base import EngineConfig, Request  # noqa: E402
 from bij_worker.engines.echo import EchoEngine  # noqa: E402
@@ -164,7 +165,7 @@ def test_kill_during_attempt_k_resumes_at_attempt_k(tmp_path: Path) -> None:
 
 
 def test_llm_judge_asks_the_same_engine() -> None:
-    judge = Judge({"type": "llm", "prompt": "{output}", "approvePattern": r"^good"})
+    judge = Judge(JudgeSpec(type="llm", prompt="{output}", approve_pattern=r"^good"))
     engine = EchoEngine(EngineConfig(task="generate"))
     reqs = [Request(text="good one"), Request(text="bad one")]
     verdicts = judge.judge(reqs, ["good one", "bad one"], engine)
@@ -173,8 +174,8 @@ def test_llm_judge_asks_the_same_engine() -> None:
 
 
 def test_json_schema_judge_explains_rejections() -> None:
-    judge = Judge({"type": "jsonSchema", "schema": {"type": "object", "required": ["name"],
-                                                    "properties": {"name": {"type": "string"}}}})
+    judge = Judge(JudgeSpec.model_validate({"type": "jsonSchema", "schema": {
+        "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}))
     engine = EchoEngine(EngineConfig(task="generate"))
     v = judge.judge([Request(text="x")] * 3, ['{"name": "a"}', '{"name": 3}', "not json"], engine)
     assert v[0].approved and not v[1].approved and not v[2].approved
@@ -220,7 +221,7 @@ def test_round_plans_carry_their_mode(tmp_path: Path) -> None:
     job = parse_job(job_doc(tmp_path, {"type": "regex", "pattern": "x", "strategy": "rounds", "maxRounds": 1}))
     plan = load_plan(plan_round(job, 0).manifest_uri)
     assert plan_round(job, 0).manifest_uri == layout.round_manifest_uri(job, 0)
-    assert plan["judgeMode"] == {"mode": "rounds", "final": True}
+    assert plan.judge_mode == JudgeMode(mode="rounds", final=True)
 
 
 def test_every_round_is_cut_into_shards_per_lane_within_the_size_limits(tmp_path: Path) -> None:

@@ -120,8 +120,8 @@ def test_parquet_input_is_cut_by_row_groups_and_every_row_comes_back_in_order(pl
     plan = plan_round(job, 0)
     doc = load_plan(plan.manifest_uri, job.spec.storage.s3)
     assert (plan.unit, plan.total_bytes) == ("rows", 500)
-    assert doc["objects"][0]["rowGroups"] == [50] * 10
-    pieces = [p for shard in doc["shards"] for p in shard]
+    assert doc.objects[0].row_groups == [50] * 10
+    pieces = [list(p) for shard in doc.shards for p in shard]
     assert plan.shard_count > 1 and pieces == [[0, a, b] for a, b in zip([p[1] for p in pieces],
                                                                          [p[2] for p in pieces], strict=True)]
     assert [p[1] for p in pieces][0] == 0 and pieces[-1][2] == 10

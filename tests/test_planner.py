@@ -14,6 +14,7 @@ import zstandard
 from bij_operator.fingerprint import PlanRefused
 from bij_operator.planner import PlanError, input_objects, plan_round, plan_shards
 from bij_worker.contract import layout
+from bij_worker.contract.plan import PlanObject
 from bij_worker.reader import iter_shard
 from bij_worker.storage import FileStorage, ObjectInfo
 
@@ -46,16 +47,16 @@ def expected_lines(obj: int, data: bytes) -> list[tuple[tuple[int, int, int], by
     return out
 
 
-def write_objects(tmp_path: Path, blobs: list[tuple[bytes, bool]]) -> list[dict[str, Any]]:
+def write_objects(tmp_path: Path, blobs: list[tuple[bytes, bool]]) -> list[PlanObject]:
     objects = []
     for i, (data, compressed) in enumerate(blobs):
         path = tmp_path / (f"o{i:03d}.jsonl" + (".zst" if compressed else ""))
         path.write_bytes(zstandard.ZstdCompressor().compress(data) if compressed else data)
-        objects.append({"uri": f"file://{path}", "size": path.stat().st_size})
+        objects.append(PlanObject(uri=f"file://{path}", size=path.stat().st_size))
     return objects
 
 
-def read_all(objects: list[dict[str, Any]], shards: list[list[Any]]) -> list[list[Any]]:
+def read_all(objects: list[PlanObject], shards: list[list[Any]]) -> list[list[Any]]:
     return [list(iter_shard(lambda uri: FS, objects, [list(p) for p in s])) for s in shards]
 
 
@@ -67,7 +68,7 @@ def test_byte_ranges_give_every_line_to_exactly_one_piece(tmp_path: Path):
         blobs = [(random_object(rnd), rnd.random() < 0.15) for _ in range(rnd.randint(1, 5))]
         objects = write_objects(d, blobs)
         target = rnd.choice([1, 2, 7, 50, 333, 1000, 5000])
-        shards = plan_shards([(o["size"], o["uri"].endswith(".zst")) for o in objects], target)
+        shards = plan_shards([(o.size, o.uri.endswith(".zst")) for o in objects], target)
 
         # The pieces of each object tile it: no byte twice, none missing, in order.
         tiles: dict[int, list[tuple[int, int]]] = {}
@@ -76,14 +77,14 @@ def test_byte_ranges_give_every_line_to_exactly_one_piece(tmp_path: Path):
             for obj, start, end in s:
                 tiles.setdefault(obj, []).append((start, end))
         for i, o in enumerate(objects):
-            if o["size"] == 0:
+            if o.size == 0:
                 assert i not in tiles
                 continue
             cuts = tiles[i]
-            assert cuts[0][0] == 0 and cuts[-1][1] == o["size"]
+            assert cuts[0][0] == 0 and cuts[-1][1] == o.size
             assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(cuts, cuts[1:], strict=False))
             if blobs[i][1]:
-                assert cuts == [(0, o["size"])]  # a .zst object is never cut
+                assert cuts == [(0, o.size)]  # a .zst object is never cut
 
         got = [line for shard in read_all(objects, shards) for line in shard]
         want = [line for i, (data, _) in enumerate(blobs) for line in expected_lines(i, data)]
@@ -94,7 +95,7 @@ def test_reading_from_a_resume_cursor_gives_exactly_the_rest_of_the_shard(tmp_pa
     rnd = random.Random(5)
     blobs = [(random_object(rnd) + random_object(rnd), i == 1) for i in range(3)]
     objects = write_objects(tmp_path, blobs)
-    shards = plan_shards([(o["size"], o["uri"].endswith(".zst")) for o in objects], 700)
+    shards = plan_shards([(o.size, o.uri.endswith(".zst")) for o in objects], 700)
     for shard, lines in zip(shards, read_all(objects, shards), strict=True):
         for k, ((obj, _, end), _) in enumerate(lines):
             rest = list(iter_shard(lambda uri: FS, objects, [list(p) for p in shard], (obj, end)))

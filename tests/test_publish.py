@@ -94,7 +94,7 @@ def test_a_duplicate_pods_records_are_published_once(s3_place, make_job, run_sha
     _, job = make_job(s3_place, s3_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
-    log = ShardLog(s3_place.storage, layout.shard_prefix(plan["roundPrefix"], 0), writer_id="speculative-pod")
+    log = ShardLog(s3_place.storage, layout.shard_prefix(plan.round_prefix, 0), writer_id="speculative-pod")
     records = log.read().records
     log.append(records[::-1])  # the same rows again, from another writer
     publish(job)
@@ -121,7 +121,7 @@ def test_publishing_before_every_shard_finished_fails_and_writes_no_manifest(fil
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(300)), sharding={"targetShardBytes": 2048})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0))
-    file_place.storage.delete(layout.done_uri(plan["roundPrefix"], 1))
+    file_place.storage.delete(layout.done_uri(plan.round_prefix, 1))
     with pytest.raises(PublishError, match="shard 1 has not finished"):
         publish(job)
     assert read_manifest(job) is None
@@ -240,10 +240,10 @@ def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0))
-    records = ShardLog(file_place.storage, layout.shard_prefix(plan["roundPrefix"], 0)).read().records
-    for obj in file_place.storage.list(layout.shard_prefix(plan["roundPrefix"], 0) + "/"):
+    records = ShardLog(file_place.storage, layout.shard_prefix(plan.round_prefix, 0)).read().records
+    for obj in file_place.storage.list(layout.shard_prefix(plan.round_prefix, 0) + "/"):
         file_place.storage.delete(obj.uri)
-    log = ShardLog(file_place.storage, layout.shard_prefix(plan["roundPrefix"], 0))
+    log = ShardLog(file_place.storage, layout.shard_prefix(plan.round_prefix, 0))
     log.append(records[40:])  # a later writer's rows first, as a resumed writer's log can list first
     log.append(records[:40])
     manifest = publish(job)
@@ -281,12 +281,12 @@ def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file
                       sharding={"targetShardBytes": 2048})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0))
-    logs = file_place.storage.list(layout.shard_prefix(plan["roundPrefix"], 0) + "/")
+    logs = file_place.storage.list(layout.shard_prefix(plan.round_prefix, 0) + "/")
     manifest = publish(job)
     state = {o.uri for o in file_place.storage.list(layout.state_prefix(job) + "/")}
     assert logs and not state & {o.uri for o in logs}  # the durable logs are gone
     # Plans and records stay.
-    assert layout.round_manifest_uri(job, 0) in state and layout.done_uri(plan["roundPrefix"], 0) in state
+    assert layout.round_manifest_uri(job, 0) in state and layout.done_uri(plan.round_prefix, 0) in state
     removed = json.loads(file_place.storage.read_bytes(layout.removed_uri(job)))
     assert removed["objects"] >= len(logs) and removed["bytes"] > 0
     assert read_output(job).manifest == manifest  # what was published is untouched

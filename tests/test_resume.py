@@ -19,6 +19,7 @@ from bij_operator.planner import plan_round
 from bij_operator.publish import publish
 from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_FAILED, EXIT_TERMINATED
+from bij_worker.contract.plan import Plan
 from bij_worker.segments import ShardLog
 from bij_worker.worker import ShardWorker, StopFlag, load_plan
 
@@ -56,7 +57,7 @@ def places_once(log_lines: Any, place: Any, job: Any) -> int:
     return total
 
 
-def shard_plan(job: Any) -> dict[str, Any]:
+def shard_plan(job: Any) -> Plan:
     plan_round(job, 0)
     return load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
 
@@ -88,9 +89,9 @@ def test_resume_skips_rows_already_durable(file_place, make_job, run_shards, rec
     check_complete(read_output(job), inputs)
 
 
-def writer_log(plan: dict[str, Any], index: int) -> Path:
+def writer_log(plan: Plan, index: int) -> Path:
     """The one writer's log of a shard worked once (file://)."""
-    (log,) = Path(layout.join(plan["roundPrefix"], f"shards/{index:05d}")[len("file://"):]).glob("log-*.jsonl")
+    (log,) = Path(layout.shard_prefix(plan.round_prefix, index)[len("file://"):]).glob("log-*.jsonl")
     return log
 
 
@@ -112,7 +113,7 @@ def test_a_torn_last_line_is_skipped_and_only_that_row_recomputed(file_place, ma
     log = writer_log(plan, 0)
     torn = tear_log(log, keep=39)
     assert torn and not torn.endswith(b"\n")
-    os.unlink(layout.done_uri(plan["roundPrefix"], 0)[len("file://"):])  # the crash came before the shard finished
+    os.unlink(layout.done_uri(plan.round_prefix, 0)[len("file://"):])  # the crash came before the shard finished
 
     engine = recording_echo()
     run_shards(job, engine=engine)
@@ -143,7 +144,7 @@ def test_a_torn_tail_never_skips_an_earlier_row_of_its_chunk(file_place, make_jo
                     other.unlink()
             log.write_bytes(full)
             tear_log(log, keep, partial)
-            Path(layout.done_uri(plan["roundPrefix"], 0)[len("file://"):]).unlink(missing_ok=True)
+            Path(layout.done_uri(plan.round_prefix, 0)[len("file://"):]).unlink(missing_ok=True)
             engine = recording_echo()
             run_shards(job, engine=engine)
             assert places_once(log_lines, file_place, job) == len(inputs), (keep, partial)
@@ -193,8 +194,8 @@ def test_kill_9_at_many_points_then_rerun_publishes_every_row_once(place, make_j
                       workers={"parallelism": 3, "leaseSeconds": 3})
     plan = shard_plan(job)
     manifest = layout.round_manifest_uri(job, 0)
-    shards = range(len(plan["shards"]))
-    assert len(shards) == 3 and plan["lanes"] == 3
+    shards = range(len(plan.shards))
+    assert len(shards) == 3 and plan.lanes == 3
     logs = {i: tmp_path / f"computed-{i}.txt" for i in shards}
     kills = Counter[int]()
 
@@ -203,7 +204,7 @@ def test_kill_9_at_many_points_then_rerun_publishes_every_row_once(place, make_j
     # the middle of a chunk, right after a commit.
     # An s3 worker spends about a CPU second starting (boto3): fewer rounds there, still 15 kills.
     for _ in range(10 if place.scheme == "file" else 5):
-        todo = [i for i in shards if not place.storage.exists(layout.done_uri(plan["roundPrefix"], i))]
+        todo = [i for i in shards if not place.storage.exists(layout.done_uri(plan.round_prefix, i))]
         if not todo:
             break
         with ThreadPoolExecutor(len(todo)) as pool:
@@ -215,7 +216,7 @@ def test_kill_9_at_many_points_then_rerun_publishes_every_row_once(place, make_j
                 kills[i] += killed[i].result(timeout=60)
                 p.wait(timeout=60)
                 p.stdout.close()  # type: ignore[union-attr]
-    unfinished = [i for i in shards if not place.storage.exists(layout.done_uri(plan["roundPrefix"], i))]
+    unfinished = [i for i in shards if not place.storage.exists(layout.done_uri(plan.round_prefix, i))]
     assert sum(kills.values()) >= 12 and unfinished, "the kills must land while shards are being worked"
 
     finals = {i: start_worker(bij_bin, worker_env(place, echo_log=logs[i]), manifest, i) for i in shards}
@@ -278,7 +279,7 @@ def test_second_writers_killed_at_many_points_while_the_first_works_lose_no_row(
                       sharding={"chunkRows": 8, "targetShardBytes": 1 << 24, "shardsPerLane": 1},
                       batching={"maxBatchSize": 4}, workers={"parallelism": 1, "leaseSeconds": 3})
     plan = shard_plan(job)
-    assert len(plan["shards"]) == 1
+    assert len(plan.shards) == 1
     manifest = layout.round_manifest_uri(job, 0)
     hold = tmp_path / "hold"
     hold.touch()
@@ -384,7 +385,7 @@ def test_a_stopped_worker_leaves_no_done_record_and_a_finished_shard_is_not_reru
     stop.request()
     assert run_shards(job, stop=stop)[0].status == "stopped"
     plan = shard_plan(job)
-    assert not file_place.storage.exists(layout.done_uri(plan["roundPrefix"], 0))
+    assert not file_place.storage.exists(layout.done_uri(plan.round_prefix, 0))
     run_shards(job)
     engine = recording_echo()
     outcome = ShardWorker(plan, 0, engine).run()

@@ -431,13 +431,14 @@ def test_lines_split_a_block_at_a_time_are_the_lines_split_one_by_one():
 
 
 def test_a_shard_read_in_blocks_keeps_every_line_at_its_place_and_leaves_blank_lines_out(tmp_path):
+    from bij_worker.contract.plan import PlanObject
     from bij_worker.reader import InputProblem, iter_shard, iter_shard_blocks
 
     lines = [b'{"id": 1}', b"", b"  ", b"crlf\r", b"x" * 40, "é".encode(), b"\t", b"last"]
     data = b"\n".join(lines)
     path = tmp_path / "in.jsonl"
     path.write_bytes(data)
-    objects = [{"uri": path.as_uri(), "size": len(data)}]
+    objects = [PlanObject(uri=path.as_uri(), size=len(data))]
     fs = FileStorage()
     want, off = [], 0
     for line in lines:

@@ -11,6 +11,7 @@ from bij_operator.planner import plan_round
 from bij_operator.publish import publish
 from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_BAD_CONFIG
+from bij_worker.contract.plan import Plan
 from bij_worker.worker import (
     BadConfig,
     EngineFailure,
@@ -25,7 +26,7 @@ def rows(n: int) -> list[dict[str, Any]]:
     return [{"id": i, "text": f"row {i} " + "q" * (i % 40)} for i in range(n)]
 
 
-def planned(job: Any) -> dict[str, Any]:
+def planned(job: Any) -> Plan:
     plan_round(job, 0)
     return load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
 
@@ -37,7 +38,7 @@ def test_a_finished_shard_records_its_counts_and_is_not_worked_again(file_place,
     outcome = run_shards(job)[0]
     assert (outcome.status, outcome.rows, outcome.errors) == ("done", 50, 1)
     plan = planned(job)
-    done = json.loads(file_place.storage.read_bytes(layout.done_uri(plan["roundPrefix"], 0)))
+    done = json.loads(file_place.storage.read_bytes(layout.done_uri(plan.round_prefix, 0)))
     assert (done["index"], done["round"], done["rows"], done["errors"], done["chunks"]) == (0, 0, 50, 1, 4)
     assert done["engineCalls"] == 50
     engine = recording_echo()
@@ -116,8 +117,8 @@ def test_job_completion_index_picks_the_lane_which_works_its_shards_first_then_t
     _, job = make_job(place, place.write_jsonl("in.jsonl", rows(300)), sharding={"targetShardBytes": 2048},
                       workers={"parallelism": 3})
     plan = planned(job)
-    n = len(plan["shards"])
-    assert n >= 7 and plan["lanes"] == 3
+    n = len(plan.shards)
+    assert n >= 7 and plan.lanes == 3
     p = worker(bij_bin, worker_env(place), "--manifest", layout.round_manifest_uri(job, 0), "--progress", index="2")
     assert p.returncode == 0, p.stderr
     order = [e["index"] for e in map(json.loads, p.stdout.splitlines()) if e["event"] == "done"]
@@ -130,7 +131,7 @@ def test_job_completion_index_picks_the_lane_which_works_its_shards_first_then_t
     assert order[len(own)] == left[busiest][-1]
     loads = [e for e in map(json.loads, p.stdout.splitlines()) if e["event"] == "loaded"]
     assert len(loads) == 1  # one model load for all of them
-    records = [json.loads(place.storage.read_bytes(layout.done_uri(plan["roundPrefix"], i))) for i in range(n)]
+    records = [json.loads(place.storage.read_bytes(layout.done_uri(plan.round_prefix, i))) for i in range(n)]
     assert sum(r["modelLoads"] for r in records) == 1 and all(r["lane"] == 2 for r in records)
     # A lane whose round is done does nothing, not even load the model.
     again = worker(bij_bin, worker_env(place), "--manifest", layout.round_manifest_uri(job, 0), "--progress", index="0")
@@ -156,7 +157,8 @@ def test_bad_configurations_exit_42(file_place, make_job, worker_env, bij_bin):
     # A plan whose engine cannot be built (or loaded) is a bad configuration too, not a retry.
     for model in ({"engine": "no-such-engine"}, {"engine": "sentence-transformers", "name": "/no/such/model"},
                   {"engine": "transformers", "task": "generate"}):
-        doc = {**plan, "job": {**plan["job"], "spec": {**plan["job"]["spec"], "model": model}}}
+        doc = plan.to_doc()
+        doc["job"]["spec"]["model"] = model
         file_place.storage.write_bytes(plan_uri + ".bad", json.dumps(doc).encode())
         p = worker(bij_bin, env, "--manifest", plan_uri + ".bad", index="0")
         assert p.returncode == EXIT_BAD_CONFIG, (model, p.stderr)
@@ -219,7 +221,7 @@ def test_a_running_shard_reports_live_counts_that_the_done_record_supersedes(fil
     assert seen[0] == 0 and len(seen) == 5
     assert all(seen[j] in (8 * (j - 1), 8 * j) for j in range(1, 5)), seen
     assert shard_records(job, 0)[0]["rows"] == 40 == live_records(job, 0)[0]["rows"]
-    at = layout.progress_uri(plan["roundPrefix"], 0)
+    at = layout.progress_uri(plan.round_prefix, 0)
     last = json.loads(open_storage(at).read_bytes(at))
     assert (last["index"], last["rows"], last["errors"]) == (0, 40, 0)
 
@@ -249,7 +251,7 @@ def test_a_continuous_engine_runs_rows_of_several_chunks_at_once(file_place, mak
 
     engine.step = recording_step
     assert run_shards(job, engine=engine)[0].status == "done"
-    done = json.loads(file_place.storage.read_bytes(layout.done_uri(planned(job)["roundPrefix"], 0)))
+    done = json.loads(file_place.storage.read_bytes(layout.done_uri(planned(job).round_prefix, 0)))
     # Chunk by chunk, at most 2 rows (one chunk) could ever run together.
     assert max(running) == 8 and done["engineSteps"] == len(running)
     assert done["meanOccupancy"] == pytest.approx(sum(running) / (8 * len(running)), abs=1e-3)
@@ -297,7 +299,7 @@ def test_prompts_sharing_a_prefix_run_together_and_the_share_is_reported(file_pl
         out = read_output(job)
         assert out.result_ids == list(range(96))
         share[prefix] = out.manifest["engine"]["prefixShare"]
-        done = json.loads(file_place.storage.read_bytes(layout.done_uri(planned(job)["roundPrefix"], 0)))
+        done = json.loads(file_place.storage.read_bytes(layout.done_uri(planned(job).round_prefix, 0)))
         assert done["prefixShare"] == share[prefix]
     # Four prompts in random order: as read, a row follows one with its prefix about a quarter of the time.
     assert share[True] > 0.6 and share[False] < 0.45 and share[True] > share[False] + 0.25

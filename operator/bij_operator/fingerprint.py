@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.plan import PlanObject
 from bij_worker.contract.spec import DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
 from bij_worker.storage import ObjectInfo
 
@@ -60,9 +61,9 @@ def field_digests(job: BatchInferenceJob) -> dict[str, str]:
             for path, v in fields.items()}
 
 
-def spec_changes(planned_spec: Mapping[str, Any], job: BatchInferenceJob) -> list[str]:
-    """How the job's row-deciding fields differ from the spec a plan was made with."""
-    old, new = row_fields(planned_spec), row_fields(job_to_dict(job)["spec"])
+def spec_changes(planned: BatchInferenceJob, job: BatchInferenceJob) -> list[str]:
+    """How the job's row-deciding fields differ from the job a plan was made with."""
+    old, new = row_fields(job_to_dict(planned)["spec"]), row_fields(job_to_dict(job)["spec"])
     return [f"{path} changed from {_show(old[path])} to {_show(new[path])}"
             for path in old if old[path] != new[path]]
 
@@ -72,9 +73,9 @@ def _show(value: Any) -> str:
     return text if isinstance(value, str) or len(text) <= 80 else text[:77] + "..."
 
 
-def input_changes(planned: Sequence[Mapping[str, Any]], current: Sequence[ObjectInfo]) -> list[str]:
+def input_changes(planned: Sequence[PlanObject], current: Sequence[ObjectInfo]) -> list[str]:
     """How the input objects differ from the ones a plan was made with (URI, size, version)."""
-    before = {o["uri"]: o for o in planned}
+    before = {o.uri: o for o in planned}
     now = {o.uri: o for o in current}
     out: list[str] = []
     added = [u for u in now if u not in before]
@@ -88,9 +89,9 @@ def input_changes(planned: Sequence[Mapping[str, Any]], current: Sequence[Object
         b = before.get(uri)
         if b is None:
             continue
-        if b["size"] != o.size:
-            changed.append(f"{uri} (size {b['size']} -> {o.size})")
-        elif b.get("version") is not None and o.version is not None and b["version"] != o.version:
+        if b.size != o.size:
+            changed.append(f"{uri} (size {b.size} -> {o.size})")
+        elif b.version is not None and o.version is not None and b.version != o.version:
             changed.append(f"{uri} (rewritten: {'ETag' if uri.startswith('s3://') else 'mtime'} differs)")
     if changed:
         out.append(f"{len(changed)} input object(s) changed: {_first(changed)}")

@@ -19,10 +19,10 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.plan import PLAN_VERSION, BadPlan, Fingerprint, JudgeMode, Plan, PlanObject
 from bij_worker.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, job_to_dict, uris_overlap
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import Footer, read_footer
@@ -32,7 +32,6 @@ from .fingerprint import PlanRefused, digest, input_changes, row_fields, spec_ch
 from .rounds import RoundMode, round_history, round_mode
 
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.zst", ".ndjson.zst", ".json.zst")
-PLAN_VERSION = 1
 # A temp file of an atomic write untouched this long was left by a killed writer.
 STALE_TEMP_SECONDS = 600.0
 
@@ -61,13 +60,12 @@ class RoundPlan:
     lanes: int = 0
 
 
-def _round_plan(uri: str, doc: dict[str, Any]) -> RoundPlan:
-    objects = doc["objects"]
-    lanes = int(doc.get("lanes") or len(doc["shards"]))  # a plan from before lanes: one per shard
-    if any("rowGroups" in o for o in objects):
-        return RoundPlan(uri, len(doc["shards"]), len(objects),
-                         sum(sum(o.get("rowGroups", [])) for o in objects), "rows", lanes)
-    return RoundPlan(uri, len(doc["shards"]), len(objects), sum(o["size"] for o in objects), lanes=lanes)
+def _round_plan(uri: str, plan: Plan) -> RoundPlan:
+    objects = plan.objects
+    if any(o.row_groups is not None for o in objects):
+        return RoundPlan(uri, len(plan.shards), len(objects),
+                         sum(sum(o.row_groups or []) for o in objects), "rows", plan.lane_count)
+    return RoundPlan(uri, len(plan.shards), len(objects), sum(o.size for o in objects), lanes=plan.lane_count)
 
 
 def is_compressed(uri: str) -> bool:
@@ -191,32 +189,31 @@ def read_footers(job: BatchInferenceJob, objects: list[ObjectInfo]) -> dict[int,
 
 
 def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo], input_uri: str,
-               mode: RoundMode | None = None, footers: dict[int, Footer] | None = None) -> dict[str, Any]:
+               mode: RoundMode | None = None, footers: dict[int, Footer] | None = None) -> Plan:
     """The round plan document (shards.json) for these input objects (with Parquet footers, if any)."""
     mode = mode or round_mode(job.spec.judge, [])
     sizes = [(o.size, is_compressed(o.uri)) for o in objects]
     groups = {i: f.group_bytes for i, f in footers.items()} if footers else None
     shards = plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes)), groups)
     base = input_uri if input_uri.endswith("/") else input_uri.rsplit("/", 1)[0] + "/"
-    return {
-        "version": PLAN_VERSION,
-        "round": round_no,
-        "createdAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "roundPrefix": layout.round_prefix(job, round_no),
-        "inputUri": input_uri,
-        "judgeMode": mode.as_plan(),
-        "job": job_to_dict(job),
-        "objects": [
-            {"uri": o.uri, "size": o.size, "name": o.uri[len(base):] if o.uri.startswith(base) else o.uri,
-             **({"rowGroups": footers[i].group_rows} if footers and i in footers else {}),
-             **({"version": o.version} if o.version is not None else {})}
+    return Plan(
+        version=PLAN_VERSION,
+        round=round_no,
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        round_prefix=layout.round_prefix(job, round_no),
+        input_uri=input_uri,
+        judge_mode=JudgeMode(mode=mode.mode, final=mode.final),  # type: ignore[arg-type]
+        job=job,
+        objects=[
+            PlanObject(uri=o.uri, size=o.size, name=o.uri[len(base):] if o.uri.startswith(base) else o.uri,
+                       row_groups=footers[i].group_rows if footers and i in footers else None, version=o.version)
             for i, o in enumerate(objects)
         ],
-        "fingerprint": {"spec": digest(row_fields(job_to_dict(job)["spec"])),
-                        "input": digest([[o.uri, o.size, o.version] for o in objects])},
-        "shards": [[list(p) for p in s] for s in shards],
-        "lanes": lanes_for(job, len(shards)),
-    }
+        fingerprint=Fingerprint(spec=digest(row_fields(job_to_dict(job)["spec"])),
+                                input=digest([[o.uri, o.size, o.version] for o in objects])),
+        shards=[[tuple(p) for p in s] for s in shards],  # type: ignore[misc]
+        lanes=lanes_for(job, len(shards)),
+    )
 
 
 def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
@@ -234,16 +231,16 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
     store.remove_stale_temp(job.spec.output.uri, STALE_TEMP_SECONDS)
     input_uri = round_inputs(job, round_no)
     if store.exists(uri):
-        doc = json.loads(store.read_bytes(uri))
-        changes = spec_changes(doc["job"]["spec"], job)
+        planned = read_plan(store, uri)
+        changes = spec_changes(planned.job, job)
         if round_no == 0 and not changes:
-            changes = input_changes(doc["objects"], _list_input(job, input_uri, is_parquet_round(job, 0)))
+            changes = input_changes(planned.objects, _list_input(job, input_uri, is_parquet_round(job, 0)))
         if changes:
             raise PlanRefused(
                 f"{'; '.join(changes)} since round {round_no} was planned ({uri}): rows made before and after "
                 "would be mixed. Undo the change, or start over: `bij run --restart` (deletes the plan and "
                 "durable results under " + layout.state_prefix(job) + "/) or choose a new spec.output.uri")
-        return _round_plan(uri, doc)
+        return _round_plan(uri, planned)
     parquet = is_parquet_round(job, round_no)
     objects = _list_input(job, input_uri, parquet)
     if not objects and round_no == 0:
@@ -252,9 +249,17 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
     footers = read_footers(job, objects) if parquet else None
     # A judge round's mode depends on how the rounds before it went.
     mode = round_mode(job.spec.judge, round_history(job, round_no) if round_no else [])
-    doc = build_plan(job, round_no, objects, input_uri, mode, footers)
-    store.write_bytes(uri, json.dumps(doc, separators=(",", ":")).encode())
-    return _round_plan(uri, doc)
+    plan = build_plan(job, round_no, objects, input_uri, mode, footers)
+    store.write_bytes(uri, plan.to_json())
+    return _round_plan(uri, plan)
+
+
+def read_plan(store: Storage, uri: str) -> Plan:
+    """A round plan already written; one that cannot be read is a planning error no retry fixes."""
+    try:
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+    except BadPlan as e:
+        raise PlanError(str(e)) from None
 
 
 def _list_input(job: BatchInferenceJob, input_uri: str, parquet: bool = False) -> list[ObjectInfo]:
@@ -321,4 +326,4 @@ def plan_shards_for(job: BatchInferenceJob, round_no: int = 0) -> int:
     parquet = is_parquet_round(job, round_no)
     objects = _list_input(job, input_uri, parquet)
     footers = read_footers(job, objects) if parquet else None
-    return len(build_plan(job, round_no, objects, input_uri, footers=footers)["shards"])
+    return len(build_plan(job, round_no, objects, input_uri, footers=footers).shards)

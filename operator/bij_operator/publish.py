@@ -25,6 +25,7 @@ from bij_worker import publish_rows
 from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_BAD_CONFIG
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.plan import BadPlan, Plan
 from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.parquet import id_kind
 from bij_worker.storage import NotFound, Storage, open_storage
@@ -83,11 +84,14 @@ class _Totals:
                 "prefixShare": round(self.shared_chars / self.prompt_chars, 4) if self.prompt_chars else None}
 
 
-def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
+def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> Plan:
+    uri = layout.round_manifest_uri(job, round_no)
     try:
-        return dict(json.loads(store.read_bytes(layout.round_manifest_uri(job, round_no))))
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
     except NotFound:
         raise PublishError(f"round {round_no} was never planned") from None
+    except BadPlan as e:
+        raise PublishError(str(e), permanent=True) from None
 
 
 def result_id_kind(done_records: list[dict[str, Any]]) -> str:
@@ -98,7 +102,7 @@ def result_id_kind(done_records: list[dict[str, Any]]) -> str:
     return id_kind(sum(int(rec["intIds"]) for rec in done_records), sum(int(rec["strIds"]) for rec in done_records))
 
 
-def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[dict[str, Any]],
+def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan],
                        done_records: list[dict[str, Any]], bucket_rows: int) -> tuple[str, dict[str, Any]]:
     """The plan the row-level passes follow: O(shards) to write, one bucket per `bucket_rows` ids."""
     rows = sum(int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
@@ -107,9 +111,9 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[dict[
     plan: dict[str, Any] = {
         "prefix": prefix,
         "outputUri": job.spec.output.uri,
-        "units": [[r, index, layout.shard_prefix(p["roundPrefix"], index)]
-                  for r, p in enumerate(plans) for index in range(len(p["shards"]))],
-        "objectNames": [[o.get("name") or o["uri"] for o in p["objects"]] for p in plans],
+        "units": [[r, index, layout.shard_prefix(p.round_prefix, index)]
+                  for r, p in enumerate(plans) for index in range(len(p.shards))],
+        "objectNames": [[o.display_name for o in p.objects] for p in plans],
         "buckets": max(1, -(-rows // max(1, bucket_rows))),
         "compression": job.spec.output.compression,
         "format": job.spec.output.format,
@@ -224,7 +228,7 @@ def prepare_publish(job: BatchInferenceJob, rounds: int = 1,
     t = _Totals()
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
     for r, plan in enumerate(plans):
-        changes = spec_changes(plan["job"]["spec"], job)
+        changes = spec_changes(plan.job, job)
         if changes:
             # The manifest must name what made the rows, never a spec edited since.
             raise PlanRefused(f"cannot publish: {'; '.join(changes)} since round {r} was planned; undo the change, "
@@ -233,11 +237,11 @@ def prepare_publish(job: BatchInferenceJob, rounds: int = 1,
     return write_publish_plan(store, job, plans, t.done_records, bucket_rows)
 
 
-def _read_done(store: Storage, plans: list[dict[str, Any]], t: _Totals) -> None:
+def _read_done(store: Storage, plans: list[Plan], t: _Totals) -> None:
     for r, plan in enumerate(plans):
-        for index in range(len(plan["shards"])):
+        for index in range(len(plan.shards)):
             try:
-                t.add_done(json.loads(store.read_bytes(layout.done_uri(plan["roundPrefix"], index))))
+                t.add_done(json.loads(store.read_bytes(layout.done_uri(plan.round_prefix, index))))
             except NotFound:
                 raise PublishError(f"round {r} shard {index} has not finished") from None
 
@@ -250,7 +254,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: dict[str, Any]) -
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
     t = _Totals()
     _read_done(store, plans, t)
-    t.rounds = [{"round": r, "shards": len(p["shards"]), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
+    t.rounds = [{"round": r, "shards": len(p.shards), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
     for unit in range(len(pplan["units"])):
         summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan["prefix"], unit)))
         c = summary["counts"]
@@ -325,12 +329,12 @@ def removed_record(store: Storage, job: BatchInferenceJob) -> dict[str, Any] | N
         return None
 
 
-def remove_work_files(store: Storage, job: BatchInferenceJob, plans: list[dict[str, Any]],
+def remove_work_files(store: Storage, job: BatchInferenceJob, plans: list[Plan],
                       publish_plan: dict[str, Any]) -> dict[str, Any]:
     """Remove what only publishing needed: the shards' durable logs, judge rounds' inputs and the
     publish passes' id buckets. Plans, completion records and shard summaries stay (O(shards)), with
     a record of what went; it is written first, so a removal cut short still refuses a republish."""
-    folders = [layout.join(p["roundPrefix"], sub) + "/" for p in plans for sub in ("shards", "input")]
+    folders = [layout.join(p.round_prefix, sub) + "/" for p in plans for sub in ("shards", "input")]
     folders += [layout.join(publish_plan["prefix"], sub) + "/" for sub in ("ids", "losers")]
     objects = [obj for folder in folders for obj in store.list(folder)]
     record = {"removedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

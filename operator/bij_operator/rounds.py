@@ -92,9 +92,9 @@ def needs_another_round(judge: JudgeSpec | None, history: list[RoundStats]) -> b
 
 def round_history(job: BatchInferenceJob, rounds: int) -> list[RoundStats]:
     """Statistics of rounds 0..rounds-1 from storage (every shard of them must be done)."""
-    import json
 
     from bij_worker.contract import layout
+    from bij_worker.contract.plan import Plan
     from bij_worker.storage import open_storage
 
     from .progress import shard_records
@@ -102,6 +102,6 @@ def round_history(job: BatchInferenceJob, rounds: int) -> list[RoundStats]:
     out = []
     for r in range(rounds):
         uri = layout.round_manifest_uri(job, r)
-        plan = json.loads(open_storage(uri, job.spec.storage.s3).read_bytes(uri))
-        out.append(summarize(r, len(plan["shards"]), shard_records(job, r)))
+        plan = Plan.from_json(open_storage(uri, job.spec.storage.s3).read_bytes(uri), f"round plan {uri}")
+        out.append(summarize(r, len(plan.shards), shard_records(job, r)))
     return out

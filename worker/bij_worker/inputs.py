@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from .contract.spec import JobSpec
 from .engines.base import Request, Result
 
 # Reserved field of re-dispatched rows (judge rounds): {"id", "attempts", "verdicts", "output"}.
@@ -61,32 +62,26 @@ class InputOptions:
     truncate: bool = True  # prompts over the token limit are cut (and marked) rather than refused
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> InputOptions:
-        """From the camelCase spec dict (as carried in the round plan)."""
-        inp, model = spec["input"], spec.get("model", {})
+    def from_spec(cls, spec: JobSpec) -> InputOptions:
+        """From the job's spec (as carried in the round plan)."""
+        inp, model = spec.input, spec.model
         return cls(
-            format=inp.get("format", "jsonl"),
-            id_field=inp.get("idField", "id"),
-            text_field=inp.get("textField", "text"),
-            messages_field=inp.get("messagesField"),
-            task=model.get("task", "embed"),
-            max_tokens=int(model.get("maxTokens", 256)),
-            temperature=float(model.get("temperature", 0.0)),
-            seed=int(model.get("seed", 0)),
-            model_name=model.get("name") or model.get("engine", "bij"),
-            truncate=truncates(model),
+            format=inp.format,
+            id_field=inp.id_field,
+            text_field=inp.text_field,
+            messages_field=inp.messages_field,
+            task=model.task,
+            max_tokens=model.max_tokens,
+            temperature=model.temperature,
+            seed=model.seed,
+            model_name=model.name or model.engine,
+            truncate=model.truncates,
         )
 
 
 def parquet_columns(opts: InputOptions) -> list[str]:
     """The columns a Parquet input is read for: id, text and chat messages."""
     return [c for c in (opts.id_field, opts.text_field, opts.messages_field) if c]
-
-
-def truncates(model: dict[str, Any]) -> bool:
-    """spec.model.truncate, or its default: true for embed (as SentenceTransformer.encode), else false."""
-    value = model.get("truncate")
-    return bool(value) if value is not None else model.get("task", "embed") == "embed"
 
 
 def id_key(value: Any) -> str:

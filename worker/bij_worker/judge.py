@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .contract.spec import JudgeSpec
 from .engines.base import Engine, Request, request_text
 
 # Temperatures for attempts 1, 2, ... when the spec asks for greedy decoding: a greedy
@@ -37,14 +38,14 @@ def attempt_params(temperature: float, seed: int | None, attempt: int) -> tuple[
 
 
 class Judge:
-    """A judge built from the spec's `judge` mapping (camelCase keys)."""
+    """A judge built from the spec's `judge` section."""
 
-    def __init__(self, spec: dict[str, Any]):
-        self.type = spec["type"]
-        self.pattern = re.compile(spec["pattern"], re.DOTALL) if spec.get("pattern") else None
-        self.schema = spec.get("schema")
-        self.prompt = spec.get("prompt") or ""
-        self.approve = re.compile(spec.get("approvePattern", r"^\s*(yes|approve)"), re.IGNORECASE)
+    def __init__(self, spec: JudgeSpec):
+        self.type = spec.type
+        self.pattern = re.compile(spec.pattern, re.DOTALL) if spec.pattern else None
+        self.schema = spec.json_schema
+        self.prompt = spec.prompt or ""
+        self.approve = re.compile(spec.approve_pattern, re.IGNORECASE)
         self._validator: Any = None
         if self.type == "jsonSchema":
             import jsonschema

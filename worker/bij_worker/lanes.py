@@ -48,17 +48,6 @@ _CLAIM_RE = re.compile(r"^(\d{5,})-(\d{5,})\.json$")
 _DONE_RE = re.compile(r"^(\d{5,})\.json$")
 
 
-def lane_count(plan: dict[str, Any]) -> int:
-    """The round's lanes; a plan written before lanes existed has one per shard."""
-    return int(plan.get("lanes") or len(plan["shards"]))
-
-
-def shares_shards(plan: dict[str, Any]) -> bool:
-    """Whether lanes take over each other's shards: plans written before lanes existed ran one
-    shard per index and nothing else."""
-    return "lanes" in plan
-
-
 def lane_shards(lane: int, lanes: int, shards: int) -> list[int]:
     """The shards lane `lane` works first, in order."""
     return list(range(lane, shards, lanes))

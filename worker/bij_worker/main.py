@@ -29,10 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TERMINATED
+from .contract.plan import Plan
+from .contract.spec import JobSpec
 from .engines import EngineConfig, create_engine
 from .engines.base import is_continuous
-from .inputs import truncates
-from .lanes import DEFAULT_LEASE_SECONDS, Claim, Claims, EngineShare, LeaseKeeper, lane_count, shares_shards
+from .lanes import Claim, Claims, EngineShare, LeaseKeeper
 from .metrics import Metrics, Stats
 from .storage import StorageError, open_storage
 from .worker import BadConfig, ShardOutcome, ShardWorker, StopFlag, load_plan
@@ -40,19 +41,19 @@ from .worker import BadConfig, ShardOutcome, ShardWorker, StopFlag, load_plan
 log = logging.getLogger("bij.worker")
 
 
-def engine_config(spec: dict[str, Any]) -> EngineConfig:
-    """The engine's settings from spec.model (camelCase, as carried in the plan)."""
-    m = spec.get("model", {})
+def engine_config(spec: JobSpec) -> EngineConfig:
+    """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec)."""
+    m = spec.model
     return EngineConfig(
-        task=m.get("task", "embed"),
-        name=m.get("name"),
-        max_tokens=int(m.get("maxTokens", 256)),
-        temperature=float(m.get("temperature", 0.0)),
-        seed=int(m.get("seed", 0)),
-        max_input_tokens=m.get("maxInputTokens"),
-        truncate=truncates(m),
-        vllm=dict(m.get("vllm", {})),
-        simulated=dict(m.get("simulated", {})),
+        task=m.task,
+        name=m.name,
+        max_tokens=m.max_tokens,
+        temperature=m.temperature,
+        seed=m.seed,
+        max_input_tokens=m.max_input_tokens,
+        truncate=m.truncates,
+        vllm=m.vllm.model_dump(mode="json", by_alias=True, exclude_none=True),
+        simulated=m.simulated.model_dump(mode="json", by_alias=True, exclude_none=True),
         device=os.environ.get("BIJ_DEVICE") or None,
     )
 
@@ -155,31 +156,30 @@ def main(argv: list[str] | None = None) -> int:
         # The plan says where everything else is; S3 settings for reading it come from the
         # standard AWS environment (AWS_ENDPOINT_URL, AWS_REGION), as the Job sets them.
         plan = load_plan(args.manifest)
-        spec = plan["job"]["spec"]
-        lanes = lane_count(plan)
+        spec = plan.spec
+        lanes = plan.lane_count
         if not 0 <= lane < lanes:
             raise BadConfig(f"lane index {lane} is out of range: the round has {lanes} lanes")
         metrics = Metrics()
         if args.metrics_port:
             metrics.serve(args.metrics_port)
-        engine_name = spec.get("model", {}).get("engine", "echo")
+        engine_name = spec.model.engine
         try:
             engine = create_engine(engine_name, engine_config(spec))
         except ValueError as e:
             raise BadConfig(str(e)) from None
-        name = spec.get("model", {}).get("name")
+        name = spec.model.name
         if name and (name.startswith(("/", "./", "../"))) and not os.path.exists(name):
             raise BadConfig(f"spec.model.name: no model at {name}")
-        lease = float(spec.get("workers", {}).get("leaseSeconds") or DEFAULT_LEASE_SECONDS)
-        claims = Claims(open_storage(plan["roundPrefix"], spec.get("storage", {}).get("s3")), plan["roundPrefix"],
-                        lane=lane, lanes=lanes, shards=len(plan["shards"]), writer=uuid.uuid4().hex[:12],
-                        lease_seconds=lease, share=shares_shards(plan))
+        claims = Claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
+                        lane=lane, lanes=lanes, shards=len(plan.shards), writer=uuid.uuid4().hex[:12],
+                        lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
         # Nothing left to claim (a replacement pod after its shards were finished elsewhere):
         # done without loading the model.
         claim = claims.next_or_wait(stop.event)
         # A continuous engine is shared by the lane's shards, so the next one starts during the
         # current one's tail (judge jobs work chunk by chunk and do not overlap).
-        share = EngineShare(engine) if is_continuous(engine) and not spec.get("judge") else None
+        share = EngineShare(engine) if is_continuous(engine) and not spec.judge else None
         loaded = False
 
         def start(claim: Claim) -> ShardRun:
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 class ShardRun:
     """One claimed shard worked in a thread of its own, its claim renewed meanwhile."""
 
-    def __init__(self, plan: dict[str, Any], claim: Claim, engine: Any, claims: Claims, share: EngineShare | None,
+    def __init__(self, plan: Plan, claim: Claim, engine: Any, claims: Claims, share: EngineShare | None,
                  *, metrics: Metrics, progress: Callable[[dict[str, Any]], None], stats: Stats,
                  drain_seconds: float):
         self.claim = claim

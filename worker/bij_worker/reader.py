@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 import zstandard
 
 from .contract.errors import BijError
+from .contract.plan import Piece, PlanObject
 from .contract.spec import DEFAULT_MAX_LINE_BYTES
 from .parquet import iter_parquet_piece
 from .storage import Storage, split_blocks
@@ -180,7 +181,7 @@ def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: in
                 yield block
 
 
-def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: list[dict[str, Any]], pieces: list[list[int]],
+def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: Sequence[PlanObject], pieces: Sequence[Piece],
                       cursor: tuple[int, int] = (-1, -1), columns: list[str] | None = None,
                       max_line: int | None = DEFAULT_MAX_LINE_BYTES, parquet_rows: int = 1024) -> Iterator[Block]:
     """All lines of a shard in input order, in blocks, skipping what lies before the durable cursor.
@@ -193,12 +194,12 @@ def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: list[dict[
             continue
         resume_at = cursor[1] if obj == cursor[0] else -1
         info = objects[obj]
-        uri = info["uri"]
-        if "rowGroups" in info:
+        uri = info.uri
+        if info.row_groups is not None:
             places: list[Place] = []
             records: list[bytes | InputProblem] = []
-            for row, record in iter_parquet_piece(storage_for(uri), uri, int(info["size"]), info["rowGroups"],
-                                                  start, end, columns or [], resume_at, version=info.get("version")):
+            for row, record in iter_parquet_piece(storage_for(uri), uri, info.size, info.row_groups,
+                                                  start, end, columns or [], resume_at, version=info.version):
                 places.append((obj, row, row + 1))
                 records.append(record)
                 if len(places) >= parquet_rows:
@@ -208,10 +209,10 @@ def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: list[dict[
                 yield places, records, [1] * len(places)
             continue
         yield from iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at, obj=obj,
-                              max_line=max_line, version=info.get("version"))
+                              max_line=max_line, version=info.version)
 
 
-def iter_shard(storage_for: Callable[[str], Storage], objects: list[dict[str, Any]], pieces: list[list[int]],
+def iter_shard(storage_for: Callable[[str], Storage], objects: Sequence[PlanObject], pieces: Sequence[Piece],
                cursor: tuple[int, int] = (-1, -1), columns: list[str] | None = None,
                max_line: int | None = DEFAULT_MAX_LINE_BYTES) -> Iterator[Line]:
     """All lines of a shard in input order, one by one (see iter_shard_blocks)."""

@@ -37,6 +37,7 @@ from .batcher import PrefixShare, first_batch, plan_batches, run_order
 from .commits import CommitWriter
 from .contract import layout
 from .contract.errors import BijError
+from .contract.plan import BadPlan, Plan
 from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
 from .inputs import (
     InputOptions,
@@ -53,7 +54,7 @@ from .inputs import (
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
 from .parquet import is_int64
-from .reader import DEFAULT_MAX_LINE_BYTES, Chunk, InputProblem, Line, Prefetcher, iter_shard_blocks
+from .reader import Chunk, InputProblem, Line, Prefetcher, iter_shard_blocks
 from .segments import ShardLog, encode_plain_results
 from .storage import NotFound, Storage, StorageError, open_storage
 
@@ -93,15 +94,15 @@ class StopFlag:
         return self._at is not None and time.monotonic() - self._at > self.drain_seconds
 
 
-def load_plan(uri: str, s3: Any = None) -> dict[str, Any]:
+def load_plan(uri: str, s3: Any = None) -> Plan:
     """Read a round plan (shards.json); a missing or unreadable plan is a bad configuration."""
     try:
         store = open_storage(uri, s3)
-        return dict(json.loads(store.read_bytes(uri)))
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
     except NotFound:
         raise BadConfig(f"round plan {uri} does not exist") from None
-    except ValueError as e:
-        raise BadConfig(f"round plan {uri} is not valid JSON: {e}") from None
+    except BadPlan as e:
+        raise BadConfig(str(e)) from None
 
 
 def run_isolating(engine: Engine, requests: list[Request]) -> list[Result]:
@@ -238,7 +239,7 @@ class ShardWorker:
 
     def __init__(
         self,
-        plan: dict[str, Any],
+        plan: Plan,
         index: int,
         engine: Engine,
         *,
@@ -248,37 +249,36 @@ class ShardWorker:
         stats: Stats | None = None,
         lane: int | None = None,
     ):
-        shards = plan["shards"]
+        shards = plan.shards
         if not 0 <= index < len(shards):
             raise BadConfig(f"shard index {index} is out of range: the round has {len(shards)} shards")
         self.plan, self.index, self.engine = plan, index, engine
         self.lane = index if lane is None else lane
-        self.round = int(plan.get("round", 0))
+        self.round = plan.round
         self.pieces = shards[index]
-        self.objects = plan["objects"]
-        self.names = [str(o.get("name") or o["uri"]) for o in self.objects]
-        spec = plan["job"]["spec"]
+        self.objects = plan.objects
+        self.names = [o.display_name for o in self.objects]
+        spec = plan.spec
         self.spec = spec
         self.opts = InputOptions.from_spec(spec)
-        batching = spec.get("batching", {})
+        batching = spec.batching
         default_batch, default_tokens = batch_shape(engine)
-        self.target_tokens = int(batching.get("targetBatchTokens") or default_tokens)
-        self.max_batch = int(batching.get("maxBatchSize") or default_batch)
-        self.sort = bool(batching.get("sortByLength", True))
-        self.prefix_order = bool(batching.get("prefixOrder", True))
-        self.depth = int(batching.get("prefetchChunks", 2))
-        self.chunk_rows = int(spec.get("sharding", {}).get("chunkRows", 512))
-        self.window = int(batching.get("inFlightRows") or self.default_window())
-        self.commit_slots = int(batching.get("commitQueueChunks", 4))
-        self.max_line = int(spec["input"].get("maxLineBytes", DEFAULT_MAX_LINE_BYTES))
-        self.max_tokens = spec.get("model", {}).get("maxInputTokens")
-        self.s3 = spec.get("storage", {}).get("s3")
-        judge_spec = spec.get("judge")
-        self.judge = Judge(judge_spec) if judge_spec else None
-        mode = plan.get("judgeMode") or {}
-        self.in_place = bool(self.judge) and mode.get("mode") == "inPlace"
-        self.final_round = mode.get("final", True)
-        self.max_attempts = int(judge_spec.get("maxAttempts", 3)) if judge_spec else 1
+        self.target_tokens = batching.target_batch_tokens or default_tokens
+        self.max_batch = batching.max_batch_size or default_batch
+        self.sort = batching.sort_by_length
+        self.prefix_order = batching.prefix_order
+        self.depth = batching.prefetch_chunks
+        self.chunk_rows = spec.sharding.chunk_rows
+        self.window = batching.in_flight_rows or self.default_window()
+        self.commit_slots = batching.commit_queue_chunks
+        self.max_line = spec.input.max_line_bytes
+        self.max_tokens = spec.model.max_input_tokens
+        self.s3 = spec.storage.s3
+        self.judge = Judge(spec.judge) if spec.judge else None
+        mode = plan.mode
+        self.in_place = bool(self.judge) and mode.mode == "inPlace"
+        self.final_round = mode.final
+        self.max_attempts = spec.judge.max_attempts if spec.judge else 1
         self.metrics = metrics or Metrics()
         self.stop = stop or StopFlag()
         self.progress = progress or (lambda event: None)
@@ -288,8 +288,8 @@ class ShardWorker:
         self.report_every = float(os.environ.get("BIJ_PROGRESS_SECONDS", "30"))
         self._last_report = self._t0 = time.monotonic()
         self._stores: dict[str, Storage] = {}
-        self.out = self.storage_for(plan["roundPrefix"])
-        self.log = ShardLog(self.out, layout.shard_prefix(plan["roundPrefix"], index))
+        self.out = self.storage_for(plan.round_prefix)
+        self.log = ShardLog(self.out, layout.shard_prefix(plan.round_prefix, index))
         # Called once when every row of the shard is in a continuous engine (see bij_worker.lanes).
         self.on_tail: Callable[[], None] | None = None
 
@@ -320,7 +320,7 @@ class ShardWorker:
     def run(self) -> ShardOutcome:
         """Work the shard to its end, or until asked to stop."""
         t0 = self._t0 = time.monotonic()
-        done_at = layout.done_uri(self.plan["roundPrefix"], self.index)
+        done_at = layout.done_uri(self.plan.round_prefix, self.index)
         if self.out.exists(done_at):
             rec = json.loads(self.out.read_bytes(done_at))
             self.progress({"event": "done", "index": self.index, "rows": rec["rows"], "errors": rec["errors"]})
@@ -328,7 +328,7 @@ class ShardWorker:
         # Time earlier runs of this shard spent (a preempted pod's last progress record) counts
         # towards this shard's worker seconds, so a job's cost includes the work it lost.
         try:
-            before = json.loads(self.out.read_bytes(layout.progress_uri(self.plan["roundPrefix"], self.index)))
+            before = json.loads(self.out.read_bytes(layout.progress_uri(self.plan.round_prefix, self.index)))
             t0 = self._t0 = t0 - float(before.get("seconds") or 0)
             self.stats.model_load_s += float(before.get("modelLoadSeconds") or 0)
             self.stats.model_loads += int(before.get("modelLoads") or 0)
@@ -649,13 +649,13 @@ class ShardWorker:
             lines = [rec["line"] for rec in sorted(self.log.read().records,
                                                    key=lambda r: (r["at"][0], r["at"][1]))
                      if rec["kind"] == "rejected"]
-            uri = layout.rejected_uri(self.plan["roundPrefix"], self.index)
+            uri = layout.rejected_uri(self.plan.round_prefix, self.index)
             if lines:
                 self.out.write_bytes(uri, ("\n".join(lines) + "\n").encode())
         record = {"index": self.index, "round": self.round, "lane": self.lane, **self.stats.as_record(),
                   "seconds": round(time.monotonic() - t0, 3),
                   "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self.out.write_bytes(layout.done_uri(self.plan["roundPrefix"], self.index), json.dumps(record).encode())
+        self.out.write_bytes(layout.done_uri(self.plan.round_prefix, self.index), json.dumps(record).encode())
         self.progress({"event": "done", "index": self.index, "rows": self.stats.rows, "errors": self.stats.errors})
 
     def _count_final(self, rec: dict[str, Any]) -> None:
@@ -802,7 +802,7 @@ class ShardWorker:
         record = {"index": self.index, "round": self.round, "lane": self.lane, **self.stats.as_record(),
                   "seconds": round(time.monotonic() - self._t0, 3),
                   "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self.out.write_bytes(layout.progress_uri(self.plan["roundPrefix"], self.index), json.dumps(record).encode())
+        self.out.write_bytes(layout.progress_uri(self.plan.round_prefix, self.index), json.dumps(record).encode())
 
     def _count_tokens(self, results: list[Result]) -> None:
         if set(map(_ERROR, results)) - {None}:
