@@ -219,7 +219,7 @@ def plan(spec: Path) -> tuple[str, int]:
 
 
 def worker_command() -> list[str]:
-    from bij_operator.local import worker_command as cmd
+    from bij_operator.localjobs import worker_command as cmd
 
     return cmd()
 

@@ -225,9 +225,9 @@ def test_a_full_disk_at_publish_ends_in_one_line_and_a_rerun_publishes(file_plac
     p = bij_run(bij_bin, spec, worker_env(full_disk="/out/results/"))
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     last = p.stderr.strip().splitlines()[-1]
-    # Written by a publish process (one per pass index): its message, without the log prefix.
-    assert last.startswith("bij: publish failed: publish pass failed: write 0 exited 1: storage: cannot write "
-                           "file://") and "/out/results/" in last
+    # The write pass's Job failed: its failed index's last words, without the log prefix, name the file.
+    assert last.startswith("bij: publish pass write failed; Job ") and "FailedIndexes" in last, last
+    assert "index 0 exited 1: storage: cannot write file://" in last and "/out/results/" in last
     assert "No space left on device: free some space and run again" in last
     assert read_manifest(job) is None
     assert bij_run(bij_bin, spec, worker_env()).returncode == 0

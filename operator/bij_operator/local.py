@@ -1,58 +1,58 @@
-"""`bij run`: a whole BatchInferenceJob on one machine, with the pod contract kept exactly.
+"""`bij run`: a whole BatchInferenceJob on one machine, through the operator's own decisions.
 
-Each lane runs as a `bij-worker` subprocess with `JOB_COMPLETION_INDEX` set,
-as an Indexed Job pod would; up to `parallelism` at once. A lane loads the
-model once and works many shards, taking over those of a lane that stopped
-(bij_worker.lanes). A failed lane is retried up to
-`workers.backoffLimitPerIndex` times, and the round still succeeds when the
-other lanes finished every shard; exit 42 (bad configuration) stops everything.
-Ctrl-C asks every worker to stop cleanly; running the same command again resumes
-from what is durable.
+The same `driver.Driver` that the operator runs steps the job through `reconcile.decide()`;
+`LocalBackend` keeps the status in memory, prints the Events, and runs each Job the operator
+would create (one per round, one per publish pass) as local processes with
+`JOB_COMPLETION_INDEX` set (`localjobs.LocalJob`): up to `parallelism` at once, a failed index
+retried up to `workers.backoffLimitPerIndex` times, exit 42 (bad configuration) failing the
+Job at once. A lane loads the model once and works many shards, taking over those of a lane
+that stopped (bij_worker.lanes), so a round succeeds when every shard is done. Ctrl-C asks every
+worker to stop cleanly; running the same command again resumes from what is durable.
 
-Exit codes: 0 published; 1 failed, a rerun may help (it resumes); 42 bad
-configuration, a rerun cannot help until something changes (the spec, the
-flags, the environment; the message says what); 130 stopped by Ctrl-C.
+Exit codes: 0 published; 1 failed, a rerun may help (it resumes); 42 bad configuration, a rerun
+cannot help until something changes (the spec, the flags, the environment; the message says
+what); 130 stopped by Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from bij_worker import publish_rows
 from bij_worker.contract import layout
-from bij_worker.contract.codes import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TERMINATED
+from bij_worker.contract.codes import EXIT_BAD_CONFIG, PUBLISH_LABEL, ROUND_LABEL
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij_worker.storage import StorageError, open_storage
 
+from .driver import Created, Driver, Observed
 from .efficiency import fmt_money
 from .fingerprint import PlanRefused
+from .jobs import render_job
+from .localjobs import LocalJob, worker_command, worker_env
 from .planner import PlanError, RoundPlan, plan_round, reset_output
 from .progress import shard_records
 from .publish import PublishError, publish, read_manifest, removed_record
-from .rounds import RoundStats, needs_another_round, round_history
+from .reconcile import TERMINAL_PHASES, Retry, failure_reason, round_records
 
-
-def worker_command() -> list[str]:
-    """`bij-worker` from the same environment as this process."""
-    found = shutil.which("bij-worker", path=os.path.dirname(sys.executable))
-    return [found] if found else [sys.executable, "-m", "bij_worker.main"]
+# Failures a rerun cannot fix until something changes (exit 42); any other failure may pass (exit 1).
+BAD_CONFIG_REASONS = frozenset({"PodFailurePolicy", "InvalidSpec", "PlanRefused", "SpecChanged", "CannotCreateJob",
+                                "TooManyErrors", "WorkFilesRemoved"})
 
 
 @dataclass
 class _Progress:
+    """A round's progress line, from its workers' progress events."""
+
     total_bytes: int
     shards: int
+    round_no: int
     done_shards: int = 0
     rows: int = 0
     errors: int = 0
@@ -63,7 +63,29 @@ class _Progress:
     finished: set[int] = field(default_factory=set)  # shards with a completion record
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def line(self, round_no: int) -> str:
+    def follow(self, stream: IO[Any]) -> None:
+        """Read one worker's progress events (`bij-worker --progress`) until it ends."""
+        for raw in stream:
+            try:
+                ev: dict[str, Any] = json.loads(raw)
+            except ValueError:
+                continue
+            with self.lock:
+                if ev.get("event") == "chunk":
+                    self.rows += ev.get("rows", 0)
+                    self.errors += ev.get("errors", 0)
+                    self.bytes += ev.get("bytes", 0)
+                elif ev.get("event") == "done":
+                    self.finished.add(int(ev.get("index", -1)))
+                    self.done_shards = len(self.finished)
+                elif ev.get("event") == "resume":
+                    self.rows += ev.get("rows", 0)
+                    self.errors += ev.get("errors", 0)
+                    self.bytes += ev.get("bytes", 0)
+                    self.start_rows += ev.get("rows", 0) + ev.get("errors", 0)
+
+    def line(self) -> str:
+        round_no = self.round_no
         elapsed = max(1e-6, time.monotonic() - self.started)
         rate = (self.rows + self.errors - self.start_rows) / elapsed
         frac = min(1.0, self.bytes / self.total_bytes) if self.total_bytes else 1.0
@@ -77,162 +99,182 @@ class _Progress:
                 f"rows {self.rows:,} errors {self.errors:,} {rate:,.0f} rows/s ETA {eta}")
 
 
+def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """RFC 7386, as the API server applies a status merge patch: objects merge, null deletes."""
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            merge_patch(target[k], v)
+        else:
+            target[k] = json.loads(json.dumps(v))
+
+
+class LocalBackend:
+    """The driver's steps on one machine: status in memory, Events printed, Jobs as local processes."""
+
+    worker_image = "local"  # Jobs run the local worker command, not an image
+
+    def __init__(self, job: BatchInferenceJob, worker_cmd: list[str], show_progress: bool, log_progress: bool):
+        self.job = job
+        self.worker_cmd = worker_cmd
+        self.status: dict[str, Any] = {}
+        self.jobs: dict[str, LocalJob] = {}
+        self.progress: dict[str, _Progress] = {}
+        self.show_progress = show_progress
+        self.log_progress = log_progress
+        self.stopping = False
+        self.last_draw = 0.0
+
+    def env(self) -> dict[str, str]:
+        return worker_env(self.job)
+
+    # --- Backend ---------------------------------------------------------------------------------
+
+    def observe(self) -> Observed:
+        return Observed(job=self.job, spec_error=None, status=json.loads(json.dumps(self.status)), generation=1,
+                        output_uri=self.job.spec.output.uri, jobs=[j.view() for j in self.jobs.values()])
+
+    def create_job(self, body: dict[str, Any]) -> Created:
+        name = body["metadata"]["name"]
+        if name in self.jobs:
+            return "exists"
+        labels = body["metadata"].get("labels") or {}
+        on_stdout = None
+        extra: list[str] = []
+        if ROUND_LABEL in labels and PUBLISH_LABEL not in labels:
+            prog = self.round_progress(int(labels[ROUND_LABEL]))
+            self.progress[name] = prog
+            on_stdout = prog.follow
+            extra = ["--progress"]
+        job = LocalJob(body, self.worker_cmd, self.env(), extra_args=extra, on_stdout=on_stdout)
+        if self.stopping:
+            job.stop()
+        self.jobs[name] = job
+        job.tick()
+        return "created"
+
+    def patch_job(self, name: str, spec: dict[str, Any]) -> None:
+        self.jobs[name].patch(spec)
+
+    def write_status(self, patch: dict[str, Any]) -> None:
+        merge_patch(self.status, patch)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        print(f"bij: {message}", file=sys.stderr, flush=True)
+
+    # --- processes ------------------------------------------------------------------------------
+
+    def round_progress(self, round_no: int) -> _Progress:
+        rec = round_records(self.status).get(round_no) or {}
+        shards = int(rec.get("shards") or 0)
+        prog = _Progress(total_bytes=int(rec.get("bytes") or 0), shards=shards, round_no=round_no)
+        done = shard_records(self.job, round_no)
+        prog.finished.update(done)
+        prog.done_shards = len(done)
+        for r in done.values():
+            prog.rows += r.get("rows", 0)
+            prog.errors += r.get("errors", 0)
+        if done:
+            prog.bytes = int(prog.total_bytes * len(done) / max(1, shards))
+        prog.start_frac = prog.bytes / prog.total_bytes if prog.total_bytes else 0.0
+        prog.start_rows = prog.rows + prog.errors
+        return prog
+
+    def running(self) -> bool:
+        return any(j.active for j in self.jobs.values())
+
+    def wait(self, timeout: float) -> None:
+        """Run the local Jobs until one of them changes or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            changed = False
+            for name, job in self.jobs.items():
+                if job.finished:
+                    continue
+                if job.tick():
+                    changed = True
+                if job.finished and name in self.progress:
+                    self.draw(self.progress[name], final=True)
+            self.draw_running()
+            if changed or time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def draw_running(self) -> None:
+        now = time.monotonic()
+        if not self.show_progress or now - self.last_draw < 0.5:
+            return
+        self.last_draw = now
+        for name, job in self.jobs.items():
+            if not job.finished and name in self.progress:
+                self.draw(self.progress[name])
+
+    def draw(self, prog: _Progress, final: bool = False) -> None:
+        with prog.lock:
+            line = prog.line()
+        if self.show_progress:
+            sys.stderr.write("\r" + line + "\x1b[K" + ("\n" if final else ""))
+            sys.stderr.flush()
+        elif final and self.log_progress:
+            print(line, file=sys.stderr)
+
+    def stop_all(self) -> None:
+        self.stopping = True
+        for job in self.jobs.values():
+            job.stop()
+
+    def kill_all(self) -> None:
+        for job in self.jobs.values():
+            job.kill()
+
+    def wait_stopped(self) -> None:
+        while self.running():
+            self.wait(0.2)
+
+
 class LocalRunner:
-    """Runs the rounds of one job with worker subprocesses."""
+    """Runs one job to the end through the operator's decisions, with worker subprocesses."""
 
     def __init__(self, job: BatchInferenceJob, parallelism: int | None = None, show_progress: bool = True,
                  worker_cmd: list[str] | None = None):
         if parallelism is not None and parallelism < 1:
             raise ValueError(f"--parallelism must be at least 1, got {parallelism}")
         if parallelism is not None and parallelism != job.spec.workers.parallelism:
-            # --parallelism decides the lanes of rounds not planned yet, as spec.workers.parallelism would.
+            # --parallelism is spec.workers.parallelism for this run: lanes of rounds not planned yet,
+            # processes at once, publish processes.
             job = job.model_copy(update={"spec": job.spec.model_copy(update={
                 "workers": job.spec.workers.model_copy(update={"parallelism": parallelism})})})
         self.job = job
         # The pod's command; a library user can run workers another way (a container, another venv).
         self.worker_cmd = worker_cmd or worker_command()
-        self.parallelism = parallelism or job.spec.workers.parallelism
-        self.show_progress = show_progress and sys.stderr.isatty()
-        self.log_progress = show_progress
-        self.stopping = False
-        self.bad_config = False  # a worker exited 42: no retry can help
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-
-    def _env(self, index: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env["JOB_COMPLETION_INDEX"] = str(index)
-        s3 = self.job.spec.storage.s3
-        if s3.endpoint_url:
-            env["AWS_ENDPOINT_URL"] = s3.endpoint_url
-        if s3.region:
-            env["AWS_REGION"] = s3.region
-        env.update(self.job.spec.workers.env)
-        return env
+        self.parallelism = job.spec.workers.parallelism
+        self.backend = LocalBackend(job, self.worker_cmd, show_progress=show_progress and sys.stderr.isatty(),
+                                    log_progress=show_progress)
 
     def run_round(self, round_no: int, plan: RoundPlan) -> tuple[bool, str]:
-        """Run the lanes of a round until every shard is done. Returns (succeeded, message)."""
-        done = shard_records(self.job, round_no)
-        prog = _Progress(total_bytes=plan.total_bytes, shards=plan.shard_count, done_shards=len(done))
-        prog.finished.update(done)
-        for rec in done.values():
-            prog.rows += rec.get("rows", 0)
-            prog.errors += rec.get("errors", 0)
-        if len(done) >= plan.shard_count:
-            return True, ""
-        # One process per lane, as the Job has one pod per lane; each loads the model once and
-        # works many shards, taking over those of a lane that stopped.
-        pending = deque(range(plan.lanes))
-        attempts: dict[int, int] = {}
-        limit = self.job.spec.workers.backoff_limit_per_index
-        failed: list[int] = []
-        bad_config: str | None = None
-        readers: list[threading.Thread] = []
-        last_draw = 0.0
-        if done:
-            prog.bytes = int(plan.total_bytes * len(done) / max(1, plan.shard_count))
-        prog.start_frac = prog.bytes / plan.total_bytes if plan.total_bytes else 0.0
-        prog.start_rows = prog.rows + prog.errors
-
-        # Once stopping (Ctrl-C, or a bad configuration), pending lanes are not started: wait only for
-        # the running ones, or the loop would spin forever on a queue nothing drains.
-        while self.procs or (pending and not self.stopping):
-            while pending and len(self.procs) < self.parallelism and not self.stopping and bad_config is None:
-                i = pending.popleft()
-                attempts[i] = attempts.get(i, 0) + 1
-                # A session of its own: a terminal's Ctrl-C reaches only bij, which asks each worker
-                # once (SIGTERM) to drain; a second signal would make the worker quit at once.
-                p = subprocess.Popen(
-                    [*self.worker_cmd, "--manifest", plan.manifest_uri, "--progress"],
-                    env=self._env(i), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
-                )
-                self.procs[i] = p
-                assert p.stdout is not None
-                t = threading.Thread(target=self._follow, args=(p.stdout, prog), daemon=True)
-                t.start()
-                readers.append(t)
-            for i, p in list(self.procs.items()):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                del self.procs[i]
-                if rc == EXIT_OK:
-                    pass
-                elif rc == EXIT_BAD_CONFIG:
-                    bad_config = f"lane {i}: the worker reported a bad configuration (exit 42); see its log above"
-                    self.bad_config = True
-                    self._stop_all()
-                elif self.stopping or rc == EXIT_TERMINATED or rc == -signal.SIGINT:
-                    pass
-                elif attempts[i] <= limit:
-                    print(f"bij: lane {i} failed (exit {rc}), retry {attempts[i]}/{limit}", file=sys.stderr)
-                    pending.append(i)
-                else:
-                    print(f"bij: lane {i} failed (exit {rc}) after {limit} retries; the other lanes take over "
-                          "its shards", file=sys.stderr)
-                    failed.append(i)
-            now = time.monotonic()
-            if self.show_progress and now - last_draw > 0.5:
-                with prog.lock:
-                    sys.stderr.write("\r" + prog.line(round_no) + "\x1b[K")
-                sys.stderr.flush()
-                last_draw = now
-            if not self.procs and (not pending or self.stopping):
-                break
-            time.sleep(0.05)
-        for t in readers:
-            t.join(timeout=5)
-        if self.show_progress:
-            sys.stderr.write("\r" + prog.line(round_no) + "\x1b[K\n")
-        elif self.log_progress:
-            print(prog.line(round_no), file=sys.stderr)
-        if bad_config:
-            return False, bad_config
-        if self.stopping:
-            return False, "stopped; run the same command again to resume"
-        left = plan.shard_count - len(shard_records(self.job, round_no))
-        if left > 0:
-            which = f"lanes {', '.join(map(str, sorted(failed)))} failed after {limit} retries" if failed \
-                else "the lanes stopped"
-            return False, f"{which} with {left} of {plan.shard_count} shards undone; run again to resume"
+        """Run one planned round's Job alone (no status, no publish), as the driver would create it.
+        Returns (succeeded, message)."""
+        body = render_job(self.job, round_no, plan.lanes, plan.manifest_uri, image=self.backend.worker_image)
+        lj = LocalJob(body, self.worker_cmd, self.backend.env())
+        lj.run()
+        if lj.condition is None or lj.condition["type"] != "Complete":
+            if len(shard_records(self.job, round_no)) >= plan.shard_count and (
+                    lj.condition is None or lj.condition["reason"] != "PodFailurePolicy"):
+                return True, ""  # lanes failed, the others finished their shards
+            return False, (lj.condition or {}).get("message", "stopped")
         return True, ""
-
-    def _follow(self, stream: IO[bytes], prog: _Progress) -> None:
-        for raw in stream:
-            try:
-                ev: dict[str, Any] = json.loads(raw)
-            except ValueError:
-                continue
-            with prog.lock:
-                if ev.get("event") == "chunk":
-                    prog.rows += ev.get("rows", 0)
-                    prog.errors += ev.get("errors", 0)
-                    prog.bytes += ev.get("bytes", 0)
-                elif ev.get("event") == "done":
-                    prog.finished.add(int(ev.get("index", -1)))
-                    prog.done_shards = len(prog.finished)
-                elif ev.get("event") == "resume":
-                    prog.rows += ev.get("rows", 0)
-                    prog.errors += ev.get("errors", 0)
-                    prog.bytes += ev.get("bytes", 0)
-                    prog.start_rows += ev.get("rows", 0) + ev.get("errors", 0)
-
-    def _stop_all(self) -> None:
-        self.stopping = True
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
         """Plan, run and publish. Returns the process exit code."""
         previous = signal.getsignal(signal.SIGINT)
 
         def on_int(signum: int, frame: Any) -> None:
-            if self.stopping:
-                for p in self.procs.values():
-                    p.kill()
+            if self.backend.stopping:
+                self.backend.kill_all()
                 return
             print("\nbij: stopping workers cleanly (Ctrl-C again to kill them)", file=sys.stderr)
-            self._stop_all()
+            self.backend.stop_all()
 
         signal.signal(signal.SIGINT, on_int)
         signal.signal(signal.SIGTERM, on_int)
@@ -245,6 +287,8 @@ class LocalRunner:
             print(f"bij: storage: {e}", file=sys.stderr)
             return EXIT_BAD_CONFIG if e.permanent else 1
         finally:
+            self.backend.stop_all()
+            self.backend.wait_stopped()
             signal.signal(signal.SIGINT, previous)
 
     def _run(self) -> int:
@@ -261,36 +305,35 @@ class LocalRunner:
                   f"{removed.get('removedAt')} (output.keepIntermediate: false), nothing to do", file=sys.stderr)
             print(layout.manifest_uri(self.job))
             return 0
-        round_no = 0
-        history: list[RoundStats] = []
+        backend = self.backend
+        driver = Driver(backend)
         while True:
-            plan = plan_round(self.job, round_no)
-            print(f"bij: {self.job.metadata.name}: round {round_no}, {plan.shard_count} shards in {plan.lanes} "
-                  f"lanes, {plan.total_bytes:,} {plan.unit} in {plan.objects} objects", file=sys.stderr)
-            ok, msg = self.run_round(round_no, plan)
-            if not ok:
-                print(f"bij: {msg}", file=sys.stderr)
-                if self.bad_config:
-                    return EXIT_BAD_CONFIG
-                return 130 if self.stopping and "stopped" in msg else 1
-            history = round_history(self.job, round_no + 1)
-            stats = history[-1]
-            if self.job.spec.judge is not None:
-                print(f"bij: round {round_no}: {stats.rows_in:,} rows in, {stats.approved:,} approved, "
-                      f"{stats.rejected:,} rejected, {stats.capped:,} capped "
-                      f"(approval {stats.approval_rate:.1%})", file=sys.stderr)
-            if not needs_another_round(self.job.spec.judge, history):
-                break
-            round_no += 1
-        try:
-            # The row-level passes run as worker processes, like the rounds.
-            manifest = publish(self.job, rounds=round_no + 1, processes=self.parallelism)
-        except PublishError as e:
-            print(f"bij: publish failed: {e}", file=sys.stderr)
-            return EXIT_BAD_CONFIG if e.permanent else 1
-        except StorageError as e:
-            print(f"bij: publish failed: {e}", file=sys.stderr)
-            return EXIT_BAD_CONFIG if e.permanent else 1
+            if backend.stopping:
+                backend.wait_stopped()
+                print("bij: stopped; run the same command again to resume", file=sys.stderr)
+                return 130
+            idle = driver.reconcile()
+            status = backend.status
+            if status.get("phase") in TERMINAL_PHASES:
+                return self.finished(status)
+            if isinstance(idle.decision, Retry):
+                # The operator would try again later; here the person who ran bij decides.
+                return EXIT_BAD_CONFIG if idle.decision.permanent else 1
+            backend.wait(min(idle.recheck or 1.0, 1.0))
+
+    def finished(self, status: dict[str, Any]) -> int:
+        """The exit code and last words of a job that ended."""
+        if status.get("phase") != "Succeeded":
+            reason = failure_reason(status) or "Failed"
+            if reason == "PodFailurePolicy":
+                print("bij: a worker reported a bad configuration (exit 42); see its log above", file=sys.stderr)
+            return EXIT_BAD_CONFIG if reason in BAD_CONFIG_REASONS else 1
+        manifest = read_manifest(self.job)
+        assert manifest is not None, "Succeeded without a manifest"
+        self.summary(manifest)
+        return 0
+
+    def summary(self, manifest: dict[str, Any]) -> None:
         c = manifest["counts"]
         print(f"bij: published {layout.manifest_uri(self.job)}: {c['rows']:,} rows, {c['errors']:,} errors "
               f"in {len(manifest['files'])} result files", file=sys.stderr)
@@ -309,7 +352,6 @@ class LocalRunner:
             print(f"bij: RetryCapReached: {c['capped']:,} rows were still rejected at the cap; "
                   f"they are in the manifest's cappedFiles", file=sys.stderr)
         print(layout.manifest_uri(self.job))
-        return 0
 
 
 def cli_run(args: argparse.Namespace) -> int:

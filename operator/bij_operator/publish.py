@@ -12,18 +12,12 @@ deterministic: publishing again gives the same files and the same manifest.
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from bij_worker import publish_rows
 from bij_worker.contract import layout
-from bij_worker.contract.codes import EXIT_BAD_CONFIG
 from bij_worker.contract.errors import BijError
 from bij_worker.contract.plan import BadPlan, Plan
 from bij_worker.contract.spec import BatchInferenceJob
@@ -128,75 +122,34 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
 
 def run_passes(job: BatchInferenceJob, plan_uri: str, plan: dict[str, Any], processes: int,
                stats: list[dict[str, Any]] | None = None) -> None:
-    """Run the three row-level passes: in this process (`processes` 0) or as that many worker processes."""
+    """Run the three row-level passes: in this process (`processes` 0), or each as the Job the operator
+    would create for it (`jobs.render_publish_job`), run by the local Job controller in at most
+    `processes` processes, process k working indexes k, k + processes, ... (`stats` gets each
+    process's peak RSS). A pass whose Job fails fails publishing."""
+    from .jobs import render_publish_job
+    from .localjobs import LocalJob, worker_command, worker_env
+
     for pass_name in publish_rows.PASSES:
         n = publish_rows.count(plan, pass_name)
         if processes <= 0:
             for index in range(n):
                 publish_rows.run_pass(plan, pass_name, index, job.spec.storage.s3)
             continue
-        _run_processes(job, plan_uri, pass_name, n, processes, stats)
-
-
-# The worker's log format in front of its last line: the message alone says what failed.
-_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ [A-Z]+ [\w.]+: ")
-
-
-def _run_processes(job: BatchInferenceJob, plan_uri: str, pass_name: str, n: int, processes: int,
-                   stats: list[dict[str, Any]] | None) -> None:
-    """`bij-worker publish` for indexes 0..n-1 of a pass in at most `processes` processes, process k
-    working indexes k, k + processes, ... one after the other (each index in the memory one needs,
-    without a process start for each of a job's many shards); any failure fails the pass."""
-    slots = min(processes, n)
-    pending = list(range(slots))
-    running: dict[int, tuple[int, float, subprocess.Popen[bytes], Any]] = {}
-    failed: list[str] = []
-    permanent = False
-    env = dict(os.environ)  # S3 settings as a round's workers get them: the standard AWS variables
-    s3 = job.spec.storage.s3
-    if s3.endpoint_url:
-        env["AWS_ENDPOINT_URL"] = s3.endpoint_url
-    if s3.region:
-        env["AWS_REGION"] = s3.region
-    while pending or running:
-        while pending and len(running) < processes and not failed:
-            index = pending.pop(0)
-            cmd = [sys.executable, "-m", "bij_worker.main", "publish", "--plan", plan_uri, "--pass", pass_name,
-                   "--index", str(index), "--stride", str(slots)]
-            err_file = tempfile.TemporaryFile()  # a file, not a pipe: a chatty child never blocks on it
-            p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file,
-                                 env=env)
-            running[p.pid] = (index, time.perf_counter(), p, err_file)
-        if not running:
-            break
-        # Only our own children, by pid: a wait for any child could reap a process someone else waits on.
-        done = None
-        for pid in list(running):
-            got, status, usage = os.wait4(pid, os.WNOHANG)
-            if got == pid:
-                done = pid
-                break
-        if done is None:
-            time.sleep(0.02)
+        if n == 0:
             continue
-        index, started, p, err_file = running.pop(done)
-        rc = os.waitstatus_to_exitcode(status)
-        p.returncode = rc
-        err_file.seek(0)
-        err = err_file.read().decode(errors="replace")
-        err_file.close()
+        body = render_publish_job(job, pass_name, min(processes, n), plan_uri, image="local")
+        ran: list[dict[str, Any]] = []
+        lj = LocalJob(body, worker_command(), worker_env(job), say=lambda line: None, stats=ran)
+        lj.run()
         if stats is not None:
-            stats.append({"pass": pass_name, "index": index, "indexes": len(range(index, n, slots)),
-                          "maxRssKiB": usage.ru_maxrss,
-                          "seconds": round(time.perf_counter() - started, 3), "rc": rc})
-        if rc != 0:
-            last = err.strip().splitlines()[-1] if err.strip() else ""
-            failed.append(f"{pass_name} {index} exited {rc}: {_LOG_PREFIX.sub('', last)}")
-            permanent = permanent or rc == EXIT_BAD_CONFIG
-    if failed:
-        e = PublishError(f"publish pass failed: {'; '.join(failed)}")
-        e.permanent = permanent
-        raise e
+            slots = lj.completions
+            stats.extend({**s, "pass": pass_name, "indexes": len(range(s["index"], n, slots))} for s in ran)
+        cond = lj.condition or {}
+        if cond.get("type") != "Complete":
+            e = PublishError(f"publish pass {pass_name} failed: {cond.get('reason', 'Stopped')}: "
+                             f"{cond.get('message', 'stopped before the end')}")
+            e.permanent = cond.get("reason") == "PodFailurePolicy"
+            raise e
 
 
 def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,

@@ -27,9 +27,13 @@ from typing import Any, Literal
 
 from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
 from bij_worker.contract.spec import BatchInferenceJob
+from bij_worker.publish_rows import PublishPlanError
+from bij_worker.storage import StorageError
 
-from .fingerprint import field_digests
+from .fingerprint import PlanRefused, field_digests
 from .jobs import desired_parallelism
+from .planner import PlanError
+from .publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved
 from .rounds import RoundStats, needs_another_round
 
 Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
@@ -252,9 +256,21 @@ class Publish(Decision):
 
 @dataclass(frozen=True, kw_only=True)
 class MarkFailed(Decision):
-    """The round's Job failed for good with shards left undone: phase Failed, naming the failed lanes."""
+    """The bij failed: phase Failed (a round's Job failed for good with shards left undone, naming the
+    failed lanes; or a step no retry can fix). ``event`` is the reason of the Warning Event posted."""
 
     failed_lanes: tuple[int, ...] = ()
+    event: str = "Failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retry(Decision):
+    """A step failed in a way that may pass (input still uploading, storage outage): say so, and ask
+    again after ``delay`` seconds. ``permanent``: the error says no retry will help by itself (a
+    missing bucket), though a change outside the job might; `bij run` ends there, the operator retries."""
+
+    delay: float
+    permanent: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,6 +281,47 @@ class Wait(Decision):
 @dataclass(frozen=True, kw_only=True)
 class Nothing(Decision):
     """The bij is finished (Succeeded or Failed); leave it alone."""
+
+
+# --- what a failed step means ------------------------------------------------------------------
+
+
+def failed_step(d: Decision, error: Exception) -> Decision:
+    """The decision after step `d` raised `error`: MarkFailed when only a spec change can help,
+    Retry when time may. Anything else is a bug and is raised again, never retried as an outage."""
+    r = d.round
+    if isinstance(error, PlanRefused):
+        # Another job owns the output, the URIs overlap, or what is there was made from another spec
+        # or input: a retry cannot help, a spec edit may (the phase is not final).
+        return MarkFailed(round=r, phase="Failed", reason="PlanRefused", message=str(error), event="PlanRefused")
+    if isinstance(d, PlanRound) and isinstance(error, (PlanError, StorageError, OSError)):
+        # Missing or unreadable input may appear later (an upload still running).
+        return Retry(round=r, phase="Pending", reason="PlanFailed", message=f"cannot plan round {r}: {error}",
+                     delay=30.0, permanent=bool(getattr(error, "permanent", False)))
+    if isinstance(d, (CreateJob, CreatePublishJob)) and isinstance(error, ValueError):
+        # The Job cannot be made from this spec (more lanes than an Indexed Job may have): only a spec change helps.
+        return MarkFailed(round=r, phase="Failed", reason="CannotCreateJob", message=f"round {r}: {error}",
+                          shards=d.shards, event="CannotCreateJob")
+    if isinstance(d, (PreparePublish, Publish)):
+        if isinstance(error, ErrorRatioExceeded):
+            # Duplicates found only at publish can push the share of bad rows over the limit.
+            return MarkFailed(round=r, phase="Failed", reason="TooManyErrors", message=str(error),
+                              event="TooManyErrors")
+        if isinstance(error, WorkFilesRemoved):
+            return MarkFailed(round=r, phase="Failed", reason="WorkFilesRemoved", message=str(error),
+                              event="WorkFilesRemoved")
+        if isinstance(error, (PublishError, StorageError, OSError, PublishPlanError)):
+            return Retry(round=r, phase="Publishing", reason="PublishFailed", message=f"publish failed: {error}",
+                         delay=30.0, permanent=bool(getattr(error, "permanent", False)))
+    raise error
+
+
+def name_conflict(d: Decision, job_name: str, what: str, phase: Phase) -> Wait:
+    """A Job of the name we need belongs to someone else: it is never adopted or replaced; the bij
+    says so and waits (looked at again later)."""
+    return Wait(round=d.round, phase=phase, reason="JobNameConflict", shards=d.shards, lanes=d.lanes,
+                message=f"{what}: a Job named {job_name} already exists and does not belong to this "
+                        "BatchInferenceJob; delete or rename it")
 
 
 # --- status accessors --------------------------------------------------------------------------

@@ -1,0 +1,402 @@
+"""The one driver of a BatchInferenceJob, for the operator and for `bij run` alike.
+
+`Driver.reconcile()` observes the bij through a `Backend`, asks `reconcile.decide()` for the
+next step, applies it, and asks again until the answer is to wait. What a step does to the
+world goes through the backend; everything else — planning, the status fields and messages,
+Events, what a failed step means (`reconcile.failed_step`) — is written once, here and in the
+pure core, so the operator and `bij run` take the same decisions in the same order.
+
+Backends:
+
+- `handlers.KubeBackend`: the Kubernetes API (status subresource, batch/v1 Jobs owned by the
+  bij, Events), driven by one kopf daemon per bij.
+- `local.LocalBackend`: `bij run` on one machine; status kept in memory, Jobs run as local
+  processes with `JOB_COMPLETION_INDEX` by a small Indexed Job controller, Events printed.
+
+Every step is idempotent (deterministic Job names, "exists" means an earlier attempt did it,
+planning and publishing rewrite nothing), so a driver stopped anywhere continues where it
+stopped when asked again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+from bij_worker import publish_rows
+from bij_worker.contract import layout
+from bij_worker.contract.spec import BatchInferenceJob, SpecError
+from bij_worker.storage import StorageError
+
+from .efficiency import status_fields
+from .fingerprint import field_digests
+from .jobs import render_job, render_publish_job
+from .planner import plan_round
+from .progress import count_done, live_records, shard_records
+from .publish import WorkFilesRemoved, finish_publish, prepare_publish, read_manifest
+from .reconcile import (
+    TERMINAL_PHASES,
+    CreateJob,
+    CreatePublishJob,
+    Decision,
+    FinishRound,
+    MarkFailed,
+    Nothing,
+    PatchJob,
+    PlanRound,
+    PreparePublish,
+    Publish,
+    Retry,
+    Wait,
+    current_round,
+    decide,
+    failed_step,
+    format_ranges,
+    name_conflict,
+    round_records,
+)
+from .rounds import summarize
+from .status import decision_status, fmt_time, now_utc, parse_time, phase_conditions, rows_progress, status_differs
+
+log = logging.getLogger("bij.driver")
+
+# Progress-only status writes (shard counts, rows) at most this often; phase changes and actions
+# are written at once.
+STATUS_INTERVAL = 5.0
+# While a round runs, its rows are refreshed from the workers' live progress records this often.
+PROGRESS_INTERVAL = 30.0
+# Steps applied per reconcile before yielding; a whole run takes about ten.
+MAX_STEPS = 16
+# A Job of our name that belongs to someone else is looked at again this often.
+CONFLICT_RECHECK = 15.0
+
+Created = Literal["created", "exists", "foreign"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What a backend sees of the bij: its spec (parsed, or why it cannot be), status and Jobs."""
+
+    job: BatchInferenceJob | None
+    spec_error: SpecError | None
+    status: Mapping[str, Any]
+    generation: int | None
+    output_uri: str
+    jobs: Sequence[Mapping[str, Any]]
+
+
+class Backend(Protocol):
+    """Where the driver's steps take effect."""
+
+    worker_image: str
+
+    def observe(self) -> Observed | None:
+        """The bij now; None when it is gone (deleted, or being deleted)."""
+
+    def create_job(self, body: dict[str, Any]) -> Created:
+        """Create a batch/v1 Job owned by the bij: "exists" when an earlier attempt of ours did,
+        "foreign" when a Job of that name belongs to someone else (never adopted or replaced)."""
+
+    def patch_job(self, name: str, spec: dict[str, Any]) -> None:
+        """Merge `spec` into the Job's spec (suspend, parallelism)."""
+
+    def write_status(self, patch: dict[str, Any]) -> None:
+        """Merge-patch the bij's status."""
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Post an Event about the bij (Normal or Warning)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Idle:
+    """Where a reconcile stopped: the last decision, and when to ask again without a change.
+
+    ``recheck`` None: only when something changes (a Job, the spec). ``gone``: the bij was deleted.
+    """
+
+    decision: Decision | None
+    recheck: float | None = None
+    gone: bool = False
+
+
+class Driver:
+    """Steps one bij forward through a backend. One driver per bij; not shared between threads."""
+
+    def __init__(self, backend: Backend, *, status_interval: float = STATUS_INTERVAL,
+                 progress_interval: float = PROGRESS_INTERVAL,
+                 on_decision: Callable[[Decision], None] | None = None):
+        self.backend = backend
+        self.status_interval = status_interval
+        self.progress_interval = progress_interval
+        self.on_decision = on_decision
+        self.last_progress = 0.0
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def reconcile(self) -> Idle:
+        """Bring the bij forward as far as it can go now. Safe to call any time, any number of times."""
+        last: Decision | None = None
+        for _ in range(MAX_STEPS):
+            seen = self.backend.observe()
+            if seen is None:
+                return Idle(None, gone=True)
+            if seen.job is None:
+                assert seen.spec_error is not None
+                self.mark_invalid(seen, seen.spec_error)
+                return Idle(None)
+            job = seen.job
+            last = decide(job, seen.status, seen.jobs, self.shards_done(job, seen.status))
+            log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
+            if self.on_decision is not None:
+                self.on_decision(last)
+            idle = self.apply(seen, job, last)
+            if idle is not None:
+                return idle
+        log.warning("%s: still changing after %d steps; continuing shortly", last, MAX_STEPS)
+        return Idle(last, recheck=1.0)
+
+    def apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
+        """Apply one decision: None when the loop should ask again (something changed), else where
+        to stop. A step that fails is turned into the decision `reconcile.failed_step` makes of it."""
+        try:
+            return self._apply(seen, job, d)
+        except WorkFilesRemoved as e:
+            # Published before the status said so (a restart in between): the manifest stands.
+            found = read_manifest(job)
+            if found is not None:
+                return self.published(seen, job, d, found)
+            return self.apply_failure(seen, failed_step(d, e), job)
+        except (SpecError, StorageError, OSError, publish_rows.PublishPlanError, ValueError) as e:
+            # (SpecError and ValueError only as what planning, rendering or publishing raise: the
+            # core decides which of them a retry can fix.)
+            return self.apply_failure(seen, failed_step(d, e), job)
+
+    def _apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
+        status = seen.status
+        now = now_utc()
+
+        if isinstance(d, PlanRound):
+            plan = plan_round(job, d.round)
+            rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
+            rec: dict[str, Any] = {"round": d.round, "shards": plan.shard_count, "lanes": plan.lanes,
+                                   "bytes": plan.total_bytes, "startTime": fmt_time(now)}
+            if d.round == 0:
+                rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
+            rounds.append(rec)
+            msg = (f"round {d.round}: planned {plan.shard_count} shards in {plan.lanes} lanes from {plan.objects} "
+                   f"input objects ({plan.total_bytes:,} {plan.unit})")
+            patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
+                     "shards": {"done": 0, "total": plan.shard_count}, "shardsSummary": f"0/{plan.shard_count}"}
+            if "rows" not in status:
+                patch["rows"] = {"done": 0, "failed": 0}  # so the ROWS column reads 0, not <none>
+            self.write_status(seen, patch, event=("Normal", "RoundPlanned", msg))
+            return None
+
+        if isinstance(d, CreateJob):
+            body = render_job(job, d.round, d.completions, layout.round_manifest_uri(job, d.round),
+                              image=self.backend.worker_image, owner_uid=job.metadata.uid)
+            created = self.create_job(seen, d, body, f"round {d.round}", "Pending")
+            if created == "foreign":
+                return Idle(d, recheck=CONFLICT_RECHECK)
+            spec = body["spec"]
+            msg = (f"round {d.round}: created Job {body['metadata']['name']} with {d.completions} lanes for "
+                   f"{d.shards.total if d.shards else '?'} shards, parallelism {spec['parallelism']}"
+                   + (", suspended" if spec.get("suspend") else ""))
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg},
+                              event=("Normal", "RoundStarted", msg) if created == "created" else None)
+            return None
+
+        if isinstance(d, PatchJob):
+            job_spec: dict[str, Any] = {}
+            if d.suspend is not None:
+                job_spec["suspend"] = d.suspend
+            if d.parallelism is not None:
+                job_spec["parallelism"] = d.parallelism
+            self.backend.patch_job(d.job_name, job_spec)
+            reason = {True: "Suspended", False: "Resumed", None: "Scaled"}[d.suspend]
+            what = {True: "suspended (durable work is kept)", False: "resumed",
+                    None: f"parallelism set to {d.parallelism}"}[d.suspend]
+            msg = f"round {d.round}: Job {d.job_name} {what}"
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg}, event=("Normal", reason, msg))
+            return None
+
+        if isinstance(d, FinishRound):
+            records = shard_records(job, d.round)
+            planned = int((round_records(status).get(d.round) or {}).get("shards") or 0)
+            stats = summarize(d.round, planned, records)
+            rounds = []
+            for rec in status.get("rounds") or []:
+                if rec.get("round") == d.round:
+                    rec = {**rec, **stats.as_status(), "completionTime": fmt_time(now)}
+                rounds.append(rec)
+            msg = f"round {d.round} finished: {d.shards.summary if d.shards else '0/0'} shards, " \
+                  f"{stats.approved} rows, {stats.errors} error rows"
+            if job.spec.judge is not None:
+                msg += f", {stats.rejected} rejected, {stats.capped} capped (approval {stats.approval_rate:.1%})"
+            if d.failed_lanes:
+                noun = "lane" if len(d.failed_lanes) == 1 else "lanes"
+                msg += f"; {noun} {format_ranges(d.failed_lanes)} failed, the other lanes finished their shards"
+            patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
+                     **self.progress(job, status, d.round, now)}
+            self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
+            return None
+
+        if isinstance(d, PreparePublish):
+            if status.get("phase") != "Publishing":
+                self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
+            plan_uri, pplan = prepare_publish(job, d.rounds)
+            passes = {p: publish_rows.count(pplan, p) for p in publish_rows.PASSES}
+            msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
+                + " indexes"
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg,
+                                     "publish": {"rounds": d.rounds, "planUri": plan_uri, "passes": passes}})
+            return None
+
+        if isinstance(d, CreatePublishJob):
+            body = render_publish_job(job, d.pass_name, d.completions, d.plan_uri, image=self.backend.worker_image,
+                                      owner_uid=job.metadata.uid)
+            created = self.create_job(seen, d, body, "publishing", "Publishing")
+            if created == "foreign":
+                return Idle(d, recheck=CONFLICT_RECHECK)
+            msg = f"publishing: created Job {body['metadata']['name']} for pass {d.pass_name} ({d.completions} pods)"
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg},
+                              event=("Normal", "PublishPassStarted", msg) if created == "created" else None)
+            return None
+
+        if isinstance(d, Publish):
+            if status.get("phase") != "Publishing":
+                self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
+            # What finishing reads (plans, completion records, per-shard summaries) stays after the
+            # work files go, so a restart between the manifest and the status write finishes again.
+            pplan = publish_rows.load(str((status.get("publish") or {})["planUri"]))
+            manifest = finish_publish(job, d.rounds, pplan)
+            return self.published(seen, job, d, manifest)
+
+        if isinstance(d, (MarkFailed, Retry)):
+            return self.apply_failure(seen, d, job)
+
+        if isinstance(d, Nothing):
+            # Finished: only keep observedGeneration and conditions current after spec edits.
+            patch = {"observedGeneration": seen.generation,
+                     "conditions": phase_conditions(status.get("conditions") or [], d.phase, d.reason, d.message,
+                                                    generation=seen.generation, now=now)}
+            self.write_status(seen, patch)
+            return Idle(d)
+
+        assert isinstance(d, Wait), d
+        patch = {**self.base(seen, d, now), "message": d.message}
+        phase_changed = status.get("phase") != d.phase or status.get("round") != d.round
+        recheck = self.progress_interval if d.phase == "Running" else None
+        if not status_differs(status, patch) and not phase_changed:
+            return Idle(d, recheck=recheck)
+        wait = self.last_progress + self.status_interval - time.monotonic()
+        if not phase_changed and wait > 0:
+            # Progress only: write it at the end of the interval, once, whatever happens meanwhile.
+            return Idle(d, recheck=wait)
+        patch.update(self.progress(job, status, d.round, now))
+        self.last_progress = time.monotonic()
+        self.write_status(seen, patch)
+        return Idle(d, recheck=recheck)
+
+    # --- steps shared by several decisions ----------------------------------------------------------
+
+    def apply_failure(self, seen: Observed, d: Decision, job: BatchInferenceJob | None = None) -> Idle:
+        """A failed bij (MarkFailed) or a step to try again later (Retry): status, one Event per message."""
+        now = now_utc()
+        patch = {**self.base(seen, d, now), "message": d.message}
+        if isinstance(d, MarkFailed) and job is not None:
+            patch.update(self.progress(job, seen.status, d.round, now))
+        # Once per message: a recoverable failure (SpecChanged) is decided again on every change.
+        first = seen.status.get("message") != d.message
+        reason = d.reason if isinstance(d, Retry) else d.event if isinstance(d, MarkFailed) else "Failed"
+        self.write_status(seen, patch, event=("Warning", reason, d.message) if first else None)
+        return Idle(d, recheck=d.delay if isinstance(d, Retry) else None)
+
+    def create_job(self, seen: Observed, d: Decision, body: dict[str, Any], what: str,
+                   phase: Literal["Pending", "Publishing"]) -> Created:
+        created = self.backend.create_job(body)
+        if created == "foreign":
+            conflict = name_conflict(d, body["metadata"]["name"], what, phase)
+            self.write_status(seen, {**self.base(seen, conflict, now_utc()), "message": conflict.message},
+                              event=("Warning", "JobNameConflict", conflict.message)
+                              if seen.status.get("message") != conflict.message else None)
+        return created
+
+    def published(self, seen: Observed, job: BatchInferenceJob, d: Decision, manifest: Mapping[str, Any]) -> Idle:
+        """Phase Succeeded with what the manifest says."""
+        now = now_utc()
+        counts = manifest.get("counts") or {}
+        uri = layout.manifest_uri(job)
+        msg = (f"published {counts.get('rows', 0)} rows in {len(manifest.get('files') or [])} files "
+               f"({counts.get('errors', 0)} error rows) to {uri}")
+        if counts.get("capped"):
+            # Never silent: rows the judge still rejected at the cap are published apart and said so.
+            capped = (f"RetryCapReached: {counts['capped']} rows were still rejected by the judge at the cap; "
+                      "they are in the manifest's cappedFiles")
+            msg += f"; {capped}"
+            self.backend.event("Warning", "RetryCapReached", capped)
+        done = dataclasses.replace(d, phase="Succeeded", reason="Published", message=msg)
+        patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg,
+                 "rows": {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}}
+        patch.update({k: v for k, v in self.progress(job, seen.status, d.round, now).items() if k != "rows"})
+        self.write_status(seen, patch, event=("Normal", "Published", msg))
+        return Idle(done)
+
+    def mark_invalid(self, seen: Observed, err: SpecError) -> None:
+        """Phase Failed with the validation problems; posted once per distinct message."""
+        msg = "invalid spec: " + "; ".join(err.problems)
+        now = now_utc()
+        patch = {"phase": "Failed", "message": msg, "observedGeneration": seen.generation,
+                 "conditions": phase_conditions(seen.status.get("conditions") or [], "Failed", "InvalidSpec", msg,
+                                                generation=seen.generation, now=now)}
+        if seen.status.get("message") != msg:
+            self.write_status(seen, patch, event=("Warning", "InvalidSpec", msg))
+
+    def base(self, seen: Observed, d: Decision, now: Any) -> dict[str, Any]:
+        """The status fields every decision sets (phase, round, shards, conditions, ...)."""
+        return decision_status(seen.status, d, generation=seen.generation, now=now, output_uri=seen.output_uri)
+
+    def write_status(self, seen: Observed, patch: dict[str, Any], event: tuple[str, str, str] | None = None) -> None:
+        """Merge-patch the status (only if it changes) and post the Event."""
+        if status_differs(seen.status, patch):
+            self.backend.write_status(patch)
+        if event is not None:
+            self.backend.event(*event)
+
+    # --- reading the workers' records (O(shards), never rows) -------------------------------------------
+
+    def shards_done(self, job: BatchInferenceJob, status: Mapping[str, Any]) -> int | None:
+        """How many shards of the current round have a completion record (one listing, no reads);
+        None when no round is running or the records cannot be listed."""
+        rec = round_records(status).get(current_round(status))
+        if rec is None or rec.get("completionTime") or status.get("phase") in TERMINAL_PHASES:
+            return None
+        try:
+            return count_done(job, current_round(status))
+        except (OSError, StorageError) as e:
+            log.warning("%s/%s: cannot list shard records: %s", job.metadata.namespace, job.metadata.name, e)
+            return None
+
+    def progress(self, job: BatchInferenceJob, status: Mapping[str, Any], round_no: int, now: Any) -> dict[str, Any]:
+        """``rows`` and ``rowsPerSecond`` from the completion records of rounds 0..round_no, and the
+        live progress records of the current round's running shards."""
+        try:
+            records: list[dict[str, Any]] = []
+            for r in range(round_no):
+                records.extend(shard_records(job, r).values())
+            current = list(live_records(job, round_no).values())
+        except (OSError, StorageError) as e:
+            log.warning("%s/%s: cannot read shard records: %s", job.metadata.namespace, job.metadata.name, e)
+            return {}
+        records += current
+        started = status.get("startTime") or min((str(r["startTime"]) for r in round_records(status).values()
+                                                  if r.get("startTime")), default=None)
+        this_round = round_records(status).get(round_no) or {}
+        round_start = parse_time(this_round.get("startTime"))
+        return {**rows_progress(records, started, now),
+                **status_fields(records, current, this_round.get("bytes"),
+                                (now - round_start).total_seconds() if round_start else None,
+                                job.spec.workers.price_per_hour)}

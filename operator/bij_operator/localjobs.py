@@ -1,0 +1,261 @@
+"""An Indexed Job controller for one machine: runs a batch/v1 Job body as local processes.
+
+`bij run` hands the very Job bodies the operator would create (`jobs.render_job`,
+`jobs.render_publish_job`) to `LocalJob`, which keeps the parts of the Job controller's
+contract the workers and `reconcile.decide()` rely on:
+
+- one process per index with ``JOB_COMPLETION_INDEX`` set, at most ``parallelism`` at once;
+- ``backoffLimitPerIndex``: a failed index is started again until it has failed that many
+  times more, then it is a failed index; ``maxFailedIndexes`` exceeded fails the Job;
+- ``podFailurePolicy`` ``FailJob`` on the worker's exit codes: the Job fails at once and the
+  other indexes are stopped (SIGTERM);
+- status as the API server shows it: ``active``, ``completedIndexes``, ``failedIndexes`` and the
+  ``Complete``/``Failed`` conditions (with the reasons the real controller uses).
+
+The container's command becomes the local worker command; its environment comes from the
+caller (the pod's image-specific settings, model cache paths and metrics ports do not apply
+on one machine). A failed index's last line on stderr is kept for the Job's failure message,
+as a kubelet keeps a terminated container's message.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any
+
+from bij_worker.contract.spec import BatchInferenceJob
+
+from .reconcile import format_ranges
+from .status import fmt_time, now_utc
+
+# The worker's log format in front of a line: the message alone says what failed.
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ [A-Z]+ [\w.]+: ")
+
+
+def worker_command() -> list[str]:
+    """`bij-worker` from the same environment as this process."""
+    found = shutil.which("bij-worker", path=os.path.dirname(sys.executable))
+    return [found] if found else [sys.executable, "-m", "bij_worker.main"]
+
+
+def worker_env(job: BatchInferenceJob) -> dict[str, str]:
+    """A local worker's environment: this process's, the storage settings, spec.workers.env."""
+    env = dict(os.environ)
+    s3 = job.spec.storage.s3
+    if s3.endpoint_url:
+        env["AWS_ENDPOINT_URL"] = s3.endpoint_url
+    if s3.region:
+        env["AWS_REGION"] = s3.region
+    env.update(job.spec.workers.env)
+    return env
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class LocalJob:
+    """One Indexed Job as local processes. Call `tick()` often; `view()` is its batch/v1 shape."""
+
+    def __init__(self, body: Mapping[str, Any], command: Sequence[str], env: Mapping[str, str], *,
+                 extra_args: Sequence[str] = (), on_stdout: Callable[[IO[bytes]], None] | None = None,
+                 say: Callable[[str], None] = _say, stats: list[dict[str, Any]] | None = None):
+        meta, spec = body["metadata"], body["spec"]
+        self.name = str(meta["name"])
+        self.namespace = str(meta.get("namespace") or "default")
+        self.labels = dict(meta.get("labels") or {})
+        self.completions = int(spec["completions"])
+        self.parallelism = int(spec.get("parallelism") or 1)
+        self.suspend = bool(spec.get("suspend"))
+        self.backoff_limit = int(spec.get("backoffLimitPerIndex") or 0)
+        self.max_failed = spec.get("maxFailedIndexes")
+        self.fail_job_codes: set[int] = set()
+        for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
+            codes = rule.get("onExitCodes") or {}
+            if rule.get("action") == "FailJob" and codes.get("operator", "In") == "In":
+                self.fail_job_codes.update(int(v) for v in codes.get("values") or [])
+        (container,) = spec["template"]["spec"]["containers"]
+        args = list(container.get("args") or [])
+        if "--metrics-port" in args:  # one port per pod; processes on one machine would collide
+            i = args.index("--metrics-port")
+            del args[i:i + 2]
+        self.command = [*command, *args, *extra_args]
+        self.env = dict(env)
+        self.on_stdout = on_stdout
+        self.say = say
+        self.stats = stats
+        self.pending: deque[int] = deque(range(self.completions))
+        self.attempts: dict[int, int] = {}
+        self.procs: dict[int, tuple[subprocess.Popen[bytes], float, threading.Thread]] = {}
+        self.last_error: dict[int, str] = {}
+        self.completed: set[int] = set()
+        self.failed: set[int] = set()
+        self.failures: list[str] = []  # "index i exited rc: last line", for the Failed condition
+        self.condition: dict[str, str] | None = None  # Complete or Failed, once finished
+        self.fail_reason: tuple[str, str] | None = None  # decided, waiting for running indexes to end
+        self.stopping = False
+        self.readers: list[threading.Thread] = []
+
+    # --- the controller ------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.condition is not None
+
+    @property
+    def active(self) -> int:
+        return len(self.procs)
+
+    def tick(self) -> bool:
+        """Reap ended processes, apply the Job's policies, start pending indexes. True if anything changed."""
+        changed = False
+        for i in list(self.procs):
+            p, started, reader = self.procs[i]
+            got, status, usage = os.wait4(p.pid, os.WNOHANG)
+            if got != p.pid:
+                continue
+            changed = True
+            del self.procs[i]
+            rc = os.waitstatus_to_exitcode(status)
+            p.returncode = rc
+            reader.join(timeout=5)  # its stderr is read to the end: the last line is known
+            if self.stats is not None:
+                self.stats.append({"job": self.name, "index": i, "maxRssKiB": usage.ru_maxrss, "rc": rc,
+                                   "seconds": round(time.monotonic() - started, 3)})
+            self._ended(i, rc)
+        if self.fail_reason is None and not self.stopping and not self.suspend:
+            while self.pending and len(self.procs) < self.parallelism:
+                self._start(self.pending.popleft())
+                changed = True
+        if self.condition is None and not self.procs:
+            if self.fail_reason is not None:
+                self._finish("Failed", *self.fail_reason)
+                changed = True
+            elif not self.pending and not self.stopping:
+                if self.failed:
+                    self._finish("Failed", "FailedIndexes", "Job has failed indexes: " + "; ".join(self.failures))
+                else:
+                    self._finish("Complete", "CompletionsReached", "Reached expected number of succeeded pods")
+                changed = True
+        return changed
+
+    def _start(self, i: int) -> None:
+        self.attempts[i] = self.attempts.get(i, 0) + 1
+        # A session of its own: a terminal's Ctrl-C reaches only bij, which asks each worker once
+        # (SIGTERM) to drain; a second signal would make the worker quit at once.
+        p = subprocess.Popen(self.command, env={**self.env, "JOB_COMPLETION_INDEX": str(i)},
+                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             stdout=subprocess.PIPE if self.on_stdout else subprocess.DEVNULL, start_new_session=True)
+        assert p.stderr is not None
+        reader = threading.Thread(target=self._relay, args=(i, p.stderr), daemon=True)
+        reader.start()
+        if self.on_stdout is not None:
+            assert p.stdout is not None
+            t = threading.Thread(target=self.on_stdout, args=(p.stdout,), daemon=True)
+            t.start()
+            self.readers.append(t)
+        self.procs[i] = (p, time.monotonic(), reader)
+
+    def _relay(self, i: int, stream: IO[bytes]) -> None:
+        """Pass the worker's stderr through, keeping its last line."""
+        last = ""
+        for raw in stream:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.flush()
+            text = raw.decode(errors="replace").strip()
+            if text:
+                last = text
+        self.last_error[i] = _LOG_PREFIX.sub("", last)
+
+    def _ended(self, i: int, rc: int) -> None:
+        if rc == 0:
+            self.completed.add(i)
+            return
+        what = f"index {i} exited {rc}" + (f": {self.last_error[i]}" if self.last_error.get(i) else "")
+        if rc in self.fail_job_codes and self.fail_reason is None:
+            # As the Job controller words it: the pod name says which index it was.
+            self.fail_reason = ("PodFailurePolicy",
+                                f"Container worker for pod {self.namespace}/{self.name}-{i}-local failed with exit "
+                                f"code {rc} matching FailJob rule at index 0")
+            self.failures.append(what)
+            self.stop()
+            return
+        if self.suspend and not self.stopping:
+            self.attempts[i] -= 1  # suspended: the index starts again on resume, as the Job's would
+            self.pending.appendleft(i)
+            return
+        if self.stopping or self.fail_reason is not None:
+            return  # stopped by us: neither done nor failed; a rerun resumes it
+        if self.attempts[i] <= self.backoff_limit:
+            self.say(f"bij: {self.name} index {i} failed (exit {rc}), retry {self.attempts[i]}/{self.backoff_limit}")
+            self.pending.append(i)
+            return
+        self.failed.add(i)
+        self.failures.append(what)
+        self.say(f"bij: {self.name} index {i} failed (exit {rc}) after {self.backoff_limit} retries")
+        if self.max_failed is not None and len(self.failed) > int(self.max_failed):
+            self.fail_reason = ("MaxFailedIndexesExceeded", "Job has exceeded the specified maximal number of "
+                                "failed indexes: " + "; ".join(self.failures))
+            self.stop()
+
+    def _finish(self, type_: str, reason: str, message: str) -> None:
+        self.condition = {"type": type_, "status": "True", "reason": reason, "message": message,
+                          "lastTransitionTime": fmt_time(now_utc())}
+        for t in self.readers:
+            t.join(timeout=5)
+
+    def _signal(self, sig: int) -> None:
+        # By pid, not Popen.send_signal: that reaps an ended process, whose status tick() must read.
+        # The pid cannot be reused before tick() reaps it.
+        for p, _, _ in self.procs.values():
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        """SIGTERM every running index and start no more (what deleting the Job's pods does)."""
+        self.stopping = True
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def patch(self, spec: Mapping[str, Any]) -> None:
+        if "parallelism" in spec:
+            self.parallelism = int(spec["parallelism"])
+        if "suspend" in spec:
+            self.suspend = bool(spec["suspend"])
+            if self.suspend:
+                self._signal(signal.SIGTERM)
+
+    def run(self, poll: float = 0.05) -> None:
+        """Run to the end (Complete or Failed)."""
+        while not self.finished:
+            if not self.tick():
+                time.sleep(poll)
+            if self.stopping and not self.procs and not self.finished:
+                return
+
+    def view(self) -> dict[str, Any]:
+        """The Job as the API server would show it (what `reconcile.JobView` reads)."""
+        status: dict[str, Any] = {"active": len(self.procs)}
+        if self.completed:
+            status["completedIndexes"] = format_ranges(self.completed)
+        if self.failed:
+            status["failedIndexes"] = format_ranges(self.failed)
+        if self.condition is not None:
+            status["conditions"] = [dict(self.condition)]
+        return {"apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": self.name, "namespace": self.namespace, "labels": dict(self.labels)},
+                "spec": {"completions": self.completions, "parallelism": self.parallelism, "suspend": self.suspend},
+                "status": status}

@@ -1,0 +1,243 @@
+"""The one driver: what a failed step means (pure), the driver's steps through a backend, and the
+local Indexed Job controller that `bij run` hands the operator's own Job bodies to."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bij_operator.driver import Driver, Observed
+from bij_operator.fingerprint import PlanRefused
+from bij_operator.localjobs import LocalJob
+from bij_operator.planner import PlanError
+from bij_operator.publish import ErrorRatioExceeded, PublishError
+from bij_operator.reconcile import (
+    CreateJob,
+    CreatePublishJob,
+    MarkFailed,
+    PlanRound,
+    PreparePublish,
+    Publish,
+    Retry,
+    Wait,
+    failed_step,
+    parse_ranges,
+)
+from bij_worker.storage import StorageError
+
+# --- failed_step: the decision after a step raised ----------------------------------------------------
+
+PLAN = PlanRound(round=0, phase="Pending", reason="Planning", message="planning round 0")
+CREATE = CreateJob(round=1, phase="Pending", reason="RoundStarting", message="", completions=4, suspend=False)
+PREPARE = PreparePublish(round=0, phase="Publishing", reason="Publishing", message="", rounds=1)
+PUBLISH = Publish(round=0, phase="Publishing", reason="Publishing", message="", rounds=1)
+
+
+def test_a_refused_plan_fails_the_bij_until_the_spec_changes() -> None:
+    d = failed_step(PLAN, PlanRefused("spec.model.name changed from null to \"x\""))
+    assert isinstance(d, MarkFailed) and d.reason == d.event == "PlanRefused" and "spec.model.name" in d.message
+
+
+def test_input_that_may_still_appear_is_retried_and_says_whether_time_alone_can_fix_it() -> None:
+    later = failed_step(PLAN, PlanError("no input objects under file:///in/", permanent=False))
+    assert isinstance(later, Retry) and later.reason == "PlanFailed" and later.phase == "Pending"
+    assert later.message == "cannot plan round 0: no input objects under file:///in/" and not later.permanent
+    missing = failed_step(PLAN, StorageError("s3://nope/in/: NoSuchBucket", permanent=True))
+    assert isinstance(missing, Retry) and missing.permanent and missing.delay > 0
+
+
+def test_a_job_that_cannot_be_rendered_fails_with_cannot_create_job() -> None:
+    d = failed_step(CREATE, ValueError("a round needs 1 to 100000 lanes, got 100001"))
+    assert isinstance(d, MarkFailed) and d.reason == "CannotCreateJob" and d.message.startswith("round 1: ")
+
+
+def test_publish_failures_retry_except_too_many_errors() -> None:
+    too_many = failed_step(PUBLISH, ErrorRatioExceeded("12 of 100 rows failed"))
+    assert isinstance(too_many, MarkFailed) and too_many.reason == "TooManyErrors"
+    for step in (PREPARE, PUBLISH):
+        d = failed_step(step, PublishError("a shard summary is missing"))
+        assert isinstance(d, Retry) and d.reason == "PublishFailed" and d.phase == "Publishing"
+        d = failed_step(step, StorageError("file:///out: Permission denied"))
+        assert isinstance(d, Retry) and "Permission denied" in d.message
+
+
+@pytest.mark.parametrize("step, error", [
+    (PLAN, KeyError("shards")),                 # a bug in planning
+    (PLAN, ValueError("bad literal")),          # a ValueError that is not a PlanError
+    (CREATE, TypeError("unhashable")),
+    (PUBLISH, ZeroDivisionError()),
+    (CreatePublishJob(round=0, phase="Publishing", reason="Publishing", message="", rounds=1, pass_name="ids",
+                      completions=1, plan_uri="file:///p"), KeyError("x")),
+])
+def test_a_bug_is_raised_again_never_retried_as_an_outage(step: Any, error: Exception) -> None:
+    with pytest.raises(type(error)):
+        failed_step(step, error)
+
+
+# --- the driver through a backend ------------------------------------------------------------------------
+
+
+class FakeBackend:
+    """Status and Jobs in memory, Events recorded; `foreign` names Jobs someone else owns."""
+
+    worker_image = "img"
+
+    def __init__(self, job: Any, foreign: set[str] = frozenset()):  # type: ignore[assignment]
+        self.job = job
+        self.status: dict[str, Any] = {}
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.events: list[tuple[str, str, str]] = []
+        self.creates: list[str] = []
+        self.foreign = foreign
+
+    def observe(self) -> Observed:
+        import copy
+
+        return Observed(job=self.job, spec_error=None, status=copy.deepcopy(self.status), generation=1,
+                        output_uri=self.job.spec.output.uri, jobs=[copy.deepcopy(j) for j in self.jobs.values()])
+
+    def create_job(self, body: dict[str, Any]) -> Any:
+        name = body["metadata"]["name"]
+        self.creates.append(name)
+        if name in self.foreign:
+            return "foreign"
+        if name in self.jobs:
+            return "exists"
+        self.jobs[name] = {"metadata": body["metadata"], "spec": body["spec"], "status": {}}
+        return "created"
+
+    def patch_job(self, name: str, spec: dict[str, Any]) -> None:
+        self.jobs[name]["spec"].update(spec)
+
+    def write_status(self, patch: dict[str, Any]) -> None:
+        from bij_operator.local import merge_patch
+
+        merge_patch(self.status, patch)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason, message))
+
+
+def test_the_driver_plans_creates_one_job_and_waits_for_it(file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": i, "text": f"t{i}"} for i in range(50)]))
+    backend = FakeBackend(job)
+    idle = Driver(backend).reconcile()
+    assert isinstance(idle.decision, Wait) and backend.creates == [f"{job.metadata.name}-r0"]
+    assert [e[1] for e in backend.events] == ["RoundPlanned", "RoundStarted"]
+    assert backend.status["rounds"][0]["shards"] >= 1 and backend.status["phase"] == "Pending"
+    # Asked again with nothing changed: no second Job, no second Event.
+    Driver(backend).reconcile()
+    assert backend.creates == [f"{job.metadata.name}-r0"] and len(backend.events) == 2
+
+
+def test_a_job_of_our_name_that_is_someone_elses_is_reported_never_adopted(file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+    backend = FakeBackend(job, foreign={f"{job.metadata.name}-r0"})
+    idle = Driver(backend).reconcile()
+    assert isinstance(idle.decision, CreateJob) and idle.recheck == 15.0
+    assert backend.status["message"].startswith(f"round 0: a Job named {job.metadata.name}-r0 already exists")
+    assert backend.events[-1][:2] == ("Warning", "JobNameConflict")
+    Driver(backend).reconcile()  # still there: said once
+    assert [e[1] for e in backend.events].count("JobNameConflict") == 1
+
+
+def test_missing_input_is_a_retry_with_its_message_on_the_status(file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.uri("nothing-here/"))
+    backend = FakeBackend(job)
+    idle = Driver(backend).reconcile()
+    assert isinstance(idle.decision, Retry) and idle.recheck == 30.0
+    assert backend.status["phase"] == "Pending" and backend.status["message"].startswith("cannot plan round 0: ")
+    assert backend.events == [("Warning", "PlanFailed", backend.status["message"])]
+
+
+# --- the local Indexed Job controller ----------------------------------------------------------------------
+
+SCRIPT = """
+import os, sys, time
+i = int(os.environ["JOB_COMPLETION_INDEX"])
+codes = os.environ["CODES"].split(",")
+tries = len([f for f in os.listdir(os.environ["DIR"]) if f.startswith(f"{i}-")])
+open(os.path.join(os.environ["DIR"], f"{i}-{tries}"), "w").close()
+code = int(codes[i])
+if not code:
+    time.sleep(float(os.environ.get("SLEEP", "0")))  # the failing index ends first
+if code:
+    print(f"index {i} says: no", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def job_body(completions: int, parallelism: int = 8, backoff: int = 0, max_failed: int | None = None) -> dict:
+    spec: dict[str, Any] = {
+        "completionMode": "Indexed", "completions": completions, "parallelism": parallelism,
+        "backoffLimitPerIndex": backoff,
+        "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
+            "containerName": "worker", "operator": "In", "values": [42]}}]},
+        "template": {"spec": {"containers": [{"name": "worker", "command": ["bij-worker"],
+                                              "args": ["--metrics-port", "9400"]}]}},
+    }
+    if max_failed is not None:
+        spec["maxFailedIndexes"] = max_failed
+    return {"metadata": {"name": "j-r0", "namespace": "ml", "labels": {"a": "b"}}, "spec": spec}
+
+
+def run_local(tmp_path: Path, body: dict, codes: list[int], sleep: float = 0.0) -> tuple[LocalJob, list[str]]:
+    said: list[str] = []
+    env = {"CODES": ",".join(map(str, codes)), "DIR": str(tmp_path), "SLEEP": str(sleep), "PATH": "/usr/bin:/bin"}
+    lj = LocalJob(body, [sys.executable, "-c", SCRIPT], env, say=said.append)
+    lj.run(poll=0.01)
+    return lj, said
+
+
+def attempts(tmp_path: Path, index: int) -> int:
+    return len(list(tmp_path.glob(f"{index}-*")))
+
+
+def test_every_index_done_completes_the_job(tmp_path: Path) -> None:
+    lj, said = run_local(tmp_path, job_body(3), [0, 0, 0])
+    view = lj.view()
+    assert view["status"]["completedIndexes"] == "0-2" and view["status"]["active"] == 0
+    assert [c["type"] for c in view["status"]["conditions"]] == ["Complete"] and said == []
+    assert "--metrics-port" not in lj.command  # one port per pod: not for processes on one machine
+
+
+def test_a_failing_index_is_retried_per_index_then_the_job_fails_naming_it(tmp_path: Path) -> None:
+    lj, said = run_local(tmp_path, job_body(3, backoff=2), [0, 1, 0])
+    assert attempts(tmp_path, 1) == 3 and attempts(tmp_path, 0) == attempts(tmp_path, 2) == 1
+    status = lj.view()["status"]
+    assert parse_ranges(status["completedIndexes"]) == {0, 2} and status["failedIndexes"] == "1"
+    (cond,) = status["conditions"]
+    assert cond["type"] == "Failed" and cond["reason"] == "FailedIndexes"
+    assert "index 1 exited 1: index 1 says: no" in cond["message"]  # its last words, like a termination message
+    assert said[:2] == ["bij: j-r0 index 1 failed (exit 1), retry 1/2", "bij: j-r0 index 1 failed (exit 1), retry 2/2"]
+
+
+def test_exit_42_fails_the_job_at_once_and_stops_the_other_indexes(tmp_path: Path) -> None:
+    lj, _ = run_local(tmp_path, job_body(4, parallelism=4, backoff=3), [42, 0, 0, 0], sleep=5)
+    (cond,) = lj.view()["status"]["conditions"]
+    assert cond["type"] == "Failed" and cond["reason"] == "PodFailurePolicy"
+    # Worded as the Job controller does, so the pod name says which lane it was.
+    assert "for pod ml/j-r0-0-" in cond["message"] and "exit code 42" in cond["message"]
+    assert attempts(tmp_path, 0) == 1  # no retry
+    assert "completedIndexes" not in lj.view()["status"]  # the others were stopped, not finished
+
+
+def test_more_failed_indexes_than_allowed_fail_the_job(tmp_path: Path) -> None:
+    lj, _ = run_local(tmp_path, job_body(3, parallelism=1, max_failed=0), [1, 0, 0])
+    (cond,) = lj.view()["status"]["conditions"]
+    assert cond["reason"] == "MaxFailedIndexesExceeded" and attempts(tmp_path, 2) == 0
+
+
+def test_parallelism_bounds_the_processes_at_once(tmp_path: Path) -> None:
+    body = job_body(4, parallelism=2)
+    lj = LocalJob(body, [sys.executable, "-c", SCRIPT],
+                  {"CODES": "0,0,0,0", "DIR": str(tmp_path), "SLEEP": "0.3", "PATH": "/usr/bin:/bin"})
+    most = 0
+    while not lj.finished:
+        lj.tick()
+        most = max(most, lj.active)
+        time.sleep(0.01)
+    assert most == 2 and lj.view()["status"]["completedIndexes"] == "0-3"
