@@ -28,6 +28,7 @@ from typing import Any, Literal, Protocol
 
 from bij_worker import publish_rows
 from bij_worker.contract import layout
+from bij_worker.contract.errors import BijError
 from bij_worker.contract.spec import BatchInferenceJob, SpecError
 from bij_worker.storage import StorageError
 
@@ -169,9 +170,9 @@ class Driver:
             if found is not None:
                 return self.published(seen, job, d, found)
             return self.apply_failure(seen, failed_step(d, e), job)
-        except (SpecError, StorageError, OSError, publish_rows.PublishPlanError, ValueError) as e:
-            # (SpecError and ValueError only as what planning, rendering or publishing raise: the
-            # core decides which of them a retry can fix.)
+        except (BijError, OSError, ValueError) as e:
+            # The core decides which of them a retry can fix; any other error (a bug) propagates,
+            # and so does one of these where the core does not expect it.
             return self.apply_failure(seen, failed_step(d, e), job)
 
     def _apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
