@@ -202,8 +202,13 @@ def test_bij_run_loads_the_model_once_per_lane(parallelism, file_place, make_job
     manifest = read_output(job).manifest
     assert manifest["counts"]["rows"] == len(inputs)
     eff = manifest["efficiency"]
-    assert eff["modelLoads"] == parallelism
-    assert 0.19 * parallelism <= eff["modelLoadSeconds"] < 0.2 * parallelism + 2
+    # One load per lane that worked: a lane that starts after the others took every shard exits
+    # without loading (on a loaded machine that happens), so count the lanes that did work.
+    from bij_operator.progress import shard_records
+
+    working = {int(r["lane"]) for r in shard_records(job, 0).values()}
+    assert eff["modelLoads"] == len(working) and 1 <= len(working) <= parallelism
+    assert 0.19 * len(working) <= eff["modelLoadSeconds"] < 0.2 * len(working) + 2
     assert f"{plan.shard_count} shards in {parallelism} lanes" in p.stderr
 
 
@@ -235,10 +240,13 @@ def test_an_engine_share_routes_each_shards_results_to_it_and_drops_a_closed_one
 
 def test_a_lane_starts_its_next_shard_while_the_last_rows_of_the_current_one_run(
         file_place, make_job, worker_env, bij_bin):
-    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(400)),
-                      model={"engine": "simulated", "task": "generate", "maxTokens": 8,
+    # 48 words a row, one per 10 ms step: a shard's last rows keep the engine busy for about half a
+    # second, far longer than claiming the next shard takes even on a loaded machine.
+    long_rows = [{"id": f"doc-{i}", "text": " ".join(f"w{i}-{j}" for j in range(48))} for i in range(160)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", long_rows),
+                      model={"engine": "simulated", "task": "generate", "maxTokens": 48,
                              "simulated": {"maxNumSeqs": 16, "stepSeconds": 0.01}},
-                      sharding={"targetShardBytes": 4000, "chunkRows": 16}, workers={"parallelism": 1})
+                      sharding={"targetShardBytes": 10000, "chunkRows": 16}, workers={"parallelism": 1})
     plan = plan_round(job, 0)
     assert plan.lanes == 1 and plan.shard_count >= 4
     p = subprocess.run([bij_bin("bij-worker"), "--manifest", layout.round_manifest_uri(job, 0), "--progress"],
