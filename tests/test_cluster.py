@@ -472,8 +472,10 @@ def test_exit_42_fails_the_job_through_its_pod_failure_policy_and_the_bij_says_w
     env.gate("exit", "cfg-r0", 1, "42 1")
     env.create(env.doc("cfg"))
     failed = env.wait_phase("cfg", "Failed")
-    job = env.job("cfg-r0")
-    cond = {c["type"]: c for c in job["status"]["conditions"]}
+    # The bij fails on the Job's FailureTarget; the Job's own Failed condition follows once its
+    # other pods have terminated.
+    cond = wait_for(lambda: {c["type"]: c for c in env.job("cfg-r0")["status"].get("conditions") or []
+                             if c["type"] == "Failed"} or None, 60, "the Job's Failed condition")
     assert cond["Failed"]["reason"] == "PodFailurePolicy"
     bij_failed = {c["type"]: c for c in failed["conditions"]}["Failed"]
     assert bij_failed["status"] == "True" and bij_failed["reason"] == "PodFailurePolicy"
