@@ -334,9 +334,8 @@ class LocalRunner:
         return 0
 
     def summary(self, manifest: dict[str, Any]) -> None:
+        """What the run cost and what to know about its rows (the Published Event said where they are)."""
         c = manifest["counts"]
-        print(f"bij: published {layout.manifest_uri(self.job)}: {c['rows']:,} rows, {c['errors']:,} errors "
-              f"in {len(manifest['files'])} result files", file=sys.stderr)
         eff, spent = manifest["efficiency"], manifest.get("cost")
         print(f"bij: {eff['workerSeconds']:,.1f} worker seconds ({eff['modelLoads']} model loads, "
               f"{eff['modelLoadSeconds']:,.1f} s), engine busy {eff['engineBusyFraction']:.0%}, "
