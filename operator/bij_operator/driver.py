@@ -262,7 +262,8 @@ class Driver:
             created = self.create_job(seen, d, body, "publishing", "Publishing")
             if created == "foreign":
                 return Idle(d, recheck=CONFLICT_RECHECK)
-            msg = f"publishing: created Job {body['metadata']['name']} for pass {d.pass_name} ({d.completions} pods)"
+            pods = f"{d.completions} pod" + ("s" if d.completions != 1 else "")
+            msg = f"publishing: created Job {body['metadata']['name']} for pass {d.pass_name} ({pods})"
             self.write_status(seen, {**self.base(seen, d, now), "message": msg},
                               event=("Normal", "PublishPassStarted", msg) if created == "created" else None)
             return None
