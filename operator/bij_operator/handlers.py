@@ -27,16 +27,18 @@ from typing import Any, cast
 
 import kopf
 import urllib3
+from bij_worker.contract.codes import JOB_LABEL
 from bij_worker.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from kubernetes.client import ApiException
 
 from .driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
 from .jobs import worker_image_default
-from .reconcile import JOB_LABEL, Decision, owns
+from .reconcile import Decision, Nothing, owns
 
 PLURAL = "batchinferencejobs"
 # How often a waiting daemon looks whether its bij's Jobs or spec changed (in memory, no API call).
 WAKE_POLL = 0.2
+FINISHED_POLL = 2.0
 
 log = logging.getLogger("bij.operator")
 
@@ -290,10 +292,12 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
             if idle.gone:
                 return
             deadline = None if idle.recheck is None else time.monotonic() + idle.recheck
+            # A finished bij only follows spec edits (observedGeneration): it need not look often.
+            poll = FINISHED_POLL if isinstance(idle.decision, Nothing) else WAKE_POLL
             while not stopped and (deadline is None or time.monotonic() < deadline):
                 if _versions(bij_jobs.get(key, ())) != jobs_seen or body.metadata.get("generation") != generation:
                     break
-                await stopped.wait(WAKE_POLL)
+                await stopped.wait(poll)
     finally:
         op.driven.discard(key)
 
