@@ -19,7 +19,6 @@ the in-flight window and the chunks waiting for storage are lost).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -57,8 +56,12 @@ def slow_worker(side_file: str, seconds_per_row: float, worker_argv: list[str]) 
 
 def log_rows(out: Path) -> tuple[int, int]:
     """(records, distinct input places) in the shard's durable logs (one per writer; a torn tail is no record)."""
-    texts = [p.read_text() for p in out.glob("_bij/*/round-*/shards/*/*.jsonl")]
-    lines = [json.loads(x) for t in texts for x in t[: t.rfind("\n") + 1].splitlines() if x.strip()]
+    from bij_worker.segments import object_records
+    from bij_worker.storage import FileStorage
+
+    store = FileStorage()
+    lines = [r for p in sorted(out.glob("_bij/*/round-*/shards/*/*")) for r in object_records(
+        store, store.list(f"file://{p}")[0])]
     return len(lines), len({(r["at"][0], r["at"][1]) for r in lines})
 
 

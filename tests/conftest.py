@@ -209,16 +209,15 @@ def read_output() -> Any:
 
 def shard_log_lines(place: Place, job: Any, round_no: int = 0) -> dict[int, list[dict[str, Any]]]:
     """Every raw durable record of each shard, as written (no de-duplication), by shard index; a torn
-    last line of a log is not a record."""
+    tail of a log is not a record."""
     from bij_worker.contract import layout
+    from bij_worker.segments import object_records
 
     prefix = layout.join(layout.round_prefix(job, round_no), "shards") + "/"
     out: dict[int, list[dict[str, Any]]] = {}
     for obj in place.storage.list(prefix):
         index = int(obj.uri[len(prefix):].split("/", 1)[0])
-        data = place.storage.read_bytes(obj.uri)
-        data = data[: data.rfind(b"\n") + 1]  # a torn tail (no newline) is no record: readers skip it
-        out.setdefault(index, []).extend(json.loads(line) for line in data.splitlines() if line.strip())
+        out.setdefault(index, []).extend(object_records(place.storage, obj))
     return out
 
 

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zstandard
 from bij_operator.planner import plan_round
 from bij_operator.publish import publish
 from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_FAILED, EXIT_TERMINATED
 from bij_worker.contract.plan import Plan
-from bij_worker.segments import ShardLog
+from bij_worker.segments import DamagedLog, ShardLog, frame_length
 from bij_worker.worker import ShardWorker, StopFlag, load_plan
 
 
@@ -91,33 +92,51 @@ def test_resume_skips_rows_already_durable(file_place, make_job, run_shards, rec
 
 def writer_log(plan: Plan, index: int) -> Path:
     """The one writer's log of a shard worked once (file://)."""
-    (log,) = Path(layout.shard_prefix(plan.round_prefix, index)[len("file://"):]).glob("log-*.jsonl")
+    (log,) = Path(layout.shard_prefix(plan.round_prefix, index)[len("file://"):]).glob("log-*.jsonl.zst")
     return log
 
 
+def log_frames(log: Path) -> list[bytes]:
+    """The zstd frames of a shard log: one per write the worker made."""
+    data, frames, pos = log.read_bytes(), [], 0
+    while pos < len(data):
+        n = frame_length(data, pos)
+        assert n, f"{log} holds a torn frame at byte {pos}"
+        frames.append(data[pos:pos + n])
+        pos += n
+    return frames
+
+
+def frame_records(frame: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in zstandard.ZstdDecompressor().decompress(frame).splitlines()]
+
+
 def tear_log(log: Path, keep: int, partial: bool = True) -> bytes:
-    """Keep `keep` whole lines of a shard log, plus (with `partial`) half of the next one, as a crash would."""
-    lines = log.read_bytes().splitlines(keepends=True)
-    torn = lines[keep][: len(lines[keep]) // 2] if partial else b""
-    log.write_bytes(b"".join(lines[:keep]) + torn)
+    """Keep `keep` whole frames of a shard log, plus (with `partial`) half of the next one, as a crash would."""
+    frames = log_frames(log)
+    torn = frames[keep][: len(frames[keep]) // 2] if partial else b""
+    log.write_bytes(b"".join(frames[:keep]) + torn)
     return torn
 
 
-def test_a_torn_last_line_is_skipped_and_only_that_row_recomputed(file_place, make_job, run_shards, recording_echo,
-                                                            read_output, log_lines):
+def test_a_torn_last_frame_is_skipped_and_only_its_rows_recomputed(file_place, make_job, run_shards, recording_echo,
+                                                                   read_output, log_lines):
     inputs = rows_with_mixed_lengths(40)
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
                       sharding={"chunkRows": 8, "targetShardBytes": 1 << 20})
     run_shards(job)
     plan = shard_plan(job)
     log = writer_log(plan, 0)
-    torn = tear_log(log, keep=39)
-    assert torn and not torn.endswith(b"\n")
+    frames = log_frames(log)
+    assert len(frames) > 1
+    lost = frame_records(frames[-1])
+    torn = tear_log(log, keep=len(frames) - 1)
+    assert torn
     os.unlink(layout.done_uri(plan.round_prefix, 0)[len("file://"):])  # the crash came before the shard finished
 
     engine = recording_echo()
     run_shards(job, engine=engine)
-    assert engine.seen == [inputs[39]["text"]]
+    assert sorted(engine.seen) == sorted(r["row"]["output"] for r in lost)
     assert places_once(log_lines, file_place, job) == 40
     publish(job)
     check_complete(read_output(job), inputs)
@@ -125,21 +144,25 @@ def test_a_torn_last_line_is_skipped_and_only_that_row_recomputed(file_place, ma
 
 def test_a_torn_tail_never_skips_an_earlier_row_of_its_chunk(file_place, make_job, run_shards, recording_echo,
                                                             read_output, log_lines):
-    # Bad rows are recorded without the engine; a chunk's records must still be durable in input
-    # order, or a tear that cuts a good row's record behind a later bad row's loses that good row.
+    # Bad rows are recorded without the engine; the resume cursor (the furthest durable row) must never
+    # jump over a good row whose record was lost with a torn frame.
     inputs: list[Any] = [{"id": i, "text": f"row {i}"} for i in range(11)]
     inputs[3] = "not json"
     inputs[10] = "not json either"
     # Published after each tear, then torn again: the log must outlive a publish.
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
-                      sharding={"chunkRows": 6, "targetShardBytes": 1 << 20}, output={"keepIntermediate": True})
+                      sharding={"chunkRows": 2, "targetShardBytes": 1 << 20}, output={"keepIntermediate": True},
+                      # One chunk in flight, one waiting: each write (frame) holds one chunk.
+                      batching={"inFlightRows": 2, "commitQueueChunks": 1})
     run_shards(job)
     plan = shard_plan(job)
     log = writer_log(plan, 0)
     full = log.read_bytes()
-    for keep in range(len(inputs)):
+    frames = log_frames(log)
+    assert len(frames) == 6
+    for keep in range(len(frames)):
         for partial in (True, False):
-            for other in log.parent.glob("log-*.jsonl"):  # the last rerun's log
+            for other in log.parent.glob("log-*"):  # the last rerun's log
                 if other != log:
                     other.unlink()
             log.write_bytes(full)
@@ -149,7 +172,7 @@ def test_a_torn_tail_never_skips_an_earlier_row_of_its_chunk(file_place, make_jo
             run_shards(job, engine=engine)
             assert places_once(log_lines, file_place, job) == len(inputs), (keep, partial)
             # Only rows whose records were cut run again.
-            assert len(engine.seen) <= len(inputs) - keep
+            assert len(engine.seen) <= len(inputs) - sum(len(frame_records(f)) for f in frames[:keep])
             publish(job)
             check_complete(read_output(job), inputs)
 
@@ -259,12 +282,138 @@ def test_a_torn_tail_of_another_writer_is_skipped_and_left_alone(file_place):
     a = ShardLog(file_place.storage, prefix, writer_id="a")
     a.append([{"at": [0, 0, 10], "kind": "result", "row": {"id": 0}}])
     log = Path(a.log_uri[len("file://"):])
+    frame = zstandard.ZstdCompressor(write_checksum=True).compress(b'{"at":[0,10,20],"kind":"result","row":{}}\n')
     with log.open("ab") as f:
-        f.write(b'{"at":[0,10,20],"kind":"res')  # still being written, or torn by a kill
+        f.write(frame[:-3])  # still being written, or torn by a kill
     b = ShardLog(file_place.storage, prefix, writer_id="b")
     assert [r["row"]["id"] for r in b.read().records] == [0]
-    assert b.state.cursor == (0, 10) and b.state.torn_bytes > 0
-    assert log.read_bytes().endswith(b'"kind":"res')  # nothing cut: it may not be B's to cut
+    assert b.state.cursor == (0, 10) and b.state.torn_bytes == len(frame) - 3
+    assert log.read_bytes().endswith(frame[:-3])  # nothing cut: it may not be B's to cut
+
+
+def rec(i: int) -> dict[str, Any]:
+    return {"at": [0, i * 10, i * 10 + 10], "kind": "result", "row": {"id": i, "output": f"row {i} " * (i % 7)}}
+
+
+def three_frames(place: Any) -> tuple[ShardLog, list[bytes]]:
+    """A log of three writes (rows 0-4, 5-8, 9-11) and its frames."""
+    log = ShardLog(place.storage, place.uri("shards/00000"), writer_id="a")
+    for rows in (range(5), range(5, 9), range(9, 12)):
+        log.append([rec(i) for i in rows])
+    return log, log_frames(Path(log.log_uri[len("file://"):]))
+
+
+def test_every_cut_of_a_log_keeps_exactly_the_frames_before_it(file_place):
+    log, frames = three_frames(file_place)
+    path = Path(log.log_uri[len("file://"):])
+    data = path.read_bytes()
+    assert data == b"".join(frames) and len(frames) == 3
+    ends = [sum(map(len, frames[:k])) for k in range(4)]
+    rows_before = [0, 5, 9, 12]
+    for cut in range(len(data) + 1):
+        path.write_bytes(data[:cut])
+        reader = ShardLog(file_place.storage, log.prefix, writer_id="b")
+        got = reader.read().records
+        whole = max(k for k in range(4) if ends[k] <= cut)
+        assert got == [rec(i) for i in range(rows_before[whole])], cut
+        assert reader.state.torn_bytes == cut - ends[whole], cut
+        assert reader.state.cursor == ((0, rows_before[whole] * 10) if whole else (-1, -1))
+
+
+def test_what_a_crash_left_of_the_last_frame_is_a_torn_tail(file_place):
+    log, frames = three_frames(file_place)
+    path = Path(log.log_uri[len("file://"):])
+    last = frames[2]
+    flipped = bytearray(last)
+    flipped[len(last) // 2] ^= 0x40
+    # The last write's pages never reached the disk (zeros where its bytes, or some of them, were, with
+    # its headers intact or not) or came back damaged: no good frame follows, so it is the torn tail.
+    for tail, rows, torn in ((bytes(len(last)), 9, len(last)), (last[:7] + bytes(len(last) - 7), 9, len(last)),
+                             (last[:-8] + bytes(8), 9, len(last)), (bytes(flipped), 9, len(last)),
+                             (last + bytes(4096), 12, 4096)):
+        path.write_bytes(frames[0] + frames[1] + tail)
+        reader = ShardLog(file_place.storage, log.prefix)
+        assert reader.read().records == [rec(i) for i in range(rows)]
+        assert reader.state.torn_bytes == torn
+        assert path.read_bytes().endswith(tail)  # skipped, never cut
+
+
+def test_a_damaged_frame_before_the_tail_is_an_error_naming_the_log_and_byte(file_place, make_job, run_shards):
+    log, frames = three_frames(file_place)
+    path = Path(log.log_uri[len("file://"):])
+    second = bytearray(frames[1])
+    second[len(second) // 2] ^= 0x40  # bit rot inside the second write: its checksum no longer holds
+    for data, offset in ((frames[0] + bytes(second) + frames[2], len(frames[0])),
+                         (frames[0] + b"garbage!" + frames[1] + frames[2], len(frames[0])),
+                         (frames[0][:-1] + frames[1] + frames[2], 0)):
+        path.write_bytes(data)
+        with pytest.raises(DamagedLog, match=rf"{path.name} is damaged at byte {offset}: .*remove the shard's logs"):
+            ShardLog(file_place.storage, log.prefix).read()
+        assert path.read_bytes() == data
+
+    # A worker resuming over it stops with that error, and no retry can help.
+    inputs = rows_with_mixed_lengths(30)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      sharding={"chunkRows": 10, "targetShardBytes": 1 << 20},
+                      batching={"inFlightRows": 10, "commitQueueChunks": 1})
+    run_shards(job)
+    plan = shard_plan(job)
+    shard_log = writer_log(plan, 0)
+    frames = log_frames(shard_log)
+    assert len(frames) == 3
+    shard_log.write_bytes(frames[0][:-1] + b"".join(frames[1:]))
+    os.unlink(layout.done_uri(plan.round_prefix, 0)[len("file://"):])
+    with pytest.raises(DamagedLog) as err:
+        run_shards(job)
+    assert err.value.permanent and err.value.uri.endswith(shard_log.name) and err.value.offset == 0
+
+
+def test_a_damaged_or_short_segment_is_an_error_never_a_torn_tail(s3_place):
+    log = ShardLog(s3_place.storage, s3_place.uri("shards/00000"), writer_id="pod")
+    log.append([rec(i) for i in range(5)])
+    log.append([rec(i) for i in range(5, 9)])
+    segs = s3_place.storage.list(log.prefix + "/")
+    assert [o.uri.rsplit("/", 1)[-1] for o in segs] == ["seg-00000000-pod.jsonl.zst", "seg-00000001-pod.jsonl.zst"]
+    assert ShardLog(s3_place.storage, log.prefix).read().records == [rec(i) for i in range(9)]
+    whole = s3_place.storage.read_bytes(segs[1].uri)
+    for data in (whole[:-2], bytes(len(whole)), whole[:-1] + bytes([whole[-1] ^ 1])):
+        s3_place.storage.write_bytes(segs[1].uri, data)
+        with pytest.raises(DamagedLog, match=r"seg-00000001-pod.jsonl.zst is damaged at byte 0"):
+            ShardLog(s3_place.storage, log.prefix).read()
+
+
+@pytest.mark.parametrize("place", ["file", "s3"], indirect=True)
+def test_a_shard_logged_before_compression_resumes_and_publishes(place, make_job, run_shards, recording_echo,
+                                                                 read_output, log_lines):
+    from bij_worker.segments import encode_records
+
+    inputs = rows_with_mixed_lengths(60, bad_every=11)
+    _, job = make_job(place, place.write_jsonl("in.jsonl", inputs),
+                      sharding={"chunkRows": 10, "targetShardBytes": 1 << 20})
+    run_shards(job)
+    plan = shard_plan(job)
+    assert len(plan.shards) == 1
+    prefix = layout.shard_prefix(plan.round_prefix, 0)
+    records = ShardLog(place.storage, prefix).read().records
+    for obj in place.storage.list(prefix + "/"):
+        place.storage.delete(obj.uri)
+    place.storage.delete(layout.done_uri(plan.round_prefix, 0))
+    # What an older worker left: plain JSON lines, a log (file://) or segments (s3://), the file's last
+    # line torn by a kill.
+    if place.scheme == "file":
+        place.storage.append_durable(f"{prefix}/log-old.jsonl", encode_records(records[:25]) + b'{"at":[0,')
+    else:
+        place.storage.write_bytes(f"{prefix}/seg-00000000-old.jsonl", encode_records(records[:20]))
+        place.storage.write_bytes(f"{prefix}/seg-00000001-old.jsonl", encode_records(records[20:25]))
+
+    engine = recording_echo()
+    assert run_shards(job, engine=engine)[0].status == "done"
+    assert sorted(engine.seen) == sorted(r["text"] for r in inputs[25:] if isinstance(r, dict))
+    names = sorted(o.uri.rsplit("/", 1)[-1] for o in place.storage.list(prefix + "/"))
+    assert any(n.endswith(".jsonl") for n in names) and any(n.endswith(".jsonl.zst") for n in names)
+    assert places_once(log_lines, place, job) == len(inputs)
+    publish(job)
+    check_complete(read_output(job), inputs)
 
 
 # A second writer needs a log big enough for its scan to overlap the first writer's commits: s3 segments are

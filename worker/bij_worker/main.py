@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         if stop.requested:
             # A second signal: no more waiting. What is durable stays durable;
-            # a torn append is cut on resume.
+            # a torn frame is skipped on resume.
             os._exit(EXIT_TERMINATED)
         log.info("signal %d: taking no new chunk", signum)
         stop.request()
