@@ -235,6 +235,29 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
     assert all(s["rc"] == 0 and s["maxRssKiB"] > 0 for s in stats)
 
 
+def test_id_buckets_are_compressed_and_plain_ones_of_an_older_pass_are_still_read(file_place, make_job,
+                                                                                  run_shards):
+    inputs = rows(50) + rows(5)  # five ids twice: losers to find
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
+    run_shards(job)
+    publish(job, bucket_rows=10)
+    prefix = layout.publish_prefix(job)
+    plan = publish_rows.load(layout.publish_plan_uri(prefix))
+    store = file_place.storage
+    buckets = [o.uri for o in store.list(f"{prefix}/ids/") if not o.uri.endswith("order.json")]
+    assert len(buckets) == len(plan["units"]) * plan["buckets"] and all(u.endswith(".jsonl.zst") for u in buckets)
+    losers = {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan["buckets"])}
+    assert sum(len(places) for v in losers.values() for places in json.loads(v).values()) == 5
+    for uri in buckets:  # as a pass 1 before compression left them
+        store.write_bytes(uri.removesuffix(".zst"), zstandard.ZstdDecompressor().decompress(store.read_bytes(uri)))
+        store.delete(uri)
+    for b in range(plan["buckets"]):
+        store.delete(layout.publish_losers_uri(prefix, b))
+        publish_rows.run_pass(plan, "dedupe", b)
+    assert {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan["buckets"])} == losers
+
+
 def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place, make_job, run_shards, read_output):
     inputs = rows(60)
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})

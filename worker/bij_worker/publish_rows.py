@@ -34,8 +34,8 @@ from .contract.errors import BijError
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
 from .parquet import encode_results
-from .segments import ShardLog, encode_records
-from .storage import NotFound, Storage, open_storage
+from .segments import LEVEL, ShardLog, encode_records
+from .storage import NotFound, Storage, StorageError, open_storage
 
 PASSES = ("ids", "dedupe", "write")
 BUCKET_ROWS = 250_000  # ids one dedupe process holds at once
@@ -46,6 +46,23 @@ class PublishPlanError(BijError):
     """The publish plan is missing or does not fit the pass asked for."""
 
     permanent = True
+
+
+def _read_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
+    """A bucket file of pass 1 (one zstd frame), or the plain one a pass 1 of an older version wrote."""
+    uri = layout.publish_ids_uri(prefix, unit, bucket)
+    try:
+        data = store.read_bytes(uri)
+    except NotFound as e:
+        try:
+            return store.read_bytes(uri.removesuffix(".zst"))
+        except NotFound:
+            raise e from None
+    try:
+        return zstandard.ZstdDecompressor().decompress(data)
+    except zstandard.ZstdError as e:
+        raise StorageError(f"id bucket {uri} does not decode ({e}); publish again to rewrite it",
+                           permanent=True) from None
 
 
 def bucket_of(key: str, buckets: int) -> int:
@@ -100,8 +117,10 @@ def run_ids(plan: dict[str, Any], index: int, store: Storage) -> None:
         part = parts[bucket_of(key, buckets)]
         part += orjson.dumps(entry)
         part += b"\n"
+    # Compressed: id buckets are a good part of the work files beside the logs.
+    cctx = zstandard.ZstdCompressor(level=LEVEL, write_checksum=True)
     for b in range(buckets):
-        store.write_bytes(layout.publish_ids_uri(plan["prefix"], index, b), bytes(parts[b]))
+        store.write_bytes(layout.publish_ids_uri(plan["prefix"], index, b), cctx.compress(bytes(parts[b])))
         parts[b] = bytearray()
     store.write_bytes(layout.publish_order_uri(plan["prefix"], index), json.dumps({"ordered": ordered}).encode())
 
@@ -111,7 +130,7 @@ def run_dedupe(plan: dict[str, Any], bucket: int, store: Storage) -> None:
     first: dict[str, tuple[int, int, int]] = {}
     results: list[tuple[str, tuple[int, int, int]]] = []
     for unit in range(len(plan["units"])):
-        data = store.read_bytes(layout.publish_ids_uri(plan["prefix"], unit, bucket))
+        data = _read_ids(store, plan["prefix"], unit, bucket)
         for line in data.splitlines():
             key, obj, off, is_result = orjson.loads(line)
             place = (unit, obj, off)

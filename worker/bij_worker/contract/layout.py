@@ -120,8 +120,8 @@ def publish_plan_uri(prefix: str) -> str:
 
 
 def publish_ids_uri(prefix: str, unit: int, bucket: int) -> str:
-    """The ids of one shard (unit) that fall in one bucket, with their places."""
-    return join(prefix, "ids", f"{unit:05d}", f"{bucket:05d}.jsonl")
+    """The ids of one shard (unit) that fall in one bucket, with their places (one zstd frame)."""
+    return join(prefix, "ids", f"{unit:05d}", f"{bucket:05d}.jsonl.zst")
 
 
 def publish_order_uri(prefix: str, unit: int) -> str:
