@@ -5,7 +5,7 @@
     <output>/errors/r<round>-<index>.jsonl[.zst]   published error rows
     <output>/_bij/owner.json                        which job owns this output (namespace, name, id)
     <output>/_bij/<job_id>/round-<r>/shards.json    the round plan (written once)
-    <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable logs of one shard (one per writer)
+    <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable logs of one shard (one per writer, zstd frames)
     <output>/_bij/<job_id>/round-<r>/done/<index>.json  a shard's completion record
     <output>/_bij/<job_id>/round-<r>/progress/<index>.json  a running shard's live counts
     <output>/_bij/<job_id>/round-<r>/claims/<index>-<generation>.json  which worker holds a shard
