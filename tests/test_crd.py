@@ -253,6 +253,9 @@ BAD = [
     ("shard-bytes-beyond-a-tib", with_spec(sharding={"targetShardBytes": 2 ** 41}),
      "spec.sharding.targetShardBytes: Invalid value: 2199023255552: spec.sharding.targetShardBytes in body should "
      "be less than or equal to 1099511627776"),
+    ("publish-buckets-below-a-thousand-ids", with_spec(output={"uri": "file:///out", "publishBucketRows": 10}),
+     "spec.output.publishBucketRows: Invalid value: 10: spec.output.publishBucketRows in body should be greater "
+     "than or equal to 1000"),
     ("no-output", {**minimal(), "spec": {"input": {"uri": "file:///in"}}}, "spec.output: Required value"),
     ("zero-parallelism", with_spec(workers={"parallelism": 0}),
      "spec.workers.parallelism: Invalid value: 0: "

@@ -235,6 +235,25 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
     assert all(s["rc"] == 0 and s["maxRssKiB"] > 0 for s in stats)
 
 
+def test_the_spec_sizes_the_publish_buckets_and_bij_publish_bucket_rows_overrides_it(file_place, make_job,
+                                                                                     run_shards, read_output):
+    inputs = rows(2500)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      output={"publishBucketRows": 1000, "keepIntermediate": True})
+    run_shards(job)
+    # What the operator does before it creates the pass Jobs: the plan says how many dedupe indexes.
+    _, plan = publish_module.prepare_publish(job)
+    assert (plan["bucketRows"], plan["buckets"]) == (1000, 3)
+    assert publish_rows.count(plan, "dedupe") == 3
+    manifest = publish(job)
+    assert manifest["counts"]["rows"] == 2500 and read_output(job).result_ids == [r["id"] for r in inputs]
+    # `bij publish --bucket-rows` (and `publish(bucket_rows=)`) wins over the spec.
+    publish(job, bucket_rows=2000)
+    assert publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)))["buckets"] == 2
+    _, default = make_job(file_place, file_place.uri("in.jsonl"), out_dir="out2/")
+    assert default.spec.output.publish_bucket_rows == 250_000
+
+
 def test_id_buckets_are_compressed_and_plain_ones_of_an_older_pass_are_still_read(file_place, make_job,
                                                                                   run_shards):
     inputs = rows(50) + rows(5)  # five ids twice: losers to find

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallelism", type=int, default=None,
                    help="worker processes for the row-level passes (default: spec.workers.parallelism; 0: in this one)")
     p.add_argument("--bucket-rows", type=int, default=None,
-                   help="ids one duplicate-detection process holds at once (default 250000)")
+                   help="ids one duplicate-detection process holds at once (default: spec.output.publishBucketRows)")
     p.add_argument("--process-stats", default=None, metavar="FILE",
                    help="write each publish process's peak RSS and time to FILE as JSON")
 

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from bij_worker import publish_rows
 from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_BAD_CONFIG, PUBLISH_LABEL, ROUND_LABEL
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, load_job
@@ -390,7 +389,7 @@ def cli_publish(args: argparse.Namespace) -> int:
         stats: list[dict[str, Any]] = []
         processes = job.spec.workers.parallelism if args.parallelism is None else args.parallelism
         manifest = publish(job, rounds=max(1, planned_rounds(job)), processes=processes,
-                           bucket_rows=args.bucket_rows or publish_rows.BUCKET_ROWS, stats=stats)
+                           bucket_rows=args.bucket_rows, stats=stats)
     except (SpecError, PlanRefused) as e:
         print(f"bij: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG

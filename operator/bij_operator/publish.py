@@ -108,6 +108,7 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         "units": [[r, index, layout.shard_prefix(p.round_prefix, index)]
                   for r, p in enumerate(plans) for index in range(len(p.shards))],
         "objectNames": [[o.display_name for o in p.objects] for p in plans],
+        "bucketRows": bucket_rows,
         "buckets": max(1, -(-rows // max(1, bucket_rows))),
         "compression": job.spec.output.compression,
         "format": job.spec.output.format,
@@ -153,12 +154,13 @@ def run_passes(job: BatchInferenceJob, plan_uri: str, plan: dict[str, Any], proc
 
 
 def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
-            bucket_rows: int = publish_rows.BUCKET_ROWS, stats: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+            bucket_rows: int | None = None, stats: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Write result/error/capped files for rounds 0..rounds-1 and then the manifest. Returns the manifest.
 
     The row-level work runs in the passes of `bij_worker.publish_rows`, in this process
     or in `processes` worker processes (`stats` gets each one's peak RSS); this function
     reads only plans, completion records and per-shard summaries, O(shards).
+    `bucket_rows` overrides spec.output.publishBucketRows (`bij publish --bucket-rows`).
     Rows a judge still rejected at the cap go to `capped/` files with their last
     output, attempts and verdicts, and are counted in `counts.capped`.
     """
@@ -168,9 +170,10 @@ def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
 
 
 def prepare_publish(job: BatchInferenceJob, rounds: int = 1,
-                    bucket_rows: int = publish_rows.BUCKET_ROWS) -> tuple[str, dict[str, Any]]:
+                    bucket_rows: int | None = None) -> tuple[str, dict[str, Any]]:
     """Check that rounds 0..rounds-1 are whole and made by this spec, and write the publish plan the
-    row-level passes follow. O(shards). Returns the plan's URI and the plan."""
+    row-level passes follow, with buckets of `bucket_rows` ids (default spec.output.publishBucketRows).
+    O(shards). Returns the plan's URI and the plan."""
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
     removed = removed_record(store, job)
     if removed is not None:
@@ -187,7 +190,7 @@ def prepare_publish(job: BatchInferenceJob, rounds: int = 1,
             raise PlanRefused(f"cannot publish: {'; '.join(changes)} since round {r} was planned; undo the change, "
                               "or start over with `bij run --restart`")
     _read_done(store, plans, t)  # every completion record first: O(shards), and the id kind needs them all
-    return write_publish_plan(store, job, plans, t.done_records, bucket_rows)
+    return write_publish_plan(store, job, plans, t.done_records, bucket_rows or job.spec.output.publish_bucket_rows)
 
 
 def _read_done(store: Storage, plans: list[Plan], t: _Totals) -> None:

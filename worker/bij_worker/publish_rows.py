@@ -13,7 +13,7 @@ writes `manifest.json` from the small per-shard summaries the last pass leaves.
    and capped files, losers turned into ``duplicate_id`` error rows, in input
    order; leave a summary record with counts, files and checksums.
 
-A pass holds one bucket (``bucketRows`` ids), or one file part (``fileRows``
+A pass holds one bucket (``bucketRows`` ids, spec.output.publishBucketRows), or one file part (``fileRows``
 rows), never the job. Every pass is deterministic and rewrites its outputs
 whole, so publishing again gives the same files.
 """
@@ -38,7 +38,6 @@ from .segments import LEVEL, ShardLog, encode_records
 from .storage import NotFound, Storage, StorageError, open_storage
 
 PASSES = ("ids", "dedupe", "write")
-BUCKET_ROWS = 250_000  # ids one dedupe process holds at once
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
 
 

@@ -23,6 +23,10 @@ API_VERSION = "v1alpha1"
 KIND = "BatchInferenceJob"
 # A longer input line is an error row (its bytes are never held in memory).
 DEFAULT_MAX_LINE_BYTES = 32 << 20
+# Ids one publish dedupe process holds at once, by default (spec.output.publishBucketRows), and the
+# least a spec may ask for (fewer means more bucket files: shards x buckets).
+PUBLISH_BUCKET_ROWS = 250_000
+MIN_PUBLISH_BUCKET_ROWS = 1000
 
 # Kubernetes object names (RFC 1123 subdomain); the round Job name `<name>-r<round>` must
 # stay a valid DNS label, so the bij name itself is capped below 63.
@@ -114,6 +118,8 @@ class OutputSpec(_Model):
     # After a successful publish, remove the work files under _bij/ (durable logs, judge inputs,
     # publish buckets); plans, completion records and a record of what was removed stay.
     keep_intermediate: bool = False
+    # Ids one publish dedupe process holds at once: its memory, against the number of bucket files.
+    publish_bucket_rows: int = Field(PUBLISH_BUCKET_ROWS, ge=MIN_PUBLISH_BUCKET_ROWS)
 
     @field_validator("uri")
     @classmethod
