@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -233,6 +235,25 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
         [(p, k, len(range(k, n, 2))) for p, n in (("ids", shards), ("dedupe", 13), ("write", shards))
          for k in range(min(2, n))])
     assert all(s["rc"] == 0 and s["maxRssKiB"] > 0 for s in stats)
+
+
+def test_published_files_and_the_manifest_are_readable_by_group_and_others(file_place, make_job, run_shards,
+                                                                            tmp_path):
+    inputs = [{"id": i, "text": "keep" if i % 3 else "drop"} for i in range(30)] + ["bad line"]
+    # A judge that rejects "drop" rows, capped at one attempt: result, error and capped files all appear.
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), model={"task": "generate"},
+                      judge={"type": "regex", "pattern": "keep", "strategy": "inPlace", "maxAttempts": 1})
+    run_shards(job)
+    old = os.umask(0o022)  # what a pod or a login shell has
+    try:
+        manifest = publish(job)
+    finally:
+        os.umask(old)
+    out = Path(job.spec.output.uri[len("file://"):])
+    paths = [f["path"] for kind in ("files", "errorFiles", "cappedFiles") for f in manifest[kind]]
+    assert {p.split("/")[0] for p in paths} == {"results", "errors", "capped"}
+    for path in [*paths, "manifest.json"]:
+        assert (out / path).stat().st_mode & 0o777 == 0o644, path
 
 
 def test_the_spec_sizes_the_publish_buckets_and_bij_publish_bucket_rows_overrides_it(file_place, make_job,
