@@ -15,7 +15,6 @@ works many shards with its model loaded once (see bij_worker.lanes).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
 from bij_worker.contract.plan import PLAN_VERSION, BadPlan, Fingerprint, JudgeMode, Plan, PlanObject
+from bij_worker.contract.records import OwnerRecord
 from bij_worker.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, job_to_dict, uris_overlap
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import Footer, read_footer
@@ -291,21 +291,21 @@ def claim_output(job: BatchInferenceJob, store: Storage) -> None:
     and the old generation's manifest is removed first, so no reader trusts it over new files.
     """
     uri = layout.owner_uri(job)
-    mine = {"namespace": job.metadata.namespace, "name": job.metadata.name, "id": job.job_id}
-    body = json.dumps({**mine, "claimedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()
+    mine = OwnerRecord(job.metadata.namespace, job.metadata.name, job.job_id)
+    body = mine.to_json()
     if store.create(uri, body):
         return
     try:
-        owner = json.loads(store.read_bytes(uri))
+        owner = OwnerRecord.from_json(store.read_bytes(uri))
     except (NotFound, ValueError):
         store.write_bytes(uri, body)  # removed or damaged in between: ours now
         return
-    if (owner.get("namespace"), owner.get("name")) != (mine["namespace"], mine["name"]):
+    if not owner.same_job(mine):
         raise PlanRefused(
             f"spec.output.uri: {job.spec.output.uri} belongs to BatchInferenceJob "
-            f"{owner.get('namespace')}/{owner.get('name')} (recorded in {uri}); two jobs must not share an "
+            f"{owner.namespace}/{owner.name} (recorded in {uri}); two jobs must not share an "
             "output: choose another spec.output.uri, or delete that job's output first")
-    if owner.get("id") != mine["id"]:
+    if owner.id != mine.id:
         store.delete(layout.manifest_uri(job))
         store.write_bytes(uri, body)
 

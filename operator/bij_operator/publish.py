@@ -20,6 +20,7 @@ from bij_worker import publish_rows
 from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
 from bij_worker.contract.plan import BadPlan, Plan
+from bij_worker.contract.records import RemovedRecord, now_stamp
 from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.parquet import id_kind
 from bij_worker.storage import NotFound, Storage, open_storage
@@ -277,25 +278,25 @@ class WorkFilesRemoved(PublishError):
     published again."""
 
 
-def removed_record(store: Storage, job: BatchInferenceJob) -> dict[str, Any] | None:
+def removed_record(store: Storage, job: BatchInferenceJob) -> RemovedRecord | None:
     """What was removed after the job was published, or None when its work files are all there."""
     try:
-        return dict(json.loads(store.read_bytes(layout.removed_uri(job))))
+        return json.loads(store.read_bytes(layout.removed_uri(job)))  # type: ignore[no-any-return]
     except NotFound:
         return None
 
 
 def remove_work_files(store: Storage, job: BatchInferenceJob, plans: list[Plan],
-                      publish_plan: dict[str, Any]) -> dict[str, Any]:
+                      publish_plan: dict[str, Any]) -> RemovedRecord:
     """Remove what only publishing needed: the shards' durable logs, judge rounds' inputs and the
     publish passes' id buckets. Plans, completion records and shard summaries stay (O(shards)), with
     a record of what went; it is written first, so a removal cut short still refuses a republish."""
     folders = [layout.join(p.round_prefix, sub) + "/" for p in plans for sub in ("shards", "input")]
     folders += [layout.join(publish_plan["prefix"], sub) + "/" for sub in ("ids", "losers")]
     objects = [obj for folder in folders for obj in store.list(folder)]
-    record = {"removedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "reason": "output.keepIntermediate is false: work files go once the manifest is published",
-              "folders": folders, "objects": len(objects), "bytes": sum(o.size for o in objects)}
+    record: RemovedRecord = {"removedAt": now_stamp(),
+                             "reason": "output.keepIntermediate is false: work files go once the manifest is published",
+                             "folders": folders, "objects": len(objects), "bytes": sum(o.size for o in objects)}
     store.write_bytes(layout.removed_uri(job), json.dumps(record, indent=1).encode())
     for obj in objects:
         store.delete(obj.uri)

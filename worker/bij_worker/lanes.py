@@ -29,7 +29,6 @@ does not drain at each shard's end; at most two shards of a lane are open at onc
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .contract import layout
+from .contract.records import ClaimRecord
 from .storage import NotFound, Storage, StorageError
 
 log = logging.getLogger("bij.worker")
@@ -99,8 +99,8 @@ class Claims:
 
     def read(self, shard: int, generation: int) -> Claim | None:
         try:
-            doc = json.loads(self.store.read_bytes(self.uri(shard, generation)))
-            return Claim(shard, generation, int(doc["lane"]), str(doc["writer"]), float(doc["expiresAt"]))
+            rec = ClaimRecord.from_json(self.store.read_bytes(self.uri(shard, generation)), shard, generation)
+            return Claim(shard, generation, rec.lane, rec.writer, rec.expires_at)
         except NotFound:
             return None
         except (ValueError, KeyError, TypeError):
@@ -108,9 +108,7 @@ class Claims:
             return Claim(shard, generation, -1, "", 0.0)
 
     def _body(self, shard: int, generation: int) -> bytes:
-        return json.dumps({"shard": shard, "generation": generation, "lane": self.lane, "writer": self.writer,
-                           "expiresAt": round(self.clock() + self.lease, 3),
-                           "renewedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()
+        return ClaimRecord(shard, generation, self.lane, self.writer, self.clock() + self.lease).to_json()
 
     def take(self, shard: int, generation: int) -> Claim | None:
         """Create claim `generation` of `shard`; None when another process created it first."""

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from .contract.records import ShardCounts
+
 log = logging.getLogger("bij.worker")
 
 
@@ -48,7 +50,7 @@ class Stats:
     def prefix_share(self) -> float:
         return self.prefix_shared_chars / self.prompt_chars if self.prompt_chars else 0.0
 
-    def as_record(self) -> dict[str, float | int]:
+    def as_record(self) -> ShardCounts:
         d = asdict(self)
         return {
             "rows": d["rows"], "errors": d["errors"], "truncated": d["truncated"],

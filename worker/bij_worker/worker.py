@@ -38,6 +38,7 @@ from .commits import CommitWriter
 from .contract import layout
 from .contract.errors import BijError
 from .contract.plan import BadPlan, Plan
+from .contract.records import decode_shard_record, encode, shard_record
 from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
 from .inputs import (
     InputOptions,
@@ -322,13 +323,13 @@ class ShardWorker:
         t0 = self._t0 = time.monotonic()
         done_at = layout.done_uri(self.plan.round_prefix, self.index)
         if self.out.exists(done_at):
-            rec = json.loads(self.out.read_bytes(done_at))
-            self.progress({"event": "done", "index": self.index, "rows": rec["rows"], "errors": rec["errors"]})
-            return ShardOutcome("done", rec["rows"], rec["errors"])
+            done = decode_shard_record(self.out.read_bytes(done_at))
+            self.progress({"event": "done", "index": self.index, "rows": done["rows"], "errors": done["errors"]})
+            return ShardOutcome("done", done["rows"], done["errors"])
         # Time earlier runs of this shard spent (a preempted pod's last progress record) counts
         # towards this shard's worker seconds, so a job's cost includes the work it lost.
         try:
-            before = json.loads(self.out.read_bytes(layout.progress_uri(self.plan.round_prefix, self.index)))
+            before = decode_shard_record(self.out.read_bytes(layout.progress_uri(self.plan.round_prefix, self.index)))
             t0 = self._t0 = t0 - float(before.get("seconds") or 0)
             self.stats.model_load_s += float(before.get("modelLoadSeconds") or 0)
             self.stats.model_loads += int(before.get("modelLoads") or 0)
@@ -652,10 +653,9 @@ class ShardWorker:
             uri = layout.rejected_uri(self.plan.round_prefix, self.index)
             if lines:
                 self.out.write_bytes(uri, ("\n".join(lines) + "\n").encode())
-        record = {"index": self.index, "round": self.round, "lane": self.lane, **self.stats.as_record(),
-                  "seconds": round(time.monotonic() - t0, 3),
-                  "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self.out.write_bytes(layout.done_uri(self.plan.round_prefix, self.index), json.dumps(record).encode())
+        record = shard_record(self.index, self.round, self.lane, self.stats.as_record(), time.monotonic() - t0,
+                              finished=True)
+        self.out.write_bytes(layout.done_uri(self.plan.round_prefix, self.index), encode(record))
         self.progress({"event": "done", "index": self.index, "rows": self.stats.rows, "errors": self.stats.errors})
 
     def _count_final(self, rec: dict[str, Any]) -> None:
@@ -799,10 +799,9 @@ class ShardWorker:
     def _report(self) -> None:
         """Rewrite the shard's progress record: live counts, and the time spent on it so far."""
         self._last_report = time.monotonic()
-        record = {"index": self.index, "round": self.round, "lane": self.lane, **self.stats.as_record(),
-                  "seconds": round(time.monotonic() - self._t0, 3),
-                  "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self.out.write_bytes(layout.progress_uri(self.plan.round_prefix, self.index), json.dumps(record).encode())
+        record = shard_record(self.index, self.round, self.lane, self.stats.as_record(),
+                              time.monotonic() - self._t0, finished=False)
+        self.out.write_bytes(layout.progress_uri(self.plan.round_prefix, self.index), encode(record))
 
     def _count_tokens(self, results: list[Result]) -> None:
         if set(map(_ERROR, results)) - {None}:

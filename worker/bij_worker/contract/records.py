@@ -1,0 +1,142 @@
+"""The small durable records bij keeps under a job's output URI, one type each (camelCase JSON on disk).
+
+- `ShardRecord`: a shard's completion record (`done/<i>.json`, written once when every row is
+  durable) and a running shard's progress record (`progress/<i>.json`, rewritten now and then);
+  the same counts, with `finishedAt` or `updatedAt`
+- `ClaimRecord`: which worker holds a shard (`claims/<i>-<generation>.json`, see bij_worker.lanes)
+- `OwnerRecord`: which job owns an output URI (`_bij/owner.json`)
+- `RemovedRecord`: what was removed after publishing (`_bij/<job>/removed.json`)
+
+Paths are in `contract.layout`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+
+def now_stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class ShardCounts(TypedDict):
+    """What a shard did so far (bij_worker.metrics.Stats.as_record)."""
+
+    rows: int
+    errors: int
+    truncated: int
+    tokensIn: int
+    tokensOut: int
+    rejected: int
+    capped: int
+    engineCalls: int
+    judgeCalls: int
+    batches: int
+    chunks: int
+    engineBusySeconds: float
+    modelLoadSeconds: float
+    modelLoads: int
+    engineSteps: int
+    meanOccupancy: float
+    prefixShare: float
+    promptChars: int
+    bytes: int
+    intIds: int
+    strIds: int
+
+
+class ShardRecord(ShardCounts, total=False):
+    """A completion record (with `finishedAt`) or a progress record (with `updatedAt`).
+
+    Records written by older workers may lack counts added since: readers use `.get`.
+    """
+
+    index: int
+    round: int
+    lane: int
+    seconds: float  # time spent on the shard, earlier (preempted) runs included
+    finishedAt: str
+    updatedAt: str
+
+
+def shard_record(index: int, round_no: int, lane: int, counts: ShardCounts, seconds: float, *,
+                 finished: bool) -> ShardRecord:
+    """A completion record (`finished`) or a progress record of a shard."""
+    rec: ShardRecord = {"index": index, "round": round_no, "lane": lane, **counts,  # type: ignore[typeddict-item]
+                        "seconds": round(seconds, 3)}
+    rec["finishedAt" if finished else "updatedAt"] = now_stamp()
+    return rec
+
+
+def encode(record: Any) -> bytes:
+    return json.dumps(record).encode()
+
+
+def decode_shard_record(data: bytes) -> ShardRecord:
+    """A shard record as written; ValueError when it is no JSON object."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError("a shard record is a JSON object")
+    return doc  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ClaimRecord:
+    """Generation `generation` of the claim on `shard`: held by `writer` (a process of lane `lane`)
+    until `expires_at` (epoch seconds), unless renewed."""
+
+    shard: int
+    generation: int
+    lane: int
+    writer: str
+    expires_at: float
+    renewed_at: str = ""
+
+    def to_json(self) -> bytes:
+        return encode({"shard": self.shard, "generation": self.generation, "lane": self.lane, "writer": self.writer,
+                       "expiresAt": round(self.expires_at, 3), "renewedAt": self.renewed_at or now_stamp()})
+
+    @classmethod
+    def from_json(cls, data: bytes, shard: int, generation: int) -> ClaimRecord:
+        """ValueError, KeyError or TypeError when the object is no claim."""
+        doc = json.loads(data)
+        return cls(shard, generation, int(doc["lane"]), str(doc["writer"]), float(doc["expiresAt"]),
+                   str(doc.get("renewedAt") or ""))
+
+
+@dataclass(frozen=True)
+class OwnerRecord:
+    """The job that owns an output URI: its namespace and name, and the id of its generation."""
+
+    namespace: str | None
+    name: str | None
+    id: str | None
+    claimed_at: str = ""
+
+    def same_job(self, other: OwnerRecord) -> bool:
+        return (self.namespace, self.name) == (other.namespace, other.name)
+
+    def to_json(self) -> bytes:
+        return encode({"namespace": self.namespace, "name": self.name, "id": self.id,
+                       "claimedAt": self.claimed_at or now_stamp()})
+
+    @classmethod
+    def from_json(cls, data: bytes) -> OwnerRecord:
+        """ValueError when the object is no JSON object."""
+        doc = json.loads(data)
+        if not isinstance(doc, dict):
+            raise ValueError("an owner record is a JSON object")
+        return cls(doc.get("namespace"), doc.get("name"), doc.get("id"), str(doc.get("claimedAt") or ""))
+
+
+class RemovedRecord(TypedDict):
+    """The work files removed after a successful publish; its presence refuses a republish."""
+
+    removedAt: str
+    reason: str
+    folders: list[str]
+    objects: int
+    bytes: int
