@@ -84,6 +84,12 @@ def test_rounds_every_row_ends_once_and_round_statuses_add_up(tmp_path: Path) ->
         assert r["output"].startswith(f"row {r['id']} #")
     for r in capped:
         assert r["attempts"] == 3 and len(r["verdicts"]) == 3 and r["error"]["code"] == "retry_cap_reached"
+    # Published with keepIntermediate false: the rounds' rejected rows (the next rounds' inputs) went
+    # with the logs; what went is on record.
+    state = tmp_path / "out" / "_bij"
+    assert list(state.glob("*/round-0/done/*.json")) and not list(state.glob("*/round-*/rejected/*"))
+    (removed,) = state.glob("*/removed.json")
+    assert any(f.endswith("/round-1/rejected/") for f in json.loads(removed.read_text())["folders"])
 
 
 def test_rounds_stop_early_when_nothing_is_rejected(tmp_path: Path) -> None:

@@ -291,7 +291,7 @@ def remove_work_files(store: Storage, job: BatchInferenceJob, plans: list[Plan],
     """Remove what only publishing needed: the shards' durable logs, judge rounds' inputs and the
     publish passes' id buckets. Plans, completion records and shard summaries stay (O(shards)), with
     a record of what went; it is written first, so a removal cut short still refuses a republish."""
-    folders = [layout.join(p.round_prefix, sub) + "/" for p in plans for sub in ("shards", "input")]
+    folders = [layout.join(p.round_prefix, sub) + "/" for p in plans for sub in ("shards", "rejected")]
     folders += [layout.join(publish_plan["prefix"], sub) + "/" for sub in ("ids", "losers")]
     objects = [obj for folder in folders for obj in store.list(folder)]
     record: RemovedRecord = {"removedAt": now_stamp(),
