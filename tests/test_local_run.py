@@ -126,6 +126,16 @@ def test_a_bad_configuration_fails_fast_without_retries(model, file_place, make_
     assert read_manifest(job) is None
 
 
+def test_too_many_error_rows_fail_bij_run_before_anything_is_published(file_place, make_job, worker_env, bij_bin):
+    # bij run takes the operator's decisions, the pre-publish error ratio check among them.
+    spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [*rows(20), *["not json"] * 5]),
+                         maxErrorRatio=0.1)
+    p = bij_run(bij_bin, spec, worker_env())
+    assert p.returncode == 42, p.stderr
+    assert "5 of 25 rows failed (20.0%), above spec.maxErrorRatio 10.0%; nothing was published" in p.stderr
+    assert read_manifest(job) is None
+
+
 # --- hostile specs and environments: one line that names the field or URI, never a traceback or a hang ---
 
 
