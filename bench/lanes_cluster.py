@@ -43,6 +43,27 @@ def job_seconds(batch: Any, ns: str, name: str) -> float:
     return float((st.completion_time - st.start_time).total_seconds())
 
 
+def operator_requests(audit_log: Any, since: float) -> dict[str, int]:
+    """The operator's API requests since `since` (epoch seconds) from the API server's audit log,
+    by "verb resource" (long-running watches counted as they end, if they do)."""
+    import datetime as dt
+
+    counts: dict[str, int] = {}
+    for line in audit_log.read_text().splitlines():
+        e = json.loads(line)
+        user = (e.get("user") or {}).get("username", "")
+        if not user.startswith("system:serviceaccount:bij-system:") or e.get("stage") != "ResponseComplete":
+            continue
+        at = dt.datetime.fromisoformat(e["requestReceivedTimestamp"].replace("Z", "+00:00")).timestamp()
+        if at < since:
+            continue
+        ref = e.get("objectRef") or {}
+        sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
+        key = f"{e.get('verb')} {ref.get('resource', '?')}{sub}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, rows=6400, repeats=1)
     p.add_argument("--shards", type=int, default=64)
@@ -129,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # Lanes: the operator's round Job.
         t0 = time.monotonic()
+        t0_wall = time.time()
         custom.create_namespaced_custom_object("batchinference.io", "v1alpha1", ns, "batchinferencejobs",
                                                doc("lanes"))
 
@@ -147,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         manifest = json.loads((work / "out-lanes" / "manifest.json").read_text())
         assert manifest["counts"]["rows"] == len(texts), manifest["counts"]
 
+        requests = operator_requests(cluster.plane.audit_log, t0_wall)
+        print(f"  the operator's API requests for the lanes bij (apply to Succeeded): {sum(requests.values())}: "
+              + ", ".join(f"{k} {v}" for k, v in requests.items()), flush=True)
+        report.note(f"operator API requests, apply to Succeeded: {sum(requests.values())} {requests}")
         engine_s = bare_engine_seconds(texts, args.max_num_seqs, args.step_seconds, args.max_words)
         ideal = args.load_seconds + engine_s / args.lanes
         print(f"lanes_cluster: {len(texts)} rows in {plan.shard_count} shards, {args.lanes} lanes, "
