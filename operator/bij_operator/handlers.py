@@ -33,12 +33,14 @@ from kubernetes.client import ApiException
 
 from .driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
 from .jobs import worker_image_default
-from .reconcile import Decision, Nothing, owns
+from .reconcile import Decision, owns
 
 PLURAL = "batchinferencejobs"
-# How often a waiting daemon looks whether its bij's Jobs or spec changed (in memory, no API call).
-WAKE_POLL = 0.2
-FINISHED_POLL = 2.0
+# A waiting daemon wakes when one of its bij's Jobs changes; it looks for spec edits (and whether it
+# is to stop) this often, in memory, without an API call.
+SPEC_POLL = 1.0
+# How long a woken daemon lets kopf finish indexing the Job it was woken for.
+INDEX_SETTLE = 0.02
 
 log = logging.getLogger("bij.operator")
 
@@ -214,7 +216,8 @@ class Operator:
     config: OperatorConfig
     metrics: OperatorMetrics
     api: Api | None = None
-    driven: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+    # The bijs this process drives, each with the event that wakes its daemon when one of its Jobs changes.
+    driven: dict[tuple[str, str], asyncio.Event] = dataclasses.field(default_factory=dict)
 
 
 def shared(memo: Any) -> Operator:
@@ -257,9 +260,15 @@ def tracked_jobs(memo: kopf.Memo, **_: Any) -> int:
 
 
 @kopf.index("batch", "v1", "jobs", labels={JOB_LABEL: kopf.PRESENT})
-def bij_jobs(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """The round and publish Jobs of each bij, by (namespace, bij name), as decisions read them."""
-    return {(namespace, labels[JOB_LABEL]): job_essence(body)}
+async def bij_jobs(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: Any,
+                   **_: Any) -> dict[Any, Any]:
+    """The round and publish Jobs of each bij, by (namespace, bij name), as decisions read them; a
+    change wakes the bij's daemon."""
+    key = (namespace, labels[JOB_LABEL])
+    wake = shared(memo).driven.get(key)  # type: ignore[arg-type]
+    if wake is not None:
+        wake.set()
+    return {key: job_essence(body)}
 
 
 def _versions(jobs: Iterable[Mapping[str, Any]]) -> frozenset[tuple[str, str]]:
@@ -269,8 +278,8 @@ def _versions(jobs: Iterable[Mapping[str, Any]]) -> frozenset[tuple[str, str]]:
 @kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=30.0)
 async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped, body: kopf.Body, memo: Any,
                 **kwargs: Any) -> None:
-    """Drive one bij for as long as it exists: reconcile, then sleep until its Jobs or spec change
-    or the driver's own recheck time comes."""
+    """Drive one bij for as long as it exists: reconcile, then sleep until one of its Jobs changes
+    (the index wakes it), its spec changes, or the driver's own recheck time comes."""
     assert namespace is not None  # the CRD is namespaced
     bij_jobs: kopf.Index[Any, dict[str, Any]] = kwargs["bij_jobs"]
     op = shared(memo)
@@ -279,11 +288,12 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
     backend = KubeBackend(op.api, namespace, name, bij_jobs, op.config.worker_image)
     driver = Driver(backend, status_interval=op.config.status_interval,
                     progress_interval=op.config.progress_interval, on_decision=op.metrics.decided)
-    op.driven.add(key)
+    wake = op.driven[key] = asyncio.Event()
     try:
         while not stopped:
             jobs_seen = _versions(bij_jobs.get(key, ()))
             generation = body.metadata.get("generation")
+            wake.clear()
             try:
                 idle = await asyncio.to_thread(driver.reconcile)
             except (ApiException, urllib3.exceptions.HTTPError) as e:
@@ -292,14 +302,21 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
             if idle.gone:
                 return
             deadline = None if idle.recheck is None else time.monotonic() + idle.recheck
-            # A finished bij only follows spec edits (observedGeneration): it need not look often.
-            poll = FINISHED_POLL if isinstance(idle.decision, Nothing) else WAKE_POLL
-            while not stopped and (deadline is None or time.monotonic() < deadline):
+            while not stopped:
                 if _versions(bij_jobs.get(key, ())) != jobs_seen or body.metadata.get("generation") != generation:
                     break
-                await stopped.wait(poll)
+                left = SPEC_POLL if deadline is None else min(SPEC_POLL, deadline - time.monotonic())
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(wake.wait(), left)
+                except asyncio.TimeoutError:
+                    continue
+                wake.clear()
+                # Woken as kopf indexes a Job: let it store the Job before looking.
+                await asyncio.sleep(INDEX_SETTLE)
     finally:
-        op.driven.discard(key)
+        op.driven.pop(key, None)
 
 
 # --- `bij operator` --------------------------------------------------------------------------------
