@@ -215,6 +215,16 @@ class _Tally:
         for code, n in other.codes.items():
             self.codes[code] = self.codes.get(code, 0) + n
 
+    def add_to(self, stats: Stats) -> None:
+        """Count these records into a shard's statistics."""
+        stats.rows += self.results
+        stats.errors += self.errors
+        stats.rejected += self.rejected
+        stats.capped += self.capped
+        stats.truncated += self.truncated
+        stats.int_ids += self.int_ids
+        stats.str_ids += self.str_ids
+
 
 _ERROR = attrgetter("error")
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
@@ -659,26 +669,11 @@ class ShardWorker:
         self.progress({"event": "done", "index": self.index, "rows": self.stats.rows, "errors": self.stats.errors})
 
     def _count_final(self, rec: dict[str, Any]) -> None:
-        kind = rec["kind"]
-        if kind == "result":
-            self.stats.rows += 1
-            self._count_result(rec["row"])
+        _Tally.of([rec]).add_to(self.stats)
+        if rec["kind"] == "result":
             usage = row_usage(rec["row"])
             self.stats.tokens_in += usage.get("prompt_tokens", 0)
             self.stats.tokens_out += usage.get("completion_tokens", 0)
-        elif kind == "error":
-            self.stats.errors += 1
-        elif kind == "rejected":
-            self.stats.rejected += 1
-        elif kind == "capped":
-            self.stats.capped += 1
-
-    def _count_result(self, row: dict[str, Any]) -> None:
-        self.stats.truncated += bool(row.get("truncated"))
-        if is_int64(row_id(row)):
-            self.stats.int_ids += 1
-        else:
-            self.stats.str_ids += 1
 
     def _resume_attempts(self, pending: list[dict[str, Any]]) -> bool:
         live = []
@@ -779,14 +774,7 @@ class ShardWorker:
         t = time.perf_counter()
         self.log.write(data)
         self.metrics.commit_latency.observe(time.perf_counter() - t)
-        stats = self.stats
-        stats.rows += tally.results
-        stats.errors += tally.errors
-        stats.rejected += tally.rejected
-        stats.capped += tally.capped
-        stats.truncated += tally.truncated
-        stats.int_ids += tally.int_ids
-        stats.str_ids += tally.str_ids
+        tally.add_to(self.stats)
         if time.monotonic() - self._last_report >= self.report_every:
             self._report()
         # Once per commit, not per row: each labelled increment takes a lock.
