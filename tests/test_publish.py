@@ -14,8 +14,10 @@ from bij_operator.planner import plan_round
 from bij_operator.publish import PublishError, publish, read_manifest
 from bij_worker import publish_rows
 from bij_worker.contract import layout
+from bij_worker.contract.publish_plan import PublishPlan
 from bij_worker.engines.base import estimate_tokens
 from bij_worker.engines.echo import echo_embedding
+from bij_worker.publish_rows import PublishPlanError
 from bij_worker.segments import ShardLog
 from bij_worker.storage import open_storage
 from bij_worker.worker import load_plan
@@ -228,8 +230,8 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
     assert _same(inline, spread) and read_output(job).raw == raw
     assert inline["counts"]["duplicates"] == 2
     plan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)))
-    assert plan["buckets"] == 13  # 124 rows, 10 ids a bucket
-    shards = len(plan["units"])
+    assert plan.buckets == 13  # 124 rows, 10 ids a bucket
+    shards = len(plan.units)
     # Two processes a pass, each working every other index of it.
     assert sorted((s["pass"], s["index"], s["indexes"]) for s in stats) == sorted(
         [(p, k, len(range(k, n, 2))) for p, n in (("ids", shards), ("dedupe", 13), ("write", shards))
@@ -264,13 +266,13 @@ def test_the_spec_sizes_the_publish_buckets_and_bij_publish_bucket_rows_override
     run_shards(job)
     # What the operator does before it creates the pass Jobs: the plan says how many dedupe indexes.
     _, plan = publish_module.prepare_publish(job)
-    assert (plan["bucketRows"], plan["buckets"]) == (1000, 3)
+    assert (plan.bucket_rows, plan.buckets) == (1000, 3)
     assert publish_rows.count(plan, "dedupe") == 3
     manifest = publish(job)
     assert manifest["counts"]["rows"] == 2500 and read_output(job).result_ids == [r["id"] for r in inputs]
     # `bij publish --bucket-rows` (and `publish(bucket_rows=)`) wins over the spec.
     publish(job, bucket_rows=2000)
-    assert publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)))["buckets"] == 2
+    assert publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job))).buckets == 2
     _, default = make_job(file_place, file_place.uri("in.jsonl"), out_dir="out2/")
     assert default.spec.output.publish_bucket_rows == 250_000
 
@@ -286,16 +288,16 @@ def test_id_buckets_are_compressed_and_plain_ones_of_an_older_pass_are_still_rea
     plan = publish_rows.load(layout.publish_plan_uri(prefix))
     store = file_place.storage
     buckets = [o.uri for o in store.list(f"{prefix}/ids/") if not o.uri.endswith("order.json")]
-    assert len(buckets) == len(plan["units"]) * plan["buckets"] and all(u.endswith(".jsonl.zst") for u in buckets)
-    losers = {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan["buckets"])}
+    assert len(buckets) == len(plan.units) * plan.buckets and all(u.endswith(".jsonl.zst") for u in buckets)
+    losers = {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan.buckets)}
     assert sum(len(places) for v in losers.values() for places in json.loads(v).values()) == 5
     for uri in buckets:  # as a pass 1 before compression left them
         store.write_bytes(uri.removesuffix(".zst"), zstandard.ZstdDecompressor().decompress(store.read_bytes(uri)))
         store.delete(uri)
-    for b in range(plan["buckets"]):
+    for b in range(plan.buckets):
         store.delete(layout.publish_losers_uri(prefix, b))
         publish_rows.run_pass(plan, "dedupe", b)
-    assert {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan["buckets"])} == losers
+    assert {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan.buckets)} == losers
 
 
 def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place, make_job, run_shards, read_output):
@@ -324,6 +326,83 @@ def test_a_shard_with_more_rows_than_a_file_holds_is_published_in_parts(file_pla
         ("results/r0-00000.jsonl.zst", 10), ("results/r0-00000-001.jsonl.zst", 10),
         ("results/r0-00000-002.jsonl.zst", 5)]
     assert read_output(job).result_ids == [r["id"] for r in inputs]
+
+
+# A publish plan as the operator wrote it before the plan was a typed model (json.dumps(plan, indent=1)).
+OLD_PUBLISH_PLAN = """{
+ "prefix": "file:///data/out/_bij/job-1/publish",
+ "outputUri": "file:///data/out/",
+ "units": [
+  [
+   0,
+   0,
+   "file:///data/out/_bij/job-1/round-0/shards/00000"
+  ],
+  [
+   0,
+   1,
+   "file:///data/out/_bij/job-1/round-0/shards/00001"
+  ],
+  [
+   1,
+   0,
+   "file:///data/out/_bij/job-1/round-1/shards/00000"
+  ]
+ ],
+ "objectNames": [
+  [
+   "a.jsonl",
+   "b.jsonl"
+  ],
+  [
+   "rejected-0.jsonl"
+  ]
+ ],
+ "bucketRows": 250000,
+ "buckets": 1,
+ "compression": "zstd",
+ "format": "parquet",
+ "task": "generate",
+ "judge": true,
+ "idKind": "mixed"
+}"""
+
+
+def test_a_publish_plan_written_before_the_typed_model_loads_and_is_written_byte_for_byte_the_same(tmp_path):
+    uri = (tmp_path / "plan.json").as_uri()
+    open_storage(uri).write_bytes(uri, OLD_PUBLISH_PLAN.encode())
+    plan = publish_rows.load(uri)
+    assert plan.units == [(0, 0, "file:///data/out/_bij/job-1/round-0/shards/00000"),
+                          (0, 1, "file:///data/out/_bij/job-1/round-0/shards/00001"),
+                          (1, 0, "file:///data/out/_bij/job-1/round-1/shards/00000")]
+    assert plan.object_names[1] == ["rejected-0.jsonl"] and plan.output_uri == "file:///data/out/"
+    assert (plan.bucket_rows, plan.buckets, plan.format, plan.judge, plan.id_kind) == (250000, 1, "parquet", True,
+                                                                                        "mixed")
+    assert (plan.count("ids"), plan.count("dedupe"), plan.count("write")) == (3, 1, 3)
+    assert plan.file_rows is None
+    assert plan.to_json().decode() == OLD_PUBLISH_PLAN
+    # A JSON lines plan has no id kind; a plan may set the rows of a file part.
+    doc = {**json.loads(OLD_PUBLISH_PLAN), "format": "jsonl", "idKind": None, "fileRows": 10}
+    plan = PublishPlan.from_json(json.dumps(doc).encode())
+    assert (plan.id_kind, plan.file_rows) == (None, 10) and json.loads(plan.to_json()) == doc
+
+
+@pytest.mark.parametrize("data, says", [
+    (b"{not json", "is not valid JSON"),
+    (b"[1, 2]", "is not a JSON object"),
+    (OLD_PUBLISH_PLAN.replace('"buckets": 1,', "").encode(), "buckets: Field required"),
+    (OLD_PUBLISH_PLAN.replace('"buckets": 1,', '"buckets": "many",').encode(), "buckets:"),
+    (OLD_PUBLISH_PLAN.replace('"format": "parquet"', '"format": "csv"').encode(), "format:"),
+])
+def test_an_unreadable_publish_plan_is_a_publish_plan_error_naming_it(tmp_path, data, says):
+    from bij_worker.main import main
+
+    uri = (tmp_path / "plan.json").as_uri()
+    open_storage(uri).write_bytes(uri, data)
+    with pytest.raises(PublishPlanError, match=f"publish plan {uri} .*{says}") as e:
+        publish_rows.load(uri)
+    assert e.value.permanent
+    assert main(["publish", "--plan", uri, "--pass", "ids", "--index", "0"]) == 42
 
 
 def test_a_publish_pass_with_an_index_out_of_range_is_a_bad_configuration(file_place, make_job, run_shards):

@@ -249,7 +249,7 @@ class Driver:
             if status.get("phase") != "Publishing":
                 self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
             plan_uri, pplan = prepare_publish(job, d.rounds)
-            passes = {p: publish_rows.count(pplan, p) for p in publish_rows.PASSES}
+            passes = {p: pplan.count(p) for p in publish_rows.PASSES}
             msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
                 + " indexes"
             self.write_status(seen, {**self.base(seen, d, now), "message": msg,

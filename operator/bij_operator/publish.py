@@ -20,6 +20,7 @@ from bij_worker import publish_rows
 from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
 from bij_worker.contract.plan import BadPlan, Plan
+from bij_worker.contract.publish_plan import PublishPlan
 from bij_worker.contract.records import RemovedRecord, now_stamp
 from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.parquet import id_kind
@@ -98,31 +99,31 @@ def result_id_kind(done_records: list[dict[str, Any]]) -> str:
 
 
 def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan],
-                       done_records: list[dict[str, Any]], bucket_rows: int) -> tuple[str, dict[str, Any]]:
+                       done_records: list[dict[str, Any]], bucket_rows: int) -> tuple[str, PublishPlan]:
     """The plan the row-level passes follow: O(shards) to write, one bucket per `bucket_rows` ids."""
     rows = sum(int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
                for rec in done_records)
     prefix = layout.publish_prefix(job)
-    plan: dict[str, Any] = {
-        "prefix": prefix,
-        "outputUri": job.spec.output.uri,
-        "units": [[r, index, layout.shard_prefix(p.round_prefix, index)]
-                  for r, p in enumerate(plans) for index in range(len(p.shards))],
-        "objectNames": [[o.display_name for o in p.objects] for p in plans],
-        "bucketRows": bucket_rows,
-        "buckets": max(1, -(-rows // max(1, bucket_rows))),
-        "compression": job.spec.output.compression,
-        "format": job.spec.output.format,
-        "task": job.spec.model.task,
-        "judge": job.spec.judge is not None,
-        "idKind": result_id_kind(done_records) if job.spec.output.format == "parquet" else None,
-    }
+    plan = PublishPlan(
+        prefix=prefix,
+        output_uri=job.spec.output.uri,
+        units=[(r, index, layout.shard_prefix(p.round_prefix, index))
+               for r, p in enumerate(plans) for index in range(len(p.shards))],
+        object_names=[[o.display_name for o in p.objects] for p in plans],
+        bucket_rows=bucket_rows,
+        buckets=max(1, -(-rows // max(1, bucket_rows))),
+        compression=job.spec.output.compression,
+        format=job.spec.output.format,
+        task=job.spec.model.task,
+        judge=job.spec.judge is not None,
+        id_kind=result_id_kind(done_records) if job.spec.output.format == "parquet" else None,
+    )
     uri = layout.publish_plan_uri(prefix)
-    store.write_bytes(uri, json.dumps(plan, indent=1).encode())
+    store.write_bytes(uri, plan.to_json())
     return uri, plan
 
 
-def run_passes(job: BatchInferenceJob, plan_uri: str, plan: dict[str, Any], processes: int,
+def run_passes(job: BatchInferenceJob, plan_uri: str, plan: PublishPlan, processes: int,
                stats: list[dict[str, Any]] | None = None) -> None:
     """Run the three row-level passes: in this process (`processes` 0), or each as the Job the operator
     would create for it (`jobs.render_publish_job`), run by the local Job controller in at most
@@ -132,7 +133,7 @@ def run_passes(job: BatchInferenceJob, plan_uri: str, plan: dict[str, Any], proc
     from .localjobs import LocalJob, worker_command, worker_env
 
     for pass_name in publish_rows.PASSES:
-        n = publish_rows.count(plan, pass_name)
+        n = plan.count(pass_name)
         if processes <= 0:
             for index in range(n):
                 publish_rows.run_pass(plan, pass_name, index, job.spec.storage.s3)
@@ -171,7 +172,7 @@ def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
 
 
 def prepare_publish(job: BatchInferenceJob, rounds: int = 1,
-                    bucket_rows: int | None = None) -> tuple[str, dict[str, Any]]:
+                    bucket_rows: int | None = None) -> tuple[str, PublishPlan]:
     """Check that rounds 0..rounds-1 are whole and made by this spec, and write the publish plan the
     row-level passes follow, with buckets of `bucket_rows` ids (default spec.output.publishBucketRows).
     O(shards). Returns the plan's URI and the plan."""
@@ -203,7 +204,7 @@ def _read_done(store: Storage, plans: list[Plan], t: _Totals) -> None:
                 raise PublishError(f"round {r} shard {index} has not finished") from None
 
 
-def finish_publish(job: BatchInferenceJob, rounds: int, pplan: dict[str, Any]) -> dict[str, Any]:
+def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> dict[str, Any]:
     """After the passes: the manifest from the completion records and the passes' per-shard summaries,
     O(shards), written last in one atomic write; then the work files go (keepIntermediate false)."""
     out_uri = job.spec.output.uri
@@ -212,8 +213,8 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: dict[str, Any]) -
     t = _Totals()
     _read_done(store, plans, t)
     t.rounds = [{"round": r, "shards": len(p.shards), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
-    for unit in range(len(pplan["units"])):
-        summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan["prefix"], unit)))
+    for unit in range(len(pplan.units)):
+        summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan.prefix, unit)))
         c = summary["counts"]
         t.files += summary["files"]
         t.error_files += summary["errorFiles"]
@@ -287,12 +288,12 @@ def removed_record(store: Storage, job: BatchInferenceJob) -> RemovedRecord | No
 
 
 def remove_work_files(store: Storage, job: BatchInferenceJob, plans: list[Plan],
-                      publish_plan: dict[str, Any]) -> RemovedRecord:
+                      publish_plan: PublishPlan) -> RemovedRecord:
     """Remove what only publishing needed: the shards' durable logs, judge rounds' inputs and the
     publish passes' id buckets. Plans, completion records and shard summaries stay (O(shards)), with
     a record of what went; it is written first, so a removal cut short still refuses a republish."""
     folders = [layout.join(p.round_prefix, sub) + "/" for p in plans for sub in ("shards", "rejected")]
-    folders += [layout.join(publish_plan["prefix"], sub) + "/" for sub in ("ids", "losers")]
+    folders += [layout.join(publish_plan.prefix, sub) + "/" for sub in ("ids", "losers")]
     objects = [obj for folder in folders for obj in store.list(folder)]
     record: RemovedRecord = {"removedAt": now_stamp(),
                              "reason": "output.keepIntermediate is false: work files go once the manifest is published",

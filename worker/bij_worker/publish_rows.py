@@ -30,7 +30,7 @@ import orjson
 import zstandard
 
 from .contract import layout
-from .contract.errors import BijError
+from .contract.publish_plan import PublishPlan, PublishPlanError, Unit
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
 from .parquet import encode_results
@@ -39,12 +39,6 @@ from .storage import NotFound, Storage, StorageError, open_storage
 
 PASSES = ("ids", "dedupe", "write")
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
-
-
-class PublishPlanError(BijError):
-    """The publish plan is missing or does not fit the pass asked for."""
-
-    permanent = True
 
 
 def _read_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
@@ -69,19 +63,21 @@ def bucket_of(key: str, buckets: int) -> int:
     return zlib.crc32(key.encode("utf-8", "surrogatepass")) % buckets
 
 
-def load(uri: str, s3: Any = None) -> dict[str, Any]:
+def load(uri: str, s3: Any = None) -> PublishPlan:
+    """The publish plan at `uri`; PublishPlanError when it is missing or unreadable."""
     try:
-        return dict(json.loads(open_storage(uri, s3).read_bytes(uri)))
+        data = open_storage(uri, s3).read_bytes(uri)
     except NotFound:
         raise PublishPlanError(f"publish plan {uri} does not exist") from None
+    return PublishPlan.from_json(data, f"publish plan {uri}")
 
 
-def count(plan: dict[str, Any], pass_name: str) -> int:
+def count(plan: PublishPlan, pass_name: str) -> int:
     """How many indexes a pass has: one per shard, or one per bucket."""
-    return int(plan["buckets"]) if pass_name == "dedupe" else len(plan["units"])
+    return plan.count(pass_name)
 
 
-def _records(store: Storage, unit: list[Any], ordered: bool) -> Iterator[dict[str, Any]]:
+def _records(store: Storage, unit: Unit, ordered: bool) -> Iterator[dict[str, Any]]:
     """A shard's final records (no judge steps), in input order.
 
     A log whose records are already in input order (one writer, the usual case) is
@@ -96,12 +92,12 @@ def _records(store: Storage, unit: list[Any], ordered: bool) -> Iterator[dict[st
     yield from sorted(records, key=lambda rec: (rec["at"][0], rec["at"][1]))
 
 
-def run_ids(plan: dict[str, Any], index: int, store: Storage) -> None:
+def run_ids(plan: PublishPlan, index: int, store: Storage) -> None:
     """Pass 1: every id of shard `index` with its place, into the bucket files."""
-    buckets = int(plan["buckets"])
+    buckets = plan.buckets
     # bytearrays, not lists of orjson's bytes: each of those keeps a 4 KiB buffer.
     parts = [bytearray() for _ in range(buckets)]
-    unit = plan["units"][index]
+    unit = plan.units[index]
     last: tuple[int, int] = (-1, -1)
     ordered = True
     for rec in _records(store, unit, ordered=True):  # the log's own order: pass 1 needs no other
@@ -119,17 +115,17 @@ def run_ids(plan: dict[str, Any], index: int, store: Storage) -> None:
     # Compressed: id buckets are a good part of the work files beside the logs.
     cctx = zstandard.ZstdCompressor(level=LEVEL, write_checksum=True)
     for b in range(buckets):
-        store.write_bytes(layout.publish_ids_uri(plan["prefix"], index, b), cctx.compress(bytes(parts[b])))
+        store.write_bytes(layout.publish_ids_uri(plan.prefix, index, b), cctx.compress(bytes(parts[b])))
         parts[b] = bytearray()
-    store.write_bytes(layout.publish_order_uri(plan["prefix"], index), json.dumps({"ordered": ordered}).encode())
+    store.write_bytes(layout.publish_order_uri(plan.prefix, index), json.dumps({"ordered": ordered}).encode())
 
 
-def run_dedupe(plan: dict[str, Any], bucket: int, store: Storage) -> None:
+def run_dedupe(plan: PublishPlan, bucket: int, store: Storage) -> None:
     """Pass 2: the first occurrence of each id in bucket `bucket` wins; the results after it lose."""
     first: dict[str, tuple[int, int, int]] = {}
     results: list[tuple[str, tuple[int, int, int]]] = []
-    for unit in range(len(plan["units"])):
-        data = _read_ids(store, plan["prefix"], unit, bucket)
+    for unit in range(len(plan.units)):
+        data = _read_ids(store, plan.prefix, unit, bucket)
         for line in data.splitlines():
             key, obj, off, is_result = orjson.loads(line)
             place = (unit, obj, off)
@@ -142,18 +138,18 @@ def run_dedupe(plan: dict[str, Any], bucket: int, store: Storage) -> None:
     for key, place in results:
         if first[key] != place:
             losers.setdefault(str(place[0]), []).append([place[1], place[2]])
-    store.write_bytes(layout.publish_losers_uri(plan["prefix"], bucket), json.dumps(losers, sort_keys=True).encode())
+    store.write_bytes(layout.publish_losers_uri(plan.prefix, bucket), json.dumps(losers, sort_keys=True).encode())
 
 
 class _FileParts:
     """One kind of published file for a shard (results, errors or capped), cut into parts of `FILE_ROWS`."""
 
-    def __init__(self, plan: dict[str, Any], store: Storage, folder: str, name: str, parquet: bool):
+    def __init__(self, plan: PublishPlan, store: Storage, folder: str, name: str, parquet: bool):
         self.plan, self.store, self.folder, self.name, self.parquet = plan, store, folder, name, parquet
         self.rows: list[dict[str, Any]] = []  # Parquet: rows; JSON lines: each row already encoded
         self.lines: list[bytes] = []
         self.files: list[dict[str, Any]] = []
-        self.limit = int(plan.get("fileRows", FILE_ROWS))
+        self.limit = FILE_ROWS if plan.file_rows is None else plan.file_rows
 
     def add(self, row: dict[str, Any]) -> None:
         if self.parquet:
@@ -169,38 +165,38 @@ class _FileParts:
             return
         part = len(self.files)
         name = self.name if part == 0 else f"{self.name}-{part:03d}"
-        compression = self.plan["compression"]
+        compression = self.plan.compression
         if self.parquet:
             path = f"{self.folder}/{name}{PARQUET_SUFFIX}"
-            data = encode_results(self.rows, self.plan["task"], self.plan["idKind"], self.plan["judge"],
+            data = encode_results(self.rows, self.plan.task, self.plan.id_kind or "mixed", self.plan.judge,
                                   compression)
         else:
             path = f"{self.folder}/{name}.jsonl" + (".zst" if compression == "zstd" else "")
             data = b"".join(self.lines)
             if compression == "zstd":
                 data = zstandard.ZstdCompressor(level=3).compress(data)
-        self.store.write_bytes(f"{self.plan['outputUri'].rstrip('/')}/{path}", data)
+        self.store.write_bytes(f"{self.plan.output_uri.rstrip('/')}/{path}", data)
         self.files.append({"path": path, "rows": n, "bytes": len(data),
                            "sha256": hashlib.sha256(data).hexdigest()})
         self.rows, self.lines = [], []
 
 
-def run_write(plan: dict[str, Any], index: int, store: Storage) -> None:
+def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     """Pass 3: shard `index`'s published files, losers as duplicate_id errors, and its summary."""
     losers: set[tuple[int, int]] = set()
-    for b in range(int(plan["buckets"])):
-        for obj, off in json.loads(store.read_bytes(layout.publish_losers_uri(plan["prefix"], b))).get(str(index), []):
+    for b in range(plan.buckets):
+        for obj, off in json.loads(store.read_bytes(layout.publish_losers_uri(plan.prefix, b))).get(str(index), []):
             losers.add((obj, off))
-    round_no, shard = plan["units"][index][0], plan["units"][index][1]
-    names = plan["objectNames"][round_no]
+    round_no, shard, _ = plan.units[index]
+    names = plan.object_names[round_no]
     name = f"r{round_no}-{shard:05d}"
-    results = _FileParts(plan, store, "results", name, plan["format"] == "parquet")
+    results = _FileParts(plan, store, "results", name, plan.format == "parquet")
     errors = _FileParts(plan, store, "errors", name, False)
     capped = _FileParts(plan, store, "capped", name, False)
     counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
               "tokensOut": 0}
-    ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan["prefix"], index)))["ordered"])
-    for rec in _records(store, plan["units"][index], ordered):
+    ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan.prefix, index)))["ordered"])
+    for rec in _records(store, plan.units[index], ordered):
         row = rec["row"]
         if rec["kind"] == "result":
             if (rec["at"][0], rec["at"][1]) in losers:
@@ -231,14 +227,14 @@ def run_write(plan: dict[str, Any], index: int, store: Storage) -> None:
                "files": [{**f, **where} for f in results.files],
                "errorFiles": [{**f, **where} for f in errors.files],
                "cappedFiles": [{**f, **where} for f in capped.files]}
-    store.write_bytes(layout.publish_summary_uri(plan["prefix"], index), json.dumps(summary).encode())
+    store.write_bytes(layout.publish_summary_uri(plan.prefix, index), json.dumps(summary).encode())
 
 
-def run_pass(plan: dict[str, Any], pass_name: str, index: int, s3: Any = None) -> None:
+def run_pass(plan: PublishPlan, pass_name: str, index: int, s3: Any = None) -> None:
     """Run one index of one pass."""
     if pass_name not in PASSES:
         raise PublishPlanError(f"unknown publish pass {pass_name!r}; one of {', '.join(PASSES)}")
     if not 0 <= index < count(plan, pass_name):
         raise PublishPlanError(f"publish pass {pass_name} has {count(plan, pass_name)} indexes, not {index}")
-    store = open_storage(plan["outputUri"], s3)
+    store = open_storage(plan.output_uri, s3)
     {"ids": run_ids, "dedupe": run_dedupe, "write": run_write}[pass_name](plan, index, store)

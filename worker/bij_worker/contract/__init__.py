@@ -5,6 +5,7 @@
 - `spec`: the BatchInferenceJob model (one set of defaults for both sides)
 - `layout`: every path under a job's output URI
 - `plan`: the round plan (shards.json) the operator writes and the worker reads
+- `publish_plan`: the publish plan (publish/plan.json) the operator writes and the publish passes read
 - `records`: the durable records (completion, progress, claim, owner, removed)
 
 Nothing here imports the rest of bij_worker or bij_operator beyond the storage layer's names,

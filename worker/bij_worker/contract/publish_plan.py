@@ -1,0 +1,76 @@
+"""The publish plan (`publish/plan.json`): what the operator writes once before publishing and every
+publish pass (`bij_worker.publish_rows`) and the operator's finish step read.
+
+On disk it is camelCase JSON:
+
+    {"prefix": <output>/_bij/<job_id>/publish, "outputUri": ...,
+     "units": [[round, shard, shardPrefix], ...], "objectNames": [[name, ...] per round],
+     "bucketRows": N, "buckets": B, "compression": "zstd" | "none", "format": "jsonl" | "parquet",
+     "task": ..., "judge": bool, "idKind": "int" | "str" | "mixed" | null, "fileRows"?: N}
+
+`fileRows` (rows in one published file part) is written only to override the default, which
+`publish_rows.FILE_ROWS` sets.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.alias_generators import to_camel
+
+from .errors import BijError
+
+Unit = tuple[int, int, str]  # (round, shard, the shard's prefix): one index of the per-shard passes
+
+
+class PublishPlanError(BijError):
+    """The publish plan is missing or does not fit the pass asked for."""
+
+    permanent = True
+
+
+class PublishPlan(BaseModel):
+    """A publish plan; `from_json` reads one, `to_json` writes one."""
+
+    # Unknown keys are ignored: a plan written by a newer operator still loads.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
+
+    prefix: str
+    output_uri: str
+    units: list[Unit]
+    object_names: list[list[str]]  # per round, its objects' display names (error rows name them)
+    bucket_rows: int
+    buckets: int
+    compression: Literal["zstd", "none"]
+    format: Literal["jsonl", "parquet"]  # spec.output.format (openai input publishes JSON lines)
+    task: Literal["embed", "generate", "chat"]
+    judge: bool
+    id_kind: str | None  # the Parquet id column's type; None for JSON lines
+    file_rows: int | None = None  # None: publish_rows.FILE_ROWS
+
+    def to_json(self) -> bytes:
+        doc = self.model_dump(mode="json", by_alias=True)
+        if self.file_rows is None:
+            del doc["fileRows"]
+        return json.dumps(doc, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, source: str = "publish plan") -> PublishPlan:
+        """PublishPlanError, naming `source`, when `data` is no publish plan."""
+        try:
+            doc = json.loads(data)
+        except ValueError as e:
+            raise PublishPlanError(f"{source} is not valid JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise PublishPlanError(f"{source} is not a JSON object")
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors()[:5])
+            raise PublishPlanError(f"{source} is not a publish plan: {problems}") from None
+
+    def count(self, pass_name: str) -> int:
+        """How many indexes a pass has: one per shard, or one per bucket (`dedupe`)."""
+        return self.buckets if pass_name == "dedupe" else len(self.units)
