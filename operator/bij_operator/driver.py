@@ -29,6 +29,7 @@ from typing import Any, Literal, Protocol
 from bij_worker import publish_rows
 from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.records import ShardRecord
 from bij_worker.contract.spec import BatchInferenceJob, SpecError
 from bij_worker.storage import StorageError
 
@@ -386,7 +387,7 @@ class Driver:
         """``rows`` and ``rowsPerSecond`` from the completion records of rounds 0..round_no, and the
         live progress records of the current round's running shards."""
         try:
-            records: list[dict[str, Any]] = []
+            records: list[ShardRecord] = []
             for r in range(round_no):
                 records.extend(shard_records(job, r).values())
             current = list(live_records(job, round_no).values())

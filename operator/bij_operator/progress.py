@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from bij_worker.contract import layout
+from bij_worker.contract.records import ShardRecord, decode_shard_record
 from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.storage import NotFound, open_storage
 
 
-def shard_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, Any]]:
-    """Completion records of a round's finished shards, by index (rows, errors, tokensIn, tokensOut, seconds)."""
+def shard_records(job: BatchInferenceJob, round_no: int) -> dict[int, ShardRecord]:
+    """Completion records of a round's finished shards, by index (rows, errors, tokensIn, tokensOut, seconds).
+    BadRecord (a permanent StorageError naming the object) when one is not a shard record."""
     return _records(job, round_no, "done")
 
 
@@ -22,24 +21,26 @@ def count_done(job: BatchInferenceJob, round_no: int) -> int:
     return sum(1 for n in names if n.endswith(".json") and n[:-5].isdigit())
 
 
-def live_records(job: BatchInferenceJob, round_no: int) -> dict[int, dict[str, Any]]:
+def live_records(job: BatchInferenceJob, round_no: int) -> dict[int, ShardRecord]:
     """Counts of every shard that has any: finished shards' completion records, and the
-    progress records running shards rewrite every BIJ_PROGRESS_SECONDS (30 s by default)."""
+    progress records running shards rewrite every BIJ_PROGRESS_SECONDS (30 s by default).
+    BadRecord when one is not a shard record."""
     return {**_records(job, round_no, "progress"), **_records(job, round_no, "done")}
 
 
-def _records(job: BatchInferenceJob, round_no: int, kind: str) -> dict[int, dict[str, Any]]:
+def _records(job: BatchInferenceJob, round_no: int, kind: str) -> dict[int, ShardRecord]:
     prefix = layout.round_prefix(job, round_no)
     folder = layout.done_folder(prefix) if kind == "done" else layout.progress_folder(prefix)
     store = open_storage(folder, job.spec.storage.s3)
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, ShardRecord] = {}
     for obj in store.list(folder):
         name = obj.uri.rsplit("/", 1)[-1]
         if not name.endswith(".json") or not name[:-5].isdigit():
             continue
         try:
-            rec = json.loads(store.read_bytes(obj.uri))
-        except (NotFound, ValueError):
+            data = store.read_bytes(obj.uri)
+        except NotFound:  # listed, then gone before it could be read
             continue
-        out[int(name[:-5])] = rec
+        out[int(name[:-5])] = decode_shard_record(data, f"{'completion' if kind == 'done' else 'progress'} record "
+                                                        f"{obj.uri}")
     return out

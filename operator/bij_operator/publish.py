@@ -21,7 +21,7 @@ from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
 from bij_worker.contract.plan import BadPlan, Plan
 from bij_worker.contract.publish_plan import PublishPlan
-from bij_worker.contract.records import RemovedRecord, now_stamp
+from bij_worker.contract.records import RemovedRecord, ShardRecord, decode_shard_record, now_stamp
 from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.parquet import id_kind
 from bij_worker.storage import NotFound, Storage, open_storage
@@ -62,9 +62,9 @@ class _Totals:
     occupancy_steps: float = 0.0  # meanOccupancy x steps, summed
     shared_chars: float = 0.0  # prefixShare x promptChars, summed
     prompt_chars: int = 0
-    done_records: list[dict[str, Any]] = field(default_factory=list)  # O(shards): efficiency and cost
+    done_records: list[ShardRecord] = field(default_factory=list)  # O(shards): efficiency and cost
 
-    def add_done(self, rec: dict[str, Any]) -> None:
+    def add_done(self, rec: ShardRecord) -> None:
         self.done_records.append(rec)
         self.busy_s += float(rec.get("engineBusySeconds", 0.0))
         steps = int(rec.get("engineSteps", 0))
@@ -90,7 +90,7 @@ def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> Pl
         raise PublishError(str(e), permanent=True) from None
 
 
-def result_id_kind(done_records: list[dict[str, Any]]) -> str:
+def result_id_kind(done_records: list[ShardRecord]) -> str:
     """'int', 'str' or 'mixed': the Parquet `id` column's type for the whole job, from the workers'
     counts of integer and string ids (a record without them counts as mixed)."""
     if any("intIds" not in rec or "strIds" not in rec for rec in done_records):
@@ -99,7 +99,7 @@ def result_id_kind(done_records: list[dict[str, Any]]) -> str:
 
 
 def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan],
-                       done_records: list[dict[str, Any]], bucket_rows: int) -> tuple[str, PublishPlan]:
+                       done_records: list[ShardRecord], bucket_rows: int) -> tuple[str, PublishPlan]:
     """The plan the row-level passes follow: O(shards) to write, one bucket per `bucket_rows` ids."""
     rows = sum(int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
                for rec in done_records)
@@ -198,8 +198,9 @@ def prepare_publish(job: BatchInferenceJob, rounds: int = 1,
 def _read_done(store: Storage, plans: list[Plan], t: _Totals) -> None:
     for r, plan in enumerate(plans):
         for index in range(len(plan.shards)):
+            uri = layout.done_uri(plan.round_prefix, index)
             try:
-                t.add_done(json.loads(store.read_bytes(layout.done_uri(plan.round_prefix, index))))
+                t.add_done(decode_shard_record(store.read_bytes(uri), f"completion record {uri}"))
             except NotFound:
                 raise PublishError(f"round {r} shard {index} has not finished") from None
 

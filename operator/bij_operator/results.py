@@ -19,6 +19,7 @@ import orjson
 import zstandard
 from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.records import ShardRecord
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import id_kind, is_int64, read_table, results_table, table_rows
@@ -208,8 +209,8 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
         pass
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
     lines = [f"{job.metadata.name}: not published yet ({job.spec.output.uri})"]
-    records: list[dict[str, Any]] = []
-    current: list[dict[str, Any]] = []
+    records: list[ShardRecord] = []
+    current: list[ShardRecord] = []
     r = 0
     while store.exists(layout.round_manifest_uri(job, r)):
         plan = json.loads(store.read_bytes(layout.round_manifest_uri(job, r)))

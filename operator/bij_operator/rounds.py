@@ -16,6 +16,7 @@ in their own files and counted, never silently dropped.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +58,8 @@ class RoundMode:
         return {"mode": self.mode, "final": self.final}
 
 
-def summarize(round_no: int, shard_count: int, records: dict[int, dict[str, Any]]) -> RoundStats:
-    """A round's totals from its shards' completion records."""
+def summarize(round_no: int, shard_count: int, records: Mapping[int, Mapping[str, Any]]) -> RoundStats:
+    """A round's totals from its shards' completion records (`ShardRecord`s)."""
     def total(key: str) -> int:
         return sum(int(r.get(key, 0)) for r in records.values())
 

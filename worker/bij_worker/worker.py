@@ -333,7 +333,7 @@ class ShardWorker:
         t0 = self._t0 = time.monotonic()
         done_at = layout.done_uri(self.plan.round_prefix, self.index)
         if self.out.exists(done_at):
-            done = decode_shard_record(self.out.read_bytes(done_at))
+            done = decode_shard_record(self.out.read_bytes(done_at), f"completion record {done_at}")
             self.progress({"event": "done", "index": self.index, "rows": done["rows"], "errors": done["errors"]})
             return ShardOutcome("done", done["rows"], done["errors"])
         # Time earlier runs of this shard spent (a preempted pod's last progress record) counts

@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypedDict, get_type_hints
+
+from ..storage import StorageError
 
 
 def now_stamp() -> str:
@@ -75,11 +77,42 @@ def encode(record: Any) -> bytes:
     return json.dumps(record).encode()
 
 
-def decode_shard_record(data: bytes) -> ShardRecord:
-    """A shard record as written; ValueError when it is no JSON object."""
-    doc = json.loads(data)
+class BadRecord(StorageError, ValueError):
+    """A durable record that is not what its path says it is: no retry fixes it.
+
+    A StorageError (a corrupt object, permanent), and a ValueError as `json.loads` raised before."""
+
+    def __init__(self, message: str):
+        super().__init__(message, permanent=True)
+
+
+# Every field of a shard record with its type; a record may lack any count but these.
+_SHARD_FIELDS: dict[str, type] = get_type_hints(ShardRecord)
+_SHARD_REQUIRED = ("rows", "errors")
+
+
+def decode_shard_record(data: bytes, source: str = "shard record") -> ShardRecord:
+    """A completion or progress record as written, checked against `ShardRecord`: BadRecord, naming
+    `source`, when it is no JSON object, lacks `rows` or `errors`, or has a field of the wrong type.
+    Fields it does not know (a newer worker's) are kept; a count of None reads as missing."""
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise BadRecord(f"{source} is not valid JSON: {e}") from None
     if not isinstance(doc, dict):
-        raise ValueError("a shard record is a JSON object")
+        raise BadRecord(f"{source} is not a JSON object")
+    missing = [key for key in _SHARD_REQUIRED if key not in doc]
+    if missing:
+        raise BadRecord(f"{source} is not a shard record: no {', '.join(missing)}")
+    for key, kind in _SHARD_FIELDS.items():
+        value = doc.get(key)
+        if value is None and key not in _SHARD_REQUIRED:
+            continue
+        ok = isinstance(value, str) if kind is str else (
+            isinstance(value, int | float) if kind is float else isinstance(value, int))
+        if not ok or isinstance(value, bool):
+            raise BadRecord(f"{source} is not a shard record: {key} is {value!r}, not a{'n' if kind is int else ''} "
+                            f"{kind.__name__}")
     return doc  # type: ignore[return-value]
 
 
