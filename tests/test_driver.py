@@ -64,6 +64,16 @@ def test_publish_failures_retry_except_too_many_errors() -> None:
         assert isinstance(d, Retry) and "Permission denied" in d.message
 
 
+def test_unreadable_worker_records_at_a_rounds_finish_are_retried_and_named() -> None:
+    from bij_operator.reconcile import FinishRound
+
+    finish = FinishRound(round=2, phase="Running", reason="RoundFinished", message="")
+    d = failed_step(finish, StorageError("file:///out/_bij/j/round-2/done/00003.json: not a JSON object",
+                                         permanent=True))
+    assert isinstance(d, Retry) and d.reason == "StorageFailed" and d.permanent and d.phase == "Running"
+    assert d.message == "round 2: file:///out/_bij/j/round-2/done/00003.json: not a JSON object"
+
+
 @pytest.mark.parametrize("step, error", [
     (PLAN, KeyError("shards")),                 # a bug in planning
     (PLAN, ValueError("bad literal")),          # a ValueError that is not a PlanError

@@ -313,6 +313,10 @@ def failed_step(d: Decision, error: Exception) -> Decision:
         if isinstance(error, (PublishError, StorageError, OSError, PublishPlanError)):
             return Retry(round=r, phase="Publishing", reason="PublishFailed", message=f"publish failed: {error}",
                          delay=30.0, permanent=bool(getattr(error, "permanent", False)))
+    if isinstance(error, StorageError):
+        # Reading the workers' records (a round's finish): an outage may pass; a damaged record says so.
+        return Retry(round=r, phase=d.phase, reason="StorageFailed", message=f"round {r}: {error}", delay=30.0,
+                     permanent=error.permanent)
     raise error
 
 
