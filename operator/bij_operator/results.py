@@ -19,6 +19,7 @@ import orjson
 import zstandard
 from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.plan import Plan
 from bij_worker.contract.records import ShardRecord
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
@@ -213,15 +214,14 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
     current: list[ShardRecord] = []
     r = 0
     while store.exists(layout.round_manifest_uri(job, r)):
-        plan = json.loads(store.read_bytes(layout.round_manifest_uri(job, r)))
+        plan = Plan.from_json(store.read_bytes(layout.round_manifest_uri(job, r)), layout.round_manifest_uri(job, r))
         current = list(live_records(job, r).values())
         records += current
         done = sum(1 for rec in current if "finishedAt" in rec)
         rows = sum(int(rec.get("rows") or 0) for rec in current)
         errors = sum(int(rec.get("errors") or 0) for rec in current)
         truncated = sum(int(rec.get("truncated") or 0) for rec in current)
-        lanes = int(plan.get("lanes") or len(plan["shards"]))
-        lines.append(f"  round {r}   {done}/{len(plan['shards'])} shards done ({lanes} lanes), {rows:,} rows, "
+        lines.append(f"  round {r}   {done}/{len(plan.shards)} shards done ({plan.lane_count} lanes), {rows:,} rows, "
                      f"{errors:,} errors, {truncated:,} truncated")
         r += 1
     if r == 0:
