@@ -241,6 +241,17 @@ def test_more_failed_indexes_than_allowed_fail_the_job(tmp_path: Path) -> None:
     assert cond["reason"] == "MaxFailedIndexesExceeded" and attempts(tmp_path, 2) == 0
 
 
+def test_a_caller_that_replaced_stderr_with_a_text_stream_still_gets_the_workers_lines(tmp_path: Path) -> None:
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        lj, _ = run_local(tmp_path, job_body(2, backoff=0), [0, 1])
+    assert "index 1 says: no" in said.getvalue()
+    assert "index 1 exited 1: index 1 says: no" in lj.view()["status"]["conditions"][0]["message"]
+
+
 def test_parallelism_bounds_the_processes_at_once(tmp_path: Path) -> None:
     body = job_body(4, parallelism=2)
     lj = LocalJob(body, [sys.executable, "-c", SCRIPT],

@@ -169,7 +169,11 @@ class LocalJob:
         """Pass the worker's stderr through, keeping its last line."""
         last = ""
         for raw in stream:
-            sys.stderr.buffer.write(raw)
+            out = getattr(sys.stderr, "buffer", None)  # a caller may have put a text stream in its place
+            if out is not None:
+                out.write(raw)
+            else:
+                sys.stderr.write(raw.decode(errors="replace"))
             sys.stderr.flush()
             text = raw.decode(errors="replace").strip()
             if text:
