@@ -305,7 +305,9 @@ class LocalRunner:
             print(layout.manifest_uri(self.job))
             return 0
         backend = self.backend
-        driver = Driver(backend)
+        # Nobody reads this status while it runs: refresh its row counts (a read of every running shard's
+        # progress record) once a minute, not every few seconds; phase changes are written at once.
+        driver = Driver(backend, status_interval=60.0)
         while True:
             if backend.stopping:
                 backend.wait_stopped()
