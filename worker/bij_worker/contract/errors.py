@@ -9,6 +9,11 @@ stops at once).
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
 
 class BijError(Exception):
     """An expected failure; `permanent`: no retry can help."""
@@ -19,3 +24,19 @@ class BijError(Exception):
         super().__init__(message)
         if permanent is not None:
             self.permanent = permanent
+
+
+def json_object(data: bytes, source: str, error: type[BijError]) -> dict[str, Any]:
+    """`data` as one JSON object; `error`, naming `source`, when it is not one."""
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise error(f"{source} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise error(f"{source} is not a JSON object")
+    return doc
+
+
+def validation_problems(e: ValidationError, most: int = 5) -> str:
+    """A pydantic validation error as "field.path: message; ..." (the first `most`)."""
+    return "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors()[:most])

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.alias_generators import to_camel
 
-from .errors import BijError
+from .errors import BijError, json_object, validation_problems
 from .spec import BatchInferenceJob, JobSpec, SpecError, parse_job
 
 PLAN_VERSION = 1
@@ -114,13 +114,8 @@ class Plan(_Doc):
         except SpecError as e:
             raise BadPlan(str(e)) from None
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors()[:5])
-            raise BadPlan(f"{source} is not a round plan: {problems}") from None
+            raise BadPlan(f"{source} is not a round plan: {validation_problems(e)}") from None
 
     @classmethod
     def from_json(cls, data: bytes, source: str = "round plan") -> Plan:
-        try:
-            doc = json.loads(data)
-        except ValueError as e:
-            raise BadPlan(f"{source} is not valid JSON: {e}") from None
-        return cls.from_doc(doc, source)
+        return cls.from_doc(json_object(data, source, BadPlan), source)

@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.alias_generators import to_camel
 
-from .errors import BijError
+from .errors import BijError, json_object, validation_problems
 
 Unit = tuple[int, int, str]  # (round, shard, the shard's prefix): one index of the per-shard passes
 
@@ -59,17 +59,11 @@ class PublishPlan(BaseModel):
     @classmethod
     def from_json(cls, data: bytes, source: str = "publish plan") -> PublishPlan:
         """PublishPlanError, naming `source`, when `data` is no publish plan."""
-        try:
-            doc = json.loads(data)
-        except ValueError as e:
-            raise PublishPlanError(f"{source} is not valid JSON: {e}") from None
-        if not isinstance(doc, dict):
-            raise PublishPlanError(f"{source} is not a JSON object")
+        doc = json_object(data, source, PublishPlanError)
         try:
             return cls.model_validate(doc)
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors()[:5])
-            raise PublishPlanError(f"{source} is not a publish plan: {problems}") from None
+            raise PublishPlanError(f"{source} is not a publish plan: {validation_problems(e)}") from None
 
     def count(self, pass_name: str) -> int:
         """How many indexes a pass has: one per shard, or one per bucket (`dedupe`)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict, get_type_hints
 
 from ..storage import StorageError
+from .errors import json_object
 
 
 def now_stamp() -> str:
@@ -95,12 +96,7 @@ def decode_shard_record(data: bytes, source: str = "shard record") -> ShardRecor
     """A completion or progress record as written, checked against `ShardRecord`: BadRecord, naming
     `source`, when it is no JSON object, lacks `rows` or `errors`, or has a field of the wrong type.
     Fields it does not know (a newer worker's) are kept; a count of None reads as missing."""
-    try:
-        doc = json.loads(data)
-    except ValueError as e:
-        raise BadRecord(f"{source} is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise BadRecord(f"{source} is not a JSON object")
+    doc = json_object(data, source, BadRecord)
     missing = [key for key in _SHARD_REQUIRED if key not in doc]
     if missing:
         raise BadRecord(f"{source} is not a shard record: no {', '.join(missing)}")
