@@ -296,11 +296,12 @@ def run_worker(manifest: str, index: int = 0, command: list[str] | None = None,
     return WorkerRun(p.returncode, wall, events, int(usage.ru_maxrss))
 
 
-def run_bij(spec: Path) -> float:
-    """`bij run SPEC` as a user runs it; returns its wall time in seconds. Fails loudly on a failed job."""
+def run_bij(spec: Path, env: dict[str, str] | None = None) -> float:
+    """`bij run SPEC` as a user runs it (in `env`, default ours); returns its wall time in seconds.
+    Fails loudly on a failed job."""
     cmd = [sys.executable, "-m", "bij_operator.cli", "run", str(spec), "--parallelism", "1", "--no-progress"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"bij run {spec} failed with exit code {proc.returncode}:\n{proc.stderr[-3000:]}")

@@ -6,14 +6,16 @@ Two echo jobs (task generate) with the default shard size (64 MiB), of --rows / 
 - candidate: `bij publish` (the row-level passes as `bij-worker publish` processes,
   --parallelism at a time); peak RSS of the `bij publish` process and of each pass
   process (wait4 `ru_maxrss`, each its own);
-- anchor ("before"): the in-process publish of commit ANCHOR_COMMIT (every id of
-  the job in one set, each shard's log loaded whole), loaded from git, in one process.
+- anchor ("before"): commit ANCHOR_COMMIT, the last whose publish ran in one process
+  (every id of the job in one set, each shard's log loaded whole). Its operator and worker
+  trees are taken from git and run whole: its own `bij run` of the same rows into its own
+  output (its durable logs are plain JSONL), then its own `bij publish`, timed the same way.
 
 Targets: the largest peak RSS of any candidate process, big / small <= 1.3, and under
 300 MB at the big size. Reported: the anchor's peak RSS and both wall times, the size
 of `_bij/` beside the published files.
 
-    python bench/publish_scale.py [--rows 2500000] [--parallelism 2]
+    python bench/publish_scale.py [--rows 2500000] [--parallelism 2] [--no-anchor]
 """
 
 from __future__ import annotations
@@ -34,29 +36,12 @@ TARGET = 1.3
 LIMIT_MIB = 300
 ANCHOR_COMMIT = "89d9e62"  # the last commit whose publish ran in the operator process
 
-# Run in a fresh interpreter: the anchor publish, loaded from git as a module of bij_operator.
-ANCHOR = """
-import importlib.util, inspect, json, sys, time
-import bij_worker.segments as segments
-from bij_worker.contract.spec import load_job
-src = open(sys.argv[1]).read()
-if "repair" not in inspect.signature(segments.ShardLog.read).parameters:
-    src = src.replace(".read(repair=False)", ".read()")
-spec = importlib.util.spec_from_loader("bij_operator._publish_anchor", loader=None)
-mod = importlib.util.module_from_spec(spec)
-mod.__package__ = "bij_operator"
-sys.modules[spec.name] = mod
-exec(compile(src, "publish_anchor.py", "exec"), mod.__dict__)
-m = mod.publish(load_job(sys.argv[2]), rounds=1)
-print(json.dumps(m["counts"]))
-"""
 
-
-def run_rss(cmd: list[str]) -> tuple[float, int, str]:
+def run_rss(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
     """Run a command; (wall seconds, its own peak RSS in KiB from wait4, stdout). Fails loudly."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
         _, status, usage = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t0
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -71,31 +56,51 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
+def anchor_tree(work: Path) -> dict[str, str] | None:
+    """ANCHOR_COMMIT's operator and worker packages under work/anchor, and the environment that runs
+    them (its packages first on PYTHONPATH, for its worker processes too); None without that commit."""
+    dest = work / "anchor"
+    dest.mkdir()
+    archive = subprocess.run(["git", "-C", str(harness.REPO), "archive", ANCHOR_COMMIT, "operator", "worker"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        return None
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest / "operator"), str(dest / "worker")])}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, rows=2_500_000, repeats=1)
     p.add_argument("--parallelism", type=int, default=2, help="publish processes at a time (default 2)")
+    p.add_argument("--no-anchor", action="store_true",
+                   help="skip the anchor (its in-process publish holds every id: about 1 GB per million rows)")
     args = harness.parse(p, argv)
-    anchor_src = subprocess.run(["git", "-C", str(harness.REPO), "show",
-                                 f"{ANCHOR_COMMIT}:operator/bij_operator/publish.py"],
-                                capture_output=True, text=True)
     report = harness.Report("publish_scale")
     work = harness.work_dir("publish-scale", args.keep)
     try:
-        anchor_file = None
-        if anchor_src.returncode == 0:
-            anchor_file = work / "publish_anchor.py"
-            anchor_file.write_text(anchor_src.stdout)
-        else:
+        anchor_env = None if args.no_anchor else anchor_tree(work)
+        if anchor_env is None and not args.no_anchor:
             report.note(f"no anchor: commit {ANCHOR_COMMIT} is not in this checkout")
         texts = harness.corpus_texts(work)
         sizes = {"small": max(1, args.rows // 10), "big": args.rows}
-        specs, outs = {}, {}
+        specs, outs, anchor_specs = {}, {}, {}
         for name, rows in sizes.items():
             src = work / name / "rows.jsonl"
             size = harness.write_rows(src, harness.cycle(texts, rows))
             outs[name] = work / f"out-{name}"
             specs[name] = harness.write_spec(work / f"spec-{name}.yaml", f"bench-publish-{name}", src, outs[name],
                                              {"engine": "echo", "task": "generate"}, shard_bytes=64 << 20)
+            if anchor_env is not None:
+                # The same shards without the fields that commit did not know (it had no lanes, and never
+                # removed work files).
+                anchor_specs[name] = harness.write_spec(
+                    work / f"anchor-spec-{name}.yaml", f"bench-publish-{name}", src, work / f"anchor-out-{name}",
+                    {"engine": "echo", "task": "generate"}, shard_bytes=64 << 20)
+                doc = yaml.safe_load(anchor_specs[name].read_text())
+                del doc["spec"]["sharding"]["shardsPerLane"]
+                anchor_specs[name].write_text(yaml.safe_dump(doc, sort_keys=False))
+                wall = harness.run_bij(anchor_specs[name], env=anchor_env)
+                print(f"publish_scale: {name:5} anchor's bij run {wall:.1f}s", flush=True)
             # Publishing is measured again after `bij run`: its work files must stay.
             doc = yaml.safe_load(specs[name].read_text())
             doc["spec"]["output"]["keepIntermediate"] = True
@@ -122,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                     "processes": len(stats) - 1, "counts": json.loads(out)}
 
         def anchor(name: str) -> dict[str, Any]:
-            assert anchor_file is not None
-            wall, rss, out = run_rss([sys.executable, "-c", ANCHOR, str(anchor_file), str(specs[name])])
+            cmd = [sys.executable, "-m", "bij_operator.cli", "publish", str(anchor_specs[name])]
+            wall, rss, out = run_rss(cmd, env=anchor_env)
             print(f"  anchor    {name:5}: {wall:6.1f}s; peak RSS MiB: in-process publish {rss / 1024:.1f}",
                   flush=True)
             return {"wall_s": wall, "peak_kib": rss, "counts": json.loads(out.strip().splitlines()[-1])}
@@ -131,21 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict[str, Any]] = {}
         for name in sizes:
             results[name] = {}
-            if anchor_file is not None:
-                try:
-                    results[name]["anchor"] = anchor(name)
-                except RuntimeError as e:
-                    # The anchor is old code loaded into today's packages; once the modules it imports
-                    # move, it cannot run here. The candidate's figures stand on their own.
-                    last = str(e).strip().splitlines()[-1]
-                    report.note(f"no anchor: commit {ANCHOR_COMMIT}'s publish does not load here ({last})")
-                    print(f"  anchor    {name:5}: does not load in this checkout: {last}", flush=True)
-                    anchor_file = None
-            results[name]["candidate"] = candidate(name)  # last, so the manifest left is the candidate's
+            if anchor_env is not None:
+                results[name]["anchor"] = anchor(name)
+            results[name]["candidate"] = candidate(name)
             if "anchor" in results[name]:
                 assert results[name]["anchor"]["counts"] == results[name]["candidate"]["counts"], results[name]
             results[name]["bij_bytes"] = du(outs[name] / "_bij")
             results[name]["published_bytes"] = du(outs[name] / "results") + du(outs[name] / "errors")
+            if anchor_env is not None:
+                a_out = work / f"anchor-out-{name}"
+                results[name]["anchor_bij_bytes"] = du(a_out / "_bij")
         small, big = results["small"]["candidate"], results["big"]["candidate"]
         report.ratio("bij publish's own peak RSS big / small (the operator's share)",
                      big["passes_kib"]["driver"] / small["passes_kib"]["driver"], None,
@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         report.ratio(f"_bij/ bytes / published bytes at {sizes['big']:,} rows",
                      b["bij_bytes"] / max(1, b["published_bytes"]), None,
                      note=f"{b['bij_bytes'] / 1e6:.1f} MB of work files beside {b['published_bytes'] / 1e6:.1f} MB")
+        if "anchor_bij_bytes" in b:
+            report.ratio(f"before: _bij/ bytes / published bytes at {sizes['big']:,} rows",
+                         b["anchor_bij_bytes"] / max(1, b["published_bytes"]), None,
+                         note=f"{b['anchor_bij_bytes'] / 1e6:.1f} MB of plain JSONL work files")
     finally:
         harness.cleanup(work, args.keep)
     report.write(args.out)
