@@ -32,7 +32,7 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
 ARG WORKER_EXTRAS=[vllm]
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python3 -m pip install "$(ls /wheels/bij-*.whl)${WORKER_EXTRAS}" \
-    && python3 -c "import bij_worker.main"
+    && python3 -c "import bij_worker.entry, bij_worker.main, bij_worker.publish_rows"
 # uid 1000, as the round Jobs' securityContext expects (runAsNonRoot needs a numeric USER).
 # Some bases already have a uid 1000 user (ubuntu); reuse it, with our own HOME.
 RUN (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin bij) \

@@ -395,7 +395,7 @@ def test_a_publish_plan_written_before_the_typed_model_loads_and_is_written_byte
     (OLD_PUBLISH_PLAN.replace('"format": "parquet"', '"format": "csv"').encode(), "format:"),
 ])
 def test_an_unreadable_publish_plan_is_a_publish_plan_error_naming_it(tmp_path, data, says):
-    from bij_worker.main import main
+    from bij_worker.entry import main
 
     uri = (tmp_path / "plan.json").as_uri()
     open_storage(uri).write_bytes(uri, data)
@@ -406,7 +406,7 @@ def test_an_unreadable_publish_plan_is_a_publish_plan_error_naming_it(tmp_path, 
 
 
 def test_a_publish_pass_with_an_index_out_of_range_is_a_bad_configuration(file_place, make_job, run_shards):
-    from bij_worker.main import main
+    from bij_worker.entry import main
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)), output={"keepIntermediate": True})
     run_shards(job)
@@ -415,6 +415,23 @@ def test_a_publish_pass_with_an_index_out_of_range_is_a_bad_configuration(file_p
     assert main(["publish", "--plan", uri, "--pass", "dedupe", "--index", "1"]) == 42
     assert main(["publish", "--plan", uri + ".missing", "--pass", "ids", "--index", "0"]) == 42
     assert main(["publish", "--plan", uri, "--pass", "write", "--index", "0"]) == 0
+
+
+def test_a_publish_pass_process_loads_no_engine_and_no_spec_model(file_place, make_job, run_shards):
+    """Three pass processes start per publish: `bij-worker publish` imports only what a pass needs."""
+    import subprocess
+    import sys
+
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)), output={"keepIntermediate": True})
+    run_shards(job)
+    publish(job)
+    uri = layout.publish_plan_uri(layout.publish_prefix(job))
+    probe = ("import sys; from bij_worker.entry import main; "
+             f"rc = main(['publish', '--plan', {uri!r}, '--pass', 'write', '--index', '0']); "
+             "print(rc, sorted(m for m in sys.modules if m in ('torch', 'transformers', 'bij_worker.engines.echo', "
+             "'bij_worker.contract.spec', 'bij_worker.main', 'bij_worker.worker', 'bij_worker.lanes')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split(None, 1) == ["0", "[]\n"], out
 
 
 def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file_place, make_job, run_shards,

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     # `worker` and `operator` take their own flags: hand the rest through untouched.
     if argv and argv[0] == "worker":
-        from bij_worker.main import main as worker_main
+        from bij_worker.entry import main as worker_main
 
         return worker_main(argv[1:])
     if argv and argv[0] == "operator":

@@ -44,7 +44,7 @@ _LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ [A-Z]+ [\w.]+: ")
 def worker_command() -> list[str]:
     """`bij-worker` from the same environment as this process."""
     found = shutil.which("bij-worker", path=os.path.dirname(sys.executable))
-    return [found] if found else [sys.executable, "-m", "bij_worker.main"]
+    return [found] if found else [sys.executable, "-m", "bij_worker.entry"]
 
 
 def worker_env(job: BatchInferenceJob) -> dict[str, str]:

@@ -12,12 +12,14 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from itertools import repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .contract.spec import JobSpec
 from .engines.base import Request, Result
+
+if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
+    from .contract.spec import JobSpec
 
 # Reserved field of re-dispatched rows (judge rounds): {"id", "attempts", "verdicts", "output"}.
 CARRY_FIELD = "_bij"

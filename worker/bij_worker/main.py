@@ -72,52 +72,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def publish_main(argv: list[str]) -> int:
-    """`bij-worker publish --plan URI --pass ids|dedupe|write [--index I] [--stride S]`: one index of a
-    publish pass, or with --stride every S-th index from I."""
-    from . import publish_rows
-
-    p = argparse.ArgumentParser(prog="bij-worker publish", description=publish_rows.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plan", required=True, help="URI of the publish plan (plan.json)")
-    p.add_argument("--pass", dest="pass_name", required=True, choices=publish_rows.PASSES)
-    p.add_argument("--index", type=int, default=None,
-                   help="shard or bucket index (default: env JOB_COMPLETION_INDEX, as set by an Indexed Job)")
-    p.add_argument("--stride", type=int, default=0,
-                   help="also work indexes index + stride, index + 2 x stride, ... of the pass, one after the other")
-    args = p.parse_args(argv)
-    index = args.index
-    if index is None:
-        raw = os.environ.get("JOB_COMPLETION_INDEX", "")
-        if not raw.isdigit():
-            log.error("no index: pass --index or set JOB_COMPLETION_INDEX (got %r)", raw)
-            return EXIT_BAD_CONFIG
-        index = int(raw)
-    if args.stride < 0:
-        log.error("--stride must be >= 0, got %d", args.stride)
-        return EXIT_BAD_CONFIG
-    try:
-        plan = publish_rows.load(args.plan)
-        indexes = range(index, publish_rows.count(plan, args.pass_name), args.stride) if args.stride else [index]
-        for i in indexes:
-            publish_rows.run_pass(plan, args.pass_name, i)
-    except publish_rows.PublishPlanError as e:
-        log.error("bad configuration: %s", e)
-        return EXIT_BAD_CONFIG
-    except StorageError as e:
-        if e.permanent:  # a missing bucket, denied access: the same on every retry
-            log.error("bad configuration: storage: %s", e)
-            return EXIT_BAD_CONFIG
-        log.error("storage: %s", e)
-        return EXIT_FAILED
-    return EXIT_OK
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("BIJ_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     rest = sys.argv[1:] if argv is None else argv
     if rest[:1] == ["publish"]:
+        from .publish_rows import main as publish_main
+
         return publish_main(rest[1:])
     args = parse_args(argv)
     stop = StopFlag(args.drain_seconds)

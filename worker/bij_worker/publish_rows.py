@@ -20,8 +20,11 @@ whole, so publishing again gives the same files.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import logging
+import os
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +33,7 @@ import orjson
 import zstandard
 
 from .contract import layout
+from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK
 from .contract.publish_plan import PublishPlan, PublishPlanError, Unit
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
@@ -38,6 +42,8 @@ from .segments import LEVEL, ShardLog, encode_records
 from .storage import NotFound, Storage, StorageError, open_storage
 
 PASSES = ("ids", "dedupe", "write")
+
+log = logging.getLogger("bij.worker")
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
 
 
@@ -238,3 +244,42 @@ def run_pass(plan: PublishPlan, pass_name: str, index: int, s3: Any = None) -> N
         raise PublishPlanError(f"publish pass {pass_name} has {count(plan, pass_name)} indexes, not {index}")
     store = open_storage(plan.output_uri, s3)
     {"ids": run_ids, "dedupe": run_dedupe, "write": run_write}[pass_name](plan, index, store)
+
+
+def main(argv: list[str]) -> int:
+    """`bij-worker publish --plan URI --pass ids|dedupe|write [--index I] [--stride S]`: one index of a
+    publish pass, or with --stride every S-th index from I. Loads no engine and no spec model."""
+    p = argparse.ArgumentParser(prog="bij-worker publish", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", required=True, help="URI of the publish plan (plan.json)")
+    p.add_argument("--pass", dest="pass_name", required=True, choices=PASSES)
+    p.add_argument("--index", type=int, default=None,
+                   help="shard or bucket index (default: env JOB_COMPLETION_INDEX, as set by an Indexed Job)")
+    p.add_argument("--stride", type=int, default=0,
+                   help="also work indexes index + stride, index + 2 x stride, ... of the pass, one after the other")
+    args = p.parse_args(argv)
+    index = args.index
+    if index is None:
+        raw = os.environ.get("JOB_COMPLETION_INDEX", "")
+        if not raw.isdigit():
+            log.error("no index: pass --index or set JOB_COMPLETION_INDEX (got %r)", raw)
+            return EXIT_BAD_CONFIG
+        index = int(raw)
+    if args.stride < 0:
+        log.error("--stride must be >= 0, got %d", args.stride)
+        return EXIT_BAD_CONFIG
+    try:
+        plan = load(args.plan)
+        indexes = range(index, count(plan, args.pass_name), args.stride) if args.stride else [index]
+        for i in indexes:
+            run_pass(plan, args.pass_name, i)
+    except PublishPlanError as e:
+        log.error("bad configuration: %s", e)
+        return EXIT_BAD_CONFIG
+    except StorageError as e:
+        if e.permanent:  # a missing bucket, denied access: the same on every retry
+            log.error("bad configuration: storage: %s", e)
+            return EXIT_BAD_CONFIG
+        log.error("storage: %s", e)
+        return EXIT_FAILED
+    return EXIT_OK

@@ -20,7 +20,10 @@ and everything under the publish folder takes the publish plan's prefix.
 
 from __future__ import annotations
 
-from .spec import BatchInferenceJob
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
+    from .spec import BatchInferenceJob
 
 
 def join(base: str, *parts: str) -> str:
