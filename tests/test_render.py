@@ -416,3 +416,10 @@ def test_a_publish_pass_job_runs_every_nth_index_of_the_pass_without_gpu_or_spot
     p = pod(body)
     assert p["nodeSelector"] == {"pool": "batch"}  # the user's placement, not the spot/GPU one
     assert "tolerations" not in p and "affinity" not in p
+
+
+def test_a_publish_pass_job_runs_all_its_pods_at_once_whatever_the_rounds_parallelism() -> None:
+    # `bij publish --parallelism 2` of a job whose workers.parallelism is 1: two stride pods, both at once.
+    job = make_job(workers={"parallelism": 1})
+    spec = jobs.render_publish_job(job, "write", 2, "file:///o/_bij/t/publish/plan.json")["spec"]
+    assert (spec["completions"], spec["parallelism"]) == (2, 2)

@@ -196,6 +196,9 @@ def render_publish_job(job: BatchInferenceJob, pass_name: str, completions: int,
         labels[PUBLISH_LABEL] = pass_name
     meta["annotations"] = {PUBLISH_PLAN_ANNOTATION: plan_uri}
     spec = body["spec"]
+    # `completions` is already how many pods to run at once (each works every completions-th index):
+    # fewer at a time would only run the strides one after another.
+    spec["parallelism"] = completions
     spec["suspend"] = False  # publishing is short and follows a round the queue admitted
     meta["labels"].pop(KUEUE_QUEUE_LABEL, None)
     pod = spec["template"]["spec"]
