@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def loads(name: str) -> tuple[int, float, int]:
             folder = (work / f"out-{name}").resolve().as_uri() + "/_bij/"
-            store = open_storage(folder)
+            store = open_storage(folder, None)  # file://: no S3 settings
             recs = [json.loads(store.read_bytes(o.uri)) for o in store.list(folder) if "/done/" in o.uri]
             return (sum(int(r.get("modelLoads") or 0) for r in recs),
                     sum(float(r.get("modelLoadSeconds") or 0) for r in recs), len(recs))
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         job = load_job(spec_path)
         plan = plan_round(job, 0)
         uri = layout.round_manifest_uri(job, 0)
-        store = open_storage(uri)
+        store = open_storage(uri, job.spec.storage.s3)
         legacy = json.loads(store.read_bytes(uri))
         legacy.pop("lanes")
         store.write_bytes(uri, json.dumps(legacy).encode())

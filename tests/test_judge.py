@@ -151,7 +151,7 @@ def test_kill_during_attempt_k_resumes_at_attempt_k(tmp_path: Path) -> None:
     doc["spec"]["sharding"] = {"targetShardBytes": 1 << 20, "chunkRows": 1000}
     doc["spec"]["batching"] = {"maxBatchSize": 1000}
     job = parse_job(doc)
-    plan = load_plan(plan_round(job, 0).manifest_uri)
+    plan = load_plan(plan_round(job, 0).manifest_uri, job.spec.storage.s3)
     first = CrashingCoin(crash_on_call=4)  # attempts 0, 1, 2 complete; the kill lands in attempt 3
     with pytest.raises(Crash):
         ShardWorker(plan, 0, first).run()
@@ -225,7 +225,7 @@ def test_another_round_only_while_rows_are_rejected() -> None:
 def test_round_plans_carry_their_mode(tmp_path: Path) -> None:
     write_rows(tmp_path / "in" / "a.jsonl", 10)
     job = parse_job(job_doc(tmp_path, {"type": "regex", "pattern": "x", "strategy": "rounds", "maxRounds": 1}))
-    plan = load_plan(plan_round(job, 0).manifest_uri)
+    plan = load_plan(plan_round(job, 0).manifest_uri, job.spec.storage.s3)
     assert plan_round(job, 0).manifest_uri == layout.round_manifest_uri(job, 0)
     assert plan.judge_mode == JudgeMode(mode="rounds", final=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -226,6 +227,44 @@ def test_an_unreachable_endpoint_ends_in_one_line_after_the_retries(s3_place, wo
     p = bij_run(bij_bin, write_spec(tmp_path, spec), worker_env(s3_attempts=2), timeout=120)
     assert p.returncode == 1  # an outage may pass: worth running again
     assert "still failing after 2 attempts" in one_line(p) and "check spec.storage.s3.endpointUrl" in one_line(p)
+
+
+def test_the_endpoint_in_the_spec_reaches_every_storage_call_whatever_the_environment_says(
+        s3_place, make_job, read_output, worker_env, bij_bin):
+    # The spec names the S3 server; the environment names a port nobody listens on. Every command that
+    # is given the job's YAML must reach the server through the spec alone, the publish plan included.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        poisoned = f"http://127.0.0.1:{s.getsockname()[1]}"
+    inputs = rows(120)
+    spec, job = make_job(s3_place, s3_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 2048},
+                         output={"keepIntermediate": True})  # so that `bij publish` may publish again
+    assert job.spec.storage.s3.endpoint_url == s3_place.endpoint
+    env = worker_env(s3_attempts=2, AWS_ENDPOINT_URL=poisoned)
+
+    p = bij_run(bij_bin, spec, env)
+    assert p.returncode == 0, p.stderr
+    check_published(read_output(job), inputs)
+
+    run = [bij_bin("bij"), "publish", str(spec), "--parallelism", "2"]
+    p = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    check_published(read_output(job), inputs)
+
+    p = subprocess.run([bij_bin("bij"), "status", str(spec)], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "published" in p.stdout and "120 results" in p.stdout
+
+    p = subprocess.run([bij_bin("bij"), "results", str(spec)], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert [json.loads(line)["id"] for line in p.stdout.splitlines()] == [r["id"] for r in inputs]
+
+    # A bare URI has no spec: the standard AWS environment decides, so the poisoned endpoint is what it tries.
+    p = subprocess.run([bij_bin("bij"), "results", layout.manifest_uri(job)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1 and poisoned in p.stderr
 
 
 def test_a_full_disk_at_publish_ends_in_one_line_and_a_rerun_publishes(file_place, make_job, worker_env, bij_bin,

@@ -48,7 +48,7 @@ def test_the_manifest_is_written_last_and_once(place, make_job, run_shards, read
     writes: list[str] = []
     for module in (publish_module, publish_rows):
         monkeypatch.setattr(module, "open_storage",
-                            lambda uri, s3=None: RecordingStorage(open_storage(uri, s3), writes))
+                            lambda uri, s3: RecordingStorage(open_storage(uri, s3), writes))
     manifest = publish(job)
     out = read_output(job)
     published = [w for w in writes if not w.startswith(layout.state_prefix(job))]  # not the passes' work files
@@ -124,7 +124,7 @@ def test_an_error_ratio_above_max_error_ratio_fails_and_writes_no_manifest(limit
 def test_publishing_before_every_shard_finished_fails_and_writes_no_manifest(file_place, make_job, run_shards):
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(300)), sharding={"targetShardBytes": 2048})
     run_shards(job)
-    plan = load_plan(layout.round_manifest_uri(job, 0))
+    plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
     file_place.storage.delete(layout.done_uri(plan.round_prefix, 1))
     with pytest.raises(PublishError, match="shard 1 has not finished"):
         publish(job)
@@ -229,7 +229,7 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
     spread = publish(job, processes=2, bucket_rows=10, stats=stats)
     assert _same(inline, spread) and read_output(job).raw == raw
     assert inline["counts"]["duplicates"] == 2
-    plan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)))
+    plan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
     assert plan.buckets == 13  # 124 rows, 10 ids a bucket
     shards = len(plan.units)
     # Two processes a pass, each working every other index of it.
@@ -272,7 +272,7 @@ def test_the_spec_sizes_the_publish_buckets_and_bij_publish_bucket_rows_override
     assert manifest["counts"]["rows"] == 2500 and read_output(job).result_ids == [r["id"] for r in inputs]
     # `bij publish --bucket-rows` (and `publish(bucket_rows=)`) wins over the spec.
     publish(job, bucket_rows=2000)
-    assert publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job))).buckets == 2
+    assert publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3).buckets == 2
     _, default = make_job(file_place, file_place.uri("in.jsonl"), out_dir="out2/")
     assert default.spec.output.publish_bucket_rows == 250_000
 
@@ -285,7 +285,7 @@ def test_id_buckets_are_compressed_and_plain_ones_of_an_older_pass_are_still_rea
     run_shards(job)
     publish(job, bucket_rows=10)
     prefix = layout.publish_prefix(job)
-    plan = publish_rows.load(layout.publish_plan_uri(prefix))
+    plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
     store = file_place.storage
     buckets = [o.uri for o in store.list(f"{prefix}/ids/") if not o.uri.endswith("order.json")]
     assert len(buckets) == len(plan.units) * plan.buckets and all(u.endswith(".jsonl.zst") for u in buckets)
@@ -304,7 +304,7 @@ def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place
     inputs = rows(60)
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})
     run_shards(job)
-    plan = load_plan(layout.round_manifest_uri(job, 0))
+    plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
     records = ShardLog(file_place.storage, layout.shard_prefix(plan.round_prefix, 0)).read().records
     for obj in file_place.storage.list(layout.shard_prefix(plan.round_prefix, 0) + "/"):
         file_place.storage.delete(obj.uri)
@@ -370,8 +370,8 @@ OLD_PUBLISH_PLAN = """{
 
 def test_a_publish_plan_written_before_the_typed_model_loads_and_is_written_byte_for_byte_the_same(tmp_path):
     uri = (tmp_path / "plan.json").as_uri()
-    open_storage(uri).write_bytes(uri, OLD_PUBLISH_PLAN.encode())
-    plan = publish_rows.load(uri)
+    open_storage(uri, None).write_bytes(uri, OLD_PUBLISH_PLAN.encode())
+    plan = publish_rows.load(uri, None)
     assert plan.units == [(0, 0, "file:///data/out/_bij/job-1/round-0/shards/00000"),
                           (0, 1, "file:///data/out/_bij/job-1/round-0/shards/00001"),
                           (1, 0, "file:///data/out/_bij/job-1/round-1/shards/00000")]
@@ -398,9 +398,9 @@ def test_an_unreadable_publish_plan_is_a_publish_plan_error_naming_it(tmp_path, 
     from bij_worker.entry import main
 
     uri = (tmp_path / "plan.json").as_uri()
-    open_storage(uri).write_bytes(uri, data)
+    open_storage(uri, None).write_bytes(uri, data)
     with pytest.raises(PublishPlanError, match=f"publish plan {uri} .*{says}") as e:
-        publish_rows.load(uri)
+        publish_rows.load(uri, None)
     assert e.value.permanent
     assert main(["publish", "--plan", uri, "--pass", "ids", "--index", "0"]) == 42
 
@@ -439,7 +439,7 @@ def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(100) + ["bad"]),
                       sharding={"targetShardBytes": 2048})
     run_shards(job)
-    plan = load_plan(layout.round_manifest_uri(job, 0))
+    plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
     logs = file_place.storage.list(layout.shard_prefix(plan.round_prefix, 0) + "/")
     manifest = publish(job)
     state = {o.uri for o in file_place.storage.list(layout.state_prefix(job) + "/")}

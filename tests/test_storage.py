@@ -130,14 +130,14 @@ def test_open_storage_shares_one_s3_client_per_endpoint(monkeypatch):
     assert open_storage("s3://other/x", {"endpointUrl": "http://127.0.0.1:9"}) is a
     assert open_storage("s3://b/k", {"endpointUrl": "http://127.0.0.1:10"}) is not a
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # as the Job gives it to a worker
-    assert open_storage("s3://b/k") is a
+    assert open_storage("s3://b/k", None) is a
 
 
 def test_open_storage_picks_by_scheme_and_rejects_others():
-    assert isinstance(open_storage("file:///x"), FileStorage)
+    assert isinstance(open_storage("file:///x", None), FileStorage)
     assert isinstance(open_storage("s3://b/k", {"endpointUrl": "http://127.0.0.1:9"}), S3Storage)
     with pytest.raises(StorageError, match="gs://b"):
-        open_storage("gs://b/k")
+        open_storage("gs://b/k", None)
     with pytest.raises(StorageError, match="no bucket"):
         split_s3("s3:///k")
 

@@ -222,7 +222,7 @@ def test_a_running_shard_reports_live_counts_that_the_done_record_supersedes(fil
     assert all(seen[j] in (8 * (j - 1), 8 * j) for j in range(1, 5)), seen
     assert shard_records(job, 0)[0]["rows"] == 40 == live_records(job, 0)[0]["rows"]
     at = layout.progress_uri(plan.round_prefix, 0)
-    last = json.loads(open_storage(at).read_bytes(at))
+    last = json.loads(open_storage(at, job.spec.storage.s3).read_bytes(at))
     assert (last["index"], last["rows"], last["errors"]) == (0, 40, 0)
 
 

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="write each publish process's peak RSS and time to FILE as JSON")
 
     p = sub.add_parser("results", help="print published rows as JSON lines (checks every file's sha256)")
-    p.add_argument("manifest", help="the manifest's URI (file://... or s3://...), or the output URI")
+    p.add_argument("manifest", help="the job's YAML (its output, read with its spec.storage), or the manifest's or "
+                                    "output's URI (file://... or s3://...; S3 settings from the AWS environment)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--errors", action="store_true", help="the error rows instead of the results")
     which.add_argument("--capped", action="store_true", help="rows still rejected by the judge at the cap")
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="jsonl: JSON lines on stdout (default); parquet: one Parquet stream of the results")
 
     p = sub.add_parser("status", help="a short summary of a job: rounds, shards, rows, errors, truncated, cost")
-    p.add_argument("target", help="the job's YAML, or its manifest URI (file://... or s3://...)")
+    p.add_argument("target", help="the job's YAML (read with its spec.storage), or its manifest URI (file://... or "
+                                  "s3://...; S3 settings from the AWS environment)")
 
     sub.add_parser("operator", help="run the kopf operator (in-cluster or with a kubeconfig)", add_help=False)
 

@@ -274,7 +274,7 @@ class Driver:
                 self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
             # What finishing reads (plans, completion records, per-shard summaries) stays after the
             # work files go, so a restart between the manifest and the status write finishes again.
-            pplan = publish_rows.load(str((status.get("publish") or {})["planUri"]))
+            pplan = publish_rows.load(str((status.get("publish") or {})["planUri"]), job.spec.storage.s3)
             manifest = finish_publish(job, d.rounds, pplan)
             return self.published(seen, job, d, manifest)
 

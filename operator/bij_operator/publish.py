@@ -117,6 +117,7 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         task=job.spec.model.task,
         judge=job.spec.judge is not None,
         id_kind=result_id_kind(done_records) if job.spec.output.format == "parquet" else None,
+        s3=job.spec.storage.s3.model_dump(by_alias=True, exclude_none=True),
     )
     uri = layout.publish_plan_uri(prefix)
     store.write_bytes(uri, plan.to_json())
@@ -136,7 +137,7 @@ def run_passes(job: BatchInferenceJob, plan_uri: str, plan: PublishPlan, process
         n = plan.count(pass_name)
         if processes <= 0:
             for index in range(n):
-                publish_rows.run_pass(plan, pass_name, index, job.spec.storage.s3)
+                publish_rows.run_pass(plan, pass_name, index)
             continue
         if n == 0:
             continue

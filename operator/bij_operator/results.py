@@ -41,8 +41,9 @@ def manifest_location(uri: str) -> str:
     return uri if uri.endswith(".json") else layout.join(uri, "manifest.json")
 
 
-def load_manifest(uri: str, s3: Any = None) -> tuple[Storage, str, dict[str, Any]]:
-    """(storage, base URI of the listed paths, manifest) for a manifest URI or an output URI."""
+def load_manifest(uri: str, s3: Any) -> tuple[Storage, str, dict[str, Any]]:
+    """(storage, base URI of the listed paths, manifest) for a manifest URI or an output URI, read with
+    the job's S3 settings (see `open_storage`)."""
     where = manifest_location(uri)
     store = open_storage(where, s3)
     try:
@@ -74,7 +75,7 @@ def file_lines(data: bytes, path: str) -> Iterator[bytes]:
             yield line
 
 
-def iter_rows(uri: str, which: str = "results", s3: Any = None) -> Iterator[dict[str, Any]]:
+def iter_rows(uri: str, which: str, s3: Any) -> Iterator[dict[str, Any]]:
     """Every published row of `which` (results, errors or capped), in manifest order."""
     store, base, manifest = load_manifest(uri, s3)
     for entry in manifest.get(FILE_LISTS[which]) or []:
@@ -86,7 +87,7 @@ def iter_rows(uri: str, which: str = "results", s3: Any = None) -> Iterator[dict
                 yield orjson.loads(line)
 
 
-def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any = None) -> int:
+def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
     """Stream the rows as JSON lines; JSONL files are copied line for line. Returns the row count."""
     store, base, manifest = load_manifest(uri, s3)
     n = 0
@@ -103,7 +104,7 @@ def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any = None) -> int:
     return n
 
 
-def write_parquet(uri: str, out: IO[bytes], s3: Any = None) -> int:
+def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     """All result rows as one Parquet stream (the schema `output.format: parquet` writes)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -145,20 +146,30 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any = None) -> int:
     return n
 
 
+def target_manifest(target: str) -> tuple[str, Any]:
+    """(manifest or output URI, S3 settings) for what `bij results`/`bij status` were given: a job's
+    YAML (its output, with its spec.storage), or a bare URI (the standard AWS environment)."""
+    if target.startswith(("file://", "s3://")):
+        return target, None
+    job = load_job(target)
+    return layout.manifest_uri(job), job.spec.storage.s3
+
+
 def cli_results(args: argparse.Namespace) -> int:
     which = "errors" if args.errors else "capped" if args.capped else "results"
     out = sys.stdout.buffer
     try:
+        uri, s3 = target_manifest(args.manifest)
         if args.format == "parquet":
             if which != "results":
                 raise ResultsError("error and capped rows are JSON lines: --format parquet reads results only")
             if out.isatty():
                 raise ResultsError("--format parquet writes binary Parquet: redirect it to a file")
-            write_parquet(args.manifest, out)
+            write_parquet(uri, out, s3)
         else:
-            write_jsonl(args.manifest, which, out)
+            write_jsonl(uri, which, out, s3)
         out.flush()
-    except (ResultsError, StorageError) as e:
+    except (ResultsError, SpecError, StorageError) as e:
         print(f"bij: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `bij results ... | head`
@@ -239,7 +250,7 @@ def cli_status(args: argparse.Namespace) -> int:
     target: str = args.target
     try:
         if target.startswith(("file://", "s3://")):
-            _, _, manifest = load_manifest(target)
+            _, _, manifest = load_manifest(target, None)  # a bare URI: the standard AWS environment
             lines = manifest_summary(manifest)
         else:
             lines = job_summary(load_job(target))

@@ -114,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise BadConfig(f"no lane index: pass --index or set JOB_COMPLETION_INDEX (got {raw!r})")
             index = int(raw)
         lane = index
-        # The plan says where everything else is; S3 settings for reading it come from the
-        # standard AWS environment (AWS_ENDPOINT_URL, AWS_REGION), as the Job sets them.
-        plan = load_plan(args.manifest)
+        # The plan says where everything else is, and carries the spec whose storage settings every
+        # later call uses; reading the plan itself takes them from the standard AWS environment
+        # (AWS_ENDPOINT_URL, AWS_REGION), which the Job sets from the same spec.
+        plan = load_plan(args.manifest, None)
         spec = plan.spec
         lanes = plan.lane_count
         if not 0 <= lane < lanes:

@@ -69,8 +69,9 @@ def bucket_of(key: str, buckets: int) -> int:
     return zlib.crc32(key.encode("utf-8", "surrogatepass")) % buckets
 
 
-def load(uri: str, s3: Any = None) -> PublishPlan:
-    """The publish plan at `uri`; PublishPlanError when it is missing or unreadable."""
+def load(uri: str, s3: Any) -> PublishPlan:
+    """The publish plan at `uri`, read with the job's S3 settings (see `open_storage`); PublishPlanError
+    when it is missing or unreadable."""
     try:
         data = open_storage(uri, s3).read_bytes(uri)
     except NotFound:
@@ -236,13 +237,13 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     store.write_bytes(layout.publish_summary_uri(plan.prefix, index), json.dumps(summary).encode())
 
 
-def run_pass(plan: PublishPlan, pass_name: str, index: int, s3: Any = None) -> None:
-    """Run one index of one pass."""
+def run_pass(plan: PublishPlan, pass_name: str, index: int) -> None:
+    """Run one index of one pass, with the storage settings the plan carries."""
     if pass_name not in PASSES:
         raise PublishPlanError(f"unknown publish pass {pass_name!r}; one of {', '.join(PASSES)}")
     if not 0 <= index < count(plan, pass_name):
         raise PublishPlanError(f"publish pass {pass_name} has {count(plan, pass_name)} indexes, not {index}")
-    store = open_storage(plan.output_uri, s3)
+    store = open_storage(plan.output_uri, plan.s3)
     {"ids": run_ids, "dedupe": run_dedupe, "write": run_write}[pass_name](plan, index, store)
 
 
@@ -269,7 +270,9 @@ def main(argv: list[str]) -> int:
         log.error("--stride must be >= 0, got %d", args.stride)
         return EXIT_BAD_CONFIG
     try:
-        plan = load(args.plan)
+        # The pass's Job sets AWS_ENDPOINT_URL and AWS_REGION from the spec; the plan carries the
+        # same settings for everything after it.
+        plan = load(args.plan, None)
         indexes = range(index, count(plan, args.pass_name), args.stride) if args.stride else [index]
         for i in indexes:
             run_pass(plan, args.pass_name, i)

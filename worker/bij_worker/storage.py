@@ -99,8 +99,15 @@ class Storage(Protocol):
         ...
 
 
-def open_storage(uri: str, s3: Any = None) -> Storage:
-    """The storage for a URI's scheme. `s3` is spec.storage.s3 (object or dict) or None."""
+def open_storage(uri: str, s3: Any) -> Storage:
+    """The storage for a URI's scheme, with the S3 settings of the job it belongs to.
+
+    `s3` is the job's spec.storage.s3 (the spec's object, or its camelCase dict as a publish plan
+    carries it): every caller says whose settings it uses. None only where no spec can be known yet
+    and the standard AWS environment is the setting: a worker reading its plan (the Job sets
+    AWS_ENDPOINT_URL and AWS_REGION from the spec), or a bare URI given on the command line.
+    What the spec sets wins over the environment.
+    """
     if uri.startswith("file://"):
         if len(uri) == len("file://"):
             raise StorageError(f"{uri!r} has no path: use file:///absolute/path or file://relative/path",

@@ -95,8 +95,9 @@ class StopFlag:
         return self._at is not None and time.monotonic() - self._at > self.drain_seconds
 
 
-def load_plan(uri: str, s3: Any = None) -> Plan:
-    """Read a round plan (shards.json); a missing or unreadable plan is a bad configuration."""
+def load_plan(uri: str, s3: Any) -> Plan:
+    """Read a round plan (shards.json) with the job's S3 settings (see `open_storage`); a missing or
+    unreadable plan is a bad configuration."""
     try:
         store = open_storage(uri, s3)
         return Plan.from_json(store.read_bytes(uri), f"round plan {uri}")

@@ -6,7 +6,10 @@ On disk it is camelCase JSON:
     {"prefix": <output>/_bij/<job_id>/publish, "outputUri": ...,
      "units": [[round, shard, shardPrefix], ...], "objectNames": [[name, ...] per round],
      "bucketRows": N, "buckets": B, "compression": "zstd" | "none", "format": "jsonl" | "parquet",
-     "task": ..., "judge": bool, "idKind": "int" | "str" | "mixed" | null, "fileRows"?: N}
+     "task": ..., "judge": bool, "idKind": "int" | "str" | "mixed" | null, "fileRows"?: N,
+     "s3": {"endpointUrl"?: ..., "region"?: ...}}
+
+`s3` is the spec's `storage.s3`: every pass opens the output with it, whatever its environment says.
 
 `fileRows` (rows in one published file part) is written only to override the default, which
 `publish_rows.FILE_ROWS` sets.
@@ -49,11 +52,16 @@ class PublishPlan(BaseModel):
     judge: bool
     id_kind: str | None  # the Parquet id column's type; None for JSON lines
     file_rows: int | None = None  # None: publish_rows.FILE_ROWS
+    # spec.storage.s3 as camelCase JSON (endpointUrl, region), so the passes need no spec model; a
+    # plan written before it was carried has none (the environment decides, as it did then).
+    s3: dict[str, str] = {}
 
     def to_json(self) -> bytes:
         doc = self.model_dump(mode="json", by_alias=True)
         if self.file_rows is None:
             del doc["fileRows"]
+        if not self.s3:
+            del doc["s3"]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
