@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench lint e2e sync-crd clean cluster-bin cluster-up cluster-down gpu-wheels gpu-check
+.PHONY: install demo test test-fast bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -27,16 +27,22 @@ demo: install
 cluster-bin:
 	@bash tests/cluster/build.sh || { [ "$$CI" != true ] && echo "make: no local control plane; tests/test_cluster.py will be skipped"; }
 
+# versitygw, the S3 server the tests run against, built from its Go module into .s3/bin (a few
+# CPU-minutes the first time, seconds later). Without Go the S3 tests run on moto, an emulator, and
+# the tests that need real identities are skipped, except in CI, where the S3 tests must run on it.
+s3-bin:
+	@bash tests/s3server/build.sh || { [ "$$CI" != true ] && echo "make: no versitygw; the S3 tests will run on moto"; }
+
 cluster-up: install
 	PYTHONPATH=tests $(PY) -m cluster up
 
 cluster-down:
 	PYTHONPATH=tests $(PY) -m cluster down
 
-test: install cluster-bin
+test: install cluster-bin s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e" $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: install

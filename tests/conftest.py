@@ -1,7 +1,9 @@
-"""Shared fixtures: where a test's data lives (file:// or an S3 emulator), datasets, specs, published output.
+"""Shared fixtures: where a test's data lives (file:// or the S3 server), datasets, specs, published output.
 
-- `s3_endpoint`: moto's S3 server on 127.0.0.1 (a free port), one per session; fake
-  credentials in the AWS_* environment, so boto3 never looks further.
+- `s3_service`, `s3_endpoint`: versitygw (a real S3 server, `make s3-bin`) on 127.0.0.1, one per
+  session, its root account's credentials in the AWS_* environment, so boto3 never looks further;
+  `s3_service.add_user(name)` makes another identity. moto stands in where versitygw is not built
+  (outside CI only; the report header says which).
 - `file_place`, `s3_place`, `place` (both): a fresh folder or bucket prefix, with its
   `Storage`, the spec's `storage` block and the environment a worker subprocess needs.
 - `make_job`: write a BatchInferenceJob YAML (echo engine by default) and load it.
@@ -21,7 +23,6 @@ import copy
 import hashlib
 import json
 import os
-import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -30,34 +31,83 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import s3server
 import yaml
 import zstandard
 
 VENV_BIN = Path(sys.executable).parent
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server on 127.0.0.1; AWS_* credentials are fake and set for the whole session."""
-    from moto.server import ThreadedMotoServer
+def pytest_report_header(config: pytest.Config) -> str:
+    exe = s3server.binary()
+    if exe is not None:
+        return f"S3 server: versitygw {s3server.VERSION} ({exe})"
+    return ("S3 server: moto, an emulator (no versitygw: `make s3-bin` builds it, needs Go); tests that need real "
+            "identities are skipped")
 
+
+@dataclass
+class S3Service:
+    """The S3 server of the session: `endpoint`, `kind` ("versitygw", or "moto" where versitygw is not built
+    outside CI), `root` (the identity in the AWS_* environment) and, on versitygw, `server` for more identities."""
+
+    endpoint: str
+    kind: str
+    root: s3server.Identity
+    server: s3server.S3Server | None = None
+
+    def add_user(self, name: str) -> s3server.Identity:
+        """A new identity the server knows (role user: only its own buckets); skips the test on moto, which
+        checks no signature or permission."""
+        if self.server is None:
+            pytest.skip("needs real S3 identities: versitygw is not built (make s3-bin)")
+        return self.server.add_user(name)
+
+    def give_bucket(self, bucket: str, owner: s3server.Identity) -> None:
+        assert self.server is not None
+        self.server.give_bucket(bucket, owner)
+
+
+@pytest.fixture(scope="session")
+def s3_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Service]:
+    """versitygw (built by `make s3-bin`) on 127.0.0.1, one per session; its root account's credentials are set
+    in the AWS_* environment for the whole session, so boto3 never looks further. Without versitygw: moto's
+    server, outside CI only (CI must test against the real server)."""
+    exe = s3server.binary()
+    if exe is None and os.environ.get("CI") == "true":
+        pytest.fail("CI must run the S3 tests on versitygw: `make s3-bin` did not build it (is Go installed?)")
+    server: s3server.S3Server | None = None
+    moto: Any = None
+    if exe is not None:
+        server = s3server.S3Server(exe, tmp_path_factory.mktemp("versitygw"))
+        root = server.root
+    else:
+        root = s3server.Identity("testing", "testing")
     env = {
-        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+        **root.env(), "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
     }
-    saved = {k: os.environ.get(k) for k in [*env, "AWS_SESSION_TOKEN", "AWS_PROFILE"]}
+    saved = {k: os.environ.get(k) for k in [*env, "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"]}
     os.environ.update(env)
-    for k in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
+    for k in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
         os.environ.pop(k, None)
-    with socket.socket() as s:  # a free port; moto's server takes it right after
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        if server is not None:
+            server.start()
+            service = S3Service(server.endpoint, "versitygw", root, server)
+        else:
+            from moto.server import ThreadedMotoServer
+
+            port = s3server.free_port()  # moto's server takes it right after
+            moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+            moto.start()
+            service = S3Service(f"http://127.0.0.1:{port}", "moto", root)
+        yield service
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
+        if moto is not None:
+            moto.stop()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -65,9 +115,15 @@ def s3_endpoint() -> Iterator[str]:
                 os.environ[k] = v
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint(s3_service: S3Service) -> str:
+    """The session's S3 server (see `s3_service`)."""
+    return s3_service.endpoint
+
+
 @dataclass
 class Place:
-    """Where a test's input and output live: a file:// folder, or a prefix in a fresh emulator bucket."""
+    """Where a test's input and output live: a file:// folder, or a prefix in a fresh bucket of the S3 server."""
 
     scheme: str
     base: str  # ends with "/"
@@ -130,7 +186,7 @@ def s3_place(s3_endpoint: str) -> Place:
 
 @pytest.fixture(params=["file", "s3"])
 def place(request: pytest.FixtureRequest) -> Place:
-    """Each test that takes `place` runs once on file:// and once on s3:// (the emulator)."""
+    """Each test that takes `place` runs once on file:// and once on s3:// (the session's S3 server)."""
     return request.getfixturevalue(f"{request.param}_place")  # type: ignore[no-any-return]
 
 
