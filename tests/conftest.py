@@ -5,7 +5,8 @@
   `s3_service.add_user(name)` makes another identity. moto stands in where versitygw is not built
   (outside CI only; the report header says which).
 - `file_place`, `s3_place`, `place` (both): a fresh folder or bucket prefix, with its
-  `Storage`, the spec's `storage` block and the environment a worker subprocess needs.
+  `Storage`, the spec's `storage` block and the environment a worker subprocess needs;
+  `s3_tenant`: a new identity of the S3 server with a bucket of its own (versitygw only).
 - `make_job`: write a BatchInferenceJob YAML (echo engine by default) and load it.
 - `read_output`: the published manifest, checked against its files (rows, sha256),
   and every result and error row; `log_lines`: a round's raw durable records per shard.
@@ -182,6 +183,30 @@ def s3_place(s3_endpoint: str) -> Place:
     bucket = f"bij-test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
     return Place("s3", f"s3://{bucket}/data/", s3_endpoint)
+
+
+@dataclass
+class Tenant:
+    """An identity of the S3 server and a place in a bucket it owns (the root account may use it too)."""
+
+    identity: s3server.Identity
+    place: Place
+
+    def env(self) -> dict[str, str]:
+        """A worker subprocess's environment additions to reach the place as this identity."""
+        return {**self.place.env(), **self.identity.env()}
+
+
+@pytest.fixture
+def s3_tenant(s3_service: S3Service) -> Tenant:
+    """A new IAM user of the S3 server (role user) with a bucket of its own; skipped on moto."""
+    import boto3
+
+    who = s3_service.add_user(f"tenant-{uuid.uuid4().hex[:8]}")
+    bucket = f"bij-tenant-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_service.endpoint).create_bucket(Bucket=bucket)
+    s3_service.give_bucket(bucket, who)
+    return Tenant(who, Place("s3", f"s3://{bucket}/data/", s3_service.endpoint))
 
 
 @pytest.fixture(params=["file", "s3"])

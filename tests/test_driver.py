@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from bij_operator.reconcile import (
     failed_step,
     parse_ranges,
 )
-from bij_worker.storage import StorageError
+from bij_worker.storage import StorageError, StorageRefused
 
 # --- failed_step: the decision after a step raised ----------------------------------------------------
 
@@ -45,8 +46,17 @@ def test_input_that_may_still_appear_is_retried_and_says_whether_time_alone_can_
     later = failed_step(PLAN, PlanError("no input objects under file:///in/", permanent=False))
     assert isinstance(later, Retry) and later.reason == "PlanFailed" and later.phase == "Pending"
     assert later.message == "cannot plan round 0: no input objects under file:///in/" and not later.permanent
-    missing = failed_step(PLAN, StorageError("s3://nope/in/: NoSuchBucket", permanent=True))
-    assert isinstance(missing, Retry) and missing.permanent and missing.delay > 0
+    archived = failed_step(PLAN, StorageError("read s3://b/in/a.jsonl: InvalidObjectState: archived", permanent=True))
+    assert isinstance(archived, Retry) and archived.permanent and archived.delay > 0
+
+
+@pytest.mark.parametrize("step, says", [(PLAN, "cannot plan round 0: "), (PREPARE, "publish failed: "),
+                                        (PUBLISH, "publish failed: ")])
+def test_a_store_that_refuses_the_identity_fails_the_bij_naming_the_uri_and_the_key(step: Any, says: str) -> None:
+    refused = StorageRefused("list s3://team-a/in/ as access key id AKIAB: AccessDenied: Access Denied.")
+    d = failed_step(step, refused)
+    assert isinstance(d, MarkFailed) and d.phase == "Failed" and d.reason == d.event == "StorageRefused"
+    assert d.message == says + str(refused)
 
 
 def test_a_job_that_cannot_be_rendered_fails_with_cannot_create_job() -> None:
@@ -161,6 +171,31 @@ def test_missing_input_is_a_retry_with_its_message_on_the_status(file_place, mak
     assert isinstance(idle.decision, Retry) and idle.recheck == 30.0
     assert backend.status["phase"] == "Pending" and backend.status["message"].startswith("cannot plan round 0: ")
     assert backend.events == [("Warning", "PlanFailed", backend.status["message"])]
+
+
+@pytest.mark.parametrize("case", ["another-tenants-bucket", "no-such-input-bucket"])
+def test_planning_as_an_identity_the_store_refuses_fails_the_bij_once_naming_the_uri_and_the_key(
+        case, s3_tenant, s3_service, make_job, monkeypatch) -> None:
+    if case == "another-tenants-bucket":  # the bij's credentials are another tenant's
+        _, job = make_job(s3_tenant.place, s3_tenant.place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+        who, where, code = s3_service.add_user(f"other-{uuid.uuid4().hex[:8]}"), s3_tenant.place.base, "AccessDenied"
+    else:  # its own output bucket, an input bucket that does not exist
+        where = "s3://bij-no-such-bucket-here/in/"
+        _, job = make_job(s3_tenant.place, where)
+        who, code = s3_tenant.identity, "NoSuchBucket"
+    for k, v in who.env().items():
+        monkeypatch.setenv(k, v)
+    backend = FakeBackend(job)
+    idle = Driver(backend).reconcile()
+    assert isinstance(idle.decision, MarkFailed) and idle.recheck is None and backend.creates == []
+    message = backend.status["message"]
+    assert backend.status["phase"] == "Failed" and message.startswith("cannot plan round 0: ")
+    assert where in message and code in message, message
+    assert f"as access key id {who.access_key}:" in message and who.secret_key not in message
+    assert backend.events == [("Warning", "StorageRefused", message)]
+    # Looked at again (a spec edit may fix it, so it is decided again): the same failure, said once.
+    Driver(backend).reconcile()
+    assert backend.status["phase"] == "Failed" and len(backend.events) == 1
 
 
 # --- the local Indexed Job controller ----------------------------------------------------------------------

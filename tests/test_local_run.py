@@ -267,6 +267,35 @@ def test_the_endpoint_in_the_spec_reaches_every_storage_call_whatever_the_enviro
     assert p.returncode == 1 and poisoned in p.stderr
 
 
+def test_a_store_that_refuses_the_identity_ends_bij_run_and_bij_publish_with_42_naming_the_uri_and_the_key(
+        s3_tenant, s3_service, make_job, read_output, worker_env, bij_bin, tmp_path):
+    from s3server import Identity
+
+    inputs = rows(60)
+    place, owner = s3_tenant.place, s3_tenant.identity
+    spec, job = make_job(place, place.write_jsonl("in/a.jsonl", inputs), output={"keepIntermediate": True})
+    missing, _ = make_job(place, "s3://bij-no-such-bucket-here/in/", name="missing", out_dir="out-missing/")
+    stranger = s3_service.add_user(f"stranger-{os.urandom(4).hex()}")
+    wrong_secret = Identity(owner.access_key, "0" * 32)
+    for who, path, code, where in [(stranger, spec, "AccessDenied", place.base),
+                                   (wrong_secret, spec, "SignatureDoesNotMatch", place.base),
+                                   (owner, missing, "NoSuchBucket", "s3://bij-no-such-bucket-here/in/")]:
+        p = bij_run(bij_bin, path, worker_env(place, **who.env()), timeout=60)
+        assert p.returncode == 42, p.stderr
+        assert code in p.stderr and where in p.stderr and f"as access key id {who.access_key}:" in p.stderr, p.stderr
+        assert who.secret_key not in p.stderr + p.stdout and "Traceback" not in p.stderr
+
+    p = bij_run(bij_bin, spec, worker_env(place, **owner.env()))
+    assert p.returncode == 0, p.stderr
+    check_published(read_output(job), inputs)
+    # Publishing again with a wrong secret is refused as well, naming the key and never the secret.
+    p = subprocess.run([bij_bin("bij"), "publish", str(spec)], env=worker_env(place, **wrong_secret.env()),
+                       capture_output=True, text=True, timeout=60)
+    # (Its first request is a HEAD, whose refusal carries no body: a bare 403.)
+    assert p.returncode == 42 and place.base in p.stderr and ("403" in p.stderr or "SignatureDoesNotMatch" in p.stderr)
+    assert f"as access key id {owner.access_key}:" in p.stderr and wrong_secret.secret_key not in p.stderr
+
+
 def test_a_full_disk_at_publish_ends_in_one_line_and_a_rerun_publishes(file_place, make_job, worker_env, bij_bin,
                                                                       read_output):
     inputs = rows(50)

@@ -14,7 +14,16 @@ from typing import Any
 
 import pytest
 from bij_worker import storage
-from bij_worker.storage import FileStorage, NotFound, S3Storage, StorageError, open_storage, split_lines, split_s3
+from bij_worker.storage import (
+    FileStorage,
+    NotFound,
+    S3Storage,
+    StorageError,
+    StorageRefused,
+    open_storage,
+    split_lines,
+    split_s3,
+)
 from botocore.exceptions import (
     ClientError,
     ConnectionClosedError,
@@ -23,6 +32,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
     ResponseStreamingError,
 )
+from s3server import Identity
 
 # --- file:// ---------------------------------------------------------------------------------------
 
@@ -267,6 +277,30 @@ def test_s3_a_missing_bucket_fails_at_once_naming_the_uri(s3_endpoint):
     with pytest.raises(StorageError, match=r"s3://no-such-bucket-here/k.*NoSuchBucket") as e:
         st.write_bytes("s3://no-such-bucket-here/k", b"1")
     assert not isinstance(e.value, NotFound)
+
+
+def test_a_refusal_by_the_server_names_the_uri_and_the_access_key_id_never_the_secret(s3_tenant, s3_service,
+                                                                                      monkeypatch):
+    uri = s3_tenant.place.write_jsonl("in/a.jsonl", [{"id": 1, "text": "a"}])
+    owner = s3_tenant.identity
+    cases = [
+        (s3_service.add_user(f"other-{os.urandom(4).hex()}"), uri, "AccessDenied"),  # a bucket not its own
+        (Identity(owner.access_key, "0" * 32), uri, "SignatureDoesNotMatch"),  # a wrong secret
+        (Identity(f"unknown-{os.urandom(4).hex()}", owner.secret_key), uri, "InvalidAccessKeyId"),
+        (owner, "s3://bij-no-such-bucket-here/in/", "NoSuchBucket"),
+    ]
+    for who, target, code in cases:
+        for k, v in who.env().items():
+            monkeypatch.setenv(k, v)
+        st = open_storage(target, {"endpointUrl": s3_tenant.place.endpoint})
+        with pytest.raises(StorageRefused) as e:
+            st.list(target)
+        message = str(e.value)
+        assert e.value.permanent and code in message and target in message, message
+        assert f"as access key id {who.access_key}:" in message and who.secret_key not in message
+    for k, v in owner.env().items():
+        monkeypatch.setenv(k, v)
+    assert open_storage(uri, {"endpointUrl": s3_tenant.place.endpoint}).read_bytes(uri) == b'{"id": 1, "text": "a"}\n'
 
 
 @pytest.mark.parametrize("exc", [

@@ -26,7 +26,7 @@ from bij_worker.contract.records import OwnerRecord
 from bij_worker.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, job_to_dict, uris_overlap
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import Footer, read_footer
-from bij_worker.storage import NotFound, ObjectInfo, Storage, StorageError, open_storage
+from bij_worker.storage import NotFound, ObjectInfo, Storage, StorageError, StorageRefused, open_storage
 
 from .fingerprint import PlanRefused, digest, input_changes, row_fields, spec_changes
 from .rounds import RoundMode, round_history, round_mode
@@ -265,6 +265,8 @@ def read_plan(store: Storage, uri: str) -> Plan:
 def _list_input(job: BatchInferenceJob, input_uri: str, parquet: bool = False) -> list[ObjectInfo]:
     try:
         return input_objects(open_storage(input_uri, job.spec.storage.s3).list(input_uri), input_uri, parquet)
+    except StorageRefused as e:  # stays a refusal: the bij fails rather than waiting for input to appear
+        raise StorageRefused(f"spec.input.uri: cannot list {input_uri}: {e}") from None
     except StorageError as e:
         raise PlanError(f"spec.input.uri: cannot list {input_uri}: {e}", permanent=e.permanent) from None
 

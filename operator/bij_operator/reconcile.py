@@ -28,7 +28,7 @@ from typing import Any, Literal
 from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
 from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.publish_rows import PublishPlanError
-from bij_worker.storage import StorageError
+from bij_worker.storage import StorageError, StorageRefused
 
 from .fingerprint import PlanRefused, field_digests
 from .jobs import desired_parallelism
@@ -39,7 +39,7 @@ from .rounds import RoundStats, needs_another_round
 Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 # Reasons under which a Failed phase is not final: a spec edit may clear it.
-RECOVERABLE_FAILURES: frozenset[str] = frozenset({"InvalidSpec", "SpecChanged", "PlanRefused"})
+RECOVERABLE_FAILURES: frozenset[str] = frozenset({"InvalidSpec", "SpecChanged", "PlanRefused", "StorageRefused"})
 
 
 # --- Job observation ---------------------------------------------------------------------------
@@ -294,6 +294,13 @@ def failed_step(d: Decision, error: Exception) -> Decision:
         # Another job owns the output, the URIs overlap, or what is there was made from another spec
         # or input: a retry cannot help, a spec edit may (the phase is not final).
         return MarkFailed(round=r, phase="Failed", reason="PlanRefused", message=str(error), event="PlanRefused")
+    if isinstance(error, StorageRefused):
+        # Denied access, a missing bucket, wrong credentials: the same on every retry until someone changes the
+        # grants, the bucket or the credentials; the message names the URI and the access key id.
+        what = (f"cannot plan round {r}" if isinstance(d, PlanRound) else "publish failed"
+                if isinstance(d, (PreparePublish, Publish)) else f"round {r}")
+        return MarkFailed(round=r, phase="Failed", reason="StorageRefused", message=f"{what}: {error}",
+                          event="StorageRefused")
     if isinstance(d, PlanRound) and isinstance(error, (PlanError, StorageError, OSError)):
         # Missing or unreadable input may appear later (an upload still running).
         return Retry(round=r, phase="Pending", reason="PlanFailed", message=f"cannot plan round {r}: {error}",

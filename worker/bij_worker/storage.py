@@ -46,6 +46,15 @@ class NotFound(StorageError):
         super().__init__(message, permanent=True)
 
 
+class StorageRefused(StorageError):
+    """The store refused this identity: access denied, no such bucket, unknown or wrong credentials, none
+    at all. Permanent; the message names the URI and the access key id asked with (never the secret).
+    A job fails on it (no retry helps until the bucket, the grants or the credentials change)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, permanent=True)
+
+
 class ObjectChanged(StorageError):
     """The object is not the version that was planned (its ETag or mtime differs)."""
 
@@ -122,15 +131,19 @@ def open_storage(uri: str, s3: Any) -> Storage:
         else:
             endpoint, region = s3.endpoint_url, s3.region
         # Keyed by what the client will use, so "from the environment" and the same value given
-        # in the spec share one client.
+        # in the spec share one client; and by the credentials in the environment, which the
+        # client reads once (a process that changes them gets a client that signs with the new).
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
-        return _shared_s3(endpoint, region)
+        return _shared_s3(endpoint, region, tuple(os.environ.get(k) for k in _CREDENTIAL_VARIABLES))
     raise StorageError(f"unsupported URI {uri!r}: use file:// or s3://", permanent=True)
 
 
+_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+
+
 @functools.lru_cache(maxsize=16)
-def _shared_s3(endpoint: str | None, region: str | None) -> S3Storage:
+def _shared_s3(endpoint: str | None, region: str | None, credentials: tuple[str | None, ...]) -> S3Storage:
     # A boto3 client costs about half a CPU second to build and is thread-safe: one per endpoint.
     try:
         return S3Storage(endpoint_url=endpoint, region=region)
@@ -372,10 +385,18 @@ def _is_transient(exc: BaseException) -> bool:
     return False
 
 
+# Codes that say the store refused who is asking (or where): a job fails on them at once.
+_REFUSED_CODES = {
+    "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
+    "ExpiredToken", "InvalidToken", "403",
+}
+
+
 # What to do about an error that no retry fixes, by S3 error code.
 _HINTS = {
     "NoSuchBucket": "create the bucket or fix the URI",
     "AccessDenied": "grant this identity access, or check spec.storage.credentialsSecret / the AWS_* environment",
+    "403": "grant this identity access, or check spec.storage.credentialsSecret / the AWS_* environment",
     "AllAccessDisabled": "grant this identity access, or check spec.storage.credentialsSecret / the AWS_* environment",
     "InvalidAccessKeyId": "check the credentials (AWS_ACCESS_KEY_ID, spec.storage.credentialsSecret)",
     "SignatureDoesNotMatch": "check the credentials (AWS_SECRET_ACCESS_KEY, spec.storage.credentialsSecret)",
@@ -400,6 +421,15 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _is_refused(exc: BaseException) -> bool:
+    """The store said no to who is asking or where (`_REFUSED_CODES`), or there is nobody to ask as."""
+    from botocore.exceptions import ClientError, NoCredentialsError
+
+    if isinstance(exc, NoCredentialsError):
+        return True
+    return isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code", "")) in _REFUSED_CODES
+
+
 def _is_unreachable(exc: BaseException) -> bool:
     from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
 
@@ -421,6 +451,7 @@ class S3Storage:
     ):
         self.max_attempts = max_attempts
         self.base_delay = base_delay
+        self._session: Any = None  # where the client's credentials come from (None: a client given)
         if client is None:
             import boto3
             from botocore.config import Config
@@ -428,7 +459,8 @@ class S3Storage:
             # botocore retries too; ours wraps whole operations (streams included)
             # and gives a message that names the URI when it gives up.
             cfg = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=60)
-            client = boto3.session.Session().client(
+            self._session = boto3.session.Session()
+            client = self._session.client(
                 "s3",
                 endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
                 region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
@@ -451,6 +483,8 @@ class S3Storage:
                         raise NotFound(f"{uri}: no such object") from None
                     if code == "PreconditionFailed":  # IfMatch / IfNoneMatch
                         raise ObjectChanged(f"{uri} was replaced after the job was planned (ETag differs)") from None
+                if _is_refused(e):
+                    raise StorageRefused(f"{what} {uri}{self._as_whom()}: {_describe(e)}") from None
                 if not _is_transient(e):
                     raise StorageError(f"{what} {uri}: {_describe(e)}", permanent=True) from None
                 if attempt == self.max_attempts:
@@ -458,6 +492,21 @@ class S3Storage:
                         from None
                 time.sleep(min(10.0, self.base_delay * 2 ** (attempt - 1)) * (0.5 + random.random()))
         raise AssertionError("unreachable")
+
+    def access_key_id(self) -> str | None:
+        """The access key id this client signs with (never the secret); None without credentials, or
+        when the client was given rather than made here."""
+        if self._session is None:
+            return None
+        try:
+            credentials = self._session.get_credentials()
+        except Exception:  # noqa: BLE001 - only for a message: a chain that fails to resolve has no key to name
+            return None
+        return str(credentials.access_key) if credentials is not None else None
+
+    def _as_whom(self) -> str:
+        key = self.access_key_id()
+        return f" as access key id {key}" if key else ""
 
     def list(self, uri: str) -> list[ObjectInfo]:
         bucket, key = split_s3(uri)
