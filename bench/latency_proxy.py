@@ -1,9 +1,10 @@
 """A small TCP proxy that delays every HTTP write request (PUT/POST) by a fixed time.
 
-Put it in front of moto's S3 server to give every segment upload and object write the
-latency of real object storage, while reads pass at once:
+Put it in front of a local S3 server (versitygw, moto) to give every segment upload and object
+write the latency of real object storage, while reads pass at once (SigV4 signs the Host header,
+which passes through unchanged, so signatures still verify):
 
-    proxy = LatencyProxy(("127.0.0.1", moto_port), write_delay=0.1)
+    proxy = LatencyProxy(("127.0.0.1", s3_port), write_delay=0.1)
     proxy.start()            # listens on proxy.url
 
 Requests are told apart by the bytes a client sends first after the previous response

@@ -7,8 +7,9 @@ chunks (one shard, one worker), timed by the worker's completion record (its clo
 starts after the model load: start-up is excluded), with its output
 
 - on file:// — target <= 1.15 x ideal;
-- on s3:// (moto) behind a proxy that adds --write-delay (default 100 ms) to every write
-  request, so every segment commit is slow — target <= 1.2 x ideal.
+- on s3:// (versitygw, the tests' S3 server, when `make s3-bin` built it; moto otherwise)
+  behind a proxy that adds --write-delay (default 100 ms) to every write request, so every
+  segment commit is slow — target <= 1.2 x ideal.
 
 Also reported: the same against a measured anchor (the simulated engine driven bare, in
 this process, every row submitted at once, so only the shard's own tail keeps a step from
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import harness
+
+sys.path.insert(0, str(harness.REPO / "tests"))  # the tests' S3 server (s3server)
 
 TARGET_FILE = 1.15
 TARGET_S3 = 1.2
@@ -81,25 +84,33 @@ def main(argv: list[str] | None = None) -> int:
 
     report = harness.Report("simulated")
     work = harness.work_dir("simulated", args.keep)
-    moto = proxy = None
+    moto = proxy = server = None
     try:
         import logging
         import os
-        import socket
 
+        import s3server
         from latency_proxy import LatencyProxy
-        from moto.server import ThreadedMotoServer
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
+        exe = s3server.binary()
+        if exe is not None:
+            server = s3server.S3Server(exe, work / "s3")
+            server.start()
+            os.environ.update(server.root.env())
+            port = int(server.endpoint.rsplit(":", 1)[1])
+            s3_server = f"versitygw {s3server.VERSION}"
+        else:
+            from moto.server import ThreadedMotoServer
 
-        os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
+            os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"})
+            port = s3server.free_port()
+            moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+            moto.start()
+            s3_server = "moto (versitygw not built: make s3-bin)"
+        os.environ.update({"AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
                            "AWS_EC2_METADATA_DISABLED": "true"})
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        moto.start()
+        os.environ.pop("AWS_ENDPOINT_URL", None)
         proxy = LatencyProxy(("127.0.0.1", port), args.write_delay).start()
         import boto3
 
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         report.ratio("bij run (file) / ideal", on_file / ideal, TARGET_FILE, higher_is_better=False,
                      note="completion-record seconds (after model load) / every step full")
         report.ratio(f"bij run (s3, +{args.write_delay * 1000:.0f} ms a write) / ideal", on_s3 / ideal, TARGET_S3,
-                     higher_is_better=False, note="moto behind a latency proxy")
+                     higher_is_better=False, note=f"{s3_server} behind a latency proxy")
         report.ratio("bare engine / ideal", bare / ideal, None, note="the shard's tail and sleep overshoot alone")
         report.ratio("bij run (file) / bare engine", on_file / bare, None)
         report.ratio("bij mean occupancy", harness.median(r["occupancy"] for r in runs["file"]), None)
@@ -165,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             proxy.stop()
         if moto is not None:
             moto.stop()
+        if server is not None:
+            server.stop()
         harness.cleanup(work, args.keep)
     report.write(args.out)
     return 0
