@@ -319,6 +319,22 @@ def test_s3_a_broken_stream_resumes_from_the_byte_it_reached(s3, exc):
     assert ranges == ["bytes=7-", "bytes=30007-", "bytes=30008-"]
 
 
+def test_s3_a_read_resumes_through_a_proxy_that_drops_connections_mid_body(s3_place):
+    from s3server.faults import FaultProxy
+
+    data = os.urandom(3 << 20)
+    uri = s3_place.uri("big.bin")
+    s3_place.storage.write_bytes(uri, data)
+    with FaultProxy(int(s3_place.endpoint.rsplit(":", 1)[1])) as proxy:
+        st = S3Storage(endpoint_url=proxy.url, base_delay=0.01)
+        proxy.cut_gets(after_bytes=300_000, times=2)
+        with st.open_read(uri, 5) as f:
+            assert f.read() == data[5:]
+    assert proxy.cut == 2 and len(proxy.ranges) == 3 and proxy.ranges[0] == "bytes=5-"
+    starts = [int(r.split("=")[1].rstrip("-")) for r in proxy.ranges if r]
+    assert starts == sorted(starts) and 5 < starts[1] < starts[2] < len(data)  # each resumes where it broke
+
+
 # --- retries, with a scripted client --------------------------------------------------------------
 
 

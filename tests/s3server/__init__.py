@@ -5,7 +5,7 @@ well under a second.
 `make s3-bin` builds it (`build.sh`, into `.s3/bin`, git-ignored). Its IAM is versitygw's internal
 one (a folder of its own): the root account is the session's default identity, and `add_user`
 creates more through versitygw's admin API (`versitygw admin create-user`), so a test can be
-refused the way a tenant would be.
+refused the way a tenant would be. `faults.FaultProxy` sits in front of it and drops connections.
 """
 
 from __future__ import annotations
