@@ -75,10 +75,14 @@ class S3Server:
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
                     socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    self.endpoint = f"http://127.0.0.1:{port}"
-                    return
                 except OSError:
                     time.sleep(0.02)
+                    continue
+                # Someone else may have taken the port first: then ours exits, failing to bind it.
+                time.sleep(0.2)
+                if self.proc.poll() is None:
+                    self.endpoint = f"http://127.0.0.1:{port}"
+                    return
             self.stop()
         raise RuntimeError(f"versitygw did not start; its log: {self.log}:\n{self.log.read_text()[-2000:]}")
 
