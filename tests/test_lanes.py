@@ -7,6 +7,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -258,3 +259,29 @@ def test_a_lane_starts_its_next_shard_while_the_last_rows_of_the_current_one_run
     # Shard k + 1 starts (its resume event) before shard k is done: the engine never drains between them.
     for k in range(plan.shard_count - 1):
         assert order.index(("resume", k + 1)) < order.index(("done", k)), order
+
+
+def test_claims_in_either_store_go_to_one_racer_and_an_expired_one_passes_on(place) -> None:
+    # Claims rest on the store's conditional create (O_EXCL on file://, If-None-Match: * on S3): here the
+    # real S3 server's, with eight lanes racing for one shard, then a takeover of its expired lease.
+    clock = Clock()
+    prefix = place.uri("round-0")
+    lanes = [Claims(place.storage, prefix, lane=i, lanes=8, shards=1, writer=f"w{i}", lease_seconds=30,
+                    clock=clock) for i in range(8)]
+    barrier = threading.Barrier(8)
+
+    def race(c: Claims) -> Any:
+        barrier.wait()
+        return c.take(0, 0)
+
+    with ThreadPoolExecutor(8) as pool:
+        won = [w for w in pool.map(race, lanes) if w is not None]
+    assert len(won) == 1
+    holder = next(c for c in lanes if c.writer == won[0].writer)
+    assert holder.renew(won[0])
+    other = next(c for c in lanes if c is not holder)
+    assert other.next() is True  # held by a live lease: wait
+    clock.now += 31
+    taken = other.next()
+    assert not isinstance(taken, bool) and taken is not None and (taken.shard, taken.generation) == (0, 1)
+    assert not holder.renew(won[0])  # the old holder sees the newer claim and gives the shard up
