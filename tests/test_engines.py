@@ -24,6 +24,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 from bij_worker.engines import create_engine  # noqa: E402
 from bij_worker.engines.base import EngineConfig, Request, Result  # noqa: E402
 from bij_worker.engines.echo import ECHO_DIM, EchoEngine  # noqa: E402
+from bij_worker.sampling import Sampling  # noqa: E402
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 TEMPLATE_WORDS = ["user", "assistant", "system", ":"]
@@ -363,6 +364,45 @@ def test_sampling_repeats_with_the_same_seed_and_varies_with_another(random_mode
 
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
+
+
+def test_transformers_stop_string_cuts_the_text_and_counts_the_tokens_to_it(wired_model: Path) -> None:
+    engine = tf_engine(wired_model)
+    stop = Sampling(stop=("d",))
+    cut, two, never, plain = engine.run([
+        Request(text="a", max_tokens=10, sampling=stop),
+        Request(text="a", max_tokens=10, sampling=Sampling(stop=("z", "e f"))),
+        Request(text="a", max_tokens=10, sampling=Sampling(stop=("x",))),
+        Request(text="a", max_tokens=10),
+    ])
+    assert plain.output == "b c d e f g h"
+    # a -> b c d: generation ends at the stop string, which is not part of the text.
+    assert (cut.output, cut.completion_tokens, cut.extra["finish_reason"]) == ("b c ", 3, "stop")
+    assert (two.output, two.completion_tokens) == ("b c d ", 5)
+    assert (never.output, never.completion_tokens) == (plain.output, plain.completion_tokens)
+
+
+def test_transformers_top_k_one_samples_the_greedy_answer(random_model: Path) -> None:
+    engine = tf_engine(random_model)
+    texts = ("a", "b c", "x y z")
+    greedy = [r.output for r in engine.run([Request(text=t, max_tokens=16) for t in texts])]
+
+    def sample(**knobs: Any) -> list[str | None]:
+        reqs = [Request(text=t, max_tokens=16, temperature=1.5, seed=3, sampling=Sampling(**knobs)) for t in texts]
+        return [r.output for r in engine.run(reqs)]
+
+    assert sample() != greedy  # at temperature 1.5 the random model wanders off the greedy path
+    assert sample(top_k=1) == greedy
+    assert sample(top_p=1e-6) == greedy  # the nucleus holds only the most likely token
+
+
+def test_transformers_repetition_penalty_changes_what_a_looping_model_says(random_model: Path) -> None:
+    engine = tf_engine(random_model)
+    reqs = [Request(text=t, max_tokens=24) for t in ("a", "b c", "x y z")]
+    plain = [r.output for r in engine.run(reqs)]
+    penalised = [r.output for r in engine.run([Request(text=r.text, max_tokens=24,
+                                                       sampling=Sampling(repetition_penalty=1.9)) for r in reqs])]
+    assert plain != penalised
 
 
 def test_transformers_refuses_embed_and_needs_a_model_name() -> None:

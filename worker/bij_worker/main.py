@@ -35,6 +35,7 @@ from .engines import EngineConfig, create_engine
 from .engines.base import is_continuous
 from .lanes import Claim, Claims, EngineShare, LeaseKeeper
 from .metrics import Metrics, Stats
+from .sampling import ALL_FIELDS, refusal
 from .storage import StorageError, open_storage
 from .worker import BadConfig, ShardOutcome, ShardWorker, StopFlag, load_plan
 
@@ -129,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
             engine = create_engine(engine_name, engine_config(spec))
         except ValueError as e:
             raise BadConfig(str(e)) from None
+        refused = refusal(engine_name, spec.model.own_sampling().asked(), engine.honours,
+                          {k: f"spec.model.sampling.{k}" for k in ALL_FIELDS})
+        if refused:
+            # A default every row would ask for: one clear failure, not an error row per row.
+            raise BadConfig(refused)
         name = spec.model.name
         if name and (name.startswith(("/", "./", "../"))) and not os.path.exists(name):
             raise BadConfig(f"spec.model.name: no model at {name}")

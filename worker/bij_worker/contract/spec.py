@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from ..sampling import Sampling
+from ..sampling import from_spec as sampling_from_spec
 from .codes import API_GROUP
 from .errors import BijError
 
@@ -101,6 +103,8 @@ class InputSpec(_Model):
     id_field: str = "id"
     text_field: str = "text"
     messages_field: str | None = None
+    # A row's own sampling fields (an object with model.sampling's keys), over the spec's.
+    sampling_field: str = "sampling"
     # A longer line is an error row (its bytes are never held in memory).
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31)
 
@@ -151,6 +155,37 @@ class SimulatedOptions(_Model):
     load_seconds: float = Field(0.0, ge=0, le=3600)  # slept once per process, as a model load
 
 
+class SamplingSpec(_Model):
+    """Sampling defaults for every row (`model.sampling`); a row's own fields win (see sampling.py)."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    seed: int | None = None
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    stop: list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    n: int | None = Field(None, ge=1, le=128)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not all(v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> SamplingSpec:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("topLogprobs needs logprobs: true")
+        return self
+
+
 class ModelSpec(_Model):
     engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated"] = "echo"
     name: str | None = None
@@ -163,8 +198,19 @@ class ModelSpec(_Model):
     # A prompt over the limit is cut to it (and marked) instead of becoming a too_many_tokens
     # error row; unset means true for embed (as SentenceTransformer.encode does), false otherwise.
     truncate: bool | None = None
+    # Sampling defaults for every row beyond maxTokens/temperature/seed (which may move here too).
+    sampling: SamplingSpec = SamplingSpec()
     vllm: VllmOptions = VllmOptions()
     simulated: SimulatedOptions = SimulatedOptions()
+
+    def resolved_sampling(self) -> Sampling:
+        """Every row's sampling defaults: model.sampling, with model.maxTokens/temperature/seed under it."""
+        base = Sampling(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed)
+        return self.own_sampling().over(base)
+
+    def own_sampling(self) -> Sampling:
+        """What model.sampling itself sets (the engine must honour each field it asks for)."""
+        return sampling_from_spec(self.sampling.model_dump(by_alias=True, exclude_none=True))
 
     @property
     def truncates(self) -> bool:
@@ -177,6 +223,14 @@ class ModelSpec(_Model):
             raise ValueError("engine sentence-transformers only supports task embed")
         if self.engine == "transformers" and self.task == "embed":
             raise ValueError("engine transformers supports tasks generate and chat, not embed")
+        both = [k for k in ("max_tokens", "temperature", "seed")
+                if k in self.model_fields_set and getattr(self.sampling, k) is not None]
+        if both:
+            names = ", ".join(f"model.{to_camel(k)} and model.sampling.{to_camel(k)}" for k in both)
+            raise ValueError(f"{names} both set: set one")
+        asked = self.own_sampling().asked()
+        if self.task == "embed" and asked:
+            raise ValueError(f"model.sampling.{', model.sampling.'.join(sorted(asked))} has no meaning for task embed")
         return self
 
 

@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Protocol
 
+from ..sampling import NO_SAMPLING, Sampling
+
+# What every engine honours: how many tokens, how random, which seed (see the README's table).
+BASIC_SAMPLING: frozenset[str] = frozenset({"maxTokens", "temperature", "seed"})
+
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass pays a setattr call per field, per row
 class Request:
@@ -16,6 +21,9 @@ class Request:
     max_tokens: int = 256
     temperature: float = 0.0
     seed: int | None = None
+    # Every sampling field in force for this row (spec defaults under the row's own); the three
+    # above are its resolved max_tokens, temperature and seed.
+    sampling: Sampling = NO_SAMPLING
 
 
 @dataclass(slots=True)
@@ -59,6 +67,9 @@ class Engine(Protocol):
     # True when the engine schedules a whole chunk itself (vLLM): the worker then
     # hands it the chunk at once instead of token-budget batches.
     schedules_itself: bool
+    # The request fields (camelCase sampling names, `sampling.IMAGES`) this engine honours for
+    # its task; a row that asks for another is an `unsupported` error row naming it.
+    honours: frozenset[str]
 
     def load(self) -> None: ...
 

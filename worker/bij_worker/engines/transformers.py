@@ -5,10 +5,11 @@ For small models, CPU runs and tests. Choices a user can observe:
 - Prompt tokens are the ids the model receives: the tokenizer's special tokens for
   `generate`, the rendered chat template (which carries its own BOS) for `chat`.
 - Completion tokens count generated ids up to and including the first EOS, never padding.
-- Sampling is plain temperature sampling over the whole vocabulary (no top-k, top-p or
-  repetition penalty from the model's generation_config), as vLLM does with
-  `SamplingParams(temperature=...)`, so both engines answer the same request alike.
-  Temperature 0 is greedy.
+- Sampling knobs come only from the request (never from the model's generation_config),
+  as vLLM's `SamplingParams` takes them, so both engines answer the same request alike:
+  temperature (0 is greedy), topP, topK, minP, repetitionPenalty and stop. A stop string
+  ends the row's generation and is cut from its text (finish_reason "stop"), as OpenAI
+  and vLLM do. presencePenalty, frequencyPenalty, n and logprobs are refused (`honours`).
 - Seeds are per batch: `torch.manual_seed` runs before each sampled batch with the
   first row's seed (else `config.seed`). The same batch gives the same answers; a
   row's sample can change when it lands in a different batch.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import EngineConfig, Request, Result
+from .base import BASIC_SAMPLING, EngineConfig, Request, Result
 from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 
 
@@ -37,6 +38,7 @@ class TransformersEngine:
     name = "transformers"
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
+    honours: frozenset[str] = BASIC_SAMPLING | {"topP", "topK", "minP", "repetitionPenalty", "stop"}
 
     def __init__(self, config: EngineConfig):
         if config.task not in ("generate", "chat"):
@@ -127,7 +129,7 @@ class TransformersEngine:
         self._loaded()
         results = [Result() for _ in requests]
         limit = self.max_input_tokens()
-        groups: dict[float, list[int]] = {}
+        groups: dict[tuple[Any, ...], list[int]] = {}
         ready: dict[int, list[int]] = {}
         prompts = self._prompt_ids(requests) if requests else []
         for i, (req, p) in enumerate(zip(requests, prompts, strict=True)):
@@ -143,19 +145,20 @@ class TransformersEngine:
             else:
                 if limit is not None:
                     p = truncate_prompt(self.tokenizer, req, p, limit, embed=False)
-                # One generate call serves one temperature; rows of the same job usually share it.
-                temp = 0.0 if req.temperature < GREEDY_EPS else req.temperature
-                groups.setdefault(temp, []).append(i)
+                # One generate call serves one set of sampling knobs; rows of a job usually share them.
+                groups.setdefault(_knobs(req), []).append(i)
                 ready[i] = p
-        for temp, idx in groups.items():
-            outs = self._generate(temp, [requests[i] for i in idx], [ready[i] for i in idx])
+        for knobs, idx in groups.items():
+            outs = self._generate(knobs, [requests[i] for i in idx], [ready[i] for i in idx])
             for i, res in zip(idx, outs, strict=True):
                 results[i] = res
         return results
 
-    def _generate(self, temperature: float, requests: list[Request], prompts: list[list[int]]) -> list[Result]:
+    def _generate(self, knobs: tuple[Any, ...], requests: list[Request], prompts: list[list[int]]) -> list[Result]:
         import torch
+        from transformers import StoppingCriteriaList
 
+        temperature, top_p, top_k, min_p, repetition_penalty, stop = knobs
         model, tok = self.model, self.tokenizer
         batch = tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
         input_ids = batch["input_ids"].to(self.device)
@@ -175,9 +178,15 @@ class TransformersEngine:
         if temperature > 0:
             seed = requests[0].seed if requests[0].seed is not None else self.config.seed
             torch.manual_seed(seed)
-            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            kwargs.update(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+            if min_p:
+                kwargs["min_p"] = min_p
         else:
             kwargs.update(do_sample=False)
+        if repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = repetition_penalty
+        if stop:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_stop_strings(tok, stop, width)])
         if max_new > 0:
             with torch.inference_mode():
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -195,14 +204,62 @@ class TransformersEngine:
         else:
             until_eos, stopped = [steps] * len(prompts), [False] * len(prompts)
         counts = [min(n, cap) for n, cap in zip(until_eos, caps, strict=True)]
+        finish = ["stop" if s and e <= cap else "length" for s, e, cap in zip(stopped, until_eos, caps, strict=True)]
         rows = new.tolist()
         texts = tok.batch_decode([row[:n] for row, n in zip(rows, counts, strict=True)], skip_special_tokens=True)
+        if stop:
+            for i, (row, n) in enumerate(zip(rows, counts, strict=True)):
+                cut = _stop_at(tok, row[:n], stop)
+                if cut is not None:
+                    counts[i], texts[i], finish[i] = cut[0], cut[1], "stop"
         return [
-            Result(
-                output=text,
-                prompt_tokens=len(p),
-                completion_tokens=n,
-                extra={"finish_reason": "stop" if s and e <= cap else "length"},
-            )
-            for text, p, n, s, e, cap in zip(texts, prompts, counts, stopped, until_eos, caps, strict=True)
+            Result(output=text, prompt_tokens=len(p), completion_tokens=n, extra={"finish_reason": f})
+            for text, p, n, f in zip(texts, prompts, counts, finish, strict=True)
         ]
+
+
+def _stop_strings(tok: Any, stop: tuple[str, ...], width: int) -> Any:
+    """A stopping criterion that ends a row's generation once its decoded text holds a stop string.
+
+    transformers' own `stop_strings` works from token surface forms, which some tokenizers
+    (word-level ones with a WordPiece decoder) cannot give; decoding the generated ids works
+    for every tokenizer.
+    """
+    import torch
+    from transformers import StoppingCriteria
+
+    class StopStrings(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            texts = tok.batch_decode(input_ids[:, width:], skip_special_tokens=True)
+            return torch.tensor([any(s in t for s in stop) for t in texts], device=input_ids.device)
+
+    return StopStrings()
+
+
+def _knobs(req: Request) -> tuple[Any, ...]:
+    """The sampling knobs one generate call shares: temperature, topP, topK, minP, repetition penalty, stop."""
+    s = req.sampling
+    temp = 0.0 if req.temperature < GREEDY_EPS else req.temperature
+    return (temp, 1.0 if s.top_p is None else s.top_p, s.top_k or 0, s.min_p or 0.0,
+            1.0 if s.repetition_penalty is None else s.repetition_penalty, s.stop or ())
+
+
+def _stop_at(tok: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[int, str] | None:
+    """(tokens generated, text before the stop string) when a stop string shows in the decoded
+    `ids`, else None. The fewest tokens whose text holds a stop string are found by bisection
+    (holding one only grows with more tokens); the stop string itself is not part of the text."""
+    def first(text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+        return min(hits) if hits else None
+
+    if first(tok.decode(ids, skip_special_tokens=True)) is None:
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if first(tok.decode(ids[:mid], skip_special_tokens=True)) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    text = tok.decode(ids[:lo], skip_special_tokens=True)
+    return lo, text[: first(text)]

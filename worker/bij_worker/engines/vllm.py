@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import EngineConfig, Request, Result, estimate_tokens, request_text
+from .base import BASIC_SAMPLING, EngineConfig, Request, Result, estimate_tokens, request_text
 from .prompts import GREEDY_EPS, chat_messages, prompt_ids, truncate_prompt
 
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
@@ -113,12 +113,16 @@ class VllmEngine:
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = True
     continuous = True
+    # SamplingParams takes each of these as they are; n and logprobs wait for their output shapes.
+    GENERATION_FIELDS = BASIC_SAMPLING | {"topP", "topK", "minP", "stop", "presencePenalty", "frequencyPenalty",
+                                          "repetitionPenalty"}
 
     def __init__(self, config: EngineConfig):
         if config.task not in ("generate", "chat", "embed"):
             raise ValueError(f"engine vllm supports tasks generate, chat and embed, not {config.task!r}")
         llm_kwargs(config)  # a missing model name fails here, before any GPU work
         self.config = config
+        self.honours = frozenset() if config.task == "embed" else self.GENERATION_FIELDS
         self.llm: Any = None
         self.tokenizer: Any = None
         self._max_model_len: int | None = None
@@ -283,15 +287,22 @@ class VllmEngine:
         """One SamplingParams per request; identical asks share one object."""
         from vllm import SamplingParams
 
-        cache: dict[tuple[int, float, int | None], Any] = {}
+        cache: dict[tuple[Any, ...], Any] = {}
         out = []
         for r in requests:
             greedy = r.temperature < GREEDY_EPS
             # A seeded row samples the same tokens whatever else shares its batch (resume-safe).
             seed = None if greedy else (r.seed if r.seed is not None else self.config.seed)
-            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed)
+            s = r.sampling
+            # Only the fields a row sets: vLLM's own defaults stand for the rest.
+            extra = tuple((k, v) for k, v in (
+                ("top_p", s.top_p), ("top_k", s.top_k if s.top_k else None), ("min_p", s.min_p),
+                ("stop", list(s.stop) if s.stop else None), ("presence_penalty", s.presence_penalty),
+                ("frequency_penalty", s.frequency_penalty), ("repetition_penalty", s.repetition_penalty),
+            ) if v is not None)
+            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra))
             if key not in cache:
-                cache[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed)
+                cache[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed, **dict(extra))
             out.append(cache[key])
         return out
 
