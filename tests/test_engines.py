@@ -490,6 +490,7 @@ def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
 class _Completion:
     def __init__(self, text: str, token_ids: list[int], finish_reason: str = "stop"):
         self.text, self.token_ids, self.finish_reason = text, token_ids, finish_reason
+        self.index, self.logprobs = 0, None  # vLLM's CompletionOutput: which of n, logprobs when asked
 
 
 class _Output:
@@ -805,3 +806,39 @@ def test_vllm_embeds_with_a_pooling_model(real_vllm: Any, wired_model: Path) -> 
         assert isinstance(res, Result) and vec is not None and len(vec) == 128
         # Hidden state = one-hot of the token (the wiring), so the embedding points at it.
         assert max(range(128), key=lambda k: vec[k]) == IDS[text.split()[-1]]
+
+
+def test_transformers_n_answers_are_sampled_apart_and_greedy_ones_repeat(random_model: Path) -> None:
+    engine = tf_engine(random_model)
+    sampled, greedy = engine.run([
+        Request(text="a b", max_tokens=12, temperature=1.5, seed=5, sampling=Sampling(n=3)),
+        Request(text="x", max_tokens=12, sampling=Sampling(n=2)),
+    ])
+    assert sampled.choices is not None and len(sampled.choices) == 3
+    assert len({c.output for c in sampled.choices}) > 1
+    assert sampled.output == sampled.choices[0].output
+    assert sampled.completion_tokens == sum(c.completion_tokens for c in sampled.choices)
+    (alone,) = engine.run([Request(text="x", max_tokens=12)])
+    assert greedy.choices is not None and [c.output for c in greedy.choices] == [alone.output] * 2
+
+
+def test_transformers_logprobs_are_the_models_and_finite(wired_model: Path, random_model: Path) -> None:
+    import math
+
+    engine = tf_engine(wired_model)
+    (res,) = engine.run([Request(text="a", max_tokens=3, sampling=Sampling(logprobs=True, top_logprobs=2))])
+    (choice,) = res.choices or []
+    assert choice.output == "b c d" and choice.logprobs is not None
+    # The wired model is sure of each token's successor: logprob about 0, every other token far below.
+    assert [t.token for t in choice.logprobs] == ["b", "c", "d"]
+    assert all(-1e-3 < t.logprob <= 0 for t in choice.logprobs)
+    assert [t.top[0] for t in choice.logprobs] == [(t.token, t.logprob) for t in choice.logprobs]
+    assert all(len(t.top) == 2 and t.top[1][1] < -50 for t in choice.logprobs)
+
+    engine = tf_engine(random_model)
+    reqs = [Request(text=t, max_tokens=8, temperature=1.0, seed=1, sampling=Sampling(n=2, logprobs=True))
+            for t in ("a", "x y")]
+    for res in engine.run(reqs):
+        for c in res.choices or []:
+            assert c.logprobs is not None and len(c.logprobs) == c.completion_tokens
+            assert all(math.isfinite(t.logprob) and t.logprob <= 0 and t.top == () for t in c.logprobs)

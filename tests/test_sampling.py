@@ -190,3 +190,49 @@ def test_spec_sampling_the_engine_cannot_honour_fails_the_job_at_start(file_plac
     proc = subprocess.run([bij_bin("bij"), "run", str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 42, proc.stderr
     assert "engine echo cannot honour spec.model.sampling.stop, spec.model.sampling.topP" in proc.stderr
+
+
+def _answers() -> Any:
+    from bij_worker.engines.base import Choice, Result, TokenLogprob
+
+    lps = [TokenLogprob("Hel", -0.1, (("Hel", -0.1), ("He", -2.5))), TokenLogprob("lo", -0.3, (("lo", -0.3),))]
+    choices = [Choice("Hello", 2, "stop", lps), Choice("Hi", 1, "length", lps[:1])]
+    return Result(output="Hello", prompt_tokens=4, completion_tokens=3, choices=choices)
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
+def test_n_answers_and_logprobs_come_out_in_openai_shapes_the_sdk_parses(url: str) -> None:
+    openai_types = pytest.importorskip("openai.types")
+    from bij_worker.inputs import Row, result_row
+    from openai.types.chat import ChatCompletion
+
+    kind = "chat" if "chat" in url else "generate"
+    opts = InputOptions(format="openai", task=kind)
+    line = result_row(Row(at=(0, 0, 1), id="r", url=url), _answers(), opts)
+    body = line["response"]["body"]
+    if kind == "chat":
+        parsed: Any = ChatCompletion.model_validate(body)
+        assert [c.message.content for c in parsed.choices] == ["Hello", "Hi"]
+        first = parsed.choices[0].logprobs.content
+        assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in first] == [
+            ("Hel", -0.1, ["Hel", "He"]), ("lo", -0.3, ["lo"])]
+    else:
+        parsed = openai_types.Completion.model_validate(body)
+        assert [c.text for c in parsed.choices] == ["Hello", "Hi"]
+        lp = parsed.choices[0].logprobs
+        assert (lp.tokens, lp.token_logprobs, lp.text_offset) == (["Hel", "lo"], [-0.1, -0.3], [0, 3])
+        assert lp.top_logprobs == [{"Hel": -0.1, "He": -2.5}, {"lo": -0.3}]
+    assert [c.finish_reason for c in parsed.choices] == ["stop", "length"]
+    assert [c.index for c in parsed.choices] == [0, 1]
+    assert (parsed.usage.completion_tokens, parsed.usage.total_tokens) == (3, 7)  # every choice counts
+
+
+def test_n_answers_in_plain_rows_survive_parquet() -> None:
+    from bij_worker.inputs import plain_result
+    from bij_worker.parquet import results_table, table_rows
+
+    rows = [plain_result(1, _answers()), {"id": 2, "output": "plain", "usage": {
+        "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}]
+    assert rows[0]["output"] == "Hello" and [c["output"] for c in rows[0]["choices"]] == ["Hello", "Hi"]
+    assert rows[0]["choices"][1]["logprobs"][0]["top_logprobs"][0] == {"token": "Hel", "logprob": -0.1}
+    assert list(table_rows(results_table(rows, "generate", "int", False))) == rows

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .engines.base import Request, Result
+from .engines.base import Choice, Request, Result, TokenLogprob
 from .sampling import IMAGES, NO_SAMPLING, BadField, Sampling, UnknownField, from_column, from_openai, refusal
 
 if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
@@ -391,9 +391,50 @@ def plain_result(rid: Any, res: Result, truncated: bool = False) -> dict[str, An
     usage = _usage(res)
     if usage:
         out["usage"] = usage
+    if res.choices is not None:
+        out["choices"] = [_plain_choice(i, c) for i, c in enumerate(res.choices)]
     if truncated:
         out["truncated"] = True
     return out
+
+
+def _plain_choice(i: int, c: Choice) -> dict[str, Any]:
+    """One of a plain result row's `choices`: index, output, finish_reason, completion_tokens, logprobs."""
+    out: dict[str, Any] = {"index": i, "output": c.output, "finish_reason": c.finish_reason,
+                           "completion_tokens": c.completion_tokens}
+    if c.logprobs is not None:
+        out["logprobs"] = [{"token": t.token, "logprob": t.logprob,
+                            "top_logprobs": [{"token": s, "logprob": lp} for s, lp in t.top]} for t in c.logprobs]
+    return out
+
+
+def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI chat `choices[i].logprobs`: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if lps is None:
+        return None
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8")),
+                         "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+                                          for s, lp in t.top]} for t in lps], "refusal": None}
+
+
+def _completion_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI completions `choices[i].logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    if lps is None:
+        return None
+    offsets, at = [], 0
+    for t in lps:
+        offsets.append(at)
+        at += len(t.token)
+    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [dict(t.top) for t in lps], "text_offset": offsets}
+
+
+def _choices(res: Result, max_tokens: int) -> list[Choice]:
+    """A result's answers: its `choices`, or its one output."""
+    if res.choices is not None:
+        return res.choices
+    finish = res.extra.get("finish_reason") or ("length" if (res.completion_tokens or 0) >= max_tokens else "stop")
+    return [Choice(output=res.output or "", completion_tokens=res.completion_tokens or 0, finish_reason=finish)]
 
 
 def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
@@ -404,20 +445,22 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
     kind = OPENAI_URLS.get(row.url or "", opts.task)
     body: dict[str, Any]
-    finish = res.extra.get("finish_reason") or (
-        "length" if (res.completion_tokens or 0) >= (row.request.max_tokens if row.request else 0) else "stop")
     if kind == "embed":
         body = {"object": "list", "model": opts.model_name,
                 "data": [{"object": "embedding", "index": 0, "embedding": res.embedding}], "usage": usage}
     elif kind == "chat":
+        choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": int(time.time()),
                 "model": opts.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.output},
-                             "logprobs": None, "finish_reason": finish}], "usage": usage}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.output},
+                             "logprobs": _chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                            for i, c in enumerate(choices)], "usage": usage}
     else:
+        choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"cmpl-{digest}", "object": "text_completion", "created": int(time.time()),
                 "model": opts.model_name,
-                "choices": [{"index": 0, "text": res.output, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": i, "text": c.output, "logprobs": _completion_logprobs(c.logprobs),
+                             "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
                 "usage": usage}
     line = {"id": f"batch_req_{digest}", "custom_id": row.id,
             "response": {"status_code": 200, "request_id": f"req_{digest}", "body": body}, "error": None}

@@ -26,9 +26,33 @@ class Request:
     sampling: Sampling = NO_SAMPLING
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token: its text, log-probability, and the most likely tokens at its place."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(slots=True)
+class Choice:
+    """One of a row's `n` answers (sampling `n`), or its only answer when it asked for logprobs."""
+
+    output: str
+    completion_tokens: int
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None  # when the row asked for them
+
+
 @dataclass(slots=True)
 class Result:
-    """One row's answer, or an error that belongs to this row alone."""
+    """One row's answer, or an error that belongs to this row alone.
+
+    A row that asked for `n` > 1 answers or for logprobs has `choices` (n of them); `output`
+    is the first choice's text and `completion_tokens` counts the tokens of every choice,
+    as OpenAI's usage does.
+    """
 
     output: str | None = None
     embedding: list[float] | None = None
@@ -36,6 +60,7 @@ class Result:
     completion_tokens: int | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    choices: list[Choice] | None = None
 
 
 @dataclass(frozen=True)

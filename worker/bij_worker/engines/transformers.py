@@ -9,7 +9,9 @@ For small models, CPU runs and tests. Choices a user can observe:
   as vLLM's `SamplingParams` takes them, so both engines answer the same request alike:
   temperature (0 is greedy), topP, topK, minP, repetitionPenalty and stop. A stop string
   ends the row's generation and is cut from its text (finish_reason "stop"), as OpenAI
-  and vLLM do. presencePenalty, frequencyPenalty, n and logprobs are refused (`honours`).
+  and vLLM do. `n` answers per row come from one generate call (greedy: one answer, repeated);
+  logprobs are the model's raw distribution at each kept token, with the `topLogprobs` most
+  likely tokens. presencePenalty and frequencyPenalty are refused (`honours`).
 - Seeds are per batch: `torch.manual_seed` runs before each sampled batch with the
   first row's seed (else `config.seed`). The same batch gives the same answers; a
   row's sample can change when it lands in a different batch.
@@ -22,9 +24,10 @@ For small models, CPU runs and tests. Choices a user can observe:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from .base import BASIC_SAMPLING, EngineConfig, Request, Result
+from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob
 from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 
 
@@ -38,7 +41,8 @@ class TransformersEngine:
     name = "transformers"
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
-    honours: frozenset[str] = BASIC_SAMPLING | {"topP", "topK", "minP", "repetitionPenalty", "stop"}
+    honours: frozenset[str] = BASIC_SAMPLING | {"topP", "topK", "minP", "repetitionPenalty", "stop", "n", "logprobs",
+                                                "topLogprobs"}
 
     def __init__(self, config: EngineConfig):
         if config.task not in ("generate", "chat"):
@@ -158,7 +162,9 @@ class TransformersEngine:
         import torch
         from transformers import StoppingCriteriaList
 
-        temperature, top_p, top_k, min_p, repetition_penalty, stop = knobs
+        temperature, top_p, top_k, min_p, repetition_penalty, stop, n, want_logprobs, top_logprobs = knobs
+        # n sampled answers per row; greedy answers are all the same, so one is made and repeated.
+        sampled = n if temperature > 0 else 1
         model, tok = self.model, self.tokenizer
         batch = tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
         input_ids = batch["input_ids"].to(self.device)
@@ -187,12 +193,22 @@ class TransformersEngine:
             kwargs["repetition_penalty"] = repetition_penalty
         if stop:
             kwargs["stopping_criteria"] = StoppingCriteriaList([_stop_strings(tok, stop, width)])
+        if sampled > 1:
+            # Answers of one row come out next to each other: row 0's n, then row 1's.
+            kwargs["num_return_sequences"] = sampled
+            caps = [c for c in caps for _ in range(sampled)]
+        if want_logprobs:
+            # The model's own distribution (raw logits), as vLLM reports logprobs by default.
+            kwargs.update(return_dict_in_generate=True, output_logits=True)
+        logits: Any = ()
         if max_new > 0:
             with torch.inference_mode():
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            if want_logprobs:
+                out, logits = out.sequences, out.logits
             new = out[:, width:].cpu()
         else:
-            new = torch.empty((len(prompts), 0), dtype=torch.long)
+            new = torch.empty((len(prompts) * sampled, 0), dtype=torch.long)
 
         # Tokens up to and including the first EOS; after it come only pads.
         steps = new.shape[1]
@@ -202,20 +218,61 @@ class TransformersEngine:
             until_eos = first.tolist()
             stopped = is_eos.any(dim=1).tolist()
         else:
-            until_eos, stopped = [steps] * len(prompts), [False] * len(prompts)
-        counts = [min(n, cap) for n, cap in zip(until_eos, caps, strict=True)]
+            until_eos, stopped = [steps] * len(caps), [False] * len(caps)
+        counts = [min(e, cap) for e, cap in zip(until_eos, caps, strict=True)]
         finish = ["stop" if s and e <= cap else "length" for s, e, cap in zip(stopped, until_eos, caps, strict=True)]
         rows = new.tolist()
-        texts = tok.batch_decode([row[:n] for row, n in zip(rows, counts, strict=True)], skip_special_tokens=True)
+        texts = tok.batch_decode([row[:k] for row, k in zip(rows, counts, strict=True)], skip_special_tokens=True)
         if stop:
-            for i, (row, n) in enumerate(zip(rows, counts, strict=True)):
-                cut = _stop_at(tok, row[:n], stop)
+            for i, (row, k) in enumerate(zip(rows, counts, strict=True)):
+                cut = _stop_at(tok, row[:k], stop)
                 if cut is not None:
                     counts[i], texts[i], finish[i] = cut[0], cut[1], "stop"
-        return [
-            Result(output=text, prompt_tokens=len(p), completion_tokens=n, extra={"finish_reason": f})
-            for text, p, n, f in zip(texts, prompts, counts, finish, strict=True)
-        ]
+        if n == 1 and not want_logprobs:
+            return [
+                Result(output=text, prompt_tokens=len(p), completion_tokens=k, extra={"finish_reason": f})
+                for text, p, k, f in zip(texts, prompts, counts, finish, strict=True)
+            ]
+        lps = self._logprobs(logits, rows, counts, top_logprobs) if want_logprobs else [None] * len(rows)
+        answers = [Choice(output=t, completion_tokens=k, finish_reason=f, logprobs=lp)
+                   for t, k, f, lp in zip(texts, counts, finish, lps, strict=True)]
+        results = []
+        for i, p in enumerate(prompts):
+            mine = answers[i * sampled:(i + 1) * sampled]
+            if sampled < n:
+                mine = [replace(mine[0]) for _ in range(n)]
+            results.append(Result(output=mine[0].output, prompt_tokens=len(p),
+                                  completion_tokens=sum(c.completion_tokens for c in mine),
+                                  extra={"finish_reason": mine[0].finish_reason}, choices=mine))
+        return results
+
+    def _logprobs(self, logits: Any, rows: list[list[int]], counts: list[int], top: int) -> list[Any]:
+        """Per generated row, each kept token's log-probability and the `top` most likely tokens there."""
+        import torch
+
+        tok = self.tokenizer
+        names: dict[int, str] = {}
+
+        def name(i: int) -> str:
+            if i not in names:
+                names[i] = tok.decode([i])
+            return names[i]
+
+        out: list[list[TokenLogprob]] = [[] for _ in rows]
+        for step, scores in enumerate(logits):
+            live = [j for j, k in enumerate(counts) if step < k]
+            if not live:
+                break
+            lp = torch.log_softmax(scores[live].float(), dim=-1).cpu()
+            chosen = torch.tensor([rows[j][step] for j in live])
+            picked = lp.gather(1, chosen[:, None])[:, 0].tolist()
+            best = lp.topk(top, dim=-1) if top else None
+            for r, j in enumerate(live):
+                alts: tuple[tuple[str, float], ...] = ()
+                if best is not None:
+                    alts = tuple((name(int(i)), float(v)) for v, i in zip(best.values[r], best.indices[r], strict=True))
+                out[j].append(TokenLogprob(token=name(rows[j][step]), logprob=float(picked[r]), top=alts))
+        return out
 
 
 def _stop_strings(tok: Any, stop: tuple[str, ...], width: int) -> Any:
@@ -237,11 +294,13 @@ def _stop_strings(tok: Any, stop: tuple[str, ...], width: int) -> Any:
 
 
 def _knobs(req: Request) -> tuple[Any, ...]:
-    """The sampling knobs one generate call shares: temperature, topP, topK, minP, repetition penalty, stop."""
+    """The sampling knobs one generate call shares: temperature, topP, topK, minP, repetition penalty,
+    stop, n, logprobs, topLogprobs."""
     s = req.sampling
     temp = 0.0 if req.temperature < GREEDY_EPS else req.temperature
     return (temp, 1.0 if s.top_p is None else s.top_p, s.top_k or 0, s.min_p or 0.0,
-            1.0 if s.repetition_penalty is None else s.repetition_penalty, s.stop or ())
+            1.0 if s.repetition_penalty is None else s.repetition_penalty, s.stop or (), s.n or 1,
+            bool(s.logprobs), s.top_logprobs or 0)
 
 
 def _stop_at(tok: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[int, str] | None:

@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import BASIC_SAMPLING, EngineConfig, Request, Result, estimate_tokens, request_text
+from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob, estimate_tokens, request_text
 from .prompts import GREEDY_EPS, chat_messages, prompt_ids, truncate_prompt
 
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
@@ -113,9 +113,9 @@ class VllmEngine:
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = True
     continuous = True
-    # SamplingParams takes each of these as they are; n and logprobs wait for their output shapes.
+    # SamplingParams takes each of these as they are.
     GENERATION_FIELDS = BASIC_SAMPLING | {"topP", "topK", "minP", "stop", "presencePenalty", "frequencyPenalty",
-                                          "repetitionPenalty"}
+                                          "repetitionPenalty", "n", "logprobs", "topLogprobs"}
 
     def __init__(self, config: EngineConfig):
         if config.task not in ("generate", "chat", "embed"):
@@ -129,6 +129,7 @@ class VllmEngine:
         self._ids: dict[int, tuple[Request, list[int] | str]] = {}  # count_tokens' ids, kept for submit
         self._params: Any = None
         self._unfinished = 0
+        self._top: dict[int, int] = {}  # tags of requests in flight that asked for top logprobs
         self.steps = 0  # engine steps taken through `step`
         self.occupied = 0  # min(unfinished, maxNumSeqs) summed over steps: what could run
 
@@ -198,6 +199,8 @@ class VllmEngine:
         else:
             params = self._sampling_params([request])[0]
         llm.llm_engine.add_request(str(tag), {"prompt_token_ids": prompt}, params)
+        if request.sampling.logprobs and request.sampling.top_logprobs:
+            self._top[tag] = request.sampling.top_logprobs
         self._unfinished += 1
 
     def step(self) -> list[tuple[int, Result]]:
@@ -208,7 +211,8 @@ class VllmEngine:
         done = []
         for out in engine.step():
             if getattr(out, "finished", True):
-                done.append((int(out.request_id), self._result(out)))
+                tag = int(out.request_id)
+                done.append((tag, self._result(out, self._top.pop(tag, 0))))
         self._unfinished -= len(done)
         return done
 
@@ -280,7 +284,8 @@ class VllmEngine:
         if cut and by_ids is not None:
             outs.update(self._isolate(cut, by_ids))
         for i, out in outs.items():
-            results[i] = out if isinstance(out, Result) else self._result(out)
+            s = requests[i].sampling
+            results[i] = out if isinstance(out, Result) else self._result(out, s.top_logprobs or 0)
         return results
 
     def _sampling_params(self, requests: Sequence[Request]) -> list[Any]:
@@ -299,6 +304,9 @@ class VllmEngine:
                 ("top_p", s.top_p), ("top_k", s.top_k if s.top_k else None), ("min_p", s.min_p),
                 ("stop", list(s.stop) if s.stop else None), ("presence_penalty", s.presence_penalty),
                 ("frequency_penalty", s.frequency_penalty), ("repetition_penalty", s.repetition_penalty),
+                ("n", s.n if s.n and s.n > 1 else None),
+                # vLLM returns the sampled token's logprob and this many of the most likely ones.
+                ("logprobs", (s.top_logprobs or 0) if s.logprobs else None),
             ) if v is not None)
             key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra))
             if key not in cache:
@@ -329,19 +337,46 @@ class VllmEngine:
         if engine.has_unfinished_requests():
             self.llm._run_engine(use_tqdm=False)
 
-    def _result(self, out: Any) -> Result:
+    def _result(self, out: Any, top: int = 0) -> Result:
+        """A row's Result from vLLM's RequestOutput; `top`: the most likely tokens it asked for per position."""
         prompt_tokens = len(out.prompt_token_ids) if out.prompt_token_ids is not None else None
         if self.config.task == "embed":
             emb = out.outputs.embedding
             return Result(embedding=emb.tolist() if hasattr(emb, "tolist") else list(emb), prompt_tokens=prompt_tokens)
-        comp = out.outputs[0]
-        if comp.finish_reason not in ("stop", "length"):
+        comps = list(out.outputs)
+        for comp in comps:
+            if comp.finish_reason not in ("stop", "length"):
+                return Result(
+                    prompt_tokens=prompt_tokens, error=f"generation ended without finishing ({comp.finish_reason})"
+                )
+        comp = comps[0]
+        if len(comps) == 1 and comp.logprobs is None:
             return Result(
-                prompt_tokens=prompt_tokens, error=f"generation ended without finishing ({comp.finish_reason})"
+                output=comp.text,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=len(comp.token_ids),
+                extra={"finish_reason": comp.finish_reason},
             )
-        return Result(
-            output=comp.text,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=len(comp.token_ids),
-            extra={"finish_reason": comp.finish_reason},
-        )
+        # n answers (sorted by index: vLLM may finish them in any order), or logprobs.
+        comps.sort(key=lambda c: c.index)
+        choices = [Choice(output=c.text, completion_tokens=len(c.token_ids), finish_reason=c.finish_reason,
+                          logprobs=None if c.logprobs is None else self._logprobs(c, top))
+                   for c in comps]
+        return Result(output=choices[0].output, prompt_tokens=prompt_tokens,
+                      completion_tokens=sum(c.completion_tokens for c in choices),
+                      extra={"finish_reason": choices[0].finish_reason}, choices=choices)
+
+    def _logprobs(self, comp: Any, top: int) -> list[TokenLogprob]:
+        """vLLM's per-position logprobs (token id -> Logprob: the sampled token and the `top` most
+        likely ones, with their ranks) as the sampled token's and the top ones'."""
+        def name(i: int, lp: Any) -> str:
+            return lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([i])
+
+        out = []
+        for tid, ranked in zip(comp.token_ids, comp.logprobs, strict=True):
+            best = sorted(((i, lp) for i, lp in ranked.items() if lp.rank is not None and lp.rank <= top),
+                          key=lambda e: e[1].rank)
+            mine = ranked[tid]
+            out.append(TokenLogprob(token=name(tid, mine), logprob=float(mine.logprob),
+                                    top=tuple((name(i, lp), float(lp.logprob)) for i, lp in best)))
+        return out
