@@ -354,7 +354,7 @@ _OPENAI_NAMES = {"max_tokens": "maxTokens", "max_completion_tokens": "maxTokens"
                  "seed": "seed", "top_p": "topP", "top_k": "topK", "min_p": "minP", "stop": "stop",
                  "presence_penalty": "presencePenalty", "frequency_penalty": "frequencyPenalty",
                  "repetition_penalty": "repetitionPenalty", "n": "n", "logprobs": "logprobs",
-                 "top_logprobs": "topLogprobs"}
+                 "top_logprobs": "topLogprobs", "response_format": "structuredOutput"}
 
 
 def row_id(row: dict[str, Any]) -> Any:

@@ -16,6 +16,7 @@ refused (OpenAI clients often send such defaults explicitly).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -42,6 +43,9 @@ class Sampling:
     n: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # (kind, text): ("json_schema", the schema as canonical JSON), ("json_object", ""),
+    # ("regex", pattern), ("choice", a JSON list of strings) or ("grammar", EBNF).
+    structured_output: tuple[str, str] | None = None
 
     def over(self, base: Sampling) -> Sampling:
         """These fields where set, `base`'s elsewhere."""
@@ -119,6 +123,47 @@ def _flag(name: str, v: Any) -> bool:
     return v
 
 
+STRUCTURED_KINDS = {"jsonSchema": "json_schema", "jsonObject": "json_object", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}
+
+
+def _structured(name: str, v: Any) -> tuple[str, str]:
+    """`structuredOutput`: an object with exactly one of jsonSchema, jsonObject (true), regex, choice, grammar."""
+    keys = list(v) if isinstance(v, dict) else []
+    if len(keys) != 1 or keys[0] not in STRUCTURED_KINDS:
+        raise BadField(f"{name} must be an object with exactly one of {', '.join(STRUCTURED_KINDS)}, got {_show(v)}")
+    key = keys[0]
+    value = v[key]
+    kind = STRUCTURED_KINDS[key]
+    if kind == "json_schema":
+        return kind, json_schema_text(f"{name}.{key}", value)
+    if kind == "json_object":
+        if value is not True:
+            raise BadField(f"{name}.{key} must be true")
+        return kind, ""
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise BadField(f"{name}.{key} must be a non-empty list of non-empty strings, got {_show(value)}")
+        return kind, json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str) or not value:
+        raise BadField(f"{name}.{key} must be a non-empty string, got {_show(value)}")
+    return kind, value
+
+
+def json_schema_text(name: str, schema: Any) -> str:
+    """A JSON Schema checked against its metaschema, as compact JSON (its keys in their order: properties
+    come out in the order the schema gives them)."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise BadField(f"{name} must be a JSON Schema object, got {_show(schema)}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise BadField(f"{name} is not a valid JSON Schema: {e.message}") from None
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
 def _show(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -139,6 +184,7 @@ CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "n": _integer(1, 128),
     "logprobs": _flag,
     "top_logprobs": _integer(0, 20),
+    "structured_output": _structured,
 }
 
 
@@ -175,6 +221,8 @@ def from_spec(value: Mapping[str, Any]) -> Sampling:
     values = {SNAKE[k] if k in SNAKE else k: v for k, v in value.items() if v is not None}
     if "stop" in values:
         values["stop"] = _stop("model.sampling.stop", values["stop"])
+    if "structured_output" in values:
+        values["structured_output"] = _structured("model.structuredOutput", values["structured_output"])
     return _finish(values, {k: f"model.sampling.{v}" for k, v in CAMEL.items()})
 
 
@@ -201,7 +249,7 @@ OPENAI_CONTENT = {"chat": frozenset({"messages"}), "generate": frozenset({"promp
 # Known OpenAI fields no engine here honours (yet): a row that sets one (to anything but its
 # neutral value) is unsupported, never answered without it.
 OPENAI_UNHONOURED: dict[str, Any] = {
-    "response_format": {"type": "text"}, "logit_bias": {}, "tools": [], "tool_choice": "none",
+    "logit_bias": {}, "tools": [], "tool_choice": "none",
     "parallel_tool_calls": None, "functions": [], "function_call": "none", "stream": False,
     "stream_options": None, "modalities": ["text"], "audio": None, "prediction": None,
     "reasoning_effort": None, "service_tier": None, "store": False, "metadata": None,
@@ -228,6 +276,13 @@ def from_openai(body: Mapping[str, Any], kind: str) -> OpenAIAsk:
     for key, v in body.items():
         if key in content or key in OPENAI_NO_EFFECT:
             continue
+        if key == "response_format" and kind != "embed":
+            if v is not None:
+                st = _response_format(v)
+                if st is not None:
+                    values["structured_output"] = st
+                    spelled["structured_output"] = "body.response_format"
+            continue
         name = OPENAI_SAMPLING.get(key) if kind != "embed" else None
         if name is not None:
             if v is None:
@@ -252,6 +307,22 @@ def from_openai(body: Mapping[str, Any], kind: str) -> OpenAIAsk:
     if kind == "chat" and "top_logprobs" in values and "logprobs" not in values:
         raise BadField("body.top_logprobs needs body.logprobs true")
     return OpenAIAsk(_finish(values, spelled), tuple(unhonoured))
+
+
+def _response_format(v: Any) -> tuple[str, str] | None:
+    """OpenAI `response_format`: text (asks nothing), json_object, or json_schema {name, schema, strict}."""
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object", ""
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise BadField("body.response_format.json_schema must be an object with a schema")
+        # strict true or false: the schema is enforced either way (constrained decoding is strict).
+        return "json_schema", json_schema_text("body.response_format.json_schema.schema", spec["schema"])
+    raise BadField(f"body.response_format.type must be text, json_object or json_schema, got {_show(kind)}")
 
 
 def refusal(engine: str, asked: frozenset[str], honours: frozenset[str], spelled: Mapping[str, str]) -> str | None:

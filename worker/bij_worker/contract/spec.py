@@ -186,6 +186,16 @@ class SamplingSpec(_Model):
         return self
 
 
+class StructuredOutputSpec(_Model):
+    """Constrained decoding for every row (`model.structuredOutput`): exactly one of these."""
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class ModelSpec(_Model):
     engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated"] = "echo"
     name: str | None = None
@@ -200,6 +210,8 @@ class ModelSpec(_Model):
     truncate: bool | None = None
     # Sampling defaults for every row beyond maxTokens/temperature/seed (which may move here too).
     sampling: SamplingSpec = SamplingSpec()
+    # Every row's output follows this (a row's own response_format or structuredOutput wins).
+    structured_output: StructuredOutputSpec | None = None
     vllm: VllmOptions = VllmOptions()
     simulated: SimulatedOptions = SimulatedOptions()
 
@@ -209,8 +221,11 @@ class ModelSpec(_Model):
         return self.own_sampling().over(base)
 
     def own_sampling(self) -> Sampling:
-        """What model.sampling itself sets (the engine must honour each field it asks for)."""
-        return sampling_from_spec(self.sampling.model_dump(by_alias=True, exclude_none=True))
+        """What model.sampling and model.structuredOutput set (the engine must honour each field they ask for)."""
+        fields = self.sampling.model_dump(by_alias=True, exclude_none=True)
+        if self.structured_output is not None:
+            fields["structuredOutput"] = self.structured_output.model_dump(by_alias=True, exclude_none=True)
+        return sampling_from_spec(fields)
 
     @property
     def truncates(self) -> bool:
@@ -230,7 +245,9 @@ class ModelSpec(_Model):
             raise ValueError(f"{names} both set: set one")
         asked = self.own_sampling().asked()
         if self.task == "embed" and asked:
-            raise ValueError(f"model.sampling.{', model.sampling.'.join(sorted(asked))} has no meaning for task embed")
+            names = ", ".join("model.structuredOutput" if a == "structuredOutput" else f"model.sampling.{a}"
+                              for a in sorted(asked))
+            raise ValueError(f"{names} has no meaning for task embed")
         return self
 
 

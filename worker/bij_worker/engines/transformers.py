@@ -12,6 +12,11 @@ For small models, CPU runs and tests. Choices a user can observe:
   and vLLM do. `n` answers per row come from one generate call (greedy: one answer, repeated);
   logprobs are the model's raw distribution at each kept token, with the `topLogprobs` most
   likely tokens. presencePenalty and frequencyPenalty are refused (`honours`).
+- Structured output (JSON Schema, any JSON object, regex, a choice of strings, an EBNF
+  grammar) is constrained decoding with xgrammar's logits processor, the grammar engine vLLM
+  uses by default, so both engines accept the same grammars; JSON comes out compact (no
+  free whitespace, which a weak model could emit forever). Without xgrammar installed the
+  engine does not honour it and such rows are refused.
 - Seeds are per batch: `torch.manual_seed` runs before each sampled batch with the
   first row's seed (else `config.seed`). The same batch gives the same answers; a
   row's sample can change when it lands in a different batch.
@@ -24,6 +29,9 @@ For small models, CPU runs and tests. Choices a user can observe:
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -55,6 +63,11 @@ class TransformersEngine:
         self.device = "cpu"
         self._eos_ids: list[int] = []
         self._max_positions: int | None = None
+        self._compiler: Any = None  # xgrammar's, built on the first row with structured output
+        self._grammars: dict[tuple[str, str], Any] = {}
+        self._bad_grammars: dict[tuple[str, str], str] = {}
+        if importlib.util.find_spec("xgrammar") is not None:
+            self.honours = self.honours | {"structuredOutput"}
 
     def load(self) -> None:
         """Load tokenizer and model once; later calls are no-ops."""
@@ -149,6 +162,11 @@ class TransformersEngine:
             else:
                 if limit is not None:
                     p = truncate_prompt(self.tokenizer, req, p, limit, embed=False)
+                if req.sampling.structured_output is not None:
+                    problem = self._grammar_problem(req.sampling.structured_output)
+                    if problem:
+                        results[i] = Result(prompt_tokens=len(p), error=problem)
+                        continue
                 # One generate call serves one set of sampling knobs; rows of a job usually share them.
                 groups.setdefault(_knobs(req), []).append(i)
                 ready[i] = p
@@ -162,7 +180,7 @@ class TransformersEngine:
         import torch
         from transformers import StoppingCriteriaList
 
-        temperature, top_p, top_k, min_p, repetition_penalty, stop, n, want_logprobs, top_logprobs = knobs
+        temperature, top_p, top_k, min_p, repetition_penalty, stop, n, want_logprobs, top_logprobs, structured = knobs
         # n sampled answers per row; greedy answers are all the same, so one is made and repeated.
         sampled = n if temperature > 0 else 1
         model, tok = self.model, self.tokenizer
@@ -197,6 +215,15 @@ class TransformersEngine:
             # Answers of one row come out next to each other: row 0's n, then row 1's.
             kwargs["num_return_sequences"] = sampled
             caps = [c for c in caps for _ in range(sampled)]
+        if structured:
+            from xgrammar.contrib.hf import LogitsProcessor
+
+            # One grammar per generated sequence (rows may each have their own schema); a
+            # processor serves one generate call.
+            # (every row of this group has one: structured output is one of the group's knobs)
+            grammars = [self._grammars[r.sampling.structured_output] for r in requests  # type: ignore[index]
+                        for _ in range(sampled)]
+            kwargs["logits_processor"] = [LogitsProcessor(grammars)]
         if want_logprobs:
             # The model's own distribution (raw logits), as vLLM reports logprobs by default.
             kwargs.update(return_dict_in_generate=True, output_logits=True)
@@ -245,6 +272,38 @@ class TransformersEngine:
                                   completion_tokens=sum(c.completion_tokens for c in mine),
                                   extra={"finish_reason": mine[0].finish_reason}, choices=mine))
         return results
+
+    def _grammar_problem(self, structured: tuple[str, str]) -> str | None:
+        """Compile a row's grammar once (cached by its text); why it cannot be compiled, else None."""
+        if structured in self._grammars:
+            return None
+        if structured in self._bad_grammars:
+            return self._bad_grammars[structured]
+        kind, text = structured
+        try:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.model.config.vocab_size, stop_token_ids=self._eos_ids or None)
+                self._compiler = xgrammar.GrammarCompiler(info)
+            compiler = self._compiler
+            if kind == "json_schema":
+                # Compact JSON: a grammar that allows any whitespace lets a model pad forever.
+                grammar = compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "json_object":
+                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                grammar = compiler.compile_regex(text)
+            elif kind == "choice":
+                grammar = compiler.compile_regex("|".join(re.escape(c) for c in json.loads(text)))
+            else:
+                grammar = compiler.compile_grammar(text)
+        except (RuntimeError, ValueError) as e:
+            self._bad_grammars[structured] = f"structured output ({kind}) cannot be compiled: {e}"
+            return self._bad_grammars[structured]
+        self._grammars[structured] = grammar
+        return None
 
     def _logprobs(self, logits: Any, rows: list[list[int]], counts: list[int], top: int) -> list[Any]:
         """Per generated row, each kept token's log-probability and the `top` most likely tokens there."""
@@ -300,7 +359,7 @@ def _knobs(req: Request) -> tuple[Any, ...]:
     temp = 0.0 if req.temperature < GREEDY_EPS else req.temperature
     return (temp, 1.0 if s.top_p is None else s.top_p, s.top_k or 0, s.min_p or 0.0,
             1.0 if s.repetition_penalty is None else s.repetition_penalty, s.stop or (), s.n or 1,
-            bool(s.logprobs), s.top_logprobs or 0)
+            bool(s.logprobs), s.top_logprobs or 0, s.structured_output is not None)
 
 
 def _stop_at(tok: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[int, str] | None:

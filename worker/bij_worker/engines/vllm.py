@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import re
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob, estimate_tokens, request_text
@@ -106,6 +108,23 @@ def shutdown_llm() -> None:
         pass
 
 
+def _structured_params(structured: tuple[str, str]) -> Any:
+    """vLLM's StructuredOutputsParams for a row's structured output (compact JSON, as the
+    transformers engine makes it: free whitespace lets a weak model pad forever)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, text = structured
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=json.loads(text), disable_any_whitespace=True)
+    if kind == "json_object":
+        return StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(text))
+    if kind == "regex":
+        return StructuredOutputsParams(regex=text)
+    return StructuredOutputsParams(grammar=text)
+
+
 class VllmEngine:
     """Generate, chat or embed with vLLM's offline `LLM`; one shared instance per process."""
 
@@ -115,7 +134,7 @@ class VllmEngine:
     continuous = True
     # SamplingParams takes each of these as they are.
     GENERATION_FIELDS = BASIC_SAMPLING | {"topP", "topK", "minP", "stop", "presencePenalty", "frequencyPenalty",
-                                          "repetitionPenalty", "n", "logprobs", "topLogprobs"}
+                                          "repetitionPenalty", "n", "logprobs", "topLogprobs", "structuredOutput"}
 
     def __init__(self, config: EngineConfig):
         if config.task not in ("generate", "chat", "embed"):
@@ -130,6 +149,7 @@ class VllmEngine:
         self._params: Any = None
         self._unfinished = 0
         self._top: dict[int, int] = {}  # tags of requests in flight that asked for top logprobs
+        self._parts: dict[int, dict[int, Any]] = {}  # rows asking for n > 1 answers: the answers so far
         self.steps = 0  # engine steps taken through `step`
         self.occupied = 0  # min(unfinished, maxNumSeqs) summed over steps: what could run
 
@@ -201,6 +221,8 @@ class VllmEngine:
         llm.llm_engine.add_request(str(tag), {"prompt_token_ids": prompt}, params)
         if request.sampling.logprobs and request.sampling.top_logprobs:
             self._top[tag] = request.sampling.top_logprobs
+        if request.sampling.n and request.sampling.n > 1:
+            self._parts[tag] = {}
         self._unfinished += 1
 
     def step(self) -> list[tuple[int, Result]]:
@@ -210,8 +232,19 @@ class VllmEngine:
         self.occupied += min(self._unfinished, self.concurrency())
         done = []
         for out in engine.step():
-            if getattr(out, "finished", True):
-                tag = int(out.request_id)
+            tag = int(out.request_id)
+            parts = self._parts.get(tag)
+            if parts is not None:
+                # n > 1: vLLM reports each answer on its own, under the row's id; the row is
+                # finished with its last answer.
+                for comp in out.outputs:
+                    parts[comp.index] = comp
+                if getattr(out, "finished", True):
+                    del self._parts[tag]
+                    out = SimpleNamespace(prompt_token_ids=out.prompt_token_ids,
+                                          outputs=[parts[i] for i in sorted(parts)])
+                    done.append((tag, self._result(out, self._top.pop(tag, 0))))
+            elif getattr(out, "finished", True):
                 done.append((tag, self._result(out, self._top.pop(tag, 0))))
         self._unfinished -= len(done)
         return done
@@ -308,9 +341,12 @@ class VllmEngine:
                 # vLLM returns the sampled token's logprob and this many of the most likely ones.
                 ("logprobs", (s.top_logprobs or 0) if s.logprobs else None),
             ) if v is not None)
-            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra))
+            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra), s.structured_output)
             if key not in cache:
-                cache[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed, **dict(extra))
+                more = dict(extra)
+                if s.structured_output is not None:
+                    more["structured_outputs"] = _structured_params(s.structured_output)
+                cache[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed, **more)
             out.append(cache[key])
         return out
 
