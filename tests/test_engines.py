@@ -842,3 +842,17 @@ def test_transformers_logprobs_are_the_models_and_finite(wired_model: Path, rand
         for c in res.choices or []:
             assert c.logprobs is not None and len(c.logprobs) == c.completion_tokens
             assert all(math.isfinite(t.logprob) and t.logprob <= 0 and t.top == () for t in c.logprobs)
+
+
+def test_chat_template_and_its_variables_from_the_spec_replace_the_tokenizers(tmp_path: Path) -> None:
+    path = build_model(tmp_path, chat_template=False)
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                "{% if stop_at_x %}x{% endif %}")
+    plain = tf_engine(path, task="chat", chat_template=template)
+    (res,) = plain.run([Request(messages=[{"role": "user", "content": "a b"}])])
+    # <s> a b: the successor model goes on from b
+    assert (res.output, res.prompt_tokens) == ("c d e f g h", 3)
+    switched = tf_engine(path, task="chat", chat_template=template, chat_template_kwargs={"stop_at_x": True})
+    (res,) = switched.run([Request(messages=[{"role": "user", "content": "a b"}])])
+    assert (res.output, res.prompt_tokens) == ("", 4)  # x is followed by </s>
+    assert switched.count_tokens([Request(messages=[{"role": "user", "content": "a b"}])]) == [4]

@@ -27,7 +27,7 @@ ROW_FIELDS = (
     "input.samplingField",
     "output.uri",
     "model.engine", "model.name", "model.task", "model.maxTokens", "model.temperature", "model.seed",
-    "model.sampling", "model.structuredOutput",
+    "model.sampling", "model.structuredOutput", "model.chatTemplate", "model.chatTemplateKwargs",
     "model.maxInputTokens", "model.truncate", "model.vllm.maxModelLen", "model.vllm.quantization", "model.vllm.dtype",
     "judge",
 )

@@ -56,6 +56,8 @@ def engine_config(spec: JobSpec) -> EngineConfig:
         vllm=m.vllm.model_dump(mode="json", by_alias=True, exclude_none=True),
         simulated=m.simulated.model_dump(mode="json", by_alias=True, exclude_none=True),
         device=os.environ.get("BIJ_DEVICE") or None,
+        chat_template=m.chat_template,
+        chat_template_kwargs=dict(m.chat_template_kwargs or {}),
     )
 
 

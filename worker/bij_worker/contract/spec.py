@@ -210,6 +210,10 @@ class ModelSpec(_Model):
     truncate: bool | None = None
     # Sampling defaults for every row beyond maxTokens/temperature/seed (which may move here too).
     sampling: SamplingSpec = SamplingSpec()
+    # Chat prompts: a Jinja template instead of the tokenizer's own, and variables it reads
+    # (e.g. {enable_thinking: false} for a reasoning model).
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Every row's output follows this (a row's own response_format or structuredOutput wins).
     structured_output: StructuredOutputSpec | None = None
     vllm: VllmOptions = VllmOptions()

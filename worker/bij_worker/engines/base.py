@@ -78,6 +78,9 @@ class EngineConfig:
     vllm: dict[str, Any] = field(default_factory=dict)
     simulated: dict[str, Any] = field(default_factory=dict)
     device: str | None = None  # None: cuda when available, else cpu
+    # Chat prompts: a template instead of the tokenizer's own, and variables it reads.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine(Protocol):

@@ -79,7 +79,7 @@ class TransformersEngine:
 
         name = str(self.config.name)
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
-        if self.config.task == "chat" and not getattr(tokenizer, "chat_template", None):
+        if self.config.task == "chat" and not (self.config.chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError(
                 f"model {name!r} has no chat template (tokenizer_config.json chat_template); "
                 "use task generate, or a chat/instruct model"
@@ -134,12 +134,15 @@ class TransformersEngine:
 
     def _prompt_ids(self, requests: list[Request]) -> list[list[int] | str]:
         """Token ids per request, or the reason a request cannot become a prompt."""
-        return prompt_ids(self.tokenizer, requests, chat=self.config.task != "generate")
+        return prompt_ids(self.tokenizer, requests, chat=self.config.task != "generate",
+                          template=self.config.chat_template, template_kwargs=self.config.chat_template_kwargs)
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
         """Prompt tokens per request as the model receives them (batched tokenizer calls)."""
         self._loaded()
-        return count_prompt_tokens(self.tokenizer, requests, chat=self.config.task != "generate")
+        return count_prompt_tokens(self.tokenizer, requests, chat=self.config.task != "generate",
+                                   template=self.config.chat_template,
+                                   template_kwargs=self.config.chat_template_kwargs)
 
     def run(self, requests: list[Request]) -> list[Result]:
         """Generate for the batch; rows that cannot run (too long, bad template) become row errors."""

@@ -178,7 +178,8 @@ class VllmEngine:
     def _prompt_ids(self, requests: list[Request]) -> list[list[int] | str]:
         """Token ids per request as vLLM will see them (it adds special tokens to plain prompts,
         decoder-only and embedding models alike), or why a request cannot be rendered."""
-        return prompt_ids(self.tokenizer, requests, chat=self.config.task == "chat")
+        return prompt_ids(self.tokenizer, requests, chat=self.config.task == "chat",
+                          template=self.config.chat_template, template_kwargs=self.config.chat_template_kwargs)
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
         """Prompt tokens per request from vLLM's own tokenizer (batched); the ids wait for `submit`."""
@@ -311,7 +312,9 @@ class VllmEngine:
                 # LLM.chat renders the template itself (content-part formats, model quirks).
                 def call(idx: list[int]) -> list[Any]:
                     convs = [requests[i].messages or chat_messages(requests[i]) for i in idx]
-                    return list(llm.chat(convs, sampling_params=[params[i] for i in idx], use_tqdm=False))
+                    return list(llm.chat(convs, sampling_params=[params[i] for i in idx], use_tqdm=False,
+                                         chat_template=self.config.chat_template,
+                                         chat_template_kwargs=self.config.chat_template_kwargs or None))
 
         outs = self._isolate(runnable, call)
         if cut and by_ids is not None:
