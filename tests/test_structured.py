@@ -17,6 +17,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from bij_worker.engines.base import EngineConfig, Request  # noqa: E402
 from bij_worker.engines.transformers import TransformersEngine  # noqa: E402
 from bij_worker.sampling import Sampling, json_schema_text  # noqa: E402
+from byte_model import build_byte_model  # noqa: E402
 
 SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "ok": {"type": "boolean"},
@@ -26,28 +27,6 @@ SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"label": {"enum": ["cat", "dog", "bird"]}}, "required": ["label"],
      "additionalProperties": False},
 ]
-
-
-def build_byte_model(path: Path) -> Path:
-    """A tiny random Llama with a byte-level BPE tokenizer: any text, JSON included, has tokens."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(['{"answer": "yes", "ok": true}', "the quick brown fox jumps"] * 20, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .engines.base import Choice, Request, Result, TokenLogprob
-from .sampling import IMAGES, NO_SAMPLING, BadField, Sampling, UnknownField, from_column, from_openai, refusal
+from .sampling import ADAPTERS, IMAGES, NO_SAMPLING, BadField, Sampling, UnknownField, from_column, from_openai, refusal
 
 if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
     from .contract.spec import JobSpec
@@ -73,6 +73,8 @@ class InputOptions:
     # against an engine, as in a publish pass).
     engine: str = ""
     honours: frozenset[str] | None = None
+    adapter_field: str = "adapter"  # a plain row's LoRA adapter name
+    adapters: frozenset[str] = frozenset()  # spec.model.adapters' names
 
     @classmethod
     def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None) -> InputOptions:
@@ -92,6 +94,8 @@ class InputOptions:
             truncate=model.truncates,
             sampling_field=inp.sampling_field,
             sampling=sampling,
+            adapter_field=inp.adapter_field,
+            adapters=frozenset(a.name for a in model.adapters),
             engine=engine or model.engine,
             honours=honours,
         )
@@ -99,7 +103,8 @@ class InputOptions:
 
 def parquet_columns(opts: InputOptions) -> list[str]:
     """The columns a Parquet input is read for: id, text, chat messages and sampling fields."""
-    return [c for c in (opts.id_field, opts.text_field, opts.messages_field, opts.sampling_field) if c]
+    return [c for c in (opts.id_field, opts.text_field, opts.messages_field, opts.sampling_field, opts.adapter_field)
+            if c]
 
 
 def id_key(value: Any) -> str:
@@ -187,7 +192,8 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions) -> tuple[list[Any]
     if set(map(type, texts)) != {str} or not all(texts) or any(map(str.isspace, texts)):
         return None
     if any(map(dict.__contains__, objs, repeat(CARRY_FIELD))) or \
-            any(map(dict.__contains__, objs, repeat(opts.sampling_field))):
+            any(map(dict.__contains__, objs, repeat(opts.sampling_field))) or \
+            any(map(dict.__contains__, objs, repeat(opts.adapter_field))):
         return None
     if opts.task == "chat":
         if opts.messages_field and any(map(dict.__contains__, objs, repeat(opts.messages_field))):
@@ -231,6 +237,13 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
     except (UnknownField, BadField) as e:
         return _bad(at, "invalid_request", str(e), rid)
     spelled = {name: f"{column}.{name}" for name in own.asked()}
+    adapter = obj.get(opts.adapter_field)
+    if adapter is not None:
+        problem = _unknown_adapter(adapter, opts, f"field {opts.adapter_field!r}")
+        if problem:
+            return _bad(at, "invalid_request", problem, rid)
+        spelled[ADAPTERS] = f"field {opts.adapter_field!r} (a LoRA adapter)"
+    asks = own.asked() | ({ADAPTERS} if adapter is not None else set())
     if opts.task == "chat" and opts.messages_field and opts.messages_field in obj:
         msgs = obj[opts.messages_field]
         problem = _messages_ok(msgs)
@@ -239,10 +252,10 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
         parts = _content_asks(msgs, opts.messages_field)
         if isinstance(parts, str):
             return _bad(at, "unsupported", f"engine {opts.engine} cannot honour {parts}", rid)
-        refused = _refused(opts, own.asked() | parts, {**spelled, IMAGES: "an image_url content part"})
+        refused = _refused(opts, asks | parts, {**spelled, IMAGES: "an image_url content part"})
         if refused:
             return _bad(at, "unsupported", refused, rid)
-        return Row(at=at, id=rid, request=_request(opts, own, messages=msgs), generated_id=generated)
+        return Row(at=at, id=rid, request=_request(opts, own, messages=msgs, adapter=adapter), generated_id=generated)
     if opts.text_field not in obj:
         wanted = f"{opts.text_field!r}" + (f" or {opts.messages_field!r}" if opts.messages_field else "")
         return _bad(at, "missing_text", f"no field {wanted}", rid)
@@ -251,26 +264,34 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
         return _bad(at, "invalid_text", f"field {opts.text_field!r} must be a string, got {type(text).__name__}", rid)
     if not text or text.isspace():
         return _bad(at, "empty_text", f"field {opts.text_field!r} is empty", rid)
-    refused = _refused(opts, own.asked(), spelled)
+    refused = _refused(opts, frozenset(asks), spelled)
     if refused:
         return _bad(at, "unsupported", refused, rid)
     if opts.task == "chat":
-        req = _request(opts, own, messages=[{"role": "user", "content": text}])
+        req = _request(opts, own, messages=[{"role": "user", "content": text}], adapter=adapter)
     else:
-        req = _request(opts, own, text=text)
+        req = _request(opts, own, text=text, adapter=adapter)
     return Row(at=at, id=rid, request=req, generated_id=generated)
 
 
 def _request(opts: InputOptions, own: Sampling, *, text: str | None = None,
-             messages: list[dict[str, Any]] | None = None) -> Request:
-    """A row's request: its own sampling fields over the spec's."""
+             messages: list[dict[str, Any]] | None = None, adapter: str | None = None) -> Request:
+    """A row's request: its own sampling fields over the spec's, and its adapter."""
     if own is NO_SAMPLING:
-        return Request(text, messages, opts.max_tokens, opts.temperature, opts.seed, opts.sampling)
+        return Request(text, messages, opts.max_tokens, opts.temperature, opts.seed, opts.sampling, adapter)
     s = own.over(opts.sampling)
     return Request(text, messages,
                    opts.max_tokens if own.max_tokens is None else own.max_tokens,
                    opts.temperature if own.temperature is None else own.temperature,
-                   opts.seed if own.seed is None else own.seed, s)
+                   opts.seed if own.seed is None else own.seed, s, adapter)
+
+
+def _unknown_adapter(name: Any, opts: InputOptions, where: str) -> str | None:
+    """Why `name` names no adapter of the job, or None when it does."""
+    if isinstance(name, str) and name in opts.adapters:
+        return None
+    known = ", ".join(sorted(opts.adapters)) if opts.adapters else "none: the job has no model.adapters"
+    return f"{where}: unknown adapter {json.dumps(name)[:80]} (model.adapters: {known})"
 
 
 def _refused(opts: InputOptions, asked: frozenset[str], spelled: dict[str, str]) -> str | None:
@@ -321,6 +342,16 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     own = ask.sampling
     asked = own.asked()
     spelled = {name: f"body.{key}" for key, name in _OPENAI_NAMES.items() if key in body and name in asked}
+    adapter = None
+    model = body.get("model")
+    if opts.adapters and model is not None and model != opts.model_name:
+        # With adapters, body.model picks one (or the base model by its name).
+        if model not in opts.adapters:
+            return _bad(at, "invalid_request", f"body.model: unknown model {json.dumps(model)[:80]} "
+                        f"(this job serves {opts.model_name} and adapters {', '.join(sorted(opts.adapters))})", cid)
+        adapter = model
+        asked |= {ADAPTERS}
+        spelled[ADAPTERS] = "body.model (a LoRA adapter)"
     if kind == "chat":
         msgs = body.get("messages")
         problem = _messages_ok(msgs)
@@ -345,8 +376,8 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     if refused:
         return _bad(at, "unsupported", refused, cid)
     if kind == "chat":
-        return Row(at=at, id=cid, request=_request(opts, own, messages=msgs), url=url)
-    return Row(at=at, id=cid, request=_request(opts, own, text=text), url=url)
+        return Row(at=at, id=cid, request=_request(opts, own, messages=msgs, adapter=adapter), url=url)
+    return Row(at=at, id=cid, request=_request(opts, own, text=text, adapter=adapter), url=url)
 
 
 # OpenAI body field -> the camelCase sampling name it sets (for messages that name the body field).
@@ -445,20 +476,21 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
     kind = OPENAI_URLS.get(row.url or "", opts.task)
     body: dict[str, Any]
+    served = row.request.adapter if row.request is not None and row.request.adapter else opts.model_name
     if kind == "embed":
-        body = {"object": "list", "model": opts.model_name,
+        body = {"object": "list", "model": served,
                 "data": [{"object": "embedding", "index": 0, "embedding": res.embedding}], "usage": usage}
     elif kind == "chat":
         choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": int(time.time()),
-                "model": opts.model_name,
+                "model": served,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.output},
                              "logprobs": _chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
                             for i, c in enumerate(choices)], "usage": usage}
     else:
         choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"cmpl-{digest}", "object": "text_completion", "created": int(time.time()),
-                "model": opts.model_name,
+                "model": served,
                 "choices": [{"index": i, "text": c.output, "logprobs": _completion_logprobs(c.logprobs),
                              "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
                 "usage": usage}

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from .adapters import AdapterError, fetch_adapters
 from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TERMINATED
 from .contract.plan import Plan
 from .contract.spec import JobSpec
@@ -42,8 +43,9 @@ from .worker import BadConfig, ShardOutcome, ShardWorker, StopFlag, load_plan
 log = logging.getLogger("bij.worker")
 
 
-def engine_config(spec: JobSpec) -> EngineConfig:
-    """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec)."""
+def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> EngineConfig:
+    """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec);
+    `adapters`: the local folders of spec.model.adapters, once fetched."""
     m = spec.model
     return EngineConfig(
         task=m.task,
@@ -58,6 +60,7 @@ def engine_config(spec: JobSpec) -> EngineConfig:
         device=os.environ.get("BIJ_DEVICE") or None,
         chat_template=m.chat_template,
         chat_template_kwargs=dict(m.chat_template_kwargs or {}),
+        adapters=dict(adapters or {}),
     )
 
 
@@ -129,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
             metrics.serve(args.metrics_port)
         engine_name = spec.model.engine
         try:
-            engine = create_engine(engine_name, engine_config(spec))
+            # Once per pod, before the model loads: a missing adapter fails the lane at start.
+            adapters = fetch_adapters(spec.model.adapters, spec.storage.s3) if spec.model.adapters else {}
+        except AdapterError as e:
+            raise BadConfig(str(e)) from None
+        try:
+            engine = create_engine(engine_name, engine_config(spec, adapters))
         except ValueError as e:
             raise BadConfig(str(e)) from None
         refused = refusal(engine_name, spec.model.own_sampling().asked(), engine.honours,

@@ -24,6 +24,7 @@ from typing import Any
 
 # Capabilities beyond sampling that a request may need (checked like sampling fields).
 IMAGES = "images"
+ADAPTERS = "adapters"  # a row that names a LoRA adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,7 @@ def _camel(name: str) -> str:
 CAMEL = {f.name: _camel(f.name) for f in fields(Sampling)}
 SNAKE = {v: k for k, v in CAMEL.items()}
 # Every field an engine can be asked to honour: sampling fields and capabilities.
-ALL_FIELDS: tuple[str, ...] = (*CAMEL.values(), IMAGES)
+ALL_FIELDS: tuple[str, ...] = (*CAMEL.values(), IMAGES, ADAPTERS)
 
 
 class BadField(ValueError):

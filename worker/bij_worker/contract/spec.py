@@ -105,6 +105,8 @@ class InputSpec(_Model):
     messages_field: str | None = None
     # A row's own sampling fields (an object with model.sampling's keys), over the spec's.
     sampling_field: str = "sampling"
+    # A row's LoRA adapter (a name from model.adapters); OpenAI lines name it in body.model.
+    adapter_field: str = "adapter"
     # A longer line is an error row (its bytes are never held in memory).
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31)
 
@@ -140,6 +142,9 @@ class VllmOptions(_Model):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     dtype: str = "auto"
+    # LoRA (with model.adapters): adapters in one batch, and the largest rank (vLLM's max_loras, max_lora_rank).
+    max_loras: int | None = Field(None, ge=1)
+    max_lora_rank: int | None = Field(None, ge=1)
 
     @property
     def gpus(self) -> int:
@@ -186,6 +191,21 @@ class SamplingSpec(_Model):
         return self
 
 
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class AdapterSpec(_Model):
+    """A LoRA adapter rows may ask for by name: a folder as PEFT saves it (file:// or s3://)."""
+
+    name: str = Field(pattern=ADAPTER_NAME)
+    uri: str
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_scheme(cls, uri: str) -> str:
+        return _check_uri(uri)
+
+
 class StructuredOutputSpec(_Model):
     """Constrained decoding for every row (`model.structuredOutput`): exactly one of these."""
 
@@ -216,6 +236,8 @@ class ModelSpec(_Model):
     chat_template_kwargs: dict[str, Any] | None = None
     # Every row's output follows this (a row's own response_format or structuredOutput wins).
     structured_output: StructuredOutputSpec | None = None
+    # LoRA adapters a row may name (OpenAI body.model, or input.adapterField); fetched once per pod.
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
     vllm: VllmOptions = VllmOptions()
     simulated: SimulatedOptions = SimulatedOptions()
 
@@ -247,6 +269,14 @@ class ModelSpec(_Model):
         if both:
             names = ", ".join(f"model.{to_camel(k)} and model.sampling.{to_camel(k)}" for k in both)
             raise ValueError(f"{names} both set: set one")
+        adapter_names = [a.name for a in self.adapters]
+        dup = sorted({n for n in adapter_names if adapter_names.count(n) > 1})
+        if dup:
+            raise ValueError(f"model.adapters: the name {dup[0]!r} is used twice")
+        if self.name is not None and self.name in adapter_names:
+            raise ValueError(f"model.adapters: {self.name!r} is the base model's name")
+        if self.adapters and self.engine not in ("transformers", "vllm"):
+            raise ValueError(f"model.adapters needs engine transformers or vllm, not {self.engine}")
         asked = self.own_sampling().asked()
         if self.task == "embed" and asked:
             names = ", ".join("model.structuredOutput" if a == "structuredOutput" else f"model.sampling.{a}"

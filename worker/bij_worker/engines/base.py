@@ -24,6 +24,7 @@ class Request:
     # Every sampling field in force for this row (spec defaults under the row's own); the three
     # above are its resolved max_tokens, temperature and seed.
     sampling: Sampling = NO_SAMPLING
+    adapter: str | None = None  # a LoRA adapter's name (spec.model.adapters); None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,8 @@ class EngineConfig:
     # Chat prompts: a template instead of the tokenizer's own, and variables it reads.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # LoRA adapters by name: their local folders (fetched by the worker before the engine loads).
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 class Engine(Protocol):

@@ -17,6 +17,8 @@ For small models, CPU runs and tests. Choices a user can observe:
   uses by default, so both engines accept the same grammars; JSON comes out compact (no
   free whitespace, which a weak model could emit forever). Without xgrammar installed the
   engine does not honour it and such rows are refused.
+- LoRA adapters (spec.model.adapters) load once with PEFT; rows are grouped by adapter, so a
+  batch runs one adapter (or the base model, with the adapters disabled).
 - Seeds are per batch: `torch.manual_seed` runs before each sampled batch with the
   first row's seed (else `config.seed`). The same batch gives the same answers; a
   row's sample can change when it lands in a different batch.
@@ -29,6 +31,7 @@ For small models, CPU runs and tests. Choices a user can observe:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
@@ -68,6 +71,8 @@ class TransformersEngine:
         self._bad_grammars: dict[tuple[str, str], str] = {}
         if importlib.util.find_spec("xgrammar") is not None:
             self.honours = self.honours | {"structuredOutput"}
+        if config.adapters and importlib.util.find_spec("peft") is not None:
+            self.honours = self.honours | {"adapters"}
 
     def load(self) -> None:
         """Load tokenizer and model once; later calls are no-ops."""
@@ -113,6 +118,16 @@ class TransformersEngine:
         )
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self._max_positions = getattr(text_config, "max_position_embeddings", None)
+        if self.config.adapters:
+            from peft import PeftModel
+
+            # Every adapter is loaded once; a batch runs one of them (set_adapter) or none.
+            adapters = iter(self.config.adapters.items())
+            first, path = next(adapters)
+            model = PeftModel.from_pretrained(model, path, adapter_name=first)
+            for name, path in adapters:
+                model.load_adapter(path, adapter_name=name)
+            model.eval()
         self.tokenizer = tokenizer
         self.model = model
 
@@ -183,7 +198,8 @@ class TransformersEngine:
         import torch
         from transformers import StoppingCriteriaList
 
-        temperature, top_p, top_k, min_p, repetition_penalty, stop, n, want_logprobs, top_logprobs, structured = knobs
+        (temperature, top_p, top_k, min_p, repetition_penalty, stop, n, want_logprobs, top_logprobs, structured,
+         adapter) = knobs
         # n sampled answers per row; greedy answers are all the same, so one is made and repeated.
         sampled = n if temperature > 0 else 1
         model, tok = self.model, self.tokenizer
@@ -232,7 +248,7 @@ class TransformersEngine:
             kwargs.update(return_dict_in_generate=True, output_logits=True)
         logits: Any = ()
         if max_new > 0:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._adapter(adapter):
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
             if want_logprobs:
                 out, logits = out.sequences, out.logits
@@ -275,6 +291,15 @@ class TransformersEngine:
                                   completion_tokens=sum(c.completion_tokens for c in mine),
                                   extra={"finish_reason": mine[0].finish_reason}, choices=mine))
         return results
+
+    def _adapter(self, name: str | None) -> Any:
+        """A context in which generate runs the LoRA adapter `name`, or the base model for None."""
+        if not self.config.adapters:
+            return contextlib.nullcontext()
+        if name is None:
+            return self.model.disable_adapter()
+        self.model.set_adapter(name)
+        return contextlib.nullcontext()
 
     def _grammar_problem(self, structured: tuple[str, str]) -> str | None:
         """Compile a row's grammar once (cached by its text); why it cannot be compiled, else None."""
@@ -362,7 +387,7 @@ def _knobs(req: Request) -> tuple[Any, ...]:
     temp = 0.0 if req.temperature < GREEDY_EPS else req.temperature
     return (temp, 1.0 if s.top_p is None else s.top_p, s.top_k or 0, s.min_p or 0.0,
             1.0 if s.repetition_penalty is None else s.repetition_penalty, s.stop or (), s.n or 1,
-            bool(s.logprobs), s.top_logprobs or 0, s.structured_output is not None)
+            bool(s.logprobs), s.top_logprobs or 0, s.structured_output is not None, req.adapter)
 
 
 def _stop_at(tok: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[int, str] | None:

@@ -58,6 +58,8 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
     kwargs: dict[str, Any] = {"model": config.name, "seed": config.seed}
     for key, value in config.vllm.items():
         kwargs[snake_case(key)] = value
+    if config.adapters:
+        kwargs["enable_lora"] = True
     if config.task == "embed":
         if has_runner:
             kwargs["runner"] = "pooling"
@@ -142,6 +144,10 @@ class VllmEngine:
         llm_kwargs(config)  # a missing model name fails here, before any GPU work
         self.config = config
         self.honours = frozenset() if config.task == "embed" else self.GENERATION_FIELDS
+        if config.adapters and config.task != "embed":
+            self.honours = self.honours | {"adapters"}
+        # One LoRARequest per adapter, ids 1.. in name order (vLLM keys its adapter cache by id).
+        self._loras: dict[str, Any] = {}
         self.llm: Any = None
         self.tokenizer: Any = None
         self._max_model_len: int | None = None
@@ -219,7 +225,8 @@ class VllmEngine:
             params = self._pooling_params()
         else:
             params = self._sampling_params([request])[0]
-        llm.llm_engine.add_request(str(tag), {"prompt_token_ids": prompt}, params)
+        llm.llm_engine.add_request(str(tag), {"prompt_token_ids": prompt}, params,
+                                   **({"lora_request": self._lora(request.adapter)} if request.adapter else {}))
         if request.sampling.logprobs and request.sampling.top_logprobs:
             self._top[tag] = request.sampling.top_logprobs
         if request.sampling.n and request.sampling.n > 1:
@@ -249,6 +256,23 @@ class VllmEngine:
                 done.append((tag, self._result(out, self._top.pop(tag, 0))))
         self._unfinished -= len(done)
         return done
+
+    def _loras_of(self, requests: list[Request]) -> dict[str, Any]:
+        """`lora_request` for LLM.generate/chat: one per row (None: the base model), when any row has one."""
+        if not any(r.adapter for r in requests):
+            return {}
+        return {"lora_request": [self._lora(r.adapter) for r in requests]}
+
+    def _lora(self, name: str | None) -> Any:
+        """vLLM's LoRARequest for adapter `name` (None: the base model)."""
+        if name is None:
+            return None
+        if not self._loras:
+            from vllm.lora.request import LoRARequest
+
+            self._loras = {n: LoRARequest(n, i, path)
+                           for i, (n, path) in enumerate(sorted(self.config.adapters.items()), start=1)}
+        return self._loras[name]
 
     def _pooling_params(self) -> Any:
         if self._params is None:
@@ -303,6 +327,7 @@ class VllmEngine:
                         [{"prompt_token_ids": prompts[i]} for i in idx],
                         sampling_params=[params[i] for i in idx],
                         use_tqdm=False,
+                        **self._loras_of([requests[i] for i in idx]),
                     )
                 )
 
@@ -313,6 +338,7 @@ class VllmEngine:
                 def call(idx: list[int]) -> list[Any]:
                     convs = [requests[i].messages or chat_messages(requests[i]) for i in idx]
                     return list(llm.chat(convs, sampling_params=[params[i] for i in idx], use_tqdm=False,
+                                         **self._loras_of([requests[i] for i in idx]),
                                          chat_template=self.config.chat_template,
                                          chat_template_kwargs=self.config.chat_template_kwargs or None))
 
