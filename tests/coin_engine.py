@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from bij_worker.engines.base import EngineConfig, Request, Result, estimate_tokens, request_text
+from bij_worker.engines.base import BASIC_SAMPLING, EngineConfig, Request, Result, estimate_tokens, request_text
 
 
 def coin(text: str, seed: int | None) -> int:
@@ -35,6 +35,7 @@ def approve_pattern(rate_percent: int) -> str:
 class CoinEngine:
     name = "coin"
     schedules_itself = False
+    honours = BASIC_SAMPLING
 
     def __init__(self, config: EngineConfig):
         self.config = config

@@ -451,7 +451,7 @@ class RecordingEcho:
         from bij_worker.engines.echo import EchoEngine
 
         self.inner = EchoEngine(EngineConfig(task=task, max_input_tokens=max_input_tokens, truncate=truncate))
-        self.name, self.schedules_itself = "echo", False
+        self.name, self.schedules_itself, self.honours = "echo", False, self.inner.honours
         self.fail_on = fail_on
         self.batches: list[list[str]] = []
 

@@ -24,6 +24,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 from bij_worker.engines import create_engine  # noqa: E402
 from bij_worker.engines.base import EngineConfig, Request, Result  # noqa: E402
 from bij_worker.engines.echo import ECHO_DIM, EchoEngine  # noqa: E402
+from bij_worker.sampling import Sampling  # noqa: E402
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 TEMPLATE_WORDS = ["user", "assistant", "system", ":"]
@@ -365,6 +366,45 @@ def test_sampling_repeats_with_the_same_seed_and_varies_with_another(random_mode
     assert sample(7) != sample(8)
 
 
+def test_transformers_stop_string_cuts_the_text_and_counts_the_tokens_to_it(wired_model: Path) -> None:
+    engine = tf_engine(wired_model)
+    stop = Sampling(stop=("d",))
+    cut, two, never, plain = engine.run([
+        Request(text="a", max_tokens=10, sampling=stop),
+        Request(text="a", max_tokens=10, sampling=Sampling(stop=("z", "e f"))),
+        Request(text="a", max_tokens=10, sampling=Sampling(stop=("x",))),
+        Request(text="a", max_tokens=10),
+    ])
+    assert plain.output == "b c d e f g h"
+    # a -> b c d: generation ends at the stop string, which is not part of the text.
+    assert (cut.output, cut.completion_tokens, cut.extra["finish_reason"]) == ("b c ", 3, "stop")
+    assert (two.output, two.completion_tokens) == ("b c d ", 5)
+    assert (never.output, never.completion_tokens) == (plain.output, plain.completion_tokens)
+
+
+def test_transformers_top_k_one_samples_the_greedy_answer(random_model: Path) -> None:
+    engine = tf_engine(random_model)
+    texts = ("a", "b c", "x y z")
+    greedy = [r.output for r in engine.run([Request(text=t, max_tokens=16) for t in texts])]
+
+    def sample(**knobs: Any) -> list[str | None]:
+        reqs = [Request(text=t, max_tokens=16, temperature=1.5, seed=3, sampling=Sampling(**knobs)) for t in texts]
+        return [r.output for r in engine.run(reqs)]
+
+    assert sample() != greedy  # at temperature 1.5 the random model wanders off the greedy path
+    assert sample(top_k=1) == greedy
+    assert sample(top_p=1e-6) == greedy  # the nucleus holds only the most likely token
+
+
+def test_transformers_repetition_penalty_changes_what_a_looping_model_says(random_model: Path) -> None:
+    engine = tf_engine(random_model)
+    reqs = [Request(text=t, max_tokens=24) for t in ("a", "b c", "x y z")]
+    plain = [r.output for r in engine.run(reqs)]
+    penalised = [r.output for r in engine.run([Request(text=r.text, max_tokens=24,
+                                                       sampling=Sampling(repetition_penalty=1.9)) for r in reqs])]
+    assert plain != penalised
+
+
 def test_transformers_refuses_embed_and_needs_a_model_name() -> None:
     with pytest.raises(ValueError, match="embed"):
         create_engine("transformers", EngineConfig(task="embed", name="x"))
@@ -450,6 +490,7 @@ def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
 class _Completion:
     def __init__(self, text: str, token_ids: list[int], finish_reason: str = "stop"):
         self.text, self.token_ids, self.finish_reason = text, token_ids, finish_reason
+        self.index, self.logprobs = 0, None  # vLLM's CompletionOutput: which of n, logprobs when asked
 
 
 class _Output:
@@ -765,3 +806,53 @@ def test_vllm_embeds_with_a_pooling_model(real_vllm: Any, wired_model: Path) -> 
         assert isinstance(res, Result) and vec is not None and len(vec) == 128
         # Hidden state = one-hot of the token (the wiring), so the embedding points at it.
         assert max(range(128), key=lambda k: vec[k]) == IDS[text.split()[-1]]
+
+
+def test_transformers_n_answers_are_sampled_apart_and_greedy_ones_repeat(random_model: Path) -> None:
+    engine = tf_engine(random_model)
+    sampled, greedy = engine.run([
+        Request(text="a b", max_tokens=12, temperature=1.5, seed=5, sampling=Sampling(n=3)),
+        Request(text="x", max_tokens=12, sampling=Sampling(n=2)),
+    ])
+    assert sampled.choices is not None and len(sampled.choices) == 3
+    assert len({c.output for c in sampled.choices}) > 1
+    assert sampled.output == sampled.choices[0].output
+    assert sampled.completion_tokens == sum(c.completion_tokens for c in sampled.choices)
+    (alone,) = engine.run([Request(text="x", max_tokens=12)])
+    assert greedy.choices is not None and [c.output for c in greedy.choices] == [alone.output] * 2
+
+
+def test_transformers_logprobs_are_the_models_and_finite(wired_model: Path, random_model: Path) -> None:
+    import math
+
+    engine = tf_engine(wired_model)
+    (res,) = engine.run([Request(text="a", max_tokens=3, sampling=Sampling(logprobs=True, top_logprobs=2))])
+    (choice,) = res.choices or []
+    assert choice.output == "b c d" and choice.logprobs is not None
+    # The wired model is sure of each token's successor: logprob about 0, every other token far below.
+    assert [t.token for t in choice.logprobs] == ["b", "c", "d"]
+    assert all(-1e-3 < t.logprob <= 0 for t in choice.logprobs)
+    assert [t.top[0] for t in choice.logprobs] == [(t.token, t.logprob) for t in choice.logprobs]
+    assert all(len(t.top) == 2 and t.top[1][1] < -50 for t in choice.logprobs)
+
+    engine = tf_engine(random_model)
+    reqs = [Request(text=t, max_tokens=8, temperature=1.0, seed=1, sampling=Sampling(n=2, logprobs=True))
+            for t in ("a", "x y")]
+    for res in engine.run(reqs):
+        for c in res.choices or []:
+            assert c.logprobs is not None and len(c.logprobs) == c.completion_tokens
+            assert all(math.isfinite(t.logprob) and t.logprob <= 0 and t.top == () for t in c.logprobs)
+
+
+def test_chat_template_and_its_variables_from_the_spec_replace_the_tokenizers(tmp_path: Path) -> None:
+    path = build_model(tmp_path, chat_template=False)
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                "{% if stop_at_x %}x{% endif %}")
+    plain = tf_engine(path, task="chat", chat_template=template)
+    (res,) = plain.run([Request(messages=[{"role": "user", "content": "a b"}])])
+    # <s> a b: the successor model goes on from b
+    assert (res.output, res.prompt_tokens) == ("c d e f g h", 3)
+    switched = tf_engine(path, task="chat", chat_template=template, chat_template_kwargs={"stop_at_x": True})
+    (res,) = switched.run([Request(messages=[{"role": "user", "content": "a b"}])])
+    assert (res.output, res.prompt_tokens) == ("", 4)  # x is followed by </s>
+    assert switched.count_tokens([Request(messages=[{"role": "user", "content": "a b"}])]) == [4]

@@ -59,10 +59,10 @@ def test_a_bad_plain_row_becomes_an_error_with_its_reason(line, code, message):
      "method must be POST"),
     ({"custom_id": "a", "url": "/v1/chat/completions",
       "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}}, "invalid_request",
-     "max_tokens must be a positive integer"),
+     "body.max_tokens must be an integer at least 1, got 0"),
     ({"custom_id": "a", "url": "/v1/chat/completions",
       "body": {"messages": [{"role": "user", "content": "x"}], "temperature": 3}}, "invalid_request",
-     "temperature must be a number from 0 to 2"),
+     "body.temperature must be in [0, 2], got 3"),
 ])
 def test_a_bad_openai_request_becomes_an_error_with_its_reason(body, code, message):
     row = parse(body, InputOptions(format="openai", task="chat"))

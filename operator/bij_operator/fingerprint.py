@@ -24,13 +24,16 @@ from bij_worker.storage import ObjectInfo
 
 ROW_FIELDS = (
     "input.uri", "input.format", "input.idField", "input.textField", "input.messagesField", "input.maxLineBytes",
+    "input.samplingField", "input.adapterField",
     "output.uri",
     "model.engine", "model.name", "model.task", "model.maxTokens", "model.temperature", "model.seed",
+    "model.sampling", "model.structuredOutput", "model.chatTemplate", "model.chatTemplateKwargs", "model.adapters",
     "model.maxInputTokens", "model.truncate", "model.vllm.maxModelLen", "model.vllm.quantization", "model.vllm.dtype",
     "judge",
 )
 # Fields younger than some plans: a plan without them ran with these values.
-_ADDED_LATER = {"input.maxLineBytes": DEFAULT_MAX_LINE_BYTES}
+_ADDED_LATER: dict[str, Any] = {"input.maxLineBytes": DEFAULT_MAX_LINE_BYTES, "input.samplingField": "sampling",
+                                "model.sampling": {}, "input.adapterField": "adapter", "model.adapters": []}
 
 
 class PlanRefused(BijError):

@@ -3,6 +3,10 @@
 A bad row never stops a shard: it becomes an error row that says what is wrong
 and where the row is (object and byte offset). Rows without an id get a stable
 one from their place, ``<object name>:<byte offset>``, the same on every run.
+
+Each row's request is built here, once: its content, and its sampling fields from the
+spec, the OpenAI body or the sampling column (`sampling.py`). A field bij does not know
+is an ``invalid_request`` row; one the engine cannot honour, an ``unsupported`` row.
 """
 
 from __future__ import annotations
@@ -10,13 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .engines.base import Request, Result
+from .engines.base import Choice, Request, Result, TokenLogprob
+from .sampling import ADAPTERS, IMAGES, NO_SAMPLING, BadField, Sampling, UnknownField, from_column, from_openai, refusal
 
 if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
     from .contract.spec import JobSpec
@@ -62,28 +67,44 @@ class InputOptions:
     seed: int = 0
     model_name: str = "bij"
     truncate: bool = True  # prompts over the token limit are cut (and marked) rather than refused
+    sampling_field: str = "sampling"  # a JSONL/Parquet row's own sampling fields (spec keys)
+    sampling: Sampling = NO_SAMPLING  # the spec's sampling defaults, every field resolved
+    # The engine that will run the rows and the fields it honours (None: rows are not checked
+    # against an engine, as in a publish pass).
+    engine: str = ""
+    honours: frozenset[str] | None = None
+    adapter_field: str = "adapter"  # a plain row's LoRA adapter name
+    adapters: frozenset[str] = frozenset()  # spec.model.adapters' names
 
     @classmethod
-    def from_spec(cls, spec: JobSpec) -> InputOptions:
-        """From the job's spec (as carried in the round plan)."""
+    def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None) -> InputOptions:
+        """From the job's spec (as carried in the round plan), checked against `engine`'s `honours`."""
         inp, model = spec.input, spec.model
+        sampling = model.resolved_sampling()
         return cls(
             format=inp.format,
             id_field=inp.id_field,
             text_field=inp.text_field,
             messages_field=inp.messages_field,
             task=model.task,
-            max_tokens=model.max_tokens,
-            temperature=model.temperature,
-            seed=model.seed,
+            max_tokens=sampling.max_tokens or model.max_tokens,
+            temperature=model.temperature if sampling.temperature is None else sampling.temperature,
+            seed=model.seed if sampling.seed is None else sampling.seed,
             model_name=model.name or model.engine,
             truncate=model.truncates,
+            sampling_field=inp.sampling_field,
+            sampling=sampling,
+            adapter_field=inp.adapter_field,
+            adapters=frozenset(a.name for a in model.adapters),
+            engine=engine or model.engine,
+            honours=honours,
         )
 
 
 def parquet_columns(opts: InputOptions) -> list[str]:
-    """The columns a Parquet input is read for: id, text and chat messages."""
-    return [c for c in (opts.id_field, opts.text_field, opts.messages_field) if c]
+    """The columns a Parquet input is read for: id, text, chat messages and sampling fields."""
+    return [c for c in (opts.id_field, opts.text_field, opts.messages_field, opts.sampling_field, opts.adapter_field)
+            if c]
 
 
 def id_key(value: Any) -> str:
@@ -170,16 +191,18 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions) -> tuple[list[Any]
     texts: list[str] = list(map(dict.get, objs, repeat(opts.text_field)))  # type: ignore[arg-type]
     if set(map(type, texts)) != {str} or not all(texts) or any(map(str.isspace, texts)):
         return None
-    if any(map(dict.__contains__, objs, repeat(CARRY_FIELD))):
+    if any(map(dict.__contains__, objs, repeat(CARRY_FIELD))) or \
+            any(map(dict.__contains__, objs, repeat(opts.sampling_field))) or \
+            any(map(dict.__contains__, objs, repeat(opts.adapter_field))):
         return None
     if opts.task == "chat":
         if opts.messages_field and any(map(dict.__contains__, objs, repeat(opts.messages_field))):
             return None
-        requests = [Request(None, [{"role": "user", "content": text}], opts.max_tokens, opts.temperature, opts.seed)
-                    for text in texts]
+        requests = [Request(None, [{"role": "user", "content": text}], opts.max_tokens, opts.temperature, opts.seed,
+                            opts.sampling) for text in texts]
     else:
         requests = list(map(Request, texts, repeat(None), repeat(opts.max_tokens), repeat(opts.temperature),
-                            repeat(opts.seed)))
+                            repeat(opts.seed), repeat(opts.sampling)))
     return ids, requests
 
 
@@ -208,13 +231,31 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
         if not _valid_id(rid):
             return _bad(at, "invalid_id", f"field {opts.id_field!r} must be a non-empty string or an integer, "
                         f"got {json.dumps(rid)[:80]}")
+    column = opts.sampling_field
+    try:
+        own = from_column(obj.get(column), column)
+    except (UnknownField, BadField) as e:
+        return _bad(at, "invalid_request", str(e), rid)
+    spelled = {name: f"{column}.{name}" for name in own.asked()}
+    adapter = obj.get(opts.adapter_field)
+    if adapter is not None:
+        problem = _unknown_adapter(adapter, opts, f"field {opts.adapter_field!r}")
+        if problem:
+            return _bad(at, "invalid_request", problem, rid)
+        spelled[ADAPTERS] = f"field {opts.adapter_field!r} (a LoRA adapter)"
+    asks = own.asked() | ({ADAPTERS} if adapter is not None else set())
     if opts.task == "chat" and opts.messages_field and opts.messages_field in obj:
         msgs = obj[opts.messages_field]
         problem = _messages_ok(msgs)
         if problem:
             return _bad(at, "invalid_messages", f"field {opts.messages_field!r} {problem}", rid)
-        req = Request(messages=msgs, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed)
-        return Row(at=at, id=rid, request=req, generated_id=generated)
+        parts = _content_asks(msgs, opts.messages_field)
+        if isinstance(parts, str):
+            return _bad(at, "unsupported", f"engine {opts.engine} cannot honour {parts}", rid)
+        refused = _refused(opts, asks | parts, {**spelled, IMAGES: "an image_url content part"})
+        if refused:
+            return _bad(at, "unsupported", refused, rid)
+        return Row(at=at, id=rid, request=_request(opts, own, messages=msgs, adapter=adapter), generated_id=generated)
     if opts.text_field not in obj:
         wanted = f"{opts.text_field!r}" + (f" or {opts.messages_field!r}" if opts.messages_field else "")
         return _bad(at, "missing_text", f"no field {wanted}", rid)
@@ -223,12 +264,60 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
         return _bad(at, "invalid_text", f"field {opts.text_field!r} must be a string, got {type(text).__name__}", rid)
     if not text or text.isspace():
         return _bad(at, "empty_text", f"field {opts.text_field!r} is empty", rid)
+    refused = _refused(opts, frozenset(asks), spelled)
+    if refused:
+        return _bad(at, "unsupported", refused, rid)
     if opts.task == "chat":
-        req = Request(messages=[{"role": "user", "content": text}], max_tokens=opts.max_tokens,
-                      temperature=opts.temperature, seed=opts.seed)
+        req = _request(opts, own, messages=[{"role": "user", "content": text}], adapter=adapter)
     else:
-        req = Request(text=text, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed)
+        req = _request(opts, own, text=text, adapter=adapter)
     return Row(at=at, id=rid, request=req, generated_id=generated)
+
+
+def _request(opts: InputOptions, own: Sampling, *, text: str | None = None,
+             messages: list[dict[str, Any]] | None = None, adapter: str | None = None) -> Request:
+    """A row's request: its own sampling fields over the spec's, and its adapter."""
+    if own is NO_SAMPLING:
+        return Request(text, messages, opts.max_tokens, opts.temperature, opts.seed, opts.sampling, adapter)
+    s = own.over(opts.sampling)
+    return Request(text, messages,
+                   opts.max_tokens if own.max_tokens is None else own.max_tokens,
+                   opts.temperature if own.temperature is None else own.temperature,
+                   opts.seed if own.seed is None else own.seed, s, adapter)
+
+
+def _unknown_adapter(name: Any, opts: InputOptions, where: str) -> str | None:
+    """Why `name` names no adapter of the job, or None when it does."""
+    if isinstance(name, str) and name in opts.adapters:
+        return None
+    known = ", ".join(sorted(opts.adapters)) if opts.adapters else "none: the job has no model.adapters"
+    return f"{where}: unknown adapter {json.dumps(name)[:80]} (model.adapters: {known})"
+
+
+def _refused(opts: InputOptions, asked: frozenset[str], spelled: dict[str, str]) -> str | None:
+    """The `unsupported` message when the engine cannot honour what the row asks."""
+    if opts.honours is None or not asked:
+        return None
+    return refusal(opts.engine, asked, opts.honours, spelled)
+
+
+def _content_asks(msgs: list[dict[str, Any]], where: str) -> frozenset[str] | str:
+    """What chat content parts ask of the engine: images (an image_url part), or the name of a part
+    no engine here can take (audio, files). Text parts ask nothing."""
+    asks: set[str] = set()
+    for i, m in enumerate(msgs):
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                continue
+            if kind == "image_url":
+                asks.add(IMAGES)
+            else:
+                return f"{where}[{i}].content[{j}] of type {kind!r} (only text and image_url parts are known)"
+    return frozenset(asks)
 
 
 def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOptions) -> Row:
@@ -246,27 +335,57 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     body = obj.get("body")
     if not isinstance(body, dict):
         return _bad(at, "invalid_request", "body must be an object", cid)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", opts.max_tokens))
-    temperature = body.get("temperature", opts.temperature)
-    seed = body.get("seed", opts.seed)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        return _bad(at, "invalid_request", "body.max_tokens must be a positive integer", cid)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
-        return _bad(at, "invalid_request", "body.temperature must be a number from 0 to 2", cid)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        return _bad(at, "invalid_request", "body.seed must be an integer", cid)
-    base = Request(max_tokens=max_tokens, temperature=float(temperature), seed=seed)
+    try:
+        ask = from_openai(body, kind)
+    except (UnknownField, BadField) as e:
+        return _bad(at, "invalid_request", str(e), cid)
+    own = ask.sampling
+    asked = own.asked()
+    spelled = {name: f"body.{key}" for key, name in _OPENAI_NAMES.items() if key in body and name in asked}
+    adapter = None
+    model = body.get("model")
+    if opts.adapters and model is not None and model != opts.model_name:
+        # With adapters, body.model picks one (or the base model by its name).
+        if model not in opts.adapters:
+            return _bad(at, "invalid_request", f"body.model: unknown model {json.dumps(model)[:80]} "
+                        f"(this job serves {opts.model_name} and adapters {', '.join(sorted(opts.adapters))})", cid)
+        adapter = model
+        asked |= {ADAPTERS}
+        spelled[ADAPTERS] = "body.model (a LoRA adapter)"
     if kind == "chat":
         msgs = body.get("messages")
         problem = _messages_ok(msgs)
         if problem:
             return _bad(at, "invalid_request", f"body.messages {problem}", cid)
-        return Row(at=at, id=cid, request=replace(base, messages=msgs), url=url)
-    field = "input" if kind == "embed" else "prompt"
-    text = body.get(field)
-    if not isinstance(text, str) or not text.strip():
-        return _bad(at, "invalid_request", f"body.{field} must be a non-empty string", cid)
-    return Row(at=at, id=cid, request=replace(base, text=text), url=url)
+        assert isinstance(msgs, list)
+        parts = _content_asks(msgs, "body.messages")
+        if isinstance(parts, str):
+            return _bad(at, "unsupported", f"engine {opts.engine or 'here'} cannot honour {parts}", cid)
+        asked |= parts
+        spelled[IMAGES] = "an image_url content part"
+    else:
+        field = "input" if kind == "embed" else "prompt"
+        text = body.get(field)
+        if not isinstance(text, str) or not text.strip():
+            return _bad(at, "invalid_request", f"body.{field} must be a non-empty string", cid)
+    if ask.unhonoured:
+        # Known OpenAI fields that no engine here honours: refused whatever the engine.
+        return _bad(at, "unsupported", f"engine {opts.engine or 'here'} cannot honour {', '.join(ask.unhonoured)}",
+                    cid)
+    refused = _refused(opts, asked, spelled)
+    if refused:
+        return _bad(at, "unsupported", refused, cid)
+    if kind == "chat":
+        return Row(at=at, id=cid, request=_request(opts, own, messages=msgs, adapter=adapter), url=url)
+    return Row(at=at, id=cid, request=_request(opts, own, text=text, adapter=adapter), url=url)
+
+
+# OpenAI body field -> the camelCase sampling name it sets (for messages that name the body field).
+_OPENAI_NAMES = {"max_tokens": "maxTokens", "max_completion_tokens": "maxTokens", "temperature": "temperature",
+                 "seed": "seed", "top_p": "topP", "top_k": "topK", "min_p": "minP", "stop": "stop",
+                 "presence_penalty": "presencePenalty", "frequency_penalty": "frequencyPenalty",
+                 "repetition_penalty": "repetitionPenalty", "n": "n", "logprobs": "logprobs",
+                 "top_logprobs": "topLogprobs", "response_format": "structuredOutput"}
 
 
 def row_id(row: dict[str, Any]) -> Any:
@@ -303,9 +422,50 @@ def plain_result(rid: Any, res: Result, truncated: bool = False) -> dict[str, An
     usage = _usage(res)
     if usage:
         out["usage"] = usage
+    if res.choices is not None:
+        out["choices"] = [_plain_choice(i, c) for i, c in enumerate(res.choices)]
     if truncated:
         out["truncated"] = True
     return out
+
+
+def _plain_choice(i: int, c: Choice) -> dict[str, Any]:
+    """One of a plain result row's `choices`: index, output, finish_reason, completion_tokens, logprobs."""
+    out: dict[str, Any] = {"index": i, "output": c.output, "finish_reason": c.finish_reason,
+                           "completion_tokens": c.completion_tokens}
+    if c.logprobs is not None:
+        out["logprobs"] = [{"token": t.token, "logprob": t.logprob,
+                            "top_logprobs": [{"token": s, "logprob": lp} for s, lp in t.top]} for t in c.logprobs]
+    return out
+
+
+def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI chat `choices[i].logprobs`: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if lps is None:
+        return None
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8")),
+                         "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+                                          for s, lp in t.top]} for t in lps], "refusal": None}
+
+
+def _completion_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI completions `choices[i].logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    if lps is None:
+        return None
+    offsets, at = [], 0
+    for t in lps:
+        offsets.append(at)
+        at += len(t.token)
+    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [dict(t.top) for t in lps], "text_offset": offsets}
+
+
+def _choices(res: Result, max_tokens: int) -> list[Choice]:
+    """A result's answers: its `choices`, or its one output."""
+    if res.choices is not None:
+        return res.choices
+    finish = res.extra.get("finish_reason") or ("length" if (res.completion_tokens or 0) >= max_tokens else "stop")
+    return [Choice(output=res.output or "", completion_tokens=res.completion_tokens or 0, finish_reason=finish)]
 
 
 def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
@@ -316,20 +476,23 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
     kind = OPENAI_URLS.get(row.url or "", opts.task)
     body: dict[str, Any]
-    finish = res.extra.get("finish_reason") or (
-        "length" if (res.completion_tokens or 0) >= (row.request.max_tokens if row.request else 0) else "stop")
+    served = row.request.adapter if row.request is not None and row.request.adapter else opts.model_name
     if kind == "embed":
-        body = {"object": "list", "model": opts.model_name,
+        body = {"object": "list", "model": served,
                 "data": [{"object": "embedding", "index": 0, "embedding": res.embedding}], "usage": usage}
     elif kind == "chat":
+        choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": int(time.time()),
-                "model": opts.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.output},
-                             "logprobs": None, "finish_reason": finish}], "usage": usage}
+                "model": served,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.output},
+                             "logprobs": _chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                            for i, c in enumerate(choices)], "usage": usage}
     else:
+        choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"cmpl-{digest}", "object": "text_completion", "created": int(time.time()),
-                "model": opts.model_name,
-                "choices": [{"index": 0, "text": res.output, "logprobs": None, "finish_reason": finish}],
+                "model": served,
+                "choices": [{"index": i, "text": c.output, "logprobs": _completion_logprobs(c.logprobs),
+                             "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
                 "usage": usage}
     line = {"id": f"batch_req_{digest}", "custom_id": row.id,
             "response": {"status_code": 200, "request_id": f"req_{digest}", "body": body}, "error": None}

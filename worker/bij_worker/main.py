@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from .adapters import AdapterError, fetch_adapters
 from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TERMINATED
 from .contract.plan import Plan
 from .contract.spec import JobSpec
@@ -35,14 +36,16 @@ from .engines import EngineConfig, create_engine
 from .engines.base import is_continuous
 from .lanes import Claim, Claims, EngineShare, LeaseKeeper
 from .metrics import Metrics, Stats
+from .sampling import ALL_FIELDS, refusal
 from .storage import StorageError, open_storage
 from .worker import BadConfig, ShardOutcome, ShardWorker, StopFlag, load_plan
 
 log = logging.getLogger("bij.worker")
 
 
-def engine_config(spec: JobSpec) -> EngineConfig:
-    """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec)."""
+def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> EngineConfig:
+    """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec);
+    `adapters`: the local folders of spec.model.adapters, once fetched."""
     m = spec.model
     return EngineConfig(
         task=m.task,
@@ -55,6 +58,9 @@ def engine_config(spec: JobSpec) -> EngineConfig:
         vllm=m.vllm.model_dump(mode="json", by_alias=True, exclude_none=True),
         simulated=m.simulated.model_dump(mode="json", by_alias=True, exclude_none=True),
         device=os.environ.get("BIJ_DEVICE") or None,
+        chat_template=m.chat_template,
+        chat_template_kwargs=dict(m.chat_template_kwargs or {}),
+        adapters=dict(adapters or {}),
     )
 
 
@@ -127,9 +133,19 @@ def main(argv: list[str] | None = None) -> int:
             metrics.serve(args.metrics_port)
         engine_name = spec.model.engine
         try:
-            engine = create_engine(engine_name, engine_config(spec))
+            # Once per pod, before the model loads: a missing adapter fails the lane at start.
+            adapters = fetch_adapters(spec.model.adapters, spec.storage.s3) if spec.model.adapters else {}
+        except AdapterError as e:
+            raise BadConfig(str(e)) from None
+        try:
+            engine = create_engine(engine_name, engine_config(spec, adapters))
         except ValueError as e:
             raise BadConfig(str(e)) from None
+        refused = refusal(engine_name, spec.model.own_sampling().asked(), engine.honours,
+                          {k: f"spec.model.sampling.{k}" for k in ALL_FIELDS})
+        if refused:
+            # A default every row would ask for: one clear failure, not an error row per row.
+            raise BadConfig(refused)
         name = spec.model.name
         if name and (name.startswith(("/", "./", "../"))) and not os.path.exists(name):
             raise BadConfig(f"spec.model.name: no model at {name}")

@@ -46,6 +46,20 @@ def id_kind(int_ids: int | None, str_ids: int | None) -> str:
     return "mixed"
 
 
+def _choices_type() -> Any:
+    import pyarrow as pa
+
+    top = pa.list_(pa.struct([("token", pa.string()), ("logprob", pa.float64())]))
+    token = pa.struct([("token", pa.string()), ("logprob", pa.float64()), ("top_logprobs", top)])
+    return pa.list_(pa.struct([("index", pa.int64()), ("output", pa.string()), ("finish_reason", pa.string()),
+                               ("completion_tokens", pa.int64()), ("logprobs", pa.list_(token))]))
+
+
+def _choice(rec: dict[str, Any]) -> dict[str, Any]:
+    """A choice as the JSONL result row has it (no logprobs key when it asked for none)."""
+    return {k: v for k, v in rec.items() if k != "logprobs" or v is not None}
+
+
 def results_table(rows: list[dict[str, Any]], task: str, ids: str, judged: bool) -> Any:
     """The Arrow table of published result rows (plain shape: `id`, `embedding` or `output`, `usage`)."""
     import pyarrow as pa
@@ -66,6 +80,8 @@ def results_table(rows: list[dict[str, Any]], task: str, ids: str, judged: bool)
         columns["output"] = pa.array([r.get("output") for r in rows], type=pa.string())
         for key in ("prompt_tokens", "completion_tokens"):
             columns[key] = pa.array([u.get(key) for u in usage], type=pa.int64())
+        if any("choices" in r for r in rows):  # rows that asked for n answers or logprobs
+            columns["choices"] = pa.array([r.get("choices") for r in rows], type=_choices_type())
     columns["truncated"] = pa.array([bool(r.get("truncated")) for r in rows], type=pa.bool_())
     if judged:
         columns["attempts"] = pa.array([r.get("attempts") for r in rows], type=pa.int64())
@@ -99,6 +115,8 @@ def table_rows(table: Any) -> Iterator[dict[str, Any]]:
         if usage:
             usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
             out["usage"] = usage
+        if rec.get("choices") is not None:
+            out["choices"] = [_choice(c) for c in rec["choices"]]
         if rec.get("truncated"):
             out["truncated"] = True
         for key in ("attempts", "round"):

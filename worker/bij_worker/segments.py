@@ -95,6 +95,7 @@ _PROMPT_TOKENS = attrgetter("prompt_tokens")
 _COMPLETION_TOKENS = attrgetter("completion_tokens")
 _EMBEDDING = attrgetter("embedding")
 _OUTPUT = attrgetter("output")
+_CHOICES = attrgetter("choices")
 
 # The stdlib encoder handles what orjson refuses (integers beyond 64 bits).
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
@@ -138,7 +139,7 @@ def encode_plain_results(places: list[tuple[int, int, int]], ids: list[Any], res
     prompt = list(map(_PROMPT_TOKENS, results))
     completion = list(map(_COMPLETION_TOKENS, results))
     if set(map(type, prompt)) != {int} or set(map(type, completion)) != {int} \
-            or set(map(_EMBEDDING, results)) != {None}:
+            or set(map(_EMBEDDING, results)) != {None} or set(map(_CHOICES, results)) != {None}:
         return None
     try:
         lines = [_PLAIN_RESULT % (at, rid, out, p, c, p + c) for at, rid, out, p, c in zip(

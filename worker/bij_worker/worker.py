@@ -272,7 +272,7 @@ class ShardWorker:
         self.names = [o.display_name for o in self.objects]
         spec = plan.spec
         self.spec = spec
-        self.opts = InputOptions.from_spec(spec)
+        self.opts = InputOptions.from_spec(spec, engine.name, engine.honours)
         batching = spec.batching
         default_batch, default_tokens = batch_shape(engine)
         self.target_tokens = batching.target_batch_tokens or default_tokens

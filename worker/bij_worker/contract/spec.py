@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from ..sampling import Sampling
+from ..sampling import from_spec as sampling_from_spec
 from .codes import API_GROUP
 from .errors import BijError
 
@@ -101,6 +103,10 @@ class InputSpec(_Model):
     id_field: str = "id"
     text_field: str = "text"
     messages_field: str | None = None
+    # A row's own sampling fields (an object with model.sampling's keys), over the spec's.
+    sampling_field: str = "sampling"
+    # A row's LoRA adapter (a name from model.adapters); OpenAI lines name it in body.model.
+    adapter_field: str = "adapter"
     # A longer line is an error row (its bytes are never held in memory).
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31)
 
@@ -136,6 +142,9 @@ class VllmOptions(_Model):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     dtype: str = "auto"
+    # LoRA (with model.adapters): adapters in one batch, and the largest rank (vLLM's max_loras, max_lora_rank).
+    max_loras: int | None = Field(None, ge=1)
+    max_lora_rank: int | None = Field(None, ge=1)
 
     @property
     def gpus(self) -> int:
@@ -151,6 +160,62 @@ class SimulatedOptions(_Model):
     load_seconds: float = Field(0.0, ge=0, le=3600)  # slept once per process, as a model load
 
 
+class SamplingSpec(_Model):
+    """Sampling defaults for every row (`model.sampling`); a row's own fields win (see sampling.py)."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    seed: int | None = None
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    stop: list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    n: int | None = Field(None, ge=1, le=128)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not all(v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> SamplingSpec:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("topLogprobs needs logprobs: true")
+        return self
+
+
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class AdapterSpec(_Model):
+    """A LoRA adapter rows may ask for by name: a folder as PEFT saves it (file:// or s3://)."""
+
+    name: str = Field(pattern=ADAPTER_NAME)
+    uri: str
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_scheme(cls, uri: str) -> str:
+        return _check_uri(uri)
+
+
+class StructuredOutputSpec(_Model):
+    """Constrained decoding for every row (`model.structuredOutput`): exactly one of these."""
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class ModelSpec(_Model):
     engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated"] = "echo"
     name: str | None = None
@@ -163,8 +228,30 @@ class ModelSpec(_Model):
     # A prompt over the limit is cut to it (and marked) instead of becoming a too_many_tokens
     # error row; unset means true for embed (as SentenceTransformer.encode does), false otherwise.
     truncate: bool | None = None
+    # Sampling defaults for every row beyond maxTokens/temperature/seed (which may move here too).
+    sampling: SamplingSpec = SamplingSpec()
+    # Chat prompts: a Jinja template instead of the tokenizer's own, and variables it reads
+    # (e.g. {enable_thinking: false} for a reasoning model).
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Every row's output follows this (a row's own response_format or structuredOutput wins).
+    structured_output: StructuredOutputSpec | None = None
+    # LoRA adapters a row may name (OpenAI body.model, or input.adapterField); fetched once per pod.
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
     vllm: VllmOptions = VllmOptions()
     simulated: SimulatedOptions = SimulatedOptions()
+
+    def resolved_sampling(self) -> Sampling:
+        """Every row's sampling defaults: model.sampling, with model.maxTokens/temperature/seed under it."""
+        base = Sampling(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed)
+        return self.own_sampling().over(base)
+
+    def own_sampling(self) -> Sampling:
+        """What model.sampling and model.structuredOutput set (the engine must honour each field they ask for)."""
+        fields = self.sampling.model_dump(by_alias=True, exclude_none=True)
+        if self.structured_output is not None:
+            fields["structuredOutput"] = self.structured_output.model_dump(by_alias=True, exclude_none=True)
+        return sampling_from_spec(fields)
 
     @property
     def truncates(self) -> bool:
@@ -177,6 +264,24 @@ class ModelSpec(_Model):
             raise ValueError("engine sentence-transformers only supports task embed")
         if self.engine == "transformers" and self.task == "embed":
             raise ValueError("engine transformers supports tasks generate and chat, not embed")
+        both = [k for k in ("max_tokens", "temperature", "seed")
+                if k in self.model_fields_set and getattr(self.sampling, k) is not None]
+        if both:
+            names = ", ".join(f"model.{to_camel(k)} and model.sampling.{to_camel(k)}" for k in both)
+            raise ValueError(f"{names} both set: set one")
+        adapter_names = [a.name for a in self.adapters]
+        dup = sorted({n for n in adapter_names if adapter_names.count(n) > 1})
+        if dup:
+            raise ValueError(f"model.adapters: the name {dup[0]!r} is used twice")
+        if self.name is not None and self.name in adapter_names:
+            raise ValueError(f"model.adapters: {self.name!r} is the base model's name")
+        if self.adapters and self.engine not in ("transformers", "vllm"):
+            raise ValueError(f"model.adapters needs engine transformers or vllm, not {self.engine}")
+        asked = self.own_sampling().asked()
+        if self.task == "embed" and asked:
+            names = ", ".join("model.structuredOutput" if a == "structuredOutput" else f"model.sampling.{a}"
+                              for a in sorted(asked))
+            raise ValueError(f"{names} has no meaning for task embed")
         return self
 
 

@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Protocol
 
+from ..sampling import NO_SAMPLING, Sampling
+
+# What every engine honours: how many tokens, how random, which seed (see the README's table).
+BASIC_SAMPLING: frozenset[str] = frozenset({"maxTokens", "temperature", "seed"})
+
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass pays a setattr call per field, per row
 class Request:
@@ -16,11 +21,39 @@ class Request:
     max_tokens: int = 256
     temperature: float = 0.0
     seed: int | None = None
+    # Every sampling field in force for this row (spec defaults under the row's own); the three
+    # above are its resolved max_tokens, temperature and seed.
+    sampling: Sampling = NO_SAMPLING
+    adapter: str | None = None  # a LoRA adapter's name (spec.model.adapters); None: the base model
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token: its text, log-probability, and the most likely tokens at its place."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(slots=True)
+class Choice:
+    """One of a row's `n` answers (sampling `n`), or its only answer when it asked for logprobs."""
+
+    output: str
+    completion_tokens: int
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None  # when the row asked for them
 
 
 @dataclass(slots=True)
 class Result:
-    """One row's answer, or an error that belongs to this row alone."""
+    """One row's answer, or an error that belongs to this row alone.
+
+    A row that asked for `n` > 1 answers or for logprobs has `choices` (n of them); `output`
+    is the first choice's text and `completion_tokens` counts the tokens of every choice,
+    as OpenAI's usage does.
+    """
 
     output: str | None = None
     embedding: list[float] | None = None
@@ -28,6 +61,7 @@ class Result:
     completion_tokens: int | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    choices: list[Choice] | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +79,11 @@ class EngineConfig:
     vllm: dict[str, Any] = field(default_factory=dict)
     simulated: dict[str, Any] = field(default_factory=dict)
     device: str | None = None  # None: cuda when available, else cpu
+    # Chat prompts: a template instead of the tokenizer's own, and variables it reads.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # LoRA adapters by name: their local folders (fetched by the worker before the engine loads).
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 class Engine(Protocol):
@@ -59,6 +98,9 @@ class Engine(Protocol):
     # True when the engine schedules a whole chunk itself (vLLM): the worker then
     # hands it the chunk at once instead of token-budget batches.
     schedules_itself: bool
+    # The request fields (camelCase sampling names, `sampling.IMAGES`) this engine honours for
+    # its task; a row that asks for another is an `unsupported` error row naming it.
+    honours: frozenset[str]
 
     def load(self) -> None: ...
 

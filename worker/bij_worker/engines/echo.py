@@ -10,7 +10,7 @@ import hashlib
 import struct
 from itertools import repeat
 
-from .base import EngineConfig, Request, Result, estimate_many, request_texts
+from .base import BASIC_SAMPLING, EngineConfig, Request, Result, estimate_many, request_texts
 
 ECHO_DIM = 8
 
@@ -35,6 +35,9 @@ class EchoEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        # The identity is deterministic (temperature and seed change nothing) and answers with
+        # the text whole, whatever maxTokens says: its contract, for exact pipeline tests.
+        self.honours = frozenset() if config.task == "embed" else BASIC_SAMPLING
 
     def load(self) -> None:
         return None

@@ -34,11 +34,14 @@ def chat_messages(req: Request) -> list[dict[str, Any]]:
     return out
 
 
-def prompt_ids(tok: Any, requests: list[Request], chat: bool) -> list[list[int] | str]:
+def prompt_ids(tok: Any, requests: list[Request], chat: bool, template: str | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> list[list[int] | str]:
     """Token ids per request as the model receives them, or why a request cannot become a prompt.
 
     Plain prompts get the tokenizer's special tokens; chat prompts are rendered with the
-    chat template, which already holds BOS and friends, so none are added again.
+    chat template, which already holds BOS and friends, so none are added again. `template`
+    replaces the tokenizer's own (spec.model.chatTemplate); `template_kwargs` are variables the
+    template reads (spec.model.chatTemplateKwargs, e.g. a reasoning model's thinking switch).
     """
     if not chat:
         enc = tok([request_text(r) for r in requests], add_special_tokens=True, verbose=False)
@@ -47,7 +50,9 @@ def prompt_ids(tok: Any, requests: list[Request], chat: bool) -> list[list[int] 
     problems: dict[int, str] = {}
     for i, r in enumerate(requests):
         try:
-            rendered.append(tok.apply_chat_template(chat_messages(r), add_generation_prompt=True, tokenize=False))
+            rendered.append(tok.apply_chat_template(chat_messages(r), chat_template=template,
+                                                    add_generation_prompt=True, tokenize=False,
+                                                    **(template_kwargs or {})))
         except Exception as e:  # a template's raise_exception() (bad roles, order): this row only
             rendered.append(None)
             problems[i] = f"chat template rejected the messages: {e}"
@@ -56,12 +61,13 @@ def prompt_ids(tok: Any, requests: list[Request], chat: bool) -> list[list[int] 
     return [problems[i] if t is None else list(next(ids)) for i, t in enumerate(rendered)]
 
 
-def count_prompt_tokens(tok: Any, requests: list[Request], chat: bool) -> list[int]:
+def count_prompt_tokens(tok: Any, requests: list[Request], chat: bool, template: str | None = None,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Prompt tokens per request; a request the template rejects is estimated (it fails in run)."""
     if not requests:
         return []
     return [len(p) if isinstance(p, list) else estimate_tokens(request_text(r))
-            for r, p in zip(requests, prompt_ids(tok, requests, chat), strict=True)]
+            for r, p in zip(requests, prompt_ids(tok, requests, chat, template, template_kwargs), strict=True)]
 
 
 def truncate_prompt(tok: Any, req: Request, ids: list[int], limit: int, embed: bool) -> list[int]:

@@ -32,6 +32,7 @@ class SentenceTransformersEngine:
     name = "sentence-transformers"
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
+    honours: frozenset[str] = frozenset()  # embeddings: no sampling field means anything here
 
     def __init__(self, config: EngineConfig):
         if config.task != "embed":

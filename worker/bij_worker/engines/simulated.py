@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .base import EngineConfig, Request, Result, request_text, run_to_completion
+from .base import BASIC_SAMPLING, EngineConfig, Request, Result, request_text, run_to_completion
 from .echo import echo_embedding
 
 # The model load is slept once per process, as a real engine loads once.
@@ -44,6 +44,8 @@ class SimulatedEngine:
     def __init__(self, config: EngineConfig):
         sim = config.simulated
         self.config = config
+        # Its output is deterministic (temperature and seed change nothing) and maxTokens caps it.
+        self.honours = frozenset() if config.task == "embed" else BASIC_SAMPLING
         self.max_num_seqs = int(sim.get("maxNumSeqs", 256))
         self.step_seconds = float(sim.get("stepSeconds", 0.02))
         self.load_seconds = float(sim.get("loadSeconds", 0.0))

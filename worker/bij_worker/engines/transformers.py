@@ -5,10 +5,20 @@ For small models, CPU runs and tests. Choices a user can observe:
 - Prompt tokens are the ids the model receives: the tokenizer's special tokens for
   `generate`, the rendered chat template (which carries its own BOS) for `chat`.
 - Completion tokens count generated ids up to and including the first EOS, never padding.
-- Sampling is plain temperature sampling over the whole vocabulary (no top-k, top-p or
-  repetition penalty from the model's generation_config), as vLLM does with
-  `SamplingParams(temperature=...)`, so both engines answer the same request alike.
-  Temperature 0 is greedy.
+- Sampling knobs come only from the request (never from the model's generation_config),
+  as vLLM's `SamplingParams` takes them, so both engines answer the same request alike:
+  temperature (0 is greedy), topP, topK, minP, repetitionPenalty and stop. A stop string
+  ends the row's generation and is cut from its text (finish_reason "stop"), as OpenAI
+  and vLLM do. `n` answers per row come from one generate call (greedy: one answer, repeated);
+  logprobs are the model's raw distribution at each kept token, with the `topLogprobs` most
+  likely tokens. presencePenalty and frequencyPenalty are refused (`honours`).
+- Structured output (JSON Schema, any JSON object, regex, a choice of strings, an EBNF
+  grammar) is constrained decoding with xgrammar's logits processor, the grammar engine vLLM
+  uses by default, so both engines accept the same grammars; JSON comes out compact (no
+  free whitespace, which a weak model could emit forever). Without xgrammar installed the
+  engine does not honour it and such rows are refused.
+- LoRA adapters (spec.model.adapters) load once with PEFT; rows are grouped by adapter, so a
+  batch runs one adapter (or the base model, with the adapters disabled).
 - Seeds are per batch: `torch.manual_seed` runs before each sampled batch with the
   first row's seed (else `config.seed`). The same batch gives the same answers; a
   row's sample can change when it lands in a different batch.
@@ -21,9 +31,14 @@ For small models, CPU runs and tests. Choices a user can observe:
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import json
+import re
+from dataclasses import replace
 from typing import Any
 
-from .base import EngineConfig, Request, Result
+from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob
 from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 
 
@@ -37,6 +52,8 @@ class TransformersEngine:
     name = "transformers"
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
+    honours: frozenset[str] = BASIC_SAMPLING | {"topP", "topK", "minP", "repetitionPenalty", "stop", "n", "logprobs",
+                                                "topLogprobs"}
 
     def __init__(self, config: EngineConfig):
         if config.task not in ("generate", "chat"):
@@ -49,6 +66,13 @@ class TransformersEngine:
         self.device = "cpu"
         self._eos_ids: list[int] = []
         self._max_positions: int | None = None
+        self._compiler: Any = None  # xgrammar's, built on the first row with structured output
+        self._grammars: dict[tuple[str, str], Any] = {}
+        self._bad_grammars: dict[tuple[str, str], str] = {}
+        if importlib.util.find_spec("xgrammar") is not None:
+            self.honours = self.honours | {"structuredOutput"}
+        if config.adapters and importlib.util.find_spec("peft") is not None:
+            self.honours = self.honours | {"adapters"}
 
     def load(self) -> None:
         """Load tokenizer and model once; later calls are no-ops."""
@@ -60,7 +84,7 @@ class TransformersEngine:
 
         name = str(self.config.name)
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
-        if self.config.task == "chat" and not getattr(tokenizer, "chat_template", None):
+        if self.config.task == "chat" and not (self.config.chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError(
                 f"model {name!r} has no chat template (tokenizer_config.json chat_template); "
                 "use task generate, or a chat/instruct model"
@@ -94,6 +118,16 @@ class TransformersEngine:
         )
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self._max_positions = getattr(text_config, "max_position_embeddings", None)
+        if self.config.adapters:
+            from peft import PeftModel
+
+            # Every adapter is loaded once; a batch runs one of them (set_adapter) or none.
+            adapters = iter(self.config.adapters.items())
+            first, path = next(adapters)
+            model = PeftModel.from_pretrained(model, path, adapter_name=first)
+            for name, path in adapters:
+                model.load_adapter(path, adapter_name=name)
+            model.eval()
         self.tokenizer = tokenizer
         self.model = model
 
@@ -115,19 +149,22 @@ class TransformersEngine:
 
     def _prompt_ids(self, requests: list[Request]) -> list[list[int] | str]:
         """Token ids per request, or the reason a request cannot become a prompt."""
-        return prompt_ids(self.tokenizer, requests, chat=self.config.task != "generate")
+        return prompt_ids(self.tokenizer, requests, chat=self.config.task != "generate",
+                          template=self.config.chat_template, template_kwargs=self.config.chat_template_kwargs)
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
         """Prompt tokens per request as the model receives them (batched tokenizer calls)."""
         self._loaded()
-        return count_prompt_tokens(self.tokenizer, requests, chat=self.config.task != "generate")
+        return count_prompt_tokens(self.tokenizer, requests, chat=self.config.task != "generate",
+                                   template=self.config.chat_template,
+                                   template_kwargs=self.config.chat_template_kwargs)
 
     def run(self, requests: list[Request]) -> list[Result]:
         """Generate for the batch; rows that cannot run (too long, bad template) become row errors."""
         self._loaded()
         results = [Result() for _ in requests]
         limit = self.max_input_tokens()
-        groups: dict[float, list[int]] = {}
+        groups: dict[tuple[Any, ...], list[int]] = {}
         ready: dict[int, list[int]] = {}
         prompts = self._prompt_ids(requests) if requests else []
         for i, (req, p) in enumerate(zip(requests, prompts, strict=True)):
@@ -143,19 +180,28 @@ class TransformersEngine:
             else:
                 if limit is not None:
                     p = truncate_prompt(self.tokenizer, req, p, limit, embed=False)
-                # One generate call serves one temperature; rows of the same job usually share it.
-                temp = 0.0 if req.temperature < GREEDY_EPS else req.temperature
-                groups.setdefault(temp, []).append(i)
+                if req.sampling.structured_output is not None:
+                    problem = self._grammar_problem(req.sampling.structured_output)
+                    if problem:
+                        results[i] = Result(prompt_tokens=len(p), error=problem)
+                        continue
+                # One generate call serves one set of sampling knobs; rows of a job usually share them.
+                groups.setdefault(_knobs(req), []).append(i)
                 ready[i] = p
-        for temp, idx in groups.items():
-            outs = self._generate(temp, [requests[i] for i in idx], [ready[i] for i in idx])
+        for knobs, idx in groups.items():
+            outs = self._generate(knobs, [requests[i] for i in idx], [ready[i] for i in idx])
             for i, res in zip(idx, outs, strict=True):
                 results[i] = res
         return results
 
-    def _generate(self, temperature: float, requests: list[Request], prompts: list[list[int]]) -> list[Result]:
+    def _generate(self, knobs: tuple[Any, ...], requests: list[Request], prompts: list[list[int]]) -> list[Result]:
         import torch
+        from transformers import StoppingCriteriaList
 
+        (temperature, top_p, top_k, min_p, repetition_penalty, stop, n, want_logprobs, top_logprobs, structured,
+         adapter) = knobs
+        # n sampled answers per row; greedy answers are all the same, so one is made and repeated.
+        sampled = n if temperature > 0 else 1
         model, tok = self.model, self.tokenizer
         batch = tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
         input_ids = batch["input_ids"].to(self.device)
@@ -175,15 +221,40 @@ class TransformersEngine:
         if temperature > 0:
             seed = requests[0].seed if requests[0].seed is not None else self.config.seed
             torch.manual_seed(seed)
-            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            kwargs.update(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+            if min_p:
+                kwargs["min_p"] = min_p
         else:
             kwargs.update(do_sample=False)
+        if repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = repetition_penalty
+        if stop:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_stop_strings(tok, stop, width)])
+        if sampled > 1:
+            # Answers of one row come out next to each other: row 0's n, then row 1's.
+            kwargs["num_return_sequences"] = sampled
+            caps = [c for c in caps for _ in range(sampled)]
+        if structured:
+            from xgrammar.contrib.hf import LogitsProcessor
+
+            # One grammar per generated sequence (rows may each have their own schema); a
+            # processor serves one generate call.
+            # (every row of this group has one: structured output is one of the group's knobs)
+            grammars = [self._grammars[r.sampling.structured_output] for r in requests  # type: ignore[index]
+                        for _ in range(sampled)]
+            kwargs["logits_processor"] = [LogitsProcessor(grammars)]
+        if want_logprobs:
+            # The model's own distribution (raw logits), as vLLM reports logprobs by default.
+            kwargs.update(return_dict_in_generate=True, output_logits=True)
+        logits: Any = ()
         if max_new > 0:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._adapter(adapter):
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            if want_logprobs:
+                out, logits = out.sequences, out.logits
             new = out[:, width:].cpu()
         else:
-            new = torch.empty((len(prompts), 0), dtype=torch.long)
+            new = torch.empty((len(prompts) * sampled, 0), dtype=torch.long)
 
         # Tokens up to and including the first EOS; after it come only pads.
         steps = new.shape[1]
@@ -193,16 +264,148 @@ class TransformersEngine:
             until_eos = first.tolist()
             stopped = is_eos.any(dim=1).tolist()
         else:
-            until_eos, stopped = [steps] * len(prompts), [False] * len(prompts)
-        counts = [min(n, cap) for n, cap in zip(until_eos, caps, strict=True)]
+            until_eos, stopped = [steps] * len(caps), [False] * len(caps)
+        counts = [min(e, cap) for e, cap in zip(until_eos, caps, strict=True)]
+        finish = ["stop" if s and e <= cap else "length" for s, e, cap in zip(stopped, until_eos, caps, strict=True)]
         rows = new.tolist()
-        texts = tok.batch_decode([row[:n] for row, n in zip(rows, counts, strict=True)], skip_special_tokens=True)
-        return [
-            Result(
-                output=text,
-                prompt_tokens=len(p),
-                completion_tokens=n,
-                extra={"finish_reason": "stop" if s and e <= cap else "length"},
-            )
-            for text, p, n, s, e, cap in zip(texts, prompts, counts, stopped, until_eos, caps, strict=True)
-        ]
+        texts = tok.batch_decode([row[:k] for row, k in zip(rows, counts, strict=True)], skip_special_tokens=True)
+        if stop:
+            for i, (row, k) in enumerate(zip(rows, counts, strict=True)):
+                cut = _stop_at(tok, row[:k], stop)
+                if cut is not None:
+                    counts[i], texts[i], finish[i] = cut[0], cut[1], "stop"
+        if n == 1 and not want_logprobs:
+            return [
+                Result(output=text, prompt_tokens=len(p), completion_tokens=k, extra={"finish_reason": f})
+                for text, p, k, f in zip(texts, prompts, counts, finish, strict=True)
+            ]
+        lps = self._logprobs(logits, rows, counts, top_logprobs) if want_logprobs else [None] * len(rows)
+        answers = [Choice(output=t, completion_tokens=k, finish_reason=f, logprobs=lp)
+                   for t, k, f, lp in zip(texts, counts, finish, lps, strict=True)]
+        results = []
+        for i, p in enumerate(prompts):
+            mine = answers[i * sampled:(i + 1) * sampled]
+            if sampled < n:
+                mine = [replace(mine[0]) for _ in range(n)]
+            results.append(Result(output=mine[0].output, prompt_tokens=len(p),
+                                  completion_tokens=sum(c.completion_tokens for c in mine),
+                                  extra={"finish_reason": mine[0].finish_reason}, choices=mine))
+        return results
+
+    def _adapter(self, name: str | None) -> Any:
+        """A context in which generate runs the LoRA adapter `name`, or the base model for None."""
+        if not self.config.adapters:
+            return contextlib.nullcontext()
+        if name is None:
+            return self.model.disable_adapter()
+        self.model.set_adapter(name)
+        return contextlib.nullcontext()
+
+    def _grammar_problem(self, structured: tuple[str, str]) -> str | None:
+        """Compile a row's grammar once (cached by its text); why it cannot be compiled, else None."""
+        if structured in self._grammars:
+            return None
+        if structured in self._bad_grammars:
+            return self._bad_grammars[structured]
+        kind, text = structured
+        try:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.model.config.vocab_size, stop_token_ids=self._eos_ids or None)
+                self._compiler = xgrammar.GrammarCompiler(info)
+            compiler = self._compiler
+            if kind == "json_schema":
+                # Compact JSON: a grammar that allows any whitespace lets a model pad forever.
+                grammar = compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "json_object":
+                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                grammar = compiler.compile_regex(text)
+            elif kind == "choice":
+                grammar = compiler.compile_regex("|".join(re.escape(c) for c in json.loads(text)))
+            else:
+                grammar = compiler.compile_grammar(text)
+        except (RuntimeError, ValueError) as e:
+            self._bad_grammars[structured] = f"structured output ({kind}) cannot be compiled: {e}"
+            return self._bad_grammars[structured]
+        self._grammars[structured] = grammar
+        return None
+
+    def _logprobs(self, logits: Any, rows: list[list[int]], counts: list[int], top: int) -> list[Any]:
+        """Per generated row, each kept token's log-probability and the `top` most likely tokens there."""
+        import torch
+
+        tok = self.tokenizer
+        names: dict[int, str] = {}
+
+        def name(i: int) -> str:
+            if i not in names:
+                names[i] = tok.decode([i])
+            return names[i]
+
+        out: list[list[TokenLogprob]] = [[] for _ in rows]
+        for step, scores in enumerate(logits):
+            live = [j for j, k in enumerate(counts) if step < k]
+            if not live:
+                break
+            lp = torch.log_softmax(scores[live].float(), dim=-1).cpu()
+            chosen = torch.tensor([rows[j][step] for j in live])
+            picked = lp.gather(1, chosen[:, None])[:, 0].tolist()
+            best = lp.topk(top, dim=-1) if top else None
+            for r, j in enumerate(live):
+                alts: tuple[tuple[str, float], ...] = ()
+                if best is not None:
+                    alts = tuple((name(int(i)), float(v)) for v, i in zip(best.values[r], best.indices[r], strict=True))
+                out[j].append(TokenLogprob(token=name(rows[j][step]), logprob=float(picked[r]), top=alts))
+        return out
+
+
+def _stop_strings(tok: Any, stop: tuple[str, ...], width: int) -> Any:
+    """A stopping criterion that ends a row's generation once its decoded text holds a stop string.
+
+    transformers' own `stop_strings` works from token surface forms, which some tokenizers
+    (word-level ones with a WordPiece decoder) cannot give; decoding the generated ids works
+    for every tokenizer.
+    """
+    import torch
+    from transformers import StoppingCriteria
+
+    class StopStrings(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            texts = tok.batch_decode(input_ids[:, width:], skip_special_tokens=True)
+            return torch.tensor([any(s in t for s in stop) for t in texts], device=input_ids.device)
+
+    return StopStrings()
+
+
+def _knobs(req: Request) -> tuple[Any, ...]:
+    """The sampling knobs one generate call shares: temperature, topP, topK, minP, repetition penalty,
+    stop, n, logprobs, topLogprobs."""
+    s = req.sampling
+    temp = 0.0 if req.temperature < GREEDY_EPS else req.temperature
+    return (temp, 1.0 if s.top_p is None else s.top_p, s.top_k or 0, s.min_p or 0.0,
+            1.0 if s.repetition_penalty is None else s.repetition_penalty, s.stop or (), s.n or 1,
+            bool(s.logprobs), s.top_logprobs or 0, s.structured_output is not None, req.adapter)
+
+
+def _stop_at(tok: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[int, str] | None:
+    """(tokens generated, text before the stop string) when a stop string shows in the decoded
+    `ids`, else None. The fewest tokens whose text holds a stop string are found by bisection
+    (holding one only grows with more tokens); the stop string itself is not part of the text."""
+    def first(text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+        return min(hits) if hits else None
+
+    if first(tok.decode(ids, skip_special_tokens=True)) is None:
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if first(tok.decode(ids[:mid], skip_special_tokens=True)) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    text = tok.decode(ids[:lo], skip_special_tokens=True)
+    return lo, text[: first(text)]

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import re
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
-from .base import EngineConfig, Request, Result, estimate_tokens, request_text
+from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob, estimate_tokens, request_text
 from .prompts import GREEDY_EPS, chat_messages, prompt_ids, truncate_prompt
 
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
@@ -56,6 +58,8 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
     kwargs: dict[str, Any] = {"model": config.name, "seed": config.seed}
     for key, value in config.vllm.items():
         kwargs[snake_case(key)] = value
+    if config.adapters:
+        kwargs["enable_lora"] = True
     if config.task == "embed":
         if has_runner:
             kwargs["runner"] = "pooling"
@@ -106,6 +110,23 @@ def shutdown_llm() -> None:
         pass
 
 
+def _structured_params(structured: tuple[str, str]) -> Any:
+    """vLLM's StructuredOutputsParams for a row's structured output (compact JSON, as the
+    transformers engine makes it: free whitespace lets a weak model pad forever)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, text = structured
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=json.loads(text), disable_any_whitespace=True)
+    if kind == "json_object":
+        return StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(text))
+    if kind == "regex":
+        return StructuredOutputsParams(regex=text)
+    return StructuredOutputsParams(grammar=text)
+
+
 class VllmEngine:
     """Generate, chat or embed with vLLM's offline `LLM`; one shared instance per process."""
 
@@ -113,18 +134,28 @@ class VllmEngine:
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = True
     continuous = True
+    # SamplingParams takes each of these as they are.
+    GENERATION_FIELDS = BASIC_SAMPLING | {"topP", "topK", "minP", "stop", "presencePenalty", "frequencyPenalty",
+                                          "repetitionPenalty", "n", "logprobs", "topLogprobs", "structuredOutput"}
 
     def __init__(self, config: EngineConfig):
         if config.task not in ("generate", "chat", "embed"):
             raise ValueError(f"engine vllm supports tasks generate, chat and embed, not {config.task!r}")
         llm_kwargs(config)  # a missing model name fails here, before any GPU work
         self.config = config
+        self.honours = frozenset() if config.task == "embed" else self.GENERATION_FIELDS
+        if config.adapters and config.task != "embed":
+            self.honours = self.honours | {"adapters"}
+        # One LoRARequest per adapter, ids 1.. in name order (vLLM keys its adapter cache by id).
+        self._loras: dict[str, Any] = {}
         self.llm: Any = None
         self.tokenizer: Any = None
         self._max_model_len: int | None = None
         self._ids: dict[int, tuple[Request, list[int] | str]] = {}  # count_tokens' ids, kept for submit
         self._params: Any = None
         self._unfinished = 0
+        self._top: dict[int, int] = {}  # tags of requests in flight that asked for top logprobs
+        self._parts: dict[int, dict[int, Any]] = {}  # rows asking for n > 1 answers: the answers so far
         self.steps = 0  # engine steps taken through `step`
         self.occupied = 0  # min(unfinished, maxNumSeqs) summed over steps: what could run
 
@@ -153,7 +184,8 @@ class VllmEngine:
     def _prompt_ids(self, requests: list[Request]) -> list[list[int] | str]:
         """Token ids per request as vLLM will see them (it adds special tokens to plain prompts,
         decoder-only and embedding models alike), or why a request cannot be rendered."""
-        return prompt_ids(self.tokenizer, requests, chat=self.config.task == "chat")
+        return prompt_ids(self.tokenizer, requests, chat=self.config.task == "chat",
+                          template=self.config.chat_template, template_kwargs=self.config.chat_template_kwargs)
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
         """Prompt tokens per request from vLLM's own tokenizer (batched); the ids wait for `submit`."""
@@ -193,7 +225,12 @@ class VllmEngine:
             params = self._pooling_params()
         else:
             params = self._sampling_params([request])[0]
-        llm.llm_engine.add_request(str(tag), {"prompt_token_ids": prompt}, params)
+        llm.llm_engine.add_request(str(tag), {"prompt_token_ids": prompt}, params,
+                                   **({"lora_request": self._lora(request.adapter)} if request.adapter else {}))
+        if request.sampling.logprobs and request.sampling.top_logprobs:
+            self._top[tag] = request.sampling.top_logprobs
+        if request.sampling.n and request.sampling.n > 1:
+            self._parts[tag] = {}
         self._unfinished += 1
 
     def step(self) -> list[tuple[int, Result]]:
@@ -203,10 +240,39 @@ class VllmEngine:
         self.occupied += min(self._unfinished, self.concurrency())
         done = []
         for out in engine.step():
-            if getattr(out, "finished", True):
-                done.append((int(out.request_id), self._result(out)))
+            tag = int(out.request_id)
+            parts = self._parts.get(tag)
+            if parts is not None:
+                # n > 1: vLLM reports each answer on its own, under the row's id; the row is
+                # finished with its last answer.
+                for comp in out.outputs:
+                    parts[comp.index] = comp
+                if getattr(out, "finished", True):
+                    del self._parts[tag]
+                    out = SimpleNamespace(prompt_token_ids=out.prompt_token_ids,
+                                          outputs=[parts[i] for i in sorted(parts)])
+                    done.append((tag, self._result(out, self._top.pop(tag, 0))))
+            elif getattr(out, "finished", True):
+                done.append((tag, self._result(out, self._top.pop(tag, 0))))
         self._unfinished -= len(done)
         return done
+
+    def _loras_of(self, requests: list[Request]) -> dict[str, Any]:
+        """`lora_request` for LLM.generate/chat: one per row (None: the base model), when any row has one."""
+        if not any(r.adapter for r in requests):
+            return {}
+        return {"lora_request": [self._lora(r.adapter) for r in requests]}
+
+    def _lora(self, name: str | None) -> Any:
+        """vLLM's LoRARequest for adapter `name` (None: the base model)."""
+        if name is None:
+            return None
+        if not self._loras:
+            from vllm.lora.request import LoRARequest
+
+            self._loras = {n: LoRARequest(n, i, path)
+                           for i, (n, path) in enumerate(sorted(self.config.adapters.items()), start=1)}
+        return self._loras[name]
 
     def _pooling_params(self) -> Any:
         if self._params is None:
@@ -261,6 +327,7 @@ class VllmEngine:
                         [{"prompt_token_ids": prompts[i]} for i in idx],
                         sampling_params=[params[i] for i in idx],
                         use_tqdm=False,
+                        **self._loras_of([requests[i] for i in idx]),
                     )
                 )
 
@@ -270,28 +337,45 @@ class VllmEngine:
                 # LLM.chat renders the template itself (content-part formats, model quirks).
                 def call(idx: list[int]) -> list[Any]:
                     convs = [requests[i].messages or chat_messages(requests[i]) for i in idx]
-                    return list(llm.chat(convs, sampling_params=[params[i] for i in idx], use_tqdm=False))
+                    return list(llm.chat(convs, sampling_params=[params[i] for i in idx], use_tqdm=False,
+                                         **self._loras_of([requests[i] for i in idx]),
+                                         chat_template=self.config.chat_template,
+                                         chat_template_kwargs=self.config.chat_template_kwargs or None))
 
         outs = self._isolate(runnable, call)
         if cut and by_ids is not None:
             outs.update(self._isolate(cut, by_ids))
         for i, out in outs.items():
-            results[i] = out if isinstance(out, Result) else self._result(out)
+            s = requests[i].sampling
+            results[i] = out if isinstance(out, Result) else self._result(out, s.top_logprobs or 0)
         return results
 
     def _sampling_params(self, requests: Sequence[Request]) -> list[Any]:
         """One SamplingParams per request; identical asks share one object."""
         from vllm import SamplingParams
 
-        cache: dict[tuple[int, float, int | None], Any] = {}
+        cache: dict[tuple[Any, ...], Any] = {}
         out = []
         for r in requests:
             greedy = r.temperature < GREEDY_EPS
             # A seeded row samples the same tokens whatever else shares its batch (resume-safe).
             seed = None if greedy else (r.seed if r.seed is not None else self.config.seed)
-            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed)
+            s = r.sampling
+            # Only the fields a row sets: vLLM's own defaults stand for the rest.
+            extra = tuple((k, v) for k, v in (
+                ("top_p", s.top_p), ("top_k", s.top_k if s.top_k else None), ("min_p", s.min_p),
+                ("stop", list(s.stop) if s.stop else None), ("presence_penalty", s.presence_penalty),
+                ("frequency_penalty", s.frequency_penalty), ("repetition_penalty", s.repetition_penalty),
+                ("n", s.n if s.n and s.n > 1 else None),
+                # vLLM returns the sampled token's logprob and this many of the most likely ones.
+                ("logprobs", (s.top_logprobs or 0) if s.logprobs else None),
+            ) if v is not None)
+            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra), s.structured_output)
             if key not in cache:
-                cache[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed)
+                more = dict(extra)
+                if s.structured_output is not None:
+                    more["structured_outputs"] = _structured_params(s.structured_output)
+                cache[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed, **more)
             out.append(cache[key])
         return out
 
@@ -318,19 +402,46 @@ class VllmEngine:
         if engine.has_unfinished_requests():
             self.llm._run_engine(use_tqdm=False)
 
-    def _result(self, out: Any) -> Result:
+    def _result(self, out: Any, top: int = 0) -> Result:
+        """A row's Result from vLLM's RequestOutput; `top`: the most likely tokens it asked for per position."""
         prompt_tokens = len(out.prompt_token_ids) if out.prompt_token_ids is not None else None
         if self.config.task == "embed":
             emb = out.outputs.embedding
             return Result(embedding=emb.tolist() if hasattr(emb, "tolist") else list(emb), prompt_tokens=prompt_tokens)
-        comp = out.outputs[0]
-        if comp.finish_reason not in ("stop", "length"):
+        comps = list(out.outputs)
+        for comp in comps:
+            if comp.finish_reason not in ("stop", "length"):
+                return Result(
+                    prompt_tokens=prompt_tokens, error=f"generation ended without finishing ({comp.finish_reason})"
+                )
+        comp = comps[0]
+        if len(comps) == 1 and comp.logprobs is None:
             return Result(
-                prompt_tokens=prompt_tokens, error=f"generation ended without finishing ({comp.finish_reason})"
+                output=comp.text,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=len(comp.token_ids),
+                extra={"finish_reason": comp.finish_reason},
             )
-        return Result(
-            output=comp.text,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=len(comp.token_ids),
-            extra={"finish_reason": comp.finish_reason},
-        )
+        # n answers (sorted by index: vLLM may finish them in any order), or logprobs.
+        comps.sort(key=lambda c: c.index)
+        choices = [Choice(output=c.text, completion_tokens=len(c.token_ids), finish_reason=c.finish_reason,
+                          logprobs=None if c.logprobs is None else self._logprobs(c, top))
+                   for c in comps]
+        return Result(output=choices[0].output, prompt_tokens=prompt_tokens,
+                      completion_tokens=sum(c.completion_tokens for c in choices),
+                      extra={"finish_reason": choices[0].finish_reason}, choices=choices)
+
+    def _logprobs(self, comp: Any, top: int) -> list[TokenLogprob]:
+        """vLLM's per-position logprobs (token id -> Logprob: the sampled token and the `top` most
+        likely ones, with their ranks) as the sampled token's and the top ones'."""
+        def name(i: int, lp: Any) -> str:
+            return lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([i])
+
+        out = []
+        for tid, ranked in zip(comp.token_ids, comp.logprobs, strict=True):
+            best = sorted(((i, lp) for i, lp in ranked.items() if lp.rank is not None and lp.rank <= top),
+                          key=lambda e: e[1].rank)
+            mine = ranked[tid]
+            out.append(TokenLogprob(token=name(tid, mine), logprob=float(mine.logprob),
+                                    top=tuple((name(i, lp), float(lp.logprob)) for i, lp in best)))
+        return out

@@ -1,0 +1,238 @@
+"""Every field a request carries is honoured or refused: the request built per row (sampling.py, inputs.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from bij_worker.contract.spec import SpecError, load_job
+from bij_worker.engines.base import BASIC_SAMPLING
+from bij_worker.inputs import InputOptions, parse_line, parse_plain_lines
+from bij_worker.sampling import NO_SAMPLING, Sampling
+
+TRANSFORMERS = BASIC_SAMPLING | {"topP", "topK", "minP", "repetitionPenalty", "stop"}
+ECHO_CHAT = InputOptions(format="openai", task="chat", engine="echo", honours=BASIC_SAMPLING)
+HF_CHAT = InputOptions(format="openai", task="chat", engine="transformers", honours=TRANSFORMERS)
+HF_PLAIN = InputOptions(task="generate", engine="transformers", honours=TRANSFORMERS)
+
+
+def parse(obj: Any, opts: InputOptions) -> Any:
+    line = json.dumps(obj).encode()
+    return parse_line(line, (0, 0, len(line)), "in.jsonl", opts)
+
+
+def chat(**body: Any) -> dict[str, Any]:
+    return {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], **body}}
+
+
+def test_openai_sampling_fields_reach_the_request() -> None:
+    row = parse(chat(top_p=0.9, top_k=5, min_p=0.1, stop=["\n", "END"], repetition_penalty=1.2, temperature=0.7,
+                     max_completion_tokens=12, seed=3), HF_CHAT)
+    assert row.error is None
+    req = row.request
+    assert (req.max_tokens, req.temperature, req.seed) == (12, 0.7, 3)
+    s = req.sampling
+    assert (s.top_p, s.top_k, s.min_p, s.stop, s.repetition_penalty) == (0.9, 5, 0.1, ("\n", "END"), 1.2)
+
+
+def test_a_field_the_engine_cannot_honour_is_an_unsupported_row_naming_engine_and_field() -> None:
+    row = parse(chat(top_p=0.5, presence_penalty=0.3), ECHO_CHAT)
+    assert row.request is None and row.error_code == "unsupported"
+    assert row.error == "engine echo cannot honour body.presence_penalty, body.top_p"
+    row = parse(chat(presence_penalty=0.3, n=2), HF_CHAT)
+    assert row.error_code == "unsupported"
+    assert row.error == "engine transformers cannot honour body.n, body.presence_penalty"
+
+
+def test_an_unknown_field_is_an_invalid_request_row_naming_it() -> None:
+    row = parse(chat(top_q=0.5), HF_CHAT)
+    assert row.request is None and row.error_code == "invalid_request"
+    assert "unknown field 'body.top_q'" in str(row.error)
+    row = parse({"id": 1, "text": "x", "sampling": {"topP": 0.5, "temprature": 1}}, HF_PLAIN)
+    assert row.error_code == "invalid_request" and "unknown field 'sampling.temprature'" in str(row.error)
+
+
+def test_known_openai_fields_that_no_engine_honours_are_refused_not_dropped() -> None:
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for body in ({"response_format": schema}, {"logit_bias": {"50256": -100}}, {"stream": True},
+                 {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+        row = parse(chat(**body), HF_CHAT)
+        assert row.error_code == "unsupported", body
+        assert f"body.{next(iter(body))}" in str(row.error)
+
+
+def test_neutral_values_ask_for_nothing() -> None:
+    """What OpenAI clients often send explicitly: n 1, top_p 1, no penalties, the text format."""
+    row = parse(chat(n=1, top_p=1, presence_penalty=0, frequency_penalty=0, logprobs=False, stop=None,
+                     response_format={"type": "text"}, stream=False, user="u-1"), ECHO_CHAT)
+    assert row.error is None and row.request is not None
+
+
+def test_bad_values_name_the_field() -> None:
+    for body, needle in (({"top_p": 0}, "body.top_p must be in (0"), ({"n": 0}, "body.n must be an integer from 1"),
+                         ({"stop": [""]}, "body.stop must be"),
+                         ({"temperature": "hot"}, "body.temperature must be a number"),
+                         ({"max_tokens": 0}, "body.max_tokens must be an integer at least 1"),
+                         ({"top_logprobs": 2}, "body.top_logprobs needs body.logprobs true")):
+        row = parse(chat(**body), HF_CHAT)
+        assert row.error_code == "invalid_request" and needle in str(row.error), (body, row.error)
+
+
+def test_an_image_part_on_a_text_only_engine_is_unsupported() -> None:
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    row = parse(chat(messages=msgs), HF_CHAT)
+    assert row.error_code == "unsupported" and "an image_url content part" in str(row.error)
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]
+    row = parse(chat(messages=audio), HF_CHAT)
+    assert row.error_code == "unsupported" and "'input_audio'" in str(row.error)
+
+
+def test_completions_logprobs_is_a_count_of_top_tokens() -> None:
+    opts = InputOptions(format="openai", task="generate", engine="vllm",
+                        honours=TRANSFORMERS | {"logprobs", "topLogprobs"})
+    row = parse({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "p", "logprobs": 3}}, opts)
+    assert row.request.sampling.logprobs is True and row.request.sampling.top_logprobs == 3
+
+
+def test_embedding_rows_take_no_sampling_fields() -> None:
+    opts = InputOptions(format="openai", task="embed", engine="sentence-transformers", honours=frozenset())
+    row = parse({"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "x", "model": "m"}}, opts)
+    assert row.error is None
+    row = parse({"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "x", "temperature": 0.5}}, opts)
+    assert row.error_code == "invalid_request" and "body.temperature" in str(row.error)
+    row = parse({"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "x", "dimensions": 64}}, opts)
+    assert row.error_code == "unsupported" and "body.dimensions" in str(row.error)
+    plain = InputOptions(task="embed", engine="sentence-transformers", honours=frozenset())
+    row = parse({"id": 1, "text": "x", "sampling": {"maxTokens": 5}}, plain)
+    assert row.error == "engine sentence-transformers cannot honour sampling.maxTokens"
+
+
+def test_the_sampling_column_wins_over_the_spec_defaults() -> None:
+    opts = InputOptions(task="generate", engine="transformers", honours=TRANSFORMERS, max_tokens=32,
+                        sampling=Sampling(max_tokens=32, temperature=0.0, seed=0, top_p=0.8, stop=("x",)))
+    row = parse({"id": 1, "text": "go", "sampling": {"temperature": 0.9, "topK": 4, "stop": "END",
+                                                     "topP": None}}, opts)
+    assert row.error is None
+    req = row.request
+    assert (req.max_tokens, req.temperature) == (32, 0.9)
+    assert (req.sampling.top_p, req.sampling.top_k, req.sampling.stop) == (0.8, 4, ("END",))
+    plain = parse({"id": 2, "text": "go"}, opts)
+    assert plain.request.sampling is opts.sampling
+
+
+def test_a_chunk_with_sampling_columns_leaves_the_one_pass_parser() -> None:
+    lines = [b'{"id": 1, "text": "a"}', b'{"id": 2, "text": "b", "sampling": {"topP": 0.5}}']
+    assert parse_plain_lines(lines, HF_PLAIN) is None
+    ids, requests = parse_plain_lines(lines[:1], HF_PLAIN)  # type: ignore[misc]
+    assert ids == [1] and requests[0].sampling is NO_SAMPLING
+
+
+def _spec(model: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": "s"},
+            "spec": {"input": {"uri": "file:///in/"}, "output": {"uri": "file:///out/"}, "model": model}}
+
+
+def test_spec_sampling_defaults_resolve_under_the_older_fields(tmp_path: Any) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(_spec({"engine": "transformers", "name": "/m", "task": "generate", "seed": 7,
+                                      "sampling": {"topP": 0.9, "stop": ["END"], "maxTokens": 9}})))
+    model = load_job(path).spec.model
+    s = model.resolved_sampling()
+    assert (s.max_tokens, s.temperature, s.seed, s.top_p, s.stop) == (9, 0.0, 7, 0.9, ("END",))
+    assert model.own_sampling().asked() == frozenset({"topP", "stop", "maxTokens"})
+
+
+@pytest.mark.parametrize("model, needle", [
+    ({"task": "generate", "maxTokens": 5, "sampling": {"maxTokens": 9}},
+     "model.maxTokens and model.sampling.maxTokens both set"),
+    ({"task": "embed", "sampling": {"topP": 0.5}}, "model.sampling.topP has no meaning for task embed"),
+    ({"task": "generate", "sampling": {"topP": 0}}, "topP"),
+    ({"task": "generate", "sampling": {"topLogprobs": 2}}, "topLogprobs needs logprobs"),
+])
+def test_spec_sampling_problems_name_the_fields(tmp_path: Any, model: dict[str, Any], needle: str) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(_spec(model)))
+    with pytest.raises(SpecError, match="sampling") as e:
+        load_job(path)
+    assert needle in str(e.value)
+
+
+def test_a_job_answers_what_it_can_and_refuses_the_rest_in_input_order(file_place, make_job, run_shards,
+                                                                         read_output) -> None:
+    from bij_operator.publish import publish
+
+    def line(cid: str, **body: Any) -> dict[str, Any]:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": f"text of {cid}"}], **body}}
+
+    lines = [line("plain"), line("nucleus", top_p=0.5), line("neutral", n=1, top_p=1.0), line("typo", temprature=1),
+             line("seeded", seed=4, temperature=0.3)]
+    _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
+                      input={"format": "openai"}, model={"task": "chat"})
+    run_shards(job)
+    publish(job)
+    out = read_output(job)
+    assert [(r["custom_id"], r["response"]["body"]["choices"][0]["message"]["content"]) for r in out.results] == [
+        ("plain", "text of plain"), ("neutral", "text of neutral"), ("seeded", "text of seeded")]
+    assert [(e["custom_id"], e["error"]["code"]) for e in out.errors] == [
+        ("nucleus", "unsupported"), ("typo", "invalid_request")]
+    assert out.errors[0]["error"]["message"] == "engine echo cannot honour body.top_p"
+
+
+def test_spec_sampling_the_engine_cannot_honour_fails_the_job_at_start(file_place, make_job, bij_bin) -> None:
+    import subprocess
+
+    path, _ = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "x"}]),
+                       model={"task": "generate", "sampling": {"topP": 0.5, "stop": ["."]}})
+    proc = subprocess.run([bij_bin("bij"), "run", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 42, proc.stderr
+    assert "engine echo cannot honour spec.model.sampling.stop, spec.model.sampling.topP" in proc.stderr
+
+
+def _answers() -> Any:
+    from bij_worker.engines.base import Choice, Result, TokenLogprob
+
+    lps = [TokenLogprob("Hel", -0.1, (("Hel", -0.1), ("He", -2.5))), TokenLogprob("lo", -0.3, (("lo", -0.3),))]
+    choices = [Choice("Hello", 2, "stop", lps), Choice("Hi", 1, "length", lps[:1])]
+    return Result(output="Hello", prompt_tokens=4, completion_tokens=3, choices=choices)
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
+def test_n_answers_and_logprobs_come_out_in_openai_shapes_the_sdk_parses(url: str) -> None:
+    openai_types = pytest.importorskip("openai.types")
+    from bij_worker.inputs import Row, result_row
+    from openai.types.chat import ChatCompletion
+
+    kind = "chat" if "chat" in url else "generate"
+    opts = InputOptions(format="openai", task=kind)
+    line = result_row(Row(at=(0, 0, 1), id="r", url=url), _answers(), opts)
+    body = line["response"]["body"]
+    if kind == "chat":
+        parsed: Any = ChatCompletion.model_validate(body)
+        assert [c.message.content for c in parsed.choices] == ["Hello", "Hi"]
+        first = parsed.choices[0].logprobs.content
+        assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in first] == [
+            ("Hel", -0.1, ["Hel", "He"]), ("lo", -0.3, ["lo"])]
+    else:
+        parsed = openai_types.Completion.model_validate(body)
+        assert [c.text for c in parsed.choices] == ["Hello", "Hi"]
+        lp = parsed.choices[0].logprobs
+        assert (lp.tokens, lp.token_logprobs, lp.text_offset) == (["Hel", "lo"], [-0.1, -0.3], [0, 3])
+        assert lp.top_logprobs == [{"Hel": -0.1, "He": -2.5}, {"lo": -0.3}]
+    assert [c.finish_reason for c in parsed.choices] == ["stop", "length"]
+    assert [c.index for c in parsed.choices] == [0, 1]
+    assert (parsed.usage.completion_tokens, parsed.usage.total_tokens) == (3, 7)  # every choice counts
+
+
+def test_n_answers_in_plain_rows_survive_parquet() -> None:
+    from bij_worker.inputs import plain_result
+    from bij_worker.parquet import results_table, table_rows
+
+    rows = [plain_result(1, _answers()), {"id": 2, "output": "plain", "usage": {
+        "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}]
+    assert rows[0]["output"] == "Hello" and [c["output"] for c in rows[0]["choices"]] == ["Hello", "Hi"]
+    assert rows[0]["choices"][1]["logprobs"][0]["top_logprobs"][0] == {"token": "Hel", "logprob": -0.1}
+    assert list(table_rows(results_table(rows, "generate", "int", False))) == rows

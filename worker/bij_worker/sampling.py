@@ -1,0 +1,335 @@
+"""What a row asks of the engine beyond its prompt, built in one place and honoured or refused.
+
+A row's sampling fields come from three places, later ones winning: the spec's defaults
+(`model.sampling`, and the older `model.maxTokens`/`temperature`/`seed`), then the row
+itself, either the body of an OpenAI batch line (`top_p`, `stop`, ...) or a sampling
+column of a JSONL or Parquet row (`input.samplingField`, default ``sampling``, with the
+spec's camelCase keys). Every field is checked here; a field nobody knows is an
+``invalid_request`` error row naming it. Each engine says which fields it honours
+(`Engine.honours`); a row that asks for one it does not honour gets an ``unsupported``
+error row naming the engine and the field, and is never answered as if it had not asked.
+
+A field set to its neutral value (``n: 1``, ``top_p: 1``, ``presence_penalty: 0``,
+``stop: []``, ...) asks for nothing: every engine does that already, so it is never
+refused (OpenAI clients often send such defaults explicitly).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+# Capabilities beyond sampling that a request may need (checked like sampling fields).
+IMAGES = "images"
+ADAPTERS = "adapters"  # a row that names a LoRA adapter
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling fields a row sets; None means "not set here" (the spec's or the engine's default)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: tuple[str, ...] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # (kind, text): ("json_schema", the schema as canonical JSON), ("json_object", ""),
+    # ("regex", pattern), ("choice", a JSON list of strings) or ("grammar", EBNF).
+    structured_output: tuple[str, str] | None = None
+
+    def over(self, base: Sampling) -> Sampling:
+        """These fields where set, `base`'s elsewhere."""
+        changes = {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+        return replace(base, **changes) if changes else base
+
+    def asked(self) -> frozenset[str]:
+        """The camelCase names of the fields that ask for something (set, and not neutral)."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value != NEUTRAL.get(f.name, object()):
+                out.append(CAMEL[f.name])
+        return frozenset(out)
+
+
+NO_SAMPLING = Sampling()
+
+# Values that change nothing: every engine "honours" them by doing what it always does.
+NEUTRAL: dict[str, Any] = {
+    "top_p": 1.0, "top_k": 0, "min_p": 0.0, "stop": (), "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0, "n": 1, "logprobs": False, "top_logprobs": 0,
+}
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+CAMEL = {f.name: _camel(f.name) for f in fields(Sampling)}
+SNAKE = {v: k for k, v in CAMEL.items()}
+# Every field an engine can be asked to honour: sampling fields and capabilities.
+ALL_FIELDS: tuple[str, ...] = (*CAMEL.values(), IMAGES, ADAPTERS)
+
+
+class BadField(ValueError):
+    """A sampling field with a wrong value; the message names the field as the row spelled it."""
+
+
+def _number(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Callable[[str, Any], float]:
+    def check(name: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise BadField(f"{name} must be a number, got {_show(v)}")
+        if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+            left = "(" if lo_open else "["
+            raise BadField(f"{name} must be in {left}{lo if lo is not None else '-inf'}, "
+                           f"{hi if hi is not None else 'inf'}], got {v}")
+        return float(v)
+    return check
+
+
+def _integer(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
+    def check(name: str, v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise BadField(f"{name} must be an integer, got {_show(v)}")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            span = f"at least {lo}" if hi is None else f"from {lo} to {hi}"
+            raise BadField(f"{name} must be an integer {span}, got {v}")
+        return v
+    return check
+
+
+def _stop(name: str, v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise BadField(f"{name} must be a non-empty string or a list of them, got {_show(v)}")
+    return tuple(v)
+
+
+def _flag(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise BadField(f"{name} must be true or false, got {_show(v)}")
+    return v
+
+
+STRUCTURED_KINDS = {"jsonSchema": "json_schema", "jsonObject": "json_object", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}
+
+
+def _structured(name: str, v: Any) -> tuple[str, str]:
+    """`structuredOutput`: an object with exactly one of jsonSchema, jsonObject (true), regex, choice, grammar."""
+    keys = list(v) if isinstance(v, dict) else []
+    if len(keys) != 1 or keys[0] not in STRUCTURED_KINDS:
+        raise BadField(f"{name} must be an object with exactly one of {', '.join(STRUCTURED_KINDS)}, got {_show(v)}")
+    key = keys[0]
+    value = v[key]
+    kind = STRUCTURED_KINDS[key]
+    if kind == "json_schema":
+        return kind, json_schema_text(f"{name}.{key}", value)
+    if kind == "json_object":
+        if value is not True:
+            raise BadField(f"{name}.{key} must be true")
+        return kind, ""
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise BadField(f"{name}.{key} must be a non-empty list of non-empty strings, got {_show(value)}")
+        return kind, json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str) or not value:
+        raise BadField(f"{name}.{key} must be a non-empty string, got {_show(value)}")
+    return kind, value
+
+
+def json_schema_text(name: str, schema: Any) -> str:
+    """A JSON Schema checked against its metaschema, as compact JSON (its keys in their order: properties
+    come out in the order the schema gives them)."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise BadField(f"{name} must be a JSON Schema object, got {_show(schema)}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise BadField(f"{name} is not a valid JSON Schema: {e.message}") from None
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# How each field is checked (OpenAI's and vLLM's ranges).
+CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "max_tokens": _integer(1),
+    "temperature": _number(0, 2),
+    "seed": _integer(),
+    "top_p": _number(0, 1, lo_open=True),
+    "top_k": _integer(-1),
+    "min_p": _number(0, 1),
+    "stop": _stop,
+    "presence_penalty": _number(-2, 2),
+    "frequency_penalty": _number(-2, 2),
+    "repetition_penalty": _number(0, 2, lo_open=True),
+    "n": _integer(1, 128),
+    "logprobs": _flag,
+    "top_logprobs": _integer(0, 20),
+    "structured_output": _structured,
+}
+
+
+def _finish(values: dict[str, Any], spelled: Mapping[str, str]) -> Sampling:
+    if values.get("top_k") == -1:  # vLLM's spelling of "no top-k"
+        values["top_k"] = 0
+    if values.get("top_logprobs") and not values.get("logprobs"):
+        raise BadField(f"{spelled['top_logprobs']} needs {spelled['logprobs']} true")
+    return Sampling(**values)
+
+
+def from_column(value: Any, column: str) -> Sampling:
+    """The sampling column of a JSONL or Parquet row (camelCase keys, as in `model.sampling`).
+
+    Null values are unset (a Parquet struct column has every key, null where a row sets none).
+    """
+    if value is None:
+        return NO_SAMPLING
+    if not isinstance(value, dict):
+        raise BadField(f"field {column!r} must be an object of sampling fields, got {_show(value)}")
+    values: dict[str, Any] = {}
+    spelled = {k: f"{column}.{v}" for k, v in CAMEL.items()}
+    for key, v in value.items():
+        name = SNAKE.get(key)
+        if name is None:
+            raise UnknownField(f"{column}.{key}", sorted(CAMEL.values()))
+        if v is not None:
+            values[name] = CHECKS[name](spelled[name], v)
+    return _finish(values, spelled)
+
+
+def from_spec(value: Mapping[str, Any]) -> Sampling:
+    """`model.sampling` of the spec (already checked by the spec model) as a Sampling."""
+    values = {SNAKE[k] if k in SNAKE else k: v for k, v in value.items() if v is not None}
+    if "stop" in values:
+        values["stop"] = _stop("model.sampling.stop", values["stop"])
+    if "structured_output" in values:
+        values["structured_output"] = _structured("model.structuredOutput", values["structured_output"])
+    return _finish(values, {k: f"model.sampling.{v}" for k, v in CAMEL.items()})
+
+
+class UnknownField(ValueError):
+    """A field bij does not know."""
+
+    def __init__(self, name: str, known: list[str]):
+        self.name = name
+        super().__init__(f"unknown field {name!r} (known: {', '.join(known)})")
+
+
+# OpenAI request bodies: the fields each endpoint takes that bij reads (content, sampling), the
+# ones it reads and that change nothing in the answer, and the ones it knows and honours nowhere.
+OPENAI_SAMPLING = {
+    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+    "seed": "seed", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty", "n": "n", "logprobs": "logprobs", "top_logprobs": "top_logprobs",
+}
+# `model`: the answer names the model that ran (spec.model.name); `user`: an end-user id for abuse
+# tracking, no effect on the answer.
+OPENAI_NO_EFFECT = frozenset({"model", "user"})
+OPENAI_CONTENT = {"chat": frozenset({"messages"}), "generate": frozenset({"prompt"}), "embed": frozenset({"input"})}
+# Known OpenAI fields no engine here honours (yet): a row that sets one (to anything but its
+# neutral value) is unsupported, never answered without it.
+OPENAI_UNHONOURED: dict[str, Any] = {
+    "logit_bias": {}, "tools": [], "tool_choice": "none",
+    "parallel_tool_calls": None, "functions": [], "function_call": "none", "stream": False,
+    "stream_options": None, "modalities": ["text"], "audio": None, "prediction": None,
+    "reasoning_effort": None, "service_tier": None, "store": False, "metadata": None,
+    "web_search_options": None, "best_of": 1, "echo": False, "suffix": None,
+    "encoding_format": "float", "dimensions": None, "verbosity": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIAsk:
+    """What an OpenAI body asks beyond its content: sampling, and fields no engine honours."""
+
+    sampling: Sampling
+    unhonoured: tuple[str, ...]  # body fields set that no engine here honours
+
+
+def from_openai(body: Mapping[str, Any], kind: str) -> OpenAIAsk:
+    """The sampling fields of an OpenAI request body (``/v1/chat/completions``, ``/v1/completions``,
+    ``/v1/embeddings``); raises UnknownField or BadField naming the body field."""
+    values: dict[str, Any] = {}
+    spelled: dict[str, str] = {k: f"body.{k}" for k in CAMEL}
+    unhonoured = []
+    content = OPENAI_CONTENT[kind]
+    for key, v in body.items():
+        if key in content or key in OPENAI_NO_EFFECT:
+            continue
+        if key == "response_format" and kind != "embed":
+            if v is not None:
+                st = _response_format(v)
+                if st is not None:
+                    values["structured_output"] = st
+                    spelled["structured_output"] = "body.response_format"
+            continue
+        name = OPENAI_SAMPLING.get(key) if kind != "embed" else None
+        if name is not None:
+            if v is None:
+                continue
+            where = f"body.{key}"
+            if name == "logprobs" and kind == "generate":
+                # /v1/completions: logprobs is how many top tokens to return per position.
+                k = _integer(0, 5)(where, v)
+                values["logprobs"], values["top_logprobs"] = k > 0, k
+                spelled["logprobs"] = spelled["top_logprobs"] = where
+                continue
+            if name in values:
+                raise BadField(f"body sets {spelled[name]} and {where}: set one")
+            values[name] = CHECKS[name](where, v)
+            spelled[name] = where
+        elif key in OPENAI_UNHONOURED:
+            if v is not None and v != OPENAI_UNHONOURED[key]:
+                unhonoured.append(f"body.{key}")
+        else:
+            raise UnknownField(f"body.{key}", sorted({*content, *OPENAI_NO_EFFECT, *OPENAI_SAMPLING}
+                                                     if kind != "embed" else {*content, *OPENAI_NO_EFFECT}))
+    if kind == "chat" and "top_logprobs" in values and "logprobs" not in values:
+        raise BadField("body.top_logprobs needs body.logprobs true")
+    return OpenAIAsk(_finish(values, spelled), tuple(unhonoured))
+
+
+def _response_format(v: Any) -> tuple[str, str] | None:
+    """OpenAI `response_format`: text (asks nothing), json_object, or json_schema {name, schema, strict}."""
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object", ""
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise BadField("body.response_format.json_schema must be an object with a schema")
+        # strict true or false: the schema is enforced either way (constrained decoding is strict).
+        return "json_schema", json_schema_text("body.response_format.json_schema.schema", spec["schema"])
+    raise BadField(f"body.response_format.type must be text, json_object or json_schema, got {_show(kind)}")
+
+
+def refusal(engine: str, asked: frozenset[str], honours: frozenset[str], spelled: Mapping[str, str]) -> str | None:
+    """The `unsupported` message when `engine` cannot honour every asked field, else None."""
+    missing = sorted(asked - honours)
+    if not missing:
+        return None
+    names = ", ".join(spelled.get(m, m) for m in missing)
+    return f"engine {engine} cannot honour {names}"
