@@ -3,7 +3,7 @@
 `Driver.reconcile()` observes the bij through a `Backend`, asks `reconcile.decide()` for the
 next step, applies it, and asks again until the answer is to wait. What a step does to the
 world goes through the backend; everything else — planning, the status fields and messages,
-Events, what a failed step means (`reconcile.failed_step`) — is written once, here and in the
+Events, what a failed step means (`failures.failed_step`) — is written once, here and in the
 pure core, so the operator and `bij run` take the same decisions in the same order.
 
 Backends:
@@ -34,6 +34,7 @@ from bij_worker.contract.spec import BatchInferenceJob, SpecError
 from bij_worker.storage import StorageError
 
 from .efficiency import status_fields
+from .failures import failed_step
 from .fingerprint import field_digests
 from .jobs import render_job, render_publish_job
 from .planner import plan_round
@@ -55,7 +56,6 @@ from .reconcile import (
     Wait,
     current_round,
     decide,
-    failed_step,
     format_ranges,
     name_conflict,
     round_records,
@@ -162,7 +162,7 @@ class Driver:
 
     def apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
         """Apply one decision: None when the loop should ask again (something changed), else where
-        to stop. A step that fails is turned into the decision `reconcile.failed_step` makes of it."""
+        to stop. A step that fails is turned into the decision `failures.failed_step` makes of it."""
         try:
             return self._apply(seen, job, d)
         except WorkFilesRemoved as e:

@@ -29,7 +29,8 @@ from bij_worker.parquet import Footer, read_footer
 from bij_worker.storage import NotFound, ObjectInfo, Storage, StorageError, open_storage
 
 from .fingerprint import PlanRefused, digest, input_changes, row_fields, spec_changes
-from .rounds import RoundMode, round_history, round_mode
+from .progress import round_history
+from .rounds import RoundMode, round_mode
 
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.zst", ".ndjson.zst", ".json.zst")
 # A temp file of an atomic write untouched this long was left by a killed writer.

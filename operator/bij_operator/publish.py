@@ -231,7 +231,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         t.rounds[summary["round"]]["errors"] += c["errors"]
     if job.spec.judge is not None:
         # The judge's view of each round (rows in, approved, rejected, approval rate).
-        from .rounds import round_history
+        from .progress import round_history
 
         t.rounds = [{**h.as_status(), "rows": d["rows"], "errors": d["errors"]}
                     for h, d in zip(round_history(job, rounds), t.rounds, strict=True)]

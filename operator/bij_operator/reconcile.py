@@ -26,14 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
+from bij_worker.contract.publish_plan import PASSES as PUBLISH_PASSES
 from bij_worker.contract.spec import BatchInferenceJob
-from bij_worker.publish_rows import PublishPlanError
-from bij_worker.storage import StorageError
 
-from .fingerprint import PlanRefused, field_digests
-from .jobs import desired_parallelism
-from .planner import PlanError
-from .publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved
+from .fingerprint import field_digests
 from .rounds import RoundStats, needs_another_round
 
 Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
@@ -283,41 +279,7 @@ class Nothing(Decision):
     """The bij is finished (Succeeded or Failed); leave it alone."""
 
 
-# --- what a failed step means ------------------------------------------------------------------
-
-
-def failed_step(d: Decision, error: Exception) -> Decision:
-    """The decision after step `d` raised `error`: MarkFailed when only a spec change can help,
-    Retry when time may. Anything else is a bug and is raised again, never retried as an outage."""
-    r = d.round
-    if isinstance(error, PlanRefused):
-        # Another job owns the output, the URIs overlap, or what is there was made from another spec
-        # or input: a retry cannot help, a spec edit may (the phase is not final).
-        return MarkFailed(round=r, phase="Failed", reason="PlanRefused", message=str(error), event="PlanRefused")
-    if isinstance(d, PlanRound) and isinstance(error, (PlanError, StorageError, OSError)):
-        # Missing or unreadable input may appear later (an upload still running).
-        return Retry(round=r, phase="Pending", reason="PlanFailed", message=f"cannot plan round {r}: {error}",
-                     delay=30.0, permanent=bool(getattr(error, "permanent", False)))
-    if isinstance(d, (CreateJob, CreatePublishJob)) and isinstance(error, ValueError):
-        # The Job cannot be made from this spec (more lanes than an Indexed Job may have): only a spec change helps.
-        return MarkFailed(round=r, phase="Failed", reason="CannotCreateJob", message=f"round {r}: {error}",
-                          shards=d.shards, event="CannotCreateJob")
-    if isinstance(d, (PreparePublish, Publish)):
-        if isinstance(error, ErrorRatioExceeded):
-            # Duplicates found only at publish can push the share of bad rows over the limit.
-            return MarkFailed(round=r, phase="Failed", reason="TooManyErrors", message=str(error),
-                              event="TooManyErrors")
-        if isinstance(error, WorkFilesRemoved):
-            return MarkFailed(round=r, phase="Failed", reason="WorkFilesRemoved", message=str(error),
-                              event="WorkFilesRemoved")
-        if isinstance(error, (PublishError, StorageError, OSError, PublishPlanError)):
-            return Retry(round=r, phase="Publishing", reason="PublishFailed", message=f"publish failed: {error}",
-                         delay=30.0, permanent=bool(getattr(error, "permanent", False)))
-    if isinstance(error, StorageError):
-        # Reading the workers' records (a round's finish): an outage may pass; a damaged record says so.
-        return Retry(round=r, phase=d.phase, reason="StorageFailed", message=f"round {r}: {error}", delay=30.0,
-                     permanent=error.permanent)
-    raise error
+# --- a Job name taken -------------------------------------------------------------------------
 
 
 def name_conflict(d: Decision, job_name: str, what: str, phase: Phase) -> Wait:
@@ -481,6 +443,11 @@ def decide(
     return Wait(round=r, **_progress(r, view, shards, want_suspend))
 
 
+def desired_parallelism(job: BatchInferenceJob, completions: int) -> int:
+    """Pods at once: spec.workers.parallelism, but never more than there are lanes."""
+    return min(job.spec.workers.parallelism, completions)
+
+
 def _progress(r: int, view: JobView, shards: Shards | None, want_suspend: bool) -> dict[str, Any]:
     """Phase, reason and message of a round whose Job is neither finished nor in need of a patch."""
     lanes = view.lanes
@@ -543,9 +510,6 @@ def round_stats(status: Mapping[str, Any]) -> list[RoundStats]:
                               rejected=int(rec.get("rejected") or 0), capped=int(rec.get("capped") or 0),
                               errors=int(rec.get("errors") or 0), engine_calls=int(rec.get("engineCalls") or 0)))
     return out
-
-
-PUBLISH_PASSES = ("ids", "dedupe", "write")  # bij_worker.publish_rows.PASSES, in order
 
 
 def publish_job(job: BatchInferenceJob, pass_name: str, observed_jobs: Sequence[Mapping[str, Any]]) -> JobView | None:

@@ -241,10 +241,6 @@ def batch_shape(engine: Engine) -> tuple[int, int]:
     return shape() if callable(shape) else (256, 32000)
 
 
-# Record kinds that end a row's story in a round; "attempt" records are the steps before.
-FINAL_KINDS = ("result", "error", "rejected", "capped")
-
-
 class ShardWorker:
     """Runs one shard of a round plan with an already loaded engine."""
 

@@ -70,10 +70,6 @@ def publish_prefix(job: BatchInferenceJob) -> str:
 # --- one round, from its plan's round prefix ------------------------------------------------------
 
 
-def shards_folder(round_prefix: str) -> str:
-    return join(round_prefix, "shards") + "/"
-
-
 def shard_prefix(round_prefix: str, index: int) -> str:
     """The folder of a shard's durable logs (one log per writer)."""
     return join(round_prefix, "shards", f"{index:05d}")
