@@ -28,6 +28,7 @@ from bij_worker.storage import NotFound, Storage, open_storage
 
 from .efficiency import cost, efficiency
 from .fingerprint import PlanRefused, spec_changes
+from .progress import damage_records
 
 
 class PublishError(BijError):
@@ -261,6 +262,10 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
                    "truncated": t.truncated, "inputRows": total,
                    "tokensIn": t.tokens_in, "tokensOut": t.tokens_out},
         "rounds": t.rounds,
+        # input.onDamagedObject errorRow: objects published without what lay behind their break.
+        "damagedObjects": [{"round": r, "shard": rec.shard, "object": rec.name, "offset": rec.offset,
+                            "reason": rec.reason, "message": rec.describe()}
+                           for r in range(rounds) for rec in damage_records(job, r)],
         "engine": t.engine(),
         "efficiency": eff,
         "publishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

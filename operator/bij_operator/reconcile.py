@@ -349,9 +349,12 @@ def decide(
     status: Mapping[str, Any],
     observed_jobs: Sequence[Mapping[str, Any]],
     shards_done: int | None = None,
+    damaged: Sequence[str] = (),
 ) -> Decision:
-    """The next step for `job`, given its current ``status``, the Jobs labelled with its name and
-    how many shards of the current round have a completion record (None: not looked at).
+    """The next step for `job`, given its current ``status``, the Jobs labelled with its name,
+    how many shards of the current round have a completion record (None: not looked at) and the
+    input objects the round's workers found damaged (`DamageRecord.describe`, looked at once the
+    round's Job failed).
 
     The Job has one index per lane and a lane works many shards, so the round is over when every
     shard is done: a lane that failed for good costs nothing if the others finished its shards.
@@ -408,6 +411,13 @@ def decide(
 
     if view.failed_for_good:
         bad_config = view.failure is not None and view.failure.reason == "PodFailurePolicy"
+        if bad_config and damaged:
+            # input.onDamagedObject fail: a worker stopped at a damaged object (exit 42).
+            return MarkFailed(round=r, phase="Failed", reason="DamagedInput", shards=shards, lanes=view.lanes,
+                              failed_lanes=tuple(sorted(view.failed)), event="DamagedInput",
+                              message=f"round {r}: damaged input: {'; '.join(damaged)}. The rows before it are "
+                                      "kept: replace the object and run again (it resumes there), or set "
+                                      f"spec.input.onDamagedObject: errorRow; Job {view.name} failed")
         if shards is not None and planned and shards.done >= planned and not bad_config:
             # Lanes failed, but the others took over and finished their shards: the round is whole.
             # Not so after exit 42 (FailJob): a bad configuration fails the job whatever got done.

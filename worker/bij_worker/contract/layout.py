@@ -93,6 +93,15 @@ def progress_uri(round_prefix: str, index: int) -> str:
     return join(round_prefix, "progress", f"{index:05d}.json")
 
 
+def damaged_folder(round_prefix: str) -> str:
+    return join(round_prefix, "damaged") + "/"
+
+
+def damaged_uri(round_prefix: str, index: int) -> str:
+    """The damaged input object a shard met (`records.DamageRecord`): the object, where it breaks."""
+    return join(round_prefix, "damaged", f"{index:05d}.json")
+
+
 def claims_folder(round_prefix: str) -> str:
     return join(round_prefix, "claims") + "/"
 
