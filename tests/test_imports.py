@@ -41,8 +41,9 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imported_names(module: str, path: Path) -> set[str]:
-    """Every module name `module` imports at run time (``from a import b`` names both ``a`` and ``a.b``)."""
+def _imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
+    """Every module name `module` imports at run time: ``from a import b`` names ``a.b`` when that is a
+    module of ours, else ``a`` (a package's own import of its submodule is no edge to the package)."""
     names: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
 
@@ -59,8 +60,8 @@ def _imported_names(module: str, path: Path) -> set[str]:
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            names.add(source)
-            names.update(f"{source}.{a.name}" for a in node.names)
+            for a in node.names:
+                names.add(f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -71,7 +72,7 @@ def _imported_names(module: str, path: Path) -> set[str]:
 def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """(edges between our modules, every name each module imports)."""
     modules = _modules()
-    imported = {m: _imported_names(m, p) for m, p in modules.items()}
+    imported = {m: _imported_names(m, p, set(modules)) for m, p in modules.items()}
     edges = {m: {n for n in names if n in modules and n != m} for m, names in imported.items()}
     return edges, imported
 
