@@ -304,6 +304,12 @@ def test_pod_monitor_scrapes_the_pods_of_round_jobs(chart: helm.Chart) -> None:
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
     assert ports[endpoint["port"]] == jobs.WORKER_METRICS_PORT
+    # The completion index of a round Job's pod is its lane (a lane works many shards).
+    targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert targets == {"bij": ["__meta_kubernetes_pod_label_batchinference_io_job"],
+                       "round": ["__meta_kubernetes_pod_label_batchinference_io_round"],
+                       "lane": ["__meta_kubernetes_pod_annotation_batch_kubernetes_io_job_completion_index"]}
+    assert {"batchinference.io/job", "batchinference.io/round"} <= template["metadata"]["labels"].keys()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
     cluster_wide = one(render(chart, CLUSTER_WIDE_PEERING), "PodMonitor")
     assert cluster_wide["spec"]["namespaceSelector"] == {"any": True}

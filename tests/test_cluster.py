@@ -516,6 +516,24 @@ def test_lanes_that_all_use_up_their_retries_fail_the_bij_naming_them(env: Env) 
     assert f"lanes 0-1 failed with {total} of {total} shards undone" in cond["message"]
 
 
+def test_a_damaged_input_object_fails_the_bij_naming_the_object_and_where_it_breaks(env: Env) -> None:
+    import zstandard
+
+    job_ids(env)
+    rows = b"".join(json.dumps({"id": f"z{i}", "text": f"zst row {i} " + "q" * (i % 40)}).encode() + b"\n"
+                    for i in range(12000))
+    whole = zstandard.ZstdCompressor(level=1).compress(rows)
+    (env.tmp / "in" / "cut.jsonl.zst").write_bytes(whole[: len(whole) * 2 // 3])  # an upload that died
+    env.create(env.doc("cut"))
+    failed = env.wait_phase("cut", "Failed", timeout=180)
+    cond = {c["type"]: c for c in failed["conditions"]}["Failed"]
+    assert cond["reason"] == "DamagedInput", cond
+    assert "cut.jsonl.zst is damaged after uncompressed byte" in cond["message"]
+    assert "cut.jsonl.zst is damaged" in env.kubectl("get", "bij", "cut", "-o", "jsonpath={.status.message}")
+    assert "DamagedInput" in env.kubectl("describe", "bij", "cut")
+    assert not (env.tmp / "out-cut" / "manifest.json").exists()
+
+
 # --- the operator itself ----------------------------------------------------------------------------
 
 

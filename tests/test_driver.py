@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from bij_operator.driver import Driver, Observed
+from bij_operator.failures import failed_step
 from bij_operator.fingerprint import PlanRefused
 from bij_operator.localjobs import LocalJob
 from bij_operator.planner import PlanError
@@ -24,7 +25,6 @@ from bij_operator.reconcile import (
     Publish,
     Retry,
     Wait,
-    failed_step,
     parse_ranges,
 )
 from bij_worker.storage import StorageError, StorageRefused

@@ -226,8 +226,9 @@ def test_lone_surrogates_and_overlong_lines_become_error_rows_and_the_job_goes_o
 
 
 @pytest.mark.parametrize("damage", ["cut", "corrupt"])
-def test_a_cut_or_damaged_zst_object_ends_in_an_error_row_naming_it_never_quietly(
+def test_with_error_rows_a_cut_or_damaged_zst_object_ends_in_an_error_row_naming_it_never_quietly(
         place, make_job, run_shards, read_output, damage):
+    # input.onDamagedObject errorRow; the default, fail, is in test_damaged_input.py.
     import zstandard
 
     rows = [{"id": i, "text": f"row {i} " + "z" * (i % 50)} for i in range(4000)]
@@ -240,12 +241,15 @@ def test_a_cut_or_damaged_zst_object_ends_in_an_error_row_naming_it_never_quietl
         broken[len(whole) // 2] ^= 0xFF
     place.storage.write_bytes(place.uri("in/b.jsonl.zst"), bytes(broken))
     place.write_jsonl("in/a.jsonl", [{"id": "a", "text": "a"}])
-    _, job = make_job(place, place.uri("in/"), sharding={"chunkRows": 100, "targetShardBytes": 1 << 20})
+    _, job = make_job(place, place.uri("in/"), input={"onDamagedObject": "errorRow"},
+                      sharding={"chunkRows": 100, "targetShardBytes": 1 << 20})
     run_shards(job)
     publish(job)
     out = read_output(job)
     (err,) = out.errors
     assert err["object"] == "b.jsonl.zst" and err["error"]["code"] == "corrupt_input"
+    (damaged,) = out.manifest["damagedObjects"]
+    assert (damaged["object"], damaged["offset"]) == ("b.jsonl.zst", err["offset"])
     assert f"at uncompressed byte {err['offset']}" in err["error"]["message"]
     # Every row before the break is a result; the error row stands where the readable part ends.
     good = [r for r in out.result_ids if r != "a"]

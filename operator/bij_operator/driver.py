@@ -3,7 +3,7 @@
 `Driver.reconcile()` observes the bij through a `Backend`, asks `reconcile.decide()` for the
 next step, applies it, and asks again until the answer is to wait. What a step does to the
 world goes through the backend; everything else — planning, the status fields and messages,
-Events, what a failed step means (`reconcile.failed_step`) — is written once, here and in the
+Events, what a failed step means (`failures.failed_step`) — is written once, here and in the
 pure core, so the operator and `bij run` take the same decisions in the same order.
 
 Backends:
@@ -34,10 +34,11 @@ from bij_worker.contract.spec import BatchInferenceJob, SpecError
 from bij_worker.storage import StorageError
 
 from .efficiency import status_fields
+from .failures import failed_step
 from .fingerprint import field_digests
 from .jobs import render_job, render_publish_job
 from .planner import plan_round
-from .progress import count_done, live_records, shard_records
+from .progress import count_done, damage_records, live_records, shard_records
 from .publish import WorkFilesRemoved, finish_publish, prepare_publish, read_manifest
 from .reconcile import (
     TERMINAL_PHASES,
@@ -55,9 +56,9 @@ from .reconcile import (
     Wait,
     current_round,
     decide,
-    failed_step,
     format_ranges,
     name_conflict,
+    round_job,
     round_records,
 )
 from .rounds import summarize
@@ -150,7 +151,8 @@ class Driver:
                 self.mark_invalid(seen, seen.spec_error)
                 return Idle(None)
             job = seen.job
-            last = decide(job, seen.status, seen.jobs, self.shards_done(job, seen.status))
+            last = decide(job, seen.status, seen.jobs, self.shards_done(job, seen.status),
+                          self.damaged(job, seen.status, seen.jobs))
             log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
             if self.on_decision is not None:
                 self.on_decision(last)
@@ -162,7 +164,7 @@ class Driver:
 
     def apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
         """Apply one decision: None when the loop should ask again (something changed), else where
-        to stop. A step that fails is turned into the decision `reconcile.failed_step` makes of it."""
+        to stop. A step that fails is turned into the decision `failures.failed_step` makes of it."""
         try:
             return self._apply(seen, job, d)
         except WorkFilesRemoved as e:
@@ -335,6 +337,10 @@ class Driver:
         uri = layout.manifest_uri(job)
         msg = (f"published {counts.get('rows', 0)} rows in {len(manifest.get('files') or [])} files "
                f"({counts.get('errors', 0)} error rows) to {uri}")
+        damaged = [str(o.get("message")) for o in manifest.get("damagedObjects") or []]
+        if damaged:
+            # input.onDamagedObject errorRow: published without what lay behind the break; never silent.
+            msg += "; damaged input (one corrupt_input error row each, the rest unread): " + "; ".join(damaged)
         if counts.get("capped"):
             # Never silent: rows the judge still rejected at the cap are published apart and said so.
             capped = (f"RetryCapReached: {counts['capped']} rows were still rejected by the judge at the cap; "
@@ -382,6 +388,20 @@ class Driver:
         except (OSError, StorageError) as e:
             log.warning("%s/%s: cannot list shard records: %s", job.metadata.namespace, job.metadata.name, e)
             return None
+
+    def damaged(self, job: BatchInferenceJob, status: Mapping[str, Any],
+                jobs: Sequence[Mapping[str, Any]]) -> list[str]:
+        """The damaged input objects the current round's workers recorded, looked at (one listing) only
+        once its Job has failed for good: what `decide()` names when the round fails."""
+        r = current_round(status)
+        view = round_job(job, r, jobs)
+        if view is None or not view.failed_for_good or status.get("phase") in TERMINAL_PHASES:
+            return []
+        try:
+            return [rec.describe() for rec in damage_records(job, r) if rec.mode == "fail"]
+        except (OSError, StorageError) as e:
+            log.warning("%s/%s: cannot list damage records: %s", job.metadata.namespace, job.metadata.name, e)
+            return []
 
     def progress(self, job: BatchInferenceJob, status: Mapping[str, Any], round_no: int, now: Any) -> dict[str, Any]:
         """``rows`` and ``rowsPerSecond`` from the completion records of rounds 0..round_no, and the

@@ -15,12 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bij_worker.contract.errors import BijError
 from bij_worker.contract.plan import PlanObject
 from bij_worker.contract.spec import DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
-from bij_worker.storage import ObjectInfo
+
+if TYPE_CHECKING:  # a type only: the spec's fingerprint is pure, `reconcile` imports it
+    from bij_worker.storage import ObjectInfo
 
 ROW_FIELDS = (
     "input.uri", "input.format", "input.idField", "input.textField", "input.messagesField", "input.maxLineBytes",

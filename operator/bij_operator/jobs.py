@@ -28,6 +28,8 @@ from bij_worker.contract.codes import (
 )
 from bij_worker.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, load_job
 
+from .reconcile import desired_parallelism
+
 DEFAULT_WORKER_IMAGE = "ghcr.io/bij-project/bij-worker:0.1.0"
 DEFAULT_SERVICE_ACCOUNT = "bij-worker"
 WORKER_CONTAINER = "worker"
@@ -62,11 +64,6 @@ GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedu
 def job_name(job: BatchInferenceJob, round_no: int) -> str:
     """The round Job's deterministic name, so a restarted operator finds instead of duplicates it."""
     return f"{job.metadata.name}-r{round_no}"
-
-
-def desired_parallelism(job: BatchInferenceJob, completions: int) -> int:
-    """Pods at once: spec.workers.parallelism, but never more than there are lanes."""
-    return min(job.spec.workers.parallelism, completions)
 
 
 def worker_image_default() -> str:

@@ -42,7 +42,7 @@ from .reconcile import TERMINAL_PHASES, Retry, failure_reason, round_records
 
 # Failures a rerun cannot fix until something changes (exit 42); any other failure may pass (exit 1).
 BAD_CONFIG_REASONS = frozenset({"PodFailurePolicy", "InvalidSpec", "PlanRefused", "SpecChanged", "CannotCreateJob",
-                                "TooManyErrors", "WorkFilesRemoved", "StorageRefused"})
+                                "TooManyErrors", "WorkFilesRemoved", "DamagedInput", "StorageRefused"})
 
 
 @dataclass

@@ -22,14 +22,15 @@ from dataclasses import dataclass
 from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
 from bij_worker.contract.plan import PLAN_VERSION, BadPlan, Fingerprint, JudgeMode, Plan, PlanObject
-from bij_worker.contract.records import OwnerRecord
+from bij_worker.contract.records import DamageRecord, OwnerRecord
 from bij_worker.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, job_to_dict, uris_overlap
 from bij_worker.parquet import SUFFIX as PARQUET_SUFFIX
 from bij_worker.parquet import Footer, read_footer
 from bij_worker.storage import NotFound, ObjectInfo, Storage, StorageError, StorageRefused, open_storage
 
 from .fingerprint import PlanRefused, digest, input_changes, row_fields, spec_changes
-from .rounds import RoundMode, round_history, round_mode
+from .progress import round_history
+from .rounds import RoundMode, round_mode
 
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.zst", ".ndjson.zst", ".json.zst")
 # A temp file of an atomic write untouched this long was left by a killed writer.
@@ -234,12 +235,24 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
         planned = read_plan(store, uri)
         changes = spec_changes(planned.job, job)
         if round_no == 0 and not changes:
-            changes = input_changes(planned.objects, _list_input(job, input_uri, is_parquet_round(job, 0)))
+            current = _list_input(job, input_uri, is_parquet_round(job, 0))
+            changes = input_changes(planned.objects, current)
+            replaced = take_replacements(store, planned, current) if changes else None
+            if replaced is not None:
+                store.write_bytes(uri, replaced.to_json())
+                return _round_plan(uri, replaced)
         if changes:
             raise PlanRefused(
                 f"{'; '.join(changes)} since round {round_no} was planned ({uri}): rows made before and after "
                 "would be mixed. Undo the change, or start over: `bij run --restart` (deletes the plan and "
                 "durable results under " + layout.state_prefix(job) + "/) or choose a new spec.output.uri")
+        wanted = job.spec.input.on_damaged_object
+        if planned.spec.input.on_damaged_object != wanted:
+            # Workers read the spec from the plan: a rerun that says otherwise of damaged objects (errorRow,
+            # to publish after a round failed on one) tells them so.
+            planned = planned.model_copy(update={"job": planned.job.model_copy(update={"spec": planned.spec.model_copy(
+                update={"input": planned.spec.input.model_copy(update={"on_damaged_object": wanted})})})})
+            store.write_bytes(uri, planned.to_json())
         return _round_plan(uri, planned)
     parquet = is_parquet_round(job, round_no)
     objects = _list_input(job, input_uri, parquet)
@@ -252,6 +265,42 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
     plan = build_plan(job, round_no, objects, input_uri, mode, footers)
     store.write_bytes(uri, plan.to_json())
     return _round_plan(uri, plan)
+
+
+def take_replacements(store: Storage, planned: Plan, current: list[ObjectInfo]) -> Plan | None:
+    """The plan with its damaged objects' replacements, when the only input changes are objects that a
+    round failed on (`DamageRecord`, input.onDamagedObject: fail) put back; else None.
+
+    The rows made before the break stay: the worker checks that the replacement begins with the
+    bytes they were made from (`PlanObject.prefix`) and resumes after them.
+    """
+    damaged: dict[int, DamageRecord] = {}
+    for o in store.list(layout.damaged_folder(planned.round_prefix)):
+        try:
+            rec = DamageRecord.from_json(store.read_bytes(o.uri), f"damage record {o.uri}")
+        except NotFound:
+            continue
+        if rec.mode == "fail" and rec.sha256 and 0 <= rec.object < len(planned.objects):
+            damaged[rec.object] = rec
+    now = {o.uri: o for o in current}
+    if not damaged or set(now) != {o.uri for o in planned.objects}:
+        return None
+    objects = list(planned.objects)
+    for i, before in enumerate(planned.objects):
+        after = now[before.uri]
+        if (after.size, after.version) == (before.size, before.version):
+            continue
+        found = damaged.get(i)
+        if found is None or found.version != before.version:
+            return None
+        objects[i] = before.model_copy(update={"size": after.size, "version": after.version,
+                                               "prefix": (found.offset, found.sha256)})
+    # A .zst object is one whole piece of one shard: only its end moves.
+    shards = [[(obj, start, objects[obj].size if objects[obj] is not planned.objects[obj] else end)
+               for obj, start, end in shard] for shard in planned.shards]
+    fingerprint = planned.fingerprint and planned.fingerprint.model_copy(
+        update={"input": digest([[o.uri, o.size, o.version] for o in objects])})
+    return planned.model_copy(update={"objects": objects, "shards": shards, "fingerprint": fingerprint})
 
 
 def read_plan(store: Storage, uri: str) -> Plan:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from bij_worker.contract import layout
-from bij_worker.contract.records import ShardRecord, decode_shard_record
+from bij_worker.contract.plan import Plan
+from bij_worker.contract.records import DamageRecord, ShardRecord, decode_shard_record
 from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.storage import NotFound, open_storage
+
+from .rounds import RoundStats, summarize
 
 
 def shard_records(job: BatchInferenceJob, round_no: int) -> dict[int, ShardRecord]:
@@ -26,6 +29,30 @@ def live_records(job: BatchInferenceJob, round_no: int) -> dict[int, ShardRecord
     progress records running shards rewrite every BIJ_PROGRESS_SECONDS (30 s by default).
     BadRecord when one is not a shard record."""
     return {**_records(job, round_no, "progress"), **_records(job, round_no, "done")}
+
+
+def round_history(job: BatchInferenceJob, rounds: int) -> list[RoundStats]:
+    """Statistics of rounds 0..rounds-1 from storage (every shard of them must be done)."""
+    out = []
+    for r in range(rounds):
+        uri = layout.round_manifest_uri(job, r)
+        plan = Plan.from_json(open_storage(uri, job.spec.storage.s3).read_bytes(uri), f"round plan {uri}")
+        out.append(summarize(r, len(plan.shards), shard_records(job, r)))
+    return out
+
+
+def damage_records(job: BatchInferenceJob, round_no: int) -> list[DamageRecord]:
+    """The input objects a round's workers found damaged, by shard: one listing of a folder that is
+    empty but for them. BadRecord when one is not a damage record."""
+    folder = layout.damaged_folder(layout.round_prefix(job, round_no))
+    store = open_storage(folder, job.spec.storage.s3)
+    out = []
+    for obj in sorted(store.list(folder), key=lambda o: o.uri):
+        try:
+            out.append(DamageRecord.from_json(store.read_bytes(obj.uri), f"damage record {obj.uri}"))
+        except NotFound:  # listed, then gone (the shard finished after its object was replaced)
+            continue
+    return out
 
 
 def _records(job: BatchInferenceJob, round_no: int, kind: str) -> dict[int, ShardRecord]:

@@ -28,6 +28,7 @@ from bij_worker.storage import NotFound, Storage, open_storage
 
 from .efficiency import cost, efficiency
 from .fingerprint import PlanRefused, spec_changes
+from .progress import damage_records
 
 
 class PublishError(BijError):
@@ -232,7 +233,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         t.rounds[summary["round"]]["errors"] += c["errors"]
     if job.spec.judge is not None:
         # The judge's view of each round (rows in, approved, rejected, approval rate).
-        from .rounds import round_history
+        from .progress import round_history
 
         t.rounds = [{**h.as_status(), "rows": d["rows"], "errors": d["errors"]}
                     for h, d in zip(round_history(job, rounds), t.rounds, strict=True)]
@@ -262,6 +263,10 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
                    "truncated": t.truncated, "inputRows": total,
                    "tokensIn": t.tokens_in, "tokensOut": t.tokens_out},
         "rounds": t.rounds,
+        # input.onDamagedObject errorRow: objects published without what lay behind their break.
+        "damagedObjects": [{"round": r, "shard": rec.shard, "object": rec.name, "offset": rec.offset,
+                            "reason": rec.reason, "message": rec.describe()}
+                           for r in range(rounds) for rec in damage_records(job, r)],
         "engine": t.engine(),
         "efficiency": eff,
         "publishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -26,14 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
+from bij_worker.contract.publish_plan import PASSES as PUBLISH_PASSES
 from bij_worker.contract.spec import BatchInferenceJob
-from bij_worker.publish_rows import PublishPlanError
-from bij_worker.storage import StorageError, StorageRefused
 
-from .fingerprint import PlanRefused, field_digests
-from .jobs import desired_parallelism
-from .planner import PlanError
-from .publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved
+from .fingerprint import field_digests
 from .rounds import RoundStats, needs_another_round
 
 Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
@@ -283,48 +279,7 @@ class Nothing(Decision):
     """The bij is finished (Succeeded or Failed); leave it alone."""
 
 
-# --- what a failed step means ------------------------------------------------------------------
-
-
-def failed_step(d: Decision, error: Exception) -> Decision:
-    """The decision after step `d` raised `error`: MarkFailed when only a spec change can help,
-    Retry when time may. Anything else is a bug and is raised again, never retried as an outage."""
-    r = d.round
-    if isinstance(error, PlanRefused):
-        # Another job owns the output, the URIs overlap, or what is there was made from another spec
-        # or input: a retry cannot help, a spec edit may (the phase is not final).
-        return MarkFailed(round=r, phase="Failed", reason="PlanRefused", message=str(error), event="PlanRefused")
-    if isinstance(error, StorageRefused):
-        # Denied access, a missing bucket, wrong credentials: the same on every retry until someone changes the
-        # grants, the bucket or the credentials; the message names the URI and the access key id.
-        what = (f"cannot plan round {r}" if isinstance(d, PlanRound) else "publish failed"
-                if isinstance(d, (PreparePublish, Publish)) else f"round {r}")
-        return MarkFailed(round=r, phase="Failed", reason="StorageRefused", message=f"{what}: {error}",
-                          event="StorageRefused")
-    if isinstance(d, PlanRound) and isinstance(error, (PlanError, StorageError, OSError)):
-        # Missing or unreadable input may appear later (an upload still running).
-        return Retry(round=r, phase="Pending", reason="PlanFailed", message=f"cannot plan round {r}: {error}",
-                     delay=30.0, permanent=bool(getattr(error, "permanent", False)))
-    if isinstance(d, (CreateJob, CreatePublishJob)) and isinstance(error, ValueError):
-        # The Job cannot be made from this spec (more lanes than an Indexed Job may have): only a spec change helps.
-        return MarkFailed(round=r, phase="Failed", reason="CannotCreateJob", message=f"round {r}: {error}",
-                          shards=d.shards, event="CannotCreateJob")
-    if isinstance(d, (PreparePublish, Publish)):
-        if isinstance(error, ErrorRatioExceeded):
-            # Duplicates found only at publish can push the share of bad rows over the limit.
-            return MarkFailed(round=r, phase="Failed", reason="TooManyErrors", message=str(error),
-                              event="TooManyErrors")
-        if isinstance(error, WorkFilesRemoved):
-            return MarkFailed(round=r, phase="Failed", reason="WorkFilesRemoved", message=str(error),
-                              event="WorkFilesRemoved")
-        if isinstance(error, (PublishError, StorageError, OSError, PublishPlanError)):
-            return Retry(round=r, phase="Publishing", reason="PublishFailed", message=f"publish failed: {error}",
-                         delay=30.0, permanent=bool(getattr(error, "permanent", False)))
-    if isinstance(error, StorageError):
-        # Reading the workers' records (a round's finish): an outage may pass; a damaged record says so.
-        return Retry(round=r, phase=d.phase, reason="StorageFailed", message=f"round {r}: {error}", delay=30.0,
-                     permanent=error.permanent)
-    raise error
+# --- a Job name taken -------------------------------------------------------------------------
 
 
 def name_conflict(d: Decision, job_name: str, what: str, phase: Phase) -> Wait:
@@ -394,9 +349,12 @@ def decide(
     status: Mapping[str, Any],
     observed_jobs: Sequence[Mapping[str, Any]],
     shards_done: int | None = None,
+    damaged: Sequence[str] = (),
 ) -> Decision:
-    """The next step for `job`, given its current ``status``, the Jobs labelled with its name and
-    how many shards of the current round have a completion record (None: not looked at).
+    """The next step for `job`, given its current ``status``, the Jobs labelled with its name,
+    how many shards of the current round have a completion record (None: not looked at) and the
+    input objects the round's workers found damaged (`DamageRecord.describe`, looked at once the
+    round's Job failed).
 
     The Job has one index per lane and a lane works many shards, so the round is over when every
     shard is done: a lane that failed for good costs nothing if the others finished its shards.
@@ -453,6 +411,13 @@ def decide(
 
     if view.failed_for_good:
         bad_config = view.failure is not None and view.failure.reason == "PodFailurePolicy"
+        if bad_config and damaged:
+            # input.onDamagedObject fail: a worker stopped at a damaged object (exit 42).
+            return MarkFailed(round=r, phase="Failed", reason="DamagedInput", shards=shards, lanes=view.lanes,
+                              failed_lanes=tuple(sorted(view.failed)), event="DamagedInput",
+                              message=f"round {r}: damaged input: {'; '.join(damaged)}. The rows before it are "
+                                      "kept: replace the object and run again (it resumes there), or set "
+                                      f"spec.input.onDamagedObject: errorRow; Job {view.name} failed")
         if shards is not None and planned and shards.done >= planned and not bad_config:
             # Lanes failed, but the others took over and finished their shards: the round is whole.
             # Not so after exit 42 (FailJob): a bad configuration fails the job whatever got done.
@@ -486,6 +451,11 @@ def decide(
                         job_name=view.name, suspend=patch_suspend, parallelism=patch_parallelism)
 
     return Wait(round=r, **_progress(r, view, shards, want_suspend))
+
+
+def desired_parallelism(job: BatchInferenceJob, completions: int) -> int:
+    """Pods at once: spec.workers.parallelism, but never more than there are lanes."""
+    return min(job.spec.workers.parallelism, completions)
 
 
 def _progress(r: int, view: JobView, shards: Shards | None, want_suspend: bool) -> dict[str, Any]:
@@ -550,9 +520,6 @@ def round_stats(status: Mapping[str, Any]) -> list[RoundStats]:
                               rejected=int(rec.get("rejected") or 0), capped=int(rec.get("capped") or 0),
                               errors=int(rec.get("errors") or 0), engine_calls=int(rec.get("engineCalls") or 0)))
     return out
-
-
-PUBLISH_PASSES = ("ids", "dedupe", "write")  # bij_worker.publish_rows.PASSES, in order
 
 
 def publish_job(job: BatchInferenceJob, pass_name: str, observed_jobs: Sequence[Mapping[str, Any]]) -> JobView | None:

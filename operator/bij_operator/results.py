@@ -27,7 +27,7 @@ from bij_worker.parquet import id_kind, is_int64, read_table, results_table, tab
 from bij_worker.storage import NotFound, Storage, StorageError, open_storage
 
 from .efficiency import fmt_money, status_fields
-from .progress import live_records
+from .progress import damage_records, live_records
 
 FILE_LISTS = {"results": "files", "errors": "errorFiles", "capped": "cappedFiles"}
 
@@ -194,6 +194,8 @@ def manifest_summary(manifest: dict[str, Any]) -> list[str]:
                  f"{c.get('truncated', 0):,} truncated, {c.get('capped', 0):,} capped, "
                  f"{c.get('duplicates', 0):,} duplicates")
     lines.append(f"  tokens    {c.get('tokensIn', 0):,} in, {c.get('tokensOut', 0):,} out")
+    for o in manifest.get("damagedObjects") or []:
+        lines.append(f"  damaged   {o.get('message')}: one corrupt_input error row, the rest of it unread")
     lines += _efficiency_lines(manifest.get("efficiency"), manifest.get("cost"))
     return lines
 
@@ -234,6 +236,10 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
         truncated = sum(int(rec.get("truncated") or 0) for rec in current)
         lines.append(f"  round {r}   {done}/{len(plan.shards)} shards done ({plan.lane_count} lanes), {rows:,} rows, "
                      f"{errors:,} errors, {truncated:,} truncated")
+        for rec in damage_records(job, r):
+            what = ("the round failed there; the rows before it are kept: replace the object and run again"
+                    if rec.mode == "fail" else "one corrupt_input error row, the rest of it unread")
+            lines.append(f"  damaged   {rec.describe()}: {what}")
         r += 1
     if r == 0:
         lines.append("  no round planned: run `bij run` (or apply it to a cluster)")

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bij_worker.contract.spec import BatchInferenceJob, JudgeSpec
+from bij_worker.contract.spec import JudgeSpec
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,6 @@ class RoundMode:
     mode: str  # "none" | "rounds" | "inPlace"
     final: bool  # rows rejected in this round are capped, not re-dispatched
 
-    def as_plan(self) -> dict[str, Any]:
-        return {"mode": self.mode, "final": self.final}
-
 
 def summarize(round_no: int, shard_count: int, records: Mapping[int, Mapping[str, Any]]) -> RoundStats:
     """A round's totals from its shards' completion records (`ShardRecord`s)."""
@@ -89,20 +86,3 @@ def needs_another_round(judge: JudgeSpec | None, history: list[RoundStats]) -> b
     if judge is None or not history:
         return False
     return history[-1].rejected > 0
-
-
-def round_history(job: BatchInferenceJob, rounds: int) -> list[RoundStats]:
-    """Statistics of rounds 0..rounds-1 from storage (every shard of them must be done)."""
-
-    from bij_worker.contract import layout
-    from bij_worker.contract.plan import Plan
-    from bij_worker.storage import open_storage
-
-    from .progress import shard_records
-
-    out = []
-    for r in range(rounds):
-        uri = layout.round_manifest_uri(job, r)
-        plan = Plan.from_json(open_storage(uri, job.spec.storage.s3).read_bytes(uri), f"round plan {uri}")
-        out.append(summarize(r, len(plan.shards), shard_records(job, r)))
-    return out

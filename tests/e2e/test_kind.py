@@ -163,16 +163,24 @@ def test_job_succeeds(job_run: JobRun) -> None:
     assert conditions, job_run.explain("no status.conditions")
 
 
-def test_round_job_is_indexed_with_one_index_per_shard(job_run: JobRun) -> None:
+def test_round_job_is_indexed_with_one_index_per_lane(job_run: JobRun) -> None:
     job_run.require_succeeded()
-    total = job_run.bij["status"]["shards"]["total"]
+    status = job_run.bij["status"]
+    shards = status["shards"]["total"]
+    (round0,) = [r for r in status["rounds"] if r["round"] == 0]
+    lanes = round0["lanes"]
+    parallelism = JOB["spec"]["workers"]["parallelism"]
     job = job_run.cluster.get_json("job", f"{JOB_NAME}-r0", "-n", NAMESPACE)
-    spec, status = job["spec"], job.get("status", {})
-    assert total >= 2, job_run.explain(f"targetShardBytes 1024 should cut several shards, got {total}")
+    spec, job_status = job["spec"], job.get("status", {})
+    # targetShardBytes 1024 cuts the ~5 KB input into more shards than there are lanes, so each lane
+    # (one index of the Job, one pod that loads the model once) works several shards.
+    assert lanes == parallelism and shards > lanes, job_run.explain(
+        f"expected more shards than the {parallelism} lanes, got {shards} shards in {lanes} lanes")
     assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == total
-    assert spec["parallelism"] == JOB["spec"]["workers"]["parallelism"]
-    assert status.get("succeeded") == total, job_run.explain(f"round Job status: {status}")
+    assert spec["completions"] == lanes
+    assert spec["parallelism"] == parallelism
+    assert job_status.get("succeeded") == lanes, job_run.explain(f"round Job status: {job_status}")
+    assert status["shards"]["done"] == shards
     owners = job["metadata"].get("ownerReferences", [])
     assert [o["uid"] for o in owners] == [job_run.bij["metadata"]["uid"]]
 

@@ -48,11 +48,6 @@ _CLAIM_RE = re.compile(r"^(\d{5,})-(\d{5,})\.json$")
 _DONE_RE = re.compile(r"^(\d{5,})\.json$")
 
 
-def lane_shards(lane: int, lanes: int, shards: int) -> list[int]:
-    """The shards lane `lane` works first, in order."""
-    return list(range(lane, shards, lanes))
-
-
 @dataclass(frozen=True)
 class Claim:
     shard: int

@@ -36,6 +36,7 @@ from .engines import EngineConfig, create_engine
 from .engines.base import is_continuous
 from .lanes import Claim, Claims, EngineShare, LeaseKeeper
 from .metrics import Metrics, Stats
+from .reader import DamagedObject, ReplacementDiffers
 from .sampling import ALL_FIELDS, refusal
 from .storage import StorageError, open_storage
 from .worker import BadConfig, ShardOutcome, ShardWorker, StopFlag, load_plan
@@ -227,6 +228,14 @@ def main(argv: list[str] | None = None) -> int:
             run = after
         if stop.requested:
             return EXIT_TERMINATED
+    except DamagedObject as e:
+        # input.onDamagedObject fail: no retry reads past it; the rows before it are durable.
+        log.error("%s; the rows before it are durable: replace the object and run again (it resumes there), "
+                  "or set spec.input.onDamagedObject: errorRow", e)
+        return EXIT_BAD_CONFIG
+    except ReplacementDiffers as e:
+        log.error("%s", e)
+        return EXIT_BAD_CONFIG
     except BadConfig as e:
         log.error("bad configuration: %s", e)
         return EXIT_BAD_CONFIG

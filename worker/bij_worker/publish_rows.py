@@ -34,14 +34,12 @@ import zstandard
 
 from .contract import layout
 from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK
-from .contract.publish_plan import PublishPlan, PublishPlanError, Unit
+from .contract.publish_plan import PASSES, PublishPlan, PublishPlanError, Unit
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
 from .parquet import encode_results
 from .segments import LEVEL, ShardLog, encode_records
 from .storage import NotFound, Storage, StorageError, open_storage
-
-PASSES = ("ids", "dedupe", "write")
 
 log = logging.getLogger("bij.worker")
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)

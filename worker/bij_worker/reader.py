@@ -7,12 +7,15 @@ their beginning. Resuming starts at the cursor (always a line start) instead.
 Parquet pieces are row groups; their rows come as JSON lines (see parquet.py).
 
 What cannot be a row is never dropped quietly: a line longer than
-`input.maxLineBytes`, and a `.zst` object that is cut or damaged, come out as an
-`InputProblem` at their place, which the worker records as an error row.
+`input.maxLineBytes` comes out as an `InputProblem` at its place, which the worker
+records as an error row; so does a `.zst` object that is cut or damaged with
+`input.onDamagedObject: errorRow`, while with `fail` reading stops there with
+`DamagedObject`, after every line before the break.
 """
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 from bisect import bisect_left
@@ -43,6 +46,23 @@ Line = tuple[tuple[int, int, int], bytes | InputProblem]  # ((object, offset, en
 
 class CorruptInput(BijError):
     """A compressed object that ends inside a frame or whose data is damaged."""
+
+
+class DamagedObject(BijError):
+    """Input object `obj` breaks after `offset` good uncompressed bytes (input.onDamagedObject: fail).
+    No retry reads past it: the object must be replaced (or the spec say errorRow)."""
+
+    permanent = True
+
+    def __init__(self, obj: int, uri: str, offset: int, reason: str):
+        super().__init__(f"input object {uri} is damaged after uncompressed byte {offset}: {reason}")
+        self.obj, self.uri, self.offset, self.reason = obj, uri, offset, reason
+
+
+class ReplacementDiffers(BijError):
+    """A replaced damaged object does not begin with the bytes already made into rows."""
+
+    permanent = True
 
 
 class ZstdFrames:
@@ -98,6 +118,24 @@ class ZstdFrames:
         return b"".join(out)
 
 
+def prefix_digest(storage: Storage, uri: str, n: int, version: str | None = None) -> str | None:
+    """sha256 of the first `n` uncompressed bytes of a .zst object; None when it has fewer good ones."""
+    h = hashlib.sha256()
+    left = n
+    with storage.open_read(uri, 0, version) as raw:
+        frames = ZstdFrames(raw)
+        try:
+            while left > 0:
+                data = frames.read()
+                if not data:
+                    return None
+                h.update(data[:left])
+                left -= len(data[:left])
+        except CorruptInput:
+            return None
+    return h.hexdigest()
+
+
 def _too_long(n: int, limit: int | None) -> InputProblem:
     return InputProblem("line_too_long", f"the line has {n} bytes, more than spec.input.maxLineBytes ({limit})")
 
@@ -145,12 +183,21 @@ def _place(obj: int, pos: int, lines: list[bytes | None], lengths: list[int], be
 
 def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: int,
                resume_at: int = -1, *, obj: int = 0, max_line: int | None = DEFAULT_MAX_LINE_BYTES,
-               version: str | None = None) -> Iterator[Block]:
+               version: str | None = None, on_damaged: str = "errorRow",
+               prefix: tuple[int, str] | None = None) -> Iterator[Block]:
     """Blocks of the lines of one piece, each line with its place; from `resume_at` when that is past `start`.
 
     Blank lines are left out. With `version` (from the plan), another version of the
-    object is refused (`ObjectChanged`).
+    object is refused (`ObjectChanged`). A `.zst` object that breaks is one `corrupt_input`
+    problem in its place (`on_damaged` "errorRow") or `DamagedObject` after the lines before
+    it ("fail"). With `prefix` (n, sha256), the object replaced a damaged one whose first n
+    bytes are rows already: it must begin with them (`ReplacementDiffers` otherwise).
     """
+    if compressed and prefix is not None and prefix_digest(storage, uri, prefix[0], version) != prefix[1]:
+        raise ReplacementDiffers(
+            f"input object {uri} replaced a damaged one whose first {prefix[0]} uncompressed bytes are rows "
+            "already, but it does not begin with the same bytes: rows of both would be mixed. Put back an object "
+            "that does, or start over: bij run --restart")
     if compressed:
         with storage.open_read(uri, 0, version) as raw:
             at = 0  # where the next line starts (uncompressed)
@@ -162,6 +209,8 @@ def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: in
                         if block:
                             yield block
             except CorruptInput as e:
+                if on_damaged == "fail":
+                    raise DamagedObject(obj, uri, at, str(e)) from None
                 # The partial line before the break was never yielded: the error row takes its place.
                 if at >= resume_at:
                     yield [(obj, at, at + 1)], [InputProblem(
@@ -183,8 +232,10 @@ def iter_piece(storage: Storage, uri: str, compressed: bool, start: int, end: in
 
 def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: Sequence[PlanObject], pieces: Sequence[Piece],
                       cursor: tuple[int, int] = (-1, -1), columns: list[str] | None = None,
-                      max_line: int | None = DEFAULT_MAX_LINE_BYTES, parquet_rows: int = 1024) -> Iterator[Block]:
+                      max_line: int | None = DEFAULT_MAX_LINE_BYTES, parquet_rows: int = 1024,
+                      on_damaged: str = "errorRow") -> Iterator[Block]:
     """All lines of a shard in input order, in blocks, skipping what lies before the durable cursor.
+    `on_damaged`: what a .zst object that breaks becomes (see iter_piece).
 
     A Parquet object (one with `rowGroups` in the plan) yields its rows as JSON lines of
     `columns`, each placed at (object, row number, row number + 1).
@@ -209,7 +260,8 @@ def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: Sequence[P
                 yield places, records, [1] * len(places)
             continue
         yield from iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at, obj=obj,
-                              max_line=max_line, version=info.version)
+                              max_line=max_line, version=info.version, on_damaged=on_damaged,
+                              prefix=info.prefix)
 
 
 def iter_shard(storage_for: Callable[[str], Storage], objects: Sequence[PlanObject], pieces: Sequence[Piece],
@@ -236,6 +288,11 @@ class Chunk:
 _DONE = object()
 
 
+@dataclass(frozen=True)
+class _Damaged:
+    error: DamagedObject
+
+
 def _one_line_block(line: Line) -> Block:
     return [line[0]], [line[1]], [line[0][2] - line[0][1]]
 
@@ -257,6 +314,7 @@ class Prefetcher:
         self._stop = threading.Event()
         self._prepare = prepare
         self.finished = False
+        self.damaged: DamagedObject | None = None  # why the lines ended early (input.onDamagedObject: fail)
         source: Iterable[Block] = lines if blocks else map(_one_line_block, lines)  # type: ignore[assignment,arg-type]
         self._thread = threading.Thread(target=self._run, args=(source, chunk_rows), daemon=True,
                                         name="bij-prefetch")
@@ -272,8 +330,8 @@ class Prefetcher:
         return False
 
     def _run(self, blocks: Iterable[Block], chunk_rows: int) -> None:
+        chunk = Chunk()
         try:
-            chunk = Chunk()
             for places, lines, sizes in blocks:
                 at, n = 0, len(places)
                 while at < n:
@@ -294,6 +352,11 @@ class Prefetcher:
             if chunk.places and not self._put(self._prepare(chunk) if self._prepare else chunk):
                 return
             self._put(_DONE)
+        except DamagedObject as e:
+            # The lines before the break are worked and committed like any others; then the input ends.
+            if chunk.places and not self._put(self._prepare(chunk) if self._prepare else chunk):
+                return
+            self._put(_Damaged(e))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._put(e)
 
@@ -308,8 +371,9 @@ class Prefetcher:
             item = self._q.get(block=block)
         except queue.Empty:
             return None
-        if item is _DONE:
+        if item is _DONE or isinstance(item, _Damaged):
             self.finished = True
+            self.damaged = item.error if isinstance(item, _Damaged) else None
             return None
         if isinstance(item, BaseException):
             raise item
@@ -318,7 +382,9 @@ class Prefetcher:
     def __iter__(self) -> Iterator[Chunk]:
         while True:
             item = self._q.get()
-            if item is _DONE:
+            if item is _DONE or isinstance(item, _Damaged):
+                self.finished = True
+                self.damaged = item.error if isinstance(item, _Damaged) else None
                 return
             if isinstance(item, BaseException):
                 raise item

@@ -38,7 +38,7 @@ from .commits import CommitWriter
 from .contract import layout
 from .contract.errors import BijError
 from .contract.plan import BadPlan, Plan
-from .contract.records import decode_shard_record, encode, shard_record
+from .contract.records import DamageRecord, decode_shard_record, encode, shard_record
 from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
 from .inputs import (
     InputOptions,
@@ -55,7 +55,7 @@ from .inputs import (
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
 from .parquet import is_int64
-from .reader import Chunk, InputProblem, Line, Prefetcher, iter_shard_blocks
+from .reader import Chunk, DamagedObject, InputProblem, Line, Prefetcher, iter_shard_blocks, prefix_digest
 from .segments import ShardLog, encode_plain_results
 from .storage import NotFound, Storage, StorageError, open_storage
 
@@ -242,10 +242,6 @@ def batch_shape(engine: Engine) -> tuple[int, int]:
     return shape() if callable(shape) else (256, 32000)
 
 
-# Record kinds that end a row's story in a round; "attempt" records are the steps before.
-FINAL_KINDS = ("result", "error", "rejected", "capped")
-
-
 class ShardWorker:
     """Runs one shard of a round plan with an already loaded engine."""
 
@@ -284,6 +280,7 @@ class ShardWorker:
         self.window = batching.in_flight_rows or self.default_window()
         self.commit_slots = batching.commit_queue_chunks
         self.max_line = spec.input.max_line_bytes
+        self.on_damaged = spec.input.on_damaged_object
         self.max_tokens = spec.model.max_input_tokens
         self.s3 = spec.storage.s3
         self.judge = Judge(spec.judge) if spec.judge else None
@@ -377,7 +374,7 @@ class ShardWorker:
             return self._stopped()
 
         blocks = iter_shard_blocks(self.storage_for, self.objects, self.pieces, state.cursor,
-                                   parquet_columns(self.opts), self.max_line)
+                                   parquet_columns(self.opts), self.max_line, on_damaged=self.on_damaged)
         # Engines whose compute lets go of the interpreter (torch, vLLM) get the next chunks parsed in
         # the reader thread meanwhile; for the others it would only take turns with them.
         parse = self._parse if self.judge is None and getattr(self.engine, "parallel_prepare", False) else None
@@ -395,8 +392,28 @@ class ShardWorker:
                 self.stats.max_num_seqs = self.engine.concurrency()  # type: ignore[attr-defined]
         if not finished:
             return self._stopped()
+        if prefetch.damaged is not None:
+            # Every row before the break is durable now; the round fails here, naming the object.
+            self._damaged(prefetch.damaged)
         self._finish(t0)
         return ShardOutcome("done", self.stats.rows, self.stats.errors)
+
+    def _damaged(self, e: DamagedObject) -> None:
+        """input.onDamagedObject fail: record the damaged object and where it breaks (with the sha256 of
+        the bytes before, which a replacement must begin with), and fail with `e`."""
+        info = self.objects[e.obj]
+        digest = prefix_digest(self.storage_for(info.uri), info.uri, e.offset, info.version) or ""
+        self._record_damage(DamageRecord(self.index, e.obj, info.display_name, info.version, e.offset, digest,
+                                         e.reason, "fail"))
+        self._stopped()
+        raise e
+
+    def _record_damage(self, rec: DamageRecord) -> None:
+        log.warning("shard %d: input object %s; %s", self.index, rec.describe(),
+                    "the rows before it are durable: replace the object and run again, or set "
+                    "spec.input.onDamagedObject: errorRow" if rec.mode == "fail" else
+                    "the rest of it is one corrupt_input error row (spec.input.onDamagedObject: errorRow)")
+        self.out.write_bytes(layout.damaged_uri(self.plan.round_prefix, self.index), rec.to_json())
 
     def _stopped(self) -> ShardOutcome:
         """Stopped before the end: the time spent so far goes into the progress record for the next run."""
@@ -582,6 +599,10 @@ class ShardWorker:
         for at, line in chunk.lines:
             if isinstance(line, InputProblem):  # an over-long line, a cut .zst: an error row in its place
                 records.append(self._error_record(Row(at=at, id=None, error_code=line.code, error=line.message)))
+                if line.code == "corrupt_input":
+                    info = self.objects[at[0]]
+                    self._record_damage(DamageRecord(self.index, at[0], info.display_name, info.version, at[1], "",
+                                                     line.message, "errorRow"))
                 continue
             row = parse_line(line, at, names[at[0]], opts)
             if row.request is None:
@@ -667,6 +688,9 @@ class ShardWorker:
         record = shard_record(self.index, self.round, self.lane, self.stats.as_record(), time.monotonic() - t0,
                               finished=True)
         self.out.write_bytes(layout.done_uri(self.plan.round_prefix, self.index), encode(record))
+        if any(self.objects[obj].prefix is not None for obj, _, _ in self.pieces):
+            # A damaged object of this shard was replaced and read to its end: nothing is damaged now.
+            self.out.delete(layout.damaged_uri(self.plan.round_prefix, self.index))
         self.progress({"event": "done", "index": self.index, "rows": self.stats.rows, "errors": self.stats.errors})
 
     def _count_final(self, rec: dict[str, Any]) -> None:

@@ -70,10 +70,6 @@ def publish_prefix(job: BatchInferenceJob) -> str:
 # --- one round, from its plan's round prefix ------------------------------------------------------
 
 
-def shards_folder(round_prefix: str) -> str:
-    return join(round_prefix, "shards") + "/"
-
-
 def shard_prefix(round_prefix: str, index: int) -> str:
     """The folder of a shard's durable logs (one log per writer)."""
     return join(round_prefix, "shards", f"{index:05d}")
@@ -95,6 +91,15 @@ def progress_folder(round_prefix: str) -> str:
 def progress_uri(round_prefix: str, index: int) -> str:
     """A running shard's live counts (rewritten now and then; the done record supersedes it)."""
     return join(round_prefix, "progress", f"{index:05d}.json")
+
+
+def damaged_folder(round_prefix: str) -> str:
+    return join(round_prefix, "damaged") + "/"
+
+
+def damaged_uri(round_prefix: str, index: int) -> str:
+    """The damaged input object a shard met (`records.DamageRecord`): the object, where it breaks."""
+    return join(round_prefix, "damaged", f"{index:05d}.json")
 
 
 def claims_folder(round_prefix: str) -> str:

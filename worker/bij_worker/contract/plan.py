@@ -47,6 +47,9 @@ class PlanObject(_Doc):
     name: str | None = None  # relative to the input folder: error rows name it
     row_groups: list[int] | None = None  # rows per row group (Parquet objects)
     version: str | None = None  # ETag (s3://) or mtime in ns (file://): another version is refused
+    # Set when the object replaced one that was damaged after `bytes` good uncompressed bytes, which
+    # are durable as rows: the replacement must begin with the same bytes (sha256), or it is refused.
+    prefix: tuple[int, str] | None = None
 
     @property
     def display_name(self) -> str:

@@ -25,6 +25,7 @@ from pydantic.alias_generators import to_camel
 
 from .errors import BijError, json_object, validation_problems
 
+PASSES = ("ids", "dedupe", "write")  # the row-level publish passes, in the order they run
 Unit = tuple[int, int, str]  # (round, shard, the shard's prefix): one index of the per-shard passes
 
 

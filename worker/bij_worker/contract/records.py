@@ -5,6 +5,7 @@
   the same counts, with `finishedAt` or `updatedAt`
 - `ClaimRecord`: which worker holds a shard (`claims/<i>-<generation>.json`, see bij_worker.lanes)
 - `OwnerRecord`: which job owns an output URI (`_bij/owner.json`)
+- `DamageRecord`: a `.zst` input object a shard found cut short or damaged (`damaged/<i>.json`)
 - `RemovedRecord`: what was removed after publishing (`_bij/<job>/removed.json`)
 
 Paths are in `contract.layout`.
@@ -134,6 +135,42 @@ class ClaimRecord:
         doc = json.loads(data)
         return cls(shard, generation, int(doc["lane"]), str(doc["writer"]), float(doc["expiresAt"]),
                    str(doc.get("renewedAt") or ""))
+
+
+@dataclass(frozen=True)
+class DamageRecord:
+    """Input object `object` of the plan (`name`, at `version`) breaks after `offset` good uncompressed
+    bytes (`sha256` is theirs); `mode` is spec.input.onDamagedObject: "fail" (the round failed there,
+    the rows before it durable) or "errorRow" (one corrupt_input error row, the rest unread)."""
+
+    shard: int
+    object: int
+    name: str
+    version: str | None
+    offset: int
+    sha256: str
+    reason: str
+    mode: str
+
+    def to_json(self) -> bytes:
+        return encode({"shard": self.shard, "object": self.object, "name": self.name, "version": self.version,
+                       "offset": self.offset, "sha256": self.sha256, "reason": self.reason, "mode": self.mode,
+                       "at": now_stamp()})
+
+    @classmethod
+    def from_json(cls, data: bytes, source: str = "damage record") -> DamageRecord:
+        """BadRecord, naming `source`, when the object is no damage record."""
+        doc = json_object(data, source, BadRecord)
+        try:
+            return cls(int(doc["shard"]), int(doc["object"]), str(doc["name"]),
+                       None if doc.get("version") is None else str(doc["version"]), int(doc["offset"]),
+                       str(doc["sha256"]), str(doc["reason"]), str(doc["mode"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRecord(f"{source} is not a damage record: {type(e).__name__}: {e}") from None
+
+    def describe(self) -> str:
+        """One line for status messages and the console."""
+        return f"{self.name} is damaged after uncompressed byte {self.offset:,} ({self.reason})"
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,9 @@ class InputSpec(_Model):
     adapter_field: str = "adapter"
     # A longer line is an error row (its bytes are never held in memory).
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31)
+    # A .zst object cut short or damaged: fail the round (the rows before it stay durable), or
+    # record one corrupt_input error row where it breaks and publish without the rest of it.
+    on_damaged_object: Literal["fail", "errorRow"] = "fail"
 
     @field_validator("uri")
     @classmethod

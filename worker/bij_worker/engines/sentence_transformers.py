@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import hub
 from .base import EngineConfig, Request, Result, request_text
 from .prompts import pick_device
 
@@ -22,10 +23,10 @@ def default_model_path() -> str:
 
 
 class SentenceTransformersEngine:
-    """Embeddings with a sentence-transformers model from a local path (task embed only).
+    """Embeddings with a sentence-transformers model: a local path or a hub id (task embed only).
 
-    Never downloads: `local_files_only` is set, so a hub id works only when it is
-    already in the local Hugging Face cache. Normalisation follows the model's own
+    A hub id comes from the model cache, or is downloaded into it unless HF_HUB_OFFLINE
+    is set (see `hub`). Normalisation follows the model's own
     module list (all-MiniLM-L6-v2 ends with a Normalize module, so vectors are unit length).
     """
 
@@ -46,10 +47,12 @@ class SentenceTransformersEngine:
         """Load the model once; later calls are no-ops."""
         if self.model is not None:
             return
+        path = self.config.name or default_model_path()
+        local_only = hub.local_files_only(path)  # before the import: a model that cannot be had fails fast
         from sentence_transformers import SentenceTransformer
 
-        path = self.config.name or default_model_path()
-        self.model = SentenceTransformer(path, device=pick_device(self.config.device), local_files_only=True)
+        with hub.loading(path):
+            self.model = SentenceTransformer(path, device=pick_device(self.config.device), local_files_only=local_only)
         self.model.eval()
         self.tokenizer = self.model.tokenizer
         limit = self.model.max_seq_length

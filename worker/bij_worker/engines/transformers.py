@@ -38,15 +38,16 @@ import re
 from dataclasses import replace
 from typing import Any
 
+from . import hub
 from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob
 from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 
 
 class TransformersEngine:
-    """A causal LM loaded with AutoModelForCausalLM from a local path (tasks generate and chat).
+    """A causal LM loaded with AutoModelForCausalLM from a local path or a hub id (tasks generate and chat).
 
-    bf16 on a GPU, fp32 on CPU; batched generation with left padding. Never downloads
-    (`local_files_only`).
+    bf16 on a GPU, fp32 on CPU; batched generation with left padding. A hub id comes from the
+    model cache, or is downloaded into it unless HF_HUB_OFFLINE is set (see `hub`).
     """
 
     name = "transformers"
@@ -59,7 +60,7 @@ class TransformersEngine:
         if config.task not in ("generate", "chat"):
             raise ValueError(f"engine transformers supports tasks generate and chat, not {config.task!r}")
         if not config.name:
-            raise ValueError("engine transformers needs model.name (a local model directory)")
+            raise ValueError("engine transformers needs model.name (a local model directory or a hub id)")
         self.config = config
         self.model: Any = None
         self.tokenizer: Any = None
@@ -78,13 +79,16 @@ class TransformersEngine:
         """Load tokenizer and model once; later calls are no-ops."""
         if self.model is not None:
             return
+        name = str(self.config.name)
+        local_only = hub.local_files_only(name)  # before the imports: a model that cannot be had fails fast
         import torch
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-        name = str(self.config.name)
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
-        if self.config.task == "chat" and not (self.config.chat_template or getattr(tokenizer, "chat_template", None)):
+        with hub.loading(name):
+            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
+        if self.config.task == "chat" and not (self.config.chat_template
+                                               or getattr(tokenizer, "chat_template", None)):
             raise ValueError(
                 f"model {name!r} has no chat template (tokenizer_config.json chat_template); "
                 "use task generate, or a chat/instruct model"
@@ -101,7 +105,8 @@ class TransformersEngine:
         # transformers 4.56 renamed torch_dtype to dtype; both are accepted in between.
         major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
         dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-        model: Any = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, **{dtype_kw: dtype})
+        with hub.loading(name):
+            model: Any = AutoModelForCausalLM.from_pretrained(name, local_files_only=local_only, **{dtype_kw: dtype})
         model.to(self.device)
         model.eval()
 
@@ -125,8 +130,8 @@ class TransformersEngine:
             adapters = iter(self.config.adapters.items())
             first, path = next(adapters)
             model = PeftModel.from_pretrained(model, path, adapter_name=first)
-            for name, path in adapters:
-                model.load_adapter(path, adapter_name=name)
+            for more, path in adapters:
+                model.load_adapter(path, adapter_name=more)
             model.eval()
         self.tokenizer = tokenizer
         self.model = model

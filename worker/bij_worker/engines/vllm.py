@@ -3,7 +3,7 @@
 vLLM batches continuously itself, so the worker drives its engine loop
 (`continuous`): `submit` adds one request to `LLM.llm_engine` (`add_request`
 with the prompt's token ids), `step` runs one engine step and returns the
-requests that finished. The worker keeps about twice `maxNumSeqs` requests in
+requests that finished. The worker keeps eight times `maxNumSeqs` requests in
 flight across chunk boundaries, so the running batch never drains at a chunk's
 end. `run` (a whole list at once, through `LLM.generate` / `embed` / `chat`)
 serves the judge's chunk-by-chunk path.

@@ -1,0 +1,167 @@
+"""How the packages import each other: no circles, and `reconcile.decide()` on pure modules only.
+
+The graph is read from the source with `ast`, every import counted (those inside functions too:
+a lazy import is still a dependency, it only hides a circle until the function runs), except
+those under ``if TYPE_CHECKING:``, which never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"bij_operator": ROOT / "operator" / "bij_operator", "bij_worker": ROOT / "worker" / "bij_worker"}
+
+# What `decide()` may stand on: plain data and functions over it, no storage, Kubernetes or processes.
+PURE = {
+    "bij_operator.reconcile", "bij_operator.fingerprint", "bij_operator.rounds",
+    "bij_worker.contract", "bij_worker.contract.codes", "bij_worker.contract.errors", "bij_worker.contract.spec",
+    "bij_worker.contract.plan", "bij_worker.contract.publish_plan",
+    "bij_worker.sampling",  # the spec's sampling defaults are checked with the rows' own rules
+}
+IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",
+                    "zstandard", "pyarrow"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
+    """Every module name `module` imports at run time: ``from a import b`` names ``a.b`` when that is a
+    module of ours, else ``a`` (a package's own import of its submodule is no edge to the package)."""
+    names: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for a in node.names:
+                names.add(f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return names
+
+
+def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(edges between our modules, every name each module imports)."""
+    modules = _modules()
+    imported = {m: _imported_names(m, p, set(modules)) for m, p in modules.items()}
+    edges = {m: {n for n in names if n in modules and n != m} for m, names in imported.items()}
+    return edges, imported
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected component of more than one module (Tarjan), as a path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(_circle_through(v, component, edges))
+
+    for v in sorted(edges):
+        if v not in index:
+            strongconnect(v)
+    return found
+
+
+def _circle_through(start: str, component: set[str], edges: dict[str, set[str]]) -> list[str]:
+    """A shortest path start -> ... -> start inside one component, for the failure message."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(edges[v] & component):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{start} is in a component but on no circle")
+
+
+def test_the_graph_sees_lazy_imports_and_skips_type_checking_ones() -> None:
+    edges, _ = import_graph()
+    # jobs.cli_render imports the planner inside the function; fingerprint names storage's ObjectInfo
+    # only for mypy.
+    assert "bij_operator.planner" in edges["bij_operator.jobs"]
+    assert "bij_worker.storage" not in edges["bij_operator.fingerprint"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_circles_in_the_operator_or_the_worker() -> None:
+    edges, _ = import_graph()
+    found = cycles(edges)
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_decide_imports_only_pure_modules() -> None:
+    edges, imported = import_graph()
+    reached, todo = set(), ["bij_operator.reconcile"]
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo.extend(edges[m])
+    assert reached <= PURE, f"reconcile reaches modules that are not pure: {sorted(reached - PURE)}"
+    libraries = {name.split(".")[0] for m in reached for name in imported[m]}
+    assert not libraries & IMPURE_LIBRARIES, f"reconcile reaches {sorted(libraries & IMPURE_LIBRARIES)}"
+
+
+def test_importing_reconcile_loads_no_storage_kubernetes_or_publishing() -> None:
+    # The same rule, checked on the interpreter rather than on the source.
+    code = ("import sys, bij_operator.reconcile; "
+            "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('bij_operator', 'bij_worker', 'boto3', "
+            "'kopf', 'kubernetes', 'zstandard', 'pyarrow')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert set(out) <= PURE | {"bij_operator", "bij_worker"}, sorted(set(out) - PURE)
