@@ -224,14 +224,15 @@ def test_kill_9_at_many_points_then_rerun_publishes_every_row_once(place, make_j
 
     # Each round starts the lane of every unfinished shard (like an Indexed Job's pods) and
     # kills each one a random moment after a random number of commits: before the first, in
-    # the middle of a chunk, right after a commit.
-    # An s3 worker spends about a CPU second starting (boto3): fewer rounds there, still 15 kills.
-    for _ in range(10 if place.scheme == "file" else 5):
+    # the middle of a chunk, right after a commit. Rounds go on until 12 kills have landed: on a
+    # loaded machine the thread that reads a worker's progress can fall behind the worker, and a
+    # worker that finished first was not killed. A batch (4 rows) takes 50 ms: a shard takes seconds.
+    for _ in range(30):
         todo = [i for i in shards if not place.storage.exists(layout.done_uri(plan.round_prefix, i))]
-        if not todo:
+        if not todo or sum(kills.values()) >= 12:
             break
         with ThreadPoolExecutor(len(todo)) as pool:
-            procs = {i: start_worker(bij_bin, worker_env(place, echo_log=logs[i], echo_delay=0.004), manifest, i,
+            procs = {i: start_worker(bij_bin, worker_env(place, echo_log=logs[i], echo_delay=0.05), manifest, i,
                                      stderr=subprocess.DEVNULL) for i in todo}
             killed = {i: pool.submit(kill_9_after, p, rnd.randint(0, 4), rnd.uniform(0, 0.012))
                       for i, p in procs.items()}
@@ -239,8 +240,7 @@ def test_kill_9_at_many_points_then_rerun_publishes_every_row_once(place, make_j
                 kills[i] += killed[i].result(timeout=60)
                 p.wait(timeout=60)
                 p.stdout.close()  # type: ignore[union-attr]
-    unfinished = [i for i in shards if not place.storage.exists(layout.done_uri(plan.round_prefix, i))]
-    assert sum(kills.values()) >= 12 and unfinished, "the kills must land while shards are being worked"
+    assert sum(kills.values()) >= 12, "the kills must land while shards are being worked"
 
     finals = {i: start_worker(bij_bin, worker_env(place, echo_log=logs[i]), manifest, i) for i in shards}
     for p in finals.values():
