@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import threading
@@ -13,9 +14,10 @@ from typing import Any
 import pytest
 from bij_operator.planner import plan_round
 from bij_operator.publish import publish
+from bij_worker import lanes as lanes_module
 from bij_worker.contract import layout
-from bij_worker.lanes import Claims, LeaseKeeper
-from bij_worker.storage import FileStorage
+from bij_worker.lanes import Claim, Claims, LeaseKeeper
+from bij_worker.storage import FileStorage, NotFound, ObjectInfo
 
 
 class Clock:
@@ -140,6 +142,93 @@ def test_a_lease_keeper_renews_and_reports_a_lost_claim(tmp_path: Path) -> None:
     assert b.take(0, 1) is not None
     assert lost.wait(2)
     keeper.close()
+
+
+class CountingStore:
+    """An object store in memory that counts the requests S3 would take: one per GET, HEAD and PUT,
+    and one per `page` keys a LIST returns (S3 returns 1,000 a page; a smaller page shows the same
+    growth at a tenth of the size)."""
+
+    def __init__(self, page: int):
+        self.objects: dict[str, bytes] = {}
+        self.page = page
+        self.requests = 0
+
+    def list(self, uri: str) -> list[ObjectInfo]:
+        keys = sorted(k for k in self.objects if k.startswith(uri))
+        self.requests += max(1, math.ceil(len(keys) / self.page))
+        return [ObjectInfo(k, len(self.objects[k])) for k in keys]
+
+    def read_bytes(self, uri: str) -> bytes:
+        self.requests += 1
+        if uri not in self.objects:
+            raise NotFound(uri)
+        return self.objects[uri]
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        self.requests += 1
+        self.objects[uri] = data
+
+    def create(self, uri: str, data: bytes) -> bool:
+        self.requests += 1
+        if uri in self.objects:
+            return False
+        self.objects[uri] = data
+        return True
+
+    def exists(self, uri: str) -> bool:
+        self.requests += 1
+        return uri in self.objects
+
+
+def work_round(store: CountingStore, shards: int, ticks_per_shard: list[int]) -> tuple[int, list[list[int]]]:
+    """Lanes of the given speeds claim and finish every shard of a round, taking turns, one tick of a
+    shared clock a turn; a shard is done `ticks` turns after its lane claimed it. Returns the claim
+    decisions made (claims won) and the shards each lane worked, in order."""
+    prefix = "s3://bucket/job/round-0"
+    clock = Clock()
+    n = len(ticks_per_shard)
+    lanes = [Claims(store, prefix, lane=i, lanes=n, shards=shards, writer=f"w{i}", lease_seconds=60, clock=clock)
+             for i in range(n)]
+    busy: dict[int, tuple[Claim, int]] = {}
+    worked: list[list[int]] = [[] for _ in range(n)]
+    running = set(range(n))
+    won = 0
+    while running:
+        for i in sorted(running):
+            if i in busy:
+                claim, left = busy.pop(i)
+                if left > 1:
+                    busy[i] = (claim, left - 1)
+                else:  # the worker's completion record: not a claim decision, so not counted
+                    store.objects[layout.done_uri(prefix, claim.shard)] = b"{}"
+                continue
+            got = lanes[i].next()
+            if got is None:
+                running.discard(i)
+            elif isinstance(got, Claim):
+                won += 1
+                worked[i].append(got.shard)
+                busy[i] = (got, ticks_per_shard[i])
+        clock.now += 1
+    return won, worked
+
+
+def test_claim_decisions_cost_the_same_few_requests_per_shard_at_any_shard_count(monkeypatch) -> None:
+    # Each decision once listed every claim and completion record of the round, so a round cost
+    # O(shards^2) requests: at 10,000 shards on S3, hundreds of thousands of LISTs.
+    monkeypatch.setattr(lanes_module, "LIST_PAGE", 10, raising=False)
+    per_shard = {}
+    for shards in (40, 400):
+        store = CountingStore(page=10)
+        # One lane at a third of the others' speed: the others take its unstarted shards.
+        won, worked = work_round(store, shards, ticks_per_shard=[3, 1, 1, 1])
+        assert won == shards and sorted(s for w in worked for s in w) == list(range(shards))  # each once
+        assert worked[1][0] == 1 and worked[0][:3] == [0, 4, 8]  # own shards first, in order
+        assert any(s % 4 == 0 for s in worked[1])  # ... then the slow lane's
+        per_shard[shards] = store.requests / shards
+    assert per_shard[400] <= 1.5 * per_shard[40], per_shard
+    assert per_shard[400] <= 4, per_shard
 
 
 def rows(n: int) -> list[dict[str, Any]]:
