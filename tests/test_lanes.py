@@ -153,6 +153,7 @@ class CountingStore:
         self.objects: dict[str, bytes] = {}
         self.page = page
         self.requests = 0
+        self.creates: list[str] = []  # every conditional create tried, won or lost
 
     def list(self, uri: str) -> list[ObjectInfo]:
         keys = sorted(k for k in self.objects if k.startswith(uri))
@@ -171,6 +172,7 @@ class CountingStore:
 
     def create(self, uri: str, data: bytes) -> bool:
         self.requests += 1
+        self.creates.append(uri)
         if uri in self.objects:
             return False
         self.objects[uri] = data
@@ -218,7 +220,7 @@ def test_claim_decisions_cost_the_same_few_requests_per_shard_at_any_shard_count
     # Each decision once listed every claim and completion record of the round, so a round cost
     # O(shards^2) requests: at 10,000 shards on S3, hundreds of thousands of LISTs.
     monkeypatch.setattr(lanes_module, "LIST_PAGE", 10, raising=False)
-    per_shard = {}
+    per_shard, renewal = {}, {}
     for shards in (40, 400):
         store = CountingStore(page=10)
         # One lane at a third of the others' speed: the others take its unstarted shards.
@@ -227,8 +229,32 @@ def test_claim_decisions_cost_the_same_few_requests_per_shard_at_any_shard_count
         assert worked[1][0] == 1 and worked[0][:3] == [0, 4, 8]  # own shards first, in order
         assert any(s % 4 == 0 for s in worked[1])  # ... then the slow lane's
         per_shard[shards] = store.requests / shards
+        # A lease renewal (every third of the lease, per shard being worked) once listed the round too.
+        holder = Claims(store, "s3://bucket/job/round-0", lane=0, lanes=4, shards=shards, writer="w0")
+        before = store.requests
+        assert holder.renew(Claim(worked[0][-1], 0, 0, "w0", 0.0))
+        renewal[shards] = store.requests - before
     assert per_shard[400] <= 1.5 * per_shard[40], per_shard
     assert per_shard[400] <= 4, per_shard
+    assert renewal[40] == renewal[400] <= 2, renewal
+
+
+def test_a_lane_that_loses_a_steal_to_the_shards_own_lane_leaves_that_lanes_earlier_shards(monkeypatch) -> None:
+    # Listings priced high (a request per object listed), so a lost create is not followed by a listing.
+    monkeypatch.setattr(lanes_module, "LIST_PAGE", 1)
+    store = CountingStore(page=1)
+    prefix = "s3://bucket/job/round-0"
+    a, b = (Claims(store, prefix, lane=i, lanes=2, shards=8, writer=f"w{i}", clock=Clock()) for i in (0, 1))
+    assert a.next().shard == 0  # type: ignore[union-attr]
+    for shard in (1, 3, 5, 7):
+        assert b.next().shard == shard  # type: ignore[union-attr]
+        store.objects[layout.done_uri(prefix, shard)] = b"{}"
+    assert b.next().shard == 6  # type: ignore[union-attr]  # the end of lane 0, from a listing
+    assert a.next().shard == 2 and a.next().shard == 4  # type: ignore[union-attr]  # since that listing
+    del store.creates[:]
+    # b loses 4 to lane 0 itself: lane 0 claims its own shards in order, so 2 is taken too.
+    assert b.next() is True
+    assert [u for u in store.creates if "/claims/" in u] == [b.uri(4, 0)]
 
 
 def rows(n: int) -> list[dict[str, Any]]:
