@@ -22,20 +22,21 @@ writer appends to its own log (see segments.py).
 A lane exits once every shard of the round is done: while others still hold shards
 it waits, so that a shard whose holder dies is taken over when its lease expires.
 
-What a decision costs. A lane lists the round's claims and completion records when it starts,
-the claims again when its own shards run out (and after a lost create while the listings it
-made cost no more requests than the claims it won), and the completion records once more when
-nothing is left to start. Between listings it keeps what it learnt: claims and
-completion records are never removed while the round runs, so a shard seen claimed stays
-claimed, one seen done stays done, and a listing's unstarted shards are a superset of those
-unstarted now. The conditional create is the test: a lost create costs one request and tells
-the lane the shard is taken (and who took it, with one read: when a lane's own worker took it,
-its every earlier shard is taken too, since a lane claims its own in order). A claim held by
-another is read again only once its last known expiry has passed (renewals only move it
-later); completion is checked one record at a time, the first shard not yet known done. A
-renewal asks whether the next generation exists (one HEAD). So a round of N shards costs a
-few requests per shard however large N is, plus a handful of listings (N / 1000 requests
-each on S3) per lane.
+A claim decision costs a few storage requests however many shards the round has:
+
+- Listings are few: the round's claims and completion records when the process starts, the
+  claims again when its own shards run out (and after a lost create, only while its listings
+  have cost no more requests than the claims it won), the completion records once more when
+  nothing is left to start. Each costs N / 1000 requests on S3 for N shards.
+- Between them the lane keeps what it learnt. Claims and completion records are never removed
+  while a round runs: a shard seen claimed stays claimed, one seen done stays done, and the
+  unstarted shards of a listing include every shard unstarted now.
+- The conditional create is the test. A lost create costs one request; one read of the winner
+  says whether the shard's own lane took it, and then that lane's earlier shards are taken
+  too (a lane claims its own shards in order).
+- A claim held by another is read again only once its last known expiry has passed (renewals
+  only move it later); completion is checked one record at a time, the first shard not known
+  done; a renewal asks whether the next generation exists (one HEAD).
 
 With a continuous-batching engine (vLLM, simulated) a lane starts its next shard as soon as
 every row of the current one is in the engine (`EngineShare`), so the engine's running batch
