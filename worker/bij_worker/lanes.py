@@ -100,7 +100,7 @@ class Claims:
         self.share = share  # False: this lane's own shards only
         self.lane, self.lanes, self.shards = lane, lanes, shards
         self.writer, self.lease, self.clock = writer, float(lease_seconds), clock
-        # What this process learnt of the round; each fact stays true while the round runs.
+        # What this process learnt of the round (claims and completion records stay while it runs).
         self._started = False
         self._done: set[int] = set()  # shards with a completion record
         self._newest: dict[int, int] = {}  # a claimed shard's newest claim generation (at least this one)
