@@ -13,7 +13,9 @@ Targets, at the largest shard count ÷ the smallest: S3 requests per shard <= 1.
 time per shard <= 1.5, measured between the first shard done and the last (so the lanes'
 start-up, a second or two each, does not flatter the small counts). Reported: the round's
 whole wall time per shard (first lane start to last lane exit). Checked: every shard done
-and every row computed, from the lanes' own progress events.
+and every row computed, from the lanes' own progress events. A round of 100 shards lasts
+seconds, so counts under 300 run ceil(300 / count) times (before and after alternating) and
+the median of each figure counts.
 
 Anchor ("before"): commit ANCHOR_COMMIT, the last whose claim decisions listed the round,
 its operator and worker trees taken from git and run whole on the same plans, in the same
@@ -37,6 +39,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -56,6 +59,7 @@ TARGET = 1.5  # per-shard figures, largest shard count / smallest
 ANCHOR_COMMIT = "af30f29"  # the last commit whose claim decisions listed every claim of the round
 BUCKET = "bench-many-shards"
 MIN_SHARD_BYTES = 1024  # the smallest targetShardBytes the spec allows
+SMALL_ROUND_SHARDS = 300  # a count below this runs ceil(300 / count) times: 100 shards three times
 
 
 @contextlib.contextmanager
@@ -153,15 +157,17 @@ def main(argv: list[str] | None = None) -> int:
             texts = texts_for(args.rows, max(counts))
             local_input = work / "rows.jsonl"
             size = harness.write_rows(local_input, texts)
-            input_uri = f"s3://{BUCKET}/input/rows.jsonl"
-            s3.upload_file(str(local_input), BUCKET, "input/rows.jsonl")
+            run_id = secrets.token_hex(3)
+            input_uri = f"s3://{BUCKET}/input-{run_id}/rows.jsonl"
+            s3.upload_file(str(local_input), BUCKET, f"input-{run_id}/rows.jsonl")
             storage = {"s3": {"endpointUrl": proxy.url, "region": region}}
             print(f"many_shards: {args.rows:,} rows ({size:,} bytes) on S3 at {endpoint}, {args.lanes} lanes; "
                   f"shards {counts}, anchor ({ANCHOR_COMMIT}) at {anchor_counts}", flush=True)
 
-            def run(side: str, shards: int) -> dict[str, Any]:
+            def run(side: str, shards: int, attempt: int) -> dict[str, Any]:
                 """Plan round 0 of the rows cut into `shards` shards, run its lanes with `side`'s tree."""
-                name = f"bench-many-{side}-{shards}"
+                # A fresh job and output each time, also on a server that keeps what earlier runs wrote.
+                name = f"bench-many-{side}-{shards}-{run_id}-{attempt}"
                 spec = harness.write_spec(work / f"{name}.yaml", name, local_input, f"s3://{BUCKET}/{name}/",
                                           {"engine": "echo", "task": "generate"}, chunk_rows=512,
                                           shard_bytes=max(MIN_SHARD_BYTES, -(-size // shards)), storage=storage)
@@ -197,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                                           stdout=subprocess.PIPE, stderr=errs[i], stdin=subprocess.DEVNULL)
                          for i in range(plan.lanes)]
                 readers = [threading.Thread(target=lane, args=(proc,), daemon=True) for proc in procs]
-                for r in readers:
-                    r.start()
+                for reader in readers:
+                    reader.start()
                 errors = []
                 for proc, err in zip(procs, errs, strict=True):
                     proc.wait()
@@ -207,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                         errors.append(f"lane exited {proc.returncode}: {err.read().decode()[-2000:]}")
                     err.close()
                 wall = time.perf_counter() - t0
-                for r in readers:
-                    r.join(10)
+                for reader in readers:
+                    reader.join(10)
                 after = proxy.counts()
                 kinds = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))}
                 requests = sum(kinds.values())
@@ -230,12 +236,24 @@ def main(argv: list[str] | None = None) -> int:
                       + ("" if complete else "  INCOMPLETE"), flush=True)
                 return r
 
-            results: dict[str, dict[int, dict[str, Any]]] = {"after": {}, "before": {}}
-            for shards in counts:  # anchor and candidate alternate at each size
-                if shards in anchor_counts:
-                    results["before"][shards] = run("before", shards)
-                results["after"][shards] = run("after", shards)
+            runs: dict[str, dict[int, list[dict[str, Any]]]] = {"after": {}, "before": {}}
+            for shards in counts:
+                # A round of a few hundred shards lasts seconds, and load from other processes moves
+                # its figures: small counts run a few times (anchor and candidate alternating), the
+                # median counts.
+                repeats = max(args.repeats, -(-SMALL_ROUND_SHARDS // shards))
+                for attempt in range(repeats):
+                    if shards in anchor_counts:
+                        runs["before"].setdefault(shards, []).append(run("before", shards, attempt))
+                    runs["after"].setdefault(shards, []).append(run("after", shards, attempt))
             proxy.stop()
+        results: dict[str, dict[int, dict[str, Any]]] = {"after": {}, "before": {}}
+        for side, by_count in runs.items():
+            for shards, rs in by_count.items():
+                med = {k: harness.median(r[k] for r in rs) for k in
+                       ("wall_s", "requests", "requests_per_shard", "wall_per_shard_s", "steady_per_shard_s")}
+                results[side][shards] = {**rs[0], **med, "complete": all(r["complete"] for r in rs),
+                                         "runs": rs}
 
         report.details.update(rows=args.rows, bytes=size, lanes=args.lanes, endpoint=args.endpoint or "moto",
                               anchor_commit=ANCHOR_COMMIT, results=results)
@@ -259,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         for shards in sorted(before):
             report.ratio(f"S3 requests at {shards:,} shards: after / before", after[shards]["requests"]
                          / before[shards]["requests"], None,
-                         note=f"{before[shards]['requests']:,} before, {after[shards]['requests']:,} after")
+                         note=f"{before[shards]['requests']:,.0f} before, {after[shards]['requests']:,.0f} after")
             report.ratio(f"wall time at {shards:,} shards: after / before", after[shards]["wall_s"]
                          / before[shards]["wall_s"], None,
                          note=f"{before[shards]['wall_s']:.1f}s before, {after[shards]['wall_s']:.1f}s after")
