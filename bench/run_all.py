@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["embed", "sorting", "echo_overhead", "memory", "kill_recompute", "simulated", "prefix", "lanes"]
+BENCHES = ["embed", "sorting", "echo_overhead", "memory", "kill_recompute", "simulated", "prefix", "lanes",
+           "many_shards"]
 
 
 def run_vllm(model: str, extra: list[str]) -> dict[str, object]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import threading
@@ -14,9 +15,10 @@ from typing import Any
 import pytest
 from bij_operator.planner import plan_round
 from bij_operator.publish import publish
+from bij_worker import lanes as lanes_module
 from bij_worker.contract import layout
-from bij_worker.lanes import Claims, LeaseKeeper
-from bij_worker.storage import FileStorage
+from bij_worker.lanes import Claim, Claims, LeaseKeeper
+from bij_worker.storage import FileStorage, NotFound, ObjectInfo
 
 
 class Clock:
@@ -141,6 +143,119 @@ def test_a_lease_keeper_renews_and_reports_a_lost_claim(tmp_path: Path) -> None:
     assert b.take(0, 1) is not None
     assert lost.wait(2)
     keeper.close()
+
+
+class CountingStore:
+    """An object store in memory that counts the requests S3 would take: one per GET, HEAD and PUT,
+    and one per `page` keys a LIST returns (S3 returns 1,000 a page; a smaller page shows the same
+    growth at a tenth of the size)."""
+
+    def __init__(self, page: int):
+        self.objects: dict[str, bytes] = {}
+        self.page = page
+        self.requests = 0
+        self.creates: list[str] = []  # every conditional create tried, won or lost
+
+    def list(self, uri: str) -> list[ObjectInfo]:
+        keys = sorted(k for k in self.objects if k.startswith(uri))
+        self.requests += max(1, math.ceil(len(keys) / self.page))
+        return [ObjectInfo(k, len(self.objects[k])) for k in keys]
+
+    def read_bytes(self, uri: str) -> bytes:
+        self.requests += 1
+        if uri not in self.objects:
+            raise NotFound(uri)
+        return self.objects[uri]
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        self.requests += 1
+        self.objects[uri] = data
+
+    def create(self, uri: str, data: bytes) -> bool:
+        self.requests += 1
+        self.creates.append(uri)
+        if uri in self.objects:
+            return False
+        self.objects[uri] = data
+        return True
+
+    def exists(self, uri: str) -> bool:
+        self.requests += 1
+        return uri in self.objects
+
+
+def work_round(store: CountingStore, shards: int, ticks_per_shard: list[int]) -> tuple[int, list[list[int]]]:
+    """Lanes of the given speeds claim and finish every shard of a round, taking turns, one tick of a
+    shared clock a turn; a shard is done `ticks` turns after its lane claimed it. Returns the claim
+    decisions made (claims won) and the shards each lane worked, in order."""
+    prefix = "s3://bucket/job/round-0"
+    clock = Clock()
+    n = len(ticks_per_shard)
+    lanes = [Claims(store, prefix, lane=i, lanes=n, shards=shards, writer=f"w{i}", lease_seconds=60, clock=clock)
+             for i in range(n)]
+    busy: dict[int, tuple[Claim, int]] = {}
+    worked: list[list[int]] = [[] for _ in range(n)]
+    running = set(range(n))
+    won = 0
+    while running:
+        for i in sorted(running):
+            if i in busy:
+                claim, left = busy.pop(i)
+                if left > 1:
+                    busy[i] = (claim, left - 1)
+                else:  # the worker's completion record: not a claim decision, so not counted
+                    store.objects[layout.done_uri(prefix, claim.shard)] = b"{}"
+                continue
+            got = lanes[i].next()
+            if got is None:
+                running.discard(i)
+            elif isinstance(got, Claim):
+                won += 1
+                worked[i].append(got.shard)
+                busy[i] = (got, ticks_per_shard[i])
+        clock.now += 1
+    return won, worked
+
+
+def test_claim_decisions_cost_the_same_few_requests_per_shard_at_any_shard_count(monkeypatch) -> None:
+    # Each decision once listed every claim and completion record of the round, so a round cost
+    # O(shards^2) requests: at 10,000 shards on S3, hundreds of thousands of LISTs.
+    monkeypatch.setattr(lanes_module, "LIST_PAGE", 10, raising=False)
+    per_shard, renewal = {}, {}
+    for shards in (40, 400):
+        store = CountingStore(page=10)
+        # One lane at a third of the others' speed: the others take its unstarted shards.
+        won, worked = work_round(store, shards, ticks_per_shard=[3, 1, 1, 1])
+        assert won == shards and sorted(s for w in worked for s in w) == list(range(shards))  # each once
+        assert worked[1][0] == 1 and worked[0][:3] == [0, 4, 8]  # own shards first, in order
+        assert any(s % 4 == 0 for s in worked[1])  # ... then the slow lane's
+        per_shard[shards] = store.requests / shards
+        # A lease renewal (every third of the lease, per shard being worked) once listed the round too.
+        holder = Claims(store, "s3://bucket/job/round-0", lane=0, lanes=4, shards=shards, writer="w0")
+        before = store.requests
+        assert holder.renew(Claim(worked[0][-1], 0, 0, "w0", 0.0))
+        renewal[shards] = store.requests - before
+    assert per_shard[400] <= 1.5 * per_shard[40], per_shard
+    assert per_shard[400] <= 4, per_shard
+    assert renewal[40] == renewal[400] <= 2, renewal
+
+
+def test_a_lane_that_loses_a_steal_to_the_shards_own_lane_leaves_that_lanes_earlier_shards(monkeypatch) -> None:
+    # Listings priced high (a request per object listed), so a lost create is not followed by a listing.
+    monkeypatch.setattr(lanes_module, "LIST_PAGE", 1)
+    store = CountingStore(page=1)
+    prefix = "s3://bucket/job/round-0"
+    a, b = (Claims(store, prefix, lane=i, lanes=2, shards=8, writer=f"w{i}", clock=Clock()) for i in (0, 1))
+    assert a.next().shard == 0  # type: ignore[union-attr]
+    for shard in (1, 3, 5, 7):
+        assert b.next().shard == shard  # type: ignore[union-attr]
+        store.objects[layout.done_uri(prefix, shard)] = b"{}"
+    assert b.next().shard == 6  # type: ignore[union-attr]  # the end of lane 0, from a listing
+    assert a.next().shard == 2 and a.next().shard == 4  # type: ignore[union-attr]  # since that listing
+    del store.creates[:]
+    # b loses 4 to lane 0 itself: lane 0 claims its own shards in order, so 2 is taken too.
+    assert b.next() is True
+    assert [u for u in store.creates if "/claims/" in u] == [b.uri(4, 0)]
 
 
 def rows(n: int) -> list[dict[str, Any]]:

@@ -22,6 +22,22 @@ writer appends to its own log (see segments.py).
 A lane exits once every shard of the round is done: while others still hold shards
 it waits, so that a shard whose holder dies is taken over when its lease expires.
 
+A claim decision costs a few storage requests however many shards the round has:
+
+- Listings are few: the round's claims and completion records when the process starts, the
+  claims again when its own shards run out (and after a lost create, only while its listings
+  have cost no more requests than the claims it won), the completion records once more when
+  nothing is left to start. Each costs N / 1000 requests on S3 for N shards.
+- Between them the lane keeps what it learnt. Claims and completion records are never removed
+  while a round runs: a shard seen claimed stays claimed, one seen done stays done, and the
+  unstarted shards of a listing include every shard unstarted now.
+- The conditional create is the test. A lost create costs one request; one read of the winner
+  says whether the shard's own lane took it, and then that lane's earlier shards are taken
+  too (a lane claims its own shards in order).
+- A claim held by another is read again only once its last known expiry has passed (renewals
+  only move it later); completion is checked one record at a time, the first shard not known
+  done; a renewal asks whether the next generation exists (one HEAD).
+
 With a continuous-batching engine (vLLM, simulated) a lane starts its next shard as soon as
 every row of the current one is in the engine (`EngineShare`), so the engine's running batch
 does not drain at each shard's end; at most two shards of a lane are open at once.
@@ -57,8 +73,20 @@ class Claim:
     expires_at: float
 
 
+LIST_PAGE = 1000  # keys one S3 LIST request returns: what a listing of n objects costs, in requests
+
+
+def listing_requests(objects: int) -> int:
+    """Requests one listing of `objects` objects costs on S3 (one at least, for an empty folder)."""
+    return max(1, -(-objects // LIST_PAGE))
+
+
 class Claims:
-    """The claims of one round, seen from one worker process (`writer`) of lane `lane`."""
+    """The claims of one round, seen from one worker process (`writer`) of lane `lane`.
+
+    Not thread-safe across `next()` calls (the lane's thread makes them); `renew()` keeps no state
+    and may run in any thread.
+    """
 
     def __init__(self, store: Storage, round_prefix: str, *, lane: int, lanes: int, shards: int, writer: str,
                  lease_seconds: float = DEFAULT_LEASE_SECONDS, share: bool = True,
@@ -67,30 +95,60 @@ class Claims:
         self.share = share  # False: this lane's own shards only
         self.lane, self.lanes, self.shards = lane, lanes, shards
         self.writer, self.lease, self.clock = writer, float(lease_seconds), clock
+        # What this process learnt of the round (claims and completion records stay while it runs).
+        self._started = False
+        self._done: set[int] = set()  # shards with a completion record
+        self._newest: dict[int, int] = {}  # a claimed shard's newest claim generation (at least this one)
+        self._held: dict[int, Claim] = {}  # the last claim read (or made) of a shard, for its expiry
+        self._inherited: list[int] = []  # shards an earlier process of this lane held, to continue first
+        self._own_next = lane  # the next of this lane's own shards to try
+        self._free: dict[int, list[int]] | None = None  # unstarted shards by lane, at the last claims listing
+        self._pending: list[int] | None = None  # shards not known done, once nothing is left to start
+        self._won = 0  # claims this process created
+        self._listed = 0  # requests its listings cost (as on S3)
 
     # --- what the store says -------------------------------------------------------------------
 
     def uri(self, shard: int, generation: int) -> str:
         return layout.claim_uri(self.prefix, shard, generation)
 
+    def _mine(self, shard: int) -> bool:
+        return self.share or shard % self.lanes == self.lane
+
     def done(self) -> set[int]:
-        """Shards with a completion record."""
+        """Shards with a completion record, from one listing."""
+        objects = self.store.list(layout.done_folder(self.prefix))
+        self._listed += listing_requests(len(objects))
         out = set()
-        for o in self.store.list(layout.done_folder(self.prefix)):
+        for o in objects:
             m = _DONE_RE.match(o.uri.rsplit("/", 1)[-1])
             if m:
                 out.add(int(m.group(1)))
         return out
 
-    def newest(self, shard: int | None = None) -> dict[int, int]:
-        """The newest claim generation of every claimed shard (or of one shard), from one listing."""
+    def newest(self) -> dict[int, int]:
+        """The newest claim generation of every claimed shard, from one listing."""
+        objects = self.store.list(layout.claims_folder(self.prefix))
+        self._listed += listing_requests(len(objects))
         out: dict[int, int] = {}
-        for o in self.store.list(layout.claims_folder(self.prefix)):
+        for o in objects:
             m = _CLAIM_RE.match(o.uri.rsplit("/", 1)[-1])
-            if m and (shard is None or int(m.group(1)) == shard):
+            if m:
                 s, g = int(m.group(1)), int(m.group(2))
                 out[s] = max(g, out.get(s, -1))
         return out
+
+    def _learn_claims(self) -> None:
+        for s, g in self.newest().items():
+            self._newest[s] = max(g, self._newest.get(s, -1))
+
+    def _is_done(self, shard: int) -> bool:
+        if shard in self._done:
+            return True
+        if self.store.exists(layout.done_uri(self.prefix, shard)):
+            self._done.add(shard)
+            return True
+        return False
 
     def read(self, shard: int, generation: int) -> Claim | None:
         try:
@@ -107,13 +165,19 @@ class Claims:
 
     def take(self, shard: int, generation: int) -> Claim | None:
         """Create claim `generation` of `shard`; None when another process created it first."""
-        if not self.store.create(self.uri(shard, generation), self._body(shard, generation)):
+        won = self.store.create(self.uri(shard, generation), self._body(shard, generation))
+        self._newest[shard] = max(generation, self._newest.get(shard, -1))
+        if not won:
             return None
-        return Claim(shard, generation, self.lane, self.writer, self.clock() + self.lease)
+        self._won += 1
+        claim = Claim(shard, generation, self.lane, self.writer, self.clock() + self.lease)
+        self._held[shard] = claim
+        return claim
 
     def renew(self, claim: Claim) -> bool:
         """Extend our lease; False when a newer claim took the shard from us."""
-        if self.newest(claim.shard).get(claim.shard, -1) > claim.generation:
+        # Claims are created generation after generation, so a newer one exists iff the next does.
+        if self.store.exists(self.uri(claim.shard, claim.generation + 1)):
             return False
         self.store.write_bytes(self.uri(claim.shard, claim.generation), self._body(claim.shard, claim.generation))
         return True
@@ -123,54 +187,123 @@ class Claims:
     def next(self) -> Claim | None | bool:
         """Claim the next shard to work: a Claim; True when every shard left is held by a live
         lease of someone else (wait and ask again); None when every shard is done."""
-        done = self.done()
-        if len(done) >= self.shards:
-            return None
-        if not self.share:
-            done |= {s for s in range(self.shards) if s % self.lanes != self.lane}
-            if len(done) >= self.shards:
+        if not self._started:
+            if self._start():
                 return None
-        newest = self.newest()
-        held: dict[int, Claim] = {}
-        for s, g in sorted(newest.items()):
-            if s in done:
-                continue
-            c = self.read(s, g)
-            if c is None:  # removed in between: look again
-                return True
-            held[s] = c
         # 1. What an earlier process of this lane held: it has stopped (a replacement pod starts
         #    only once the old one is gone), so its shards continue here first.
-        for s, c in held.items():
-            if c.lane == self.lane and c.writer != self.writer:
-                got = self.take(s, c.generation + 1)
-                if got:
-                    return got
-        # 2. This lane's own shards, in order.
-        free = [s for s in range(self.shards) if s not in done and s not in newest]
-        for s in free:
-            if s % self.lanes == self.lane:
+        while self._inherited:
+            s = self._inherited.pop(0)
+            got = self.take(s, self._newest[s] + 1)
+            if got:
+                return got
+        # 2. This lane's own shards, in order; a lost create means someone took the shard.
+        while self._own_next < self.shards:
+            s = self._own_next
+            self._own_next += self.lanes
+            if s not in self._done and s not in self._newest:
                 got = self.take(s, 0)
                 if got:
                     return got
         # 3. Shards nobody started: from the end of the lane with the most left.
-        by_lane: dict[int, list[int]] = {}
-        for s in free:
-            by_lane.setdefault(s % self.lanes, []).append(s)
-        for _, shards in sorted(by_lane.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-            for s in reversed(shards):
-                got = self.take(s, 0)
-                if got:
-                    return got
-        # 4. Shards whose holder stopped renewing.
+        if self.share:
+            got = self._steal()
+            if got:
+                return got
+        # 4. Shards whose holder stopped renewing; done when every shard is.
+        return self._expired()
+
+    def _start(self) -> bool:
+        """Learn the round from one listing of each kind; True when every shard of ours is done."""
+        self._started = True
+        self._done = self.done()
+        if all(s in self._done for s in range(self.shards) if self._mine(s)):
+            self._own_next, self._free, self._pending = self.shards, {}, []
+            return True
+        self._learn_claims()
+        for s, g in sorted(self._newest.items()):
+            if s in self._done or not self._mine(s):
+                continue
+            c = self.read(s, g)
+            if c is None:
+                continue
+            self._held[s] = c
+            if c.lane == self.lane and c.writer != self.writer:
+                self._inherited.append(s)
+        return False
+
+    def _steal(self) -> Claim | None:
+        if self._free is None:  # this lane's own shards have just run out
+            self._list_free()
+        while True:
+            assert self._free is not None
+            left = [(-len(shards), lane) for lane, shards in self._free.items() if shards]
+            if not left:
+                return None
+            lane = min(left)[1]
+            s = self._free[lane].pop()
+            got = self.take(s, 0)
+            if got:
+                return got
+            # Lost: the listing is out of date. List again while listings have cost no more
+            # requests than the claims this process won (so the busiest lane is the one it really
+            # is); otherwise learn from who won.
+            if self._listed <= self._won:
+                self._list_free()
+                continue
+            winner = self.read(s, 0)
+            if winner is not None:
+                self._held[s] = winner
+                if winner.lane == lane:
+                    # Its own lane got there: a lane claims its own shards in order, so every
+                    # earlier one of them is taken as well.
+                    self._free[lane].clear()
+
+    def _list_free(self) -> None:
+        """The unstarted shards of other lanes, from a listing of the round's claims."""
+        self._learn_claims()
+        self._free = {}
+        for s in range(self.shards):
+            if s % self.lanes != self.lane and s not in self._done and s not in self._newest:
+                self._free.setdefault(s % self.lanes, []).append(s)
+
+    def _expired(self) -> Claim | None | bool:
+        if self._pending is None:
+            # Nothing left to start: one listing says which shards others finished meanwhile.
+            self._done |= self.done()
+            self._pending = [s for s in range(self.shards) if self._mine(s) and s not in self._done]
+        # Completion, one record at a time: the round is not done while the first shard left is not.
+        while self._pending and self._is_done(self._pending[0]):
+            self._pending.pop(0)
+        if not self._pending:
+            return None
         now = self.clock()
-        for s, c in sorted(held.items(), key=lambda kv: kv[1].expires_at):
-            if c.expires_at < now:
-                got = self.take(s, c.generation + 1)
-                if got:
-                    log.info("lane %d: took over shard %d from lane %d (its lease expired %.0f s ago)",
-                             self.lane, s, c.lane, now - c.expires_at)
-                    return got
+        unknown = float("-inf")
+        for s in sorted(self._pending, key=lambda s: self._held[s].expires_at if s in self._held else unknown):
+            known = self._held.get(s)
+            if known is not None and known.expires_at >= now:
+                break  # renewals only move an expiry later: nothing after this one has expired either
+            if s in self._done:
+                continue
+            g = self._newest.get(s, 0)
+            c = self.read(s, g)
+            if c is None:
+                if s not in self._newest:  # never claimed after all: take it
+                    got = self.take(s, 0)
+                    if got:
+                        return got
+                continue
+            self._held[s] = c
+            if c.expires_at >= now:
+                continue
+            if self._is_done(s):  # a finished shard's claim is no longer renewed
+                continue
+            got = self.take(s, g + 1)
+            if got:
+                log.info("lane %d: took over shard %d from lane %d (its lease expired %.0f s ago)",
+                         self.lane, s, c.lane, now - c.expires_at)
+                return got
+        self._pending = [s for s in self._pending if s not in self._done]
         return True
 
     def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
