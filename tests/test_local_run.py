@@ -91,7 +91,9 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(file_place, make_job, read
     p = subprocess.Popen([bij_bin("bij"), "run", str(spec)], env=worker_env(echo_log=computed, echo_delay=0.05),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
-    while sum(len(r) for r in log_lines(file_place, job).values()) < 2 * chunk_rows:
+    # Both lanes are working (each has committed a chunk of its first shard) before Ctrl-C: on a
+    # loaded machine a lane still starting up has nothing to drain and says nothing.
+    while sum(1 for r in log_lines(file_place, job).values() if r) < 2:
         assert p.poll() is None and time.monotonic() < deadline, "bij run made no progress"
         time.sleep(0.05)
     os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
