@@ -136,6 +136,8 @@ class VllmOptions(_Model):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     dtype: str = "auto"
+    # vLLM's enforce_eager: no CUDA graphs (on its CPU build, no compiled graph): quicker to start.
+    enforce_eager: bool = False
 
     @property
     def gpus(self) -> int:
