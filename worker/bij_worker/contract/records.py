@@ -46,6 +46,7 @@ class ShardCounts(TypedDict):
     meanOccupancy: float
     prefixShare: float
     promptChars: int
+    cachedTokens: int
     bytes: int
     intIds: int
     strIds: int

@@ -28,6 +28,7 @@ class Result:
     completion_tokens: int | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    cached_tokens: int | None = None  # prompt tokens the engine's prefix cache served (vLLM)
 
 
 @dataclass(frozen=True)
