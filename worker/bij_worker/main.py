@@ -280,8 +280,11 @@ def lost_claim(flag: StopFlag) -> Callable[[], None]:
 
 
 def drain(engine: Any) -> None:
-    """Let a continuous engine finish what it still runs, discarding the results."""
+    """Let a continuous engine finish what it still runs, discarding the results (abort it where it can)."""
     if is_continuous(engine):
+        abort = getattr(engine, "abort", None)
+        if abort is not None:
+            abort()
         while engine.unfinished():
             engine.step()
 
