@@ -57,8 +57,19 @@ cluster-up: install
 cluster-down:
 	PYTHONPATH=tests $(PY) -m cluster down
 
+# The vLLM tier runs when .venv-vllm is there (make vllm-env; CI builds it); without it its tests are
+# skipped, saying how to get it. It is never rebuilt here: `make test-vllm` does that when needed.
 test: install cluster-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e" $(PYTEST_ARGS)
+	@if [ -f $(VLLM_VENV)/.installed ]; then \
+		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py"; \
+		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py $(VLLM_PYTEST_ARGS); \
+	else \
+		echo "make test: no $(VLLM_VENV), so the vLLM tier (tests/test_vllm.py) was skipped: make vllm-env builds it"; \
+	fi
+
+test-vllm: vllm-env
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py $(VLLM_PYTEST_ARGS)
 
 test-fast: install
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
