@@ -258,3 +258,25 @@ def test_a_lane_starts_its_next_shard_while_the_last_rows_of_the_current_one_run
     # Shard k + 1 starts (its resume event) before shard k is done: the engine never drains between them.
     for k in range(plan.shard_count - 1):
         assert order.index(("resume", k + 1)) < order.index(("done", k)), order
+
+
+def test_a_model_load_longer_than_the_lease_keeps_the_lanes_claim(file_place, make_job, worker_env, bij_bin,
+                                                                   read_output, log_lines):
+    # A big model loads for minutes, longer than a lease: the lane must not find its own claim
+    # expired once loaded and work the shard a second time.
+    # The whole shard fits in the engine at once: its tail (when the lane looks for its next shard)
+    # comes at once, before the first renewal of the claim once the shard has started.
+    inputs = rows(40)
+    spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                         model={"engine": "simulated", "task": "generate", "maxTokens": 4,
+                                "simulated": {"maxNumSeqs": 64, "stepSeconds": 0.05, "loadSeconds": 5}},
+                         sharding={"targetShardBytes": 1 << 20, "chunkRows": 32},
+                         workers={"parallelism": 1, "leaseSeconds": 3}, output={"keepIntermediate": True})
+    p = subprocess.run([bij_bin("bij"), "run", str(spec)], env=worker_env(file_place), capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert plan_round(job, 0).shard_count == 1
+    records = [r for recs in log_lines(file_place, job).values() for r in recs]
+    assert len(records) == len(inputs)  # one writer: every row computed and logged once
+    eff = read_output(job).manifest["efficiency"]
+    assert eff["modelLoads"] == 1 and eff["modelLoadSeconds"] >= 5
