@@ -89,7 +89,8 @@ def shared_llm(config: EngineConfig) -> Any:
     try:
         import vllm
     except ImportError as e:
-        raise ImportError("engine vllm needs the vllm package (pip install 'bij[vllm]'; a CUDA machine)") from e
+        raise ImportError("engine vllm needs the vllm package (pip install 'bij[vllm]' on a CUDA machine; "
+                          "vLLM's CPU build: make vllm-env)") from e
     kwargs = llm_kwargs(
         config,
         has_runner="runner" in inspect.signature(vllm.LLM.__init__).parameters,
