@@ -151,14 +151,15 @@ def run_raw(work: Path, section: dict[str, Any], texts_path: Path) -> dict[str, 
 
 
 def run_bij(work: Path, section: dict[str, Any], input_path: Path, chunk_rows: int, batching: dict[str, Any],
-            command: list[str] | None = None, kill_after: Any = None) -> dict[str, Any]:
+            command: list[str] | None = None, kill_after: Any = None,
+            env: dict[str, str] | None = None) -> dict[str, Any]:
     """Plan a one-shard job on the prompts and run one worker on it (its progress events timed)."""
     out = work / f"out-{time.monotonic_ns()}"
     spec = harness.write_spec(work / "spec.yaml", "bench-vllm", input_path, out, section, chunk_rows,
                               batching=batching)
     manifest, shards = harness.plan(spec)
     assert shards == 1, shards
-    return {"out": out, "manifest": manifest, "run": harness.run_worker(manifest, command=command,
+    return {"out": out, "manifest": manifest, "run": harness.run_worker(manifest, command=command, env=env,
                                                                          kill_after=kill_after)}
 
 
@@ -258,9 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             side = work / f"computed-{k}.txt"
             cmd = [sys.executable, __file__, "--counting-worker", str(side)]
             after = rng.uniform(0.1 * expected_s, 0.9 * expected_s)
+            # The engine in the worker's process: kill -9 of the worker is then kill -9 of the engine, as a
+            # node loss or a pod kill takes the whole container (vLLM's engine-core child would outlive it).
+            in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
             b = run_bij(work, section, input_path, args.chunk_rows, batching, command=cmd,
-                        kill_after=lambda after=after: after)
-            second = harness.run_worker(b["manifest"], command=cmd) if b["run"].rc != 0 else None
+                        kill_after=lambda after=after: after, env=in_process)
+            second = harness.run_worker(b["manifest"], command=cmd, env=in_process) if b["run"].rc != 0 else None
             if second is not None and second.rc != 0:
                 raise RuntimeError(f"kill trial {k}: the rerun exited {second.rc}")
             computed = [x for x in side.read_text().splitlines() if x]
