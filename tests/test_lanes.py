@@ -400,3 +400,25 @@ def test_claims_in_either_store_go_to_one_racer_and_an_expired_one_passes_on(pla
     taken = other.next()
     assert not isinstance(taken, bool) and taken is not None and (taken.shard, taken.generation) == (0, 1)
     assert not holder.renew(won[0])  # the old holder sees the newer claim and gives the shard up
+
+
+def test_a_model_load_longer_than_the_lease_keeps_the_lanes_claim(file_place, make_job, worker_env, bij_bin,
+                                                                   read_output, log_lines):
+    # A big model loads for minutes, longer than a lease: the lane must not find its own claim
+    # expired once loaded and work the shard a second time.
+    # The whole shard fits in the engine at once: its tail (when the lane looks for its next shard)
+    # comes at once, before the first renewal of the claim once the shard has started.
+    inputs = rows(40)
+    spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                         model={"engine": "simulated", "task": "generate", "maxTokens": 4,
+                                "simulated": {"maxNumSeqs": 64, "stepSeconds": 0.05, "loadSeconds": 5}},
+                         sharding={"targetShardBytes": 1 << 20, "chunkRows": 32},
+                         workers={"parallelism": 1, "leaseSeconds": 3}, output={"keepIntermediate": True})
+    p = subprocess.run([bij_bin("bij"), "run", str(spec)], env=worker_env(file_place), capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert plan_round(job, 0).shard_count == 1
+    records = [r for recs in log_lines(file_place, job).values() for r in recs]
+    assert len(records) == len(inputs)  # one writer: every row computed and logged once
+    eff = read_output(job).manifest["efficiency"]
+    assert eff["modelLoads"] == 1 and eff["modelLoadSeconds"] >= 5

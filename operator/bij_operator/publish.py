@@ -63,6 +63,7 @@ class _Totals:
     occupancy_steps: float = 0.0  # meanOccupancy x steps, summed
     shared_chars: float = 0.0  # prefixShare x promptChars, summed
     prompt_chars: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
     done_records: list[ShardRecord] = field(default_factory=list)  # O(shards): efficiency and cost
 
     def add_done(self, rec: ShardRecord) -> None:
@@ -74,11 +75,13 @@ class _Totals:
         chars = int(rec.get("promptChars", 0))
         self.prompt_chars += chars
         self.shared_chars += float(rec.get("prefixShare", 0.0)) * chars
+        self.cached_tokens += int(rec.get("cachedTokens", 0))
 
     def engine(self) -> dict[str, Any]:
         return {"busySeconds": round(self.busy_s, 3), "steps": self.steps,
                 "meanOccupancy": round(self.occupancy_steps / self.steps, 4) if self.steps else None,
-                "prefixShare": round(self.shared_chars / self.prompt_chars, 4) if self.prompt_chars else None}
+                "prefixShare": round(self.shared_chars / self.prompt_chars, 4) if self.prompt_chars else None,
+                "cachedTokens": self.cached_tokens}
 
 
 def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> Plan:

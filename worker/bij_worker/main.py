@@ -166,12 +166,18 @@ def main(argv: list[str] | None = None) -> int:
             stats = Stats(started_at=time.time())
             if not loaded:
                 t = time.perf_counter()
+                # The shard was claimed before the load (a lane with nothing left never loads), and a
+                # big model loads for longer than a lease: renew the claim meanwhile, or the lane finds
+                # its own claim expired and works the shard twice (others would take it over too).
+                keeper = LeaseKeeper(claims, claim, lambda: None)
                 try:
                     engine.load()
                 except (FileNotFoundError, ImportError, ValueError) as e:
                     # Only what fails on every node alike: a full disk or a flaky mount is an
                     # OSError worth a retry elsewhere, and must not fail the whole round.
                     raise BadConfig(f"cannot load model for engine {engine_name}: {type(e).__name__}: {e}") from None
+                finally:
+                    keeper.close()
                 loaded = True
                 # The load counts with the first shard this process works (carried over to whoever
                 # resumes it, if this process stops before the shard is done).
@@ -306,8 +312,11 @@ def lost_claim(flag: StopFlag) -> Callable[[], None]:
 
 
 def drain(engine: Any) -> None:
-    """Let a continuous engine finish what it still runs, discarding the results."""
+    """Let a continuous engine finish what it still runs, discarding the results (abort it where it can)."""
     if is_continuous(engine):
+        abort = getattr(engine, "abort", None)
+        if abort is not None:
+            abort()
         while engine.unfinished():
             engine.step()
 

@@ -37,6 +37,7 @@ class Stats:
     max_num_seqs: int = 0  # ... out of this many at most
     prefix_shared_chars: int = 0  # prompt characters shared with the prompt run just before
     prompt_chars: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (vLLM reports them per request)
     bytes: int = 0  # input bytes (Parquet: rows) of the shard behind the durable rows, for ETAs
     int_ids: int = 0  # result rows whose id is an integer ...
     str_ids: int = 0  # ... or a string (Parquet output picks the id column's type from these)
@@ -61,6 +62,7 @@ class Stats:
             "modelLoadSeconds": round(d["model_load_s"], 3), "modelLoads": d["model_loads"],
             "engineSteps": d["engine_steps"], "meanOccupancy": round(self.occupancy, 4),
             "prefixShare": round(self.prefix_share, 4), "promptChars": d["prompt_chars"],
+            "cachedTokens": d["cached_tokens"],
             "bytes": d["bytes"], "intIds": d["int_ids"], "strIds": d["str_ids"],
         }
 

@@ -229,6 +229,7 @@ class _Tally:
 
 _ERROR = attrgetter("error")
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
+_CACHED_TOKENS = attrgetter("cached_tokens")
 _COMPLETION_TOKENS = attrgetter("completion_tokens")
 
 
@@ -821,6 +822,7 @@ class ShardWorker:
             results = [r for r in results if r.error is None]
         tokens_in = sum(filter(None, map(_PROMPT_TOKENS, results)))
         tokens_out = sum(filter(None, map(_COMPLETION_TOKENS, results)))
+        self.stats.cached_tokens += sum(filter(None, map(_CACHED_TOKENS, results)))
         self.stats.tokens_in += tokens_in
         self.stats.tokens_out += tokens_out
         self.metrics.tokens_in.inc(tokens_in)

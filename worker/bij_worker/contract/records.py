@@ -47,6 +47,7 @@ class ShardCounts(TypedDict):
     meanOccupancy: float
     prefixShare: float
     promptChars: int
+    cachedTokens: int
     bytes: int
     intIds: int
     strIds: int

@@ -148,6 +148,8 @@ class VllmOptions(_Model):
     # LoRA (with model.adapters): adapters in one batch, and the largest rank (vLLM's max_loras, max_lora_rank).
     max_loras: int | None = Field(None, ge=1)
     max_lora_rank: int | None = Field(None, ge=1)
+    # vLLM's enforce_eager: no CUDA graphs (on its CPU build, no compiled graph): quicker to start.
+    enforce_eager: bool = False
 
     @property
     def gpus(self) -> int:

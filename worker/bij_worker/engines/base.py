@@ -62,6 +62,7 @@ class Result:
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     choices: list[Choice] | None = None
+    cached_tokens: int | None = None  # prompt tokens the engine's prefix cache served (vLLM)
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,37 @@
 """The vLLM engine: an adapter on vLLM's offline `LLM` class (no HTTP server in between).
 
-vLLM batches continuously itself, so the worker drives its engine loop
-(`continuous`): `submit` adds one request to `LLM.llm_engine` (`add_request`
-with the prompt's token ids), `step` runs one engine step and returns the
-requests that finished. The worker keeps eight times `maxNumSeqs` requests in
-flight across chunk boundaries, so the running batch never drains at a chunk's
-end. `run` (a whole list at once, through `LLM.generate` / `embed` / `chat`)
-serves the judge's chunk-by-chunk path.
+Public vLLM API only, as vLLM's own offline examples use it: `vllm.LLM` (one per process),
+the `LLMEngine` it holds (`LLM.llm_engine`) driven with `add_request` / `step` /
+`has_unfinished_requests` / `abort_request`, `SamplingParams`, `PoolingParams`,
+`TokensPrompt` and `EmbeddingRequestOutput`. `tests/test_vllm.py` checks every name and
+keyword used here against the installed vLLM, so a release that moves one fails a test.
 
-Version notes (vLLM >= 0.6.3):
+vLLM batches continuously itself, so the worker drives its engine loop
+(`continuous`): `submit` adds one request (the prompt's token ids, as counted), `step`
+runs one engine step and returns the requests that finished. The worker keeps about
+`maxNumSeqs` requests in the engine and more in its window across chunk boundaries,
+so the running batch never drains at a chunk's end. `run` (a whole list at once, the
+judge's chunk-by-chunk path) is the same loop run to completion.
+
+What the engine does, and the adapter relies on (checked by the vLLM test tier):
+- every prompt goes in as token ids: the tokenizer's special tokens for plain prompts, the
+  model's chat template rendered by its tokenizer for chat (what `count_tokens` counted);
+- a prompt vLLM refuses raises from `add_request` (`VLLMValidationError`, which is not a
+  `ValueError` in recent releases): that row alone becomes an error row;
+- sampling requests ask for `RequestOutputKind.FINAL_ONLY`, as `LLM.generate` does: a
+  step reports only requests that finished, not every running one;
 - embeddings: vLLM >= 0.10 picks the pooling runner with `runner="pooling"`; older
-  releases take `task="embed"` (0.7 to 0.9) or `task="embedding"` (0.6). `LLM.embed`
-  exists from 0.6.6 on; before that `LLM.encode` returned the same outputs.
-- a prompt vLLM rejects raises for the whole call; recent releases abort the requests
-  already added, older ones leave them queued. Rows are therefore checked first (empty,
-  too long), and a call that still fails is split in halves until the bad rows are
-  alone; each becomes its own `Result.error`, queued leftovers are drained first.
+  releases take `task="embed"` (0.7 to 0.9) or `task="embedding"` (0.6); a pooling
+  request's output is a `PoolingRequestOutput` (a tensor), made a list of floats by
+  `EmbeddingRequestOutput.from_base`;
 - with `config.truncate`, a prompt over the limit is cut by bij before vLLM sees it
-  (`truncate_prompt` in prompts.py: embeddings keep the head, generation the tail); a
-  cut chat prompt goes in as token ids of the rendered template.
+  (`truncate_prompt` in prompts.py: embeddings keep the head, generation the tail);
 - a decoder prompt needs room for one generated token: the prompt limit is
-  `max_model_len - 1` for generate and chat, `max_model_len` for embed.
+  `max_model_len - 1` for generate and chat, `max_model_len` for embed;
+- every sampling field a row carries goes into its `SamplingParams` (n, logprobs, stop,
+  penalties, `StructuredOutputsParams`); a row with n > 1 answers is reported one answer at
+  a time under its request id, finished with the last; LoRA adapters are `LoRARequest`s
+  (`enable_lora` when the spec lists adapters).
 """
 
 from __future__ import annotations
@@ -28,17 +39,31 @@ from __future__ import annotations
 import gc
 import inspect
 import json
+import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob, estimate_tokens, request_text
-from .prompts import GREEDY_EPS, chat_messages, prompt_ids, truncate_prompt
+from .base import (
+    BASIC_SAMPLING,
+    Choice,
+    EngineConfig,
+    Request,
+    Result,
+    TokenLogprob,
+    estimate_tokens,
+    request_text,
+    run_to_completion,
+)
+from .prompts import GREEDY_EPS, prompt_ids, truncate_prompt
 
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
 _LLM: Any = None
 _LLM_KWARGS: dict[str, Any] | None = None
+
+# Seeds torch's generators take (vLLM seeds one per seeded request; a larger one fails the engine step).
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def snake_case(key: str) -> str:
@@ -76,10 +101,14 @@ def _version(text: str) -> tuple[int, int]:
 def shared_llm(config: EngineConfig) -> Any:
     """This process's `vllm.LLM`, built on first use; asking for a different one is an error."""
     global _LLM, _LLM_KWARGS
+    # vLLM logs to stdout by default; a worker's stdout carries its progress events (bij-worker
+    # --progress), so vLLM's lines go where bij's own logs go.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm
     except ImportError as e:
-        raise ImportError("engine vllm needs the vllm package (pip install 'bij[vllm]'; a CUDA machine)") from e
+        raise ImportError("engine vllm needs the vllm package (pip install 'bij[vllm]' on a CUDA machine; "
+                          "vLLM's CPU build: make vllm-env)") from e
     kwargs = llm_kwargs(
         config,
         has_runner="runner" in inspect.signature(vllm.LLM.__init__).parameters,
@@ -108,6 +137,15 @@ def shutdown_llm() -> None:
             torch.cuda.empty_cache()
     except ImportError:
         pass
+
+
+def refusals() -> tuple[type[BaseException], ...]:
+    """The exceptions with which vLLM refuses one request (input or parameter validation)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # releases before vLLM's own exception types raised ValueError
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
 
 
 def _structured_params(structured: tuple[str, str]) -> Any:
@@ -149,23 +187,29 @@ class VllmEngine:
         # One LoRARequest per adapter, ids 1.. in name order (vLLM keys its adapter cache by id).
         self._loras: dict[str, Any] = {}
         self.llm: Any = None
+        self.engine: Any = None  # the LLM's LLMEngine: add_request / step
         self.tokenizer: Any = None
         self._max_model_len: int | None = None
         self._ids: dict[int, tuple[Request, list[int] | str]] = {}  # count_tokens' ids, kept for submit
-        self._params: Any = None
-        self._unfinished = 0
-        self._top: dict[int, int] = {}  # tags of requests in flight that asked for top logprobs
-        self._parts: dict[int, dict[int, Any]] = {}  # rows asking for n > 1 answers: the answers so far
+        self._pooling: Any = None
+        self._sampling: dict[tuple[Any, ...], Any] = {}
+        self._refused: tuple[type[BaseException], ...] = (ValueError,)
+        self._in_engine: set[str] = set()  # request ids added and not yet returned
+        self._top: dict[str, int] = {}  # requests in the engine that asked for top logprobs: how many
+        self._parts: dict[str, dict[int, Any]] = {}  # requests asking for n > 1 answers: the answers so far
         self.steps = 0  # engine steps taken through `step`
         self.occupied = 0  # min(unfinished, maxNumSeqs) summed over steps: what could run
+        self.cached_tokens = 0  # prompt tokens vLLM's prefix cache served, over finished requests
 
     def load(self) -> None:
         """Build (or reuse) the process's LLM; vllm is imported only here."""
         if self.llm is not None:
             return
         self.llm = shared_llm(self.config)
+        self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
-        self._max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self._max_model_len = self.engine.model_config.max_model_len
+        self._refused = refusals()
 
     def _loaded(self) -> Any:
         if self.llm is None:
@@ -182,7 +226,7 @@ class VllmEngine:
         return min(limits) if limits else None
 
     def _prompt_ids(self, requests: list[Request]) -> list[list[int] | str]:
-        """Token ids per request as vLLM will see them (it adds special tokens to plain prompts,
+        """Token ids per request as vLLM would make them (it adds special tokens to plain prompts,
         decoder-only and embedding models alike), or why a request cannot be rendered."""
         return prompt_ids(self.tokenizer, requests, chat=self.config.task == "chat",
                           template=self.config.chat_template, template_kwargs=self.config.chat_template_kwargs)
@@ -205,11 +249,11 @@ class VllmEngine:
         return int(self.config.vllm.get("maxNumSeqs", self.config.vllm.get("max_num_seqs", 256)))
 
     def unfinished(self) -> int:
-        return self._unfinished
+        return len(self._in_engine)
 
     def submit(self, tag: int, request: Request) -> None:
-        """Add one request to vLLM's engine; a prompt it cannot take raises ValueError (that row fails)."""
-        llm = self._loaded()
+        """Add one request to vLLM's engine; a prompt it refuses raises ValueError (that row fails)."""
+        self._loaded()
         kept = self._ids.pop(id(request), None)
         prompt = kept[1] if kept is not None and kept[0] is request else self._prompt_ids([request])[0]
         if isinstance(prompt, str):
@@ -221,47 +265,112 @@ class VllmEngine:
             if not self.config.truncate:
                 raise ValueError(f"prompt is {len(prompt)} tokens, longer than the model's limit of {limit}")
             prompt = truncate_prompt(self.tokenizer, request, prompt, limit, embed=self.config.task == "embed")
-        if self.config.task == "embed":
-            params = self._pooling_params()
-        else:
-            params = self._sampling_params([request])[0]
-        llm.llm_engine.add_request(str(tag), {"prompt_token_ids": prompt}, params,
-                                   **({"lora_request": self._lora(request.adapter)} if request.adapter else {}))
-        if request.sampling.logprobs and request.sampling.top_logprobs:
-            self._top[tag] = request.sampling.top_logprobs
-        if request.sampling.n and request.sampling.n > 1:
-            self._parts[tag] = {}
-        self._unfinished += 1
+        from vllm import TokensPrompt
+
+        rid = str(tag)
+        try:
+            params = self._pooling_params() if self.config.task == "embed" else self._sampling_params([request])[0]
+            lora = {"lora_request": self._lora(request.adapter)} if request.adapter else {}
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params, **lora)
+        except self._refused as e:
+            raise ValueError(f"vllm refused the request: {e}") from None
+        self._in_engine.add(rid)
+        s = request.sampling
+        if s.logprobs and s.top_logprobs:
+            self._top[rid] = s.top_logprobs
+        if s.n and s.n > 1:
+            self._parts[rid] = {}
 
     def step(self) -> list[tuple[int, Result]]:
         """One vLLM engine step; the requests that finished in it, as (tag, result)."""
-        engine = self._loaded().llm_engine
+        self._loaded()
         self.steps += 1
-        self.occupied += min(self._unfinished, self.concurrency())
+        self.occupied += min(len(self._in_engine), self.concurrency())
         done = []
-        for out in engine.step():
-            tag = int(out.request_id)
-            parts = self._parts.get(tag)
+        for out in self.engine.step():
+            rid = out.request_id
+            if rid not in self._in_engine:
+                continue
+            parts = self._parts.get(rid)
             if parts is not None:
                 # n > 1: vLLM reports each answer on its own, under the row's id; the row is
                 # finished with its last answer.
                 for comp in out.outputs:
                     parts[comp.index] = comp
-                if getattr(out, "finished", True):
-                    del self._parts[tag]
-                    out = SimpleNamespace(prompt_token_ids=out.prompt_token_ids,
-                                          outputs=[parts[i] for i in sorted(parts)])
-                    done.append((tag, self._result(out, self._top.pop(tag, 0))))
-            elif getattr(out, "finished", True):
-                done.append((tag, self._result(out, self._top.pop(tag, 0))))
-        self._unfinished -= len(done)
+                if not out.finished:
+                    continue
+                del self._parts[rid]
+                out = SimpleNamespace(prompt_token_ids=out.prompt_token_ids, num_cached_tokens=out.num_cached_tokens,
+                                      error=getattr(out, "error", None), outputs=[parts[i] for i in sorted(parts)])
+            elif not out.finished:
+                continue
+            self._in_engine.discard(rid)
+            done.append((int(rid), self._result(out, self._top.pop(rid, 0))))
         return done
 
-    def _loras_of(self, requests: list[Request]) -> dict[str, Any]:
-        """`lora_request` for LLM.generate/chat: one per row (None: the base model), when any row has one."""
-        if not any(r.adapter for r in requests):
-            return {}
-        return {"lora_request": [self._lora(r.adapter) for r in requests]}
+    def abort(self, tags: Sequence[int] | None = None) -> None:
+        """Drop requests still in the engine, all of them without `tags` (their rows are recomputed
+        by whoever works them next)."""
+        rids = list(self._in_engine) if tags is None else [str(t) for t in tags if str(t) in self._in_engine]
+        if rids:
+            self.engine.abort_request(rids)
+            self._in_engine.difference_update(rids)
+            for rid in rids:
+                self._top.pop(rid, None)
+                self._parts.pop(rid, None)
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Run a whole chunk through vLLM's engine loop; refused rows become row errors, the rest keep order."""
+        self._loaded()
+        if self._in_engine:
+            raise RuntimeError("VllmEngine.run() needs an engine with nothing else in flight")
+        self.count_tokens(requests)
+        return run_to_completion(self, requests)
+
+    def _pooling_params(self) -> Any:
+        if self._pooling is None:
+            from vllm import PoolingParams
+
+            try:
+                self._pooling = PoolingParams(task="embed")
+            except TypeError:  # releases before pooling tasks
+                self._pooling = PoolingParams()
+        return self._pooling
+
+    def _sampling_params(self, requests: Sequence[Request]) -> list[Any]:
+        """One SamplingParams per request; identical asks share one object."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        out = []
+        for r in requests:
+            greedy = r.temperature < GREEDY_EPS
+            # A seeded row samples the same tokens whatever else shares its batch (resume-safe).
+            seed = None if greedy else (r.seed if r.seed is not None else self.config.seed)
+            if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+                raise ValueError(f"seed {seed} is outside the 64-bit range vLLM's samplers take")
+            s = r.sampling
+            # Only the fields a row sets: vLLM's own defaults stand for the rest.
+            extra = tuple((k, v) for k, v in (
+                ("top_p", s.top_p), ("top_k", s.top_k if s.top_k else None), ("min_p", s.min_p),
+                ("stop", list(s.stop) if s.stop else None), ("presence_penalty", s.presence_penalty),
+                ("frequency_penalty", s.frequency_penalty), ("repetition_penalty", s.repetition_penalty),
+                ("n", s.n if s.n and s.n > 1 else None),
+                # vLLM returns the sampled token's logprob and this many of the most likely ones.
+                ("logprobs", (s.top_logprobs or 0) if s.logprobs else None),
+            ) if v is not None)
+            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra), s.structured_output)
+            if key not in self._sampling:
+                if len(self._sampling) > 10_000:  # rows with their own seeds: keep the cache bounded
+                    self._sampling.clear()
+                more = dict(extra)
+                if s.structured_output is not None:
+                    more["structured_outputs"] = _structured_params(s.structured_output)
+                # FINAL_ONLY, as LLM.generate asks: a step reports a request once, when it finishes.
+                self._sampling[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed,
+                                                     output_kind=RequestOutputKind.FINAL_ONLY, **more)
+            out.append(self._sampling[key])
+        return out
 
     def _lora(self, name: str | None) -> Any:
         """vLLM's LoRARequest for adapter `name` (None: the base model)."""
@@ -274,140 +383,19 @@ class VllmEngine:
                            for i, (n, path) in enumerate(sorted(self.config.adapters.items()), start=1)}
         return self._loras[name]
 
-    def _pooling_params(self) -> Any:
-        if self._params is None:
-            from vllm import PoolingParams
-
-            try:
-                self._params = PoolingParams(task="embed")
-            except TypeError:  # releases before pooling tasks
-                self._params = PoolingParams()
-        return self._params
-
-    def run(self, requests: list[Request]) -> list[Result]:
-        """Run a whole chunk through vLLM; bad rows become row errors, the rest keep their order."""
-        llm = self._loaded()
-        results = [Result() for _ in requests]
-        if not requests:
-            return results
-        limit = self.max_input_tokens()
-        prompts = self._prompt_ids(requests)
-        runnable: list[int] = []
-        cut: list[int] = []  # chat rows cut to the limit: sent as token ids, the template already applied
-        task = self.config.task
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                results[i] = Result(error=p)
-            elif not p:
-                results[i] = Result(prompt_tokens=0, error="empty prompt")
-            elif limit is not None and len(p) > limit and not self.config.truncate:
-                results[i] = Result(
-                    prompt_tokens=len(p), error=f"prompt is {len(p)} tokens, longer than the model's limit of {limit}"
-                )
-            elif limit is not None and len(p) > limit:
-                prompts[i] = truncate_prompt(self.tokenizer, requests[i], p, limit, embed=task == "embed")
-                (cut if task == "chat" else runnable).append(i)
-            else:
-                runnable.append(i)
-
-        call: Callable[[list[int]], list[Any]]
-        by_ids: Callable[[list[int]], list[Any]] | None = None
-        if task == "embed":
-            embed = getattr(llm, "embed", None) or llm.encode
-
-            def call(idx: list[int]) -> list[Any]:
-                # Token ids, not text: vLLM skips tokenizing again what was tokenized to check the rows.
-                return list(embed([{"prompt_token_ids": prompts[i]} for i in idx], use_tqdm=False))
-        else:
-            params = self._sampling_params(requests)
-
-            def by_ids(idx: list[int]) -> list[Any]:
-                return list(
-                    llm.generate(
-                        [{"prompt_token_ids": prompts[i]} for i in idx],
-                        sampling_params=[params[i] for i in idx],
-                        use_tqdm=False,
-                        **self._loras_of([requests[i] for i in idx]),
-                    )
-                )
-
-            if task == "generate":
-                call = by_ids
-            else:
-                # LLM.chat renders the template itself (content-part formats, model quirks).
-                def call(idx: list[int]) -> list[Any]:
-                    convs = [requests[i].messages or chat_messages(requests[i]) for i in idx]
-                    return list(llm.chat(convs, sampling_params=[params[i] for i in idx], use_tqdm=False,
-                                         **self._loras_of([requests[i] for i in idx]),
-                                         chat_template=self.config.chat_template,
-                                         chat_template_kwargs=self.config.chat_template_kwargs or None))
-
-        outs = self._isolate(runnable, call)
-        if cut and by_ids is not None:
-            outs.update(self._isolate(cut, by_ids))
-        for i, out in outs.items():
-            s = requests[i].sampling
-            results[i] = out if isinstance(out, Result) else self._result(out, s.top_logprobs or 0)
-        return results
-
-    def _sampling_params(self, requests: Sequence[Request]) -> list[Any]:
-        """One SamplingParams per request; identical asks share one object."""
-        from vllm import SamplingParams
-
-        cache: dict[tuple[Any, ...], Any] = {}
-        out = []
-        for r in requests:
-            greedy = r.temperature < GREEDY_EPS
-            # A seeded row samples the same tokens whatever else shares its batch (resume-safe).
-            seed = None if greedy else (r.seed if r.seed is not None else self.config.seed)
-            s = r.sampling
-            # Only the fields a row sets: vLLM's own defaults stand for the rest.
-            extra = tuple((k, v) for k, v in (
-                ("top_p", s.top_p), ("top_k", s.top_k if s.top_k else None), ("min_p", s.min_p),
-                ("stop", list(s.stop) if s.stop else None), ("presence_penalty", s.presence_penalty),
-                ("frequency_penalty", s.frequency_penalty), ("repetition_penalty", s.repetition_penalty),
-                ("n", s.n if s.n and s.n > 1 else None),
-                # vLLM returns the sampled token's logprob and this many of the most likely ones.
-                ("logprobs", (s.top_logprobs or 0) if s.logprobs else None),
-            ) if v is not None)
-            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra), s.structured_output)
-            if key not in cache:
-                more = dict(extra)
-                if s.structured_output is not None:
-                    more["structured_outputs"] = _structured_params(s.structured_output)
-                cache[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed, **more)
-            out.append(cache[key])
-        return out
-
-    def _isolate(self, idx: list[int], call: Callable[[list[int]], list[Any]]) -> dict[int, Any]:
-        """Outputs by row index; a call vLLM rejects is split until each bad row stands alone."""
-        if not idx:
-            return {}
-        try:
-            outs = call(idx)
-        except ValueError as e:  # vLLM's input validation; engine failures and our own bugs propagate
-            self._drain()
-            if len(idx) == 1:
-                return {idx[0]: Result(error=f"vllm rejected the request: {e}")}
-            mid = len(idx) // 2
-            return {**self._isolate(idx[:mid], call), **self._isolate(idx[mid:], call)}
-        if len(outs) != len(idx):
-            raise RuntimeError(f"vllm returned {len(outs)} outputs for {len(idx)} prompts")
-        return dict(zip(idx, outs, strict=True))
-
-    def _drain(self) -> None:
-        # Releases before the abort-on-error fix keep the requests added before the bad one
-        # queued; they would come back mixed into the next call's outputs.
-        engine = self.llm.llm_engine
-        if engine.has_unfinished_requests():
-            self.llm._run_engine(use_tqdm=False)
-
     def _result(self, out: Any, top: int = 0) -> Result:
         """A row's Result from vLLM's RequestOutput; `top`: the most likely tokens it asked for per position."""
         prompt_tokens = len(out.prompt_token_ids) if out.prompt_token_ids is not None else None
+        cached = out.num_cached_tokens or 0
+        self.cached_tokens += cached
+        error = getattr(out, "error", None)
+        if error is not None:
+            return Result(prompt_tokens=prompt_tokens, error=f"vllm failed the request: {error}")
         if self.config.task == "embed":
-            emb = out.outputs.embedding
-            return Result(embedding=emb.tolist() if hasattr(emb, "tolist") else list(emb), prompt_tokens=prompt_tokens)
+            from vllm import EmbeddingRequestOutput
+
+            return Result(embedding=EmbeddingRequestOutput.from_base(out).outputs.embedding,
+                          prompt_tokens=prompt_tokens, cached_tokens=cached)
         comps = list(out.outputs)
         for comp in comps:
             if comp.finish_reason not in ("stop", "length"):
@@ -421,6 +409,7 @@ class VllmEngine:
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(comp.token_ids),
                 extra={"finish_reason": comp.finish_reason},
+                cached_tokens=cached,
             )
         # n answers (sorted by index: vLLM may finish them in any order), or logprobs.
         comps.sort(key=lambda c: c.index)
@@ -429,7 +418,7 @@ class VllmEngine:
                    for c in comps]
         return Result(output=choices[0].output, prompt_tokens=prompt_tokens,
                       completion_tokens=sum(c.completion_tokens for c in choices),
-                      extra={"finish_reason": choices[0].finish_reason}, choices=choices)
+                      extra={"finish_reason": choices[0].finish_reason}, choices=choices, cached_tokens=cached)
 
     def _logprobs(self, comp: Any, top: int) -> list[TokenLogprob]:
         """vLLM's per-position logprobs (token id -> Logprob: the sampled token and the `top` most

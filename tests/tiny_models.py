@@ -1,0 +1,90 @@
+"""Tiny Llama models built on the spot, for the engine tests and the vLLM tier (no downloads).
+
+The "successor" model is wired by hand so that greedy decoding is known in advance:
+each token's only successor is the next word of a fixed chain (a b c d e f g h </s>),
+so outputs, token counts and row order can be checked exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+TEMPLATE_WORDS = ["user", "assistant", "system", ":"]
+CHAIN = ["a", "b", "c", "d", "e", "f", "g", "h"]
+OTHER = ["x", "y", "z"]
+VOCAB = SPECIALS + TEMPLATE_WORDS + CHAIN + OTHER
+IDS = {w: i for i, w in enumerate(VOCAB)}
+PAD, BOS, EOS = IDS["<pad>"], IDS["<s>"], IDS["</s>"]
+MAX_POSITIONS = 64
+
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}"
+    "{{ raise_exception('the first message must not be from the assistant') }}{% endif %}"
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def successor(word: str) -> str:
+    """The successor model's only continuation of `word`."""
+    if word in CHAIN[:-1]:
+        return CHAIN[CHAIN.index(word) + 1]
+    if word == ":":  # the end of the chat prompt: answers start at f
+        return "f"
+    return "</s>"
+
+
+def chain_after(word: str) -> list[str]:
+    """Words the successor model generates after `word`, EOS not included."""
+    out = []
+    while (word := successor(word)) != "</s>":
+        out.append(word)
+    return out
+
+
+def build_model(path: Path, *, wired: bool = True, pad_token: bool = True, chat_template: bool = True,
+                max_positions: int = MAX_POSITIONS) -> Path:
+    """Save a tiny Llama and its word-level tokenizer to `path`.
+
+    wired=True: attention and MLP outputs are zero, embeddings are one-hot, and the LM
+    head maps each token to its successor, so the next token depends on the last token only.
+    wired=False: random weights (for determinism and sampling checks).
+    Head size 64 keeps the model within vLLM's attention kernels' supported sizes.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(vocab=IDS, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    tk.decoder = decoders.WordPiece()
+    specials: dict[str, str] = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if pad_token:
+        specials["pad_token"] = "<pad>"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, **specials)
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB), hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_positions,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD if pad_token else None,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    if wired:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            model.model.embed_tokens.weight.zero_()
+            model.lm_head.weight.zero_()
+            for word, i in IDS.items():
+                model.model.embed_tokens.weight[i, i] = 1.0
+                model.lm_head.weight[IDS[successor(word)], i] = 10.0
+    model.save_pretrained(path)
+    return path
