@@ -126,8 +126,8 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
         TokensPrompt,
     )
     from vllm.exceptions import VLLMClientError
-    from vllm.outputs import CompletionOutput, PoolingRequestOutput
     from vllm.lora.request import LoRARequest
+    from vllm.outputs import CompletionOutput, PoolingRequestOutput
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     def params(f: Any) -> set[str]:
