@@ -287,6 +287,38 @@ def test_a_caller_that_replaced_stderr_with_a_text_stream_still_gets_the_workers
     assert "index 1 exited 1: index 1 says: no" in lj.view()["status"]["conditions"][0]["message"]
 
 
+def test_kill_ends_each_index_with_the_processes_it_started(tmp_path: Path) -> None:
+    # Each index starts a child (as vLLM starts its engine core) that would outlive a kill of the index alone.
+    script = ("import os, subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "open(os.path.join(os.environ['DIR'], os.environ['JOB_COMPLETION_INDEX']), 'w').write(str(c.pid)); "
+              "time.sleep(60)")
+    lj = LocalJob(job_body(2, parallelism=2), [sys.executable, "-c", script],
+                  {"DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.iterdir())) < 2 or any(not p.read_text() for p in tmp_path.iterdir()):
+        lj.tick()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    children = [int(p.read_text()) for p in tmp_path.iterdir()]
+    lj.kill()
+    while lj.active:
+        lj.tick()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for pid in children:  # killed too; once reaped by init, the pid is gone (or a zombie at most)
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                break
+            if state == "Z":
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"child {pid} of a killed index is still running")
+
+
 def test_parallelism_bounds_the_processes_at_once(tmp_path: Path) -> None:
     body = job_body(4, parallelism=2)
     lj = LocalJob(body, [sys.executable, "-c", SCRIPT],

@@ -217,12 +217,13 @@ class LocalJob:
         for t in self.readers:
             t.join(timeout=5)
 
-    def _signal(self, sig: int) -> None:
+    def _signal(self, sig: int, group: bool = False) -> None:
         # By pid, not Popen.send_signal: that reaps an ended process, whose status tick() must read.
-        # The pid cannot be reused before tick() reaps it.
+        # The pid cannot be reused before tick() reaps it. Each worker leads a session of its own
+        # (start_new_session), so its process group is its pid: `group` reaches its children too.
         for p, _, _ in self.procs.values():
             try:
-                os.kill(p.pid, sig)
+                (os.killpg if group else os.kill)(p.pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -232,7 +233,10 @@ class LocalJob:
         self._signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal(signal.SIGKILL)
+        """SIGKILL every running index with all its processes, as a pod's kill ends every process in it
+        (vLLM's engine core runs in a child of the worker; killed alone, the worker left it behind,
+        holding its memory and the worker's stdout)."""
+        self._signal(signal.SIGKILL, group=True)
 
     def patch(self, spec: Mapping[str, Any]) -> None:
         if "parallelism" in spec:
