@@ -397,6 +397,19 @@ def test_llm_kwargs_pass_every_spec_knob_through() -> None:
     }
 
 
+def test_engine_args_pass_through_over_the_named_knobs_and_unknown_names_are_found() -> None:
+    from bij_worker.engines.vllm import llm_kwargs, unknown_arguments
+
+    config = EngineConfig(task="generate", name="/models/m", adapters={"fr": "/a/fr"},
+                          vllm={"maxNumSeqs": 64, "engineArgs": {"maxNumBatchedTokens": 512, "max_num_seqs": 32,
+                                                                 "swap_space": 4}})
+    kwargs = llm_kwargs(config)
+    assert kwargs == {"model": "/models/m", "seed": 0, "max_num_seqs": 32, "max_num_batched_tokens": 512,
+                      "swap_space": 4, "enable_lora": True}
+    known = {"model", "seed", "max_num_seqs", "max_num_batched_tokens", "enable_lora"}
+    assert unknown_arguments(kwargs, known) == ["swap_space"]
+
+
 def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
     from bij_worker.engines.vllm import llm_kwargs
 

@@ -138,7 +138,7 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
 
     assert {"model", "runner", "seed"} <= params(LLM.__init__)
     fields = set(EngineArgs.__dataclass_fields__)
-    knobs = {adapter.snake_case(k) for k in VllmOptions.model_fields}
+    knobs = {adapter.snake_case(k) for k in VllmOptions.model_fields} - {"engine_args"}  # free-form, checked below
     assert knobs <= fields, knobs - fields
     assert callable(LLM.get_tokenizer) and callable(LLMEngine.from_engine_args)
     # LLMEngine: the loop vLLM's offline examples drive (LLM.llm_engine is one; checked on a live one below).
@@ -457,3 +457,15 @@ def test_vllm_honours_each_rows_stop_n_logprobs_and_choice(gen: Any) -> None:
         assert [t.token.strip() for t in only.logprobs or []] == expected("b", 3)
         assert all(-1e-3 < t.logprob <= 0 and len(t.top) == 2 for t in only.logprobs or [])
         assert chosen.output.strip() in ("x", "z")
+
+
+def test_an_engine_argument_the_installed_vllm_does_not_know_fails_before_anything_loads(wired_model: Path) -> None:
+    from bij_worker.engines.vllm import _known_arguments, llm_kwargs, unknown_arguments
+
+    good = EngineConfig(task="generate", name=str(wired_model),
+                        vllm={**KNOBS, "engineArgs": {"maxNumBatchedTokens": 512, "disable_log_stats": True}})
+    assert unknown_arguments(llm_kwargs(good), _known_arguments(vllm)) == []
+    bad = create_engine("vllm", EngineConfig(task="generate", name=str(wired_model),
+                                             vllm={**KNOBS, "engineArgs": {"max_num_seqz": 4}}))
+    with pytest.raises(ValueError, match="has no engine argument max_num_seqz"):
+        bad.load()  # raised before any LLM is built: this process's one LLM is untouched

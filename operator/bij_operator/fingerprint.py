@@ -31,11 +31,13 @@ ROW_FIELDS = (
     "model.engine", "model.name", "model.task", "model.maxTokens", "model.temperature", "model.seed",
     "model.sampling", "model.structuredOutput", "model.chatTemplate", "model.chatTemplateKwargs", "model.adapters",
     "model.maxInputTokens", "model.truncate", "model.vllm.maxModelLen", "model.vllm.quantization", "model.vllm.dtype",
+    "model.vllm.engineArgs",
     "judge",
 )
 # Fields younger than some plans: a plan without them ran with these values.
 _ADDED_LATER: dict[str, Any] = {"input.maxLineBytes": DEFAULT_MAX_LINE_BYTES, "input.samplingField": "sampling",
-                                "model.sampling": {}, "input.adapterField": "adapter", "model.adapters": []}
+                                "model.sampling": {}, "input.adapterField": "adapter", "model.adapters": [],
+                                "model.vllm.engineArgs": {}}
 
 
 class PlanRefused(BijError):

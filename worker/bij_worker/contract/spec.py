@@ -150,6 +150,9 @@ class VllmOptions(_Model):
     max_lora_rank: int | None = Field(None, ge=1)
     # vLLM's enforce_eager: no CUDA graphs (on its CPU build, no compiled graph): quicker to start.
     enforce_eager: bool = False
+    # Any other vLLM engine argument (EngineArgs names, snake_case or camelCase), passed as given; a
+    # name the installed vLLM does not know fails the worker at start (exit 42) naming it.
+    engine_args: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def gpus(self) -> int:

@@ -82,6 +82,10 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
         raise ValueError("engine vllm needs model.name (a model directory or a Hugging Face id)")
     kwargs: dict[str, Any] = {"model": config.name, "seed": config.seed}
     for key, value in config.vllm.items():
+        if snake_case(key) == "engine_args":  # spec.model.vllm.engineArgs: free-form, over the named knobs
+            continue
+        kwargs[snake_case(key)] = value
+    for key, value in (config.vllm.get("engineArgs") or config.vllm.get("engine_args") or {}).items():
         kwargs[snake_case(key)] = value
     if config.adapters:
         kwargs["enable_lora"] = True
@@ -91,6 +95,16 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
         else:
             kwargs["task"] = "embed" if version >= (0, 7) else "embedding"
     return kwargs
+
+
+def unknown_arguments(kwargs: dict[str, Any], known: set[str]) -> list[str]:
+    """The keyword arguments for `vllm.LLM` that are neither its own parameters nor EngineArgs fields."""
+    return sorted(k for k in kwargs if k not in known)
+
+
+def _known_arguments(vllm: Any) -> set[str]:
+    """What `vllm.LLM(...)` takes: its own parameters and the installed vLLM's EngineArgs fields."""
+    return set(inspect.signature(vllm.LLM.__init__).parameters) | set(vllm.EngineArgs.__dataclass_fields__)
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -114,6 +128,11 @@ def shared_llm(config: EngineConfig) -> Any:
         has_runner="runner" in inspect.signature(vllm.LLM.__init__).parameters,
         version=_version(getattr(vllm, "__version__", "0.0")),
     )
+    unknown = unknown_arguments(kwargs, _known_arguments(vllm))
+    if unknown:
+        # Checked before anything loads: vLLM's own error would come after minutes of start-up, if at all.
+        raise ValueError(f"spec.model.vllm: vLLM {getattr(vllm, '__version__', '?')} has no engine argument "
+                         f"{', '.join(unknown)} (spec.model.vllm.engineArgs takes EngineArgs names)")
     if _LLM is not None:
         if kwargs != _LLM_KWARGS:
             raise RuntimeError(
