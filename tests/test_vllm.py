@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -412,7 +413,14 @@ def test_sigterm_finishes_or_drops_rows_in_the_engine_and_a_rerun_loses_none(
         assert line, p.stderr.read() if p.stderr else ""
         events.append(json.loads(line))
     p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=300)
+    # The rest of stdout through the same reader: lines readline() already buffered would be lost to
+    # communicate(), which reads the pipe itself. stderr (vLLM's logs) drains meanwhile, in a thread.
+    assert p.stderr is not None
+    with ThreadPoolExecutor(1) as pool:
+        err_text = pool.submit(p.stderr.read)
+        out = p.stdout.read()
+        err = err_text.result(timeout=300)
+    p.wait(timeout=300)
     assert p.returncode == EXIT_TERMINATED, err[-3000:]
     events += [json.loads(line) for line in out.splitlines()]
     committed = sum(e["rows"] + e["errors"] for e in events if e["event"] == "chunk")
