@@ -313,6 +313,18 @@ def done_records(output: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(output.glob("_bij/*/round-*/done/*.json"))]
 
 
+def log_places(output: Path) -> tuple[int, int]:
+    """(records, distinct input places) in the shards' durable logs under an output folder (one log
+    per writer; a torn tail is no record): more records than places means rows were computed twice."""
+    from bij_worker.segments import object_records
+    from bij_worker.storage import FileStorage
+
+    store = FileStorage()
+    recs = [r for p in sorted(output.glob("_bij/*/round-*/shards/*/*"))
+            for r in object_records(store, store.list(f"file://{p}")[0])]
+    return len(recs), len({(r["at"][0], r["at"][1]) for r in recs})
+
+
 def steady_seconds(rec: dict[str, Any], wall_s: float | None = None) -> float:
     """Seconds the worker spent on its shard, model load and process start excluded.
 

@@ -23,7 +23,6 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import harness
@@ -52,17 +51,6 @@ def slow_worker(side_file: str, seconds_per_row: float, worker_argv: list[str]) 
     engines.create_engine = create_engine  # type: ignore[assignment]
     worker_main.create_engine = create_engine  # type: ignore[assignment]
     return worker_main.main(worker_argv)
-
-
-def log_rows(out: Path) -> tuple[int, int]:
-    """(records, distinct input places) in the shard's durable logs (one per writer; a torn tail is no record)."""
-    from bij_worker.segments import object_records
-    from bij_worker.storage import FileStorage
-
-    store = FileStorage()
-    lines = [r for p in sorted(out.glob("_bij/*/round-*/shards/*/*")) for r in object_records(
-        store, store.list(f"file://{p}")[0])]
-    return len(lines), len({(r["at"][0], r["at"][1]) for r in lines})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             if second is not None and second.rc != 0:
                 raise RuntimeError(f"{name}: the rerun after the kill exited {second.rc}")
             computed = [x for x in side.read_text().splitlines() if x]
-            records, places = log_rows(out)
+            records, places = harness.log_places(out)
             (rec,) = harness.done_records(out)
             r = {"killed": first.rc == -9, "kill_after_s": delay[0] if delay else None, "first_rc": first.rc,
                  "first_s": t_first, "computed": len(computed), "distinct": len(set(computed)),

@@ -128,17 +128,6 @@ def counting_worker(side_file: str, worker_argv: list[str]) -> int:
     return worker_main.main(worker_argv)
 
 
-def log_places(out: Path) -> tuple[int, int]:
-    """(records, distinct input places) in the shard's durable logs."""
-    from bij_worker.segments import object_records
-    from bij_worker.storage import FileStorage
-
-    store = FileStorage()
-    recs = [r for p in sorted(out.glob("_bij/*/round-*/shards/*/*"))
-            for r in object_records(store, store.list(f"file://{p}")[0])]
-    return len(recs), len({(r["at"][0], r["at"][1]) for r in recs})
-
-
 def run_raw(work: Path, section: dict[str, Any], texts_path: Path) -> dict[str, Any]:
     """`LLM.generate` on every prompt, in a child process (the accelerator is free again after it)."""
     proc = subprocess.run([sys.executable, __file__, "--raw-child", json.dumps(section), str(texts_path)],
@@ -268,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             if second is not None and second.rc != 0:
                 raise RuntimeError(f"kill trial {k}: the rerun exited {second.rc}")
             computed = [x for x in side.read_text().splitlines() if x]
-            records, places = log_places(b["out"])
+            records, places = harness.log_places(b["out"])
             if len(set(computed)) != args.rows or places != args.rows or records != args.rows:
                 raise RuntimeError(f"kill trial {k}: rows lost or repeated: computed {len(computed)} "
                                    f"({len(set(computed))} distinct), log {records} records, {places} places")
