@@ -341,7 +341,7 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
         return _bad(at, "invalid_request", str(e), cid)
     own = ask.sampling
     asked = own.asked()
-    spelled = {name: f"body.{key}" for key, name in _OPENAI_NAMES.items() if key in body and name in asked}
+    spelled = dict(ask.spelled)
     adapter = None
     model = body.get("model")
     if opts.adapters and model is not None and model != opts.model_name:
@@ -379,13 +379,6 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
         return Row(at=at, id=cid, request=_request(opts, own, messages=msgs, adapter=adapter), url=url)
     return Row(at=at, id=cid, request=_request(opts, own, text=text, adapter=adapter), url=url)
 
-
-# OpenAI body field -> the camelCase sampling name it sets (for messages that name the body field).
-_OPENAI_NAMES = {"max_tokens": "maxTokens", "max_completion_tokens": "maxTokens", "temperature": "temperature",
-                 "seed": "seed", "top_p": "topP", "top_k": "topK", "min_p": "minP", "stop": "stop",
-                 "presence_penalty": "presencePenalty", "frequency_penalty": "frequencyPenalty",
-                 "repetition_penalty": "repetitionPenalty", "n": "n", "logprobs": "logprobs",
-                 "top_logprobs": "topLogprobs", "response_format": "structuredOutput"}
 
 
 def row_id(row: dict[str, Any]) -> Any:

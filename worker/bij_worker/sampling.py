@@ -265,6 +265,7 @@ class OpenAIAsk:
 
     sampling: Sampling
     unhonoured: tuple[str, ...]  # body fields set that no engine here honours
+    spelled: dict[str, str]  # camelCase field -> the body field that set it (for messages)
 
 
 def from_openai(body: Mapping[str, Any], kind: str) -> OpenAIAsk:
@@ -307,7 +308,8 @@ def from_openai(body: Mapping[str, Any], kind: str) -> OpenAIAsk:
                                                      if kind != "embed" else {*content, *OPENAI_NO_EFFECT}))
     if kind == "chat" and "top_logprobs" in values and "logprobs" not in values:
         raise BadField("body.top_logprobs needs body.logprobs true")
-    return OpenAIAsk(_finish(values, spelled), tuple(unhonoured))
+    sampling = _finish(values, spelled)
+    return OpenAIAsk(sampling, tuple(unhonoured), {CAMEL[k]: v for k, v in spelled.items() if k in values})
 
 
 def _response_format(v: Any) -> tuple[str, str] | None:
