@@ -36,7 +36,7 @@ import importlib.util
 import json
 import re
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import hub
 from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob
@@ -169,7 +169,7 @@ class TransformersEngine:
         self._loaded()
         results = [Result() for _ in requests]
         limit = self.max_input_tokens()
-        groups: dict[tuple[Any, ...], list[int]] = {}
+        groups: dict[_Knobs, list[int]] = {}
         ready: dict[int, list[int]] = {}
         prompts = self._prompt_ids(requests) if requests else []
         for i, (req, p) in enumerate(zip(requests, prompts, strict=True)):
@@ -199,7 +199,7 @@ class TransformersEngine:
                 results[i] = res
         return results
 
-    def _generate(self, knobs: tuple[Any, ...], requests: list[Request], prompts: list[list[int]]) -> list[Result]:
+    def _generate(self, knobs: _Knobs, requests: list[Request], prompts: list[list[int]]) -> list[Result]:
         import torch
         from transformers import StoppingCriteriaList
 
@@ -385,14 +385,31 @@ def _stop_strings(tok: Any, stop: tuple[str, ...], width: int) -> Any:
     return StopStrings()
 
 
-def _knobs(req: Request) -> tuple[Any, ...]:
-    """The sampling knobs one generate call shares: temperature, topP, topK, minP, repetition penalty,
-    stop, n, logprobs, topLogprobs."""
+class _Knobs(NamedTuple):
+    """What one generate call shares: rows that differ in any of these run in separate calls."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    stop: tuple[str, ...]
+    n: int
+    logprobs: bool
+    top_logprobs: int
+    structured: bool  # rows with a grammar (each its own) run apart from rows without one
+    adapter: str | None
+
+
+def _knobs(req: Request) -> _Knobs:
+    """A row's knobs, with the engine's neutral value for what it leaves unset."""
     s = req.sampling
-    temp = 0.0 if req.temperature < GREEDY_EPS else req.temperature
-    return (temp, 1.0 if s.top_p is None else s.top_p, s.top_k or 0, s.min_p or 0.0,
-            1.0 if s.repetition_penalty is None else s.repetition_penalty, s.stop or (), s.n or 1,
-            bool(s.logprobs), s.top_logprobs or 0, s.structured_output is not None, req.adapter)
+    return _Knobs(
+        temperature=0.0 if req.temperature < GREEDY_EPS else req.temperature,
+        top_p=1.0 if s.top_p is None else s.top_p, top_k=s.top_k or 0, min_p=s.min_p or 0.0,
+        repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty, stop=s.stop or (),
+        n=s.n or 1, logprobs=bool(s.logprobs), top_logprobs=s.top_logprobs or 0,
+        structured=s.structured_output is not None, adapter=req.adapter)
 
 
 def _stop_at(tok: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[int, str] | None:
