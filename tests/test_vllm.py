@@ -4,8 +4,9 @@ Every vLLM path of the worker runs here against vLLM itself, on the tiny models 
 tiny_models.py (the wired "successor" model answers exactly what its chain says): generate,
 chat with the model's template, embed through a pooling model, the streaming loop across
 shard tails of a lane, truncation, rows vLLM refuses, SIGTERM drain, prefix caching, one
-`LLM` per process, the engine counters in the manifest, and the adapter's use of vLLM's
-public API against the installed release's signatures.
+`LLM` per process, the engine counters in the manifest, images through a tiny random LLaVA
+(tiny_vision.py), and the adapter's use of vLLM's public API against the installed release's
+signatures.
 
 Run with `make vllm-env` then `make test` (or `.venv-vllm/bin/pytest -m vllm tests/test_vllm.py`);
 elsewhere the module is skipped. The engine runs in this process
@@ -477,3 +478,71 @@ def test_an_engine_argument_the_installed_vllm_does_not_know_fails_before_anythi
                                              vllm={**KNOBS, "engineArgs": {"max_num_seqz": 4}}))
     with pytest.raises(ValueError, match="has no engine argument max_num_seqz"):
         bad.load()  # raised before any LLM is built: this process's one LLM is untouched
+
+
+# --- images: a vision model on the real engine --------------------------------------------
+
+
+def test_a_text_only_model_does_not_honour_images(gen: Any, wired_model: Path) -> None:
+    from bij_worker.sampling import IMAGES
+
+    chat = loaded(create_engine("vllm", config(wired_model, task="chat")))  # the same LLM as gen's
+    assert chat.llm is gen.llm and IMAGES not in chat.honours
+
+
+def test_bij_run_feeds_each_rows_images_to_a_vision_model(
+        file_place, make_job, read_output, worker_env, bij_bin, tmp_path_factory):
+    """A tiny random LLaVA: each image is one <image> in the prompt that vLLM expands to the image's
+    16 features (the usage counts them), the same image by data URL or by file gives the same
+    answer, and another image another one."""
+    import base64
+
+    from openai.types.chat import ChatCompletion
+    from tiny_vision import IMAGE_FEATURES, build_vision_model, png
+
+    model = build_vision_model(tmp_path_factory.mktemp("llava"), max_positions=MAX_POSITIONS)
+    pics = tmp_path_factory.mktemp("pics")
+    red, blue = png((200, 30, 30)), png((20, 40, 220))
+    (pics / "red.png").write_bytes(red)
+    (pics / "blue.png").write_bytes(blue)
+
+    def image(url: str) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    def line(cid: str, *images: str) -> dict[str, Any]:
+        content: Any = [{"type": "text", "text": "a b"}, *map(image, images)] if images else "a b"
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 3,
+                         "logprobs": True, "top_logprobs": 3}}
+
+    red_data = "data:image/png;base64," + base64.b64encode(red).decode()
+    lines = [line("text"), line("red", red_data), line("red-file", f"file://{pics}/red.png"),
+             line("blue", f"file://{pics}/blue.png"), line("two", red_data, f"file://{pics}/blue.png"),
+             line("web", "https://example.com/red.png"),
+             line("junk", "data:image/png;base64," + base64.b64encode(b"no image here").decode())]
+    path, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines), **{
+        "input": {"format": "openai"},
+        "model": {"engine": "vllm", "name": str(model), "task": "chat", "vllm": SPEC_VLLM},
+        "workers": {"parallelism": 1, "backoffLimitPerIndex": 0}})
+    done = bij(bij_bin, worker_env(file_place), "run", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = read_output(job)
+    bodies = {r["custom_id"]: r["response"]["body"] for r in out.results}
+    assert list(bodies) == ["text", "red", "red-file", "blue", "two"]
+    for body in bodies.values():
+        ChatCompletion.model_validate(body)
+    prompt = {cid: b["usage"]["prompt_tokens"] for cid, b in bodies.items()}
+    base = prompt["text"]
+    assert prompt == {"text": base, "red": base + IMAGE_FEATURES, "red-file": base + IMAGE_FEATURES,
+                      "blue": base + IMAGE_FEATURES, "two": base + 2 * IMAGE_FEATURES}
+
+    def first_token(cid: str) -> list[tuple[str, float]]:
+        top = bodies[cid]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        return [(t["token"], t["logprob"]) for t in top]
+
+    assert first_token("red") == first_token("red-file")
+    assert bodies["red"]["choices"] == bodies["red-file"]["choices"]
+    assert first_token("red") != first_token("blue") != first_token("text")
+    errors = {e["custom_id"]: e["error"] for e in out.errors}
+    assert errors["web"]["code"] == "unsupported" and "images are not fetched" in errors["web"]["message"]
+    assert errors["junk"]["code"] == "engine_error" and "not an image PIL can read" in errors["junk"]["message"]

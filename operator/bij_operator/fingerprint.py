@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from bij_worker.contract.errors import BijError
 from bij_worker.contract.plan import PlanObject
-from bij_worker.contract.spec import DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
+from bij_worker.contract.spec import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
 
 if TYPE_CHECKING:  # a type only: the spec's fingerprint is pure, `reconcile` imports it
     from bij_worker.storage import ObjectInfo
 
 ROW_FIELDS = (
     "input.uri", "input.format", "input.idField", "input.textField", "input.messagesField", "input.maxLineBytes",
-    "input.samplingField", "input.adapterField",
+    "input.samplingField", "input.adapterField", "input.maxImageBytes",
     "output.uri",
     "model.engine", "model.name", "model.task", "model.maxTokens", "model.temperature", "model.seed",
     "model.sampling", "model.structuredOutput", "model.chatTemplate", "model.chatTemplateKwargs", "model.adapters",
@@ -37,7 +37,7 @@ ROW_FIELDS = (
 # Fields younger than some plans: a plan without them ran with these values.
 _ADDED_LATER: dict[str, Any] = {"input.maxLineBytes": DEFAULT_MAX_LINE_BYTES, "input.samplingField": "sampling",
                                 "model.sampling": {}, "input.adapterField": "adapter", "model.adapters": [],
-                                "model.vllm.engineArgs": {}}
+                                "model.vllm.engineArgs": {}, "input.maxImageBytes": DEFAULT_MAX_IMAGE_BYTES}
 
 
 class PlanRefused(BijError):

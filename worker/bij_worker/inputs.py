@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .engines.base import Choice, Request, Result, TokenLogprob
+from .engines.base import Choice, Image, Request, Result, TokenLogprob
+from .images import ImageProblem, parse_image
 from .sampling import ADAPTERS, IMAGES, NO_SAMPLING, BadField, Sampling, UnknownField, from_column, from_openai, refusal
 
 if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
@@ -75,6 +76,7 @@ class InputOptions:
     honours: frozenset[str] | None = None
     adapter_field: str = "adapter"  # a plain row's LoRA adapter name
     adapters: frozenset[str] = frozenset()  # spec.model.adapters' names
+    max_image_bytes: int = 20 << 20  # input.maxImageBytes (DEFAULT_MAX_IMAGE_BYTES): one image's bytes at most
 
     @classmethod
     def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None) -> InputOptions:
@@ -96,6 +98,7 @@ class InputOptions:
             sampling=sampling,
             adapter_field=inp.adapter_field,
             adapters=frozenset(a.name for a in model.adapters),
+            max_image_bytes=inp.max_image_bytes,
             engine=engine or model.engine,
             honours=honours,
         )
@@ -252,10 +255,15 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
         parts = _content_asks(msgs, opts.messages_field)
         if isinstance(parts, str):
             return _bad(at, "unsupported", f"engine {opts.engine} cannot honour {parts}", rid)
-        refused = _refused(opts, asks | parts, {**spelled, IMAGES: "an image_url content part"})
+        refused = _refused(opts, asks | ({IMAGES} if parts else set()), {**spelled, IMAGES: _IMAGE_PART})
         if refused:
             return _bad(at, "unsupported", refused, rid)
-        return Row(at=at, id=rid, request=_request(opts, own, messages=msgs, adapter=adapter), generated_id=generated)
+        try:
+            images = _images(parts, opts)
+        except ImageProblem as e:
+            return _bad(at, e.code, str(e), rid)
+        return Row(at=at, id=rid, request=_request(opts, own, messages=msgs, adapter=adapter, images=images),
+                   generated_id=generated)
     if opts.text_field not in obj:
         wanted = f"{opts.text_field!r}" + (f" or {opts.messages_field!r}" if opts.messages_field else "")
         return _bad(at, "missing_text", f"no field {wanted}", rid)
@@ -275,15 +283,16 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
 
 
 def _request(opts: InputOptions, own: Sampling, *, text: str | None = None,
-             messages: list[dict[str, Any]] | None = None, adapter: str | None = None) -> Request:
-    """A row's request: its own sampling fields over the spec's, and its adapter."""
+             messages: list[dict[str, Any]] | None = None, adapter: str | None = None,
+             images: tuple[Image, ...] = ()) -> Request:
+    """A row's request: its own sampling fields over the spec's, its adapter and its images."""
     if own is NO_SAMPLING:
-        return Request(text, messages, opts.max_tokens, opts.temperature, opts.seed, opts.sampling, adapter)
+        return Request(text, messages, opts.max_tokens, opts.temperature, opts.seed, opts.sampling, adapter, images)
     s = own.over(opts.sampling)
     return Request(text, messages,
                    opts.max_tokens if own.max_tokens is None else own.max_tokens,
                    opts.temperature if own.temperature is None else own.temperature,
-                   opts.seed if own.seed is None else own.seed, s, adapter)
+                   opts.seed if own.seed is None else own.seed, s, adapter, images)
 
 
 def _unknown_adapter(name: Any, opts: InputOptions, where: str) -> str | None:
@@ -301,10 +310,13 @@ def _refused(opts: InputOptions, asked: frozenset[str], spelled: dict[str, str])
     return refusal(opts.engine, asked, opts.honours, spelled)
 
 
-def _content_asks(msgs: list[dict[str, Any]], where: str) -> frozenset[str] | str:
-    """What chat content parts ask of the engine: images (an image_url part), or the name of a part
-    no engine here can take (audio, files). Text parts ask nothing."""
-    asks: set[str] = set()
+_IMAGE_PART = "an image_url content part"
+
+
+def _content_asks(msgs: list[dict[str, Any]], where: str) -> list[tuple[str, dict[str, Any]]] | str:
+    """The image_url parts of chat messages (each with where it is), or the name of a part no
+    engine here can take (audio, files). Text parts ask nothing."""
+    images: list[tuple[str, dict[str, Any]]] = []
     for i, m in enumerate(msgs):
         content = m.get("content")
         if not isinstance(content, list):
@@ -314,10 +326,15 @@ def _content_asks(msgs: list[dict[str, Any]], where: str) -> frozenset[str] | st
             if kind == "text":
                 continue
             if kind == "image_url":
-                asks.add(IMAGES)
+                images.append((f"{where}[{i}].content[{j}]", part))  # type: ignore[arg-type]
             else:
                 return f"{where}[{i}].content[{j}] of type {kind!r} (only text and image_url parts are known)"
-    return frozenset(asks)
+    return images
+
+
+def _images(parts: list[tuple[str, dict[str, Any]]], opts: InputOptions) -> tuple[Image, ...]:
+    """The images of a row's image_url parts, in order (data URLs decoded); raises ImageProblem."""
+    return tuple(parse_image(part, where, opts.max_image_bytes) for where, part in parts)
 
 
 def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOptions) -> Row:
@@ -343,6 +360,7 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     asked = own.asked()
     spelled = dict(ask.spelled)
     adapter = None
+    image_parts: list[tuple[str, dict[str, Any]]] = []
     model = body.get("model")
     if opts.adapters and model is not None and model != opts.model_name:
         # With adapters, body.model picks one (or the base model by its name).
@@ -361,8 +379,10 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
         parts = _content_asks(msgs, "body.messages")
         if isinstance(parts, str):
             return _bad(at, "unsupported", f"engine {opts.engine or 'here'} cannot honour {parts}", cid)
-        asked |= parts
-        spelled[IMAGES] = "an image_url content part"
+        image_parts = parts
+        if parts:
+            asked |= {IMAGES}
+            spelled[IMAGES] = _IMAGE_PART
     else:
         field = "input" if kind == "embed" else "prompt"
         text = body.get(field)
@@ -376,7 +396,11 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     if refused:
         return _bad(at, "unsupported", refused, cid)
     if kind == "chat":
-        return Row(at=at, id=cid, request=_request(opts, own, messages=msgs, adapter=adapter), url=url)
+        try:
+            images = _images(image_parts, opts)
+        except ImageProblem as e:
+            return _bad(at, e.code, str(e), cid)
+        return Row(at=at, id=cid, request=_request(opts, own, messages=msgs, adapter=adapter, images=images), url=url)
     return Row(at=at, id=cid, request=_request(opts, own, text=text, adapter=adapter), url=url)
 
 

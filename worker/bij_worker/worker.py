@@ -40,6 +40,7 @@ from .contract.errors import BijError
 from .contract.plan import BadPlan, Plan
 from .contract.records import DamageRecord, decode_shard_record, encode, shard_record
 from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
+from .images import ImageProblem, fetch_images
 from .inputs import (
     InputOptions,
     Row,
@@ -594,7 +595,7 @@ class ShardWorker:
             if parsed is not None:
                 ids, requests = parsed
                 return _Open(chunk, [], chunk.places, ids, requests, [None] * len(ids), len(ids))
-        names, opts = self.names, self.opts
+        names = self.names
         records: list[dict[str, Any]] = []
         rows: list[Row] = []
         for at, line in chunk.lines:
@@ -605,13 +606,24 @@ class ShardWorker:
                     self._record_damage(DamageRecord(self.index, at[0], info.display_name, info.version, at[1], "",
                                                      line.message, "errorRow"))
                 continue
-            row = parse_line(line, at, names[at[0]], opts)
+            row = self._prepare(line, at, names[at[0]])
             if row.request is None:
                 records.append(self._error_record(row))
             else:
                 rows.append(row)
         return _Open(chunk, records, [r.at for r in rows], [r.id for r in rows],
                      [r.request for r in rows], [None] * len(rows), len(rows), rows)  # type: ignore[misc]
+
+    def _prepare(self, line: bytes, at: tuple[int, int, int], object_name: str) -> Row:
+        """One line as a row to run (its images fetched) or an error row: what every path does with a line."""
+        row = parse_line(line, at, object_name, self.opts)
+        req = row.request
+        if req is not None and req.images:
+            try:
+                req.images = fetch_images(req.images, self.storage_for, self.opts.max_image_bytes)
+            except ImageProblem as e:
+                row.request, row.error_code, row.error = None, e.code, str(e)
+        return row
 
     def _count(self, op: _Open) -> _Open:
         """Count the prompts' tokens (the engine's tokenizer, in this thread); too long rows are settled."""
@@ -705,7 +717,7 @@ class ShardWorker:
         live = []
         for rec in pending:
             line = rec["line"].encode()
-            row = parse_line(line, tuple(rec["at"]), self.object_name(rec["at"][0]), self.opts)  # type: ignore[arg-type]
+            row = self._prepare(line, tuple(rec["at"]), self.object_name(rec["at"][0]))  # type: ignore[arg-type]
             row.id = rec["id"]
             # "attempts" counts every attempt so far, earlier rounds included.
             row.prior_attempts = int(rec["attempts"]) - int(rec["attemptsHere"])
@@ -719,14 +731,14 @@ class ShardWorker:
         Ids repeated within or across shards are found at publish, which sees every shard
         in input order: a set of every id here would grow with the shard.
         """
-        names, opts = self.names, self.opts
+        names = self.names
         records: list[dict[str, Any]] = []
         live = []
         for at, line in lines:
             if isinstance(line, InputProblem):
                 records.append(self._error_record(Row(at=at, id=None, error_code=line.code, error=line.message)))
                 continue
-            row = parse_line(line, at, names[at[0]], opts)
+            row = self._prepare(line, at, names[at[0]])
             if row.request is None:
                 records.append(self._error_record(row))
             else:

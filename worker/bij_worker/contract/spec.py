@@ -25,6 +25,8 @@ API_VERSION = "v1alpha1"
 KIND = "BatchInferenceJob"
 # A longer input line is an error row (its bytes are never held in memory).
 DEFAULT_MAX_LINE_BYTES = 32 << 20
+# One image of a chat row at most (OpenAI's own limit per image).
+DEFAULT_MAX_IMAGE_BYTES = 20 << 20
 # Ids one publish dedupe process holds at once, by default (spec.output.publishBucketRows), and the
 # least a spec may ask for (fewer means more bucket files: shards x buckets).
 PUBLISH_BUCKET_ROWS = 250_000
@@ -109,6 +111,9 @@ class InputSpec(_Model):
     adapter_field: str = "adapter"
     # A longer line is an error row (its bytes are never held in memory).
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31)
+    # One image of a chat row (an image_url part: a data URL, file:// or s3://) at most; a larger
+    # one is an image_too_large error row.
+    max_image_bytes: int = Field(DEFAULT_MAX_IMAGE_BYTES, ge=1, le=1 << 31)
     # A .zst object cut short or damaged: fail the round (the rows before it stay durable), or
     # record one corrupt_input error row where it breaks and publish without the rest of it.
     on_damaged_object: Literal["fail", "errorRow"] = "fail"

@@ -12,6 +12,15 @@ from ..sampling import NO_SAMPLING, Sampling
 BASIC_SAMPLING: frozenset[str] = frozenset({"maxTokens", "temperature", "seed"})
 
 
+@dataclass(frozen=True, slots=True)
+class Image:
+    """One image of a chat row, in the order of its `image_url` parts: where it came from (a
+    `file://` or `s3://` URI, or a data URL's media type) and its bytes, once fetched."""
+
+    source: str
+    data: bytes | None = None  # None until the worker fetched it (file://, s3://)
+
+
 @dataclass(slots=True)  # not frozen: a frozen dataclass pays a setattr call per field, per row
 class Request:
     """One row's work. `text` for embed/generate, `messages` (OpenAI chat shape) for chat."""
@@ -25,6 +34,7 @@ class Request:
     # above are its resolved max_tokens, temperature and seed.
     sampling: Sampling = NO_SAMPLING
     adapter: str | None = None  # a LoRA adapter's name (spec.model.adapters); None: the base model
+    images: tuple[Image, ...] = ()  # the images of the messages' image_url parts, in order
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,15 +20,25 @@ def pick_device(configured: str | None) -> str:
 
 
 def chat_messages(req: Request) -> list[dict[str, Any]]:
-    """The request as chat messages: plain text becomes one user message, content parts become text."""
+    """The request as chat messages: plain text becomes one user message, content parts become text.
+
+    A request with images keeps its parts in the shape vision models' chat templates read
+    (``{"type": "text", "text": ...}``, ``{"type": "image"}``): the template places each image's
+    placeholder token, which the engine expands to the image's features.
+    """
     if req.messages is None:
         return [{"role": "user", "content": req.text or ""}]
     out = []
     for m in req.messages:
         content = m.get("content")
         if isinstance(content, list):
-            # OpenAI content parts; most chat templates expect a plain string.
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            parts = [p for p in content if isinstance(p, dict)]
+            if req.images:
+                content = [{"type": "image"} if p.get("type") == "image_url" else
+                           {"type": "text", "text": str(p.get("text", ""))} for p in parts]
+            else:
+                # OpenAI content parts; most chat templates expect a plain string.
+                content = "".join(str(p.get("text", "")) for p in parts)
             m = {**m, "content": content}
         out.append(m)
     return out

@@ -31,13 +31,18 @@ What the engine does, and the adapter relies on (checked by the vLLM test tier):
 - every sampling field a row carries goes into its `SamplingParams` (n, logprobs, stop,
   penalties, `StructuredOutputsParams`); a row with n > 1 answers is reported one answer at
   a time under its request id, finished with the last; LoRA adapters are `LoRARequest`s
-  (`enable_lora` when the spec lists adapters).
+  (`enable_lora` when the spec lists adapters);
+- images (chat rows with `image_url` parts, on a model vLLM loads as multimodal) go in as the
+  prompt's `multi_modal_data` (PIL images, in the order of their parts): the chat template puts one
+  placeholder token per image, which vLLM's processor expands to the image's features, so the
+  result's prompt tokens count them; a text-only model does not honour images.
 """
 
 from __future__ import annotations
 
 import gc
 import inspect
+import io
 import json
 import os
 import re
@@ -45,10 +50,12 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from ..sampling import IMAGES
 from .base import (
     BASIC_SAMPLING,
     Choice,
     EngineConfig,
+    Image,
     Request,
     Result,
     TokenLogprob,
@@ -184,6 +191,21 @@ def _structured_params(structured: tuple[str, str]) -> Any:
     return StructuredOutputsParams(grammar=text)
 
 
+def _pil(image: Image, index: int) -> Any:
+    """A row's image as the PIL image vLLM's processors take; one that is no image raises ValueError."""
+    from PIL import Image as PILImage
+    from PIL import UnidentifiedImageError
+
+    if image.data is None:
+        raise ValueError(f"image {index} ({image.source}) was never fetched")
+    try:
+        pil = PILImage.open(io.BytesIO(image.data))
+        pil.load()
+    except (UnidentifiedImageError, PILImage.DecompressionBombError, OSError, ValueError) as e:
+        raise ValueError(f"image {index} ({image.source}) is not an image PIL can read: {e}") from None
+    return pil.convert("RGB")
+
+
 class VllmEngine:
     """Generate, chat or embed with vLLM's offline `LLM`; one shared instance per process."""
 
@@ -229,6 +251,8 @@ class VllmEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self._max_model_len = self.engine.model_config.max_model_len
         self._refused = refusals()
+        if self.config.task == "chat" and self.engine.model_config.is_multimodal_model:
+            self.honours = self.honours | {IMAGES}
 
     def _loaded(self) -> Any:
         if self.llm is None:
@@ -281,16 +305,20 @@ class VllmEngine:
             raise ValueError("empty prompt")
         limit = self.max_input_tokens()
         if limit is not None and len(prompt) > limit:
-            if not self.config.truncate:
+            if not self.config.truncate or request.images:
+                # A prompt with images is never cut: a cut could split an image's placeholder from its features.
                 raise ValueError(f"prompt is {len(prompt)} tokens, longer than the model's limit of {limit}")
             prompt = truncate_prompt(self.tokenizer, request, prompt, limit, embed=self.config.task == "embed")
         from vllm import TokensPrompt
 
+        inputs = TokensPrompt(prompt_token_ids=prompt)
+        if request.images:
+            inputs["multi_modal_data"] = {"image": [_pil(im, i) for i, im in enumerate(request.images)]}
         rid = str(tag)
         try:
             params = self._pooling_params() if self.config.task == "embed" else self._sampling_params([request])[0]
             lora = {"lora_request": self._lora(request.adapter)} if request.adapter else {}
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params, **lora)
+            self.engine.add_request(rid, inputs, params, **lora)
         except self._refused as e:
             raise ValueError(f"vllm refused the request: {e}") from None
         self._in_engine.add(rid)
