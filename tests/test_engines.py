@@ -359,6 +359,21 @@ def test_simulated_engine_adds_one_word_per_step_and_admits_new_requests_at_the_
     assert (engine.steps, engine.occupied, engine.unfinished()) == (4, 2 + 2 + 2 + 1, 0)
 
 
+def test_simulated_engine_aborts_running_and_waiting_requests() -> None:
+    engine = simulated(2)
+    for tag, text in enumerate(["a b c", "d e f", "g h i", "j"]):
+        engine.submit(tag, Request(text=text, max_tokens=8))
+    assert engine.step() == []  # 0 and 1 run, 2 and 3 wait
+    engine.abort([1, 2])
+    assert engine.unfinished() == 2
+    done = [t for _ in range(4) for t, _ in engine.step()]
+    assert sorted(done) == [0, 3] and engine.unfinished() == 0
+    engine.submit(5, Request(text="k l"))
+    engine.step()
+    engine.abort()
+    assert engine.unfinished() == 0 and engine.step() == []
+
+
 def test_simulated_engine_stops_at_max_tokens_and_counts_words_as_tokens() -> None:
     engine = simulated(4, max_tokens=2)
     (res,) = engine.run([Request(text="a b c d", max_tokens=2)])

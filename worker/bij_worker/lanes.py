@@ -398,11 +398,10 @@ class EngineShare:
         with self.lock:
             self._closed.add(view)
             self._inbox.pop(view, None)
-            # Its rows still in the engine are nobody's now: an engine that can abort frees their slots.
+            # Its rows still in the engine are nobody's now: aborting them frees their slots.
             left = [g for g, (owner, _) in self._owner.items() if owner == view]
-            abort = getattr(self.engine, "abort", None)
-            if left and abort is not None:
-                abort(left)
+            if left:
+                self.engine.abort(left)
                 for g in left:
                     del self._owner[g]
 

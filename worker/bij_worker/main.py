@@ -312,11 +312,9 @@ def lost_claim(flag: StopFlag) -> Callable[[], None]:
 
 
 def drain(engine: Any) -> None:
-    """Let a continuous engine finish what it still runs, discarding the results (abort it where it can)."""
+    """Drop what a continuous engine still runs: abort it, and step until nothing is left."""
     if is_continuous(engine):
-        abort = getattr(engine, "abort", None)
-        if abort is not None:
-            abort()
+        engine.abort()
         while engine.unfinished():
             engine.step()
 

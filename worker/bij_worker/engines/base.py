@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Protocol
@@ -133,7 +134,8 @@ class ContinuousEngine(Engine, Protocol):
     `submit` queues one request under the caller's tag (a request it cannot take at all
     may raise ValueError: that row fails alone); each `step` advances every running
     sequence and returns the requests that finished, in any order; `unfinished` counts
-    requests submitted and not yet returned; `concurrency` is how many run at once.
+    requests submitted and not yet returned; `concurrency` is how many run at once;
+    `abort` drops requests not yet returned (those tags, or all), which no step returns then.
     """
 
     continuous: bool
@@ -145,6 +147,8 @@ class ContinuousEngine(Engine, Protocol):
     def step(self) -> list[tuple[int, Result]]: ...
 
     def unfinished(self) -> int: ...
+
+    def abort(self, tags: Sequence[int] | None = None) -> None: ...
 
 
 def is_continuous(engine: Engine) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .base import BASIC_SAMPLING, EngineConfig, Request, Result, request_text, run_to_completion
@@ -83,6 +84,16 @@ class SimulatedEngine:
 
     def unfinished(self) -> int:
         return len(self._waiting) + len(self._running)
+
+    def abort(self, tags: Sequence[int] | None = None) -> None:
+        """Drop requests not yet returned: those tags, or all of them."""
+        if tags is None:
+            self._waiting.clear()
+            self._running.clear()
+            return
+        gone = set(tags)
+        self._waiting = deque(s for s in self._waiting if s.tag not in gone)
+        self._running = [s for s in self._running if s.tag not in gone]
 
     def step(self) -> list[tuple[int, Result]]:
         """One step: waiting requests join while there is room, every running sequence gains a token."""
