@@ -108,3 +108,35 @@ def test_an_adapter_row_on_an_engine_without_adapters_is_unsupported() -> None:
     line = json.dumps({"id": 1, "text": "x", "adapter": "es"}).encode()
     row = parse_line(line, (0, 0, len(line)), "in", opts)
     assert row.error_code == "invalid_request" and "unknown adapter \"es\" (model.adapters: fr)" in str(row.error)
+
+
+def test_adapters_are_fetched_with_a_shard_to_work_just_before_the_model_loads(
+        models: tuple[Path, Path, Path], file_place: Any, make_job: Any, worker_env: Any, bij_bin: Any) -> None:
+    from bij_operator.planner import plan_round
+    from bij_worker.contract import layout
+    from bij_worker.contract.records import encode, shard_record
+    from bij_worker.worker import load_plan
+
+    base, _, _ = models
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "the quick"}]),
+                      model={"engine": "transformers", "name": str(base), "task": "generate",
+                             "adapters": [{"name": "fr", "uri": f"file://{file_place.base[7:]}no-adapter-here"}]},
+                      workers={"parallelism": 1, "backoffLimitPerIndex": 0})
+    plan_round(job, 0)
+    manifest = layout.round_manifest_uri(job, 0)
+
+    def worker() -> subprocess.CompletedProcess[str]:
+        env = {**worker_env(file_place), "JOB_COMPLETION_INDEX": "0"}
+        return subprocess.run([bij_bin("bij-worker"), "--manifest", manifest, "--progress"], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    failed = worker()
+    assert failed.returncode == 42 and "spec.model.adapters fr:" in failed.stderr
+    assert '"loaded"' not in failed.stdout
+    plan = load_plan(manifest, job.spec.storage.s3)
+    counts = {"rows": 1, "errors": 0}
+    for i in range(len(plan.shards)):  # the round finished elsewhere meanwhile
+        file_place.storage.write_bytes(layout.done_uri(plan.round_prefix, i),
+                                       encode(shard_record(i, 0, 0, counts, 1.0, finished=True)))  # type: ignore[arg-type]
+    idle = worker()  # nothing left to claim: nothing to fetch, nothing to load
+    assert idle.returncode == 0, idle.stderr[-2000:]

@@ -32,19 +32,33 @@ def cache_root() -> Path:
     return Path(home) / "bij-adapters"
 
 
+def adapter_folders(adapters: list[Any]) -> dict[str, str]:
+    """The local folder of each of the spec's adapters, by name: where a file:// one is, where an
+    s3:// one will be once fetched (`fetch_adapters`). Nothing is read."""
+    return {a.name: adapter_folder(a.uri) for a in adapters}
+
+
+def adapter_folder(uri: str) -> str:
+    """The local folder of the adapter at `uri` (fetched or not)."""
+    if uri.startswith("file://"):
+        return uri[len("file://"):]
+    folder = uri if uri.endswith("/") else uri + "/"
+    return str(cache_root() / hashlib.sha256(folder.encode()).hexdigest()[:16])
+
+
 def fetch_adapters(adapters: list[Any], s3: Any = None) -> dict[str, str]:
     """Local folders of the spec's adapters, by name (fetching s3:// ones into the cache)."""
     return {a.name: fetch_adapter(a.name, a.uri, s3) for a in adapters}
 
 
 def fetch_adapter(name: str, uri: str, s3: Any = None) -> str:
-    """The local folder of adapter `name` at `uri`, fetched when it is not local."""
+    """The local folder of adapter `name` at `uri` (`adapter_folder`), fetched when it is not local."""
     if uri.startswith("file://"):
-        path = Path(uri[len("file://"):])
+        path = Path(adapter_folder(uri))
         _check(name, uri, path)
         return str(path)
     folder = uri if uri.endswith("/") else uri + "/"
-    dest = cache_root() / hashlib.sha256(folder.encode()).hexdigest()[:16]
+    dest = Path(adapter_folder(uri))
     if (dest / "adapter_config.json").is_file():
         return str(dest)
     store = open_storage(folder, s3)

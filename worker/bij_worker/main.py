@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .adapters import AdapterError, fetch_adapters
+from .adapters import AdapterError, adapter_folders, fetch_adapters
 from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TERMINATED
 from .contract.plan import Plan
 from .contract.spec import JobSpec
@@ -134,12 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics.serve(args.metrics_port)
         engine_name = spec.model.engine
         try:
-            # Once per pod, before the model loads: a missing adapter fails the lane at start.
-            adapters = fetch_adapters(spec.model.adapters, spec.storage.s3) if spec.model.adapters else {}
-        except AdapterError as e:
-            raise BadConfig(str(e)) from None
-        try:
-            engine = create_engine(engine_name, engine_config(spec, adapters))
+            # The adapters' folders are known now; they are fetched just before the model loads.
+            engine = create_engine(engine_name, engine_config(spec, adapter_folders(spec.model.adapters)))
         except ValueError as e:
             raise BadConfig(str(e)) from None
         refused = refusal(engine_name, spec.model.own_sampling().asked(), engine.honours,
@@ -171,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
                 # its own claim expired and works the shard twice (others would take it over too).
                 keeper = LeaseKeeper(claims, claim, lambda: None)
                 try:
+                    if spec.model.adapters:
+                        # Once per pod, with a shard to work (a lane with nothing left fetches nothing);
+                        # a missing adapter fails the lane before the model loads.
+                        fetch_adapters(spec.model.adapters, spec.storage.s3)
                     engine.load()
+                except AdapterError as e:
+                    raise BadConfig(str(e)) from None
                 except (FileNotFoundError, ImportError, ValueError) as e:
                     # Only what fails on every node alike: a full disk or a flaky mount is an
                     # OSError worth a retry elsewhere, and must not fail the whole round.
