@@ -182,14 +182,19 @@ def test_a_job_answers_what_it_can_and_refuses_the_rest_in_input_order(file_plac
     assert out.errors[0]["error"]["message"] == "engine echo cannot honour body.top_p"
 
 
-def test_spec_sampling_the_engine_cannot_honour_fails_the_job_at_start(file_place, make_job, bij_bin) -> None:
+@pytest.mark.parametrize(("model", "named"), [
+    ({"sampling": {"topP": 0.5, "stop": ["."]}}, "spec.model.sampling.stop, spec.model.sampling.topP"),
+    ({"structuredOutput": {"regex": "[a-z]+"}}, "spec.model.structuredOutput"),
+], ids=["sampling", "structured-output"])
+def test_spec_sampling_the_engine_cannot_honour_fails_the_job_at_start(model: dict[str, Any], named: str,
+                                                                      file_place, make_job, bij_bin) -> None:
     import subprocess
 
     path, _ = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "x"}]),
-                       model={"task": "generate", "sampling": {"topP": 0.5, "stop": ["."]}})
+                       model={"task": "generate", **model})
     proc = subprocess.run([bij_bin("bij"), "run", str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 42, proc.stderr
-    assert "engine echo cannot honour spec.model.sampling.stop, spec.model.sampling.topP" in proc.stderr
+    assert f"engine echo cannot honour {named}" in proc.stderr
 
 
 def _answers() -> Any:

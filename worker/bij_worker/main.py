@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise BadConfig(str(e)) from None
         refused = refusal(engine_name, spec.model.own_sampling().asked(), engine.honours,
-                          {k: f"spec.model.sampling.{k}" for k in ALL_FIELDS})
+                          {**{k: f"spec.model.sampling.{k}" for k in ALL_FIELDS},
+                           "structuredOutput": "spec.model.structuredOutput"})
         if refused:
             # A default every row would ask for: one clear failure, not an error row per row.
             raise BadConfig(refused)
