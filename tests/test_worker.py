@@ -12,6 +12,7 @@ from bij_operator.publish import publish
 from bij_worker.contract import layout
 from bij_worker.contract.codes import EXIT_BAD_CONFIG
 from bij_worker.contract.plan import Plan
+from bij_worker.prepare import Preparer
 from bij_worker.worker import (
     BadConfig,
     EngineFailure,
@@ -360,17 +361,17 @@ def test_chunks_parsed_in_the_reader_thread_give_the_same_output(file_place, mak
     engine = recording_echo()
     engine.parallel_prepare = True  # as torch and vLLM engines say: parse while the engine computes
     parsed_in: set[str] = set()
-    parse = ShardWorker._parse
+    parse = Preparer.parse
 
     def watching(self: Any, chunk: Any) -> Any:
         parsed_in.add(threading.current_thread().name)
         return parse(self, chunk)
 
-    ShardWorker._parse = watching  # type: ignore[method-assign]
+    Preparer.parse = watching  # type: ignore[method-assign]
     try:
         assert run_shards(job, engine=engine)[0].rows == 75
     finally:
-        ShardWorker._parse = parse  # type: ignore[method-assign]
+        Preparer.parse = parse  # type: ignore[method-assign]
     assert parsed_in == {"bij-prefetch"}
     publish(job)
     out = read_output(job)
@@ -386,11 +387,11 @@ def test_chunks_of_plain_rows_and_chunks_with_bad_rows_give_the_same_records(fil
                          *good[23:32], {"id": "1", "text": "string one"}, *good[32:]]
     uri = file_place.write_jsonl("in.jsonl", inputs)
     _, job = make_job(file_place, uri, sharding={"chunkRows": 8, "targetShardBytes": 1 << 20})
-    from bij_worker import worker
+    from bij_worker import prepare
 
     line_by_line: list[bytes] = []
-    parse_line = worker.parse_line
-    monkeypatch.setattr(worker, "parse_line", lambda line, *a: line_by_line.append(line) or parse_line(line, *a))
+    parse_line = prepare.parse_line
+    monkeypatch.setattr(prepare, "parse_line", lambda line, *a: line_by_line.append(line) or parse_line(line, *a))
     assert run_shards(job)[0].rows == 41
     assert len(line_by_line) == 8  # the bad line's chunk alone
     records = log_lines(file_place, job)[0]
