@@ -356,12 +356,13 @@ def test_an_engine_share_routes_each_shards_results_to_it_and_drops_a_closed_one
 
 def test_a_lane_starts_its_next_shard_while_the_last_rows_of_the_current_one_run(
         file_place, make_job, worker_env, bij_bin):
-    # 48 words a row, one per 10 ms step: a shard's last rows keep the engine busy for about half a
-    # second, far longer than claiming the next shard takes even on a loaded machine.
+    # 48 words a row, one per 30 ms step: a shard's last rows keep the engine busy for about a second
+    # and a half, far longer than claiming the next shard takes even on a loaded machine (at 10 ms
+    # steps the margin was half a second, which a full suite on two shared cores used up).
     long_rows = [{"id": f"doc-{i}", "text": " ".join(f"w{i}-{j}" for j in range(48))} for i in range(160)]
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", long_rows),
                       model={"engine": "simulated", "task": "generate", "maxTokens": 48,
-                             "simulated": {"maxNumSeqs": 16, "stepSeconds": 0.01}},
+                             "simulated": {"maxNumSeqs": 16, "stepSeconds": 0.03}},
                       sharding={"targetShardBytes": 10000, "chunkRows": 16}, workers={"parallelism": 1})
     plan = plan_round(job, 0)
     assert plan.lanes == 1 and plan.shard_count >= 4
