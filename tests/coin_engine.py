@@ -35,6 +35,7 @@ def approve_pattern(rate_percent: int) -> str:
 class CoinEngine:
     name = "coin"
     schedules_itself = False
+    continuous = parallel_prepare = False
     honours = BASIC_SAMPLING
 
     def __init__(self, config: EngineConfig):

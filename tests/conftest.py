@@ -452,6 +452,7 @@ class RecordingEcho:
 
         self.inner = EchoEngine(EngineConfig(task=task, max_input_tokens=max_input_tokens, truncate=truncate))
         self.name, self.schedules_itself, self.honours = "echo", False, self.inner.honours
+        self.continuous = self.parallel_prepare = False
         self.fail_on = fail_on
         self.batches: list[list[str]] = []
 

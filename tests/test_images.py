@@ -120,7 +120,7 @@ class ImageBytes:
     """A stand-in vision engine (the real one is vLLM's, in the vLLM tier): it declares images and
     answers each row with the sizes and first bytes of the images it was handed."""
 
-    name, schedules_itself = "seer", False
+    name, schedules_itself, continuous, parallel_prepare = "seer", False, False, False
     honours = BASIC_SAMPLING | {IMAGES}
 
     def load(self) -> None:

@@ -239,7 +239,7 @@ class ShardWorker:
                                    parquet_columns(self.opts), self.max_line, on_damaged=self.on_damaged)
         # Engines whose compute lets go of the interpreter (torch, vLLM) get the next chunks parsed in
         # the reader thread meanwhile; for the others it would only take turns with them.
-        parse = self.prep.parse if self.judge is None and getattr(self.engine, "parallel_prepare", False) else None
+        parse = self.prep.parse if self.judge is None and self.engine.parallel_prepare else None
         prefetch = Prefetcher(blocks, self.chunk_rows, self.depth, prepare=parse, blocks=True)
         self.metrics.engine_stopped()
         steps0, occupied0 = getattr(self.engine, "steps", 0), getattr(self.engine, "occupied", 0)

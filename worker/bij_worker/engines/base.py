@@ -110,6 +110,12 @@ class Engine(Protocol):
     # True when the engine schedules a whole chunk itself (vLLM): the worker then
     # hands it the chunk at once instead of token-budget batches.
     schedules_itself: bool
+    # True for a ContinuousEngine (submit / step, its own continuous batching); False: batches go
+    # through `run`.
+    continuous: bool
+    # True when its compute lets go of the interpreter (torch, vLLM): the worker parses the next
+    # chunks in its reader thread meanwhile (for the others that would only take turns with them).
+    parallel_prepare: bool
     # The request fields (camelCase sampling names, `sampling.IMAGES`) this engine honours for
     # its task; a row that asks for another is an `unsupported` error row naming it.
     honours: frozenset[str]
@@ -138,8 +144,6 @@ class ContinuousEngine(Engine, Protocol):
     `abort` drops requests not yet returned (those tags, or all), which no step returns then.
     """
 
-    continuous: bool
-
     def concurrency(self) -> int: ...
 
     def submit(self, tag: int, request: Request) -> None: ...
@@ -152,7 +156,7 @@ class ContinuousEngine(Engine, Protocol):
 
 
 def is_continuous(engine: Engine) -> bool:
-    return bool(getattr(engine, "continuous", False))
+    return engine.continuous
 
 
 def run_to_completion(engine: ContinuousEngine, requests: list[Request]) -> list[Result]:

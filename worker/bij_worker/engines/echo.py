@@ -32,6 +32,8 @@ def truncate_text(text: str, tokens: int, head: bool) -> str:
 class EchoEngine:
     name = "echo"
     schedules_itself = False
+    continuous = False
+    parallel_prepare = False  # its work is Python: parsing alongside would only take turns with it
 
     def __init__(self, config: EngineConfig):
         self.config = config

@@ -33,6 +33,7 @@ class SentenceTransformersEngine:
     name = "sentence-transformers"
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
+    continuous = False
     honours: frozenset[str] = frozenset()  # embeddings: no sampling field means anything here
 
     def __init__(self, config: EngineConfig):

@@ -41,6 +41,7 @@ class SimulatedEngine:
     name = "simulated"
     continuous = True
     schedules_itself = True
+    parallel_prepare = False  # chunks are parsed in the shard's own thread
 
     def __init__(self, config: EngineConfig):
         sim = config.simulated

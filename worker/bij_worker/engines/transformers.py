@@ -53,6 +53,7 @@ class TransformersEngine:
     name = "transformers"
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
+    continuous = False
     honours: frozenset[str] = BASIC_SAMPLING | {"topP", "topK", "minP", "repetitionPenalty", "stop", "n", "logprobs",
                                                 "topLogprobs"}
 
