@@ -28,7 +28,7 @@ from bij_operator.reconcile import (
     Wait,
     parse_ranges,
 )
-from bij_worker.contract.codes import STEP_LABEL
+from bij_worker.contract.codes import GENERATION_LABEL, STEP_LABEL
 from bij_worker.storage import StorageError, StorageRefused
 
 # --- failed_step: the decision after a step raised ----------------------------------------------------
@@ -219,6 +219,39 @@ def test_planning_as_an_identity_the_store_refuses_fails_the_bij_once_naming_the
     assert backend.status["phase"] == "Failed" and len(backend.events) == 1
     # ...without planning again: the refused plan's Job and report stay until the spec changes.
     assert backend.creates == [f"{job.metadata.name}-plan-r0"] and backend.deletes == []
+
+
+def test_a_result_left_by_an_earlier_job_of_the_steps_name_is_never_taken(file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+    backend = FakeBackend(job)
+    name = f"{job.metadata.name}-plan-r0"
+    # A Job of that name is running, and the status holds a result of another Job of that name (deleted).
+    backend.jobs[name] = {"metadata": {"name": name, "uid": "new", "labels": {STEP_LABEL: "plan-r0"}},
+                          "spec": {}, "status": {"active": 1}}
+    backend.status["reports"] = {"steps": {name: {"jobUid": "old", "result": {"shards": 99, "lanes": 9, "bytes": 1,
+                                                                               "objects": 1}}}}
+    idle = Driver(backend).reconcile()
+    assert isinstance(idle.decision, PlanRound) and "rounds" not in backend.status  # waits for its own Job's
+
+
+def test_a_step_refused_for_a_spec_since_edited_runs_again(file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+    backend = FakeBackend(job)
+    name = f"{job.metadata.name}-plan-r0"
+    refused = {"type": "PlanRefused", "message": "spec.output.uri: belongs to another job", "permanent": True}
+    backend.jobs[name] = {"metadata": {"name": name, "uid": "u1", "labels": {STEP_LABEL: "plan-r0",
+                                                                          GENERATION_LABEL: "1"}},
+                          "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    backend.status["reports"] = {"steps": {name: {"jobUid": "u1", "error": refused}}}
+    Driver(backend).reconcile()
+    assert backend.status["phase"] == "Failed" and backend.deletes == []  # kept: no plan Job in a loop
+    backend.jobs[name]["metadata"]["labels"][GENERATION_LABEL] = "0"  # made for an earlier generation
+    idle = Driver(backend).reconcile()
+    assert backend.deletes == [name] and idle.recheck == 1.0  # looked at again once it is gone
+    Driver(backend).reconcile()
+    # Planned anew for this spec: the round is planned and its Job made.
+    assert backend.deletes == [name] and backend.creates == [name, f"{job.metadata.name}-r0"]
+    assert backend.status["rounds"][0]["shards"] == 1
 
 
 # --- the local Indexed Job controller ----------------------------------------------------------------------
