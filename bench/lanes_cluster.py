@@ -169,14 +169,26 @@ def main(argv: list[str] | None = None) -> int:
         manifest = json.loads((work / "out-lanes" / "manifest.json").read_text())
         assert manifest["counts"]["rows"] == len(texts), manifest["counts"]
 
+        # Apply to the round's Job: planning (a Job of its own, or in the operator before it had no storage).
+        created = custom.get_namespaced_custom_object("batchinference.io", "v1alpha1", ns, "batchinferencejobs",
+                                                      "lanes")["metadata"]["creationTimestamp"]
+        import datetime as dt
+
+        applied = dt.datetime.fromisoformat(created.replace("Z", "+00:00"))
+        to_round = (batch.read_namespaced_job("lanes-r0", ns).metadata.creation_timestamp - applied).total_seconds()
+        print(f"  apply to the round Job's creation (planning): {to_round:.0f} s", flush=True)
+        report.note(f"apply to round Job created: {to_round:.0f} s")
         requests = operator_requests(cluster.plane.audit_log, t0_wall)
         print(f"  the operator's API requests for the lanes bij (apply to Succeeded): {sum(requests.values())}: "
               + ", ".join(f"{k} {v}" for k, v in requests.items()), flush=True)
         report.note(f"operator API requests, apply to Succeeded: {sum(requests.values())} {requests}")
         # The storage steps (planning, the round's statistics, the publish plan, the manifest) run as Jobs of
         # their own in the bij's namespace: what each adds, as the Job controller timed it.
-        steps = {name: job_seconds(batch, ns, f"lanes-{name}")
-                 for name in ("plan-r0", "finish-r0", "publish-plan", "manifest")}
+        names = ("plan-r0", "finish-r0", "publish-plan", "manifest")
+        # The bij may succeed on the manifest's report a moment before its Job is marked complete.
+        wait_for(lambda: all(batch.read_namespaced_job(f"lanes-{n}", ns).status.completion_time for n in names),
+                 120, "the step Jobs complete")
+        steps = {name: job_seconds(batch, ns, f"lanes-{name}") for name in names}
         print("  storage step Jobs (start to completion, whole seconds): "
               + ", ".join(f"{k} {v:.0f} s" for k, v in steps.items()), flush=True)
         report.note(f"step Jobs: {steps}")
