@@ -31,13 +31,12 @@ NON_DEFAULT = {
     "workerServiceAccount": {
         "namespaces": ["team-c", "team-a"], "annotations": {"iam.gke.io/gcp-service-account": "w"}
     },
-    "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/bij"}},
+    "serviceAccount": {"annotations": {"example.com/owner": "platform"}},
     "image": {"repository": "registry.local/bij-operator", "tag": "dev", "pullPolicy": "Always"},
     "workerImage": {"repository": "registry.local/bij-worker", "tag": "dev"},
     "imagePullSecrets": [{"name": "registry"}],
     "logLevel": "DEBUG",
-    "extraEnv": [{"name": "AWS_REGION", "value": "eu-west-1"}],
-    "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
+    "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
     "nodeSelector": {"pool": "system"},
     "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
     "priorityClassName": "system-cluster-critical",
@@ -189,9 +188,8 @@ def test_operator_deployment_with_non_default_values(chart: helm.Chart) -> None:
     assert container["image"] == "registry.local/bij-operator:dev" and container["imagePullPolicy"] == "Always"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["BIJ_WORKER_IMAGE"] == "registry.local/bij-worker:dev"
-    assert env["BIJ_LOG_LEVEL"] == "DEBUG" and env["AWS_REGION"] == "eu-west-1"
+    assert env["BIJ_LOG_LEVEL"] == "DEBUG" and env["HTTPS_PROXY"] == "http://proxy:3128"
     assert env["BIJ_METRICS_PORT"] == "9401"
-    assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "system"} and pod["tolerations"] == NON_DEFAULT["tolerations"]
     assert pod["priorityClassName"] == "system-cluster-critical"
@@ -221,7 +219,47 @@ def test_worker_service_account_exists_where_round_jobs_run(chart: helm.Chart) -
             assert account["metadata"]["annotations"] == {"iam.gke.io/gcp-service-account": "w"}
             assert account["imagePullSecrets"] == [{"name": "registry"}]
         else:
-            assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/bij"}
+            assert account["metadata"]["annotations"] == {"example.com/owner": "platform"}
+
+
+# --- the operator has no storage identity ------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT])
+def test_the_operator_pod_has_nothing_to_sign_a_storage_request_with(chart: helm.Chart, values: Any) -> None:
+    container = operator_container(render(chart, values))
+    names = {e["name"] for e in container["env"]}
+    assert "envFrom" not in container
+    assert not {n for n in names if n.startswith(("AWS_", "AZURE_", "GOOGLE_"))} - {"AWS_EC2_METADATA_DISABLED"}
+    assert {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"} in container["env"]  # nor the node's role
+
+
+def test_file_storage_is_off_by_default_and_names_its_volume_to_the_operator_when_on(chart: helm.Chart) -> None:
+    assert "BIJ_FILE_STORAGE" not in {e["name"] for e in operator_container(render(chart))["env"]}
+    on = {"fileStorage": {"mountPath": "/data", "volume": {"persistentVolumeClaim": {"claimName": "shared"}}}}
+    env = {e["name"]: e.get("value") for e in operator_container(render(chart, on))["env"]}
+    from bij_operator.jobs import FileVolume
+
+    volume = FileVolume.from_env(env)
+    assert volume == FileVolume("/data", {"persistentVolumeClaim": {"claimName": "shared"}})
+    with pytest.raises(Exception, match="fileStorage: set both mountPath and volume"):
+        render(chart, {"fileStorage": {"mountPath": "/data"}})
+
+
+@pytest.mark.parametrize("values, says", [
+    ({"extraEnv": [{"name": "AWS_ACCESS_KEY_ID", "value": "AKIA"}]}, "extraEnv: AWS_ACCESS_KEY_ID: the operator has "
+                                                                      "no storage identity"),
+    ({"extraEnv": [{"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": "/k.json"}]}, "GOOGLE_APPLICATION_CREDENTIALS"),
+    ({"serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/bij"}}},
+     "serviceAccount.annotations: eks.amazonaws.com/role-arn: the operator has no storage identity; a cloud "
+     "identity belongs on workerServiceAccount.annotations"),
+    ({"envFrom": [{"secretRef": {"name": "s3-credentials"}}]}, "envFrom"),
+])
+def test_storage_credentials_for_the_operator_are_refused_naming_the_value(chart: helm.Chart, values: Any,
+                                                                           says: str) -> None:
+    with pytest.raises(Exception) as refused:
+        render(chart, values)
+    assert says in str(refused.value)
 
 
 # --- RBAC: exactly what the operator needs ------------------------------------------------
@@ -231,12 +269,34 @@ NAMESPACED_GRANTS = grants([
      "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/status"], "verbs": ["patch"]},
     {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/finalizers"], "verbs": ["update"]},
-    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ])
 CRD_GRANTS = grants([{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
                       "verbs": ["list", "watch"]}])
 PEERING_VERBS = ["list", "watch", "patch"]
+
+
+WORKER_GRANTS = grants([{"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/status"],
+                         "verbs": ["patch"]}])
+
+
+def operator_roles(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in of_kind(objects, kind) if o["metadata"]["name"] != "bij-worker"]
+
+
+def test_the_worker_role_only_lets_pods_report_into_their_bijs_status(chart: helm.Chart) -> None:
+    for values, where in (({}, {NAMESPACE}), (NON_DEFAULT, {"team-a", "team-b", "team-c"})):
+        objects = render(chart, values)
+        roles = [r for r in of_kind(objects, "Role") if r["metadata"]["name"] == "bij-worker"]
+        assert {r["metadata"]["namespace"] for r in roles} == where
+        assert all(grants(r["rules"]) == WORKER_GRANTS for r in roles)
+        bindings = [b for b in of_kind(objects, "RoleBinding") if b["metadata"]["name"] == "bij-worker"]
+        assert {b["metadata"]["namespace"] for b in bindings} == where
+        for b in bindings:
+            assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "bij-worker"}
+            assert b["subjects"] == [{"kind": "ServiceAccount", "name": "bij-worker",
+                                      "namespace": b["metadata"]["namespace"]}]
 
 
 def bound_to_operator(binding: dict[str, Any], objects: list[dict[str, Any]]) -> bool:
@@ -251,18 +311,18 @@ def test_cluster_wide_rbac_is_one_cluster_role_with_exactly_the_needed_grants(ch
     assert grants(role["rules"]) == NAMESPACED_GRANTS | CRD_GRANTS
     binding = one(objects, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"] and bound_to_operator(binding, objects)
-    assert of_kind(objects, "Role") == [] and of_kind(objects, "RoleBinding") == []
+    assert operator_roles(objects, "Role") == [] and operator_roles(objects, "RoleBinding") == []
 
 
 def test_namespaced_rbac_grants_namespaced_objects_only_in_watched_namespaces(chart: helm.Chart) -> None:
     objects = render(chart, NON_DEFAULT)
     peering = {("kopf.dev", "kopfpeerings", v) for v in PEERING_VERBS}
     assert of_kind(objects, "ClusterRole") == [] and of_kind(objects, "ClusterRoleBinding") == []
-    roles = of_kind(objects, "Role")
+    roles = operator_roles(objects, "Role")
     assert {r["metadata"]["namespace"] for r in roles} == {"team-a", "team-b"}
     for role in roles:
         assert grants(role["rules"]) == NAMESPACED_GRANTS | peering
-    bindings = of_kind(objects, "RoleBinding")
+    bindings = operator_roles(objects, "RoleBinding")
     assert {b["metadata"]["namespace"] for b in bindings} == {"team-a", "team-b"}
     assert all(b["roleRef"]["kind"] == "Role" and bound_to_operator(b, objects) for b in bindings)
 

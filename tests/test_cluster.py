@@ -26,7 +26,14 @@ import pytest
 import yaml
 from bij_operator.reconcile import parse_ranges
 from cluster import ClusterError, build
-from cluster.harness import OPERATOR_NAMESPACE, LocalCluster, wait_for
+from cluster.harness import (
+    OPERATOR_NAMESPACE,
+    WORKER_RULES,
+    LocalCluster,
+    add_worker_account,
+    remove_worker_account,
+    wait_for,
+)
 from kubernetes.client import ApiException
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -137,6 +144,11 @@ class Env:
         self.batch.create_namespaced_job(self.ns, {"metadata": {"name": name}, "spec": {
             "suspend": True, "template": {"spec": {"restartPolicy": "Never", "containers": [container]}}}})
 
+    def round_jobs(self) -> list[str]:
+        """The names of the round Jobs (not the publish passes or the storage steps), sorted."""
+        return sorted(j["metadata"]["name"] for j in self.jobs()
+                      if "batchinference.io/round" in (j["metadata"].get("labels") or {}))
+
     def jobs_named(self, name: str) -> list[dict[str, Any]]:
         return [j for j in self.jobs() if j["metadata"]["name"] == name]
 
@@ -220,9 +232,9 @@ def env(local_cluster: LocalCluster, tmp_path: Path) -> Iterator[Env]:
     ns = f"t-{uuid.uuid4().hex[:8]}"
     core = kubernetes.client.CoreV1Api(local_cluster.api)
     core.create_namespace({"metadata": {"name": ns}})
-    # Round pods run as bij-worker; with watch.allNamespaces the chart creates it only where told.
+    # A bij's pods run as bij-worker; with watch.allNamespaces the chart creates it (and its Role) only where told.
     wait_for(lambda: core.read_namespaced_service_account("default", ns), 30, "the namespace's default SA")
-    core.create_namespaced_service_account(ns, {"metadata": {"name": "bij-worker"}})
+    add_worker_account(local_cluster.api, ns)
     gates = tmp_path / "gates"
     gates.mkdir()
     log_before = len(operator_log(local_cluster))
@@ -332,9 +344,14 @@ def test_a_job_runs_to_succeeded_through_the_operator_pod(env: Env) -> None:
     line = env.kubectl("get", "bij", "emb", "--no-headers").split()
     assert line[:4] == ["emb", "Running", "0", f"{total - 1}/{total}"]
     assert 0 < int(line[4]) < ROWS
-    (job,) = env.jobs()
-    assert job["metadata"]["name"] == "emb-r0" and job["spec"]["completionMode"] == "Indexed"
+    # The round was planned by a Job of its own in the bij's namespace, then its one round Job made.
+    assert sorted(j["metadata"]["name"] for j in env.jobs()) == ["emb-plan-r0", "emb-r0"]
+    job = env.job("emb-r0")
+    assert job["spec"]["completionMode"] == "Indexed"
     assert job["metadata"]["ownerReferences"][0]["name"] == "emb"
+    plan = env.job("emb-plan-r0")
+    assert plan["spec"]["template"]["spec"]["serviceAccountName"] == "bij-worker"
+    assert plan["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["step", "plan"]
 
     (env.gates / "holdrow-emb-r0").unlink()
     done = env.wait_phase("emb", "Succeeded")
@@ -350,8 +367,10 @@ def test_a_job_runs_to_succeeded_through_the_operator_pod(env: Env) -> None:
         assert reason in described
     # The Job controller itself said the round is complete.
     assert any(c["type"] == "Complete" and c["status"] == "True" for c in env.job("emb-r0")["status"]["conditions"])
-    # Publishing ran as one Job per pass, its pods reading and writing the rows; the operator only
-    # planned it and wrote the manifest.
+    # Publishing ran as one Job per pass, its pods reading and writing the rows; its plan, the round's
+    # statistics and the manifest were steps of their own: the operator read and wrote no storage.
+    for step in ("emb-finish-r0", "emb-publish-plan", "emb-manifest"):
+        assert any(c["type"] == "Complete" and c["status"] == "True" for c in env.job(step)["status"]["conditions"])
     for pass_name in ("ids", "dedupe", "write"):
         publish_job = env.job(f"emb-publish-{pass_name}")
         assert any(c["type"] == "Complete" and c["status"] == "True" for c in publish_job["status"]["conditions"])
@@ -420,8 +439,9 @@ def test_an_evicted_worker_pod_is_not_a_failure_and_its_shard_resumes(env: Env) 
     assert done["rows"]["done"] == ROWS
     job = env.job("evict-r0")
     assert job["status"].get("failed", 0) == 0  # DisruptionTarget: Ignore, not counted
-    assert [j["metadata"]["name"] for j in env.jobs()] == ["evict-publish-dedupe", "evict-publish-ids",
-                                                         "evict-publish-write", "evict-r0"]
+    assert sorted(j["metadata"]["name"] for j in env.jobs()) == [
+        "evict-finish-r0", "evict-manifest", "evict-plan-r0", "evict-publish-dedupe", "evict-publish-ids",
+        "evict-publish-plan", "evict-publish-write", "evict-r0"]
     started = (env.gates / "started-evict-r0-0").read_text().splitlines()
     assert len(started) == 2  # the evicted pod and its replacement
     assert_every_row_once(env.tmp / "out-evict" / "manifest.json", ids)
@@ -548,7 +568,7 @@ def test_the_operator_pod_deleted_mid_round_is_replaced_and_finishes_with_one_jo
     assert new["metadata"]["name"] != old["metadata"]["name"]
     (env.gates / "holdrow-opk-r0").unlink()
     env.wait_phase("opk", "Succeeded")
-    assert [j["metadata"]["name"] for j in env.jobs() if "-publish-" not in j["metadata"]["name"]] == ["opk-r0"]
+    assert env.round_jobs() == ["opk-r0"]
     assert_every_row_once(env.tmp / "out-opk" / "manifest.json", ids)
 
 
@@ -557,8 +577,7 @@ def test_judge_rounds_run_one_job_per_round(env: Env) -> None:
     judge = {"type": "regex", "pattern": r"^row \d*[02468]:", "strategy": "rounds", "maxRounds": 2}
     env.create(env.doc("judged", model={"engine": "echo", "task": "generate"}, judge=judge))
     done = env.wait_phase("judged", "Succeeded", timeout=180)
-    assert sorted(j["metadata"]["name"] for j in env.jobs() if "-publish-" not in j["metadata"]["name"]) == [
-        "judged-r0", "judged-r1"]
+    assert env.round_jobs() == ["judged-r0", "judged-r1"]
     r0, r1 = done["rounds"]
     assert (r0["rowsIn"], r0["approved"], r0["rejected"]) == (ROWS, ROWS // 2, ROWS // 2)
     assert (r1["rowsIn"], r1["capped"]) == (ROWS // 2, ROWS // 2)
@@ -615,6 +634,16 @@ def test_a_spec_only_the_operator_can_judge_invalid_fails_without_a_job_until_fi
     assert done["observedGeneration"] == 2
 
 
+def test_a_file_uri_outside_the_shared_volume_is_refused_naming_the_chart_value(env: Env) -> None:
+    job_ids(env)
+    env.create(env.doc("elsewhere", output={"uri": "file:///var/lib/bij-not-shared/out/"}))
+    failed = env.wait_phase("elsewhere", "Failed")
+    cond = {c["type"]: c for c in failed["conditions"]}["Failed"]
+    assert cond["reason"] == "InvalidSpec" and "fileStorage.mountPath" in cond["message"]
+    assert "spec.output.uri: file:///var/lib/bij-not-shared/out/ is outside the shared volume" in cond["message"]
+    assert env.jobs() == []  # not even a plan Job
+
+
 def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(env: Env) -> None:
     ids = job_ids(env)
     hold_row(env, "sus-r0")
@@ -649,6 +678,94 @@ def test_a_foreign_job_with_the_rounds_name_is_reported_never_adopted(env: Env) 
                   60, "the JobNameConflict condition")
     assert "a Job named clash-r0 already exists" in st["message"]
     assert "ownerReferences" not in env.job("clash-r0")["metadata"]
+
+
+# --- tenants on one cluster ----------------------------------------------------------------------
+
+
+def _tenant(s3: Any, name: str) -> tuple[Any, str]:
+    """A new identity of the S3 server with a bucket of its own."""
+    import boto3
+
+    who = s3.add_user(f"{name}-{uuid.uuid4().hex[:6]}")
+    bucket = f"bij-{name}-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=s3.endpoint).create_bucket(Bucket=bucket)
+    s3.give_bucket(bucket, who)
+    return who, bucket
+
+
+def _s3_doc(env: Env, name: str, input_uri: str, output_uri: str, secret: str, endpoint: str) -> dict[str, Any]:
+    doc = env.doc(name, input={"uri": input_uri}, output={"uri": output_uri, "compression": "none"})
+    doc["spec"]["storage"] = {"s3": {"endpointUrl": endpoint, "region": "us-east-1"}, "credentialsSecret": secret}
+    return doc
+
+
+def test_tenants_stay_apart_each_namespace_with_its_own_s3_identity(env: Env, s3_service: Any) -> None:
+    """Two namespaces, each with its own S3 identity owning one bucket: B's bij cannot read A's input
+    through the operator or write into A's bucket, and A's job, run meanwhile, publishes every row once."""
+    import boto3
+
+    a_who, a_bucket = _tenant(s3_service, "team-a")
+    b_who, b_bucket = _tenant(s3_service, "team-b")
+    server = s3_service.server
+    log_from = server.access_log.stat().st_size if server.access_log.exists() else 0
+    root = boto3.client("s3", endpoint_url=s3_service.endpoint)
+    rows = [json.dumps({"id": i, "text": f"row {i}: secret of team a"}) for i in range(ROWS)]
+    root.put_object(Bucket=a_bucket, Key="in/rows.jsonl", Body=("\n".join(rows) + "\n").encode())
+    root.put_object(Bucket=b_bucket, Key="in/rows.jsonl", Body=b'{"id": 1, "text": "team b"}\n')
+
+    ns_b = f"{env.ns}-b"
+    env.core.create_namespace({"metadata": {"name": ns_b}})
+    try:
+        wait_for(lambda: env.core.read_namespaced_service_account("default", ns_b), 30, "B's default SA")
+        add_worker_account(env.api, ns_b)
+        for ns, who, secret in ((env.ns, a_who, "s3-a"), (ns_b, b_who, "s3-b")):
+            env.core.create_namespaced_secret(ns, {"metadata": {"name": secret}, "stringData": who.env()})
+        endpoint = s3_service.endpoint
+        env.create(_s3_doc(env, "mine", f"s3://{a_bucket}/in/", f"s3://{a_bucket}/out/", "s3-a", endpoint))
+        b = Env(env.cluster, ns_b, env.tmp, env.gates)
+        b.create(_s3_doc(b, "snoop", f"s3://{a_bucket}/in/", f"s3://{b_bucket}/snoop/", "s3-b", endpoint))
+        b.create(_s3_doc(b, "plant", f"s3://{b_bucket}/in/", f"s3://{a_bucket}/planted/", "s3-b", endpoint))
+
+        for name in ("snoop", "plant"):
+            failed = b.wait_phase(name, "Failed", timeout=180)
+            cond = {c["type"]: c for c in failed["conditions"]}["Failed"]
+            assert cond["reason"] == "StorageRefused" and "AccessDenied" in cond["message"], cond
+            assert f"as access key id {b_who.access_key}" in cond["message"]
+            assert b.jobs_named(f"{name}-r0") == []  # refused at planning: no round ran
+        snoop = {c["type"]: c for c in b.status("snoop")["conditions"]}["Failed"]["message"]
+        assert f"s3://{a_bucket}/in/" in snoop
+        plant = {c["type"]: c for c in b.status("plant")["conditions"]}["Failed"]["message"]
+        assert f"s3://{a_bucket}/planted/" in plant
+        # B's output holds no plan and no listing of A's objects; A's bucket holds nothing B planted.
+        for obj in root.list_objects_v2(Bucket=b_bucket, Prefix="snoop/").get("Contents", []):
+            body = root.get_object(Bucket=b_bucket, Key=obj["Key"])["Body"].read().decode()
+            assert not obj["Key"].endswith("shards.json") and "rows.jsonl" not in body and a_bucket not in body
+        assert root.list_objects_v2(Bucket=a_bucket, Prefix="planted/").get("KeyCount", 0) == 0
+
+        done = env.wait_phase("mine", "Succeeded", timeout=300)
+        manifest = json.loads(root.get_object(Bucket=a_bucket, Key="out/manifest.json")["Body"].read())
+        got = []
+        for f in manifest["files"]:
+            body = root.get_object(Bucket=a_bucket, Key=f"out/{f['path']}")["Body"].read().decode()
+            got += [json.loads(line)["id"] for line in body.splitlines() if line.strip()]
+        assert sorted(got) == list(range(ROWS)) and done["rows"]["done"] == ROWS
+    finally:
+        env.core.delete_namespace(ns_b)
+
+    # The operator has nothing to sign with, and the S3 server saw no request but the tenants' own
+    # (and this test's, as the server's root account): none unsigned, none from anyone else.
+    op = env.cluster.operator_pod()
+    (container,) = op["spec"]["containers"]
+    assert "envFrom" not in container
+    assert not [e["name"] for e in container.get("env") or []
+                if e["name"].startswith("AWS_") and e["name"] != "AWS_EC2_METADATA_DISABLED"]
+    with open(server.access_log) as log:
+        log.seek(log_from)
+        # bucket-owner bucket [time zone] remote-ip requester request-id operation ...
+        requesters = {parts[5] for parts in map(str.split, log) if len(parts) > 6 and parts[2].startswith("[")}
+    assert requesters <= {a_who.access_key, b_who.access_key, server.root.access_key}, requesters
+    assert a_who.access_key in requesters and b_who.access_key in requesters
 
 
 # --- RBAC: what the chart grants is exactly what the operator uses -------------------------------------
@@ -719,6 +836,10 @@ def _operator_session(env: Env, restart: Any) -> None:
     env.foreign_job("clash-r0")
     env.create(env.doc("clash"))
     wait_for(lambda: "JobNameConflict" in json.dumps(env.status("clash")), 60, "the name conflict")
+    # Input not there yet: the plan Job reports it, and is deleted so that the next attempt plans anew.
+    env.create(env.doc("early", input={"uri": f"file://{env.tmp}/not-yet/"}))
+    wait_for(lambda: "PlanFailed" in env.reasons("early") or None, 60, "the plan's failure")
+    wait_for(lambda: not env.jobs_named("early-plan-r0") or None, 60, "the failed plan's Job deleted")
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "ok")
     wait_for(lambda: not env.jobs_named("ok-r0") or None, 60, "ok's Job collected")
     wait_for(lambda: "InvalidSpec" in env.reasons("invalid"), 30, "the last Event posted")
@@ -732,7 +853,7 @@ def test_the_chart_rbac_is_exactly_what_the_operator_uses(env: Env, mode: str) -
     env.check_forbidden = False
     values = json.loads(json.dumps(MODES[mode]).replace("{ns}", env.ns))
     if "watch" in values:  # namespaced installs create bij-worker in the watched namespaces themselves
-        env.core.delete_namespaced_service_account("bij-worker", env.ns)
+        remove_worker_account(env.api, env.ns)
     before = cluster.operator_pod()
     cluster.install_operator(values={"extraArgs": ["--status-interval", "0.3"], **values})
     pods = {cluster.operator_pod(120, not_uid=before["metadata"]["uid"])["metadata"]["name"]}
@@ -761,3 +882,19 @@ def test_the_chart_rbac_is_exactly_what_the_operator_uses(env: Env, mode: str) -
     unused = sorted(g for g in _grants(env.api, sa) - used if g not in JUSTIFIED)
     assert not unused, f"{mode}: the chart grants what the operator never uses: {unused}"
     assert set(JUSTIFIED) <= _grants(env.api, sa), "a justified grant is no longer granted: drop it"
+
+    # The bij's pods, audited the same way: never refused, and every grant of their Role used.
+    worker = f"system:serviceaccount:{env.ns}:bij-worker"
+    theirs = [e for e in entries if e["user"].get("username") == worker]
+    assert theirs, f"no audit entries from {worker}"
+    denied = sorted({(e["verb"], e["requestURI"]) for e in theirs if e.get("responseStatus", {}).get("code") == 403})
+    assert not denied, f"{mode}: the API server refused the bij's pods: {denied}"
+    used = {(e["objectRef"].get("apiGroup", ""), f"{e['objectRef']['resource']}/{e['objectRef']['subresource']}"
+             if e["objectRef"].get("subresource") else e["objectRef"]["resource"], e["verb"])
+            for e in theirs if e.get("objectRef")}
+    role = kubernetes.client.RbacAuthorizationV1Api(env.api).read_namespaced_role("bij-worker", env.ns)
+    granted = {(g, r, v) for rule in role.rules for g in rule.api_groups or [] for r in rule.resources or []
+               for v in rule.verbs or []}
+    assert granted == {(g, r, v) for rule in WORKER_RULES for g in rule["apiGroups"] for r in rule["resources"]
+                       for v in rule["verbs"]}, "the chart's worker Role and the tests' copy differ"
+    assert granted <= used, f"{mode}: the worker Role grants what the bij's pods never use: {granted - used}"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bij_operator import steps
 from bij_operator.driver import Driver, Observed
 from bij_operator.failures import failed_step
 from bij_operator.fingerprint import PlanRefused
@@ -27,6 +28,7 @@ from bij_operator.reconcile import (
     Wait,
     parse_ranges,
 )
+from bij_worker.contract.codes import GENERATION_LABEL, STEP_LABEL
 from bij_worker.storage import StorageError, StorageRefused
 
 # --- failed_step: the decision after a step raised ----------------------------------------------------
@@ -104,6 +106,7 @@ class FakeBackend:
     """Status and Jobs in memory, Events recorded; `foreign` names Jobs someone else owns."""
 
     worker_image = "img"
+    file_volume = None
 
     def __init__(self, job: Any, foreign: set[str] = frozenset()):  # type: ignore[assignment]
         self.job = job
@@ -111,6 +114,7 @@ class FakeBackend:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.events: list[tuple[str, str, str]] = []
         self.creates: list[str] = []
+        self.deletes: list[str] = []
         self.foreign = foreign
 
     def observe(self) -> Observed:
@@ -126,11 +130,22 @@ class FakeBackend:
             return "foreign"
         if name in self.jobs:
             return "exists"
-        self.jobs[name] = {"metadata": body["metadata"], "spec": body["spec"], "status": {}}
+        uid = uuid.uuid4().hex
+        self.jobs[name] = {"metadata": {**body["metadata"], "uid": uid}, "spec": body["spec"], "status": {}}
+        if STEP_LABEL in body["metadata"]["labels"]:
+            # A step's pod, run here and now: its report lands in the status, its Job completes.
+            (container,) = body["spec"]["template"]["spec"]["containers"]
+            args = steps.parse_args(container["args"][1:])
+            self.status.setdefault("reports", {}).setdefault("steps", {})[name] = steps.step_report(args, uid)
+            self.jobs[name]["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
         return "created"
 
     def patch_job(self, name: str, spec: dict[str, Any]) -> None:
         self.jobs[name]["spec"].update(spec)
+
+    def delete_job(self, name: str) -> None:
+        self.deletes.append(name)
+        self.jobs.pop(name, None)
 
     def write_status(self, patch: dict[str, Any]) -> None:
         from bij_operator.local import merge_patch
@@ -145,12 +160,14 @@ def test_the_driver_plans_creates_one_job_and_waits_for_it(file_place, make_job)
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": i, "text": f"t{i}"} for i in range(50)]))
     backend = FakeBackend(job)
     idle = Driver(backend).reconcile()
-    assert isinstance(idle.decision, Wait) and backend.creates == [f"{job.metadata.name}-r0"]
+    # Planning runs in a Job of its own (the operator reads no storage), then the round's Job.
+    made = [f"{job.metadata.name}-plan-r0", f"{job.metadata.name}-r0"]
+    assert isinstance(idle.decision, Wait) and backend.creates == made
     assert [e[1] for e in backend.events] == ["RoundPlanned", "RoundStarted"]
     assert backend.status["rounds"][0]["shards"] >= 1 and backend.status["phase"] == "Pending"
     # Asked again with nothing changed: no second Job, no second Event.
     Driver(backend).reconcile()
-    assert backend.creates == [f"{job.metadata.name}-r0"] and len(backend.events) == 2
+    assert backend.creates == made and len(backend.events) == 2
 
 
 def test_a_job_of_our_name_that_is_someone_elses_is_reported_never_adopted(file_place, make_job) -> None:
@@ -171,6 +188,8 @@ def test_missing_input_is_a_retry_with_its_message_on_the_status(file_place, mak
     assert isinstance(idle.decision, Retry) and idle.recheck == 30.0
     assert backend.status["phase"] == "Pending" and backend.status["message"].startswith("cannot plan round 0: ")
     assert backend.events == [("Warning", "PlanFailed", backend.status["message"])]
+    # The plan Job goes, so that the next attempt plans anew (the input may have arrived by then).
+    assert backend.deletes == [f"{job.metadata.name}-plan-r0"]
 
 
 @pytest.mark.parametrize("case", ["another-tenants-bucket", "no-such-input-bucket"])
@@ -187,7 +206,9 @@ def test_planning_as_an_identity_the_store_refuses_fails_the_bij_once_naming_the
         monkeypatch.setenv(k, v)
     backend = FakeBackend(job)
     idle = Driver(backend).reconcile()
-    assert isinstance(idle.decision, MarkFailed) and idle.recheck is None and backend.creates == []
+    # Only the plan Job, which met the refusal: no round Job.
+    assert isinstance(idle.decision, MarkFailed) and idle.recheck is None
+    assert backend.creates == [f"{job.metadata.name}-plan-r0"]
     message = backend.status["message"]
     assert backend.status["phase"] == "Failed" and message.startswith("cannot plan round 0: ")
     assert where in message and code in message, message
@@ -196,6 +217,41 @@ def test_planning_as_an_identity_the_store_refuses_fails_the_bij_once_naming_the
     # Looked at again (a spec edit may fix it, so it is decided again): the same failure, said once.
     Driver(backend).reconcile()
     assert backend.status["phase"] == "Failed" and len(backend.events) == 1
+    # ...without planning again: the refused plan's Job and report stay until the spec changes.
+    assert backend.creates == [f"{job.metadata.name}-plan-r0"] and backend.deletes == []
+
+
+def test_a_result_left_by_an_earlier_job_of_the_steps_name_is_never_taken(file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+    backend = FakeBackend(job)
+    name = f"{job.metadata.name}-plan-r0"
+    # A Job of that name is running, and the status holds a result of another Job of that name (deleted).
+    backend.jobs[name] = {"metadata": {"name": name, "uid": "new", "labels": {STEP_LABEL: "plan-r0"}},
+                          "spec": {}, "status": {"active": 1}}
+    backend.status["reports"] = {"steps": {name: {"jobUid": "old", "result": {"shards": 99, "lanes": 9, "bytes": 1,
+                                                                               "objects": 1}}}}
+    idle = Driver(backend).reconcile()
+    assert isinstance(idle.decision, PlanRound) and "rounds" not in backend.status  # waits for its own Job's
+
+
+def test_a_step_refused_for_a_spec_since_edited_runs_again(file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+    backend = FakeBackend(job)
+    name = f"{job.metadata.name}-plan-r0"
+    refused = {"type": "PlanRefused", "message": "spec.output.uri: belongs to another job", "permanent": True}
+    backend.jobs[name] = {"metadata": {"name": name, "uid": "u1", "labels": {STEP_LABEL: "plan-r0",
+                                                                          GENERATION_LABEL: "1"}},
+                          "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    backend.status["reports"] = {"steps": {name: {"jobUid": "u1", "error": refused}}}
+    Driver(backend).reconcile()
+    assert backend.status["phase"] == "Failed" and backend.deletes == []  # kept: no plan Job in a loop
+    backend.jobs[name]["metadata"]["labels"][GENERATION_LABEL] = "0"  # made for an earlier generation
+    idle = Driver(backend).reconcile()
+    assert backend.deletes == [name] and idle.recheck == 1.0  # looked at again once it is gone
+    Driver(backend).reconcile()
+    # Planned anew for this spec: the round is planned and its Job made.
+    assert backend.deletes == [name] and backend.creates == [name, f"{job.metadata.name}-r0"]
+    assert backend.status["rounds"][0]["shards"] == 1
 
 
 # --- the local Indexed Job controller ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ failure, spot and security settings a preemptible batch round depends on."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def container(rendered: dict[str, Any]) -> dict[str, Any]:
 
 
 def env(rendered: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container(rendered)["env"]}
+    return {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in container(rendered)["env"]}
 
 
 # --- valid for the API server ---------------------------------------------------------------
@@ -210,6 +211,66 @@ def test_s3_settings_as_env_and_credentials_only_by_secret_reference() -> None:
     assert "envFrom" not in container(plain) and "AWS_ENDPOINT_URL" not in env(plain)
 
 
+def test_pods_report_into_their_bijs_status_under_their_pod_name_and_their_jobs_uid() -> None:
+    values = env(render(make_job()))
+    job = make_job()
+    assert values["BIJ_REPORT_TO"] == f"kube:{job.metadata.namespace}/{job.metadata.name}"
+    assert values["POD_NAME"] == "metadata.name"
+    assert values["BIJ_JOB_UID"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
+
+
+def test_a_step_job_is_one_pod_of_the_workers_identity_with_the_spec_and_no_gpu() -> None:
+    from bij_operator import steps
+
+    job = make_job(workers={"gpus": 1, "serviceAccountName": "team-a-worker"},
+                   storage={"credentialsSecret": "team-a-s3"})
+    body = jobs.render_step_job(job, "plan", 2, image="img:1", owner_uid="u-1")
+    assert body["metadata"]["name"] == f"{job.metadata.name}-plan-r2"
+    assert body["metadata"]["labels"]["batchinference.io/step"] == "plan-r2"
+    assert "batchinference.io/round" not in body["metadata"]["labels"]  # never taken for the round's Job
+    spec = body["spec"]
+    assert spec["completions"] == spec["parallelism"] == 1 and spec["backoffLimit"] == 2
+    assert "podFailurePolicy" not in spec and "backoffLimitPerIndex" not in spec
+    assert pod(body)["serviceAccountName"] == "team-a-worker"
+    assert container(body)["envFrom"] == [{"secretRef": {"name": "team-a-s3"}}]
+    assert "nvidia.com/gpu" not in str(container(body).get("resources"))
+    args = steps.parse_args(container(body)["args"][1:])
+    assert container(body)["args"][0] == "step" and args.kind == "plan" and args.round == 2
+    assert args.key == body["metadata"]["name"]
+    assert json.loads(args.job_spec)["metadata"]["name"] == job.metadata.name
+
+
+def test_the_shared_file_volume_is_mounted_into_every_kind_of_pod_of_a_bij() -> None:
+    volume = jobs.FileVolume.from_env({jobs.FILE_STORAGE_ENV: json.dumps(
+        {"mountPath": "/data/", "volume": {"persistentVolumeClaim": {"claimName": "shared"}}})})
+    assert volume is not None and volume.mount_path == "/data"
+    job = make_job(input={"uri": "file:///data/in/"}, output={"uri": "file:///data/out/"})
+    for body in (render(job, file_volume=volume),
+                 jobs.render_publish_job(job, "ids", 2, "file:///data/out/p.json", file_volume=volume),
+                 jobs.render_step_job(job, "plan", 0, file_volume=volume)):
+        assert {"name": "bij-files", "persistentVolumeClaim": {"claimName": "shared"}} in pod(body)["volumes"]
+        assert {"name": "bij-files", "mountPath": "/data"} in container(body)["volumeMounts"]
+    assert not any(v["name"] == "bij-files" for v in pod(render(job))["volumes"])
+
+
+def test_file_uris_on_a_cluster_need_the_shared_volume_and_must_lie_under_it() -> None:
+    volume = jobs.FileVolume("/data", {"hostPath": {"path": "/data"}})
+    job = make_job(input={"uri": "file:///data/in/"}, output={"uri": "file:///elsewhere/out/"},
+                   model={"engine": "vllm", "name": "m", "adapters": [{"name": "a", "uri": "file:///data/a/"}]})
+    (outside,) = jobs.file_uri_problems(job, volume)
+    assert outside.startswith("spec.output.uri: file:///elsewhere/out/ is outside the shared volume at /data")
+    assert "fileStorage.mountPath" in outside
+    none = jobs.file_uri_problems(job, None)
+    assert [p.split(":")[0] for p in none] == ["spec.input.uri", "spec.output.uri", "spec.model.adapters[0].uri"]
+    assert all("set the chart value fileStorage" in p for p in none)
+    assert jobs.file_uri_problems(make_job(), None) == []  # s3:// needs no volume
+    assert not jobs.file_uri_problems(make_job(input={"uri": "file:///data"}, output={"uri": "s3://b/o"}),
+                                      volume)
+    assert jobs.file_uri_problems(make_job(input={"uri": "file:///database/in"}), volume)  # a prefix, not a folder
+    with pytest.raises(ValueError, match="BIJ_FILE_STORAGE"):
+        jobs.FileVolume.from_env({jobs.FILE_STORAGE_ENV: '{"mountPath": "data", "volume": {}}'})
+
+
 def test_gpus_cpu_and_memory() -> None:
     rendered = render(make_job(workers={"gpus": 2, "cpu": "8", "memory": "64Gi"}))
     assert container(rendered)["resources"] == {
@@ -269,7 +330,8 @@ def test_pod_meets_the_restricted_pod_security_standard() -> None:
     assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}
     assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == 1000
     assert pod(rendered)["serviceAccountName"] == "bij-worker"
-    assert pod(rendered)["automountServiceAccountToken"] is False
+    # Its one use of the API: reporting into its bij's status (the worker Role grants only that).
+    assert pod(rendered)["automountServiceAccountToken"] is True
     assert pod(render(make_job(workers={"serviceAccountName": "mine"})))["serviceAccountName"] == "mine"
 
 

@@ -6,6 +6,12 @@ world goes through the backend; everything else — planning, the status fields 
 Events, what a failed step means (`failures.failed_step`) — is written once, here and in the
 pure core, so the operator and `bij run` take the same decisions in the same order.
 
+The driver reads and writes no storage. What touches the bij's data (planning a round, a finished
+round's statistics, the publish plan, the manifest) is a step (`steps`) run as a one-pod Job in the
+bij's namespace under its identity, like the round and publish Jobs; each pod reports its small
+result, and each lane its progress, into the bij's status (`bij_worker.report`), where the driver
+reads them with the bij itself.
+
 Backends:
 
 - `handlers.KubeBackend`: the Kubernetes API (status subresource, batch/v1 Jobs owned by the
@@ -26,26 +32,22 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
-from bij_worker import publish_rows
 from bij_worker.contract import layout
+from bij_worker.contract.codes import GENERATION_LABEL
 from bij_worker.contract.errors import BijError
-from bij_worker.contract.records import ShardRecord
 from bij_worker.contract.spec import BatchInferenceJob, SpecError
-from bij_worker.storage import StorageError
 
-from .efficiency import status_fields
+from .efficiency import eta_seconds, fmt_duration
 from .failures import failed_step
 from .fingerprint import field_digests
-from .jobs import render_job, render_publish_job
-from .planner import plan_round
-from .progress import count_done, damage_records, live_records, shard_records
-from .publish import WorkFilesRemoved, finish_publish, prepare_publish, read_manifest
+from .jobs import FileVolume, render_job, render_publish_job, render_step_job, step_job_name
 from .reconcile import (
     TERMINAL_PHASES,
     CreateJob,
     CreatePublishJob,
     Decision,
     FinishRound,
+    JobView,
     MarkFailed,
     Nothing,
     PatchJob,
@@ -57,24 +59,28 @@ from .reconcile import (
     current_round,
     decide,
     format_ranges,
+    is_ours,
     name_conflict,
     round_job,
     round_records,
 )
-from .rounds import summarize
-from .status import decision_status, fmt_time, now_utc, parse_time, phase_conditions, rows_progress, status_differs
+from .rounds import RoundStats
+from .status import decision_status, fmt_time, now_utc, parse_time, phase_conditions, status_differs
+from .steps import StepFailed, rebuild_error
 
 log = logging.getLogger("bij.driver")
 
 # Progress-only status writes (shard counts, rows) at most this often; phase changes and actions
 # are written at once.
 STATUS_INTERVAL = 5.0
-# While a round runs, its rows are refreshed from the workers' live progress records this often.
+# While a round runs, its rows are refreshed from the lanes' reports in the status this often.
 PROGRESS_INTERVAL = 30.0
 # Steps applied per reconcile before yielding; a whole run takes about ten.
 MAX_STEPS = 16
 # A Job of our name that belongs to someone else is looked at again this often.
 CONFLICT_RECHECK = 15.0
+# A step Job that succeeded before its report shows in the status read: look again this soon.
+REPORT_RECHECK = 1.0
 
 Created = Literal["created", "exists", "foreign"]
 
@@ -95,6 +101,8 @@ class Backend(Protocol):
     """Where the driver's steps take effect."""
 
     worker_image: str
+    # The volume file:// URIs lie on, mounted into every pod (the chart's fileStorage); None: no volume.
+    file_volume: FileVolume | None
 
     def observe(self) -> Observed | None:
         """The bij now; None when it is gone (deleted, or being deleted)."""
@@ -105,6 +113,9 @@ class Backend(Protocol):
 
     def patch_job(self, name: str, spec: dict[str, Any]) -> None:
         """Merge `spec` into the Job's spec (suspend, parallelism)."""
+
+    def delete_job(self, name: str) -> None:
+        """Delete a step Job (and its pods) so that the step runs again; gone already is fine."""
 
     def write_status(self, patch: dict[str, Any]) -> None:
         """Merge-patch the bij's status."""
@@ -136,6 +147,8 @@ class Driver:
         self.progress_interval = progress_interval
         self.on_decision = on_decision
         self.last_progress = 0.0
+        # The statistics step of each round whose Job ended, until FinishRound records them in status.
+        self.round_ends: dict[int, Mapping[str, Any]] = {}
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -151,8 +164,17 @@ class Driver:
                 self.mark_invalid(seen, seen.spec_error)
                 return Idle(None)
             job = seen.job
-            last = decide(job, seen.status, seen.jobs, self.shards_done(job, seen.status),
-                          self.damaged(job, seen.status, seen.jobs))
+            end = self.round_end(seen, job)
+            if isinstance(end, Idle):
+                return end
+            if end == "again":
+                continue
+            if end is not None:
+                shards_done: int | None = int(end.get("done") or 0)
+                damaged = [str(m) for m in end.get("damaged") or []]
+            else:
+                shards_done, damaged = self.shards_done(seen.status), []
+            last = decide(job, seen.status, seen.jobs, shards_done, damaged)
             log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
             if self.on_decision is not None:
                 self.on_decision(last)
@@ -167,33 +189,39 @@ class Driver:
         to stop. A step that fails is turned into the decision `failures.failed_step` makes of it."""
         try:
             return self._apply(seen, job, d)
-        except WorkFilesRemoved as e:
-            # Published before the status said so (a restart in between): the manifest stands.
-            found = read_manifest(job)
-            if found is not None:
-                return self.published(seen, job, d, found)
-            return self.apply_failure(seen, failed_step(d, e), job)
         except (BijError, OSError, ValueError) as e:
             # The core decides which of them a retry can fix; any other error (a bug) propagates,
             # and so does one of these where the core does not expect it.
-            return self.apply_failure(seen, failed_step(d, e), job)
+            return self.step_failed(seen, job, d, e)
+
+    def step_failed(self, seen: Observed, job: BatchInferenceJob, d: Decision, e: Exception) -> Idle:
+        then = failed_step(d, e)
+        step = getattr(e, "step_job", None)
+        if step and isinstance(then, Retry):
+            # Its next attempt runs the step anew; a failure only a spec edit can fix keeps its Job (and
+            # result) until the spec changes, so that it is not run again and again meanwhile.
+            self.backend.delete_job(step)
+        return self.apply_failure(seen, then, job)
 
     def _apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
         status = seen.status
         now = now_utc()
 
         if isinstance(d, PlanRound):
-            plan = plan_round(job, d.round)
+            got = self.run_step(seen, job, d, "plan", d.round)
+            if got is None or isinstance(got, Idle):
+                return got
+            shards, lanes, size = int(got["shards"]), int(got["lanes"]), int(got["bytes"])
             rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
-            rec: dict[str, Any] = {"round": d.round, "shards": plan.shard_count, "lanes": plan.lanes,
-                                   "bytes": plan.total_bytes, "startTime": fmt_time(now)}
+            rec: dict[str, Any] = {"round": d.round, "shards": shards, "lanes": lanes,
+                                   "bytes": size, "startTime": fmt_time(now)}
             if d.round == 0:
                 rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
             rounds.append(rec)
-            msg = (f"round {d.round}: planned {plan.shard_count} shards in {plan.lanes} lanes from {plan.objects} "
-                   f"input objects ({plan.total_bytes:,} {plan.unit})")
+            msg = (f"round {d.round}: planned {shards} shards in {lanes} lanes from {int(got['objects'])} "
+                   f"input objects ({size:,} {got.get('unit') or 'bytes'})")
             patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
-                     "shards": {"done": 0, "total": plan.shard_count}, "shardsSummary": f"0/{plan.shard_count}"}
+                     "shards": {"done": 0, "total": shards}, "shardsSummary": f"0/{shards}"}
             if "rows" not in status:
                 patch["rows"] = {"done": 0, "failed": 0}  # so the ROWS column reads 0, not <none>
             self.write_status(seen, patch, event=("Normal", "RoundPlanned", msg))
@@ -201,7 +229,8 @@ class Driver:
 
         if isinstance(d, CreateJob):
             body = render_job(job, d.round, d.completions, layout.round_manifest_uri(job, d.round),
-                              image=self.backend.worker_image, owner_uid=job.metadata.uid)
+                              image=self.backend.worker_image, owner_uid=job.metadata.uid,
+                              file_volume=self.backend.file_volume)
             created = self.create_job(seen, d, body, f"round {d.round}", "Pending")
             if created == "foreign":
                 return Idle(d, recheck=CONFLICT_RECHECK)
@@ -228,9 +257,13 @@ class Driver:
             return None
 
         if isinstance(d, FinishRound):
-            records = shard_records(job, d.round)
+            end = self.round_ends.get(d.round) or {}
             planned = int((round_records(status).get(d.round) or {}).get("shards") or 0)
-            stats = summarize(d.round, planned, records)
+            counted = end.get("stats") or {}
+            stats = RoundStats(round=d.round, shards=planned, approved=int(counted.get("approved") or 0),
+                               rejected=int(counted.get("rejected") or 0), capped=int(counted.get("capped") or 0),
+                               errors=int(counted.get("errors") or 0),
+                               engine_calls=int(counted.get("engineCalls") or 0))
             rounds = []
             for rec in status.get("rounds") or []:
                 if rec.get("round") == d.round:
@@ -244,15 +277,26 @@ class Driver:
                 noun = "lane" if len(d.failed_lanes) == 1 else "lanes"
                 msg += f"; {noun} {format_ranges(d.failed_lanes)} failed, the other lanes finished their shards"
             patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
-                     **self.progress(job, status, d.round, now)}
+                     **self.progress(status, d.round, now, ended=stats),
+                     **{k: end[k] for k in ("efficiency", "cost") if k in end}}
+            lanes_reported = ((status.get("reports") or {}).get("lanes") or {})
+            gone = {k: None for k, v in lanes_reported.items() if isinstance(v, Mapping) and v.get("round") == d.round}
+            if gone:
+                patch["reports"] = {"lanes": gone}  # counted in status.rounds now
             self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
+            self.round_ends.pop(d.round, None)
             return None
 
         if isinstance(d, PreparePublish):
             if status.get("phase") != "Publishing":
                 self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
-            plan_uri, pplan = prepare_publish(job, d.rounds)
-            passes = {p: pplan.count(p) for p in publish_rows.PASSES}
+            got = self.run_step(seen, job, d, "publish-plan", rounds=d.rounds)
+            if got is None or isinstance(got, Idle):
+                return got
+            if "published" in got:
+                # Published before the status said so (a restart in between): the manifest stands.
+                return self.published(seen, job, d, got["published"])
+            plan_uri, passes = str(got["planUri"]), {str(k): int(v) for k, v in dict(got["passes"]).items()}
             msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
                 + " indexes"
             self.write_status(seen, {**self.base(seen, d, now), "message": msg,
@@ -261,7 +305,7 @@ class Driver:
 
         if isinstance(d, CreatePublishJob):
             body = render_publish_job(job, d.pass_name, d.completions, d.plan_uri, image=self.backend.worker_image,
-                                      owner_uid=job.metadata.uid)
+                                      owner_uid=job.metadata.uid, file_volume=self.backend.file_volume)
             created = self.create_job(seen, d, body, "publishing", "Publishing")
             if created == "foreign":
                 return Idle(d, recheck=CONFLICT_RECHECK)
@@ -274,11 +318,13 @@ class Driver:
         if isinstance(d, Publish):
             if status.get("phase") != "Publishing":
                 self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
-            # What finishing reads (plans, completion records, per-shard summaries) stays after the
-            # work files go, so a restart between the manifest and the status write finishes again.
-            pplan = publish_rows.load(str((status.get("publish") or {})["planUri"]), job.spec.storage.s3)
-            manifest = finish_publish(job, d.rounds, pplan)
-            return self.published(seen, job, d, manifest)
+            # The last pass: the manifest, written by a pod. What it reads (plans, completion records,
+            # per-shard summaries) stays after the work files go, so a restart in between finishes again.
+            got = self.run_step(seen, job, d, "manifest", rounds=d.rounds,
+                                plan_uri=str((status.get("publish") or {})["planUri"]))
+            if got is None or isinstance(got, Idle):
+                return got
+            return self.published(seen, job, d, got)
 
         if isinstance(d, (MarkFailed, Retry)):
             return self.apply_failure(seen, d, job)
@@ -301,7 +347,7 @@ class Driver:
         if not phase_changed and wait > 0:
             # Progress only: write it at the end of the interval, once, whatever happens meanwhile.
             return Idle(d, recheck=wait)
-        patch.update(self.progress(job, status, d.round, now))
+        patch.update(self.progress(status, d.round, now))
         self.last_progress = time.monotonic()
         self.write_status(seen, patch)
         return Idle(d, recheck=recheck)
@@ -313,7 +359,7 @@ class Driver:
         now = now_utc()
         patch = {**self.base(seen, d, now), "message": d.message}
         if isinstance(d, MarkFailed) and job is not None:
-            patch.update(self.progress(job, seen.status, d.round, now))
+            patch.update(self.progress(seen.status, d.round, now))
         # Once per message: a recoverable failure (SpecChanged) is decided again on every change.
         first = seen.status.get("message") != d.message
         reason = d.reason if isinstance(d, Retry) else d.event if isinstance(d, MarkFailed) else "Failed"
@@ -335,7 +381,8 @@ class Driver:
         now = now_utc()
         counts = manifest.get("counts") or {}
         uri = layout.manifest_uri(job)
-        msg = (f"published {counts.get('rows', 0)} rows in {len(manifest.get('files') or [])} files "
+        files = manifest.get("files") or 0
+        msg = (f"published {counts.get('rows', 0)} rows in {files if isinstance(files, int) else len(files)} files "
                f"({counts.get('errors', 0)} error rows) to {uri}")
         damaged = [str(o.get("message")) for o in manifest.get("damagedObjects") or []]
         if damaged:
@@ -350,7 +397,7 @@ class Driver:
         done = dataclasses.replace(d, phase="Succeeded", reason="Published", message=msg)
         patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg,
                  "rows": {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}}
-        patch.update({k: v for k, v in self.progress(job, seen.status, d.round, now).items() if k != "rows"})
+        patch.update({k: v for k, v in self.progress(seen.status, d.round, now).items() if k != "rows"})
         self.write_status(seen, patch, event=("Normal", "Published", msg))
         return Idle(done)
 
@@ -375,51 +422,125 @@ class Driver:
         if event is not None:
             self.backend.event(*event)
 
-    # --- reading the workers' records (O(shards), never rows) -------------------------------------------
+    # --- storage steps, run as Jobs in the bij's namespace (bij_operator.steps) ---------------------
 
-    def shards_done(self, job: BatchInferenceJob, status: Mapping[str, Any]) -> int | None:
-        """How many shards of the current round have a completion record (one listing, no reads);
-        None when no round is running or the records cannot be listed."""
+    def run_step(self, seen: Observed, job: BatchInferenceJob, d: Decision, kind: str, round_no: int = 0, *,
+                 rounds: int = 0, plan_uri: str = "") -> dict[str, Any] | Idle | None:
+        """The result of one storage step, which runs as a one-pod Job of its own and reports into the
+        bij's status; None when its Job was just made (look again), an Idle while it runs (a change of the
+        Job wakes the driver). A reported failure is raised as the error the step met, marked with the
+        Job's name."""
+        name = step_job_name(job, kind, round_no)
+        raw = next((j for j in seen.jobs if (j.get("metadata") or {}).get("name") == name), None)
+        if raw is None:
+            body = render_step_job(job, kind, round_no, rounds=rounds, plan_uri=plan_uri,
+                                   image=self.backend.worker_image, owner_uid=job.metadata.uid,
+                                   file_volume=self.backend.file_volume)
+            body["metadata"]["labels"][GENERATION_LABEL] = str(seen.generation or 0)
+            phase: Literal["Pending", "Publishing"] = "Publishing" if d.phase == "Publishing" else "Pending"
+            created = self.create_job(seen, d, body, f"{d.message}: step {kind}", phase)
+            if created == "foreign":
+                return Idle(d, recheck=CONFLICT_RECHECK)
+            if created == "created":
+                log.info("%s/%s: step %s runs in Job %s", job.metadata.namespace, job.metadata.name, kind, name)
+            return None
+        view = JobView.of(raw)
+        if not is_ours(job, view):
+            return Idle(d, recheck=CONFLICT_RECHECK)  # left by an earlier bij of this name, going away
+        uid = (raw.get("metadata") or {}).get("uid")
+        report = ((seen.status.get("reports") or {}).get("steps") or {}).get(name)
+        if isinstance(report, Mapping) and uid and report.get("jobUid") == uid:
+            if isinstance(report.get("error"), Mapping):
+                labels = (raw.get("metadata") or {}).get("labels") or {}
+                if labels.get(GENERATION_LABEL) != str(seen.generation or 0):
+                    # Refused for a spec edited since: run the step again for this one.
+                    self.backend.delete_job(name)
+                    return Idle(d, recheck=REPORT_RECHECK)
+                e = rebuild_error(report["error"])
+                e.step_job = name  # type: ignore[attr-defined]
+                raise e
+            return dict(report.get("result") or {})
+        if view.failed_for_good:
+            cond = view.failure
+            failed = StepFailed(f"step {kind} failed without a result (Job {name}"
+                                + (f": {cond.reason}: {cond.message}" if cond else "") + "); its pod's log says why")
+            failed.step_job = name  # type: ignore[attr-defined]
+            raise failed
+        if view.succeeded:
+            return Idle(d, recheck=REPORT_RECHECK)  # its report is on its way to the status we read
+        return Idle(d)
+
+    def round_end(self, seen: Observed, job: BatchInferenceJob) -> Mapping[str, Any] | Idle | Literal["again"] | None:
+        """What the current round's records say once its Job ended (shards done, statistics, damaged
+        objects: the statistics step), an Idle while that step runs ("again" when its Job was just made),
+        None while the round runs."""
+        status = seen.status
+        r = current_round(status)
+        rec = round_records(status).get(r)
+        if rec is None or rec.get("completionTime") or status.get("phase") in TERMINAL_PHASES:
+            return None
+        if r in self.round_ends:
+            return self.round_ends[r]
+        view = round_job(job, r, seen.jobs)
+        if view is None or not is_ours(job, view) or not (view.succeeded or view.failed_for_good):
+            return None
+        wait = Wait(round=r, phase="Running", reason="RoundFinishing",
+                    message=f"round {r}: Job {view.name} ended; counting its shards")
+        try:
+            got = self.run_step(seen, job, wait, "finish", r)
+        except (BijError, OSError, ValueError) as e:
+            return self.step_failed(seen, job, wait, e)
+        if got is None:
+            return "again"
+        if isinstance(got, Idle):
+            return got
+        self.round_ends[r] = got
+        return got
+
+    # --- progress from the pods' reports (the operator reads no storage) ------------------------------
+
+    def shards_done(self, status: Mapping[str, Any]) -> int | None:
+        """How many shards of the current round its lanes reported finished; None when no round runs.
+        A lane counts only shards it finished itself, so the sum counts each shard once."""
         rec = round_records(status).get(current_round(status))
         if rec is None or rec.get("completionTime") or status.get("phase") in TERMINAL_PHASES:
             return None
-        try:
-            return count_done(job, current_round(status))
-        except (OSError, StorageError) as e:
-            log.warning("%s/%s: cannot list shard records: %s", job.metadata.namespace, job.metadata.name, e)
-            return None
+        return sum(int(v.get("shardsDone") or 0) for v in lane_reports(status, current_round(status)))
 
-    def damaged(self, job: BatchInferenceJob, status: Mapping[str, Any],
-                jobs: Sequence[Mapping[str, Any]]) -> list[str]:
-        """The damaged input objects the current round's workers recorded, looked at (one listing) only
-        once its Job has failed for good: what `decide()` names when the round fails."""
-        r = current_round(status)
-        view = round_job(job, r, jobs)
-        if view is None or not view.failed_for_good or status.get("phase") in TERMINAL_PHASES:
-            return []
-        try:
-            return [rec.describe() for rec in damage_records(job, r) if rec.mode == "fail"]
-        except (OSError, StorageError) as e:
-            log.warning("%s/%s: cannot list damage records: %s", job.metadata.namespace, job.metadata.name, e)
-            return []
-
-    def progress(self, job: BatchInferenceJob, status: Mapping[str, Any], round_no: int, now: Any) -> dict[str, Any]:
-        """``rows`` and ``rowsPerSecond`` from the completion records of rounds 0..round_no, and the
-        live progress records of the current round's running shards."""
-        try:
-            records: list[ShardRecord] = []
-            for r in range(round_no):
-                records.extend(shard_records(job, r).values())
-            current = list(live_records(job, round_no).values())
-        except (OSError, StorageError) as e:
-            log.warning("%s/%s: cannot read shard records: %s", job.metadata.namespace, job.metadata.name, e)
-            return {}
-        records += current
+    def progress(self, status: Mapping[str, Any], round_no: int, now: Any,
+                 ended: RoundStats | None = None) -> dict[str, Any]:
+        """``rows`` and ``rowsPerSecond``: the finished rounds' counts in ``status.rounds``, and the
+        current round's (its statistics once `ended`, else what its lanes reported); ``eta`` of the
+        running round from the input its lanes reported done."""
+        done = failed = 0
+        for r, rec in round_records(status).items():
+            if r != round_no and rec.get("completionTime"):
+                done += int(rec.get("approved") or 0)
+                failed += int(rec.get("errors") or 0)
+        current = lane_reports(status, round_no)
+        if ended is not None:
+            done += ended.approved
+            failed += ended.errors
+        else:
+            done += sum(int(v.get("rows") or 0) for v in current)
+            failed += sum(int(v.get("errors") or 0) for v in current)
         started = status.get("startTime") or min((str(r["startTime"]) for r in round_records(status).values()
                                                   if r.get("startTime")), default=None)
+        out: dict[str, Any] = {"rows": {"done": done, "failed": failed}}
+        start = parse_time(started)
+        if start is not None:
+            elapsed = (now - start).total_seconds()
+            out["rowsPerSecond"] = round(done / elapsed, 2) if elapsed > 0 else 0.0
         this_round = round_records(status).get(round_no) or {}
         round_start = parse_time(this_round.get("startTime"))
-        return {**rows_progress(records, started, now),
-                **status_fields(records, current, this_round.get("bytes"),
-                                (now - round_start).total_seconds() if round_start else None,
-                                job.spec.workers.price_per_hour)}
+        size = int(this_round.get("bytes") or 0)
+        if ended is None and size and round_start is not None and current:
+            got = sum(int(v.get("bytes") or 0) for v in current)
+            out["eta"] = fmt_duration(eta_seconds(got, size, (now - round_start).total_seconds()))
+        return out
+
+
+def lane_reports(status: Mapping[str, Any], round_no: int) -> list[Mapping[str, Any]]:
+    """The progress reports of the lanes of round `round_no` (``status.reports.lanes``)."""
+    reported = (status.get("reports") or {}).get("lanes") or {}
+    return [v for v in reported.values() if isinstance(v, Mapping) and v.get("round") == round_no]

@@ -32,7 +32,7 @@ from bij_worker.contract.spec import API_GROUP, API_VERSION, SpecError, parse_jo
 from kubernetes.client import ApiException
 
 from .driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
-from .jobs import worker_image_default
+from .jobs import FileVolume, file_uri_problems, worker_image_default
 from .reconcile import Decision, owns
 
 PLURAL = "batchinferencejobs"
@@ -59,6 +59,8 @@ class OperatorConfig:
     standalone: bool = True
     verbose: bool = False
     worker_image: str = dataclasses.field(default_factory=worker_image_default)
+    # The chart's fileStorage (env BIJ_FILE_STORAGE): without it, a bij with a file:// URI is refused.
+    file_volume: FileVolume | None = dataclasses.field(default_factory=FileVolume.from_env)
     status_interval: float = STATUS_INTERVAL
     progress_interval: float = PROGRESS_INTERVAL
     # Watch requests end server-side after this long and are reopened; the client gives up a
@@ -122,6 +124,15 @@ class Api:
         self.batch.patch_namespaced_job(name, namespace, patch, _content_type="application/merge-patch+json",
                                         _preload_content=False)
 
+    def delete_job(self, namespace: str, name: str) -> None:
+        """Delete a Job and, in the background, its pods; one already gone is fine."""
+        try:
+            self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background",
+                                             _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
 
 def job_essence(body: Mapping[str, Any]) -> dict[str, Any]:
     """What decisions read of a Job (`reconcile.JobView`), without its pod template."""
@@ -138,12 +149,14 @@ def job_essence(body: Mapping[str, Any]) -> dict[str, Any]:
 class KubeBackend:
     """The driver's steps as Kubernetes API calls for one bij; its Jobs come from kopf's index."""
 
-    def __init__(self, api: Api, namespace: str, name: str, jobs: Any, worker_image: str):
+    def __init__(self, api: Api, namespace: str, name: str, jobs: Any, worker_image: str,
+                 file_volume: FileVolume | None = None):
         self.api = api
         self.namespace = namespace
         self.name = name
         self.index = jobs  # kopf.Index: (namespace, bij name) -> the essences of its Jobs
         self.worker_image = worker_image
+        self.file_volume = file_volume
         self.raw: dict[str, Any] = {}
         # Jobs this backend created or read that the index has not shown yet (a watch event is on its way).
         self.recent: dict[str, tuple[float, dict[str, Any]]] = {}
@@ -169,6 +182,10 @@ class KubeBackend:
         output_uri = str(((raw.get("spec") or {}).get("output") or {}).get("uri") or "")
         try:
             job = parse_job(raw)
+            problems = file_uri_problems(job, self.file_volume)
+            if problems:
+                # Valid for `bij run`, but on this cluster no pod would see the other pods' files.
+                raise SpecError(problems)
         except SpecError as e:
             return Observed(job=None, spec_error=e, status=status, generation=generation, output_uri=output_uri,
                             jobs=[])
@@ -192,6 +209,10 @@ class KubeBackend:
 
     def patch_job(self, name: str, spec: dict[str, Any]) -> None:
         self.api.patch_job(self.namespace, name, {"spec": spec})
+
+    def delete_job(self, name: str) -> None:
+        self.api.delete_job(self.namespace, name)
+        self.recent.pop(name, None)
 
     def write_status(self, patch: dict[str, Any]) -> None:
         self.api.patch_status(self.namespace, self.name, patch)
@@ -285,7 +306,7 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
     op = shared(memo)
     assert op.api is not None
     key = (namespace, name)
-    backend = KubeBackend(op.api, namespace, name, bij_jobs, op.config.worker_image)
+    backend = KubeBackend(op.api, namespace, name, bij_jobs, op.config.worker_image, op.config.file_volume)
     driver = Driver(backend, status_interval=op.config.status_interval,
                     progress_interval=op.config.progress_interval, on_decision=op.metrics.decided)
     wake = op.driven[key] = asyncio.Event()

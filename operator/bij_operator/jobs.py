@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import posixpath
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -25,8 +28,10 @@ from bij_worker.contract.codes import (
     PUBLISH_LABEL,
     PUBLISH_PLAN_ANNOTATION,
     ROUND_LABEL,
+    STEP_LABEL,
 )
-from bij_worker.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, load_job
+from bij_worker.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, job_to_dict, load_job
+from bij_worker.report import JOB_UID_ENV, POD_NAME_ENV, REPORT_ENV
 
 from .reconcile import desired_parallelism
 
@@ -61,6 +66,54 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 
 
+# The chart's fileStorage value, as the operator's environment carries it (JSON: mountPath, volume).
+FILE_STORAGE_ENV = "BIJ_FILE_STORAGE"
+FILE_VOLUME = "bij-files"
+
+
+@dataclass(frozen=True)
+class FileVolume:
+    """A volume every pod of a bij mounts at `mount_path` (chart value fileStorage): on a cluster, file://
+    URIs are only worked with where they lie under it, since nothing else is shared between pods."""
+
+    mount_path: str
+    source: dict[str, Any]
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> FileVolume | None:
+        raw = (os.environ if env is None else env).get(FILE_STORAGE_ENV)
+        if not raw:
+            return None
+        doc = json.loads(raw)
+        mount, source = doc.get("mountPath"), doc.get("volume")
+        if not isinstance(mount, str) or not mount.startswith("/") or not isinstance(source, dict) or not source:
+            raise ValueError(f"{FILE_STORAGE_ENV}: expected {{\"mountPath\": \"/abs/path\", \"volume\": {{...}}}}, "
+                             f"got {raw!r}")
+        return cls(posixpath.normpath(mount), dict(source))
+
+    def covers(self, uri: str) -> bool:
+        path = posixpath.normpath(uri[len("file://"):])
+        return path == self.mount_path or path.startswith(self.mount_path.rstrip("/") + "/")
+
+
+def file_uri_problems(job: BatchInferenceJob, volume: FileVolume | None) -> list[str]:
+    """The file:// URIs of `job` its pods on a cluster could not share: all of them without the chart's
+    fileStorage volume, else those outside its mountPath."""
+    uris = [("spec.input.uri", job.spec.input.uri), ("spec.output.uri", job.spec.output.uri)]
+    uris += [(f"spec.model.adapters[{i}].uri", a.uri) for i, a in enumerate(job.spec.model.adapters)]
+    problems = []
+    for field, uri in uris:
+        if not uri.startswith("file://"):
+            continue
+        if volume is None:
+            problems.append(f"{field}: {uri}: file:// URIs need a volume shared by every pod of the bij, and this "
+                            "operator has none: set the chart value fileStorage (volume and mountPath), or use s3://")
+        elif not volume.covers(uri):
+            problems.append(f"{field}: {uri} is outside the shared volume at {volume.mount_path} (chart value "
+                            "fileStorage.mountPath): pods elsewhere do not see it")
+    return problems
+
+
 def job_name(job: BatchInferenceJob, round_no: int) -> str:
     """The round Job's deterministic name, so a restarted operator finds instead of duplicates it."""
     return f"{job.metadata.name}-r{round_no}"
@@ -92,11 +145,13 @@ def render_job(
     *,
     image: str = DEFAULT_WORKER_IMAGE,
     owner_uid: str | None = None,
+    file_volume: FileVolume | None = None,
 ) -> dict[str, Any]:
     """The batch/v1 Job that runs round `round_no` of `job` with one index per lane (`completions`).
 
     `image` is the operator's default worker image; spec.workers.image wins over it.
     With `owner_uid` the Job is owned by (and garbage-collected with) the BatchInferenceJob.
+    With `file_volume` (chart value fileStorage) its pods mount the volume file:// URIs lie on.
     """
     if not 1 <= completions <= MAX_COMPLETIONS:
         raise ValueError(f"a round needs 1 to {MAX_COMPLETIONS} lanes, got {completions}")
@@ -163,7 +218,7 @@ def render_job(
                 "labels": dict(labels),
                 "annotations": {"kubectl.kubernetes.io/default-container": WORKER_CONTAINER},
             },
-            "spec": _pod_spec(job, manifest_uri, w.image or image),
+            "spec": _pod_spec(job, manifest_uri, w.image or image, file_volume),
         },
     }
     if w.ttl_seconds_after_finished is not None:
@@ -176,7 +231,8 @@ def publish_job_name(job: BatchInferenceJob, pass_name: str) -> str:
 
 
 def render_publish_job(job: BatchInferenceJob, pass_name: str, completions: int, plan_uri: str, *,
-                       image: str = DEFAULT_WORKER_IMAGE, owner_uid: str | None = None) -> dict[str, Any]:
+                       image: str = DEFAULT_WORKER_IMAGE, owner_uid: str | None = None,
+                       file_volume: FileVolume | None = None) -> dict[str, Any]:
     """The batch/v1 Job of one publish pass (ids, dedupe, write): `completions` pods, pod `i` working
     indexes i, i + completions, ... of the pass (`bij-worker publish --stride`), each in the memory one
     index needs. The row-level work of publishing runs here, never in the operator.
@@ -184,7 +240,7 @@ def render_publish_job(job: BatchInferenceJob, pass_name: str, completions: int,
     Same image, identity, storage settings and failure policy as the round's workers, but no GPU and
     none of the spot/GPU placement: publishing reads and writes storage, on any node.
     """
-    body = render_job(job, 0, completions, plan_uri, image=image, owner_uid=owner_uid)
+    body = render_job(job, 0, completions, plan_uri, image=image, owner_uid=owner_uid, file_volume=file_volume)
     meta = body["metadata"]
     meta["name"] = publish_job_name(job, pass_name)
     for labels in (meta["labels"], body["spec"]["template"]["metadata"]["labels"]):
@@ -221,7 +277,60 @@ def render_publish_job(job: BatchInferenceJob, pass_name: str, completions: int,
     return body
 
 
-def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str) -> dict[str, Any]:
+def step_key(kind: str, round_no: int) -> str:
+    """A step's label value and name suffix: plan-r<r>, finish-r<r>, publish-plan, manifest."""
+    return f"{kind}-r{round_no}" if kind in ("plan", "finish") else kind
+
+
+def step_job_name(job: BatchInferenceJob, kind: str, round_no: int = 0) -> str:
+    return f"{job.metadata.name}-{step_key(kind, round_no)}"
+
+
+def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rounds: int = 0, plan_uri: str = "",
+                    image: str = DEFAULT_WORKER_IMAGE, owner_uid: str | None = None,
+                    file_volume: FileVolume | None = None) -> dict[str, Any]:
+    """The one-pod batch/v1 Job of one of the driver's storage steps (`bij_operator.steps`): planning
+    round `round_no`, its statistics once its Job ended, the publish plan, the manifest.
+
+    Like a publish pass: the workers' image, service account and storage settings, no GPU; the pod
+    reports its result into the bij's status. A pod that crashed is retried (backoffLimit 2); an expected
+    failure (access denied, a plan refused) is a result, not a failed pod.
+    """
+    body = render_publish_job(job, "ids", 1, plan_uri, image=image, owner_uid=owner_uid, file_volume=file_volume)
+    meta = body["metadata"]
+    meta["name"] = step_job_name(job, kind, round_no)
+    key = step_key(kind, round_no)
+    for labels in (meta["labels"], body["spec"]["template"]["metadata"]["labels"]):
+        labels.pop(PUBLISH_LABEL)
+        labels["app.kubernetes.io/component"] = "step"
+        labels[STEP_LABEL] = key
+    meta["annotations"] = {}
+    spec = body["spec"]
+    spec.pop("backoffLimitPerIndex", None)
+    spec.pop("maxFailedIndexes", None)
+    spec.pop("podFailurePolicy", None)
+    spec["backoffLimit"] = 2
+    (container,) = spec["template"]["spec"]["containers"]
+    args = ["step", kind, "--key", meta["name"], "--round", str(round_no), "--rounds", str(rounds),
+            "--job-spec", json.dumps(job_to_dict(job), separators=(",", ":"))]
+    if plan_uri:
+        args += ["--plan", plan_uri]
+    container["args"] = args
+    return body
+
+
+def _report_env(job: BatchInferenceJob) -> list[dict[str, Any]]:
+    """Where the pod reports (the bij's status subresource), under which key, for which Job."""
+    return [
+        {"name": REPORT_ENV, "value": f"kube:{job.metadata.namespace}/{job.metadata.name}"},
+        {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": JOB_UID_ENV,
+         "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}},
+    ]
+
+
+def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str,
+              file_volume: FileVolume | None = None) -> dict[str, Any]:
     w = job.spec.workers
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
@@ -240,6 +349,9 @@ def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str) -> dict[str
         # NCCL and PyTorch data loaders need a /dev/shm larger than the runtime's 64 MiB default.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": w.shm_size}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if file_volume is not None:
+        volumes.append({"name": FILE_VOLUME, **copy.deepcopy(file_volume.source)})
+        mounts.append({"name": FILE_VOLUME, "mountPath": file_volume.mount_path})
 
     container: dict[str, Any] = {
         "name": WORKER_CONTAINER,
@@ -247,7 +359,7 @@ def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str) -> dict[str
         "imagePullPolicy": "IfNotPresent",
         "command": ["bij-worker"],
         "args": ["--manifest", manifest_uri, "--metrics-port", str(WORKER_METRICS_PORT)],
-        "env": _env(job, manifest_uri),
+        "env": _env(job, manifest_uri) + _report_env(job),
         "ports": [{"name": "metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"}],
         "volumeMounts": mounts,
         # readOnlyRootFilesystem stays off: vLLM, torch.compile and Triton write caches under $HOME.
@@ -271,9 +383,10 @@ def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str) -> dict[str
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": w.termination_grace_period_seconds,
         "serviceAccountName": w.service_account_name or DEFAULT_SERVICE_ACCOUNT,
-        # Workers talk to storage, never to the Kubernetes API. Projected cloud identities
-        # (IRSA, workload identity) do not depend on this token.
-        "automountServiceAccountToken": False,
+        # The pod's one use of the Kubernetes API: a merge patch of its own report into the bij's status
+        # (bij_worker.report; the worker Role grants nothing else). Projected cloud identities (IRSA,
+        # workload identity) do not depend on this token.
+        "automountServiceAccountToken": True,
         "enableServiceLinks": False,
         "securityContext": {
             "runAsNonRoot": True,

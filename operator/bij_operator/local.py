@@ -20,20 +20,22 @@ import argparse
 import json
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from bij_worker.contract import layout
-from bij_worker.contract.codes import EXIT_BAD_CONFIG, PUBLISH_LABEL, ROUND_LABEL
+from bij_worker.contract.codes import EXIT_BAD_CONFIG, PUBLISH_LABEL, ROUND_LABEL, STEP_LABEL
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, load_job
+from bij_worker.report import REPORT_ENV, FolderSink, read_folder
 from bij_worker.storage import StorageError, open_storage
 
 from .driver import Created, Driver, Observed
 from .efficiency import fmt_money
 from .fingerprint import PlanRefused
-from .jobs import render_job
+from .jobs import FileVolume, render_job
 from .localjobs import LocalJob, worker_command, worker_env
 from .planner import PlanError, RoundPlan, plan_round, reset_output
 from .progress import shard_records
@@ -113,6 +115,7 @@ class LocalBackend:
     """The driver's steps on one machine: status in memory, Events printed, Jobs as local processes."""
 
     worker_image = "local"  # Jobs run the local worker command, not an image
+    file_volume: FileVolume | None = None  # local processes see this machine's files
 
     def __init__(self, job: BatchInferenceJob, worker_cmd: list[str], show_progress: bool, log_progress: bool):
         self.job = job
@@ -124,14 +127,20 @@ class LocalBackend:
         self.log_progress = log_progress
         self.stopping = False
         self.last_draw = 0.0
+        # Where this run's pods report (bij_worker.report), read into the status as the API server would.
+        self.reports = tempfile.TemporaryDirectory(prefix="bij-reports-")
 
     def env(self) -> dict[str, str]:
-        return worker_env(self.job)
+        return {**worker_env(self.job), REPORT_ENV: f"dir:{self.reports.name}"}
 
     # --- Backend ---------------------------------------------------------------------------------
 
     def observe(self) -> Observed:
-        return Observed(job=self.job, spec_error=None, status=json.loads(json.dumps(self.status)), generation=1,
+        status = json.loads(json.dumps(self.status))
+        reported = read_folder(self.reports.name)
+        if reported:
+            status["reports"] = reported
+        return Observed(job=self.job, spec_error=None, status=status, generation=1,
                         output_uri=self.job.spec.output.uri, jobs=[j.view() for j in self.jobs.values()])
 
     def create_job(self, body: dict[str, Any]) -> Created:
@@ -146,7 +155,11 @@ class LocalBackend:
             self.progress[name] = prog
             on_stdout = prog.follow
             extra = ["--progress"]
-        job = LocalJob(body, self.worker_cmd, self.env(), extra_args=extra, on_stdout=on_stdout)
+        env = self.env()
+        if STEP_LABEL in labels:
+            # A step's result is what counts, and the driver prints it: its own log only when asked.
+            env.setdefault("BIJ_LOG_LEVEL", "WARNING")
+        job = LocalJob(body, self.worker_cmd, env, extra_args=extra, on_stdout=on_stdout)
         if self.stopping:
             job.stop()
         self.jobs[name] = job
@@ -156,7 +169,17 @@ class LocalBackend:
     def patch_job(self, name: str, spec: dict[str, Any]) -> None:
         self.jobs[name].patch(spec)
 
+    def delete_job(self, name: str) -> None:
+        job = self.jobs.pop(name, None)
+        if job is not None and not job.finished:
+            job.stop()
+
     def write_status(self, patch: dict[str, Any]) -> None:
+        patch = dict(patch)
+        sink = FolderSink(self.reports.name)
+        for section, entries in (patch.pop("reports", None) or {}).items():
+            for key, value in (entries or {}).items():
+                sink.put(section, key, value)
         merge_patch(self.status, patch)
 
     def event(self, type_: str, reason: str, message: str) -> None:
@@ -305,8 +328,8 @@ class LocalRunner:
             print(layout.manifest_uri(self.job))
             return 0
         backend = self.backend
-        # Nobody reads this status while it runs: refresh its row counts (a read of every running shard's
-        # progress record) once a minute, not every few seconds; phase changes are written at once.
+        # Nobody reads this status while it runs: refresh its row counts (from the lanes' reports) once a
+        # minute, not every few seconds; phase changes are written at once.
         driver = Driver(backend, status_interval=60.0)
         while True:
             if backend.stopping:

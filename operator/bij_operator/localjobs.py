@@ -28,11 +28,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from bij_worker.contract.spec import BatchInferenceJob
+from bij_worker.report import JOB_UID_ENV, POD_NAME_ENV
 
 from .reconcile import format_ranges
 from .status import fmt_time, now_utc
@@ -71,6 +73,7 @@ class LocalJob:
                  say: Callable[[str], None] = _say, stats: list[dict[str, Any]] | None = None):
         meta, spec = body["metadata"], body["spec"]
         self.name = str(meta["name"])
+        self.uid = str(meta.get("uid") or uuid.uuid4())
         self.namespace = str(meta.get("namespace") or "default")
         self.labels = dict(meta.get("labels") or {})
         self.completions = int(spec["completions"])
@@ -89,7 +92,7 @@ class LocalJob:
             i = args.index("--metrics-port")
             del args[i:i + 2]
         self.command = [*command, *args, *extra_args]
-        self.env = dict(env)
+        self.env = {**env, JOB_UID_ENV: self.uid}
         self.on_stdout = on_stdout
         self.say = say
         self.stats = stats
@@ -152,7 +155,8 @@ class LocalJob:
         self.attempts[i] = self.attempts.get(i, 0) + 1
         # A session of its own: a terminal's Ctrl-C reaches only bij, which asks each worker once
         # (SIGTERM) to drain; a second signal would make the worker quit at once.
-        p = subprocess.Popen(self.command, env={**self.env, "JOB_COMPLETION_INDEX": str(i)},
+        env = {**self.env, "JOB_COMPLETION_INDEX": str(i), POD_NAME_ENV: f"{self.name}-{i}-{self.attempts[i]}"}
+        p = subprocess.Popen(self.command, env=env,
                              stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              stdout=subprocess.PIPE if self.on_stdout else subprocess.DEVNULL, start_new_session=True)
         assert p.stderr is not None
@@ -264,6 +268,7 @@ class LocalJob:
         if self.condition is not None:
             status["conditions"] = [dict(self.condition)]
         return {"apiVersion": "batch/v1", "kind": "Job",
-                "metadata": {"name": self.name, "namespace": self.namespace, "labels": dict(self.labels)},
+                "metadata": {"name": self.name, "namespace": self.namespace, "uid": self.uid,
+                             "labels": dict(self.labels)},
                 "spec": {"completions": self.completions, "parallelism": self.parallelism, "suspend": self.suspend},
                 "status": status}

@@ -536,8 +536,8 @@ def publishing(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
     """The next publishing step: plan it, then one Job per pass in order, then the manifest.
 
     The passes' row-level work (duplicate ids across shards, result/error files) runs in the pods of
-    the pass Jobs, in bounded memory; the operator only plans it and writes the manifest from per-shard
-    summaries, so its own work grows with shards, never with rows.
+    the pass Jobs, in bounded memory; its plan and the manifest (from per-shard summaries) are storage
+    steps in Jobs of their own (`steps`), so the operator's own work grows with shards, never with rows.
     """
     rounds = r + 1
     rec = status.get("publish") or {}

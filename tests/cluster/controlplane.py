@@ -33,7 +33,12 @@ AUDITED_GROUP = "system:serviceaccounts:bij-system"
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
     "rules": [{"level": "Request", "userGroups": [AUDITED_GROUP], "verbs": ["create", "update", "patch"]},
-              {"level": "Metadata", "userGroups": [AUDITED_GROUP]}, {"level": "None"}],
+              {"level": "Metadata", "userGroups": [AUDITED_GROUP]},
+              # The pods of the bijs (their worker service accounts), audited as the operator is; not the
+              # control plane's own controllers.
+              {"level": "None", "userGroups": ["system:serviceaccounts:kube-system"]},
+              {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+              {"level": "None"}],
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from .kubelet import ProcessKubelet
 log = logging.getLogger("bij.cluster")
 
 CHART = ROOT / "charts" / "bij-operator"
+LOCAL_FILES = {"mountPath": tempfile.gettempdir(), "volume": {"hostPath": {"path": tempfile.gettempdir()}}}
 OPERATOR_NAMESPACE = "bij-system"
 RELEASE = "bij"
 T = TypeVar("T")
@@ -77,7 +79,9 @@ class LocalCluster:
         """`helm install bij charts/bij-operator -n bij-system --create-namespace`, then wait for the pod."""
         import helm_python as helm
 
-        merged: dict[str, Any] = {"livenessPort": free_port(), "logLevel": "DEBUG"}
+        # Every pod of this cluster runs on this machine: the temp folder is a volume they all share, so
+        # tests (and `make cluster-up`) may use file:// URIs under it.
+        merged: dict[str, Any] = {"livenessPort": free_port(), "logLevel": "DEBUG", "fileStorage": LOCAL_FILES}
         merged.update(values or {})
         self.liveness_port = int(merged["livenessPort"])
         cfg = helm.Config(kubeconfig_path=str(self.kubeconfig), namespace=OPERATOR_NAMESPACE)
@@ -125,4 +129,29 @@ class LocalCluster:
         self.plane.stop()
 
 
-__all__ = ["CHART", "OPERATOR_NAMESPACE", "ClusterError", "LocalCluster", "wait_for"]
+# The chart's worker Role (templates/rbac.yaml, rules.worker): a bij's pods report into its status.
+WORKER_RULES = [{"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/status"], "verbs": ["patch"]}]
+
+
+def add_worker_account(api: kubernetes.client.ApiClient, namespace: str, name: str = "bij-worker") -> None:
+    """The worker service account and its Role, as the chart makes them in the namespaces it is told of
+    (with watch.allNamespaces, the namespaces where bijs run are not known to it)."""
+    core = kubernetes.client.CoreV1Api(api)
+    rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": name}})
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": name}, "rules": WORKER_RULES})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]})
+
+
+def remove_worker_account(api: kubernetes.client.ApiClient, namespace: str, name: str = "bij-worker") -> None:
+    kubernetes.client.CoreV1Api(api).delete_namespaced_service_account(name, namespace)
+    rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+    rbac.delete_namespaced_role_binding(name, namespace)
+    rbac.delete_namespaced_role(name, namespace)
+
+
+__all__ = ["CHART", "OPERATOR_NAMESPACE", "ClusterError", "LocalCluster", "add_worker_account",
+           "remove_worker_account", "wait_for"]

@@ -318,8 +318,8 @@ def chart_values(images: Images) -> dict[str, Any]:
     return {
         "image": {"repository": operator_repo, "tag": operator_tag, "pullPolicy": "Never"},
         "workerImage": {"repository": worker_repo, "tag": worker_tag},
-        # The operator lists the input and publishes the manifest itself: it needs the credentials.
-        "envFrom": [{"secretRef": {"name": S3_SECRET}}],
+        # The operator has no storage identity: the bij's pods (bij-worker, with its Role, in the job's
+        # namespace) plan, work and publish with the job's spec.storage.credentialsSecret.
         "workerServiceAccount": {"namespaces": [NAMESPACE]},
         "logLevel": "DEBUG",
     }

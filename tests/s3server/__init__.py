@@ -55,6 +55,8 @@ class S3Server:
         self.data = root_dir / "data"  # bucket <b>'s object <k> is the file data/<b>/<k>
         self.iam = root_dir / "iam"
         self.log = root_dir / "versitygw.log"
+        # One line per request, with the access key that signed it ("-" for an unsigned one).
+        self.access_log = root_dir / "access.log"
         self.root = Identity("bij-root", secrets.token_hex(16))
         self.proc: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
@@ -69,7 +71,7 @@ class S3Server:
                 self.proc = subprocess.Popen(
                     [str(self.exe), "--port", f"127.0.0.1:{port}", "--access", self.root.access_key,
                      "--secret", self.root.secret_key, "--region", "us-east-1", "--iam-dir", str(self.iam),
-                     "--quiet", "posix", str(self.data)],
+                     "--access-log", str(self.access_log), "--quiet", "posix", str(self.data)],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:

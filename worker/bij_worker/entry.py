@@ -1,6 +1,8 @@
-"""`bij-worker`: a round's lane (`bij_worker.main`) or one publish pass (`bij-worker publish ...`,
-`bij_worker.publish_rows`). A publish pass imports neither the engines nor the spec model, so the
-three short-lived pass processes per publish start in about half the time."""
+"""`bij-worker`: a round's lane (`bij_worker.main`), one publish pass (`bij-worker publish ...`,
+`bij_worker.publish_rows`) or one of the driver's storage steps (`bij-worker step ...`: planning, a
+round's statistics, the publish plan, the manifest; `bij_operator.steps`, shipped in the same image).
+A publish pass imports neither the engines nor the spec model, so the three short-lived pass
+processes per publish start in about half the time."""
 
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ def main(argv: list[str] | None = None) -> int:
         from .publish_rows import main as publish_main
 
         return publish_main(rest[1:])
+    if rest[:1] == ["step"]:
+        logging.basicConfig(level=os.environ.get("BIJ_LOG_LEVEL", "INFO"),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        from bij_operator.steps import main as step_main
+
+        return step_main(rest[1:])
     from .main import main as work_main
 
     return work_main(argv)

@@ -37,9 +37,13 @@ from .engines.base import is_continuous
 from .lanes import Claim, Claims, EngineShare, LeaseKeeper
 from .metrics import Metrics, Stats
 from .reader import DamagedObject, ReplacementDiffers
+from .report import LaneReporter, ReportError, sink_from_env
 from .sampling import ALL_FIELDS, refusal
 from .storage import StorageError, open_storage
 from .worker import BadConfig, ShardOutcome, ShardWorker, StopFlag, load_plan
+
+# How often a lane reports its progress to the operator (env BIJ_REPORT_INTERVAL, seconds).
+REPORT_INTERVAL = float(os.environ.get("BIJ_REPORT_INTERVAL") or 5.0)
 
 log = logging.getLogger("bij.worker")
 
@@ -87,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         from .publish_rows import main as publish_main
 
         return publish_main(rest[1:])
+    if rest[:1] == ["step"]:
+        from bij_operator.steps import main as step_main
+
+        return step_main(rest[1:])
     args = parse_args(argv)
     stop = StopFlag(args.drain_seconds)
     # The shard being worked has a stop flag of its own: a lost claim stops that shard only.
@@ -105,10 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    reporter: list[LaneReporter] = []  # set once the plan says which round this is
+
     def emit(event: dict[str, Any]) -> None:
         if args.progress:
             sys.stdout.write(json.dumps(event) + "\n")
             sys.stdout.flush()
+        for r in reporter:
+            r.on_event(event)
 
     lane = -1
     try:
@@ -129,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         lanes = plan.lane_count
         if not 0 <= lane < lanes:
             raise BadConfig(f"lane index {lane} is out of range: the round has {lanes} lanes")
+        try:
+            sink = sink_from_env()
+        except ReportError as e:
+            raise BadConfig(str(e)) from None
+        if sink is not None:
+            # How far the lane got, for `kubectl get bij`: the operator never reads storage.
+            reporter.append(LaneReporter(sink, plan.round, lane, interval=REPORT_INTERVAL))
         metrics = Metrics()
         if args.metrics_port:
             metrics.serve(args.metrics_port)
@@ -259,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         log.exception("lane %d failed", lane)
         return EXIT_FAILED
+    finally:
+        for r in reporter:
+            r.close()
     log.info("lane %d: every shard of the round is done", lane)
     return EXIT_OK
 

@@ -74,11 +74,12 @@ cluster-scoped objects always go in the ClusterRole.
 - apiGroups: [batchinference.io]
   resources: [batchinferencejobs/finalizers]
   verbs: [update]
-# One Indexed Job per round: created, watched, patched (suspend, parallelism). Deleting a
-# BatchInferenceJob deletes its Jobs through owner references, not through the operator.
+# One Indexed Job per round, one per publish pass, one per storage step: created, watched, patched
+# (suspend, parallelism); a step Job that met a passing failure is deleted to run it again. Deleting
+# a BatchInferenceJob deletes its Jobs through owner references, not through the operator.
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 # Events on the BatchInferenceJobs (kopf posts core v1 events).
 - apiGroups: [""]
   resources: [events]
@@ -89,6 +90,13 @@ cluster-scoped objects always go in the ClusterRole.
   resources: [kopfpeerings]
   verbs: [list, watch, patch]
 {{- end }}
+{{- end -}}
+
+{{- define "bij-operator.rules.worker" -}}
+# A merge patch of the pod's own key under status.reports of its bij (bij_worker.report).
+- apiGroups: [batchinference.io]
+  resources: [batchinferencejobs/status]
+  verbs: [patch]
 {{- end -}}
 
 {{- define "bij-operator.rules.cluster" -}}

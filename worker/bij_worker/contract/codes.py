@@ -18,6 +18,8 @@ EXIT_TERMINATED = 143  # SIGTERM: the in-flight chunk was committed or dropped w
 JOB_LABEL = f"{API_GROUP}/job"  # the bij's name
 ROUND_LABEL = f"{API_GROUP}/round"  # a round Job: its round number
 PUBLISH_LABEL = f"{API_GROUP}/publish-pass"  # a publish Job: its pass (ids, dedupe, write)
+GENERATION_LABEL = f"{API_GROUP}/generation"  # a step Job: the bij's metadata.generation it ran for
+STEP_LABEL = f"{API_GROUP}/step"  # a step Job (bij_operator.steps): plan-r<r>, finish-r<r>, publish-plan, manifest
 
 # Annotations: where a Job's work is described.
 MANIFEST_ANNOTATION = f"{API_GROUP}/manifest"  # a round Job: its round plan (shards.json)

@@ -1,0 +1,188 @@
+"""The storage work of the driver's steps, run in a pod of the bij's namespace (`bij-worker step ...`).
+
+The operator speaks only to the Kubernetes API: planning a round (listing, Parquet footers,
+fingerprint, owner claim, the round plan), a finished round's statistics (its completion and damage
+records), the publish plan and the manifest all read or write the bij's storage, so each runs as a
+one-pod Job of its own under the bij's worker service account and `spec.storage` credentials, the
+identity the bij's rounds run with. What the driver needs back is small and goes through the bij's
+status (`bij_worker.report`): ``status.reports.steps.<Job name>`` = ``{"jobUid", "result"}`` or
+``{"jobUid", "error": {"type", "message", "permanent"}}``; an expected failure (AccessDenied on the
+input, a plan refused) is a result too, turned back into the error the driver sorts
+(`failures.failed_step`).
+
+A step is idempotent, like the driver's steps were when they ran in the operator: a plan already
+written is read, not rewritten; a manifest already published is read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from bij_worker import publish_rows
+from bij_worker.contract.errors import BijError
+from bij_worker.contract.spec import BatchInferenceJob, SpecError, parse_job
+from bij_worker.report import JOB_UID_ENV, ReportError, put_with_retries, sink_from_env
+from bij_worker.storage import StorageError, StorageRefused
+
+from .efficiency import cost, efficiency
+from .fingerprint import PlanRefused
+from .planner import PlanError, plan_round
+from .progress import damage_records, shard_records
+from .publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved, finish_publish, prepare_publish, read_manifest
+from .rounds import summarize
+
+log = logging.getLogger("bij.step")
+
+KINDS = ("plan", "finish", "publish-plan", "manifest")
+# Damaged objects named in a result at most: the status stays small; the manifest lists them all.
+MOST_DAMAGED = 20
+# A message longer than this is cut (a status is no place for a stack of text).
+MOST_MESSAGE = 2000
+
+# The errors a step reports as results, rebuilt by name on the operator's side.
+_ERRORS: dict[str, type[BijError]] = {c.__name__: c for c in (
+    PlanRefused, PlanError, StorageRefused, StorageError, WorkFilesRemoved, ErrorRatioExceeded, PublishError,
+    publish_rows.PublishPlanError)}
+
+
+class StepFailed(BijError):
+    """A step's pod failed without a result (a crash, not an expected failure)."""
+
+
+def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 0,
+             plan_uri: str = "") -> dict[str, Any]:
+    """Do one step's storage work for `job` and return its small result."""
+    if kind == "plan":
+        plan = plan_round(job, round_no)
+        return {"manifestUri": plan.manifest_uri, "shards": plan.shard_count, "objects": plan.objects,
+                "bytes": plan.total_bytes, "unit": plan.unit, "lanes": plan.lanes}
+    if kind == "finish":
+        return finish_round(job, round_no)
+    if kind == "publish-plan":
+        try:
+            uri, pplan = prepare_publish(job, rounds)
+        except WorkFilesRemoved:
+            # Published before the status said so (a restart in between): the manifest stands.
+            found = read_manifest(job)
+            if found is None:
+                raise
+            return {"published": manifest_summary(found)}
+        return {"planUri": uri, "passes": {p: pplan.count(p) for p in publish_rows.PASSES}}
+    if kind == "manifest":
+        try:
+            pplan = publish_rows.load(plan_uri, job.spec.storage.s3)
+            manifest = finish_publish(job, rounds, pplan)
+        except WorkFilesRemoved:
+            # Published before the status said so (a restart in between): the manifest stands.
+            found = read_manifest(job)
+            if found is None:
+                raise
+            manifest = found
+        return manifest_summary(manifest)
+    raise ValueError(f"unknown step {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
+    """A round whose Job ended: how many shards are done, its statistics (what the judge and
+    spec.maxErrorRatio decide on), the damaged objects its workers stopped at, and the efficiency and
+    cost of rounds 0..round_no, all from the workers' records (O(shards))."""
+    records = shard_records(job, round_no)
+    earlier = [rec for r in range(round_no) for rec in shard_records(job, r).values()]
+    every = earlier + list(records.values())
+    eff = efficiency(every)
+    rows = sum(int(r.get("rows") or 0) for r in every)
+    tokens = sum(int(r.get("tokensIn") or 0) + int(r.get("tokensOut") or 0) for r in every)
+    damaged = [rec.describe() for rec in damage_records(job, round_no) if rec.mode == "fail"]
+    out: dict[str, Any] = {"done": len(records), "stats": summarize(round_no, 0, records).as_status(),
+                           "efficiency": eff, "damaged": damaged[:MOST_DAMAGED],
+                           "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
+    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], rows, tokens)
+    if spent is not None:
+        out["cost"] = spent
+    return out
+
+
+def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator says about a published manifest (counts, file count, damaged objects)."""
+    damaged = [{"message": str(o.get("message"))} for o in manifest.get("damagedObjects") or []]
+    return {"counts": dict(manifest.get("counts") or {}), "files": len(manifest.get("files") or []),
+            "damagedObjects": damaged[:MOST_DAMAGED], "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
+
+
+def error_report(e: BaseException) -> dict[str, Any]:
+    message = str(e)
+    if len(message) > MOST_MESSAGE:
+        message = message[:MOST_MESSAGE] + " ..."
+    return {"type": type(e).__name__, "message": message, "permanent": bool(getattr(e, "permanent", False))}
+
+
+def rebuild_error(report: Mapping[str, Any]) -> BijError:
+    """The error a step reported, as the type the driver sorts (a StorageError when the type is unknown)."""
+    message = str(report.get("message") or "failed")
+    permanent = bool(report.get("permanent"))
+    cls = _ERRORS.get(str(report.get("type")))
+    e: BijError
+    if cls is None:
+        e = StorageError(message, permanent=permanent)
+    else:
+        e = cls.__new__(cls)
+        Exception.__init__(e, message)
+    e.permanent = permanent
+    return e
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bij-worker step")
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("--job-spec", required=True, help="the BatchInferenceJob as JSON")
+    p.add_argument("--key", required=True, help="the step Job's name: the key of its report")
+    p.add_argument("--round", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=0)
+    p.add_argument("--plan", default="", help="the publish plan's URI (manifest)")
+    return p.parse_args(argv)
+
+
+def step_report(args: argparse.Namespace, job_uid: str) -> dict[str, Any]:
+    """Run the step `args` name and return its report: its result, or the expected failure it met."""
+    report: dict[str, Any] = {"jobUid": job_uid}
+    try:
+        job = parse_job(json.loads(args.job_spec))
+        report["result"] = run_step(args.kind, job, args.round, rounds=args.rounds, plan_uri=args.plan)
+    except (SpecError, BijError, OSError, ValueError) as e:
+        # Expected, and reported: the driver says it (once) where the bij's messages go.
+        log.info("step %s: %s", args.kind, e)
+        report["error"] = error_report(e)
+    return report
+
+
+def main(argv: list[str]) -> int:
+    """`bij-worker step KIND --job-spec JSON --key JOB_NAME [--round R] [--rounds N] [--plan URI]`: run one
+    step and report its result (or its expected failure) into the bij's status. Exits 0 once the report
+    is delivered, 1 when it cannot be (the pod is retried)."""
+    args = parse_args(argv)
+    try:
+        sink = sink_from_env()
+    except ReportError as e:
+        log.error("%s", e)
+        return 1
+    if sink is None:
+        log.error("nowhere to report the result: set BIJ_REPORT_TO (the step Job sets it)")
+        return 1
+    report = step_report(args, os.environ.get(JOB_UID_ENV, ""))
+    try:
+        put_with_retries(sink, "steps", args.key, report)
+    except ReportError as e:
+        log.error("cannot report the result of step %s: %s", args.kind, e)
+        return 1
+    log.info("step %s: %s", args.kind, "failed" if "error" in report else "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

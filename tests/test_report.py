@@ -1,0 +1,116 @@
+"""Reports from a bij's pods to its driver (bij_worker.report) and the errors a step reports (steps)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bij_operator import steps
+from bij_operator.fingerprint import PlanRefused
+from bij_operator.planner import PlanError
+from bij_worker import report
+from bij_worker.storage import StorageError, StorageRefused
+
+
+def test_folder_reports_are_read_back_as_the_status_holds_them_and_none_removes_one(tmp_path: Path) -> None:
+    sink = report.FolderSink(str(tmp_path))
+    sink.put("steps", "j-plan-r0", {"jobUid": "u", "result": {"shards": 3}})
+    sink.put("lanes", "j-r0-0-1", {"round": 0, "shardsDone": 1})
+    sink.put("lanes", "j-r0-1-1", {"round": 0, "shardsDone": 2})
+    assert report.read_folder(tmp_path) == {
+        "lanes": {"j-r0-0-1": {"round": 0, "shardsDone": 1}, "j-r0-1-1": {"round": 0, "shardsDone": 2}},
+        "steps": {"j-plan-r0": {"jobUid": "u", "result": {"shards": 3}}}}
+    sink.put("lanes", "j-r0-0-1", None)
+    assert list(report.read_folder(tmp_path)["lanes"]) == ["j-r0-1-1"]
+    assert report.read_folder(tmp_path / "nothing-here") == {}
+
+
+def test_where_reports_go_comes_from_the_job_and_a_bad_setting_is_named() -> None:
+    assert report.sink_from_env({}) is None  # a worker run by hand reports nothing
+    assert isinstance(report.sink_from_env({"BIJ_REPORT_TO": "dir:/tmp/x"}), report.FolderSink)
+    with pytest.raises(report.ReportError, match="BIJ_REPORT_TO='s3://b': expected kube:<namespace>/<name>"):
+        report.sink_from_env({"BIJ_REPORT_TO": "s3://b"})
+
+
+class Recording:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, Any]] = []
+
+    def put(self, section: str, key: str, value: Any) -> None:
+        self.sent.append((section, key, value))
+
+
+def test_a_lane_counts_only_the_shards_it_finished_and_the_rows_it_made_durable() -> None:
+    sink = Recording()
+    lane = report.LaneReporter(sink, round_no=1, lane=2, interval=3600, key="j-r1-2-x")
+    for event in ({"event": "done", "index": 7, "rows": 50, "errors": 0},   # found finished: another lane's
+                  {"event": "resume", "index": 3, "rows": 10, "errors": 0, "bytes": 100},  # durable before
+                  {"event": "chunk", "index": 3, "rows": 8, "errors": 2, "bytes": 300},
+                  {"event": "chunk", "index": 3, "rows": 10, "errors": 0, "bytes": 310},
+                  {"event": "done", "index": 3, "rows": 28, "errors": 2},
+                  {"event": "loaded", "index": 3, "seconds": 1.0}):
+        lane.on_event(event)
+    lane.close()
+    ((section, key, value),) = sink.sent
+    assert (section, key) == ("lanes", "j-r1-2-x")
+    assert {k: value[k] for k in ("round", "lane", "shardsDone", "rows", "errors", "bytes")} == {
+        "round": 1, "lane": 2, "shardsDone": 1, "rows": 18, "errors": 2, "bytes": 610}
+    lane.close()
+    assert len(sink.sent) == 1  # nothing new: nothing sent again
+
+
+def test_a_report_is_a_merge_patch_of_the_pods_own_key_in_the_bijs_status(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    got: list[tuple[str, str, dict[str, Any], str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            got.append((self.path, self.headers["Content-Type"], body, self.headers["Authorization"]))
+            self.send_response(200 if len(got) > 1 else 503)  # the first attempt meets an outage
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "token").write_text("tok-1\n")
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
+        monkeypatch.setattr(report.ssl, "create_default_context", lambda cafile: None)
+        sink = report.KubeStatus("team-a", "emb", sa_dir=tmp_path)
+        sink.url = sink.url.replace("https://", "http://")  # this test's server speaks plain HTTP
+        report.put_with_retries(sink, "steps", "emb-plan-r0", {"jobUid": "u", "result": {"shards": 2}}, delay=0.01)
+    finally:
+        server.shutdown()
+    assert len(got) == 2
+    path, ctype, body, auth = got[-1]
+    assert path == "/apis/batchinference.io/v1alpha1/namespaces/team-a/batchinferencejobs/emb/status"
+    assert ctype == "application/merge-patch+json" and auth == "Bearer tok-1"
+    assert body == {"status": {"reports": {"steps": {"emb-plan-r0": {"jobUid": "u", "result": {"shards": 2}}}}}}
+
+
+@pytest.mark.parametrize("error", [
+    PlanRefused("spec.output.uri: s3://b/o/ belongs to BatchInferenceJob team-b/x"),
+    PlanError("spec.input.uri: no input at s3://b/in/", permanent=False),
+    StorageRefused("list s3://team-a/in/ as access key id B: AccessDenied: Access Denied."),
+    StorageError("file:///out: Permission denied", permanent=False),
+])
+def test_a_steps_error_comes_back_as_the_type_the_driver_sorts(error: Exception) -> None:
+    back = steps.rebuild_error(json.loads(json.dumps(steps.error_report(error))))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert back.permanent == error.permanent  # type: ignore[attr-defined]
+
+
+def test_an_unknown_or_overlong_step_error_is_a_storage_error_with_its_message_cut() -> None:
+    report_ = steps.error_report(RuntimeError("x" * 5000))
+    assert len(report_["message"]) < 2100 and report_["message"].endswith(" ...")
+    back = steps.rebuild_error(report_)
+    assert isinstance(back, StorageError) and not back.permanent
