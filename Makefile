@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down gpu-wheels gpu-check
+.PHONY: images install demo test test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -102,6 +102,11 @@ lint: install
 
 sync-crd: install
 	$(PY) tools/sync_crd.py
+
+# The operator image and a CPU worker image, built from the Dockerfile with buildah on a Debian base
+# made here (tools/images/; no registry needed). Needs root, buildah, skopeo, umoci and debootstrap.
+images:
+	nice -n 10 bash tools/images/build.sh
 
 e2e: install
 	$(VENV)/bin/pytest -q -m e2e tests/e2e
