@@ -25,9 +25,11 @@ fi
 ca=/etc/ssl/certs/ca-certificates.crt
 [[ -f "$ca" ]] || { echo "images: $ca is missing (apt-get install ca-certificates)" >&2; exit 2; }
 
-stamp="$out/base.stamp"
-want="$(cat "$0" "$ca" | sha256sum | cut -d' ' -f1) $suite $mirror"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && skopeo inspect "containers-storage:$name" >/dev/null 2>&1; then
+# The recipe's hash is a label of the image: buildah's storage is the cache, so a fresh clone on
+# the same machine reuses the base (and every layer built on it).
+want="$(printf '%s\n' "$(cat "$0" "$ca")" "$suite" "$mirror" | sha256sum | cut -d' ' -f1)"
+have="$(skopeo inspect --format '{{index .Labels "dev.bij.base-recipe"}}' "containers-storage:$name" 2>/dev/null || true)"
+if [[ "$have" == "$want" ]]; then
   exit 0
 fi
 echo "images: building the base image $name (debootstrap $suite from $mirror)" >&2
@@ -48,9 +50,8 @@ cp -a "$rootfs/." "$out/base-bundle/rootfs/"
 umoci repack --image "$layout:$suite" "$out/base-bundle"
 umoci config --image "$layout:$suite" \
   --config.env "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
-  --config.env "LANG=C.UTF-8" --config.cmd python3 \
+  --config.env "LANG=C.UTF-8" --config.cmd python3 --config.label "dev.bij.base-recipe=$want" \
   --author "bij tools/images/base.sh" --history.created_by "debootstrap --variant=minbase $suite"
 skopeo copy --quiet "oci:$layout:$suite" "containers-storage:$name" >&2
-rm -rf "$rootfs" "$out/base-bundle"
-echo "$want" > "$stamp"
+rm -rf "$rootfs" "$out/base-bundle" "$layout"
 echo "images: base image $name built in $((SECONDS - start)) s" >&2
