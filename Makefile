@@ -108,8 +108,12 @@ sync-crd: install
 images:
 	nice -n 10 bash tools/images/build.sh
 
-e2e: install
-	$(VENV)/bin/pytest -q -m e2e tests/e2e
+# Real pods: the chart and the images of `make images` on a real node (containerd, runc, CNI bridge,
+# a kubelet of the control plane's release: tests/node/) registered with the local control plane.
+# Without the tools it says what is missing. The kind path (tests/e2e/test_kind.py) runs where
+# Docker and kind exist.
+e2e: install cluster-bin s3-bin
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -rs -m e2e tests/e2e $(PYTEST_ARGS)
 
 clean:
 	rm -rf demo-out examples/data/corpus.jsonl
