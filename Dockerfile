@@ -2,7 +2,9 @@
 # Two images from one build:
 #   docker build --target worker   -t bij-worker:dev .     # vLLM + bij-worker (GPU pods)
 #   docker build --target operator -t bij-operator:dev .   # kopf operator (small, CPU only)
-# The chart's values image / workerImage point at these.
+# The chart's values image / workerImage point at these. `make images` builds both with buildah on
+# a Debian base made locally (tools/images/), the worker for CPU: any base with python3 and pip will
+# do, an "externally managed" distribution Python included.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # Pinned: the engine is the part of the stack whose behaviour changes between releases.
@@ -12,11 +14,14 @@ ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 # --- build: one wheel with both packages (bij_operator, bij_worker) ---------------------------
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-RUN pip install --no-cache-dir setuptools==84.2.1 wheel==0.48.0
+# A distribution's Python (Debian's) is marked externally managed: pip refuses to install into it
+# unless told that this image is its only user.
+ENV PIP_BREAK_SYSTEM_PACKAGES=1
+RUN python3 -m pip install --no-cache-dir setuptools==84.2.1 wheel==0.48.0
 COPY pyproject.toml README.md* ./
 COPY operator/ operator/
 COPY worker/ worker/
-RUN pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels .
+RUN python3 -m pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels .
 
 # --- worker: the round Job pods -------------------------------------------------------------
 FROM ${VLLM_IMAGE} AS worker
@@ -28,10 +33,17 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/home/bij \
     HF_HOME=/models/huggingface
-# A CPU worker for tests: --build-arg VLLM_IMAGE=python:3.11-slim-bookworm --build-arg WORKER_EXTRAS=
+# A CPU worker for tests: --build-arg VLLM_IMAGE=python:3.11-slim-bookworm --build-arg WORKER_EXTRAS=[cpu]
+#   --build-arg TORCH=torch==2.13.0 (the engine for [cpu]; its own layer, so that a change to bij's
+#   code does not download it again). The vLLM base brings its own torch: TORCH stays empty.
+ARG TORCH=
+RUN if [ -n "$TORCH" ]; then python3 -m pip install "$TORCH"; fi
 ARG WORKER_EXTRAS=[vllm]
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    python3 -m pip install "$(ls /wheels/bij-*.whl)${WORKER_EXTRAS}" \
+# COPY, not RUN --mount=from=build: buildah finds a bind mount's stage only when it built that
+# stage in the same run, not when the stage came from its layer cache.
+COPY --from=build /wheels /tmp/wheels
+RUN python3 -m pip install "$(ls /tmp/wheels/bij-*.whl)${WORKER_EXTRAS}" \
+    && rm -rf /tmp/wheels \
     && python3 -c "import bij_worker.entry, bij_worker.main, bij_worker.publish_rows"
 # uid 1000, as the round Jobs' securityContext expects (runAsNonRoot needs a numeric USER).
 # Some bases already have a uid 1000 user (ubuntu); reuse it, with our own HOME.
@@ -58,12 +70,14 @@ ENTRYPOINT ["bij-worker"]
 
 # --- operator: plans rounds, creates Jobs, publishes ----------------------------------------
 FROM ${PYTHON_IMAGE} AS operator
-ENV PIP_NO_CACHE_DIR=1 \
+ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
+    PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install "$(ls /wheels/bij-*.whl)[operator]" \
-    && python -c "import bij_operator.cli, kopf"
+COPY --from=build /wheels /tmp/wheels
+RUN python3 -m pip install "$(ls /tmp/wheels/bij-*.whl)[operator]" \
+    && rm -rf /tmp/wheels \
+    && python3 -c "import bij_operator.cli, kopf"
 RUN useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin bij
 # The chart mounts the root filesystem read-only with an emptyDir at /tmp.
 USER 1000:1000

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down gpu-wheels gpu-check
+.PHONY: images install demo test test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -103,8 +103,17 @@ lint: install
 sync-crd: install
 	$(PY) tools/sync_crd.py
 
-e2e: install
-	$(VENV)/bin/pytest -q -m e2e tests/e2e
+# The operator image and a CPU worker image, built from the Dockerfile with buildah on a Debian base
+# made here (tools/images/; no registry needed). Needs root, buildah, skopeo, umoci and debootstrap.
+images:
+	nice -n 10 bash tools/images/build.sh
+
+# Real pods: the chart and the images of `make images` on a real node (containerd, runc, CNI bridge,
+# a kubelet of the control plane's release: tests/node/) registered with the local control plane.
+# Without the tools it says what is missing. The kind path (tests/e2e/test_kind.py) runs where
+# Docker and kind exist.
+e2e: install cluster-bin s3-bin
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -rs -m e2e tests/e2e $(PYTEST_ARGS)
 
 clean:
 	rm -rf demo-out examples/data/corpus.jsonl

@@ -91,8 +91,11 @@ class ControlPlane:
     `start()` waits until the API server is ready and the controllers have published the
     cluster's root CA into `default`; `stop()` ends every process it started."""
 
-    def __init__(self, state: Path):
+    def __init__(self, state: Path, address: str = "127.0.0.1"):
+        """`address`: where the API server listens, and what it advertises as the `kubernetes`
+        Service's endpoint (a real node's pods reach it there; the process kubelet's share loopback)."""
         self.state = state.resolve()
+        self.address = address
         self.pki = Pki(self.state / "pki")
         self.logs = self.state / "logs"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -102,7 +105,7 @@ class ControlPlane:
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
+        return f"https://{self.address}:{self.port}"
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -130,7 +133,7 @@ class ControlPlane:
             # A test cluster: losing it on a power cut is fine, waiting on fsync is not.
             "--unsafe-no-fsync", "--log-level=warn",
         ])
-        serving = self.pki.issue("apiserver", "kube-apiserver", server=True)
+        serving = self.pki.issue(f"apiserver-{self.address}", "kube-apiserver", server=True, ips=(self.address,))
         sa_key, sa_pub = self.pki.service_account_keys()
         policy = self.state / "audit-policy.yaml"
         policy.write_text(yaml.safe_dump(AUDIT_POLICY))
@@ -138,7 +141,7 @@ class ControlPlane:
         self._spawn("kube-apiserver", [
             str(bin_ / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
+            f"--bind-address={self.address}", f"--advertise-address={self.address}", f"--secure-port={self.port}",
             f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}",
             f"--client-ca-file={self.pki.ca.cert}",
             "--authorization-mode=Node,RBAC", f"--enable-admission-plugins={ADMISSION}",
@@ -148,6 +151,8 @@ class ControlPlane:
             f"--cert-dir={self.state / 'pki' / 'apiserver-generated'}",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
             "--audit-log-mode=blocking",
+            # Nodes are reached (logs, exec) at their address: their names are in no DNS here.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
         ])
         self._wait_ready(started + timeout)
         admin = self.pki.issue("admin", "bij-admin", ("system:masters",))

@@ -68,8 +68,10 @@ class Pki:
         _write_key(key, self.ca.key)
         self.ca.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, name: str, cn: str, orgs: tuple[str, ...] = (), *, server: bool = False) -> KeyPair:
-        """A certificate for `cn` (groups `orgs`), client or serving, kept as `<name>.crt/.key`."""
+    def issue(self, name: str, cn: str, orgs: tuple[str, ...] = (), *, server: bool = False,
+              ips: tuple[str, ...] = ()) -> KeyPair:
+        """A certificate for `cn` (groups `orgs`), client or serving (for SERVING_IPS and `ips`), kept as
+        `<name>.crt/.key`."""
         pair = KeyPair(self.folder / f"{name}.crt", self.folder / f"{name}.key")
         if pair.cert.exists() and pair.key.exists():
             return pair
@@ -84,7 +86,7 @@ class Pki:
                    .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
         if server:
             sans: list[x509.GeneralName] = [x509.DNSName(n) for n in SERVING_NAMES]
-            sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in SERVING_IPS]
+            sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in dict.fromkeys([*SERVING_IPS, *ips])]
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = builder.sign(self._ca_key, hashes.SHA256())  # type: ignore[arg-type]
         _write_key(key, pair.key)

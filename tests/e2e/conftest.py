@@ -120,9 +120,10 @@ def missing_prerequisites() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def prerequisites() -> None:
-    """Skip every e2e test, before any cluster work, when Docker, kind or kubectl is missing.
+    """Skip every kind test (test_kind.py uses this first), before any cluster work, when Docker, kind
+    or kubectl is missing.
 
     A fixture rather than an import-time check, so that collecting the test suite (`make test`
     deselects these tests) never runs `docker info`.

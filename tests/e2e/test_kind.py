@@ -30,7 +30,7 @@ from .conftest import (
 )
 
 # Without Docker, kind or kubectl every test here is skipped (conftest.prerequisites).
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(E2E_TIMEOUT)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(E2E_TIMEOUT), pytest.mark.usefixtures("prerequisites")]
 
 JOB_MANIFEST = MANIFESTS / "bij-job.yaml"
 JOB: dict[str, Any] = yaml.safe_load(JOB_MANIFEST.read_text())

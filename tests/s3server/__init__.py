@@ -48,10 +48,12 @@ def free_port() -> int:
 
 
 class S3Server:
-    """One versitygw process: posix backend and internal IAM under `root_dir`, on 127.0.0.1."""
+    """One versitygw process: posix backend and internal IAM under `root_dir`, on `host` (127.0.0.1,
+    or an address that pods in containers reach)."""
 
-    def __init__(self, exe: Path, root_dir: Path):
+    def __init__(self, exe: Path, root_dir: Path, host: str = "127.0.0.1"):
         self.exe = exe
+        self.host = host
         self.data = root_dir / "data"  # bucket <b>'s object <k> is the file data/<b>/<k>
         self.iam = root_dir / "iam"
         self.log = root_dir / "versitygw.log"
@@ -69,21 +71,21 @@ class S3Server:
             port = free_port()
             with open(self.log, "ab") as log:
                 self.proc = subprocess.Popen(
-                    [str(self.exe), "--port", f"127.0.0.1:{port}", "--access", self.root.access_key,
+                    [str(self.exe), "--port", f"{self.host}:{port}", "--access", self.root.access_key,
                      "--secret", self.root.secret_key, "--region", "us-east-1", "--iam-dir", str(self.iam),
                      "--access-log", str(self.access_log), "--quiet", "posix", str(self.data)],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    socket.create_connection((self.host, port), timeout=1).close()
                 except OSError:
                     time.sleep(0.02)
                     continue
                 # Someone else may have taken the port first: then ours exits, failing to bind it.
                 time.sleep(0.2)
                 if self.proc.poll() is None:
-                    self.endpoint = f"http://127.0.0.1:{port}"
+                    self.endpoint = f"http://{self.host}:{port}"
                     return
             self.stop()
         raise RuntimeError(f"versitygw did not start; its log: {self.log}:\n{self.log.read_text()[-2000:]}")
