@@ -17,6 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart", action="store_true",
                    help="start over: delete this job's manifest, plans and durable results first")
 
+    p = sub.add_parser("cancel", help="stop a job run with `bij run` for good and publish what it finished "
+                                      "(a partial manifest, phase Cancelled)")
+    p.add_argument("spec", help="BatchInferenceJob YAML")
+    p.add_argument("--parallelism", type=int, default=None,
+                   help="publish processes (default: spec.workers.parallelism)")
+
     sub.add_parser("worker", help="the pod entry point (same as bij-worker)", add_help=False)
 
     p = sub.add_parser("render", help="print the Job the operator would create for a round")
@@ -69,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         from bij_operator.local import cli_run
 
         return cli_run(args)
+    if args.command == "cancel":
+        from bij_operator.local import cli_cancel
+
+        return cli_cancel(args)
     if args.command == "render":
         from bij_operator.jobs import cli_render
 

@@ -63,6 +63,7 @@ from .reconcile import (
 )
 from .rounds import summarize
 from .status import decision_status, fmt_time, now_utc, parse_time, phase_conditions, rows_progress, status_differs
+from .stopping import seconds_left
 
 log = logging.getLogger("bij.driver")
 
@@ -151,14 +152,15 @@ class Driver:
                 self.mark_invalid(seen, seen.spec_error)
                 return Idle(None)
             job = seen.job
+            now = now_utc()
             last = decide(job, seen.status, seen.jobs, self.shards_done(job, seen.status),
-                          self.damaged(job, seen.status, seen.jobs))
+                          self.damaged(job, seen.status, seen.jobs), now)
             log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
             if self.on_decision is not None:
                 self.on_decision(last)
             idle = self.apply(seen, job, last)
             if idle is not None:
-                return idle
+                return until_deadline(idle, job, seen.status, now)
         log.warning("%s: still changing after %d steps; continuing shortly", last, MAX_STEPS)
         return Idle(last, recheck=1.0)
 
@@ -221,9 +223,11 @@ class Driver:
                 job_spec["parallelism"] = d.parallelism
             self.backend.patch_job(d.job_name, job_spec)
             reason = {True: "Suspended", False: "Resumed", None: "Scaled"}[d.suspend]
+            if d.phase == "Cancelling":
+                reason = d.reason
             what = {True: "suspended (durable work is kept)", False: "resumed",
                     None: f"parallelism set to {d.parallelism}"}[d.suspend]
-            msg = f"round {d.round}: Job {d.job_name} {what}"
+            msg = d.message if d.phase == "Cancelling" else f"round {d.round}: Job {d.job_name} {what}"
             self.write_status(seen, {**self.base(seen, d, now), "message": msg}, event=("Normal", reason, msg))
             return None
 
@@ -251,12 +255,14 @@ class Driver:
         if isinstance(d, PreparePublish):
             if status.get("phase") != "Publishing":
                 self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
-            plan_uri, pplan = prepare_publish(job, d.rounds)
+            plan_uri, pplan = prepare_publish(job, d.rounds, partial=d.partial)
             passes = {p: pplan.count(p) for p in publish_rows.PASSES}
             msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
-                + " indexes"
-            self.write_status(seen, {**self.base(seen, d, now), "message": msg,
-                                     "publish": {"rounds": d.rounds, "planUri": plan_uri, "passes": passes}})
+                + " indexes" + (" (partial)" if d.partial else "")
+            record: dict[str, Any] = {"rounds": d.rounds, "planUri": plan_uri, "passes": passes}
+            if d.partial:
+                record["partial"] = d.partial
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg, "publish": record})
             return None
 
         if isinstance(d, CreatePublishJob):
@@ -331,12 +337,16 @@ class Driver:
         return created
 
     def published(self, seen: Observed, job: BatchInferenceJob, d: Decision, manifest: Mapping[str, Any]) -> Idle:
-        """Phase Succeeded with what the manifest says."""
+        """Phase Succeeded with what the manifest says (Cancelled or Expired for a partial manifest)."""
         now = now_utc()
         counts = manifest.get("counts") or {}
         uri = layout.manifest_uri(job)
+        partial = (manifest.get("partial") or {}).get("phase")
         msg = (f"published {counts.get('rows', 0)} rows in {len(manifest.get('files') or [])} files "
                f"({counts.get('errors', 0)} error rows) to {uri}")
+        if partial:
+            msg = (f"{partial.lower()} ({manifest['partial'].get('reason', '')}): " + msg
+                   + f"; {counts.get('notRun', 0)} rows not run")
         damaged = [str(o.get("message")) for o in manifest.get("damagedObjects") or []]
         if damaged:
             # input.onDamagedObject errorRow: published without what lay behind the break; never silent.
@@ -347,11 +357,13 @@ class Driver:
                       "they are in the manifest's cappedFiles")
             msg += f"; {capped}"
             self.backend.event("Warning", "RetryCapReached", capped)
-        done = dataclasses.replace(d, phase="Succeeded", reason="Published", message=msg)
-        patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg,
-                 "rows": {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}}
+        done = dataclasses.replace(d, phase=partial or "Succeeded", reason=partial or "Published", message=msg)
+        rows = {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}
+        if partial:
+            rows["notRun"] = int(counts.get("notRun", 0))
+        patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg, "rows": rows}
         patch.update({k: v for k, v in self.progress(job, seen.status, d.round, now).items() if k != "rows"})
-        self.write_status(seen, patch, event=("Normal", "Published", msg))
+        self.write_status(seen, patch, event=("Normal", partial or "Published", msg))
         return Idle(done)
 
     def mark_invalid(self, seen: Observed, err: SpecError) -> None:
@@ -423,3 +435,14 @@ class Driver:
                 **status_fields(records, current, this_round.get("bytes"),
                                 (now - round_start).total_seconds() if round_start else None,
                                 job.spec.workers.price_per_hour)}
+
+
+def until_deadline(idle: Idle, job: BatchInferenceJob, status: Mapping[str, Any], now: Any) -> Idle:
+    """`idle`, asked again no later than spec.deadlineSeconds runs out (so an idle bij still expires)."""
+    if idle.gone or status.get("phase") in TERMINAL_PHASES:
+        return idle
+    left = seconds_left(job, status, now)
+    # Once it has passed the bij is stopping, and its Jobs' changes wake the driver.
+    if not left or (idle.recheck is not None and idle.recheck <= left):
+        return idle
+    return dataclasses.replace(idle, recheck=left + 0.1)

@@ -20,6 +20,7 @@ publishes or plans the next round.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,8 +33,11 @@ from bij_worker.contract.spec import BatchInferenceJob
 from .fingerprint import field_digests
 from .rounds import RoundStats, needs_another_round
 
-Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
-TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed", "Cancelling", "Cancelled",
+                "Expired"]
+# Cancelled and Expired: stopped for good by spec.cancel or spec.deadlineSeconds, the finished part published.
+STOPPED_PHASES: frozenset[str] = frozenset({"Cancelled", "Expired"})
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"}) | STOPPED_PHASES
 # Reasons under which a Failed phase is not final: a spec edit may clear it.
 RECOVERABLE_FAILURES: frozenset[str] = frozenset({"InvalidSpec", "SpecChanged", "PlanRefused", "StorageRefused"})
 
@@ -115,6 +119,7 @@ class JobView:
     parallelism: int | None
     suspend: bool
     active: int
+    terminating: int  # pods being deleted that have not ended yet (SIGTERM sent, draining)
     completed: frozenset[int]
     failed: frozenset[int]
     conditions: Mapping[str, Condition]
@@ -143,6 +148,7 @@ class JobView:
             parallelism=spec.get("parallelism"),
             suspend=bool(spec.get("suspend")),
             active=int(status.get("active") or 0),
+            terminating=int(status.get("terminating") or 0),
             completed=parse_ranges(status.get("completedIndexes")),
             failed=parse_ranges(status.get("failedIndexes")),
             conditions=conditions,
@@ -227,9 +233,11 @@ class FinishRound(Decision):
 
 @dataclass(frozen=True, kw_only=True)
 class PreparePublish(Decision):
-    """Check rounds ``0..rounds-1`` and write the publish plan (O(shards)); record it in ``status.publish``."""
+    """Check rounds ``0..rounds-1`` and write the publish plan (O(shards)); record it in ``status.publish``.
+    ``partial``: Cancelled or Expired, the shards left unfinished are published as far as they got."""
 
     rounds: int
+    partial: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,9 +253,10 @@ class CreatePublishJob(Decision):
 @dataclass(frozen=True, kw_only=True)
 class Publish(Decision):
     """Every publish pass is done: write ``<output>/manifest.json`` over rounds ``0..rounds-1`` from the
-    per-shard summaries (O(shards)), then phase Succeeded."""
+    per-shard summaries (O(shards)), then phase Succeeded (or ``partial``: Cancelled or Expired)."""
 
     rounds: int
+    partial: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,11 +359,12 @@ def decide(
     observed_jobs: Sequence[Mapping[str, Any]],
     shards_done: int | None = None,
     damaged: Sequence[str] = (),
+    now: dt.datetime | None = None,
 ) -> Decision:
     """The next step for `job`, given its current ``status``, the Jobs labelled with its name,
     how many shards of the current round have a completion record (None: not looked at) and the
     input objects the round's workers found damaged (`DamageRecord.describe`, looked at once the
-    round's Job failed).
+    round's Job failed). `now` (default: the clock) decides whether spec.deadlineSeconds has passed.
 
     The Job has one index per lane and a lane works many shards, so the round is over when every
     shard is done: a lane that failed for good costs nothing if the others finished its shards.
@@ -369,6 +379,14 @@ def decide(
     if phase == "Failed" and failure_reason(status) not in RECOVERABLE_FAILURES:
         return Nothing(round=r, phase="Failed", reason=failure_reason(status) or "Failed",
                        message=str(_condition_message(status, "Failed") or "failed"))
+    if phase in STOPPED_PHASES:
+        return Nothing(round=r, phase=phase, reason=phase, message=str(status.get("message") or phase.lower()))
+
+    from .stopping import stop_decision, stop_requested  # stopping builds on this module's decisions
+
+    stop = stop_requested(job, status, now or dt.datetime.now(dt.timezone.utc))
+    if stop is not None:
+        return stop_decision(job, status, observed_jobs, stop)
 
     changed = spec_changed_since_planning(job, status)
     if changed:
