@@ -57,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
                                   "s3://...; S3 settings from the AWS environment)")
 
     sub.add_parser("operator", help="run the kopf operator (in-cluster or with a kubeconfig)", add_help=False)
+    sub.add_parser("api", help="run bij-api, the OpenAI Files and Batches API (same as bij-api)", add_help=False)
 
     if argv is None:
         argv = sys.argv[1:]
-    # `worker` and `operator` take their own flags: hand the rest through untouched.
+    # `worker`, `operator` and `api` take their own flags: hand the rest through untouched.
     if argv and argv[0] == "worker":
         from bij_worker.entry import main as worker_main
 
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         from bij_operator.handlers import main as operator_main
 
         return operator_main(argv[1:])
+    if argv and argv[0] == "api":
+        from bij_operator.api.server import main as api_main
+
+        return api_main(argv[1:])
 
     args = parser.parse_args(argv)
     if args.command == "run":
