@@ -50,6 +50,7 @@ def bij(phase: str | None = None, *, cancel: bool = False, rows: dict[str, int] 
     (bij("Cancelling"), "finalizing"),  # the deadline passed: the finished part is being published
     (bij("Running", cancel=True), "cancelling"),
     (bij("Cancelling", cancel=True), "cancelling"),
+    (bij("Publishing", cancel=True), "finalizing"),  # asked too late: every row was done
     (bij("Succeeded"), "completed"),
     (bij("Failed"), "failed"),
     (bij("Cancelled", cancel=True), "cancelled"),

@@ -98,10 +98,12 @@ def status_of(bij: Mapping[str, Any]) -> str:
         return "completed"
     if phase == "Failed":
         return "failed"
+    if phase == "Publishing":
+        return "finalizing"  # every row is done (a cancel asked for now changes nothing): results being written
     if cancel:
         return "cancelling"
-    if phase == "Cancelling" or phase == "Publishing":
-        return "finalizing"  # the deadline passed, or every row is done: the results are being written
+    if phase == "Cancelling":
+        return "finalizing"  # the deadline passed: the finished part is being published
     if phase in ("Running", "Suspended") or (phase == "Pending" and st.get("rounds")):
         return "in_progress"
     return "validating"
