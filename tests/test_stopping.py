@@ -169,6 +169,9 @@ def test_ctrl_c_pauses_and_bij_cancel_publishes_what_was_finished(file_place, ma
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 3 and "never runs or publishes again" in again.stderr
     assert not computed.exists()
+    republish = subprocess.run([bij_bin("bij"), "publish", str(spec)], env=worker_env(), capture_output=True,
+                               text=True, timeout=120)
+    assert republish.returncode == 42 and "never published again" in republish.stderr
     assert (read_output(job).raw, read_output(job).manifest) == before
 
 

@@ -187,6 +187,15 @@ def prepare_publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | 
     as far as it is durable and the passes count its rows not run. O(shards). Returns the plan's URI
     and the plan."""
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
+    try:
+        stopped = (json.loads(store.read_bytes(layout.manifest_uri(job))).get("partial") or {}).get("phase")
+    except NotFound:
+        stopped = None
+    if stopped:
+        # Cancelled or expired: its partial manifest is its result for good.
+        raise PublishError(f"{job.metadata.name} was {stopped.lower()} and its finished part published to "
+                           f"{layout.manifest_uri(job)}: it is never published again; to run it anew, use a new "
+                           "spec.output.uri (or bij run --restart)", permanent=True)
     removed = removed_record(store, job)
     if removed is not None:
         raise WorkFilesRemoved(
