@@ -161,6 +161,10 @@ def test_ctrl_c_pauses_and_bij_cancel_publishes_what_was_finished(file_place, ma
     counts = check_partial(read_output(job), inputs, "Cancelled", bad=1)
     assert counts["completed"] + counts["failed"] == durable and counts["notRun"] > 0
     assert f"cancelled: {counts['completed']:,} rows completed, 1 failed, {counts['notRun']:,} not run" in c.stderr
+    status = subprocess.run([bij_bin("bij"), "status", str(spec)], env=worker_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert f"partial   cancelled (spec.cancel): {counts['completed']:,} completed, 1 failed, " \
+        f"{counts['notRun']:,} not run" in status.stdout
 
     # Never again: neither a rerun nor another cancel runs or publishes anything.
     before = read_output(job).raw, read_output(job).manifest
