@@ -20,6 +20,7 @@ publishes or plans the next round.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,6 +33,7 @@ from bij_worker.contract.spec import BatchInferenceJob
 
 from .fingerprint import field_digests
 from .rounds import RoundStats, needs_another_round
+from .stopping import Stop, stop_requested
 
 Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed", "Cancelling", "Cancelled",
                 "Expired"]
@@ -382,11 +384,9 @@ def decide(
     if phase in STOPPED_PHASES:
         return Nothing(round=r, phase=phase, reason=phase, message=str(status.get("message") or phase.lower()))
 
-    from .stopping import stop_decision, stop_requested  # stopping builds on this module's decisions
-
     stop = stop_requested(job, status, now or dt.datetime.now(dt.timezone.utc))
     if stop is not None:
-        return stop_decision(job, status, observed_jobs, stop)
+        return stopping_step(job, status, observed_jobs, stop)
 
     changed = spec_changed_since_planning(job, status)
     if changed:
@@ -613,6 +613,36 @@ def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
         return PlanRound(round=r + 1, phase="Running", reason="Planning",
                          message=f"round {r}: the judge rejected {rejected} rows; planning round {r + 1}")
     return publishing(job, status, r, observed_jobs)
+
+
+def stopping_step(job: BatchInferenceJob, status: Mapping[str, Any], observed_jobs: Sequence[Mapping[str, Any]],
+                  stop: Stop) -> Decision:
+    """The next step of a bij that stops for good (`stopping`): plan round 0 if it never was, suspend the
+    round's Job so its workers drain as on preemption, wait until no pod of it is active or terminating,
+    then publish rounds 0..round as a partial manifest (phase Cancelling until it ends Cancelled or Expired)."""
+    r = current_round(status)
+    rec = round_records(status).get(r)
+    if rec is None and r == 0:
+        return PlanRound(round=0, phase="Cancelling", reason=stop.reason,
+                         message=f"{stop.message}: planning round 0 to count the rows not run")
+    view = round_job(job, r, observed_jobs)
+    if view is not None and is_ours(job, view) and not (view.succeeded or view.failed_for_good):
+        if not view.suspend:
+            return PatchJob(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes, job_name=view.name,
+                            suspend=True,
+                            message=f"{stop.message}: stopping Job {view.name} (its workers drain, as on preemption)")
+        pods = view.active + view.terminating
+        if pods or not view.has("Suspended"):
+            return Wait(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes,
+                        message=f"{stop.message}: waiting for {pods} worker pod(s) of Job {view.name} to drain")
+    # Rounds 0..r: round r as far as it got (its unfinished shards count their rows not run).
+    d = publishing(job, status, r, observed_jobs)
+    if isinstance(d, (PreparePublish, Publish)):
+        d = dataclasses.replace(d, partial=stop.phase)
+    if isinstance(d, (PreparePublish, Publish, CreatePublishJob, Wait)):
+        return dataclasses.replace(d, phase="Cancelling", reason=stop.reason,
+                                   message=f"{stop.message}: {d.message} (partial)")
+    return d
 
 
 def _condition_message(status: Mapping[str, Any], type_: str) -> str | None:

@@ -1,6 +1,7 @@
 """Stopping a bij for good: ``spec.cancel: true``, or ``spec.deadlineSeconds`` passed.
 
-Either way the bij goes through the same steps, decided here from (spec, status, observed Jobs):
+This module says whether and why a bij stops (`stop_requested`), and when its deadline comes;
+`reconcile.stopping_step` decides its steps, the same either way:
 
 1. plan round 0 if it never was, so that every input row is counted;
 2. suspend the current round's Job: its pods are deleted with their grace period, so each worker
@@ -18,29 +19,12 @@ planned), or from ``status.startTime`` when there is none.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from bij_worker.contract.spec import BatchInferenceJob
-
-from .reconcile import (
-    CreatePublishJob,
-    Decision,
-    PatchJob,
-    PlanRound,
-    PreparePublish,
-    Publish,
-    Wait,
-    current_round,
-    is_ours,
-    publishing,
-    round_job,
-    round_records,
-)
-from .status import parse_time
 
 
 @dataclass(frozen=True)
@@ -50,6 +34,14 @@ class Stop:
     phase: Literal["Cancelled", "Expired"]
     reason: str
     message: str
+
+
+def parse_time(text: Any) -> dt.datetime | None:
+    """An RFC 3339 time as Kubernetes writes it, or None."""
+    try:
+        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
+    except ValueError:
+        return None
 
 
 def deadline(job: BatchInferenceJob, status: Mapping[str, Any]) -> dt.datetime | None:
@@ -80,31 +72,3 @@ def stop_requested(job: BatchInferenceJob, status: Mapping[str, Any], now: dt.da
         return Stop("Expired", "DeadlineExceeded",
                     f"spec.deadlineSeconds ({job.spec.deadline_seconds}) passed at {at:%Y-%m-%dT%H:%M:%SZ}")
     return None
-
-
-def stop_decision(job: BatchInferenceJob, status: Mapping[str, Any], observed_jobs: Sequence[Mapping[str, Any]],
-                  stop: Stop) -> Decision:
-    """The next step of a stopping bij (see the module's docstring)."""
-    r = current_round(status)
-    rec = round_records(status).get(r)
-    if rec is None and r == 0:
-        return PlanRound(round=0, phase="Cancelling", reason=stop.reason,
-                         message=f"{stop.message}: planning round 0 to count the rows not run")
-    view = round_job(job, r, observed_jobs)
-    if view is not None and is_ours(job, view) and not (view.succeeded or view.failed_for_good):
-        if not view.suspend:
-            return PatchJob(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes, job_name=view.name,
-                            suspend=True,
-                            message=f"{stop.message}: stopping Job {view.name} (its workers drain, as on preemption)")
-        pods = view.active + view.terminating
-        if pods or not view.has("Suspended"):
-            return Wait(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes,
-                        message=f"{stop.message}: waiting for {pods} worker pod(s) of Job {view.name} to drain")
-    # Rounds 0..r: round r as far as it got (its unfinished shards count their rows not run).
-    d = publishing(job, status, r, observed_jobs)
-    if isinstance(d, PreparePublish | Publish):
-        d = dataclasses.replace(d, partial=stop.phase)
-    if isinstance(d, PreparePublish | Publish | CreatePublishJob | Wait):
-        return dataclasses.replace(d, phase="Cancelling", reason=stop.reason,
-                                   message=f"{stop.message}: {d.message} (partial)")
-    return d
