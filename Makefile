@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: images install demo test test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down gpu-wheels gpu-check
+.PHONY: images install demo test test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down api-demo gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,11 @@ cluster-up: install
 
 cluster-down:
 	PYTHONPATH=tests $(PY) -m cluster down
+
+# The OpenAI Batch API on the local cluster: examples/openai_batch.py, only the openai SDK, against the
+# bij-api that cluster-up installs (its URL and a token are in .cluster/api.env, and printed by cluster-up).
+api-demo: cluster-up
+	set -a && . .cluster/api.env && set +a && $(PY) examples/openai_batch.py
 
 # The vLLM tier runs when .venv-vllm is there (make vllm-env; CI builds it); without it its tests are
 # skipped, saying how to get it. It is never rebuilt here: `make test-vllm` does that when needed.

@@ -42,6 +42,12 @@ NON_DEFAULT = {
     "priorityClassName": "system-cluster-critical",
 }
 CLUSTER_WIDE_PEERING = {"peering": {"enabled": True}, "podMonitor": {"enabled": True}}
+MODELS = {"llama-8b": {"model": {"engine": "vllm", "name": "meta-llama/Llama-3.1-8B-Instruct"},
+                       "workers": {"gpus": 1, "spot": True, "parallelism": 4}},
+          "minilm": {"model": {"engine": "sentence-transformers"}}}
+WITH_API = {"api": {"enabled": True, "filesPrefix": "s3://openai-files/prod/", "models": MODELS,
+                    "s3": {"region": "eu-west-1"},
+                    "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "r"}}}}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +92,8 @@ def chart_crds(chart: helm.Chart) -> list[dict[str, Any]]:
 # --- Helm's own checks --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values", [{}, NON_DEFAULT, CLUSTER_WIDE_PEERING], ids=["default", "namespaced", "peering"])
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT, CLUSTER_WIDE_PEERING, WITH_API],
+                         ids=["default", "namespaced", "peering", "api"])
 def test_chart_lints_without_warnings(values: dict[str, Any]) -> None:
     report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version="v1.31.0")
     assert report["errors"] == []
@@ -110,7 +117,8 @@ def test_every_documented_value_is_in_the_schema(chart: helm.Chart) -> None:
 
 
 @pytest.mark.parametrize("kube", KUBE_VERSIONS)
-@pytest.mark.parametrize("values", [{}, NON_DEFAULT, CLUSTER_WIDE_PEERING], ids=["default", "namespaced", "peering"])
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT, CLUSTER_WIDE_PEERING, WITH_API],
+                         ids=["default", "namespaced", "peering", "api"])
 def test_rendered_objects_are_valid_for_kubernetes(chart: helm.Chart, values: dict[str, Any], kube: str) -> None:
     objects = render(chart, values)
     crd_schemas = {
@@ -422,3 +430,44 @@ def test_notes_name_the_worker_namespaces(chart: helm.Chart) -> None:
     assert "BatchInferenceJobs in: team-a, team-b." in notes
     assert "created in:\n  team-a, team-b, team-c\n" in notes
     assert '["' not in notes  # no raw JSON lists from the helpers
+
+
+# --- bij-api ------------------------------------------------------------------------------
+
+
+def api_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if (o["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "api"]
+
+
+def test_bij_api_is_off_by_default(chart: helm.Chart) -> None:
+    assert api_objects(render(chart)) == []
+
+
+def test_bij_api_runs_the_model_map_under_its_own_account_with_exactly_its_grants(chart: helm.Chart) -> None:
+    from bij_operator.api.models import ModelMap
+
+    objects = api_objects(render(chart, WITH_API))
+    assert sorted(o["kind"] for o in objects) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment",
+                                                   "Service", "ServiceAccount"]
+    models = yaml.safe_load(one(objects, "ConfigMap")["data"]["models.yaml"])
+    assert models == MODELS and ModelMap.parse(models, "models.yaml").names == ["llama-8b", "minilm"]
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["bij", "api"]
+    assert {"--files-prefix=s3://openai-files/prod/", "--s3-region=eu-west-1"} <= set(container["args"])
+    assert {"name": "BIJ_API_MODELS", "value": "/etc/bij-api/models.yaml"} in container["env"]
+    sa = one(objects, "ServiceAccount")
+    assert pod["serviceAccountName"] == sa["metadata"]["name"] != "bij-bij-operator"
+    assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "r"}
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
+    assert grants(one(objects, "ClusterRole")["rules"]) == {
+        ("authentication.k8s.io", "tokenreviews", "create"), ("authorization.k8s.io", "subjectaccessreviews", "create"),
+        *{("batchinference.io", "batchinferencejobs", v) for v in ("get", "list", "create", "patch")}}
+    service = one(objects, "Service")
+    assert service["spec"]["selector"] == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
+
+
+def test_bij_api_needs_a_files_prefix(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmError, match="api.filesPrefix is required"):
+        chart.render({"api": {"enabled": True}}, name="bij", namespace=NAMESPACE)

@@ -669,6 +669,53 @@ def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(env: En
     assert_every_row_once(env.tmp / "out-sus" / "manifest.json", ids)
 
 
+def assert_partial(env: Env, name: str, ids: list[Any], phase: str) -> dict[str, Any]:
+    """The partial manifest of a stopped bij: every finished row once, and the rest counted as not run."""
+    manifest = env.tmp / f"out-{name}" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    assert doc["partial"]["phase"] == phase
+    counts = doc["partial"]["counts"]
+    rows = published(manifest)
+    got = [json.dumps(r["id"]) for r in rows]
+    assert len(got) == len(set(got)) == counts["completed"] and set(got) <= {json.dumps(i) for i in ids}
+    assert counts["completed"] + counts["failed"] + counts["notRun"] == len(ids)
+    assert counts["notRun"] >= 1  # the held row never ran
+    st = env.status(name)
+    assert st["rows"] == {"done": counts["completed"], "failed": counts["failed"], "notRun": counts["notRun"]}
+    return counts
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_cancel_or_a_deadline_drains_the_round_and_publishes_the_finished_rows_once(env: Env, how: str) -> None:
+    ids = job_ids(env)
+    name = f"stop-{how}"
+    hold_row(env, f"{name}-r0")
+    # The held row keeps its shard from finishing: the deadline always finds the job unfinished, with
+    # however many rows this machine managed by then.
+    spec: dict[str, Any] = {"deadlineSeconds": 20} if how == "deadline" else {}
+    env.create(env.doc(name, **spec))
+    if how == "cancel":
+        wait_for(lambda: all_but_one_shard_done(env, name), 120, "every shard but the held one done")
+        env.kubectl("patch", "bij", name, "--type=merge", "-p", '{"spec": {"cancel": true}}')
+    phase = "Cancelled" if how == "cancel" else "Expired"
+    env.wait_phase(name, phase, timeout=180)
+    counts = assert_partial(env, name, ids, phase)
+    reasons = env.reasons(name)
+    assert phase in reasons and "Published" not in reasons
+    # Drained, not failed: the held pod was stopped through the suspended Job.
+    job = env.job(f"{name}-r0")
+    assert job["spec"]["suspend"] is True and job["status"].get("failed", 0) == 0
+    assert not [p for p in env.pods(f"{name}-r0") if p["status"].get("phase") == "Running"]
+    # Never again: taking cancel back or releasing the held row publishes nothing new.
+    (env.gates / f"holdrow-{name}-r0").unlink()
+    env.custom.patch_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, name,
+                                              {"spec": {"cancel": False, "deadlineSeconds": None}})
+    wait_for(lambda: env.status(name).get("observedGeneration") == env.bij(name)["metadata"]["generation"] or None,
+             60, "the operator saw the edit")
+    assert env.status(name)["phase"] == phase and env.job(f"{name}-r0")["spec"]["suspend"] is True
+    assert assert_partial(env, name, ids, phase) == counts
+
+
 def test_a_foreign_job_with_the_rounds_name_is_reported_never_adopted(env: Env) -> None:
     job_ids(env)
     env.foreign_job("clash-r0")

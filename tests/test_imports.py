@@ -18,6 +18,7 @@ PACKAGES = {"bij_operator": ROOT / "operator" / "bij_operator", "bij_worker": RO
 # What `decide()` may stand on: plain data and functions over it, no storage, Kubernetes or processes.
 PURE = {
     "bij_operator.reconcile", "bij_operator.fingerprint", "bij_operator.rounds",
+    "bij_operator.stopping",  # whether cancel was asked or the deadline passed: the spec, the status, a clock
     "bij_worker.contract", "bij_worker.contract.codes", "bij_worker.contract.errors", "bij_worker.contract.spec",
     "bij_worker.contract.plan", "bij_worker.contract.publish_plan",
     "bij_worker.sampling",  # the spec's sampling defaults are checked with the rows' own rules

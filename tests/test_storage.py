@@ -104,6 +104,32 @@ def test_create_writes_only_where_nothing_is(place):
     assert place.storage.read_bytes(uri) == b"first"
 
 
+def test_a_streamed_write_holds_one_part_at_a_time_and_appears_whole(place, monkeypatch):
+    import bij_worker.storage as storage_module
+
+    monkeypatch.setattr(storage_module, "MULTIPART_BYTES", 5 << 20)  # S3's smallest part but the last
+    uri = place.uri("files/big.jsonl")
+    parts = [bytes([65 + i % 26]) * (1 << 20) for i in range(12)] + [b"tail\n"]
+    assert place.storage.write_stream(uri, iter(parts)) == sum(map(len, parts))
+    assert place.storage.read_bytes(uri) == b"".join(parts)
+    small = place.uri("files/small.jsonl")
+    assert place.storage.write_stream(small, iter([b"a\n", b"b\n"])) == 4
+    assert place.storage.read_bytes(small) == b"a\nb\n"
+
+
+def test_a_streamed_write_that_fails_midway_leaves_nothing(place):
+    uri = place.uri("files/broken.jsonl")
+
+    def parts():
+        yield b"x" * (9 << 20)  # past one S3 part: a multipart upload is under way
+        raise ConnectionAbortedError("the client went away")
+
+    with pytest.raises(ConnectionAbortedError):
+        place.storage.write_stream(uri, parts())
+    assert not place.storage.exists(uri)
+    assert [o.uri for o in place.storage.list(place.uri("files/"))] == []
+
+
 def test_temp_files_of_killed_writes_are_removed_once_stale(tmp_path: Path):
     fs = FileStorage()
     fs.write_bytes(f"file://{tmp_path}/results/r0-00000.jsonl", b"x\n")

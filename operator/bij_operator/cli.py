@@ -17,6 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart", action="store_true",
                    help="start over: delete this job's manifest, plans and durable results first")
 
+    p = sub.add_parser("cancel", help="stop a job run with `bij run` for good and publish what it finished "
+                                      "(a partial manifest, phase Cancelled)")
+    p.add_argument("spec", help="BatchInferenceJob YAML")
+    p.add_argument("--parallelism", type=int, default=None,
+                   help="publish processes (default: spec.workers.parallelism)")
+
     sub.add_parser("worker", help="the pod entry point (same as bij-worker)", add_help=False)
 
     p = sub.add_parser("render", help="print the Job the operator would create for a round")
@@ -51,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
                                   "s3://...; S3 settings from the AWS environment)")
 
     sub.add_parser("operator", help="run the kopf operator (in-cluster or with a kubeconfig)", add_help=False)
+    sub.add_parser("api", help="run bij-api, the OpenAI Files and Batches API (same as bij-api)", add_help=False)
 
     if argv is None:
         argv = sys.argv[1:]
-    # `worker` and `operator` take their own flags: hand the rest through untouched.
+    # `worker`, `operator` and `api` take their own flags: hand the rest through untouched.
     if argv and argv[0] == "worker":
         from bij_worker.entry import main as worker_main
 
@@ -63,12 +70,20 @@ def main(argv: list[str] | None = None) -> int:
         from bij_operator.handlers import main as operator_main
 
         return operator_main(argv[1:])
+    if argv and argv[0] == "api":
+        from bij_operator.api.server import main as api_main
+
+        return api_main(argv[1:])
 
     args = parser.parse_args(argv)
     if args.command == "run":
         from bij_operator.local import cli_run
 
         return cli_run(args)
+    if args.command == "cancel":
+        from bij_operator.local import cli_cancel
+
+        return cli_cancel(args)
     if args.command == "render":
         from bij_operator.jobs import cli_render
 

@@ -67,6 +67,7 @@ from .reconcile import (
 from .rounds import RoundStats
 from .status import decision_status, fmt_time, now_utc, parse_time, phase_conditions, status_differs
 from .steps import StepFailed, rebuild_error
+from .stopping import seconds_left
 
 log = logging.getLogger("bij.driver")
 
@@ -164,9 +165,10 @@ class Driver:
                 self.mark_invalid(seen, seen.spec_error)
                 return Idle(None)
             job = seen.job
+            now = now_utc()
             end = self.round_end(seen, job)
             if isinstance(end, Idle):
-                return end
+                return until_deadline(end, job, seen.status, now)
             if end == "again":
                 continue
             if end is not None:
@@ -174,13 +176,13 @@ class Driver:
                 damaged = [str(m) for m in end.get("damaged") or []]
             else:
                 shards_done, damaged = self.shards_done(seen.status), []
-            last = decide(job, seen.status, seen.jobs, shards_done, damaged)
+            last = decide(job, seen.status, seen.jobs, shards_done, damaged, now)
             log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
             if self.on_decision is not None:
                 self.on_decision(last)
             idle = self.apply(seen, job, last)
             if idle is not None:
-                return idle
+                return until_deadline(idle, job, seen.status, now)
         log.warning("%s: still changing after %d steps; continuing shortly", last, MAX_STEPS)
         return Idle(last, recheck=1.0)
 
@@ -250,9 +252,11 @@ class Driver:
                 job_spec["parallelism"] = d.parallelism
             self.backend.patch_job(d.job_name, job_spec)
             reason = {True: "Suspended", False: "Resumed", None: "Scaled"}[d.suspend]
+            if d.phase == "Cancelling":
+                reason = d.reason
             what = {True: "suspended (durable work is kept)", False: "resumed",
                     None: f"parallelism set to {d.parallelism}"}[d.suspend]
-            msg = f"round {d.round}: Job {d.job_name} {what}"
+            msg = d.message if d.phase == "Cancelling" else f"round {d.round}: Job {d.job_name} {what}"
             self.write_status(seen, {**self.base(seen, d, now), "message": msg}, event=("Normal", reason, msg))
             return None
 
@@ -290,7 +294,7 @@ class Driver:
         if isinstance(d, PreparePublish):
             if status.get("phase") != "Publishing":
                 self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
-            got = self.run_step(seen, job, d, "publish-plan", rounds=d.rounds)
+            got = self.run_step(seen, job, d, "publish-plan", rounds=d.rounds, partial=d.partial)
             if got is None or isinstance(got, Idle):
                 return got
             if "published" in got:
@@ -298,9 +302,11 @@ class Driver:
                 return self.published(seen, job, d, got["published"])
             plan_uri, passes = str(got["planUri"]), {str(k): int(v) for k, v in dict(got["passes"]).items()}
             msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
-                + " indexes"
-            self.write_status(seen, {**self.base(seen, d, now), "message": msg,
-                                     "publish": {"rounds": d.rounds, "planUri": plan_uri, "passes": passes}})
+                + " indexes" + (" (partial)" if d.partial else "")
+            record: dict[str, Any] = {"rounds": d.rounds, "planUri": plan_uri, "passes": passes}
+            if d.partial:
+                record["partial"] = d.partial
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg, "publish": record})
             return None
 
         if isinstance(d, CreatePublishJob):
@@ -377,13 +383,17 @@ class Driver:
         return created
 
     def published(self, seen: Observed, job: BatchInferenceJob, d: Decision, manifest: Mapping[str, Any]) -> Idle:
-        """Phase Succeeded with what the manifest says."""
+        """Phase Succeeded with what the manifest says (Cancelled or Expired for a partial manifest)."""
         now = now_utc()
         counts = manifest.get("counts") or {}
         uri = layout.manifest_uri(job)
+        partial = (manifest.get("partial") or {}).get("phase")
         files = manifest.get("files") or 0
         msg = (f"published {counts.get('rows', 0)} rows in {files if isinstance(files, int) else len(files)} files "
                f"({counts.get('errors', 0)} error rows) to {uri}")
+        if partial:
+            msg = (f"{partial.lower()} ({manifest['partial'].get('reason', '')}): " + msg
+                   + f"; {counts.get('notRun', 0)} rows not run")
         damaged = [str(o.get("message")) for o in manifest.get("damagedObjects") or []]
         if damaged:
             # input.onDamagedObject errorRow: published without what lay behind the break; never silent.
@@ -394,11 +404,13 @@ class Driver:
                       "they are in the manifest's cappedFiles")
             msg += f"; {capped}"
             self.backend.event("Warning", "RetryCapReached", capped)
-        done = dataclasses.replace(d, phase="Succeeded", reason="Published", message=msg)
-        patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg,
-                 "rows": {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}}
+        done = dataclasses.replace(d, phase=partial or "Succeeded", reason=partial or "Published", message=msg)
+        rows = {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}
+        if partial:
+            rows["notRun"] = int(counts.get("notRun", 0))
+        patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg, "rows": rows}
         patch.update({k: v for k, v in self.progress(seen.status, d.round, now).items() if k != "rows"})
-        self.write_status(seen, patch, event=("Normal", "Published", msg))
+        self.write_status(seen, patch, event=("Normal", partial or "Published", msg))
         return Idle(done)
 
     def mark_invalid(self, seen: Observed, err: SpecError) -> None:
@@ -425,7 +437,7 @@ class Driver:
     # --- storage steps, run as Jobs in the bij's namespace (bij_operator.steps) ---------------------
 
     def run_step(self, seen: Observed, job: BatchInferenceJob, d: Decision, kind: str, round_no: int = 0, *,
-                 rounds: int = 0, plan_uri: str = "") -> dict[str, Any] | Idle | None:
+                 rounds: int = 0, plan_uri: str = "", partial: str | None = None) -> dict[str, Any] | Idle | None:
         """The result of one storage step, which runs as a one-pod Job of its own and reports into the
         bij's status; None when its Job was just made (look again), an Idle while it runs (a change of the
         Job wakes the driver). A reported failure is raised as the error the step met, marked with the
@@ -433,7 +445,7 @@ class Driver:
         name = step_job_name(job, kind, round_no)
         raw = next((j for j in seen.jobs if (j.get("metadata") or {}).get("name") == name), None)
         if raw is None:
-            body = render_step_job(job, kind, round_no, rounds=rounds, plan_uri=plan_uri,
+            body = render_step_job(job, kind, round_no, rounds=rounds, plan_uri=plan_uri, partial=partial,
                                    image=self.backend.worker_image, owner_uid=job.metadata.uid,
                                    file_volume=self.backend.file_volume)
             body["metadata"]["labels"][GENERATION_LABEL] = str(seen.generation or 0)
@@ -544,3 +556,14 @@ def lane_reports(status: Mapping[str, Any], round_no: int) -> list[Mapping[str, 
     """The progress reports of the lanes of round `round_no` (``status.reports.lanes``)."""
     reported = (status.get("reports") or {}).get("lanes") or {}
     return [v for v in reported.values() if isinstance(v, Mapping) and v.get("round") == round_no]
+
+
+def until_deadline(idle: Idle, job: BatchInferenceJob, status: Mapping[str, Any], now: Any) -> Idle:
+    """`idle`, asked again no later than spec.deadlineSeconds runs out (so an idle bij still expires)."""
+    if idle.gone or status.get("phase") in TERMINAL_PHASES:
+        return idle
+    left = seconds_left(job, status, now)
+    # Once it has passed the bij is stopping, and its Jobs' changes wake the driver.
+    if not left or (idle.recheck is not None and idle.recheck <= left):
+        return idle
+    return dataclasses.replace(idle, recheck=left + 0.1)

@@ -287,7 +287,7 @@ def step_job_name(job: BatchInferenceJob, kind: str, round_no: int = 0) -> str:
 
 
 def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rounds: int = 0, plan_uri: str = "",
-                    image: str = DEFAULT_WORKER_IMAGE, owner_uid: str | None = None,
+                    partial: str | None = None, image: str = DEFAULT_WORKER_IMAGE, owner_uid: str | None = None,
                     file_volume: FileVolume | None = None) -> dict[str, Any]:
     """The one-pod batch/v1 Job of one of the driver's storage steps (`bij_operator.steps`): planning
     round `round_no`, its statistics once its Job ended, the publish plan, the manifest.
@@ -315,6 +315,8 @@ def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rou
             "--job-spec", json.dumps(job_to_dict(job), separators=(",", ":"))]
     if plan_uri:
         args += ["--plan", plan_uri]
+    if partial:
+        args += ["--partial", partial]
     container["args"] = args
     return body
 

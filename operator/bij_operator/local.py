@@ -9,9 +9,11 @@ Job at once. A lane loads the model once and works many shards, taking over thos
 that stopped (bij_worker.lanes), so a round succeeds when every shard is done. Ctrl-C asks every
 worker to stop cleanly; running the same command again resumes from what is durable.
 
-Exit codes: 0 published; 1 failed, a rerun may help (it resumes); 42 bad configuration, a rerun
-cannot help until something changes (the spec, the flags, the environment; the message says
-what); 130 stopped by Ctrl-C.
+Exit codes: 0 published; 1 failed, a rerun may help (it resumes); 3 stopped for good by
+spec.cancel or spec.deadlineSeconds, the finished part published as a partial manifest; 42 bad
+configuration, a rerun cannot help until something changes (the spec, the flags, the environment;
+the message says what); 130 stopped by Ctrl-C. `bij cancel` (`LocalRunner(cancel=True)`) publishes
+what a stopped run finished and exits 0 once the job is Cancelled.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ from .localjobs import LocalJob, worker_command, worker_env
 from .planner import PlanError, RoundPlan, plan_round, reset_output
 from .progress import shard_records
 from .publish import PublishError, publish, read_manifest, removed_record
-from .reconcile import TERMINAL_PHASES, Retry, failure_reason, round_records
+from .reconcile import STOPPED_PHASES, TERMINAL_PHASES, Retry, failure_reason, round_records
 
 # Failures a rerun cannot fix until something changes (exit 42); any other failure may pass (exit 1).
 BAD_CONFIG_REASONS = frozenset({"PodFailurePolicy", "InvalidSpec", "PlanRefused", "SpecChanged", "CannotCreateJob",
                                 "TooManyErrors", "WorkFilesRemoved", "DamagedInput", "StorageRefused"})
+EXIT_STOPPED = 3  # Cancelled or Expired: a partial manifest was published, and the job never runs again
 
 
 @dataclass
@@ -259,7 +262,7 @@ class LocalRunner:
     """Runs one job to the end through the operator's decisions, with worker subprocesses."""
 
     def __init__(self, job: BatchInferenceJob, parallelism: int | None = None, show_progress: bool = True,
-                 worker_cmd: list[str] | None = None):
+                 worker_cmd: list[str] | None = None, cancel: bool = False):
         if parallelism is not None and parallelism < 1:
             raise ValueError(f"--parallelism must be at least 1, got {parallelism}")
         if parallelism is not None and parallelism != job.spec.workers.parallelism:
@@ -267,6 +270,10 @@ class LocalRunner:
             # processes at once, publish processes.
             job = job.model_copy(update={"spec": job.spec.model_copy(update={
                 "workers": job.spec.workers.model_copy(update={"parallelism": parallelism})})})
+        if cancel:
+            # `bij cancel`: as the operator does for spec.cancel, publish what is durable and stop for good.
+            job = job.model_copy(update={"spec": job.spec.model_copy(update={"cancel": True})})
+        self.cancel = cancel
         self.job = job
         # The pod's command; a library user can run workers another way (a container, another venv).
         self.worker_cmd = worker_cmd or worker_command()
@@ -314,11 +321,21 @@ class LocalRunner:
             signal.signal(signal.SIGINT, previous)
 
     def _run(self) -> int:
-        if self.job.spec.suspend:
+        if self.job.spec.suspend and not self.job.spec.cancel:
             print(f"bij: {self.job.metadata.name} is suspended (spec.suspend: true): nothing was run; "
                   "set spec.suspend to false to run it", file=sys.stderr)
             return EXIT_BAD_CONFIG
         store = open_storage(self.job.spec.output.uri, self.job.spec.storage.s3)
+        published = read_manifest(self.job)
+        if published is not None and published.get("partial"):
+            return self.stopped_before(published)
+        if published is not None and self.cancel:
+            print(f"bij: {self.job.metadata.name} was published whole at {published.get('publishedAt')}: nothing to "
+                  "cancel", file=sys.stderr)
+            print(layout.manifest_uri(self.job))
+            return 0
+        if self.job.spec.deadline_seconds is not None and self.job.metadata.creation_timestamp is None:
+            self.backend.job = self.job = with_start_time(self.job, store)
         removed = removed_record(store, self.job)
         if removed is not None and read_manifest(self.job) is not None:
             plan_round(self.job, 0)  # a changed spec or input is refused here as on any rerun
@@ -345,8 +362,25 @@ class LocalRunner:
                 return EXIT_BAD_CONFIG if idle.decision.permanent else 1
             backend.wait(min(idle.recheck or 1.0, 1.0))
 
+    def stopped_before(self, manifest: dict[str, Any]) -> int:
+        """A rerun of a job that was cancelled or expired: its partial manifest stands."""
+        phase = manifest["partial"]["phase"]
+        print(f"bij: {self.job.metadata.name} was {phase.lower()} ({manifest['partial']['reason']}) and its finished "
+              f"part published at {manifest.get('publishedAt')}: it never runs or publishes again; to run it anew, "
+              "bij run --restart (deletes its results) or choose a new spec.output.uri", file=sys.stderr)
+        print(layout.manifest_uri(self.job))
+        return 0 if self.cancel and phase == "Cancelled" else EXIT_STOPPED
+
     def finished(self, status: dict[str, Any]) -> int:
         """The exit code and last words of a job that ended."""
+        if status.get("phase") in STOPPED_PHASES:
+            manifest = read_manifest(self.job)
+            assert manifest is not None and manifest.get("partial"), "stopped without a partial manifest"
+            c = manifest["partial"]["counts"]
+            print(f"bij: {status['phase'].lower()}: {c['completed']:,} rows completed, {c['failed']:,} failed, "
+                  f"{c['notRun']:,} not run", file=sys.stderr)
+            self.summary(manifest)
+            return 0 if self.cancel and status["phase"] == "Cancelled" else EXIT_STOPPED
         if status.get("phase") != "Succeeded":
             reason = failure_reason(status) or "Failed"
             if reason == "PodFailurePolicy":
@@ -375,6 +409,34 @@ class LocalRunner:
             print(f"bij: RetryCapReached: {c['capped']:,} rows were still rejected at the cap; "
                   f"they are in the manifest's cappedFiles", file=sys.stderr)
         print(layout.manifest_uri(self.job))
+
+
+def with_start_time(job: BatchInferenceJob, store: Any) -> BatchInferenceJob:
+    """`job` with the time its spec.deadlineSeconds counts from: when round 0 was planned (its first
+    run), or now when it never was."""
+    from bij_worker.contract.plan import Plan
+    from bij_worker.storage import NotFound
+
+    uri = layout.round_manifest_uri(job, 0)
+    try:
+        started = Plan.from_json(store.read_bytes(uri), f"round plan {uri}").created_at
+    except NotFound:
+        started = None
+    started = started or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return job.model_copy(update={"metadata": job.metadata.model_copy(update={"creation_timestamp": started})})
+
+
+def cli_cancel(args: argparse.Namespace) -> int:
+    """`bij cancel job.yaml`: stop a job for good and publish what its runs finished (phase Cancelled)."""
+    try:
+        job = load_job(args.spec)
+    except SpecError as e:
+        print(f"bij: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if args.parallelism is not None and args.parallelism < 1:
+        print(f"bij: --parallelism must be at least 1, got {args.parallelism}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return LocalRunner(job, args.parallelism, show_progress=False, cancel=True).run()
 
 
 def cli_run(args: argparse.Namespace) -> int:

@@ -265,8 +265,12 @@ class LocalJob:
             status["completedIndexes"] = format_ranges(self.completed)
         if self.failed:
             status["failedIndexes"] = format_ranges(self.failed)
-        if self.condition is not None:
-            status["conditions"] = [dict(self.condition)]
+        conditions = [dict(self.condition)] if self.condition is not None else []
+        if self.suspend:  # as the Job controller says once it has acted on spec.suspend
+            conditions.append({"type": "Suspended", "status": "True", "reason": "JobSuspended",
+                               "message": "Job suspended"})
+        if conditions:
+            status["conditions"] = conditions
         return {"apiVersion": "batch/v1", "kind": "Job",
                 "metadata": {"name": self.name, "namespace": self.namespace, "uid": self.uid,
                              "labels": dict(self.labels)},

@@ -103,7 +103,8 @@ def result_id_kind(done_records: list[ShardRecord]) -> str:
 
 
 def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan],
-                       done_records: list[ShardRecord], bucket_rows: int) -> tuple[str, PublishPlan]:
+                       done_records: list[ShardRecord], bucket_rows: int,
+                       partial: str | None = None) -> tuple[str, PublishPlan]:
     """The plan the row-level passes follow: O(shards) to write, one bucket per `bucket_rows` ids."""
     rows = sum(int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
                for rec in done_records)
@@ -122,6 +123,8 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         judge=job.spec.judge is not None,
         id_kind=result_id_kind(done_records) if job.spec.output.format == "parquet" else None,
         s3=job.spec.storage.s3.model_dump(by_alias=True, exclude_none=True),
+        partial=partial,
+        round_plans=[layout.round_manifest_uri(job, r) for r in range(len(plans))] if partial else [],
     )
     uri = layout.publish_plan_uri(prefix)
     store.write_bytes(uri, plan.to_json())
@@ -176,12 +179,23 @@ def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
     return finish_publish(job, rounds, pplan)
 
 
-def prepare_publish(job: BatchInferenceJob, rounds: int = 1,
-                    bucket_rows: int | None = None) -> tuple[str, PublishPlan]:
+def prepare_publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | None = None,
+                    partial: str | None = None) -> tuple[str, PublishPlan]:
     """Check that rounds 0..rounds-1 are whole and made by this spec, and write the publish plan the
     row-level passes follow, with buckets of `bucket_rows` ids (default spec.output.publishBucketRows).
-    O(shards). Returns the plan's URI and the plan."""
+    `partial` (Cancelled or Expired, see `stopping`): shards need not be finished; each is published
+    as far as it is durable and the passes count its rows not run. O(shards). Returns the plan's URI
+    and the plan."""
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
+    try:
+        stopped = (json.loads(store.read_bytes(layout.manifest_uri(job))).get("partial") or {}).get("phase")
+    except NotFound:
+        stopped = None
+    if stopped:
+        # Cancelled or expired: its partial manifest is its result for good.
+        raise PublishError(f"{job.metadata.name} was {stopped.lower()} and its finished part published to "
+                           f"{layout.manifest_uri(job)}: it is never published again; to run it anew, use a new "
+                           "spec.output.uri (or bij run --restart)", permanent=True)
     removed = removed_record(store, job)
     if removed is not None:
         raise WorkFilesRemoved(
@@ -196,17 +210,20 @@ def prepare_publish(job: BatchInferenceJob, rounds: int = 1,
             # The manifest must name what made the rows, never a spec edited since.
             raise PlanRefused(f"cannot publish: {'; '.join(changes)} since round {r} was planned; undo the change, "
                               "or start over with `bij run --restart`")
-    _read_done(store, plans, t)  # every completion record first: O(shards), and the id kind needs them all
-    return write_publish_plan(store, job, plans, t.done_records, bucket_rows or job.spec.output.publish_bucket_rows)
+    _read_done(store, plans, t, partial=partial is not None)  # O(shards); the id kind needs them all
+    return write_publish_plan(store, job, plans, t.done_records, bucket_rows or job.spec.output.publish_bucket_rows,
+                              partial)
 
 
-def _read_done(store: Storage, plans: list[Plan], t: _Totals) -> None:
+def _read_done(store: Storage, plans: list[Plan], t: _Totals, partial: bool = False) -> None:
     for r, plan in enumerate(plans):
         for index in range(len(plan.shards)):
             uri = layout.done_uri(plan.round_prefix, index)
             try:
                 t.add_done(decode_shard_record(store.read_bytes(uri), f"completion record {uri}"))
             except NotFound:
+                if partial:
+                    continue  # stopped before it finished: published as far as it is durable
                 raise PublishError(f"round {r} shard {index} has not finished") from None
 
 
@@ -217,7 +234,8 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
     store = open_storage(out_uri, job.spec.storage.s3)
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
     t = _Totals()
-    _read_done(store, plans, t)
+    _read_done(store, plans, t, partial=pplan.partial is not None)
+    not_run = 0
     t.rounds = [{"round": r, "shards": len(p.shards), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
     for unit in range(len(pplan.units)):
         summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan.prefix, unit)))
@@ -234,6 +252,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         t.tokens_out += c["tokensOut"]
         t.rounds[summary["round"]]["rows"] += c["rows"]
         t.rounds[summary["round"]]["errors"] += c["errors"]
+        not_run += int(c.get("notRun", 0))
     if job.spec.judge is not None:
         # The judge's view of each round (rows in, approved, rejected, approval rate).
         from .progress import round_history
@@ -243,7 +262,8 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
     total = t.rows + t.errors + t.capped
     ratio = t.errors / total if total else 0.0
     limit = job.spec.max_error_ratio
-    if limit is not None and ratio > limit:
+    # A stopped job publishes what it has, whatever share of it failed: that was asked for.
+    if limit is not None and ratio > limit and pplan.partial is None:
         raise ErrorRatioExceeded(
             f"{t.errors} of {total} rows failed ({ratio:.1%}), above spec.maxErrorRatio {limit:.1%}; "
             f"error rows are in {layout.join(out_uri, 'errors')}/"
@@ -263,9 +283,11 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         "errorFiles": t.error_files,
         "cappedFiles": t.capped_files,
         "counts": {"rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
-                   "truncated": t.truncated, "inputRows": total,
-                   "tokensIn": t.tokens_in, "tokensOut": t.tokens_out},
+                   "truncated": t.truncated, "inputRows": total + not_run,
+                   "tokensIn": t.tokens_in, "tokensOut": t.tokens_out,
+                   **({"notRun": not_run} if pplan.partial else {})},
         "rounds": t.rounds,
+        **(partial_fields(pplan.partial, t.rows, t.errors, not_run) if pplan.partial else {}),
         # input.onDamagedObject errorRow: objects published without what lay behind their break.
         "damagedObjects": [{"round": r, "shard": rec.shard, "object": rec.name, "offset": rec.offset,
                             "reason": rec.reason, "message": rec.describe()}
@@ -282,6 +304,14 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
     if not job.spec.output.keep_intermediate:
         remove_work_files(store, job, plans, pplan)
     return manifest
+
+
+def partial_fields(phase: str, completed: int, failed: int, not_run: int) -> dict[str, Any]:
+    """What marks a manifest partial: the phase the job stopped in and its rows completed (results),
+    failed (error rows) and not run (no worker finished them), which add up to the input's rows."""
+    reason = "spec.cancel" if phase == "Cancelled" else "spec.deadlineSeconds"
+    return {"partial": {"phase": phase, "reason": reason,
+                        "counts": {"completed": completed, "failed": failed, "notRun": not_run}}}
 
 
 class WorkFilesRemoved(PublishError):

@@ -20,6 +20,8 @@ publishes or plans the next round.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,9 +33,13 @@ from bij_worker.contract.spec import BatchInferenceJob
 
 from .fingerprint import field_digests
 from .rounds import RoundStats, needs_another_round
+from .stopping import Stop, stop_requested
 
-Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed"]
-TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed", "Cancelling", "Cancelled",
+                "Expired"]
+# Cancelled and Expired: stopped for good by spec.cancel or spec.deadlineSeconds, the finished part published.
+STOPPED_PHASES: frozenset[str] = frozenset({"Cancelled", "Expired"})
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"}) | STOPPED_PHASES
 # Reasons under which a Failed phase is not final: a spec edit may clear it.
 RECOVERABLE_FAILURES: frozenset[str] = frozenset({"InvalidSpec", "SpecChanged", "PlanRefused", "StorageRefused"})
 
@@ -115,6 +121,7 @@ class JobView:
     parallelism: int | None
     suspend: bool
     active: int
+    terminating: int  # pods being deleted that have not ended yet (SIGTERM sent, draining)
     completed: frozenset[int]
     failed: frozenset[int]
     conditions: Mapping[str, Condition]
@@ -143,6 +150,7 @@ class JobView:
             parallelism=spec.get("parallelism"),
             suspend=bool(spec.get("suspend")),
             active=int(status.get("active") or 0),
+            terminating=int(status.get("terminating") or 0),
             completed=parse_ranges(status.get("completedIndexes")),
             failed=parse_ranges(status.get("failedIndexes")),
             conditions=conditions,
@@ -227,9 +235,11 @@ class FinishRound(Decision):
 
 @dataclass(frozen=True, kw_only=True)
 class PreparePublish(Decision):
-    """Check rounds ``0..rounds-1`` and write the publish plan (O(shards)); record it in ``status.publish``."""
+    """Check rounds ``0..rounds-1`` and write the publish plan (O(shards)); record it in ``status.publish``.
+    ``partial``: Cancelled or Expired, the shards left unfinished are published as far as they got."""
 
     rounds: int
+    partial: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,9 +255,10 @@ class CreatePublishJob(Decision):
 @dataclass(frozen=True, kw_only=True)
 class Publish(Decision):
     """Every publish pass is done: write ``<output>/manifest.json`` over rounds ``0..rounds-1`` from the
-    per-shard summaries (O(shards)), then phase Succeeded."""
+    per-shard summaries (O(shards)), then phase Succeeded (or ``partial``: Cancelled or Expired)."""
 
     rounds: int
+    partial: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,11 +361,12 @@ def decide(
     observed_jobs: Sequence[Mapping[str, Any]],
     shards_done: int | None = None,
     damaged: Sequence[str] = (),
+    now: dt.datetime | None = None,
 ) -> Decision:
     """The next step for `job`, given its current ``status``, the Jobs labelled with its name,
     how many shards of the current round have a completion record (None: not looked at) and the
     input objects the round's workers found damaged (`DamageRecord.describe`, looked at once the
-    round's Job failed).
+    round's Job failed). `now` (default: the clock) decides whether spec.deadlineSeconds has passed.
 
     The Job has one index per lane and a lane works many shards, so the round is over when every
     shard is done: a lane that failed for good costs nothing if the others finished its shards.
@@ -369,6 +381,12 @@ def decide(
     if phase == "Failed" and failure_reason(status) not in RECOVERABLE_FAILURES:
         return Nothing(round=r, phase="Failed", reason=failure_reason(status) or "Failed",
                        message=str(_condition_message(status, "Failed") or "failed"))
+    if phase in STOPPED_PHASES:
+        return Nothing(round=r, phase=phase, reason=phase, message=str(status.get("message") or phase.lower()))
+
+    stop = stop_requested(job, status, now or dt.datetime.now(dt.timezone.utc))
+    if stop is not None:
+        return stopping_step(job, status, observed_jobs, stop)
 
     changed = spec_changed_since_planning(job, status)
     if changed:
@@ -595,6 +613,36 @@ def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
         return PlanRound(round=r + 1, phase="Running", reason="Planning",
                          message=f"round {r}: the judge rejected {rejected} rows; planning round {r + 1}")
     return publishing(job, status, r, observed_jobs)
+
+
+def stopping_step(job: BatchInferenceJob, status: Mapping[str, Any], observed_jobs: Sequence[Mapping[str, Any]],
+                  stop: Stop) -> Decision:
+    """The next step of a bij that stops for good (`stopping`): plan round 0 if it never was, suspend the
+    round's Job so its workers drain as on preemption, wait until no pod of it is active or terminating,
+    then publish rounds 0..round as a partial manifest (phase Cancelling until it ends Cancelled or Expired)."""
+    r = current_round(status)
+    rec = round_records(status).get(r)
+    if rec is None and r == 0:
+        return PlanRound(round=0, phase="Cancelling", reason=stop.reason,
+                         message=f"{stop.message}: planning round 0 to count the rows not run")
+    view = round_job(job, r, observed_jobs)
+    if view is not None and is_ours(job, view) and not (view.succeeded or view.failed_for_good):
+        if not view.suspend:
+            return PatchJob(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes, job_name=view.name,
+                            suspend=True,
+                            message=f"{stop.message}: stopping Job {view.name} (its workers drain, as on preemption)")
+        pods = view.active + view.terminating
+        if pods or not view.has("Suspended"):
+            return Wait(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes,
+                        message=f"{stop.message}: waiting for {pods} worker pod(s) of Job {view.name} to drain")
+    # Rounds 0..r: round r as far as it got (its unfinished shards count their rows not run).
+    d = publishing(job, status, r, observed_jobs)
+    if isinstance(d, (PreparePublish, Publish)):
+        d = dataclasses.replace(d, partial=stop.phase)
+    if isinstance(d, (PreparePublish, Publish, CreatePublishJob, Wait)):
+        return dataclasses.replace(d, phase="Cancelling", reason=stop.reason,
+                                   message=f"{stop.message}: {d.message} (partial)")
+    return d
 
 
 def _condition_message(status: Mapping[str, Any], type_: str) -> str | None:

@@ -194,6 +194,12 @@ def manifest_summary(manifest: dict[str, Any]) -> list[str]:
                  f"{c.get('truncated', 0):,} truncated, {c.get('capped', 0):,} capped, "
                  f"{c.get('duplicates', 0):,} duplicates")
     lines.append(f"  tokens    {c.get('tokensIn', 0):,} in, {c.get('tokensOut', 0):,} out")
+    partial = manifest.get("partial")
+    if partial:
+        pc = partial.get("counts") or {}
+        lines.append(f"  partial   {str(partial.get('phase', '?')).lower()} ({partial.get('reason', '?')}): "
+                     f"{pc.get('completed', 0):,} completed, {pc.get('failed', 0):,} failed, "
+                     f"{pc.get('notRun', 0):,} not run")
     for o in manifest.get("damagedObjects") or []:
         lines.append(f"  damaged   {o.get('message')}: one corrupt_input error row, the rest of it unread")
     lines += _efficiency_lines(manifest.get("efficiency"), manifest.get("cost"))

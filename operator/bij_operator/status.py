@@ -79,8 +79,9 @@ def phase_conditions(
 ) -> list[dict[str, Any]]:
     """All condition types, derived from one phase. The true ones carry `reason`/`message`."""
     truth = {
-        "Ready": phase == "Succeeded",
-        "Running": phase in ("Running", "Publishing"),
+        # Cancelled and Expired: the finished part is published and readable.
+        "Ready": phase in ("Succeeded", "Cancelled", "Expired"),
+        "Running": phase in ("Running", "Publishing", "Cancelling"),
         "Suspended": phase == "Suspended",
         "Succeeded": phase == "Succeeded",
         "Failed": phase == "Failed",
@@ -145,7 +146,7 @@ def decision_status(
         patch["lanesSummary"] = lanes.summary
     if not old.get("startTime"):
         patch["startTime"] = fmt_time(now)
-    if decision.phase in ("Succeeded", "Failed") and not old.get("completionTime"):
+    if decision.phase in ("Succeeded", "Failed", "Cancelled", "Expired") and not old.get("completionTime"):
         patch["completionTime"] = fmt_time(now)
     return patch
 

@@ -56,7 +56,7 @@ class StepFailed(BijError):
 
 
 def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 0,
-             plan_uri: str = "") -> dict[str, Any]:
+             plan_uri: str = "", partial: str | None = None) -> dict[str, Any]:
     """Do one step's storage work for `job` and return its small result."""
     if kind == "plan":
         plan = plan_round(job, round_no)
@@ -66,7 +66,7 @@ def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 
         return finish_round(job, round_no)
     if kind == "publish-plan":
         try:
-            uri, pplan = prepare_publish(job, rounds)
+            uri, pplan = prepare_publish(job, rounds, partial=partial)
         except WorkFilesRemoved:
             # Published before the status said so (a restart in between): the manifest stands.
             found = read_manifest(job)
@@ -111,8 +111,11 @@ def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
 def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """What the operator says about a published manifest (counts, file count, damaged objects)."""
     damaged = [{"message": str(o.get("message"))} for o in manifest.get("damagedObjects") or []]
-    return {"counts": dict(manifest.get("counts") or {}), "files": len(manifest.get("files") or []),
-            "damagedObjects": damaged[:MOST_DAMAGED], "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
+    summary = {"counts": dict(manifest.get("counts") or {}), "files": len(manifest.get("files") or []),
+               "damagedObjects": damaged[:MOST_DAMAGED], "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
+    if manifest.get("partial"):
+        summary["partial"] = dict(manifest["partial"])  # Cancelled or Expired: the phase it ends in
+    return summary
 
 
 def error_report(e: BaseException) -> dict[str, Any]:
@@ -145,6 +148,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--round", type=int, default=0)
     p.add_argument("--rounds", type=int, default=0)
     p.add_argument("--plan", default="", help="the publish plan's URI (manifest)")
+    p.add_argument("--partial", choices=("Cancelled", "Expired"), default=None,
+                   help="publish-plan of a stopped bij: publish what is durable (bij_operator.stopping)")
     return p.parse_args(argv)
 
 
@@ -153,7 +158,8 @@ def step_report(args: argparse.Namespace, job_uid: str) -> dict[str, Any]:
     report: dict[str, Any] = {"jobUid": job_uid}
     try:
         job = parse_job(json.loads(args.job_spec))
-        report["result"] = run_step(args.kind, job, args.round, rounds=args.rounds, plan_uri=args.plan)
+        report["result"] = run_step(args.kind, job, args.round, rounds=args.rounds, plan_uri=args.plan,
+                                    partial=args.partial)
     except (SpecError, BijError, OSError, ValueError) as e:
         # Expected, and reported: the driver says it (once) where the bij's messages go.
         log.info("step %s: %s", args.kind, e)

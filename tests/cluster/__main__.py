@@ -19,10 +19,20 @@ import threading
 import time
 from pathlib import Path
 
-from .controlplane import BIN, ROOT, ClusterError, build
+from .controlplane import BIN, ROOT, ClusterError, build, free_port
 from .harness import OPERATOR_NAMESPACE, LocalCluster
 
 DEFAULT_STATE = ROOT / ".cluster"
+# bij-api's model map on the local cluster: the simulated engine answers chat and completions at the
+# pace of a small GPU (8 sequences, 50 ms a token), so a batch can be watched and cancelled; echo
+# embeds. Neither needs weights.
+DEMO_MODELS = {
+    "demo-chat": {"model": {"engine": "simulated", "simulated": {"stepSeconds": 0.05, "maxNumSeqs": 8}},
+                  "workers": {"parallelism": 2}, "sharding": {"targetShardBytes": 65536, "chunkRows": 64}},
+    "demo-embed": {"model": {"engine": "echo"}, "workers": {"parallelism": 2}},
+}
+API_NAMESPACE = "default"  # where the demo token's batches and files live
+API_USER = "batcher"  # the demo token's service account: may create batchinferencejobs there
 
 
 def _alive(pid: int) -> bool:
@@ -82,11 +92,25 @@ def up(state: Path) -> int:
             time.sleep(0.3)
     print(f"cluster-up: control plane ready in {time.monotonic() - started:.0f} s; installing charts/bij-operator")
     cluster = LocalCluster(state).connect()
+    api_state = state / "api.json"
+    port = int(json.loads(api_state.read_text())["port"]) if api_state.exists() else free_port()
     try:
-        cluster.install_operator(values={"logLevel": "INFO"})
+        cluster.install_operator(values={"logLevel": "INFO", "api": {
+            "enabled": True, "port": port, "filesPrefix": f"file://{state / 'api-files'}/", "models": DEMO_MODELS}})
+        token = api_user(cluster)
     except Exception as e:
         print(f"cluster-up: installing the chart failed: {e}", file=sys.stderr)
         return 1
+    api_state.write_text(json.dumps({"port": port}))
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 120
+    while not _answers(f"http://127.0.0.1:{port}/healthz"):
+        if time.monotonic() > deadline:
+            print(f"cluster-up: bij-api does not answer on port {port}; its log is under "
+                  f"{state / 'kubelet' / 'pods'}", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+    (state / "api.env").write_text(f"OPENAI_BASE_URL={url}\nOPENAI_API_KEY={token}\n")
     kubectl = BIN / "kubectl"
     print(f"""cluster-up: ready in {time.monotonic() - started:.0f} s; the bij operator runs in {OPERATOR_NAMESPACE}.
 
@@ -97,8 +121,61 @@ def up(state: Path) -> int:
     kubectl apply -f examples/local-embed.yaml      # file:// URIs must be absolute: pods do not share your cwd
     kubectl get bij -w
 
+bij-api, the OpenAI Batch API (models {', '.join(DEMO_MODELS)}; batches live in namespace {API_NAMESPACE}):
+
+    export OPENAI_BASE_URL={url}
+    export OPENAI_API_KEY={token}
+    python examples/openai_batch.py                 # or: make api-demo
+
 Pods run as local processes; their output is under {state / 'kubelet' / 'pods'}. Stop with: make cluster-down""")
     return 0
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def api_user(cluster: LocalCluster) -> str:
+    """The demo's API key: a token of service account `API_USER`, allowed to create batchinferencejobs in
+    `API_NAMESPACE` (round pods there run as bij-worker). Idempotent."""
+    import kubernetes
+    from kubernetes.client import ApiException
+
+    core = kubernetes.client.CoreV1Api(cluster.api)
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api)
+    ns = API_NAMESPACE
+    for create in (
+        lambda: core.create_namespaced_service_account(ns, {"metadata": {"name": "bij-worker"}}),
+        lambda: core.create_namespaced_service_account(ns, {"metadata": {"name": API_USER}}),
+        lambda: rbac.create_namespaced_role(ns, {"metadata": {"name": "bij-batches"}, "rules": [
+            {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"],
+             "verbs": ["create", "get", "list", "watch"]}]}),
+        lambda: rbac.create_namespaced_role_binding(ns, {
+            "metadata": {"name": f"bij-batches-{API_USER}"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "bij-batches"},
+            "subjects": [{"kind": "ServiceAccount", "name": API_USER, "namespace": ns}]}),
+    ):
+        try:
+            create()
+        except ApiException as e:
+            if e.status != 409:
+                raise
+    deadline = time.monotonic() + 30
+    while True:  # the token controller may not know a new service account for a moment
+        try:
+            made = core.create_namespaced_service_account_token(API_USER, ns,
+                                                                {"spec": {"expirationSeconds": 86400}})
+            return str(made.status.token)
+        except ApiException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def down(state: Path) -> int:

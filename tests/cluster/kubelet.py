@@ -265,9 +265,12 @@ class PodRunner:
                 env[e["name"]] = ""
         # A volume's folder stands in for its mountPath wherever the pod's own env names it (never
         # in what this kubelet provides: PATH may well lie under /tmp).
+        # Each value once, from what the pod said: a folder that itself lies under another mountPath
+        # (a state folder under /tmp) is not rewritten again.
+        given = dict(env)
         for m in c.get("volumeMounts") or []:
             mount, host = m["mountPath"].rstrip("/"), str(volumes[m["name"]])
-            for k, v in env.items():
+            for k, v in given.items():
                 if k in own and (v == mount or v.startswith(mount + "/")):
                     env[k] = host + v[len(mount):]
             if mount == "/tmp":

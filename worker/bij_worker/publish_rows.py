@@ -227,12 +227,67 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
             counts["errors"] += 1
     for parts in (results, errors, capped):
         parts.flush()
+    if plan.partial is not None:
+        counts["notRun"] = count_not_run(plan, index, store)
     where = {"round": round_no, "shard": shard}
     summary = {**where, "counts": counts,
                "files": [{**f, **where} for f in results.files],
                "errorFiles": [{**f, **where} for f in errors.files],
                "cappedFiles": [{**f, **where} for f in capped.files]}
     store.write_bytes(layout.publish_summary_uri(plan.prefix, index), json.dumps(summary).encode())
+
+
+def count_not_run(plan: PublishPlan, index: int, store: Storage) -> int:
+    """A stopped job's partial publish (`plan.partial`): the rows of unit `index` that no worker finished.
+
+    They are the shard's input rows after its durable cursor (what a resumed worker would start
+    from) and its rows between judge attempts, for a shard without a completion record; and in the
+    last round published, the rows the judge rejected, whose next round never ran. Reads the
+    shard's durable log and the input after its cursor: bounded by the shard, in the pass's pod.
+    """
+    # Here only: a whole publish loads no spec model (the round plan carries the job's spec).
+    from .contract.plan import Plan
+    from .reader import iter_shard_blocks
+
+    round_no, shard, prefix = plan.units[index]
+    last_round = round_no == len(plan.round_plans) - 1
+    uri = plan.round_plans[round_no]
+    try:
+        rplan = Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+    except NotFound:
+        raise PublishPlanError(f"round plan {uri} does not exist") from None
+    done = store.exists(layout.done_uri(rplan.round_prefix, shard))
+    if done and not (last_round and plan.judge):
+        return 0
+    attempts: set[tuple[int, int]] = set()
+    finals: set[tuple[int, int]] = set()
+    rejected = 0
+    log_ = ShardLog(store, prefix)
+    for rec in log_.scan():
+        place = (rec["at"][0], rec["at"][1])
+        if rec["kind"] == "attempt":
+            attempts.add(place)
+            continue
+        finals.add(place)
+        rejected += rec["kind"] == "rejected" and last_round
+    n = rejected
+    if not done:
+        n += len(attempts - finals)
+        spec = rplan.spec.input
+        stores: dict[str, Storage] = {}
+
+        def storage_for(u: str) -> Storage:
+            scheme = u.split("://", 1)[0]
+            if scheme not in stores:
+                stores[scheme] = open_storage(u, plan.s3)
+            return stores[scheme]
+
+        columns = [c for c in (spec.id_field, spec.text_field, spec.messages_field, spec.sampling_field,
+                               spec.adapter_field) if c]
+        for places, _, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.shards[shard], log_.state.cursor,
+                                              columns, spec.max_line_bytes, on_damaged="errorRow"):
+            n += len(places)
+    return n
 
 
 def run_pass(plan: PublishPlan, pass_name: str, index: int) -> None:

@@ -114,3 +114,21 @@ cluster-scoped objects always go in the ClusterRole.
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/*
+bij-api's permissions, audited like the operator's: check a caller's token (TokenReview) and its
+right to create BatchInferenceJobs in its namespace (SubjectAccessReview), then create, read,
+list and cancel (patch spec.cancel) the bij of each batch. It never deletes one, and reads no
+Secret: storage access is its own identity's (the files prefix).
+*/}}
+{{- define "bij-operator.rules.api" -}}
+- apiGroups: [authentication.k8s.io]
+  resources: [tokenreviews]
+  verbs: [create]
+- apiGroups: [authorization.k8s.io]
+  resources: [subjectaccessreviews]
+  verbs: [create]
+- apiGroups: [batchinference.io]
+  resources: [batchinferencejobs]
+  verbs: [get, list, create, patch]
+{{- end -}}

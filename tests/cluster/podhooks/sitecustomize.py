@@ -7,6 +7,7 @@ racing the clock:
   hold-<job>-<index>   "<n>": after n engine calls, each further call waits while the file exists
   holdrow-<job>        "<text>": an engine call with a row containing <text> waits while the file exists,
                        whichever lane works that row's shard
+  holdrow-all          the same for every job (for jobs whose names are made elsewhere, as bij-api does)
   computed-<job>-<index>  written by the pods: one line per row the engine computed
   started-<job>-<index>   written by the pods: one line per pod start
 """
@@ -42,12 +43,12 @@ if _gates and _index is not None and Path(sys.argv[0]).name == "bij-worker":
         hold = _folder / f"hold-{_key}"
         while hold.exists() and _calls[0] > int(hold.read_text() or 0):
             time.sleep(0.05)
-        hold_row = _folder / f"holdrow-{_job}"
-        if hold_row.exists():
-            needle = hold_row.read_text()
-            if needle and any(needle in request_text(r) for r in requests):
-                while hold_row.exists():
-                    time.sleep(0.05)
+        for hold_row in (_folder / f"holdrow-{_job}", _folder / "holdrow-all"):
+            if hold_row.exists():
+                needle = hold_row.read_text()
+                if needle and any(needle in request_text(r) for r in requests):
+                    while hold_row.exists():
+                        time.sleep(0.05)
         out = _run(self, requests)
         with open(_folder / f"computed-{_key}", "a") as f:
             f.write("".join(request_text(r).replace("\n", " ") + "\n" for r in requests))

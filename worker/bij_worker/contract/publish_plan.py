@@ -7,7 +7,7 @@ On disk it is camelCase JSON:
      "units": [[round, shard, shardPrefix], ...], "objectNames": [[name, ...] per round],
      "bucketRows": N, "buckets": B, "compression": "zstd" | "none", "format": "jsonl" | "parquet",
      "task": ..., "judge": bool, "idKind": "int" | "str" | "mixed" | null, "fileRows"?: N,
-     "s3": {"endpointUrl"?: ..., "region"?: ...}}
+     "s3": {"endpointUrl"?: ..., "region"?: ...}, "partial"?: "Cancelled" | "Expired", "roundPlans"?: [uri, ...]}
 
 `s3` is the spec's `storage.s3`: every pass opens the output with it, whatever its environment says.
 
@@ -56,6 +56,11 @@ class PublishPlan(BaseModel):
     # spec.storage.s3 as camelCase JSON (endpointUrl, region), so the passes need no spec model; a
     # plan written before it was carried has none (the environment decides, as it did then).
     s3: dict[str, str] = {}
+    # Cancelled or Expired: a stopped job's partial publish. Shards need not be finished; the write
+    # pass counts each unfinished shard's rows not run, reading its input from `round_plans` (the
+    # round plans' URIs, by round).
+    partial: Literal["Cancelled", "Expired"] | None = None
+    round_plans: list[str] = []
 
     def to_json(self) -> bytes:
         doc = self.model_dump(mode="json", by_alias=True)
@@ -63,6 +68,8 @@ class PublishPlan(BaseModel):
             del doc["fileRows"]
         if not self.s3:
             del doc["s3"]
+        if self.partial is None:
+            del doc["partial"], doc["roundPlans"]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod

@@ -434,6 +434,10 @@ class JobSpec(_Model):
     judge: JudgeSpec | None = None
     max_error_ratio: float | None = Field(None, ge=0, le=1)
     suspend: bool = False
+    # Stop for good and publish what is finished as a partial manifest (phase Cancelled), or do so
+    # once this many seconds have passed since the job was created (phase Expired).
+    cancel: bool = False
+    deadline_seconds: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
@@ -459,6 +463,7 @@ class Metadata(_Model):
     name: str
     namespace: str = "default"
     uid: str | None = None
+    creation_timestamp: str | None = None  # set by the API server; spec.deadlineSeconds counts from it
     labels: dict[str, str] = {}
     annotations: dict[str, str] = {}
 

@@ -1,0 +1,125 @@
+"""Which BatchInferenceJob runs a batch: the model map (`models.yaml`, a ConfigMap in the chart).
+
+Each key is a `model` string the API accepts (what the request lines' ``body.model`` says); its
+value is the part of a bij spec that decides how it runs: ``model`` (engine, name, vLLM settings),
+``workers`` (GPUs, spot, parallelism, env), ``batching``, ``sharding``, ``storage``::
+
+    tiny-chat:
+      model: {engine: vllm, name: /models/tiny-chat}
+      workers: {gpus: 1, spot: true, parallelism: 4}
+
+The server fills in the rest: the input (the uploaded file, OpenAI batch lines), the output
+(under the files prefix), ``model.task`` from the batch's endpoint and ``deadlineSeconds`` from
+its completion window. Every entry is checked at start-up as the bij it would become for each
+endpoint; one that no endpoint can run is refused, and a batch whose endpoint its model cannot
+serve (chat on an embedding model) is a 400 naming why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from bij_worker.contract.spec import BatchInferenceJob, SpecError, parse_job
+
+# The endpoints a batch may name, and the model.task each runs as.
+ENDPOINTS: dict[str, str] = {"/v1/chat/completions": "chat", "/v1/completions": "generate", "/v1/embeddings": "embed"}
+# The parts of a bij spec a model's entry may set; the server sets the others.
+TEMPLATE_KEYS = frozenset({"model", "workers", "batching", "sharding", "storage", "maxErrorRatio"})
+
+
+class ModelMapError(ValueError):
+    """The model map cannot be used: names the file, the model and the field."""
+
+
+def job_doc(name: str, namespace: str, template: Mapping[str, Any], *, input_uri: str, output_uri: str,
+            task: str, deadline_seconds: int | None, labels: Mapping[str, str] | None = None,
+            annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The BatchInferenceJob of one batch: `template` (one model's entry) with the batch's input,
+    output, task and deadline."""
+    spec: dict[str, Any] = {k: _copy(v) for k, v in template.items()}
+    spec["model"] = {**spec.get("model", {}), "task": task}
+    spec["input"] = {"uri": input_uri, "format": "openai"}
+    # Plain JSON lines, so the output and error files are served as stored.
+    spec["output"] = {"uri": output_uri, "format": "jsonl", "compression": "none"}
+    if deadline_seconds is not None:
+        spec["deadlineSeconds"] = deadline_seconds
+    meta: dict[str, Any] = {"name": name, "namespace": namespace}
+    if labels:
+        meta["labels"] = dict(labels)
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return {"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": meta, "spec": spec}
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+class ModelMap:
+    """The models a batch may ask for, each with its bij template."""
+
+    def __init__(self, entries: Mapping[str, Mapping[str, Any]]):
+        self.entries = dict(entries)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def template(self, model: str) -> Mapping[str, Any] | None:
+        return self.entries.get(model)
+
+    @classmethod
+    def parse(cls, doc: Any, source: str) -> ModelMap:
+        """The map in `doc` (parsed YAML), every entry checked as a bij of each endpoint's task."""
+        if doc is None:
+            doc = {}
+        if not isinstance(doc, Mapping):
+            raise ModelMapError(f"{source}: must map model names to bij templates, got {type(doc).__name__}")
+        for name, entry in doc.items():
+            where = f"{source}: model {name!r}"
+            if not isinstance(name, str) or not name:
+                raise ModelMapError(f"{source}: model names must be non-empty strings, got {name!r}")
+            if not isinstance(entry, Mapping):
+                raise ModelMapError(f"{where}: must be a mapping of bij spec fields, got {type(entry).__name__}")
+            unknown = sorted(set(entry) - TEMPLATE_KEYS)
+            if unknown:
+                raise ModelMapError(f"{where}: {', '.join(unknown)} cannot be set here (only "
+                                    f"{', '.join(sorted(TEMPLATE_KEYS))}; the server sets input, output, task "
+                                    "and deadline)")
+            # An entry serves the endpoints whose task it can run (an embedding model: /v1/embeddings).
+            problems: dict[str, list[str]] = {}
+            for task in sorted(set(ENDPOINTS.values())):
+                try:
+                    check(entry, task)
+                except SpecError as e:
+                    problems[task] = e.problems
+            if len(problems) == len(set(ENDPOINTS.values())):
+                raise ModelMapError(f"{where}: no endpoint's task can run it: " + "; ".join(
+                    f"task {task}: {', '.join(p)}" for task, p in problems.items()))
+        return cls(doc)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelMap:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ModelMapError(f"{p}: cannot read the model map: {e.strerror}") from None
+        try:
+            return cls.parse(yaml.safe_load(text), str(p))
+        except yaml.YAMLError as e:
+            raise ModelMapError(f"{p}: not valid YAML: {e}") from None
+
+
+def check(template: Mapping[str, Any], task: str) -> BatchInferenceJob:
+    """`template` as the bij it would become (SpecError naming the field when it cannot)."""
+    doc = job_doc("check", "default", template, input_uri="file:///check/in.jsonl", output_uri="file:///check/out/",
+                  task=task, deadline_seconds=None)
+    return parse_job(doc, "model map")

@@ -1,0 +1,166 @@
+"""bij-api's pure parts: the model map, a batch as a bij and a bij as an OpenAI Batch object, what an
+upload's lines say. The server itself is tested with the `openai` SDK on the control plane (test_api.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from bij_operator.api.batches import (
+    ANNOTATION,
+    CANCELLING_AT,
+    BadRequest,
+    batch_object,
+    batch_of_file,
+    bij_name,
+    check_metadata,
+    output_file_id,
+    status_of,
+    window_seconds,
+)
+from bij_operator.api.files import LineStats
+from bij_operator.api.models import ModelMap, ModelMapError, job_doc
+from bij_worker.contract.spec import SpecError, parse_job
+
+BATCH = "batch_0123456789abcdef01234567"
+
+
+def bij(phase: str | None = None, *, cancel: bool = False, rows: dict[str, int] | None = None,
+        **status: Any) -> dict[str, Any]:
+    rec = {"id": BATCH, "endpoint": "/v1/chat/completions", "input_file_id": "file-abc", "completion_window": "2h",
+           "metadata": {"team": "a"}, "model": "tiny", "lines": 10}
+    st: dict[str, Any] = dict(status)
+    if phase:
+        st["phase"] = phase
+    if rows:
+        st["rows"] = rows
+    return {"metadata": {"name": "batch-0123456789abcdef01234567", "creationTimestamp": "2024-01-01T00:00:00Z",
+                         "annotations": {ANNOTATION: json.dumps(rec)}},
+            "spec": {"cancel": cancel}, "status": st}
+
+
+@pytest.mark.parametrize("doc, status", [
+    (bij(), "validating"),
+    (bij("Pending"), "validating"),
+    (bij("Pending", rounds=[{"round": 0}]), "in_progress"),
+    (bij("Running"), "in_progress"),
+    (bij("Suspended"), "in_progress"),
+    (bij("Publishing"), "finalizing"),
+    (bij("Cancelling"), "finalizing"),  # the deadline passed: the finished part is being published
+    (bij("Running", cancel=True), "cancelling"),
+    (bij("Cancelling", cancel=True), "cancelling"),
+    (bij("Publishing", cancel=True), "finalizing"),  # asked too late: every row was done
+    (bij("Succeeded"), "completed"),
+    (bij("Failed"), "failed"),
+    (bij("Cancelled", cancel=True), "cancelled"),
+    (bij("Expired"), "expired"),
+])
+def test_the_batch_status_follows_the_bij_phase(doc: dict[str, Any], status: str) -> None:
+    assert status_of(doc) == status
+
+
+def test_a_finished_batch_names_its_output_and_error_files_and_counts_from_the_status() -> None:
+    running = batch_object(bij("Running", rows={"done": 4, "failed": 1}, startTime="2024-01-01T00:00:05Z"))
+    assert running["request_counts"] == {"total": 10, "completed": 4, "failed": 1}
+    assert running["output_file_id"] is None and running["in_progress_at"] == 1704067205
+    assert running["expires_at"] == running["created_at"] + 7200 and running["metadata"] == {"team": "a"}
+    done = batch_object(bij("Succeeded", rows={"done": 9, "failed": 1}, completionTime="2024-01-01T00:01:00Z"))
+    assert done["output_file_id"] == output_file_id(BATCH, "output") and done["completed_at"] == 1704067260
+    assert batch_of_file(done["output_file_id"]) == (BATCH, "output")
+    assert batch_of_file(done["error_file_id"]) == (BATCH, "errors")
+    no_errors = batch_object(bij("Succeeded", rows={"done": 10, "failed": 0}))
+    assert no_errors["error_file_id"] is None
+    cancelled = bij("Cancelled", cancel=True, rows={"done": 3, "failed": 0}, completionTime="2024-01-01T00:02:00Z")
+    cancelled["metadata"]["annotations"][CANCELLING_AT] = "2024-01-01T00:01:30Z"
+    c = batch_object(cancelled)
+    assert (c["cancelling_at"], c["cancelled_at"], c["output_file_id"]) == \
+        (1704067290, 1704067320, output_file_id(BATCH, "output"))
+
+
+def test_a_failed_batch_says_why_in_errors() -> None:
+    failed = bij("Failed", message="round 0: lane 1 failed",
+                 conditions=[{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}])
+    errors = batch_object(failed)["errors"]
+    assert errors["data"][0]["code"] == "BackoffLimitExceeded" and "lane 1" in errors["data"][0]["message"]
+
+
+def test_the_sdk_parses_every_batch_object() -> None:
+    from openai.types import Batch
+
+    for doc in (bij(), bij("Running", rows={"done": 1, "failed": 0}), bij("Failed", message="x"),
+                bij("Expired", rows={"done": 1, "failed": 1}, completionTime="2024-01-01T00:02:00Z")):
+        Batch.model_validate(batch_object(doc))
+
+
+@pytest.mark.parametrize("window, seconds", [("24h", 86400), ("30m", 1800), ("90s", 90), ("2d", 172800)])
+def test_the_completion_window_is_the_deadline(window: str, seconds: int) -> None:
+    assert window_seconds(window) == seconds
+
+
+@pytest.mark.parametrize("window", ["soon", "0h", "24", "-1h", 24, None])
+def test_a_window_that_is_no_duration_is_refused_naming_the_field(window: Any) -> None:
+    with pytest.raises(BadRequest, match="completion_window") as e:
+        window_seconds(window)
+    assert e.value.param == "completion_window"
+
+
+def test_metadata_is_at_most_16_string_pairs() -> None:
+    assert check_metadata({"a": "b"}) == {"a": "b"} and check_metadata(None) == {}
+    for bad in ({str(i): "v" for i in range(17)}, {"a": 1}, {"k" * 65: "v"}, ["a"]):
+        with pytest.raises(BadRequest, match="metadata"):
+            check_metadata(bad)
+
+
+def test_only_our_batch_ids_name_a_bij() -> None:
+    assert bij_name(BATCH) == "batch-0123456789abcdef01234567"
+    for other in ("batch_../x", "file-abc", "batch_", "batch_a-b"):
+        assert bij_name(other) is None
+
+
+def test_a_models_entry_becomes_the_bij_of_each_endpoints_task() -> None:
+    models = ModelMap.parse({"llama": {"model": {"engine": "vllm", "name": "/models/llama"},
+                                       "workers": {"gpus": 1, "spot": True, "parallelism": 3}}}, "models.yaml")
+    assert models.names == ["llama"] and models.template("gpt-4") is None
+    doc = job_doc("batch-1", "team-a", models.template("llama") or {}, input_uri="s3://b/f/team-a/files/x/c.jsonl",
+                  output_uri="s3://b/f/team-a/batches/batch_1/", task="chat", deadline_seconds=3600,
+                  labels={"l": "true"})
+    job = parse_job(doc)
+    assert (job.spec.model.engine, job.spec.model.task, job.spec.workers.parallelism) == ("vllm", "chat", 3)
+    assert (job.spec.input.format, job.spec.output.compression, job.spec.deadline_seconds) == ("openai", "none", 3600)
+    assert job.metadata.namespace == "team-a"
+
+
+def test_an_embedding_model_serves_only_the_embeddings_endpoint() -> None:
+    models = ModelMap.parse({"minilm": {"model": {"engine": "sentence-transformers"}}}, "models.yaml")
+    template = models.template("minilm") or {}
+    common = dict(input_uri="file:///f/in.jsonl", output_uri="file:///f/out/", deadline_seconds=None)
+    assert parse_job(job_doc("b", "ns", template, task="embed", **common)).spec.model.task == "embed"
+    with pytest.raises(SpecError, match="only supports task embed"):
+        parse_job(job_doc("b", "ns", template, task="chat", **common))
+
+
+@pytest.mark.parametrize("doc, message", [
+    ({"m": {"model": {"engine": "warp-drive"}}}, "model 'm': no endpoint's task can run it: task chat: spec.model"),
+    ({"m": {"input": {"uri": "s3://x/"}}}, "model 'm': input cannot be set here"),
+    ({"m": "vllm"}, "model 'm': must be a mapping"),
+    (["m"], "must map model names"),
+])
+def test_a_bad_model_map_is_refused_naming_the_model_and_field(doc: Any, message: str) -> None:
+    with pytest.raises(ModelMapError, match=message.replace("(", r"\(")):
+        ModelMap.parse(doc, "models.yaml")
+
+
+def test_upload_line_stats_count_lines_and_models_across_chunk_boundaries() -> None:
+    lines = [json.dumps({"custom_id": str(i), "url": "/v1/chat/completions",
+                         "body": {"model": "a" if i % 2 else "b"}}).encode() for i in range(50)]
+    data = b"\n".join(lines) + b"\nnot json\n\n"
+    stats = LineStats()
+    for i in range(0, len(data), 7):  # cut anywhere, lines included
+        stats.feed(data[i:i + 7])
+    stats.close()
+    assert (stats.lines, stats.models, stats.urls) == (51, {"a", "b"}, {"/v1/chat/completions"})
+    last = LineStats()
+    last.feed(lines[0])  # no newline at the end
+    last.close()
+    assert last.lines == 1
