@@ -25,7 +25,7 @@ import kubernetes
 import pytest
 from cluster import ClusterError, build
 from cluster.controlplane import free_port
-from cluster.harness import OPERATOR_NAMESPACE, LocalCluster, wait_for
+from cluster.harness import OPERATOR_NAMESPACE, LocalCluster, add_worker_account, wait_for
 from kubernetes.client import ApiException
 
 openai = pytest.importorskip("openai")
@@ -137,7 +137,8 @@ def make_tenant(env: ApiCluster) -> Tenant:
     rbac = kubernetes.client.RbacAuthorizationV1Api(env.api)
     core.create_namespace({"metadata": {"name": ns}})
     wait_for(lambda: core.read_namespaced_service_account("default", ns), 30, "the namespace's default SA")
-    for sa in ("bij-worker", "batcher", "nobody"):
+    add_worker_account(env.api, ns)  # a batch's pods run as bij-worker and report into its status
+    for sa in ("batcher", "nobody"):
         core.create_namespaced_service_account(ns, {"metadata": {"name": sa}})
     rbac.create_namespaced_role(ns, {"metadata": {"name": "batches"}, "rules": [
         {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"], "verbs": ["create"]}]})

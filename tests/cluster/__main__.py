@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from .controlplane import BIN, ROOT, ClusterError, build, free_port
-from .harness import OPERATOR_NAMESPACE, LocalCluster
+from .harness import OPERATOR_NAMESPACE, WORKER_RULES, LocalCluster
 
 DEFAULT_STATE = ROOT / ".cluster"
 # bij-api's model map on the local cluster: the simulated engine answers chat and completions at the
@@ -117,7 +117,7 @@ def up(state: Path) -> int:
     export KUBECONFIG={cluster.kubeconfig}
     export PATH={kubectl.parent}:$PATH
     kubectl get nodes
-    kubectl create serviceaccount bij-worker        # round pods run as bij-worker in the job's namespace
+    # a bij's pods run as bij-worker, made here in namespace {API_NAMESPACE} with its Role (see the README)
     kubectl apply -f examples/local-embed.yaml      # file:// URIs must be absolute: pods do not share your cwd
     kubectl get bij -w
 
@@ -143,7 +143,7 @@ def _answers(url: str) -> bool:
 
 def api_user(cluster: LocalCluster) -> str:
     """The demo's API key: a token of service account `API_USER`, allowed to create batchinferencejobs in
-    `API_NAMESPACE` (round pods there run as bij-worker). Idempotent."""
+    `API_NAMESPACE` (a bij's pods there run as bij-worker, with the worker's Role). Idempotent."""
     import kubernetes
     from kubernetes.client import ApiException
 
@@ -152,6 +152,12 @@ def api_user(cluster: LocalCluster) -> str:
     ns = API_NAMESPACE
     for create in (
         lambda: core.create_namespaced_service_account(ns, {"metadata": {"name": "bij-worker"}}),
+        # The worker's Role as the chart makes it where it is told of a namespace: pods report into status.
+        lambda: rbac.create_namespaced_role(ns, {"metadata": {"name": "bij-worker"}, "rules": WORKER_RULES}),
+        lambda: rbac.create_namespaced_role_binding(ns, {
+            "metadata": {"name": "bij-worker"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "bij-worker"},
+            "subjects": [{"kind": "ServiceAccount", "name": "bij-worker", "namespace": ns}]}),
         lambda: core.create_namespaced_service_account(ns, {"metadata": {"name": API_USER}}),
         lambda: rbac.create_namespaced_role(ns, {"metadata": {"name": "bij-batches"}, "rules": [
             {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"],
