@@ -164,3 +164,53 @@ def test_upload_line_stats_count_lines_and_models_across_chunk_boundaries() -> N
     last.feed(lines[0])  # no newline at the end
     last.close()
     assert last.lines == 1
+
+
+def test_an_upload_streams_to_storage_and_its_download_is_the_same_bytes(place: Any) -> None:
+    """On file:// and on the S3 server: parts go out as they come (an S3 multipart upload past 8 MiB),
+    the line stats see every line, and the download streams the stored bytes back."""
+    import asyncio
+    import hashlib
+
+    from bij_operator.api.files import FileStore
+
+    files = FileStore(place.uri("openai/"), {"endpointUrl": place.endpoint} if place.endpoint else None)
+    line = json.dumps({"custom_id": "x", "url": "/v1/chat/completions", "body": {"model": "m", "pad": "p" * 200}})
+    data = ((line + "\n") * 50_000).encode()  # about 11 MiB
+    sent = hashlib.sha256(data).hexdigest()
+
+    async def chunks() -> Any:
+        for i in range(0, len(data), 1 << 20):
+            yield data[i:i + (1 << 20)]
+
+    async def run() -> tuple[dict[str, Any], bytes]:
+        obj = await files.upload("team-a", "in.jsonl", "batch", chunks())
+        got = b"".join([c async for c in files.stream([files.content_uri("team-a", obj["id"])])])
+        return obj, got
+
+    obj, got = asyncio.run(run())
+    assert obj["bytes"] == len(data) and hashlib.sha256(got).hexdigest() == sent
+    meta = files.meta("team-a", obj["id"])
+    assert meta is not None and (meta["lines"], meta["models"]) == (50_000, ["m"])
+    assert [m["id"] for m in files.records("team-a")] == [obj["id"]] and files.records("team-b") == []
+    assert files.meta("team-b", obj["id"]) is None  # another namespace's id is nowhere
+    files.delete("team-a", obj["id"])
+    assert files.meta("team-a", obj["id"]) is None and files.records("team-a") == []
+
+
+def test_an_upload_cut_off_midway_leaves_no_file(place: Any) -> None:
+    import asyncio
+
+    from bij_operator.api.files import FileStore
+
+    files = FileStore(place.uri("openai/"), {"endpointUrl": place.endpoint} if place.endpoint else None)
+
+    async def chunks() -> Any:
+        for _ in range(9):
+            yield b"x" * (1 << 20)  # past one S3 part: a multipart upload is under way
+        raise ConnectionResetError("the client went away")
+
+    with pytest.raises(ConnectionResetError):
+        asyncio.run(files.upload("team-a", "in.jsonl", "batch", chunks()))
+    assert files.records("team-a") == []
+    assert place.storage.list(place.uri("openai/")) == []

@@ -144,10 +144,17 @@ class FileStore:
             await put(None)
         except BaseException as e:
             if not writer.done():
-                try:
-                    q.put_nowait(ConnectionAbortedError(f"upload of {file_id} stopped: {e!r}"))
-                except queue.Full:
-                    pass
+                # The writer drops what it wrote (temp file, multipart upload) once told; wait for that.
+                while True:
+                    try:
+                        q.put_nowait(ConnectionAbortedError(f"upload of {file_id} stopped: {e!r}"))
+                        break
+                    except queue.Full:
+                        await asyncio.wait([writer], timeout=0.01)
+                        if writer.done():
+                            break
+            await asyncio.wait([writer])
+            writer.exception()  # retrieved: the error to report is the upload's own
             raise
         size = await writer
         obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
