@@ -31,7 +31,6 @@ import os
 import shutil
 import signal
 import subprocess
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -96,8 +95,8 @@ def _run(*argv: str, check: bool = True, input: bytes | None = None, timeout: fl
 
 
 def pod_network() -> None:
-    """The bridge with the node's address on the pod network, and the `kubernetes` Service's
-    address forwarded to the API server (which listens there). Idempotent."""
+    """The bridge with the node's address on the pod network (where the API server and the S3
+    server then listen), and forwarding on. Idempotent: other runs may have made it already."""
     if _run("ip", "link", "show", BRIDGE, check=False) == "":
         _run("ip", "link", "add", BRIDGE, "type", "bridge")
     addr = f"{GATEWAY}/{POD_SUBNET.prefixlen}"
@@ -221,7 +220,7 @@ state = "{self.run_dir / 'state'}"
         return _run(str(BIN / "ctr"), "--address", str(self.socket), "--namespace", "k8s.io", *args, input=input,
                     timeout=timeout)
 
-    def import_image(self, archive: Path) -> list[str]:
+    def import_image(self, archive: Path) -> None:
         """Import an OCI archive (a tar file, or an OCI layout folder) into the node's image store."""
         started = time.monotonic()
         if archive.is_dir():
@@ -232,7 +231,7 @@ state = "{self.run_dir / 'state'}"
                       for m in index["manifests"]]
             if all(self.has_image(name, digest) for name, digest in wanted):
                 log.info("%s: already imported", archive)
-                return [name for name, _ in wanted]
+                return
             r, w = os.pipe()
             tar = subprocess.Popen(["tar", "-C", str(archive), "-cf", "-", "."], stdout=w)
             os.close(w)
@@ -248,21 +247,15 @@ state = "{self.run_dir / 'state'}"
             out = proc.stdout.decode()
         else:
             out = self.ctr("images", "import", str(archive))
-        names = [line.split()[1] for line in out.splitlines() if line.startswith("unpacking") or
-                 line.startswith("saved")] or [line for line in out.splitlines() if line.strip()]
         log.info("imported %s in %.0f s: %s", archive, time.monotonic() - started, out.strip())
-        return names
 
     def has_image(self, name: str, digest: str) -> bool:
         """Whether the node's image store has `name` at manifest `digest`."""
         return any(line.split()[:3:2] == [name, digest] for line in self.ctr("images", "ls").splitlines()[1:])
 
     def _pause_image(self) -> str:
-        tag = (BIN / "pause.tag").read_text().strip()
-        with tarfile.open(BIN / "pause.tar") as tar:
-            index = json.load(tar.extractfile("./index.json"))  # type: ignore[arg-type]
-        assert index["manifests"], "the pause archive has no image"
-        return f"localhost/bij/pause:{tag}"
+        """The sandbox image's name: build.sh's pause.tar, tagged with Kubernetes' pause version."""
+        return f"localhost/bij/pause:{(BIN / 'pause.tag').read_text().strip()}"
 
     # --- kubelet ---------------------------------------------------------------------------------
 
