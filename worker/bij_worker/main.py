@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                 after = start(claim) if claim is not None else None
             run = after
         if stop.requested:
+            # Asked to stop as its last shard finished: nothing was left to drain, and it says so too.
+            log.info("lane %d: stopped with every shard it took done", lane)
             return EXIT_TERMINATED
     except DamagedObject as e:
         # input.onDamagedObject fail: no retry reads past it; the rows before it are durable.
