@@ -143,16 +143,15 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
         wait_for(lambda: any(c.type == "Ready" and c.status == "True"
                              for n in core.list_node().items for c in n.status.conditions or []),
                  120, "the node Ready")
-        # The operator plans inputs and writes the manifest itself: it needs the credentials too.
-        core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
-        core.create_namespaced_secret(OPERATOR_NAMESPACE, s3_secret(s3))
+        # The operator has no storage identity: a bij's pods reach S3 with the bij's own credentials.
         repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
         wrepo, wtag = WORKER_IMAGE.rsplit(":", 1)
         cluster.install_operator(values={
             "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
             "workerImage": {"repository": wrepo, "tag": wtag},
-            "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
             "extraArgs": ["--status-interval", "0.5"],
+            # Pods in containers share no folder with this machine: S3 only, as on a real cluster.
+            "fileStorage": {"mountPath": "", "volume": {}},
         }, timeout=300)
         yield RealCluster(cluster, node, s3)
     finally:
@@ -251,13 +250,13 @@ class Ns:
 
 @pytest.fixture()
 def ns(real: RealCluster) -> Iterator[Ns]:
-    from cluster.harness import wait_for
+    from cluster.harness import add_worker_account, wait_for
 
     name = f"e2e-{uuid.uuid4().hex[:6]}"
     n = Ns(real, name)
     n.core.create_namespace({"metadata": {"name": name}})
     wait_for(lambda: n.core.read_namespaced_service_account("default", name), 30, "the default service account")
-    n.core.create_namespaced_service_account(name, {"metadata": {"name": "bij-worker"}})
+    add_worker_account(real.api, name)  # a bij's pods run as bij-worker and report into its status
     n.core.create_namespaced_secret(name, s3_secret(real.s3))
     yield n
     n.core.delete_namespace(name)
