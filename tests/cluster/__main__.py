@@ -96,7 +96,7 @@ def up(state: Path) -> int:
     port = int(json.loads(api_state.read_text())["port"]) if api_state.exists() else free_port()
     try:
         cluster.install_operator(values={"logLevel": "INFO", "api": {
-            "enabled": True, "port": port, "filesPrefix": f"file://{state / 'api-files'}/", "models": DEMO_MODELS}})
+            "enabled": True, "port": port, "filesPrefix": f"file://{api_files(state)}/", "models": DEMO_MODELS}})
         token = api_user(cluster)
     except Exception as e:
         print(f"cluster-up: installing the chart failed: {e}", file=sys.stderr)
@@ -129,6 +129,15 @@ bij-api, the OpenAI Batch API (models {', '.join(DEMO_MODELS)}; batches live in 
 
 Pods run as local processes; their output is under {state / 'kubelet' / 'pods'}. Stop with: make cluster-down""")
     return 0
+
+
+def api_files(state: Path) -> Path:
+    """Where bij-api keeps the demo's files: under the temp folder, the volume this cluster's pods share
+    (the chart's fileStorage, harness.LOCAL_FILES), one folder per checkout."""
+    import hashlib
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"bij-api-files-{hashlib.sha256(str(state).encode()).hexdigest()[:8]}"
 
 
 def _answers(url: str) -> bool:
