@@ -170,6 +170,21 @@ def test_the_driver_plans_creates_one_job_and_waits_for_it(file_place, make_job)
     assert backend.creates == made and len(backend.events) == 2
 
 
+def test_rows_count_every_finished_round_also_while_the_last_one_publishes(file_place, make_job) -> None:
+    from bij_operator.status import now_utc
+
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+    driver = Driver(FakeBackend(job))
+    lanes = {"reports": {"lanes": {"p0": {"round": 1, "rows": 7, "errors": 1}}}}
+    rounds = [{"round": 0, "completionTime": "2026-01-01T00:00:00Z", "approved": 40, "errors": 2},
+              {"round": 1, "startTime": "2026-01-01T00:00:00Z"}]
+    # Round 1 running: round 0's record and what round 1's lanes reported so far.
+    assert driver.progress({"rounds": rounds, **lanes}, 1, now_utc())["rows"] == {"done": 47, "failed": 3}
+    # Round 1 finished and publishing: both records, and no lane report counted twice.
+    rounds[1].update(completionTime="2026-01-01T00:01:00Z", approved=9, errors=1)
+    assert driver.progress({"rounds": rounds, **lanes}, 1, now_utc())["rows"] == {"done": 49, "failed": 3}
+
+
 def test_a_job_of_our_name_that_is_someone_elses_is_reported_never_adopted(file_place, make_job) -> None:
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
     backend = FakeBackend(job, foreign={f"{job.metadata.name}-r0"})

@@ -526,10 +526,13 @@ class Driver:
         running round from the input its lanes reported done."""
         done = failed = 0
         for r, rec in round_records(status).items():
-            if r != round_no and rec.get("completionTime"):
+            # A finished round counts from its record (the current one too: while publishing, say),
+            # unless its statistics are being recorded right now (`ended`).
+            if rec.get("completionTime") and not (r == round_no and ended is not None):
                 done += int(rec.get("approved") or 0)
                 failed += int(rec.get("errors") or 0)
-        current = lane_reports(status, round_no)
+        finished = bool((round_records(status).get(round_no) or {}).get("completionTime"))
+        current = [] if finished else lane_reports(status, round_no)
         if ended is not None:
             done += ended.approved
             failed += ended.errors
