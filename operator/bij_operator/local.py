@@ -426,27 +426,30 @@ def with_start_time(job: BatchInferenceJob, store: Any) -> BatchInferenceJob:
     return job.model_copy(update={"metadata": job.metadata.model_copy(update={"creation_timestamp": started})})
 
 
-def cli_cancel(args: argparse.Namespace) -> int:
-    """`bij cancel job.yaml`: stop a job for good and publish what its runs finished (phase Cancelled)."""
+def cli_job(args: argparse.Namespace) -> BatchInferenceJob | None:
+    """The job `bij run` / `bij cancel` name, or None once the reason it cannot run is printed."""
     try:
         job = load_job(args.spec)
     except SpecError as e:
         print(f"bij: {e}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return None
     if args.parallelism is not None and args.parallelism < 1:
         print(f"bij: --parallelism must be at least 1, got {args.parallelism}", file=sys.stderr)
+        return None
+    return job
+
+
+def cli_cancel(args: argparse.Namespace) -> int:
+    """`bij cancel job.yaml`: stop a job for good and publish what its runs finished (phase Cancelled)."""
+    job = cli_job(args)
+    if job is None:
         return EXIT_BAD_CONFIG
     return LocalRunner(job, args.parallelism, show_progress=False, cancel=True).run()
 
 
 def cli_run(args: argparse.Namespace) -> int:
-    try:
-        job = load_job(args.spec)
-    except SpecError as e:
-        print(f"bij: {e}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    if args.parallelism is not None and args.parallelism < 1:
-        print(f"bij: --parallelism must be at least 1, got {args.parallelism}", file=sys.stderr)
+    job = cli_job(args)
+    if job is None:
         return EXIT_BAD_CONFIG
     if args.restart:
         try:
