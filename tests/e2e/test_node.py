@@ -114,7 +114,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
         pytest.skip(f"real-node e2e: {why}")
     import s3server
     from cluster.controlplane import ControlPlane
-    from cluster.harness import OPERATOR_NAMESPACE, LocalCluster, wait_for
+    from cluster.harness import LocalCluster, wait_for
     from node import GATEWAY, Node, pod_network
 
     exe = s3server.binary()
