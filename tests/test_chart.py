@@ -230,6 +230,14 @@ def test_worker_service_account_exists_where_round_jobs_run(chart: helm.Chart) -
             assert account["metadata"]["annotations"] == {"example.com/owner": "platform"}
 
 
+def test_the_worker_role_is_exactly_the_grants_bij_doctor_checks(chart: helm.Chart) -> None:
+    from bij_operator.doctor import worker_role_rules
+
+    roles = [r for r in of_kind(render(chart, NON_DEFAULT), "Role") if r["metadata"]["name"] == "bij-worker"]
+    assert {r["metadata"]["namespace"] for r in roles} == {"team-a", "team-b", "team-c"}
+    assert all(r["rules"] == worker_role_rules() for r in roles)
+
+
 # --- the operator has no storage identity ------------------------------------------------------
 
 

@@ -940,3 +940,70 @@ def test_the_chart_rbac_is_exactly_what_the_operator_uses(env: Env, mode: str) -
     assert granted == {(g, r, v) for rule in WORKER_RULES for g in rule["apiGroups"] for r in rule["resources"]
                        for v in rule["verbs"]}, "the chart's worker Role and the tests' copy differ"
     assert granted <= used, f"{mode}: the worker Role grants what the bij's pods never use: {granted - used}"
+
+
+def test_bij_doctor_names_a_missing_grant_with_its_fix_and_probes_storage_from_the_namespace(
+        env: Env, s3_service: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bij doctor`: the worker identity's grants asked of the API server (a namespace set up by hand misses
+    one, the printed commands add it), and storage probed by a pod of the namespace under its Secret."""
+    import shlex
+
+    import boto3
+    from bij_operator.cli import main as bij
+
+    kubeconfig = str(env.cluster.kubeconfig)
+
+    def doctor(*args: str) -> tuple[int, str]:
+        capsys.readouterr()
+        code = bij(["doctor", "--kubeconfig", kubeconfig, "--timeout", "120", *args])
+        return code, capsys.readouterr().out
+
+    code, out = doctor("-n", env.ns)
+    assert code == 0 and out.splitlines()[-1] == "ready", out
+    assert f"system:serviceaccount:{env.ns}:bij-worker may patch batchinferencejobs/status" in out
+
+    # A namespace set up by hand: the service account, no Role.
+    bare = f"{env.ns}-bare"
+    env.core.create_namespace({"metadata": {"name": bare}})
+    try:
+        wait_for(lambda: env.core.read_namespaced_service_account("default", bare), 30, "the default SA")
+        code, out = doctor("-n", bare)
+        assert code == 1 and f"service account {bare}/bij-worker does not exist" in out, out
+        env.core.create_namespaced_service_account(bare, {"metadata": {"name": "bij-worker"}})
+        code, out = doctor("-n", bare)
+        assert code == 1 and "FAIL  rbac" in out and "may not patch batchinferencejobs/status" in out, out
+        fix = next(line for line in out.splitlines() if "fix: kubectl" in line).split("fix: ", 1)[1]
+        for command in fix.split("  (or", 1)[0].split(" && "):
+            env.cluster.kubectl(*shlex.split(command)[1:])
+        code, out = doctor("-n", bare)
+        assert code == 0 and out.splitlines()[-1] == "ready", out
+    finally:
+        env.core.delete_namespace(bare)
+
+    # Storage, as the job's pods see it: the tenant's own keys, then another identity's.
+    owner, bucket = _tenant(s3_service, "doctor")
+    stranger = s3_service.add_user(f"stranger-{uuid.uuid4().hex[:6]}")
+    boto3.client("s3", endpoint_url=s3_service.endpoint).put_object(Bucket=bucket, Key="in/rows.jsonl",
+                                                                     Body=b'{"id": 1, "text": "x"}\n')
+    for secret, who in (("s3-owner", owner), ("s3-stranger", stranger)):
+        env.core.create_namespaced_secret(env.ns, {"metadata": {"name": secret}, "stringData": who.env()})
+    spec = tmp_path / "job.yaml"
+    for secret, ready in (("s3-owner", True), ("s3-stranger", False), ("s3-missing", False)):
+        doc = _s3_doc(env, "doc", f"s3://{bucket}/in/", f"s3://{bucket}/out/", secret, s3_service.endpoint)
+        doc["metadata"]["namespace"] = env.ns
+        spec.write_text(yaml.safe_dump(doc))
+        code, out = doctor(str(spec))
+        assert (code == 0) is ready, out
+        if secret == "s3-owner":
+            assert "OK    storage" in out and "OK    secret" in out and "OK    nodes" in out, out
+        elif secret == "s3-stranger":
+            lines = [ln for ln in out.splitlines() if ln.startswith("FAIL  storage.")]
+            assert [ln.split()[1] for ln in lines] == ["storage.input", "storage.output"], out
+            assert all("AccessDenied" in ln for ln in lines) and f"s3://{bucket}/in/" in lines[0], out
+        else:
+            assert f"Secret {env.ns}/s3-missing does not exist" in out, out
+    # The probe pods are gone, and the probe left nothing under the output.
+    wait_for(lambda: not [p for p in env.core.list_namespaced_pod(env.ns).items if "-doctor-" in p.metadata.name],
+             60, "the probe pods to be gone")
+    listed = boto3.client("s3", endpoint_url=s3_service.endpoint).list_objects_v2(Bucket=bucket, Prefix="out/")
+    assert listed.get("KeyCount", 0) == 0

@@ -56,6 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("target", help="the job's YAML (read with its spec.storage), or its manifest URI (file://... or "
                                   "s3://...; S3 settings from the AWS environment)")
 
+    p = sub.add_parser("doctor", help="is a namespace ready for bijs? the worker identity's grants, its Secret, "
+                                      "nodes that fit, and storage as the job's pods see it")
+    p.add_argument("spec", nargs="?", default=None,
+                   help="a BatchInferenceJob YAML: also check its Secret, nodes, image and storage")
+    p.add_argument("-n", "--namespace", default=None, help="the namespace (default: the job's, else default)")
+    p.add_argument("--no-probe", action="store_true", help="do not start the storage probe pod")
+    p.add_argument("--image", default=None, help="the worker image (default: the spec's, else the operator's)")
+    p.add_argument("--operator-namespace", default="bij-system", help="where the operator runs (default bij-system)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, else ~/.kube/config)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds the probe pod may take (default 300)")
+
     sub.add_parser("operator", help="run the kopf operator (in-cluster or with a kubeconfig)", add_help=False)
     sub.add_parser("api", help="run bij-api, the OpenAI Files and Batches API (same as bij-api)", add_help=False)
 
@@ -100,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         from bij_operator.results import cli_status
 
         return cli_status(args)
+    if args.command == "doctor":
+        from bij_operator.doctor import cli_doctor
+
+        return cli_doctor(args)
     if args.command == "publish":
         from bij_operator.local import cli_publish
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import kubernetes
+from bij_operator.doctor import worker_role_rules
 from kubernetes.client import ApiException
 
 from .controlplane import BIN, ROOT, ClusterError, ControlPlane, free_port
@@ -129,8 +130,8 @@ class LocalCluster:
         self.plane.stop()
 
 
-# The chart's worker Role (templates/rbac.yaml, rules.worker): a bij's pods report into its status.
-WORKER_RULES = [{"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/status"], "verbs": ["patch"]}]
+# The chart's worker Role (templates/rbac.yaml, rules.worker; tests/test_chart.py holds the two equal).
+WORKER_RULES = worker_role_rules()
 
 
 def add_worker_account(api: kubernetes.client.ApiClient, namespace: str, name: str = "bij-worker") -> None:

@@ -379,11 +379,22 @@ class PodRunner:
         for c in containers:
             code = codes.get(c["name"], 137)
             reason = "Completed" if code == 0 else "Error"
-            statuses.append(self._container_status(c, {"terminated": {
-                "exitCode": code, "reason": reason, "startedAt": self.started_at, "finishedAt": now(),
-                "containerID": f"process://{self.uid}/{c['name']}"}}, restarts.get(c["name"], 0)))
+            terminated = {"exitCode": code, "reason": reason, "startedAt": self.started_at, "finishedAt": now(),
+                          "containerID": f"process://{self.uid}/{c['name']}"}
+            if code != 0 and c.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+                terminated["message"] = self._log_tail(c["name"])
+            statuses.append(self._container_status(c, {"terminated": terminated}, restarts.get(c["name"], 0)))
         phase = "Succeeded" if all(codes.get(c["name"], 137) == 0 for c in containers) else "Failed"
         self._patch_status({"phase": phase, "conditions": self._conditions(False), "containerStatuses": statuses})
+
+    def _log_tail(self, container: str) -> str:
+        """What a kubelet takes as the message of a failed container under `FallbackToLogsOnError`: the
+        end of its log, at most 80 lines and 2048 bytes (the kubelet's own limits)."""
+        try:
+            data = (self.dir / f"{container}.log").read_bytes()[-2048:]
+        except OSError:
+            return ""
+        return "\n".join(data.decode(errors="replace").splitlines()[-80:])
 
     def _finish(self) -> None:
         with self.lock:

@@ -1,6 +1,7 @@
 """`bij-worker`: a round's lane (`bij_worker.main`), one publish pass (`bij-worker publish ...`,
 `bij_worker.publish_rows`) or one of the driver's storage steps (`bij-worker step ...`: planning, a
-round's statistics, the publish plan, the manifest; `bij_operator.steps`, shipped in the same image).
+round's statistics, the publish plan, the manifest; `bij_operator.steps`, shipped in the same image) or
+`bij doctor`'s storage probe (`bij-worker probe ...`, `bij_worker.probe`).
 A publish pass imports neither the engines nor the spec model, so the three short-lived pass
 processes per publish start in about half the time."""
 
@@ -25,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from bij_operator.steps import main as step_main
 
         return step_main(rest[1:])
+    if rest[:1] == ["probe"]:
+        from .probe import main as probe_main
+
+        return probe_main(rest[1:])
     from .main import main as work_main
 
     return work_main(argv)
