@@ -144,8 +144,8 @@ def test_the_storage_probe_lists_the_input_and_writes_reads_and_deletes_under_th
 
 def test_a_missing_grant_names_the_verb_and_the_commands_that_grant_it() -> None:
     fix = grant_fix("team", "bij-worker", list(WORKER_GRANTS))
-    assert "kubectl -n team create role bij-worker --verb=patch --resource=batchinferencejobs.batchinference.io/status" \
-        in fix
+    role = "kubectl -n team create role bij-worker --verb=patch --resource=batchinferencejobs.batchinference.io/status"
+    assert role in fix
     assert "--serviceaccount=team:bij-worker" in fix
     report = format_report([Finding("rbac", "fail", "may not patch", fix), Finding("nodes", "warn", "none fit"),
                             Finding("namespace", "ok", "exists", "unused")])
