@@ -229,6 +229,8 @@ BAD = [
      'spec.workers.modelCache: Invalid value: modelCache.type pvc needs modelCache.claimName'),
     ("http-input", with_spec(input={"uri": "https://example.com/in.jsonl"}),
      'spec.input.uri: Invalid value: "https://example.com/in.jsonl": must start with file:// or s3://'),
+    ("output-with-a-glob", with_spec(output={"uri": "s3://b/out-*/"}),
+     'spec.output.uri: Invalid value: "s3://b/out-*/": an output is one folder: no wildcards'),
     ("s3-output-without-bucket", with_spec(output={"uri": "s3://"}),
      'spec.output.uri: Invalid value: "s3://": must start with file:// or s3://'),
     ("s3-input-with-an-empty-bucket", with_spec(input={"uri": "s3:///"}),

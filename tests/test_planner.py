@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import tracemalloc
 from pathlib import Path
@@ -14,6 +15,7 @@ import zstandard
 from bij_operator.fingerprint import PlanRefused
 from bij_operator.planner import PlanError, input_objects, plan_round, plan_shards
 from bij_worker.contract import layout
+from bij_worker.contract.globs import glob_matches, split_glob
 from bij_worker.contract.plan import PlanObject
 from bij_worker.reader import iter_shard
 from bij_worker.storage import FileStorage, ObjectInfo
@@ -188,6 +190,71 @@ def test_planning_an_empty_input_fails_naming_the_uri(place, make_job):
     _, job = make_job(place, place.uri("in/"))
     with pytest.raises(PlanError, match=r"spec\.input\.uri: no input at " + place.uri("in/")):
         plan_round(job, 0)
+
+
+@pytest.mark.parametrize(("uri", "base", "pattern"), [
+    ("s3://b/in/", "s3://b/in/", None),
+    ("s3://b/logs/2026-*/part-*.jsonl", "s3://b/logs/", "2026-*/part-*.jsonl"),
+    ("file:///data/**/*.jsonl.zst", "file:///data/", "**/*.jsonl.zst"),
+    ("s3://b/in/day-?.jsonl", "s3://b/in/", "day-?.jsonl"),
+])
+def test_a_glob_input_lists_the_folder_before_its_first_wildcard(uri: str, base: str, pattern: str | None) -> None:
+    assert split_glob(uri) == (base, pattern)
+
+
+@pytest.mark.parametrize(("pattern", "yes", "no"), [
+    ("*.jsonl", ["a.jsonl", ".jsonl"], ["sub/a.jsonl", "a.jsonl.zst"]),
+    ("2026-*/part-*.jsonl", ["2026-01/part-0.jsonl"], ["2025-01/part-0.jsonl", "2026-01/x/part-0.jsonl"]),
+    ("**/*.jsonl", ["a.jsonl", "x/a.jsonl", "x/y/z/a.jsonl"], ["a.json", "x/a.jsonl.zst"]),
+    ("x/**", ["x/a", "x/y/b.jsonl"], ["y/a"]),
+    ("day-[0-2].jsonl", ["day-0.jsonl", "day-2.jsonl"], ["day-3.jsonl", "day-10.jsonl"]),
+    ("day-[!0].jsonl", ["day-1.jsonl"], ["day-0.jsonl"]),
+    ("a?c.jsonl", ["abc.jsonl"], ["a/c.jsonl", "ac.jsonl"]),
+])
+def test_glob_patterns_match_within_a_name_and_double_star_spans_folders(pattern: str, yes: list[str],
+                                                                         no: list[str]) -> None:
+    assert [glob_matches(pattern, p) for p in yes] == [True] * len(yes)
+    assert [glob_matches(pattern, p) for p in no] == [False] * len(no)
+
+
+def test_a_glob_input_plans_exactly_the_objects_it_matches(place, make_job):
+    for day in ("2026-01", "2026-02", "2025-12"):
+        place.write_jsonl(f"in/{day}/part-0.jsonl", [{"id": f"{day}-{i}", "text": "x"} for i in range(3)])
+        place.write_jsonl(f"in/{day}/extra/part-1.jsonl", [{"id": f"{day}-x", "text": "y"}])
+    _, job = make_job(place, place.uri("in/2026-*/part-*.jsonl"))
+    plan_round(job, 0)
+    doc = json.loads(place.storage.read_bytes(layout.round_manifest_uri(job, 0)))
+    assert [o["name"] for o in doc["objects"]] == ["2026-01/part-0.jsonl", "2026-02/part-0.jsonl"]
+    _, everywhere = make_job(place, place.uri("in/**/part-*.jsonl"), name="all", out_dir="out-all/")
+    plan_round(everywhere, 0)
+    doc = json.loads(place.storage.read_bytes(layout.round_manifest_uri(everywhere, 0)))
+    assert len(doc["objects"]) == 6
+    _, none = make_job(place, place.uri("in/2024-*/*.jsonl"), name="none", out_dir="out-none/")
+    with pytest.raises(PlanError, match=r"no input at .*in/2024-\*/\*\.jsonl"):
+        plan_round(none, 0)
+
+
+def test_an_output_inside_the_folder_a_glob_lists_is_refused(file_place, make_job):
+    file_place.write_jsonl("in/a.jsonl", [{"id": 1, "text": "x"}])
+    _, job = make_job(file_place, file_place.uri("in/*.jsonl"), out_dir="in/out/")
+    with pytest.raises(PlanRefused, match="must not be spec.input.uri, lie inside it or contain it"):
+        plan_round(job, 0)
+
+
+@pytest.mark.parametrize(("field", "uri", "says"), [
+    ("input", "s3://b*/in/", "a glob may not be in the bucket name"),
+    ("input", "s3://b/in/**x/*.jsonl", "'**' must be a whole folder name"),
+    ("input", "s3://b/in/day-[0-2.jsonl", "has no closing ']'"),
+    ("output", "s3://b/out-*/", "an output is one folder: no wildcards"),
+])
+def test_a_bad_glob_is_refused_naming_the_field(field: str, uri: str, says: str) -> None:
+    from bij_worker.contract.spec import SpecError, parse_job
+
+    spec: dict[str, Any] = {"input": {"uri": "s3://b/in/"}, "output": {"uri": "s3://b/out/"}}
+    spec[field] = {"uri": uri}
+    with pytest.raises(SpecError, match=f"spec.{field}.uri: .*" + re.escape(says)):
+        parse_job({"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
+                   "metadata": {"name": "g"}, "spec": spec})
 
 
 # --- a plan is a promise -----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from bij_worker.contract import layout
 from bij_worker.contract.errors import BijError
+from bij_worker.contract.globs import glob_matches, split_glob
 from bij_worker.contract.plan import PLAN_VERSION, BadPlan, Fingerprint, JudgeMode, Plan, PlanObject
 from bij_worker.contract.records import DamageRecord, OwnerRecord
 from bij_worker.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, job_to_dict, uris_overlap
@@ -196,7 +197,8 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
     sizes = [(o.size, is_compressed(o.uri)) for o in objects]
     groups = {i: f.group_bytes for i, f in footers.items()} if footers else None
     shards = plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes)), groups)
-    base = input_uri if input_uri.endswith("/") else input_uri.rsplit("/", 1)[0] + "/"
+    folder, _ = split_glob(input_uri)
+    base = folder if folder.endswith("/") else folder.rsplit("/", 1)[0] + "/"
     return Plan(
         version=PLAN_VERSION,
         round=round_no,
@@ -312,8 +314,12 @@ def read_plan(store: Storage, uri: str) -> Plan:
 
 
 def _list_input(job: BatchInferenceJob, input_uri: str, parquet: bool = False) -> list[ObjectInfo]:
+    base, pattern = split_glob(input_uri)
     try:
-        return input_objects(open_storage(input_uri, job.spec.storage.s3).list(input_uri), input_uri, parquet)
+        listed = open_storage(base, job.spec.storage.s3).list(base)
+        if pattern is not None:
+            listed = [o for o in listed if glob_matches(pattern, o.uri[len(base):])]
+        return input_objects(listed, base, parquet)
     except StorageRefused as e:  # stays a refusal: the bij fails rather than waiting for input to appear
         raise StorageRefused(f"spec.input.uri: cannot list {input_uri}: {e}") from None
     except StorageError as e:
@@ -330,7 +336,8 @@ def local_place(uri: str) -> str:
 def check_places(job: BatchInferenceJob) -> None:
     """Refuse an output that is the input, lies inside it or contains it, with file:// paths resolved
     (the spec check compares the URIs as written)."""
-    if uris_overlap(local_place(job.spec.input.uri), local_place(job.spec.output.uri)):
+    # A glob's input is everything it may match: the folder listed for it.
+    if uris_overlap(local_place(split_glob(job.spec.input.uri)[0]), local_place(job.spec.output.uri)):
         raise PlanRefused(f"{OVERLAP_MESSAGE} (input {job.spec.input.uri}, output {job.spec.output.uri})")
 
 

@@ -20,6 +20,7 @@ from ..sampling import Sampling
 from ..sampling import from_spec as sampling_from_spec
 from .codes import API_GROUP
 from .errors import BijError
+from .globs import check_glob, has_glob
 
 API_VERSION = "v1alpha1"
 KIND = "BatchInferenceJob"
@@ -121,6 +122,7 @@ class InputSpec(_Model):
     @field_validator("uri")
     @classmethod
     def _uri_scheme(cls, uri: str) -> str:
+        check_glob(uri)  # a glob below the folder it names: contract.globs
         return _check_uri(uri)
 
 
@@ -138,6 +140,8 @@ class OutputSpec(_Model):
     @field_validator("uri")
     @classmethod
     def _uri_scheme(cls, uri: str) -> str:
+        if has_glob(uri):
+            raise ValueError(f"an output is one folder: no wildcards (* ? [), got {uri!r}")
         return _check_uri(uri)
 
 
