@@ -71,7 +71,7 @@ def _round_plan(uri: str, plan: Plan) -> RoundPlan:
 
 
 def is_compressed(uri: str) -> bool:
-    return uri.endswith(".zst")
+    return layout.object_path(uri).endswith(".zst")
 
 
 def input_objects(objects: list[ObjectInfo], input_uri: str = "", parquet: bool = False) -> list[ObjectInfo]:
@@ -82,7 +82,7 @@ def input_objects(objects: list[ObjectInfo], input_uri: str = "", parquet: bool 
     base = input_uri.rstrip("/")
     out = []
     for o in objects:
-        if not o.uri.endswith(suffixes) or o.size <= 0:
+        if not layout.object_path(o.uri).endswith(suffixes) or o.size <= 0:
             continue
         rel = o.uri[len(base):] if base and o.uri.startswith(base) else o.uri.rsplit("/", 1)[-1]
         if any(part.startswith((".", "_")) for part in rel.split("/") if part):

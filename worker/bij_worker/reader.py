@@ -26,6 +26,7 @@ from typing import Any
 
 import zstandard
 
+from .contract import layout
 from .contract.errors import BijError
 from .contract.plan import Piece, PlanObject
 from .contract.spec import DEFAULT_MAX_LINE_BYTES
@@ -259,7 +260,8 @@ def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: Sequence[P
             if places:
                 yield places, records, [1] * len(places)
             continue
-        yield from iter_piece(storage_for(uri), uri, uri.endswith(".zst"), start, end, resume_at, obj=obj,
+        zst = layout.object_path(uri).endswith(".zst")
+        yield from iter_piece(storage_for(uri), uri, zst, start, end, resume_at, obj=obj,
                               max_line=max_line, version=info.version, on_damaged=on_damaged,
                               prefix=info.prefix)
 

@@ -144,7 +144,11 @@ def open_storage(uri: str, s3: Any) -> Storage:
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
         return _shared_s3(endpoint, region, tuple(os.environ.get(k) for k in _CREDENTIAL_VARIABLES))
-    raise StorageError(f"unsupported URI {uri!r}: use file:// or s3://", permanent=True)
+    if uri.startswith(("https://", "http://")):
+        from .storage_http import HttpStorage
+
+        return HttpStorage()
+    raise StorageError(f"unsupported URI {uri!r}: use file:// or s3:// (or https:// for an input)", permanent=True)
 
 
 _CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")

@@ -18,7 +18,10 @@ def has_glob(uri: str) -> bool:
 
 
 def split_glob(uri: str) -> tuple[str, str | None]:
-    """(the folder to list, the pattern below it); a URI without wildcards is (itself, None)."""
+    """(the folder to list, the pattern below it); a URI without wildcards is (itself, None), and so is an
+    http(s) URI (one object; its `?` starts a query string)."""
+    if uri.startswith(("https://", "http://")):
+        return uri, None
     first = min((i for i in (uri.find(c) for c in WILDCARDS) if i >= 0), default=-1)
     if first < 0:
         return uri, None

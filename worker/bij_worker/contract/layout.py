@@ -34,6 +34,12 @@ def join(base: str, *parts: str) -> str:
     return out
 
 
+def object_path(uri: str) -> str:
+    """An object's URI without the query string of a signed http(s) URL (which names no part of the object):
+    what its name and suffix (.jsonl, .zst) are read from."""
+    return uri.split("?", 1)[0] if uri.startswith(("https://", "http://")) else uri
+
+
 # --- the job ------------------------------------------------------------------------------------
 
 

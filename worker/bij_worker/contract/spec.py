@@ -79,6 +79,8 @@ class _Model(BaseModel):
 ENDPOINT_PATTERN = r"^https?://[^\s/?#:]+(:[0-9]{1,5})?(/[^\s]*)?$"
 # s3://bucket[/key] with a bucket; file:// with a path (absolute, or relative to the working directory).
 URI_PATTERN = r"^(s3://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the same
+# An input may also be one object at an http(s) URL (a web server, a presigned S3 / signed GCS URL).
+HTTP_PATTERN = r"^https?://[^/?#]+/[^?#]*[^/?#](\?.*)?$"
 
 
 class S3Options(_Model):
@@ -122,6 +124,13 @@ class InputSpec(_Model):
     @field_validator("uri")
     @classmethod
     def _uri_scheme(cls, uri: str) -> str:
+        if uri.startswith(("https://", "http://")):
+            # One object read with range requests (storage_http): HTTP lists nothing.
+            if not re.match(HTTP_PATTERN, uri):
+                raise ValueError(f"an http(s) input names one object: https://host/path, got {uri!r}")
+            if has_glob(uri.split("?", 1)[0]):
+                raise ValueError(f"an http(s) input names one object: no wildcards, got {uri!r}")
+            return uri
         check_glob(uri)  # a glob below the folder it names: contract.globs
         return _check_uri(uri)
 
