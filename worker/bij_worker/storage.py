@@ -148,7 +148,12 @@ def open_storage(uri: str, s3: Any) -> Storage:
         from .storage_http import HttpStorage
 
         return HttpStorage()
-    raise StorageError(f"unsupported URI {uri!r}: use file:// or s3:// (or https:// for an input)", permanent=True)
+    if uri.startswith("hf://"):
+        from .storage_hf import HfStorage
+
+        return HfStorage()
+    raise StorageError(f"unsupported URI {uri!r}: use file:// or s3:// (or https:// or hf:// for an input)",
+                       permanent=True)
 
 
 _CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")

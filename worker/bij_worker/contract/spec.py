@@ -81,6 +81,8 @@ ENDPOINT_PATTERN = r"^https?://[^\s/?#:]+(:[0-9]{1,5})?(/[^\s]*)?$"
 URI_PATTERN = r"^(s3://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the same
 # An input may also be one object at an http(s) URL (a web server, a presigned S3 / signed GCS URL).
 HTTP_PATTERN = r"^https?://[^/?#]+/[^?#]*[^/?#](\?.*)?$"
+# Or files of a dataset of the Hugging Face Hub (storage_hf).
+HF_PATTERN = r"^hf://datasets/[^/@]+/[^/@]+(@[^/]+)?(/.*)?$"
 
 
 class S3Options(_Model):
@@ -132,6 +134,10 @@ class InputSpec(_Model):
                 raise ValueError(f"an http(s) input names one object: no wildcards, got {uri!r}")
             return uri
         check_glob(uri)  # a glob below the folder it names: contract.globs
+        if uri.startswith("hf://"):
+            if not re.match(HF_PATTERN, uri):
+                raise ValueError(f"an hf:// input is a dataset: hf://datasets/OWNER/NAME[@REVISION]/PATH, got {uri!r}")
+            return uri
         return _check_uri(uri)
 
 
