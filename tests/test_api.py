@@ -356,6 +356,61 @@ def test_an_unknown_model_is_a_400_naming_the_known_ones(tenant: Tenant, tmp_pat
         c.files.retrieve(f.id)
 
 
+def _multipart(parts: list[tuple[str, str | None, bytes]]) -> tuple[bytes, str]:
+    """A multipart/form-data body with its parts in the order given: (name, filename or None, data)."""
+    boundary = uuid.uuid4().hex
+    out = b""
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + data + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def _post(url: str, token: str, body: bytes, content_type: str) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_hostile_requests_get_openai_errors_and_a_refused_upload_keeps_nothing(
+        api_cluster: ApiCluster, tenant: Tenant, tmp_path: Path) -> None:
+    c = tenant.client
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve("file-" + "a" * 300)  # once a file system's ENAMETOOLONG, a 500
+    with pytest.raises(openai.NotFoundError):
+        c.files.content("file-../../etc/passwd")
+    line = json.dumps(chat_lines(1)[0]).encode() + b"\n"
+    for parts in ([("file", "a.jsonl", line), ("purpose", None, b"fine-tune")],
+                  [("purpose", None, b"batch"), ("file", "a.jsonl", line), ("file", "b.jsonl", line)],
+                  [("file", "a.jsonl", line)]):
+        body, kind = _multipart(parts)
+        status, answer = _post(api_cluster.url + "/v1/files", tenant.token, body, kind)
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+    assert [f.id for f in c.files.list()] == []  # nothing refused was kept
+    status, answer = _post(api_cluster.url + "/v1/nothing-here", tenant.token, b"{}", "application/json")
+    assert status == 404 and answer["error"]["code"] == "not_found", answer
+
+    f = upload(c, tmp_path, chat_lines(3))
+    with pytest.raises(openai.BadRequestError, match="unknown field priority") as e:
+        c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                         extra_body={"priority": "high"})
+    assert e.value.param == "priority"  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError, match="output_expires_after is not supported"):
+        c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                         output_expires_after={"anchor": "created_at", "seconds": 3600})
+    mixed = chat_lines(3)
+    mixed[2]["url"] = "/v1/embeddings"
+    g = upload(c, tmp_path, mixed, "mixed.jsonl")
+    with pytest.raises(openai.BadRequestError, match="line 3 asks for /v1/embeddings, but the batch's endpoint is "
+                                                     "/v1/chat/completions"):
+        c.batches.create(input_file_id=g.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert c.batches.list().data == []
+
+
 # --- memory ---------------------------------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -43,6 +44,7 @@ class LineStats:
     lines: int = 0
     models: set[str] = field(default_factory=set)
     urls: set[str] = field(default_factory=set)
+    url_lines: dict[str, int] = field(default_factory=dict)  # the first line (1-based) of each url
     tail: bytearray = field(default_factory=bytearray)
 
     def feed(self, data: bytes) -> None:
@@ -78,6 +80,7 @@ class LineStats:
         url = obj.get("url")
         if isinstance(url, str) and len(self.urls) < MAX_MODELS:
             self.urls.add(url)
+            self.url_lines.setdefault(url, self.lines)
 
 
 class FileStore:
@@ -160,6 +163,7 @@ class FileStore:
         obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
                "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
         meta = {**obj, "lines": stats.lines, "models": sorted(stats.models), "urls": sorted(stats.urls),
+                "url_lines": stats.url_lines,
                 "created_ns": time.time_ns()}
         await asyncio.to_thread(self.store.write_bytes, self.meta_uri(namespace, file_id),
                                 json.dumps(meta).encode())
@@ -207,6 +211,10 @@ class FileStore:
                 f.close()
 
 
+FILE_ID = re.compile(r"file-[0-9a-f]{24}")
+
+
 def _plain_id(file_id: str) -> bool:
-    """An id that can name a folder (no path tricks): what `new_id` makes."""
-    return file_id.startswith("file-") and file_id[5:].isalnum()
+    """An id that can name a folder (no path tricks, no name too long for a file system): what `new_id`
+    makes; any other id names no file."""
+    return FILE_ID.fullmatch(file_id) is not None

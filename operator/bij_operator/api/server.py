@@ -50,6 +50,8 @@ from .models import ENDPOINTS, ModelMap, ModelMapError, job_doc
 log = logging.getLogger("bij.api")
 GROUP, VERSION, PLURAL = "batchinference.io", "v1alpha1", "batchinferencejobs"
 FINAL = ("completed", "failed", "expired", "cancelled")
+# The body of POST /v1/batches (OpenAI's, all of it): anything else is refused by name, never ignored.
+BATCH_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})
 
 
 class NotFoundError(Exception):
@@ -111,6 +113,15 @@ async def errors(request: web.Request, handler: Callable[[web.Request], Awaitabl
         return api_error(409, str(e), "invalid_request_error", code="conflict")
     except BadRequest as e:
         return api_error(400, str(e), "invalid_request_error", param=e.param)
+    except web.HTTPException as e:  # aiohttp's own: no such route, method not allowed, body too large
+        if e.status < 400:
+            raise
+        return api_error(e.status, f"{request.method} {request.path}: {e.reason}", "invalid_request_error",
+                         code="not_found" if e.status == 404 else None)
+    except Exception:  # a bug or an outage: OpenAI's shape still, the cause in the server's log
+        log.exception("%s %s failed", request.method, request.path)
+        return api_error(500, f"{request.method} {request.path}: the server failed; its log says why",
+                         "server_error")
 
 
 class Api:
@@ -150,29 +161,33 @@ class Api:
         reader = await request.multipart()
         purpose: str | None = None
         obj: dict[str, Any] | None = None
-        while True:
-            part = await reader.next()
-            if part is None:
-                break
-            if not isinstance(part, BodyPartReader):
-                continue
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-                if purpose != "batch":
-                    raise BadRequest(f"purpose must be batch (the only files this server keeps), got {purpose!r}",
-                                     "purpose")
-            elif part.name == "file":
-                if obj is not None:
-                    raise BadRequest("one file per upload", "file")
-                obj = await self.files.upload(who.namespace, part.filename or "upload.jsonl", "batch",
-                                              _chunks(part))
-            else:
-                await part.release()
-        if obj is None:
-            raise BadRequest("no file field in the upload", "file")
-        if purpose is None:
-            await asyncio.to_thread(self.files.delete, who.namespace, obj["id"])
-            raise BadRequest("purpose is missing: it must be batch", "purpose")
+        try:
+            while True:
+                part = await reader.next()
+                if part is None:
+                    break
+                if not isinstance(part, BodyPartReader):
+                    continue
+                if part.name == "purpose":
+                    purpose = (await part.text()).strip()
+                    if purpose != "batch":
+                        raise BadRequest(f"purpose must be batch (the only files this server keeps), got "
+                                         f"{purpose!r}", "purpose")
+                elif part.name == "file":
+                    if obj is not None:
+                        raise BadRequest("one file per upload: this one has two file fields", "file")
+                    obj = await self.files.upload(who.namespace, part.filename or "upload.jsonl", "batch",
+                                                  _chunks(part))
+                else:
+                    await part.release()
+            if obj is None:
+                raise BadRequest("no file field in the upload", "file")
+            if purpose is None:
+                raise BadRequest("purpose is missing: it must be batch", "purpose")
+        except BaseException:
+            if obj is not None:  # a refused upload keeps nothing, whichever part came first
+                await asyncio.to_thread(self.files.delete, who.namespace, obj["id"])
+            raise
         log.info("%s uploaded %s (%d bytes)", who.user, obj["id"], obj["bytes"])
         return web.json_response(obj)
 
@@ -255,6 +270,13 @@ class Api:
             raise BadRequest("the request body must be a JSON object") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
+        unknown = sorted(set(body) - BATCH_FIELDS)
+        if unknown:
+            raise BadRequest(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: a batch takes "
+                             f"{', '.join(sorted(BATCH_FIELDS - {'output_expires_after'}))}", unknown[0])
+        if body.get("output_expires_after") is not None:
+            raise BadRequest("output_expires_after is not supported: a batch's output files are kept until its "
+                             "output folder is removed", "output_expires_after")
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
             raise BadRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", "endpoint")
@@ -268,6 +290,12 @@ class Api:
         if meta.get("purpose") != "batch":
             raise BadRequest(f"input_file_id: {file_id} has purpose {meta.get('purpose')!r}, not batch",
                              "input_file_id")
+        elsewhere = sorted(u for u in meta.get("urls") or [] if u != endpoint)
+        if elsewhere:
+            first = (meta.get("url_lines") or {}).get(elsewhere[0])
+            where = f"line {first}" if first else "a line"
+            raise BadRequest(f"input file {file_id}: {where} asks for {elsewhere[0]}, but the batch's endpoint is "
+                             f"{endpoint}: every line's url must be the batch's endpoint", "input_file_id")
         models = list(meta.get("models") or [])
         if len(models) != 1:
             raise BadRequest(f"input file {file_id}: a batch runs one model; its lines name "
