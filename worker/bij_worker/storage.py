@@ -18,60 +18,15 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
-from .contract.errors import BijError
+from .storage_objects import NotFound, ObjectChanged, ObjectInfo, StorageError, StorageRefused
 
 T = TypeVar("T")
 
 
 MULTIPART_BYTES = 8 << 20  # the S3 part size of `write_stream` (S3 needs at least 5 MiB but for the last)
-
-
-class StorageError(BijError):
-    """A storage operation that failed for good (after retries, or not worth retrying).
-
-    `permanent`: no retry can help (a missing bucket, denied access, no credentials, a bad
-    endpoint): the worker exits 42 and `bij run` stops at once. Otherwise (an outage that
-    outlasted the retries, a full disk) a later retry may succeed.
-    """
-
-    def __init__(self, message: str, permanent: bool = False):
-        super().__init__(message, permanent=permanent)
-
-
-class NotFound(StorageError):
-    """The object does not exist."""
-
-    def __init__(self, message: str):
-        super().__init__(message, permanent=True)
-
-
-class StorageRefused(StorageError):
-    """The store refused this identity: access denied, no such bucket, unknown or wrong credentials, none
-    at all. Permanent; the message names the URI and the access key id asked with (never the secret).
-    A job fails on it (no retry helps until the bucket, the grants or the credentials change)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, permanent=True)
-
-
-class ObjectChanged(StorageError):
-    """The object is not the version that was planned (its ETag or mtime differs)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, permanent=True)
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    uri: str
-    size: int
-    # Which version of the object this is: the ETag on s3://, the mtime in ns on file://.
-    # A plan records it; reading another version of the object is refused.
-    version: str | None = None
 
 
 class Storage(Protocol):

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from .storage import NotFound, ObjectInfo, StorageError, StorageRefused
+from .storage_objects import NotFound, ObjectInfo, StorageError, StorageRefused
 
 PREFIX = "hf://datasets/"
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from email.utils import parsedate_to_datetime
 from typing import Any, BinaryIO
 
-from .storage import NotFound, ObjectChanged, ObjectInfo, StorageError, StorageRefused
+from .storage_objects import NotFound, ObjectChanged, ObjectInfo, StorageError, StorageRefused
 
 TIMEOUT = 60.0
 ATTEMPTS = 6
