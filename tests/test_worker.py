@@ -70,14 +70,34 @@ def test_one_row_that_breaks_the_engine_fails_alone(file_place, make_job, run_sh
     out = read_output(job)
     assert out.result_ids == [r["id"] for r in inputs if r["id"] != 17]
     [err] = out.errors
-    assert err["id"] == 17 and err["error"]["code"] == "engine_error" and "poison" in err["error"]["message"]
+    assert err["id"] == 17 and err["error"]["code"] == "engine_rejected" and "poison" in err["error"]["message"]
 
 
-def test_an_engine_that_fails_every_row_fails_the_shard_instead_of_recording_errors(
+def test_rows_that_each_break_the_engine_are_error_rows_when_a_plain_request_still_runs(
+        file_place, make_job, run_shards, recording_echo, read_output):
+    """Every row of a batch failing alone is no proof that the engine is broken: a plain canary
+    request decides, and here it runs, so the rows are to blame and the job publishes them as errors."""
+    inputs = rows(20)
+    for r in inputs[4:8]:
+        r["text"] = f"poison {r['id']}"
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      batching={"maxBatchSize": 4, "sortByLength": False}, sharding={"chunkRows": 20})
+    engine = recording_echo(fail_on="poison")
+    run_shards(job, engine=engine)
+    publish(job)
+    out = read_output(job)
+    assert out.result_ids == [r["id"] for r in inputs if not str(r["text"]).startswith("poison")]
+    assert sorted(e["id"] for e in out.errors) == [4, 5, 6, 7]
+    assert {e["error"]["code"] for e in out.errors} == {"engine_rejected"}
+    assert all("RuntimeError: cannot run 'poison'" in e["error"]["message"] for e in out.errors)
+    assert "Hello" in engine.seen  # the canary ran
+
+
+def test_an_engine_that_fails_every_row_and_a_plain_request_fails_the_shard(
         file_place, make_job, run_shards, recording_echo, log_lines):
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(20)))
-    with pytest.raises(EngineFailure, match="every row"):
-        run_shards(job, engine=recording_echo(fail_on="row"))
+    with pytest.raises(EngineFailure, match="every row of a batch of .* and on a plain request too"):
+        run_shards(job, engine=recording_echo(fail_on=""))
     assert log_lines(file_place, job) == {}  # nothing committed: a retry starts clean
 
     class Short:

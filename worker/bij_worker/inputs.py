@@ -54,6 +54,7 @@ class Row:
     verdicts: list[str] = field(default_factory=list)
     tokens: int = 0  # prompt tokens, once the worker has counted them
     truncated: bool = False  # the prompt was over the limit and the engine cut it (model.truncate)
+    output: str | None = None  # a schema_violation error row: the answer that broke its structured output
 
 
 @dataclass(frozen=True)
@@ -522,6 +523,8 @@ def error_row(row: Row, object_name: str, opts: InputOptions) -> dict[str, Any]:
     """The published error row: the id (null if unknown), what went wrong, and where the row is."""
     out: dict[str, Any] = {"id": row.id, "error": {"code": row.error_code, "message": row.error},
                            "object": object_name, "offset": row.at[1]}
+    if row.output is not None:
+        out["output"] = row.output
     if opts.format == "openai":
         out["custom_id"] = row.id
         out["response"] = None

@@ -99,13 +99,25 @@ def _number(lo: float | None = None, hi: float | None = None, lo_open: bool = Fa
     return check
 
 
+# Every integer field fits the engines' 64-bit integers (seeds: torch's generators take unsigned ones too).
+INT64 = (-(2**63), 2**63 - 1)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 def _integer(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
+    low = INT64[0] if lo is None else lo
+    high = INT64[1] if hi is None else hi
+
     def check(name: str, v: Any) -> int:
+        # orjson reads an integer beyond 64 bits as a float, the stdlib (a line with a NaN) as an int:
+        # either way it is refused here alike, by its range.
+        if isinstance(v, float) and v.is_integer() and not low <= v <= high:
+            v = int(v)
         if isinstance(v, bool) or not isinstance(v, int):
             raise BadField(f"{name} must be an integer, got {_show(v)}")
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            span = f"at least {lo}" if hi is None else f"from {lo} to {hi}"
-            raise BadField(f"{name} must be an integer {span}, got {v}")
+        if v < low or v > high:
+            span = f"at least {lo}" if hi is None and v < low else f"from {low} to {high}"
+            raise BadField(f"{name} must be an integer {span}, got {_show(v)}")
         return v
     return check
 
@@ -174,7 +186,7 @@ def _show(v: Any) -> str:
 CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "max_tokens": _integer(1),
     "temperature": _number(0, 2),
-    "seed": _integer(),
+    "seed": _integer(*SEED_RANGE),
     "top_p": _number(0, 1, lo_open=True),
     "top_k": _integer(-1),
     "min_p": _number(0, 1),

@@ -316,6 +316,8 @@ class ShardWorker:
             uri = layout.rejected_uri(self.plan.round_prefix, self.index)
             if lines:
                 self.out.write_bytes(uri, ("\n".join(lines) + "\n").encode())
+        # What the engine learnt it cannot serve at all (said once in the job's status, not per row).
+        self.stats.notes = list(getattr(self.engine, "notes", None) or [])
         record = shard_record(self.index, self.round, self.lane, self.stats.as_record(), time.monotonic() - t0,
                               finished=True)
         self.out.write_bytes(layout.done_uri(self.plan.round_prefix, self.index), encode(record))

@@ -38,8 +38,9 @@ import re
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+from ..structured import grammar_schema
 from . import hub
-from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob
+from .base import BASIC_SAMPLING, ENGINE_REJECTED, Choice, EngineConfig, Request, Result, TokenLogprob
 from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 
 
@@ -70,7 +71,12 @@ class TransformersEngine:
         self._max_positions: int | None = None
         self._compiler: Any = None  # xgrammar's, built on the first row with structured output
         self._grammars: dict[tuple[str, str], Any] = {}
-        self._bad_grammars: dict[tuple[str, str], str] = {}
+        self._bad_grammars: dict[tuple[str, str], tuple[str, str]] = {}  # (error code, why)
+        # What the grammar backend cannot serve at all with this model's tokenizer, learnt once:
+        # "*" (no grammar at all) or "json" (no JSON value); the reason each such row fails with.
+        self._unservable: dict[str, str] = {}
+        self.notes: list[str] = []  # the same reasons, once each, for the job's status
+        self._checked: set[str] = set()  # what was probed already ("json")
         if importlib.util.find_spec("xgrammar") is not None:
             self.honours = self.honours | {"structuredOutput"}
         if config.adapters and importlib.util.find_spec("peft") is not None:
@@ -189,7 +195,7 @@ class TransformersEngine:
                 if req.sampling.structured_output is not None:
                     problem = self._grammar_problem(req.sampling.structured_output)
                     if problem:
-                        results[i] = Result(prompt_tokens=len(p), error=problem)
+                        results[i] = Result(prompt_tokens=len(p), error=problem[1], extra={"code": problem[0]})
                         continue
                 # One generate call serves one set of sampling knobs; rows of a job usually share them.
                 groups.setdefault(_knobs(req), []).append(i)
@@ -240,15 +246,15 @@ class TransformersEngine:
             # Answers of one row come out next to each other: row 0's n, then row 1's.
             kwargs["num_return_sequences"] = sampled
             caps = [c for c in caps for _ in range(sampled)]
+        grammar: Any = None
         if structured:
-            from xgrammar.contrib.hf import LogitsProcessor
-
             # One grammar per generated sequence (rows may each have their own schema); a
             # processor serves one generate call.
             # (every row of this group has one: structured output is one of the group's knobs)
             grammars = [self._grammars[r.sampling.structured_output] for r in requests  # type: ignore[index]
                         for _ in range(sampled)]
-            kwargs["logits_processor"] = [LogitsProcessor(grammars)]
+            grammar = _grammar_processor(grammars, self._eos_ids[0] if self._eos_ids else tok.pad_token_id)
+            kwargs["logits_processor"] = [grammar]
         if want_logprobs:
             # The model's own distribution (raw logits), as vLLM reports logprobs by default.
             kwargs.update(return_dict_in_generate=True, output_logits=True)
@@ -280,7 +286,8 @@ class TransformersEngine:
                 cut = _stop_at(tok, row[:k], stop)
                 if cut is not None:
                     counts[i], texts[i], finish[i] = cut[0], cut[1], "stop"
-        if n == 1 and not want_logprobs:
+        stuck: dict[int, int] = grammar.stuck if grammar is not None else {}
+        if n == 1 and not want_logprobs and not stuck:
             return [
                 Result(output=text, prompt_tokens=len(p), completion_tokens=k, extra={"finish_reason": f})
                 for text, p, k, f in zip(texts, prompts, counts, finish, strict=True)
@@ -290,13 +297,37 @@ class TransformersEngine:
                    for t, k, f, lp in zip(texts, counts, finish, lps, strict=True)]
         results = []
         for i, p in enumerate(prompts):
+            dead = [stuck[j] for j in range(i * sampled, (i + 1) * sampled) if j in stuck]
+            if dead:
+                results.append(self._stuck(requests[i], len(p), min(dead)))
+                continue
             mine = answers[i * sampled:(i + 1) * sampled]
             if sampled < n:
                 mine = [replace(mine[0]) for _ in range(n)]
+            if n == 1 and not want_logprobs:
+                results.append(Result(output=mine[0].output, prompt_tokens=len(p),
+                                      completion_tokens=mine[0].completion_tokens,
+                                      extra={"finish_reason": mine[0].finish_reason}))
+                continue
             results.append(Result(output=mine[0].output, prompt_tokens=len(p),
                                   completion_tokens=sum(c.completion_tokens for c in mine),
                                   extra={"finish_reason": mine[0].finish_reason}, choices=mine))
         return results
+
+    def _stuck(self, req: Request, prompt_tokens: int, step: int) -> Result:
+        """The error of a row whose grammar no token of the vocabulary could continue at `step`."""
+        structured: tuple[str, str] = req.sampling.structured_output  # type: ignore[assignment]
+        kind = structured[0]
+        if step == 0:
+            # Not even its first token: this grammar cannot be written with this tokenizer at all.
+            reason = (f"structured output ({kind}) cannot be served: no token of model {self.config.name!r}'s "
+                      f"tokenizer ({type(self.tokenizer).__name__}) can start it")
+            self._bad_grammars[structured] = "unsupported", reason
+            self._grammars.pop(structured, None)
+            return Result(prompt_tokens=prompt_tokens, error=reason, extra={"code": "unsupported"})
+        return Result(prompt_tokens=prompt_tokens, extra={"code": ENGINE_REJECTED},
+                      error=f"structured output ({kind}): after {step} tokens no token of model "
+                            f"{self.config.name!r}'s tokenizer can continue it (the grammar backend's dead end)")
 
     def _adapter(self, name: str | None) -> Any:
         """A context in which generate runs the LoRA adapter `name`, or the base model for None."""
@@ -307,24 +338,50 @@ class TransformersEngine:
         self.model.set_adapter(name)
         return contextlib.nullcontext()
 
-    def _grammar_problem(self, structured: tuple[str, str]) -> str | None:
-        """Compile a row's grammar once (cached by its text); why it cannot be compiled, else None."""
+    def _unserved(self, what: str, reason: str) -> str:
+        """Learn that the grammar backend cannot serve `what` ("*": any grammar, "json": JSON) at all."""
+        self._unservable[what] = reason
+        self.notes.append(reason)
+        return reason
+
+    def _grammar_problem(self, structured: tuple[str, str]) -> tuple[str, str] | None:
+        """Compile a row's grammar once (cached by its text); (error code, why) it cannot be served, else None.
+
+        What the backend cannot serve at all with this tokenizer (any grammar, or any JSON) is learnt
+        from the first row that asks and refuses later rows at once, with the same reason.
+        """
         if structured in self._grammars:
             return None
         if structured in self._bad_grammars:
             return self._bad_grammars[structured]
         kind, text = structured
-        try:
-            if self._compiler is None:
-                import xgrammar
+        json_kind = kind in ("json_schema", "json_object")
+        for what in ("*", "json") if json_kind else ("*",):
+            if what in self._unservable:
+                return "unsupported", self._unservable[what]
+        import xgrammar
 
+        if self._compiler is None:
+            try:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.model.config.vocab_size, stop_token_ids=self._eos_ids or None)
                 self._compiler = xgrammar.GrammarCompiler(info)
-            compiler = self._compiler
+            except Exception as e:  # noqa: BLE001 - whatever xgrammar raises, no grammar can be served
+                return "unsupported", self._unserved("*", f"structured output cannot be served: the grammar backend "
+                                                          f"(xgrammar) cannot read model {self.config.name!r}'s "
+                                                          f"tokenizer: {type(e).__name__}: {e}")
+        compiler = self._compiler
+        if json_kind and "json" not in self._checked:
+            self._checked.add("json")
+            if not _can_start(compiler.compile_builtin_json_grammar()):
+                return "unsupported", self._unserved("json", (
+                    f"structured output jsonSchema and jsonObject cannot be served: no token of model "
+                    f"{self.config.name!r}'s tokenizer ({type(self.tokenizer).__name__}) can start a JSON value"))
+        try:
             if kind == "json_schema":
-                # Compact JSON: a grammar that allows any whitespace lets a model pad forever.
-                grammar = compiler.compile_json_schema(text, any_whitespace=False)
+                # Compact JSON: a grammar that allows any whitespace lets a model pad forever. Strings
+                # bounded in length are tightened against raw control characters (bij_worker.structured).
+                grammar = compiler.compile_json_schema(grammar_schema(text), any_whitespace=False)
             elif kind == "json_object":
                 grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif kind == "regex":
@@ -334,7 +391,7 @@ class TransformersEngine:
             else:
                 grammar = compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as e:
-            self._bad_grammars[structured] = f"structured output ({kind}) cannot be compiled: {e}"
+            self._bad_grammars[structured] = "invalid_request", f"structured output ({kind}) cannot be compiled: {e}"
             return self._bad_grammars[structured]
         self._grammars[structured] = grammar
         return None
@@ -366,6 +423,63 @@ class TransformersEngine:
                     alts = tuple((name(int(i)), float(v)) for v, i in zip(best.values[r], best.indices[r], strict=True))
                 out[j].append(TokenLogprob(token=name(rows[j][step]), logprob=float(picked[r]), top=alts))
         return out
+
+
+def _can_start(grammar: Any) -> bool:
+    """Whether some token of the vocabulary can begin an output of `grammar`."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(grammar)
+    mask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask, 0)
+    return bool(mask.any())
+
+
+def _grammar_processor(grammars: list[Any], eos: int) -> Any:
+    """A logits processor that keeps each sequence to its grammar (xgrammar's masks).
+
+    Unlike xgrammar's own processor for transformers, which asserts that every sampled token
+    is accepted, a sequence its grammar cannot continue (no token of the vocabulary fits: the
+    tokenizer cannot write it) is ended with EOS and listed in `stuck` (sequence -> step): its
+    row fails alone, the batch goes on.
+    """
+    import torch
+    import xgrammar
+    from transformers import LogitsProcessor
+
+    class Grammars(LogitsProcessor):
+        def __init__(self) -> None:
+            self.matchers = [xgrammar.GrammarMatcher(g) for g in grammars]
+            self.mask = xgrammar.allocate_token_bitmask(len(grammars), grammars[0].tokenizer_info.vocab_size)
+            self.stuck: dict[int, int] = {}
+            self.step = 0
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            live = []
+            for i, m in enumerate(self.matchers):
+                if i in self.stuck or m.is_terminated():
+                    continue
+                if self.step and not m.accept_token(int(input_ids[i, -1])):
+                    self.stuck[i] = self.step
+                    continue
+                if m.is_terminated():  # it just took its stop token
+                    continue
+                m.fill_next_token_bitmask(self.mask, i)
+                if not bool(self.mask[i].any()):
+                    self.stuck[i] = self.step
+                    continue
+                live.append(i)
+            device = scores.device
+            on_cpu = scores.to("cpu") if device.type != "cuda" else scores
+            if live:
+                xgrammar.apply_token_bitmask_inplace(on_cpu, self.mask.to(on_cpu.device), indices=live)
+            for i in self.stuck:
+                on_cpu[i, :] = -torch.inf
+                on_cpu[i, eos] = 0.0
+            self.step += 1
+            return on_cpu.to(device) if on_cpu.device != device else on_cpu
+
+    return Grammars()
 
 
 def _stop_strings(tok: Any, stop: tuple[str, ...], width: int) -> Any:

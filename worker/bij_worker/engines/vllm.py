@@ -53,6 +53,7 @@ from typing import Any
 from ..sampling import IMAGES
 from .base import (
     BASIC_SAMPLING,
+    ENGINE_REJECTED,
     Choice,
     EngineConfig,
     Image,
@@ -447,7 +448,8 @@ class VllmEngine:
         self.cached_tokens += cached
         error = getattr(out, "error", None)
         if error is not None:
-            return Result(prompt_tokens=prompt_tokens, error=f"vllm failed the request: {error}")
+            return Result(prompt_tokens=prompt_tokens, error=f"vllm failed the request: {error}",
+                          extra={"code": ENGINE_REJECTED})
         if self.config.task == "embed":
             from vllm import EmbeddingRequestOutput
 
