@@ -320,14 +320,14 @@ class TransformersEngine:
         kind = structured[0]
         if step == 0:
             # Not even its first token: this grammar cannot be written with this tokenizer at all.
-            reason = (f"structured output ({kind}) cannot be served: no token of model {self.config.name!r}'s "
-                      f"tokenizer ({type(self.tokenizer).__name__}) can start it")
+            reason = (f"structured output ({kind}) cannot be served: the tokenizer of model {self.config.name} "
+                      f"({type(self.tokenizer).__name__}) has no token that can start it")
             self._bad_grammars[structured] = "unsupported", reason
             self._grammars.pop(structured, None)
             return Result(prompt_tokens=prompt_tokens, error=reason, extra={"code": "unsupported"})
         return Result(prompt_tokens=prompt_tokens, extra={"code": ENGINE_REJECTED},
-                      error=f"structured output ({kind}): after {step} tokens no token of model "
-                            f"{self.config.name!r}'s tokenizer can continue it (the grammar backend's dead end)")
+                      error=f"structured output ({kind}): after {step} tokens the tokenizer of model "
+                            f"{self.config.name} has no token that can continue it (the grammar backend's dead end)")
 
     def _adapter(self, name: str | None) -> Any:
         """A context in which generate runs the LoRA adapter `name`, or the base model for None."""
@@ -368,15 +368,15 @@ class TransformersEngine:
                 self._compiler = xgrammar.GrammarCompiler(info)
             except Exception as e:  # noqa: BLE001 - whatever xgrammar raises, no grammar can be served
                 return "unsupported", self._unserved("*", f"structured output cannot be served: the grammar backend "
-                                                          f"(xgrammar) cannot read model {self.config.name!r}'s "
-                                                          f"tokenizer: {type(e).__name__}: {e}")
+                                                          f"(xgrammar) cannot read the tokenizer of "
+                                                          f"model {self.config.name}: {type(e).__name__}: {e}")
         compiler = self._compiler
         if json_kind and "json" not in self._checked:
             self._checked.add("json")
             if not _can_start(compiler.compile_builtin_json_grammar()):
                 return "unsupported", self._unserved("json", (
-                    f"structured output jsonSchema and jsonObject cannot be served: no token of model "
-                    f"{self.config.name!r}'s tokenizer ({type(self.tokenizer).__name__}) can start a JSON value"))
+                    f"structured output jsonSchema and jsonObject cannot be served: the tokenizer of model "
+                    f"{self.config.name} ({type(self.tokenizer).__name__}) has no token that can start a JSON value"))
         try:
             if kind == "json_schema":
                 # Compact JSON: a grammar that allows any whitespace lets a model pad forever. Strings
