@@ -521,7 +521,7 @@ def test_bij_run_feeds_each_rows_images_to_a_vision_model(
              line("web", "https://example.com/red.png"),
              line("junk", "data:image/png;base64," + base64.b64encode(b"no image here").decode())]
     path, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines), **{
-        "input": {"format": "openai"},
+        "input": {"format": "openai", "imageRoot": f"file://{pics}"},
         "model": {"engine": "vllm", "name": str(model), "task": "chat", "vllm": SPEC_VLLM},
         "workers": {"parallelism": 1, "backoffLimitPerIndex": 0}})
     done = bij(bij_bin, worker_env(file_place), "run", str(path))

@@ -78,6 +78,7 @@ class InputOptions:
     adapter_field: str = "adapter"  # a plain row's LoRA adapter name
     adapters: frozenset[str] = frozenset()  # spec.model.adapters' names
     max_image_bytes: int = 20 << 20  # input.maxImageBytes (DEFAULT_MAX_IMAGE_BYTES): one image's bytes at most
+    image_root: str | None = None  # the folder (a path) file:// images may come from; None: none may
 
     @classmethod
     def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None) -> InputOptions:
@@ -100,6 +101,7 @@ class InputOptions:
             adapter_field=inp.adapter_field,
             adapters=frozenset(a.name for a in model.adapters),
             max_image_bytes=inp.max_image_bytes,
+            image_root=inp.image_root_path(),
             engine=engine or model.engine,
             honours=honours,
         )

@@ -79,7 +79,8 @@ class Preparer:
         req = row.request
         if req is not None and req.images:
             try:
-                req.images = fetch_images(req.images, self.storage_for, self.opts.max_image_bytes)
+                req.images = fetch_images(req.images, self.storage_for, self.opts.max_image_bytes,
+                                          self.opts.image_root)
             except ImageProblem as e:
                 row.request, row.error_code, row.error = None, e.code, str(e)
         return row

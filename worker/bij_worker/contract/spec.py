@@ -114,6 +114,9 @@ class InputSpec(_Model):
     # One image of a chat row (an image_url part: a data URL, file:// or s3://) at most; a larger
     # one is an image_too_large error row.
     max_image_bytes: int = Field(DEFAULT_MAX_IMAGE_BYTES, ge=1, le=1 << 31)
+    # The file:// folder file:// images may be read from (bij_worker.images); None: the folder of a
+    # file:// input (an s3:// input's rows may not name file:// images then).
+    image_root: str | None = None
     # A .zst object cut short or damaged: fail the round (the rows before it stay durable), or
     # record one corrupt_input error row where it breaks and publish without the rest of it.
     on_damaged_object: Literal["fail", "errorRow"] = "fail"
@@ -122,6 +125,22 @@ class InputSpec(_Model):
     @classmethod
     def _uri_scheme(cls, uri: str) -> str:
         return _check_uri(uri)
+
+    @field_validator("image_root")
+    @classmethod
+    def _image_root(cls, uri: str | None) -> str | None:
+        if uri is not None and not (uri.startswith("file:///") and len(uri) > len("file:///")):
+            raise ValueError("must be a file:// folder, as file:///path")
+        return uri
+
+    def image_root_path(self) -> str | None:
+        """The folder (a path) file:// images may come from, or None."""
+        if self.image_root is not None:
+            return self.image_root.removeprefix("file://")
+        if self.uri.startswith("file://"):
+            path = self.uri.removeprefix("file://")
+            return path if path.endswith("/") else posixpath.dirname(path) or "/"
+        return None
 
 
 class OutputSpec(_Model):
