@@ -340,6 +340,26 @@ def _response_format(v: Any) -> tuple[str, str] | None:
     raise BadField(f"body.response_format.type must be text, json_object or json_schema, got {_show(kind)}")
 
 
+# A row's n x maxTokens x (1 + topLogprobs) at most, unless model.rowBudget says otherwise.
+DEFAULT_ROW_BUDGET = 1 << 20
+
+
+def over_budget(max_tokens: int, s: Sampling, budget: int, spelled: Mapping[str, str]) -> str | None:
+    """Why a row asking for `max_tokens` with sampling `s` costs more than `budget` (model.rowBudget):
+    n x maxTokens x (1 + topLogprobs when it asks for logprobs), naming the fields; None when it fits."""
+    n = s.n or 1
+    top = (s.top_logprobs or 0) if s.logprobs else 0
+    cost = n * max_tokens * (1 + top)
+    if cost <= budget:
+        return None
+    parts = [f"{spelled.get('maxTokens', 'maxTokens')} {max_tokens}"]
+    if n > 1:
+        parts.insert(0, f"{spelled.get('n', 'n')} {n}")
+    if s.logprobs:
+        parts.append(f"1 + {spelled.get('topLogprobs', 'topLogprobs')} {top}")
+    return f"this row costs {' x '.join(parts)} = {cost} generated token places, over model.rowBudget ({budget})"
+
+
 def refusal(engine: str, asked: frozenset[str], honours: frozenset[str], spelled: Mapping[str, str]) -> str | None:
     """The `unsupported` message when `engine` cannot honour every asked field, else None."""
     missing = sorted(asked - honours)

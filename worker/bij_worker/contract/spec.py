@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from ..sampling import Sampling
+from ..sampling import DEFAULT_ROW_BUDGET, Sampling
 from ..sampling import from_spec as sampling_from_spec
 from .codes import API_GROUP
 from .errors import BijError
@@ -255,6 +255,9 @@ class ModelSpec(_Model):
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0, le=2)
     seed: int = 0
+    # What one row may cost, in generated token places: n x maxTokens x (1 + topLogprobs when it asks
+    # for logprobs). A row over it is an invalid_request error row naming its fields (bij_worker.sampling).
+    row_budget: int = Field(DEFAULT_ROW_BUDGET, ge=1, le=1 << 40)
     # The prompt limit; default: the engine's limit.
     max_input_tokens: int | None = Field(None, ge=1)
     # A prompt over the limit is cut to it (and marked) instead of becoming a too_many_tokens
