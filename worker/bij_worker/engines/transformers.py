@@ -238,8 +238,21 @@ class TransformersEngine:
                 kwargs["min_p"] = min_p
         else:
             kwargs.update(do_sample=False)
+        processors: list[Any] = []
+        recorder: Any = None
+        if want_logprobs:
+            # The model's own distribution (raw logits), as vLLM reports logprobs by default: recorded
+            # first, before any processor changes it, and only the chosen and the top tokens are kept
+            # (never a step's whole vocabulary, which n x maxTokens steps would multiply).
+            recorder = _logprob_recorder(top_logprobs)
+            processors.append(recorder)
         if repetition_penalty != 1.0:
-            kwargs["repetition_penalty"] = repetition_penalty
+            if want_logprobs:  # after the recorder (generate's own would run before every custom one)
+                from transformers import RepetitionPenaltyLogitsProcessor
+
+                processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+            else:
+                kwargs["repetition_penalty"] = repetition_penalty
         if stop:
             kwargs["stopping_criteria"] = StoppingCriteriaList([_stop_strings(tok, stop, width)])
         if sampled > 1:
@@ -254,16 +267,12 @@ class TransformersEngine:
             grammars = [self._grammars[r.sampling.structured_output] for r in requests  # type: ignore[index]
                         for _ in range(sampled)]
             grammar = _grammar_processor(grammars, self._eos_ids[0] if self._eos_ids else tok.pad_token_id)
-            kwargs["logits_processor"] = [grammar]
-        if want_logprobs:
-            # The model's own distribution (raw logits), as vLLM reports logprobs by default.
-            kwargs.update(return_dict_in_generate=True, output_logits=True)
-        logits: Any = ()
+            processors.append(grammar)
+        if processors:
+            kwargs["logits_processor"] = processors
         if max_new > 0:
             with torch.inference_mode(), self._adapter(adapter):
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-            if want_logprobs:
-                out, logits = out.sequences, out.logits
             new = out[:, width:].cpu()
         else:
             new = torch.empty((len(prompts) * sampled, 0), dtype=torch.long)
@@ -292,7 +301,7 @@ class TransformersEngine:
                 Result(output=text, prompt_tokens=len(p), completion_tokens=k, extra={"finish_reason": f})
                 for text, p, k, f in zip(texts, prompts, counts, finish, strict=True)
             ]
-        lps = self._logprobs(logits, rows, counts, top_logprobs) if want_logprobs else [None] * len(rows)
+        lps = self._logprobs(recorder, rows, counts) if want_logprobs else [None] * len(rows)
         answers = [Choice(output=t, completion_tokens=k, finish_reason=f, logprobs=lp)
                    for t, k, f, lp in zip(texts, counts, finish, lps, strict=True)]
         results = []
@@ -396,10 +405,9 @@ class TransformersEngine:
         self._grammars[structured] = grammar
         return None
 
-    def _logprobs(self, logits: Any, rows: list[list[int]], counts: list[int], top: int) -> list[Any]:
-        """Per generated row, each kept token's log-probability and the `top` most likely tokens there."""
-        import torch
-
+    def _logprobs(self, recorder: Any, rows: list[list[int]], counts: list[int]) -> list[Any]:
+        """Per generated row, each kept token's log-probability and the most likely tokens there (what
+        `recorder` kept while generate ran)."""
         tok = self.tokenizer
         names: dict[int, str] = {}
 
@@ -408,21 +416,54 @@ class TransformersEngine:
                 names[i] = tok.decode([i])
             return names[i]
 
+        chosen, top = recorder.finish(rows)
         out: list[list[TokenLogprob]] = [[] for _ in rows]
-        for step, scores in enumerate(logits):
+        for step, picked in enumerate(chosen):
             live = [j for j, k in enumerate(counts) if step < k]
             if not live:
                 break
-            lp = torch.log_softmax(scores[live].float(), dim=-1).cpu()
-            chosen = torch.tensor([rows[j][step] for j in live])
-            picked = lp.gather(1, chosen[:, None])[:, 0].tolist()
-            best = lp.topk(top, dim=-1) if top else None
-            for r, j in enumerate(live):
+            values, indices = top[step] if top else ([], [])
+            for j in live:
                 alts: tuple[tuple[str, float], ...] = ()
-                if best is not None:
-                    alts = tuple((name(int(i)), float(v)) for v, i in zip(best.values[r], best.indices[r], strict=True))
-                out[j].append(TokenLogprob(token=name(rows[j][step]), logprob=float(picked[r]), top=alts))
+                if values:
+                    alts = tuple((name(int(i)), float(v)) for v, i in zip(values[j], indices[j], strict=True))
+                out[j].append(TokenLogprob(token=name(rows[j][step]), logprob=float(picked[j]), top=alts))
         return out
+
+
+def _logprob_recorder(top: int) -> Any:
+    """A logits processor that records, per step, the log-probability of the token chosen at the step
+    before and the `top` most likely tokens (values and ids): O(rows x top) a step. Only the last
+    step's whole distribution is held, until the next step says which token was chosen from it."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class Recorder(LogitsProcessor):
+        def __init__(self) -> None:
+            self.chosen: list[list[float]] = []  # step -> the chosen token's logprob, per sequence
+            self.top: list[tuple[list[list[float]], list[list[int]]]] = []  # step -> (values, ids)
+            self.last: Any = None  # the last step's log-probabilities (rows x vocab)
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            if self.last is not None:
+                self.chosen.append(self.last.gather(1, input_ids[:, -1:].to(self.last.device))[:, 0].tolist())
+            lp = torch.log_softmax(scores.float(), dim=-1)
+            if top:
+                best = lp.topk(top, dim=-1)
+                self.top.append((best.values.tolist(), best.indices.tolist()))
+            self.last = lp
+            return scores
+
+        def finish(self, rows: list[list[int]]) -> tuple[list[list[float]], list[Any]]:
+            """The chosen tokens' logprobs and the top tokens per step, the last step's resolved from `rows`."""
+            if self.last is not None:
+                step = len(self.chosen)
+                ids = torch.tensor([r[step] if step < len(r) else 0 for r in rows])[:, None]
+                self.chosen.append(self.last.gather(1, ids.to(self.last.device))[:, 0].tolist())
+                self.last = None
+            return self.chosen, self.top
+
+    return Recorder()
 
 
 def _can_start(grammar: Any) -> bool:
