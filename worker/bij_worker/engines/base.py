@@ -161,6 +161,9 @@ ENGINE_REJECTED = "engine_rejected"
 
 def refused(e: ValueError) -> Result:
     """The error result of a row a continuous engine refused when it was submitted."""
+    code = getattr(e, "code", ENGINE_REJECTED)  # an engine's refusal may name its own code
+    if code != ENGINE_REJECTED:
+        return Result(error=str(e), extra={"code": code})
     return Result(error=f"the engine rejected the request: {e or type(e).__name__}", extra={"code": ENGINE_REJECTED})
 
 
