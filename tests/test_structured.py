@@ -295,3 +295,38 @@ def test_a_thousand_structured_rows_every_success_validates(
     assert manifest["counts"]["structured"]["validated"] == len(finished)
     assert {e["error"]["code"] for e in out.errors} <= {"schema_violation"}
     assert manifest["counts"]["structured"]["violations"] == len(out.errors)
+
+
+def test_a_broken_answer_is_retried_once_on_the_second_grammar_backend(byte_model: Path) -> None:
+    """Without its bounded strings tightened, xgrammar writes raw control characters into most answers
+    of this schema on a random model; the rows whose answer breaks the schema run once more under
+    llguidance, and an answer that keeps to it replaces the first, counted as repaired. Without a second
+    backend the broken answers stay broken, and the validator makes them schema_violation rows."""
+    pytest.importorskip("llguidance")
+    import bij_worker.engines.transformers as tf
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 8}},
+              "required": ["name"], "additionalProperties": False}
+    ask = ("json_schema", json_schema_text("s", schema))
+    reqs = [Request(text="x", max_tokens=60, temperature=1.0, seed=i, sampling=Sampling(structured_output=ask))
+            for i in range(16)]
+    counts = {}
+    for second in (False, True):
+        engine = TransformersEngine(EngineConfig(task="generate", name=str(byte_model), device="cpu"))
+        engine.load()
+        if not second:
+            engine._llg = False  # no second backend
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tf, "grammar_schema", lambda text: text)  # xgrammar's defect left in place
+            results = engine.run(reqs)
+        found = Validator().check(reqs, results)
+        counts[second] = (found.validated, found.repaired, found.violations)
+        for r in results:
+            if r.error is None:
+                jsonschema.validate(json.loads(r.output), schema)
+            else:
+                assert r.extra["code"] == "schema_violation" and r.output is not None
+    validated, repaired, violations = counts[False]
+    assert repaired == 0 and violations >= 4 and validated + violations == 16
+    validated, repaired, violations = counts[True]
+    assert repaired >= 4 and violations <= counts[False][2] - repaired

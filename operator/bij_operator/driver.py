@@ -398,6 +398,9 @@ class Driver:
             msg = (f"{partial.lower()} ({manifest['partial'].get('reason', '')}): " + msg
                    + f"; {counts.get('notRun', 0)} rows not run")
         structured = counts.get("structured") or {}
+        if structured.get("repaired"):
+            msg += (f"; {structured['repaired']} structured answers were valid only on a second grammar "
+                    "backend's try")
         if structured.get("violations"):
             msg += (f"; {structured['violations']} structured answers broke their schema and are "
                     "schema_violation error rows")

@@ -66,6 +66,7 @@ class _Totals:
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
     error_codes: dict[str, int] = field(default_factory=dict)  # error rows by code
     structured_validated: int = 0  # structured answers checked after decoding and valid
+    structured_repaired: int = 0  # ... of them valid only on the second grammar backend's try
     structured_violations: int = 0  # ... and published as schema_violation error rows
     notes: list[str] = field(default_factory=list)  # what the engine could not serve at all, once each
     done_records: list[ShardRecord] = field(default_factory=list)  # O(shards): efficiency and cost
@@ -81,6 +82,7 @@ class _Totals:
         self.shared_chars += float(rec.get("prefixShare", 0.0)) * chars
         self.cached_tokens += int(rec.get("cachedTokens", 0))
         self.structured_validated += int(rec.get("structuredValidated", 0))
+        self.structured_repaired += int(rec.get("structuredRepaired", 0))
         self.structured_violations += int(rec.get("structuredViolations", 0))
         for note in rec.get("notes") or []:
             if note not in self.notes:
@@ -299,7 +301,8 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
                    **({"notRun": not_run} if pplan.partial else {}),
                    # Error rows by code; structured answers checked after decoding (bij_worker.structured).
                    "errorCodes": dict(sorted(t.error_codes.items())),
-                   "structured": {"validated": t.structured_validated, "violations": t.structured_violations}},
+                   "structured": {"validated": t.structured_validated, "repaired": t.structured_repaired,
+                                  "violations": t.structured_violations}},
         # What the engine could not serve at all (a grammar its tokenizer cannot write), said once each.
         "notes": t.notes,
         "rounds": t.rounds,

@@ -44,6 +44,7 @@ class Tally:
     str_ids: int = 0
     codes: dict[str, int] = field(default_factory=dict)  # error rows by code
     validated: int = 0  # structured answers checked after decoding and valid
+    repaired: int = 0  # ... of them, valid only on the second grammar backend's try
 
     @classmethod
     def of(cls, records: list[dict[str, Any]]) -> Tally:
@@ -81,6 +82,7 @@ class Tally:
         for code, n in other.codes.items():
             self.codes[code] = self.codes.get(code, 0) + n
         self.validated += other.validated
+        self.repaired += other.repaired
 
     def add_to(self, stats: Stats) -> None:
         """Count these records into a shard's statistics."""
@@ -92,6 +94,7 @@ class Tally:
         stats.int_ids += self.int_ids
         stats.str_ids += self.str_ids
         stats.structured_validated += self.validated
+        stats.structured_repaired += self.repaired
         stats.structured_violations += self.codes.get(SCHEMA_VIOLATION, 0)
 
 
@@ -108,11 +111,12 @@ class Committer:
         self.report_every = report_every
         self.last_report = self.t0 = time.monotonic()  # t0: when work on the shard began, earlier runs included
 
-    def commit(self, records: list[dict[str, Any]], validated: int = 0) -> None:
-        """Make records durable and count them (`validated`: structured answers among them checked valid)."""
+    def commit(self, records: list[dict[str, Any]], validated: int = 0, repaired: int = 0) -> None:
+        """Make records durable and count them (`validated`: structured answers among them checked valid,
+        `repaired` of those only on the second grammar backend's try)."""
         if records:
             tally = Tally.of(records)
-            tally.validated = validated
+            tally.validated, tally.repaired = validated, repaired
             self.commit_encoded(ShardLog.encode(records), tally)
 
     def commit_chunks(self, items: list[tuple[Chunk, bytes, Tally]]) -> None:

@@ -44,6 +44,7 @@ class Stats:
     # Rows with structured output: answers checked and valid, and answers that broke it (error rows)
     # (bij_worker.structured); `notes`: what the engine could not serve at all, said once each.
     structured_validated: int = 0
+    structured_repaired: int = 0  # ... valid only on the second grammar backend's try (among validated)
     structured_violations: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -69,7 +70,8 @@ class Stats:
             "prefixShare": round(self.prefix_share, 4), "promptChars": d["prompt_chars"],
             "cachedTokens": d["cached_tokens"],
             "bytes": d["bytes"], "intIds": d["int_ids"], "strIds": d["str_ids"],
-            "structuredValidated": d["structured_validated"], "structuredViolations": d["structured_violations"],
+            "structuredValidated": d["structured_validated"], "structuredRepaired": d["structured_repaired"],
+            "structuredViolations": d["structured_violations"],
             "notes": list(d["notes"]),
         }
 

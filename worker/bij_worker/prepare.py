@@ -178,7 +178,7 @@ class Preparer:
         if op.rows is None and not op.truncated and set(map(_ERROR, results)) == {None}:
             data = encode_plain_results(op.places, op.ids, results)
             if data is not None:
-                tally = Tally(results=len(results), validated=checked.validated)
+                tally = Tally(results=len(results), validated=checked.validated, repaired=checked.repaired)
                 if set(map(type, op.ids)) == {str}:
                     tally.str_ids = len(results)
                 else:
@@ -196,7 +196,7 @@ class Preparer:
             else:
                 records.append({"at": list(row.at), "kind": "result", "row": result_row(row, res, self.opts)})
         tally = Tally.of(records)
-        tally.validated = checked.validated
+        tally.validated, tally.repaired = checked.validated, checked.repaired
         return ShardLog.encode(records), tally
 
     @staticmethod

@@ -350,7 +350,7 @@ class JudgeLoop:
 
     def attempt_loop(self, live: list[_Live], records: list[dict[str, Any]]) -> bool:
         """Run rows until each is final; with inPlace judging, commit every attempt as it completes."""
-        validated = 0  # structured answers checked valid, counted with the commit that holds them
+        validated = repaired = 0  # structured answers checked valid, counted with the commit that holds them
         while live:
             results = self._run_engine(live)
             if results is None:
@@ -359,6 +359,7 @@ class JudgeLoop:
             self.committer.count_tokens(results)
             checked = self.prep.validator.check([item.row.request for item in live], results)  # type: ignore[misc]
             validated += checked.validated
+            repaired += checked.repaired
             verdicts = self._verdicts(live, results)
             for item, res, verdict in zip(live, results, verdicts, strict=True):
                 row = item.row
@@ -388,10 +389,10 @@ class JudgeLoop:
                 else:
                     records.append({"at": list(row.at), "kind": "capped",
                                     "row": self._capped_row(row, total, res.output)})
-            self.committer.commit(records, validated)
-            records, validated = [], 0
+            self.committer.commit(records, validated, repaired)
+            records, validated, repaired = [], 0, 0
             live = retry
-        self.committer.commit(records, validated)
+        self.committer.commit(records, validated, repaired)
         return True
 
     def _capped_row(self, row: Row, attempts: int, output: str | None) -> dict[str, Any]:

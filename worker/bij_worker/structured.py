@@ -89,6 +89,7 @@ class Checked:
     validated: int = 0
     violations: int = 0
     unchecked: int = 0
+    repaired: int = 0  # validated only on a second grammar backend's try (among `validated`)
 
 
 class Validator:
@@ -153,6 +154,7 @@ class Validator:
                     break
             if bad is None:
                 found.validated += 1
+                found.repaired += bool(res.extra.pop("repaired", False))
                 continue
             k, output, why = bad
             which = f"answer {k} " if len(answers) > 1 else "the answer "

@@ -52,6 +52,7 @@ class ShardCounts(TypedDict):
     intIds: int
     strIds: int
     structuredValidated: int  # structured answers checked after decoding and valid
+    structuredRepaired: int  # ... of them valid only on the second grammar backend's try
     structuredViolations: int  # ... and that broke their structured output (schema_violation rows)
     notes: list[str]  # what the engine could not serve at all (a grammar its tokenizer cannot write)
 

@@ -38,7 +38,7 @@ import re
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from ..structured import grammar_schema
+from ..structured import Validator, grammar_schema
 from . import hub
 from .base import BASIC_SAMPLING, ENGINE_REJECTED, Choice, EngineConfig, Request, Result, TokenLogprob
 from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
@@ -77,6 +77,8 @@ class TransformersEngine:
         self._unservable: dict[str, str] = {}
         self.notes: list[str] = []  # the same reasons, once each, for the job's status
         self._checked: set[str] = set()  # what was probed already ("json")
+        self._validator = Validator()
+        self._llg: Any = None  # llguidance's tokenizer (the second grammar backend); False: none
         if importlib.util.find_spec("xgrammar") is not None:
             self.honours = self.honours | {"structuredOutput"}
         if config.adapters and importlib.util.find_spec("peft") is not None:
@@ -204,9 +206,42 @@ class TransformersEngine:
             outs = self._generate(knobs, [requests[i] for i in idx], [ready[i] for i in idx])
             for i, res in zip(idx, outs, strict=True):
                 results[i] = res
+            if knobs.structured:
+                self._repair(knobs, idx, requests, ready, results)
         return results
 
-    def _generate(self, knobs: _Knobs, requests: list[Request], prompts: list[list[int]]) -> list[Result]:
+    def _repair(self, knobs: _Knobs, idx: list[int], requests: list[Request], ready: dict[int, list[int]],
+                results: list[Result]) -> None:
+        """Rows whose answer breaks its structured output run once more under the second grammar
+        backend (llguidance, where installed); an answer that keeps to it then replaces the first,
+        marked `repaired`. The others are left as they are: the worker's validator makes them
+        schema_violation rows."""
+        bad = [i for i in idx if results[i].error is None
+               and self._validator.check([requests[i]], [replace(results[i])]).violations]
+        if not bad or self._guidance() is None:
+            return
+        again = self._generate(knobs, [requests[i] for i in bad], [ready[i] for i in bad], second=True)
+        for i, res in zip(bad, again, strict=True):
+            if res.error is None and not self._validator.check([requests[i]], [replace(res)]).violations:
+                res.extra["repaired"] = True
+                results[i] = res
+
+    def _guidance(self) -> Any:
+        """The second grammar backend's tokenizer (llguidance), built once; None without it."""
+        if self._llg is None:
+            self._llg = False
+            if importlib.util.find_spec("llguidance") is not None:
+                try:
+                    import llguidance.hf
+
+                    self._llg = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.model.config.vocab_size,
+                                                             eos_token=self._eos_ids or None)
+                except Exception:  # noqa: BLE001 - a tokenizer it cannot read: no second backend
+                    self._llg = False
+        return self._llg or None
+
+    def _generate(self, knobs: _Knobs, requests: list[Request], prompts: list[list[int]],
+                  second: bool = False) -> list[Result]:
         import torch
         from transformers import StoppingCriteriaList
 
@@ -264,9 +299,15 @@ class TransformersEngine:
             # One grammar per generated sequence (rows may each have their own schema); a
             # processor serves one generate call.
             # (every row of this group has one: structured output is one of the group's knobs)
-            grammars = [self._grammars[r.sampling.structured_output] for r in requests  # type: ignore[index]
-                        for _ in range(sampled)]
-            grammar = _grammar_processor(grammars, self._eos_ids[0] if self._eos_ids else tok.pad_token_id)
+            eos = self._eos_ids[0] if self._eos_ids else tok.pad_token_id
+            if second:
+                grammar = _guidance_processor([_guidance_grammar(r.sampling.structured_output)  # type: ignore[arg-type]
+                                               for r in requests for _ in range(sampled)], self._llg,
+                                              self._eos_ids, eos)
+            else:
+                grammars = [self._grammars[r.sampling.structured_output] for r in requests  # type: ignore[index]
+                            for _ in range(sampled)]
+                grammar = _grammar_processor(grammars, eos)
             processors.append(grammar)
         if processors:
             kwargs["logits_processor"] = processors
@@ -308,7 +349,8 @@ class TransformersEngine:
         for i, p in enumerate(prompts):
             dead = [stuck[j] for j in range(i * sampled, (i + 1) * sampled) if j in stuck]
             if dead:
-                results.append(self._stuck(requests[i], len(p), min(dead)))
+                results.append(self._stuck(requests[i], len(p), min(dead)) if not second else
+                               Result(prompt_tokens=len(p), error="the second grammar backend's dead end"))
                 continue
             mine = answers[i * sampled:(i + 1) * sampled]
             if sampled < n:
@@ -464,6 +506,67 @@ def _logprob_recorder(top: int) -> Any:
             return self.chosen, self.top
 
     return Recorder()
+
+
+def _guidance_grammar(structured: tuple[str, str]) -> str:
+    """A row's structured output as an llguidance grammar (compact JSON, as with xgrammar)."""
+    from llguidance import LLMatcher
+
+    kind, text = structured
+    compact = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(text, defaults=compact)  # type: ignore[arg-type]
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)  # type: ignore[arg-type]
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(text)
+    if kind == "choice":
+        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(text)))
+    return LLMatcher.grammar_from_lark(text)
+
+
+def _guidance_processor(grammars: list[str], tokenizer: Any, eos_ids: list[int], eos: int) -> Any:
+    """The second grammar backend's logits processor (llguidance), one grammar per sequence; a
+    sequence it cannot continue is ended with EOS and listed in `stuck`, as `_grammar_processor` does."""
+    import llguidance
+    import llguidance.torch
+    import torch
+    from transformers import LogitsProcessor
+
+    class Guidance(LogitsProcessor):
+        def __init__(self) -> None:
+            self.matchers = [llguidance.LLMatcher(tokenizer, g, log_level=0) for g in grammars]
+            self.mask = llguidance.torch.allocate_token_bitmask(len(grammars), tokenizer.vocab_size)
+            self.stuck: dict[int, int] = {}
+            self.done: set[int] = set()
+            self.step = 0
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            device = scores.device
+            on_cpu = scores.to("cpu") if device.type != "cuda" else scores
+            for i, m in enumerate(self.matchers):
+                if i in self.stuck or i in self.done:
+                    continue
+                if self.step:
+                    token = int(input_ids[i, -1])
+                    if token in eos_ids:
+                        self.done.add(i)
+                        continue
+                    if not m.consume_token(token) or m.is_error():
+                        self.stuck[i] = self.step
+                        continue
+                llguidance.torch.fill_next_token_bitmask(m, self.mask, i)
+                if m.is_error() or not bool(self.mask[i].any()):
+                    self.stuck[i] = self.step
+                    continue
+                llguidance.torch.apply_token_bitmask_inplace(on_cpu[i], self.mask[i])
+            for i in self.stuck:
+                on_cpu[i, :] = -torch.inf
+                on_cpu[i, eos] = 0.0
+            self.step += 1
+            return on_cpu.to(device) if on_cpu.device != device else on_cpu
+
+    return Guidance()
 
 
 def _can_start(grammar: Any) -> bool:
