@@ -330,3 +330,36 @@ def test_a_broken_answer_is_retried_once_on_the_second_grammar_backend(byte_mode
     assert repaired == 0 and violations >= 4 and validated + violations == 16
     validated, repaired, violations = counts[True]
     assert repaired >= 4 and violations <= counts[False][2] - repaired
+
+
+def test_each_costly_or_odd_row_fails_alone_beside_good_rows(
+        byte_model: Path, file_place: Any, make_job: Any, run_shards: Any, read_output: Any) -> None:
+    """On the transformers engine: 128 answers of 10**9 tokens with 20 top logprobs (refused before it
+    runs: nothing of it is ever held), a seed beyond 64 bits on a line with a NaN (read by the standard
+    library's parser), a schema whose uniqueItems the grammar does not enforce, and good rows: the good
+    rows are answered, each other row is an answer that keeps its schema or an error row naming why."""
+    from bij_operator.publish import publish
+
+    unique = {"type": "array", "items": {"enum": [0, 1]}, "uniqueItems": True, "minItems": 2, "maxItems": 2}
+    lines = [json.dumps({"id": i, "text": f"good {i}"}) for i in range(4)]
+    lines.append(json.dumps({"id": "huge", "text": "x", "sampling": {"n": 128, "maxTokens": 10**9, "logprobs": True,
+                                                                      "topLogprobs": 20}}))
+    lines.append(f'{{"id": "seed", "text": "x", "sampling": {{"seed": {2**70}}}, "note": NaN}}')
+    lines.append(json.dumps({"id": "unique", "text": "x", "sampling": {"structuredOutput": {"jsonSchema": unique}}}))
+    uri = file_place.uri("in.jsonl")
+    file_place.storage.write_bytes(uri, ("\n".join(lines) + "\n").encode())
+    _, job = make_job(file_place, uri, model={"engine": "transformers", "name": str(byte_model), "task": "generate",
+                                              "maxTokens": 12, "temperature": 1.0})
+    run_shards(job, engine=TransformersEngine(EngineConfig(task="generate", name=str(byte_model), device="cpu")))
+    publish(job)
+    out = read_output(job)
+    results = {r["id"]: r for r in out.results}
+    errors = {e["id"]: e["error"] for e in out.errors}
+    assert {0, 1, 2, 3} <= set(results)
+    assert errors["huge"]["code"] == "invalid_request" and "over model.rowBudget" in errors["huge"]["message"]
+    assert errors["seed"]["code"] == "invalid_request"
+    assert "sampling.seed must be an integer" in errors["seed"]["message"]
+    if "unique" in results:
+        jsonschema.validate(json.loads(results["unique"]["output"]), unique)
+    else:
+        assert errors["unique"]["code"] == "schema_violation"

@@ -93,6 +93,30 @@ def test_rows_that_each_break_the_engine_are_error_rows_when_a_plain_request_sti
     assert "Hello" in engine.seen  # the canary ran
 
 
+def test_an_empty_exception_still_names_its_type_and_where_it_was_raised(
+        file_place, make_job, run_shards, recording_echo, read_output):
+    """A grammar backend's bare `assert` raises an AssertionError with no message: the row's error says
+    what was raised and where, never just "AssertionError: "."""
+    inputs = rows(6)
+    inputs[2]["text"] = "poison"
+
+    class Asserting(recording_echo):  # type: ignore[misc, valid-type]
+        def run(self, requests: list[Any]) -> list[Any]:
+            from bij_worker.engines.base import request_text
+
+            if any("poison" in request_text(r) for r in requests):
+                raise AssertionError  # no message, as a bare `assert` outside pytest
+            return super().run(requests)
+
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"chunkRows": 6})
+    run_shards(job, engine=Asserting())
+    publish(job)
+    [err] = read_output(job).errors
+    assert err["id"] == 2 and err["error"]["code"] == "engine_rejected"
+    assert err["error"]["message"].startswith("the engine failed on this row: AssertionError raised at test_worker.py:")
+    assert err["error"]["message"].endswith(" in run")
+
+
 def test_an_engine_that_fails_every_row_and_a_plain_request_fails_the_shard(
         file_place, make_job, run_shards, recording_echo, log_lines):
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(20)))
