@@ -4,7 +4,8 @@ Constrained decoding is not proof: grammar backends leave some JSON-Schema keywo
 (`uniqueItems`, `not`, `if`/`then`/`else`, ...) and have defects of their own (xgrammar emits
 raw control characters inside length-bounded strings, xgrammar#800). So every answer of a row
 with `structuredOutput` that finished (finish_reason ``stop``) is checked here with a real
-validator, whichever engine made it:
+validator, whichever engine made it (the transformers engine first retries a broken answer
+once on its second grammar backend, llguidance):
 
 - ``json_schema``: strict JSON (no NaN, no raw control characters), then the `jsonschema`
   library's validator for the schema's own draft;
@@ -20,8 +21,8 @@ published as it is: its finish_reason says it did not finish.
 `grammar_schema` tightens a schema before it reaches the grammar backend where a known
 defect can be avoided: a string bounded by minLength/maxLength (and without a pattern of its
 own, bounds up to `MAX_TIGHTENED_LENGTH`) is given as a pattern of that length over characters
-other than U+0000 to U+001F, so no raw control character can be generated inside it. The validator still checks the schema as
-the row gave it.
+other than U+0000 to U+001F, so no raw control character can be generated inside it. The
+validator still checks the schema as the row gave it.
 """
 
 from __future__ import annotations
