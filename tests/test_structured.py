@@ -365,3 +365,21 @@ def test_each_costly_or_odd_row_fails_alone_beside_good_rows(
         jsonschema.validate(json.loads(results["unique"]["output"]), unique)
     else:
         assert errors["unique"]["code"] == "schema_violation"
+
+
+def test_bij_run_publishes_a_job_whose_structured_rows_cannot_be_served_and_says_why_once(
+        wordpiece_model: Path, file_place: Any, make_job: Any, bij_bin: Any) -> None:
+    import subprocess
+
+    schema = {"type": "object"}
+    rows = [{"id": i, "text": "a b", **({"sampling": {"structuredOutput": {"jsonSchema": schema}}} if i < 3 else {})}
+            for i in range(6)]
+    path, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows),
+                         model={"engine": "transformers", "name": str(wordpiece_model), "task": "chat",
+                                "maxTokens": 4},
+                         workers={"parallelism": 1, "backoffLimitPerIndex": 0})
+    proc = subprocess.run([bij_bin("bij"), "run", str(path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(3 error rows: 3 unsupported)" in proc.stderr
+    assert proc.stderr.count("has no token that can start a JSON value") == 1, proc.stderr[-3000:]

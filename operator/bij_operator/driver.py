@@ -398,12 +398,11 @@ class Driver:
             msg = (f"{partial.lower()} ({manifest['partial'].get('reason', '')}): " + msg
                    + f"; {counts.get('notRun', 0)} rows not run")
         structured = counts.get("structured") or {}
-        if structured.get("repaired"):
-            msg += (f"; {structured['repaired']} structured answers were valid only on a second grammar "
-                    "backend's try")
-        if structured.get("violations"):
-            msg += (f"; {structured['violations']} structured answers broke their schema and are "
-                    "schema_violation error rows")
+        if structured.get("validated") or structured.get("violations"):
+            # Structured answers checked after decoding (bij_worker.structured).
+            msg += (f"; structured answers: {structured.get('validated', 0)} validated "
+                    f"({structured.get('repaired', 0)} repaired on a second grammar backend), "
+                    f"{structured.get('violations', 0)} schema_violation error rows")
         for note in manifest.get("notes") or []:
             msg += f"; {note}"  # what the engine could not serve at all, once each (not per row)
         damaged = [str(o.get("message")) for o in manifest.get("damagedObjects") or []]
