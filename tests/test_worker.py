@@ -120,7 +120,7 @@ def test_an_empty_exception_still_names_its_type_and_where_it_was_raised(
 def test_an_engine_that_fails_every_row_and_a_plain_request_fails_the_shard(
         file_place, make_job, run_shards, recording_echo, log_lines):
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(20)))
-    with pytest.raises(EngineFailure, match="every row of a batch of .* and on a plain request too"):
+    with pytest.raises(EngineFailure, match="fails on a batch of .* and on a plain request too"):
         run_shards(job, engine=recording_echo(fail_on=""))
     assert log_lines(file_place, job) == {}  # nothing committed: a retry starts clean
 

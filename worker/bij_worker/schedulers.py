@@ -82,35 +82,43 @@ def canary(like: Request) -> Request:
 def run_isolating(engine: Engine, requests: list[Request]) -> list[Result]:
     """Run a batch; if it raises, split it until the failing rows are found and only they fail.
 
-    One bad row must not cost its batch, and a batch of bad rows must not cost the lane: when
-    every row of a batch fails on its own too, a plain canary request decides. If it runs,
-    the rows are to blame and each is an `engine_rejected` error row; if it fails too, the
-    engine itself is broken and the caller fails (and is retried).
+    One bad row must not cost its batch, and a batch of bad rows must not cost the lane. When a
+    batch raises, one plain canary request decides first: if it fails too, the engine itself is
+    broken and the caller fails (and is retried), with no bisection spent on it; if it runs, the
+    rows are to blame, and the batch is split until each row that fails alone is found: an
+    `engine_rejected` error row with the engine's message.
     """
-    results = _isolate(engine, requests)
-    if requests and all(r.extra.get("code") == ENGINE_REJECTED and r.extra.get("isolated") for r in results):
-        try:
-            probe = engine.run([canary(requests[0])])
-        except Exception as e:  # noqa: BLE001 - the engine's own failure, reported as such
-            raise EngineFailure(f"engine fails on every row of a batch of {len(requests)}, and on a plain "
-                                f"request too: {describe_exception(e)}") from e
-        if len(probe) != 1 or probe[0].error is not None:
-            why = probe[0].error if len(probe) == 1 else f"{len(probe)} results for 1 request"
-            raise EngineFailure(f"engine fails on every row of a batch of {len(requests)}, and on a plain "
-                                f"request too: {why}")
-    for r in results:
-        r.extra.pop("isolated", None)
+    try:
+        results = engine.run(requests)
+    except Exception as e:  # noqa: BLE001 - isolated below
+        _check_canary(engine, requests, e)
+        if len(requests) == 1:
+            return [rejected(e)]
+        mid = len(requests) // 2
+        return _isolate(engine, requests[:mid]) + _isolate(engine, requests[mid:])
+    if len(results) != len(requests):
+        raise EngineFailure(f"engine returned {len(results)} results for {len(requests)} requests")
     return results
 
 
+def _check_canary(engine: Engine, requests: list[Request], e: Exception) -> None:
+    """EngineFailure when a plain request of the batch's task fails too (the engine is broken)."""
+    what = f"engine fails on a batch of {len(requests)} ({describe_exception(e)}) and on a plain request too"
+    try:
+        probe = engine.run([canary(requests[0])])
+    except Exception as again:  # noqa: BLE001 - the engine's own failure, reported as such
+        raise EngineFailure(f"{what}: {describe_exception(again)}") from again
+    if len(probe) != 1 or probe[0].error is not None:
+        raise EngineFailure(f"{what}: {probe[0].error if len(probe) == 1 else f'{len(probe)} results'}") from e
+
+
 def _isolate(engine: Engine, requests: list[Request]) -> list[Result]:
+    """Bisect a batch the engine raised on (the engine is known to run a plain request)."""
     try:
         results = engine.run(requests)
     except Exception as e:  # noqa: BLE001 - isolated below
         if len(requests) == 1:
-            res = rejected(e)
-            res.extra["isolated"] = True  # failed by raising, not as the engine's own row error
-            return [res]
+            return [rejected(e)]
         mid = len(requests) // 2
         return _isolate(engine, requests[:mid]) + _isolate(engine, requests[mid:])
     if len(results) != len(requests):
