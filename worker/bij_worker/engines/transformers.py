@@ -513,7 +513,7 @@ def _guidance_grammar(structured: tuple[str, str]) -> str:
     from llguidance import LLMatcher
 
     kind, text = structured
-    compact = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as xgrammar writes
     if kind == "json_schema":
         return LLMatcher.grammar_from_json_schema(text, defaults=compact)  # type: ignore[arg-type]
     if kind == "json_object":
