@@ -93,6 +93,17 @@ def test_rows_that_each_break_the_engine_are_error_rows_when_a_plain_request_sti
     assert "Hello" in engine.seen  # the canary ran
 
 
+def test_a_job_whose_every_row_fails_alone_still_publishes_its_error_file(
+        file_place, make_job, run_shards, recording_echo, read_output):
+    inputs = [{"id": i, "text": f"poison {i}"} for i in range(12)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), batching={"maxBatchSize": 4})
+    run_shards(job, engine=recording_echo(fail_on="poison"))
+    manifest = publish(job)
+    out = read_output(job)
+    assert out.results == [] and sorted(e["id"] for e in out.errors) == list(range(12))
+    assert manifest["counts"]["errorCodes"] == {"engine_rejected": 12} and manifest["errorFiles"]
+
+
 def test_an_empty_exception_still_names_its_type_and_where_it_was_raised(
         file_place, make_job, run_shards, recording_echo, read_output):
     """A grammar backend's bare `assert` raises an AssertionError with no message: the row's error says
