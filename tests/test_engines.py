@@ -493,6 +493,38 @@ def test_transformers_logprobs_are_the_models_and_finite(wired_model: Path, rand
             assert all(math.isfinite(t.logprob) and t.logprob <= 0 and t.top == () for t in c.logprobs)
 
 
+def test_transformers_keeps_logprobs_of_the_chosen_and_top_tokens_only(random_model: Path) -> None:
+    """generate is never asked for every step's logits (vocabulary x steps x sequences): the logprobs
+    are recorded as they go, the chosen token's and the top ones', the same values the raw logits give."""
+    import torch
+
+    engine = tf_engine(random_model)
+    calls: list[dict[str, Any]] = []
+    generate = engine.model.generate
+
+    def spy(**kw: Any) -> Any:
+        calls.append(kw)
+        return generate(**kw)
+
+    engine.model.generate = spy
+    (res,) = engine.run([Request(text="a", max_tokens=6, temperature=1.0, seed=3,
+                                 sampling=Sampling(n=3, logprobs=True, top_logprobs=4, repetition_penalty=1.3))])
+    assert "output_logits" not in calls[0] and "output_scores" not in calls[0]
+    assert "repetition_penalty" not in calls[0]  # applied after the recorder, not before it
+    for c in res.choices or []:
+        assert c.logprobs is not None and len(c.logprobs) == c.completion_tokens
+        for t in c.logprobs:
+            assert len(t.top) == 4 and [v for _, v in t.top] == sorted((v for _, v in t.top), reverse=True)
+            assert t.logprob <= t.top[0][1] + 1e-6
+    # Greedy, the chosen token is the most likely one of the model's own distribution.
+    prompt = engine.tokenizer("a", return_tensors="pt")
+    with torch.inference_mode():
+        raw = engine.model(**prompt).logits[0, -1].float().log_softmax(-1)
+    (greedy,) = engine.run([Request(text="a", max_tokens=1, sampling=Sampling(logprobs=True, top_logprobs=2))])
+    first = (greedy.choices or [])[0].logprobs[0]  # type: ignore[index]
+    assert abs(first.logprob - float(raw.max())) < 1e-4 and abs(first.top[1][1] - float(raw.topk(2).values[1])) < 1e-4
+
+
 def test_chat_template_and_its_variables_from_the_spec_replace_the_tokenizers(tmp_path: Path) -> None:
     path = build_model(tmp_path, chat_template=False)
     template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"

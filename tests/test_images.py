@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -96,14 +97,63 @@ def test_file_images_are_read_within_the_limit(tmp_path: Path) -> None:
     (tmp_path / "big.png").write_bytes(b"p" * 65)
     store = open_storage(f"file://{tmp_path}/", None)
     got = fetch_images((Image("data:image/png;base64", b"d"), Image(f"file://{tmp_path}/ok.png")),
-                       lambda uri: store, 64)
+                       lambda uri: store, 64, str(tmp_path))
     assert got == (Image("data:image/png;base64", b"d"), Image(f"file://{tmp_path}/ok.png", b"p" * 64))
     with pytest.raises(ImageProblem) as e:
-        fetch_images((Image(f"file://{tmp_path}/big.png"),), lambda uri: store, 64)
+        fetch_images((Image(f"file://{tmp_path}/big.png"),), lambda uri: store, 64, str(tmp_path))
     assert e.value.code == "image_too_large" and "big.png is over input.maxImageBytes (64)" in str(e.value)
     with pytest.raises(ImageProblem) as e:
-        fetch_images((Image(f"file://{tmp_path}/gone.png"),), lambda uri: store, 64)
+        fetch_images((Image(f"file://{tmp_path}/gone.png"),), lambda uri: store, 64, str(tmp_path))
     assert e.value.code == "image_not_found" and "gone.png" in str(e.value)
+
+
+def test_file_images_are_regular_files_under_the_image_root_and_never_system_files(tmp_path: Path) -> None:
+    """A FIFO is refused at once (opened without blocking, fstat before any read), never waited on;
+    /etc, /proc, /dev and a service-account token are refused before they are opened, a symbolic
+    link is judged by what it points at, and nothing is read outside the root or without one."""
+    import os
+    import threading
+
+    from bij_worker.images import read_local_image
+
+    root = tmp_path / "pics"
+    root.mkdir()
+    (root / "ok.png").write_bytes(b"p" * 8)
+    os.mkfifo(root / "pipe.png")
+    (root / "sub").mkdir()
+    os.symlink("/etc/passwd", root / "passwd.png")
+    os.symlink(tmp_path / "outside.png", root / "out.png")
+    (tmp_path / "outside.png").write_bytes(b"o")
+    cases = {
+        f"file://{root}/pipe.png": "not a regular file",
+        f"file://{root}/sub": "not a regular file",
+        "file:///etc/passwd": "never read from /etc",
+        f"file://{root}/passwd.png": "never read from /etc",
+        "file:///proc/self/environ": "never read from /proc",
+        "file:///dev/zero": "never read from /dev",
+        "file:///var/run/secrets/kubernetes.io/serviceaccount/token": "/run/secrets",  # /var/run is /run
+        f"file://{root}/out.png": "outside input.imageRoot",
+        f"file://{root}/../outside.png": "outside input.imageRoot",
+    }
+    done = threading.Event()
+
+    def check() -> None:
+        for uri, why in cases.items():
+            with pytest.raises(ImageProblem) as e:
+                read_local_image(uri, str(root), 64)
+            assert e.value.code == "image_not_found" and why in str(e.value), (uri, str(e.value))
+        done.set()
+
+    t = threading.Thread(target=check, daemon=True)
+    t.start()
+    t.join(30)
+    assert done.is_set(), "a check hung (or failed: see the thread's exception above)"
+    assert read_local_image(f"file://{root}/ok.png", str(root), 64) == b"p" * 8
+    with pytest.raises(ImageProblem, match="read only under input.imageRoot"):
+        read_local_image(f"file://{root}/ok.png", None, 64)
+    with pytest.raises(ImageProblem) as e:
+        read_local_image(f"file://{root}/ok.png", str(root), 4)
+    assert e.value.code == "image_too_large"
 
 
 def test_s3_images_are_read_through_the_jobs_storage(s3_place: Any) -> None:
@@ -149,9 +199,13 @@ def test_a_job_fetches_each_rows_images_before_the_engine_sees_them(file_place, 
              line(part(f"file://{tmp_path}/big.png"), cid="big"),
              line(part(f"file://{tmp_path}/gone.png"), cid="gone"),
              line(part("https://x/y.png"), cid="web"),
+             line(part(f"file://{tmp_path}/pipe.png"), cid="fifo"),
+             line(part("file:///etc/passwd"), cid="passwd"),
              line(part(data_url(b"e" * 5)), cid="one")]
+    os.mkfifo(tmp_path / "pipe.png")  # read with a plain open(), it would hang the worker
     _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
-                      input={"format": "openai", "maxImageBytes": 64}, model={"task": "chat"})
+                      input={"format": "openai", "maxImageBytes": 64, "imageRoot": f"file://{tmp_path}"},
+                      model={"task": "chat"})
     run_shards(job, ImageBytes())
     publish(job)
     out = read_output(job)
@@ -161,6 +215,8 @@ def test_a_job_fetches_each_rows_images_before_the_engine_sees_them(file_place, 
     assert errors["big"] == ("image_too_large", f"image file://{tmp_path}/big.png is over input.maxImageBytes (64)")
     assert errors["gone"][0] == "image_not_found" and "gone.png" in errors["gone"][1]
     assert errors["web"][0] == "unsupported" and "https" in errors["web"][1]
+    assert errors["fifo"] == ("image_not_found", f"image file://{tmp_path}/pipe.png: not a regular file")
+    assert errors["passwd"] == ("image_not_found", "image file:///etc/passwd: images are never read from /etc")
 
 
 def test_a_job_refuses_image_rows_on_an_engine_without_vision(file_place, make_job, run_shards,

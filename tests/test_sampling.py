@@ -241,3 +241,38 @@ def test_n_answers_in_plain_rows_survive_parquet() -> None:
     assert rows[0]["output"] == "Hello" and [c["output"] for c in rows[0]["choices"]] == ["Hello", "Hi"]
     assert rows[0]["choices"][1]["logprobs"][0]["top_logprobs"][0] == {"token": "Hel", "logprob": -0.1}
     assert list(table_rows(results_table(rows, "generate", "int", False))) == rows
+
+
+@pytest.mark.parametrize(("field", "value"), [("seed", 2**70), ("seed", -(2**64)), ("maxTokens", 10**30),
+                                              ("topK", 2**64)])
+def test_an_integer_beyond_64_bits_is_refused_alike_whichever_json_parser_read_the_line(field: str, value: int) -> None:
+    """orjson reads such an integer as a float; a line it refuses (a NaN elsewhere) is read by the
+    standard library, as an exact int: both lines are the same invalid_request naming the field."""
+    body = f'{{"id": 1, "text": "x", "sampling": {{"{field}": {value}}}'
+    plain = parse_line(f"{body}}}".encode(), (0, 0, 1), "in.jsonl", HF_PLAIN)
+    with_nan = parse_line(f'{body}, "note": NaN}}'.encode(), (0, 0, 1), "in.jsonl", HF_PLAIN)
+    for row in (plain, with_nan):
+        assert row.request is None and row.error_code == "invalid_request", row
+        assert f"sampling.{field} must be an integer from" in str(row.error)
+
+
+def test_a_row_over_its_budget_is_refused_before_it_runs_naming_its_fields() -> None:
+    """n x maxTokens x (1 + topLogprobs) within model.rowBudget: the row of 128 answers of 10**9 tokens
+    with 20 top logprobs each never reaches an engine; a row within the budget does."""
+    honours = TRANSFORMERS | {"n", "logprobs", "topLogprobs"}
+    ALL = InputOptions(task="generate", engine="transformers", honours=honours)
+    huge = {"n": 128, "maxTokens": 10**9, "logprobs": True, "topLogprobs": 20}
+    row = parse({"id": 1, "text": "x", "sampling": huge}, ALL)
+    assert row.request is None and row.error_code == "invalid_request"
+    assert row.error == (f"this row costs n 128 x maxTokens {10**9} x 1 + topLogprobs 20 = {128 * 10**9 * 21} "
+                         "generated token places, over model.rowBudget (1048576)")
+    fits = parse({"id": 2, "text": "x", "sampling": {"n": 4, "maxTokens": 4096, "logprobs": True,
+                                                      "topLogprobs": 5}}, ALL)
+    assert fits.request is not None
+    small = InputOptions(task="generate", engine="transformers", honours=honours, row_budget=100)
+    row = parse({"id": 3, "text": "x", "sampling": {"maxTokens": 101}}, small)
+    assert row.error_code == "invalid_request" and "maxTokens 101 = 101" in str(row.error)
+    # A chunk of plain rows whose spec defaults are over the budget is refused row by row too.
+    over = InputOptions(task="generate", engine="transformers", honours=honours, row_budget=100,
+                        max_tokens=200)
+    assert parse_plain_lines([b'{"id": 1, "text": "x"}'], over) is None

@@ -128,3 +128,258 @@ def test_openai_response_format_reaches_the_engine_as_structured_output() -> Non
     line = json.dumps({"custom_id": "a", "url": "/v1/chat/completions", "body": body}).encode()
     row = parse_line(line, (0, 0, len(line)), "in", echo)
     assert row.error == "engine echo cannot honour body.response_format"
+
+
+# --- Every structured answer is valid or an error row (bij_worker.structured) ---------------------
+
+from bij_worker.engines.base import Choice, Result  # noqa: E402
+from bij_worker.structured import UNENFORCED_KEYWORDS, Validator, grammar_schema  # noqa: E402
+from tiny_models import build_model  # noqa: E402
+
+BOUNDED = {"type": "object", "properties": {
+    "name": {"type": "string", "minLength": 2, "maxLength": 8},
+    "tags": {"type": "array", "items": {"type": "array", "items": {"type": "string", "maxLength": 4},
+                                        "maxItems": 2}, "maxItems": 3},
+    "kind": {"enum": ["a", "b"]}, "code": {"type": "string", "pattern": "^[a-z]{1,3}$"},
+    "seen": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}},
+    "required": ["name", "tags", "kind", "code", "seen"], "additionalProperties": False}
+
+
+def _structured(kind: str, value: Any) -> tuple[str, str]:
+    if kind == "json_schema":
+        return kind, json_schema_text("s", value)
+    return kind, value
+
+
+@pytest.mark.parametrize(("ask", "output", "why"), [
+    (("json_schema", {"type": "string", "maxLength": 4}), '"ab\x02c"', "not valid JSON: Invalid control character"),
+    (("json_schema", {"type": "array", "uniqueItems": True}), "[1, 1, 0]", "keyword uniqueItems"),
+    (("json_schema", {"type": "integer", "not": {"const": 3}}), "3", "keyword not"),
+    (("json_schema", {"type": "object"}), '{"a": NaN}', "not valid JSON"),
+    (("json_object", ""), "[1]", "not an object"),
+    (("regex", "[a-c]{3}"), "abcd", "does not match"),
+    (("choice", '["red", "blue"]'), "green", "not one of the choices"),
+])
+def test_an_answer_that_breaks_its_structured_output_becomes_a_schema_violation(
+        ask: tuple[str, Any], output: str, why: str) -> None:
+    structured = _structured(*ask)
+    req = Request(text="x", sampling=Sampling(structured_output=structured))
+    results = [Result(output=output, completion_tokens=3, extra={"finish_reason": "stop"})]
+    found = Validator().check([req], results)
+    assert (found.validated, found.violations) == (0, 1)
+    [res] = results
+    assert res.extra["code"] == "schema_violation" and why in res.error and res.output == output
+
+
+def test_valid_answers_count_as_validated_and_what_cannot_be_checked_is_left_alone() -> None:
+    asks = [("json_schema", {"type": "array", "uniqueItems": True}), ("regex", "[a-c]{3}"),
+            ("choice", '["red", "blue"]'), ("grammar", 'root ::= "x"'), ("json_object", "")]
+    outputs = ["[1, 2]", "abc", "red", "anything", '{"a": 1}']
+    reqs = [Request(text="x", sampling=Sampling(structured_output=_structured(*a))) for a in asks]
+    results = [Result(output=o, extra={"finish_reason": "stop"}) for o in outputs]
+    found = Validator().check(reqs, results)
+    assert (found.validated, found.violations, found.unchecked) == (4, 0, 1)
+    assert all(r.error is None for r in results)
+    # An answer cut by its token cap is reported as it is (finish_reason length), never as valid.
+    cut = [Result(output='{"a": ', extra={"finish_reason": "length"})]
+    assert Validator().check(reqs[4:], cut).validated == 1 and cut[0].error is None
+    # n answers: one broken answer makes the row an error naming it.
+    many = [Result(output="red", choices=[Choice("red", 1, "stop"), Choice("green", 1, "stop")],
+                   extra={"finish_reason": "stop"})]
+    assert Validator().check(reqs[2:3], many).violations == 1 and "answer 1" in str(many[0].error)
+
+
+def test_length_bounded_strings_reach_the_grammar_as_patterns_without_control_characters() -> None:
+    tight = json.loads(grammar_schema(json.dumps(BOUNDED)))
+    assert tight["properties"]["name"] == {"type": "string", "pattern": "^[^\\x00-\\x1f]{2,8}$"}
+    assert tight["properties"]["tags"]["items"]["items"] == {"type": "string", "pattern": "^[^\\x00-\\x1f]{0,4}$"}
+    assert tight["properties"]["code"] == BOUNDED["properties"]["code"]  # its own pattern stays
+    assert grammar_schema('{"type":"string"}') == '{"type":"string"}'
+    # A long bound is left to the validator: xgrammar's compile time grows with a counted pattern's bound.
+    assert grammar_schema('{"type":"string","maxLength":1000}') == '{"type":"string","maxLength":1000}'
+    assert {"uniqueItems", "not", "if", "then"} <= set(UNENFORCED_KEYWORDS)
+
+
+@pytest.fixture(scope="module")
+def wordpiece_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("wordpiece"))
+
+
+def test_a_tokenizer_that_cannot_write_json_fails_those_rows_alone_and_says_so_once(
+        wordpiece_model: Path, file_place: Any, make_job: Any, run_shards: Any, read_output: Any) -> None:
+    """15 chat rows on a word-level (WordPiece-decoded) tokenizer, 6 asking for a JSON schema: the job
+    publishes, the 6 are `unsupported` error rows naming why, the other 9 are answered, and the reason
+    is in the manifest's notes once."""
+    from bij_operator.publish import publish
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    rows = [{"id": i, "text": "a b", **({"sampling": {"structuredOutput": {"jsonSchema": schema}}}
+                                        if i % 5 in (0, 2) else {})} for i in range(15)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows),
+                      model={"engine": "transformers", "name": str(wordpiece_model), "task": "chat", "maxTokens": 8},
+                      batching={"maxBatchSize": 4})
+    engine = TransformersEngine(EngineConfig(task="chat", name=str(wordpiece_model), device="cpu", max_tokens=8))
+    run_shards(job, engine=engine)
+    manifest = publish(job)
+    out = read_output(job)
+    structured = [r["id"] for r in rows if "sampling" in r]
+    assert len(structured) == 6
+    assert sorted(out.result_ids) == [r["id"] for r in rows if "sampling" not in r]
+    assert sorted(e["id"] for e in out.errors) == structured
+    for e in out.errors:
+        assert e["error"]["code"] == "unsupported"
+        assert "has no token that can start a JSON value" in e["error"]["message"]
+    assert len(manifest["notes"]) == 1 and "no token that can start a JSON value" in manifest["notes"][0]
+    assert manifest["counts"]["errorCodes"] == {"unsupported": 6}
+
+
+def test_structured_rows_on_a_byte_level_model_are_never_an_invalid_success(
+        byte_model: Path, file_place: Any, make_job: Any, run_shards: Any, read_output: Any) -> None:
+    """Schemas with maxLength, nested arrays, enums, patterns and uniqueItems (which the grammar does not
+    enforce), sampled at temperature 1 beside plain rows: every published answer validates, every
+    other structured row is an error row carrying its answer, and the plain rows are answered."""
+    from bij_operator.publish import publish
+
+    choice = ["red", "green"]
+    asks = [{"jsonSchema": BOUNDED}, {"jsonSchema": SCHEMAS[1]}, {"regex": "[a-c]{2}-[0-9]"}, {"choice": choice}]
+    rows = [{"id": i, "text": f"row {i}", **({"sampling": {"structuredOutput": asks[i % 5], "seed": i}}
+                                            if i % 5 < 4 else {})} for i in range(60)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows),
+                      model={"engine": "transformers", "name": str(byte_model), "task": "generate", "maxTokens": 96,
+                             "temperature": 1.0})
+    engine = TransformersEngine(EngineConfig(task="generate", name=str(byte_model), device="cpu"))
+    run_shards(job, engine=engine)
+    manifest = publish(job)
+    out = read_output(job)
+    by_id = {r["id"]: r for r in rows}
+    answered = 0
+    for res in out.results:
+        ask = by_id[res["id"]].get("sampling", {}).get("structuredOutput")
+        if ask is None or res["usage"]["completion_tokens"] >= 96:  # cut by its token cap: not finished
+            continue
+        answered += 1
+        if "jsonSchema" in ask:
+            jsonschema.validate(json.loads(res["output"]), ask["jsonSchema"])
+        elif "regex" in ask:
+            assert re.fullmatch(ask["regex"], res["output"])
+        else:
+            assert res["output"] in choice
+    assert sorted([r["id"] for r in out.results] + [e["id"] for e in out.errors]) == list(range(60))
+    assert all(r["id"] in [x["id"] for x in out.results] for r in rows if "sampling" not in r)
+    for e in out.errors:
+        assert e["error"]["code"] == "schema_violation" and "output" in e and "breaks its structured output" in \
+            e["error"]["message"]
+    s = manifest["counts"]["structured"]
+    assert s["validated"] >= answered > 0
+    assert s["violations"] == len(out.errors) == manifest["counts"]["errorCodes"].get("schema_violation", 0)
+
+
+def test_a_thousand_structured_rows_every_success_validates(
+        byte_model: Path, file_place: Any, make_job: Any, run_shards: Any, read_output: Any) -> None:
+    from bij_operator.publish import publish
+
+    schema = {"type": "object", "properties": {"label": {"enum": ["cat", "dog", "bird"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["label", "n"], "additionalProperties": False}
+    rows = [{"id": i, "text": f"r{i}"} for i in range(1000)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows),
+                      model={"engine": "transformers", "name": str(byte_model), "task": "generate", "maxTokens": 32,
+                             "temperature": 1.0, "structuredOutput": {"jsonSchema": schema}},
+                      batching={"maxBatchSize": 64}, sharding={"targetShardBytes": 1 << 20, "chunkRows": 250})
+    run_shards(job, engine=TransformersEngine(EngineConfig(task="generate", name=str(byte_model), device="cpu")))
+    manifest = publish(job)
+    out = read_output(job)
+    assert len(out.results) + len(out.errors) == 1000
+    finished = [r for r in out.results if r["usage"]["completion_tokens"] < 32]  # the rest hit the cap
+    assert len(finished) > 700
+    for r in finished:
+        jsonschema.validate(json.loads(r["output"]), schema)
+    assert manifest["counts"]["structured"]["validated"] == len(finished)
+    assert {e["error"]["code"] for e in out.errors} <= {"schema_violation"}
+    assert manifest["counts"]["structured"]["violations"] == len(out.errors)
+
+
+def test_a_broken_answer_is_retried_once_on_the_second_grammar_backend(byte_model: Path) -> None:
+    """Without its bounded strings tightened, xgrammar writes raw control characters into most answers
+    of this schema on a random model; the rows whose answer breaks the schema run once more under
+    llguidance, and an answer that keeps to it replaces the first, counted as repaired. Without a second
+    backend the broken answers stay broken, and the validator makes them schema_violation rows."""
+    pytest.importorskip("llguidance")
+    import bij_worker.engines.transformers as tf
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 8}},
+              "required": ["name"], "additionalProperties": False}
+    ask = ("json_schema", json_schema_text("s", schema))
+    reqs = [Request(text="x", max_tokens=60, temperature=1.0, seed=i, sampling=Sampling(structured_output=ask))
+            for i in range(16)]
+    counts = {}
+    for second in (False, True):
+        engine = TransformersEngine(EngineConfig(task="generate", name=str(byte_model), device="cpu"))
+        engine.load()
+        if not second:
+            engine._llg = False  # no second backend
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tf, "grammar_schema", lambda text: text)  # xgrammar's defect left in place
+            results = engine.run(reqs)
+        found = Validator().check(reqs, results)
+        counts[second] = (found.validated, found.repaired, found.violations)
+        for r in results:
+            if r.error is None:
+                jsonschema.validate(json.loads(r.output), schema)
+            else:
+                assert r.extra["code"] == "schema_violation" and r.output is not None
+    validated, repaired, violations = counts[False]
+    assert repaired == 0 and violations >= 4 and validated + violations == 16
+    validated, repaired, violations = counts[True]
+    assert repaired >= 4 and violations <= counts[False][2] - repaired
+
+
+def test_each_costly_or_odd_row_fails_alone_beside_good_rows(
+        byte_model: Path, file_place: Any, make_job: Any, run_shards: Any, read_output: Any) -> None:
+    """On the transformers engine: 128 answers of 10**9 tokens with 20 top logprobs (refused before it
+    runs: nothing of it is ever held), a seed beyond 64 bits on a line with a NaN (read by the standard
+    library's parser), a schema whose uniqueItems the grammar does not enforce, and good rows: the good
+    rows are answered, each other row is an answer that keeps its schema or an error row naming why."""
+    from bij_operator.publish import publish
+
+    unique = {"type": "array", "items": {"enum": [0, 1]}, "uniqueItems": True, "minItems": 2, "maxItems": 2}
+    lines = [json.dumps({"id": i, "text": f"good {i}"}) for i in range(4)]
+    lines.append(json.dumps({"id": "huge", "text": "x", "sampling": {"n": 128, "maxTokens": 10**9, "logprobs": True,
+                                                                      "topLogprobs": 20}}))
+    lines.append(f'{{"id": "seed", "text": "x", "sampling": {{"seed": {2**70}}}, "note": NaN}}')
+    lines.append(json.dumps({"id": "unique", "text": "x", "sampling": {"structuredOutput": {"jsonSchema": unique}}}))
+    uri = file_place.uri("in.jsonl")
+    file_place.storage.write_bytes(uri, ("\n".join(lines) + "\n").encode())
+    _, job = make_job(file_place, uri, model={"engine": "transformers", "name": str(byte_model), "task": "generate",
+                                              "maxTokens": 12, "temperature": 1.0})
+    run_shards(job, engine=TransformersEngine(EngineConfig(task="generate", name=str(byte_model), device="cpu")))
+    publish(job)
+    out = read_output(job)
+    results = {r["id"]: r for r in out.results}
+    errors = {e["id"]: e["error"] for e in out.errors}
+    assert {0, 1, 2, 3} <= set(results)
+    assert errors["huge"]["code"] == "invalid_request" and "over model.rowBudget" in errors["huge"]["message"]
+    assert errors["seed"]["code"] == "invalid_request"
+    assert "sampling.seed must be an integer" in errors["seed"]["message"]
+    if "unique" in results:
+        jsonschema.validate(json.loads(results["unique"]["output"]), unique)
+    else:
+        assert errors["unique"]["code"] == "schema_violation"
+
+
+def test_bij_run_publishes_a_job_whose_structured_rows_cannot_be_served_and_says_why_once(
+        wordpiece_model: Path, file_place: Any, make_job: Any, bij_bin: Any) -> None:
+    import subprocess
+
+    schema = {"type": "object"}
+    rows = [{"id": i, "text": "a b", **({"sampling": {"structuredOutput": {"jsonSchema": schema}}} if i < 3 else {})}
+            for i in range(6)]
+    path, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows),
+                         model={"engine": "transformers", "name": str(wordpiece_model), "task": "chat",
+                                "maxTokens": 4},
+                         workers={"parallelism": 1, "backoffLimitPerIndex": 0})
+    proc = subprocess.run([bij_bin("bij"), "run", str(path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(3 error rows: 3 unsupported)" in proc.stderr
+    assert proc.stderr.count("has no token that can start a JSON value") == 1, proc.stderr[-3000:]

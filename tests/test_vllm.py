@@ -505,6 +505,7 @@ def test_bij_run_feeds_each_rows_images_to_a_vision_model(
     red, blue = png((200, 30, 30)), png((20, 40, 220))
     (pics / "red.png").write_bytes(red)
     (pics / "blue.png").write_bytes(blue)
+    os.mkfifo(pics / "pipe.png")
 
     def image(url: str) -> dict[str, Any]:
         return {"type": "image_url", "image_url": {"url": url}}
@@ -518,10 +519,11 @@ def test_bij_run_feeds_each_rows_images_to_a_vision_model(
     red_data = "data:image/png;base64," + base64.b64encode(red).decode()
     lines = [line("text"), line("red", red_data), line("red-file", f"file://{pics}/red.png"),
              line("blue", f"file://{pics}/blue.png"), line("two", red_data, f"file://{pics}/blue.png"),
-             line("web", "https://example.com/red.png"),
+             line("web", "https://example.com/red.png"), line("fifo", f"file://{pics}/pipe.png"),
+             line("passwd", "file:///etc/passwd"),
              line("junk", "data:image/png;base64," + base64.b64encode(b"no image here").decode())]
     path, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines), **{
-        "input": {"format": "openai"},
+        "input": {"format": "openai", "imageRoot": f"file://{pics}"},
         "model": {"engine": "vllm", "name": str(model), "task": "chat", "vllm": SPEC_VLLM},
         "workers": {"parallelism": 1, "backoffLimitPerIndex": 0}})
     done = bij(bij_bin, worker_env(file_place), "run", str(path))
@@ -545,10 +547,46 @@ def test_bij_run_feeds_each_rows_images_to_a_vision_model(
     assert first_token("red") != first_token("blue") != first_token("text")
     errors = {e["custom_id"]: e["error"] for e in out.errors}
     assert errors["web"]["code"] == "unsupported" and "images are not fetched" in errors["web"]["message"]
-    assert errors["junk"]["code"] == "engine_error" and "not an image PIL can read" in errors["junk"]["message"]
+    assert errors["junk"]["code"] == "engine_rejected" and "not an image PIL can read" in errors["junk"]["message"]
+    # A FIFO would hang a plain open() forever; a system file is never opened: each fails its row alone.
+    assert errors["fifo"] == {"code": "image_not_found", "message": f"image file://{pics}/pipe.png: not a regular file"}
+    assert errors["passwd"]["code"] == "image_not_found" and "never read from /etc" in errors["passwd"]["message"]
 
 
 # --- LoRA adapters on the real engine -------------------------------------------------------
+
+
+def test_what_the_grammar_backend_cannot_serve_fails_those_rows_alone_and_is_learnt_once(gen: Any) -> None:
+    """The wired model's word-level tokenizer has no token that starts JSON: vLLM ends such a row with an
+    error at its first token. That row is `unsupported` naming why, the others are answered, and later
+    JSON rows are refused at once (they never enter the engine); the reason is noted once."""
+    from bij_worker.engines.base import run_to_completion
+    from bij_worker.sampling import Sampling, json_schema_text
+    from bij_worker.structured import Validator
+
+    schema = json_schema_text("s", {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}})
+    reqs = [Request(text="a", max_tokens=4),
+            Request(text="a", max_tokens=4, sampling=Sampling(structured_output=("json_schema", schema))),
+            Request(text="b", max_tokens=4, sampling=Sampling(structured_output=("json_object", ""))),
+            Request(text="c", max_tokens=4)]
+    results = run_to_completion(gen, reqs)
+    assert [words(r) for r in (results[0], results[3])] == [expected("a", 4), expected("c", 4)]
+    for r in results[1:3]:
+        assert r.extra["code"] == "unsupported" and "cannot be served" in str(r.error)
+    assert len(gen.notes) == 1 and "jsonSchema and jsonObject" in gen.notes[0]
+    steps = gen.steps
+    again = run_to_completion(gen, reqs[1:3])
+    assert gen.steps == steps  # refused at submit: nothing ran
+    assert [r.error for r in again] == [gen.notes[0]] * 2 and len(gen.notes) == 1
+    # An answer that breaks its structured output is never a success: this tokenizer's detokenized
+    # choice carries a leading space, which the validator catches after decoding.
+    chosen = [Request(text="a", max_tokens=4, sampling=Sampling(structured_output=("choice", '["x", "z"]')))]
+    out = run_to_completion(gen, chosen)
+    found = Validator().check(chosen, out)
+    if out[0].error is None:
+        assert found.validated == 1 and out[0].output in ("x", "z")
+    else:
+        assert found.violations == 1 and out[0].extra["code"] == "schema_violation" and out[0].output.strip() in "xz"
 
 
 def test_bij_run_answers_each_row_with_its_lora_adapter_and_refuses_unknown_names(

@@ -70,14 +70,69 @@ def test_one_row_that_breaks_the_engine_fails_alone(file_place, make_job, run_sh
     out = read_output(job)
     assert out.result_ids == [r["id"] for r in inputs if r["id"] != 17]
     [err] = out.errors
-    assert err["id"] == 17 and err["error"]["code"] == "engine_error" and "poison" in err["error"]["message"]
+    assert err["id"] == 17 and err["error"]["code"] == "engine_rejected" and "poison" in err["error"]["message"]
 
 
-def test_an_engine_that_fails_every_row_fails_the_shard_instead_of_recording_errors(
+def test_rows_that_each_break_the_engine_are_error_rows_when_a_plain_request_still_runs(
+        file_place, make_job, run_shards, recording_echo, read_output):
+    """Every row of a batch failing alone is no proof that the engine is broken: a plain canary
+    request decides, and here it runs, so the rows are to blame and the job publishes them as errors."""
+    inputs = rows(20)
+    for r in inputs[4:8]:
+        r["text"] = f"poison {r['id']}"
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      batching={"maxBatchSize": 4, "sortByLength": False}, sharding={"chunkRows": 20})
+    engine = recording_echo(fail_on="poison")
+    run_shards(job, engine=engine)
+    publish(job)
+    out = read_output(job)
+    assert out.result_ids == [r["id"] for r in inputs if not str(r["text"]).startswith("poison")]
+    assert sorted(e["id"] for e in out.errors) == [4, 5, 6, 7]
+    assert {e["error"]["code"] for e in out.errors} == {"engine_rejected"}
+    assert all("RuntimeError: cannot run 'poison'" in e["error"]["message"] for e in out.errors)
+    assert "Hello" in engine.seen  # the canary ran
+
+
+def test_a_job_whose_every_row_fails_alone_still_publishes_its_error_file(
+        file_place, make_job, run_shards, recording_echo, read_output):
+    inputs = [{"id": i, "text": f"poison {i}"} for i in range(12)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), batching={"maxBatchSize": 4})
+    run_shards(job, engine=recording_echo(fail_on="poison"))
+    manifest = publish(job)
+    out = read_output(job)
+    assert out.results == [] and sorted(e["id"] for e in out.errors) == list(range(12))
+    assert manifest["counts"]["errorCodes"] == {"engine_rejected": 12} and manifest["errorFiles"]
+
+
+def test_an_empty_exception_still_names_its_type_and_where_it_was_raised(
+        file_place, make_job, run_shards, recording_echo, read_output):
+    """A grammar backend's bare `assert` raises an AssertionError with no message: the row's error says
+    what was raised and where, never just "AssertionError: "."""
+    inputs = rows(6)
+    inputs[2]["text"] = "poison"
+
+    class Asserting(recording_echo):  # type: ignore[misc, valid-type]
+        def run(self, requests: list[Any]) -> list[Any]:
+            from bij_worker.engines.base import request_text
+
+            if any("poison" in request_text(r) for r in requests):
+                raise AssertionError  # no message, as a bare `assert` outside pytest
+            return super().run(requests)
+
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"chunkRows": 6})
+    run_shards(job, engine=Asserting())
+    publish(job)
+    [err] = read_output(job).errors
+    assert err["id"] == 2 and err["error"]["code"] == "engine_rejected"
+    assert err["error"]["message"].startswith("the engine failed on this row: AssertionError raised at test_worker.py:")
+    assert err["error"]["message"].endswith(" in run")
+
+
+def test_an_engine_that_fails_every_row_and_a_plain_request_fails_the_shard(
         file_place, make_job, run_shards, recording_echo, log_lines):
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(20)))
-    with pytest.raises(EngineFailure, match="every row"):
-        run_shards(job, engine=recording_echo(fail_on="row"))
+    with pytest.raises(EngineFailure, match="fails on a batch of .* and on a plain request too"):
+        run_shards(job, engine=recording_echo(fail_on=""))
     assert log_lines(file_place, job) == {}  # nothing committed: a retry starts clean
 
     class Short:

@@ -389,11 +389,22 @@ class Driver:
         uri = layout.manifest_uri(job)
         partial = (manifest.get("partial") or {}).get("phase")
         files = manifest.get("files") or 0
+        codes = counts.get("errorCodes") or {}
+        by_code = (": " + ", ".join(f"{n} {code}" for code, n in sorted(codes.items(), key=lambda e: -e[1]))
+                   if codes else "")
         msg = (f"published {counts.get('rows', 0)} rows in {files if isinstance(files, int) else len(files)} files "
-               f"({counts.get('errors', 0)} error rows) to {uri}")
+               f"({counts.get('errors', 0)} error rows{by_code}) to {uri}")
         if partial:
             msg = (f"{partial.lower()} ({manifest['partial'].get('reason', '')}): " + msg
                    + f"; {counts.get('notRun', 0)} rows not run")
+        structured = counts.get("structured") or {}
+        if structured.get("validated") or structured.get("violations"):
+            # Structured answers checked after decoding (bij_worker.structured).
+            msg += (f"; structured answers: {structured.get('validated', 0)} validated "
+                    f"({structured.get('repaired', 0)} repaired on a second grammar backend), "
+                    f"{structured.get('violations', 0)} schema_violation error rows")
+        for note in manifest.get("notes") or []:
+            msg += f"; {note}"  # what the engine could not serve at all, once each (not per row)
         damaged = [str(o.get("message")) for o in manifest.get("damagedObjects") or []]
         if damaged:
             # input.onDamagedObject errorRow: published without what lay behind the break; never silent.

@@ -64,6 +64,11 @@ class _Totals:
     shared_chars: float = 0.0  # prefixShare x promptChars, summed
     prompt_chars: int = 0
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
+    error_codes: dict[str, int] = field(default_factory=dict)  # error rows by code
+    structured_validated: int = 0  # structured answers checked after decoding and valid
+    structured_repaired: int = 0  # ... of them valid only on the second grammar backend's try
+    structured_violations: int = 0  # ... and published as schema_violation error rows
+    notes: list[str] = field(default_factory=list)  # what the engine could not serve at all, once each
     done_records: list[ShardRecord] = field(default_factory=list)  # O(shards): efficiency and cost
 
     def add_done(self, rec: ShardRecord) -> None:
@@ -76,6 +81,12 @@ class _Totals:
         self.prompt_chars += chars
         self.shared_chars += float(rec.get("prefixShare", 0.0)) * chars
         self.cached_tokens += int(rec.get("cachedTokens", 0))
+        self.structured_validated += int(rec.get("structuredValidated", 0))
+        self.structured_repaired += int(rec.get("structuredRepaired", 0))
+        self.structured_violations += int(rec.get("structuredViolations", 0))
+        for note in rec.get("notes") or []:
+            if note not in self.notes:
+                self.notes.append(note)
 
     def engine(self) -> dict[str, Any]:
         return {"busySeconds": round(self.busy_s, 3), "steps": self.steps,
@@ -250,6 +261,8 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         t.truncated += c["truncated"]
         t.tokens_in += c["tokensIn"]
         t.tokens_out += c["tokensOut"]
+        for code, n in (c.get("errorCodes") or {}).items():
+            t.error_codes[code] = t.error_codes.get(code, 0) + int(n)
         t.rounds[summary["round"]]["rows"] += c["rows"]
         t.rounds[summary["round"]]["errors"] += c["errors"]
         not_run += int(c.get("notRun", 0))
@@ -285,7 +298,13 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         "counts": {"rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
                    "truncated": t.truncated, "inputRows": total + not_run,
                    "tokensIn": t.tokens_in, "tokensOut": t.tokens_out,
-                   **({"notRun": not_run} if pplan.partial else {})},
+                   **({"notRun": not_run} if pplan.partial else {}),
+                   # Error rows by code; structured answers checked after decoding (bij_worker.structured).
+                   "errorCodes": dict(sorted(t.error_codes.items())),
+                   "structured": {"validated": t.structured_validated, "repaired": t.structured_repaired,
+                                  "violations": t.structured_violations}},
+        # What the engine could not serve at all (a grammar its tokenizer cannot write), said once each.
+        "notes": t.notes,
         "rounds": t.rounds,
         **(partial_fields(pplan.partial, t.rows, t.errors, not_run) if pplan.partial else {}),
         # input.onDamagedObject errorRow: objects published without what lay behind their break.

@@ -113,6 +113,9 @@ def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
     damaged = [{"message": str(o.get("message"))} for o in manifest.get("damagedObjects") or []]
     summary = {"counts": dict(manifest.get("counts") or {}), "files": len(manifest.get("files") or []),
                "damagedObjects": damaged[:MOST_DAMAGED], "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
+    notes = [str(n)[:MOST_MESSAGE] for n in manifest.get("notes") or []]
+    if notes:  # what the engine could not serve at all, once each (a few: they go into the status message)
+        summary["notes"] = notes[:MOST_DAMAGED]
     if manifest.get("partial"):
         summary["partial"] = dict(manifest["partial"])  # Cancelled or Expired: the phase it ends in
     return summary

@@ -23,6 +23,7 @@ from .parquet import is_int64
 from .reader import Chunk
 from .segments import ShardLog
 from .storage import Storage
+from .structured import SCHEMA_VIOLATION
 
 _ERROR = attrgetter("error")
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
@@ -42,6 +43,8 @@ class Tally:
     int_ids: int = 0
     str_ids: int = 0
     codes: dict[str, int] = field(default_factory=dict)  # error rows by code
+    validated: int = 0  # structured answers checked after decoding and valid
+    repaired: int = 0  # ... of them, valid only on the second grammar backend's try
 
     @classmethod
     def of(cls, records: list[dict[str, Any]]) -> Tally:
@@ -78,6 +81,8 @@ class Tally:
         self.str_ids += other.str_ids
         for code, n in other.codes.items():
             self.codes[code] = self.codes.get(code, 0) + n
+        self.validated += other.validated
+        self.repaired += other.repaired
 
     def add_to(self, stats: Stats) -> None:
         """Count these records into a shard's statistics."""
@@ -88,6 +93,9 @@ class Tally:
         stats.truncated += self.truncated
         stats.int_ids += self.int_ids
         stats.str_ids += self.str_ids
+        stats.structured_validated += self.validated
+        stats.structured_repaired += self.repaired
+        stats.structured_violations += self.codes.get(SCHEMA_VIOLATION, 0)
 
 
 class Committer:
@@ -103,10 +111,13 @@ class Committer:
         self.report_every = report_every
         self.last_report = self.t0 = time.monotonic()  # t0: when work on the shard began, earlier runs included
 
-    def commit(self, records: list[dict[str, Any]]) -> None:
-        """Make records durable and count them."""
+    def commit(self, records: list[dict[str, Any]], validated: int = 0, repaired: int = 0) -> None:
+        """Make records durable and count them (`validated`: structured answers among them checked valid,
+        `repaired` of those only on the second grammar backend's try)."""
         if records:
-            self.commit_encoded(ShardLog.encode(records), Tally.of(records))
+            tally = Tally.of(records)
+            tally.validated, tally.repaired = validated, repaired
+            self.commit_encoded(ShardLog.encode(records), tally)
 
     def commit_chunks(self, items: list[tuple[Chunk, bytes, Tally]]) -> None:
         """The commit writer's work: make finished chunks durable in one write, then report each."""

@@ -6,6 +6,14 @@ URI, which the worker reads through the same storage as its input. Other schemes
 ``https``, ...) are refused: worker pods need not reach the internet, and a web URL may answer
 differently when a resumed shard runs the row again. Each image is bounded by
 ``input.maxImageBytes``; a larger one is an ``image_too_large`` error row, read no further.
+
+A ``file://`` image is read only from under ``input.imageRoot`` (a ``file://`` folder; by default
+the folder of a ``file://`` input), and never from ``/proc``, ``/sys``, ``/dev``, ``/etc`` or a
+service-account token folder, whatever the root; symbolic links are resolved before the check.
+It must be a regular file: it is opened without blocking (``O_NONBLOCK``, so a FIFO cannot hang
+the worker) and checked with ``fstat`` before a byte is read, its size checked against the cap
+first, and the read given `FILE_TIMEOUT_S` (a file on a hung network mount is an error row,
+never a hung lane). Anything else is an ``image_not_found`` error row naming why.
 """
 
 from __future__ import annotations
@@ -13,6 +21,9 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
+import stat
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +31,10 @@ from .engines.base import Image
 from .storage import NotFound, Storage, StorageError
 
 FETCHED_SCHEMES = ("file://", "s3://")
+# Folders no image is ever read from, whatever input.imageRoot says (kernel and device files, the
+# host's configuration, a pod's service-account token).
+FORBIDDEN_DIRS = ("/proc", "/sys", "/dev", "/etc", "/run/secrets", "/var/run/secrets")
+FILE_TIMEOUT_S = 30.0
 # OpenAI's image_url.detail: only "auto" leaves the resolution to the model, as every engine here does.
 DETAILS = ("auto", "low", "high")
 
@@ -80,17 +95,21 @@ def _data_url(url: str, where: str, limit: int) -> bytes:
         raise ImageProblem("invalid_request", f"{where}: not valid base64 ({e})") from None
 
 
-def fetch_images(images: tuple[Image, ...], storage_for: Callable[[str], Storage], limit: int) -> tuple[Image, ...]:
+def fetch_images(images: tuple[Image, ...], storage_for: Callable[[str], Storage], limit: int,
+                 root: str | None = None) -> tuple[Image, ...]:
     """The images with the bytes of every file:// and s3:// one read (at most `limit` + 1 bytes each).
 
     A missing or refused object, or one over `limit`, raises ImageProblem naming its URI; an
     outage that may pass (StorageError not permanent) propagates, as any storage read's does.
+    `root`: the folder (a path) file:// images may come from; None: none may.
     """
     if all(im.data is not None for im in images):
         return images
     out = []
     for im in images:
-        if im.data is None:
+        if im.data is None and im.source.startswith("file://"):
+            im = Image(im.source, read_local_image(im.source, root, limit))
+        elif im.data is None:
             try:
                 with storage_for(im.source).open_read(im.source) as f:
                     data = f.read(limit + 1)
@@ -105,3 +124,60 @@ def fetch_images(images: tuple[Image, ...], storage_for: Callable[[str], Storage
             im = Image(im.source, data)
         out.append(im)
     return tuple(out)
+
+
+def read_local_image(uri: str, root: str | None, limit: int, timeout: float = FILE_TIMEOUT_S) -> bytes:
+    """The bytes of a file:// image under `root`: a regular file, at most `limit` bytes, read
+    within `timeout` seconds; ImageProblem otherwise (see the module doc)."""
+    path = os.path.realpath(uri.removeprefix("file://"))
+    forbidden = next((d for d in FORBIDDEN_DIRS if path == d or path.startswith(d + "/")), None)
+    if forbidden is not None or "/serviceaccount/" in path:
+        raise ImageProblem("image_not_found", f"image {uri}: images are never read from {forbidden or path}")
+    if root is None:
+        raise ImageProblem("image_not_found", f"image {uri}: file:// images are read only under input.imageRoot, "
+                           "which this job does not set (and its input is not file://)")
+    base = os.path.realpath(root)
+    if not (path == base or path.startswith(base.rstrip("/") + "/")):
+        raise ImageProblem("image_not_found", f"image {uri}: outside input.imageRoot (file://{base})")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise ImageProblem("image_not_found", f"image {uri}: no such file") from None
+    except OSError as e:
+        raise ImageProblem("image_not_found", f"image {uri}: cannot open it ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageProblem("image_not_found", f"image {uri}: not a regular file")
+        if st.st_size > limit:
+            raise ImageProblem("image_too_large", f"image {uri} is over input.maxImageBytes ({limit})")
+        return _read_within(fd, uri, limit, timeout)
+    finally:
+        os.close(fd)
+
+
+def _read_within(fd: int, uri: str, limit: int, timeout: float) -> bytes:
+    """Up to `limit` + 1 bytes of `fd`, in a helper thread given `timeout` seconds (a read on a hung
+    network mount cannot be interrupted: the row fails, the thread is left to finish on its own)."""
+    got: list[bytes] = []
+    failed: list[OSError] = []
+    dup = os.dup(fd)  # the helper's own descriptor: the caller closes `fd` whatever happens here
+
+    def read() -> None:
+        try:
+            with os.fdopen(dup, "rb") as f:
+                got.append(f.read(limit + 1))
+        except OSError as e:
+            failed.append(e)
+
+    helper = threading.Thread(target=read, name="bij-image-read", daemon=True)
+    helper.start()
+    helper.join(timeout)
+    if helper.is_alive():
+        raise ImageProblem("image_not_found", f"image {uri}: not read within {timeout:g} s")
+    if failed:
+        raise ImageProblem("image_not_found", f"image {uri}: cannot read it ({failed[0].strerror})")
+    data = got[0] if got else b""
+    if len(data) > limit:
+        raise ImageProblem("image_too_large", f"image {uri} is over input.maxImageBytes ({limit})")
+    return data

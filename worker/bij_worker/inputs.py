@@ -22,7 +22,19 @@ import orjson
 
 from .engines.base import Choice, Image, Request, Result, TokenLogprob
 from .images import ImageProblem, parse_image
-from .sampling import ADAPTERS, IMAGES, NO_SAMPLING, BadField, Sampling, UnknownField, from_column, from_openai, refusal
+from .sampling import (
+    ADAPTERS,
+    DEFAULT_ROW_BUDGET,
+    IMAGES,
+    NO_SAMPLING,
+    BadField,
+    Sampling,
+    UnknownField,
+    from_column,
+    from_openai,
+    over_budget,
+    refusal,
+)
 
 if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
     from .contract.spec import JobSpec
@@ -54,6 +66,7 @@ class Row:
     verdicts: list[str] = field(default_factory=list)
     tokens: int = 0  # prompt tokens, once the worker has counted them
     truncated: bool = False  # the prompt was over the limit and the engine cut it (model.truncate)
+    output: str | None = None  # a schema_violation error row: the answer that broke its structured output
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,8 @@ class InputOptions:
     adapter_field: str = "adapter"  # a plain row's LoRA adapter name
     adapters: frozenset[str] = frozenset()  # spec.model.adapters' names
     max_image_bytes: int = 20 << 20  # input.maxImageBytes (DEFAULT_MAX_IMAGE_BYTES): one image's bytes at most
+    image_root: str | None = None  # the folder (a path) file:// images may come from; None: none may
+    row_budget: int = DEFAULT_ROW_BUDGET  # model.rowBudget: n x maxTokens x (1 + topLogprobs) a row may ask
 
     @classmethod
     def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None) -> InputOptions:
@@ -99,6 +114,8 @@ class InputOptions:
             adapter_field=inp.adapter_field,
             adapters=frozenset(a.name for a in model.adapters),
             max_image_bytes=inp.max_image_bytes,
+            image_root=inp.image_root_path(),
+            row_budget=model.row_budget,
             engine=engine or model.engine,
             honours=honours,
         )
@@ -160,6 +177,12 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
         obj = json.loads(line)
         carried = obj.pop(CARRY_FIELD, None)
     row = _parse_openai(obj, at, opts) if opts.format == "openai" else _parse_plain(obj, at, object_name, opts)
+    req = row.request
+    if req is not None and opts.task != "embed":
+        # A row's cost is bounded before it runs (model.rowBudget), whatever it asks.
+        costly = over_budget(req.max_tokens, req.sampling, opts.row_budget, _SPELLED)
+        if costly:
+            return _bad(at, "invalid_request", costly, row.id)
     if isinstance(carried, dict):
         # A row re-dispatched by a judge round keeps its id (even a generated one) and history.
         if "id" in carried and row.generated_id:
@@ -178,7 +201,8 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions) -> tuple[list[Any]
     line that is not such a row sends the whole chunk to parse_line, line by line, which
     says what is wrong and where.
     """
-    if opts.format != "jsonl" or not lines:
+    if opts.format != "jsonl" or not lines or (
+            opts.task != "embed" and over_budget(opts.max_tokens, opts.sampling, opts.row_budget, _SPELLED)):
         return None
     try:
         objs = list(map(orjson.loads, lines))
@@ -207,6 +231,10 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions) -> tuple[list[Any]
         requests = list(map(Request, texts, repeat(None), repeat(opts.max_tokens), repeat(opts.temperature),
                             repeat(opts.seed), repeat(opts.sampling)))
     return ids, requests
+
+
+# How a row's budget refusal names its fields (the spec's camelCase names, as a sampling field spells them).
+_SPELLED = {"n": "n", "maxTokens": "maxTokens", "topLogprobs": "topLogprobs"}
 
 
 def _not_unicode(value: Any) -> str | None:
@@ -522,6 +550,8 @@ def error_row(row: Row, object_name: str, opts: InputOptions) -> dict[str, Any]:
     """The published error row: the id (null if unknown), what went wrong, and where the row is."""
     out: dict[str, Any] = {"id": row.id, "error": {"code": row.error_code, "message": row.error},
                            "object": object_name, "offset": row.at[1]}
+    if row.output is not None:
+        out["output"] = row.output
     if opts.format == "openai":
         out["custom_id"] = row.id
         out["response"] = None

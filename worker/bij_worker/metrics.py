@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -41,6 +41,12 @@ class Stats:
     bytes: int = 0  # input bytes (Parquet: rows) of the shard behind the durable rows, for ETAs
     int_ids: int = 0  # result rows whose id is an integer ...
     str_ids: int = 0  # ... or a string (Parquet output picks the id column's type from these)
+    # Rows with structured output: answers checked and valid, and answers that broke it (error rows)
+    # (bij_worker.structured); `notes`: what the engine could not serve at all, said once each.
+    structured_validated: int = 0
+    structured_repaired: int = 0  # ... valid only on the second grammar backend's try (among validated)
+    structured_violations: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def occupancy(self) -> float:
@@ -64,6 +70,9 @@ class Stats:
             "prefixShare": round(self.prefix_share, 4), "promptChars": d["prompt_chars"],
             "cachedTokens": d["cached_tokens"],
             "bytes": d["bytes"], "intIds": d["int_ids"], "strIds": d["str_ids"],
+            "structuredValidated": d["structured_validated"], "structuredRepaired": d["structured_repaired"],
+            "structuredViolations": d["structured_violations"],
+            "notes": list(d["notes"]),
         }
 
 

@@ -21,6 +21,7 @@ from .parquet import is_int64
 from .reader import Chunk, InputProblem, Line
 from .segments import ShardLog, encode_plain_results
 from .storage import Storage
+from .structured import SCHEMA_VIOLATION, Checked, Validator
 
 _ERROR = attrgetter("error")
 
@@ -65,6 +66,7 @@ class Preparer:
         self.opts, self.engine, self.names = opts, engine, names
         self.max_input_tokens = max_input_tokens
         self.storage_for, self.corrupt = storage_for, corrupt
+        self.validator = Validator()
 
     def token_limit(self) -> int | None:
         """The longest prompt a row may have: the spec's maxInputTokens or the model's own, the smaller."""
@@ -77,7 +79,8 @@ class Preparer:
         req = row.request
         if req is not None and req.images:
             try:
-                req.images = fetch_images(req.images, self.storage_for, self.opts.max_image_bytes)
+                req.images = fetch_images(req.images, self.storage_for, self.opts.max_image_bytes,
+                                          self.opts.image_root)
             except ImageProblem as e:
                 row.request, row.error_code, row.error = None, e.code, str(e)
         return row
@@ -169,10 +172,13 @@ class Preparer:
         pass too (encode_plain_results) and counted in bulk; any other builds its records.
         """
         results: list[Result] = op.results  # type: ignore[assignment]
+        # A chunk parsed in one pass has the spec's sampling on every row: nothing to check without a grammar.
+        checked = self.validator.check(op.requests, results) \
+            if op.rows is not None or self.opts.sampling.structured_output is not None else Checked()
         if op.rows is None and not op.truncated and set(map(_ERROR, results)) == {None}:
             data = encode_plain_results(op.places, op.ids, results)
             if data is not None:
-                tally = Tally(results=len(results))
+                tally = Tally(results=len(results), validated=checked.validated, repaired=checked.repaired)
                 if set(map(type, op.ids)) == {str}:
                     tally.str_ids = len(results)
                 else:
@@ -185,8 +191,17 @@ class Preparer:
         records = op.records
         for row, res in zip(rows, results, strict=True):
             if res.error is not None:
-                row.error_code, row.error = res.extra.get("code", "engine_error"), res.error
+                self.fail(row, res)
                 records.append(self.error_record(row))
             else:
                 records.append({"at": list(row.at), "kind": "result", "row": result_row(row, res, self.opts)})
-        return ShardLog.encode(records), Tally.of(records)
+        tally = Tally.of(records)
+        tally.validated, tally.repaired = checked.validated, checked.repaired
+        return ShardLog.encode(records), tally
+
+    @staticmethod
+    def fail(row: Row, res: Result) -> None:
+        """Row takes the error of its result (a schema_violation keeps the answer that broke it)."""
+        row.error_code, row.error = res.extra.get("code", "engine_error"), res.error
+        if row.error_code == SCHEMA_VIOLATION:
+            row.output = res.output

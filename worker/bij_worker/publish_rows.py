@@ -200,6 +200,7 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     capped = _FileParts(plan, store, "capped", name, False)
     counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
               "tokensOut": 0}
+    codes: dict[str, int] = {}  # error rows by code
     ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan.prefix, index)))["ordered"])
     for rec in _records(store, plan.units[index], ordered):
         row = rec["row"]
@@ -225,12 +226,14 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
         else:
             errors.add(row)
             counts["errors"] += 1
+            code = str((row.get("error") or {}).get("code") or "unknown")
+            codes[code] = codes.get(code, 0) + 1
     for parts in (results, errors, capped):
         parts.flush()
     if plan.partial is not None:
         counts["notRun"] = count_not_run(plan, index, store)
     where = {"round": round_no, "shard": shard}
-    summary = {**where, "counts": counts,
+    summary = {**where, "counts": {**counts, "errorCodes": codes},
                "files": [{**f, **where} for f in results.files],
                "errorFiles": [{**f, **where} for f in errors.files],
                "cappedFiles": [{**f, **where} for f in capped.files]}

@@ -99,13 +99,25 @@ def _number(lo: float | None = None, hi: float | None = None, lo_open: bool = Fa
     return check
 
 
+# Every integer field fits the engines' 64-bit integers (seeds: torch's generators take unsigned ones too).
+INT64 = (-(2**63), 2**63 - 1)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 def _integer(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
+    low = INT64[0] if lo is None else lo
+    high = INT64[1] if hi is None else hi
+
     def check(name: str, v: Any) -> int:
+        # orjson reads an integer beyond 64 bits as a float, the stdlib (a line with a NaN) as an int:
+        # either way it is refused here alike, by its range.
+        if isinstance(v, float) and v.is_integer() and not low <= v <= high:
+            v = int(v)
         if isinstance(v, bool) or not isinstance(v, int):
             raise BadField(f"{name} must be an integer, got {_show(v)}")
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            span = f"at least {lo}" if hi is None else f"from {lo} to {hi}"
-            raise BadField(f"{name} must be an integer {span}, got {v}")
+        if v < low or v > high:
+            span = f"at least {lo}" if hi is None and v < low else f"from {low} to {high}"
+            raise BadField(f"{name} must be an integer {span}, got {_show(v)}")
         return v
     return check
 
@@ -174,7 +186,7 @@ def _show(v: Any) -> str:
 CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "max_tokens": _integer(1),
     "temperature": _number(0, 2),
-    "seed": _integer(),
+    "seed": _integer(*SEED_RANGE),
     "top_p": _number(0, 1, lo_open=True),
     "top_k": _integer(-1),
     "min_p": _number(0, 1),
@@ -326,6 +338,26 @@ def _response_format(v: Any) -> tuple[str, str] | None:
         # strict true or false: the schema is enforced either way (constrained decoding is strict).
         return "json_schema", json_schema_text("body.response_format.json_schema.schema", spec["schema"])
     raise BadField(f"body.response_format.type must be text, json_object or json_schema, got {_show(kind)}")
+
+
+# A row's n x maxTokens x (1 + topLogprobs) at most, unless model.rowBudget says otherwise.
+DEFAULT_ROW_BUDGET = 1 << 20
+
+
+def over_budget(max_tokens: int, s: Sampling, budget: int, spelled: Mapping[str, str]) -> str | None:
+    """Why a row asking for `max_tokens` with sampling `s` costs more than `budget` (model.rowBudget):
+    n x maxTokens x (1 + topLogprobs when it asks for logprobs), naming the fields; None when it fits."""
+    n = s.n or 1
+    top = (s.top_logprobs or 0) if s.logprobs else 0
+    cost = n * max_tokens * (1 + top)
+    if cost <= budget:
+        return None
+    parts = [f"{spelled.get('maxTokens', 'maxTokens')} {max_tokens}"]
+    if n > 1:
+        parts.insert(0, f"{spelled.get('n', 'n')} {n}")
+    if s.logprobs:
+        parts.append(f"1 + {spelled.get('topLogprobs', 'topLogprobs')} {top}")
+    return f"this row costs {' x '.join(parts)} = {cost} generated token places, over model.rowBudget ({budget})"
 
 
 def refusal(engine: str, asked: frozenset[str], honours: frozenset[str], spelled: Mapping[str, str]) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -25,7 +26,16 @@ from .batcher import PrefixShare, first_batch, plan_batches, run_order
 from .commits import CommitWriter
 from .committer import Committer
 from .contract.errors import BijError
-from .engines.base import ContinuousEngine, Engine, Request, Result, is_continuous, request_text
+from .engines.base import (
+    ENGINE_REJECTED,
+    ContinuousEngine,
+    Engine,
+    Request,
+    Result,
+    is_continuous,
+    refused,
+    request_text,
+)
 from .inputs import Row, redispatch_line, result_row
 from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
@@ -40,26 +50,77 @@ MAX_PADDING_WASTE = 0.2
 
 
 class EngineFailure(BijError):
-    """The engine failed on every row of a batch, one by one: the engine is broken, not the rows."""
+    """The engine fails with no row to blame (a plain canary request fails too): the engine is broken."""
+
+
+def describe_exception(e: BaseException) -> str:
+    """`Type: message`, and where it was raised when the message is empty (an empty AssertionError
+    says nothing by itself)."""
+    text = str(e).strip()
+    if text:
+        return f"{type(e).__name__}: {text}"
+    frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ is not None else []
+    if frames:
+        f = frames[-1]
+        return f"{type(e).__name__} raised at {f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}"
+    return f"{type(e).__name__} (no message)"
+
+
+def rejected(e: BaseException) -> Result:
+    """The error result of a row the engine failed on alone."""
+    return Result(error=f"the engine failed on this row: {describe_exception(e)}", extra={"code": ENGINE_REJECTED})
+
+
+def canary(like: Request) -> Request:
+    """A plain request of the same task as `like`: no sampling fields, images, adapter or grammar,
+    one token. When it fails too, the engine is broken, not the rows."""
+    if like.messages is not None:
+        return Request(messages=[{"role": "user", "content": "Hello"}], max_tokens=1)
+    return Request(text="Hello", max_tokens=1)
 
 
 def run_isolating(engine: Engine, requests: list[Request]) -> list[Result]:
     """Run a batch; if it raises, split it until the failing rows are found and only they fail.
 
-    One bad row must not cost its batch. But when every row fails on its own too,
-    the engine itself is broken and the caller should fail (and be retried), not
-    record a whole batch of errors.
+    One bad row must not cost its batch, and a batch of bad rows must not cost the lane. When a
+    batch raises, one plain canary request decides first: if it fails too, the engine itself is
+    broken and the caller fails (and is retried), with no bisection spent on it; if it runs, the
+    rows are to blame, and the batch is split until each row that fails alone is found: an
+    `engine_rejected` error row with the engine's message.
     """
     try:
         results = engine.run(requests)
     except Exception as e:  # noqa: BLE001 - isolated below
+        _check_canary(engine, requests, e)
         if len(requests) == 1:
-            return [Result(error=f"engine failed on this row: {type(e).__name__}: {e}")]
+            return [rejected(e)]
         mid = len(requests) // 2
-        results = run_isolating(engine, requests[:mid]) + run_isolating(engine, requests[mid:])
-        if all(r.error and r.error.startswith("engine failed") for r in results):
-            raise EngineFailure(f"engine fails on every row of a batch of {len(requests)}: {e}") from e
-        return results
+        return _isolate(engine, requests[:mid]) + _isolate(engine, requests[mid:])
+    if len(results) != len(requests):
+        raise EngineFailure(f"engine returned {len(results)} results for {len(requests)} requests")
+    return results
+
+
+def _check_canary(engine: Engine, requests: list[Request], e: Exception) -> None:
+    """EngineFailure when a plain request of the batch's task fails too (the engine is broken)."""
+    what = f"engine fails on a batch of {len(requests)} ({describe_exception(e)}) and on a plain request too"
+    try:
+        probe = engine.run([canary(requests[0])])
+    except Exception as again:  # noqa: BLE001 - the engine's own failure, reported as such
+        raise EngineFailure(f"{what}: {describe_exception(again)}") from again
+    if len(probe) != 1 or probe[0].error is not None:
+        raise EngineFailure(f"{what}: {probe[0].error if len(probe) == 1 else f'{len(probe)} results'}") from e
+
+
+def _isolate(engine: Engine, requests: list[Request]) -> list[Result]:
+    """Bisect a batch the engine raised on (the engine is known to run a plain request)."""
+    try:
+        results = engine.run(requests)
+    except Exception as e:  # noqa: BLE001 - isolated below
+        if len(requests) == 1:
+            return [rejected(e)]
+        mid = len(requests) // 2
+        return _isolate(engine, requests[:mid]) + _isolate(engine, requests[mid:])
     if len(results) != len(requests):
         raise EngineFailure(f"engine returned {len(results)} results for {len(requests)} requests")
     return results
@@ -201,7 +262,7 @@ class StreamScheduler:
                         try:
                             engine.submit(next_tag, req)  # type: ignore[attr-defined]
                         except ValueError as e:
-                            op.place(i, Result(error=f"the engine rejected the request: {e}"))
+                            op.place(i, refused(e))
                             continue
                         tags[next_tag] = (op, i)
                         next_tag += 1
@@ -297,17 +358,21 @@ class JudgeLoop:
 
     def attempt_loop(self, live: list[_Live], records: list[dict[str, Any]]) -> bool:
         """Run rows until each is final; with inPlace judging, commit every attempt as it completes."""
+        validated = repaired = 0  # structured answers checked valid, counted with the commit that holds them
         while live:
             results = self._run_engine(live)
             if results is None:
                 return False
             retry: list[_Live] = []
             self.committer.count_tokens(results)
+            checked = self.prep.validator.check([item.row.request for item in live], results)  # type: ignore[misc]
+            validated += checked.validated
+            repaired += checked.repaired
             verdicts = self._verdicts(live, results)
             for item, res, verdict in zip(live, results, verdicts, strict=True):
                 row = item.row
                 if res.error is not None:
-                    row.error_code, row.error = res.extra.get("code", "engine_error"), res.error
+                    self.prep.fail(row, res)
                     records.append(self.prep.error_record(row))
                     continue
                 if verdict is None or verdict.approved:
@@ -332,10 +397,10 @@ class JudgeLoop:
                 else:
                     records.append({"at": list(row.at), "kind": "capped",
                                     "row": self._capped_row(row, total, res.output)})
-            self.committer.commit(records)
-            records = []
+            self.committer.commit(records, validated, repaired)
+            records, validated, repaired = [], 0, 0
             live = retry
-        self.committer.commit(records)
+        self.committer.commit(records, validated, repaired)
         return True
 
     def _capped_row(self, row: Row, attempts: int, output: str | None) -> dict[str, Any]:

@@ -202,6 +202,10 @@ class ShardWorker:
             t0 = self.committer.t0 = t0 - float(before.get("seconds") or 0)
             self.stats.model_load_s += float(before.get("modelLoadSeconds") or 0)
             self.stats.model_loads += int(before.get("modelLoads") or 0)
+            # Structured answers validated before the stop (their result rows do not say so): as far as
+            # the last progress record counted them.
+            self.stats.structured_validated += int(before.get("structuredValidated") or 0)
+            self.stats.structured_repaired += int(before.get("structuredRepaired") or 0)
         except (NotFound, ValueError):
             pass
         # Stream the durable log: resuming a long shard must not hold its records in memory.
@@ -316,6 +320,8 @@ class ShardWorker:
             uri = layout.rejected_uri(self.plan.round_prefix, self.index)
             if lines:
                 self.out.write_bytes(uri, ("\n".join(lines) + "\n").encode())
+        # What the engine learnt it cannot serve at all (said once in the job's status, not per row).
+        self.stats.notes = list(getattr(self.engine, "notes", None) or [])
         record = shard_record(self.index, self.round, self.lane, self.stats.as_record(), time.monotonic() - t0,
                               finished=True)
         self.out.write_bytes(layout.done_uri(self.plan.round_prefix, self.index), encode(record))

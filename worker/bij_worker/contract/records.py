@@ -51,6 +51,10 @@ class ShardCounts(TypedDict):
     bytes: int
     intIds: int
     strIds: int
+    structuredValidated: int  # structured answers checked after decoding and valid
+    structuredRepaired: int  # ... of them valid only on the second grammar backend's try
+    structuredViolations: int  # ... and that broke their structured output (schema_violation rows)
+    notes: list[str]  # what the engine could not serve at all (a grammar its tokenizer cannot write)
 
 
 class ShardRecord(ShardCounts, total=False):
@@ -106,8 +110,11 @@ def decode_shard_record(data: bytes, source: str = "shard record") -> ShardRecor
         value = doc.get(key)
         if value is None and key not in _SHARD_REQUIRED:
             continue
-        ok = isinstance(value, str) if kind is str else (
-            isinstance(value, int | float) if kind is float else isinstance(value, int))
+        if kind == list[str]:
+            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        else:
+            ok = isinstance(value, str) if kind is str else (
+                isinstance(value, int | float) if kind is float else isinstance(value, int))
         if not ok or isinstance(value, bool):
             raise BadRecord(f"{source} is not a shard record: {key} is {value!r}, not a{'n' if kind is int else ''} "
                             f"{kind.__name__}")

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from ..sampling import Sampling
+from ..sampling import DEFAULT_ROW_BUDGET, Sampling
 from ..sampling import from_spec as sampling_from_spec
 from .codes import API_GROUP
 from .errors import BijError
@@ -119,6 +119,9 @@ class InputSpec(_Model):
     # One image of a chat row (an image_url part: a data URL, file:// or s3://) at most; a larger
     # one is an image_too_large error row.
     max_image_bytes: int = Field(DEFAULT_MAX_IMAGE_BYTES, ge=1, le=1 << 31)
+    # The file:// folder file:// images may be read from (bij_worker.images); None: the folder of a
+    # file:// input (an s3:// input's rows may not name file:// images then).
+    image_root: str | None = None
     # A .zst object cut short or damaged: fail the round (the rows before it stay durable), or
     # record one corrupt_input error row where it breaks and publish without the rest of it.
     on_damaged_object: Literal["fail", "errorRow"] = "fail"
@@ -139,6 +142,22 @@ class InputSpec(_Model):
                 raise ValueError(f"an hf:// input is a dataset: hf://datasets/OWNER/NAME[@REVISION]/PATH, got {uri!r}")
             return uri
         return _check_uri(uri)
+
+    @field_validator("image_root")
+    @classmethod
+    def _image_root(cls, uri: str | None) -> str | None:
+        if uri is not None and not (uri.startswith("file:///") and len(uri) > len("file:///")):
+            raise ValueError("must be a file:// folder, as file:///path")
+        return uri
+
+    def image_root_path(self) -> str | None:
+        """The folder (a path) file:// images may come from, or None."""
+        if self.image_root is not None:
+            return self.image_root.removeprefix("file://")
+        if self.uri.startswith("file://"):
+            path = self.uri.removeprefix("file://")
+            return path if path.endswith("/") else posixpath.dirname(path) or "/"
+        return None
 
 
 class OutputSpec(_Model):
@@ -255,6 +274,9 @@ class ModelSpec(_Model):
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0, le=2)
     seed: int = 0
+    # What one row may cost, in generated token places: n x maxTokens x (1 + topLogprobs when it asks
+    # for logprobs). A row over it is an invalid_request error row naming its fields (bij_worker.sampling).
+    row_budget: int = Field(DEFAULT_ROW_BUDGET, ge=1, le=1 << 40)
     # The prompt limit; default: the engine's limit.
     max_input_tokens: int | None = Field(None, ge=1)
     # A prompt over the limit is cut to it (and marked) instead of becoming a too_many_tokens

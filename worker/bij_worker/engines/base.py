@@ -155,6 +155,18 @@ class ContinuousEngine(Engine, Protocol):
     def abort(self, tags: Sequence[int] | None = None) -> None: ...
 
 
+# The error code of a row the engine failed on alone, or refused when it was submitted.
+ENGINE_REJECTED = "engine_rejected"
+
+
+def refused(e: ValueError) -> Result:
+    """The error result of a row a continuous engine refused when it was submitted."""
+    code = getattr(e, "code", ENGINE_REJECTED)  # an engine's refusal may name its own code
+    if code != ENGINE_REJECTED:
+        return Result(error=str(e), extra={"code": code})
+    return Result(error=f"the engine rejected the request: {e or type(e).__name__}", extra={"code": ENGINE_REJECTED})
+
+
 def is_continuous(engine: Engine) -> bool:
     return engine.continuous
 
@@ -169,7 +181,7 @@ def run_to_completion(engine: ContinuousEngine, requests: list[Request]) -> list
         try:
             engine.submit(i, req)
         except ValueError as e:
-            results[i] = Result(error=f"the engine rejected the request: {e}")
+            results[i] = refused(e)
     while engine.unfinished():
         for tag, res in engine.step():
             results[tag] = res

@@ -38,8 +38,9 @@ import re
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+from ..structured import Validator, grammar_schema
 from . import hub
-from .base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, TokenLogprob
+from .base import BASIC_SAMPLING, ENGINE_REJECTED, Choice, EngineConfig, Request, Result, TokenLogprob
 from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 
 
@@ -70,7 +71,14 @@ class TransformersEngine:
         self._max_positions: int | None = None
         self._compiler: Any = None  # xgrammar's, built on the first row with structured output
         self._grammars: dict[tuple[str, str], Any] = {}
-        self._bad_grammars: dict[tuple[str, str], str] = {}
+        self._bad_grammars: dict[tuple[str, str], tuple[str, str]] = {}  # (error code, why)
+        # What the grammar backend cannot serve at all with this model's tokenizer, learnt once:
+        # "*" (no grammar at all) or "json" (no JSON value); the reason each such row fails with.
+        self._unservable: dict[str, str] = {}
+        self.notes: list[str] = []  # the same reasons, once each, for the job's status
+        self._checked: set[str] = set()  # what was probed already ("json")
+        self._validator = Validator()
+        self._llg: Any = None  # llguidance's tokenizer (the second grammar backend); False: none
         if importlib.util.find_spec("xgrammar") is not None:
             self.honours = self.honours | {"structuredOutput"}
         if config.adapters and importlib.util.find_spec("peft") is not None:
@@ -189,7 +197,7 @@ class TransformersEngine:
                 if req.sampling.structured_output is not None:
                     problem = self._grammar_problem(req.sampling.structured_output)
                     if problem:
-                        results[i] = Result(prompt_tokens=len(p), error=problem)
+                        results[i] = Result(prompt_tokens=len(p), error=problem[1], extra={"code": problem[0]})
                         continue
                 # One generate call serves one set of sampling knobs; rows of a job usually share them.
                 groups.setdefault(_knobs(req), []).append(i)
@@ -198,9 +206,42 @@ class TransformersEngine:
             outs = self._generate(knobs, [requests[i] for i in idx], [ready[i] for i in idx])
             for i, res in zip(idx, outs, strict=True):
                 results[i] = res
+            if knobs.structured:
+                self._repair(knobs, idx, requests, ready, results)
         return results
 
-    def _generate(self, knobs: _Knobs, requests: list[Request], prompts: list[list[int]]) -> list[Result]:
+    def _repair(self, knobs: _Knobs, idx: list[int], requests: list[Request], ready: dict[int, list[int]],
+                results: list[Result]) -> None:
+        """Rows whose answer breaks its structured output run once more under the second grammar
+        backend (llguidance, where installed); an answer that keeps to it then replaces the first,
+        marked `repaired`. The others are left as they are: the worker's validator makes them
+        schema_violation rows."""
+        bad = [i for i in idx if results[i].error is None
+               and self._validator.check([requests[i]], [replace(results[i])]).violations]
+        if not bad or self._guidance() is None:
+            return
+        again = self._generate(knobs, [requests[i] for i in bad], [ready[i] for i in bad], second=True)
+        for i, res in zip(bad, again, strict=True):
+            if res.error is None and not self._validator.check([requests[i]], [replace(res)]).violations:
+                res.extra["repaired"] = True
+                results[i] = res
+
+    def _guidance(self) -> Any:
+        """The second grammar backend's tokenizer (llguidance), built once; None without it."""
+        if self._llg is None:
+            self._llg = False
+            if importlib.util.find_spec("llguidance") is not None:
+                try:
+                    import llguidance.hf
+
+                    self._llg = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.model.config.vocab_size,
+                                                             eos_token=self._eos_ids or None)
+                except Exception:  # noqa: BLE001 - a tokenizer it cannot read: no second backend
+                    self._llg = False
+        return self._llg or None
+
+    def _generate(self, knobs: _Knobs, requests: list[Request], prompts: list[list[int]],
+                  second: bool = False) -> list[Result]:
         import torch
         from transformers import StoppingCriteriaList
 
@@ -232,32 +273,47 @@ class TransformersEngine:
                 kwargs["min_p"] = min_p
         else:
             kwargs.update(do_sample=False)
+        processors: list[Any] = []
+        recorder: Any = None
+        if want_logprobs:
+            # The model's own distribution (raw logits), as vLLM reports logprobs by default: recorded
+            # first, before any processor changes it, and only the chosen and the top tokens are kept
+            # (never a step's whole vocabulary, which n x maxTokens steps would multiply).
+            recorder = _logprob_recorder(top_logprobs)
+            processors.append(recorder)
         if repetition_penalty != 1.0:
-            kwargs["repetition_penalty"] = repetition_penalty
+            if want_logprobs:  # after the recorder (generate's own would run before every custom one)
+                from transformers import RepetitionPenaltyLogitsProcessor
+
+                processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+            else:
+                kwargs["repetition_penalty"] = repetition_penalty
         if stop:
             kwargs["stopping_criteria"] = StoppingCriteriaList([_stop_strings(tok, stop, width)])
         if sampled > 1:
             # Answers of one row come out next to each other: row 0's n, then row 1's.
             kwargs["num_return_sequences"] = sampled
             caps = [c for c in caps for _ in range(sampled)]
+        grammar: Any = None
         if structured:
-            from xgrammar.contrib.hf import LogitsProcessor
-
             # One grammar per generated sequence (rows may each have their own schema); a
             # processor serves one generate call.
             # (every row of this group has one: structured output is one of the group's knobs)
-            grammars = [self._grammars[r.sampling.structured_output] for r in requests  # type: ignore[index]
-                        for _ in range(sampled)]
-            kwargs["logits_processor"] = [LogitsProcessor(grammars)]
-        if want_logprobs:
-            # The model's own distribution (raw logits), as vLLM reports logprobs by default.
-            kwargs.update(return_dict_in_generate=True, output_logits=True)
-        logits: Any = ()
+            eos = self._eos_ids[0] if self._eos_ids else tok.pad_token_id
+            if second:
+                grammar = _guidance_processor([_guidance_grammar(r.sampling.structured_output)  # type: ignore[arg-type]
+                                               for r in requests for _ in range(sampled)], self._llg,
+                                              self._eos_ids, eos)
+            else:
+                grammars = [self._grammars[r.sampling.structured_output] for r in requests  # type: ignore[index]
+                            for _ in range(sampled)]
+                grammar = _grammar_processor(grammars, eos)
+            processors.append(grammar)
+        if processors:
+            kwargs["logits_processor"] = processors
         if max_new > 0:
             with torch.inference_mode(), self._adapter(adapter):
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-            if want_logprobs:
-                out, logits = out.sequences, out.logits
             new = out[:, width:].cpu()
         else:
             new = torch.empty((len(prompts) * sampled, 0), dtype=torch.long)
@@ -280,23 +336,49 @@ class TransformersEngine:
                 cut = _stop_at(tok, row[:k], stop)
                 if cut is not None:
                     counts[i], texts[i], finish[i] = cut[0], cut[1], "stop"
-        if n == 1 and not want_logprobs:
+        stuck: dict[int, int] = grammar.stuck if grammar is not None else {}
+        if n == 1 and not want_logprobs and not stuck:
             return [
                 Result(output=text, prompt_tokens=len(p), completion_tokens=k, extra={"finish_reason": f})
                 for text, p, k, f in zip(texts, prompts, counts, finish, strict=True)
             ]
-        lps = self._logprobs(logits, rows, counts, top_logprobs) if want_logprobs else [None] * len(rows)
+        lps = self._logprobs(recorder, rows, counts) if want_logprobs else [None] * len(rows)
         answers = [Choice(output=t, completion_tokens=k, finish_reason=f, logprobs=lp)
                    for t, k, f, lp in zip(texts, counts, finish, lps, strict=True)]
         results = []
         for i, p in enumerate(prompts):
+            dead = [stuck[j] for j in range(i * sampled, (i + 1) * sampled) if j in stuck]
+            if dead:
+                results.append(self._stuck(requests[i], len(p), min(dead)) if not second else
+                               Result(prompt_tokens=len(p), error="the second grammar backend's dead end"))
+                continue
             mine = answers[i * sampled:(i + 1) * sampled]
             if sampled < n:
                 mine = [replace(mine[0]) for _ in range(n)]
+            if n == 1 and not want_logprobs:
+                results.append(Result(output=mine[0].output, prompt_tokens=len(p),
+                                      completion_tokens=mine[0].completion_tokens,
+                                      extra={"finish_reason": mine[0].finish_reason}))
+                continue
             results.append(Result(output=mine[0].output, prompt_tokens=len(p),
                                   completion_tokens=sum(c.completion_tokens for c in mine),
                                   extra={"finish_reason": mine[0].finish_reason}, choices=mine))
         return results
+
+    def _stuck(self, req: Request, prompt_tokens: int, step: int) -> Result:
+        """The error of a row whose grammar no token of the vocabulary could continue at `step`."""
+        structured: tuple[str, str] = req.sampling.structured_output  # type: ignore[assignment]
+        kind = structured[0]
+        if step == 0:
+            # Not even its first token: this grammar cannot be written with this tokenizer at all.
+            reason = (f"structured output ({kind}) cannot be served: the tokenizer of model {self.config.name} "
+                      f"({type(self.tokenizer).__name__}) has no token that can start it")
+            self._bad_grammars[structured] = "unsupported", reason
+            self._grammars.pop(structured, None)
+            return Result(prompt_tokens=prompt_tokens, error=reason, extra={"code": "unsupported"})
+        return Result(prompt_tokens=prompt_tokens, extra={"code": ENGINE_REJECTED},
+                      error=f"structured output ({kind}): after {step} tokens the tokenizer of model "
+                            f"{self.config.name} has no token that can continue it (the grammar backend's dead end)")
 
     def _adapter(self, name: str | None) -> Any:
         """A context in which generate runs the LoRA adapter `name`, or the base model for None."""
@@ -307,24 +389,50 @@ class TransformersEngine:
         self.model.set_adapter(name)
         return contextlib.nullcontext()
 
-    def _grammar_problem(self, structured: tuple[str, str]) -> str | None:
-        """Compile a row's grammar once (cached by its text); why it cannot be compiled, else None."""
+    def _unserved(self, what: str, reason: str) -> str:
+        """Learn that the grammar backend cannot serve `what` ("*": any grammar, "json": JSON) at all."""
+        self._unservable[what] = reason
+        self.notes.append(reason)
+        return reason
+
+    def _grammar_problem(self, structured: tuple[str, str]) -> tuple[str, str] | None:
+        """Compile a row's grammar once (cached by its text); (error code, why) it cannot be served, else None.
+
+        What the backend cannot serve at all with this tokenizer (any grammar, or any JSON) is learnt
+        from the first row that asks and refuses later rows at once, with the same reason.
+        """
         if structured in self._grammars:
             return None
         if structured in self._bad_grammars:
             return self._bad_grammars[structured]
         kind, text = structured
-        try:
-            if self._compiler is None:
-                import xgrammar
+        json_kind = kind in ("json_schema", "json_object")
+        for what in ("*", "json") if json_kind else ("*",):
+            if what in self._unservable:
+                return "unsupported", self._unservable[what]
+        import xgrammar
 
+        if self._compiler is None:
+            try:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.model.config.vocab_size, stop_token_ids=self._eos_ids or None)
                 self._compiler = xgrammar.GrammarCompiler(info)
-            compiler = self._compiler
+            except Exception as e:  # noqa: BLE001 - whatever xgrammar raises, no grammar can be served
+                return "unsupported", self._unserved("*", f"structured output cannot be served: the grammar backend "
+                                                          f"(xgrammar) cannot read the tokenizer of "
+                                                          f"model {self.config.name}: {type(e).__name__}: {e}")
+        compiler = self._compiler
+        if json_kind and "json" not in self._checked:
+            self._checked.add("json")
+            if not _can_start(compiler.compile_builtin_json_grammar()):
+                return "unsupported", self._unserved("json", (
+                    f"structured output jsonSchema and jsonObject cannot be served: the tokenizer of model "
+                    f"{self.config.name} ({type(self.tokenizer).__name__}) has no token that can start a JSON value"))
+        try:
             if kind == "json_schema":
-                # Compact JSON: a grammar that allows any whitespace lets a model pad forever.
-                grammar = compiler.compile_json_schema(text, any_whitespace=False)
+                # Compact JSON: a grammar that allows any whitespace lets a model pad forever. Strings
+                # bounded in length are tightened against raw control characters (bij_worker.structured).
+                grammar = compiler.compile_json_schema(grammar_schema(text), any_whitespace=False)
             elif kind == "json_object":
                 grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif kind == "regex":
@@ -334,15 +442,14 @@ class TransformersEngine:
             else:
                 grammar = compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as e:
-            self._bad_grammars[structured] = f"structured output ({kind}) cannot be compiled: {e}"
+            self._bad_grammars[structured] = "invalid_request", f"structured output ({kind}) cannot be compiled: {e}"
             return self._bad_grammars[structured]
         self._grammars[structured] = grammar
         return None
 
-    def _logprobs(self, logits: Any, rows: list[list[int]], counts: list[int], top: int) -> list[Any]:
-        """Per generated row, each kept token's log-probability and the `top` most likely tokens there."""
-        import torch
-
+    def _logprobs(self, recorder: Any, rows: list[list[int]], counts: list[int]) -> list[Any]:
+        """Per generated row, each kept token's log-probability and the most likely tokens there (what
+        `recorder` kept while generate ran)."""
         tok = self.tokenizer
         names: dict[int, str] = {}
 
@@ -351,21 +458,172 @@ class TransformersEngine:
                 names[i] = tok.decode([i])
             return names[i]
 
+        chosen, top = recorder.finish(rows)
         out: list[list[TokenLogprob]] = [[] for _ in rows]
-        for step, scores in enumerate(logits):
+        for step, picked in enumerate(chosen):
             live = [j for j, k in enumerate(counts) if step < k]
             if not live:
                 break
-            lp = torch.log_softmax(scores[live].float(), dim=-1).cpu()
-            chosen = torch.tensor([rows[j][step] for j in live])
-            picked = lp.gather(1, chosen[:, None])[:, 0].tolist()
-            best = lp.topk(top, dim=-1) if top else None
-            for r, j in enumerate(live):
+            values, indices = top[step] if top else ([], [])
+            for j in live:
                 alts: tuple[tuple[str, float], ...] = ()
-                if best is not None:
-                    alts = tuple((name(int(i)), float(v)) for v, i in zip(best.values[r], best.indices[r], strict=True))
-                out[j].append(TokenLogprob(token=name(rows[j][step]), logprob=float(picked[r]), top=alts))
+                if values:
+                    alts = tuple((name(int(i)), float(v)) for v, i in zip(values[j], indices[j], strict=True))
+                out[j].append(TokenLogprob(token=name(rows[j][step]), logprob=float(picked[j]), top=alts))
         return out
+
+
+def _logprob_recorder(top: int) -> Any:
+    """A logits processor that records, per step, the log-probability of the token chosen at the step
+    before and the `top` most likely tokens (values and ids): O(rows x top) a step. Only the last
+    step's whole distribution is held, until the next step says which token was chosen from it."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class Recorder(LogitsProcessor):
+        def __init__(self) -> None:
+            self.chosen: list[list[float]] = []  # step -> the chosen token's logprob, per sequence
+            self.top: list[tuple[list[list[float]], list[list[int]]]] = []  # step -> (values, ids)
+            self.last: Any = None  # the last step's log-probabilities (rows x vocab)
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            if self.last is not None:
+                self.chosen.append(self.last.gather(1, input_ids[:, -1:].to(self.last.device))[:, 0].tolist())
+            lp = torch.log_softmax(scores.float(), dim=-1)
+            if top:
+                best = lp.topk(top, dim=-1)
+                self.top.append((best.values.tolist(), best.indices.tolist()))
+            self.last = lp
+            return scores
+
+        def finish(self, rows: list[list[int]]) -> tuple[list[list[float]], list[Any]]:
+            """The chosen tokens' logprobs and the top tokens per step, the last step's resolved from `rows`."""
+            if self.last is not None:
+                step = len(self.chosen)
+                ids = torch.tensor([r[step] if step < len(r) else 0 for r in rows])[:, None]
+                self.chosen.append(self.last.gather(1, ids.to(self.last.device))[:, 0].tolist())
+                self.last = None
+            return self.chosen, self.top
+
+    return Recorder()
+
+
+def _guidance_grammar(structured: tuple[str, str]) -> str:
+    """A row's structured output as an llguidance grammar (compact JSON, as with xgrammar)."""
+    from llguidance import LLMatcher
+
+    kind, text = structured
+    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as xgrammar writes
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(text, defaults=compact)  # type: ignore[arg-type]
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)  # type: ignore[arg-type]
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(text)
+    if kind == "choice":
+        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(text)))
+    return LLMatcher.grammar_from_lark(text)
+
+
+def _guidance_processor(grammars: list[str], tokenizer: Any, eos_ids: list[int], eos: int) -> Any:
+    """The second grammar backend's logits processor (llguidance), one grammar per sequence; a
+    sequence it cannot continue is ended with EOS and listed in `stuck`, as `_grammar_processor` does."""
+    import llguidance
+    import llguidance.torch
+    import torch
+    from transformers import LogitsProcessor
+
+    class Guidance(LogitsProcessor):
+        def __init__(self) -> None:
+            self.matchers = [llguidance.LLMatcher(tokenizer, g, log_level=0) for g in grammars]
+            self.mask = llguidance.torch.allocate_token_bitmask(len(grammars), tokenizer.vocab_size)
+            self.stuck: dict[int, int] = {}
+            self.done: set[int] = set()
+            self.step = 0
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            device = scores.device
+            on_cpu = scores.to("cpu") if device.type != "cuda" else scores
+            for i, m in enumerate(self.matchers):
+                if i in self.stuck or i in self.done:
+                    continue
+                if self.step:
+                    token = int(input_ids[i, -1])
+                    if token in eos_ids:
+                        self.done.add(i)
+                        continue
+                    if not m.consume_token(token) or m.is_error():
+                        self.stuck[i] = self.step
+                        continue
+                llguidance.torch.fill_next_token_bitmask(m, self.mask, i)
+                if m.is_error() or not bool(self.mask[i].any()):
+                    self.stuck[i] = self.step
+                    continue
+                llguidance.torch.apply_token_bitmask_inplace(on_cpu[i], self.mask[i])
+            for i in self.stuck:
+                on_cpu[i, :] = -torch.inf
+                on_cpu[i, eos] = 0.0
+            self.step += 1
+            return on_cpu.to(device) if on_cpu.device != device else on_cpu
+
+    return Guidance()
+
+
+def _can_start(grammar: Any) -> bool:
+    """Whether some token of the vocabulary can begin an output of `grammar`."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(grammar)
+    mask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask, 0)
+    return bool(mask.any())
+
+
+def _grammar_processor(grammars: list[Any], eos: int) -> Any:
+    """A logits processor that keeps each sequence to its grammar (xgrammar's masks).
+
+    Unlike xgrammar's own processor for transformers, which asserts that every sampled token
+    is accepted, a sequence its grammar cannot continue (no token of the vocabulary fits: the
+    tokenizer cannot write it) is ended with EOS and listed in `stuck` (sequence -> step): its
+    row fails alone, the batch goes on.
+    """
+    import torch
+    import xgrammar
+    from transformers import LogitsProcessor
+
+    class Grammars(LogitsProcessor):
+        def __init__(self) -> None:
+            self.matchers = [xgrammar.GrammarMatcher(g) for g in grammars]
+            self.mask = xgrammar.allocate_token_bitmask(len(grammars), grammars[0].tokenizer_info.vocab_size)
+            self.stuck: dict[int, int] = {}
+            self.step = 0
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            live = []
+            for i, m in enumerate(self.matchers):
+                if i in self.stuck or m.is_terminated():
+                    continue
+                if self.step and not m.accept_token(int(input_ids[i, -1])):
+                    self.stuck[i] = self.step
+                    continue
+                if m.is_terminated():  # it just took its stop token
+                    continue
+                m.fill_next_token_bitmask(self.mask, i)
+                if not bool(self.mask[i].any()):
+                    self.stuck[i] = self.step
+                    continue
+                live.append(i)
+            device = scores.device
+            on_cpu = scores.to("cpu") if device.type != "cuda" else scores
+            if live:
+                xgrammar.apply_token_bitmask_inplace(on_cpu, self.mask.to(on_cpu.device), indices=live)
+            for i in self.stuck:
+                on_cpu[i, :] = -torch.inf
+                on_cpu[i, eos] = 0.0
+            self.step += 1
+            return on_cpu.to(device) if on_cpu.device != device else on_cpu
+
+    return Grammars()
 
 
 def _stop_strings(tok: Any, stop: tuple[str, ...], width: int) -> Any:

@@ -51,8 +51,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..sampling import IMAGES
+from ..structured import grammar_schema
 from .base import (
     BASIC_SAMPLING,
+    ENGINE_REJECTED,
     Choice,
     EngineConfig,
     Image,
@@ -184,6 +186,12 @@ def refusals() -> tuple[type[BaseException], ...]:
     return (ValueError, VLLMClientError)
 
 
+class Unservable(ValueError):
+    """A row asking for what the grammar backend was found unable to serve: refused at once."""
+
+    code = "unsupported"
+
+
 def _structured_params(structured: tuple[str, str]) -> Any:
     """vLLM's StructuredOutputsParams for a row's structured output (compact JSON, as the
     transformers engine makes it: free whitespace lets a weak model pad forever)."""
@@ -191,7 +199,8 @@ def _structured_params(structured: tuple[str, str]) -> Any:
 
     kind, text = structured
     if kind == "json_schema":
-        return StructuredOutputsParams(json=json.loads(text), disable_any_whitespace=True)
+        # Length-bounded strings tightened against raw control characters (bij_worker.structured).
+        return StructuredOutputsParams(json=json.loads(grammar_schema(text)), disable_any_whitespace=True)
     if kind == "json_object":
         return StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)
     if kind == "choice":
@@ -251,6 +260,11 @@ class VllmEngine:
         self.steps = 0  # engine steps taken through `step`
         self.occupied = 0  # min(unfinished, maxNumSeqs) summed over steps: what could run
         self.cached_tokens = 0  # prompt tokens vLLM's prefix cache served, over finished requests
+        self._asks: dict[str, tuple[str, str]] = {}  # requests in the engine with structured output: what
+        # What vLLM's grammar backend cannot serve with this model's tokenizer, learnt from the first row
+        # it ended with an error before its first token: a grammar (by its text), or "json" (any JSON).
+        self._unservable: dict[tuple[str, str] | str, str] = {}
+        self.notes: list[str] = []  # the same reasons, once each, for the job's status
 
     def load(self) -> None:
         """Build (or reuse) the process's LLM; vllm is imported only here."""
@@ -313,6 +327,12 @@ class VllmEngine:
             raise ValueError(prompt)
         if not prompt:
             raise ValueError("empty prompt")
+        structured = request.sampling.structured_output
+        if structured is not None:
+            known = self._unservable.get(structured) or (
+                self._unservable.get("json") if structured[0] in ("json_schema", "json_object") else None)
+            if known:
+                raise Unservable(known)
         limit = self.max_input_tokens()
         if limit is not None and len(prompt) > limit:
             if not self.config.truncate or request.images:
@@ -332,6 +352,8 @@ class VllmEngine:
         except self._refused as e:
             raise ValueError(f"vllm refused the request: {e}") from None
         self._in_engine.add(rid)
+        if structured is not None:
+            self._asks[rid] = structured
         s = request.sampling
         if s.logprobs and s.top_logprobs:
             self._top[rid] = s.top_logprobs
@@ -362,8 +384,26 @@ class VllmEngine:
             elif not out.finished:
                 continue
             self._in_engine.discard(rid)
-            done.append((int(rid), self._result(out, self._top.pop(rid, 0))))
+            res = self._result(out, self._top.pop(rid, 0))
+            structured = self._asks.pop(rid, None)
+            if structured is not None and res.extra.get("finish_reason") == "error" \
+                    and (res.completion_tokens or 0) <= 1:
+                res = self._unserved(structured, res)
+            done.append((int(rid), res))
         return done
+
+    def _unserved(self, structured: tuple[str, str], res: Result) -> Result:
+        """A structured row vLLM ended with an error at its first token: its grammar cannot be served
+        with this tokenizer (for JSON: no JSON at all). Learnt here; later such rows are refused at once."""
+        kind = structured[0]
+        what: tuple[str, str] | str = "json" if kind in ("json_schema", "json_object") else structured
+        asked = "jsonSchema and jsonObject" if what == "json" else f"({kind})"
+        reason = (f"structured output {asked} cannot be served: vLLM's grammar backend rejected the first token "
+                  f"model {self.config.name} generated for it (its tokenizer cannot write it)")
+        if what not in self._unservable:
+            self._unservable[what] = reason
+            self.notes.append(reason)
+        return Result(prompt_tokens=res.prompt_tokens, error=reason, extra={"code": "unsupported"})
 
     def abort(self, tags: Sequence[int] | None = None) -> None:
         """Drop requests still in the engine, all of them without `tags` (their rows are recomputed
@@ -374,6 +414,7 @@ class VllmEngine:
             self._in_engine.difference_update(rids)
             for rid in rids:
                 self._top.pop(rid, None)
+                self._asks.pop(rid, None)
                 self._parts.pop(rid, None)
 
     def run(self, requests: list[Request]) -> list[Result]:
@@ -447,7 +488,8 @@ class VllmEngine:
         self.cached_tokens += cached
         error = getattr(out, "error", None)
         if error is not None:
-            return Result(prompt_tokens=prompt_tokens, error=f"vllm failed the request: {error}")
+            return Result(prompt_tokens=prompt_tokens, error=f"vllm failed the request: {error}",
+                          extra={"code": ENGINE_REJECTED})
         if self.config.task == "embed":
             from vllm import EmbeddingRequestOutput
 
@@ -456,9 +498,10 @@ class VllmEngine:
         comps = list(out.outputs)
         for comp in comps:
             if comp.finish_reason not in ("stop", "length"):
-                return Result(
-                    prompt_tokens=prompt_tokens, error=f"generation ended without finishing ({comp.finish_reason})"
-                )
+                # vLLM ends a request "error" when, among others, its grammar backend rejects a token.
+                return Result(prompt_tokens=prompt_tokens, completion_tokens=len(comp.token_ids),
+                              error=f"generation ended without finishing ({comp.finish_reason})",
+                              extra={"code": ENGINE_REJECTED, "finish_reason": comp.finish_reason})
         comp = comps[0]
         if len(comps) == 1 and comp.logprobs is None:
             return Result(
