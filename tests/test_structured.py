@@ -180,9 +180,14 @@ def test_valid_answers_count_as_validated_and_what_cannot_be_checked_is_left_alo
     found = Validator().check(reqs, results)
     assert (found.validated, found.violations, found.unchecked) == (4, 0, 1)
     assert all(r.error is None for r in results)
-    # An answer cut by its token cap is reported as it is (finish_reason length), never as valid.
-    cut = [Result(output='{"a": ', extra={"finish_reason": "length"})]
-    assert Validator().check(reqs[4:], cut).validated == 1 and cut[0].error is None
+    # An answer cut by its token cap that breaks its structured output is an error row too, saying it was cut;
+    # one that still keeps to it (a prefix the pattern takes) stands, with its finish_reason.
+    cut = [Result(output='{"a": ', completion_tokens=4, extra={"finish_reason": "length"})]
+    assert Validator().check(reqs[4:], cut).violations == 1
+    assert cut[0].extra["code"] == "schema_violation" and "cut at its token cap: 4 tokens" in str(cut[0].error)
+    kept = [Result(output="ab", completion_tokens=2, extra={"finish_reason": "length"})]
+    prefix = [Request(text="x", sampling=Sampling(structured_output=_structured("regex", "[a-c]{1,3}")))]
+    assert Validator().check(prefix, kept).validated == 1 and kept[0].error is None
     # n answers: one broken answer makes the row an error naming it.
     many = [Result(output="red", choices=[Choice("red", 1, "stop"), Choice("green", 1, "stop")],
                    extra={"finish_reason": "stop"})]

@@ -3,7 +3,7 @@
 Constrained decoding is not proof: grammar backends leave some JSON-Schema keywords out
 (`uniqueItems`, `not`, `if`/`then`/`else`, ...) and have defects of their own (xgrammar emits
 raw control characters inside length-bounded strings, xgrammar#800). So every answer of a row
-with `structuredOutput` that finished (finish_reason ``stop``) is checked here with a real
+with `structuredOutput` (finished, or cut by its token cap) is checked here with a real
 validator, whichever engine made it (the transformers engine first retries a broken answer
 once on its second grammar backend, llguidance):
 
@@ -15,8 +15,9 @@ once on its second grammar backend, llguidance):
 - ``grammar`` (EBNF): no validator here; counted as unchecked.
 
 An answer that breaks its structured output becomes a ``schema_violation`` error row carrying
-the answer, never a success. An answer cut by its token cap (finish_reason ``length``) is
-published as it is: its finish_reason says it did not finish.
+the answer, never a success; so does an answer cut by its token cap (finish_reason ``length``)
+that breaks it (half a JSON object), the message saying so. A cut answer that still keeps to its
+structured output (a pattern that a prefix satisfies) is a success with finish_reason ``length``.
 
 `grammar_schema` tightens a schema before it reaches the grammar backend where a known
 defect can be avoided: a string bounded by minLength/maxLength (and without a pattern of its
@@ -136,7 +137,7 @@ class Validator:
         return kind in ("json_schema", "json_object", "choice")
 
     def check(self, requests: list[Request], results: list[Result]) -> Checked:
-        """Check every finished structured answer; a row that breaks its structured output becomes
+        """Check every structured answer; a row that breaks its structured output becomes
         a `schema_violation` error result (in place). What was found, counted by row."""
         found = Checked()
         for i, (req, res) in enumerate(zip(requests, results, strict=True)):
@@ -150,10 +151,10 @@ class Validator:
                        else [(res.output or "", res.extra.get("finish_reason", "stop"))])
             bad = None
             for k, (output, finish) in enumerate(answers):
-                if finish == "length":
-                    continue  # cut by its token cap: its finish_reason says so
                 why = self.problem(structured, output)
                 if why is not None:
+                    if finish == "length":  # cut by its token cap: a half-written answer is no success either
+                        why += f" (cut at its token cap: {res.completion_tokens} tokens; raise maxTokens)"
                     bad = (k, output, why)
                     break
             if bad is None:
