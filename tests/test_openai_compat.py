@@ -33,7 +33,7 @@ def test_result_bodies_and_error_lines_validate_against_the_openai_sdk(
         task: str, file_place, make_job, run_shards, read_output) -> None:
     url, body, model = CASES[task]
     lines = [request("ok-1", url, body), request("bad-1", url, {"max_tokens": 0, **body}),
-             request("ok-2", url, body), "not json"]
+             request("ok-2", url, body), "not json", request("ok-1", url, body)]
     _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
                       input={"format": "openai"}, model={"task": task})
     run_shards(job)
@@ -48,7 +48,9 @@ def test_result_bodies_and_error_lines_validate_against_the_openai_sdk(
         else:
             assert parsed.created > 0 and parsed.choices[0].finish_reason in ("stop", "length")
             assert parsed.usage is not None and parsed.usage.total_tokens > 0
-    assert [e["custom_id"] for e in out.errors] == ["bad-1", None]
+    # The second ok-1 is a duplicate_id line, in the same shape as every other error line.
+    assert [(e["custom_id"], e["error"]["code"]) for e in out.errors] == [
+        ("bad-1", "invalid_request"), (None, "invalid_json"), ("ok-1", "duplicate_id")]
     for line in out.errors:
         assert line["response"] is None
         err = openai_types.BatchError.model_validate(line["error"])

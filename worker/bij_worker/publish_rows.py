@@ -209,10 +209,14 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
                 rid = row_id(row)
                 counts["duplicates"] += 1
                 counts["errors"] += 1
-                errors.add({"id": rid, "error": {
+                lost: dict[str, Any] = {"id": rid, "error": {
                     "code": "duplicate_id",
                     "message": f"id {json.dumps(rid)} was seen before; the first occurrence wins"},
-                    "object": names[rec["at"][0]], "offset": rec["at"][1]})
+                    "object": names[rec["at"][0]], "offset": rec["at"][1]}
+                if "custom_id" in row:  # an OpenAI batch line's error, in that shape like every other error row
+                    lost["custom_id"], lost["response"] = rid, None
+                errors.add(lost)
+                codes["duplicate_id"] = codes.get("duplicate_id", 0) + 1
                 continue
             results.add(row)
             counts["rows"] += 1
