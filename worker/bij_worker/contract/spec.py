@@ -48,6 +48,13 @@ QUANTITY_PATTERN = (
 PARQUET_NOT_OPENAI = (
     "output.format parquet needs input.format jsonl or parquet: OpenAI batch output is JSON lines by definition"
 )
+# Engines that schedule their own batches step by step (add and finish requests as they go).
+CONTINUOUS_ENGINES = ("vllm", "simulated")
+BATCH_SHAPE_NOT_CONTINUOUS = (
+    "batching.targetBatchTokens and batching.maxBatchSize shape the batches of engines that run whole batches "
+    "(echo, sentence-transformers, transformers); engines vllm and simulated schedule every step themselves: "
+    "set model.vllm.maxNumSeqs (model.simulated.maxNumSeqs) and model.vllm.engineArgs.max_num_batched_tokens"
+)
 GPUS_FOR_VLLM = (
     "workers.gpus must be at least model.vllm.tensorParallelSize x model.vllm.pipelineParallelSize "
     "with model.engine vllm (leave workers.gpus unset for exactly that many)"
@@ -490,6 +497,9 @@ class JobSpec(_Model):
             raise ValueError(GPUS_FOR_VLLM)
         if uris_overlap(self.input.uri, self.output.uri):
             raise ValueError(OVERLAP_MESSAGE)
+        if self.model.engine in CONTINUOUS_ENGINES and (self.batching.target_batch_tokens is not None
+                                                        or self.batching.max_batch_size is not None):
+            raise ValueError(BATCH_SHAPE_NOT_CONTINUOUS)
         return self
 
     @property
