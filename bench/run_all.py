@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = ["embed", "sorting", "echo_overhead", "memory", "kill_recompute", "simulated", "prefix", "lanes",
-           "many_shards"]
+           "many_shards", "vllm_peers"]
 
 
 def run_vllm(model: str, extra: list[str]) -> dict[str, object]:
@@ -73,7 +73,16 @@ def main(argv: list[str] | None = None) -> int:
             (out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
             summaries.append(doc)
             continue
-        rc = subprocess.run([sys.executable, str(HERE / f"{name}.py"), "--out", str(out), *passthrough],
+        python = sys.executable
+        if name == "vllm_peers":
+            # vLLM lives in its own environment (make vllm-env here; the worker image has it in its own).
+            python = next((p for p in (sys.executable, str(HERE.parent / ".venv-vllm" / "bin" / "python"))
+                           if subprocess.run([p, "-c", "import vllm"], capture_output=True).returncode == 0), "")
+            if not python:
+                print("skipped: vLLM is not installed (make vllm-env)", flush=True)
+                summaries.append({"bench": name, "skipped": "vLLM is not installed (make vllm-env)"})
+                continue
+        rc = subprocess.run([python, str(HERE / f"{name}.py"), "--out", str(out), *passthrough],
                             env={**os.environ, "BIJ_BENCH_PASSTHROUGH": "1"}).returncode
         print(f"({name}: {time.perf_counter() - t0:.0f}s)", flush=True)
         path = out / f"{name}.json"

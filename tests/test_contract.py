@@ -42,7 +42,8 @@ def test_the_worker_takes_its_defaults_from_the_spec_model() -> None:
     assert (opts.max_tokens, opts.temperature, opts.truncate) == (defaults.max_tokens, defaults.temperature, True)
     cfg = engine_config(spec)
     assert cfg.max_tokens == defaults.max_tokens
-    assert cfg.vllm["maxNumSeqs"] == defaults.vllm.max_num_seqs  # camelCase, as the plan carries it
+    assert cfg.vllm["gpuMemoryUtilization"] == defaults.vllm.gpu_memory_utilization  # camelCase, as planned
+    assert "maxNumSeqs" not in cfg.vllm  # unset: vLLM's own default
 
 
 def test_a_plan_written_is_the_plan_read() -> None:

@@ -32,7 +32,20 @@ def main(argv: list[str] | None = None) -> int:
         return probe_main(rest[1:])
     from .main import main as work_main
 
-    return work_main(argv)
+    code = work_main(argv)
+    vllm = sys.modules.get("bij_worker.engines.vllm")
+    if argv is None and vllm is not None and vllm.holds_llm():
+        # The process's lane has ended: every result it committed is fsynced and its completion
+        # records are written (or its failure is reported). vLLM's engine processes go now rather than
+        # after vLLM's 5 s grace period at exit, and the interpreter's teardown (joining vLLM's threads,
+        # freeing the model: seconds on a busy host) is skipped; the multiprocessing resource tracker
+        # still removes the engine's shared memory once this process is gone.
+        vllm.close_llm()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

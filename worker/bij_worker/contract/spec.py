@@ -188,7 +188,9 @@ class OutputSpec(_Model):
 
 class VllmOptions(_Model):
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
-    max_num_seqs: int = Field(512, ge=1)
+    # Unset: vLLM's own default for the machine (256 on its CPU build). 512 was set here once without a
+    # measurement; bench/vllm_peers.py passes every side one value.
+    max_num_seqs: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     quantization: str | None = None
     max_model_len: int | None = Field(8192, ge=1)

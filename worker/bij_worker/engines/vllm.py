@@ -177,6 +177,27 @@ def shutdown_llm() -> None:
         pass
 
 
+def holds_llm() -> bool:
+    """Whether this process has built its vLLM engine."""
+    return _LLM is not None
+
+
+def close_llm() -> None:
+    """Stop this process's engine processes now, when the process is about to exit with every result
+    durable. vLLM's own exit path sends them SIGTERM and waits up to 5 s before it kills them (on
+    vLLM's CPU build it waits all 5 s, as long as a short job's work): nothing of theirs is needed
+    any more, so they are killed at once (the driver frees the accelerator's memory with them)."""
+    if _LLM is None:
+        return
+    core = getattr(getattr(_LLM, "llm_engine", None), "engine_core", None)
+    if core is None:
+        return
+    try:
+        core.shutdown(timeout=0)
+    except TypeError:  # releases whose shutdown takes no timeout
+        core.shutdown()
+
+
 def refusals() -> tuple[type[BaseException], ...]:
     """The exceptions with which vLLM refuses one request (input or parameter validation)."""
     try:
@@ -257,6 +278,7 @@ class VllmEngine:
         self._in_engine: set[str] = set()  # request ids added and not yet returned
         self._top: dict[str, int] = {}  # requests in the engine that asked for top logprobs: how many
         self._parts: dict[str, dict[int, Any]] = {}  # requests asking for n > 1 answers: the answers so far
+        self._concurrency: int | None = None
         self.steps = 0  # engine steps taken through `step`
         self.occupied = 0  # min(unfinished, maxNumSeqs) summed over steps: what could run
         self.cached_tokens = 0  # prompt tokens vLLM's prefix cache served, over finished requests
@@ -312,8 +334,18 @@ class VllmEngine:
                 for r, p in zip(requests, prompts, strict=True)]
 
     def concurrency(self) -> int:
-        """Sequences vLLM runs at once (max_num_seqs)."""
-        return int(self.config.vllm.get("maxNumSeqs", self.config.vllm.get("max_num_seqs", 256)))
+        """Sequences vLLM runs at once (max_num_seqs: the spec's, else the loaded engine's own default)."""
+        if self._concurrency is None:
+            given = self.config.vllm.get("maxNumSeqs", self.config.vllm.get("max_num_seqs"))
+            engine_args = self.config.vllm.get("engineArgs") or self.config.vllm.get("engine_args") or {}
+            given = engine_args.get("maxNumSeqs", engine_args.get("max_num_seqs", given))
+            if given is None and self.engine is not None:
+                given = getattr(getattr(getattr(self.engine, "vllm_config", None), "scheduler_config", None),
+                                "max_num_seqs", None)
+            if given is None:
+                return 256  # not loaded yet: vLLM's usual default
+            self._concurrency = int(given)
+        return self._concurrency
 
     def unfinished(self) -> int:
         return len(self._in_engine)
