@@ -27,12 +27,12 @@ from typing import Any, cast
 
 import kopf
 import urllib3
-from bij_worker.contract.codes import JOB_LABEL
+from bij_worker.contract.codes import JOB_LABEL, STEP_LABEL
 from bij_worker.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from kubernetes.client import ApiException
 
 from .driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
-from .jobs import FileVolume, file_uri_problems, worker_image_default
+from .jobs import FileVolume, file_uri_problems, steps_image_default, worker_image_default
 from .reconcile import Decision, owns
 
 PLURAL = "batchinferencejobs"
@@ -59,6 +59,7 @@ class OperatorConfig:
     standalone: bool = True
     verbose: bool = False
     worker_image: str = dataclasses.field(default_factory=worker_image_default)
+    steps_image: str = dataclasses.field(default_factory=steps_image_default)
     # The chart's fileStorage (env BIJ_FILE_STORAGE): without it, a bij with a file:// URI is refused.
     file_volume: FileVolume | None = dataclasses.field(default_factory=FileVolume.from_env)
     status_interval: float = STATUS_INTERVAL
@@ -86,6 +87,7 @@ class Api:
         self._client = kubernetes.client.ApiClient()
         self.custom = kubernetes.client.CustomObjectsApi(self._client)
         self.batch = kubernetes.client.BatchV1Api(self._client)
+        self.core = kubernetes.client.CoreV1Api(self._client)
 
     def get_bij(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -124,6 +126,25 @@ class Api:
         self.batch.patch_namespaced_job(name, namespace, patch, _content_type="application/merge-patch+json",
                                         _preload_content=False)
 
+    def failed_step_pods(self, namespace: str, bij: str) -> list[dict[str, Any]]:
+        """The failed pods of a bij's step Jobs, as `reconcile.failed_pods` reads them (name, labels,
+        container states); none where this operator may not list pods (an older chart's Role)."""
+        try:
+            resp = self.core.list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={bij},{STEP_LABEL}",
+                                                 field_selector="status.phase=Failed", _preload_content=False)
+        except ApiException as e:
+            if e.status in (401, 403, 404):
+                log.warning("cannot list the pods of %s/%s's steps (%s): failures say less", namespace, bij, e.reason)
+                return []
+            raise
+        out = []
+        for pod in json.loads(resp.data).get("items") or []:
+            meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+            out.append({"metadata": {k: meta[k] for k in ("name", "labels", "creationTimestamp") if k in meta},
+                        "status": {k: status[k] for k in ("phase", "reason", "message", "containerStatuses")
+                                   if k in status}})
+        return out
+
     def delete_job(self, namespace: str, name: str) -> None:
         """Delete a Job and, in the background, its pods; one already gone is fine."""
         try:
@@ -150,12 +171,13 @@ class KubeBackend:
     """The driver's steps as Kubernetes API calls for one bij; its Jobs come from kopf's index."""
 
     def __init__(self, api: Api, namespace: str, name: str, jobs: Any, worker_image: str,
-                 file_volume: FileVolume | None = None):
+                 file_volume: FileVolume | None = None, steps_image: str | None = None):
         self.api = api
         self.namespace = namespace
         self.name = name
         self.index = jobs  # kopf.Index: (namespace, bij name) -> the essences of its Jobs
         self.worker_image = worker_image
+        self.steps_image = steps_image or worker_image
         self.file_volume = file_volume
         self.raw: dict[str, Any] = {}
         # Jobs this backend created or read that the index has not shown yet (a watch event is on its way).
@@ -189,8 +211,13 @@ class KubeBackend:
         except SpecError as e:
             return Observed(job=None, spec_error=e, status=status, generation=generation, output_uri=output_uri,
                             jobs=[])
+        jobs = self.jobs()
+        # A step's failed pods say why it is retried or failed; looked for only where one failed.
+        failing = any(STEP_LABEL in (j["metadata"].get("labels") or {}) and (j.get("status") or {}).get("failed")
+                      for j in jobs)
+        pods = self.api.failed_step_pods(self.namespace, self.name) if failing else []
         return Observed(job=job, spec_error=None, status=status, generation=generation, output_uri=output_uri,
-                        jobs=self.jobs())
+                        jobs=jobs, pods=pods)
 
     def create_job(self, body: dict[str, Any]) -> Created:
         kopf.adopt(body, owner=as_body(self.raw))
@@ -296,6 +323,11 @@ def _versions(jobs: Iterable[Mapping[str, Any]]) -> frozenset[tuple[str, str]]:
     return frozenset((str(j["metadata"].get("name")), str(j["metadata"].get("resourceVersion"))) for j in jobs)
 
 
+def _step_reports(body: kopf.Body) -> Any:
+    """The steps' reports in the bij kopf keeps current from its watch (a new one wakes the daemon)."""
+    return json.dumps(((body.get("status") or {}).get("reports") or {}).get("steps"), sort_keys=True)
+
+
 @kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=30.0)
 async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped, body: kopf.Body, memo: Any,
                 **kwargs: Any) -> None:
@@ -306,7 +338,8 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
     op = shared(memo)
     assert op.api is not None
     key = (namespace, name)
-    backend = KubeBackend(op.api, namespace, name, bij_jobs, op.config.worker_image, op.config.file_volume)
+    backend = KubeBackend(op.api, namespace, name, bij_jobs, op.config.worker_image, op.config.file_volume,
+                          steps_image=op.config.steps_image)
     driver = Driver(backend, status_interval=op.config.status_interval,
                     progress_interval=op.config.progress_interval, on_decision=op.metrics.decided)
     wake = op.driven[key] = asyncio.Event()
@@ -314,6 +347,7 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
         while not stopped:
             jobs_seen = _versions(bij_jobs.get(key, ()))
             generation = body.metadata.get("generation")
+            reports = _step_reports(body)
             wake.clear()
             try:
                 idle = await asyncio.to_thread(driver.reconcile)
@@ -324,8 +358,9 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
                 return
             deadline = None if idle.recheck is None else time.monotonic() + idle.recheck
             while not stopped:
-                if _versions(bij_jobs.get(key, ())) != jobs_seen or body.metadata.get("generation") != generation:
-                    break
+                if (_versions(bij_jobs.get(key, ())) != jobs_seen or body.metadata.get("generation") != generation
+                        or _step_reports(body) != reports):
+                    break  # a Job changed, the spec was edited, or a step reported: decide at once
                 left = SPEC_POLL if deadline is None else min(SPEC_POLL, deadline - time.monotonic())
                 if left <= 0:
                     break
@@ -377,6 +412,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     peering.add_argument("--standalone", action="store_true", help="no peering (the default)")
     p.add_argument("--worker-image", default=None,
                    help="worker image when a spec names none (default: env BIJ_WORKER_IMAGE)")
+    p.add_argument("--steps-image", default=None,
+                   help="image of the step Jobs (planning, counting, publish plan, manifest): bij without an "
+                        "engine (default: env BIJ_STEPS_IMAGE, else the worker image)")
     p.add_argument("--status-interval", type=float, default=STATUS_INTERVAL, metavar="SECONDS",
                    help=f"least time between progress-only status writes per job (default {STATUS_INTERVAL:g})")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("BIJ_METRICS_PORT") or 0) or None,
@@ -395,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                             verbose=args.verbose, status_interval=args.status_interval)
     if args.worker_image:
         config.worker_image = args.worker_image
+    if args.steps_image:
+        config.steps_image = args.steps_image
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port)

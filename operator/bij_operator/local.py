@@ -117,7 +117,7 @@ def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> None:
 class LocalBackend:
     """The driver's steps on one machine: status in memory, Events printed, Jobs as local processes."""
 
-    worker_image = "local"  # Jobs run the local worker command, not an image
+    worker_image = steps_image = "local"  # Jobs run the local worker command, not an image
     file_volume: FileVolume | None = None  # local processes see this machine's files
 
     def __init__(self, job: BatchInferenceJob, worker_cmd: list[str], show_progress: bool, log_progress: bool):
@@ -144,7 +144,8 @@ class LocalBackend:
         if reported:
             status["reports"] = reported
         return Observed(job=self.job, spec_error=None, status=status, generation=1,
-                        output_uri=self.job.spec.output.uri, jobs=[j.view() for j in self.jobs.values()])
+                        output_uri=self.job.spec.output.uri, jobs=[j.view() for j in self.jobs.values()],
+                        pods=[p for j in self.jobs.values() if STEP_LABEL in j.labels for p in j.failed_pods()])
 
     def create_job(self, body: dict[str, Any]) -> Created:
         name = body["metadata"]["name"]

@@ -86,8 +86,13 @@ class KubeStatus:
             with urllib.request.urlopen(req, context=self.context, timeout=self.timeout) as resp:
                 resp.read()
         except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode(errors="replace")
-            raise ReportError(f"PATCH {self.url}: HTTP {e.code}: {detail}") from None
+            detail = e.read()[:4000].decode(errors="replace")
+            try:
+                # The API server's Status says what was refused (a 403 names the verb and resource missing).
+                detail = str(json.loads(detail).get("message") or detail)
+            except (ValueError, AttributeError):
+                pass
+            raise ReportError(f"PATCH {self.url}: HTTP {e.code}: {detail[:600]}") from None
         except (urllib.error.URLError, OSError) as e:
             raise ReportError(f"PATCH {self.url}: {e}") from None
 
