@@ -222,7 +222,7 @@ def test_pods_report_into_their_bijs_status_under_their_pod_name_and_their_jobs_
 def test_a_step_job_is_one_pod_of_the_workers_identity_with_the_spec_and_no_gpu() -> None:
     from bij_operator import steps
 
-    job = make_job(gpus=1, workers={"serviceAccountName": "team-a-worker", "backoffLimitPerIndex": 5,
+    job = make_job(workers={"gpus": 1, "serviceAccountName": "team-a-worker", "backoffLimitPerIndex": 5,
                                     "image": "vllm-worker:big", "nodeSelector": {"pool": "h100"},
                                     "tolerations": [{"key": "gpu", "operator": "Exists"}], "spot": True,
                                     "cpu": "8", "memory": "64Gi", "priorityClassName": "gpu-batch"},
