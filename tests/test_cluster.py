@@ -823,6 +823,9 @@ JUSTIFIED = {
     ("batchinference.io", "batchinferencejobs/finalizers", "update"):
         "round Jobs carry an ownerReference with blockOwnerDeletion; the OwnerReferencesPermissionEnforcement "
         "admission plugin (on in this cluster) checks this permission when they are created",
+    ("", "pods", "list"):
+        "the failed pods of a step Job say why it is retried or failed; listed only once one failed "
+        "(test_a_step_whose_report_is_forbidden_ends_failed_saying_the_403_and_the_missing_verb)",
 }
 MODES = {
     "all-namespaces": {},
@@ -940,3 +943,42 @@ def test_the_chart_rbac_is_exactly_what_the_operator_uses(env: Env, mode: str) -
     assert granted == {(g, r, v) for rule in WORKER_RULES for g in rule["apiGroups"] for r in rule["resources"]
                        for v in rule["verbs"]}, "the chart's worker Role and the tests' copy differ"
     assert granted <= used, f"{mode}: the worker Role grants what the bij's pods never use: {granted - used}"
+
+
+def test_a_step_whose_report_is_forbidden_ends_failed_saying_the_403_and_the_missing_verb(env: Env) -> None:
+    # The namespace's worker Role lacks the one verb a step needs: patching its bij's status.
+    remove_worker_account(env.api, env.ns)
+    rbac = kubernetes.client.RbacAuthorizationV1Api(env.api)
+    env.core.create_namespaced_service_account(env.ns, {"metadata": {"name": "bij-worker"}})
+    rbac.create_namespaced_role(env.ns, {"metadata": {"name": "bij-worker"}, "rules": [
+        {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"], "verbs": ["get"]}]})
+    rbac.create_namespaced_role_binding(env.ns, {
+        "metadata": {"name": "bij-worker"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "bij-worker"},
+        "subjects": [{"kind": "ServiceAccount", "name": "bij-worker", "namespace": env.ns}]})
+    job_ids(env, 20)
+    log_before = len(operator_log(env.cluster))
+    env.create(env.doc("denied"))
+    # A phase from the start: planning, while the plan step runs.
+    first = wait_for(lambda: env.status("denied").get("phase") or None, 60, "a phase")
+    assert first in ("Planning", "Failed"), first
+    st = env.wait_phase("denied", "Failed", timeout=240)
+    message = st["message"]
+    assert message.startswith("step plan-r0 failed 2 time(s), giving up (spec.workers.backoffLimitPerIndex 1); "
+                              "Job denied-plan-r0, last pod denied-plan-r0-0-"), message
+    assert "exit code 1: cannot report the result of step plan: PATCH" in message and "HTTP 403" in message
+    assert 'cannot patch resource "batchinferencejobs/status"' in message, message
+    failed = [c for c in st["conditions"] if c["type"] == "Failed"]
+    assert failed and failed[0]["status"] == "True" and failed[0]["reason"] == "StepFailed"
+    assert failed[0]["message"] == message
+    line = env.kubectl("get", "bij", "denied", "--no-headers").split()
+    assert line[:2] == ["denied", "Failed"]
+    wait_for(lambda: "StepFailed" in env.reasons("denied") or None, 30, "the StepFailed Event")
+    events = {e["reason"]: e["message"] for e in env.events("denied")}
+    assert events["StepFailed"] == message
+    assert "StepRetrying" in events and "running it again" in events["StepRetrying"]
+    assert "HTTP 403" in events["StepRetrying"]
+    # Said in the bij, not raised: no traceback in the operator's log, and no step Job made again.
+    new_log = operator_log(env.cluster)[log_before:]
+    assert "Traceback" not in new_log, new_log[-3000:]
+    assert [j["metadata"]["name"] for j in env.jobs()] == ["denied-plan-r0"]
