@@ -966,7 +966,8 @@ def test_a_step_whose_report_is_forbidden_ends_failed_saying_the_403_and_the_mis
     message = st["message"]
     assert message.startswith("step plan-r0 failed 2 time(s), giving up (spec.workers.backoffLimitPerIndex 1); "
                               "Job denied-plan-r0, last pod denied-plan-r0-0-"), message
-    assert "exit code 1: cannot report the result of step plan: PATCH" in message and "HTTP 403" in message
+    assert "exit code 1: " in message and "cannot report the result of step plan: PATCH" in message, message
+    assert "HTTP 403" in message, message
     assert 'cannot patch resource "batchinferencejobs/status"' in message, message
     failed = [c for c in st["conditions"] if c["type"] == "Failed"]
     assert failed and failed[0]["status"] == "True" and failed[0]["reason"] == "StepFailed"

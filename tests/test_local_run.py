@@ -409,6 +409,7 @@ def test_every_step_killed_twice_is_run_again_and_the_job_completes(file_place, 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), workers={"backoffLimitPerIndex": 2})
     assert run_killing_steps(tmp_path, job, 2, worker_env(file_place), bij_bin) == 0
     check_published(read_output(job), inputs)
+    assert not Path(layout.local_status_uri(job)[len("file://"):]).exists()  # published: the manifest says it all
     said = capfd.readouterr().err
     for key in ("plan-r0", "finish-r0", "publish-plan", "manifest"):
         assert len(list((tmp_path / "kills").glob(f"t-{key}.*"))) == 3, key
@@ -426,3 +427,8 @@ def test_a_plan_step_that_fails_for_good_ends_failed_naming_the_step_pod_and_cau
            "last pod t-plan-r0-0-2: exit code 137 (killed: SIGKILL" in said, said
     assert "Traceback" not in said
     assert len(list((tmp_path / "kills").glob("t-plan-r0.*"))) == 2
+    # `bij status` says the same as `kubectl get bij` would.
+    from bij_operator.results import job_summary
+
+    lines = job_summary(job)
+    assert lines[1].startswith("  phase     Failed (StepFailed): step plan-r0 failed 2 time(s), giving up"), lines

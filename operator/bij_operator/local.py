@@ -349,6 +349,7 @@ class LocalRunner:
         # Nobody reads this status while it runs: refresh its row counts (from the lanes' reports) once a
         # minute, not every few seconds; phase changes are written at once.
         driver = Driver(backend, status_interval=60.0)
+        said: tuple[Any, Any] = (None, None)
         while True:
             if backend.stopping:
                 backend.wait_stopped()
@@ -356,12 +357,29 @@ class LocalRunner:
                 return 130
             idle = driver.reconcile()
             status = backend.status
+            if (status.get("phase"), status.get("message")) != said:
+                said = (status.get("phase"), status.get("message"))
+                self.keep_status(store, status)
             if status.get("phase") in TERMINAL_PHASES:
                 return self.finished(status)
             if isinstance(idle.decision, Retry):
                 # The operator would try again later; here the person who ran bij decides.
                 return EXIT_BAD_CONFIG if idle.decision.permanent else 1
             backend.wait(min(idle.recheck or 1.0, 1.0))
+
+    def keep_status(self, store: Any, status: dict[str, Any]) -> None:
+        """What `kubectl get bij` would show, where `bij status` reads it (layout.local_status_uri); gone once
+        published. Best effort: a status that cannot be kept does not stop the run."""
+        uri = layout.local_status_uri(self.job)
+        try:
+            if status.get("phase") in ("Succeeded", *STOPPED_PHASES):
+                if store.exists(uri):
+                    store.delete(uri)
+                return
+            kept = {k: status[k] for k in ("phase", "message", "round", "conditions") if k in status}
+            store.write_bytes(uri, json.dumps(kept).encode())
+        except (StorageError, OSError):
+            pass
 
     def stopped_before(self, manifest: dict[str, Any]) -> int:
         """A rerun of a job that was cancelled or expired: its partial manifest stands."""

@@ -379,6 +379,8 @@ def failure_reason(status: Mapping[str, Any]) -> str | None:
 STEP_RETRY_SECONDS = 30.0
 # Lines of a failed pod's termination message (its last log lines) a message quotes.
 LAST_LINES = 3
+# bij's log format in front of a line (`bij_worker.main`): the message alone says what failed.
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ [A-Z]+ [\w.]+: ")
 
 
 def step_key(kind: str, round_no: int) -> str:
@@ -417,7 +419,8 @@ class PodEnd:
             how += f" ({self.reason})"
         elif self.exit_code == 137:
             how += " (killed: SIGKILL, as an OOM kill or a lost node does)"
-        lines = [ln.strip() for ln in self.message.strip().splitlines() if ln.strip()][-LAST_LINES:]
+        lines = [_LOG_PREFIX.sub("", ln.strip()) for ln in self.message.strip().splitlines() if ln.strip()]
+        lines = lines[-LAST_LINES:]
         return f"pod {self.pod}: {how}" + (": " + " | ".join(lines) if lines else "")
 
 
