@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -64,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
             custom.create_namespaced_custom_object("batchinference.io", "v1alpha1", ns, "batchinferencejobs", {
                 "apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": name},
                 "spec": spec})
-            wait_for(lambda: (custom.get_namespaced_custom_object("batchinference.io", "v1alpha1", ns,
-                                                                   "batchinferencejobs", name).get("status") or {})
-                     .get("phase") == "Succeeded" or None, 300, f"{name} Succeeded", interval=0.5)
+            def succeeded(name: str = name) -> bool | None:
+                bij = custom.get_namespaced_custom_object("batchinference.io", "v1alpha1", ns, "batchinferencejobs",
+                                                          name)
+                return (bij.get("status") or {}).get("phase") == "Succeeded" or None
+
+            wait_for(succeeded, 300, f"{name} Succeeded", interval=0.5)
             last_row = max(p.stat().st_mtime for p in out.glob("_bij/*/round-0/done/*.json"))
             manifest = (out / "manifest.json").stat().st_mtime
             gaps.append(manifest - last_row)
