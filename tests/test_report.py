@@ -98,6 +98,44 @@ def test_a_report_is_a_merge_patch_of_the_pods_own_key_in_the_bijs_status(tmp_pa
     assert body == {"status": {"reports": {"steps": {"emb-plan-r0": {"jobUid": "u", "result": {"shards": 2}}}}}}
 
 
+def test_a_report_the_api_server_forbids_is_not_retried_and_says_the_verb_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    forbidden = ('batchinferencejobs.batchinference.io "emb" is forbidden: User "system:serviceaccount:team-a:'
+                 'bij-worker" cannot patch resource "batchinferencejobs/status" in API group "batchinference.io" '
+                 'in the namespace "team-a"')
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append(self.path)
+            body = json.dumps({"kind": "Status", "status": "Failure", "message": forbidden, "reason": "Forbidden",
+                               "code": 403}).encode()
+            self.send_response(403)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "token").write_text("tok-1\n")
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
+        monkeypatch.setattr(report.ssl, "create_default_context", lambda cafile: None)
+        sink = report.KubeStatus("team-a", "emb", sa_dir=tmp_path)
+        sink.url = sink.url.replace("https://", "http://")
+        with pytest.raises(report.ReportError) as refused:
+            report.put_with_retries(sink, "steps", "emb-plan-r0", {"jobUid": "u", "result": {}}, delay=0.01)
+    finally:
+        server.shutdown()
+    assert len(calls) == 1 and refused.value.permanent
+    assert str(refused.value).endswith(f"HTTP 403: {forbidden}")
+
+
 @pytest.mark.parametrize("error, code", [
     (PlanRefused("spec.output.uri: s3://b/o/ belongs to BatchInferenceJob team-b/x"), StepErrorCode.PLAN_REFUSED),
     (PlanError("spec.input.uri: no input at s3://b/in/", permanent=False), StepErrorCode.PLAN_FAILED),

@@ -419,7 +419,11 @@ class PodEnd:
             how += f" ({self.reason})"
         elif self.exit_code == 137:
             how += " (killed: SIGKILL, as an OOM kill or a lost node does)"
-        lines = [_LOG_PREFIX.sub("", ln.strip()) for ln in self.message.strip().splitlines() if ln.strip()]
+        lines: list[str] = []
+        for ln in self.message.strip().splitlines():
+            ln = _LOG_PREFIX.sub("", ln.strip())
+            if ln and (not lines or lines[-1] != ln):
+                lines.append(ln)
         lines = lines[-LAST_LINES:]
         return f"pod {self.pod}: {how}" + (": " + " | ".join(lines) if lines else "")
 
