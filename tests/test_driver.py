@@ -474,3 +474,16 @@ def test_parallelism_bounds_the_processes_at_once(tmp_path: Path) -> None:
         most = max(most, lj.active)
         time.sleep(0.01)
     assert most == 2 and lj.view()["status"]["completedIndexes"] == "0-3"
+
+
+def test_a_step_whose_job_gave_up_waits_a_little_for_its_pods_to_say_why() -> None:
+    name = "emb-plan-r0"
+    gave_up = step_job(name, state="failed", failed=2)
+    gave_up["status"]["conditions"][0]["lastTransitionTime"] = "2026-01-01T11:59:50Z"
+    soon = decide(a_job(), {}, [gave_up], now=NOW, generation=1)
+    assert isinstance(soon, Wait) and soon.reason == "StepFailing" and soon.recheck
+    later = decide(a_job(), {}, [gave_up], now=NOW + dt.timedelta(seconds=30), generation=1)
+    assert isinstance(later, MarkFailed) and later.message.endswith(
+        "Job emb-plan-r0, last FailedIndexes: Job has failed indexes")
+    told = decide(a_job(), {}, [gave_up], now=NOW, generation=1, pods=[failed_pod(name, 2, 1, message="boom")])
+    assert isinstance(told, MarkFailed) and told.message.endswith(f"last pod {name}-0-2: exit code 1: boom")

@@ -332,8 +332,8 @@ class Driver:
         if d.warning and status.get("message") != d.message:
             # A step's pod failed and its Job runs it again: said at once, once.
             self.write_status(seen, patch, event=("Warning", d.warning, d.message))
-            return Idle(d)
-        recheck = self.progress_interval if d.phase == "Running" else None
+            return Idle(d, recheck=d.recheck)
+        recheck = d.recheck or (self.progress_interval if d.phase == "Running" else None)
         if not status_differs(status, patch) and not phase_changed:
             return Idle(d, recheck=recheck)
         wait = self.last_progress + self.status_interval - time.monotonic()

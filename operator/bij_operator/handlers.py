@@ -213,8 +213,7 @@ class KubeBackend:
                             jobs=[])
         jobs = self.jobs()
         # A step's failed pods say why it is retried or failed; looked for only where one failed.
-        failing = any(STEP_LABEL in (j["metadata"].get("labels") or {}) and (j.get("status") or {}).get("failed")
-                      for j in jobs)
+        failing = any(STEP_LABEL in (j["metadata"].get("labels") or {}) and pods_failed(j) for j in jobs)
         pods = self.api.failed_step_pods(self.namespace, self.name) if failing else []
         return Observed(job=job, spec_error=None, status=status, generation=generation, output_uri=output_uri,
                         jobs=jobs, pods=pods)
@@ -247,6 +246,14 @@ class KubeBackend:
     def event(self, type_: str, reason: str, message: str) -> None:
         # kopf posts Events from its own task; this is safe from the driver's thread.
         kopf.event(as_body(self.raw), type=type_, reason=reason, message=message)
+
+
+def pods_failed(job: Mapping[str, Any]) -> bool:
+    """Whether a pod of `job` failed (counted, being counted, or the Job gave up)."""
+    status = job.get("status") or {}
+    return bool(status.get("failed") or (status.get("uncountedTerminatedPods") or {}).get("failed")
+                or any(c.get("type") in ("Failed", "FailureTarget") and str(c.get("status")) == "True"
+                       for c in status.get("conditions") or []))
 
 
 def as_body(raw: dict[str, Any]) -> kopf.Body:

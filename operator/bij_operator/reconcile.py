@@ -329,6 +329,7 @@ class Wait(Decision):
     the reason of a Warning Event to post once for this message (a step's pod failed and is retried)."""
 
     warning: str | None = None
+    recheck: float | None = None  # look again this soon without a change (None: when something changes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -488,12 +489,21 @@ def step(job: BatchInferenceJob, seen: Observation, want: StepDecision) -> Decis
                                 reported_at=_finished_at(raw), now=seen.now)
     failed = failed_pods(name, seen.pods)
     tries = int((meta.get("annotations") or {}).get(STEP_TRIES_ANNOTATION) or 0) or None
+    job_status = raw.get("status") or {}
+    # The Job controller counts a failed pod in two steps (uncountedTerminatedPods, then failed).
+    counted = max(int(job_status.get("failed") or 0),
+                  len((job_status.get("uncountedTerminatedPods") or {}).get("failed") or []))
     if view.failed_for_good:
+        gave_up = _condition_time(raw, ("Failed", "FailureTarget"))
+        if not failed and gave_up is not None and (seen.now - gave_up).total_seconds() < POD_GRACE_SECONDS:
+            # Its pods say why; they may not have been seen yet.
+            return Wait(round=want.round, phase=want.phase, reason="StepFailing", shards=want.shards,
+                        recheck=2.0, message=f"{want.message}: step {key} failed; reading why from its pods")
         cause = failed[-1].describe() if failed else (f"{view.failure.reason}: {view.failure.message}"
                                                       if view.failure else "its Job failed")
         if error is not None:
             cause += f"; it reported {error.message}"
-        pods = max(len(failed), int((raw.get("status") or {}).get("failed") or 0), 1)
+        pods = max(len(failed), counted, 1)
         return MarkFailed(round=want.round, phase="Failed", reason="StepFailed", event="StepFailed",
                           shards=want.shards,
                           message=f"step {key} failed {pods} time(s), giving up (spec.workers.backoffLimitPerIndex "
@@ -502,7 +512,7 @@ def step(job: BatchInferenceJob, seen: Observation, want: StepDecision) -> Decis
         # Reported before its pod exited 0, so the report is in a status read later than this Job.
         return Wait(round=want.round, phase=want.phase, reason=want.reason, shards=want.shards,
                     message=f"{want.message}: step {key} done, reading its report")
-    pods_failed = max(len(failed), int((raw.get("status") or {}).get("failed") or 0))
+    pods_failed = max(len(failed), counted)
     if pods_failed:
         limit = tries or job.spec.workers.backoff_limit_per_index
         cause = failed[-1].describe() if failed else "its pod failed"
@@ -518,6 +528,21 @@ def step(job: BatchInferenceJob, seen: Observation, want: StepDecision) -> Decis
 
 # The retries a step Job was made with (its backoffLimitPerIndex), for the messages.
 STEP_TRIES_ANNOTATION = "batchinference.io/step-retries"
+
+
+# How long a failed step's Job waits for its failed pods to be seen before failing the bij without them.
+POD_GRACE_SECONDS = 30.0
+
+
+def _condition_time(raw: Mapping[str, Any], types: tuple[str, ...]) -> dt.datetime | None:
+    """When the first of `types` that holds on Job `raw` became true."""
+    for c in (raw.get("status") or {}).get("conditions") or []:
+        if c.get("type") in types and str(c.get("status")) == "True" and c.get("lastTransitionTime"):
+            try:
+                return dt.datetime.fromisoformat(str(c["lastTransitionTime"]).replace("Z", "+00:00"))
+            except ValueError:
+                return None
+    return None
 
 
 def _finished_at(raw: Mapping[str, Any]) -> dt.datetime | None:
