@@ -487,3 +487,26 @@ def test_a_step_whose_job_gave_up_waits_a_little_for_its_pods_to_say_why() -> No
         "Job emb-plan-r0, last FailedIndexes: Job has failed indexes")
     told = decide(a_job(), {}, [gave_up], now=NOW, generation=1, pods=[failed_pod(name, 2, 1, message="boom")])
     assert isinstance(told, MarkFailed) and told.message.endswith(f"last pod {name}-0-2: exit code 1: boom")
+
+
+def test_a_step_pod_that_cannot_pull_its_image_is_said_naming_the_pod_and_the_reason() -> None:
+    name = "emb-publish-plan"
+    pod = {"metadata": {"name": f"{name}-0-abcde", "labels": {"batch.kubernetes.io/job-name": name}},
+           "status": {"phase": "Pending", "containerStatuses": [{"state": {"waiting": {
+               "reason": "ImagePullBackOff", "message": 'Back-off pulling image "registry.local/bij-steps:nope"'}}}]}}
+    d = decide(a_job(), PUBLISHING, [step_job(name)], now=NOW, generation=1, pods=[pod])
+    assert isinstance(d, Wait) and d.warning == "StepCannotStart" and d.phase == "Publishing" and d.recheck
+    assert f"step publish-plan cannot start; Job {name}, pod {name}-0-abcde: ImagePullBackOff: Back-off pulling " \
+           'image "registry.local/bij-steps:nope"' in d.message
+
+
+def test_the_operator_looks_at_a_steps_pods_only_once_one_failed_or_is_slow_to_start() -> None:
+    from bij_operator.handlers import pods_failed, slow_to_start
+
+    running = {"status": {"active": 1, "ready": 0, "startTime": "2026-01-01T12:00:00Z"}}
+    started = NOW.timestamp()
+    assert not slow_to_start(running, now=started + 5) and slow_to_start(running, now=started + 25)
+    assert not slow_to_start({"status": {**running["status"], "ready": 1}}, now=started + 25)
+    assert not pods_failed(running)
+    assert pods_failed({"status": {"uncountedTerminatedPods": {"failed": ["uid"]}}})
+    assert pods_failed({"status": {"conditions": [{"type": "FailureTarget", "status": "True"}]}})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime as dt
 import json
 import logging
 import os
@@ -126,12 +127,12 @@ class Api:
         self.batch.patch_namespaced_job(name, namespace, patch, _content_type="application/merge-patch+json",
                                         _preload_content=False)
 
-    def failed_step_pods(self, namespace: str, bij: str) -> list[dict[str, Any]]:
-        """The failed pods of a bij's step Jobs, as `reconcile.failed_pods` reads them (name, labels,
-        container states); none where this operator may not list pods (an older chart's Role)."""
+    def step_pods(self, namespace: str, bij: str) -> list[dict[str, Any]]:
+        """The pods of a bij's step Jobs, as `reconcile.failed_pods` and `stuck_pods` read them (name, labels,
+        phase, container states); none where this operator may not list pods (an older chart's Role)."""
         try:
             resp = self.core.list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={bij},{STEP_LABEL}",
-                                                 field_selector="status.phase=Failed", _preload_content=False)
+                                                 _preload_content=False)
         except ApiException as e:
             if e.status in (401, 403, 404):
                 log.warning("cannot list the pods of %s/%s's steps (%s): failures say less", namespace, bij, e.reason)
@@ -213,8 +214,9 @@ class KubeBackend:
                             jobs=[])
         jobs = self.jobs()
         # A step's failed pods say why it is retried or failed; looked for only where one failed.
-        failing = any(STEP_LABEL in (j["metadata"].get("labels") or {}) and pods_failed(j) for j in jobs)
-        pods = self.api.failed_step_pods(self.namespace, self.name) if failing else []
+        failing = any(STEP_LABEL in (j["metadata"].get("labels") or {}) and (pods_failed(j) or slow_to_start(j))
+                      for j in jobs)
+        pods = self.api.step_pods(self.namespace, self.name) if failing else []
         return Observed(job=job, spec_error=None, status=status, generation=generation, output_uri=output_uri,
                         jobs=jobs, pods=pods)
 
@@ -254,6 +256,22 @@ def pods_failed(job: Mapping[str, Any]) -> bool:
     return bool(status.get("failed") or (status.get("uncountedTerminatedPods") or {}).get("failed")
                 or any(c.get("type") in ("Failed", "FailureTarget") and str(c.get("status")) == "True"
                        for c in status.get("conditions") or []))
+
+
+# A step pod not ready this long after its Job started may be stuck (an image that cannot be pulled).
+SLOW_START_SECONDS = 20.0
+
+
+def slow_to_start(job: Mapping[str, Any], now: float | None = None) -> bool:
+    """Whether `job` has a pod that is not ready SLOW_START_SECONDS after the Job started."""
+    status = job.get("status") or {}
+    if not status.get("active") or status.get("ready"):
+        return False
+    try:
+        started = dt.datetime.fromisoformat(str(status.get("startTime")).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return False
+    return (time.time() if now is None else now) - started > SLOW_START_SECONDS
 
 
 def as_body(raw: dict[str, Any]) -> kopf.Body:

@@ -453,6 +453,29 @@ def failed_pods(job_name: str, pods: Sequence[Mapping[str, Any]]) -> list[PodEnd
     return [p for _, _, p in sorted(out, key=lambda t: (t[0], t[1]))]
 
 
+# A running step is looked at again this often, though its Job does not change.
+STEP_RECHECK = 30.0
+# A step pod waiting for good in one of these cannot start until someone acts (an image, a Secret).
+STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+                           "CreateContainerConfigError", "CreateContainerError"})
+
+
+def stuck_pods(job_name: str, pods: Sequence[Mapping[str, Any]]) -> list[PodEnd]:
+    """The pods of Job `job_name` that cannot start (`STUCK_REASONS`): the reason and the kubelet's message."""
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if labels.get("batch.kubernetes.io/job-name", labels.get("job-name")) != job_name:
+            continue
+        for c in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (c.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_REASONS:
+                out.append(PodEnd(pod=str(meta.get("name") or "?"), exit_code=None, reason=str(waiting["reason"]),
+                                  message=str(waiting.get("message") or "")))
+    return out
+
+
 def step_report(status: Mapping[str, Any], name: str, uid: str | None) -> StepReport | None:
     """The report of step Job `name` in the status, if it was made by the Job of that uid."""
     report = StepReport.parse(((status.get("reports") or {}).get("steps") or {}).get(name))
@@ -512,6 +535,14 @@ def step(job: BatchInferenceJob, seen: Observation, want: StepDecision) -> Decis
         # Reported before its pod exited 0, so the report is in a status read later than this Job.
         return Wait(round=want.round, phase=want.phase, reason=want.reason, shards=want.shards,
                     message=f"{want.message}: step {key} done, reading its report")
+    stuck = stuck_pods(name, seen.pods)
+    if stuck:
+        p = stuck[-1]
+        return Wait(round=want.round, phase=want.phase, reason="StepCannotStart", shards=want.shards,
+                    warning="StepCannotStart",
+                    message=f"{want.message}: step {key} cannot start; Job {name}, pod {p.pod}: {p.reason}"
+                            + (f": {p.message}" if p.message else "")
+                            + " (the chart value stepsImage names the steps' image)", recheck=STEP_RECHECK)
     pods_failed = max(len(failed), counted)
     if pods_failed:
         limit = tries or job.spec.workers.backoff_limit_per_index
@@ -522,7 +553,8 @@ def step(job: BatchInferenceJob, seen: Observation, want: StepDecision) -> Decis
                     warning="StepRetrying",
                     message=f"{want.message}: step {key} failed (attempt {pods_failed} of {limit + 1}), running "
                             f"it again; Job {name}, {cause}")
-    return Wait(round=want.round, phase=want.phase, reason=want.reason, shards=want.shards,
+    # Looked at again now and then: a pod that cannot start (an image not pulled) changes no Job.
+    return Wait(round=want.round, phase=want.phase, reason=want.reason, shards=want.shards, recheck=STEP_RECHECK,
                 message=f"{want.message} (step Job {name})")
 
 
