@@ -247,6 +247,13 @@ def test_a_step_job_is_one_pod_of_the_workers_identity_with_the_spec_and_no_gpu(
         assert key not in pod(body), key
     assert not any(v["name"] == "model-cache" for v in pod(body)["volumes"])
     assert container(body)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    # Asked for, the steps go where the workers go (a cluster whose every node is tainted for GPUs).
+    there = make_job(workers={"gpus": 1, "nodeSelector": {"pool": "h100"}, "stepsOnWorkerNodes": True,
+                              "tolerations": [{"key": "gpu", "operator": "Exists"}]})
+    placed = pod(jobs.render_step_job(there, "plan", 0, image="steps:1"))
+    assert placed["nodeSelector"] == {"pool": "h100"}
+    assert {"key": "gpu", "operator": "Exists"} in placed["tolerations"]
+    assert jobs.GPU_TOLERATION in placed["tolerations"] and "nvidia.com/gpu" not in str(placed["containers"])
     args = steps.parse_args(container(body)["args"][1:])
     assert container(body)["args"][0] == "step" and args.kind == "plan" and args.round == 2
     assert args.key == body["metadata"]["name"]

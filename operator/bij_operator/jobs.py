@@ -295,8 +295,9 @@ def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rou
 
     Like a publish pass: the bij's service account and storage settings; but `image` (the steps image,
     bij without an engine) whatever spec.workers.image says, small requests, and none of the workers'
-    placement (GPU, spot, spec.workers nodeSelector/tolerations/affinity): a one-second step never waits
-    for a GPU node or an engine's image. Its pod is retried as a lane is (spec.workers.backoffLimitPerIndex,
+    placement (GPU, spot, spec.workers nodeSelector/tolerations/affinity) unless
+    spec.workers.stepsOnWorkerNodes asks for it: a one-second step never waits for a GPU node or an
+    engine's image. Its pod is retried as a lane is (spec.workers.backoffLimitPerIndex,
     disruptions not counted); an expected failure (access denied, a plan refused) is a report, not a
     failed pod. Its container's termination message falls back to the end of its log.
     """
@@ -317,6 +318,11 @@ def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rou
     pod = spec["template"]["spec"]
     for placement in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
         pod.pop(placement, None)
+    if w.steps_on_worker_nodes:
+        # Asked for: where nothing but the workers' pool may run (every node tainted for GPUs, say).
+        node_selector, tolerations, affinity = _scheduling(job)
+        pod.update({k: v for k, v in (("nodeSelector", node_selector), ("tolerations", tolerations),
+                                      ("affinity", affinity)) if v})
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] not in ("model-cache", "dshm")]
     (container,) = pod["containers"]
     container["image"] = image

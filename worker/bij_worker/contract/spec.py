@@ -371,6 +371,9 @@ class WorkersSpec(_Model):
     shm_size: str | None = Field("8Gi", pattern=QUANTITY_PATTERN)
     spot: bool = False
     spot_provider: Literal["all", "gke", "eks", "karpenter", "aks"] = "all"
+    # The step Jobs (plan, finish, publish plan, manifest) run anywhere by default; true: on the workers'
+    # nodes (their nodeSelector, tolerations, affinity, spot and GPU placement), where nothing else may run.
+    steps_on_worker_nodes: bool = False
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
     affinity: dict[str, Any] | None = None
