@@ -348,6 +348,15 @@ def _versions(jobs: Iterable[Mapping[str, Any]]) -> frozenset[tuple[str, str]]:
     return frozenset((str(j["metadata"].get("name")), str(j["metadata"].get("resourceVersion"))) for j in jobs)
 
 
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+async def step_reported(namespace: str | None, name: str | None, body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A change of the bij (a step's report into its status among them) wakes its daemon at once, which
+    decides again if a step reported; no API call, nothing stored."""
+    wake = shared(memo).driven.get((namespace, name))  # type: ignore[arg-type]
+    if wake is not None:
+        wake.set()
+
+
 def _step_reports(body: kopf.Body) -> Any:
     """The steps' reports in the bij kopf keeps current from its watch (a new one wakes the daemon)."""
     return json.dumps(((body.get("status") or {}).get("reports") or {}).get("steps"), sort_keys=True)
