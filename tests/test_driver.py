@@ -510,3 +510,16 @@ def test_the_operator_looks_at_a_steps_pods_only_once_one_failed_or_is_slow_to_s
     assert not pods_failed(running)
     assert pods_failed({"status": {"uncountedTerminatedPods": {"failed": ["uid"]}}})
     assert pods_failed({"status": {"conditions": [{"type": "FailureTarget", "status": "True"}]}})
+
+
+def test_a_step_result_this_operator_cannot_read_fails_the_bij_saying_so(file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+    backend = FakeBackend(job)
+    name = f"{job.metadata.name}-plan-r0"
+    backend.jobs[name] = {"metadata": {"name": name, "uid": "u1", "labels": {STEP_LABEL: "plan-r0",
+                                                                          GENERATION_LABEL: "1"}},
+                          "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    backend.status["reports"] = {"steps": {name: {"jobUid": "u1", "result": {"shardCount": 3}}}}
+    idle = Driver(backend).reconcile()
+    assert isinstance(idle.decision, MarkFailed) and backend.status["phase"] == "Failed"
+    assert "step plan of round 0: its result cannot be read (KeyError: 'shards')" in backend.status["message"]

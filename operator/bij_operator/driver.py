@@ -183,8 +183,16 @@ class Driver:
         to stop."""
         try:
             return self._apply(seen, job, d)
-        except ValueError as e:
-            if not isinstance(d, (CreateJob, CreatePublishJob)):
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(d, StepDecision) and d.result is not None:
+                # A result this operator cannot read (a pod of another bij version): said, never raised.
+                what = d.step_args()
+                unreadable = MarkFailed(round=d.round, phase="Failed", reason="StepFailed", event="StepFailed",
+                                        message=f"step {what['kind']} of round {what['round_no']}: its result "
+                                                f"cannot be read ({type(e).__name__}: {e}); are the steps' image "
+                                                "and the operator of one version?")
+                return self.apply_failure(seen, unreadable, job)
+            if not isinstance(e, ValueError) or not isinstance(d, (CreateJob, CreatePublishJob)):
                 raise
             # The Job cannot be made from this spec (more lanes than an Indexed Job may have): only a spec
             # change helps.
