@@ -508,6 +508,10 @@ def test_the_operator_looks_at_a_steps_pods_only_once_one_failed_or_is_slow_to_s
     assert not slow_to_start(running, now=started + 5) and slow_to_start(running, now=started + 25)
     assert not slow_to_start({"status": {**running["status"], "ready": 1}}, now=started + 25)
     assert not pods_failed(running)
+    # Started, no pod running, not finished: its pod failed and the next is not made yet.
+    assert pods_failed({"status": {"active": 0, "startTime": "2026-01-01T12:00:00Z"}})
+    assert not pods_failed({"status": {"startTime": "2026-01-01T12:00:00Z", "conditions": [
+        {"type": "Complete", "status": "True"}]}})
     assert pods_failed({"status": {"uncountedTerminatedPods": {"failed": ["uid"]}}})
     assert pods_failed({"status": {"conditions": [{"type": "FailureTarget", "status": "True"}]}})
 

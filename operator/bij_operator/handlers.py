@@ -251,11 +251,15 @@ class KubeBackend:
 
 
 def pods_failed(job: Mapping[str, Any]) -> bool:
-    """Whether a pod of `job` failed (counted, being counted, or the Job gave up)."""
+    """Whether a pod of `job` may have failed: counted, being counted, the Job gave up, or a started Job
+    has no pod running and is not finished (its pod failed, the next one not made yet: the Job controller
+    may count the failure only then)."""
     status = job.get("status") or {}
+    ended = [c.get("type") for c in status.get("conditions") or [] if str(c.get("status")) == "True"]
     return bool(status.get("failed") or (status.get("uncountedTerminatedPods") or {}).get("failed")
-                or any(c.get("type") in ("Failed", "FailureTarget") and str(c.get("status")) == "True"
-                       for c in status.get("conditions") or []))
+                or {"Failed", "FailureTarget"} & set(ended)
+                or (status.get("startTime") and not status.get("active")
+                    and not {"Complete", "SuccessCriteriaMet"} & set(ended)))
 
 
 # A step pod not ready this long after its Job started may be stuck (an image that cannot be pulled).
