@@ -44,6 +44,8 @@ def bij(phase: str | None = None, *, cancel: bool = False, rows: dict[str, int] 
     (bij(), "validating"),
     (bij("Pending"), "validating"),
     (bij("Pending", rounds=[{"round": 0}]), "in_progress"),
+    (bij("Planning"), "validating"),
+    (bij("Planning", rounds=[{"round": 0}]), "in_progress"),  # planning a judge round
     (bij("Running"), "in_progress"),
     (bij("Suspended"), "in_progress"),
     (bij("Publishing"), "finalizing"),

@@ -110,7 +110,8 @@ def status_of(bij: Mapping[str, Any]) -> str:
         return "cancelling"
     if phase == "Cancelling":
         return "finalizing"  # the deadline passed: the finished part is being published
-    if phase in ("Running", "Suspended") or (phase == "Pending" and st.get("rounds")):
+    # Planning round 0 is validating; planning a judge round after it is work in progress.
+    if phase in ("Running", "Suspended") or (phase in ("Pending", "Planning") and st.get("rounds")):
         return "in_progress"
     return "validating"
 
