@@ -50,6 +50,7 @@ from .reconcile import (
     MarkFailed,
     Nothing,
     PatchJob,
+    Phase,
     PlanRound,
     PreparePublish,
     Publish,
@@ -368,7 +369,7 @@ class Driver:
         return Idle(d, recheck=d.delay if isinstance(d, Retry) else None)
 
     def create_job(self, seen: Observed, d: Decision, body: dict[str, Any], what: str,
-                   phase: Literal["Pending", "Publishing"]) -> Created:
+                   phase: Phase) -> Created:
         created = self.backend.create_job(body)
         if created == "foreign":
             conflict = name_conflict(d, body["metadata"]["name"], what, phase)
@@ -439,8 +440,7 @@ class Driver:
                                file_volume=self.backend.file_volume)
         body["metadata"]["labels"][GENERATION_LABEL] = str(seen.generation or 0)
         name = body["metadata"]["name"]
-        phase: Literal["Pending", "Publishing"] = "Publishing" if d.phase == "Publishing" else "Pending"
-        created = self.create_job(seen, d, body, f"{d.message}: step {args['kind']}", phase)
+        created = self.create_job(seen, d, body, f"{d.message}: step {args['kind']}", d.phase)
         if created == "foreign":
             return Idle(d, recheck=CONFLICT_RECHECK)
         if created == "created":
