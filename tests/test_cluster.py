@@ -364,8 +364,11 @@ def test_a_job_runs_to_succeeded_through_the_operator_pod(env: Env) -> None:
     assert any(c["type"] == "Complete" and c["status"] == "True" for c in env.job("emb-r0")["status"]["conditions"])
     # Publishing ran as one Job per pass, its pods reading and writing the rows; its plan, the round's
     # statistics and the manifest were steps of their own: the operator read and wrote no storage.
+    # A step's report is taken as it lands: its Job may complete a moment after the bij moved on.
     for step in ("emb-finish-r0", "emb-publish-plan", "emb-manifest"):
-        assert any(c["type"] == "Complete" and c["status"] == "True" for c in env.job(step)["status"]["conditions"])
+        wait_for(lambda step=step: any(c["type"] == "Complete" and c["status"] == "True"
+                                       for c in env.job(step)["status"].get("conditions") or []) or None,
+                 30, f"step Job {step} Complete")
     for pass_name in ("ids", "dedupe", "write"):
         publish_job = env.job(f"emb-publish-{pass_name}")
         assert any(c["type"] == "Complete" and c["status"] == "True" for c in publish_job["status"]["conditions"])
