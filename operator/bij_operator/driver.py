@@ -168,7 +168,7 @@ class Driver:
                 return Idle(None)
             job = seen.job
             now = now_utc()
-            last = decide(job, seen.status, seen.jobs, self.shards_done(seen.status), now, pods=seen.pods,
+            last = decide(job, seen.status, seen.jobs, self.shards_done(seen.status), now=now, pods=seen.pods,
                           generation=seen.generation)
             log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
             if self.on_decision is not None:

@@ -656,8 +656,8 @@ def decide(
     status: Mapping[str, Any],
     observed_jobs: Sequence[Mapping[str, Any]],
     shards_done: int | None = None,
-    now: dt.datetime | None = None,
     *,
+    now: dt.datetime | None = None,
     pods: Sequence[Mapping[str, Any]] = (),
     generation: int | None = None,
 ) -> Decision:
