@@ -84,3 +84,10 @@ USER 1000:1000
 WORKDIR /tmp
 EXPOSE 8080
 ENTRYPOINT ["bij", "operator"]
+
+# --- steps: a bij's storage steps (plan, finish, publish plan, manifest) -------------------------
+# The operator image with bij-worker as its entrypoint: bij, pyarrow and boto3, no engine, so a
+# one-second step never waits for a GPU image to be pulled. The chart's stepsImage (default: the
+# operator image itself, whose pods the step Jobs run with command bij-worker).
+FROM operator AS steps
+ENTRYPOINT ["bij-worker"]

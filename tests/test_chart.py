@@ -34,6 +34,7 @@ NON_DEFAULT = {
     "serviceAccount": {"annotations": {"example.com/owner": "platform"}},
     "image": {"repository": "registry.local/bij-operator", "tag": "dev", "pullPolicy": "Always"},
     "workerImage": {"repository": "registry.local/bij-worker", "tag": "dev"},
+    "stepsImage": {"repository": "registry.local/bij-steps", "tag": "dev"},
     "imagePullSecrets": [{"name": "registry"}],
     "logLevel": "DEBUG",
     "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
@@ -174,6 +175,8 @@ def test_operator_deployment_defaults(chart: helm.Chart) -> None:
     # The chart's default worker image is the one `bij render` and the operator fall back to.
     assert env["BIJ_WORKER_IMAGE"] == jobs.DEFAULT_WORKER_IMAGE
     assert container["image"] == "ghcr.io/bij-project/bij-operator:" + chart.metadata["appVersion"]
+    # Step Jobs run bij without an engine: by default the operator's own image.
+    assert env["BIJ_STEPS_IMAGE"] == container["image"]
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
 
 
@@ -196,6 +199,7 @@ def test_operator_deployment_with_non_default_values(chart: helm.Chart) -> None:
     assert container["image"] == "registry.local/bij-operator:dev" and container["imagePullPolicy"] == "Always"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["BIJ_WORKER_IMAGE"] == "registry.local/bij-worker:dev"
+    assert env["BIJ_STEPS_IMAGE"] == "registry.local/bij-steps:dev"
     assert env["BIJ_LOG_LEVEL"] == "DEBUG" and env["HTTPS_PROXY"] == "http://proxy:3128"
     assert env["BIJ_METRICS_PORT"] == "9401"
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
@@ -286,6 +290,7 @@ NAMESPACED_GRANTS = grants([
     {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/status"], "verbs": ["patch"]},
     {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/finalizers"], "verbs": ["update"]},
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ])
 CRD_GRANTS = grants([{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],

@@ -364,8 +364,11 @@ def test_a_job_runs_to_succeeded_through_the_operator_pod(env: Env) -> None:
     assert any(c["type"] == "Complete" and c["status"] == "True" for c in env.job("emb-r0")["status"]["conditions"])
     # Publishing ran as one Job per pass, its pods reading and writing the rows; its plan, the round's
     # statistics and the manifest were steps of their own: the operator read and wrote no storage.
+    # A step's report is taken as it lands: its Job may complete a moment after the bij moved on.
     for step in ("emb-finish-r0", "emb-publish-plan", "emb-manifest"):
-        assert any(c["type"] == "Complete" and c["status"] == "True" for c in env.job(step)["status"]["conditions"])
+        wait_for(lambda step=step: any(c["type"] == "Complete" and c["status"] == "True"
+                                       for c in env.job(step)["status"].get("conditions") or []) or None,
+                 30, f"step Job {step} Complete")
     for pass_name in ("ids", "dedupe", "write"):
         publish_job = env.job(f"emb-publish-{pass_name}")
         assert any(c["type"] == "Complete" and c["status"] == "True" for c in publish_job["status"]["conditions"])
@@ -823,6 +826,9 @@ JUSTIFIED = {
     ("batchinference.io", "batchinferencejobs/finalizers", "update"):
         "round Jobs carry an ownerReference with blockOwnerDeletion; the OwnerReferencesPermissionEnforcement "
         "admission plugin (on in this cluster) checks this permission when they are created",
+    ("", "pods", "list"):
+        "the failed pods of a step Job say why it is retried or failed; listed only once one failed "
+        "(test_a_step_whose_report_is_forbidden_ends_failed_saying_the_403_and_the_missing_verb)",
 }
 MODES = {
     "all-namespaces": {},
@@ -1007,3 +1013,45 @@ def test_bij_doctor_names_a_missing_grant_with_its_fix_and_probes_storage_from_t
              60, "the probe pods to be gone")
     listed = boto3.client("s3", endpoint_url=s3_service.endpoint).list_objects_v2(Bucket=bucket, Prefix="out/")
     assert listed.get("KeyCount", 0) == 0
+
+
+def test_a_step_whose_report_is_forbidden_ends_failed_saying_the_403_and_the_missing_verb(env: Env) -> None:
+    # The namespace's worker Role lacks the one verb a step needs: patching its bij's status.
+    remove_worker_account(env.api, env.ns)
+    rbac = kubernetes.client.RbacAuthorizationV1Api(env.api)
+    env.core.create_namespaced_service_account(env.ns, {"metadata": {"name": "bij-worker"}})
+    rbac.create_namespaced_role(env.ns, {"metadata": {"name": "bij-worker"}, "rules": [
+        {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"], "verbs": ["get"]}]})
+    rbac.create_namespaced_role_binding(env.ns, {
+        "metadata": {"name": "bij-worker"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "bij-worker"},
+        "subjects": [{"kind": "ServiceAccount", "name": "bij-worker", "namespace": env.ns}]})
+    job_ids(env, 20)
+    log_before = len(operator_log(env.cluster))
+    env.create(env.doc("denied"))
+    # A phase from the start: planning, while the plan step runs.
+    first = wait_for(lambda: env.status("denied").get("phase") or None, 60, "a phase")
+    assert first == "Planning", first
+    st = env.wait_phase("denied", "Failed", timeout=240)
+    message = st["message"]
+    print(message)
+    assert message.startswith("step plan-r0 failed 2 time(s), giving up (spec.workers.backoffLimitPerIndex 1); "
+                              "Job denied-plan-r0, last pod denied-plan-r0-0-"), message
+    assert "exit code 1: " in message and "cannot report the result of step plan: PATCH" in message, message
+    assert "HTTP 403" in message, message
+    assert 'cannot patch resource "batchinferencejobs/status"' in message, message
+    failed = [c for c in st["conditions"] if c["type"] == "Failed"]
+    assert failed and failed[0]["status"] == "True" and failed[0]["reason"] == "StepFailed"
+    assert failed[0]["message"] == message
+    line = env.kubectl("get", "bij", "denied", "--no-headers").split()
+    assert line[:2] == ["denied", "Failed"]
+    wait_for(lambda: "StepFailed" in env.reasons("denied") or None, 30, "the StepFailed Event")
+    events = {e["reason"]: e["message"] for e in env.events("denied")}
+    # The Event says the same (kopf cuts a long Event message in its middle).
+    assert events["StepFailed"][:300] == message[:300] and "HTTP 403" in events["StepFailed"]
+    assert "StepRetrying" in events and "running it again" in events["StepRetrying"]
+    assert "HTTP 403" in events["StepRetrying"]
+    # Said in the bij, not raised: no traceback in the operator's log, and no step Job made again.
+    new_log = operator_log(env.cluster)[log_before:]
+    assert "Traceback" not in new_log, new_log[-3000:]
+    assert [j["metadata"]["name"] for j in env.jobs()] == ["denied-plan-r0"]

@@ -309,6 +309,10 @@ BAD = [
                                    judge={"type": "regex", "pattern": "x", "maxRounds": 0}),
      "spec.judge.maxRounds: Invalid value: 0:"),
     ("misspelled-field", with_spec(workers={"gpu": 1}), 'unknown field "spec.workers.gpu"'),
+    # What bij-api once made of completion_window "9999999d": past the last date a clock can hold.
+    ("deadline-past-any-date", with_spec(deadlineSeconds=863999913600),
+     "spec.deadlineSeconds: Invalid value: 863999913600: spec.deadlineSeconds in body should be less than or "
+     "equal to 31622400"),
     ("name-too-long", {**minimal(), "metadata": {"name": "a" * 53}},
      '<nil>: Invalid value: metadata.name must be at most 52 characters'),
     ("name-with-dots", {**minimal(), "metadata": {"name": "my.job"}},
@@ -334,6 +338,7 @@ GOOD = [
     ("pvc-cache", with_spec(workers={"modelCache": {"type": "pvc", "claimName": "models"}})),
     ("quantities", with_spec(workers={"cpu": "500m", "memory": "1.5Gi", "shmSize": "1e9"})),
     ("longest-name", {**minimal(), "metadata": {"name": "a" * 52}}),
+    ("longest-deadline", with_spec(deadlineSeconds=366 * 86400)),
     ("parquet-in-and-out", with_spec(input={"uri": "s3://b/in/", "format": "parquet", "textField": "body"},
                                      output={"uri": "s3://b/out/", "format": "parquet"})),
     ("vllm-default-gpus", with_spec(model={"engine": "vllm", "name": "m", "vllm": {"tensorParallelSize": 2}})),

@@ -182,13 +182,21 @@ def _failed_round_job() -> dict[str, Any]:
 
 
 def test_a_round_failed_on_a_damaged_object_fails_the_bij_naming_it() -> None:
-    status = {"phase": "Running", "round": 0, "rounds": [{"round": 0, "shards": 8, "lanes": 2}]}
     what = "b.jsonl.zst is damaged after uncompressed byte 1,234 (the object ends inside a zstd frame)"
-    d = decide(_job(), status, [_failed_round_job()], 5, [what])
+    # The round's finish step counted 5 shards done and found the damage record its worker left.
+    finish = {"metadata": {"name": "j-finish-r0", "uid": "f1", "labels": {"batchinference.io/job": "j"},
+                           "ownerReferences": [{"uid": "u1"}]},
+              "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+
+    def counted(damaged: list[str]) -> dict[str, Any]:
+        return {"phase": "Running", "round": 0, "rounds": [{"round": 0, "shards": 8, "lanes": 2}],
+                "reports": {"steps": {"j-finish-r0": {"jobUid": "f1", "result": {"done": 5, "damaged": damaged}}}}}
+
+    d = decide(_job(), counted([what]), [_failed_round_job(), finish])
     assert isinstance(d, MarkFailed) and d.reason == "DamagedInput" and d.event == "DamagedInput"
     assert what in d.message and "replace the object and run again" in d.message
     # Without a damage record the failure is the Job's own, as before.
-    plain = decide(_job(), status, [_failed_round_job()], 5)
+    plain = decide(_job(), counted([]), [_failed_round_job(), finish])
     assert isinstance(plain, MarkFailed) and plain.reason == "PodFailurePolicy"
 
 

@@ -3,6 +3,7 @@ local Indexed Job controller that `bij run` hands the operator's own Job bodies 
 
 from __future__ import annotations
 
+import datetime as dt
 import sys
 import time
 import uuid
@@ -12,91 +13,154 @@ from typing import Any
 import pytest
 from bij_operator import steps
 from bij_operator.driver import Driver, Observed
-from bij_operator.failures import failed_step
-from bij_operator.fingerprint import PlanRefused
 from bij_operator.localjobs import LocalJob
-from bij_operator.planner import PlanError
-from bij_operator.publish import ErrorRatioExceeded, PublishError
 from bij_operator.reconcile import (
     CreateJob,
-    CreatePublishJob,
     MarkFailed,
     PlanRound,
-    PreparePublish,
-    Publish,
+    RerunStep,
     Retry,
     Wait,
+    decide,
     parse_ranges,
 )
-from bij_worker.contract.codes import GENERATION_LABEL, STEP_LABEL
-from bij_worker.storage import StorageError, StorageRefused
+from bij_worker.contract.codes import GENERATION_LABEL, JOB_LABEL, ROUND_LABEL, STEP_LABEL
+from bij_worker.contract.spec import parse_job
 
-# --- failed_step: the decision after a step raised ----------------------------------------------------
+# --- steps, decided by decide() from their Job, pods and report ----------------------------------------
 
-PLAN = PlanRound(round=0, phase="Pending", reason="Planning", message="planning round 0")
-CREATE = CreateJob(round=1, phase="Pending", reason="RoundStarting", message="", completions=4, suspend=False)
-PREPARE = PreparePublish(round=0, phase="Publishing", reason="Publishing", message="", rounds=1)
-PUBLISH = Publish(round=0, phase="Publishing", reason="Publishing", message="", rounds=1)
+NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.timezone.utc)
+UID = "bij-uid"
 
 
-def test_a_refused_plan_fails_the_bij_until_the_spec_changes() -> None:
-    d = failed_step(PLAN, PlanRefused("spec.model.name changed from null to \"x\""))
-    assert isinstance(d, MarkFailed) and d.reason == d.event == "PlanRefused" and "spec.model.name" in d.message
+def a_job(backoff: int = 3) -> Any:
+    return parse_job({"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
+                      "metadata": {"name": "emb", "namespace": "ml", "uid": UID},
+                      "spec": {"input": {"uri": "file:///in/"}, "output": {"uri": "file:///out/"},
+                               "model": {"engine": "echo", "task": "embed"},
+                               "workers": {"backoffLimitPerIndex": backoff}}})
 
 
-def test_input_that_may_still_appear_is_retried_and_says_whether_time_alone_can_fix_it() -> None:
-    later = failed_step(PLAN, PlanError("no input objects under file:///in/", permanent=False))
-    assert isinstance(later, Retry) and later.reason == "PlanFailed" and later.phase == "Pending"
-    assert later.message == "cannot plan round 0: no input objects under file:///in/" and not later.permanent
-    archived = failed_step(PLAN, StorageError("read s3://b/in/a.jsonl: InvalidObjectState: archived", permanent=True))
-    assert isinstance(archived, Retry) and archived.permanent and archived.delay > 0
+def step_job(name: str, *, state: str = "running", failed: int = 0, finished: str = "2026-01-01T11:59:50Z",
+             generation: str = "1") -> dict[str, Any]:
+    conditions = {"running": [], "done": [{"type": "Complete", "status": "True", "lastTransitionTime": finished}],
+                  "failed": [{"type": "Failed", "status": "True", "reason": "FailedIndexes",
+                              "message": "Job has failed indexes"}]}[state]
+    return {"metadata": {"name": name, "uid": f"{name}-uid", "labels": {
+        JOB_LABEL: "emb", STEP_LABEL: name[4:], GENERATION_LABEL: generation},
+        "ownerReferences": [{"uid": UID}]},
+        "spec": {}, "status": {"active": 1 if state == "running" else 0, "failed": failed, "conditions": conditions}}
 
 
-@pytest.mark.parametrize("step, says", [(PLAN, "cannot plan round 0: "), (PREPARE, "publish failed: "),
-                                        (PUBLISH, "publish failed: ")])
-def test_a_store_that_refuses_the_identity_fails_the_bij_naming_the_uri_and_the_key(step: Any, says: str) -> None:
-    refused = StorageRefused("list s3://team-a/in/ as access key id AKIAB: AccessDenied: Access Denied.")
-    d = failed_step(step, refused)
-    assert isinstance(d, MarkFailed) and d.phase == "Failed" and d.reason == d.event == "StorageRefused"
-    assert d.message == says + str(refused)
+def failed_pod(job_name: str, n: int, code: int, reason: str = "Error", message: str = "") -> dict[str, Any]:
+    return {"metadata": {"name": f"{job_name}-0-{n}", "labels": {"batch.kubernetes.io/job-name": job_name},
+                         "creationTimestamp": f"2026-01-01T11:5{n}:00Z"},
+            "status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
+                "exitCode": code, "reason": reason, "message": message}}}]}}
 
 
-def test_a_job_that_cannot_be_rendered_fails_with_cannot_create_job() -> None:
-    d = failed_step(CREATE, ValueError("a round needs 1 to 100000 lanes, got 100001"))
-    assert isinstance(d, MarkFailed) and d.reason == "CannotCreateJob" and d.message.startswith("round 1: ")
+def reported(name: str, **report: Any) -> dict[str, Any]:
+    return {"reports": {"steps": {name: {"jobUid": f"{name}-uid", "pod": f"{name}-0-1", **report}}}}
 
 
-def test_publish_failures_retry_except_too_many_errors() -> None:
-    too_many = failed_step(PUBLISH, ErrorRatioExceeded("12 of 100 rows failed"))
-    assert isinstance(too_many, MarkFailed) and too_many.reason == "TooManyErrors"
-    for step in (PREPARE, PUBLISH):
-        d = failed_step(step, PublishError("a shard summary is missing"))
-        assert isinstance(d, Retry) and d.reason == "PublishFailed" and d.phase == "Publishing"
-        d = failed_step(step, StorageError("file:///out: Permission denied"))
-        assert isinstance(d, Retry) and "Permission denied" in d.message
+def error(code: str, message: str, permanent: bool = False) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "permanent": permanent}}
 
 
-def test_unreadable_worker_records_at_a_rounds_finish_are_retried_and_named() -> None:
-    from bij_operator.reconcile import FinishRound
-
-    finish = FinishRound(round=2, phase="Running", reason="RoundFinished", message="")
-    d = failed_step(finish, StorageError("file:///out/_bij/j/round-2/done/00003.json: not a JSON object",
-                                         permanent=True))
-    assert isinstance(d, Retry) and d.reason == "StorageFailed" and d.permanent and d.phase == "Running"
-    assert d.message == "round 2: file:///out/_bij/j/round-2/done/00003.json: not a JSON object"
+PUBLISHING = {"phase": "Publishing", "round": 0, "rounds": [{"round": 0, "shards": 1, "lanes": 1,
+                                                             "completionTime": "2026-01-01T11:00:00Z"}]}
 
 
-@pytest.mark.parametrize("step, error", [
-    (PLAN, KeyError("shards")),                 # a bug in planning
-    (PLAN, ValueError("bad literal")),          # a ValueError that is not a PlanError
-    (CREATE, TypeError("unhashable")),
-    (PUBLISH, ZeroDivisionError()),
-    (CreatePublishJob(round=0, phase="Publishing", reason="Publishing", message="", rounds=1, pass_name="ids",
-                      completions=1, plan_uri="file:///p"), KeyError("x")),
+def test_a_new_bij_runs_its_plan_step_in_phase_planning() -> None:
+    d = decide(a_job(), {}, [], now=NOW, generation=1)
+    assert isinstance(d, PlanRound) and d.result is None and d.phase == "Planning"
+    running = decide(a_job(), {}, [step_job("emb-plan-r0")], now=NOW, generation=1)
+    assert isinstance(running, Wait) and running.phase == "Planning" and "emb-plan-r0" in running.message
+
+
+def test_a_reported_result_is_the_decision_with_its_result() -> None:
+    got = {"shards": 2, "lanes": 1, "bytes": 10, "objects": 1}
+    d = decide(a_job(), reported("emb-plan-r0", result=got), [step_job("emb-plan-r0", state="done")], now=NOW,
+               generation=1)
+    assert isinstance(d, PlanRound) and d.result == got
+
+
+@pytest.mark.parametrize("status, code, message, then, reason, says", [
+    ({}, "PlanRefused", "spec.output.uri: belongs to team-b/x", MarkFailed, "PlanRefused", ""),
+    ({}, "StorageRefused", "list s3://a/in/ as access key id AK: AccessDenied", MarkFailed, "StorageRefused",
+     "cannot plan round 0: "),
+    ({}, "PlanFailed", "no input objects under file:///in/", Retry, "PlanFailed", "cannot plan round 0: "),
+    (PUBLISHING, "TooManyErrors", "12 of 100 rows failed", MarkFailed, "TooManyErrors", ""),
+    (PUBLISHING, "WorkFilesRemoved", "removed at noon", MarkFailed, "WorkFilesRemoved", ""),
+    (PUBLISHING, "PublishFailed", "a shard summary is missing", Retry, "PublishFailed", "publish failed: "),
+    (PUBLISHING, "StorageRefused", "put s3://o/: AccessDenied", MarkFailed, "StorageRefused", "publish failed: "),
+    (PUBLISHING, "StorageFailed", "file:///out: Permission denied", Retry, "PublishFailed", "publish failed: "),
 ])
-def test_a_bug_is_raised_again_never_retried_as_an_outage(step: Any, error: Exception) -> None:
-    with pytest.raises(type(error)):
-        failed_step(step, error)
+def test_each_error_code_a_step_reports_is_one_decision(status: dict, code: str, message: str, then: type,
+                                                         reason: str, says: str) -> None:
+    name = "emb-plan-r0" if not status else "emb-publish-plan"
+    d = decide(a_job(), {**status, **reported(name, **error(code, message))}, [step_job(name, state="done")],
+               now=NOW, generation=1)
+    assert type(d) is then and d.reason == reason and d.message == says + message, d
+    if isinstance(d, MarkFailed):
+        assert d.event == reason
+    else:
+        assert d.delay == pytest.approx(20.0)  # 30 s after the step reported, 10 s ago
+
+
+def test_a_passing_failure_is_run_anew_once_its_retry_is_due() -> None:
+    status = reported("emb-plan-r0", **error("PlanFailed", "no input yet"))
+    d = decide(a_job(), status, [step_job("emb-plan-r0", state="done", finished="2026-01-01T11:59:00Z")], now=NOW,
+               generation=1)
+    assert isinstance(d, RerunStep) and d.job_name == "emb-plan-r0" and d.phase == "Planning"
+
+
+def test_a_step_refused_for_an_earlier_generation_runs_again() -> None:
+    status = reported("emb-plan-r0", **error("PlanRefused", "belongs to team-b/x", permanent=True))
+    jobs = [step_job("emb-plan-r0", state="done", generation="1")]
+    assert isinstance(decide(a_job(), status, jobs, now=NOW, generation=1), MarkFailed)
+    assert isinstance(decide(a_job(), status, jobs, now=NOW, generation=2), RerunStep)
+
+
+def test_a_killed_step_pod_is_said_and_left_to_its_job_to_run_again() -> None:
+    name = "emb-finish-r0"
+    status = {"phase": "Running", "round": 0, "rounds": [{"round": 0, "shards": 2, "lanes": 1}]}
+    round_job = {"metadata": {"name": "emb-r0", "labels": {JOB_LABEL: "emb", ROUND_LABEL: "0"}},
+                 "spec": {"completions": 1}, "status": {"completedIndexes": "0", "conditions": [
+                     {"type": "Complete", "status": "True"}]}}
+    d = decide(a_job(), status, [round_job, step_job(name, failed=1)], now=NOW, generation=1,
+               pods=[failed_pod(name, 1, 137, "OOMKilled", "reading records\nstill reading")])
+    assert isinstance(d, Wait) and d.warning == "StepRetrying" and d.phase == "Running"
+    assert f"step finish-r0 failed (attempt 1 of 4), running it again; Job {name}, pod {name}-0-1: exit code 137 " \
+           "(OOMKilled): reading records | still reading" in d.message
+
+
+def test_a_step_whose_job_gave_up_fails_the_bij_naming_the_pod_and_the_cause() -> None:
+    name = "emb-plan-r0"
+    pods = [failed_pod(name, n, 1, message="cannot report the result of step plan: PATCH https://k/status: HTTP "
+                                            "403: User \"system:serviceaccount:ml:bij-worker\" cannot patch "
+                                            "resource \"batchinferencejobs/status\"") for n in (1, 2)]
+    d = decide(a_job(backoff=1), {}, [step_job(name, state="failed", failed=2)], now=NOW, generation=1, pods=pods)
+    assert isinstance(d, MarkFailed) and d.reason == d.event == "StepFailed" and d.phase == "Failed"
+    assert d.message.startswith(f"step plan-r0 failed 2 time(s), giving up (spec.workers.backoffLimitPerIndex 1); "
+                                f"Job {name}, last pod {name}-0-2: exit code 1: cannot report")
+    assert "HTTP 403" in d.message and "cannot patch resource \"batchinferencejobs/status\"" in d.message
+
+
+def test_an_internal_error_a_step_reported_is_named_once_its_job_gave_up() -> None:
+    name = "emb-plan-r0"
+    status = reported(name, **error("Internal", "KeyError: 'shards'"))
+    running = decide(a_job(), status, [step_job(name, failed=1)], now=NOW, generation=1)
+    assert isinstance(running, Wait) and running.warning == "StepRetrying" and "KeyError: 'shards'" in running.message
+    failed = decide(a_job(), status, [step_job(name, state="failed", failed=4)], now=NOW, generation=1)
+    assert isinstance(failed, MarkFailed) and "KeyError: 'shards'" in failed.message
+
+
+def test_a_job_of_the_steps_name_from_an_earlier_object_is_waited_for() -> None:
+    old = step_job("emb-plan-r0")
+    old["metadata"]["ownerReferences"] = [{"uid": "another"}]
+    d = decide(a_job(), {}, [old], now=NOW, generation=1)
+    assert isinstance(d, Wait) and d.reason == "WaitingForOldJob"
 
 
 # --- the driver through a backend ------------------------------------------------------------------------
@@ -106,6 +170,7 @@ class FakeBackend:
     """Status and Jobs in memory, Events recorded; `foreign` names Jobs someone else owns."""
 
     worker_image = "img"
+    steps_image = "steps-img"
     file_volume = None
 
     def __init__(self, job: Any, foreign: set[str] = frozenset()):  # type: ignore[assignment]
@@ -136,8 +201,10 @@ class FakeBackend:
             # A step's pod, run here and now: its report lands in the status, its Job completes.
             (container,) = body["spec"]["template"]["spec"]["containers"]
             args = steps.parse_args(container["args"][1:])
-            self.status.setdefault("reports", {}).setdefault("steps", {})[name] = steps.step_report(args, uid)
-            self.jobs[name]["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+            self.status.setdefault("reports", {}).setdefault("steps", {})[name] = \
+                steps.step_report(args, uid).as_status()
+            self.jobs[name]["status"] = {"conditions": [{"type": "Complete", "status": "True"}],
+                                         "completionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         return "created"
 
     def patch_job(self, name: str, spec: dict[str, Any]) -> None:
@@ -200,11 +267,17 @@ def test_missing_input_is_a_retry_with_its_message_on_the_status(file_place, mak
     _, job = make_job(file_place, file_place.uri("nothing-here/"))
     backend = FakeBackend(job)
     idle = Driver(backend).reconcile()
-    assert isinstance(idle.decision, Retry) and idle.recheck == 30.0
-    assert backend.status["phase"] == "Pending" and backend.status["message"].startswith("cannot plan round 0: ")
+    assert isinstance(idle.decision, Retry) and 29.0 < (idle.recheck or 0) <= 30.0
+    assert backend.status["phase"] == "Planning" and backend.status["message"].startswith("cannot plan round 0: ")
     assert backend.events == [("Warning", "PlanFailed", backend.status["message"])]
-    # The plan Job goes, so that the next attempt plans anew (the input may have arrived by then).
-    assert backend.deletes == [f"{job.metadata.name}-plan-r0"]
+    # Once the retry is due the plan Job goes, so that the step plans anew (the input may have arrived by then).
+    name = f"{job.metadata.name}-plan-r0"
+    assert backend.deletes == []
+    backend.jobs[name]["status"]["completionTime"] = "2000-01-01T00:00:00Z"
+    idle = Driver(backend).reconcile()
+    assert backend.deletes == [name] and isinstance(idle.decision, RerunStep)
+    Driver(backend).reconcile()
+    assert backend.creates == [name, name] and [e[1] for e in backend.events] == ["PlanFailed"] * 2  # each try said
 
 
 @pytest.mark.parametrize("case", ["another-tenants-bucket", "no-such-input-bucket"])
@@ -246,14 +319,15 @@ def test_a_result_left_by_an_earlier_job_of_the_steps_name_is_never_taken(file_p
     backend.status["reports"] = {"steps": {name: {"jobUid": "old", "result": {"shards": 99, "lanes": 9, "bytes": 1,
                                                                                "objects": 1}}}}
     idle = Driver(backend).reconcile()
-    assert isinstance(idle.decision, PlanRound) and "rounds" not in backend.status  # waits for its own Job's
+    assert isinstance(idle.decision, Wait) and "rounds" not in backend.status  # waits for its own Job's
+    assert backend.status["phase"] == "Planning"
 
 
 def test_a_step_refused_for_a_spec_since_edited_runs_again(file_place, make_job) -> None:
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
     backend = FakeBackend(job)
     name = f"{job.metadata.name}-plan-r0"
-    refused = {"type": "PlanRefused", "message": "spec.output.uri: belongs to another job", "permanent": True}
+    refused = {"code": "PlanRefused", "message": "spec.output.uri: belongs to another job", "permanent": True}
     backend.jobs[name] = {"metadata": {"name": name, "uid": "u1", "labels": {STEP_LABEL: "plan-r0",
                                                                           GENERATION_LABEL: "1"}},
                           "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
@@ -400,3 +474,56 @@ def test_parallelism_bounds_the_processes_at_once(tmp_path: Path) -> None:
         most = max(most, lj.active)
         time.sleep(0.01)
     assert most == 2 and lj.view()["status"]["completedIndexes"] == "0-3"
+
+
+def test_a_step_whose_job_gave_up_waits_a_little_for_its_pods_to_say_why() -> None:
+    name = "emb-plan-r0"
+    gave_up = step_job(name, state="failed", failed=2)
+    gave_up["status"]["conditions"][0]["lastTransitionTime"] = "2026-01-01T11:59:50Z"
+    soon = decide(a_job(), {}, [gave_up], now=NOW, generation=1)
+    assert isinstance(soon, Wait) and soon.reason == "StepFailing" and soon.recheck
+    later = decide(a_job(), {}, [gave_up], now=NOW + dt.timedelta(seconds=30), generation=1)
+    assert isinstance(later, MarkFailed) and later.message.endswith(
+        "Job emb-plan-r0, last FailedIndexes: Job has failed indexes")
+    told = decide(a_job(), {}, [gave_up], now=NOW, generation=1, pods=[failed_pod(name, 2, 1, message="boom")])
+    assert isinstance(told, MarkFailed) and told.message.endswith(f"last pod {name}-0-2: exit code 1: boom")
+
+
+def test_a_step_pod_that_cannot_pull_its_image_is_said_naming_the_pod_and_the_reason() -> None:
+    name = "emb-publish-plan"
+    pod = {"metadata": {"name": f"{name}-0-abcde", "labels": {"batch.kubernetes.io/job-name": name}},
+           "status": {"phase": "Pending", "containerStatuses": [{"state": {"waiting": {
+               "reason": "ImagePullBackOff", "message": 'Back-off pulling image "registry.local/bij-steps:nope"'}}}]}}
+    d = decide(a_job(), PUBLISHING, [step_job(name)], now=NOW, generation=1, pods=[pod])
+    assert isinstance(d, Wait) and d.warning == "StepCannotStart" and d.phase == "Publishing" and d.recheck
+    assert f"step publish-plan cannot start; Job {name}, pod {name}-0-abcde: ImagePullBackOff: Back-off pulling " \
+           'image "registry.local/bij-steps:nope"' in d.message
+
+
+def test_the_operator_looks_at_a_steps_pods_only_once_one_failed_or_is_slow_to_start() -> None:
+    from bij_operator.handlers import pods_failed, slow_to_start
+
+    running = {"status": {"active": 1, "ready": 0, "startTime": "2026-01-01T12:00:00Z"}}
+    started = NOW.timestamp()
+    assert not slow_to_start(running, now=started + 5) and slow_to_start(running, now=started + 25)
+    assert not slow_to_start({"status": {**running["status"], "ready": 1}}, now=started + 25)
+    assert not pods_failed(running)
+    # Started, no pod running, not finished: its pod failed and the next is not made yet.
+    assert pods_failed({"status": {"active": 0, "startTime": "2026-01-01T12:00:00Z"}})
+    assert not pods_failed({"status": {"startTime": "2026-01-01T12:00:00Z", "conditions": [
+        {"type": "Complete", "status": "True"}]}})
+    assert pods_failed({"status": {"uncountedTerminatedPods": {"failed": ["uid"]}}})
+    assert pods_failed({"status": {"conditions": [{"type": "FailureTarget", "status": "True"}]}})
+
+
+def test_a_step_result_this_operator_cannot_read_fails_the_bij_saying_so(file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+    backend = FakeBackend(job)
+    name = f"{job.metadata.name}-plan-r0"
+    backend.jobs[name] = {"metadata": {"name": name, "uid": "u1", "labels": {STEP_LABEL: "plan-r0",
+                                                                          GENERATION_LABEL: "1"}},
+                          "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    backend.status["reports"] = {"steps": {name: {"jobUid": "u1", "result": {"shardCount": 3}}}}
+    idle = Driver(backend).reconcile()
+    assert isinstance(idle.decision, MarkFailed) and backend.status["phase"] == "Failed"
+    assert "step plan of round 0: its result cannot be read (KeyError: 'shards')" in backend.status["message"]

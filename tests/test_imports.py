@@ -21,6 +21,7 @@ PURE = {
     "bij_operator.stopping",  # whether cancel was asked or the deadline passed: the spec, the status, a clock
     "bij_worker.contract", "bij_worker.contract.codes", "bij_worker.contract.errors", "bij_worker.contract.spec",
     "bij_worker.contract.plan", "bij_worker.contract.publish_plan", "bij_worker.contract.globs",
+    "bij_worker.contract.step_report",  # a step's report as the status holds it: pydantic over plain data
     "bij_worker.sampling",  # the spec's sampling defaults are checked with the rows' own rules
 }
 IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",

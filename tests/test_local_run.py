@@ -367,3 +367,68 @@ def test_a_rerun_over_replaced_input_is_refused_and_a_worker_never_reads_it(file
                        env={**worker_env(), "JOB_COMPLETION_INDEX": "0"}, capture_output=True, text=True, timeout=60)
     assert w.returncode == 42
     assert "was modified after the job was planned" in w.stderr
+
+
+# A worker command that SIGKILLs itself (as an OOM kill or a lost node does) the first N times each step
+# runs, then is bij-worker: argv = [python, KILLER, folder, N, bij-worker args...].
+KILLER = """
+import os, signal, sys
+folder, times, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+if args[:1] == ["step"]:
+    key = args[args.index("--key") + 1]
+    tries = len([f for f in os.listdir(folder) if f.startswith(key + ".")])
+    open(os.path.join(folder, f"{key}.{tries}"), "w").close()
+    if tries < times:
+        print(f"step {key}: about to be killed", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+os.execv(os.environ["BIJ_WORKER_BIN"], ["bij-worker", *args])
+"""
+
+
+def run_killing_steps(tmp_path: Path, job: Any, times: int, env: dict[str, str], bij_bin: Any) -> int:
+    import sys
+
+    from bij_operator.local import LocalRunner
+
+    script, folder = tmp_path / "killer.py", tmp_path / "kills"
+    script.write_text(KILLER)
+    folder.mkdir()
+    saved = dict(os.environ)
+    os.environ.update(env, BIJ_WORKER_BIN=bij_bin("bij-worker"))
+    try:
+        return LocalRunner(job, show_progress=False,
+                           worker_cmd=[sys.executable, str(script), str(folder), str(times)]).run()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_every_step_killed_twice_is_run_again_and_the_job_completes(file_place, make_job, read_output, worker_env,
+                                                                     bij_bin, tmp_path, capfd):
+    inputs = rows(60)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), workers={"backoffLimitPerIndex": 2})
+    assert run_killing_steps(tmp_path, job, 2, worker_env(file_place), bij_bin) == 0
+    check_published(read_output(job), inputs)
+    assert not Path(layout.local_status_uri(job)[len("file://"):]).exists()  # published: the manifest says it all
+    said = capfd.readouterr().err
+    for key in ("plan-r0", "finish-r0", "publish-plan", "manifest"):
+        assert len(list((tmp_path / "kills").glob(f"t-{key}.*"))) == 3, key
+        # Each retry is said, naming the step, its pod and the cause.
+        assert f"step {key} failed (attempt 2 of 3), running it again; Job t-{key}, pod t-{key}-0-2: exit code 137 " \
+               f"(killed: SIGKILL, as an OOM kill or a lost node does): step t-{key}: about to be killed" in said, said
+
+
+def test_a_plan_step_that_fails_for_good_ends_failed_naming_the_step_pod_and_cause(file_place, make_job, worker_env,
+                                                                                  bij_bin, tmp_path, capfd):
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)), workers={"backoffLimitPerIndex": 1})
+    assert run_killing_steps(tmp_path, job, 99, worker_env(file_place), bij_bin) == 1
+    said = capfd.readouterr().err
+    assert "bij: step plan-r0 failed 2 time(s), giving up (spec.workers.backoffLimitPerIndex 1); Job t-plan-r0, " \
+           "last pod t-plan-r0-0-2: exit code 137 (killed: SIGKILL" in said, said
+    assert "Traceback" not in said
+    assert len(list((tmp_path / "kills").glob("t-plan-r0.*"))) == 2
+    # `bij status` says the same as `kubectl get bij` would.
+    from bij_operator.results import job_summary
+
+    lines = job_summary(job)
+    assert lines[1].startswith("  phase     Failed (StepFailed): step plan-r0 failed 2 time(s), giving up"), lines

@@ -44,6 +44,8 @@ def bij(phase: str | None = None, *, cancel: bool = False, rows: dict[str, int] 
     (bij(), "validating"),
     (bij("Pending"), "validating"),
     (bij("Pending", rounds=[{"round": 0}]), "in_progress"),
+    (bij("Planning"), "validating"),
+    (bij("Planning", rounds=[{"round": 0}]), "in_progress"),  # planning a judge round
     (bij("Running"), "in_progress"),
     (bij("Suspended"), "in_progress"),
     (bij("Publishing"), "finalizing"),
@@ -98,7 +100,11 @@ def test_the_completion_window_is_the_deadline(window: str, seconds: int) -> Non
     assert window_seconds(window) == seconds
 
 
-@pytest.mark.parametrize("window", ["soon", "0h", "24", "-1h", 24, None])
+def test_the_longest_window_is_the_longest_deadline_the_crd_takes() -> None:
+    assert window_seconds("366d") == 366 * 86400
+
+
+@pytest.mark.parametrize("window", ["soon", "0h", "24", "-1h", 24, None, "9999999d", "367d", "8785h"])
 def test_a_window_that_is_no_duration_is_refused_naming_the_field(window: Any) -> None:
     with pytest.raises(BadRequest, match="completion_window") as e:
         window_seconds(window)

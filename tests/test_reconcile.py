@@ -91,6 +91,16 @@ def k8s_job(round_no: int = 0, *, completions: int = 8, parallelism: int = 4, su
             "status": status}
 
 
+def counted(status: dict[str, Any], done: int, round_no: int = 0, damaged: Sequence[str] = ()) -> tuple[
+        dict[str, Any], dict[str, Any]]:
+    """`status` with the report of round `round_no`'s finish step (`done` shards), and that step's Job."""
+    name = f"emb-finish-r{round_no}"
+    step_job = {"metadata": {"name": name, "uid": "finish-uid", "labels": {rc.JOB_LABEL: "emb"}},
+                "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    report = {"jobUid": "finish-uid", "result": {"done": done, "damaged": list(damaged)}}
+    return {**status, "reports": {"steps": {name: report}}}, step_job
+
+
 # --- index range strings -----------------------------------------------------------------------
 
 
@@ -124,7 +134,7 @@ def test_format_ranges_folds_consecutive_runs(indexes: list[int], text: str) -> 
 def test_a_new_job_plans_round_zero() -> None:
     d = decide(make_job(), {}, [])
     assert isinstance(d, PlanRound)
-    assert (d.round, d.phase) == (0, "Pending")
+    assert (d.round, d.phase) == (0, "Planning")
 
 
 def test_a_planned_round_without_a_job_creates_it_with_one_index_per_lane() -> None:
@@ -287,7 +297,11 @@ def test_a_succeeded_bij_is_left_alone() -> None:
 def test_a_failed_job_with_shards_undone_marks_the_bij_failed_naming_the_failed_lanes() -> None:
     job = k8s_job(completed="0-1,3-5,7", failed="2,6",
                   conditions=[("Failed", "True", "FailedIndexes", "Job has failed indexes")])
+    # Its finish step counts the shards done first.
     d = decide(make_job(), planned(), [job], shards_done=6)
+    assert isinstance(d, FinishRound) and d.result is None and d.reason == "RoundFinishing"
+    status, step_job = counted(planned(), done=6)
+    d = decide(make_job(), status, [job, step_job])
     assert isinstance(d, MarkFailed)
     assert d.phase == "Failed"
     assert d.reason == "FailedIndexes"
@@ -299,13 +313,15 @@ def test_a_failed_job_with_shards_undone_marks_the_bij_failed_naming_the_failed_
 def test_failed_lanes_whose_shards_the_others_finished_leave_the_round_whole() -> None:
     job = k8s_job(completions=4, completed="0-1,3", failed="2",
                   conditions=[("Failed", "True", "FailedIndexes", "Job has failed indexes")])
-    d = decide(make_job(), planned(shards=8, lanes=4), [job], shards_done=8)
-    assert isinstance(d, FinishRound)
+    status, step_job = counted(planned(shards=8, lanes=4), done=8)
+    d = decide(make_job(), status, [job, step_job])
+    assert isinstance(d, FinishRound) and d.result == {"done": 8, "damaged": []}
     assert d.shards == rc.Shards(done=8, total=8)
     assert "lane 2 failed; the other lanes finished its shards" in d.message
     assert d.failed_lanes == (2,)
     # Without the shard records the operator cannot tell: the Job's verdict stands.
-    assert isinstance(decide(make_job(), planned(shards=8, lanes=4), [job]), MarkFailed)
+    status, step_job = counted(planned(shards=8, lanes=4), done=5)
+    assert isinstance(decide(make_job(), status, [job, step_job]), MarkFailed)
 
 
 def test_failure_target_fails_the_round_before_the_pods_are_gone() -> None:
@@ -313,13 +329,15 @@ def test_failure_target_fails_the_round_before_the_pods_are_gone() -> None:
         ("FailureTarget", "True", "PodFailurePolicy",
          "Container worker for pod ml/emb-r0-3-x failed with exit code 42 matching FailJob rule at index 3"),
     ])
-    d = decide(make_job(), planned(), [job])
+    status, step_job = counted(planned(), done=5)
+    d = decide(make_job(), status, [job, step_job])
     assert isinstance(d, MarkFailed)
     assert d.reason == "PodFailurePolicy"
     assert d.failed_lanes == (3,)
     assert "round 0: lane 3 failed" in d.message
     # A bad configuration fails the bij even when the other lanes got every shard done meanwhile.
-    assert isinstance(decide(make_job(), planned(), [job], shards_done=8), MarkFailed)
+    status, step_job = counted(planned(), done=8)
+    assert isinstance(decide(make_job(), status, [job, step_job]), MarkFailed)
     assert "exit code 42" in d.message
 
 

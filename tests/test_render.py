@@ -222,18 +222,38 @@ def test_pods_report_into_their_bijs_status_under_their_pod_name_and_their_jobs_
 def test_a_step_job_is_one_pod_of_the_workers_identity_with_the_spec_and_no_gpu() -> None:
     from bij_operator import steps
 
-    job = make_job(workers={"gpus": 1, "serviceAccountName": "team-a-worker"},
+    job = make_job(workers={"gpus": 1, "serviceAccountName": "team-a-worker", "backoffLimitPerIndex": 5,
+                                    "image": "vllm-worker:big", "nodeSelector": {"pool": "h100"},
+                                    "tolerations": [{"key": "gpu", "operator": "Exists"}], "spot": True,
+                                    "cpu": "8", "memory": "64Gi", "priorityClassName": "gpu-batch"},
                    storage={"credentialsSecret": "team-a-s3"})
-    body = jobs.render_step_job(job, "plan", 2, image="img:1", owner_uid="u-1")
+    body = jobs.render_step_job(job, "plan", 2, image="steps:1", owner_uid="u-1")
     assert body["metadata"]["name"] == f"{job.metadata.name}-plan-r2"
     assert body["metadata"]["labels"]["batchinference.io/step"] == "plan-r2"
     assert "batchinference.io/round" not in body["metadata"]["labels"]  # never taken for the round's Job
     spec = body["spec"]
-    assert spec["completions"] == spec["parallelism"] == 1 and spec["backoffLimit"] == 2
-    assert "podFailurePolicy" not in spec and "backoffLimitPerIndex" not in spec
+    # One retry policy for steps and rounds: the spec's backoffLimitPerIndex (what the local controller reads).
+    assert spec["completions"] == spec["parallelism"] == 1 and spec["backoffLimitPerIndex"] == 5
+    assert spec["maxFailedIndexes"] == 0 and "backoffLimit" not in spec
+    assert spec["podFailurePolicy"]["rules"] == [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
     assert pod(body)["serviceAccountName"] == "team-a-worker"
     assert container(body)["envFrom"] == [{"secretRef": {"name": "team-a-s3"}}]
-    assert "nvidia.com/gpu" not in str(container(body).get("resources"))
+    # A small pod anywhere on the steps image: none of the GPU pool's placement, size or image.
+    assert container(body)["image"] == "steps:1"
+    assert container(body)["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"},
+                                            "limits": {"memory": "1Gi"}}
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        assert key not in pod(body), key
+    assert not any(v["name"] == "model-cache" for v in pod(body)["volumes"])
+    assert container(body)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    # Asked for, the steps go where the workers go (a cluster whose every node is tainted for GPUs).
+    there = make_job(workers={"gpus": 1, "nodeSelector": {"pool": "h100"}, "stepsOnWorkerNodes": True,
+                              "tolerations": [{"key": "gpu", "operator": "Exists"}]})
+    placed = pod(jobs.render_step_job(there, "plan", 0, image="steps:1"))
+    assert placed["nodeSelector"] == {"pool": "h100"}
+    assert {"key": "gpu", "operator": "Exists"} in placed["tolerations"]
+    assert jobs.GPU_TOLERATION in placed["tolerations"] and "nvidia.com/gpu" not in str(placed["containers"])
     args = steps.parse_args(container(body)["args"][1:])
     assert container(body)["args"][0] == "step" and args.kind == "plan" and args.round == 2
     assert args.key == body["metadata"]["name"]

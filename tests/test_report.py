@@ -13,6 +13,7 @@ from bij_operator import steps
 from bij_operator.fingerprint import PlanRefused
 from bij_operator.planner import PlanError
 from bij_worker import report
+from bij_worker.contract.step_report import StepErrorCode, StepReport
 from bij_worker.storage import StorageError, StorageRefused
 
 
@@ -97,20 +98,67 @@ def test_a_report_is_a_merge_patch_of_the_pods_own_key_in_the_bijs_status(tmp_pa
     assert body == {"status": {"reports": {"steps": {"emb-plan-r0": {"jobUid": "u", "result": {"shards": 2}}}}}}
 
 
-@pytest.mark.parametrize("error", [
-    PlanRefused("spec.output.uri: s3://b/o/ belongs to BatchInferenceJob team-b/x"),
-    PlanError("spec.input.uri: no input at s3://b/in/", permanent=False),
-    StorageRefused("list s3://team-a/in/ as access key id B: AccessDenied: Access Denied."),
-    StorageError("file:///out: Permission denied", permanent=False),
+def test_a_report_the_api_server_forbids_is_not_retried_and_says_the_verb_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    forbidden = ('batchinferencejobs.batchinference.io "emb" is forbidden: User "system:serviceaccount:team-a:'
+                 'bij-worker" cannot patch resource "batchinferencejobs/status" in API group "batchinference.io" '
+                 'in the namespace "team-a"')
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append(self.path)
+            body = json.dumps({"kind": "Status", "status": "Failure", "message": forbidden, "reason": "Forbidden",
+                               "code": 403}).encode()
+            self.send_response(403)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "token").write_text("tok-1\n")
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
+        monkeypatch.setattr(report.ssl, "create_default_context", lambda cafile: None)
+        sink = report.KubeStatus("team-a", "emb", sa_dir=tmp_path)
+        sink.url = sink.url.replace("https://", "http://")
+        with pytest.raises(report.ReportError) as refused:
+            report.put_with_retries(sink, "steps", "emb-plan-r0", {"jobUid": "u", "result": {}}, delay=0.01)
+    finally:
+        server.shutdown()
+    assert len(calls) == 1 and refused.value.permanent
+    assert str(refused.value).endswith(f"HTTP 403: {forbidden}")
+
+
+@pytest.mark.parametrize("error, code", [
+    (PlanRefused("spec.output.uri: s3://b/o/ belongs to BatchInferenceJob team-b/x"), StepErrorCode.PLAN_REFUSED),
+    (PlanError("spec.input.uri: no input at s3://b/in/", permanent=False), StepErrorCode.PLAN_FAILED),
+    (StorageRefused("list s3://team-a/in/ as access key id B: AccessDenied: Access Denied."),
+     StepErrorCode.STORAGE_REFUSED),
+    (StorageError("file:///out: Permission denied", permanent=False), StepErrorCode.STORAGE_FAILED),
 ])
-def test_a_steps_error_comes_back_as_the_type_the_driver_sorts(error: Exception) -> None:
-    back = steps.rebuild_error(json.loads(json.dumps(steps.error_report(error))))
-    assert type(back) is type(error) and str(back) == str(error)
-    assert back.permanent == error.permanent  # type: ignore[attr-defined]
+def test_a_steps_error_travels_under_its_code_not_its_class_name(error: Exception, code: StepErrorCode) -> None:
+    sent = StepReport(job_uid="u", pod="p", error=steps.error_of(error)).as_status()
+    assert sent["error"]["code"] == code.value and "type" not in sent["error"]
+    back = StepReport.parse(json.loads(json.dumps(sent)))
+    assert back is not None and back.error is not None
+    assert back.error.code is code and back.error.message == str(error)
+    assert back.error.permanent == error.permanent  # type: ignore[attr-defined]
 
 
-def test_an_unknown_or_overlong_step_error_is_a_storage_error_with_its_message_cut() -> None:
-    report_ = steps.error_report(RuntimeError("x" * 5000))
-    assert len(report_["message"]) < 2100 and report_["message"].endswith(" ...")
-    back = steps.rebuild_error(report_)
-    assert isinstance(back, StorageError) and not back.permanent
+def test_an_unknown_or_overlong_step_error_is_internal_with_its_type_and_its_message_cut() -> None:
+    error = steps.error_of(RuntimeError("x" * 5000))
+    assert error.code is StepErrorCode.INTERNAL and error.message.startswith("RuntimeError: xxx")
+    assert len(error.message) < 2100 and error.message.endswith(" ...")
+
+
+@pytest.mark.parametrize("raw", [None, "x", {"jobUid": "u"}, {"jobUid": "u", "error": {"type": "PlanError"}},
+                                 {"jobUid": "u", "result": {}, "error": {"code": "Internal", "message": "m"}}])
+def test_what_is_not_a_report_is_never_taken_for_one(raw: object) -> None:
+    assert StepReport.parse(raw) is None

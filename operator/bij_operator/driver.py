@@ -3,14 +3,16 @@
 `Driver.reconcile()` observes the bij through a `Backend`, asks `reconcile.decide()` for the
 next step, applies it, and asks again until the answer is to wait. What a step does to the
 world goes through the backend; everything else — planning, the status fields and messages,
-Events, what a failed step means (`failures.failed_step`) — is written once, here and in the
-pure core, so the operator and `bij run` take the same decisions in the same order.
+Events, what a failed step means — is written once, here and in the pure core, so the operator
+and `bij run` take the same decisions in the same order.
 
 The driver reads and writes no storage. What touches the bij's data (planning a round, a finished
 round's statistics, the publish plan, the manifest) is a step (`steps`) run as a one-pod Job in the
 bij's namespace under its identity, like the round and publish Jobs; each pod reports its small
 result, and each lane its progress, into the bij's status (`bij_worker.report`), where the driver
-reads them with the bij itself.
+reads them with the bij itself. Whether a step runs, waits, is retried or failed is decided by
+`reconcile.decide()` from its Job, its pods and its report, as a round is: the driver only creates
+and deletes step Jobs and records their results.
 
 Backends:
 
@@ -34,39 +36,36 @@ from typing import Any, Literal, Protocol
 
 from bij_worker.contract import layout
 from bij_worker.contract.codes import GENERATION_LABEL
-from bij_worker.contract.errors import BijError
 from bij_worker.contract.spec import BatchInferenceJob, SpecError
 
 from .efficiency import eta_seconds, fmt_duration
-from .failures import failed_step
 from .fingerprint import field_digests
-from .jobs import FileVolume, render_job, render_publish_job, render_step_job, step_job_name
+from .jobs import FileVolume, render_job, render_publish_job, render_step_job
 from .reconcile import (
     TERMINAL_PHASES,
     CreateJob,
     CreatePublishJob,
     Decision,
     FinishRound,
-    JobView,
     MarkFailed,
     Nothing,
     PatchJob,
+    Phase,
     PlanRound,
     PreparePublish,
     Publish,
+    RerunStep,
     Retry,
+    StepDecision,
     Wait,
     current_round,
     decide,
     format_ranges,
-    is_ours,
     name_conflict,
-    round_job,
     round_records,
 )
 from .rounds import RoundStats
 from .status import decision_status, fmt_time, now_utc, parse_time, phase_conditions, status_differs
-from .steps import StepFailed, rebuild_error
 from .stopping import seconds_left
 
 log = logging.getLogger("bij.driver")
@@ -80,7 +79,8 @@ PROGRESS_INTERVAL = 30.0
 MAX_STEPS = 16
 # A Job of our name that belongs to someone else is looked at again this often.
 CONFLICT_RECHECK = 15.0
-# A step Job that succeeded before its report shows in the status read: look again this soon.
+# A step Job deleted to run anew, or one that succeeded before its report shows in the status read:
+# look again this soon.
 REPORT_RECHECK = 1.0
 
 Created = Literal["created", "exists", "foreign"]
@@ -96,12 +96,16 @@ class Observed:
     generation: int | None
     output_uri: str
     jobs: Sequence[Mapping[str, Any]]
+    # The pods of its step Jobs that failed (`reconcile.failed_pods` reads them): what a retry or a
+    # failure says about the cause.
+    pods: Sequence[Mapping[str, Any]] = ()
 
 
 class Backend(Protocol):
     """Where the driver's steps take effect."""
 
     worker_image: str
+    steps_image: str  # the image of step Jobs (bij without an engine)
     # The volume file:// URIs lie on, mounted into every pod (the chart's fileStorage); None: no volume.
     file_volume: FileVolume | None
 
@@ -148,8 +152,6 @@ class Driver:
         self.progress_interval = progress_interval
         self.on_decision = on_decision
         self.last_progress = 0.0
-        # The statistics step of each round whose Job ended, until FinishRound records them in status.
-        self.round_ends: dict[int, Mapping[str, Any]] = {}
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -166,17 +168,8 @@ class Driver:
                 return Idle(None)
             job = seen.job
             now = now_utc()
-            end = self.round_end(seen, job)
-            if isinstance(end, Idle):
-                return until_deadline(end, job, seen.status, now)
-            if end == "again":
-                continue
-            if end is not None:
-                shards_done: int | None = int(end.get("done") or 0)
-                damaged = [str(m) for m in end.get("damaged") or []]
-            else:
-                shards_done, damaged = self.shards_done(seen.status), []
-            last = decide(job, seen.status, seen.jobs, shards_done, damaged, now)
+            last = decide(job, seen.status, seen.jobs, self.shards_done(seen.status), now=now, pods=seen.pods,
+                          generation=seen.generation)
             log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
             if self.on_decision is not None:
                 self.on_decision(last)
@@ -188,31 +181,41 @@ class Driver:
 
     def apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
         """Apply one decision: None when the loop should ask again (something changed), else where
-        to stop. A step that fails is turned into the decision `failures.failed_step` makes of it."""
+        to stop."""
         try:
             return self._apply(seen, job, d)
-        except (BijError, OSError, ValueError) as e:
-            # The core decides which of them a retry can fix; any other error (a bug) propagates,
-            # and so does one of these where the core does not expect it.
-            return self.step_failed(seen, job, d, e)
-
-    def step_failed(self, seen: Observed, job: BatchInferenceJob, d: Decision, e: Exception) -> Idle:
-        then = failed_step(d, e)
-        step = getattr(e, "step_job", None)
-        if step and isinstance(then, Retry):
-            # Its next attempt runs the step anew; a failure only a spec edit can fix keeps its Job (and
-            # result) until the spec changes, so that it is not run again and again meanwhile.
-            self.backend.delete_job(step)
-        return self.apply_failure(seen, then, job)
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(d, StepDecision) and d.result is not None:
+                # A result this operator cannot read (a pod of another bij version): said, never raised.
+                what = d.step_args()
+                unreadable = MarkFailed(round=d.round, phase="Failed", reason="StepFailed", event="StepFailed",
+                                        message=f"step {what['kind']} of round {what['round_no']}: its result "
+                                                f"cannot be read ({type(e).__name__}: {e}); are the steps' image "
+                                                "and the operator of one version?")
+                return self.apply_failure(seen, unreadable, job)
+            if not isinstance(e, ValueError) or not isinstance(d, (CreateJob, CreatePublishJob)):
+                raise
+            # The Job cannot be made from this spec (more lanes than an Indexed Job may have): only a spec
+            # change helps.
+            failed = MarkFailed(round=d.round, phase="Failed", reason="CannotCreateJob",
+                                message=f"round {d.round}: {e}", shards=d.shards, event="CannotCreateJob")
+            return self.apply_failure(seen, failed, job)
 
     def _apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
         status = seen.status
         now = now_utc()
 
+        if isinstance(d, StepDecision) and d.result is None:
+            return self.run_step(seen, job, d)
+
+        if isinstance(d, RerunStep):
+            self.backend.delete_job(d.job_name)
+            self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
+            return Idle(d, recheck=REPORT_RECHECK)  # once its Job is gone, the step is made anew
+
         if isinstance(d, PlanRound):
-            got = self.run_step(seen, job, d, "plan", d.round)
-            if got is None or isinstance(got, Idle):
-                return got
+            got = d.result
+            assert got is not None
             shards, lanes, size = int(got["shards"]), int(got["lanes"]), int(got["bytes"])
             rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
             rec: dict[str, Any] = {"round": d.round, "shards": shards, "lanes": lanes,
@@ -261,7 +264,7 @@ class Driver:
             return None
 
         if isinstance(d, FinishRound):
-            end = self.round_ends.get(d.round) or {}
+            end = d.result or {}
             planned = int((round_records(status).get(d.round) or {}).get("shards") or 0)
             counted = end.get("stats") or {}
             stats = RoundStats(round=d.round, shards=planned, approved=int(counted.get("approved") or 0),
@@ -288,15 +291,11 @@ class Driver:
             if gone:
                 patch["reports"] = {"lanes": gone}  # counted in status.rounds now
             self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
-            self.round_ends.pop(d.round, None)
             return None
 
         if isinstance(d, PreparePublish):
-            if status.get("phase") != "Publishing":
-                self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
-            got = self.run_step(seen, job, d, "publish-plan", rounds=d.rounds, partial=d.partial)
-            if got is None or isinstance(got, Idle):
-                return got
+            got = d.result
+            assert got is not None
             if "published" in got:
                 # Published before the status said so (a restart in between): the manifest stands.
                 return self.published(seen, job, d, got["published"])
@@ -322,15 +321,8 @@ class Driver:
             return None
 
         if isinstance(d, Publish):
-            if status.get("phase") != "Publishing":
-                self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
-            # The last pass: the manifest, written by a pod. What it reads (plans, completion records,
-            # per-shard summaries) stays after the work files go, so a restart in between finishes again.
-            got = self.run_step(seen, job, d, "manifest", rounds=d.rounds,
-                                plan_uri=str((status.get("publish") or {})["planUri"]))
-            if got is None or isinstance(got, Idle):
-                return got
-            return self.published(seen, job, d, got)
+            assert d.result is not None
+            return self.published(seen, job, d, d.result)
 
         if isinstance(d, (MarkFailed, Retry)):
             return self.apply_failure(seen, d, job)
@@ -346,7 +338,11 @@ class Driver:
         assert isinstance(d, Wait), d
         patch = {**self.base(seen, d, now), "message": d.message}
         phase_changed = status.get("phase") != d.phase or status.get("round") != d.round
-        recheck = self.progress_interval if d.phase == "Running" else None
+        if d.warning and status.get("message") != d.message:
+            # A step's pod failed and its Job runs it again: said at once, once.
+            self.write_status(seen, patch, event=("Warning", d.warning, d.message))
+            return Idle(d, recheck=d.recheck)
+        recheck = d.recheck or (self.progress_interval if d.phase == "Running" else None)
         if not status_differs(status, patch) and not phase_changed:
             return Idle(d, recheck=recheck)
         wait = self.last_progress + self.status_interval - time.monotonic()
@@ -373,7 +369,7 @@ class Driver:
         return Idle(d, recheck=d.delay if isinstance(d, Retry) else None)
 
     def create_job(self, seen: Observed, d: Decision, body: dict[str, Any], what: str,
-                   phase: Literal["Pending", "Publishing"]) -> Created:
+                   phase: Phase) -> Created:
         created = self.backend.create_job(body)
         if created == "foreign":
             conflict = name_conflict(d, body["metadata"]["name"], what, phase)
@@ -447,78 +443,22 @@ class Driver:
 
     # --- storage steps, run as Jobs in the bij's namespace (bij_operator.steps) ---------------------
 
-    def run_step(self, seen: Observed, job: BatchInferenceJob, d: Decision, kind: str, round_no: int = 0, *,
-                 rounds: int = 0, plan_uri: str = "", partial: str | None = None) -> dict[str, Any] | Idle | None:
-        """The result of one storage step, which runs as a one-pod Job of its own and reports into the
-        bij's status; None when its Job was just made (look again), an Idle while it runs (a change of the
-        Job wakes the driver). A reported failure is raised as the error the step met, marked with the
-        Job's name."""
-        name = step_job_name(job, kind, round_no)
-        raw = next((j for j in seen.jobs if (j.get("metadata") or {}).get("name") == name), None)
-        if raw is None:
-            body = render_step_job(job, kind, round_no, rounds=rounds, plan_uri=plan_uri, partial=partial,
-                                   image=self.backend.worker_image, owner_uid=job.metadata.uid,
-                                   file_volume=self.backend.file_volume)
-            body["metadata"]["labels"][GENERATION_LABEL] = str(seen.generation or 0)
-            phase: Literal["Pending", "Publishing"] = "Publishing" if d.phase == "Publishing" else "Pending"
-            created = self.create_job(seen, d, body, f"{d.message}: step {kind}", phase)
-            if created == "foreign":
-                return Idle(d, recheck=CONFLICT_RECHECK)
-            if created == "created":
-                log.info("%s/%s: step %s runs in Job %s", job.metadata.namespace, job.metadata.name, kind, name)
-            return None
-        view = JobView.of(raw)
-        if not is_ours(job, view):
-            return Idle(d, recheck=CONFLICT_RECHECK)  # left by an earlier bij of this name, going away
-        uid = (raw.get("metadata") or {}).get("uid")
-        report = ((seen.status.get("reports") or {}).get("steps") or {}).get(name)
-        if isinstance(report, Mapping) and uid and report.get("jobUid") == uid:
-            if isinstance(report.get("error"), Mapping):
-                labels = (raw.get("metadata") or {}).get("labels") or {}
-                if labels.get(GENERATION_LABEL) != str(seen.generation or 0):
-                    # Refused for a spec edited since: run the step again for this one.
-                    self.backend.delete_job(name)
-                    return Idle(d, recheck=REPORT_RECHECK)
-                e = rebuild_error(report["error"])
-                e.step_job = name  # type: ignore[attr-defined]
-                raise e
-            return dict(report.get("result") or {})
-        if view.failed_for_good:
-            cond = view.failure
-            failed = StepFailed(f"step {kind} failed without a result (Job {name}"
-                                + (f": {cond.reason}: {cond.message}" if cond else "") + "); its pod's log says why")
-            failed.step_job = name  # type: ignore[attr-defined]
-            raise failed
-        if view.succeeded:
-            return Idle(d, recheck=REPORT_RECHECK)  # its report is on its way to the status we read
-        return Idle(d)
-
-    def round_end(self, seen: Observed, job: BatchInferenceJob) -> Mapping[str, Any] | Idle | Literal["again"] | None:
-        """What the current round's records say once its Job ended (shards done, statistics, damaged
-        objects: the statistics step), an Idle while that step runs ("again" when its Job was just made),
-        None while the round runs."""
-        status = seen.status
-        r = current_round(status)
-        rec = round_records(status).get(r)
-        if rec is None or rec.get("completionTime") or status.get("phase") in TERMINAL_PHASES:
-            return None
-        if r in self.round_ends:
-            return self.round_ends[r]
-        view = round_job(job, r, seen.jobs)
-        if view is None or not is_ours(job, view) or not (view.succeeded or view.failed_for_good):
-            return None
-        wait = Wait(round=r, phase="Running", reason="RoundFinishing",
-                    message=f"round {r}: Job {view.name} ended; counting its shards")
-        try:
-            got = self.run_step(seen, job, wait, "finish", r)
-        except (BijError, OSError, ValueError) as e:
-            return self.step_failed(seen, job, wait, e)
-        if got is None:
-            return "again"
-        if isinstance(got, Idle):
-            return got
-        self.round_ends[r] = got
-        return got
+    def run_step(self, seen: Observed, job: BatchInferenceJob, d: StepDecision) -> Idle | None:
+        """Create the one-pod Job of step `d` (`decide()` saw none): its pod reports into the bij's status,
+        and `decide()` takes it from there. None: look again (something changed)."""
+        args = d.step_args()
+        body = render_step_job(job, **args, image=self.backend.steps_image, owner_uid=job.metadata.uid,
+                               file_volume=self.backend.file_volume)
+        body["metadata"]["labels"][GENERATION_LABEL] = str(seen.generation or 0)
+        name = body["metadata"]["name"]
+        created = self.create_job(seen, d, body, f"{d.message}: step {args['kind']}", d.phase)
+        if created == "foreign":
+            return Idle(d, recheck=CONFLICT_RECHECK)
+        if created == "created":
+            log.info("%s/%s: step %s runs in Job %s", job.metadata.namespace, job.metadata.name, args["kind"], name)
+            # The phase from the start (Planning, Publishing, ...), not only once the step reports.
+            self.write_status(seen, {**self.base(seen, d, now_utc()), "message": f"{d.message} (step Job {name})"})
+        return None
 
     # --- progress from the pods' reports (the operator reads no storage) ------------------------------
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime as dt
 import json
 import logging
 import os
@@ -27,12 +28,12 @@ from typing import Any, cast
 
 import kopf
 import urllib3
-from bij_worker.contract.codes import JOB_LABEL
+from bij_worker.contract.codes import JOB_LABEL, STEP_LABEL
 from bij_worker.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from kubernetes.client import ApiException
 
 from .driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
-from .jobs import FileVolume, file_uri_problems, worker_image_default
+from .jobs import FileVolume, file_uri_problems, steps_image_default, worker_image_default
 from .reconcile import Decision, owns
 
 PLURAL = "batchinferencejobs"
@@ -59,6 +60,7 @@ class OperatorConfig:
     standalone: bool = True
     verbose: bool = False
     worker_image: str = dataclasses.field(default_factory=worker_image_default)
+    steps_image: str = dataclasses.field(default_factory=steps_image_default)
     # The chart's fileStorage (env BIJ_FILE_STORAGE): without it, a bij with a file:// URI is refused.
     file_volume: FileVolume | None = dataclasses.field(default_factory=FileVolume.from_env)
     status_interval: float = STATUS_INTERVAL
@@ -86,6 +88,7 @@ class Api:
         self._client = kubernetes.client.ApiClient()
         self.custom = kubernetes.client.CustomObjectsApi(self._client)
         self.batch = kubernetes.client.BatchV1Api(self._client)
+        self.core = kubernetes.client.CoreV1Api(self._client)
 
     def get_bij(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -124,6 +127,25 @@ class Api:
         self.batch.patch_namespaced_job(name, namespace, patch, _content_type="application/merge-patch+json",
                                         _preload_content=False)
 
+    def step_pods(self, namespace: str, bij: str) -> list[dict[str, Any]]:
+        """The pods of a bij's step Jobs, as `reconcile.failed_pods` and `stuck_pods` read them (name, labels,
+        phase, container states); none where this operator may not list pods (an older chart's Role)."""
+        try:
+            resp = self.core.list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={bij},{STEP_LABEL}",
+                                                 _preload_content=False)
+        except ApiException as e:
+            if e.status in (401, 403, 404):
+                log.warning("cannot list the pods of %s/%s's steps (%s): failures say less", namespace, bij, e.reason)
+                return []
+            raise
+        out = []
+        for pod in json.loads(resp.data).get("items") or []:
+            meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+            out.append({"metadata": {k: meta[k] for k in ("name", "labels", "creationTimestamp") if k in meta},
+                        "status": {k: status[k] for k in ("phase", "reason", "message", "containerStatuses")
+                                   if k in status}})
+        return out
+
     def delete_job(self, namespace: str, name: str) -> None:
         """Delete a Job and, in the background, its pods; one already gone is fine."""
         try:
@@ -150,12 +172,13 @@ class KubeBackend:
     """The driver's steps as Kubernetes API calls for one bij; its Jobs come from kopf's index."""
 
     def __init__(self, api: Api, namespace: str, name: str, jobs: Any, worker_image: str,
-                 file_volume: FileVolume | None = None):
+                 file_volume: FileVolume | None = None, steps_image: str | None = None):
         self.api = api
         self.namespace = namespace
         self.name = name
         self.index = jobs  # kopf.Index: (namespace, bij name) -> the essences of its Jobs
         self.worker_image = worker_image
+        self.steps_image = steps_image or worker_image
         self.file_volume = file_volume
         self.raw: dict[str, Any] = {}
         # Jobs this backend created or read that the index has not shown yet (a watch event is on its way).
@@ -189,8 +212,13 @@ class KubeBackend:
         except SpecError as e:
             return Observed(job=None, spec_error=e, status=status, generation=generation, output_uri=output_uri,
                             jobs=[])
+        jobs = self.jobs()
+        # A step's failed pods say why it is retried or failed; looked for only where one failed.
+        failing = any(STEP_LABEL in (j["metadata"].get("labels") or {}) and (pods_failed(j) or slow_to_start(j))
+                      for j in jobs)
+        pods = self.api.step_pods(self.namespace, self.name) if failing else []
         return Observed(job=job, spec_error=None, status=status, generation=generation, output_uri=output_uri,
-                        jobs=self.jobs())
+                        jobs=jobs, pods=pods)
 
     def create_job(self, body: dict[str, Any]) -> Created:
         kopf.adopt(body, owner=as_body(self.raw))
@@ -220,6 +248,34 @@ class KubeBackend:
     def event(self, type_: str, reason: str, message: str) -> None:
         # kopf posts Events from its own task; this is safe from the driver's thread.
         kopf.event(as_body(self.raw), type=type_, reason=reason, message=message)
+
+
+def pods_failed(job: Mapping[str, Any]) -> bool:
+    """Whether a pod of `job` may have failed: counted, being counted, the Job gave up, or a started Job
+    has no pod running and is not finished (its pod failed, the next one not made yet: the Job controller
+    may count the failure only then)."""
+    status = job.get("status") or {}
+    ended = [c.get("type") for c in status.get("conditions") or [] if str(c.get("status")) == "True"]
+    return bool(status.get("failed") or (status.get("uncountedTerminatedPods") or {}).get("failed")
+                or {"Failed", "FailureTarget"} & set(ended)
+                or (status.get("startTime") and not status.get("active")
+                    and not {"Complete", "SuccessCriteriaMet"} & set(ended)))
+
+
+# A step pod not ready this long after its Job started may be stuck (an image that cannot be pulled).
+SLOW_START_SECONDS = 20.0
+
+
+def slow_to_start(job: Mapping[str, Any], now: float | None = None) -> bool:
+    """Whether `job` has a pod that is not ready SLOW_START_SECONDS after the Job started."""
+    status = job.get("status") or {}
+    if not status.get("active") or status.get("ready"):
+        return False
+    try:
+        started = dt.datetime.fromisoformat(str(status.get("startTime")).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return False
+    return (time.time() if now is None else now) - started > SLOW_START_SECONDS
 
 
 def as_body(raw: dict[str, Any]) -> kopf.Body:
@@ -296,6 +352,20 @@ def _versions(jobs: Iterable[Mapping[str, Any]]) -> frozenset[tuple[str, str]]:
     return frozenset((str(j["metadata"].get("name")), str(j["metadata"].get("resourceVersion"))) for j in jobs)
 
 
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+async def step_reported(namespace: str | None, name: str | None, body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A change of the bij (a step's report into its status among them) wakes its daemon at once, which
+    decides again if a step reported; no API call, nothing stored."""
+    wake = shared(memo).driven.get((namespace, name))  # type: ignore[arg-type]
+    if wake is not None:
+        wake.set()
+
+
+def _step_reports(body: kopf.Body) -> Any:
+    """The steps' reports in the bij kopf keeps current from its watch (a new one wakes the daemon)."""
+    return json.dumps(((body.get("status") or {}).get("reports") or {}).get("steps"), sort_keys=True)
+
+
 @kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=30.0)
 async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped, body: kopf.Body, memo: Any,
                 **kwargs: Any) -> None:
@@ -306,7 +376,8 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
     op = shared(memo)
     assert op.api is not None
     key = (namespace, name)
-    backend = KubeBackend(op.api, namespace, name, bij_jobs, op.config.worker_image, op.config.file_volume)
+    backend = KubeBackend(op.api, namespace, name, bij_jobs, op.config.worker_image, op.config.file_volume,
+                          steps_image=op.config.steps_image)
     driver = Driver(backend, status_interval=op.config.status_interval,
                     progress_interval=op.config.progress_interval, on_decision=op.metrics.decided)
     wake = op.driven[key] = asyncio.Event()
@@ -314,6 +385,7 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
         while not stopped:
             jobs_seen = _versions(bij_jobs.get(key, ()))
             generation = body.metadata.get("generation")
+            reports = _step_reports(body)
             wake.clear()
             try:
                 idle = await asyncio.to_thread(driver.reconcile)
@@ -324,8 +396,9 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
                 return
             deadline = None if idle.recheck is None else time.monotonic() + idle.recheck
             while not stopped:
-                if _versions(bij_jobs.get(key, ())) != jobs_seen or body.metadata.get("generation") != generation:
-                    break
+                if (_versions(bij_jobs.get(key, ())) != jobs_seen or body.metadata.get("generation") != generation
+                        or _step_reports(body) != reports):
+                    break  # a Job changed, the spec was edited, or a step reported: decide at once
                 left = SPEC_POLL if deadline is None else min(SPEC_POLL, deadline - time.monotonic())
                 if left <= 0:
                     break
@@ -377,6 +450,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     peering.add_argument("--standalone", action="store_true", help="no peering (the default)")
     p.add_argument("--worker-image", default=None,
                    help="worker image when a spec names none (default: env BIJ_WORKER_IMAGE)")
+    p.add_argument("--steps-image", default=None,
+                   help="image of the step Jobs (planning, counting, publish plan, manifest): bij without an "
+                        "engine (default: env BIJ_STEPS_IMAGE, else the worker image)")
     p.add_argument("--status-interval", type=float, default=STATUS_INTERVAL, metavar="SECONDS",
                    help=f"least time between progress-only status writes per job (default {STATUS_INTERVAL:g})")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("BIJ_METRICS_PORT") or 0) or None,
@@ -395,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                             verbose=args.verbose, status_interval=args.status_interval)
     if args.worker_image:
         config.worker_image = args.worker_image
+    if args.steps_image:
+        config.steps_image = args.steps_image
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port)

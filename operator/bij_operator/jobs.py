@@ -33,7 +33,7 @@ from bij_worker.contract.codes import (
 from bij_worker.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, job_to_dict, load_job
 from bij_worker.report import JOB_UID_ENV, POD_NAME_ENV, REPORT_ENV
 
-from .reconcile import desired_parallelism
+from .reconcile import STEP_TRIES_ANNOTATION, desired_parallelism, step_job_name, step_key
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/bij-project/bij-worker:0.1.0"
 DEFAULT_SERVICE_ACCOUNT = "bij-worker"
@@ -277,13 +277,14 @@ def render_publish_job(job: BatchInferenceJob, pass_name: str, completions: int,
     return body
 
 
-def step_key(kind: str, round_no: int) -> str:
-    """A step's label value and name suffix: plan-r<r>, finish-r<r>, publish-plan, manifest."""
-    return f"{kind}-r{round_no}" if kind in ("plan", "finish") else kind
+# A step reads and writes small records (plans, footers, summaries): a small pod anywhere, never a GPU's.
+STEP_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 
 
-def step_job_name(job: BatchInferenceJob, kind: str, round_no: int = 0) -> str:
-    return f"{job.metadata.name}-{step_key(kind, round_no)}"
+def steps_image_default() -> str:
+    """The image step Jobs run: env BIJ_STEPS_IMAGE (chart value stepsImage: bij without an engine),
+    else the worker image."""
+    return os.environ.get("BIJ_STEPS_IMAGE") or worker_image_default()
 
 
 def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rounds: int = 0, plan_uri: str = "",
@@ -292,9 +293,13 @@ def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rou
     """The one-pod batch/v1 Job of one of the driver's storage steps (`bij_operator.steps`): planning
     round `round_no`, its statistics once its Job ended, the publish plan, the manifest.
 
-    Like a publish pass: the workers' image, service account and storage settings, no GPU; the pod
-    reports its result into the bij's status. A pod that crashed is retried (backoffLimit 2); an expected
-    failure (access denied, a plan refused) is a result, not a failed pod.
+    Like a publish pass: the bij's service account and storage settings; but `image` (the steps image,
+    bij without an engine) whatever spec.workers.image says, small requests, and none of the workers'
+    placement (GPU, spot, spec.workers nodeSelector/tolerations/affinity) unless
+    spec.workers.stepsOnWorkerNodes asks for it: a one-second step never waits for a GPU node or an
+    engine's image. Its pod is retried as a lane is (spec.workers.backoffLimitPerIndex,
+    disruptions not counted); an expected failure (access denied, a plan refused) is a report, not a
+    failed pod. Its container's termination message falls back to the end of its log.
     """
     body = render_publish_job(job, "ids", 1, plan_uri, image=image, owner_uid=owner_uid, file_volume=file_volume)
     meta = body["metadata"]
@@ -304,13 +309,27 @@ def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rou
         labels.pop(PUBLISH_LABEL)
         labels["app.kubernetes.io/component"] = "step"
         labels[STEP_LABEL] = key
-    meta["annotations"] = {}
+    w = job.spec.workers
+    meta["annotations"] = {STEP_TRIES_ANNOTATION: str(w.backoff_limit_per_index)}
     spec = body["spec"]
-    spec.pop("backoffLimitPerIndex", None)
-    spec.pop("maxFailedIndexes", None)
-    spec.pop("podFailurePolicy", None)
-    spec["backoffLimit"] = 2
-    (container,) = spec["template"]["spec"]["containers"]
+    spec["maxFailedIndexes"] = 0
+    spec["podFailurePolicy"] = {"rules": [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}
+    pod = spec["template"]["spec"]
+    for placement in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        pod.pop(placement, None)
+    if w.steps_on_worker_nodes:
+        # Asked for: where nothing but the workers' pool may run (every node tainted for GPUs, say).
+        node_selector, tolerations, affinity = _scheduling(job)
+        pod.update({k: v for k, v in (("nodeSelector", node_selector), ("tolerations", tolerations),
+                                      ("affinity", affinity)) if v})
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] not in ("model-cache", "dshm")]
+    (container,) = pod["containers"]
+    container["image"] = image
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in ("model-cache", "dshm")]
+    container["resources"] = copy.deepcopy(STEP_RESOURCES)
+    container["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    container["env"] = [e for e in container["env"] if e["name"] != "HF_HOME"]
     args = ["step", kind, "--key", meta["name"], "--round", str(round_no), "--rounds", str(rounds),
             "--job-spec", json.dumps(job_to_dict(job), separators=(",", ":"))]
     if plan_uri:

@@ -117,7 +117,7 @@ def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> None:
 class LocalBackend:
     """The driver's steps on one machine: status in memory, Events printed, Jobs as local processes."""
 
-    worker_image = "local"  # Jobs run the local worker command, not an image
+    worker_image = steps_image = "local"  # Jobs run the local worker command, not an image
     file_volume: FileVolume | None = None  # local processes see this machine's files
 
     def __init__(self, job: BatchInferenceJob, worker_cmd: list[str], show_progress: bool, log_progress: bool):
@@ -144,7 +144,8 @@ class LocalBackend:
         if reported:
             status["reports"] = reported
         return Observed(job=self.job, spec_error=None, status=status, generation=1,
-                        output_uri=self.job.spec.output.uri, jobs=[j.view() for j in self.jobs.values()])
+                        output_uri=self.job.spec.output.uri, jobs=[j.view() for j in self.jobs.values()],
+                        pods=[p for j in self.jobs.values() if STEP_LABEL in j.labels for p in j.failed_pods()])
 
     def create_job(self, body: dict[str, Any]) -> Created:
         name = body["metadata"]["name"]
@@ -348,6 +349,7 @@ class LocalRunner:
         # Nobody reads this status while it runs: refresh its row counts (from the lanes' reports) once a
         # minute, not every few seconds; phase changes are written at once.
         driver = Driver(backend, status_interval=60.0)
+        said: tuple[Any, Any] = (None, None)
         while True:
             if backend.stopping:
                 backend.wait_stopped()
@@ -355,12 +357,29 @@ class LocalRunner:
                 return 130
             idle = driver.reconcile()
             status = backend.status
+            if (status.get("phase"), status.get("message")) != said:
+                said = (status.get("phase"), status.get("message"))
+                self.keep_status(store, status)
             if status.get("phase") in TERMINAL_PHASES:
                 return self.finished(status)
             if isinstance(idle.decision, Retry):
                 # The operator would try again later; here the person who ran bij decides.
                 return EXIT_BAD_CONFIG if idle.decision.permanent else 1
             backend.wait(min(idle.recheck or 1.0, 1.0))
+
+    def keep_status(self, store: Any, status: dict[str, Any]) -> None:
+        """What `kubectl get bij` would show, where `bij status` reads it (layout.local_status_uri); gone once
+        published. Best effort: a status that cannot be kept does not stop the run."""
+        uri = layout.local_status_uri(self.job)
+        try:
+            if status.get("phase") in ("Succeeded", *STOPPED_PHASES):
+                if store.exists(uri):
+                    store.delete(uri)
+                return
+            kept = {k: status[k] for k in ("phase", "message", "round", "conditions") if k in status}
+            store.write_bytes(uri, json.dumps(kept).encode())
+        except (StorageError, OSError):
+            pass
 
     def stopped_before(self, manifest: dict[str, Any]) -> int:
         """A rerun of a job that was cancelled or expired: its partial manifest stands."""

@@ -100,6 +100,9 @@ class LocalJob:
         self.attempts: dict[int, int] = {}
         self.procs: dict[int, tuple[subprocess.Popen[bytes], float, threading.Thread]] = {}
         self.last_error: dict[int, str] = {}
+        self.last_lines: dict[int, list[str]] = {}
+        # Each failed attempt as the API server shows a failed pod (what `reconcile.failed_pods` reads).
+        self.pods_failed: list[dict[str, Any]] = []
         self.completed: set[int] = set()
         self.failed: set[int] = set()
         self.failures: list[str] = []  # "index i exited rc: last line", for the Failed condition
@@ -172,6 +175,7 @@ class LocalJob:
     def _relay(self, i: int, stream: IO[bytes]) -> None:
         """Pass the worker's stderr through, keeping its last line."""
         last = ""
+        tail: deque[str] = deque(maxlen=5)
         for raw in stream:
             out = getattr(sys.stderr, "buffer", None)  # a caller may have put a text stream in its place
             if out is not None:
@@ -182,12 +186,22 @@ class LocalJob:
             text = raw.decode(errors="replace").strip()
             if text:
                 last = text
+                tail.append(_LOG_PREFIX.sub("", text))
         self.last_error[i] = _LOG_PREFIX.sub("", last)
+        self.last_lines[i] = list(tail)
 
     def _ended(self, i: int, rc: int) -> None:
         if rc == 0:
             self.completed.add(i)
             return
+        # As a container's status says it: a signal is 128 + its number; the message is the log's end
+        # (terminationMessagePolicy FallbackToLogsOnError).
+        self.pods_failed.append({
+            "metadata": {"name": f"{self.name}-{i}-{self.attempts[i]}", "labels": {
+                "batch.kubernetes.io/job-name": self.name}, "creationTimestamp": fmt_time(now_utc())},
+            "status": {"phase": "Failed", "containerStatuses": [{"name": "worker", "state": {"terminated": {
+                "exitCode": 128 - rc if rc < 0 else rc, "reason": "Error",
+                "message": "\n".join(self.last_lines.get(i, []))}}}]}})
         what = f"index {i} exited {rc}" + (f": {self.last_error[i]}" if self.last_error.get(i) else "")
         if rc in self.fail_job_codes and self.fail_reason is None:
             # As the Job controller words it: the pod name says which index it was.
@@ -258,9 +272,15 @@ class LocalJob:
             if self.stopping and not self.procs and not self.finished:
                 return
 
+    def failed_pods(self) -> list[dict[str, Any]]:
+        """The failed attempts as pods (their names, exit codes and last log lines)."""
+        return list(self.pods_failed)
+
     def view(self) -> dict[str, Any]:
         """The Job as the API server would show it (what `reconcile.JobView` reads)."""
         status: dict[str, Any] = {"active": len(self.procs)}
+        if self.pods_failed:
+            status["failed"] = len(self.pods_failed)
         if self.completed:
             status["completedIndexes"] = format_ranges(self.completed)
         if self.failed:

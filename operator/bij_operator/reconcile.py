@@ -16,6 +16,14 @@ A record exists once the round is planned; ``completionTime`` and the round's st
 (`rounds.RoundStats.as_status`: approved, rejected, capped, errors, ...) are added once its
 Job completed. Judge rounds hang off `after_round()`: a finished round either
 publishes or plans the next round.
+
+What touches storage (planning a round, counting a finished round, the publish plan, the manifest)
+runs as a one-pod step Job whose pod reports a `StepReport` into ``status.reports.steps``; such a
+decision (`PlanRound`, `FinishRound`, `PreparePublish`, `Publish`) is decided by `step()` from the
+step's Job, its pods and its report like a round is from its Job: run it (``result`` None), wait,
+retry, fail, or record its ``result``. A pod that dies is run again by its Job
+(spec.workers.backoffLimitPerIndex, one retry policy for steps and rounds), each retry said; a Job
+that gave up fails the bij naming the step, its pod and the cause.
 """
 
 from __future__ import annotations
@@ -27,16 +35,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
+from bij_worker.contract.codes import GENERATION_LABEL, JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
 from bij_worker.contract.publish_plan import PASSES as PUBLISH_PASSES
 from bij_worker.contract.spec import BatchInferenceJob
+from bij_worker.contract.step_report import StepErrorCode, StepReport
 
 from .fingerprint import field_digests
 from .rounds import RoundStats, needs_another_round
 from .stopping import Stop, stop_requested
 
-Phase = Literal["Pending", "Running", "Suspended", "Publishing", "Succeeded", "Failed", "Cancelling", "Cancelled",
-                "Expired"]
+Phase = Literal["Pending", "Planning", "Running", "Suspended", "Publishing", "Succeeded", "Failed", "Cancelling",
+                "Cancelled", "Expired"]
 # Cancelled and Expired: stopped for good by spec.cancel or spec.deadlineSeconds, the finished part published.
 STOPPED_PHASES: frozenset[str] = frozenset({"Cancelled", "Expired"})
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"}) | STOPPED_PHASES
@@ -205,8 +214,23 @@ class Decision:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanRound(Decision):
+class StepDecision(Decision):
+    """A decision whose storage work runs as a step Job (`steps`): ``result`` None means create that
+    Job (`step` decided it may run); else the step's result, to be recorded."""
+
+    result: Mapping[str, Any] | None = None
+
+    def step_args(self) -> dict[str, Any]:
+        """The step's kind, round and arguments (`jobs.render_step_job`)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRound(StepDecision):
     """Plan round `round` (idempotent) and record it in ``status.rounds``."""
+
+    def step_args(self) -> dict[str, Any]:
+        return {"kind": "plan", "round_no": self.round}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,19 +251,26 @@ class PatchJob(Decision):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FinishRound(Decision):
-    """Record the round as finished in ``status.rounds`` (it survives the Job's TTL)."""
+class FinishRound(StepDecision):
+    """Record the round as finished in ``status.rounds`` (it survives the Job's TTL), with the statistics
+    its finish step counted (``result``)."""
 
     failed_lanes: tuple[int, ...] = ()  # lanes that failed for good while the others finished every shard
 
+    def step_args(self) -> dict[str, Any]:
+        return {"kind": "finish", "round_no": self.round}
+
 
 @dataclass(frozen=True, kw_only=True)
-class PreparePublish(Decision):
+class PreparePublish(StepDecision):
     """Check rounds ``0..rounds-1`` and write the publish plan (O(shards)); record it in ``status.publish``.
     ``partial``: Cancelled or Expired, the shards left unfinished are published as far as they got."""
 
     rounds: int
     partial: str | None = None
+
+    def step_args(self) -> dict[str, Any]:
+        return {"kind": "publish-plan", "round_no": 0, "rounds": self.rounds, "partial": self.partial}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,12 +284,24 @@ class CreatePublishJob(Decision):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Publish(Decision):
+class Publish(StepDecision):
     """Every publish pass is done: write ``<output>/manifest.json`` over rounds ``0..rounds-1`` from the
     per-shard summaries (O(shards)), then phase Succeeded (or ``partial``: Cancelled or Expired)."""
 
     rounds: int
     partial: str | None = None
+    plan_uri: str = ""
+
+    def step_args(self) -> dict[str, Any]:
+        return {"kind": "manifest", "round_no": 0, "rounds": self.rounds, "plan_uri": self.plan_uri}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RerunStep(Decision):
+    """Delete a step's Job so that the step runs anew: its report was made for a spec since edited, or
+    the failure it met may have passed (a retry is due)."""
+
+    job_name: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,7 +325,11 @@ class Retry(Decision):
 
 @dataclass(frozen=True, kw_only=True)
 class Wait(Decision):
-    """Nothing to change; a Job is working (or suspended, or an old one is going away)."""
+    """Nothing to change; a Job is working (or suspended, or an old one is going away). ``warning``:
+    the reason of a Warning Event to post once for this message (a step's pod failed and is retried)."""
+
+    warning: str | None = None
+    recheck: float | None = None  # look again this soon without a change (None: when something changes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,6 +373,255 @@ def failure_reason(status: Mapping[str, Any]) -> str | None:
     return None
 
 
+# --- steps: one-pod Jobs that do the storage work, decided like rounds ---------------------------------
+
+# An expected failure that time may fix (input still uploading, an outage) is tried again this long after it
+# was reported; the operator retries it for as long as it lasts, `bij run` stops there (its exit code says).
+STEP_RETRY_SECONDS = 30.0
+# Lines of a failed pod's termination message (its last log lines) a message quotes.
+LAST_LINES = 3
+# bij's log format in front of a line (`bij_worker.main`): the message alone says what failed.
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ [A-Z]+ [\w.]+: ")
+
+
+def step_key(kind: str, round_no: int) -> str:
+    """A step's label value and name suffix: plan-r<r>, finish-r<r>, publish-plan, manifest."""
+    return f"{kind}-r{round_no}" if kind in ("plan", "finish") else kind
+
+
+def step_job_name(job: BatchInferenceJob, kind: str, round_no: int = 0) -> str:
+    return f"{job.metadata.name}-{step_key(kind, round_no)}"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What `decide()` sees beside the spec: the status, the bij's Jobs and their pods (essences with
+    metadata.name/labels/creationTimestamp and status.containerStatuses), metadata.generation, the time."""
+
+    status: Mapping[str, Any]
+    jobs: Sequence[Mapping[str, Any]]
+    pods: Sequence[Mapping[str, Any]]
+    generation: int | None
+    now: dt.datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class PodEnd:
+    """How one of a Job's pods ended: its name, exit code, the kubelet's reason and message."""
+
+    pod: str
+    exit_code: int | None
+    reason: str
+    message: str
+
+    def describe(self) -> str:
+        how = f"exit code {self.exit_code}" if self.exit_code is not None else "no exit code"
+        if self.reason and self.reason not in ("Error", "Completed"):
+            how += f" ({self.reason})"
+        elif self.exit_code == 137:
+            how += " (killed: SIGKILL, as an OOM kill or a lost node does)"
+        lines: list[str] = []
+        for ln in self.message.strip().splitlines():
+            ln = _LOG_PREFIX.sub("", ln.strip())
+            if ln and (not lines or lines[-1] != ln):
+                lines.append(ln)
+        lines = lines[-LAST_LINES:]
+        return f"pod {self.pod}: {how}" + (": " + " | ".join(lines) if lines else "")
+
+
+def failed_pods(job_name: str, pods: Sequence[Mapping[str, Any]]) -> list[PodEnd]:
+    """The failed pods of Job `job_name`, oldest first."""
+    out: list[tuple[str, str, PodEnd]] = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if labels.get("batch.kubernetes.io/job-name", labels.get("job-name")) != job_name:
+            continue
+        status = pod.get("status") or {}
+        if status.get("phase") != "Failed":
+            continue
+        ended: Mapping[str, Any] = {}
+        for c in status.get("containerStatuses") or []:
+            ended = (c.get("state") or {}).get("terminated") or (c.get("lastState") or {}).get("terminated") or {}
+            if ended:
+                break
+        code = ended.get("exitCode")
+        out.append((str(meta.get("creationTimestamp") or ""), str(meta.get("name") or ""), PodEnd(
+            pod=str(meta.get("name") or "?"), exit_code=int(code) if isinstance(code, int) else None,
+            reason=str(ended.get("reason") or status.get("reason") or ""),
+            message=str(ended.get("message") or status.get("message") or ""))))
+    return [p for _, _, p in sorted(out, key=lambda t: (t[0], t[1]))]
+
+
+# A running step is looked at again this often, though its Job does not change.
+STEP_RECHECK = 30.0
+# A step pod waiting for good in one of these cannot start until someone acts (an image, a Secret).
+STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+                           "CreateContainerConfigError", "CreateContainerError"})
+
+
+def stuck_pods(job_name: str, pods: Sequence[Mapping[str, Any]]) -> list[PodEnd]:
+    """The pods of Job `job_name` that cannot start (`STUCK_REASONS`): the reason and the kubelet's message."""
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if labels.get("batch.kubernetes.io/job-name", labels.get("job-name")) != job_name:
+            continue
+        for c in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (c.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_REASONS:
+                out.append(PodEnd(pod=str(meta.get("name") or "?"), exit_code=None, reason=str(waiting["reason"]),
+                                  message=str(waiting.get("message") or "")))
+    return out
+
+
+def step_report(status: Mapping[str, Any], name: str, uid: str | None) -> StepReport | None:
+    """The report of step Job `name` in the status, if it was made by the Job of that uid."""
+    report = StepReport.parse(((status.get("reports") or {}).get("steps") or {}).get(name))
+    return report if report is not None and uid and report.job_uid == uid else None
+
+
+def step(job: BatchInferenceJob, seen: Observation, want: StepDecision) -> Decision:
+    """`want` with its step's ``result`` once reported; until then what its step Job calls for: run it
+    (`want` itself), wait, say a retry, retry a passing failure, or fail the bij saying why."""
+    args = want.step_args()
+    kind, round_no = args["kind"], args["round_no"]
+    key = step_key(kind, round_no)
+    name = step_job_name(job, kind, round_no)
+    raw = next((j for j in seen.jobs if (j.get("metadata") or {}).get("name") == name), None)
+    if raw is None:
+        return want
+    view = JobView.of(raw)
+    if not is_ours(job, view):
+        return Wait(round=want.round, phase=want.phase, reason="WaitingForOldJob", shards=want.shards,
+                    message=f"step {key}: Job {name} belongs to an earlier object of this name, or is being "
+                            "deleted; waiting for it to go")
+    meta = raw.get("metadata") or {}
+    report = step_report(seen.status, name, meta.get("uid"))
+    if report is not None and report.result is not None:
+        return dataclasses.replace(want, result=report.result)
+    error = report.error if report is not None else None
+    if error is not None and error.code is not StepErrorCode.INTERNAL:
+        made_for = (meta.get("labels") or {}).get(GENERATION_LABEL)
+        if made_for is not None and made_for != str(seen.generation or 0):
+            # Refused for a spec edited since: run the step again for this one.
+            return RerunStep(round=want.round, phase=want.phase, reason=want.reason, shards=want.shards,
+                             message=f"{want.message}: step {key} again, for the edited spec", job_name=name)
+        return expected_failure(want, key, name, error.code, error.message, error.permanent,
+                                reported_at=_finished_at(raw), now=seen.now)
+    failed = failed_pods(name, seen.pods)
+    tries = int((meta.get("annotations") or {}).get(STEP_TRIES_ANNOTATION) or 0) or None
+    job_status = raw.get("status") or {}
+    # The Job controller counts a failed pod in two steps (uncountedTerminatedPods, then failed).
+    counted = max(int(job_status.get("failed") or 0),
+                  len((job_status.get("uncountedTerminatedPods") or {}).get("failed") or []))
+    if view.failed_for_good:
+        gave_up = _condition_time(raw, ("Failed", "FailureTarget"))
+        if not failed and gave_up is not None and (seen.now - gave_up).total_seconds() < POD_GRACE_SECONDS:
+            # Its pods say why; they may not have been seen yet.
+            return Wait(round=want.round, phase=want.phase, reason="StepFailing", shards=want.shards,
+                        recheck=2.0, message=f"{want.message}: step {key} failed; reading why from its pods")
+        cause = failed[-1].describe() if failed else (f"{view.failure.reason}: {view.failure.message}"
+                                                      if view.failure else "its Job failed")
+        if error is not None:
+            cause += f"; it reported {error.message}"
+        pods = max(len(failed), counted, 1)
+        return MarkFailed(round=want.round, phase="Failed", reason="StepFailed", event="StepFailed",
+                          shards=want.shards,
+                          message=f"step {key} failed {pods} time(s), giving up (spec.workers.backoffLimitPerIndex "
+                                  f"{job.spec.workers.backoff_limit_per_index}); Job {name}, last {cause}")
+    if view.succeeded:
+        # Reported before its pod exited 0, so the report is in a status read later than this Job.
+        return Wait(round=want.round, phase=want.phase, reason=want.reason, shards=want.shards,
+                    message=f"{want.message}: step {key} done, reading its report")
+    stuck = stuck_pods(name, seen.pods)
+    if stuck:
+        p = stuck[-1]
+        return Wait(round=want.round, phase=want.phase, reason="StepCannotStart", shards=want.shards,
+                    warning="StepCannotStart",
+                    message=f"{want.message}: step {key} cannot start; Job {name}, pod {p.pod}: {p.reason}"
+                            + (f": {p.message}" if p.message else "")
+                            + " (the chart value stepsImage names the steps' image)", recheck=STEP_RECHECK)
+    pods_failed = max(len(failed), counted)
+    if pods_failed:
+        limit = tries or job.spec.workers.backoff_limit_per_index
+        cause = failed[-1].describe() if failed else "its pod failed"
+        if error is not None:
+            cause += f"; it reported {error.message}"
+        return Wait(round=want.round, phase=want.phase, reason="StepRetrying", shards=want.shards,
+                    warning="StepRetrying",
+                    message=f"{want.message}: step {key} failed (attempt {pods_failed} of {limit + 1}), running "
+                            f"it again; Job {name}, {cause}")
+    # Looked at again now and then: a pod that cannot start (an image not pulled) changes no Job.
+    return Wait(round=want.round, phase=want.phase, reason=want.reason, shards=want.shards, recheck=STEP_RECHECK,
+                message=f"{want.message} (step Job {name})")
+
+
+# The retries a step Job was made with (its backoffLimitPerIndex), for the messages.
+STEP_TRIES_ANNOTATION = "batchinference.io/step-retries"
+
+
+# How long a failed step's Job waits for its failed pods to be seen before failing the bij without them.
+POD_GRACE_SECONDS = 30.0
+
+
+def _condition_time(raw: Mapping[str, Any], types: tuple[str, ...]) -> dt.datetime | None:
+    """When the first of `types` that holds on Job `raw` became true."""
+    for c in (raw.get("status") or {}).get("conditions") or []:
+        if c.get("type") in types and str(c.get("status")) == "True" and c.get("lastTransitionTime"):
+            try:
+                return dt.datetime.fromisoformat(str(c["lastTransitionTime"]).replace("Z", "+00:00"))
+            except ValueError:
+                return None
+    return None
+
+
+def _finished_at(raw: Mapping[str, Any]) -> dt.datetime | None:
+    text = (raw.get("status") or {}).get("completionTime")
+    if not text:
+        for c in (raw.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "Complete" and c.get("lastTransitionTime"):
+                text = c["lastTransitionTime"]
+    try:
+        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
+    except ValueError:
+        return None
+
+
+def expected_failure(want: StepDecision, key: str, name: str, code: StepErrorCode, message: str, permanent: bool,
+                     *, reported_at: dt.datetime | None, now: dt.datetime) -> Decision:
+    """What an expected failure a step reported means: MarkFailed when only a change of the spec (or
+    of grants) can help; a Retry after `STEP_RETRY_SECONDS` when time may (the step Job is deleted then,
+    and runs anew)."""
+    r = want.round
+    is_plan, is_publish = isinstance(want, PlanRound), isinstance(want, (PreparePublish, Publish))
+    if code is StepErrorCode.PLAN_REFUSED:
+        # Another job owns the output, the URIs overlap, or what is there was made from another spec
+        # or input: a retry cannot help, a spec edit may (the phase is not final).
+        return MarkFailed(round=r, phase="Failed", reason="PlanRefused", message=message, event="PlanRefused")
+    if code is StepErrorCode.STORAGE_REFUSED:
+        # Denied access, a missing bucket, wrong credentials: the same on every retry until someone changes the
+        # grants, the bucket or the credentials; the message names the URI and the access key id.
+        what = f"cannot plan round {r}" if is_plan else "publish failed" if is_publish else f"round {r}"
+        return MarkFailed(round=r, phase="Failed", reason="StorageRefused", message=f"{what}: {message}",
+                          event="StorageRefused")
+    if code in (StepErrorCode.TOO_MANY_ERRORS, StepErrorCode.WORK_FILES_REMOVED, StepErrorCode.INVALID_SPEC):
+        return MarkFailed(round=r, phase="Failed", reason=code.value, message=f"step {key}: {message}"
+                          if code is StepErrorCode.INVALID_SPEC else message, event=code.value)
+    if is_plan:
+        reason, text = "PlanFailed", f"cannot plan round {r}: {message}"
+    elif is_publish:
+        reason, text = "PublishFailed", f"publish failed: {message}"
+    else:
+        reason, text = "StorageFailed", f"round {r}: {message}"
+    waited = (now - reported_at).total_seconds() if reported_at is not None else 0.0
+    if waited >= STEP_RETRY_SECONDS:
+        return RerunStep(round=r, phase=want.phase, reason=reason, message=text, shards=want.shards, job_name=name)
+    return Retry(round=r, phase=want.phase, reason=reason, message=text, shards=want.shards,
+                 delay=STEP_RETRY_SECONDS - waited, permanent=permanent)
+
+
 # --- the decision ------------------------------------------------------------------------------
 
 
@@ -360,13 +656,16 @@ def decide(
     status: Mapping[str, Any],
     observed_jobs: Sequence[Mapping[str, Any]],
     shards_done: int | None = None,
-    damaged: Sequence[str] = (),
+    *,
     now: dt.datetime | None = None,
+    pods: Sequence[Mapping[str, Any]] = (),
+    generation: int | None = None,
 ) -> Decision:
     """The next step for `job`, given its current ``status``, the Jobs labelled with its name,
-    how many shards of the current round have a completion record (None: not looked at) and the
-    input objects the round's workers found damaged (`DamageRecord.describe`, looked at once the
-    round's Job failed). `now` (default: the clock) decides whether spec.deadlineSeconds has passed.
+    how many shards of the current round its lanes reported done (None: not looked at), the failed
+    pods of its step Jobs (`pods`), its metadata.generation and `now` (default: the clock), which
+    decides whether spec.deadlineSeconds has passed and whether a step's retry is due. Once the round's
+    Job ended its finish step counts the shards done and the damaged objects its workers stopped at.
 
     The Job has one index per lane and a lane works many shards, so the round is over when every
     shard is done: a lane that failed for good costs nothing if the others finished its shards.
@@ -374,6 +673,8 @@ def decide(
     status = status or {}
     phase = status.get("phase")
     r = current_round(status)
+    now = now or dt.datetime.now(dt.timezone.utc)
+    seen = Observation(status=status, jobs=observed_jobs, pods=pods, generation=generation, now=now)
 
     if phase == "Succeeded":
         return Nothing(round=r, phase="Succeeded", reason="Published",
@@ -384,9 +685,9 @@ def decide(
     if phase in STOPPED_PHASES:
         return Nothing(round=r, phase=phase, reason=phase, message=str(status.get("message") or phase.lower()))
 
-    stop = stop_requested(job, status, now or dt.datetime.now(dt.timezone.utc))
+    stop = stop_requested(job, status, now)
     if stop is not None:
-        return stopping_step(job, status, observed_jobs, stop)
+        return stopping_step(job, seen, stop)
 
     changed = spec_changed_since_planning(job, status)
     if changed:
@@ -397,21 +698,21 @@ def decide(
 
     rec = round_records(status).get(r)
     if rec is None:
-        return PlanRound(round=r, phase="Pending", reason="Planning", message=f"planning round {r}")
+        return step(job, seen, PlanRound(round=r, phase="Planning", reason="Planning", message=f"planning round {r}"))
 
     planned = int(rec.get("shards") or 0)
     # A round planned before lanes existed has one lane per shard.
     lanes = int(rec.get("lanes") or planned)
     if rec.get("completionTime"):
         # The round's results are recorded as complete; the Job may already be gone (TTL).
-        return after_round(job, status, r, observed_jobs)
+        return after_round(job, seen, r)
     shards = Shards(done=min(shards_done, planned), total=planned) if shards_done is not None else None
 
     view = round_job(job, r, observed_jobs)
     if view is None:
         if planned == 0:
             # Empty input: nothing to run, the round is trivially finished.
-            return FinishRound(round=r, phase="Running", reason="RoundFinished",
+            return FinishRound(round=r, phase="Running", reason="RoundFinished", result={"done": 0},
                                message=f"round {r} has no shards", shards=Shards(done=0, total=0))
         # Not created yet, or deleted before it finished: (re)create it. Workers resume from
         # what is durable, so a recreated Job redoes no finished rows.
@@ -427,6 +728,19 @@ def decide(
                     message=f"Job {view.name} belongs to an earlier object of this name; "
                             "waiting for it to be deleted")
 
+    end: Mapping[str, Any] | None = None
+    damaged: list[str] = []
+    if view.failed_for_good or view.succeeded:
+        # Its finish step counts the shards done (lanes that failed may have left some) and the statistics.
+        counting = step(job, seen, FinishRound(
+            round=r, phase="Running", reason="RoundFinishing", lanes=view.lanes,
+            shards=Shards(done=planned, total=planned) if view.succeeded else shards,
+            message=f"round {r}: Job {view.name} ended; counting its shards"))
+        if not isinstance(counting, FinishRound) or counting.result is None:
+            return counting
+        end = counting.result
+        shards = Shards(done=min(int(end.get("done") or 0), planned), total=planned)
+        damaged = [str(m) for m in end.get("damaged") or []]
     if view.failed_for_good:
         bad_config = view.failure is not None and view.failure.reason == "PodFailurePolicy"
         if bad_config and damaged:
@@ -444,12 +758,12 @@ def decide(
                                message=f"round {r}: all {planned} shards done"
                                        + (f" (lane {failed} failed; the other lanes finished its shards)"
                                           if failed else ""),
-                               shards=shards, lanes=view.lanes, failed_lanes=tuple(sorted(view.failed)))
+                               shards=shards, lanes=view.lanes, failed_lanes=tuple(sorted(view.failed)), result=end)
         return job_failed(r, view, shards)
     if view.succeeded:
         return FinishRound(round=r, phase="Running", reason="RoundFinished",
                            message=f"round {r}: all {planned} shards done", shards=Shards(done=planned, total=planned),
-                           lanes=view.lanes)
+                           lanes=view.lanes, result=end)
 
     want_suspend = job.spec.suspend
     # Kueue admits a queued Job by unsuspending it: the operator may suspend such a Job but
@@ -549,8 +863,7 @@ def publish_job(job: BatchInferenceJob, pass_name: str, observed_jobs: Sequence[
     return None
 
 
-def publishing(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
-               observed_jobs: Sequence[Mapping[str, Any]]) -> Decision:
+def publishing(job: BatchInferenceJob, seen: Observation, r: int, partial: str | None = None) -> Decision:
     """The next publishing step: plan it, then one Job per pass in order, then the manifest.
 
     The passes' row-level work (duplicate ids across shards, result/error files) runs in the pods of
@@ -558,10 +871,12 @@ def publishing(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
     steps in Jobs of their own (`steps`), so the operator's own work grows with shards, never with rows.
     """
     rounds = r + 1
+    status, observed_jobs = seen.status, seen.jobs
     rec = status.get("publish") or {}
     if rec.get("rounds") != rounds or not rec.get("planUri") or not isinstance(rec.get("passes"), Mapping):
-        return PreparePublish(round=r, phase="Publishing", reason="Publishing",
-                              message=f"publishing {rounds} round(s): planning the publish passes", rounds=rounds)
+        return step(job, seen, PreparePublish(round=r, phase="Publishing", reason="Publishing", partial=partial,
+                                              message=f"publishing {rounds} round(s): planning the publish passes",
+                                              rounds=rounds))
     for pass_name in PUBLISH_PASSES:
         count = int(rec["passes"].get(pass_name) or 0)
         if count == 0:
@@ -586,12 +901,12 @@ def publishing(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
             lanes = view.lanes
             return Wait(round=r, phase="Publishing", reason="Publishing",
                         message=f"publishing: pass {pass_name}, {lanes.done}/{lanes.total} pods done")
-    return Publish(round=r, phase="Publishing", reason="Publishing",
-                   message=f"publishing the manifest of {rounds} round(s)", rounds=rounds)
+    return step(job, seen, Publish(round=r, phase="Publishing", reason="Publishing", partial=partial,
+                                   message=f"publishing the manifest of {rounds} round(s)", rounds=rounds,
+                                   plan_uri=str(rec["planUri"])))
 
 
-def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
-                observed_jobs: Sequence[Mapping[str, Any]] = ()) -> Decision:
+def after_round(job: BatchInferenceJob, seen: Observation, r: int) -> Decision:
     """A round finished: plan the next judge round if rows were rejected, else publish.
 
     Whether another round follows is `rounds.needs_another_round`, shared with ``bij run``:
@@ -599,7 +914,7 @@ def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
     so the rounds end at ``maxRounds`` without a check here. Error rows beyond
     ``spec.maxErrorRatio`` fail the job instead of publishing.
     """
-    history = round_stats(status)
+    history = round_stats(seen.status)
     limit = job.spec.max_error_ratio
     if limit is not None:
         errors = sum(h.errors for h in history)
@@ -610,22 +925,23 @@ def after_round(job: BatchInferenceJob, status: Mapping[str, Any], r: int,
                                       f"above spec.maxErrorRatio {limit:.1%}; nothing was published")
     if needs_another_round(job.spec.judge, history):
         rejected = history[-1].rejected
-        return PlanRound(round=r + 1, phase="Running", reason="Planning",
-                         message=f"round {r}: the judge rejected {rejected} rows; planning round {r + 1}")
-    return publishing(job, status, r, observed_jobs)
+        return step(job, seen, PlanRound(
+            round=r + 1, phase="Planning", reason="Planning",
+            message=f"round {r}: the judge rejected {rejected} rows; planning round {r + 1}"))
+    return publishing(job, seen, r)
 
 
-def stopping_step(job: BatchInferenceJob, status: Mapping[str, Any], observed_jobs: Sequence[Mapping[str, Any]],
-                  stop: Stop) -> Decision:
+def stopping_step(job: BatchInferenceJob, seen: Observation, stop: Stop) -> Decision:
     """The next step of a bij that stops for good (`stopping`): plan round 0 if it never was, suspend the
     round's Job so its workers drain as on preemption, wait until no pod of it is active or terminating,
     then publish rounds 0..round as a partial manifest (phase Cancelling until it ends Cancelled or Expired)."""
+    status = seen.status
     r = current_round(status)
     rec = round_records(status).get(r)
     if rec is None and r == 0:
-        return PlanRound(round=0, phase="Cancelling", reason=stop.reason,
-                         message=f"{stop.message}: planning round 0 to count the rows not run")
-    view = round_job(job, r, observed_jobs)
+        return step(job, seen, PlanRound(round=0, phase="Cancelling", reason=stop.reason,
+                                         message=f"{stop.message}: planning round 0 to count the rows not run"))
+    view = round_job(job, r, seen.jobs)
     if view is not None and is_ours(job, view) and not (view.succeeded or view.failed_for_good):
         if not view.suspend:
             return PatchJob(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes, job_name=view.name,
@@ -636,10 +952,8 @@ def stopping_step(job: BatchInferenceJob, status: Mapping[str, Any], observed_jo
             return Wait(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes,
                         message=f"{stop.message}: waiting for {pods} worker pod(s) of Job {view.name} to drain")
     # Rounds 0..r: round r as far as it got (its unfinished shards count their rows not run).
-    d = publishing(job, status, r, observed_jobs)
-    if isinstance(d, (PreparePublish, Publish)):
-        d = dataclasses.replace(d, partial=stop.phase)
-    if isinstance(d, (PreparePublish, Publish, CreatePublishJob, Wait)):
+    d = publishing(job, seen, r, partial=stop.phase)
+    if isinstance(d, (PreparePublish, Publish, CreatePublishJob, Wait, RerunStep)):
         return dataclasses.replace(d, phase="Cancelling", reason=stop.reason,
                                    message=f"{stop.message}: {d.message} (partial)")
     return d

@@ -229,6 +229,7 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
         pass
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
     lines = [f"{job.metadata.name}: not published yet ({job.spec.output.uri})"]
+    lines += local_status_lines(store, job)
     records: list[ShardRecord] = []
     current: list[ShardRecord] = []
     r = 0
@@ -256,6 +257,21 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
     if spent:
         lines.append(f"  cost      {fmt_money(spent['total'])} so far at {spent['pricePerHour']:g}/hour per worker")
     return lines
+
+
+def local_status_lines(store: Any, job: BatchInferenceJob) -> list[str]:
+    """The phase, failure reason and message of its last `bij run`, as `kubectl get bij` shows a cluster's
+    (a retry or a failure says its step, pod and cause); none where it kept none."""
+    try:
+        kept = json.loads(store.read_bytes(layout.local_status_uri(job)))
+    except (StorageError, OSError, ValueError):
+        return []
+    if not isinstance(kept, dict) or not kept.get("phase"):
+        return []
+    reason = next((c.get("reason") for c in kept.get("conditions") or [] if isinstance(c, dict)
+                   and c.get("type") == "Failed" and c.get("status") == "True"), None)
+    phase = f"{kept['phase']} ({reason})" if reason else str(kept["phase"])
+    return [f"  phase     {phase}: {kept.get('message') or ''}".rstrip(": ")]
 
 
 def cli_status(args: argparse.Namespace) -> int:

@@ -81,7 +81,7 @@ def phase_conditions(
     truth = {
         # Cancelled and Expired: the finished part is published and readable.
         "Ready": phase in ("Succeeded", "Cancelled", "Expired"),
-        "Running": phase in ("Running", "Publishing", "Cancelling"),
+        "Running": phase in ("Planning", "Running", "Publishing", "Cancelling"),
         "Suspended": phase == "Suspended",
         "Succeeded": phase == "Succeeded",
         "Failed": phase == "Failed",

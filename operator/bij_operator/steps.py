@@ -5,10 +5,12 @@ fingerprint, owner claim, the round plan), a finished round's statistics (its co
 records), the publish plan and the manifest all read or write the bij's storage, so each runs as a
 one-pod Job of its own under the bij's worker service account and `spec.storage` credentials, the
 identity the bij's rounds run with. What the driver needs back is small and goes through the bij's
-status (`bij_worker.report`): ``status.reports.steps.<Job name>`` = ``{"jobUid", "result"}`` or
-``{"jobUid", "error": {"type", "message", "permanent"}}``; an expected failure (AccessDenied on the
-input, a plan refused) is a result too, turned back into the error the driver sorts
-(`failures.failed_step`).
+status (`bij_worker.report`): ``status.reports.steps.<Job name>`` is a `StepReport` of the contract,
+its result or the error it met under a stable code (`StepErrorCode`), which `reconcile.decide()` turns
+into a decision. An expected failure (AccessDenied on the input, a plan refused) is reported and the
+pod exits 0; anything else is reported as INTERNAL and the pod exits 1, so that its Job runs it again
+(spec.workers.backoffLimitPerIndex times). A pod that cannot deliver its report says why in its
+termination message, which the operator shows.
 
 A step is idempotent, like the driver's steps were when they ran in the operator: a plan already
 written is read, not rewritten; a manifest already published is read back.
@@ -25,9 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from bij_worker import publish_rows
-from bij_worker.contract.errors import BijError
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, parse_job
-from bij_worker.report import JOB_UID_ENV, ReportError, put_with_retries, sink_from_env
+from bij_worker.contract.step_report import StepError, StepErrorCode, StepReport
+from bij_worker.report import JOB_UID_ENV, POD_NAME_ENV, ReportError, put_with_retries, sink_from_env
 from bij_worker.storage import StorageError, StorageRefused
 
 from .efficiency import cost, efficiency
@@ -42,17 +44,22 @@ log = logging.getLogger("bij.step")
 KINDS = ("plan", "finish", "publish-plan", "manifest")
 # Damaged objects named in a result at most: the status stays small; the manifest lists them all.
 MOST_DAMAGED = 20
-# A message longer than this is cut (a status is no place for a stack of text).
-MOST_MESSAGE = 2000
+# Where a container's termination message goes (the kubelet shows it in the pod's status).
+TERMINATION_LOG = "/dev/termination-log"
 
-# The errors a step reports as results, rebuilt by name on the operator's side.
-_ERRORS: dict[str, type[BijError]] = {c.__name__: c for c in (
-    PlanRefused, PlanError, StorageRefused, StorageError, WorkFilesRemoved, ErrorRatioExceeded, PublishError,
-    publish_rows.PublishPlanError)}
-
-
-class StepFailed(BijError):
-    """A step's pod failed without a result (a crash, not an expected failure)."""
+# The expected failures, most specific first: each is reported under its code, never by class name.
+_CODES: tuple[tuple[type[BaseException], StepErrorCode], ...] = (
+    (PlanRefused, StepErrorCode.PLAN_REFUSED),
+    (StorageRefused, StepErrorCode.STORAGE_REFUSED),
+    (ErrorRatioExceeded, StepErrorCode.TOO_MANY_ERRORS),
+    (WorkFilesRemoved, StepErrorCode.WORK_FILES_REMOVED),
+    (PlanError, StepErrorCode.PLAN_FAILED),
+    (PublishError, StepErrorCode.PUBLISH_FAILED),
+    (publish_rows.PublishPlanError, StepErrorCode.PUBLISH_FAILED),
+    (StorageError, StepErrorCode.STORAGE_FAILED),
+    (OSError, StepErrorCode.STORAGE_FAILED),
+    (SpecError, StepErrorCode.INVALID_SPEC),
+)
 
 
 def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 0,
@@ -121,26 +128,13 @@ def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
     return summary
 
 
-def error_report(e: BaseException) -> dict[str, Any]:
-    message = str(e)
-    if len(message) > MOST_MESSAGE:
-        message = message[:MOST_MESSAGE] + " ..."
-    return {"type": type(e).__name__, "message": message, "permanent": bool(getattr(e, "permanent", False))}
-
-
-def rebuild_error(report: Mapping[str, Any]) -> BijError:
-    """The error a step reported, as the type the driver sorts (a StorageError when the type is unknown)."""
-    message = str(report.get("message") or "failed")
-    permanent = bool(report.get("permanent"))
-    cls = _ERRORS.get(str(report.get("type")))
-    e: BijError
-    if cls is None:
-        e = StorageError(message, permanent=permanent)
-    else:
-        e = cls.__new__(cls)
-        Exception.__init__(e, message)
-    e.permanent = permanent
-    return e
+def error_of(e: BaseException) -> StepError:
+    """The error `e` as the contract names it: its code, message and whether a retry can help."""
+    code = next((c for cls, c in _CODES if isinstance(e, cls)), StepErrorCode.INTERNAL)
+    message = str(e) or type(e).__name__
+    if code is StepErrorCode.INTERNAL:
+        message = f"{type(e).__name__}: {message}"  # a bug: its type is part of what to report
+    return StepError.of(code, message, permanent=bool(getattr(e, "permanent", False)))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -156,24 +150,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def step_report(args: argparse.Namespace, job_uid: str) -> dict[str, Any]:
-    """Run the step `args` name and return its report: its result, or the expected failure it met."""
-    report: dict[str, Any] = {"jobUid": job_uid}
+def step_report(args: argparse.Namespace, job_uid: str, pod: str = "") -> StepReport:
+    """Run the step `args` name and return its report: its result, or the failure it met."""
     try:
         job = parse_job(json.loads(args.job_spec))
-        report["result"] = run_step(args.kind, job, args.round, rounds=args.rounds, plan_uri=args.plan,
-                                    partial=args.partial)
-    except (SpecError, BijError, OSError, ValueError) as e:
-        # Expected, and reported: the driver says it (once) where the bij's messages go.
-        log.info("step %s: %s", args.kind, e)
-        report["error"] = error_report(e)
-    return report
+        result = run_step(args.kind, job, args.round, rounds=args.rounds, plan_uri=args.plan, partial=args.partial)
+    except Exception as e:  # every failure is reported under its code; INTERNAL ones also fail the pod
+        error = error_of(e)
+        if error.code is StepErrorCode.INTERNAL:
+            log.exception("step %s failed", args.kind)
+        else:
+            log.info("step %s: %s", args.kind, e)  # the driver says it (once) where the bij's messages go
+        return StepReport(job_uid=job_uid, pod=pod, error=error)
+    return StepReport(job_uid=job_uid, pod=pod, result=result)
+
+
+def say_last_words(message: str, path: str = TERMINATION_LOG) -> None:
+    """The container's termination message (the kubelet shows it in the pod's status); nowhere when
+    there is no such file (a local run: the message is the last line of the log)."""
+    log.error("%s", message)
+    try:
+        with open(path, "w") as f:
+            f.write(message[:4000])
+    except OSError:
+        pass
 
 
 def main(argv: list[str]) -> int:
     """`bij-worker step KIND --job-spec JSON --key JOB_NAME [--round R] [--rounds N] [--plan URI]`: run one
-    step and report its result (or its expected failure) into the bij's status. Exits 0 once the report
-    is delivered, 1 when it cannot be (the pod is retried)."""
+    step and report its result (or the failure it met) into the bij's status. Exits 0 once the report
+    of a result or an expected failure is delivered; 1 when it cannot be delivered, or the failure is
+    INTERNAL (the pod is run again by its Job)."""
     args = parse_args(argv)
     try:
         sink = sink_from_env()
@@ -181,15 +188,18 @@ def main(argv: list[str]) -> int:
         log.error("%s", e)
         return 1
     if sink is None:
-        log.error("nowhere to report the result: set BIJ_REPORT_TO (the step Job sets it)")
+        say_last_words("nowhere to report the result: set BIJ_REPORT_TO (the step Job sets it)")
         return 1
-    report = step_report(args, os.environ.get(JOB_UID_ENV, ""))
+    report = step_report(args, os.environ.get(JOB_UID_ENV, ""), os.environ.get(POD_NAME_ENV, ""))
     try:
-        put_with_retries(sink, "steps", args.key, report)
+        put_with_retries(sink, "steps", args.key, report.as_status())
     except ReportError as e:
-        log.error("cannot report the result of step %s: %s", args.kind, e)
+        say_last_words(f"cannot report the result of step {args.kind}: {e}")
         return 1
-    log.info("step %s: %s", args.kind, "failed" if "error" in report else "done")
+    if report.error is not None and report.error.code is StepErrorCode.INTERNAL:
+        say_last_words(report.error.message)
+        return 1
+    log.info("step %s: %s", args.kind, "failed" if report.error is not None else "done")
     return 0
 
 

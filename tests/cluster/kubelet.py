@@ -379,22 +379,23 @@ class PodRunner:
         for c in containers:
             code = codes.get(c["name"], 137)
             reason = "Completed" if code == 0 else "Error"
-            terminated = {"exitCode": code, "reason": reason, "startedAt": self.started_at, "finishedAt": now(),
-                          "containerID": f"process://{self.uid}/{c['name']}"}
+            ended = {"exitCode": code, "reason": reason, "startedAt": self.started_at, "finishedAt": now(),
+                     "containerID": f"process://{self.uid}/{c['name']}"}
             if code != 0 and c.get("terminationMessagePolicy") == "FallbackToLogsOnError":
-                terminated["message"] = self._log_tail(c["name"])
-            statuses.append(self._container_status(c, {"terminated": terminated}, restarts.get(c["name"], 0)))
+                # No termination-log file here: the kubelet's fallback, the end of the container's log.
+                ended["message"] = self._log_tail(c["name"])
+            statuses.append(self._container_status(c, {"terminated": ended}, restarts.get(c["name"], 0)))
         phase = "Succeeded" if all(codes.get(c["name"], 137) == 0 for c in containers) else "Failed"
         self._patch_status({"phase": phase, "conditions": self._conditions(False), "containerStatuses": statuses})
 
-    def _log_tail(self, container: str) -> str:
-        """What a kubelet takes as the message of a failed container under `FallbackToLogsOnError`: the
-        end of its log, at most 80 lines and 2048 bytes (the kubelet's own limits)."""
+    def _log_tail(self, container: str, most_lines: int = 80, most_bytes: int = 2048) -> str:
+        """What a kubelet puts in a failed container's message under FallbackToLogsOnError."""
         try:
-            data = (self.dir / f"{container}.log").read_bytes()[-2048:]
+            data = (self.dir / f"{container}.log").read_bytes()
         except OSError:
             return ""
-        return "\n".join(data.decode(errors="replace").splitlines()[-80:])
+        lines = [ln for ln in data.decode(errors="replace").splitlines() if not ln.startswith("--- ")]
+        return "\n".join(lines[-most_lines:])[-most_bytes:]
 
     def _finish(self) -> None:
         with self.lock:

@@ -339,6 +339,13 @@ def test_an_embedding_job_runs_to_succeeded_in_the_worker_image_with_every_row_o
         (st,) = p.status.container_statuses
         assert st.image.endswith(WORKER_IMAGE.split("/", 1)[1])
         assert st.state.terminated is not None and st.state.terminated.exit_code == 0
+    # Its steps ran on the steps image (by default the operator's: bij without an engine), not the worker's.
+    for step in ("emb-plan-r0", "emb-finish-r0", "emb-publish-plan", "emb-manifest"):
+        step_pods = ns.pods(step)
+        assert step_pods, step
+        for p in step_pods:
+            (st,) = p.status.container_statuses
+            assert st.image.endswith(OPERATOR_IMAGE.split("/", 1)[1]), (step, st.image)
 
 
 # --- eviction: SIGTERM to PID 1, drained, resumed ------------------------------------------------------

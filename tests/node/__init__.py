@@ -137,6 +137,14 @@ def unmount_under(folder: Path) -> None:
         subprocess.run(["umount", "-l", point], capture_output=True)
 
 
+def node_env() -> dict[str, str]:
+    """The environment of containerd and the kubelet: the binaries built here first on the PATH, so that
+    what they look up there (containerd's shims, ctr) is ours, not a distribution package's."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH") or os.defpath])
+    return env
+
+
 class Node:
     """containerd + kubelet for one node of `plane`, state under `state`.
 
@@ -184,6 +192,9 @@ state = "{self.run_dir / 'state'}"
     default_runtime_name = "runc"
     [plugins."{runtime}".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+      # The shim built with this containerd, never one of the distribution's found on the PATH
+      # (Debian's containerd package: "failed to start shim ... not found" for every sandbox).
+      runtime_path = "{BIN / 'containerd-shim-runc-v2'}"
       [plugins."{runtime}".containerd.runtimes.runc.options]
         BinaryName = "{shutil.which(RUNC)}"
         SystemdCgroup = false
@@ -290,7 +301,7 @@ state = "{self.run_dir / 'state'}"
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"{name}.log", "ab") as out:
-            self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+            self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=node_env(),
                                                 stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
     def _check_alive(self) -> None:

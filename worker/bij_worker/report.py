@@ -51,7 +51,11 @@ PLURAL = "batchinferencejobs"
 
 
 class ReportError(Exception):
-    """A report could not be delivered."""
+    """A report could not be delivered; `permanent`: the API server refused it (a 4xx), the same on a retry."""
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class Sink(Protocol):
@@ -86,8 +90,15 @@ class KubeStatus:
             with urllib.request.urlopen(req, context=self.context, timeout=self.timeout) as resp:
                 resp.read()
         except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode(errors="replace")
-            raise ReportError(f"PATCH {self.url}: HTTP {e.code}: {detail}") from None
+            detail = e.read()[:4000].decode(errors="replace")
+            try:
+                # The API server's Status says what was refused (a 403 names the verb and resource missing).
+                detail = str(json.loads(detail).get("message") or detail)
+            except (ValueError, AttributeError):
+                pass
+            # Forbidden, not found, invalid: asked again, the API server answers the same.
+            refused = 400 <= e.code < 500 and e.code not in (408, 409, 429)
+            raise ReportError(f"PATCH {self.url}: HTTP {e.code}: {detail[:600]}", permanent=refused) from None
         except (urllib.error.URLError, OSError) as e:
             raise ReportError(f"PATCH {self.url}: {e}") from None
 
@@ -140,14 +151,15 @@ def sink_from_env(env: Mapping[str, str] | None = None) -> Sink | None:
 
 def put_with_retries(sink: Sink, section: str, key: str, value: Mapping[str, Any] | None,
                      attempts: int = 6, delay: float = 0.5) -> None:
-    """Deliver one report, retrying a failed request with back-off; the last error is raised."""
+    """Deliver one report, retrying a failed request with back-off (not one the API server refused); the
+    last error is raised."""
     for attempt in range(attempts):
         try:
             sink.put(section, key, value)
             return
         except (ReportError, OSError) as e:
-            if attempt == attempts - 1:
-                raise ReportError(str(e)) from None
+            if attempt == attempts - 1 or getattr(e, "permanent", False):
+                raise ReportError(str(e), permanent=bool(getattr(e, "permanent", False))) from None
             log.warning("report %s/%s: %s; retrying", section, key, e)
             time.sleep(min(delay * 2**attempt, 8.0))
 

@@ -36,6 +36,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s:%s" .Values.workerImage.repository (default .Chart.AppVersion .Values.workerImage.tag) -}}
 {{- end -}}
 
+{{- define "bij-operator.stepsImage" -}}
+{{- if .Values.stepsImage.repository -}}
+{{- printf "%s:%s" .Values.stepsImage.repository (default .Chart.AppVersion .Values.stepsImage.tag) -}}
+{{- else -}}
+{{- include "bij-operator.image" . -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Namespaces the operator watches when not cluster-wide, as a JSON list. */}}
 {{- define "bij-operator.watchNamespaces" -}}
 {{- if .Values.watch.namespaces -}}
@@ -80,6 +88,11 @@ cluster-scoped objects always go in the ClusterRole.
 - apiGroups: [batch]
   resources: [jobs]
   verbs: [get, list, watch, create, patch, delete]
+# The failed pods of a step Job: their exit code, reason (OOMKilled) and last log lines say why a
+# step is retried or failed (listed only once a step's pod failed).
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
 # Events on the BatchInferenceJobs (kopf posts core v1 events).
 - apiGroups: [""]
   resources: [events]

@@ -14,6 +14,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from bij_worker.contract.spec import MAX_DEADLINE_SECONDS
+
 LABEL = "batchinference.io/openai-batch"
 ANNOTATION = "batchinference.io/openai-batch"
 CANCELLING_AT = "batchinference.io/cancelling-at"
@@ -36,7 +38,11 @@ def window_seconds(window: Any) -> int:
     if m is None:
         raise BadRequest(f"completion_window must be a duration such as 24h, 30m or 90s, got {window!r}",
                          "completion_window")
-    return int(m.group(1)) * _UNIT[m.group(2)]
+    seconds = int(m.group(1)) * _UNIT[m.group(2)]
+    if not 1 <= seconds <= MAX_DEADLINE_SECONDS:
+        raise BadRequest(f"completion_window must be between 1s and {MAX_DEADLINE_SECONDS // 86400}d, got {window!r}",
+                         "completion_window")
+    return seconds
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:
@@ -104,7 +110,8 @@ def status_of(bij: Mapping[str, Any]) -> str:
         return "cancelling"
     if phase == "Cancelling":
         return "finalizing"  # the deadline passed: the finished part is being published
-    if phase in ("Running", "Suspended") or (phase == "Pending" and st.get("rounds")):
+    # Planning round 0 is validating; planning a judge round after it is work in progress.
+    if phase in ("Running", "Suspended") or (phase in ("Pending", "Planning") and st.get("rounds")):
         return "in_progress"
     return "validating"
 

@@ -64,6 +64,12 @@ def removed_uri(job: BatchInferenceJob) -> str:
     return join(state_prefix(job), "removed.json")
 
 
+def local_status_uri(job: BatchInferenceJob) -> str:
+    """`bij run`'s status (phase, message, conditions) while it runs or after it stopped short of
+    publishing, for `bij status`; removed once the job is published."""
+    return join(state_prefix(job), "local-status.json")
+
+
 def manifest_uri(job: BatchInferenceJob) -> str:
     return join(job.spec.output.uri, "manifest.json")
 

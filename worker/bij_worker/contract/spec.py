@@ -61,6 +61,9 @@ GPUS_FOR_VLLM = (
 )
 
 
+# The longest spec.deadlineSeconds: 366 days (the CRD says the same).
+MAX_DEADLINE_SECONDS = 366 * 24 * 3600
+
 class SpecError(BijError):
     """A spec that can never work. The message names each bad field and why."""
 
@@ -418,6 +421,9 @@ class WorkersSpec(_Model):
     shm_size: str | None = Field("8Gi", pattern=QUANTITY_PATTERN)
     spot: bool = False
     spot_provider: Literal["all", "gke", "eks", "karpenter", "aks"] = "all"
+    # The step Jobs (plan, finish, publish plan, manifest) run anywhere by default; true: on the workers'
+    # nodes (their nodeSelector, tolerations, affinity, spot and GPU placement), where nothing else may run.
+    steps_on_worker_nodes: bool = False
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
     affinity: dict[str, Any] | None = None
@@ -487,7 +493,8 @@ class JobSpec(_Model):
     # Stop for good and publish what is finished as a partial manifest (phase Cancelled), or do so
     # once this many seconds have passed since the job was created (phase Expired).
     cancel: bool = False
-    deadline_seconds: int | None = Field(None, ge=1)
+    # At most MAX_DEADLINE_SECONDS: creation time plus the deadline must be a date (a "9999999d" window is not).
+    deadline_seconds: int | None = Field(None, ge=1, le=MAX_DEADLINE_SECONDS)
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
