@@ -28,7 +28,7 @@ from typing import Any
 
 from bij_worker import publish_rows
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, parse_job
-from bij_worker.contract.step_report import StepError, StepErrorCode, StepReport
+from bij_worker.contract.step_report import MOST_MESSAGE, StepError, StepErrorCode, StepReport
 from bij_worker.report import JOB_UID_ENV, POD_NAME_ENV, ReportError, put_with_retries, sink_from_env
 from bij_worker.storage import StorageError, StorageRefused
 
