@@ -224,8 +224,8 @@ def test_a_chat_batch_runs_end_to_end_with_the_openai_sdk(tenant: Tenant, tmp_pa
     c = tenant.client
     lines: list[Any] = chat_lines(40)
     lines.insert(5, "not json")
-    lines.insert(9, {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings",
-                     "body": {"model": "tiny-chat", "input": "x"}})
+    lines.insert(9, {"custom_id": "bad-body", "method": "POST", "url": "/v1/chat/completions",
+                     "body": {"model": "tiny-chat", "messages": "not a list"}})
     f = upload(c, tmp_path, lines)
     assert (f.purpose, f.status, f.bytes) == ("batch", "processed", (tmp_path / "batch.jsonl").stat().st_size)
     assert c.files.retrieve(f.id).id == f.id and f.id in [x.id for x in c.files.list()]
@@ -247,7 +247,7 @@ def test_a_chat_batch_runs_end_to_end_with_the_openai_sdk(tenant: Tenant, tmp_pa
     assert all(line["response"]["body"]["choices"][0]["message"]["content"] for line in out)
     errors = lines_of(c, done.error_file_id)
     assert len(errors) == 2 and all(e["response"] is None and e["error"]["code"] for e in errors)
-    assert "bad-url" in [e["custom_id"] for e in errors]
+    assert "bad-body" in [e["custom_id"] for e in errors]
     assert c.files.retrieve(done.output_file_id).bytes == len(c.files.content(done.output_file_id).content)
     listed = c.batches.list(limit=10)
     assert [x.id for x in listed.data] == [b.id]
