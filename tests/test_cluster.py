@@ -884,10 +884,13 @@ def _operator_session(env: Env, restart: Any) -> None:
     env.foreign_job("clash-r0")
     env.create(env.doc("clash"))
     wait_for(lambda: "JobNameConflict" in json.dumps(env.status("clash")), 60, "the name conflict")
-    # Input not there yet: the plan Job reports it, and is deleted so that the next attempt plans anew.
+    # Input not there yet: the plan Job reports it, and is deleted so that the next attempt plans anew
+    # (a new Job of the same name may follow at once: the old one's uid is gone).
     env.create(env.doc("early", input={"uri": f"file://{env.tmp}/not-yet/"}))
     wait_for(lambda: "PlanFailed" in env.reasons("early") or None, 60, "the plan's failure")
-    wait_for(lambda: not env.jobs_named("early-plan-r0") or None, 60, "the failed plan's Job deleted")
+    first = {j["metadata"]["uid"] for j in env.jobs_named("early-plan-r0")}
+    wait_for(lambda: not first & {j["metadata"]["uid"] for j in env.jobs_named("early-plan-r0")} or None, 90,
+             "the failed plan's Job deleted")
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "ok")
     wait_for(lambda: not env.jobs_named("ok-r0") or None, 60, "ok's Job collected")
     wait_for(lambda: "InvalidSpec" in env.reasons("invalid"), 30, "the last Event posted")
