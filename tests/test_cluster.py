@@ -813,6 +813,48 @@ def test_tenants_stay_apart_each_namespace_with_its_own_s3_identity(env: Env, s3
     assert a_who.access_key in requesters and b_who.access_key in requesters
 
 
+def test_a_step_whose_report_is_forbidden_ends_failed_saying_the_403_and_the_missing_verb(env: Env) -> None:
+    # The namespace's worker Role lacks the one verb a step needs: patching its bij's status.
+    remove_worker_account(env.api, env.ns)
+    rbac = kubernetes.client.RbacAuthorizationV1Api(env.api)
+    env.core.create_namespaced_service_account(env.ns, {"metadata": {"name": "bij-worker"}})
+    rbac.create_namespaced_role(env.ns, {"metadata": {"name": "bij-worker"}, "rules": [
+        {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"], "verbs": ["get"]}]})
+    rbac.create_namespaced_role_binding(env.ns, {
+        "metadata": {"name": "bij-worker"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "bij-worker"},
+        "subjects": [{"kind": "ServiceAccount", "name": "bij-worker", "namespace": env.ns}]})
+    job_ids(env, 20)
+    log_before = len(operator_log(env.cluster))
+    env.create(env.doc("denied"))
+    # A phase from the start: planning, while the plan step runs.
+    first = wait_for(lambda: env.status("denied").get("phase") or None, 60, "a phase")
+    assert first == "Planning", first
+    st = env.wait_phase("denied", "Failed", timeout=240)
+    message = st["message"]
+    print(message)
+    assert message.startswith("step plan-r0 failed 2 time(s), giving up (spec.workers.backoffLimitPerIndex 1); "
+                              "Job denied-plan-r0, last pod denied-plan-r0-0-"), message
+    assert "exit code 1: " in message and "cannot report the result of step plan: PATCH" in message, message
+    assert "HTTP 403" in message, message
+    assert 'cannot patch resource "batchinferencejobs/status"' in message, message
+    failed = [c for c in st["conditions"] if c["type"] == "Failed"]
+    assert failed and failed[0]["status"] == "True" and failed[0]["reason"] == "StepFailed"
+    assert failed[0]["message"] == message
+    line = env.kubectl("get", "bij", "denied", "--no-headers").split()
+    assert line[:2] == ["denied", "Failed"]
+    wait_for(lambda: "StepFailed" in env.reasons("denied") or None, 30, "the StepFailed Event")
+    events = {e["reason"]: e["message"] for e in env.events("denied")}
+    # The Event says the same (kopf cuts a long Event message in its middle).
+    assert events["StepFailed"][:300] == message[:300] and "HTTP 403" in events["StepFailed"]
+    assert "StepRetrying" in events and "running it again" in events["StepRetrying"]
+    assert "HTTP 403" in events["StepRetrying"]
+    # Said in the bij, not raised: no traceback in the operator's log, and no step Job made again.
+    new_log = operator_log(env.cluster)[log_before:]
+    assert "Traceback" not in new_log, new_log[-3000:]
+    assert [j["metadata"]["name"] for j in env.jobs()] == ["denied-plan-r0"]
+
+
 # --- RBAC: what the chart grants is exactly what the operator uses -------------------------------------
 #
 # For each way the chart can run the operator, `helm upgrade` to it and drive one session through
@@ -896,6 +938,8 @@ def _operator_session(env: Env, restart: Any) -> None:
     wait_for(lambda: "InvalidSpec" in env.reasons("invalid"), 30, "the last Event posted")
 
 
+# These leave the operator installed in their last mode (namespaced, watching one test's namespace): tests that
+# need the operator to serve a namespace of their own come before them.
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_chart_rbac_is_exactly_what_the_operator_uses(env: Env, mode: str) -> None:
     cluster = env.cluster
@@ -1016,45 +1060,3 @@ def test_bij_doctor_names_a_missing_grant_with_its_fix_and_probes_storage_from_t
              60, "the probe pods to be gone")
     listed = boto3.client("s3", endpoint_url=s3_service.endpoint).list_objects_v2(Bucket=bucket, Prefix="out/")
     assert listed.get("KeyCount", 0) == 0
-
-
-def test_a_step_whose_report_is_forbidden_ends_failed_saying_the_403_and_the_missing_verb(env: Env) -> None:
-    # The namespace's worker Role lacks the one verb a step needs: patching its bij's status.
-    remove_worker_account(env.api, env.ns)
-    rbac = kubernetes.client.RbacAuthorizationV1Api(env.api)
-    env.core.create_namespaced_service_account(env.ns, {"metadata": {"name": "bij-worker"}})
-    rbac.create_namespaced_role(env.ns, {"metadata": {"name": "bij-worker"}, "rules": [
-        {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"], "verbs": ["get"]}]})
-    rbac.create_namespaced_role_binding(env.ns, {
-        "metadata": {"name": "bij-worker"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "bij-worker"},
-        "subjects": [{"kind": "ServiceAccount", "name": "bij-worker", "namespace": env.ns}]})
-    job_ids(env, 20)
-    log_before = len(operator_log(env.cluster))
-    env.create(env.doc("denied"))
-    # A phase from the start: planning, while the plan step runs.
-    first = wait_for(lambda: env.status("denied").get("phase") or None, 60, "a phase")
-    assert first == "Planning", first
-    st = env.wait_phase("denied", "Failed", timeout=240)
-    message = st["message"]
-    print(message)
-    assert message.startswith("step plan-r0 failed 2 time(s), giving up (spec.workers.backoffLimitPerIndex 1); "
-                              "Job denied-plan-r0, last pod denied-plan-r0-0-"), message
-    assert "exit code 1: " in message and "cannot report the result of step plan: PATCH" in message, message
-    assert "HTTP 403" in message, message
-    assert 'cannot patch resource "batchinferencejobs/status"' in message, message
-    failed = [c for c in st["conditions"] if c["type"] == "Failed"]
-    assert failed and failed[0]["status"] == "True" and failed[0]["reason"] == "StepFailed"
-    assert failed[0]["message"] == message
-    line = env.kubectl("get", "bij", "denied", "--no-headers").split()
-    assert line[:2] == ["denied", "Failed"]
-    wait_for(lambda: "StepFailed" in env.reasons("denied") or None, 30, "the StepFailed Event")
-    events = {e["reason"]: e["message"] for e in env.events("denied")}
-    # The Event says the same (kopf cuts a long Event message in its middle).
-    assert events["StepFailed"][:300] == message[:300] and "HTTP 403" in events["StepFailed"]
-    assert "StepRetrying" in events and "running it again" in events["StepRetrying"]
-    assert "HTTP 403" in events["StepRetrying"]
-    # Said in the bij, not raised: no traceback in the operator's log, and no step Job made again.
-    new_log = operator_log(env.cluster)[log_before:]
-    assert "Traceback" not in new_log, new_log[-3000:]
-    assert [j["metadata"]["name"] for j in env.jobs()] == ["denied-plan-r0"]
