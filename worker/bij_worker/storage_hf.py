@@ -13,11 +13,10 @@ carry it). Read-only.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from .storage_objects import NotFound, ObjectInfo, StorageError, StorageRefused
+from .storage_objects import NotFound, ObjectInfo, ReadOnlyInputs, StorageError, StorageRefused
 
 PREFIX = "hf://datasets/"
 
@@ -52,10 +51,10 @@ def _under(path: str, wanted: str) -> bool:
     return path == wanted or path.startswith(wanted if wanted.endswith("/") else wanted + "/")
 
 
-class HfStorage:
+class HfStorage(ReadOnlyInputs):
     """Read-only objects of Hub dataset repositories, through `huggingface_hub` and its cache."""
 
-    supports_append = False
+    WHAT = "hf:// datasets"
 
     def _error(self, what: str, uri: str, e: Exception) -> StorageError:
         from huggingface_hub.errors import (
@@ -124,31 +123,3 @@ class HfStorage:
         if start:
             f.seek(start)
         return f
-
-    def read_bytes(self, uri: str) -> bytes:
-        with self.open_read(uri) as f:
-            return f.read()
-
-    def exists(self, uri: str) -> bool:
-        return bool(self.list(uri))
-
-    def _read_only(self, uri: str) -> StorageError:
-        return StorageRefused(f"{uri}: hf:// datasets are read-only here (inputs only); write to file:// or s3://")
-
-    def write_bytes(self, uri: str, data: bytes) -> None:
-        raise self._read_only(uri)
-
-    def create(self, uri: str, data: bytes) -> bool:
-        raise self._read_only(uri)
-
-    def write_stream(self, uri: str, parts: Iterable[bytes]) -> int:
-        raise self._read_only(uri)
-
-    def delete(self, uri: str) -> None:
-        raise self._read_only(uri)
-
-    def append_durable(self, uri: str, data: bytes) -> None:
-        raise self._read_only(uri)
-
-    def remove_stale_temp(self, uri: str, older_than_s: float) -> int:
-        return 0

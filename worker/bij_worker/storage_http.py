@@ -18,11 +18,10 @@ import io
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
 from email.utils import parsedate_to_datetime
 from typing import Any, BinaryIO
 
-from .storage_objects import NotFound, ObjectChanged, ObjectInfo, StorageError, StorageRefused
+from .storage_objects import NotFound, ObjectChanged, ObjectInfo, ReadOnlyInputs, StorageError, StorageRefused
 
 TIMEOUT = 60.0
 ATTEMPTS = 6
@@ -34,10 +33,10 @@ def _transient(status: int) -> bool:
     return status in (408, 425, 429, 500, 502, 503, 504)
 
 
-class HttpStorage:
+class HttpStorage(ReadOnlyInputs):
     """Read-only objects at http(s) URLs."""
 
-    supports_append = False
+    WHAT = "http(s) URIs"
 
     def __init__(self, timeout: float = TIMEOUT, attempts: int = ATTEMPTS, base_delay: float = 0.2):
         self.timeout, self.attempts, self.base_delay = timeout, attempts, base_delay
@@ -111,34 +110,6 @@ class HttpStorage:
                     break
                 skipped += len(data)
         return r
-
-    def read_bytes(self, uri: str) -> bytes:
-        with self.open_read(uri) as f:
-            return f.read()
-
-    def exists(self, uri: str) -> bool:
-        return bool(self.list(uri))
-
-    def _read_only(self, uri: str) -> StorageError:
-        return StorageRefused(f"{uri}: http(s) URIs are read-only (inputs only); write to file:// or s3://")
-
-    def write_bytes(self, uri: str, data: bytes) -> None:
-        raise self._read_only(uri)
-
-    def create(self, uri: str, data: bytes) -> bool:
-        raise self._read_only(uri)
-
-    def write_stream(self, uri: str, parts: Iterable[bytes]) -> int:
-        raise self._read_only(uri)
-
-    def delete(self, uri: str) -> None:
-        raise self._read_only(uri)
-
-    def append_durable(self, uri: str, data: bytes) -> None:
-        raise self._read_only(uri)
-
-    def remove_stale_temp(self, uri: str, older_than_s: float) -> int:
-        return 0
 
 
 def _version(headers: Any) -> str | None:
