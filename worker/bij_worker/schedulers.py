@@ -88,17 +88,7 @@ def run_isolating(engine: Engine, requests: list[Request]) -> list[Result]:
     rows are to blame, and the batch is split until each row that fails alone is found: an
     `engine_rejected` error row with the engine's message.
     """
-    try:
-        results = engine.run(requests)
-    except Exception as e:  # noqa: BLE001 - isolated below
-        _check_canary(engine, requests, e)
-        if len(requests) == 1:
-            return [rejected(e)]
-        mid = len(requests) // 2
-        return _isolate(engine, requests[:mid]) + _isolate(engine, requests[mid:])
-    if len(results) != len(requests):
-        raise EngineFailure(f"engine returned {len(results)} results for {len(requests)} requests")
-    return results
+    return _isolate(engine, requests, canary_first=True)
 
 
 def _check_canary(engine: Engine, requests: list[Request], e: Exception) -> None:
@@ -112,11 +102,14 @@ def _check_canary(engine: Engine, requests: list[Request], e: Exception) -> None
         raise EngineFailure(f"{what}: {probe[0].error if len(probe) == 1 else f'{len(probe)} results'}") from e
 
 
-def _isolate(engine: Engine, requests: list[Request]) -> list[Result]:
-    """Bisect a batch the engine raised on (the engine is known to run a plain request)."""
+def _isolate(engine: Engine, requests: list[Request], canary_first: bool = False) -> list[Result]:
+    """Run `requests`, bisecting them when the engine raises; with `canary_first` a plain request decides
+    first whether the engine itself is broken (below that, it is known to run one)."""
     try:
         results = engine.run(requests)
     except Exception as e:  # noqa: BLE001 - isolated below
+        if canary_first:
+            _check_canary(engine, requests, e)
         if len(requests) == 1:
             return [rejected(e)]
         mid = len(requests) // 2
