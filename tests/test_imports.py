@@ -1,4 +1,4 @@
-"""How the packages import each other: no circles, and `reconcile.decide()` on pure modules only.
+"""How the packages import each other: no circles (not even through type-only imports), and `reconcile.decide()` on pure modules only.
 
 The graph is read from the source with `ast`, every import counted (those inside functions too:
 a lazy import is still a dependency, it only hides a circle until the function runs), except
@@ -44,14 +44,14 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
+def _imported_names(module: str, path: Path, modules: set[str], type_only: bool = False) -> set[str]:
     """Every module name `module` imports at run time: ``from a import b`` names ``a.b`` when that is a
     module of ours, else ``a`` (a package's own import of its submodule is no edge to the package)."""
     names: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_only:
             for child in node.orelse:
                 visit(child)
             return
@@ -72,10 +72,11 @@ def _imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
     return names
 
 
-def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """(edges between our modules, every name each module imports)."""
+def import_graph(type_only: bool = False) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(edges between our modules, every name each module imports); with `type_only`, the imports under
+    ``if TYPE_CHECKING:`` count too."""
     modules = _modules()
-    imported = {m: _imported_names(m, p, set(modules)) for m, p in modules.items()}
+    imported = {m: _imported_names(m, p, set(modules), type_only) for m, p in modules.items()}
     edges = {m: {n for n in names if n in modules and n != m} for m, names in imported.items()}
     return edges, imported
 
@@ -145,6 +146,14 @@ def test_no_import_circles_in_the_operator_or_the_worker() -> None:
     edges, _ = import_graph()
     found = cycles(edges)
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_no_circles_even_through_imports_only_for_the_type_checker() -> None:
+    # A circle hidden under TYPE_CHECKING still ties two modules together for a reader: none either.
+    edges, _ = import_graph(type_only=True)
+    assert "bij_worker.stopflag" in edges["bij_worker.schedulers"]
+    found = cycles(edges)
+    assert not found, "import circles through type-only imports: " + "; ".join(" -> ".join(c) for c in found)
 
 
 def test_decide_imports_only_pure_modules() -> None:

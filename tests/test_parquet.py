@@ -15,7 +15,8 @@ from bij_operator.publish import publish
 from bij_worker import parquet
 from bij_worker.contract import layout
 from bij_worker.engines.echo import echo_embedding
-from bij_worker.worker import StopFlag, load_plan
+from bij_worker.stopflag import StopFlag
+from bij_worker.worker import load_plan
 
 
 def parquet_bytes(table: pa.Table, row_group_size: int) -> bytes:

@@ -39,8 +39,9 @@ from .metrics import Metrics, Stats
 from .reader import DamagedObject, ReplacementDiffers
 from .report import LaneReporter, ReportError, sink_from_env
 from .sampling import ALL_FIELDS, refusal
+from .stopflag import StopFlag
 from .storage import StorageError, open_storage
-from .worker import BadConfig, ShardOutcome, ShardWorker, StopFlag, load_plan
+from .worker import BadConfig, ShardOutcome, ShardWorker, load_plan
 
 # How often a lane reports its progress to the operator (env BIJ_REPORT_INTERVAL, seconds).
 REPORT_INTERVAL = float(os.environ.get("BIJ_REPORT_INTERVAL") or 5.0)

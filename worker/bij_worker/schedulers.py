@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .batcher import PrefixShare, first_batch, plan_batches, run_order
 from .commits import CommitWriter
@@ -41,9 +41,7 @@ from .judge import Judge, Verdict, attempt_params
 from .metrics import Metrics, Stats
 from .prepare import OpenChunk, Preparer
 from .reader import Line, Prefetcher
-
-if TYPE_CHECKING:
-    from .worker import StopFlag
+from .stopflag import StopFlag
 
 # Padding a batch engine may waste before a batch is cut short (see batcher.plan_batches).
 MAX_PADDING_WASTE = 0.2

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from .metrics import Metrics, Stats
 from .prepare import Preparer
 from .reader import DamagedObject, Prefetcher, iter_shard_blocks, prefix_digest
 from .schedulers import Batching, EngineCalls, EngineFailure, JudgeLoop, StreamScheduler, run_isolating
+from .stopflag import StopFlag
 from .storage import NotFound, Storage, StorageError, open_storage
 
 __all__ = ["BadConfig", "EngineFailure", "ShardOutcome", "ShardWorker", "StopFlag", "load_plan", "run_isolating"]
@@ -55,30 +55,6 @@ class BadConfig(BijError):
     """A problem no retry can fix: a missing plan, an index out of range, an unknown engine or model."""
 
     permanent = True
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT: take no new chunk; finish the in-flight one if there is time."""
-
-    def __init__(self, drain_seconds: float = 15.0):
-        self.drain_seconds = drain_seconds
-        self._at: float | None = None
-        self.event = threading.Event()
-
-    def request(self, drain_seconds: float | None = None) -> None:
-        """Stop; with `drain_seconds`, allow at most that long for the in-flight rows (0: none)."""
-        if drain_seconds is not None:
-            self.drain_seconds = min(self.drain_seconds, drain_seconds)
-        if self._at is None:
-            self._at = time.monotonic()
-        self.event.set()
-
-    @property
-    def requested(self) -> bool:
-        return self._at is not None
-
-    def drain_expired(self) -> bool:
-        return self._at is not None and time.monotonic() - self._at > self.drain_seconds
 
 
 def load_plan(uri: str, s3: Any) -> Plan:
