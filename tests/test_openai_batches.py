@@ -80,6 +80,44 @@ def test_a_finished_batch_names_its_output_and_error_files_and_counts_from_the_s
         (1704067290, 1704067320, output_file_id(BATCH, "output"))
 
 
+MANIFEST = {"counts": {"rows": 9, "errors": 1, "tokensIn": 120, "tokensOut": 45, "reasoningTokens": 7},
+            "engine": {"cachedTokens": 32}}
+
+
+def test_an_ended_batch_has_the_usage_its_manifest_counts_and_when_it_began_finalizing() -> None:
+    from openai.types import Batch
+
+    publish = {"rounds": 1, "planUri": "file:///p", "passes": {"write": 1}, "startedAt": "2024-01-01T00:00:50Z"}
+    finalizing = batch_object(bij("Publishing", rows={"done": 9, "failed": 1}, publish=publish))
+    assert finalizing["status"] == "finalizing" and finalizing["finalizing_at"] == 1704067250
+    assert finalizing["usage"] is None  # no manifest yet: nothing counted
+    done = bij("Succeeded", rows={"done": 9, "failed": 1}, publish=publish, completionTime="2024-01-01T00:01:00Z")
+    obj = batch_object(done, MANIFEST)
+    assert obj["usage"] == {"input_tokens": 120, "input_tokens_details": {"cached_tokens": 32},
+                            "output_tokens": 45, "output_tokens_details": {"reasoning_tokens": 7},
+                            "total_tokens": 165}
+    assert (obj["finalizing_at"], obj["completed_at"]) == (1704067250, 1704067260)
+    sdk = Batch.model_validate(obj)
+    assert sdk.usage is not None and sdk.usage.input_tokens_details.cached_tokens == 32
+    assert sdk.usage.output_tokens_details.reasoning_tokens == 7 and sdk.usage.total_tokens == 165
+    assert batch_object(bij("Running", rows={"done": 1, "failed": 0}), MANIFEST)["usage"] is None
+    assert batch_object(done)["finalizing_at"] == 1704067250 and batch_object(bij("Running"))["finalizing_at"] is None
+
+
+def test_a_stopped_batch_counts_its_requests_never_run_as_failed() -> None:
+    rows = {"done": 4, "failed": 1, "notRun": 5}
+    expired = batch_object(bij("Expired", rows=rows, completionTime="2024-01-01T02:00:30Z"), MANIFEST)
+    assert expired["request_counts"] == {"total": 10, "completed": 4, "failed": 6}
+    assert expired["error_file_id"] == output_file_id(BATCH, "errors") and expired["usage"]["input_tokens"] == 120
+    # Finalizing from the deadline on: the batch stopped there, then published what it had.
+    assert expired["expired_at"] == 1704074430 and expired["finalizing_at"] == expired["expires_at"] == 1704074400
+    stopping = batch_object(bij("Cancelling", rows={"done": 4, "failed": 0}))
+    assert stopping["status"] == "finalizing" and stopping["finalizing_at"] == stopping["expires_at"]
+    all_run = batch_object(bij("Cancelled", cancel=True, rows={"done": 3, "failed": 0, "notRun": 7}))
+    assert all_run["error_file_id"] == output_file_id(BATCH, "errors")
+    assert all_run["request_counts"]["failed"] == 7 and all_run["finalizing_at"] is None
+
+
 def test_a_failed_batch_says_why_in_errors() -> None:
     failed = bij("Failed", message="round 0: lane 1 failed",
                  conditions=[{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}])

@@ -70,7 +70,7 @@ def test_counts_and_checksums_describe_the_files(file_place, make_job, run_shard
     out = read_output(job)  # checks rows, bytes and sha256 of every listed file
     tokens = sum(estimate_tokens(r["text"]) for r in good)
     assert manifest["counts"] == {"rows": 120, "errors": 2, "capped": 0, "duplicates": 0, "truncated": 0,
-                                  "inputRows": 122, "tokensIn": tokens, "tokensOut": tokens,
+                                  "inputRows": 122, "tokensIn": tokens, "tokensOut": tokens, "reasoningTokens": 0,
                                   "errorCodes": {"empty_text": 1, "invalid_json": 1},
                                   "structured": {"validated": 0, "repaired": 0, "violations": 0}}
     assert sum(f["rows"] for f in manifest["files"]) == 120

@@ -205,7 +205,7 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     errors = _FileParts(plan, store, "errors", name, False)
     capped = _FileParts(plan, store, "capped", name, False)
     counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
-              "tokensOut": 0}
+              "tokensOut": 0, "reasoningTokens": 0}
     codes: dict[str, int] = {}  # error rows by code
     ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan.prefix, index)))["ordered"])
     for rec in _records(store, plan.units[index], ordered):
@@ -230,6 +230,7 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
             u = row_usage(row)
             counts["tokensIn"] += u.get("prompt_tokens", 0)
             counts["tokensOut"] += u.get("completion_tokens", 0)
+            counts["reasoningTokens"] += int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
         elif rec["kind"] == "capped":
             capped.add(row)
             counts["capped"] += 1

@@ -42,6 +42,7 @@ from .batches import (
     bij_name,
     check_metadata,
     record,
+    status_of,
     window_seconds,
 )
 from .files import FileStore, new_id
@@ -50,6 +51,7 @@ from .models import ENDPOINTS, ModelMap, ModelMapError, job_doc
 log = logging.getLogger("bij.api")
 GROUP, VERSION, PLURAL = "batchinference.io", "v1alpha1", "batchinferencejobs"
 FINAL = ("completed", "failed", "expired", "cancelled")
+MANIFESTS_KEPT = 4096  # ended batches' manifests kept in memory
 # The body of POST /v1/batches (OpenAI's, all of it): anything else is refused by name, never ignored.
 BATCH_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})
 
@@ -129,6 +131,9 @@ class Api:
 
     def __init__(self, files: FileStore, models: ModelMap, auth: Authorizer, kube: Kube, s3: dict[str, str]):
         self.files, self.models, self.auth, self.kube, self.s3 = files, models, auth, kube, s3
+        # Ended batches' manifests, by URI: a published manifest never changes (a stopped bij never
+        # publishes again, an output URI belongs to one bij), so each is read once.
+        self.manifests: dict[str, dict[str, Any]] = {}
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors])
@@ -206,10 +211,9 @@ class Api:
         if made is not None:
             batch_id, kind = made
             bij = await self._bij(who, batch_id)
-            manifest_uri = (bij.get("status") or {}).get("manifestUri")
-            if not manifest_uri or batch_object(bij)["status"] not in FINAL:
+            manifest = await self._manifest(bij)
+            if manifest is None:
                 raise NotFoundError(f"no file {file_id}: batch {batch_id} has not ended")
-            manifest = json.loads(await asyncio.to_thread(self.files.store.read_bytes, manifest_uri))
             listed = manifest["files" if kind == "output" else "errorFiles"]
             if not listed:
                 raise NotFoundError(f"no file {file_id}: batch {batch_id} has no {kind} rows")
@@ -253,6 +257,21 @@ class Api:
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
     # --- batches --------------------------------------------------------------------------------
+
+    async def _manifest(self, bij: dict[str, Any]) -> dict[str, Any] | None:
+        """The manifest of an ended batch (completed, cancelled or expired), else None."""
+        uri = (bij.get("status") or {}).get("manifestUri")
+        if not uri or status_of(bij) not in FINAL:
+            return None
+        if uri not in self.manifests:
+            if len(self.manifests) >= MANIFESTS_KEPT:
+                self.manifests.pop(next(iter(self.manifests)))
+            self.manifests[uri] = json.loads(await asyncio.to_thread(self.files.store.read_bytes, uri))
+        return self.manifests[uri]
+
+    async def _batch(self, bij: dict[str, Any]) -> dict[str, Any]:
+        """The Batch object of `bij`, with its usage once it has ended."""
+        return batch_object(bij, await self._manifest(bij))
 
     async def _bij(self, who: Caller, batch_id: str) -> dict[str, Any]:
         name = bij_name(batch_id)
@@ -328,7 +347,7 @@ class Api:
 
     async def retrieve_batch(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
-        return web.json_response(batch_object(await self._bij(who, request.match_info["id"])))
+        return web.json_response(await self._batch(await self._bij(who, request.match_info["id"])))
 
     async def list_batches(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
@@ -336,7 +355,7 @@ class Api:
         ours = [b for b in bijs if ANNOTATION in (b["metadata"].get("annotations") or {})]
         ours.sort(key=lambda b: (record(b).get("created_ns", 0), b["metadata"].get("creationTimestamp", "")),
                   reverse=True)
-        return web.json_response(_page([batch_object(b) for b in ours], request))
+        return web.json_response(_page([await self._batch(b) for b in ours], request))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
