@@ -230,7 +230,8 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
             u = row_usage(row)
             counts["tokensIn"] += u.get("prompt_tokens", 0)
             counts["tokensOut"] += u.get("completion_tokens", 0)
-            counts["reasoningTokens"] += int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
+            details: Any = u.get("completion_tokens_details") or {}  # OpenAI's usage breakdown, when there is one
+            counts["reasoningTokens"] += int(details.get("reasoning_tokens") or 0)
         elif rec["kind"] == "capped":
             capped.add(row)
             counts["capped"] += 1
