@@ -258,3 +258,44 @@ def test_an_upload_cut_off_midway_leaves_no_file(place: Any) -> None:
         asyncio.run(files.upload("team-a", "in.jsonl", "batch", chunks()))
     assert files.records("team-a") == []
     assert place.storage.list(place.uri("openai/")) == []
+
+
+def test_a_models_adapters_are_names_lines_may_use_and_its_key_names_its_base() -> None:
+    entry = {"model": {"engine": "vllm", "name": "/models/llama",
+                       "adapters": [{"name": "llama-fr", "uri": "s3://a/fr/"}, {"name": "llama-de", "uri": "s3://a/de/"}]}}
+    models = ModelMap.parse({"llama": entry, "minilm": {"model": {"engine": "sentence-transformers"}}}, "models.yaml")
+    assert models.names == ["llama", "llama-de", "llama-fr", "minilm"]
+    assert (models.resolve("llama"), models.resolve("llama-fr"), models.resolve("gpt-4")) == \
+        (("llama", None), ("llama", "llama-fr"), None)
+    job = parse_job(job_doc("b", "ns", models.template("llama") or {}, input_uri="file:///f/in.jsonl",
+                            output_uri="file:///f/out/", task="chat", deadline_seconds=None, served_name="llama"))
+    assert job.spec.model.served_name == "llama" and job.spec.model.name == "/models/llama"
+    assert [a.name for a in job.spec.model.adapters] == ["llama-fr", "llama-de"]
+
+
+@pytest.mark.parametrize("doc, message", [
+    ({"a": {"model": {"engine": "vllm", "adapters": [{"name": "b", "uri": "s3://x/b/"}]}},
+      "b": {"model": {"engine": "echo"}}}, "model 'a': adapter 'b' has the name of model 'b'"),
+    ({"a": {"model": {"engine": "vllm", "adapters": [{"name": "x", "uri": "s3://x/a/"}]}},
+      "b": {"model": {"engine": "vllm", "adapters": [{"name": "x", "uri": "s3://x/b/"}]}}},
+     "model 'b': adapter 'x' has the name of model 'a'.s adapter"),
+    ({"a": {"model": {"engine": "vllm", "adapters": [{"name": "a", "uri": "s3://x/a/"}]}}},
+     "model.adapters: 'a' is the base model's name"),
+])
+def test_a_name_lines_could_mean_two_models_by_is_refused(doc: Any, message: str) -> None:
+    with pytest.raises(ModelMapError, match=message):
+        ModelMap.parse(doc, "models.yaml")
+
+
+def test_upload_line_stats_keep_each_models_first_line_and_say_when_there_are_too_many() -> None:
+    from bij_operator.api.files import MAX_MODELS
+
+    stats = LineStats()
+    for i in range(MAX_MODELS + 3):
+        stats.feed(json.dumps({"custom_id": str(i), "body": {"model": f"m{i // 2}"}}).encode() + b"\n")
+    stats.close()
+    assert stats.model_lines["m0"] == 1 and stats.model_lines["m1"] == 3 and stats.more_models == 0
+    many = LineStats()
+    for i in range(MAX_MODELS + 3):
+        many.feed(json.dumps({"custom_id": str(i), "body": {"model": f"m{i}"}}).encode() + b"\n")
+    assert len(many.models) == MAX_MODELS and many.more_models == MAX_MODELS + 1
