@@ -455,3 +455,21 @@ def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file
     with pytest.raises(PublishError, match=refused):
         publish(job)
     assert read_manifest(job) == manifest
+
+
+def test_the_reasoning_tokens_result_rows_report_are_counted(file_place, make_job, run_shards):
+    """A result row's usage may break its completion tokens down as OpenAI's does
+    (``completion_tokens_details.reasoning_tokens``): the manifest counts them (bij-api's Batch usage)."""
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(30)),
+                      sharding={"targetShardBytes": 1 << 20})
+    run_shards(job)
+    plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
+    prefix = layout.shard_prefix(plan.round_prefix, 0)
+    records = ShardLog(file_place.storage, prefix).read().records
+    for obj in file_place.storage.list(prefix + "/"):
+        file_place.storage.delete(obj.uri)
+    for i, rec in enumerate(records):
+        rec["row"]["usage"]["completion_tokens_details"] = {"reasoning_tokens": i}
+    ShardLog(file_place.storage, prefix).append(records)
+    counts = publish(job)["counts"]
+    assert counts["rows"] == 30 and counts["reasoningTokens"] == sum(range(30))
