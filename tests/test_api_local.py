@@ -188,16 +188,16 @@ def test_a_completed_batch_has_its_usage_and_when_it_finalized(echo_api: Server,
 
 def test_an_expired_batch_writes_each_request_never_run_as_batch_expired(echo_api: Server, tmp_path: Path) -> None:
     c = echo_api.client
-    lines = [chat(i) for i in range(240)]
-    # 0.2 s a batch of 5: 240 rows take about 10 s in two lanes; the window ends before that.
+    lines = [chat(i) for i in range(1000)]
+    # 0.2 s a batch of 5: 1000 rows take about 20 s in two lanes; the window ends long before that.
     b = c.batches.create(input_file_id=upload(c, tmp_path, lines).id, endpoint="/v1/chat/completions",
-                         completion_window="3s")
+                         completion_window="8s")
     assert echo_api.run(b.id) != 0
     done = c.batches.retrieve(b.id)
-    assert done.status == "expired" and done.expired_at and done.expires_at == done.created_at + 3
+    assert done.status == "expired" and done.expired_at and done.expires_at == done.created_at + 8
     assert done.finalizing_at == done.expires_at and done.request_counts is not None
     counts = done.request_counts
-    assert counts.total == 240 and counts.completed + counts.failed == 240 and 0 < counts.completed < 240
+    assert counts.total == 1000 and counts.completed + counts.failed == 1000 and 0 < counts.completed < 1000
     ok = [line["custom_id"] for line in lines_of(c, done.output_file_id or "")]
     errors = lines_of(c, done.error_file_id or "")
     assert len(ok) == counts.completed and len(errors) == counts.failed
