@@ -86,8 +86,10 @@ def main() -> int:
     parsed(kept)
     counts = stopped.request_counts  # type: ignore[attr-defined]
     assert len(ids) == len(set(ids)) == counts.completed and len(errors) == counts.failed
+    assert counts.completed + counts.failed == counts.total  # each request never run: a batch_cancelled line
+    not_run = sum(1 for e in errors if e["error"]["code"] == "batch_cancelled")
     print(f"  cancelled: {counts.completed} of {counts.total} rows finished (each once, all parsed), "
-          f"{counts.failed} failed, {counts.total - counts.completed - counts.failed} not run")
+          f"{counts.failed - not_run} failed, {not_run} not run (batch_cancelled in the error file)")
     return 0
 
 

@@ -242,9 +242,14 @@ def test_a_chat_batch_runs_end_to_end_with_the_openai_sdk(tenant: Tenant, tmp_pa
     done = wait_status(c, b.id, "completed")
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (42, 40, 2)
     assert done.completed_at and done.output_file_id and done.error_file_id
+    assert done.in_progress_at <= done.finalizing_at <= done.completed_at
     out = lines_of(c, done.output_file_id)
     assert sorted(check_output(out, ChatCompletion)) == sorted(f"req-{i}" for i in range(40))
     assert all(line["response"]["body"]["choices"][0]["message"]["content"] for line in out)
+    usage = [line["response"]["body"]["usage"] for line in out]
+    assert done.usage is not None and (done.usage.input_tokens, done.usage.output_tokens) == \
+        (sum(u["prompt_tokens"] for u in usage), sum(u["completion_tokens"] for u in usage))
+    assert {line["response"]["body"]["model"] for line in out} == {"tiny-chat"}
     errors = lines_of(c, done.error_file_id)
     assert len(errors) == 2 and all(e["response"] is None and e["error"]["code"] for e in errors)
     assert "bad-body" in [e["custom_id"] for e in errors]
@@ -293,13 +298,19 @@ def test_a_cancelled_or_expired_batch_keeps_every_finished_row_once_and_counts_t
     want = "cancelled" if how == "cancel" else "expired"
     done = wait_status(c, b.id, want)
     counts = done.request_counts
-    assert counts.total == 60 and counts.completed + counts.failed < 60
+    # The requests never run are failed ones, each with OpenAI's line in the error file.
+    assert counts.total == 60 and counts.completed + counts.failed == 60
     got = check_output(lines_of(c, done.output_file_id), ChatCompletion) if done.output_file_id else []
     assert len(got) == len(set(got)) == counts.completed and "req-0" not in got
+    errors = lines_of(c, done.error_file_id)
+    code = "batch_cancelled" if how == "cancel" else "batch_expired"
+    assert len(errors) == counts.failed and all(e["response"] is None and e["error"]["code"] == code for e in errors)
+    assert sorted(got + [e["custom_id"] for e in errors]) == sorted(f"req-{i}" for i in range(60))
+    assert done.usage is not None and done.usage.input_tokens > 0  # the finished rows' tokens
     if how == "cancel":
-        assert counts.completed >= 20 and done.cancelled_at
+        assert counts.completed >= 20 and done.cancelled_at and done.finalizing_at is None
     else:
-        assert done.expired_at and done.expires_at == done.created_at + 20
+        assert done.expired_at and done.expires_at == done.created_at + 20 and done.finalizing_at == done.expires_at
     # Stopped for good: releasing the held row changes nothing.
     (api_cluster.gates / "holdrow-all").unlink()
     again = c.batches.retrieve(b.id)

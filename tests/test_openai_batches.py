@@ -80,6 +80,44 @@ def test_a_finished_batch_names_its_output_and_error_files_and_counts_from_the_s
         (1704067290, 1704067320, output_file_id(BATCH, "output"))
 
 
+MANIFEST = {"counts": {"rows": 9, "errors": 1, "tokensIn": 120, "tokensOut": 45, "reasoningTokens": 7},
+            "engine": {"cachedTokens": 32}}
+
+
+def test_an_ended_batch_has_the_usage_its_manifest_counts_and_when_it_began_finalizing() -> None:
+    from openai.types import Batch
+
+    publish = {"rounds": 1, "planUri": "file:///p", "passes": {"write": 1}, "startedAt": "2024-01-01T00:00:50Z"}
+    finalizing = batch_object(bij("Publishing", rows={"done": 9, "failed": 1}, publish=publish))
+    assert finalizing["status"] == "finalizing" and finalizing["finalizing_at"] == 1704067250
+    assert finalizing["usage"] is None  # no manifest yet: nothing counted
+    done = bij("Succeeded", rows={"done": 9, "failed": 1}, publish=publish, completionTime="2024-01-01T00:01:00Z")
+    obj = batch_object(done, MANIFEST)
+    assert obj["usage"] == {"input_tokens": 120, "input_tokens_details": {"cached_tokens": 32},
+                            "output_tokens": 45, "output_tokens_details": {"reasoning_tokens": 7},
+                            "total_tokens": 165}
+    assert (obj["finalizing_at"], obj["completed_at"]) == (1704067250, 1704067260)
+    sdk = Batch.model_validate(obj)
+    assert sdk.usage is not None and sdk.usage.input_tokens_details.cached_tokens == 32
+    assert sdk.usage.output_tokens_details.reasoning_tokens == 7 and sdk.usage.total_tokens == 165
+    assert batch_object(bij("Running", rows={"done": 1, "failed": 0}), MANIFEST)["usage"] is None
+    assert batch_object(done)["finalizing_at"] == 1704067250 and batch_object(bij("Running"))["finalizing_at"] is None
+
+
+def test_a_stopped_batch_counts_its_requests_never_run_as_failed() -> None:
+    rows = {"done": 4, "failed": 1, "notRun": 5}
+    expired = batch_object(bij("Expired", rows=rows, completionTime="2024-01-01T02:00:30Z"), MANIFEST)
+    assert expired["request_counts"] == {"total": 10, "completed": 4, "failed": 6}
+    assert expired["error_file_id"] == output_file_id(BATCH, "errors") and expired["usage"]["input_tokens"] == 120
+    # Finalizing from the deadline on: the batch stopped there, then published what it had.
+    assert expired["expired_at"] == 1704074430 and expired["finalizing_at"] == expired["expires_at"] == 1704074400
+    stopping = batch_object(bij("Cancelling", rows={"done": 4, "failed": 0}))
+    assert stopping["status"] == "finalizing" and stopping["finalizing_at"] == stopping["expires_at"]
+    all_run = batch_object(bij("Cancelled", cancel=True, rows={"done": 3, "failed": 0, "notRun": 7}))
+    assert all_run["error_file_id"] == output_file_id(BATCH, "errors")
+    assert all_run["request_counts"]["failed"] == 7 and all_run["finalizing_at"] is None
+
+
 def test_a_failed_batch_says_why_in_errors() -> None:
     failed = bij("Failed", message="round 0: lane 1 failed",
                  conditions=[{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}])
@@ -220,3 +258,44 @@ def test_an_upload_cut_off_midway_leaves_no_file(place: Any) -> None:
         asyncio.run(files.upload("team-a", "in.jsonl", "batch", chunks()))
     assert files.records("team-a") == []
     assert place.storage.list(place.uri("openai/")) == []
+
+
+def test_a_models_adapters_are_names_lines_may_use_and_its_key_names_its_base() -> None:
+    entry = {"model": {"engine": "vllm", "name": "/models/llama",
+                       "adapters": [{"name": "llama-fr", "uri": "s3://a/fr/"}, {"name": "llama-de", "uri": "s3://a/de/"}]}}
+    models = ModelMap.parse({"llama": entry, "minilm": {"model": {"engine": "sentence-transformers"}}}, "models.yaml")
+    assert models.names == ["llama", "llama-de", "llama-fr", "minilm"]
+    assert (models.resolve("llama"), models.resolve("llama-fr"), models.resolve("gpt-4")) == \
+        (("llama", None), ("llama", "llama-fr"), None)
+    job = parse_job(job_doc("b", "ns", models.template("llama") or {}, input_uri="file:///f/in.jsonl",
+                            output_uri="file:///f/out/", task="chat", deadline_seconds=None, served_name="llama"))
+    assert job.spec.model.served_name == "llama" and job.spec.model.name == "/models/llama"
+    assert [a.name for a in job.spec.model.adapters] == ["llama-fr", "llama-de"]
+
+
+@pytest.mark.parametrize("doc, message", [
+    ({"a": {"model": {"engine": "vllm", "adapters": [{"name": "b", "uri": "s3://x/b/"}]}},
+      "b": {"model": {"engine": "echo"}}}, "model 'a': adapter 'b' has the name of model 'b'"),
+    ({"a": {"model": {"engine": "vllm", "adapters": [{"name": "x", "uri": "s3://x/a/"}]}},
+      "b": {"model": {"engine": "vllm", "adapters": [{"name": "x", "uri": "s3://x/b/"}]}}},
+     "model 'b': adapter 'x' has the name of model 'a'.s adapter"),
+    ({"a": {"model": {"engine": "vllm", "adapters": [{"name": "a", "uri": "s3://x/a/"}]}}},
+     "model.adapters: 'a' is the base model's name"),
+])
+def test_a_name_lines_could_mean_two_models_by_is_refused(doc: Any, message: str) -> None:
+    with pytest.raises(ModelMapError, match=message):
+        ModelMap.parse(doc, "models.yaml")
+
+
+def test_upload_line_stats_keep_each_models_first_line_and_say_when_there_are_too_many() -> None:
+    from bij_operator.api.files import MAX_MODELS
+
+    stats = LineStats()
+    for i in range(MAX_MODELS + 3):
+        stats.feed(json.dumps({"custom_id": str(i), "body": {"model": f"m{i // 2}"}}).encode() + b"\n")
+    stats.close()
+    assert stats.model_lines["m0"] == 1 and stats.model_lines["m1"] == 3 and stats.more_models == 0
+    many = LineStats()
+    for i in range(MAX_MODELS + 3):
+        many.feed(json.dumps({"custom_id": str(i), "body": {"model": f"m{i}"}}).encode() + b"\n")
+    assert len(many.models) == MAX_MODELS and many.more_models == MAX_MODELS + 1

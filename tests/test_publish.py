@@ -70,7 +70,7 @@ def test_counts_and_checksums_describe_the_files(file_place, make_job, run_shard
     out = read_output(job)  # checks rows, bytes and sha256 of every listed file
     tokens = sum(estimate_tokens(r["text"]) for r in good)
     assert manifest["counts"] == {"rows": 120, "errors": 2, "capped": 0, "duplicates": 0, "truncated": 0,
-                                  "inputRows": 122, "tokensIn": tokens, "tokensOut": tokens,
+                                  "inputRows": 122, "tokensIn": tokens, "tokensOut": tokens, "reasoningTokens": 0,
                                   "errorCodes": {"empty_text": 1, "invalid_json": 1},
                                   "structured": {"validated": 0, "repaired": 0, "violations": 0}}
     assert sum(f["rows"] for f in manifest["files"]) == 120
@@ -455,3 +455,21 @@ def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file
     with pytest.raises(PublishError, match=refused):
         publish(job)
     assert read_manifest(job) == manifest
+
+
+def test_the_reasoning_tokens_result_rows_report_are_counted(file_place, make_job, run_shards):
+    """A result row's usage may break its completion tokens down as OpenAI's does
+    (``completion_tokens_details.reasoning_tokens``): the manifest counts them (bij-api's Batch usage)."""
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(30)),
+                      sharding={"targetShardBytes": 1 << 20})
+    run_shards(job)
+    plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
+    prefix = layout.shard_prefix(plan.round_prefix, 0)
+    records = ShardLog(file_place.storage, prefix).read().records
+    for obj in file_place.storage.list(prefix + "/"):
+        file_place.storage.delete(obj.uri)
+    for i, rec in enumerate(records):
+        rec["row"]["usage"]["completion_tokens_details"] = {"reasoning_tokens": i}
+    ShardLog(file_place.storage, prefix).append(records)
+    counts = publish(job)["counts"]
+    assert counts["rows"] == 30 and counts["reasoningTokens"] == sum(range(30))

@@ -192,3 +192,46 @@ def test_a_deadline_expires_bij_run_with_the_finished_rows_published(file_place,
     assert "expired" in p.stderr
     counts = check_partial(read_output(job), inputs, "Expired")
     assert counts["notRun"] > 0
+
+
+@pytest.mark.parametrize("how", ["deadline", "cancel"])
+def test_each_openai_line_a_stopped_batch_never_ran_gets_openais_error_line(file_place, make_job, read_output,
+                                                                              log_lines, worker_env, bij_bin, how):
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": [{"role": "user", "content": f"row {i} " + "k" * (i * 7 % 90)}]}}
+             for i in range(240)]
+    spec, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines), input={"format": "openai"},
+                         model={"engine": "echo", "task": "chat"},
+                         sharding={"targetShardBytes": 6000, "chunkRows": 10}, batching={"maxBatchSize": 5},
+                         workers={"parallelism": 2}, **({"deadlineSeconds": 3} if how == "deadline" else {}))
+    if how == "deadline":
+        # 0.2 s a batch of 5: 240 rows take 10 s in two lanes, so 3 s stop the job part way.
+        p = subprocess.run([bij_bin("bij"), "run", str(spec)], env=worker_env(echo_delay=0.2), capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 3, p.stderr
+    else:
+        run = subprocess.Popen([bij_bin("bij"), "run", str(spec)], env=worker_env(echo_delay=0.05),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while sum(1 for r in log_lines(file_place, job).values() if r) < 2:
+            assert run.poll() is None and time.monotonic() < deadline, "bij run made no progress"
+            time.sleep(0.05)
+        os.killpg(run.pid, signal.SIGINT)
+        run.communicate(timeout=30)
+        c = subprocess.run([bij_bin("bij"), "cancel", str(spec)], env=worker_env(), capture_output=True, text=True,
+                           timeout=120)
+        assert c.returncode == 0, c.stderr
+    out = read_output(job)
+    counts = out.manifest["partial"]["counts"]
+    assert counts["notRun"] > 0 and counts["completed"] + counts["failed"] + counts["notRun"] == len(lines)
+    code, message = (("batch_expired", "This request could not be executed before the completion window expired.")
+                     if how == "deadline" else
+                     ("batch_cancelled", "The batch was cancelled before this request executed."))
+    not_run = [e for e in out.errors if e["error"]["code"] == code]
+    assert len(not_run) == counts["notRun"] == len(out.errors)  # echo fails no row: every error line is one
+    for e in not_run:
+        assert e["response"] is None and e["error"] == {"code": code, "message": message}
+        assert e["id"] == e["custom_id"] and e["object"] == "batch.jsonl"
+    # Every line exactly once, as a result or as the error line of a request never run.
+    done = [r["custom_id"] for r in out.results] + [e["custom_id"] for e in not_run]
+    assert sorted(done) == sorted(line["custom_id"] for line in lines)

@@ -619,3 +619,44 @@ def test_bij_run_answers_each_row_with_its_lora_adapter_and_refuses_unknown_name
     assert sum(a != b for a, b in zip(by_base, by_one, strict=True)) >= n // 2
     assert [(e["id"], e["error"]["code"]) for e in out.errors] == [(i, "invalid_request") for i in range(4 * n, 5 * n)]
     assert 'unknown adapter "three" (model.adapters: one, two)' in out.errors[0]["error"]["message"]
+
+
+def test_bij_api_runs_lines_naming_an_adapter_on_it_and_lines_naming_the_model_on_its_base(
+        tmp_path, tmp_path_factory):
+    """The same through bij-api with the openai SDK (test_api_local's in-process server): the model map
+    entry's key is its base model, its adapters are names lines may use, each row answered by vLLM
+    with the adapter its line names."""
+    pytest.importorskip("peft", reason="random adapters are made with PEFT (make vllm-env installs it)")
+    import contextlib
+
+    from byte_model import build_lora
+    from test_api_local import lines_of, serve, upload
+
+    base = build_model(tmp_path_factory.mktemp("base"), wired=False, max_positions=MAX_POSITIONS)
+    one = build_lora(base, tmp_path_factory.mktemp("one"), seed=1)
+    two = build_lora(base, tmp_path_factory.mktemp("two"), seed=2)
+    models = {"tiny": {"model": {"engine": "vllm", "name": str(base), "maxTokens": 8, "vllm": SPEC_VLLM,
+                                 "adapters": [{"name": "tiny-one", "uri": f"file://{one}"},
+                                              {"name": "tiny-two", "uri": f"file://{two}"}]},
+                       "workers": {"parallelism": 1, "backoffLimitPerIndex": 0}}}
+    prompts = ["a b c", "x y z", "h g f e"]
+    names = ["tiny", "tiny-one", "tiny-two", "tiny-one"]
+    lines = [{"custom_id": f"{k}-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": name, "prompt": p, "max_tokens": 8}}
+             for k, name in enumerate(names) for i, p in enumerate(prompts)]
+    with contextlib.contextmanager(serve)(models, tmp_path / "files") as api:
+        c = api.client
+        assert {m.id: getattr(m, "parent", None) for m in c.models.list()} == \
+            {"tiny": None, "tiny-one": "tiny", "tiny-two": "tiny"}
+        b = c.batches.create(input_file_id=upload(c, tmp_path, lines).id, endpoint="/v1/completions",
+                             completion_window="24h")
+        assert api.run(b.id) == 0
+        done = c.batches.retrieve(b.id)
+        assert done.status == "completed" and done.error_file_id is None
+        bodies = {line["custom_id"]: line["response"]["body"] for line in lines_of(c, done.output_file_id)}
+    assert {cid: body["model"] for cid, body in bodies.items()} == \
+        {f"{k}-{i}": name for k, name in enumerate(names) for i in range(len(prompts))}
+    by_base, by_one, by_two, by_one_again = ([bodies[f"{k}-{i}"]["choices"][0]["text"] for i in range(len(prompts))]
+                                             for k in range(4))
+    assert by_one == by_one_again
+    assert by_one != by_base and by_two != by_base and by_one != by_two

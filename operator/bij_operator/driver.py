@@ -302,7 +302,9 @@ class Driver:
             plan_uri, passes = str(got["planUri"]), {str(k): int(v) for k, v in dict(got["passes"]).items()}
             msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
                 + " indexes" + (" (partial)" if d.partial else "")
-            record: dict[str, Any] = {"rounds": d.rounds, "planUri": plan_uri, "passes": passes}
+            # startedAt: when publishing began (bij-api's finalizing_at).
+            record: dict[str, Any] = {"rounds": d.rounds, "planUri": plan_uri, "passes": passes,
+                                      "startedAt": fmt_time(now)}
             if d.partial:
                 record["partial"] = d.partial
             self.write_status(seen, {**self.base(seen, d, now), "message": msg, "publish": record})

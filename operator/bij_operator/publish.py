@@ -53,6 +53,7 @@ class _Totals:
     truncated: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
+    reasoning_tokens: int = 0  # of tokens_out: what result rows' usage counts as reasoning
     files: list[dict[str, Any]] = field(default_factory=list)
     error_files: list[dict[str, Any]] = field(default_factory=list)
     capped_files: list[dict[str, Any]] = field(default_factory=list)
@@ -261,6 +262,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         t.truncated += c["truncated"]
         t.tokens_in += c["tokensIn"]
         t.tokens_out += c["tokensOut"]
+        t.reasoning_tokens += int(c.get("reasoningTokens", 0))
         for code, n in (c.get("errorCodes") or {}).items():
             t.error_codes[code] = t.error_codes.get(code, 0) + int(n)
         t.rounds[summary["round"]]["rows"] += c["rows"]
@@ -297,7 +299,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         "cappedFiles": t.capped_files,
         "counts": {"rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
                    "truncated": t.truncated, "inputRows": total + not_run,
-                   "tokensIn": t.tokens_in, "tokensOut": t.tokens_out,
+                   "tokensIn": t.tokens_in, "tokensOut": t.tokens_out, "reasoningTokens": t.reasoning_tokens,
                    **({"notRun": not_run} if pplan.partial else {}),
                    # Error rows by code; structured answers checked after decoding (bij_worker.structured).
                    "errorCodes": dict(sorted(t.error_codes.items())),

@@ -107,7 +107,7 @@ class InputOptions:
             max_tokens=sampling.max_tokens or model.max_tokens,
             temperature=model.temperature if sampling.temperature is None else sampling.temperature,
             seed=model.seed if sampling.seed is None else sampling.seed,
-            model_name=model.name or model.engine,
+            model_name=model.served_name or model.name or model.engine,
             truncate=model.truncates,
             sampling_field=inp.sampling_field,
             sampling=sampling,

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -43,6 +43,12 @@ from .storage import NotFound, Storage, StorageError, open_storage
 
 log = logging.getLogger("bij.worker")
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
+# The error line of an OpenAI batch request a stopped batch never ran, by the phase it stopped in:
+# OpenAI's codes, and its message for an expired request (its API reference's words for a cancelled one).
+NOT_RUN_ERRORS = {
+    "Expired": ("batch_expired", "This request could not be executed before the completion window expired."),
+    "Cancelled": ("batch_cancelled", "The batch was cancelled before this request executed."),
+}
 
 
 def _read_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
@@ -199,7 +205,7 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     errors = _FileParts(plan, store, "errors", name, False)
     capped = _FileParts(plan, store, "capped", name, False)
     counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
-              "tokensOut": 0}
+              "tokensOut": 0, "reasoningTokens": 0}
     codes: dict[str, int] = {}  # error rows by code
     ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan.prefix, index)))["ordered"])
     for rec in _records(store, plan.units[index], ordered):
@@ -224,6 +230,8 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
             u = row_usage(row)
             counts["tokensIn"] += u.get("prompt_tokens", 0)
             counts["tokensOut"] += u.get("completion_tokens", 0)
+            details: Any = u.get("completion_tokens_details") or {}  # OpenAI's usage breakdown, when there is one
+            counts["reasoningTokens"] += int(details.get("reasoning_tokens") or 0)
         elif rec["kind"] == "capped":
             capped.add(row)
             counts["capped"] += 1
@@ -232,10 +240,12 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
             counts["errors"] += 1
             code = str((row.get("error") or {}).get("code") or "unknown")
             codes[code] = codes.get(code, 0) + 1
+    if plan.partial is not None:
+        # OpenAI batch lines a stopped batch never ran each get their batch_expired / batch_cancelled
+        # line in the error files, as OpenAI writes them; they stay counted as notRun, not as errors.
+        counts["notRun"] = count_not_run(plan, index, store, emit=errors.add)
     for parts in (results, errors, capped):
         parts.flush()
-    if plan.partial is not None:
-        counts["notRun"] = count_not_run(plan, index, store)
     where = {"round": round_no, "shard": shard}
     summary = {**where, "counts": {**counts, "errorCodes": codes},
                "files": [{**f, **where} for f in results.files],
@@ -244,13 +254,15 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     store.write_bytes(layout.publish_summary_uri(plan.prefix, index), json.dumps(summary).encode())
 
 
-def count_not_run(plan: PublishPlan, index: int, store: Storage) -> int:
+def count_not_run(plan: PublishPlan, index: int, store: Storage,
+                  emit: Callable[[dict[str, Any]], None] | None = None) -> int:
     """A stopped job's partial publish (`plan.partial`): the rows of unit `index` that no worker finished.
 
     They are the shard's input rows after its durable cursor (what a resumed worker would start
     from) and its rows between judge attempts, for a shard without a completion record; and in the
     last round published, the rows the judge rejected, whose next round never ran. Reads the
     shard's durable log and the input after its cursor: bounded by the shard, in the pass's pod.
+    With OpenAI batch input, `emit` gets each one's error line (`not_run_line`).
     """
     # Here only: a whole publish loads no spec model (the round plan carries the job's spec).
     from .contract.plan import Plan
@@ -266,20 +278,32 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage) -> int:
     done = store.exists(layout.done_uri(rplan.round_prefix, shard))
     if done and not (last_round and plan.judge):
         return 0
-    attempts: set[tuple[int, int]] = set()
+    names = plan.object_names[round_no]
+
+    def not_run(cid: Any, at: tuple[int, int]) -> None:
+        assert emit is not None and plan.partial is not None
+        emit(not_run_line(plan.partial, cid, names[at[0]], at[1]))
+
+    line_of = not_run if emit is not None and rplan.spec.input.format == "openai" else None
+    attempts: dict[tuple[int, int], Any] = {}
     finals: set[tuple[int, int]] = set()
-    rejected = 0
+    n = 0
     log_ = ShardLog(store, prefix)
     for rec in log_.scan():
         place = (rec["at"][0], rec["at"][1])
         if rec["kind"] == "attempt":
-            attempts.add(place)
+            attempts[place] = rec.get("id")
             continue
         finals.add(place)
-        rejected += rec["kind"] == "rejected" and last_round
-    n = rejected
+        if rec["kind"] == "rejected" and last_round:
+            n += 1
+            if line_of:
+                line_of(row_id(rec["row"]), place)
     if not done:
-        n += len(attempts - finals)
+        for place in sorted(set(attempts) - finals):
+            n += 1
+            if line_of:
+                line_of(attempts[place], place)
         spec = rplan.spec.input
         stores: dict[str, Storage] = {}
 
@@ -291,10 +315,35 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage) -> int:
 
         columns = [c for c in (spec.id_field, spec.text_field, spec.messages_field, spec.sampling_field,
                                spec.adapter_field) if c]
-        for places, _, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.shards[shard], log_.state.cursor,
-                                              columns, spec.max_line_bytes, on_damaged="errorRow"):
+        for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.shards[shard],
+                                                  log_.state.cursor, columns, spec.max_line_bytes,
+                                                  on_damaged="errorRow"):
             n += len(places)
+            if line_of:
+                for (obj, off, _), line in zip(places, lines, strict=True):
+                    line_of(_custom_id(line), (obj, off))
     return n
+
+
+def not_run_line(phase: str, custom_id: Any, object_name: str, offset: int) -> dict[str, Any]:
+    """The error line of an OpenAI batch request a batch stopped in `phase` never ran: OpenAI's
+    fields (``custom_id``, ``response: null``, ``error`` with its code and message) and, as every
+    error row here, ``id`` and where the line is."""
+    code, message = NOT_RUN_ERRORS[phase]
+    return {"id": custom_id, "error": {"code": code, "message": message}, "object": object_name,
+            "offset": offset, "custom_id": custom_id, "response": None}
+
+
+def _custom_id(line: Any) -> Any:
+    """The custom_id of an OpenAI batch line not run (None when the line says none)."""
+    if not isinstance(line, bytes | bytearray):
+        return None  # a damaged object's break: no line to name
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) else None
 
 
 def run_pass(plan: PublishPlan, pass_name: str, index: int) -> None:

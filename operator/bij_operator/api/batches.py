@@ -116,18 +116,39 @@ def status_of(bij: Mapping[str, Any]) -> str:
     return "validating"
 
 
-def batch_object(bij: Mapping[str, Any]) -> dict[str, Any]:
-    """The OpenAI Batch object of a bij made by `bij-api`."""
+def usage_of(manifest: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's batch ``usage`` from what the published manifest counts: prompt and completion tokens
+    of the result rows, the prompt tokens the engine's prefix cache served, and the reasoning tokens
+    the result rows' usage names. None before there is a manifest."""
+    if not manifest:
+        return None
+    counts = manifest.get("counts") or {}
+    tokens_in, tokens_out = int(counts.get("tokensIn") or 0), int(counts.get("tokensOut") or 0)
+    return {"input_tokens": tokens_in,
+            "input_tokens_details": {"cached_tokens": int((manifest.get("engine") or {}).get("cachedTokens") or 0)},
+            "output_tokens": tokens_out,
+            "output_tokens_details": {"reasoning_tokens": int(counts.get("reasoningTokens") or 0)},
+            "total_tokens": tokens_in + tokens_out}
+
+
+def batch_object(bij: Mapping[str, Any], manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The OpenAI Batch object of a bij made by `bij-api`; `manifest`, once published, gives its usage."""
     rec = record(bij)
     meta = bij.get("metadata") or {}
     st = bij.get("status") or {}
     status = status_of(bij)
     batch_id = rec["id"]
     created = _epoch(meta.get("creationTimestamp")) or 0
+    expires = created + window_seconds(rec["completion_window"])
     ended = _epoch(st.get("completionTime"))
     rows = st.get("rows") or {}
-    done, failed = int(rows.get("done") or 0), int(rows.get("failed") or 0)
+    # A stopped batch's requests never run are failed ones, each with its line in the error file.
+    done, failed = int(rows.get("done") or 0), int(rows.get("failed") or 0) + int(rows.get("notRun") or 0)
     final = status in ("completed", "cancelled", "expired")
+    # Finalizing began when publishing did; an expired batch's, at its deadline (it stops, then publishes).
+    finalizing = _epoch((st.get("publish") or {}).get("startedAt"))
+    if status == "expired" or (status == "finalizing" and st.get("phase") == "Cancelling"):
+        finalizing = expires
     obj: dict[str, Any] = {
         "id": batch_id, "object": "batch", "endpoint": rec["endpoint"], "model": rec.get("model"),
         "errors": None, "input_file_id": rec["input_file_id"], "completion_window": rec["completion_window"],
@@ -136,14 +157,16 @@ def batch_object(bij: Mapping[str, Any]) -> dict[str, Any]:
         "error_file_id": output_file_id(batch_id, "errors") if final and failed else None,
         "created_at": created,
         "in_progress_at": _epoch(st.get("startTime")) if status != "validating" else None,
-        "expires_at": created + window_seconds(rec["completion_window"]),
-        "finalizing_at": None, "completed_at": ended if status == "completed" else None,
+        "expires_at": expires,
+        "finalizing_at": finalizing if status in ("finalizing", "completed", "expired") else None,
+        "completed_at": ended if status == "completed" else None,
         "failed_at": ended if status == "failed" else None,
         "expired_at": ended if status == "expired" else None,
         "cancelling_at": _epoch((meta.get("annotations") or {}).get(CANCELLING_AT)),
         "cancelled_at": ended if status == "cancelled" else None,
         "request_counts": {"total": int(rec.get("lines") or 0), "completed": done, "failed": failed},
         "metadata": rec.get("metadata") or None,
+        "usage": usage_of(manifest) if final else None,
     }
     if status == "failed":
         reason = next((c.get("reason") for c in st.get("conditions") or []

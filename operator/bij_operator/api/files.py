@@ -29,7 +29,7 @@ from bij_worker.storage import NotFound, Storage, open_storage
 
 READ_BYTES = 1 << 20  # one read of a download
 QUEUE_PARTS = 4  # upload chunks between the request and the storage writer
-MAX_MODELS = 32  # distinct body.model values an upload records (a batch runs one)
+MAX_MODELS = 128  # distinct body.model values an upload records (a batch runs one model and its adapters)
 
 
 def new_id(prefix: str) -> str:
@@ -43,6 +43,8 @@ class LineStats:
 
     lines: int = 0
     models: set[str] = field(default_factory=set)
+    model_lines: dict[str, int] = field(default_factory=dict)  # the first line (1-based) of each model
+    more_models: int = 0  # the first line of a model past MAX_MODELS (0: none), which the batch refuses
     urls: set[str] = field(default_factory=set)
     url_lines: dict[str, int] = field(default_factory=dict)  # the first line (1-based) of each url
     tail: bytearray = field(default_factory=bytearray)
@@ -75,8 +77,12 @@ class LineStats:
             return
         body = obj.get("body")
         model = body.get("model") if isinstance(body, dict) else None
-        if isinstance(model, str) and len(self.models) < MAX_MODELS:
-            self.models.add(model)
+        if isinstance(model, str) and model not in self.models:
+            if len(self.models) < MAX_MODELS:
+                self.models.add(model)
+                self.model_lines[model] = self.lines
+            elif not self.more_models:
+                self.more_models = self.lines
         url = obj.get("url")
         if isinstance(url, str) and len(self.urls) < MAX_MODELS:
             self.urls.add(url)
@@ -162,8 +168,8 @@ class FileStore:
         size = await writer
         obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
                "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
-        meta = {**obj, "lines": stats.lines, "models": sorted(stats.models), "urls": sorted(stats.urls),
-                "url_lines": stats.url_lines,
+        meta = {**obj, "lines": stats.lines, "models": sorted(stats.models), "model_lines": stats.model_lines,
+                "more_models": stats.more_models, "urls": sorted(stats.urls), "url_lines": stats.url_lines,
                 "created_ns": time.time_ns()}
         await asyncio.to_thread(self.store.write_bytes, self.meta_uri(namespace, file_id),
                                 json.dumps(meta).encode())

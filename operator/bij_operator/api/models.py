@@ -7,12 +7,21 @@ value is the part of a bij spec that decides how it runs: ``model`` (engine, nam
     tiny-chat:
       model: {engine: vllm, name: /models/tiny-chat}
       workers: {gpus: 1, spot: true, parallelism: 4}
+    support-chat:
+      model:
+        engine: vllm
+        name: /models/llama
+        adapters:                      # LoRA adapters of the base model, each a name lines may use
+          - {name: support-fr, uri: s3://adapters/support-fr/}
 
-The server fills in the rest: the input (the uploaded file, OpenAI batch lines), the output
-(under the files prefix), ``model.task`` from the batch's endpoint and ``deadlineSeconds`` from
-its completion window. Every entry is checked at start-up as the bij it would become for each
-endpoint; one that no endpoint can run is refused, and a batch whose endpoint its model cannot
-serve (chat on an embedding model) is a 400 naming why.
+A line's ``body.model`` names an entry (its base model) or one of an entry's ``model.adapters``
+(that adapter on the entry's base model); one batch uses one entry, its base and its adapters in
+any mix. ``GET /v1/models`` lists every name. The server fills in the rest: the input (the
+uploaded file, OpenAI batch lines), the output (under the files prefix), ``model.task`` from the
+batch's endpoint, ``model.servedName`` (the entry's key: what lines call the base model) and
+``deadlineSeconds`` from its completion window. Every entry is checked at start-up as the bij it
+would become for each endpoint; one that no endpoint can run is refused, and a batch whose
+endpoint its model cannot serve (chat on an embedding model) is a 400 naming why.
 """
 
 from __future__ import annotations
@@ -35,12 +44,14 @@ class ModelMapError(ValueError):
 
 
 def job_doc(name: str, namespace: str, template: Mapping[str, Any], *, input_uri: str, output_uri: str,
-            task: str, deadline_seconds: int | None, labels: Mapping[str, str] | None = None,
-            annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+            task: str, deadline_seconds: int | None, served_name: str | None = None,
+            labels: Mapping[str, str] | None = None, annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The BatchInferenceJob of one batch: `template` (one model's entry) with the batch's input,
-    output, task and deadline."""
+    output, task, deadline and the name lines use for its base model (`served_name`, the entry's key)."""
     spec: dict[str, Any] = {k: _copy(v) for k, v in template.items()}
     spec["model"] = {**spec.get("model", {}), "task": task}
+    if served_name is not None:
+        spec["model"]["servedName"] = served_name
     spec["input"] = {"uri": input_uri, "format": "openai"}
     # Plain JSON lines, so the output and error files are served as stored.
     spec["output"] = {"uri": output_uri, "format": "jsonl", "compression": "none"}
@@ -67,13 +78,23 @@ class ModelMap:
 
     def __init__(self, entries: Mapping[str, Mapping[str, Any]]):
         self.entries = dict(entries)
+        # Every name a line may use -> (its entry's key, the adapter it names or None for the base).
+        self.served: dict[str, tuple[str, str | None]] = {key: (key, None) for key in self.entries}
+        for key, entry in self.entries.items():
+            for adapter in adapters_of(entry):
+                self.served[adapter] = (key, adapter)
 
     @property
     def names(self) -> list[str]:
-        return sorted(self.entries)
+        """Every name a line may use: entries and their adapters."""
+        return sorted(self.served)
 
     def template(self, model: str) -> Mapping[str, Any] | None:
         return self.entries.get(model)
+
+    def resolve(self, name: str) -> tuple[str, str | None] | None:
+        """(entry key, adapter or None) of a name lines use, or None when nothing here has it."""
+        return self.served.get(name)
 
     @classmethod
     def parse(cls, doc: Any, source: str) -> ModelMap:
@@ -97,12 +118,20 @@ class ModelMap:
             problems: dict[str, list[str]] = {}
             for task in sorted(set(ENDPOINTS.values())):
                 try:
-                    check(entry, task)
+                    check(entry, task, name)
                 except SpecError as e:
                     problems[task] = e.problems
             if len(problems) == len(set(ENDPOINTS.values())):
                 raise ModelMapError(f"{where}: no endpoint's task can run it: " + "; ".join(
                     f"task {task}: {', '.join(p)}" for task, p in problems.items()))
+        # A name lines use must pick one thing: no adapter may share a name with an entry or another's adapter.
+        seen: dict[str, str] = {name: f"model {name!r}" for name in doc}
+        for name, entry in doc.items():
+            for adapter in adapters_of(entry):
+                if adapter in seen:
+                    raise ModelMapError(f"{source}: model {name!r}: adapter {adapter!r} has the name of "
+                                        f"{seen[adapter]}: each name a line may use must be one model's")
+                seen[adapter] = f"model {name!r}'s adapter"
         return cls(doc)
 
     @classmethod
@@ -118,8 +147,15 @@ class ModelMap:
             raise ModelMapError(f"{p}: not valid YAML: {e}") from None
 
 
-def check(template: Mapping[str, Any], task: str) -> BatchInferenceJob:
+def adapters_of(entry: Mapping[str, Any]) -> list[str]:
+    """The names of an entry's LoRA adapters (its model.adapters)."""
+    model = entry.get("model")
+    adapters = model.get("adapters") if isinstance(model, Mapping) else None
+    return [str(a["name"]) for a in adapters or [] if isinstance(a, Mapping) and "name" in a]
+
+
+def check(template: Mapping[str, Any], task: str, served_name: str | None = None) -> BatchInferenceJob:
     """`template` as the bij it would become (SpecError naming the field when it cannot)."""
     doc = job_doc("check", "default", template, input_uri="file:///check/in.jsonl", output_uri="file:///check/out/",
-                  task=task, deadline_seconds=None)
+                  task=task, deadline_seconds=None, served_name=served_name)
     return parse_job(doc, "model map")

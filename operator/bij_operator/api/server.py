@@ -9,6 +9,8 @@
     GET    /v1/batches                list (after, limit), newest first
     GET    /v1/batches/{id}           retrieve, status and request counts live from the bij
     POST   /v1/batches/{id}/cancel    cancel: spec.cancel, the finished rows published
+    GET    /v1/models                 the models lines may name: the model map's entries and their adapters
+    GET    /v1/models/{id}            retrieve one
 
 Every /v1 request carries a service-account token (`auth`); its namespace holds the caller's files
 and batches, and another namespace's ids answer 404. Errors are OpenAI-shaped:
@@ -42,14 +44,16 @@ from .batches import (
     bij_name,
     check_metadata,
     record,
+    status_of,
     window_seconds,
 )
-from .files import FileStore, new_id
+from .files import MAX_MODELS, FileStore, new_id
 from .models import ENDPOINTS, ModelMap, ModelMapError, job_doc
 
 log = logging.getLogger("bij.api")
 GROUP, VERSION, PLURAL = "batchinference.io", "v1alpha1", "batchinferencejobs"
 FINAL = ("completed", "failed", "expired", "cancelled")
+MANIFESTS_KEPT = 4096  # ended batches' manifests kept in memory
 # The body of POST /v1/batches (OpenAI's, all of it): anything else is refused by name, never ignored.
 BATCH_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})
 
@@ -129,6 +133,10 @@ class Api:
 
     def __init__(self, files: FileStore, models: ModelMap, auth: Authorizer, kube: Kube, s3: dict[str, str]):
         self.files, self.models, self.auth, self.kube, self.s3 = files, models, auth, kube, s3
+        # Ended batches' manifests, by URI: a published manifest never changes (a stopped bij never
+        # publishes again, an output URI belongs to one bij), so each is read once.
+        self.manifests: dict[str, dict[str, Any]] = {}
+        self.started = int(time.time())
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors])
@@ -143,6 +151,8 @@ class Api:
             web.get("/v1/batches", self.list_batches),
             web.get("/v1/batches/{id}", self.retrieve_batch),
             web.post("/v1/batches/{id}/cancel", self.cancel_batch),
+            web.get("/v1/models", self.list_models),
+            web.get("/v1/models/{id:.+}", self.retrieve_model),
         ])
         return app
 
@@ -206,10 +216,9 @@ class Api:
         if made is not None:
             batch_id, kind = made
             bij = await self._bij(who, batch_id)
-            manifest_uri = (bij.get("status") or {}).get("manifestUri")
-            if not manifest_uri or batch_object(bij)["status"] not in FINAL:
+            manifest = await self._manifest(bij)
+            if manifest is None:
                 raise NotFoundError(f"no file {file_id}: batch {batch_id} has not ended")
-            manifest = json.loads(await asyncio.to_thread(self.files.store.read_bytes, manifest_uri))
             listed = manifest["files" if kind == "output" else "errorFiles"]
             if not listed:
                 raise NotFoundError(f"no file {file_id}: batch {batch_id} has no {kind} rows")
@@ -252,7 +261,43 @@ class Api:
         await asyncio.to_thread(self.files.delete, who.namespace, file_id)
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
+    # --- models ---------------------------------------------------------------------------------
+
+    def _model_object(self, name: str) -> dict[str, Any]:
+        """OpenAI's Model object; an adapter names its base model as ``parent`` (as vLLM's server does)."""
+        found = self.models.resolve(name)
+        if found is None:
+            raise NotFoundError(f"no model {name}: known models: {', '.join(self.models.names) or 'none'}")
+        key, adapter = found
+        obj: dict[str, Any] = {"id": name, "object": "model", "created": self.started, "owned_by": "bij"}
+        if adapter is not None:
+            obj["parent"] = key
+        return obj
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        await self.caller(request)
+        return web.json_response({"object": "list", "data": [self._model_object(n) for n in self.models.names]})
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        await self.caller(request)
+        return web.json_response(self._model_object(request.match_info["id"]))
+
     # --- batches --------------------------------------------------------------------------------
+
+    async def _manifest(self, bij: dict[str, Any]) -> dict[str, Any] | None:
+        """The manifest of an ended batch (completed, cancelled or expired), else None."""
+        uri = (bij.get("status") or {}).get("manifestUri")
+        if not uri or status_of(bij) not in FINAL:
+            return None
+        if uri not in self.manifests:
+            if len(self.manifests) >= MANIFESTS_KEPT:
+                self.manifests.pop(next(iter(self.manifests)))
+            self.manifests[uri] = json.loads(await asyncio.to_thread(self.files.store.read_bytes, uri))
+        return self.manifests[uri]
+
+    async def _batch(self, bij: dict[str, Any]) -> dict[str, Any]:
+        """The Batch object of `bij`, with its usage once it has ended."""
+        return batch_object(bij, await self._manifest(bij))
 
     async def _bij(self, who: Caller, batch_id: str) -> dict[str, Any]:
         name = bij_name(batch_id)
@@ -296,22 +341,17 @@ class Api:
             where = f"line {first}" if first else "a line"
             raise BadRequest(f"input file {file_id}: {where} asks for {elsewhere[0]}, but the batch's endpoint is "
                              f"{endpoint}: every line's url must be the batch's endpoint", "input_file_id")
-        models = list(meta.get("models") or [])
-        if len(models) != 1:
-            raise BadRequest(f"input file {file_id}: a batch runs one model; its lines name "
-                             f"{', '.join(models) if models else 'none'} (body.model)", "input_file_id")
-        template = self.models.template(models[0])
-        if template is None:
-            raise BadRequest(f"model {models[0]!r} (body.model of {file_id}) is not served here; known models: "
-                             f"{', '.join(self.models.names) or 'none'}", "model")
+        key = self._model_of(file_id, meta)
+        template = self.models.template(key)
+        assert template is not None
         batch_id = new_id("batch_")
         # created_ns orders the list (the bij's creationTimestamp has whole seconds).
         rec = {"id": batch_id, "endpoint": endpoint, "input_file_id": file_id, "completion_window": window,
-               "metadata": metadata, "model": models[0], "lines": meta.get("lines", 0), "created_ns": time.time_ns()}
+               "metadata": metadata, "model": key, "lines": meta.get("lines", 0), "created_ns": time.time_ns()}
         doc = job_doc(bij_name(batch_id) or "", who.namespace, template,
                       input_uri=self.files.content_uri(who.namespace, file_id),
                       output_uri=self.files.batch_output(who.namespace, batch_id), task=ENDPOINTS[endpoint],
-                      deadline_seconds=deadline, labels={LABEL: "true"},
+                      deadline_seconds=deadline, served_name=key, labels={LABEL: "true"},
                       annotations={ANNOTATION: json.dumps(rec, sort_keys=True)})
         if self.s3:  # the workers reach the files prefix as the server does
             doc["spec"]["storage"] = {**doc["spec"].get("storage", {}),
@@ -319,16 +359,46 @@ class Api:
         try:
             parse_job(doc)
         except SpecError as e:
-            raise BadRequest(f"model {models[0]!r} cannot serve {endpoint}: {'; '.join(e.problems)}",
+            raise BadRequest(f"model {key!r} cannot serve {endpoint}: {'; '.join(e.problems)}",
                              "endpoint") from None
         made = await asyncio.to_thread(self.kube.create, who.namespace, doc)
         log.info("%s created %s (bij %s/%s, model %s)", who.user, batch_id, who.namespace, doc["metadata"]["name"],
-                 models[0])
+                 key)
         return web.json_response(batch_object(made))
+
+    def _model_of(self, file_id: str, meta: dict[str, Any]) -> str:
+        """The model map entry that runs a file's lines: each line names it (its base model) or one of
+        its adapters; a name served nowhere here, or names of two entries, refuse the batch (400 naming
+        the first line that says so)."""
+        named = list(meta.get("models") or [])
+        first: dict[str, int] = meta.get("model_lines") or {}
+
+        def line(model: str) -> str:
+            return f"line {first[model]}" if model in first else "a line"
+
+        if not named:
+            raise BadRequest(f"input file {file_id}: no line names a model (body.model)", "input_file_id")
+        if meta.get("more_models"):
+            raise BadRequest(f"input file {file_id}: line {meta['more_models']} names a model past the "
+                             f"{MAX_MODELS} different ones one file may name", "input_file_id")
+        entries: dict[str, str] = {}  # entry key -> the first name of it the lines use
+        for model in sorted(named, key=lambda m: first.get(m, 0)):
+            found = self.models.resolve(model)
+            if found is None:
+                raise BadRequest(f"input file {file_id}: {line(model)} names model {model!r} (body.model), which "
+                                 f"is not served here; known models: {', '.join(self.models.names) or 'none'}",
+                                 "model")
+            entries.setdefault(found[0], model)
+        if len(entries) > 1:
+            (a, first_name), (b, second) = list(entries.items())[:2]
+            raise BadRequest(f"input file {file_id}: a batch runs one model with its adapters; {line(first_name)} "
+                             f"names {first_name!r} (of model {a!r}), {line(second)} names {second!r} (of model "
+                             f"{b!r})", "model")
+        return next(iter(entries))
 
     async def retrieve_batch(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
-        return web.json_response(batch_object(await self._bij(who, request.match_info["id"])))
+        return web.json_response(await self._batch(await self._bij(who, request.match_info["id"])))
 
     async def list_batches(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
@@ -336,7 +406,7 @@ class Api:
         ours = [b for b in bijs if ANNOTATION in (b["metadata"].get("annotations") or {})]
         ours.sort(key=lambda b: (record(b).get("created_ns", 0), b["metadata"].get("creationTimestamp", "")),
                   reverse=True)
-        return web.json_response(_page([batch_object(b) for b in ours], request))
+        return web.json_response(_page([await self._batch(b) for b in ours], request))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
         who = await self.caller(request)

@@ -282,6 +282,8 @@ class StructuredOutputSpec(_Model):
 class ModelSpec(_Model):
     engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated"] = "echo"
     name: str | None = None
+    # What OpenAI lines call the base model (body.model, and the results' model); default: name.
+    served_name: str | None = Field(None, max_length=256)
     task: Literal["embed", "generate", "chat"] = "embed"
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0, le=2)
@@ -339,8 +341,9 @@ class ModelSpec(_Model):
         dup = sorted({n for n in adapter_names if adapter_names.count(n) > 1})
         if dup:
             raise ValueError(f"model.adapters: the name {dup[0]!r} is used twice")
-        if self.name is not None and self.name in adapter_names:
-            raise ValueError(f"model.adapters: {self.name!r} is the base model's name")
+        for base in (self.name, self.served_name):
+            if base is not None and base in adapter_names:
+                raise ValueError(f"model.adapters: {base!r} is the base model's name")
         if self.adapters and self.engine not in ("transformers", "vllm"):
             raise ValueError(f"model.adapters needs engine transformers or vllm, not {self.engine}")
         asked = self.own_sampling().asked()
