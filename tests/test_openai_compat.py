@@ -55,3 +55,96 @@ def test_result_bodies_and_error_lines_validate_against_the_openai_sdk(
         assert line["response"] is None
         err = openai_types.BatchError.model_validate(line["error"])
         assert err.code and err.message
+
+
+def test_list_inputs_answer_one_line_with_an_item_per_input_in_the_sdks_shapes(
+        file_place, make_job, run_shards, read_output) -> None:
+    """An embeddings `input` list is one line with a `data` item per input (`index` set); a completions
+    `prompt` list is one line with a choice per prompt; a failing input fails its whole line, naming it."""
+    import base64
+    import struct
+
+    from bij_worker.engines.echo import echo_embedding
+
+    embed, complete = "/v1/embeddings", "/v1/completions"
+    lines = [request("three", embed, {"input": ["alpha", "beta gamma", "delta"]}),
+             request("one", embed, {"input": "alpha"}),
+             request("packed", embed, {"input": ["alpha", "beta gamma"], "encoding_format": "base64"}),
+             request("ids", embed, {"input": [[1, 2], [3]]}),
+             request("long", embed, {"input": ["short", "word " * 40]})]
+    _, job = make_job(file_place, file_place.write_jsonl("e.jsonl", lines), input={"format": "openai"},
+                      model={"task": "embed", "maxInputTokens": 8, "truncate": False},
+                      sharding={"targetShardBytes": 4096, "chunkRows": 2})
+    run_shards(job)
+    publish(job)
+    out = read_output(job)
+    bodies = {r["custom_id"]: r["response"]["body"] for r in out.results}
+    assert list(bodies) == ["three", "one", "packed"]
+    three = openai_types.CreateEmbeddingResponse.model_validate(bodies["three"])
+    assert [(d.index, d.embedding) for d in three.data] == [
+        (i, echo_embedding(t)) for i, t in enumerate(["alpha", "beta gamma", "delta"])]
+    assert three.usage.prompt_tokens == 1 + 2 + 1  # every input counts (echo: 4 bytes a token)
+    assert [d["embedding"] for d in bodies["one"]["data"]] == [echo_embedding("alpha")]
+    packed = bodies["packed"]["data"]
+    assert [d["index"] for d in packed] == [0, 1]
+    for d, text in zip(packed, ["alpha", "beta gamma"], strict=True):
+        raw = base64.b64decode(d["embedding"])  # little-endian float32, as OpenAI's
+        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(echo_embedding(text), rel=1e-6)
+    errors = {e["custom_id"]: e["error"] for e in out.errors}
+    assert errors["ids"] == {"code": "unsupported", "message": "engine echo cannot honour body.input as token ids"}
+    assert errors["long"]["code"] == "too_many_tokens"
+    assert errors["long"]["message"].startswith("body.input[1]: prompt has 50 tokens")
+    assert out.manifest["counts"]["rows"] == 3 and out.manifest["counts"]["errors"] == 2  # lines, not inputs
+
+    lines = [request("two", complete, {"prompt": ["once upon", "a time"], "max_tokens": 16}),
+             request("solo", complete, {"prompt": "the end"})]
+    _, job = make_job(file_place, file_place.write_jsonl("c.jsonl", lines), input={"format": "openai"},
+                      model={"task": "generate"}, name="c", out_dir="out-c/")
+    run_shards(job)
+    publish(job)
+    out = read_output(job)
+    two, solo = (openai_types.Completion.model_validate(r["response"]["body"]) for r in out.results)
+    assert [(c.index, c.text) for c in two.choices] == [(0, "once upon"), (1, "a time")]
+    assert (two.usage.prompt_tokens, two.usage.completion_tokens) == (2 + 1, 2 + 1)
+    assert [(c.index, c.text) for c in solo.choices] == [(0, "the end")]
+
+
+def test_several_prompts_with_n_answers_are_numbered_prompt_major_as_openai_does() -> None:
+    from bij_worker.engines.base import Choice, Result
+    from bij_worker.inputs import InputOptions, Row, merged_result, result_row
+
+    def answers(prompt: str) -> Result:
+        return Result(output=f"{prompt}0", prompt_tokens=2, completion_tokens=2,
+                      choices=[Choice(f"{prompt}{j}", 1, "stop") for j in range(2)])
+
+    row = Row(at=(0, 0, 1), id="r", url="/v1/completions", parts=[])
+    res = merged_result(row, [answers("p"), answers("q"), answers("r")])
+    body = result_row(row, res, InputOptions(format="openai", task="generate"))["response"]["body"]
+    parsed = openai_types.Completion.model_validate(body)
+    assert [(c.index, c.text) for c in parsed.choices] == [(0, "p0"), (1, "p1"), (2, "q0"), (3, "q1"), (4, "r0"),
+                                                           (5, "r1")]
+    assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens, parsed.usage.total_tokens) == (6, 6, 12)
+    failed = merged_result(row, [answers("p"), Result(error="boom", extra={"code": "engine_rejected"})])
+    assert (failed.error, failed.extra["code"]) == ("body.prompt[1]: boom", "engine_rejected")
+
+
+def test_a_continuous_engine_answers_every_prompt_of_a_line_in_that_line(
+        file_place, make_job, run_shards, read_output) -> None:
+    """The simulated engine runs prompts as vLLM does, each on its own in the running batch: a line's
+    prompts come back in any order and are answered together, in their order, once."""
+    prompts = [" ".join(["w"] * k) for k in (7, 1, 4)]
+    lines = [request(f"r{i}", "/v1/completions", {"prompt": prompts[i:] + prompts[:i], "max_tokens": 16})
+             for i in range(3)]
+    _, job = make_job(file_place, file_place.write_jsonl("c.jsonl", lines), input={"format": "openai"},
+                      model={"engine": "simulated", "task": "generate"})
+    from bij_worker.engines.base import EngineConfig
+    from bij_worker.engines.simulated import SimulatedEngine
+
+    run_shards(job, SimulatedEngine(EngineConfig(task="generate", simulated={"stepSeconds": 0, "maxNumSeqs": 4})))
+    publish(job)
+    out = read_output(job)
+    assert [r["custom_id"] for r in out.results] == ["r0", "r1", "r2"] and out.errors == []
+    for i, line in enumerate(out.results):
+        parsed = openai_types.Completion.model_validate(line["response"]["body"])
+        assert [(c.index, c.text) for c in parsed.choices] == list(enumerate(prompts[i:] + prompts[:i]))
+        assert parsed.usage.prompt_tokens == 12  # the words of all three prompts

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from bij_worker.contract.spec import SpecError, load_job
-from bij_worker.engines.base import BASIC_SAMPLING
+from bij_worker.engines.base import BASIC_SAMPLING, CHAT_TEMPLATE_FIELDS
 from bij_worker.inputs import InputOptions, parse_line, parse_plain_lines
 from bij_worker.sampling import NO_SAMPLING, Sampling
 
@@ -281,8 +281,7 @@ def test_a_row_over_its_budget_is_refused_before_it_runs_naming_its_fields() -> 
 # --- vLLM's own fields: min_tokens, ignore_eos, logit_bias, bad_words, the chat template's --------------
 
 VLLM_GENERATION = BASIC_SAMPLING | {"minTokens", "ignoreEos", "logitBias", "badWords"}
-VLLM_CHAT = InputOptions(format="openai", task="chat", engine="vllm",
-                         honours=VLLM_GENERATION | {"chatTemplateKwargs", "addGenerationPrompt", "continueFinalMessage"})
+VLLM_CHAT = InputOptions(format="openai", task="chat", engine="vllm", honours=VLLM_GENERATION | CHAT_TEMPLATE_FIELDS)
 
 
 def completion(**body: Any) -> dict[str, Any]:

@@ -67,7 +67,8 @@ class SentenceTransformersEngine:
         config = getattr(getattr(self.model[0], "auto_model", None), "config", None)
         sizes = getattr(config, "matryoshka_dimensions", None)
         if sizes or getattr(config, "is_matryoshka", False):
-            self._dimensions = (int(self.model.get_sentence_embedding_dimension() or 0),
+            size = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+            self._dimensions = (int(size() or 0),
                                 [int(d) for d in sizes] if sizes else None)
             self.honours = frozenset({"dimensions"})
         self._normalises = any(type(m).__name__ == "Normalize" for m in self.model)
