@@ -29,9 +29,16 @@ What the engine does, and the adapter relies on (checked by the vLLM test tier):
 - a decoder prompt needs room for one generated token: the prompt limit is
   `max_model_len - 1` for generate and chat, `max_model_len` for embed;
 - every sampling field a row carries goes into its `SamplingParams` (n, logprobs, stop,
-  penalties, `StructuredOutputsParams`); a row with n > 1 answers is reported one answer at
-  a time under its request id, finished with the last; LoRA adapters are `LoRARequest`s
-  (`enable_lora` when the spec lists adapters);
+  penalties, `StructuredOutputsParams`, and vLLM's own min_tokens, ignore_eos, logit_bias,
+  bad_words); a row with n > 1 answers is reported one answer at a time under its request id,
+  finished with the last; LoRA adapters are `LoRARequest`s (`enable_lora` when the spec lists
+  adapters);
+- a chat row's own template variables, `add_generation_prompt` and `continue_final_message`
+  render its prompt (prompts.prompt_ids, as `LLM.chat` renders it); a prompt given as token ids
+  goes in as it is (vLLM refuses ids outside the vocabulary);
+- embeddings with `dimensions`: the row's `PoolingParams(dimensions=...)`, which vLLM takes only
+  for a model that declares Matryoshka embeddings (`model_config.is_matryoshka`: the engine
+  honours the field only then) and cuts and normalises again itself;
 - images (chat rows with `image_url` parts, on a model vLLM loads as multimodal) go in as the
   prompt's `multi_modal_data` (PIL images, in the order of their parts): the chat template puts one
   placeholder token per image, which vLLM's processor expands to the image's features, so the
