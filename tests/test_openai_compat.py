@@ -148,3 +148,24 @@ def test_a_continuous_engine_answers_every_prompt_of_a_line_in_that_line(
         parsed = openai_types.Completion.model_validate(line["response"]["body"])
         assert [(c.index, c.text) for c in parsed.choices] == list(enumerate(prompts[i:] + prompts[:i]))
         assert parsed.usage.prompt_tokens == 12  # the words of all three prompts
+
+
+def test_a_judge_job_refuses_a_line_with_several_prompts_naming_why() -> None:
+    """A judge approves one answer per row: a line with several prompts is an error row there."""
+    import json
+
+    from bij_worker.engines.base import EngineConfig
+    from bij_worker.engines.echo import EchoEngine
+    from bij_worker.inputs import InputOptions
+    from bij_worker.prepare import Preparer
+
+    opts = InputOptions(format="openai", task="generate", engine="echo", honours=frozenset({"maxTokens"}))
+    prep = Preparer(opts, EchoEngine(EngineConfig(task="generate")), ["in.jsonl"], max_input_tokens=None,
+                    storage_for=lambda uri: None, corrupt=lambda *a: None)  # type: ignore[arg-type,return-value]
+    lines = [json.dumps(request(cid, "/v1/completions", {"prompt": prompt})).encode()
+             for cid, prompt in (("two", ["a", "b"]), ("one", ["a"]))]
+    rows, records = prep.rows([((0, i, i + 1), line) for i, line in enumerate(lines)])
+    assert [r.id for r, _ in rows] == ["one"]
+    (record,) = records
+    assert record["row"]["error"] == {"code": "unsupported",
+                                      "message": "a judge job answers one prompt per row; this row holds 2"}
