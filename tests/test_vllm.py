@@ -655,7 +655,7 @@ def test_vllm_honours_min_tokens_ignore_eos_bad_words_and_logit_bias(gen: Any) -
     assert (plain.text.split(), plain.finish_reason) == (["h"], "stop")  # h, then </s>
     eos_ignored = complete(prompt="g", max_tokens=6, ignore_eos=True)
     assert eos_ignored.finish_reason == "length" and eos_ignored.text.split()[0] == "h"
-    longer = gen.run([Request(text="g", max_tokens=6, sampling=adapter_sampling(min_tokens=4))])[0]
+    longer = gen.run([Request(text="g", max_tokens=6, sampling=sampling_of(min_tokens=4))])[0]
     assert longer.completion_tokens >= 4 and longer.output.split()[0] == "h"  # </s> barred until 4 tokens
     assert complete(prompt="a", max_tokens=2, min_tokens=2).text.split() == ["b", "c"]
     barred = complete(prompt="a", max_tokens=4, bad_words=["c"])
@@ -666,11 +666,11 @@ def test_vllm_honours_min_tokens_ignore_eos_bad_words_and_logit_bias(gen: Any) -
     assert (biased.text.split(), biased.finish_reason) == (["x"], "stop")
     assert complete(prompt="a", max_tokens=3, logit_bias={str(IDS["x"]): 100}).text.split() == ["b", "c", "d"]
     # A token id the model does not have: vLLM refuses the row alone.
-    (bad,) = gen.run([Request(text="a", max_tokens=2, sampling=adapter_sampling(logit_bias=((10**6, 1.0),)))])
+    (bad,) = gen.run([Request(text="a", max_tokens=2, sampling=sampling_of(logit_bias=((10**6, 1.0),)))])
     assert bad.error is not None and "vllm refused the request" in bad.error
 
 
-def adapter_sampling(**fields: Any) -> Any:
+def sampling_of(**fields: Any) -> Any:
     from bij_worker.sampling import Sampling
 
     return Sampling(**fields)
@@ -697,7 +697,7 @@ def test_vllm_renders_each_chat_rows_template_fields_and_prefill(gen: Any, wired
     messages = [user, {"role": "assistant", "content": "c"}]
     (own,) = gen.llm.chat([messages], vllm.SamplingParams(max_tokens=1), use_tqdm=False,
                           add_generation_prompt=False, continue_final_message=True)
-    req = Request(messages=messages, sampling=adapter_sampling(continue_final_message=True,
+    req = Request(messages=messages, sampling=sampling_of(continue_final_message=True,
                                                                add_generation_prompt=False))
     assert chat._prompt_ids([req]) == [list(own.prompt_token_ids)]
     template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"

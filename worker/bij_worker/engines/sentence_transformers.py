@@ -150,7 +150,7 @@ class SentenceTransformersEngine:
 
     def _shortened(self, vec: list[float], d: int, tokens: int) -> Result:
         """The first `d` values of a Matryoshka embedding, normalised again (what vLLM's pooler does);
-        a size the model does not declare is this row's error, worded as vLLM words it."""
+        a size out of range or not among those the model declares is this row's error (vLLM's checks)."""
         if self._dimensions is None:  # rows are refused before they get here (honours)
             return Result(prompt_tokens=tokens, error="the model does not declare Matryoshka embeddings; "
                           "dimensions must be unset", extra={"code": "unsupported"})
