@@ -169,3 +169,54 @@ def test_a_judge_job_refuses_a_line_with_several_prompts_naming_why() -> None:
     (record,) = records
     assert record["row"]["error"] == {"code": "unsupported",
                                       "message": "a judge job answers one prompt per row; this row holds 2"}
+
+
+@pytest.mark.parametrize("matryoshka", [False, True], ids=["plain-config", "matryoshka-config"])
+def test_all_minilm_answers_input_lists_in_base64_and_dimensions_only_where_declared(
+        matryoshka: bool, file_place, make_job, run_shards, read_output, tmp_path) -> None:
+    """The real embedding model (all-MiniLM-L6-v2 on sentence-transformers): a list `input` is one line
+    with a `data` item per input, base64 is its float32 vector; `dimensions` is refused by the model as
+    shipped, and honoured (head, normalised again) by the same weights with a Matryoshka config."""
+    import base64
+    import json
+    import math
+    import shutil
+    import struct
+
+    from bij_worker.engines import create_engine
+    from bij_worker.engines.base import EngineConfig, Request
+    from bij_worker.engines.sentence_transformers import default_model_path
+
+    path = tmp_path / "minilm"
+    shutil.copytree(default_model_path(), path)
+    if matryoshka:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    engine = create_engine("sentence-transformers", EngineConfig(task="embed", name=str(path), device="cpu"))
+    url = "/v1/embeddings"
+    texts = ["A cat sits on the mat.", "Stock markets fell sharply today."]
+    lines = [request("list", url, {"input": texts}),
+             request("packed", url, {"input": texts[0], "encoding_format": "base64"}),
+             request("short", url, {"input": texts, "dimensions": 64})]
+    _, job = make_job(file_place, file_place.write_jsonl("e.jsonl", lines), input={"format": "openai"},
+                      model={"engine": "sentence-transformers", "task": "embed"})
+    run_shards(job, engine)
+    publish(job)
+    out = read_output(job)
+    bodies = {r["custom_id"]: r["response"]["body"] for r in out.results}
+    alone = [r.embedding for r in engine.run([Request(text=t) for t in texts])]
+    listed = openai_types.CreateEmbeddingResponse.model_validate(bodies["list"])
+    assert [d.index for d in listed.data] == [0, 1]
+    for d, vec in zip(listed.data, alone, strict=True):
+        assert d.embedding == pytest.approx(vec, abs=1e-5)
+    raw = base64.b64decode(bodies["packed"]["data"][0]["embedding"])
+    assert list(struct.unpack("<384f", raw)) == pytest.approx(alone[0], abs=1e-6)
+    if not matryoshka:
+        assert [(e["custom_id"], e["error"]) for e in out.errors] == [
+            ("short", {"code": "unsupported", "message": "engine sentence-transformers cannot honour body.dimensions"})]
+        return
+    short = openai_types.CreateEmbeddingResponse.model_validate(bodies["short"])
+    for d, vec in zip(short.data, alone, strict=True):
+        norm = math.sqrt(sum(v * v for v in vec[:64]))
+        assert len(d.embedding) == 64 and d.embedding == pytest.approx([v / norm for v in vec[:64]], abs=1e-5)
+    assert out.errors == []
