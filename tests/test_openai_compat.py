@@ -220,3 +220,49 @@ def test_all_minilm_answers_input_lists_in_base64_and_dimensions_only_where_decl
         norm = math.sqrt(sum(v * v for v in vec[:64]))
         assert len(d.embedding) == 64 and d.embedding == pytest.approx([v / norm for v in vec[:64]], abs=1e-5)
     assert out.errors == []
+
+
+def test_a_line_of_several_prompts_is_durable_whole_or_not_at_all_and_a_rerun_runs_only_the_rest(
+        file_place, make_job, run_shards, recording_echo, read_output) -> None:
+    """Every prompt of a line is committed with its line, in one chunk: a shard stopped after some
+    chunks keeps whole lines only, and the rerun runs exactly the prompts of the lines not yet durable."""
+    from bij_worker.worker import StopFlag
+
+    lines = [request(f"r{i}", "/v1/completions", {"prompt": [f"p{i} {k}" for k in range(1 + i % 4)]})
+             for i in range(60)]
+    _, job = make_job(file_place, file_place.write_jsonl("c.jsonl", lines), input={"format": "openai"},
+                      sharding={"chunkRows": 6, "targetShardBytes": 1 << 20},
+                      batching={"inFlightRows": 6, "commitQueueChunks": 1})
+    stop = StopFlag()
+    chunks: list[dict[str, Any]] = []
+
+    def progress(ev: dict[str, Any]) -> None:
+        chunks.extend([ev] if ev["event"] == "chunk" else [])
+        if len(chunks) == 3:
+            stop.request()
+
+    first = run_shards(job, stop=stop, progress=progress)
+    durable = first[0].rows
+    assert first[0].status == "stopped" and 18 <= durable < 60 and durable % 6 == 0
+    engine = recording_echo()
+    assert run_shards(job, engine=engine)[0].rows == 60
+    assert sorted(engine.seen) == sorted(p for line in lines[durable:] for p in line["body"]["prompt"])
+    publish(job)
+    out = read_output(job)
+    assert [r["custom_id"] for r in out.results] == [f"r{i}" for i in range(60)] and out.errors == []
+    for line, r in zip(lines, out.results, strict=True):
+        assert [c["text"] for c in r["response"]["body"]["choices"]] == line["body"]["prompt"]
+
+
+def test_one_prompt_that_breaks_the_engine_fails_its_line_alone_naming_it(
+        file_place, make_job, run_shards, recording_echo, read_output) -> None:
+    lines = [request(f"r{i}", "/v1/completions", {"prompt": ["fine", f"also {i}", "poison" if i == 3 else "ok"]})
+             for i in range(8)]
+    _, job = make_job(file_place, file_place.write_jsonl("c.jsonl", lines), input={"format": "openai"})
+    run_shards(job, engine=recording_echo(fail_on="poison"))
+    publish(job)
+    out = read_output(job)
+    assert [r["custom_id"] for r in out.results] == [f"r{i}" for i in range(8) if i != 3]
+    (err,) = out.errors
+    assert err["custom_id"] == "r3" and err["error"]["code"] == "engine_rejected"
+    assert err["error"]["message"].startswith("body.prompt[2]: the engine failed on this row: RuntimeError")
