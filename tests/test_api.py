@@ -262,16 +262,25 @@ def test_embeddings_and_completions_batches_parse_with_the_sdk_models(tenant: Te
     from openai.types import Completion, CreateEmbeddingResponse
 
     c = tenant.client
+    # Every third line has several inputs or prompts: still one line each, answered in one output line.
     emb = upload(c, tmp_path, [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
-                                "body": {"model": "tiny-embed", "input": f"text {i}"}} for i in range(12)], "e.jsonl")
+                                "body": {"model": "tiny-embed",
+                                         "input": [f"text {i}", "more"] if i % 3 == 0 else f"text {i}"}}
+                               for i in range(12)], "e.jsonl")
     cmp = upload(c, tmp_path, [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                                "body": {"model": "tiny-completions", "prompt": f"say {i}", "max_tokens": 8}}
+                                "body": {"model": "tiny-completions", "max_tokens": 8,
+                                         "prompt": [f"say {i}", "and", "so"] if i % 3 == 0 else f"say {i}"}}
                                for i in range(12)], "c.jsonl")
     be = c.batches.create(input_file_id=emb.id, endpoint="/v1/embeddings", completion_window="24h")
     bc = c.batches.create(input_file_id=cmp.id, endpoint="/v1/completions", completion_window="24h")
     for b, model, n in ((be, CreateEmbeddingResponse, 12), (bc, Completion, 12)):
         done = wait_status(c, b.id, "completed")
-        assert len(check_output(lines_of(c, done.output_file_id), model)) == n and done.error_file_id is None
+        out = lines_of(c, done.output_file_id)
+        assert len(check_output(out, model)) == n and done.error_file_id is None
+        assert (done.request_counts.total, done.request_counts.completed) == (12, 12)
+        items = [len(line["response"]["body"]["data" if model is CreateEmbeddingResponse else "choices"])
+                 for line in out]
+        assert sorted(items) == [1] * 8 + [2 if model is CreateEmbeddingResponse else 3] * 4
     # Paged newest first, as the SDK's cursor pagination walks it.
     first = c.batches.list(limit=1)
     assert first.has_more and [x.id for x in first.data] == [bc.id]

@@ -537,3 +537,78 @@ def test_chat_template_and_its_variables_from_the_spec_replace_the_tokenizers(tm
     (res,) = switched.run([Request(messages=[{"role": "user", "content": "a b"}])])
     assert (res.output, res.prompt_tokens) == ("", 4)  # x is followed by </s>
     assert switched.count_tokens([Request(messages=[{"role": "user", "content": "a b"}])]) == [4]
+
+
+# --- a row's own chat template fields, token-id prompts, Matryoshka dimensions ----------------------------
+
+
+def test_transformers_renders_each_chat_rows_own_template_variables_and_prefill(tmp_path: Path) -> None:
+    path = build_model(tmp_path)
+    engine = tf_engine(path, task="chat")
+    user = {"role": "user", "content": "a b"}
+    prefill, no_prompt, plain = engine.run([
+        # <s> user : a b assistant : c  -- the assistant's message left open: the model goes on from c
+        Request(messages=[user, {"role": "assistant", "content": "c"}],
+                sampling=Sampling(continue_final_message=True, add_generation_prompt=False)),
+        # <s> user : a b  -- no generation prompt: the model goes on from b
+        Request(messages=[user], sampling=Sampling(add_generation_prompt=False)),
+        Request(messages=[user]),
+    ])
+    assert (prefill.output, prefill.prompt_tokens) == ("d e f g h", 8)
+    assert (no_prompt.output, no_prompt.prompt_tokens) == ("c d e f g h", 5)
+    assert (plain.output, plain.prompt_tokens) == ("f g h", 7)
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                "{% if stop_at_x %}x{% endif %}")
+    spec_off = tf_engine(build_model(tmp_path / "bare", chat_template=False), task="chat", chat_template=template,
+                         chat_template_kwargs={"stop_at_x": False})
+    mine, spec = spec_off.run([Request(messages=[user], sampling=Sampling(chat_template_kwargs='{"stop_at_x":true}')),
+                               Request(messages=[user])])
+    assert (mine.output, mine.prompt_tokens) == ("", 4)  # the row's variable over the spec's: x, then </s>
+    assert (spec.output, spec.prompt_tokens) == ("c d e f g h", 3)
+
+
+def test_transformers_takes_a_prompt_as_token_ids_as_they_are(wired_model: Path) -> None:
+    from tiny_models import IDS
+
+    engine = tf_engine(wired_model)
+    ids, text, bad = engine.run([Request(token_ids=[IDS["x"], IDS["c"]]), Request(text="x c"),
+                                 Request(token_ids=[IDS["c"], len(VOCAB) + 5])])
+    assert (ids.output, ids.prompt_tokens) == ("d e f g h", 2)  # no BOS added to given ids
+    assert (text.output, text.prompt_tokens) == ("d e f g h", 3)
+    assert bad.error == f"token id {len(VOCAB) + 5} is outside the vocabulary of {len(VOCAB)} tokens"
+    assert engine.count_tokens([Request(token_ids=[IDS["c"]] * 5)]) == [5]
+
+
+def test_minilm_declares_no_matryoshka_dimensions_so_it_does_not_honour_them(minilm: Any) -> None:
+    assert "dimensions" not in minilm.honours
+
+
+@pytest.fixture(scope="module")
+def matryoshka_minilm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """all-MiniLM-L6-v2 with a config that declares Matryoshka sizes (the weights are the same)."""
+    import json
+    import shutil
+
+    from bij_worker.engines.sentence_transformers import default_model_path
+
+    path = tmp_path_factory.mktemp("matryoshka") / "minilm"
+    shutil.copytree(default_model_path(), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [384, 128, 32]}))
+    return loaded(create_engine("sentence-transformers", EngineConfig(task="embed", name=str(path), device="cpu")))
+
+
+def test_matryoshka_dimensions_keep_the_head_of_the_embedding_renormalised(minilm: Any, matryoshka_minilm: Any) -> None:
+    assert "dimensions" in matryoshka_minilm.honours
+    text = "The cat sits on the mat."
+    (full,) = minilm.run([Request(text=text)])
+    short, whole, odd, over = matryoshka_minilm.run([Request(text=text, sampling=Sampling(dimensions=d))
+                                                     for d in (32, 384, 100, 500)])
+    head = full.embedding[:32]
+    norm = math.sqrt(sum(v * v for v in head))
+    assert short.error is None and short.embedding == pytest.approx([v / norm for v in head], abs=1e-6)
+    assert math.isclose(sum(v * v for v in short.embedding), 1.0, rel_tol=1e-6) and norm < 0.99
+    assert whole.embedding == pytest.approx(full.embedding, abs=1e-6)
+    assert odd.error == "the model declares Matryoshka dimensions [384, 128, 32], got 100"
+    assert odd.extra["code"] == "invalid_request"
+    assert over.error == "dimensions must be in [1, 384], got 500"

@@ -1,4 +1,5 @@
-"""How the packages import each other: no circles (not even through type-only imports), and `reconcile.decide()` on pure modules only.
+"""How the packages import each other: no circles (not even through type-only imports), and
+`reconcile.decide()` on pure modules only.
 
 The graph is read from the source with `ast`, every import counted (those inside functions too:
 a lazy import is still a dependency, it only hides a circle until the function runs), except

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from bij_worker.contract.spec import SpecError, load_job
-from bij_worker.engines.base import BASIC_SAMPLING
+from bij_worker.engines.base import BASIC_SAMPLING, CHAT_TEMPLATE_FIELDS
 from bij_worker.inputs import InputOptions, parse_line, parse_plain_lines
 from bij_worker.sampling import NO_SAMPLING, Sampling
 
@@ -276,3 +276,140 @@ def test_a_row_over_its_budget_is_refused_before_it_runs_naming_its_fields() -> 
     over = InputOptions(task="generate", engine="transformers", honours=honours, row_budget=100,
                         max_tokens=200)
     assert parse_plain_lines([b'{"id": 1, "text": "x"}'], over) is None
+
+
+# --- vLLM's own fields: min_tokens, ignore_eos, logit_bias, bad_words, the chat template's --------------
+
+VLLM_GENERATION = BASIC_SAMPLING | {"minTokens", "ignoreEos", "logitBias", "badWords"}
+VLLM_CHAT = InputOptions(format="openai", task="chat", engine="vllm", honours=VLLM_GENERATION | CHAT_TEMPLATE_FIELDS)
+
+
+def completion(**body: Any) -> dict[str, Any]:
+    return {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "p",
+                                                                                    **body}}
+
+
+def test_vllms_extra_fields_reach_the_request() -> None:
+    row = parse(chat(min_tokens=2, ignore_eos=True, logit_bias={"12": 5, "3": -100.0}, bad_words=["no", "never"],
+                     chat_template_kwargs={"enable_thinking": False}, max_tokens=9), VLLM_CHAT)
+    assert row.error is None, row.error
+    s = row.request.sampling
+    assert (s.min_tokens, s.ignore_eos, s.logit_bias, s.bad_words) == (2, True, ((3, -100.0), (12, 5.0)),
+                                                                       ("no", "never"))
+    assert json.loads(s.chat_template_kwargs) == {"enable_thinking": False}
+    assert s.add_generation_prompt is None and s.continue_final_message is None
+    # A prefill: the last (assistant) message is continued, so no new generation prompt follows it.
+    row = parse(chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}],
+                     continue_final_message=True), VLLM_CHAT)
+    assert (row.request.sampling.continue_final_message, row.request.sampling.add_generation_prompt) == (True, False)
+    # Plain rows set the same fields in their sampling column.
+    plain = InputOptions(task="generate", engine="vllm", honours=VLLM_GENERATION)
+    row = parse({"id": 1, "text": "go", "sampling": {"minTokens": 3, "ignoreEos": True, "badWords": ["x"]}}, plain)
+    assert row.error is None and (row.request.sampling.min_tokens, row.request.sampling.bad_words) == (3, ("x",))
+
+
+def test_engines_that_cannot_honour_vllms_fields_refuse_the_row_naming_them() -> None:
+    row = parse(chat(min_tokens=2, bad_words=["no"], logit_bias={"5": 1}), HF_CHAT)
+    assert row.request is None and row.error_code == "unsupported"
+    assert row.error == "engine transformers cannot honour body.bad_words, body.logit_bias, body.min_tokens"
+    row = parse(chat(messages=[{"role": "assistant", "content": "Sure,"}], continue_final_message=True), ECHO_CHAT)
+    assert row.error == "engine echo cannot honour body.continue_final_message"
+    row = parse(chat(chat_template_kwargs={"x": 1}, ignore_eos=True), ECHO_CHAT)
+    assert row.error == "engine echo cannot honour body.chat_template_kwargs, body.ignore_eos"
+
+
+def test_vllms_fields_at_their_neutral_values_ask_for_nothing() -> None:
+    row = parse(chat(min_tokens=0, ignore_eos=False, logit_bias={}, bad_words=[], chat_template_kwargs={},
+                     add_generation_prompt=True, continue_final_message=False), ECHO_CHAT)
+    assert row.error is None and row.request is not None
+
+
+def test_bad_values_of_vllms_fields_name_the_field() -> None:
+    for body, needle in (
+            ({"logit_bias": {"the": 1}}, "body.logit_bias: key 'the' is not a token id"),
+            ({"logit_bias": {"5": 101}}, "body.logit_bias['5'] must be in [-100"),
+            ({"logit_bias": [5]}, "body.logit_bias must be an object"),
+            ({"bad_words": [""]}, "body.bad_words must be a list of non-blank strings"),
+            ({"bad_words": "no"}, "body.bad_words must be a list"),
+            ({"min_tokens": -1}, "body.min_tokens must be an integer at least 0"),
+            ({"min_tokens": 10, "max_tokens": 4}, "minTokens 10 is over maxTokens 4"),
+            ({"ignore_eos": 1}, "body.ignore_eos must be true or false"),
+            ({"chat_template_kwargs": ["x"]}, "body.chat_template_kwargs must be an object"),
+            ({"chat_template_kwargs": {"tokenize": True}}, "body.chat_template_kwargs.tokenize is not a chat template"),
+            ({"continue_final_message": True, "add_generation_prompt": True},
+             "body.continue_final_message and body.add_generation_prompt cannot both be true")):
+        row = parse(chat(**body), VLLM_CHAT)
+        assert row.error_code == "invalid_request" and needle in str(row.error), (body, row.error)
+
+
+def test_chat_template_fields_belong_to_chat_lines_only() -> None:
+    opts = InputOptions(format="openai", task="generate", engine="vllm", honours=VLLM_GENERATION)
+    row = parse(completion(continue_final_message=True), opts)
+    assert row.error_code == "invalid_request" and "unknown field 'body.continue_final_message'" in str(row.error)
+    row = parse(completion(min_tokens=1, ignore_eos=True), opts)
+    assert row.error is None and row.request.sampling.ignore_eos is True
+
+
+# --- several prompts in one line, token ids, dimensions, encoding_format ----------------------------------
+
+ECHO_GENERATE = InputOptions(format="openai", task="generate", engine="echo", honours=BASIC_SAMPLING)
+
+
+def test_a_list_prompt_is_one_row_with_a_request_per_prompt() -> None:
+    row = parse(completion(prompt=["one", "two three"], max_tokens=5), ECHO_GENERATE)
+    assert row.error is None and row.request is row.parts[0]
+    assert [(r.text, r.max_tokens) for r in row.parts] == [("one", 5), ("two three", 5)]
+    single = parse(completion(prompt=["one"]), ECHO_GENERATE)
+    assert single.parts is None and single.request.text == "one"
+
+
+def test_token_id_prompts_need_an_engine_that_takes_them() -> None:
+    row = parse(completion(prompt=[[5, 6], [7]]), ECHO_GENERATE)
+    assert row.error_code == "unsupported" and row.error == "engine echo cannot honour body.prompt as token ids"
+    opts = InputOptions(format="openai", task="generate", engine="vllm", honours=BASIC_SAMPLING | {"tokenIds"})
+    row = parse(completion(prompt=[5, 6]), opts)
+    assert row.error is None and row.parts is None and (row.request.text, row.request.token_ids) == (None, [5, 6])
+    row = parse(completion(prompt=[[5, 6], "seven"]), opts)
+    assert [(r.text, r.token_ids) for r in row.parts] == [(None, [5, 6]), ("seven", None)]
+
+
+@pytest.mark.parametrize(("prompt", "needle"), [
+    ([], "body.prompt must be a non-empty string, a list of them, a list of token ids, or a list of such lists"),
+    ("  ", "body.prompt must be a non-empty string"),
+    (["a", " "], "body.prompt[1] must be a non-empty string"),
+    (["a", 5], "body.prompt[1] must be a non-empty string or a non-empty list of token ids"),
+    ([[1], []], "body.prompt[1] must be a non-empty string or a non-empty list of token ids"),
+    ([-1], "body.prompt[0] must be a non-empty string or a non-empty list of token ids"),
+    ([True], "body.prompt[0] must be"),
+    (["x"] * 2049, "body.prompt holds 2049 prompts, more than 2048"),
+], ids=["empty", "blank", "blank-item", "mixed", "empty-ids", "negative-id", "bool", "too-many"])
+def test_malformed_prompt_lists_are_refused_naming_the_place(prompt: Any, needle: str) -> None:
+    row = parse(completion(prompt=prompt), ECHO_GENERATE)
+    assert row.error_code == "invalid_request" and needle in str(row.error), row.error
+
+
+def test_the_row_budget_counts_every_prompt_of_a_row() -> None:
+    opts = InputOptions(format="openai", task="generate", engine="echo", honours=BASIC_SAMPLING, row_budget=100)
+    assert parse(completion(prompt=["a", "b"], max_tokens=50), opts).error is None
+    row = parse(completion(prompt=["a", "b", "c"], max_tokens=50), opts)
+    assert row.error_code == "invalid_request"
+    assert "this row costs prompts 3 x maxTokens 50 = 150 generated token places" in str(row.error)
+
+
+def test_embedding_lines_take_dimensions_where_the_model_allows_and_an_encoding_format() -> None:
+    def embed(**body: Any) -> dict[str, Any]:
+        return {"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "x", **body}}
+
+    matryoshka = InputOptions(format="openai", task="embed", engine="vllm", honours=frozenset({"dimensions"}))
+    row = parse(embed(dimensions=64, encoding_format="base64", input=["a", "b"]), matryoshka)
+    assert row.error is None and row.encoding == "base64"
+    assert [(r.text, r.sampling.dimensions) for r in row.parts] == [("a", 64), ("b", 64)]
+    other = InputOptions(format="openai", task="embed", engine="sentence-transformers", honours=frozenset())
+    row = parse(embed(dimensions=64), other)
+    assert row.error_code == "unsupported" and row.error == "engine sentence-transformers cannot honour body.dimensions"
+    assert parse(embed(encoding_format="float", dimensions=None), other).error is None
+    for body, needle in (({"encoding_format": "int8"}, "body.encoding_format must be float or base64"),
+                         ({"dimensions": 0}, "body.dimensions must be an integer at least 1"),
+                         ({"min_tokens": 1}, "unknown field 'body.min_tokens'")):
+        row = parse(embed(**body), matryoshka)
+        assert row.error_code == "invalid_request" and needle in str(row.error), row.error

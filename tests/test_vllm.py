@@ -127,6 +127,7 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
         SamplingParams,
         TokensPrompt,
     )
+    from vllm.config import ModelConfig
     from vllm.exceptions import VLLMClientError
     from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput, PoolingRequestOutput
@@ -151,13 +152,15 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
     assert {"max_tokens", "temperature", "seed", "output_kind"} <= params(SamplingParams)
     # Every sampling field a row may carry (sampling.py), and LoRA (model.adapters).
     assert {"top_p", "top_k", "min_p", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
-            "logprobs", "structured_outputs"} <= params(SamplingParams)
+            "logprobs", "structured_outputs", "min_tokens", "ignore_eos", "logit_bias", "bad_words"} <= params(
+        SamplingParams)
     assert {"json", "regex", "choice", "grammar", "disable_any_whitespace"} <= params(StructuredOutputsParams)
     assert {"lora_name", "lora_int_id", "lora_path"} <= params(LoRARequest)
     assert "lora_request" in params(LLMEngine.add_request) and "enable_lora" in fields
     assert {"index", "logprobs"} <= params(CompletionOutput)
     assert RequestOutputKind.FINAL_ONLY is not None
-    assert "task" in params(PoolingParams)
+    assert {"task", "dimensions"} <= params(PoolingParams)
+    assert isinstance(ModelConfig.is_matryoshka, property)  # what the embed engine reads to honour dimensions
     assert "prompt_token_ids" in TokensPrompt.__annotations__
     assert {"request_id", "prompt_token_ids", "outputs", "finished", "num_cached_tokens"} <= params(RequestOutput)
     assert {"text", "token_ids", "finish_reason"} <= params(CompletionOutput)
@@ -660,3 +663,151 @@ def test_bij_api_runs_lines_naming_an_adapter_on_it_and_lines_naming_the_model_o
                                              for k in range(4))
     assert by_one == by_one_again
     assert by_one != by_base and by_two != by_base and by_one != by_two
+
+
+# --- vLLM's own fields, several prompts a line, token ids, Matryoshka dimensions ----------------------------
+
+
+def openai_line(url: str, **body: Any) -> bytes:
+    return json.dumps({"custom_id": "r", "method": "POST", "url": url, "body": {"model": "m", **body}}).encode()
+
+
+def answer(engine: Any, line: bytes) -> dict[str, Any]:
+    """An OpenAI line parsed against `engine`'s honours, run on it, and answered as the worker answers it."""
+    from bij_worker.inputs import InputOptions, merged_result, parse_line, result_row
+
+    task = "chat" if b"/v1/chat/" in line else "generate"
+    opts = InputOptions(format="openai", task=task, engine="vllm", honours=engine.honours)
+    row = parse_line(line, (0, 0, len(line)), "in.jsonl", opts)
+    assert row.request is not None, row.error
+    parts = engine.run(row.parts or [row.request])
+    res = merged_result(row, parts) if row.parts else parts[0]
+    assert res.error is None, res.error
+    return result_row(row, res, opts)["response"]["body"]
+
+
+def test_vllm_honours_min_tokens_ignore_eos_bad_words_and_logit_bias(gen: Any) -> None:
+    from openai.types import Completion
+
+    def complete(**body: Any) -> Any:
+        return Completion.model_validate(answer(gen, openai_line("/v1/completions", **body))).choices[0]
+
+    plain = complete(prompt="g", max_tokens=6)
+    assert (plain.text.split(), plain.finish_reason) == (["h"], "stop")  # h, then </s>
+    eos_ignored = complete(prompt="g", max_tokens=6, ignore_eos=True)
+    assert eos_ignored.finish_reason == "length" and eos_ignored.text.split()[0] == "h"
+    longer = gen.run([Request(text="g", max_tokens=6, sampling=sampling_of(min_tokens=4))])[0]
+    assert longer.completion_tokens >= 4 and longer.output.split()[0] == "h"  # </s> barred until 4 tokens
+    assert complete(prompt="a", max_tokens=2, min_tokens=2).text.split() == ["b", "c"]
+    barred = complete(prompt="a", max_tokens=4, bad_words=["c"])
+    assert barred.text.split()[0] == "b" and "c" not in barred.text.split()
+    # The wired model's logits are about 113 for the successor, 0 elsewhere (biases are at most 100):
+    # b pushed down and x up, x comes first; after x the model's own </s> wins again.
+    biased = complete(prompt="a", max_tokens=3, logit_bias={str(IDS["b"]): -100, str(IDS["x"]): 100})
+    assert (biased.text.split(), biased.finish_reason) == (["x"], "stop")
+    assert complete(prompt="a", max_tokens=3, logit_bias={str(IDS["x"]): 100}).text.split() == ["b", "c", "d"]
+    # A token id the model does not have: vLLM refuses the row alone.
+    (bad,) = gen.run([Request(text="a", max_tokens=2, sampling=sampling_of(logit_bias=((10**6, 1.0),)))])
+    assert bad.error is not None and "vllm refused the request" in bad.error
+
+
+def sampling_of(**fields: Any) -> Any:
+    from bij_worker.sampling import Sampling
+
+    return Sampling(**fields)
+
+
+def test_vllm_renders_each_chat_rows_template_fields_and_prefill(gen: Any, wired_model: Path) -> None:
+    from openai.types.chat import ChatCompletion
+
+    chat = loaded(create_engine("vllm", config(wired_model, task="chat")))
+    assert chat.llm is gen.llm
+    user = {"role": "user", "content": "a b"}
+
+    def say(**body: Any) -> Any:
+        return ChatCompletion.model_validate(answer(chat, openai_line("/v1/chat/completions", **body)))
+
+    assert say(messages=[user]).choices[0].message.content.split() == ["f", "g", "h"]
+    # An assistant prefill, continued: <s> user : a b assistant : c -> d e f g h
+    prefill = say(messages=[user, {"role": "assistant", "content": "c"}], continue_final_message=True)
+    assert prefill.choices[0].message.content.split() == ["d", "e", "f", "g", "h"]
+    assert prefill.usage.prompt_tokens == 8
+    opened = say(messages=[user], add_generation_prompt=False)  # <s> user : a b -> c d ...
+    assert opened.choices[0].message.content.split() == ["c", "d", "e", "f", "g", "h"]
+    # The ids bij renders are the ones vLLM's own LLM.chat renders for the same prefill.
+    messages = [user, {"role": "assistant", "content": "c"}]
+    (own,) = gen.llm.chat([messages], vllm.SamplingParams(max_tokens=1), use_tqdm=False,
+                          add_generation_prompt=False, continue_final_message=True)
+    req = Request(messages=messages, sampling=sampling_of(continue_final_message=True,
+                                                               add_generation_prompt=False))
+    assert chat._prompt_ids([req]) == [list(own.prompt_token_ids)]
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                "{% if stop_at_x %}x{% endif %}")
+    templated = loaded(create_engine("vllm", config(wired_model, task="chat", chat_template=template)))
+    assert templated.llm is gen.llm
+    switched = ChatCompletion.model_validate(answer(templated, openai_line(
+        "/v1/chat/completions", messages=[user], chat_template_kwargs={"stop_at_x": True})))
+    assert (switched.choices[0].message.content, switched.usage.prompt_tokens) == ("", 4)
+
+
+def test_vllm_answers_a_list_of_prompts_and_token_ids_in_one_line(gen: Any) -> None:
+    from openai.types import Completion
+
+    # Sampled (vLLM takes n > 1 only so), but the wired model's successor is all but certain.
+    body = answer(gen, openai_line("/v1/completions", prompt=[[IDS["x"], IDS["c"]], "y f", "a"], max_tokens=3, n=2,
+                                   temperature=1, seed=5))
+    parsed = Completion.model_validate(body)
+    # Each prompt's two answers in turn (prompt-major); given ids get no BOS.
+    assert [(c.index, c.text.split()) for c in parsed.choices] == [
+        (0, ["d", "e", "f"]), (1, ["d", "e", "f"]), (2, ["g", "h"]), (3, ["g", "h"]), (4, ["b", "c", "d"]),
+        (5, ["b", "c", "d"])]
+    assert parsed.usage.prompt_tokens == 2 + 3 + 2
+
+
+def test_bij_run_embeds_input_lists_with_matryoshka_dimensions_and_base64(
+        file_place, make_job, read_output, worker_env, bij_bin, tmp_path_factory):
+    """An embeddings line with several inputs through vLLM's pooling runner on a model that declares
+    Matryoshka dimensions: one `data` item per input, cut to `dimensions` and normalised again by
+    vLLM; a size the model does not declare is that line's error, as vLLM words it."""
+    import base64
+    import struct
+
+    from openai.types import CreateEmbeddingResponse
+
+    model = build_model(tmp_path_factory.mktemp("matryoshka"), max_positions=MAX_POSITIONS)
+    config_path = model / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "matryoshka_dimensions": [128, 64]}))
+
+    def line(cid: str, **body: Any) -> dict[str, Any]:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", **body}}
+
+    inputs = [line("full", input=["c c", "e"]), line("cut", input=["c c", "e", "g"], dimensions=64),
+              line("packed", input="g", dimensions=64, encoding_format="base64"),
+              line("ids", input=[[IDS["e"]], [IDS["a"], IDS["g"]]]), line("odd", input="c", dimensions=32)]
+    path, job = vllm_job(make_job, file_place, inputs, model, input={"format": "openai"},
+                         model={"engine": "vllm", "name": str(model), "task": "embed", "vllm": SPEC_VLLM})
+    done = bij(bij_bin, worker_env(file_place), "run", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = read_output(job)
+    bodies = {r["custom_id"]: r["response"]["body"] for r in out.results}
+    assert list(bodies) == ["full", "cut", "packed", "ids"]
+
+    def top(vec: list[float]) -> int:
+        return max(range(len(vec)), key=vec.__getitem__)
+
+    full = CreateEmbeddingResponse.model_validate(bodies["full"])
+    assert [(d.index, len(d.embedding), top(d.embedding)) for d in full.data] == [(0, 128, IDS["c"]),
+                                                                                  (1, 128, IDS["e"])]
+    cut = CreateEmbeddingResponse.model_validate(bodies["cut"])
+    assert [(d.index, len(d.embedding), top(d.embedding)) for d in cut.data] == [
+        (0, 64, IDS["c"]), (1, 64, IDS["e"]), (2, 64, IDS["g"])]
+    assert all(abs(sum(v * v for v in d.embedding) - 1) < 1e-3 for d in cut.data)  # normalised again
+    assert cut.usage.prompt_tokens == 3 + 2 + 2  # BOS and the words of each input
+    (packed,) = bodies["packed"]["data"]
+    raw = base64.b64decode(packed["embedding"])
+    vec = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert len(vec) == 64 and top(vec) == IDS["g"]
+    ids = CreateEmbeddingResponse.model_validate(bodies["ids"])
+    assert [top(d.embedding) for d in ids.data] == [IDS["e"], IDS["g"]] and ids.usage.prompt_tokens == 3
+    (odd,) = out.errors
+    assert odd["custom_id"] == "odd" and "Matryoshka dimensions [128, 64], got 32" in odd["error"]["message"]

@@ -11,8 +11,10 @@ is an ``invalid_request`` row; one the engine cannot honour, an ``unsupported`` 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import struct
 import time
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -27,6 +29,7 @@ from .sampling import (
     DEFAULT_ROW_BUDGET,
     IMAGES,
     NO_SAMPLING,
+    TOKEN_IDS,
     BadField,
     Sampling,
     UnknownField,
@@ -67,6 +70,10 @@ class Row:
     tokens: int = 0  # prompt tokens, once the worker has counted them
     truncated: bool = False  # the prompt was over the limit and the engine cut it (model.truncate)
     output: str | None = None  # a schema_violation error row: the answer that broke its structured output
+    # A row with several prompts (an OpenAI list `input` or `prompt`): one request each, in order,
+    # answered in one result row; `request` is the first. None: the row has one prompt.
+    parts: list[Request] | None = None
+    encoding: str = "float"  # /v1/embeddings encoding_format: float or base64
 
 
 @dataclass(frozen=True)
@@ -180,9 +187,13 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
     req = row.request
     if req is not None and opts.task != "embed":
         # A row's cost is bounded before it runs (model.rowBudget), whatever it asks.
-        costly = over_budget(req.max_tokens, req.sampling, opts.row_budget, _SPELLED)
+        costly = over_budget(req.max_tokens, req.sampling, opts.row_budget, _SPELLED,
+                             len(row.parts) if row.parts else 1)
         if costly:
             return _bad(at, "invalid_request", costly, row.id)
+        if (req.sampling.min_tokens or 0) > req.max_tokens:
+            return _bad(at, "invalid_request", f"minTokens {req.sampling.min_tokens} is over maxTokens "
+                        f"{req.max_tokens}", row.id)
     if isinstance(carried, dict):
         # A row re-dispatched by a judge round keeps its id (even a generated one) and history.
         if "id" in carried and row.generated_id:
@@ -234,7 +245,7 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions) -> tuple[list[Any]
 
 
 # How a row's budget refusal names its fields (the spec's camelCase names, as a sampling field spells them).
-_SPELLED = {"n": "n", "maxTokens": "maxTokens", "topLogprobs": "topLogprobs"}
+_SPELLED = {"n": "n", "maxTokens": "maxTokens", "topLogprobs": "topLogprobs", "prompts": "prompts"}
 
 
 def _not_unicode(value: Any) -> str | None:
@@ -312,15 +323,48 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
 
 def _request(opts: InputOptions, own: Sampling, *, text: str | None = None,
              messages: list[dict[str, Any]] | None = None, adapter: str | None = None,
-             images: tuple[Image, ...] = ()) -> Request:
+             images: tuple[Image, ...] = (), token_ids: list[int] | None = None) -> Request:
     """A row's request: its own sampling fields over the spec's, its adapter and its images."""
     if own is NO_SAMPLING:
-        return Request(text, messages, opts.max_tokens, opts.temperature, opts.seed, opts.sampling, adapter, images)
+        return Request(text, messages, opts.max_tokens, opts.temperature, opts.seed, opts.sampling, adapter, images,
+                       token_ids)
     s = own.over(opts.sampling)
     return Request(text, messages,
                    opts.max_tokens if own.max_tokens is None else own.max_tokens,
                    opts.temperature if own.temperature is None else own.temperature,
-                   opts.seed if own.seed is None else own.seed, s, adapter, images)
+                   opts.seed if own.seed is None else own.seed, s, adapter, images, token_ids)
+
+
+# Prompts one row may hold (OpenAI's limit on an embeddings `input` list).
+MAX_PROMPTS = 2048
+
+
+def _prompts(value: Any, where: str) -> list[str | list[int]] | str:
+    """An OpenAI `prompt` or `input`: a string, a list of strings, a list of token ids, or a list of such
+    lists; the prompts in order, or what is wrong with it."""
+    shape = f"{where} must be a non-empty string, a list of them, a list of token ids, or a list of such lists"
+    if isinstance(value, str):
+        return [value] if value.strip() else f"{where} must be a non-empty string"
+    if not isinstance(value, list) or not value:
+        return shape
+    if _token_ids(value):
+        return [value]
+    if len(value) > MAX_PROMPTS:
+        return f"{where} holds {len(value)} prompts, more than {MAX_PROMPTS}"
+    for i, p in enumerate(value):
+        if isinstance(p, str):
+            if not p.strip():
+                return f"{where}[{i}] must be a non-empty string"
+        elif not (isinstance(p, list) and p and _token_ids(p)):
+            return f"{where}[{i}] must be a non-empty string or a non-empty list of token ids (integers from 0)"
+    return value
+
+
+def _token_ids(value: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in value)
+
+
+INT64_MAX = 2**63 - 1
 
 
 def _unknown_adapter(name: Any, opts: InputOptions, where: str) -> str | None:
@@ -413,9 +457,12 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
             spelled[IMAGES] = _IMAGE_PART
     else:
         field = "input" if kind == "embed" else "prompt"
-        text = body.get(field)
-        if not isinstance(text, str) or not text.strip():
-            return _bad(at, "invalid_request", f"body.{field} must be a non-empty string", cid)
+        prompts = _prompts(body.get(field), f"body.{field}")
+        if isinstance(prompts, str):
+            return _bad(at, "invalid_request", prompts, cid)
+        if any(isinstance(p, list) for p in prompts):
+            asked |= {TOKEN_IDS}
+            spelled[TOKEN_IDS] = f"body.{field} as token ids"
     if ask.unhonoured:
         # Known OpenAI fields that no engine here honours: refused whatever the engine.
         return _bad(at, "unsupported", f"engine {opts.engine or 'here'} cannot honour {', '.join(ask.unhonoured)}",
@@ -429,7 +476,10 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
         except ImageProblem as e:
             return _bad(at, e.code, str(e), cid)
         return Row(at=at, id=cid, request=_request(opts, own, messages=msgs, adapter=adapter, images=images), url=url)
-    return Row(at=at, id=cid, request=_request(opts, own, text=text, adapter=adapter), url=url)
+    requests = [_request(opts, own, text=p, adapter=adapter) if isinstance(p, str) else
+                _request(opts, own, token_ids=p, adapter=adapter) for p in prompts]
+    return Row(at=at, id=cid, request=requests[0], url=url, parts=requests if len(requests) > 1 else None,
+               encoding=ask.encoding)
 
 
 
@@ -513,8 +563,32 @@ def _choices(res: Result, max_tokens: int) -> list[Choice]:
     return [Choice(output=res.output or "", completion_tokens=res.completion_tokens or 0, finish_reason=finish)]
 
 
+def merged_result(row: Row, results: list[Result]) -> Result:
+    """One Result for a row with several prompts (`row.parts`): the first failing prompt's error, named
+    by its place in the body (a failing part fails the row), else the results summed over the prompts
+    (usage), which result_row writes out prompt by prompt from `parts`."""
+    field = "input" if OPENAI_URLS.get(row.url or "") == "embed" else "prompt"
+    for k, r in enumerate(results):
+        if r.error is not None:
+            return Result(output=r.output, prompt_tokens=r.prompt_tokens, error=f"body.{field}[{k}]: {r.error}",
+                          extra=dict(r.extra))
+    prompt = [r.prompt_tokens for r in results if r.prompt_tokens is not None]
+    completion = [r.completion_tokens for r in results if r.completion_tokens is not None]
+    return Result(output=results[0].output, embedding=results[0].embedding,
+                  prompt_tokens=sum(prompt) if prompt else None,
+                  completion_tokens=sum(completion) if completion else None,
+                  extra={"parts": results})
+
+
+def _vector(embedding: list[float] | None, encoding: str) -> list[float] | str | None:
+    """An embedding as the row asked: floats, or base64 of little-endian float32 (OpenAI's)."""
+    if encoding != "base64" or embedding is None:
+        return embedding
+    return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+
+
 def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
-    """The published result row for a successful request."""
+    """The published result row for a successful request (a row with several prompts: its merged_result)."""
     if opts.format != "openai":
         return plain_result(row.id, res, row.truncated)
     usage = _usage(res)
@@ -522,9 +596,11 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     kind = OPENAI_URLS.get(row.url or "", opts.task)
     body: dict[str, Any]
     served = row.request.adapter if row.request is not None and row.request.adapter else opts.model_name
+    parts: list[Result] = res.extra.get("parts") or [res]
     if kind == "embed":
         body = {"object": "list", "model": served,
-                "data": [{"object": "embedding", "index": 0, "embedding": res.embedding}], "usage": usage}
+                "data": [{"object": "embedding", "index": i, "embedding": _vector(r.embedding, row.encoding)}
+                         for i, r in enumerate(parts)], "usage": usage}
     elif kind == "chat":
         choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": int(time.time()),
@@ -533,7 +609,8 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
                              "logprobs": _chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
                             for i, c in enumerate(choices)], "usage": usage}
     else:
-        choices = _choices(res, row.request.max_tokens if row.request else 0)
+        # Several prompts: each prompt's n choices in turn, numbered on (prompt-major, as OpenAI does).
+        choices = [c for r in parts for c in _choices(r, row.request.max_tokens if row.request else 0)]
         body = {"id": f"cmpl-{digest}", "object": "text_completion", "created": int(time.time()),
                 "model": served,
                 "choices": [{"index": i, "text": c.output, "logprobs": _completion_logprobs(c.logprobs),

@@ -16,7 +16,7 @@ from typing import Any
 from .committer import Tally
 from .engines.base import Engine, Request, Result
 from .images import ImageProblem, fetch_images
-from .inputs import InputOptions, Row, error_row, parse_line, parse_plain_lines, result_row
+from .inputs import InputOptions, Row, error_row, merged_result, parse_line, parse_plain_lines, result_row
 from .parquet import is_int64
 from .reader import Chunk, InputProblem, Line
 from .segments import ShardLog, encode_plain_results
@@ -111,10 +111,15 @@ class Preparer:
             row = self.row(line, at)
             if row.request is None:
                 records.append(self.error_record(row))
+            elif row.parts is not None:
+                # One entry per prompt, the row repeated: the chunk commits once all of them are back,
+                # and encode answers them in one row.
+                rows.extend([row] * len(row.parts))
             else:
                 rows.append(row)
+        work = [r.request if r.parts is None else r.parts[k] for r, k in _part_numbers(rows)]
         return OpenChunk(chunk, records, [r.at for r in rows], [r.id for r in rows],
-                         [r.request for r in rows], [None] * len(rows), len(rows), rows)  # type: ignore[misc]
+                         work, [None] * len(rows), len(rows), rows)  # type: ignore[arg-type]
 
     def rows(self, lines: list[Line]) -> tuple[list[tuple[Row, bytes]], list[dict[str, Any]]]:
         """Lines as rows to run (each with its line), and the error records of those that cannot run
@@ -126,6 +131,10 @@ class Preparer:
                 records.append(self.error_record(Row(at=at, id=None, error_code=line.code, error=line.message)))
                 continue
             row = self.row(line, at)
+            if row.request is not None and row.parts is not None:
+                # A judge judges one answer per row.
+                row.request, row.error_code = None, "unsupported"
+                row.error = f"a judge job answers one prompt per row; this row holds {len(row.parts)}"
             if row.request is None:
                 records.append(self.error_record(row))
             else:
@@ -189,6 +198,8 @@ class Preparer:
             Row(at=at, id=rid, request=req, truncated=i in op.truncated)
             for i, (at, rid, req) in enumerate(zip(op.places, op.ids, op.requests, strict=True))]
         records = op.records
+        if op.rows is not None and len({id(r) for r in rows}) < len(rows):
+            rows, results = _merge_parts(rows, results)
         for row, res in zip(rows, results, strict=True):
             if res.error is not None:
                 self.fail(row, res)
@@ -205,3 +216,30 @@ class Preparer:
         row.error_code, row.error = res.extra.get("code", "engine_error"), res.error
         if row.error_code == SCHEMA_VIOLATION:
             row.output = res.output
+
+
+def _part_numbers(rows: list[Row]) -> list[tuple[Row, int]]:
+    """Each entry's row and its prompt's place in the row (0 for a row of one prompt)."""
+    out: list[tuple[Row, int]] = []
+    for r in rows:
+        out.append((r, out[-1][1] + 1 if out and out[-1][0] is r else 0))
+    return out
+
+
+def _merge_parts(rows: list[Row], results: list[Result]) -> tuple[list[Row], list[Result]]:
+    """The entries of rows with several prompts folded back into one (row, merged result) each."""
+    merged_rows: list[Row] = []
+    merged: list[Result] = []
+    i = 0
+    while i < len(rows):
+        row = rows[i]
+        if row.parts is None:
+            merged_rows.append(row)
+            merged.append(results[i])
+            i += 1
+            continue
+        k = len(row.parts)
+        merged_rows.append(row)
+        merged.append(merged_result(row, results[i:i + k]))
+        i += k
+    return merged_rows, merged

@@ -25,6 +25,7 @@ from typing import Any
 # Capabilities beyond sampling that a request may need (checked like sampling fields).
 IMAGES = "images"
 ADAPTERS = "adapters"  # a row that names a LoRA adapter
+TOKEN_IDS = "tokenIds"  # a prompt given as token ids (an OpenAI `prompt` or `input` of integers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,18 @@ class Sampling:
     # (kind, text): ("json_schema", the schema as canonical JSON), ("json_object", ""),
     # ("regex", pattern), ("choice", a JSON list of strings) or ("grammar", EBNF).
     structured_output: tuple[str, str] | None = None
+    # vLLM's own fields: at least this many tokens, EOS ignored, biases per token id, words never written.
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    bad_words: tuple[str, ...] | None = None
+    # Chat prompts: variables the chat template reads (JSON text of an object), and how it ends:
+    # with the generation prompt (the default), or open, the last (assistant) message continued.
+    chat_template_kwargs: str | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    # Embeddings: the first this many dimensions, renormalised (models that declare Matryoshka ones).
+    dimensions: int | None = None
 
     def over(self, base: Sampling) -> Sampling:
         """These fields where set, `base`'s elsewhere."""
@@ -69,6 +82,8 @@ NO_SAMPLING = Sampling()
 NEUTRAL: dict[str, Any] = {
     "top_p": 1.0, "top_k": 0, "min_p": 0.0, "stop": (), "presence_penalty": 0.0, "frequency_penalty": 0.0,
     "repetition_penalty": 1.0, "n": 1, "logprobs": False, "top_logprobs": 0,
+    "min_tokens": 0, "ignore_eos": False, "logit_bias": (), "bad_words": (), "chat_template_kwargs": "{}",
+    "add_generation_prompt": True, "continue_final_message": False,
 }
 
 
@@ -80,7 +95,7 @@ def _camel(name: str) -> str:
 CAMEL = {f.name: _camel(f.name) for f in fields(Sampling)}
 SNAKE = {v: k for k, v in CAMEL.items()}
 # Every field an engine can be asked to honour: sampling fields and capabilities.
-ALL_FIELDS: tuple[str, ...] = (*CAMEL.values(), IMAGES, ADAPTERS)
+ALL_FIELDS: tuple[str, ...] = (*CAMEL.values(), IMAGES, ADAPTERS, TOKEN_IDS)
 
 
 class BadField(ValueError):
@@ -134,6 +149,39 @@ def _flag(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise BadField(f"{name} must be true or false, got {_show(v)}")
     return v
+
+
+def _logit_bias(name: str, v: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI `logit_bias`: token ids (JSON keys, so strings) to a bias from -100 to 100, sorted by id."""
+    if not isinstance(v, dict):
+        raise BadField(f"{name} must be an object of token ids to biases, got {_show(v)}")
+    out = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()) or int(key) > INT64[1]:
+            raise BadField(f"{name}: key {_show(key)} is not a token id (a non-negative integer)")
+        out[int(key)] = _number(-100, 100)(f"{name}[{key!r}]", bias)
+    return tuple(sorted(out.items()))
+
+
+def _words(name: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(s, str) and s.strip() for s in v):
+        raise BadField(f"{name} must be a list of non-blank strings, got {_show(v)}")
+    return tuple(v)
+
+
+# Names the tokenizer's apply_chat_template takes itself: never template variables.
+_NOT_VARIABLES = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _template_kwargs(name: str, v: Any) -> str:
+    if not isinstance(v, dict):
+        raise BadField(f"{name} must be an object of chat template variables, got {_show(v)}")
+    taken = sorted(k for k in v if k in _NOT_VARIABLES)
+    if taken:
+        raise BadField(f"{name}.{taken[0]} is not a chat template variable")
+    return json.dumps(v, separators=(",", ":"), ensure_ascii=False)
 
 
 STRUCTURED_KINDS = {"jsonSchema": "json_schema", "jsonObject": "json_object", "regex": "regex", "choice": "choice",
@@ -198,6 +246,14 @@ CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "logprobs": _flag,
     "top_logprobs": _integer(0, 20),
     "structured_output": _structured,
+    "min_tokens": _integer(0),
+    "ignore_eos": _flag,
+    "logit_bias": _logit_bias,
+    "bad_words": _words,
+    "chat_template_kwargs": _template_kwargs,
+    "add_generation_prompt": _flag,
+    "continue_final_message": _flag,
+    "dimensions": _integer(1),
 }
 
 
@@ -206,6 +262,10 @@ def _finish(values: dict[str, Any], spelled: Mapping[str, str]) -> Sampling:
         values["top_k"] = 0
     if values.get("top_logprobs") and not values.get("logprobs"):
         raise BadField(f"{spelled['top_logprobs']} needs {spelled['logprobs']} true")
+    if values.get("continue_final_message") and values.get("add_generation_prompt"):
+        # vLLM's rule: an open last message and a new generation prompt after it contradict each other.
+        raise BadField(f"{spelled['continue_final_message']} and {spelled['add_generation_prompt']} cannot both "
+                       f"be true")
     return Sampling(**values)
 
 
@@ -254,20 +314,31 @@ OPENAI_SAMPLING = {
     "seed": "seed", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty", "n": "n", "logprobs": "logprobs", "top_logprobs": "top_logprobs",
+    "logit_bias": "logit_bias",
+    # vLLM's extra sampling fields (its OpenAI server takes them in the body).
+    "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "bad_words": "bad_words",
+}
+# vLLM's extra chat fields: how the chat template renders the messages.
+OPENAI_CHAT = {"chat_template_kwargs": "chat_template_kwargs", "add_generation_prompt": "add_generation_prompt",
+               "continue_final_message": "continue_final_message"}
+# The body fields each endpoint reads into a row's Sampling.
+OPENAI_FIELDS: dict[str, dict[str, str]] = {
+    "chat": {**OPENAI_SAMPLING, **OPENAI_CHAT}, "generate": OPENAI_SAMPLING, "embed": {"dimensions": "dimensions"},
 }
 # `model`: the answer names the model that ran (spec.model.name); `user`: an end-user id for abuse
 # tracking, no effect on the answer.
 OPENAI_NO_EFFECT = frozenset({"model", "user"})
 OPENAI_CONTENT = {"chat": frozenset({"messages"}), "generate": frozenset({"prompt"}), "embed": frozenset({"input"})}
+# /v1/embeddings: how the vectors are written (OpenAI's two).
+ENCODINGS = ("float", "base64")
 # Known OpenAI fields no engine here honours (yet): a row that sets one (to anything but its
 # neutral value) is unsupported, never answered without it.
 OPENAI_UNHONOURED: dict[str, Any] = {
-    "logit_bias": {}, "tools": [], "tool_choice": "none",
+    "tools": [], "tool_choice": "none",
     "parallel_tool_calls": None, "functions": [], "function_call": "none", "stream": False,
     "stream_options": None, "modalities": ["text"], "audio": None, "prediction": None,
     "reasoning_effort": None, "service_tier": None, "store": False, "metadata": None,
-    "web_search_options": None, "best_of": 1, "echo": False, "suffix": None,
-    "encoding_format": "float", "dimensions": None, "verbosity": None,
+    "web_search_options": None, "best_of": 1, "echo": False, "suffix": None, "verbosity": None,
 }
 
 
@@ -278,6 +349,7 @@ class OpenAIAsk:
     sampling: Sampling
     unhonoured: tuple[str, ...]  # body fields set that no engine here honours
     spelled: dict[str, str]  # camelCase field -> the body field that set it (for messages)
+    encoding: str = "float"  # /v1/embeddings: encoding_format
 
 
 def from_openai(body: Mapping[str, Any], kind: str) -> OpenAIAsk:
@@ -286,7 +358,9 @@ def from_openai(body: Mapping[str, Any], kind: str) -> OpenAIAsk:
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {k: f"body.{k}" for k in CAMEL}
     unhonoured = []
+    encoding = "float"
     content = OPENAI_CONTENT[kind]
+    known = OPENAI_FIELDS[kind]
     for key, v in body.items():
         if key in content or key in OPENAI_NO_EFFECT:
             continue
@@ -297,7 +371,13 @@ def from_openai(body: Mapping[str, Any], kind: str) -> OpenAIAsk:
                     values["structured_output"] = st
                     spelled["structured_output"] = "body.response_format"
             continue
-        name = OPENAI_SAMPLING.get(key) if kind != "embed" else None
+        if key == "encoding_format" and kind == "embed":
+            if v is not None:
+                if v not in ENCODINGS:
+                    raise BadField(f"body.encoding_format must be float or base64, got {_show(v)}")
+                encoding = v
+            continue
+        name = known.get(key)
         if name is not None:
             if v is None:
                 continue
@@ -316,12 +396,16 @@ def from_openai(body: Mapping[str, Any], kind: str) -> OpenAIAsk:
             if v is not None and v != OPENAI_UNHONOURED[key]:
                 unhonoured.append(f"body.{key}")
         else:
-            raise UnknownField(f"body.{key}", sorted({*content, *OPENAI_NO_EFFECT, *OPENAI_SAMPLING}
-                                                     if kind != "embed" else {*content, *OPENAI_NO_EFFECT}))
+            extra = {"response_format"} if kind != "embed" else {"encoding_format"}
+            raise UnknownField(f"body.{key}", sorted({*content, *OPENAI_NO_EFFECT, *known, *extra}))
     if kind == "chat" and "top_logprobs" in values and "logprobs" not in values:
         raise BadField("body.top_logprobs needs body.logprobs true")
+    if values.get("continue_final_message") and "add_generation_prompt" not in values:
+        # An open last message takes no new generation prompt after it (vLLM asks for both fields).
+        values["add_generation_prompt"] = False
+        spelled["add_generation_prompt"] = "body.continue_final_message"
     sampling = _finish(values, spelled)
-    return OpenAIAsk(sampling, tuple(unhonoured), {CAMEL[k]: v for k, v in spelled.items() if k in values})
+    return OpenAIAsk(sampling, tuple(unhonoured), {CAMEL[k]: v for k, v in spelled.items() if k in values}, encoding)
 
 
 def _response_format(v: Any) -> tuple[str, str] | None:
@@ -344,17 +428,20 @@ def _response_format(v: Any) -> tuple[str, str] | None:
 DEFAULT_ROW_BUDGET = 1 << 20
 
 
-def over_budget(max_tokens: int, s: Sampling, budget: int, spelled: Mapping[str, str]) -> str | None:
+def over_budget(max_tokens: int, s: Sampling, budget: int, spelled: Mapping[str, str], prompts: int = 1) -> str | None:
     """Why a row asking for `max_tokens` with sampling `s` costs more than `budget` (model.rowBudget):
-    n x maxTokens x (1 + topLogprobs when it asks for logprobs), naming the fields; None when it fits."""
+    prompts x n x maxTokens x (1 + topLogprobs when it asks for logprobs), naming the fields; None when
+    it fits. `prompts`: how many prompts the row holds (an OpenAI list `prompt`)."""
     n = s.n or 1
     top = (s.top_logprobs or 0) if s.logprobs else 0
-    cost = n * max_tokens * (1 + top)
+    cost = prompts * n * max_tokens * (1 + top)
     if cost <= budget:
         return None
     parts = [f"{spelled.get('maxTokens', 'maxTokens')} {max_tokens}"]
     if n > 1:
         parts.insert(0, f"{spelled.get('n', 'n')} {n}")
+    if prompts > 1:
+        parts.insert(0, f"{spelled.get('prompts', 'prompts')} {prompts}")
     if s.logprobs:
         parts.append(f"1 + {spelled.get('topLogprobs', 'topLogprobs')} {top}")
     return f"this row costs {' x '.join(parts)} = {cost} generated token places, over model.rowBudget ({budget})"
@@ -365,5 +452,5 @@ def refusal(engine: str, asked: frozenset[str], honours: frozenset[str], spelled
     missing = sorted(asked - honours)
     if not missing:
         return None
-    names = ", ".join(spelled.get(m, m) for m in missing)
+    names = ", ".join(dict.fromkeys(spelled.get(m, m) for m in missing))
     return f"engine {engine} cannot honour {names}"

@@ -11,6 +11,8 @@ from ..sampling import NO_SAMPLING, Sampling
 
 # What every engine honours: how many tokens, how random, which seed (see the README's table).
 BASIC_SAMPLING: frozenset[str] = frozenset({"maxTokens", "temperature", "seed"})
+# How a chat row's template renders (engines that render chat templates: transformers, vLLM).
+CHAT_TEMPLATE_FIELDS: frozenset[str] = frozenset({"chatTemplateKwargs", "addGenerationPrompt", "continueFinalMessage"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +26,8 @@ class Image:
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass pays a setattr call per field, per row
 class Request:
-    """One row's work. `text` for embed/generate, `messages` (OpenAI chat shape) for chat."""
+    """One row's work (or one of its prompts): `text` (or `token_ids`) for embed/generate, `messages`
+    (OpenAI chat shape) for chat."""
 
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -36,6 +39,9 @@ class Request:
     sampling: Sampling = NO_SAMPLING
     adapter: str | None = None  # a LoRA adapter's name (spec.model.adapters); None: the base model
     images: tuple[Image, ...] = ()  # the images of the messages' image_url parts, in order
+    # A prompt given as token ids (OpenAI `prompt`/`input` of integers): the model gets them as they
+    # are, no special tokens added; `text` is then None.
+    token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .base import Request, estimate_tokens, request_text
@@ -48,27 +49,47 @@ def prompt_ids(tok: Any, requests: list[Request], chat: bool, template: str | No
                template_kwargs: dict[str, Any] | None = None) -> list[list[int] | str]:
     """Token ids per request as the model receives them, or why a request cannot become a prompt.
 
-    Plain prompts get the tokenizer's special tokens; chat prompts are rendered with the
-    chat template, which already holds BOS and friends, so none are added again. `template`
-    replaces the tokenizer's own (spec.model.chatTemplate); `template_kwargs` are variables the
-    template reads (spec.model.chatTemplateKwargs, e.g. a reasoning model's thinking switch).
+    Plain prompts get the tokenizer's special tokens; a prompt given as token ids is taken as it is
+    (ids outside the tokenizer's vocabulary refuse it); chat prompts are rendered with the chat
+    template, which already holds BOS and friends, so none are added again. `template` replaces the
+    tokenizer's own (spec.model.chatTemplate); `template_kwargs` are variables the template reads
+    (spec.model.chatTemplateKwargs, e.g. a reasoning model's thinking switch), under a row's own
+    (`chatTemplateKwargs`); a row may also end the prompt without the generation prompt
+    (`addGenerationPrompt` false) or leave its last message open to be continued
+    (`continueFinalMessage`, an assistant prefill).
     """
     if not chat:
-        enc = tok([request_text(r) for r in requests], add_special_tokens=True, verbose=False)
-        return [list(ids) for ids in enc["input_ids"]]
+        texts = [request_text(r) for r in requests if r.token_ids is None]
+        enc = iter(tok(texts, add_special_tokens=True, verbose=False)["input_ids"]) if texts else iter([])
+        return [list(next(enc)) if r.token_ids is None else _given_ids(tok, r.token_ids) for r in requests]
     rendered: list[str | None] = []
     problems: dict[int, str] = {}
     for i, r in enumerate(requests):
+        s = r.sampling
+        kwargs = dict(template_kwargs or {})
+        if s.chat_template_kwargs:
+            kwargs.update(json.loads(s.chat_template_kwargs))
+        if s.continue_final_message:
+            kwargs["continue_final_message"] = True
         try:
             rendered.append(tok.apply_chat_template(chat_messages(r), chat_template=template,
-                                                    add_generation_prompt=True, tokenize=False,
-                                                    **(template_kwargs or {})))
+                                                    add_generation_prompt=s.add_generation_prompt is not False,
+                                                    tokenize=False, **kwargs))
         except Exception as e:  # a template's raise_exception() (bad roles, order): this row only
             rendered.append(None)
             problems[i] = f"chat template rejected the messages: {e}"
     texts = [t for t in rendered if t is not None]
     ids = iter(tok(texts, add_special_tokens=False, verbose=False)["input_ids"]) if texts else iter([])
     return [problems[i] if t is None else list(next(ids)) for i, t in enumerate(rendered)]
+
+
+def _given_ids(tok: Any, ids: list[int]) -> list[int] | str:
+    """A prompt given as token ids, or why the tokenizer has no such tokens."""
+    size = len(tok)
+    bad = [t for t in ids if t >= size]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary of {size} tokens"
+    return list(ids)
 
 
 def count_prompt_tokens(tok: Any, requests: list[Request], chat: bool, template: str | None = None,
@@ -90,7 +111,7 @@ def truncate_prompt(tok: Any, req: Request, ids: list[int], limit: int, embed: b
     """
     if len(ids) <= limit:
         return ids
-    if embed:
+    if embed and req.token_ids is None:
         enc = tok(request_text(req), add_special_tokens=True, truncation=True, max_length=limit, verbose=False)
         return list(enc["input_ids"])
-    return ids[-limit:]
+    return ids[:limit] if embed else ids[-limit:]

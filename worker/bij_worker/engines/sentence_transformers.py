@@ -4,10 +4,16 @@ Token counts include the special tokens ([CLS]/[SEP] or the model's own):
 `max_seq_length` bounds the whole sequence the encoder sees, so a row whose
 count is within `max_input_tokens()` is embedded without truncation; a longer
 one is cut to that many tokens when `config.truncate` is set, else refused.
+
+A row's `dimensions` is honoured as vLLM honours it: only for a model whose config declares
+Matryoshka embeddings (`is_matryoshka`, or `matryoshka_dimensions`, the sizes it was trained
+for), by keeping the first `dimensions` values and normalising them again (when the model
+normalises its embeddings); other models refuse the field.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from . import hub
@@ -34,7 +40,7 @@ class SentenceTransformersEngine:
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
     continuous = False
-    honours: frozenset[str] = frozenset()  # embeddings: no sampling field means anything here
+    honours: frozenset[str] = frozenset()  # embeddings: only `dimensions`, on a Matryoshka model (see load)
 
     def __init__(self, config: EngineConfig):
         if config.task != "embed":
@@ -43,6 +49,8 @@ class SentenceTransformersEngine:
         self.model: Any = None
         self.tokenizer: Any = None
         self._max_input: int | None = None
+        self._dimensions: tuple[int, list[int] | None] | None = None  # (size, Matryoshka sizes) when declared
+        self._normalises = False
 
     def load(self) -> None:
         """Load the model once; later calls are no-ops."""
@@ -56,6 +64,14 @@ class SentenceTransformersEngine:
             self.model = SentenceTransformer(path, device=pick_device(self.config.device), local_files_only=local_only)
         self.model.eval()
         self.tokenizer = self.model.tokenizer
+        config = getattr(getattr(self.model[0], "auto_model", None), "config", None)
+        sizes = getattr(config, "matryoshka_dimensions", None)
+        if sizes or getattr(config, "is_matryoshka", False):
+            size = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+            self._dimensions = (int(size() or 0),
+                                [int(d) for d in sizes] if sizes else None)
+            self.honours = frozenset({"dimensions"})
+        self._normalises = any(type(m).__name__ == "Normalize" for m in self.model)
         limit = self.model.max_seq_length
         if self.config.max_input_tokens is not None:
             limit = min(limit, self.config.max_input_tokens) if limit else self.config.max_input_tokens
@@ -127,5 +143,26 @@ class SentenceTransformersEngine:
             )
             # One tolist() on the matrix is far cheaper than converting row by row.
             for i, vec in zip(ok, matrix.tolist(), strict=True):
-                results[i] = Result(embedding=vec, prompt_tokens=counts[i])
+                d = requests[i].sampling.dimensions
+                results[i] = Result(embedding=vec, prompt_tokens=counts[i]) if d is None else \
+                    self._shortened(vec, d, counts[i])
         return results
+
+    def _shortened(self, vec: list[float], d: int, tokens: int) -> Result:
+        """The first `d` values of a Matryoshka embedding, normalised again (what vLLM's pooler does);
+        a size out of range or not among those the model declares is this row's error (vLLM's checks)."""
+        if self._dimensions is None:  # rows are refused before they get here (honours)
+            return Result(prompt_tokens=tokens, error="the model does not declare Matryoshka embeddings; "
+                          "dimensions must be unset", extra={"code": "unsupported"})
+        size, sizes = self._dimensions
+        if not 1 <= d <= size:
+            return Result(prompt_tokens=tokens, error=f"dimensions must be in [1, {size}], got {d}",
+                          extra={"code": "invalid_request"})
+        if sizes is not None and d not in sizes:
+            return Result(prompt_tokens=tokens, error=f"the model declares Matryoshka dimensions {sizes}, got {d}",
+                          extra={"code": "invalid_request"})
+        out = vec[:d]
+        if self._normalises:
+            norm = math.sqrt(sum(v * v for v in out)) or 1.0
+            out = [v / norm for v in out]
+        return Result(embedding=out, prompt_tokens=tokens)

@@ -11,7 +11,10 @@ For small models, CPU runs and tests. Choices a user can observe:
   ends the row's generation and is cut from its text (finish_reason "stop"), as OpenAI
   and vLLM do. `n` answers per row come from one generate call (greedy: one answer, repeated);
   logprobs are the model's raw distribution at each kept token, with the `topLogprobs` most
-  likely tokens. presencePenalty and frequencyPenalty are refused (`honours`).
+  likely tokens. presencePenalty and frequencyPenalty, and vLLM's own minTokens, ignoreEos,
+  logitBias and badWords, are refused (`honours`). A chat row's own template variables,
+  `addGenerationPrompt` and `continueFinalMessage` (a prefill) render its prompt; a plain prompt
+  may come as token ids.
 - Structured output (JSON Schema, any JSON object, regex, a choice of strings, an EBNF
   grammar) is constrained decoding with xgrammar's logits processor, the grammar engine vLLM
   uses by default, so both engines accept the same grammars; JSON comes out compact (no
@@ -38,9 +41,19 @@ import re
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+from ..sampling import TOKEN_IDS
 from ..structured import Validator, grammar_schema
 from . import hub
-from .base import BASIC_SAMPLING, ENGINE_REJECTED, Choice, EngineConfig, Request, Result, TokenLogprob
+from .base import (
+    BASIC_SAMPLING,
+    CHAT_TEMPLATE_FIELDS,
+    ENGINE_REJECTED,
+    Choice,
+    EngineConfig,
+    Request,
+    Result,
+    TokenLogprob,
+)
 from .prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 
 
@@ -79,6 +92,8 @@ class TransformersEngine:
         self._checked: set[str] = set()  # what was probed already ("json")
         self._validator = Validator()
         self._llg: Any = None  # llguidance's tokenizer (the second grammar backend); False: none
+        # Chat rows' own template variables and prefill (prompts.prompt_ids); plain prompts as token ids.
+        self.honours = self.honours | (CHAT_TEMPLATE_FIELDS if config.task == "chat" else {TOKEN_IDS})
         if importlib.util.find_spec("xgrammar") is not None:
             self.honours = self.honours | {"structuredOutput"}
         if config.adapters and importlib.util.find_spec("peft") is not None:

@@ -29,9 +29,16 @@ What the engine does, and the adapter relies on (checked by the vLLM test tier):
 - a decoder prompt needs room for one generated token: the prompt limit is
   `max_model_len - 1` for generate and chat, `max_model_len` for embed;
 - every sampling field a row carries goes into its `SamplingParams` (n, logprobs, stop,
-  penalties, `StructuredOutputsParams`); a row with n > 1 answers is reported one answer at
-  a time under its request id, finished with the last; LoRA adapters are `LoRARequest`s
-  (`enable_lora` when the spec lists adapters);
+  penalties, `StructuredOutputsParams`, and vLLM's own min_tokens, ignore_eos, logit_bias,
+  bad_words); a row with n > 1 answers is reported one answer at a time under its request id,
+  finished with the last; LoRA adapters are `LoRARequest`s (`enable_lora` when the spec lists
+  adapters);
+- a chat row's own template variables, `add_generation_prompt` and `continue_final_message`
+  render its prompt (prompts.prompt_ids, as `LLM.chat` renders it); a prompt given as token ids
+  goes in as it is (vLLM refuses ids outside the vocabulary);
+- embeddings with `dimensions`: the row's `PoolingParams(dimensions=...)`, which vLLM takes only
+  for a model that declares Matryoshka embeddings (`model_config.is_matryoshka`: the engine
+  honours the field only then) and cuts and normalises again itself;
 - images (chat rows with `image_url` parts, on a model vLLM loads as multimodal) go in as the
   prompt's `multi_modal_data` (PIL images, in the order of their parts): the chat template puts one
   placeholder token per image, which vLLM's processor expands to the image's features, so the
@@ -50,10 +57,11 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from ..sampling import IMAGES
+from ..sampling import IMAGES, TOKEN_IDS
 from ..structured import grammar_schema
 from .base import (
     BASIC_SAMPLING,
+    CHAT_TEMPLATE_FIELDS,
     ENGINE_REJECTED,
     Choice,
     EngineConfig,
@@ -255,7 +263,8 @@ class VllmEngine:
     continuous = True
     # SamplingParams takes each of these as they are.
     GENERATION_FIELDS = BASIC_SAMPLING | {"topP", "topK", "minP", "stop", "presencePenalty", "frequencyPenalty",
-                                          "repetitionPenalty", "n", "logprobs", "topLogprobs", "structuredOutput"}
+                                          "repetitionPenalty", "n", "logprobs", "topLogprobs", "structuredOutput",
+                                          "minTokens", "ignoreEos", "logitBias", "badWords"}
 
     def __init__(self, config: EngineConfig):
         if config.task not in ("generate", "chat", "embed"):
@@ -263,6 +272,7 @@ class VllmEngine:
         llm_kwargs(config)  # a missing model name fails here, before any GPU work
         self.config = config
         self.honours = frozenset() if config.task == "embed" else self.GENERATION_FIELDS
+        self.honours |= CHAT_TEMPLATE_FIELDS if config.task == "chat" else {TOKEN_IDS}
         if config.adapters and config.task != "embed":
             self.honours = self.honours | {"adapters"}
         # One LoRARequest per adapter, ids 1.. in name order (vLLM keys its adapter cache by id).
@@ -299,6 +309,10 @@ class VllmEngine:
         self._refused = refusals()
         if self.config.task == "chat" and self.engine.model_config.is_multimodal_model:
             self.honours = self.honours | {IMAGES}
+        if self.config.task == "embed" and self.engine.model_config.is_matryoshka:
+            # vLLM cuts a Matryoshka model's embeddings to `dimensions` and normalises them again; for
+            # other models it refuses the field (the row is refused before it reaches vLLM).
+            self.honours = self.honours | {"dimensions"}
 
     def _loaded(self) -> Any:
         if self.llm is None:
@@ -378,7 +392,8 @@ class VllmEngine:
             inputs["multi_modal_data"] = {"image": [_pil(im, i) for i, im in enumerate(request.images)]}
         rid = str(tag)
         try:
-            params = self._pooling_params() if self.config.task == "embed" else self._sampling_params([request])[0]
+            params = self._pooling_params(request.sampling.dimensions) if self.config.task == "embed" \
+                else self._sampling_params([request])[0]
             lora = {"lora_request": self._lora(request.adapter)} if request.adapter else {}
             self.engine.add_request(rid, inputs, params, **lora)
         except self._refused as e:
@@ -457,7 +472,12 @@ class VllmEngine:
         self.count_tokens(requests)
         return run_to_completion(self, requests)
 
-    def _pooling_params(self) -> Any:
+    def _pooling_params(self, dimensions: int | None = None) -> Any:
+        """The embed request's PoolingParams (vLLM checks `dimensions` against the model's Matryoshka ones)."""
+        if dimensions is not None:
+            from vllm import PoolingParams
+
+            return PoolingParams(task="embed", dimensions=dimensions)
         if self._pooling is None:
             from vllm import PoolingParams
 
@@ -486,6 +506,9 @@ class VllmEngine:
                 ("stop", list(s.stop) if s.stop else None), ("presence_penalty", s.presence_penalty),
                 ("frequency_penalty", s.frequency_penalty), ("repetition_penalty", s.repetition_penalty),
                 ("n", s.n if s.n and s.n > 1 else None),
+                ("min_tokens", s.min_tokens or None), ("ignore_eos", True if s.ignore_eos else None),
+                ("logit_bias", dict(s.logit_bias) if s.logit_bias else None),
+                ("bad_words", list(s.bad_words) if s.bad_words else None),
                 # vLLM returns the sampled token's logprob and this many of the most likely ones.
                 ("logprobs", (s.top_logprobs or 0) if s.logprobs else None),
             ) if v is not None)
