@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # a type only: the spec's fingerprint is pure, `reconcile` im
 
 ROW_FIELDS = (
     "input.uri", "input.format", "input.idField", "input.textField", "input.messagesField", "input.maxLineBytes",
-    "input.samplingField", "input.adapterField", "input.maxImageBytes",
+    "input.samplingField", "input.adapterField", "input.maxImageBytes", "input.passThrough",
     "output.uri",
     "model.engine", "model.name", "model.task", "model.maxTokens", "model.temperature", "model.seed",
     "model.sampling", "model.structuredOutput", "model.chatTemplate", "model.chatTemplateKwargs", "model.adapters",

@@ -34,6 +34,7 @@ import zstandard
 
 from .contract import layout
 from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK
+from .contract.columns import RESULT_FIELDS
 from .contract.publish_plan import PASSES, PublishPlan, PublishPlanError, Unit
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
@@ -215,6 +216,8 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
                     "object": names[rec["at"][0]], "offset": rec["at"][1]}
                 if "custom_id" in row:  # an OpenAI batch line's error, in that shape like every other error row
                     lost["custom_id"], lost["response"] = rid, None
+                else:  # its pass-through columns, as every error row of a plain input
+                    lost.update((k, v) for k, v in row.items() if k not in RESULT_FIELDS)
                 errors.add(lost)
                 codes["duplicate_id"] = codes.get("duplicate_id", 0) + 1
                 continue
