@@ -319,6 +319,10 @@ BAD = [
      'spec.input.passThrough[1]: Duplicate value: "lang"'),
     ("pass-through-of-openai-lines", with_spec(input={"uri": "s3://b/in/", "format": "openai", "passThrough": []}),
      "spec.input.passThrough: Invalid value: input.passThrough needs input.format jsonl or parquet"),
+    ("partition-by-input-with-judge-rounds", with_spec(
+        output={"uri": "s3://bucket/out", "partitionBy": "input"}, model={"task": "generate"},
+        judge={"type": "regex", "pattern": "x"}),
+     "spec.output.partitionBy: Invalid value: output.partitionBy input needs judge.strategy inPlace"),
     ("name-too-long", {**minimal(), "metadata": {"name": "a" * 53}},
      '<nil>: Invalid value: metadata.name must be at most 52 characters'),
     ("name-with-dots", {**minimal(), "metadata": {"name": "my.job"}},
@@ -356,6 +360,9 @@ GOOD = [
     ("pass-through-narrowed", with_spec(input={"uri": "s3://b/in/", "format": "parquet",
                                                "passThrough": ["text", "lang"]})),
     ("pass-through-off", with_spec(input={"uri": "s3://b/in/", "passThrough": []})),
+    ("partition-by-input-judged-in-place", with_spec(
+        output={"uri": "s3://bucket/out", "partitionBy": "input"}, model={"task": "generate"},
+        judge={"type": "regex", "pattern": "x", "strategy": "inPlace"})),
 ]
 
 

@@ -97,12 +97,19 @@ def input_objects(objects: list[ObjectInfo], input_uri: str = "", parquet: bool 
 
 
 def plan_shards(sizes: list[tuple[int, bool]], target_bytes: int,
-                groups: dict[int, list[int]] | None = None) -> list[list[Piece]]:
+                groups: dict[int, list[int]] | None = None, whole: bool = False) -> list[list[Piece]]:
     """Shards for objects given as (size, compressed), in object order. Pure and O(objects + shards).
 
     An object in `groups` (Parquet: the compressed bytes of each row group) is cut between
-    row groups, and its pieces are ``[object, first group, end group)``.
+    row groups, and its pieces are ``[object, first group, end group)``. With `whole`
+    (output.partitionBy input) no object is cut: each is one piece of one shard.
     """
+    if whole:
+        whole_groups = {i: [sum(g)] for i, g in (groups or {}).items()}
+        cut = plan_shards([(size, True) for size, _ in sizes], target_bytes, whole_groups)
+        # A Parquet object's one piece spans all its row groups.
+        return [[(i, 0, len(groups[i])) if groups and i in groups else (i, a, b) for i, a, b in shard]
+                for shard in cut]
     shards: list[list[Piece]] = []
     current: list[Piece] = []
     fill = 0
@@ -246,7 +253,8 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
     mode = mode or round_mode(job.spec.judge, [])
     sizes = [(o.size, is_compressed(o.uri)) for o in objects]
     groups = {i: f.group_bytes for i, f in footers.items()} if footers else None
-    shards = plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes)), groups)
+    shards = plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes)), groups,
+                         whole=partitioned(job, round_no))
     folder, _ = split_glob(input_uri)
     base = folder if folder.endswith("/") else folder.rsplit("/", 1)[0] + "/"
     return Plan(
@@ -267,6 +275,26 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
         shards=[[tuple(p) for p in s] for s in shards],  # type: ignore[misc]
         lanes=lanes_for(job, len(shards)),
     )
+
+
+def partitioned(job: BatchInferenceJob, round_no: int) -> bool:
+    """Whether a round's objects are published one file each (output.partitionBy input: round 0 only,
+    which the spec holds to: no judge rounds then)."""
+    return round_no == 0 and job.spec.output.partition_by == "input"
+
+
+def check_partition_names(plan: Plan) -> None:
+    """With output.partitionBy input: every input object names its own published file."""
+    seen: dict[str, str] = {}
+    for o in plan.objects:
+        stem = layout.partition_stem(o.display_name)
+        problem = layout.partition_problem(stem)
+        if problem:
+            raise PlanError(f"spec.output.partitionBy: input: {o.uri} cannot name a result file: {problem}")
+        if stem in seen:
+            raise PlanError(f"spec.output.partitionBy: input: {seen[stem]} and {o.uri} would both publish "
+                            f"results/{stem}: rename one, or narrow spec.input.uri")
+        seen[stem] = o.uri
 
 
 def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
@@ -317,6 +345,8 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
     # A judge round's mode depends on how the rounds before it went.
     mode = round_mode(job.spec.judge, round_history(job, round_no) if round_no else [])
     plan = build_plan(job, round_no, objects, input_uri, mode, footers)
+    if partitioned(job, round_no):
+        check_partition_names(plan)
     store.write_bytes(uri, plan.to_json())
     return _round_plan(uri, plan)
 

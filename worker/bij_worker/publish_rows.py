@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -38,12 +39,13 @@ from .contract.columns import RESULT_FIELDS
 from .contract.publish_plan import PASSES, PublishPlan, PublishPlanError, Unit
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
-from .parquet import encode_results
+from .parquet import carried_as_text, encode_results, results_table, table_bytes
 from .segments import LEVEL, ShardLog, encode_records
 from .storage import NotFound, Storage, StorageError, open_storage
 
 log = logging.getLogger("bij.worker")
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
+SPOOL_BYTES = 64 << 20  # a partitioned JSON lines file is held in memory up to this size, on local disk beyond
 
 
 def _read_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
@@ -186,6 +188,71 @@ class _FileParts:
                            "sha256": hashlib.sha256(data).hexdigest()})
         self.rows, self.lines = [], []
 
+    def close(self, always: bool = False) -> None:
+        """Write the last part (a shard without rows of this kind has no file, `always` or not)."""
+        self.flush()
+
+
+class _PartitionFile:
+    """One kind of published file for one input object (output.partitionBy input): one file, whatever
+    its rows. JSON lines go to a spooled temporary file as they come (compressed as they go); Parquet
+    rows become an Arrow table every `FILE_ROWS` rows, and the object's tables one file at the end."""
+
+    def __init__(self, plan: PublishPlan, store: Storage, folder: str, stem: str, parquet: bool):
+        self.plan, self.store, self.parquet = plan, store, parquet
+        suffix = PARQUET_SUFFIX if parquet else ".jsonl" + (".zst" if plan.compression == "zstd" else "")
+        self.path = f"{folder}/{stem}{suffix}"
+        self.limit = FILE_ROWS if plan.file_rows is None else plan.file_rows
+        self.rows: list[dict[str, Any]] = []
+        self.tables: list[Any] = []
+        self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - closed in close()
+        self.cctx = zstandard.ZstdCompressor(level=3).compressobj() if plan.compression == "zstd" else None
+        self.n = 0
+        self.files: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.n += 1
+        if self.parquet:
+            self.rows.append(row)
+            if len(self.rows) >= self.limit:
+                self.tables.append(results_table(self.rows, self.plan.task, self.plan.id_kind or "mixed",
+                                                 self.plan.judge))
+                self.rows = []
+            return
+        line = encode_records([row])
+        self.spool.write(self.cctx.compress(line) if self.cctx is not None else line)
+
+    def close(self, always: bool = False) -> None:
+        """Write the file (with `always`, even without rows: a results file for every input object)."""
+        if self.n == 0 and not always:
+            self.spool.close()
+            return
+        if self.parquet:
+            import pyarrow as pa
+
+            if self.rows or not self.tables:
+                self.tables.append(results_table(self.rows, self.plan.task, self.plan.id_kind or "mixed",
+                                                 self.plan.judge))
+            try:
+                table = pa.concat_tables(self.tables, promote_options="permissive")
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # a carried column's type differs between batches
+                table = pa.concat_tables([carried_as_text(t) for t in self.tables], promote_options="permissive")
+            self.rows, self.tables = [], []
+            self.spool.write(table_bytes(table, self.plan.compression))
+        elif self.cctx is not None:
+            self.spool.write(self.cctx.flush())
+        digest = hashlib.sha256()
+        self.spool.seek(0)
+
+        def parts() -> Iterator[bytes]:
+            while part := self.spool.read(1 << 20):
+                digest.update(part)
+                yield part
+
+        size = self.store.write_stream(f"{self.plan.output_uri.rstrip('/')}/{self.path}", parts())
+        self.spool.close()
+        self.files.append({"path": self.path, "rows": self.n, "bytes": size, "sha256": digest.hexdigest()})
+
 
 def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     """Pass 3: shard `index`'s published files, losers as duplicate_id errors, and its summary."""
@@ -196,15 +263,36 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     round_no, shard, _ = plan.units[index]
     names = plan.object_names[round_no]
     name = f"r{round_no}-{shard:05d}"
-    results = _FileParts(plan, store, "results", name, plan.format == "parquet")
-    errors = _FileParts(plan, store, "errors", name, False)
-    capped = _FileParts(plan, store, "capped", name, False)
+    parquet = plan.format == "parquet"
+    results: _FileParts | _PartitionFile = _FileParts(plan, store, "results", name, parquet)
+    errors: _FileParts | _PartitionFile = _FileParts(plan, store, "errors", name, False)
+    capped: _FileParts | _PartitionFile = _FileParts(plan, store, "capped", name, False)
+    # output.partitionBy input: the unit's objects lie whole in it; each gets its own files, one object at a time.
+    partitions = list(plan.unit_objects[index]) if plan.partition_by == "input" else []
+    files: dict[str, list[dict[str, Any]]] = {"files": [], "errorFiles": [], "cappedFiles": []}
+    current = -1
+
+    def finish(obj: int) -> None:
+        """Close the current object's files and open the next object's (`obj`; -1: none)."""
+        nonlocal results, errors, capped, current
+        if current >= 0:
+            for key, part in (("files", results), ("errorFiles", errors), ("cappedFiles", capped)):
+                part.close(always=key == "files")
+                files[key] += [{**f, "input": names[current]} for f in part.files]
+        current = obj
+        if obj >= 0:
+            stem = layout.partition_stem(names[obj])
+            results = _PartitionFile(plan, store, "results", stem, parquet)
+            errors = _PartitionFile(plan, store, "errors", stem, False)
+            capped = _PartitionFile(plan, store, "capped", stem, False)
     counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
               "tokensOut": 0}
     codes: dict[str, int] = {}  # error rows by code
     ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan.prefix, index)))["ordered"])
     for rec in _records(store, plan.units[index], ordered):
         row = rec["row"]
+        while partitions and rec["at"][0] >= partitions[0]:  # this record's object, and any without rows before it
+            finish(partitions.pop(0))
         if rec["kind"] == "result":
             if (rec["at"][0], rec["at"][1]) in losers:
                 rid = row_id(row)
@@ -235,15 +323,21 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
             counts["errors"] += 1
             code = str((row.get("error") or {}).get("code") or "unknown")
             codes[code] = codes.get(code, 0) + 1
-    for parts in (results, errors, capped):
-        parts.flush()
+    if plan.partition_by == "input":
+        while partitions:
+            finish(partitions.pop(0))
+        finish(-1)
+    else:
+        for key, parts in (("files", results), ("errorFiles", errors), ("cappedFiles", capped)):
+            parts.close()
+            files[key] = parts.files
     if plan.partial is not None:
         counts["notRun"] = count_not_run(plan, index, store)
     where = {"round": round_no, "shard": shard}
     summary = {**where, "counts": {**counts, "errorCodes": codes},
-               "files": [{**f, **where} for f in results.files],
-               "errorFiles": [{**f, **where} for f in errors.files],
-               "cappedFiles": [{**f, **where} for f in capped.files]}
+               "files": [{**f, **where} for f in files["files"]],
+               "errorFiles": [{**f, **where} for f in files["errorFiles"]],
+               "cappedFiles": [{**f, **where} for f in files["cappedFiles"]]}
     store.write_bytes(layout.publish_summary_uri(plan.prefix, index), json.dumps(summary).encode())
 
 

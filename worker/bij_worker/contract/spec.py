@@ -53,6 +53,10 @@ PASS_THROUGH_NOT_OPENAI = (
     "input.passThrough needs input.format jsonl or parquet: an OpenAI batch output line has a fixed shape "
     "(custom_id, response, error) and carries no input columns"
 )
+PARTITION_NEEDS_ONE_ROUND = (
+    "output.partitionBy input needs judge.strategy inPlace (or no judge): rows a judge round re-dispatches "
+    "are read from the round's rejected files, no longer from their input object"
+)
 # Engines that schedule their own batches step by step (add and finish requests as they go).
 CONTINUOUS_ENGINES = ("vllm", "simulated")
 BATCH_SHAPE_NOT_CONTINUOUS = (
@@ -219,6 +223,9 @@ class OutputSpec(_Model):
     keep_intermediate: bool = False
     # Ids one publish dedupe process holds at once: its memory, against the number of bucket files.
     publish_bucket_rows: int = Field(PUBLISH_BUCKET_ROWS, ge=MIN_PUBLISH_BUCKET_ROWS)
+    # How published files are cut: by shard (r<round>-<shard>, parts of FILE_ROWS rows), or by input
+    # object, one file each with the input's relative name (no object is cut across shards then).
+    partition_by: Literal["shard", "input"] = "shard"
 
     @field_validator("uri")
     @classmethod
@@ -541,6 +548,8 @@ class JobSpec(_Model):
             raise ValueError("judge needs a generate or chat task: embeddings have no text to judge")
         if self.output.format == "parquet" and self.input.format == "openai":
             raise ValueError(PARQUET_NOT_OPENAI)
+        if self.output.partition_by == "input" and self.judge is not None and self.judge.strategy != "inPlace":
+            raise ValueError(PARTITION_NEEDS_ONE_ROUND)
         if self.model.engine == "vllm" and self.workers.gpus is not None and self.workers.gpus < self.model.vllm.gpus:
             raise ValueError(GPUS_FOR_VLLM)
         if uris_overlap(self.input.uri, self.output.uri):
