@@ -39,10 +39,10 @@ def test_whole_objects_are_never_cut_across_shards() -> None:
 
 
 def test_partition_stems_drop_the_input_suffix() -> None:
-    assert layout.partition_stem("a/x.jsonl") == "a/x"
-    assert layout.partition_stem("x.ndjson.zst") == "x"
-    assert layout.partition_stem("part-0.parquet") == "part-0"
-    assert layout.partition_stem("https://host/data/x.jsonl?X-Amz-Signature=abc") == "x"
+    assert layout.partition_stem("s3://b/data/a/x.jsonl", "a/x.jsonl") == "a/x"
+    assert layout.partition_stem("file:///in/x.ndjson.zst", "x.ndjson.zst") == "x"
+    assert layout.partition_stem("s3://b/part-0.parquet", "part-0.parquet") == "part-0"
+    assert layout.partition_stem("https://host/data/x.jsonl?X-Amz-Signature=a/b", "x.jsonl?X-Amz-Signature=a/b") == "x"
     assert layout.partition_problem("a/../b") and layout.partition_problem("a//b")
     assert layout.partition_problem("a/b") is None
 

@@ -287,7 +287,7 @@ def check_partition_names(plan: Plan) -> None:
     """With output.partitionBy input: every input object names its own published file."""
     seen: dict[str, str] = {}
     for o in plan.objects:
-        stem = layout.partition_stem(o.display_name)
+        stem = layout.partition_stem(o.uri, o.name)
         problem = layout.partition_problem(stem)
         if problem:
             raise PlanError(f"spec.output.partitionBy: input: {o.uri} cannot name a result file: {problem}")

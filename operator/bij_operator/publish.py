@@ -146,6 +146,7 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         round_plans=[layout.round_manifest_uri(job, r) for r in range(len(plans))] if partial else [],
         partition_by=job.spec.output.partition_by,
         unit_objects=unit_objects,
+        partitions=[layout.partition_stem(o.uri, o.name) for o in plans[0].objects] if unit_objects else [],
     )
     uri = layout.publish_plan_uri(prefix)
     store.write_bytes(uri, plan.to_json())

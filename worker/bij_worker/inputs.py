@@ -270,7 +270,8 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions
         requests = list(map(Request, texts, repeat(None), repeat(opts.max_tokens), repeat(opts.temperature),
                             repeat(opts.seed), repeat(opts.sampling)))
     columns: list[dict[str, Any]] | None = None
-    if opts.pass_through != ():
+    # Every row has its id and text (checked above): a row with no more fields has nothing to carry.
+    if opts.pass_through != () and max(map(len, objs)) > len({opts.id_field, opts.text_field}):
         keys: set[str] = set().union(*map(dict.keys, objs))
         kept = keys - opts.consumed if opts.pass_through is None else keys & set(opts.pass_through)
         if kept & RESULT_FIELDS and opts.pass_through is None:

@@ -281,7 +281,7 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
                 files[key] += [{**f, "input": names[current]} for f in part.files]
         current = obj
         if obj >= 0:
-            stem = layout.partition_stem(names[obj])
+            stem = plan.partitions[obj]
             results = _PartitionFile(plan, store, "results", stem, parquet)
             errors = _PartitionFile(plan, store, "errors", stem, False)
             capped = _PartitionFile(plan, store, "capped", stem, False)

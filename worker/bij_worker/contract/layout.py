@@ -46,13 +46,13 @@ def object_path(uri: str) -> str:
 PARTITION_SUFFIXES = (".jsonl.zst", ".ndjson.zst", ".json.zst", ".jsonl", ".ndjson", ".json", ".parquet")
 
 
-def partition_stem(name: str) -> str:
+def partition_stem(uri: str, name: str | None) -> str:
     """An input object's relative name (`PlanObject.name`) without its input suffix: the name its
     published files have under results/, errors/ and capped/ with output.partitionBy input, before
-    the result's own suffix (`data/a/x.jsonl` under the input folder `data/` -> `a/x`)."""
-    name = object_path(name)
-    if "://" in name:  # an object named by its whole URI (one https:// object): its file name
-        name = name.rsplit("/", 1)[-1]
+    the result's own suffix (`data/a/x.jsonl` under the input folder `data/` -> `a/x`). One
+    https:// object (or one without a relative name) is named by its file name."""
+    if name is None or uri.startswith(("https://", "http://")):
+        name = object_path(uri).rsplit("/", 1)[-1]
     for suffix in PARTITION_SUFFIXES:
         if name.endswith(suffix) and len(name) > len(suffix):
             return name[:-len(suffix)]

@@ -8,10 +8,11 @@ On disk it is camelCase JSON:
      "bucketRows": N, "buckets": B, "compression": "zstd" | "none", "format": "jsonl" | "parquet",
      "task": ..., "judge": bool, "idKind": "int" | "str" | "mixed" | null, "fileRows"?: N,
      "s3": {"endpointUrl"?: ..., "region"?: ...}, "partial"?: "Cancelled" | "Expired", "roundPlans"?: [uri, ...],
-     "partitionBy"?: "input", "unitObjects"?: [[object index, ...] per unit]}
+     "partitionBy"?: "input", "unitObjects"?: [[object index, ...] per unit], "partitions"?: [stem, ...]}
 
 `partitionBy` input (spec.output.partitionBy): the write pass publishes one file per input object, named
-after it (`layout.partition_stem`), for the objects of each unit (`unitObjects`: each lies whole in one unit).
+`partitions[object]` (`layout.partition_stem`), for the objects of each unit (`unitObjects`: each lies
+whole in one unit).
 
 `s3` is the spec's `storage.s3`: every pass opens the output with it, whatever its environment says.
 
@@ -67,6 +68,7 @@ class PublishPlan(BaseModel):
     round_plans: list[str] = []
     partition_by: Literal["shard", "input"] = "shard"
     unit_objects: list[list[int]] = []  # partitionBy input: each unit's objects, in input order
+    partitions: list[str] = []  # partitionBy input: each input object's published name (its stem)
 
     def to_json(self) -> bytes:
         doc = self.model_dump(mode="json", by_alias=True)
@@ -77,7 +79,7 @@ class PublishPlan(BaseModel):
         if self.partial is None:
             del doc["partial"], doc["roundPlans"]
         if self.partition_by == "shard":
-            del doc["partitionBy"], doc["unitObjects"]
+            del doc["partitionBy"], doc["unitObjects"], doc["partitions"]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
