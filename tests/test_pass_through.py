@@ -18,6 +18,7 @@ from bij_operator.publish import publish
 from bij_worker.contract.columns import RESULT_FIELDS
 from bij_worker.contract.spec import SpecError, load_job, parse_job
 from bij_worker.inputs import InputOptions, parquet_columns, parse_line
+from bij_worker.worker import StopFlag
 
 sys.path.insert(0, str(Path(__file__).parent))
 import coin_engine  # noqa: E402
@@ -209,3 +210,40 @@ def test_a_parquet_column_named_like_a_result_field_is_refused_at_plan_time(file
                       input={"format": "parquet", "idField": "doc_id", "textField": "body"})
     with pytest.raises(PlanError, match=r"^spec.input.passThrough: input column 'embedding' \(in file://.*/a\.parquet"):
         plan_round(job, 0)
+
+
+def test_carried_columns_survive_a_stop_and_resume(file_place, make_job, run_shards, recording_echo,
+                                                   read_output) -> None:
+    inputs = rows(200)
+    _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs),
+                      sharding={"chunkRows": 10, "targetShardBytes": 1 << 20},
+                      batching={"inFlightRows": 10, "commitQueueChunks": 2})
+    stop = StopFlag()
+    chunks: list[dict[str, Any]] = []
+
+    def progress(ev: dict[str, Any]) -> None:
+        chunks.extend([ev] if ev["event"] == "chunk" else [])
+        if len(chunks) == 4:
+            stop.request()
+
+    first = run_shards(job, stop=stop, progress=progress)
+    assert first[0].status == "stopped" and 40 <= first[0].rows < 200
+    engine = recording_echo()
+    assert run_shards(job, engine=engine)[0].rows == 200
+    assert len(engine.seen) == 200 - first[0].rows  # the durable rows did not run again
+    publish(job)
+    out = read_output(job)
+    assert [(r["id"], r["lang"], r["meta"]) for r in out.results] == [(r["id"], r["lang"], r["meta"]) for r in inputs]
+
+
+def test_one_parquet_stream_of_files_with_other_columns_is_refused_naming_the_file(file_place, make_job,
+                                                                                   run_shards) -> None:
+    from bij_operator.results import ResultsError, write_parquet
+
+    file_place.write_jsonl("in/a.jsonl", [{"id": 1, "text": "a", "lang": "de"}])
+    file_place.write_jsonl("in/b.jsonl", [{"id": 2, "text": "b", "score": 0.5}])
+    _, job = make_job(file_place, file_place.uri("in/"), output={"partitionBy": "input"})
+    run_shards(job)
+    publish(job)
+    with pytest.raises(ResultsError, match=r"^results/b.jsonl has other columns than the files before it"):
+        write_parquet(job.spec.output.uri, io.BytesIO(), None)

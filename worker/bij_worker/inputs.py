@@ -7,6 +7,10 @@ one from their place, ``<object name>:<byte offset>``, the same on every run.
 Each row's request is built here, once: its content, and its sampling fields from the
 spec, the OpenAI body or the sampling column (`sampling.py`). A field bij does not know
 is an ``invalid_request`` row; one the engine cannot honour, an ``unsupported`` row.
+
+A plain row's other columns are carried to its result, error and capped rows
+(`contract.columns`, input.passThrough); a row with a column named like a result field
+is an ``invalid_row`` row naming it.
 """
 
 from __future__ import annotations
