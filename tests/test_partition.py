@@ -115,3 +115,25 @@ def test_partitioning_by_input_refuses_judge_rounds() -> None:
         parse_job(doc)
     doc["spec"]["judge"]["strategy"] = "inPlace"  # type: ignore[index]
     assert parse_job(doc).spec.output.partition_by == "input"
+
+
+def test_a_large_partition_is_built_in_batches_and_spooled(file_place, make_job, run_shards, monkeypatch) -> None:
+    from bij_worker import publish_rows
+
+    # Batches of 7 rows and a spool that goes to disk after 100 bytes: the file is still one file.
+    monkeypatch.setattr(publish_rows, "FILE_ROWS", 7)
+    monkeypatch.setattr(publish_rows, "SPOOL_BYTES", 100)
+    inputs = [{"id": i, "text": f"t{i}", "v": i if i < 10 else f"s{i}"} for i in range(30)]  # v: ints, then text
+    file_place.write_jsonl("in/a.jsonl", inputs)
+    for fmt, compression in (("jsonl", "zstd"), ("parquet", "zstd")):
+        _, job = make_job(file_place, file_place.uri("in/"), name=fmt, out_dir=f"out-{fmt}/",
+                          output={"partitionBy": "input", "format": fmt, "compression": compression})
+        run_shards(job)
+        (entry,) = publish(job)["files"]
+        got = published(file_place, job, entry)
+        assert entry["rows"] == 30 and [r["id"] for r in got] == list(range(30))
+        if fmt == "jsonl":
+            assert [r["v"] for r in got] == [r["v"] for r in inputs]
+        else:  # a column whose type changes between batches holds JSON text, in every batch
+            assert [r["v"] for r in got] == [json.dumps(r["v"]) for r in inputs]
+            assert "text" not in got[0] and got[0]["output"] == "t0"

@@ -118,18 +118,6 @@ def _carried_array(values: list[Any]) -> Any:
                          for v in values], type=pa.string())
 
 
-def carried_as_text(table: Any) -> Any:
-    """A results table with its pass-through columns as JSON text (what a column of mixed types holds)."""
-    import pyarrow as pa
-
-    for i, name in enumerate(table.column_names):
-        if name not in RESULT_FIELDS:
-            values = table.column(i).to_pylist()
-            text = [None if v is None else json.dumps(v, sort_keys=True, ensure_ascii=False) for v in values]
-            table = table.set_column(i, name, pa.array(text, type=pa.string()))
-    return table
-
-
 def encode_results(rows: list[dict[str, Any]], task: str, ids: str, judged: bool, compression: str) -> bytes:
     """A whole Parquet file of result rows, zstd-compressed unless `compression` is 'none'."""
     return table_bytes(results_table(rows, task, ids, judged), compression)

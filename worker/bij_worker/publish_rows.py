@@ -39,8 +39,8 @@ from .contract.columns import RESULT_FIELDS
 from .contract.publish_plan import PASSES, PublishPlan, PublishPlanError, Unit
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
-from .parquet import carried_as_text, encode_results, results_table, table_bytes
-from .segments import LEVEL, ShardLog, encode_records
+from .parquet import encode_results, results_table, table_bytes
+from .segments import LEVEL, ShardLog, encode_records, loads_record
 from .storage import NotFound, Storage, StorageError, open_storage
 
 log = logging.getLogger("bij.worker")
@@ -195,32 +195,66 @@ class _FileParts:
 
 class _PartitionFile:
     """One kind of published file for one input object (output.partitionBy input): one file, whatever
-    its rows. JSON lines go to a spooled temporary file as they come (compressed as they go); Parquet
-    rows become an Arrow table every `FILE_ROWS` rows, and the object's tables one file at the end."""
+    its rows. Rows go to a spooled temporary file as they come (in memory up to SPOOL_BYTES, on local
+    disk beyond): JSON lines as published (compressed as they go); for Parquet, JSON lines that become
+    one Arrow table at the end, a batch of `FILE_ROWS` rows at a time."""
 
     def __init__(self, plan: PublishPlan, store: Storage, folder: str, stem: str, parquet: bool):
         self.plan, self.store, self.parquet = plan, store, parquet
         suffix = PARQUET_SUFFIX if parquet else ".jsonl" + (".zst" if plan.compression == "zstd" else "")
         self.path = f"{folder}/{stem}{suffix}"
         self.limit = FILE_ROWS if plan.file_rows is None else plan.file_rows
-        self.rows: list[dict[str, Any]] = []
-        self.tables: list[Any] = []
         self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - closed in close()
-        self.cctx = zstandard.ZstdCompressor(level=3).compressobj() if plan.compression == "zstd" else None
+        compress = plan.compression == "zstd" and not parquet
+        self.cctx = zstandard.ZstdCompressor(level=3).compressobj() if compress else None
         self.n = 0
         self.files: list[dict[str, Any]] = []
 
     def add(self, row: dict[str, Any]) -> None:
         self.n += 1
-        if self.parquet:
-            self.rows.append(row)
-            if len(self.rows) >= self.limit:
-                self.tables.append(results_table(self.rows, self.plan.task, self.plan.id_kind or "mixed",
-                                                 self.plan.judge))
-                self.rows = []
-            return
         line = encode_records([row])
         self.spool.write(self.cctx.compress(line) if self.cctx is not None else line)
+
+    def _batches(self, as_text: frozenset[str] = frozenset()) -> Iterator[Any]:
+        """The spooled rows as result tables of `limit` rows; the carried columns `as_text` as JSON text."""
+        self.spool.seek(0)
+        rows: list[dict[str, Any]] = []
+        for line in self.spool:
+            rows.append(loads_record(line))
+            if len(rows) >= self.limit:
+                yield self._table(rows, as_text)
+                rows = []
+        if rows or not self.n:
+            yield self._table(rows, as_text)
+
+    def _table(self, rows: list[dict[str, Any]], as_text: frozenset[str]) -> Any:
+        import pyarrow as pa
+
+        table = results_table(rows, self.plan.task, self.plan.id_kind or "mixed", self.plan.judge)
+        for name in as_text & set(table.column_names):
+            text = [None if r.get(name) is None else json.dumps(r[name], sort_keys=True, ensure_ascii=False)
+                    for r in rows]
+            table = table.set_column(table.column_names.index(name), name, pa.array(text, type=pa.string()))
+        return table
+
+    def _parquet(self) -> bytes:
+        """The spooled rows as one Parquet file: a carried column whose type differs between batches
+        holds JSON text in every batch (as within one batch), made from the rows again."""
+        import pyarrow as pa
+
+        tables = list(self._batches())
+        try:
+            table = pa.concat_tables(tables, promote_options="default")  # columns missing or all null: null
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            kinds: dict[str, set[Any]] = {}
+            for t in tables:
+                for f in t.schema:
+                    if f.name not in RESULT_FIELDS and f.type != pa.null():
+                        kinds.setdefault(f.name, set()).add(f.type)
+            mixed = frozenset(name for name, types in kinds.items() if len(types) > 1)
+            del tables
+            table = pa.concat_tables(list(self._batches(mixed)), promote_options="default")
+        return table_bytes(table, self.plan.compression)
 
     def close(self, always: bool = False) -> None:
         """Write the file (with `always`, even without rows: a results file for every input object)."""
@@ -228,17 +262,10 @@ class _PartitionFile:
             self.spool.close()
             return
         if self.parquet:
-            import pyarrow as pa
-
-            if self.rows or not self.tables:
-                self.tables.append(results_table(self.rows, self.plan.task, self.plan.id_kind or "mixed",
-                                                 self.plan.judge))
-            try:
-                table = pa.concat_tables(self.tables, promote_options="permissive")
-            except (pa.ArrowInvalid, pa.ArrowTypeError):  # a carried column's type differs between batches
-                table = pa.concat_tables([carried_as_text(t) for t in self.tables], promote_options="permissive")
-            self.rows, self.tables = [], []
-            self.spool.write(table_bytes(table, self.plan.compression))
+            data = self._parquet()
+            self.spool.close()
+            self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - closed below
+            self.spool.write(data)
         elif self.cctx is not None:
             self.spool.write(self.cctx.flush())
         digest = hashlib.sha256()
