@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .contract.columns import RESULT_FIELDS, carried, clash_message, consumed
+from .contract.columns import RESULT_FIELDS, clash_message, consumed
+from .contract.columns import carried as carried_columns
 from .engines.base import Choice, Image, Request, Result, TokenLogprob
 from .images import ImageProblem, parse_image
 from .sampling import (
@@ -150,7 +151,7 @@ def carry(obj: dict[str, Any], opts: InputOptions) -> dict[str, Any] | str:
     """A row's pass-through columns (contract.columns), or the name of one that clashes with a result field."""
     if opts.pass_through == ():
         return {}
-    out = carried(obj, opts.consumed, opts.pass_through)
+    out = carried_columns(obj, opts.consumed, opts.pass_through)
     if opts.pass_through is None:
         clash = next((k for k in out if k in RESULT_FIELDS), None)
         if clash is not None:
@@ -282,7 +283,7 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions
             return None  # line by line: each such row is an error row naming the column
         if kept:
             consumed, only = opts.consumed, opts.pass_through
-            columns = [carried(obj, consumed, only) for obj in objs]
+            columns = [carried_columns(obj, consumed, only) for obj in objs]
     return ids, requests, columns
 
 

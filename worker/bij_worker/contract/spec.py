@@ -155,8 +155,8 @@ class InputSpec(_Model):
         if names is None:
             return None
         for name in names:
-            if not name:
-                raise ValueError("column names must not be empty")
+            if not name or len(name) > 256:
+                raise ValueError(f"column names have 1 to 256 characters, got {name[:40]!r}")
             if name in RESULT_FIELDS:
                 raise ValueError(f"column {name!r} clashes with the result field of that name; result rows carry "
                                  f"{', '.join(sorted(RESULT_FIELDS))}")
