@@ -313,6 +313,16 @@ BAD = [
     ("deadline-past-any-date", with_spec(deadlineSeconds=863999913600),
      "spec.deadlineSeconds: Invalid value: 863999913600: spec.deadlineSeconds in body should be less than or "
      "equal to 31622400"),
+    ("pass-through-of-a-result-field", with_spec(input={"uri": "s3://b/in/", "passThrough": ["lang", "output"]}),
+     'spec.input.passThrough[1]: Invalid value: "output": clashes with the result field of that name'),
+    ("pass-through-twice", with_spec(input={"uri": "s3://b/in/", "passThrough": ["lang", "lang"]}),
+     'spec.input.passThrough[1]: Duplicate value: "lang"'),
+    ("pass-through-of-openai-lines", with_spec(input={"uri": "s3://b/in/", "format": "openai", "passThrough": []}),
+     "spec.input.passThrough: Invalid value: input.passThrough needs input.format jsonl or parquet"),
+    ("partition-by-input-with-judge-rounds", with_spec(
+        output={"uri": "s3://bucket/out", "partitionBy": "input"}, model={"task": "generate"},
+        judge={"type": "regex", "pattern": "x"}),
+     "spec.output.partitionBy: Invalid value: output.partitionBy input needs judge.strategy inPlace"),
     ("name-too-long", {**minimal(), "metadata": {"name": "a" * 53}},
      '<nil>: Invalid value: metadata.name must be at most 52 characters'),
     ("name-with-dots", {**minimal(), "metadata": {"name": "my.job"}},
@@ -347,6 +357,12 @@ GOOD = [
     ("sibling-folders", with_spec(input={"uri": "s3://b/in"}, output={"uri": "s3://b/in-runs/"})),
     ("relative-file-path", with_spec(input={"uri": "file://data/in.jsonl"}, output={"uri": "file://out/"})),
     ("endpoint-with-port-and-path", with_spec(storage={"s3": {"endpointUrl": "http://minio.local:9000/s3"}})),
+    ("pass-through-narrowed", with_spec(input={"uri": "s3://b/in/", "format": "parquet",
+                                               "passThrough": ["text", "lang"]})),
+    ("pass-through-off", with_spec(input={"uri": "s3://b/in/", "passThrough": []})),
+    ("partition-by-input-judged-in-place", with_spec(
+        output={"uri": "s3://bucket/out", "partitionBy": "input"}, model={"task": "generate"},
+        judge={"type": "regex", "pattern": "x", "strategy": "inPlace"})),
 ]
 
 

@@ -23,6 +23,7 @@ PURE = {
     "bij_worker.contract", "bij_worker.contract.codes", "bij_worker.contract.errors", "bij_worker.contract.spec",
     "bij_worker.contract.plan", "bij_worker.contract.publish_plan", "bij_worker.contract.globs",
     "bij_worker.contract.step_report",  # a step's report as the status holds it: pydantic over plain data
+    "bij_worker.contract.columns",  # the names a published row uses: the spec refuses them as pass-through columns
     "bij_worker.sampling",  # the spec's sampling defaults are checked with the rows' own rules
 }
 IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",

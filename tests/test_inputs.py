@@ -276,7 +276,8 @@ def test_a_zst_object_of_several_frames_is_read_to_its_end(file_place, make_job,
 # row that needs parse_line's closer look.
 PLAIN_LINES = [b'{"id": 1, "text": "one"}', b'{"id": "a-2", "text": "two"}', b'{"id": 0, "text": "z"}',
                '{"id": "é", "text": "ünïcødé ✓ 🙂"}'.encode(), b'{"text": "x", "id": 9223372036854775807}',
-               b'{"id": -3, "text": "neg", "other": [1, {"a": null}]}', b'{"id":"t","text":"\\u00e9\\n"}']
+               b'{"id": -3, "text": "neg", "other": [1, {"a": null}]}', b'{"id":"t","text":"\\u00e9\\n"}',
+               b'{"id": 5, "lang": "de", "text": "five", "score": 0.5}']
 OTHER_LINES = [b'{"text": "no id"}', b'{"id": null, "text": "null id"}', b'{"id": true, "text": "bool id"}',
                b'{"id": 1.5, "text": "float id"}', b'{"id": "", "text": "empty id"}',
                b'{"id": 123456789012345678901234567890, "text": "big id"}',
@@ -284,12 +285,15 @@ OTHER_LINES = [b'{"text": "no id"}', b'{"id": null, "text": "null id"}', b'{"id"
                b'{"id": 1, "text": " \\t"}', b'{"id": 1, "text": 5}', b'{"id": 1}', b'[1, 2]', b'"text"',
                b'not json', b'{"id": 1, "text": "lone \\ud800"}', b'{"id": 1, "text": NaN}',
                b'{"id": 1, "text": "t", "_bij": {"id": "kept", "attempts": 1}}',
-               b'{"id": 1, "messages": [{"role": "user", "content": "hi"}], "text": "t"}']
+               b'{"id": 1, "messages": [{"role": "user", "content": "hi"}], "text": "t"}',
+               b'{"id": 1, "text": "t", "output": "a column named like a result field"}']
 
 
 @pytest.mark.parametrize("opts", [PLAIN, InputOptions(task="embed"), InputOptions(task="chat"),
                                   InputOptions(task="chat", messages_field="messages"),
-                                  InputOptions(task="generate", id_field="key", text_field="body")])
+                                  InputOptions(task="generate", id_field="key", text_field="body"),
+                                  InputOptions(task="generate", pass_through=("lang", "other")),
+                                  InputOptions(task="generate", pass_through=())])
 def test_a_chunk_parsed_in_one_pass_gives_what_parse_line_gives(opts):
     import random
 
@@ -312,7 +316,8 @@ def test_a_chunk_parsed_in_one_pass_gives_what_parse_line_gives(opts):
             assert other, lines
             continue
         taken += 1
-        ids, requests = got
+        ids, requests, carried = got
+        assert (carried or [{}] * len(ids)) == [r.carried or {} for r in one_by_one]  # pass-through columns
         assert all(r.request is not None and not r.generated_id and not r.prior_attempts for r in one_by_one)
         assert ids == [r.id for r in one_by_one]
         assert [type(i) for i in ids] == [type(r.id) for r in one_by_one]  # 1 and "1" stay apart

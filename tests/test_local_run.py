@@ -432,3 +432,29 @@ def test_a_plan_step_that_fails_for_good_ends_failed_naming_the_step_pod_and_cau
 
     lines = job_summary(job)
     assert lines[1].startswith("  phase     Failed (StepFailed): step plan-r0 failed 2 time(s), giving up"), lines
+
+
+def test_bij_run_publishes_one_file_per_input_file_with_its_columns(place, make_job, worker_env, bij_bin) -> None:
+    # Two input files under a glob: the results come back one file each, under the same relative
+    # names, every row exactly once and with the input's other columns beside its output.
+    a = [{"id": f"a-{i}", "text": f"alpha {i} " + "k" * (i % 50), "source": "a", "rank": i} for i in range(250)]
+    b = [{"id": i, "text": f"beta {i}", "source": "b", "tags": ["t"] * (i % 3)} for i in range(60)]
+    place.write_jsonl("in/day=1/a.jsonl", a)
+    place.write_jsonl("in/day=2/b.jsonl.zst", b, zst=True)
+    place.write_jsonl("in/day=2/notes.json", [{"id": "x", "text": "outside the glob"}])
+    spec, job = make_job(place, place.uri("in/day=*/*.jsonl*"), output={"partitionBy": "input"},
+                         sharding={"targetShardBytes": 4096})
+    p = bij_run(bij_bin, spec, worker_env(place))
+    assert p.returncode == 0, p.stderr
+    manifest = read_manifest(job)
+    assert manifest is not None
+    assert [(f["path"], f["input"], f["rows"]) for f in manifest["files"]] == [
+        ("results/day=1/a.jsonl", "day=1/a.jsonl", 250), ("results/day=2/b.jsonl", "day=2/b.jsonl.zst", 60)]
+    assert manifest["errorFiles"] == [] and manifest["counts"]["rows"] == 310
+    out = job.spec.output.uri.rstrip("/") + "/"
+    for entry, inputs in zip(manifest["files"], (a, b), strict=True):
+        got = [json.loads(line) for line in place.storage.read_bytes(out + entry["path"]).splitlines()]
+        assert [r["id"] for r in got] == [r["id"] for r in inputs]  # every row once, in input order
+        assert [r["output"] for r in got] == [r["text"] for r in inputs]
+        assert [{k: v for k, v in r.items() if k not in ("id", "output", "usage")} for r in got] == [
+            {k: v for k, v in r.items() if k not in ("id", "text")} for r in inputs]

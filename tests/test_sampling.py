@@ -126,7 +126,7 @@ def test_the_sampling_column_wins_over_the_spec_defaults() -> None:
 def test_a_chunk_with_sampling_columns_leaves_the_one_pass_parser() -> None:
     lines = [b'{"id": 1, "text": "a"}', b'{"id": 2, "text": "b", "sampling": {"topP": 0.5}}']
     assert parse_plain_lines(lines, HF_PLAIN) is None
-    ids, requests = parse_plain_lines(lines[:1], HF_PLAIN)  # type: ignore[misc]
+    ids, requests, _ = parse_plain_lines(lines[:1], HF_PLAIN)  # type: ignore[misc]
     assert ids == [1] and requests[0].sampling is NO_SAMPLING
 
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:  # a type only: the spec's fingerprint is pure, `reconcile` im
 
 ROW_FIELDS = (
     "input.uri", "input.format", "input.idField", "input.textField", "input.messagesField", "input.maxLineBytes",
-    "input.samplingField", "input.adapterField", "input.maxImageBytes",
-    "output.uri",
+    "input.samplingField", "input.adapterField", "input.maxImageBytes", "input.passThrough",
+    "output.uri", "output.partitionBy",
     "model.engine", "model.name", "model.task", "model.maxTokens", "model.temperature", "model.seed",
     "model.sampling", "model.structuredOutput", "model.chatTemplate", "model.chatTemplateKwargs", "model.adapters",
     "model.maxInputTokens", "model.truncate", "model.vllm.maxModelLen", "model.vllm.quantization", "model.vllm.dtype",
@@ -37,7 +37,8 @@ ROW_FIELDS = (
 # Fields younger than some plans: a plan without them ran with these values.
 _ADDED_LATER: dict[str, Any] = {"input.maxLineBytes": DEFAULT_MAX_LINE_BYTES, "input.samplingField": "sampling",
                                 "model.sampling": {}, "input.adapterField": "adapter", "model.adapters": [],
-                                "model.vllm.engineArgs": {}, "input.maxImageBytes": DEFAULT_MAX_IMAGE_BYTES}
+                                "model.vllm.engineArgs": {}, "input.maxImageBytes": DEFAULT_MAX_IMAGE_BYTES,
+                                "output.partitionBy": "shard"}
 
 
 class PlanRefused(BijError):

@@ -1,6 +1,7 @@
 """Cut a round's input into shards from object sizes alone, and write the round plan once.
 
-Planning never reads rows: it is O(number of objects). A shard is a list of
+Planning never reads rows beyond each JSONL object's first (the pass-through columns'
+check, `check_first_rows`): it is O(number of objects). A shard is a list of
 pieces ``[object index, start, end)``. A plain JSONL piece owns every line whose
 first byte lies in ``[start, end)`` — the reader aligns to line starts — so byte
 ranges can be cut anywhere and no line is read twice or lost. A `.zst` object
@@ -18,8 +19,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
+import orjson
+import zstandard
 from bij_worker.contract import layout
+from bij_worker.contract.columns import clash_message, first_clash
 from bij_worker.contract.errors import BijError
 from bij_worker.contract.globs import glob_matches, split_glob
 from bij_worker.contract.plan import PLAN_VERSION, BadPlan, Fingerprint, JudgeMode, Plan, PlanObject
@@ -92,12 +97,19 @@ def input_objects(objects: list[ObjectInfo], input_uri: str = "", parquet: bool 
 
 
 def plan_shards(sizes: list[tuple[int, bool]], target_bytes: int,
-                groups: dict[int, list[int]] | None = None) -> list[list[Piece]]:
+                groups: dict[int, list[int]] | None = None, whole: bool = False) -> list[list[Piece]]:
     """Shards for objects given as (size, compressed), in object order. Pure and O(objects + shards).
 
     An object in `groups` (Parquet: the compressed bytes of each row group) is cut between
-    row groups, and its pieces are ``[object, first group, end group)``.
+    row groups, and its pieces are ``[object, first group, end group)``. With `whole`
+    (output.partitionBy input) no object is cut: each is one piece of one shard.
     """
+    if whole:
+        whole_groups = {i: [sum(g)] for i, g in (groups or {}).items()}
+        cut = plan_shards([(size, True) for size, _ in sizes], target_bytes, whole_groups)
+        # A Parquet object's one piece spans all its row groups.
+        return [[(i, 0, len(groups[i])) if groups and i in groups else (i, a, b) for i, a, b in shard]
+                for shard in cut]
     shards: list[list[Piece]] = []
     current: list[Piece] = []
     fill = 0
@@ -186,8 +198,53 @@ def read_footers(job: BatchInferenceJob, objects: list[ObjectInfo]) -> dict[int,
             field = "spec.input.textField" + (" / spec.input.messagesField" if inp.messages_field else "")
             raise PlanError(f"{field}: {o.uri} has no column {' or '.join(map(repr, wanted))} "
                             f"(its columns: {', '.join(footer.columns)})")
+        clash = first_clash(footer.columns, inp.consumed_columns()) if inp.carries_every_column() else None
+        if clash is not None:
+            raise PlanError(f"spec.input.passThrough: {clash_message(clash, f'in {o.uri}')}")
         footers[i] = footer
     return footers
+
+
+# How much of an object's start the planner reads for its first row (a longer first row is left
+# to the worker, which makes any row with a clashing column an error row naming it).
+FIRST_ROW_BYTES = 1 << 20
+
+
+def check_first_rows(job: BatchInferenceJob, objects: list[ObjectInfo]) -> None:
+    """Refuse a JSONL job whose rows would carry a column named like a result field (input.passThrough
+    unset: every column is carried), from the first row of each object: one short read per object."""
+    inp = job.spec.input
+    if not inp.carries_every_column():
+        return
+    skip = inp.consumed_columns()
+    for o in objects:
+        line = first_line(open_storage(o.uri, job.spec.storage.s3), o.uri, is_compressed(o.uri))
+        try:
+            row = orjson.loads(line) if line else None
+        except ValueError:
+            continue  # a bad first row is the worker's to report, as an error row
+        clash = first_clash(row, skip) if isinstance(row, dict) else None
+        if clash is not None:
+            raise PlanError(f"spec.input.passThrough: {clash_message(clash, f'line 1 of {o.uri}')}")
+
+
+def first_line(storage: Storage, uri: str, compressed: bool) -> bytes | None:
+    """An object's first line (decompressed for .zst), or None when it is longer than FIRST_ROW_BYTES
+    or cannot be read here (the worker reads it and says what is wrong)."""
+    try:
+        with storage.open_read(uri) as raw:
+            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw) if compressed else raw
+            head = b""
+            while len(head) < FIRST_ROW_BYTES:
+                part = stream.read(64 << 10)
+                if not part:
+                    return head
+                head += part
+                if b"\n" in head:
+                    return head.split(b"\n", 1)[0]
+    except (StorageError, zstandard.ZstdError, OSError):
+        return None
+    return None
 
 
 def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo], input_uri: str,
@@ -196,7 +253,8 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
     mode = mode or round_mode(job.spec.judge, [])
     sizes = [(o.size, is_compressed(o.uri)) for o in objects]
     groups = {i: f.group_bytes for i, f in footers.items()} if footers else None
-    shards = plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes)), groups)
+    shards = plan_shards(sizes, round_target_bytes(job, round_no, sum(s for s, _ in sizes)), groups,
+                         whole=partitioned(job, round_no))
     folder, _ = split_glob(input_uri)
     base = folder if folder.endswith("/") else folder.rsplit("/", 1)[0] + "/"
     return Plan(
@@ -217,6 +275,26 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
         shards=[[tuple(p) for p in s] for s in shards],  # type: ignore[misc]
         lanes=lanes_for(job, len(shards)),
     )
+
+
+def partitioned(job: BatchInferenceJob, round_no: int) -> bool:
+    """Whether a round's objects are published one file each (output.partitionBy input: round 0 only,
+    which the spec holds to: no judge rounds then)."""
+    return round_no == 0 and job.spec.output.partition_by == "input"
+
+
+def check_partition_names(plan: Plan) -> None:
+    """With output.partitionBy input: every input object names its own published file."""
+    seen: dict[str, str] = {}
+    for o in plan.objects:
+        stem = layout.partition_stem(o.uri, o.name)
+        problem = layout.partition_problem(stem)
+        if problem:
+            raise PlanError(f"spec.output.partitionBy: input: {o.uri} cannot name a result file: {problem}")
+        if stem in seen:
+            raise PlanError(f"spec.output.partitionBy: input: {seen[stem]} and {o.uri} would both publish "
+                            f"results/{stem}: rename one, or narrow spec.input.uri")
+        seen[stem] = o.uri
 
 
 def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
@@ -262,9 +340,13 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
         looked = PARQUET_SUFFIX if parquet else ", ".join(INPUT_SUFFIXES)
         raise PlanError(f"spec.input.uri: no input at {input_uri} (looked for non-empty {looked} files)")
     footers = read_footers(job, objects) if parquet else None
+    if round_no == 0 and not parquet:
+        check_first_rows(job, objects)
     # A judge round's mode depends on how the rounds before it went.
     mode = round_mode(job.spec.judge, round_history(job, round_no) if round_no else [])
     plan = build_plan(job, round_no, objects, input_uri, mode, footers)
+    if partitioned(job, round_no):
+        check_partition_names(plan)
     store.write_bytes(uri, plan.to_json())
     return _round_plan(uri, plan)
 

@@ -121,6 +121,14 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
     rows = sum(int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
                for rec in done_records)
     prefix = layout.publish_prefix(job)
+    unit_objects: list[list[int]] = []
+    if job.spec.output.partition_by == "input":
+        unit_objects = [sorted({obj for obj, _, _ in shard}) for p in plans for shard in p.shards]
+        counted = [obj for objs in unit_objects for obj in objs]
+        if len(plans) != 1 or len(counted) != len(set(counted)):
+            raise PublishError("output.partitionBy input needs one round whose shards hold whole input objects; "
+                               f"round 0 of {job.metadata.name} was planned otherwise: start over with "
+                               "`bij run --restart` or a new spec.output.uri", permanent=True)
     plan = PublishPlan(
         prefix=prefix,
         output_uri=job.spec.output.uri,
@@ -137,6 +145,9 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         s3=job.spec.storage.s3.model_dump(by_alias=True, exclude_none=True),
         partial=partial,
         round_plans=[layout.round_manifest_uri(job, r) for r in range(len(plans))] if partial else [],
+        partition_by=job.spec.output.partition_by,
+        unit_objects=unit_objects,
+        partitions=[layout.partition_stem(o.uri, o.name) for o in plans[0].objects] if unit_objects else [],
     )
     uri = layout.publish_plan_uri(prefix)
     store.write_bytes(uri, plan.to_json())

@@ -136,7 +136,14 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
                 table = results_table(rows, task, ids, judged)
             if writer is None:
                 writer = pq.ParquetWriter(sink, table.schema, compression="zstd")
-            writer.write_table(table.cast(writer.schema))
+            try:
+                table = table.cast(writer.schema)
+            except (ValueError, TypeError, NotImplementedError):  # pyarrow: ArrowInvalid is a ValueError
+                raise ResultsError(
+                    f"{entry['path']} has other columns than the files before it ({', '.join(table.column_names)} "
+                    f"against {', '.join(writer.schema.names)}): its rows carry other pass-through columns "
+                    "(input.passThrough); read the files one by one, or as JSON lines") from None
+            writer.write_table(table)
             n += table.num_rows
         if writer is None:  # nothing published: still a valid, empty file
             pq.write_table(results_table([], task, ids, judged), sink)

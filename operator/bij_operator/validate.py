@@ -225,7 +225,8 @@ def _drop_huge_ints(value: Any, path: list[str | int]) -> list[list[str | int]]:
 
 def _to_json_schema(node: Any) -> Any:
     """Translate the CRD's OpenAPI v3.0 dialect to JSON Schema 2020-12 (nullable, boolean
-    exclusiveMinimum); x-kubernetes-* keys are left for jsonschema to ignore."""
+    exclusiveMinimum, x-kubernetes-list-type set as uniqueItems); other x-kubernetes-* keys are left
+    for jsonschema to ignore."""
     if isinstance(node, list):
         return [_to_json_schema(n) for n in node]
     if not isinstance(node, dict):
@@ -233,6 +234,8 @@ def _to_json_schema(node: Any) -> Any:
     out = {k: _to_json_schema(v) for k, v in node.items() if k not in ("nullable", "default")}
     if node.get("nullable") and "type" in node:
         out["type"] = [node["type"], "null"]
+    if node.get("x-kubernetes-list-type") == "set":
+        out["uniqueItems"] = True
     for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
         if node.get(exclusive) is True:
             out[exclusive] = out.pop(bound)
@@ -257,6 +260,11 @@ def _schema_errors(obj: dict[str, Any], schema: dict[str, Any]) -> list[tuple[st
             for name in limit:
                 if isinstance(value, dict) and name not in value:
                     out.append((kw, f"{_field_path(parts + [name], schema)}: Required value"))
+            continue
+        if kw == "uniqueItems":  # a listType set: each repeated item, where it repeats
+            for i, item in enumerate(value):
+                if item in value[:i]:
+                    out.append((kw, f"{_field_path(parts + [i], schema)}: Duplicate value: {_go(item)}"))
             continue
         if kw == "type":
             got = _json_type(value)

@@ -7,6 +7,10 @@ one from their place, ``<object name>:<byte offset>``, the same on every run.
 Each row's request is built here, once: its content, and its sampling fields from the
 spec, the OpenAI body or the sampling column (`sampling.py`). A field bij does not know
 is an ``invalid_request`` row; one the engine cannot honour, an ``unsupported`` row.
+
+A plain row's other columns are carried to its result, error and capped rows
+(`contract.columns`, input.passThrough); a row with a column named like a result field
+is an ``invalid_row`` row naming it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .contract.columns import RESULT_FIELDS, clash_message, consumed
+from .contract.columns import carried as carried_columns
 from .engines.base import Choice, Image, Request, Result, TokenLogprob
 from .images import ImageProblem, parse_image
 from .sampling import (
@@ -74,6 +80,7 @@ class Row:
     # answered in one result row; `request` is the first. None: the row has one prompt.
     parts: list[Request] | None = None
     encoding: str = "float"  # /v1/embeddings encoding_format: float or base64
+    carried: dict[str, Any] | None = None  # its pass-through columns (contract.columns), None for none
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,8 @@ class InputOptions:
     max_image_bytes: int = 20 << 20  # input.maxImageBytes (DEFAULT_MAX_IMAGE_BYTES): one image's bytes at most
     image_root: str | None = None  # the folder (a path) file:// images may come from; None: none may
     row_budget: int = DEFAULT_ROW_BUDGET  # model.rowBudget: n x maxTokens x (1 + topLogprobs) a row may ask
+    # input.passThrough (contract.columns): None every column the request does not consume, else these.
+    pass_through: tuple[str, ...] | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None) -> InputOptions:
@@ -125,13 +134,36 @@ class InputOptions:
             row_budget=model.row_budget,
             engine=engine or model.engine,
             honours=honours,
+            pass_through=() if inp.format == "openai" else
+            None if inp.pass_through is None else tuple(inp.pass_through),
         )
 
+    @property
+    def consumed(self) -> frozenset[str]:
+        """The columns a row's request consumes: never carried by every-column pass-through."""
+        return consumed(self.id_field, self.text_field, self.messages_field, self.sampling_field, self.adapter_field)
 
-def parquet_columns(opts: InputOptions) -> list[str]:
-    """The columns a Parquet input is read for: id, text, chat messages and sampling fields."""
-    return [c for c in (opts.id_field, opts.text_field, opts.messages_field, opts.sampling_field, opts.adapter_field)
-            if c]
+
+def parquet_columns(opts: InputOptions) -> list[str] | None:
+    """The columns a Parquet input is read for: id, text, chat messages, sampling and adapter fields, and the
+    pass-through columns (None: every column)."""
+    if opts.pass_through is None:
+        return None
+    wanted = [c for c in (opts.id_field, opts.text_field, opts.messages_field, opts.sampling_field,
+                          opts.adapter_field) if c]
+    return wanted + [c for c in opts.pass_through if c not in wanted]
+
+
+def carry(obj: dict[str, Any], opts: InputOptions) -> dict[str, Any] | str:
+    """A row's pass-through columns (contract.columns), or the name of one that clashes with a result field."""
+    if opts.pass_through == ():
+        return {}
+    out = carried_columns(obj, opts.consumed, opts.pass_through)
+    if opts.pass_through is None:
+        clash = next((k for k in out if k in RESULT_FIELDS), None)
+        if clash is not None:
+            return clash
+    return out
 
 
 def id_key(value: Any) -> str:
@@ -183,17 +215,29 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
         # orjson reads integers beyond 64 bits as floats: ids must come back exactly as given.
         obj = json.loads(line)
         carried = obj.pop(CARRY_FIELD, None)
-    row = _parse_openai(obj, at, opts) if opts.format == "openai" else _parse_plain(obj, at, object_name, opts)
+    if opts.format == "openai":
+        row = _parse_openai(obj, at, opts)
+    else:
+        columns = carry(obj, opts)
+        if isinstance(columns, str):  # never written over a result field, nor dropped unsaid
+            rid = obj.get(opts.id_field)
+            return _bad(at, "invalid_row", clash_message(columns, "in this row"), rid if _valid_id(rid) else None)
+        row = _parse_plain(obj, at, object_name, opts)
+        row.carried = columns or None
     req = row.request
     if req is not None and opts.task != "embed":
         # A row's cost is bounded before it runs (model.rowBudget), whatever it asks.
         costly = over_budget(req.max_tokens, req.sampling, opts.row_budget, _SPELLED,
                              len(row.parts) if row.parts else 1)
         if costly:
-            return _bad(at, "invalid_request", costly, row.id)
+            bad = _bad(at, "invalid_request", costly, row.id)
+            bad.carried = row.carried
+            return bad
         if (req.sampling.min_tokens or 0) > req.max_tokens:
-            return _bad(at, "invalid_request", f"minTokens {req.sampling.min_tokens} is over maxTokens "
-                        f"{req.max_tokens}", row.id)
+            bad = _bad(at, "invalid_request", f"minTokens {req.sampling.min_tokens} is over maxTokens "
+                       f"{req.max_tokens}", row.id)
+            bad.carried = row.carried
+            return bad
     if isinstance(carried, dict):
         # A row re-dispatched by a judge round keeps its id (even a generated one) and history.
         if "id" in carried and row.generated_id:
@@ -203,14 +247,16 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
     return row
 
 
-def parse_plain_lines(lines: list[bytes], opts: InputOptions) -> tuple[list[Any], list[Request]] | None:
-    """The ids and requests of a chunk's lines in one pass, when every line is a plain good row; else None.
+def parse_plain_lines(lines: list[bytes], opts: InputOptions
+                      ) -> tuple[list[Any], list[Request], list[dict[str, Any]] | None] | None:
+    """The ids, requests and pass-through columns (None: no row carries any) of a chunk's lines in one
+    pass, when every line is a plain good row; else None.
 
     A plain good row is what parse_line makes a request of without a second look: a JSON
     object with a string or integer id and a non-blank string text (no messages to check,
     no judge-round carry field). The checks run over the whole chunk at once, in C; any
     line that is not such a row sends the whole chunk to parse_line, line by line, which
-    says what is wrong and where.
+    says what is wrong and where (a column that clashes with a result field too).
     """
     if opts.format != "jsonl" or not lines or (
             opts.task != "embed" and over_budget(opts.max_tokens, opts.sampling, opts.row_budget, _SPELLED)):
@@ -241,7 +287,17 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions) -> tuple[list[Any]
     else:
         requests = list(map(Request, texts, repeat(None), repeat(opts.max_tokens), repeat(opts.temperature),
                             repeat(opts.seed), repeat(opts.sampling)))
-    return ids, requests
+    columns: list[dict[str, Any]] | None = None
+    # Every row has its id and text (checked above): a row with no more fields has nothing to carry.
+    if opts.pass_through != () and max(map(len, objs)) > len({opts.id_field, opts.text_field}):
+        keys: set[str] = set().union(*map(dict.keys, objs))
+        kept = keys - opts.consumed if opts.pass_through is None else keys & set(opts.pass_through)
+        if kept & RESULT_FIELDS and opts.pass_through is None:
+            return None  # line by line: each such row is an error row naming the column
+        if kept:
+            consumed, only = opts.consumed, opts.pass_through
+            columns = [carried_columns(obj, consumed, only) for obj in objs]
+    return ids, requests, columns
 
 
 # How a row's budget refusal names its fields (the spec's camelCase names, as a sampling field spells them).
@@ -507,8 +563,10 @@ def _usage(res: Result) -> dict[str, int]:
     return {}
 
 
-def plain_result(rid: Any, res: Result, truncated: bool = False) -> dict[str, Any]:
-    """The published result row of a successful request in the plain (jsonl) shape."""
+def plain_result(rid: Any, res: Result, truncated: bool = False,
+                 columns: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The published result row of a successful request in the plain (jsonl) shape, its pass-through
+    `columns` after its own fields."""
     out: dict[str, Any] = {"id": rid}
     if res.embedding is not None:
         out["embedding"] = res.embedding
@@ -521,6 +579,8 @@ def plain_result(rid: Any, res: Result, truncated: bool = False) -> dict[str, An
         out["choices"] = [_plain_choice(i, c) for i, c in enumerate(res.choices)]
     if truncated:
         out["truncated"] = True
+    if columns:
+        out.update(columns)
     return out
 
 
@@ -590,7 +650,7 @@ def _vector(embedding: list[float] | None, encoding: str) -> list[float] | str |
 def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     """The published result row for a successful request (a row with several prompts: its merged_result)."""
     if opts.format != "openai":
-        return plain_result(row.id, res, row.truncated)
+        return plain_result(row.id, res, row.truncated, row.carried)
     usage = _usage(res)
     digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
     kind = OPENAI_URLS.get(row.url or "", opts.task)
@@ -632,4 +692,6 @@ def error_row(row: Row, object_name: str, opts: InputOptions) -> dict[str, Any]:
     if opts.format == "openai":
         out["custom_id"] = row.id
         out["response"] = None
+    elif row.carried:
+        out.update(row.carried)
     return out

@@ -2,28 +2,32 @@
 
 Output: one file per shard, zstd-compressed, with `id`, then `embedding` (a list of
 float32) for embed or `output` and the usage columns for generate and chat, `truncated`,
-and `attempts` / `round` when a judge ran. The `id` column is int64 when every result id
-of the job is an integer, string when every one is a string; when a job mixes them, `id`
-holds every id as text and `id_int` (int64, null for string ids) keeps the integers, so
-`1` and `"1"` stay apart (an integer id beyond 64 bits is kept as text only). The choice
-is made once per job (from the shards' completion
-records), so every file of a job has the same schema.
+and `attempts` / `round` when a judge ran, then the rows' pass-through columns (their
+types read from the values in that file; a column of mixed types holds JSON text).
+The `id` column is int64 when every result id of the job is an integer, string when
+every one is a string; when a job mixes them, `id` holds every id as text and `id_int`
+(int64, null for string ids) keeps the integers, so `1` and `"1"` stay apart (an integer
+id beyond 64 bits is kept as text only). The choice is made once per job (from the shards'
+completion records), so every file of a job has the same result columns.
 
 Input: the planner reads only the footer of each object (row-group row counts and sizes,
 the column names); the worker reads the row groups of its piece, only the columns it
-needs, and hands each row on as a JSON line, so every later step (parsing, bad rows,
+needs and the pass-through columns, and hands each row on as a JSON line, so every later step (parsing, bad rows,
 judge rounds) is the one JSONL rows take. A row's place is its row number in the object.
 """
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from .contract.columns import RESULT_FIELDS
 from .storage import Storage
 
 ID_INT = "id_int"
@@ -86,22 +90,52 @@ def results_table(rows: list[dict[str, Any]], task: str, ids: str, judged: bool)
     if judged:
         columns["attempts"] = pa.array([r.get("attempts") for r in rows], type=pa.int64())
         columns["round"] = pa.array([r.get("round") for r in rows], type=pa.int64())
+    for name in carried_names(rows):
+        columns[name] = _carried_array([r.get(name) for r in rows])
     return pa.table(columns)
+
+
+def carried_names(rows: list[dict[str, Any]]) -> list[str]:
+    """The pass-through columns of result rows (contract.columns), in the order they first appear."""
+    names: dict[str, None] = {}
+    for r in rows:
+        for k in r:
+            if k not in RESULT_FIELDS:
+                names[k] = None
+    return list(names)
+
+
+def _carried_array(values: list[Any]) -> Any:
+    """A pass-through column: Arrow's type for its values (JSON types: a string, int64, double, bool,
+    list or struct column), or each value's JSON text where they share no type (a column that is
+    sometimes a number, sometimes a string)."""
+    import pyarrow as pa
+
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        return pa.array([None if v is None else json.dumps(v, sort_keys=True, ensure_ascii=False)
+                         for v in values], type=pa.string())
 
 
 def encode_results(rows: list[dict[str, Any]], task: str, ids: str, judged: bool, compression: str) -> bytes:
     """A whole Parquet file of result rows, zstd-compressed unless `compression` is 'none'."""
+    return table_bytes(results_table(rows, task, ids, judged), compression)
+
+
+def table_bytes(table: Any, compression: str) -> bytes:
+    """A whole Parquet file of an Arrow table, zstd-compressed unless `compression` is 'none'."""
     import pyarrow.parquet as pq
 
     buf = io.BytesIO()
-    pq.write_table(results_table(rows, task, ids, judged), buf,
-                   compression="zstd" if compression == "zstd" else "none")
+    pq.write_table(table, buf, compression="zstd" if compression == "zstd" else "none")
     return buf.getvalue()
 
 
 def table_rows(table: Any) -> Iterator[dict[str, Any]]:
     """Rows of a results table in the JSONL result shape (the inverse of `results_table`)."""
     names = set(table.column_names)
+    carried = [c for c in table.column_names if c not in RESULT_FIELDS]
     for rec in table.to_pylist():
         rid = rec.get("id")
         if ID_INT in names and rec.get(ID_INT) is not None:
@@ -122,6 +156,8 @@ def table_rows(table: Any) -> Iterator[dict[str, Any]]:
         for key in ("attempts", "round"):
             if key in names:
                 out[key] = rec[key]
+        for key in carried:
+            out[key] = rec[key]
         yield out
 
 
@@ -202,10 +238,19 @@ def read_footer(storage: Storage, uri: str, size: int) -> Footer:
     return Footer(list(md.schema.to_arrow_schema().names), rows, sizes)
 
 
+def _json_value(value: Any) -> Any:
+    """What an input row's JSON line holds for a Parquet value JSON has no type for: binary as base64
+    text, anything else (a decimal, a time of day) as its text."""
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode("ascii")
+    return str(value)
+
+
 def iter_parquet_piece(storage: Storage, uri: str, size: int, group_rows: list[int], start: int, end: int,
-                       columns: list[str], resume_at: int = -1, batch_rows: int = 1024,
+                       columns: list[str] | None, resume_at: int = -1, batch_rows: int = 1024,
                        version: str | None = None) -> Iterator[tuple[int, bytes]]:
-    """(row number, JSON line) for the rows of row groups [start, end) from `resume_at` on.
+    """(row number, JSON line) for the rows of row groups [start, end) from `resume_at` on, with
+    `columns` (None: every column).
 
     Row groups wholly before the resume row are not read at all.
     """
@@ -222,10 +267,10 @@ def iter_parquet_piece(storage: Storage, uri: str, size: int, group_rows: list[i
         return
     groups += list(range(groups[0] + 1, end))
     pf = pq.ParquetFile(RangeFile(storage, uri, size, version))
-    present = [c for c in columns if c in pf.schema_arrow.names]
+    present = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
     row = first
     for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=present):
         for rec in batch.to_pylist():
             if row >= resume_at:
-                yield row, orjson.dumps(rec, default=str)
+                yield row, orjson.dumps(rec, default=_json_value)
             row += 1

@@ -46,6 +46,7 @@ class OpenChunk:
     truncated: set[int] = field(default_factory=set)  # rows whose prompt the engine cuts to the limit
     final: bytes | None = None  # the chunk's log lines, once every row is back
     tally: Tally | None = None  # what the final records add to the shard's counts
+    carried: list[dict[str, Any]] | None = None  # a chunk parsed in one pass: its rows' pass-through columns
 
     def place(self, i: int, res: Result) -> None:
         """Row i's answer is back."""
@@ -98,8 +99,9 @@ class Preparer:
         if set(map(type, chunk.data)) == {bytes}:
             parsed = parse_plain_lines(chunk.data, self.opts)  # type: ignore[arg-type]
             if parsed is not None:
-                ids, requests = parsed
-                return OpenChunk(chunk, [], chunk.places, ids, requests, [None] * len(ids), len(ids))
+                ids, requests, carried = parsed
+                return OpenChunk(chunk, [], chunk.places, ids, requests, [None] * len(ids), len(ids),
+                                 carried=carried)
         records: list[dict[str, Any]] = []
         rows: list[Row] = []
         for at, line in chunk.lines:
@@ -185,7 +187,7 @@ class Preparer:
         checked = self.validator.check(op.requests, results) \
             if op.rows is not None or self.opts.sampling.structured_output is not None else Checked()
         if op.rows is None and not op.truncated and set(map(_ERROR, results)) == {None}:
-            data = encode_plain_results(op.places, op.ids, results)
+            data = encode_plain_results(op.places, op.ids, results, op.carried)
             if data is not None:
                 tally = Tally(results=len(results), validated=checked.validated, repaired=checked.repaired)
                 if set(map(type, op.ids)) == {str}:
@@ -195,7 +197,8 @@ class Preparer:
                     tally.str_ids = len(results) - tally.int_ids
                 return data, tally
         rows = op.rows if op.rows is not None else [
-            Row(at=at, id=rid, request=req, truncated=i in op.truncated)
+            Row(at=at, id=rid, request=req, truncated=i in op.truncated,
+                carried=op.carried[i] or None if op.carried is not None else None)
             for i, (at, rid, req) in enumerate(zip(op.places, op.ids, op.requests, strict=True))]
         records = op.records
         if op.rows is not None and len({id(r) for r in rows}) < len(rows):

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,11 +35,12 @@ import zstandard
 
 from .contract import layout
 from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK
+from .contract.columns import RESULT_FIELDS
 from .contract.publish_plan import PASSES, PublishPlan, PublishPlanError, Unit
 from .inputs import id_key, row_id, row_usage
 from .parquet import SUFFIX as PARQUET_SUFFIX
-from .parquet import encode_results
-from .segments import LEVEL, ShardLog, encode_records
+from .parquet import encode_results, results_table, table_bytes
+from .segments import LEVEL, ShardLog, encode_records, loads_record
 from .storage import NotFound, Storage, StorageError, open_storage
 
 log = logging.getLogger("bij.worker")
@@ -49,6 +51,7 @@ NOT_RUN_ERRORS = {
     "Expired": ("batch_expired", "This request could not be executed before the completion window expired."),
     "Cancelled": ("batch_cancelled", "The batch was cancelled before this request executed."),
 }
+SPOOL_BYTES = 64 << 20  # a partitioned JSON lines file is held in memory up to this size, on local disk beyond
 
 
 def _read_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
@@ -191,6 +194,98 @@ class _FileParts:
                            "sha256": hashlib.sha256(data).hexdigest()})
         self.rows, self.lines = [], []
 
+    def close(self, always: bool = False) -> None:
+        """Write the last part (a shard without rows of this kind has no file, `always` or not)."""
+        self.flush()
+
+
+class _PartitionFile:
+    """One kind of published file for one input object (output.partitionBy input): one file, whatever
+    its rows. Rows go to a spooled temporary file as they come (in memory up to SPOOL_BYTES, on local
+    disk beyond): JSON lines as published (compressed as they go); for Parquet, JSON lines that become
+    one Arrow table at the end, a batch of `FILE_ROWS` rows at a time."""
+
+    def __init__(self, plan: PublishPlan, store: Storage, folder: str, stem: str, parquet: bool):
+        self.plan, self.store, self.parquet = plan, store, parquet
+        suffix = PARQUET_SUFFIX if parquet else ".jsonl" + (".zst" if plan.compression == "zstd" else "")
+        self.path = f"{folder}/{stem}{suffix}"
+        self.limit = FILE_ROWS if plan.file_rows is None else plan.file_rows
+        self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - closed in close()
+        compress = plan.compression == "zstd" and not parquet
+        self.cctx = zstandard.ZstdCompressor(level=3).compressobj() if compress else None
+        self.n = 0
+        self.files: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.n += 1
+        line = encode_records([row])
+        self.spool.write(self.cctx.compress(line) if self.cctx is not None else line)
+
+    def _batches(self, as_text: frozenset[str] = frozenset()) -> Iterator[Any]:
+        """The spooled rows as result tables of `limit` rows; the carried columns `as_text` as JSON text."""
+        self.spool.seek(0)
+        rows: list[dict[str, Any]] = []
+        for line in self.spool:
+            rows.append(loads_record(line))
+            if len(rows) >= self.limit:
+                yield self._table(rows, as_text)
+                rows = []
+        if rows or not self.n:
+            yield self._table(rows, as_text)
+
+    def _table(self, rows: list[dict[str, Any]], as_text: frozenset[str]) -> Any:
+        import pyarrow as pa
+
+        table = results_table(rows, self.plan.task, self.plan.id_kind or "mixed", self.plan.judge)
+        for name in as_text & set(table.column_names):
+            text = [None if r.get(name) is None else json.dumps(r[name], sort_keys=True, ensure_ascii=False)
+                    for r in rows]
+            table = table.set_column(table.column_names.index(name), name, pa.array(text, type=pa.string()))
+        return table
+
+    def _parquet(self) -> bytes:
+        """The spooled rows as one Parquet file: a carried column whose type differs between batches
+        holds JSON text in every batch (as within one batch), made from the rows again."""
+        import pyarrow as pa
+
+        tables = list(self._batches())
+        try:
+            table = pa.concat_tables(tables, promote_options="default")  # columns missing or all null: null
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            kinds: dict[str, set[Any]] = {}
+            for t in tables:
+                for f in t.schema:
+                    if f.name not in RESULT_FIELDS and f.type != pa.null():
+                        kinds.setdefault(f.name, set()).add(f.type)
+            mixed = frozenset(name for name, types in kinds.items() if len(types) > 1)
+            del tables
+            table = pa.concat_tables(list(self._batches(mixed)), promote_options="default")
+        return table_bytes(table, self.plan.compression)
+
+    def close(self, always: bool = False) -> None:
+        """Write the file (with `always`, even without rows: a results file for every input object)."""
+        if self.n == 0 and not always:
+            self.spool.close()
+            return
+        if self.parquet:
+            data = self._parquet()
+            self.spool.close()
+            self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - closed below
+            self.spool.write(data)
+        elif self.cctx is not None:
+            self.spool.write(self.cctx.flush())
+        digest = hashlib.sha256()
+        self.spool.seek(0)
+
+        def parts() -> Iterator[bytes]:
+            while part := self.spool.read(1 << 20):
+                digest.update(part)
+                yield part
+
+        size = self.store.write_stream(f"{self.plan.output_uri.rstrip('/')}/{self.path}", parts())
+        self.spool.close()
+        self.files.append({"path": self.path, "rows": self.n, "bytes": size, "sha256": digest.hexdigest()})
+
 
 def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     """Pass 3: shard `index`'s published files, losers as duplicate_id errors, and its summary."""
@@ -201,15 +296,47 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     round_no, shard, _ = plan.units[index]
     names = plan.object_names[round_no]
     name = f"r{round_no}-{shard:05d}"
-    results = _FileParts(plan, store, "results", name, plan.format == "parquet")
-    errors = _FileParts(plan, store, "errors", name, False)
-    capped = _FileParts(plan, store, "capped", name, False)
+    parquet = plan.format == "parquet"
+    results: _FileParts | _PartitionFile = _FileParts(plan, store, "results", name, parquet)
+    errors: _FileParts | _PartitionFile = _FileParts(plan, store, "errors", name, False)
+    capped: _FileParts | _PartitionFile = _FileParts(plan, store, "capped", name, False)
+    # output.partitionBy input: the unit's objects lie whole in it; each gets its own files, one object at a time.
+    partitions = list(plan.unit_objects[index]) if plan.partition_by == "input" else []
+    files: dict[str, list[dict[str, Any]]] = {"files": [], "errorFiles": [], "cappedFiles": []}
+    current = -1
+
     counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
               "tokensOut": 0, "reasoningTokens": 0}
+    # OpenAI batch lines a stopped batch never ran each get their batch_expired / batch_cancelled line
+    # in the error files (their object's, when partitioned), as OpenAI writes them; they stay counted
+    # as notRun, not as errors.
+    not_run: list[dict[str, Any]] = []
+    if plan.partial is not None:
+        counts["notRun"] = count_not_run(plan, index, store, emit=not_run.append)
+    index_of = {n: k for k, n in enumerate(names)}
+
+    def finish(obj: int) -> None:
+        """Close the current object's files and open the next object's (`obj`; -1: none)."""
+        nonlocal results, errors, capped, current
+        if current >= 0:
+            for line in not_run:
+                if index_of.get(line["object"]) == current:
+                    errors.add(line)
+            for key, part in (("files", results), ("errorFiles", errors), ("cappedFiles", capped)):
+                part.close(always=key == "files")
+                files[key] += [{**f, "input": names[current]} for f in part.files]
+        current = obj
+        if obj >= 0:
+            stem = plan.partitions[obj]
+            results = _PartitionFile(plan, store, "results", stem, parquet)
+            errors = _PartitionFile(plan, store, "errors", stem, False)
+            capped = _PartitionFile(plan, store, "capped", stem, False)
     codes: dict[str, int] = {}  # error rows by code
     ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan.prefix, index)))["ordered"])
     for rec in _records(store, plan.units[index], ordered):
         row = rec["row"]
+        while partitions and rec["at"][0] >= partitions[0]:  # this record's object, and any without rows before it
+            finish(partitions.pop(0))
         if rec["kind"] == "result":
             if (rec["at"][0], rec["at"][1]) in losers:
                 rid = row_id(row)
@@ -221,6 +348,8 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
                     "object": names[rec["at"][0]], "offset": rec["at"][1]}
                 if "custom_id" in row:  # an OpenAI batch line's error, in that shape like every other error row
                     lost["custom_id"], lost["response"] = rid, None
+                else:  # its pass-through columns, as every error row of a plain input
+                    lost.update((k, v) for k, v in row.items() if k not in RESULT_FIELDS)
                 errors.add(lost)
                 codes["duplicate_id"] = codes.get("duplicate_id", 0) + 1
                 continue
@@ -240,17 +369,21 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
             counts["errors"] += 1
             code = str((row.get("error") or {}).get("code") or "unknown")
             codes[code] = codes.get(code, 0) + 1
-    if plan.partial is not None:
-        # OpenAI batch lines a stopped batch never ran each get their batch_expired / batch_cancelled
-        # line in the error files, as OpenAI writes them; they stay counted as notRun, not as errors.
-        counts["notRun"] = count_not_run(plan, index, store, emit=errors.add)
-    for parts in (results, errors, capped):
-        parts.flush()
+    if plan.partition_by == "input":
+        while partitions:
+            finish(partitions.pop(0))
+        finish(-1)
+    else:
+        for line in not_run:
+            errors.add(line)
+        for key, parts in (("files", results), ("errorFiles", errors), ("cappedFiles", capped)):
+            parts.close()
+            files[key] = parts.files
     where = {"round": round_no, "shard": shard}
     summary = {**where, "counts": {**counts, "errorCodes": codes},
-               "files": [{**f, **where} for f in results.files],
-               "errorFiles": [{**f, **where} for f in errors.files],
-               "cappedFiles": [{**f, **where} for f in capped.files]}
+               "files": [{**f, **where} for f in files["files"]],
+               "errorFiles": [{**f, **where} for f in files["errorFiles"]],
+               "cappedFiles": [{**f, **where} for f in files["cappedFiles"]]}
     store.write_bytes(layout.publish_summary_uri(plan.prefix, index), json.dumps(summary).encode())
 
 

@@ -239,7 +239,7 @@ def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: Sequence[P
     `on_damaged`: what a .zst object that breaks becomes (see iter_piece).
 
     A Parquet object (one with `rowGroups` in the plan) yields its rows as JSON lines of
-    `columns`, each placed at (object, row number, row number + 1).
+    `columns` (None: every column), each placed at (object, row number, row number + 1).
     """
     for obj, start, end in pieces:
         if obj < cursor[0]:
@@ -251,7 +251,7 @@ def iter_shard_blocks(storage_for: Callable[[str], Storage], objects: Sequence[P
             places: list[Place] = []
             records: list[bytes | InputProblem] = []
             for row, record in iter_parquet_piece(storage_for(uri), uri, info.size, info.row_groups,
-                                                  start, end, columns or [], resume_at, version=info.version):
+                                                  start, end, columns, resume_at, version=info.version):
                 places.append((obj, row, row + 1))
                 records.append(record)
                 if len(places) >= parquet_rows:

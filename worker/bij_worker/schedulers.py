@@ -401,6 +401,8 @@ class JudgeLoop:
                                          "message": f"still rejected after {attempts} attempts"}}
         if self.prep.opts.format == "openai":
             out["custom_id"] = row.id
+        elif row.carried:
+            out.update(row.carried)
         return out
 
     def _verdicts(self, live: list[_Live], results: list[Result]) -> list[Verdict | None]:

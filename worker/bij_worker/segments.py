@@ -47,6 +47,7 @@ import os
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -121,16 +122,23 @@ def encode_records(records: Iterable[dict[str, Any]]) -> bytes:
 # One result record of the common shape (result_row of a plain row: an output and full usage),
 # with the JSON of its place, id and output put in: what orjson writes for its dict.
 _PLAIN_RESULT = (b'{"at":%b,"kind":"result","row":{"id":%b,"output":%b,'
-                 b'"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}}')
+                 b'"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}%b}}')
 
 
-def encode_plain_results(places: list[tuple[int, int, int]], ids: list[Any], results: list[Any]) -> bytes | None:
+def _columns_json(columns: dict[str, Any]) -> bytes:
+    """A row's pass-through columns as the JSON members that follow its usage: what orjson writes for them."""
+    return b"," + orjson.dumps(columns)[1:-1] if columns else b""
+
+
+def encode_plain_results(places: list[tuple[int, int, int]], ids: list[Any], results: list[Any],
+                         carried: list[dict[str, Any]] | None = None) -> bytes | None:
     """The log lines of a chunk's result records of the common shape, in one pass; None when they are not.
 
     Byte for byte what encode_records writes for the records
     ``{"at": place, "kind": "result", "row": result_row(...)}`` of plain rows, not cut to
     the token limit, each with an output and both token counts (`results` are engine
-    Results): the place, id and output go through orjson, a column at a time, with no
+    Results), and the rows' pass-through columns (`carried`, after the usage, as result_row puts
+    them): the place, id and output go through orjson, a column at a time, with no
     record dict per row. Anything else (an embedding, a count missing, an id orjson cannot
     write) is None: the caller builds the records.
     """
@@ -142,9 +150,10 @@ def encode_plain_results(places: list[tuple[int, int, int]], ids: list[Any], res
             or set(map(_EMBEDDING, results)) != {None} or set(map(_CHOICES, results)) != {None}:
         return None
     try:
-        lines = [_PLAIN_RESULT % (at, rid, out, p, c, p + c) for at, rid, out, p, c in zip(
+        extras = repeat(b"", len(results)) if carried is None else map(_columns_json, carried)
+        lines = [_PLAIN_RESULT % (at, rid, out, p, c, p + c, extra) for at, rid, out, p, c, extra in zip(
             map(orjson.dumps, places), map(orjson.dumps, ids), map(orjson.dumps, map(_OUTPUT, results)),
-            prompt, completion, strict=True)]
+            prompt, completion, extras, strict=True)]
     except TypeError:  # an integer beyond 64 bits, text orjson refuses: the records' own encoding says
         return None
     return b"\n".join(lines) + b"\n"

@@ -7,6 +7,7 @@
 - `plan`: the round plan (shards.json) the operator writes and the worker reads
 - `publish_plan`: the publish plan (publish/plan.json) the operator writes and the publish passes read
 - `records`: the durable records (completion, progress, claim, owner, removed)
+- `columns`: the names a published row uses, and the input columns it carries (pass-through)
 
 Nothing here imports the rest of bij_worker or bij_operator beyond the storage layer's names,
 so either side can import it without the other's dependencies.

@@ -3,6 +3,8 @@
     <output>/manifest.json                          published last; readers trust only this
     <output>/results/r<round>-<index>.jsonl[.zst]  published result files
     <output>/errors/r<round>-<index>.jsonl[.zst]   published error rows
+    <output>/results/<input name>.jsonl[.zst]      ... with output.partitionBy input: one per input object
+                                                    (`partition_stem`), .parquet for Parquet results
     <output>/_bij/owner.json                        which job owns this output (namespace, name, id)
     <output>/_bij/<job_id>/round-<r>/shards.json    the round plan (written once)
     <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable logs of one shard (one per writer, zstd frames)
@@ -38,6 +40,31 @@ def object_path(uri: str) -> str:
     """An object's URI without the query string of a signed http(s) URL (which names no part of the object):
     what its name and suffix (.jsonl, .zst) are read from."""
     return uri.split("?", 1)[0] if uri.startswith(("https://", "http://")) else uri
+
+
+# Input suffixes a partitioned file's name drops (the planner's input suffixes, and .parquet).
+PARTITION_SUFFIXES = (".jsonl.zst", ".ndjson.zst", ".json.zst", ".jsonl", ".ndjson", ".json", ".parquet")
+
+
+def partition_stem(uri: str, name: str | None) -> str:
+    """An input object's relative name (`PlanObject.name`) without its input suffix: the name its
+    published files have under results/, errors/ and capped/ with output.partitionBy input, before
+    the result's own suffix (`data/a/x.jsonl` under the input folder `data/` -> `a/x`). One
+    https:// object (or one without a relative name) is named by its file name."""
+    if name is None or uri.startswith(("https://", "http://")):
+        name = object_path(uri).rsplit("/", 1)[-1]
+    for suffix in PARTITION_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def partition_problem(stem: str) -> str | None:
+    """Why a partition stem cannot name a file under the output folder, or None."""
+    parts = stem.split("/")
+    if stem.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        return "it is not a plain relative path (empty, '.' or '..' parts)"
+    return None
 
 
 # --- the job ------------------------------------------------------------------------------------

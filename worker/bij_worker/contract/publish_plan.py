@@ -7,7 +7,12 @@ On disk it is camelCase JSON:
      "units": [[round, shard, shardPrefix], ...], "objectNames": [[name, ...] per round],
      "bucketRows": N, "buckets": B, "compression": "zstd" | "none", "format": "jsonl" | "parquet",
      "task": ..., "judge": bool, "idKind": "int" | "str" | "mixed" | null, "fileRows"?: N,
-     "s3": {"endpointUrl"?: ..., "region"?: ...}, "partial"?: "Cancelled" | "Expired", "roundPlans"?: [uri, ...]}
+     "s3": {"endpointUrl"?: ..., "region"?: ...}, "partial"?: "Cancelled" | "Expired", "roundPlans"?: [uri, ...],
+     "partitionBy"?: "input", "unitObjects"?: [[object index, ...] per unit], "partitions"?: [stem, ...]}
+
+`partitionBy` input (spec.output.partitionBy): the write pass publishes one file per input object, named
+`partitions[object]` (`layout.partition_stem`), for the objects of each unit (`unitObjects`: each lies
+whole in one unit).
 
 `s3` is the spec's `storage.s3`: every pass opens the output with it, whatever its environment says.
 
@@ -61,6 +66,9 @@ class PublishPlan(BaseModel):
     # round plans' URIs, by round).
     partial: Literal["Cancelled", "Expired"] | None = None
     round_plans: list[str] = []
+    partition_by: Literal["shard", "input"] = "shard"
+    unit_objects: list[list[int]] = []  # partitionBy input: each unit's objects, in input order
+    partitions: list[str] = []  # partitionBy input: each input object's published name (its stem)
 
     def to_json(self) -> bytes:
         doc = self.model_dump(mode="json", by_alias=True)
@@ -70,6 +78,8 @@ class PublishPlan(BaseModel):
             del doc["s3"]
         if self.partial is None:
             del doc["partial"], doc["roundPlans"]
+        if self.partition_by == "shard":
+            del doc["partitionBy"], doc["unitObjects"], doc["partitions"]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod

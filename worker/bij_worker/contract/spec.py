@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 from ..sampling import DEFAULT_ROW_BUDGET, Sampling
 from ..sampling import from_spec as sampling_from_spec
 from .codes import API_GROUP
+from .columns import RESULT_FIELDS, consumed
 from .errors import BijError
 from .globs import check_glob, has_glob
 
@@ -47,6 +48,14 @@ QUANTITY_PATTERN = (
 # The CRD's rules say the same (crds/batchinferencejobs.yaml).
 PARQUET_NOT_OPENAI = (
     "output.format parquet needs input.format jsonl or parquet: OpenAI batch output is JSON lines by definition"
+)
+PASS_THROUGH_NOT_OPENAI = (
+    "input.passThrough needs input.format jsonl or parquet: an OpenAI batch output line has a fixed shape "
+    "(custom_id, response, error) and carries no input columns"
+)
+PARTITION_NEEDS_ONE_ROUND = (
+    "output.partitionBy input needs judge.strategy inPlace (or no judge): rows a judge round re-dispatches "
+    "are read from the round's rejected files, no longer from their input object"
 )
 # Engines that schedule their own batches step by step (add and finish requests as they go).
 CONTINUOUS_ENGINES = ("vllm", "simulated")
@@ -135,6 +144,32 @@ class InputSpec(_Model):
     # A .zst object cut short or damaged: fail the round (the rows before it stay durable), or
     # record one corrupt_input error row where it breaks and publish without the rest of it.
     on_damaged_object: Literal["fail", "errorRow"] = "fail"
+    # The input columns carried to each result row beside its result fields (bij_worker.inputs,
+    # "pass-through columns"): unset, every column the request does not consume; a list, those
+    # columns only; [] none. JSONL and Parquet input only: an OpenAI batch output line has a fixed shape.
+    pass_through: list[str] | None = Field(None, max_length=1000)
+
+    @field_validator("pass_through")
+    @classmethod
+    def _pass_through(cls, names: list[str] | None) -> list[str] | None:
+        if names is None:
+            return None
+        for name in names:
+            if not name or len(name) > 256:
+                raise ValueError(f"column names have 1 to 256 characters, got {name[:40]!r}")
+            if name in RESULT_FIELDS:
+                raise ValueError(f"column {name!r} clashes with the result field of that name; result rows carry "
+                                 f"{', '.join(sorted(RESULT_FIELDS))}")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"column {dup[0]!r} is named twice")
+        return names
+
+    @model_validator(mode="after")
+    def _pass_through_format(self) -> InputSpec:
+        if self.pass_through is not None and self.format == "openai":
+            raise ValueError(PASS_THROUGH_NOT_OPENAI)
+        return self
 
     @field_validator("uri")
     @classmethod
@@ -160,6 +195,14 @@ class InputSpec(_Model):
             raise ValueError("must be a file:// folder, as file:///path")
         return uri
 
+    def consumed_columns(self) -> frozenset[str]:
+        """The columns a row's request consumes (contract.columns): never carried unless passThrough names them."""
+        return consumed(self.id_field, self.text_field, self.messages_field, self.sampling_field, self.adapter_field)
+
+    def carries_every_column(self) -> bool:
+        """Whether rows carry every column their request does not consume (passThrough unset, plain input)."""
+        return self.pass_through is None and self.format != "openai"
+
     def image_root_path(self) -> str | None:
         """The folder (a path) file:// images may come from, or None."""
         if self.image_root is not None:
@@ -180,6 +223,9 @@ class OutputSpec(_Model):
     keep_intermediate: bool = False
     # Ids one publish dedupe process holds at once: its memory, against the number of bucket files.
     publish_bucket_rows: int = Field(PUBLISH_BUCKET_ROWS, ge=MIN_PUBLISH_BUCKET_ROWS)
+    # How published files are cut: by shard (r<round>-<shard>, parts of FILE_ROWS rows), or by input
+    # object, one file each with the input's relative name (no object is cut across shards then).
+    partition_by: Literal["shard", "input"] = "shard"
 
     @field_validator("uri")
     @classmethod
@@ -505,6 +551,8 @@ class JobSpec(_Model):
             raise ValueError("judge needs a generate or chat task: embeddings have no text to judge")
         if self.output.format == "parquet" and self.input.format == "openai":
             raise ValueError(PARQUET_NOT_OPENAI)
+        if self.output.partition_by == "input" and self.judge is not None and self.judge.strategy != "inPlace":
+            raise ValueError(PARTITION_NEEDS_ONE_ROUND)
         if self.model.engine == "vllm" and self.workers.gpus is not None and self.workers.gpus < self.model.vllm.gpus:
             raise ValueError(GPUS_FOR_VLLM)
         if uris_overlap(self.input.uri, self.output.uri):
