@@ -194,17 +194,24 @@ def test_a_deadline_expires_bij_run_with_the_finished_rows_published(file_place,
     assert counts["notRun"] > 0
 
 
-@pytest.mark.parametrize("how", ["deadline", "cancel"])
+@pytest.mark.parametrize("how", ["deadline", "cancel", "deadline-partitioned"])
 def test_each_openai_line_a_stopped_batch_never_ran_gets_openais_error_line(file_place, make_job, read_output,
                                                                               log_lines, worker_env, bij_bin, how):
     lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "m", "messages": [{"role": "user", "content": f"row {i} " + "k" * (i * 7 % 90)}]}}
              for i in range(240)]
-    spec, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines), input={"format": "openai"},
+    partitioned = how == "deadline-partitioned"
+    if partitioned:  # two input objects, each published (and its not-run lines written) under its own name
+        file_place.write_jsonl("batches/a.jsonl", lines[:120])
+        where = file_place.write_jsonl("batches/b.jsonl", lines[120:]).rsplit("/", 1)[0] + "/"
+    else:
+        where = file_place.write_jsonl("batch.jsonl", lines)
+    spec, job = make_job(file_place, where, input={"format": "openai"},
                          model={"engine": "echo", "task": "chat"},
                          sharding={"targetShardBytes": 6000, "chunkRows": 10}, batching={"maxBatchSize": 5},
-                         workers={"parallelism": 2}, **({"deadlineSeconds": 3} if how == "deadline" else {}))
-    if how == "deadline":
+                         workers={"parallelism": 2}, **({"deadlineSeconds": 3} if how != "cancel" else {}),
+                         **({"output": {"partitionBy": "input"}} if partitioned else {}))
+    if how != "cancel":
         # 0.2 s a batch of 5: 240 rows take 10 s in two lanes, so 3 s stop the job part way.
         p = subprocess.run([bij_bin("bij"), "run", str(spec)], env=worker_env(echo_delay=0.2), capture_output=True,
                            text=True, timeout=120)
@@ -225,13 +232,21 @@ def test_each_openai_line_a_stopped_batch_never_ran_gets_openais_error_line(file
     counts = out.manifest["partial"]["counts"]
     assert counts["notRun"] > 0 and counts["completed"] + counts["failed"] + counts["notRun"] == len(lines)
     code, message = (("batch_expired", "This request could not be executed before the completion window expired.")
-                     if how == "deadline" else
+                     if how != "cancel" else
                      ("batch_cancelled", "The batch was cancelled before this request executed."))
     not_run = [e for e in out.errors if e["error"]["code"] == code]
     assert len(not_run) == counts["notRun"] == len(out.errors)  # echo fails no row: every error line is one
     for e in not_run:
         assert e["response"] is None and e["error"] == {"code": code, "message": message}
-        assert e["id"] == e["custom_id"] and e["object"] == "batch.jsonl"
+        assert e["id"] == e["custom_id"]
+        assert e["object"] == (("a.jsonl" if int(e["custom_id"][4:]) < 120 else "b.jsonl") if partitioned
+                               else "batch.jsonl")
     # Every line exactly once, as a result or as the error line of a request never run.
     done = [r["custom_id"] for r in out.results] + [e["custom_id"] for e in not_run]
     assert sorted(done) == sorted(line["custom_id"] for line in lines)
+    if partitioned:  # each object's error file holds its own lines only
+        for f in out.manifest["errorFiles"]:
+            assert f["path"] == f"errors/{f['input']}"
+            got = [json.loads(x) for x in file_place.storage.read_bytes(
+                job.spec.output.uri.rstrip("/") + "/" + f["path"]).splitlines()]
+            assert got and {e["object"] for e in got} == {f["input"]}
