@@ -10,16 +10,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from bij_operator.access_review import check_grants
 from bij_operator.driver import Driver
-from bij_operator.permissions import (
-    RECHECK_FIRST,
-    RECHECK_MAX,
-    WORKER_GRANTS,
-    GrantCheck,
-    check_grants,
-    recheck_after,
-    record,
-)
+from bij_operator.permissions import RECHECK_FIRST, RECHECK_MAX, WORKER_GRANTS, GrantCheck, recheck_after, record
 from bij_operator.reconcile import CheckPermissions, PlanRound, Wait, decide
 from bij_operator.status import fmt_time
 from bij_worker.contract.spec import parse_job

@@ -5,7 +5,7 @@ fixes a failure:
 
 - the namespace and the worker service account exist;
 - the worker identity holds every grant its pods use (`permissions.WORKER_GRANTS`, the chart's worker
-  Role), asked with a LocalSubjectAccessReview for that service account (`permissions.check_grants`, the
+  Role), asked with a LocalSubjectAccessReview for that service account (`access_review.check_grants`, the
   operator's own check before a bij's first pod);
 - with a job: its credentials Secret exists and holds S3 keys; some node can take its worker pods
   (node selector, required node affinity, taints, GPUs), judged on the pod the operator would create;
@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, job_to_dict, load_job
 
+from .access_review import check_grants
 from .jobs import (
     FILE_STORAGE_ENV,
     FileVolume,
@@ -37,7 +38,7 @@ from .jobs import (
     worker_image_default,
 )
 from .jobs import render_job as _render_job
-from .permissions import DEFAULT_SERVICE_ACCOUNT, check_grants
+from .permissions import DEFAULT_SERVICE_ACCOUNT
 
 Level = Literal["ok", "warn", "fail"]
 # Image problems a pod shows while waiting: it will never start as it is.

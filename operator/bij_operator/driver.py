@@ -157,7 +157,7 @@ class Driver:
     """Steps one bij forward through a backend. One driver per bij; not shared between threads.
 
     ``worker_grants``: where the bij's pods run under RBAC (the operator), asks the API server whether its
-    worker service account holds every grant its pods use (`permissions.check_grants`); `decide()` then
+    worker service account holds every grant its pods use (`access_review.check_grants`); `decide()` then
     checks before the first pod. None (`bij run`: local processes, no RBAC): never checked."""
 
     def __init__(self, backend: Backend, *, status_interval: float = STATUS_INTERVAL,

@@ -32,9 +32,10 @@ from bij_worker.contract.codes import JOB_LABEL, STEP_LABEL
 from bij_worker.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from kubernetes.client import ApiException
 
+from .access_review import check_grants
 from .driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
 from .jobs import FileVolume, file_uri_problems, steps_image_default, worker_image_default
-from .permissions import GrantCheck, check_grants
+from .permissions import GrantCheck
 from .reconcile import Decision, owns
 
 PLURAL = "batchinferencejobs"

@@ -1,11 +1,11 @@
-"""Does a bij's worker identity hold every grant its pods use? Asked of the API server, for `bij doctor`
-and for the operator before a bij's first pod.
+"""Does a bij's worker identity hold every grant its pods use? The grants, the answer, and what the
+operator records of it: plain data, for `bij doctor` and for the operator before a bij's first pod.
 
-`WORKER_GRANTS` is the one list (the chart's worker Role is held equal to it by a test). `check_grants`
-asks with one LocalSubjectAccessReview per grant: namespaced, so a namespace admin (doctor) and an
-operator installed with Roles only may ask it. The operator records the answer in the bij's status
-(`record`, `condition`); `reconcile.decide()` reads that record to hold a bij whose pods would fail
-(`permissions_gate` there). The local runner (`bij run`) has no RBAC and never asks.
+`WORKER_GRANTS` is the one list (the chart's worker Role is held equal to it by a test).
+`access_review.check_grants` asks the API server, one LocalSubjectAccessReview per grant. The operator
+records the answer in the bij's status (`record`, `condition`); `reconcile.decide()` reads that record
+to hold a bij whose pods would fail (`reconcile.permissions_gate`). The local runner (`bij run`) has no
+RBAC and never asks.
 """
 
 from __future__ import annotations
@@ -97,33 +97,6 @@ class GrantCheck:
             return (f"{self.user} may not {', '.join(g.what for g in self.missing)}: its pods cannot report into "
                     "the bij's status, so the bij would never get past its first step")
         return f"{self.user} may {', '.join(g.what for g in WORKER_GRANTS)}"
-
-
-def check_grants(authz: Any, namespace: str, sa: str) -> GrantCheck:
-    """Ask, as `authz`'s identity (a kubernetes AuthorizationV1Api), whether `sa` of `namespace` holds every
-    one of `WORKER_GRANTS`. An API error (the caller may not ask) is an answer too: `cannot_ask`."""
-    from kubernetes.client import (
-        ApiException,
-        V1LocalSubjectAccessReview,
-        V1ObjectMeta,
-        V1ResourceAttributes,
-        V1SubjectAccessReviewSpec,
-    )
-
-    user = service_account_user(namespace, sa)
-    missing: list[Grant] = []
-    for g in WORKER_GRANTS:
-        review = V1LocalSubjectAccessReview(metadata=V1ObjectMeta(namespace=namespace), spec=V1SubjectAccessReviewSpec(
-            user=user, groups=["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"],
-            resource_attributes=V1ResourceAttributes(namespace=namespace, verb=g.verb, group=g.group,
-                                                     resource=g.resource, subresource=g.subresource or None)))
-        try:
-            answer = authz.create_namespaced_local_subject_access_review(namespace, review)
-        except ApiException as e:
-            return GrantCheck(namespace, sa, cannot_ask=f"create localsubjectaccessreviews: {e.status} {e.reason}")
-        if not answer.status.allowed:
-            missing.append(g)
-    return GrantCheck(namespace, sa, tuple(missing))
 
 
 # --- the operator's record of the answer, in the bij's status ------------------------------------------

@@ -229,7 +229,7 @@ class StepDecision(Decision):
 @dataclass(frozen=True, kw_only=True)
 class CheckPermissions(Decision):
     """Ask the API server whether the bij's worker identity holds every grant its pods use
-    (`permissions.check_grants`), and record the answer in ``status.workerPermissions``."""
+    (`access_review.check_grants`), and record the answer in ``status.workerPermissions``."""
 
     service_account: str
 
