@@ -860,6 +860,10 @@ def test_a_worker_role_missing_a_grant_holds_the_bij_before_any_pod_until_the_ro
 
     # The admin grants it; the next check sees it and the same bij runs through, not re-created.
     rbac.replace_namespaced_role("bij-worker", env.ns, {"metadata": {"name": "bij-worker"}, "rules": WORKER_RULES})
+    fixed = time.monotonic()
+    wait_for(lambda: _conditions(env.status("held"))["WorkerPermissions"]["status"] == "True" or None, 180,
+             "the grant seen")
+    print(f"the grant seen {time.monotonic() - fixed:.1f} s after the Role was fixed")
     st = env.wait_phase("held", "Succeeded", timeout=240)
     cond = _conditions(st)["WorkerPermissions"]
     assert (cond["status"], cond["reason"]) == ("True", "Granted"), cond

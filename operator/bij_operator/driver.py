@@ -411,7 +411,7 @@ class Driver:
                 event = ("Warning", "PermissionsNotChecked", message)
             elif previous.get("result") == "Missing":
                 event = ("Normal", "PermissionsGranted", f"{message}: the bij goes on")
-        log.info("%s: worker grants of %s: %s", d.service_account, check.user, check.result)
+        log.info("worker grants of %s: %s", check.user, check.result)
         self.write_status(seen, patch, event=event)
 
     def create_job(self, seen: Observed, d: Decision, body: dict[str, Any], what: str,
