@@ -126,6 +126,14 @@ def test_rechecks_back_off_to_a_cap_and_count_only_answers_that_stay_missing() -
     assert isinstance(d, Wait) and d.recheck == pytest.approx(4 * RECHECK_FIRST - 1)
 
 
+def test_a_held_bij_that_is_cancelled_stays_held_rather_than_start_a_pod_that_would_be_refused() -> None:
+    cancelled = a_job().model_copy(update={"spec": a_job().spec.model_copy(update={"cancel": True})})
+    d = decide(cancelled, recorded(MISSING), [], now=NOW + dt.timedelta(seconds=1), check_permissions=True)
+    assert isinstance(d, Wait) and d.reason == "MissingPermissions"
+    d = decide(cancelled, recorded(GrantCheck("team", "bij-worker")), [], now=NOW, check_permissions=True)
+    assert isinstance(d, PlanRound) and d.phase == "Cancelling"
+
+
 def test_another_service_account_in_the_spec_is_asked_about_at_once() -> None:
     d = decide(a_job("runner"), recorded(MISSING), [], now=NOW, check_permissions=True)
     assert isinstance(d, CheckPermissions) and d.service_account == "runner"

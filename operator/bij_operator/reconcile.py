@@ -721,6 +721,13 @@ def decide(
     if phase in STOPPED_PHASES:
         return Nothing(round=r, phase=phase, reason=phase, message=str(status.get("message") or phase.lower()))
 
+    if check_permissions and not round_records(status):
+        # Only before anything ran (a bij already under way when this check came in is left alone), and
+        # before a stop too: cancelling plans round 0 in a pod, which would be refused as well.
+        held = permissions_gate(job, status, now)
+        if held is not None:
+            return held
+
     stop = stop_requested(job, status, now)
     if stop is not None:
         return stopping_step(job, seen, stop)
@@ -731,12 +738,6 @@ def decide(
                           message=f"{', '.join(changed)} changed after round 0 was planned: rows made before and "
                                   "after would be mixed; undo the change, or delete and re-create the "
                                   "BatchInferenceJob to start over")
-
-    if check_permissions and not round_records(status):
-        # Only before anything ran: a bij already under way when this check came in is left alone.
-        held = permissions_gate(job, status, now)
-        if held is not None:
-            return held
 
     rec = round_records(status).get(r)
     if rec is None:
