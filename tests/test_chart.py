@@ -235,7 +235,7 @@ def test_worker_service_account_exists_where_round_jobs_run(chart: helm.Chart) -
 
 
 def test_the_worker_role_is_exactly_the_grants_bij_doctor_checks(chart: helm.Chart) -> None:
-    from bij_operator.doctor import worker_role_rules
+    from bij_operator.permissions import worker_role_rules
 
     roles = [r for r in of_kind(render(chart, NON_DEFAULT), "Role") if r["metadata"]["name"] == "bij-worker"]
     assert {r["metadata"]["namespace"] for r in roles} == {"team-a", "team-b", "team-c"}
@@ -292,6 +292,7 @@ NAMESPACED_GRANTS = grants([
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": ["authorization.k8s.io"], "resources": ["localsubjectaccessreviews"], "verbs": ["create"]},
 ])
 CRD_GRANTS = grants([{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
                       "verbs": ["list", "watch"]}])

@@ -813,23 +813,76 @@ def test_tenants_stay_apart_each_namespace_with_its_own_s3_identity(env: Env, s3
     assert a_who.access_key in requesters and b_who.access_key in requesters
 
 
-def test_a_step_whose_report_is_forbidden_ends_failed_saying_the_403_and_the_missing_verb(env: Env) -> None:
-    # The namespace's worker Role lacks the one verb a step needs: patching its bij's status.
+def _worker_role(env: Env, rules: list[dict[str, Any]]) -> kubernetes.client.RbacAuthorizationV1Api:
+    """The namespace's worker account and Role set up by hand, with `rules`."""
     remove_worker_account(env.api, env.ns)
     rbac = kubernetes.client.RbacAuthorizationV1Api(env.api)
     env.core.create_namespaced_service_account(env.ns, {"metadata": {"name": "bij-worker"}})
-    rbac.create_namespaced_role(env.ns, {"metadata": {"name": "bij-worker"}, "rules": [
-        {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"], "verbs": ["get"]}]})
+    rbac.create_namespaced_role(env.ns, {"metadata": {"name": "bij-worker"}, "rules": rules})
     rbac.create_namespaced_role_binding(env.ns, {
         "metadata": {"name": "bij-worker"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "bij-worker"},
         "subjects": [{"kind": "ServiceAccount", "name": "bij-worker", "namespace": env.ns}]})
-    job_ids(env, 20)
+    return rbac
+
+
+# The one verb a bij's pods need is not granted: patching their bij's status.
+READ_ONLY = [{"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs"], "verbs": ["get"]}]
+
+
+def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status.get("conditions") or []}
+
+
+def test_a_worker_role_missing_a_grant_holds_the_bij_before_any_pod_until_the_role_is_fixed(env: Env) -> None:
+    rbac = _worker_role(env, READ_ONLY)
+    ids = job_ids(env, 20)
+    env.create(env.doc("held"))
+
+    def checked_twice() -> dict[str, Any] | None:
+        st = env.status("held")
+        return st if (st.get("workerPermissions") or {}).get("checks", 0) >= 2 else None
+
+    st = wait_for(checked_twice, 120, "the missing grant found twice")
+    cond = _conditions(st)["WorkerPermissions"]
+    print(cond["message"])
+    assert (cond["status"], cond["reason"]) == ("False", "MissingPermissions")
+    assert (f"system:serviceaccount:{env.ns}:bij-worker may not patch batchinferencejobs/status.batchinference.io"
+            in cond["message"])
+    assert f"Fix: kubectl -n {env.ns} create role bij-worker --verb=patch" in cond["message"]
+    assert st["phase"] == "Pending" and st["message"] == cond["message"]
+    assert env.jobs() == []  # no step, no round Job: their pods would be refused
+    wide = env.kubectl("get", "bij", "held", "-o", "wide", "--no-headers")
+    assert wide.split()[:2] == ["held", "Pending"] and "may not patch batchinferencejobs/status" in wide, wide
+    wait_for(lambda: "MissingPermissions" in env.reasons("held") or None, 30, "the Warning Event")
+    warned = [e for e in env.events("held") if e["reason"] == "MissingPermissions"]
+    assert len(warned) == 1 and warned[0]["type"] == "Warning"  # said once, not on every check
+
+    # The admin grants it; the next check sees it and the same bij runs through, not re-created.
+    rbac.replace_namespaced_role("bij-worker", env.ns, {"metadata": {"name": "bij-worker"}, "rules": WORKER_RULES})
+    fixed = time.monotonic()
+    wait_for(lambda: _conditions(env.status("held"))["WorkerPermissions"]["status"] == "True" or None, 180,
+             "the grant seen")
+    print(f"the grant seen {time.monotonic() - fixed:.1f} s after the Role was fixed")
+    st = env.wait_phase("held", "Succeeded", timeout=240)
+    cond = _conditions(st)["WorkerPermissions"]
+    assert (cond["status"], cond["reason"]) == ("True", "Granted"), cond
+    assert_every_row_once(env.tmp / "out-held" / "manifest.json", ids)
+    wait_for(lambda: "PermissionsGranted" in env.reasons("held") or None, 30, "the PermissionsGranted Event")
+
+
+def test_a_grant_revoked_after_the_check_fails_the_step_saying_the_403_and_the_missing_verb(env: Env) -> None:
+    # The worker identity holds its grant when the bij is created, so it passes the operator's check; the
+    # input is not there yet, so its plan step reports that and is run again after the retry delay.
+    rbac = _worker_role(env, WORKER_RULES)
+    later = f"file://{env.tmp}/later/"
     log_before = len(operator_log(env.cluster))
-    env.create(env.doc("denied"))
-    # A phase from the start: planning, while the plan step runs.
-    first = wait_for(lambda: env.status("denied").get("phase") or None, 60, "a phase")
-    assert first == "Planning", first
+    env.create(env.doc("denied", input={"uri": later}))
+    wait_for(lambda: "PlanFailed" in env.reasons("denied") or None, 90, "the plan's first failure")
+    assert _conditions(env.status("denied"))["WorkerPermissions"]["status"] == "True"
+    # Then the grant is taken away: the step's next pods cannot report.
+    rbac.replace_namespaced_role("bij-worker", env.ns, {"metadata": {"name": "bij-worker"}, "rules": READ_ONLY})
+    write_rows(env.tmp / "later", 20)
     st = env.wait_phase("denied", "Failed", timeout=240)
     message = st["message"]
     print(message)
@@ -870,7 +923,7 @@ JUSTIFIED = {
         "admission plugin (on in this cluster) checks this permission when they are created",
     ("", "pods", "list"):
         "the failed pods of a step Job say why it is retried or failed; listed only once one failed "
-        "(test_a_step_whose_report_is_forbidden_ends_failed_saying_the_403_and_the_missing_verb)",
+        "(test_a_grant_revoked_after_the_check_fails_the_step_saying_the_403_and_the_missing_verb)",
 }
 MODES = {
     "all-namespaces": {},

@@ -12,16 +12,15 @@ from typing import Any
 
 import pytest
 from bij_operator.doctor import (
-    WORKER_GRANTS,
     Finding,
     format_report,
-    grant_fix,
     node_fits,
     nodes_finding,
     pod_findings,
     probe_pod,
 )
 from bij_operator.jobs import render_job
+from bij_operator.permissions import WORKER_GRANTS, grant_fix
 from bij_worker.contract.spec import parse_job
 from bij_worker.probe import probe
 

@@ -20,6 +20,7 @@ PACKAGES = {"bij_operator": ROOT / "operator" / "bij_operator", "bij_worker": RO
 PURE = {
     "bij_operator.reconcile", "bij_operator.fingerprint", "bij_operator.rounds",
     "bij_operator.stopping",  # whether cancel was asked or the deadline passed: the spec, the status, a clock
+    "bij_operator.permissions",  # the worker grants and the recorded answer about them (asked in access_review)
     "bij_worker.contract", "bij_worker.contract.codes", "bij_worker.contract.errors", "bij_worker.contract.spec",
     "bij_worker.contract.plan", "bij_worker.contract.publish_plan", "bij_worker.contract.globs",
     "bij_worker.contract.step_report",  # a step's report as the status holds it: pydantic over plain data

@@ -4,8 +4,9 @@ Checks, each answered ok, warn (cannot tell, or may resolve itself) or fail, wit
 fixes a failure:
 
 - the namespace and the worker service account exist;
-- the worker identity holds every grant its pods use (`WORKER_GRANTS`, the chart's worker Role),
-  asked with a SubjectAccessReview for that service account;
+- the worker identity holds every grant its pods use (`permissions.WORKER_GRANTS`, the chart's worker
+  Role), asked with a LocalSubjectAccessReview for that service account (`access_review.check_grants`, the
+  operator's own check before a bij's first pod);
 - with a job: its credentials Secret exists and holds S3 keys; some node can take its worker pods
   (node selector, required node affinity, taints, GPUs), judged on the pod the operator would create;
 - with a job: a short-lived pod of the namespace, under the worker identity, with the job's image and
@@ -29,14 +30,15 @@ from typing import Any, Literal
 
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, job_to_dict, load_job
 
+from .access_review import check_grants
 from .jobs import (
-    DEFAULT_SERVICE_ACCOUNT,
     FILE_STORAGE_ENV,
     FileVolume,
     render_step_job,
     worker_image_default,
 )
 from .jobs import render_job as _render_job
+from .permissions import DEFAULT_SERVICE_ACCOUNT
 
 Level = Literal["ok", "warn", "fail"]
 # Image problems a pod shows while waiting: it will never start as it is.
@@ -46,46 +48,11 @@ PROBE_TIMEOUT = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Grant:
-    """One permission of the worker identity: `verb` on `resource[/subresource]` of `group`."""
-
-    group: str
-    resource: str
-    verb: str
-    subresource: str = ""
-
-    @property
-    def what(self) -> str:
-        sub = f"/{self.subresource}" if self.subresource else ""
-        return f"{self.verb} {self.resource}{sub}.{self.group}"
-
-
-# Every grant a bij's pods use (the chart's `bij-operator.rules.worker`; a test holds the two equal):
-# a pod merge-patches its own report into the bij's status (bij_worker.report).
-WORKER_GRANTS: tuple[Grant, ...] = (Grant("batchinference.io", "batchinferencejobs", "patch", "status"),)
-
-
-@dataclasses.dataclass(frozen=True)
 class Finding:
     check: str
     level: Level
     detail: str
     fix: str = ""
-
-
-def worker_role_rules() -> list[dict[str, Any]]:
-    """`WORKER_GRANTS` as Role rules, one per grant."""
-    return [{"apiGroups": [g.group], "resources": [f"{g.resource}/{g.subresource}" if g.subresource else g.resource],
-             "verbs": [g.verb]} for g in WORKER_GRANTS]
-
-
-def grant_fix(namespace: str, sa: str, missing: Sequence[Grant]) -> str:
-    verbs = ",".join(sorted({g.verb for g in missing}))
-    resources = " ".join(f"--resource={g.resource}.{g.group}" + (f"/{g.subresource}" if g.subresource else "")
-                         for g in missing)
-    return (f"kubectl -n {namespace} create role bij-worker --verb={verbs} {resources} && "
-            f"kubectl -n {namespace} create rolebinding bij-worker --role=bij-worker "
-            f"--serviceaccount={namespace}:{sa}  (or list {namespace} in the chart's workerServiceAccount.namespaces)")
 
 
 # --- nodes: could the scheduler place the worker pod? --------------------------------------------
@@ -300,33 +267,12 @@ class Doctor:
                            f"{e.status} {e.reason}")
 
     def grants(self, namespace: str, sa: str) -> Finding:
-        from kubernetes.client import (
-            ApiException,
-            V1ResourceAttributes,
-            V1SubjectAccessReview,
-            V1SubjectAccessReviewSpec,
-        )
-
-        user = f"system:serviceaccount:{namespace}:{sa}"
-        missing: list[Grant] = []
-        for g in WORKER_GRANTS:
-            review = V1SubjectAccessReview(spec=V1SubjectAccessReviewSpec(
-                user=user, groups=["system:serviceaccounts", f"system:serviceaccounts:{namespace}",
-                                   "system:authenticated"],
-                resource_attributes=V1ResourceAttributes(namespace=namespace, verb=g.verb, group=g.group,
-                                                         resource=g.resource, subresource=g.subresource or None)))
-            try:
-                answer = self.authz.create_subject_access_review(review)
-            except ApiException as e:
-                return Finding("rbac", "warn", f"cannot ask the API server what {user} may do "
-                               f"(create subjectaccessreviews: {e.status} {e.reason})")
-            if not answer.status.allowed:
-                missing.append(g)
-        if missing:
-            return Finding("rbac", "fail", f"{user} may not {', '.join(g.what for g in missing)}: its pods cannot "
-                           "report into the bij's status, so the bij would never get past its first step",
-                           grant_fix(namespace, sa, missing))
-        return Finding("rbac", "ok", f"{user} may {', '.join(g.what for g in WORKER_GRANTS)}")
+        check = check_grants(self.authz, namespace, sa)
+        if check.result == "Unknown":
+            return Finding("rbac", "warn", check.describe())
+        if check.result == "Missing":
+            return Finding("rbac", "fail", check.describe(), check.fix)
+        return Finding("rbac", "ok", check.describe())
 
     def secret(self, namespace: str, name: str, job: BatchInferenceJob) -> Finding:
         from kubernetes.client import ApiException

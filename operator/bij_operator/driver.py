@@ -41,8 +41,12 @@ from bij_worker.contract.spec import BatchInferenceJob, SpecError
 from .efficiency import eta_seconds, fmt_duration
 from .fingerprint import field_digests
 from .jobs import FileVolume, render_job, render_publish_job, render_step_job
+from .permissions import CONDITION as PERMISSIONS_CONDITION
+from .permissions import STATUS_KEY as PERMISSIONS_KEY
+from .permissions import GrantCheck, condition, record
 from .reconcile import (
     TERMINAL_PHASES,
+    CheckPermissions,
     CreateJob,
     CreatePublishJob,
     Decision,
@@ -65,7 +69,15 @@ from .reconcile import (
     round_records,
 )
 from .rounds import RoundStats
-from .status import decision_status, fmt_time, now_utc, parse_time, phase_conditions, status_differs
+from .status import (
+    decision_status,
+    fmt_time,
+    now_utc,
+    parse_time,
+    phase_conditions,
+    set_condition,
+    status_differs,
+)
 from .stopping import seconds_left
 
 log = logging.getLogger("bij.driver")
@@ -142,15 +154,21 @@ class Idle:
 
 
 class Driver:
-    """Steps one bij forward through a backend. One driver per bij; not shared between threads."""
+    """Steps one bij forward through a backend. One driver per bij; not shared between threads.
+
+    ``worker_grants``: where the bij's pods run under RBAC (the operator), asks the API server whether its
+    worker service account holds every grant its pods use (`access_review.check_grants`); `decide()` then
+    checks before the first pod. None (`bij run`: local processes, no RBAC): never checked."""
 
     def __init__(self, backend: Backend, *, status_interval: float = STATUS_INTERVAL,
                  progress_interval: float = PROGRESS_INTERVAL,
-                 on_decision: Callable[[Decision], None] | None = None):
+                 on_decision: Callable[[Decision], None] | None = None,
+                 worker_grants: Callable[[str], GrantCheck] | None = None):
         self.backend = backend
         self.status_interval = status_interval
         self.progress_interval = progress_interval
         self.on_decision = on_decision
+        self.worker_grants = worker_grants
         self.last_progress = 0.0
 
     # --- the loop -------------------------------------------------------------------------------
@@ -169,7 +187,7 @@ class Driver:
             job = seen.job
             now = now_utc()
             last = decide(job, seen.status, seen.jobs, self.shards_done(seen.status), now=now, pods=seen.pods,
-                          generation=seen.generation)
+                          generation=seen.generation, check_permissions=self.worker_grants is not None)
             log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
             if self.on_decision is not None:
                 self.on_decision(last)
@@ -207,6 +225,10 @@ class Driver:
 
         if isinstance(d, StepDecision) and d.result is None:
             return self.run_step(seen, job, d)
+
+        if isinstance(d, CheckPermissions):
+            self.check_permissions(seen, d, now)
+            return None
 
         if isinstance(d, RerunStep):
             self.backend.delete_job(d.job_name)
@@ -369,6 +391,30 @@ class Driver:
         reason = d.reason if isinstance(d, Retry) else d.event if isinstance(d, MarkFailed) else "Failed"
         self.write_status(seen, patch, event=("Warning", reason, d.message) if first else None)
         return Idle(d, recheck=d.delay if isinstance(d, Retry) else None)
+
+    def check_permissions(self, seen: Observed, d: CheckPermissions, now: Any) -> None:
+        """Ask whether the worker identity holds its grants; record the answer (``status.workerPermissions``,
+        the WorkerPermissions Condition) and say it in an Event when it changed. `decide()` takes it from there."""
+        assert self.worker_grants is not None  # decided only where grants are checked
+        check = self.worker_grants(d.service_account)
+        previous = seen.status.get(PERMISSIONS_KEY)
+        previous = previous if isinstance(previous, Mapping) else {}
+        rec = record(check, previous, fmt_time(now))
+        truth, reason, message = condition(check)
+        patch = {**self.base(seen, d, now), "message": d.message, PERMISSIONS_KEY: rec}
+        patch["conditions"] = set_condition(patch["conditions"], PERMISSIONS_CONDITION, truth, reason, message,
+                                            generation=seen.generation, now=now)
+        was = (previous.get("serviceAccount"), previous.get("result"), previous.get("missing"))
+        event: tuple[str, str, str] | None = None
+        if was != (rec["serviceAccount"], rec["result"], rec["missing"]):
+            if check.result == "Missing":
+                event = ("Warning", "MissingPermissions", message)
+            elif check.result == "Unknown":
+                event = ("Warning", "PermissionsNotChecked", message)
+            elif previous.get("result") == "Missing":
+                event = ("Normal", "PermissionsGranted", f"{message}: the bij goes on")
+        log.info("worker grants of %s: %s", check.user, check.result)
+        self.write_status(seen, patch, event=event)
 
     def create_job(self, seen: Observed, d: Decision, body: dict[str, Any], what: str,
                    phase: Phase) -> Created:

@@ -32,8 +32,10 @@ from bij_worker.contract.codes import JOB_LABEL, STEP_LABEL
 from bij_worker.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from kubernetes.client import ApiException
 
+from .access_review import check_grants
 from .driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
 from .jobs import FileVolume, file_uri_problems, steps_image_default, worker_image_default
+from .permissions import GrantCheck
 from .reconcile import Decision, owns
 
 PLURAL = "batchinferencejobs"
@@ -89,6 +91,7 @@ class Api:
         self.custom = kubernetes.client.CustomObjectsApi(self._client)
         self.batch = kubernetes.client.BatchV1Api(self._client)
         self.core = kubernetes.client.CoreV1Api(self._client)
+        self.authz = kubernetes.client.AuthorizationV1Api(self._client)
 
     def get_bij(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -219,6 +222,11 @@ class KubeBackend:
         pods = self.api.step_pods(self.namespace, self.name) if failing else []
         return Observed(job=job, spec_error=None, status=status, generation=generation, output_uri=output_uri,
                         jobs=jobs, pods=pods)
+
+    def check_worker_grants(self, service_account: str) -> GrantCheck:
+        """Whether `service_account` of this bij's namespace holds every grant its pods use, asked as the
+        operator (a LocalSubjectAccessReview each; the chart grants the create)."""
+        return check_grants(self.api.authz, self.namespace, service_account)
 
     def create_job(self, body: dict[str, Any]) -> Created:
         kopf.adopt(body, owner=as_body(self.raw))
@@ -379,7 +387,8 @@ async def drive(*, namespace: str | None, name: str, stopped: kopf.DaemonStopped
     backend = KubeBackend(op.api, namespace, name, bij_jobs, op.config.worker_image, op.config.file_volume,
                           steps_image=op.config.steps_image)
     driver = Driver(backend, status_interval=op.config.status_interval,
-                    progress_interval=op.config.progress_interval, on_decision=op.metrics.decided)
+                    progress_interval=op.config.progress_interval, on_decision=op.metrics.decided,
+                    worker_grants=backend.check_worker_grants)
     wake = op.driven[key] = asyncio.Event()
     try:
         while not stopped:

@@ -33,10 +33,10 @@ from bij_worker.contract.codes import (
 from bij_worker.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, job_to_dict, load_job
 from bij_worker.report import JOB_UID_ENV, POD_NAME_ENV, REPORT_ENV
 
+from .permissions import DEFAULT_SERVICE_ACCOUNT
 from .reconcile import STEP_TRIES_ANNOTATION, desired_parallelism, step_job_name, step_key
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/bij-project/bij-worker:0.1.0"
-DEFAULT_SERVICE_ACCOUNT = "bij-worker"
 WORKER_CONTAINER = "worker"
 WORKER_METRICS_PORT = 9400
 # Kubernetes caps completions at 10^5 when backoffLimitPerIndex is set.

@@ -348,7 +348,8 @@ class LocalRunner:
         backend = self.backend
         # Nobody reads this status while it runs: refresh its row counts (from the lanes' reports) once a
         # minute, not every few seconds; phase changes are written at once.
-        driver = Driver(backend, status_interval=60.0)
+        # Local processes run under no RBAC: no worker grants to check (worker_grants None).
+        driver = Driver(backend, status_interval=60.0, worker_grants=None)
         said: tuple[Any, Any] = (None, None)
         while True:
             if backend.stopping:

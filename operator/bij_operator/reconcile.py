@@ -41,6 +41,7 @@ from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.contract.step_report import StepErrorCode, StepReport
 
 from .fingerprint import field_digests
+from .permissions import DEFAULT_SERVICE_ACCOUNT, STATUS_KEY, recheck_due, service_account_user
 from .rounds import RoundStats, needs_another_round
 from .stopping import Stop, stop_requested
 
@@ -226,6 +227,14 @@ class StepDecision(Decision):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckPermissions(Decision):
+    """Ask the API server whether the bij's worker identity holds every grant its pods use
+    (`access_review.check_grants`), and record the answer in ``status.workerPermissions``."""
+
+    service_account: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanRound(StepDecision):
     """Plan round `round` (idempotent) and record it in ``status.rounds``."""
 
@@ -371,6 +380,29 @@ def failure_reason(status: Mapping[str, Any]) -> str | None:
         if c.get("type") == "Failed" and c.get("status") == "True":
             return str(c.get("reason") or "")
     return None
+
+
+# --- the worker identity's grants, before the first pod ------------------------------------------------
+
+
+def permissions_gate(job: BatchInferenceJob, status: Mapping[str, Any], now: dt.datetime) -> Decision | None:
+    """Before a bij's first pod: ask whether its worker identity holds every grant its pods use (no answer
+    recorded for that service account yet, or a Missing answer whose re-check is due), hold it while one is
+    missing, or None: go on (Granted; or Unknown, the operator may not ask, which never holds a bij)."""
+    sa = job.spec.workers.service_account_name or DEFAULT_SERVICE_ACCOUNT
+    rec = status.get(STATUS_KEY)
+    if not isinstance(rec, Mapping) or rec.get("serviceAccount") != sa:
+        return CheckPermissions(round=0, phase="Pending", reason="CheckingPermissions", service_account=sa,
+                                message="checking the grants of the worker identity "
+                                        f"{service_account_user(job.metadata.namespace, sa)}")
+    if rec.get("result") != "Missing":
+        return None
+    message = str(rec.get("message") or "the worker identity lacks a grant its pods use")
+    left = recheck_due(rec, now)
+    if left <= 0:
+        return CheckPermissions(round=0, phase="Pending", reason="MissingPermissions", service_account=sa,
+                                message=message)
+    return Wait(round=0, phase="Pending", reason="MissingPermissions", message=message, recheck=left)
 
 
 # --- steps: one-pod Jobs that do the storage work, decided like rounds ---------------------------------
@@ -660,12 +692,16 @@ def decide(
     now: dt.datetime | None = None,
     pods: Sequence[Mapping[str, Any]] = (),
     generation: int | None = None,
+    check_permissions: bool = False,
 ) -> Decision:
     """The next step for `job`, given its current ``status``, the Jobs labelled with its name,
     how many shards of the current round its lanes reported done (None: not looked at), the failed
     pods of its step Jobs (`pods`), its metadata.generation and `now` (default: the clock), which
     decides whether spec.deadlineSeconds has passed and whether a step's retry is due. Once the round's
     Job ended its finish step counts the shards done and the damaged objects its workers stopped at.
+    `check_permissions` (where pods run under RBAC: the operator, not `bij run`): before round 0 is
+    planned, the worker identity's grants are checked and a bij whose pods would be refused waits
+    (`permissions_gate`).
 
     The Job has one index per lane and a lane works many shards, so the round is over when every
     shard is done: a lane that failed for good costs nothing if the others finished its shards.
@@ -684,6 +720,13 @@ def decide(
                        message=str(_condition_message(status, "Failed") or "failed"))
     if phase in STOPPED_PHASES:
         return Nothing(round=r, phase=phase, reason=phase, message=str(status.get("message") or phase.lower()))
+
+    if check_permissions and not round_records(status):
+        # Only before anything ran (a bij already under way when this check came in is left alone), and
+        # before a stop too: cancelling plans round 0 in a pod, which would be refused as well.
+        held = permissions_gate(job, status, now)
+        if held is not None:
+            return held
 
     stop = stop_requested(job, status, now)
     if stop is not None:

@@ -3,7 +3,8 @@
 Pure functions over plain dicts. Conditions follow the Kubernetes API conventions:
 a list keyed by ``type``, each with ``status`` ("True"/"False"), ``reason``
 (CamelCase), ``message``, ``lastTransitionTime`` (changes only when ``status``
-flips) and ``observedGeneration``.
+flips) and ``observedGeneration``. Beside the phase's own types, ``WorkerPermissions``
+(`permissions.condition`) says whether the worker identity holds every grant its pods use.
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ def parse_time(text: str | None) -> dt.datetime | None:
 def set_condition(
     conditions: Iterable[Mapping[str, Any]],
     type_: str,
-    status: bool,
+    status: bool | None,
     reason: str,
     message: str,
     *,
     generation: int | None,
     now: dt.datetime,
 ) -> list[dict[str, Any]]:
-    """`conditions` with `type_` set; ``lastTransitionTime`` moves only when the status flips."""
-    value = "True" if status else "False"
+    """`conditions` with `type_` set (`status` None: "Unknown"); ``lastTransitionTime`` moves only when the
+    status flips."""
+    value = "Unknown" if status is None else "True" if status else "False"
     out: list[dict[str, Any]] = []
     found = False
     for c in conditions:

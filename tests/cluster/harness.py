@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import kubernetes
-from bij_operator.doctor import worker_role_rules
+from bij_operator.permissions import worker_role_rules
 from kubernetes.client import ApiException
 
 from .controlplane import BIN, ROOT, ClusterError, ControlPlane, free_port

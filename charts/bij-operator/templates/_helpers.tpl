@@ -97,6 +97,11 @@ cluster-scoped objects always go in the ClusterRole.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# Before a bij's first pod: does its worker service account hold every grant its pods use? Asked with a
+# LocalSubjectAccessReview in the bij's namespace (namespaced: a Role grants it; nothing else is read).
+- apiGroups: [authorization.k8s.io]
+  resources: [localsubjectaccessreviews]
+  verbs: [create]
 {{- if and .Values.peering.enabled (not .Values.watch.allNamespaces) }}
 # kopf peering in namespaced mode: one KopfPeering per watched namespace.
 - apiGroups: [kopf.dev]
