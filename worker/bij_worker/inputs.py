@@ -14,13 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .engines.base import Choice, Image, Request, Result, TokenLogprob
+from . import tools
+from .engines.base import Choice, Image, Request, Result, TokenLogprob, ToolAsk
 from .images import ImageProblem, parse_image
 from .sampling import (
     ADAPTERS,
@@ -32,6 +33,7 @@ from .sampling import (
     UnknownField,
     from_column,
     from_openai,
+    json_schema_text,
     over_budget,
     refusal,
 )
@@ -147,6 +149,13 @@ def _messages_ok(msgs: Any) -> str | None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return f"message {i} must be an object with a string role"
         c = m.get("content")
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)
+                                  or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                             for t in calls)):
+            return f"message {i} tool_calls must be an assistant's list of {{id, type, function}} calls"
+        if c is None and calls:  # an assistant turn that only called tools
+            continue
         if not (isinstance(c, str) or isinstance(c, list)):
             return f"message {i} content must be a string or a list of parts"
     return None
@@ -365,6 +374,40 @@ def _images(parts: list[tuple[str, dict[str, Any]]], opts: InputOptions) -> tupl
     return tuple(parse_image(part, where, opts.max_image_bytes) for where, part in parts)
 
 
+@dataclass(frozen=True, slots=True)
+class _ChatAsk:
+    """What a chat body's tool and reasoning fields ask (tools.py), as the row's request takes it."""
+
+    sampling: Sampling  # the row's own sampling, with a forced tool call's schema as its structured output
+    tools: ToolAsk | None
+    reasoning_effort: str | None
+    asked: frozenset[str]
+    spelled: dict[str, str]
+
+
+def _chat_tools(body: dict[str, Any], own: Sampling) -> _ChatAsk:
+    """A chat body's `tools`, `tool_choice`, `parallel_tool_calls` and `reasoning_effort`; raises BadField."""
+    ask = tools.tool_ask(body)
+    effort = tools.reasoning_effort(body)
+    asked: set[str] = set()
+    spelled: dict[str, str] = {}
+    if ask is not None:
+        asked.add(tools.TOOLS)
+        spelled[tools.TOOLS] = "body.tools (a tool call parser: model.vllm.toolCallParser)"
+    if effort is not None:
+        asked.add(tools.REASONING_EFFORT)
+        spelled[tools.REASONING_EFFORT] = "body.reasoning_effort"
+    if ask is not None and tools.forced(ask):
+        if own.structured_output is not None:
+            raise BadField("body.response_format cannot be kept with a forced tool call "
+                           f"(body.tool_choice {ask.choice!r}): the call's arguments are the answer's JSON")
+        asked.add(tools.FORCED_TOOL_CHOICE)
+        spelled[tools.FORCED_TOOL_CHOICE] = f"body.tool_choice {ask.choice!r} (a forced tool call)"
+        schema = json_schema_text("body.tools", tools.forced_schema(ask))
+        own = replace(own, structured_output=("json_schema", schema))
+    return _ChatAsk(own, ask, effort, frozenset(asked), spelled)
+
+
 def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOptions) -> Row:
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
@@ -411,6 +454,13 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
         if parts:
             asked |= {IMAGES}
             spelled[IMAGES] = _IMAGE_PART
+        try:
+            chat_ask = _chat_tools(body, own)
+        except BadField as e:
+            return _bad(at, "invalid_request", str(e), cid)
+        own = chat_ask.sampling
+        asked |= chat_ask.asked
+        spelled.update(chat_ask.spelled)
     else:
         field = "input" if kind == "embed" else "prompt"
         text = body.get(field)
@@ -428,7 +478,9 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
             images = _images(image_parts, opts)
         except ImageProblem as e:
             return _bad(at, e.code, str(e), cid)
-        return Row(at=at, id=cid, request=_request(opts, own, messages=msgs, adapter=adapter, images=images), url=url)
+        req = _request(opts, own, messages=msgs, adapter=adapter, images=images)
+        req.tools, req.reasoning_effort = chat_ask.tools, chat_ask.reasoning_effort
+        return Row(at=at, id=cid, request=req, url=url)
     return Row(at=at, id=cid, request=_request(opts, own, text=text, adapter=adapter), url=url)
 
 
@@ -469,6 +521,9 @@ def plain_result(rid: Any, res: Result, truncated: bool = False) -> dict[str, An
         out["usage"] = usage
     if res.choices is not None:
         out["choices"] = [_plain_choice(i, c) for i, c in enumerate(res.choices)]
+    parsed = res.extra.get("parsed")
+    if isinstance(parsed, Choice) and parsed.reasoning is not None:
+        out["reasoning"] = parsed.reasoning
     if truncated:
         out["truncated"] = True
     return out
@@ -478,6 +533,8 @@ def _plain_choice(i: int, c: Choice) -> dict[str, Any]:
     """One of a plain result row's `choices`: index, output, finish_reason, completion_tokens, logprobs."""
     out: dict[str, Any] = {"index": i, "output": c.output, "finish_reason": c.finish_reason,
                            "completion_tokens": c.completion_tokens}
+    if c.reasoning is not None:
+        out["reasoning"] = c.reasoning
     if c.logprobs is not None:
         out["logprobs"] = [{"token": t.token, "logprob": t.logprob,
                             "top_logprobs": [{"token": s, "logprob": lp} for s, lp in t.top]} for t in c.logprobs]
@@ -509,8 +566,35 @@ def _choices(res: Result, max_tokens: int) -> list[Choice]:
     """A result's answers: its `choices`, or its one output."""
     if res.choices is not None:
         return res.choices
+    parsed = res.extra.get("parsed")
+    if isinstance(parsed, Choice):  # parsed by the engine's reasoning and tool call parsers
+        return [parsed]
     finish = res.extra.get("finish_reason") or ("length" if (res.completion_tokens or 0) >= max_tokens else "stop")
     return [Choice(output=res.output or "", completion_tokens=res.completion_tokens or 0, finish_reason=finish)]
+
+
+def _chat_message(c: Choice, row: Row, call_ids: str) -> dict[str, Any]:
+    """A chat answer's `message`: its content, the reasoning a reasoning parser kept apart from it
+    (`reasoning_content`), and the tool calls a tool parser read (`tool_calls`, with ids stable
+    across reruns: ``call_<row digest>_<choice>_<call>``)."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.output}
+    if c.reasoning is not None:
+        message["reasoning_content"] = c.reasoning
+    if c.tool_calls is not None:
+        # A forced call (required, a named function) has empty content, as vLLM's server answers it.
+        ask = row.request.tools if row.request is not None else None
+        message["content"] = "" if tools.forced(ask) else (c.output or None)
+        message["tool_calls"] = [{**call, "id": call.get("id") or f"call_{call_ids}_{k}"}
+                                 for k, call in enumerate(c.tool_calls)]
+    return message
+
+
+def _reasoning_usage(usage: dict[str, Any], choices: list[Choice]) -> dict[str, Any]:
+    """`usage` with `completion_tokens_details.reasoning_tokens` when a reasoning parser counted them."""
+    counted = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
+    if not counted:
+        return usage
+    return {**usage, "completion_tokens_details": {"reasoning_tokens": sum(counted)}}
 
 
 def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
@@ -529,9 +613,9 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
         choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": int(time.time()),
                 "model": served,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.output},
+                "choices": [{"index": i, "message": _chat_message(c, row, f"{digest}_{i}"),
                              "logprobs": _chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                            for i, c in enumerate(choices)], "usage": usage}
+                            for i, c in enumerate(choices)], "usage": _reasoning_usage(usage, choices)}
     else:
         choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"cmpl-{digest}", "object": "text_completion", "created": int(time.time()),

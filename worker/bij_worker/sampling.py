@@ -258,7 +258,9 @@ OPENAI_SAMPLING = {
 # `model`: the answer names the model that ran (spec.model.name); `user`: an end-user id for abuse
 # tracking, no effect on the answer.
 OPENAI_NO_EFFECT = frozenset({"model", "user"})
-OPENAI_CONTENT = {"chat": frozenset({"messages"}), "generate": frozenset({"prompt"}), "embed": frozenset({"input"})}
+# Chat: the messages, and the tool and reasoning fields (read by tools.py).
+OPENAI_CONTENT = {"chat": frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"}),
+                  "generate": frozenset({"prompt"}), "embed": frozenset({"input"})}
 # Known OpenAI fields no engine here honours (yet): a row that sets one (to anything but its
 # neutral value) is unsupported, never answered without it.
 OPENAI_UNHONOURED: dict[str, Any] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .base import Request, estimate_tokens, request_text
@@ -40,7 +41,37 @@ def chat_messages(req: Request) -> list[dict[str, Any]]:
                 # OpenAI content parts; most chat templates expect a plain string.
                 content = "".join(str(p.get("text", "")) for p in parts)
             m = {**m, "content": content}
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            m = {**m, "tool_calls": [_template_call(c) for c in m["tool_calls"]]}
         out.append(m)
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier tool call as chat templates read it: its arguments a dict, not the
+    JSON text OpenAI carries (vLLM's server makes the same change)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        args = {}
+    return {**call, "function": {**fn, "arguments": args if isinstance(args, dict) else {}}}
+
+
+def row_template_kwargs(req: Request, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat template's variables for a request: the spec's (model.chatTemplateKwargs), the row's
+    tools, and its `reasoning_effort` with `enable_thinking` (false for "none") as vLLM's server gives
+    them, unless the spec sets `enable_thinking` itself."""
+    if req.tools is None and req.reasoning_effort is None:
+        return kwargs or {}
+    out = dict(kwargs or {})
+    if req.tools is not None:
+        out["tools"] = list(req.tools.tools)
+    if req.reasoning_effort is not None:
+        out["reasoning_effort"] = req.reasoning_effort
+        out.setdefault("enable_thinking", req.reasoning_effort != "none")
     return out
 
 
@@ -51,7 +82,8 @@ def prompt_ids(tok: Any, requests: list[Request], chat: bool, template: str | No
     Plain prompts get the tokenizer's special tokens; chat prompts are rendered with the
     chat template, which already holds BOS and friends, so none are added again. `template`
     replaces the tokenizer's own (spec.model.chatTemplate); `template_kwargs` are variables the
-    template reads (spec.model.chatTemplateKwargs, e.g. a reasoning model's thinking switch).
+    template reads (spec.model.chatTemplateKwargs, e.g. a reasoning model's thinking switch; see
+    `row_template_kwargs` for what a row adds).
     """
     if not chat:
         enc = tok([request_text(r) for r in requests], add_special_tokens=True, verbose=False)
@@ -62,7 +94,7 @@ def prompt_ids(tok: Any, requests: list[Request], chat: bool, template: str | No
         try:
             rendered.append(tok.apply_chat_template(chat_messages(r), chat_template=template,
                                                     add_generation_prompt=True, tokenize=False,
-                                                    **(template_kwargs or {})))
+                                                    **row_template_kwargs(r, template_kwargs)))
         except Exception as e:  # a template's raise_exception() (bad roles, order): this row only
             rendered.append(None)
             problems[i] = f"chat template rejected the messages: {e}"

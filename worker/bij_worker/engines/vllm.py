@@ -52,6 +52,7 @@ from typing import Any
 
 from ..sampling import IMAGES
 from ..structured import grammar_schema
+from ..tools import FORCED_TOOL_CHOICE, REASONING_EFFORT, TOOLS
 from .base import (
     BASIC_SAMPLING,
     ENGINE_REJECTED,
@@ -65,6 +66,7 @@ from .base import (
     request_text,
     run_to_completion,
 )
+from .chat_parsing import ChatParsing
 from .prompts import GREEDY_EPS, prompt_ids, truncate_prompt
 
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
@@ -92,7 +94,8 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
         raise ValueError("engine vllm needs model.name (a model directory or a Hugging Face id)")
     kwargs: dict[str, Any] = {"model": config.name, "seed": config.seed}
     for key, value in config.vllm.items():
-        if snake_case(key) == "engine_args":  # spec.model.vllm.engineArgs: free-form, over the named knobs
+        if snake_case(key) in ("engine_args", "tool_call_parser"):
+            # engineArgs: free-form, over the named knobs; toolCallParser: bij's (as vLLM's server's) alone.
             continue
         kwargs[snake_case(key)] = value
     for key, value in (config.vllm.get("engineArgs") or config.vllm.get("engine_args") or {}).items():
@@ -263,6 +266,13 @@ class VllmEngine:
         llm_kwargs(config)  # a missing model name fails here, before any GPU work
         self.config = config
         self.honours = frozenset() if config.task == "embed" else self.GENERATION_FIELDS
+        if config.task == "chat":
+            # reasoning_effort goes to the chat template, as vLLM's server gives it.
+            self.honours = self.honours | {REASONING_EFFORT}
+            if config.vllm.get("toolCallParser") or config.vllm.get("tool_call_parser"):
+                self.honours = self.honours | {TOOLS}
+        self._parsing: ChatParsing | None = None  # vLLM's reasoning and tool call parsers (chat)
+        self._chat: dict[str, Request] = {}  # chat requests in the engine whose answers are parsed
         if config.adapters and config.task != "embed":
             self.honours = self.honours | {"adapters"}
         # One LoRARequest per adapter, ids 1.. in name order (vLLM keys its adapter cache by id).
@@ -299,6 +309,11 @@ class VllmEngine:
         self._refused = refusals()
         if self.config.task == "chat" and self.engine.model_config.is_multimodal_model:
             self.honours = self.honours | {IMAGES}
+        if self.config.task == "chat" and ({"reasoningParser", "reasoning_parser", "toolCallParser",
+                                            "tool_call_parser"} & {k for k, v in self.config.vllm.items() if v}):
+            self._parsing = ChatParsing(self.config, self.tokenizer, self.engine.model_config)
+            if self._parsing.forces:
+                self.honours = self.honours | {FORCED_TOOL_CHOICE}
 
     def _loaded(self) -> Any:
         if self.llm is None:
@@ -391,6 +406,8 @@ class VllmEngine:
             self._top[rid] = s.top_logprobs
         if s.n and s.n > 1:
             self._parts[rid] = {}
+        if self._parsing is not None:
+            self._chat[rid] = request
 
     def step(self) -> list[tuple[int, Result]]:
         """One vLLM engine step; the requests that finished in it, as (tag, result)."""
@@ -417,6 +434,9 @@ class VllmEngine:
                 continue
             self._in_engine.discard(rid)
             res = self._result(out, self._top.pop(rid, 0))
+            chat = self._chat.pop(rid, None)
+            if chat is not None and self._parsing is not None:
+                res = self._parsing.apply(chat, res, sorted(out.outputs, key=lambda c: c.index))
             structured = self._asks.pop(rid, None)
             if structured is not None and res.extra.get("finish_reason") == "error" \
                     and (res.completion_tokens or 0) <= 1:
@@ -448,6 +468,7 @@ class VllmEngine:
                 self._top.pop(rid, None)
                 self._asks.pop(rid, None)
                 self._parts.pop(rid, None)
+                self._chat.pop(rid, None)
 
     def run(self, requests: list[Request]) -> list[Result]:
         """Run a whole chunk through vLLM's engine loop; refused rows become row errors, the rest keep order."""
@@ -489,6 +510,8 @@ class VllmEngine:
                 # vLLM returns the sampled token's logprob and this many of the most likely ones.
                 ("logprobs", (s.top_logprobs or 0) if s.logprobs else None),
             ) if v is not None)
+            if self._parsing is not None and self._parsing.keeps_special_tokens(r):
+                extra += (("skip_special_tokens", False),)
             key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra), s.structured_output)
             if key not in self._sampling:
                 if len(self._sampling) > 10_000:  # rows with their own seeds: keep the cache bounded
