@@ -14,8 +14,7 @@ from bij_worker.contract.spec import SpecError, load_job
 from bij_worker.engines.base import BASIC_SAMPLING, Choice, Request, Result, ToolAsk
 from bij_worker.engines.prompts import chat_messages, row_template_kwargs
 from bij_worker.inputs import InputOptions, Row, parse_line, result_row
-from bij_worker.structured import Validator
-from bij_worker.tools import forced_output, forced_schema
+from bij_worker.tools import call_problem
 
 VLLM_FIELDS = BASIC_SAMPLING | {"structuredOutput"}
 # A vLLM chat engine with a tool call parser that reads forced calls as JSON (hermes).
@@ -68,27 +67,34 @@ def test_bad_tool_fields_are_invalid_request_rows_naming_the_field(body: dict[st
     assert row.error_code == "invalid_request" and needle in str(row.error), row.error
 
 
-def test_a_forced_call_is_constrained_to_the_schema_vllm_uses_and_checked_by_the_validator() -> None:
-    named = parse(chat(tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-                  TOOLED)
-    assert named.request is not None and named.request.tools is not None and named.request.tools.named
-    assert named.request.sampling.structured_output == (
-        "json_schema", json.dumps(WEATHER["function"]["parameters"], separators=(",", ":")))
+def test_a_forced_calls_arguments_are_checked_against_the_tools_parameters() -> None:
     required = parse(chat(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False), TOOLED)
-    assert required.request is not None and required.request.sampling.structured_output is not None
-    schema = json.loads(required.request.sampling.structured_output[1])
-    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
-    assert [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
-    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
-    # The validator reads what the calls were made of: a call that breaks the tool's parameters is no success.
-    v = Validator()
-    st = required.request.sampling.structured_output
-    assert v.problem(st, '[{"name":"get_weather","parameters":{"city":"Oslo"}}]') is None
-    assert v.problem(st, '[{"name":"get_weather","parameters":{}}]') is not None
-    assert v.problem(st, '[{"name":"get_time","parameters":{}},{"name":"get_time","parameters":{}}]') is not None
+    assert required.request is not None and required.request.tools is not None
+    # Constrained by the engine (vLLM's own tool-call constraint), not by a structured output of the row's.
+    assert required.request.sampling.structured_output is None
+    ask = required.request.tools
+
+    def call(name: str, arguments: str) -> dict[str, Any]:
+        return {"id": None, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+    assert call_problem(ask, [call("get_weather", '{"city": "Oslo"}')]) is None
+    assert call_problem(ask, [call("get_time", "{}")]) is None
+    assert call_problem(ask, []) == "no tool call could be read from the answer"
+    assert "2 tool calls, and body.parallel_tool_calls is false" in str(
+        call_problem(ask, [call("get_time", "{}")] * 2))
+    assert "arguments at (the arguments): 'city' is a required property" in str(
+        call_problem(ask, [call("get_weather", "{}")]))
+    assert "not valid JSON" in str(call_problem(ask, [call("get_weather", '{"city": NaN}')]))
+    assert "calls 'get_date', not one of body.tools" in str(call_problem(ask, [call("get_date", "{}")]))
+    named = ToolAsk((WEATHER, CLOCK), "get_weather", True)
+    assert "calls 'get_time', not 'get_weather'" in str(call_problem(named, [call("get_time", "{}")]))
+    bad = parse(chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+                     tool_choice="required"), TOOLED)
+    assert bad.error_code == "invalid_request" and "body.tools[0].function.parameters is not a valid" in str(
+        bad.error)
 
 
-def test_an_engine_whose_tool_parser_reads_no_json_calls_refuses_forced_calls() -> None:
+def test_an_engine_without_forced_calls_refuses_them_naming_the_choice() -> None:
     opts = InputOptions(format="openai", task="chat", engine="vllm", honours=VLLM_FIELDS | {"tools"})
     row = parse(chat(tools=[WEATHER], tool_choice="required"), opts)
     assert row.error_code == "unsupported" and "body.tool_choice 'required' (a forced tool call)" in str(row.error)
@@ -122,15 +128,6 @@ def test_reasoning_effort_reaches_the_template_as_vllm_gives_it() -> None:
     refused = parse(chat(reasoning_effort="low"), InputOptions(format="openai", task="chat", engine="transformers",
                                                                honours=BASIC_SAMPLING))
     assert refused.error_code == "unsupported" and "body.reasoning_effort" in str(refused.error)
-
-
-def test_forced_output_is_the_json_the_calls_were_read_from() -> None:
-    ask = ToolAsk((WEATHER,), "required")
-    calls = [{"id": None, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
-    assert forced_output(ask, calls, None) == '[{"name":"get_weather","parameters":{"city":"Oslo"}}]'
-    assert forced_output(ToolAsk((WEATHER,), "get_weather", True), calls, None) == '{"city": "Oslo"}'
-    assert forced_output(ask, [], "no call here") == "no call here"
-    assert forced_schema(ToolAsk((WEATHER,), "get_weather", True)) == WEATHER["function"]["parameters"]
 
 
 def _answer(row: Row, choice: Choice, prompt: int = 7) -> dict[str, Any]:

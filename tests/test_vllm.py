@@ -619,3 +619,141 @@ def test_bij_run_answers_each_row_with_its_lora_adapter_and_refuses_unknown_name
     assert sum(a != b for a, b in zip(by_base, by_one, strict=True)) >= n // 2
     assert [(e["id"], e["error"]["code"]) for e in out.errors] == [(i, "invalid_request") for i in range(4 * n, 5 * n)]
     assert 'unknown adapter "three" (model.adapters: one, two)' in out.errors[0]["error"]["message"]
+
+
+# --- reasoning and tool calls: vLLM's parsers on the engine's own output ---------------------
+
+# Tools whose arguments a constraint fixes (enums, no other properties; strict: vLLM's structural tag
+# constrains a strict tool's arguments, a lax one's only to some JSON): the marker model's answer is known.
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"], "additionalProperties": False}}}
+# A hermes tool call, as a regex: with tool_choice auto nothing constrains the answer, so the row's own
+# structured output makes the random-free marker model write one (after its reasoning).
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Oslo|Paris)"\}\}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A chat engine on the marker model with vLLM's deepseek_r1 reasoning parser and hermes tool parser."""
+    from tiny_models import build_marker_model
+
+    # One token a character: tools in the prompt take hundreds.
+    model = build_marker_model(tmp_path_factory.mktemp("marker"), max_positions=1024)
+    adapter.shutdown_llm()
+    engine = create_engine("vllm", EngineConfig(task="chat", name=str(model), vllm={
+        **KNOBS, "maxModelLen": 1024, "reasoningParser": "deepseek_r1", "toolCallParser": "hermes"}))
+    engine.load()
+    yield engine
+    adapter.shutdown_llm()
+
+
+def _line(**body: Any) -> bytes:
+    return json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "m", "messages": [{"role": "user", "content": "weather in Oslo?"}], **body}}).encode()
+
+
+def _answer(engine: Any, **body: Any) -> dict[str, Any]:
+    """One OpenAI chat line through bij as the worker runs it: parsed, run, checked, answered."""
+    from bij_worker.engines.base import run_to_completion
+    from bij_worker.inputs import InputOptions, parse_line, result_row
+    from bij_worker.structured import Validator
+
+    opts = InputOptions(format="openai", task="chat", engine="vllm", honours=engine.honours, max_tokens=200)
+    line = _line(**body)
+    row = parse_line(line, (0, 0, len(line)), "in.jsonl", opts)
+    assert row.request is not None, row.error
+    results = run_to_completion(engine, [row.request])
+    found = Validator().check([row.request], results)
+    assert results[0].error is None, results[0].error
+    assert found.violations == 0
+    return result_row(row, results[0], opts)["response"]["body"]
+
+
+def test_the_parsers_bij_names_are_the_ones_the_installed_vllm_ships() -> None:
+    from bij_worker.contract.spec import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    assert set(REASONING_PARSERS) <= set(ReasoningParserManager.list_registered())
+    assert set(TOOL_CALL_PARSERS) <= set(ToolParserManager.list_registered())
+
+
+def test_the_reasoning_is_kept_apart_from_the_content_and_its_tokens_counted(thinker: Any) -> None:
+    from openai.types.chat import ChatCompletion
+
+    body = _answer(thinker)
+    message = body["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("ok", "yes")
+    assert body["choices"][0]["finish_reason"] == "stop"
+    # <think> o k </think>: two tokens of reasoning between the markers.
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    ChatCompletion.model_validate(body)
+
+
+def test_reasoning_effort_none_turns_thinking_off_in_the_template(thinker: Any) -> None:
+    from bij_worker.engines.base import Request
+
+    def prompt(**kw: Any) -> str:
+        (ids,) = thinker._prompt_ids([Request(messages=[{"role": "user", "content": "hi"}], **kw)])
+        return thinker.tokenizer.decode(ids)
+
+    assert prompt(reasoning_effort="none").endswith("assistant:<think></think>")
+    assert prompt(reasoning_effort="high").endswith("assistant:") == prompt().endswith("assistant:") is True
+
+
+def test_auto_tool_calls_are_read_by_the_tool_parser_after_the_reasoning(thinker: Any) -> None:
+    from openai.types.chat import ChatCompletion
+
+    body = _answer(thinker, tools=[WEATHER, CLOCK])
+    # Nothing forces a call: the marker model answers in words.
+    assert body["choices"][0]["message"]["content"] == "yes" and "tool_calls" not in body["choices"][0]["message"]
+    from bij_worker.engines.base import Request, ToolAsk, run_to_completion
+    from bij_worker.sampling import Sampling
+
+    req = Request(messages=[{"role": "user", "content": "weather?"}], max_tokens=200,
+                  tools=ToolAsk((WEATHER, CLOCK)), sampling=Sampling(structured_output=("regex", HERMES_CALL)))
+    (res,) = run_to_completion(thinker, [req])
+    parsed = res.extra["parsed"]
+    assert parsed.reasoning == "ok" and parsed.finish_reason == "tool_calls"
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather"]
+    assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert parsed.output == ""  # nothing but the call: no content
+    from bij_worker.inputs import InputOptions, Row, result_row
+
+    opts = InputOptions(format="openai", task="chat", engine="vllm")
+    answer = result_row(Row(at=(0, 0, 0), id="r1", request=req, url="/v1/chat/completions"), res, opts)
+    ChatCompletion.model_validate(answer["response"]["body"])
+    assert answer["response"]["body"]["choices"][0]["message"]["content"] is None
+
+
+def test_required_and_named_tool_choice_force_a_valid_call(thinker: Any) -> None:
+    required = _answer(thinker, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    choice = required["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
+    assert choice["message"]["reasoning_content"] == "ok"
+    (call,) = choice["message"]["tool_calls"]
+    # The first allowed token wins where the constraint forbids the wired one: get_t(ime) before get_w(eather).
+    assert call["function"]["name"] == "get_time" and json.loads(call["function"]["arguments"]) == {"zone": "UTC"}
+    named = _answer(thinker, tools=[WEATHER, CLOCK],
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_tool_role_history_reaches_the_model_as_its_template_shows_calls(thinker: Any) -> None:
+    from bij_worker.engines.base import Request, ToolAsk
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    req = Request(messages=[{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None,
+                                                                       "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "call_1", "content": "3 C"}], tools=ToolAsk((WEATHER,)))
+    (ids,) = thinker._prompt_ids([req])
+    text = thinker.tokenizer.decode(ids)
+    call_text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    assert f"\nassistant:{call_text}\ntool:3 C\n" in text
+    assert text.startswith('<s>tools:[{"type": "function"')

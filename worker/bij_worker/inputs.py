@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
@@ -378,7 +378,7 @@ def _images(parts: list[tuple[str, dict[str, Any]]], opts: InputOptions) -> tupl
 class _ChatAsk:
     """What a chat body's tool and reasoning fields ask (tools.py), as the row's request takes it."""
 
-    sampling: Sampling  # the row's own sampling, with a forced tool call's schema as its structured output
+    sampling: Sampling  # the row's own sampling
     tools: ToolAsk | None
     reasoning_effort: str | None
     asked: frozenset[str]
@@ -403,8 +403,9 @@ def _chat_tools(body: dict[str, Any], own: Sampling) -> _ChatAsk:
                            f"(body.tool_choice {ask.choice!r}): the call's arguments are the answer's JSON")
         asked.add(tools.FORCED_TOOL_CHOICE)
         spelled[tools.FORCED_TOOL_CHOICE] = f"body.tool_choice {ask.choice!r} (a forced tool call)"
-        schema = json_schema_text("body.tools", tools.forced_schema(ask))
-        own = replace(own, structured_output=("json_schema", schema))
+        for i, t in enumerate(ask.tools):  # checked as the calls' arguments will be
+            if t["function"].get("parameters"):
+                json_schema_text(f"body.tools[{i}].function.parameters", t["function"]["parameters"])
     return _ChatAsk(own, ask, effort, frozenset(asked), spelled)
 
 

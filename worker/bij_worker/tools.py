@@ -2,12 +2,10 @@
 `parallel_tool_calls`, `reasoning_effort`.
 
 Read and checked here, once per row, as vLLM's OpenAI server checks them. A row that forces a
-tool call (`tool_choice` "required" or a named function) gets the JSON schema vLLM's server
-constrains such a row with (`vllm.tool_parsers.utils.get_json_schema_from_tools`): for
-"required", an array of ``{"name", "parameters"}`` objects, one of the tools each (at most
-one with `parallel_tool_calls` false); for a named function, that function's parameters. It
-goes through bij's structured output, so the answer is valid against it or the row is a
-`schema_violation` error row.
+tool call (`tool_choice` "required" or a named function) is constrained while decoding as vLLM's
+server constrains it (its tool parser's `adjust_request`: the JSON schema of the calls, or a
+structural tag in the model's own call format), and its calls are checked after decoding
+(`call_problem`): a row whose calls break what it asked for is a `schema_violation` error row.
 """
 
 from __future__ import annotations
@@ -81,37 +79,34 @@ def forced(ask: ToolAsk | None) -> bool:
     return ask is not None and (ask.named or ask.choice == "required")
 
 
-def forced_schema(ask: ToolAsk) -> dict[str, Any]:
-    """The JSON schema a forced tool call is constrained by, as vLLM's server makes it."""
-    params = {_name(t): _parameters(t) for t in ask.tools}
-    if ask.named:
-        return params[ask.choice]
-    schema: dict[str, Any] = {
-        "type": "array", "minItems": 1,
-        "items": {"type": "object", "anyOf": [
-            {"properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
-             "required": ["name", "parameters"]} for n, p in params.items()]},
-    }
-    if ask.parallel is False:
-        schema["maxItems"] = 1
-    defs: dict[str, Any] = {}
-    for p in params.values():
-        defs.update(p.pop("$defs", None) or {})
-    if defs:
-        schema["$defs"] = defs
-    return schema
+def call_problem(ask: ToolAsk, calls: list[dict[str, Any]]) -> str | None:
+    """Why a forced row's tool calls are not what it asked for (a call, to the named function, at
+    most one without parallel calls, arguments valid against the function's parameters); None when
+    they are."""
+    import jsonschema
 
-
-def forced_output(ask: ToolAsk, calls: list[dict[str, Any]], content: str | None) -> str:
-    """What a forced row's answer is checked as: the JSON its tool calls were read from (the one
-    call's arguments for a named function; the array of ``{"name", "parameters"}`` for
-    "required"), or the answer's text when no call could be read from it."""
     if not calls:
-        return content or ""
-    if ask.named:
-        return str(calls[0]["function"]["arguments"])
-    return json.dumps([{"name": c["function"]["name"], "parameters": json.loads(c["function"]["arguments"])}
-                       for c in calls], ensure_ascii=False, separators=(",", ":"))
+        return "no tool call could be read from the answer"
+    if ask.parallel is False and len(calls) > 1:
+        return f"{len(calls)} tool calls, and body.parallel_tool_calls is false"
+    params = {_name(t): _parameters(t) for t in ask.tools}
+    for k, call in enumerate(calls):
+        name, text = call["function"]["name"], call["function"]["arguments"]
+        if name not in params or (ask.named and name != ask.choice):
+            return f"tool call {k} calls {name!r}, not " + (repr(ask.choice) if ask.named else "one of body.tools")
+        try:
+            args = json.loads(text, parse_constant=_not_json)
+        except ValueError as e:
+            return f"tool call {k}: arguments are not valid JSON: {e}"
+        error = next(iter(jsonschema.validators.validator_for(params[name])(params[name]).iter_errors(args)), None)
+        if error is not None:
+            where = "/".join(map(str, error.absolute_path)) or "(the arguments)"
+            return f"tool call {k}: arguments at {where}: {error.message} (keyword {error.validator})"
+    return None
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _name(tool: dict[str, Any]) -> str:

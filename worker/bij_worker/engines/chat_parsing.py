@@ -9,9 +9,11 @@ reasoning's tokens (`count_reasoning_tokens`). The same calls are made here, on 
 
 - content without the reasoning (`message.reasoning_content`) and without the tool calls;
 - `tool_choice` auto: the calls the tool parser finds in the text, finish_reason ``tool_calls``;
-- "required" or a named function: the answer was constrained to the JSON schema of such calls
-  (tools.py), read as vLLM reads it; finish_reason ``tool_calls`` for "required", ``stop`` for a
-  named function; the answer checked by bij's validator is that JSON (tools.forced_output);
+- "required" or a named function: the answer was constrained as vLLM's server constrains it (the
+  parser's `adjust_request`: a JSON schema of the calls, or a structural tag in the model's own call
+  format) and read as vLLM reads it; finish_reason ``tool_calls`` for "required", ``stop`` for a
+  named function; calls that break what the row asked for make it a `schema_violation` error row
+  (tools.call_problem);
 - "none": no calls are read.
 """
 
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..tools import forced, forced_output
+from ..structured import MAX_CARRIED, SCHEMA_VIOLATION
+from ..tools import call_problem, forced
 from .base import Choice, EngineConfig, Request, Result
 from .prompts import row_template_kwargs
 
@@ -39,9 +42,6 @@ class ChatParsing:
         self.cls = ParserManager.get_parser(tool_parser_name=self.tool_calls, reasoning_parser_name=self.reasoning,
                                             enable_auto_tools=self.tool_calls is not None, model_name=config.name,
                                             tokenizer=tokenizer)
-        tool_cls = self.cls.tool_parser_cls if self.cls is not None else None
-        # Forced calls are read as JSON only by parsers that say so; others read their own format.
-        self.forces = tool_cls is not None and bool(tool_cls.supports_required_and_named)
 
     def request(self, req: Request) -> Any:
         """vLLM's ChatCompletionRequest for a row (what its parsers read: tools, tool_choice, messages)."""
@@ -59,13 +59,18 @@ class ChatParsing:
         kwargs = {k: v for k, v in row_template_kwargs(req, self.config.chat_template_kwargs).items() if k != "tools"}
         return self.cls(self.tokenizer, vreq.tools, chat_template_kwargs=kwargs, model_config=self.model_config)
 
-    def keeps_special_tokens(self, req: Request) -> bool:
-        """Whether the row's answer must keep special tokens in its text (the tool parser's adjust_request
-        says so: tool-call markers that are special tokens would be lost before it reads them)."""
-        if self.cls is None or req.tools is None:
-            return False
-        vreq = self.request(req)
-        return not self._parser(req, vreq).adjust_request(vreq).skip_special_tokens
+    def adjusted(self, req: Request) -> tuple[Any, bool]:
+        """What the parsers' `adjust_request` makes of a tool row, as vLLM's server generates it: the
+        structured outputs to decode it with (None: the row's own), and whether its text keeps special
+        tokens (tool-call markers that are special tokens would be lost before the parser reads them).
+        A forced call is always constrained so; an auto row only when it has no structured output of its own."""
+        if self.cls is None or req.tools is None or req.tools.choice == "none":
+            return None, False
+        vreq = self._parser(req, self.request(req)).adjust_request(self.request(req))
+        structured = vreq.structured_outputs
+        if req.sampling.structured_output is not None and not forced(req.tools):
+            structured = None
+        return structured, not vreq.skip_special_tokens
 
     def apply(self, req: Request, res: Result, outputs: list[Any]) -> Result:
         """The row's result with each answer parsed (`outputs`: vLLM's CompletionOutputs, by index)."""
@@ -78,11 +83,27 @@ class ChatParsing:
             res.output = c.output
             res.extra["finish_reason"] = c.finish_reason
             res.extra["parsed"] = c
-            return res
+            return self.checked(req, res)
         res.choices = [self._parse(req, vreq, c.output, o.token_ids, c.finish_reason, c.completion_tokens, c.logprobs)
                        for c, o in zip(res.choices, outputs, strict=True)]
         res.output = res.choices[0].output
         res.extra["finish_reason"] = res.choices[0].finish_reason
+        return self.checked(req, res)
+
+    def checked(self, req: Request, res: Result) -> Result:
+        """A forced row's result, or its schema_violation error when a call breaks what it asked for."""
+        if req.tools is None or not forced(req.tools) or res.error is not None:
+            return res
+        answers = res.choices or [res.extra["parsed"]]
+        for k, c in enumerate(answers):
+            why = call_problem(req.tools, c.tool_calls or [])
+            if why is not None:
+                which = f"answer {k}" if len(answers) > 1 else "the answer"
+                asked = f"body.tool_choice {req.tools.choice!r}"
+                return Result(output=c.output[:MAX_CARRIED], prompt_tokens=res.prompt_tokens,
+                              completion_tokens=res.completion_tokens,
+                              error=f"{which} breaks its forced tool call ({asked}): {why}",
+                              extra={"code": SCHEMA_VIOLATION})
         return res
 
     def _parse(self, req: Request, vreq: Any, text: str, token_ids: Any, finish: str, tokens: int,
@@ -97,13 +118,11 @@ class ChatParsing:
         if ask is not None and ask.choice != "none" and (calls or forced(ask)):
             tool_calls = [{"id": c.id, "type": "function",
                            "function": {"name": c.name, "arguments": c.arguments}} for c in calls or []]
+        output = content or ""
         if ask is not None and forced(ask):
-            output = forced_output(ask, tool_calls or [], content)
             if not ask.named and finish == "stop":
                 finish = "tool_calls"
-        else:
-            output = content or ""
-            if tool_calls:
-                finish = "tool_calls"
+        elif tool_calls:
+            finish = "tool_calls"
         return Choice(output=output, completion_tokens=tokens, finish_reason=finish, logprobs=logprobs,
                       reasoning=reasoning, tool_calls=tool_calls, reasoning_tokens=reasoning_tokens)

@@ -270,7 +270,7 @@ class VllmEngine:
             # reasoning_effort goes to the chat template, as vLLM's server gives it.
             self.honours = self.honours | {REASONING_EFFORT}
             if config.vllm.get("toolCallParser") or config.vllm.get("tool_call_parser"):
-                self.honours = self.honours | {TOOLS}
+                self.honours = self.honours | {TOOLS, FORCED_TOOL_CHOICE}
         self._parsing: ChatParsing | None = None  # vLLM's reasoning and tool call parsers (chat)
         self._chat: dict[str, Request] = {}  # chat requests in the engine whose answers are parsed
         if config.adapters and config.task != "embed":
@@ -312,8 +312,6 @@ class VllmEngine:
         if self.config.task == "chat" and ({"reasoningParser", "reasoning_parser", "toolCallParser",
                                             "tool_call_parser"} & {k for k, v in self.config.vllm.items() if v}):
             self._parsing = ChatParsing(self.config, self.tokenizer, self.engine.model_config)
-            if self._parsing.forces:
-                self.honours = self.honours | {FORCED_TOOL_CHOICE}
 
     def _loaded(self) -> Any:
         if self.llm is None:
@@ -510,14 +508,18 @@ class VllmEngine:
                 # vLLM returns the sampled token's logprob and this many of the most likely ones.
                 ("logprobs", (s.top_logprobs or 0) if s.logprobs else None),
             ) if v is not None)
-            if self._parsing is not None and self._parsing.keeps_special_tokens(r):
+            tooled, keep_special = self._parsing.adjusted(r) if self._parsing is not None else (None, False)
+            if keep_special:
                 extra += (("skip_special_tokens", False),)
-            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra), s.structured_output)
+            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra), s.structured_output,
+                   repr(tooled))
             if key not in self._sampling:
                 if len(self._sampling) > 10_000:  # rows with their own seeds: keep the cache bounded
                     self._sampling.clear()
                 more = dict(extra)
-                if s.structured_output is not None:
+                if tooled is not None:  # a tool row: constrained as vLLM's server constrains it
+                    more["structured_outputs"] = tooled
+                elif s.structured_output is not None:
                     more["structured_outputs"] = _structured_params(s.structured_output)
                 # FINAL_ONLY, as LLM.generate asks: a step reports a request once, when it finishes.
                 self._sampling[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed,
