@@ -140,7 +140,8 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
 
     assert {"model", "runner", "seed"} <= params(LLM.__init__)
     fields = set(EngineArgs.__dataclass_fields__)
-    knobs = {adapter.snake_case(k) for k in VllmOptions.model_fields} - {"engine_args"}  # free-form, checked below
+    # engine_args: free-form, checked below; tool_call_parser: bij's own, as the parser is vLLM's server's.
+    knobs = {adapter.snake_case(k) for k in VllmOptions.model_fields} - {"engine_args", "tool_call_parser"}
     assert knobs <= fields, knobs - fields
     assert callable(LLM.get_tokenizer) and callable(LLMEngine.from_engine_args)
     # LLMEngine: the loop vLLM's offline examples drive (LLM.llm_engine is one; checked on a live one below).
@@ -679,6 +680,18 @@ def test_the_parsers_bij_names_are_the_ones_the_installed_vllm_ships() -> None:
 
     assert set(REASONING_PARSERS) <= set(ReasoningParserManager.list_registered())
     assert set(TOOL_CALL_PARSERS) <= set(ToolParserManager.list_registered())
+    # What engines/chat_parsing.py calls, as the installed release has it.
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.abstract_parser import Parser
+    from vllm.parser.parser_manager import ParserManager
+
+    assert {"tool_parser_name", "reasoning_parser_name", "enable_auto_tools", "model_name", "tokenizer"} <= set(
+        inspect.signature(ParserManager.get_parser).parameters)
+    assert {"model_output", "request", "enable_auto_tools", "model_output_token_ids"} <= set(
+        inspect.signature(Parser.parse).parameters)
+    assert {"adjust_request", "count_reasoning_tokens", "tool_parser_cls"} <= set(dir(Parser))
+    assert {"tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "structured_outputs",
+            "skip_special_tokens"} <= set(ChatCompletionRequest.model_fields)
 
 
 def test_the_reasoning_is_kept_apart_from_the_content_and_its_tokens_counted(thinker: Any) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from . import tools
+from . import responses, tools
 from .engines.base import Choice, Image, Request, Result, TokenLogprob, ToolAsk
 from .images import ImageProblem, parse_image
 from .sampling import (
@@ -48,6 +48,7 @@ OPENAI_URLS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "generate",
     "/v1/embeddings": "embed",
+    "/v1/responses": "chat",  # read as the chat request it asks for (responses.py)
 }
 
 
@@ -424,6 +425,11 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     body = obj.get("body")
     if not isinstance(body, dict):
         return _bad(at, "invalid_request", "body must be an object", cid)
+    if url == "/v1/responses":
+        try:
+            body = responses.chat_body(body)
+        except (UnknownField, BadField) as e:
+            return _bad(at, "invalid_request", str(e), cid)
     try:
         ask = from_openai(body, kind)
     except (UnknownField, BadField) as e:
@@ -607,7 +613,11 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     kind = OPENAI_URLS.get(row.url or "", opts.task)
     body: dict[str, Any]
     served = row.request.adapter if row.request is not None and row.request.adapter else opts.model_name
-    if kind == "embed":
+    if row.url == "/v1/responses":
+        (choice,) = _choices(res, row.request.max_tokens if row.request else 0)[:1]
+        body = responses.response_object(digest, served, choice, _reasoning_usage(usage, [choice]), f"{digest}_0",
+                                         row.request, res.cached_tokens)
+    elif kind == "embed":
         body = {"object": "list", "model": served,
                 "data": [{"object": "embedding", "index": 0, "embedding": res.embedding}], "usage": usage}
     elif kind == "chat":
