@@ -770,3 +770,53 @@ def test_tool_role_history_reaches_the_model_as_its_template_shows_calls(thinker
     call_text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     assert f"\nassistant:{call_text}\ntool:3 C\n" in text
     assert text.startswith('<s>tools:[{"type": "function"')
+
+
+def test_a_responses_line_is_answered_with_its_reasoning_item_and_message(thinker: Any) -> None:
+    from bij_worker.engines.base import run_to_completion
+    from bij_worker.inputs import InputOptions, parse_line, result_row
+    from openai.types.responses import Response
+
+    opts = InputOptions(format="openai", task="chat", engine="vllm", honours=thinker.honours, max_tokens=200)
+    line = json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/responses", "body": {
+        "model": "m", "input": "weather in Oslo?", "instructions": "be brief", "max_output_tokens": 50}}).encode()
+    row = parse_line(line, (0, 0, len(line)), "in.jsonl", opts)
+    assert row.request is not None, row.error
+    (res,) = run_to_completion(thinker, [row.request])
+    body = Response.model_validate(result_row(row, res, opts)["response"]["body"])
+    assert [o.type for o in body.output] == ["reasoning", "message"] and body.output_text == "yes"
+    assert body.output[0].content is not None and body.output[0].content[0].text == "ok"
+    assert body.usage is not None and body.usage.output_tokens_details.reasoning_tokens == 2
+
+
+def test_bij_run_answers_tool_and_reasoning_lines_through_the_worker(
+        file_place, make_job, read_output, worker_env, bij_bin, tmp_path_factory):
+    """The spec's parsers reach the worker's engine: chat and responses lines in one OpenAI batch file,
+    answered with reasoning and tool calls; a line asking for a tool the row does not give is an error row."""
+    from tiny_models import build_marker_model
+
+    model = build_marker_model(tmp_path_factory.mktemp("marker-run"), max_positions=1024)
+
+    def line(cid: str, url: str = "/v1/chat/completions", **body: Any) -> dict[str, Any]:
+        content = {"input": "weather?"} if url == "/v1/responses" else {
+            "messages": [{"role": "user", "content": "weather?"}]}
+        return {"custom_id": cid, "method": "POST", "url": url, "body": {"model": "m", **content, **body}}
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    inputs = [line("think"), line("named", tools=[WEATHER, CLOCK], tool_choice=named),
+              line("resp", "/v1/responses", tools=[{"type": "function", **CLOCK["function"]}],
+                   tool_choice="required"),
+              line("unknown", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})]
+    path, job = vllm_job(make_job, file_place, inputs, model, input={"format": "openai"}, model={
+        "engine": "vllm", "name": str(model), "task": "chat", "maxTokens": 200,
+        "vllm": {**SPEC_VLLM, "maxModelLen": 1024, "reasoningParser": "deepseek_r1", "toolCallParser": "hermes"}})
+    done = bij(bij_bin, worker_env(file_place), "run", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = read_output(job)
+    got = {r["custom_id"]: r["response"]["body"] for r in out.results}
+    assert got["think"]["choices"][0]["message"] == {"role": "assistant", "content": "yes", "reasoning_content": "ok"}
+    (call,) = got["named"]["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert [o["type"] for o in got["resp"]["output"]] == ["reasoning", "function_call"]
+    assert got["resp"]["output"][1]["name"] == "get_time" and got["resp"]["status"] == "completed"
+    assert [(e["custom_id"], e["error"]["code"]) for e in out.errors] == [("unknown", "invalid_request")]
