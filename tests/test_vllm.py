@@ -739,7 +739,12 @@ def test_auto_tool_calls_are_read_by_the_tool_parser_after_the_reasoning(thinker
     opts = InputOptions(format="openai", task="chat", engine="vllm")
     answer = result_row(Row(at=(0, 0, 0), id="r1", request=req, url="/v1/chat/completions"), res, opts)
     ChatCompletion.model_validate(answer["response"]["body"])
-    assert answer["response"]["body"]["choices"][0]["message"]["content"] is None
+    message = answer["response"]["body"]["choices"][0]["message"]
+    assert message["content"] is None
+    # Not vLLM's random id: the same on every run of the row.
+    assert message["tool_calls"][0]["id"] == result_row(Row(at=(0, 0, 0), id="r1", request=req), res, opts)[
+        "response"]["body"]["choices"][0]["message"]["tool_calls"][0]["id"]
+    assert message["tool_calls"][0]["id"].startswith("call_")
 
 
 def test_required_and_named_tool_choice_force_a_valid_call(thinker: Any) -> None:

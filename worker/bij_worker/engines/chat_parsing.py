@@ -26,6 +26,9 @@ from ..tools import call_problem, forced
 from .base import Choice, EngineConfig, Request, Result
 from .prompts import row_template_kwargs
 
+# The prefix of vLLM's random tool call ids (vllm.renderers.chat_utils.make_tool_call_id).
+_RANDOM_ID = "chatcmpl-tool-"
+
 
 class ChatParsing:
     """The configured parsers of one engine (built once the tokenizer is loaded)."""
@@ -116,7 +119,9 @@ class ChatParsing:
         ask = req.tools
         tool_calls = None
         if ask is not None and ask.choice != "none" and (calls or forced(ask)):
-            tool_calls = [{"id": c.id, "type": "function",
+            # vLLM's random call ids ("chatcmpl-tool-<uuid>") would change when a row is run again (a resumed
+            # shard): they are left out, and the answer's row makes stable ones. A model's own ids stay.
+            tool_calls = [{"id": None if not c.id or c.id.startswith(_RANDOM_ID) else c.id, "type": "function",
                            "function": {"name": c.name, "arguments": c.arguments}} for c in calls or []]
         output = content or ""
         if ask is not None and forced(ask):

@@ -32,6 +32,9 @@ What the engine does, and the adapter relies on (checked by the vLLM test tier):
   penalties, `StructuredOutputsParams`); a row with n > 1 answers is reported one answer at
   a time under its request id, finished with the last; LoRA adapters are `LoRARequest`s
   (`enable_lora` when the spec lists adapters);
+- chat answers go through vLLM's reasoning and tool call parsers when the spec names them
+  (`model.vllm.reasoningParser`, `toolCallParser`), as its OpenAI server runs them (chat_parsing.py):
+  `reasoning_parser` is also an engine argument, `tool_call_parser` only bij's;
 - images (chat rows with `image_url` parts, on a model vLLM loads as multimodal) go in as the
   prompt's `multi_modal_data` (PIL images, in the order of their parts): the chat template puts one
   placeholder token per image, which vLLM's processor expands to the image's features, so the
