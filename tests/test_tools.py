@@ -181,3 +181,15 @@ def test_the_spec_names_only_parsers_vllm_ships(tmp_path: Any) -> None:
         load(toolCallParser="hermes2")
     with pytest.raises(SpecError, match="unknown reasoning parser 'r1'"):
         load(reasoningParser="r1")
+
+
+def test_a_plain_rows_result_carries_the_reasoning_beside_the_output() -> None:
+    from bij_worker.inputs import plain_result
+
+    parsed = Choice(output="yes", completion_tokens=7, finish_reason="stop", reasoning="ok", reasoning_tokens=2)
+    row = plain_result(3, Result(output="yes", prompt_tokens=4, completion_tokens=7, extra={"parsed": parsed}))
+    assert row == {"id": 3, "output": "yes", "reasoning": "ok",
+                   "usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}
+    two = [parsed, Choice(output="no", completion_tokens=3, finish_reason="stop", reasoning="hm")]
+    row = plain_result(4, Result(output="yes", prompt_tokens=4, completion_tokens=10, choices=two))
+    assert [(c["output"], c["reasoning"]) for c in row["choices"]] == [("yes", "ok"), ("no", "hm")]
