@@ -379,7 +379,6 @@ def _images(parts: list[tuple[str, dict[str, Any]]], opts: InputOptions) -> tupl
 class _ChatAsk:
     """What a chat body's tool and reasoning fields ask (tools.py), as the row's request takes it."""
 
-    sampling: Sampling  # the row's own sampling
     tools: ToolAsk | None
     reasoning_effort: str | None
     asked: frozenset[str]
@@ -407,7 +406,7 @@ def _chat_tools(body: dict[str, Any], own: Sampling) -> _ChatAsk:
         for i, t in enumerate(ask.tools):  # checked as the calls' arguments will be
             if t["function"].get("parameters"):
                 json_schema_text(f"body.tools[{i}].function.parameters", t["function"]["parameters"])
-    return _ChatAsk(own, ask, effort, frozenset(asked), spelled)
+    return _ChatAsk(ask, effort, frozenset(asked), spelled)
 
 
 def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOptions) -> Row:
@@ -465,7 +464,6 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
             chat_ask = _chat_tools(body, own)
         except BadField as e:
             return _bad(at, "invalid_request", str(e), cid)
-        own = chat_ask.sampling
         asked |= chat_ask.asked
         spelled.update(chat_ask.spelled)
     else:
