@@ -825,3 +825,16 @@ def test_bij_run_answers_tool_and_reasoning_lines_through_the_worker(
     assert [o["type"] for o in got["resp"]["output"]] == ["reasoning", "function_call"]
     assert got["resp"]["output"][1]["name"] == "get_time" and got["resp"]["status"] == "completed"
     assert [(e["custom_id"], e["error"]["code"]) for e in out.errors] == [("unknown", "invalid_request")]
+
+
+def test_a_parser_failing_on_one_answer_fails_that_row_alone(thinker: Any, monkeypatch: Any) -> None:
+    from bij_worker.engines.base import Request, run_to_completion
+
+    def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("parser bug")
+
+    reqs = [Request(messages=[{"role": "user", "content": "hi"}], max_tokens=20) for _ in range(2)]
+    monkeypatch.setattr(thinker._parsing, "_apply", lambda req, res, outputs: broken(None) if req is reqs[0] else res)
+    first, second = run_to_completion(thinker, reqs)
+    assert first.extra["code"] == "engine_rejected" and "parser bug" in str(first.error)
+    assert second.error is None and second.completion_tokens

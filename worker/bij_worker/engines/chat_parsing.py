@@ -23,7 +23,7 @@ from typing import Any
 
 from ..structured import MAX_CARRIED, SCHEMA_VIOLATION
 from ..tools import call_problem, forced
-from .base import Choice, EngineConfig, Request, Result
+from .base import ENGINE_REJECTED, Choice, EngineConfig, Request, Result
 from .prompts import row_template_kwargs
 
 # The prefix of vLLM's random tool call ids (vllm.renderers.chat_utils.make_tool_call_id).
@@ -69,7 +69,8 @@ class ChatParsing:
         A forced call is always constrained so; an auto row only when it has no structured output of its own."""
         if self.cls is None or req.tools is None or req.tools.choice == "none":
             return None, False
-        vreq = self._parser(req, self.request(req)).adjust_request(self.request(req))
+        vreq = self.request(req)
+        vreq = self._parser(req, vreq).adjust_request(vreq)
         structured = vreq.structured_outputs
         if req.sampling.structured_output is not None and not forced(req.tools):
             structured = None
@@ -79,6 +80,15 @@ class ChatParsing:
         """The row's result with each answer parsed (`outputs`: vLLM's CompletionOutputs, by index)."""
         if self.cls is None or res.error is not None:
             return res
+        try:
+            return self._apply(req, res, outputs)
+        except Exception as e:  # a parser failing on one answer (or on the row's messages): that row alone
+            return Result(output=(res.output or "")[:MAX_CARRIED], prompt_tokens=res.prompt_tokens,
+                          completion_tokens=res.completion_tokens,
+                          error=f"vLLM's reasoning or tool call parser failed on the answer: {e}",
+                          extra={"code": ENGINE_REJECTED})
+
+    def _apply(self, req: Request, res: Result, outputs: list[Any]) -> Result:
         vreq = self.request(req)
         if res.choices is None:
             c = self._parse(req, vreq, res.output or "", outputs[0].token_ids, res.extra.get("finish_reason", "stop"),
