@@ -56,7 +56,8 @@ def test_text_format_reasoning_and_flat_tools_map_to_their_chat_fields() -> None
     ({"input": "x", "previous_response_id": "resp_1"}, "unknown field 'body.previous_response_id'"),
     ({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}}, "body.reasoning.summary"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools are known here"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "3"}]}, "only message items"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "only message, function_call and function_call_output"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "output must be a string"),
     ({"input": "x", "max_output_tokens": 0}, "body.max_output_tokens must be a positive integer"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "body.text.format.type must be"),
     ({"input": []}, "body.input must not be empty"),
@@ -95,3 +96,19 @@ def test_bij_api_takes_every_endpoint_the_worker_answers() -> None:
     from bij_worker.inputs import OPENAI_URLS
 
     assert ENDPOINTS == OPENAI_URLS and ENDPOINTS["/v1/responses"] == "chat"
+
+
+def test_earlier_calls_in_the_input_are_the_chat_historys_tool_calls_and_tool_messages() -> None:
+    row = parse({"input": [
+        {"role": "user", "content": "weather in Oslo and Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "3 C"},
+        {"type": "function_call_output", "call_id": "c2", "output": "9 C"}], "tools": [WEATHER]})
+    assert row.request is not None, row.error
+    user, assistant, *results = row.request.messages or []
+    assert assistant["role"] == "assistant" and assistant["content"] is None
+    assert [(c["id"], c["function"]["arguments"]) for c in assistant["tool_calls"]] == [
+        ("c1", '{"city": "Oslo"}'), ("c2", '{"city": "Paris"}')]
+    assert results == [{"role": "tool", "tool_call_id": "c1", "content": "3 C"},
+                       {"role": "tool", "tool_call_id": "c2", "content": "9 C"}]

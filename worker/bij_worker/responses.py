@@ -8,8 +8,9 @@ the token cap; `text.format` is the structured output (text, json_object, json_s
 schema flat in it); `reasoning.effort` is `reasoning_effort`; function tools are flat
 (``{"type": "function", "name", "parameters"}``) and so is a named `tool_choice`. Other
 Responses fields bij cannot honour (`previous_response_id`, `background`, built-in tools, a
-reasoning summary, function-call items in the input) make the row an error, never an answer
-without them.
+reasoning summary, reasoning items in the input) make the row an error, never an answer without
+them. Earlier calls in the input (`function_call`, `function_call_output` items) are the chat
+history's assistant `tool_calls` and `tool` messages.
 """
 
 from __future__ import annotations
@@ -84,12 +85,16 @@ def _list(v: Any, where: str) -> list[Any]:
 def _messages(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    out = []
+    out: list[dict[str, Any]] = []
     for i, item in enumerate(_list(value, "body.input (a string or a list of messages)")):
         where = f"body.input[{i}]"
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise BadField(f"{where}: only message items are known here, got {kind!r}")
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind in ("function_call", "function_call_output"):
+            out.extend(_call_item(where, item, out))
+            continue
+        if kind != "message":
+            raise BadField(f"{where}: only message, function_call and function_call_output items are known "
+                           f"here, got {kind!r}")
         role, content = item.get("role"), item.get("content")
         if role not in _ROLES:
             raise BadField(f"{where}.role must be one of {', '.join(_ROLES)}, got {json.dumps(role)[:40]}")
@@ -101,6 +106,28 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     if not out:
         raise BadField("body.input must not be empty")
     return out
+
+
+def _call_item(where: str, item: dict[str, Any], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An earlier tool call (function_call: joins the assistant turn before it, if that only called
+    tools) or its result (function_call_output: a tool message), as chat history carries them."""
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str):
+        raise BadField(f"{where}.call_id must be a string")
+    if item["type"] == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise BadField(f"{where}.output must be a string")
+        return [{"role": "tool", "tool_call_id": call_id, "content": output}]
+    name, arguments = item.get("name"), item.get("arguments")
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        raise BadField(f"{where} must have a string name and arguments (JSON text)")
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    last = before[-1] if before else None
+    if last is not None and last["role"] == "assistant" and last.get("tool_calls") and last["content"] is None:
+        last["tool_calls"].append(call)
+        return []
+    return [{"role": "assistant", "content": None, "tool_calls": [call]}]
 
 
 def _part(where: str, part: Any) -> dict[str, Any]:
