@@ -689,7 +689,7 @@ def test_the_parsers_bij_names_are_the_ones_the_installed_vllm_ships() -> None:
         inspect.signature(ParserManager.get_parser).parameters)
     assert {"model_output", "request", "enable_auto_tools", "model_output_token_ids"} <= set(
         inspect.signature(Parser.parse).parameters)
-    assert {"adjust_request", "count_reasoning_tokens", "tool_parser_cls"} <= set(dir(Parser))
+    assert {"adjust_request", "count_reasoning_tokens", "set_prompt_token_ids", "tool_parser_cls"} <= set(dir(Parser))
     assert {"tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "structured_outputs",
             "skip_special_tokens"} <= set(ChatCompletionRequest.model_fields)
 
@@ -834,7 +834,7 @@ def test_a_parser_failing_on_one_answer_fails_that_row_alone(thinker: Any, monke
         raise RuntimeError("parser bug")
 
     reqs = [Request(messages=[{"role": "user", "content": "hi"}], max_tokens=20) for _ in range(2)]
-    monkeypatch.setattr(thinker._parsing, "_apply", lambda req, res, outputs: broken(None) if req is reqs[0] else res)
+    monkeypatch.setattr(thinker._parsing, "_apply", lambda req, res, *rest: broken(None) if req is reqs[0] else res)
     first, second = run_to_completion(thinker, reqs)
     assert first.extra["code"] == "engine_rejected" and "parser bug" in str(first.error)
     assert second.error is None and second.completion_tokens

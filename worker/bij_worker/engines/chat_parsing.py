@@ -76,28 +76,30 @@ class ChatParsing:
             structured = None
         return structured, not vreq.skip_special_tokens
 
-    def apply(self, req: Request, res: Result, outputs: list[Any]) -> Result:
-        """The row's result with each answer parsed (`outputs`: vLLM's CompletionOutputs, by index)."""
+    def apply(self, req: Request, res: Result, outputs: list[Any], prompt: Any = None) -> Result:
+        """The row's result with each answer parsed (`outputs`: vLLM's CompletionOutputs, by index;
+        `prompt`: the prompt's token ids, which parsers that read state from the prompt are given)."""
         if self.cls is None or res.error is not None:
             return res
         try:
-            return self._apply(req, res, outputs)
+            return self._apply(req, res, outputs, prompt)
         except Exception as e:  # a parser failing on one answer (or on the row's messages): that row alone
             return Result(output=(res.output or "")[:MAX_CARRIED], prompt_tokens=res.prompt_tokens,
                           completion_tokens=res.completion_tokens,
                           error=f"vLLM's reasoning or tool call parser failed on the answer: {e}",
                           extra={"code": ENGINE_REJECTED})
 
-    def _apply(self, req: Request, res: Result, outputs: list[Any]) -> Result:
+    def _apply(self, req: Request, res: Result, outputs: list[Any], prompt: Any) -> Result:
         vreq = self.request(req)
         if res.choices is None:
-            c = self._parse(req, vreq, res.output or "", outputs[0].token_ids, res.extra.get("finish_reason", "stop"),
-                            res.completion_tokens or 0)
+            c = self._parse(req, vreq, prompt, res.output or "", outputs[0].token_ids,
+                            res.extra.get("finish_reason", "stop"), res.completion_tokens or 0)
             res.output = c.output
             res.extra["finish_reason"] = c.finish_reason
             res.extra["parsed"] = c
             return self.checked(req, res)
-        res.choices = [self._parse(req, vreq, c.output, o.token_ids, c.finish_reason, c.completion_tokens, c.logprobs)
+        res.choices = [self._parse(req, vreq, prompt, c.output, o.token_ids, c.finish_reason, c.completion_tokens,
+                                   c.logprobs)
                        for c, o in zip(res.choices, outputs, strict=True)]
         res.output = res.choices[0].output
         res.extra["finish_reason"] = res.choices[0].finish_reason
@@ -119,10 +121,12 @@ class ChatParsing:
                               extra={"code": SCHEMA_VIOLATION})
         return res
 
-    def _parse(self, req: Request, vreq: Any, text: str, token_ids: Any, finish: str, tokens: int,
+    def _parse(self, req: Request, vreq: Any, prompt: Any, text: str, token_ids: Any, finish: str, tokens: int,
                logprobs: Any = None) -> Choice:
         # One parser per answer: parsers keep state (vLLM's server does the same for n > 1).
         parser = self._parser(req, vreq)
+        if prompt is not None:
+            parser.set_prompt_token_ids(prompt)
         reasoning, content, calls = parser.parse(text, vreq, enable_auto_tools=self.tool_calls is not None,
                                                  model_output_token_ids=list(token_ids))
         reasoning_tokens = parser.count_reasoning_tokens(list(token_ids)) if self.reasoning else None

@@ -437,7 +437,7 @@ class VllmEngine:
             res = self._result(out, self._top.pop(rid, 0))
             chat = self._chat.pop(rid, None)
             if chat is not None and self._parsing is not None:
-                res = self._parsing.apply(chat, res, sorted(out.outputs, key=lambda c: c.index))
+                res = self._parsing.apply(chat, res, sorted(out.outputs, key=lambda c: c.index), out.prompt_token_ids)
             structured = self._asks.pop(rid, None)
             if structured is not None and res.extra.get("finish_reason") == "error" \
                     and (res.completion_tokens or 0) <= 1:
