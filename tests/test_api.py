@@ -288,6 +288,20 @@ def test_embeddings_and_completions_batches_parse_with_the_sdk_models(tenant: Te
     assert [x.id for x in c.batches.list(limit=1)] == [bc.id, be.id]  # the SDK walks the pages
 
 
+def test_a_responses_batch_is_answered_with_responses_objects_the_sdk_reads(tenant: Tenant, tmp_path: Path) -> None:
+    from openai.types.responses import Response
+
+    c = tenant.client
+    f = upload(c, tmp_path, [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+                              "body": {"model": "tiny-chat", "input": f"say {i}", "instructions": "be brief",
+                                       "max_output_tokens": 16}} for i in range(6)], "r.jsonl")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+    done = wait_status(c, b.id, "completed")
+    out = lines_of(c, done.output_file_id)
+    assert sorted(check_output(out, Response)) == [f"r{i}" for i in range(6)] and done.error_file_id is None
+    assert all(Response.model_validate(line["response"]["body"]).output_text for line in out)
+
+
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_a_cancelled_or_expired_batch_keeps_every_finished_row_once_and_counts_the_rest(
         api_cluster: ApiCluster, tenant: Tenant, tmp_path: Path, how: str) -> None:

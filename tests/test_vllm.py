@@ -141,7 +141,8 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
 
     assert {"model", "runner", "seed"} <= params(LLM.__init__)
     fields = set(EngineArgs.__dataclass_fields__)
-    knobs = {adapter.snake_case(k) for k in VllmOptions.model_fields} - {"engine_args"}  # free-form, checked below
+    # engine_args: free-form, checked below; tool_call_parser: bij's own, as the parser is vLLM's server's.
+    knobs = {adapter.snake_case(k) for k in VllmOptions.model_fields} - {"engine_args", "tool_call_parser"}
     assert knobs <= fields, knobs - fields
     assert callable(LLM.get_tokenizer) and callable(LLMEngine.from_engine_args)
     # LLMEngine: the loop vLLM's offline examples drive (LLM.llm_engine is one; checked on a live one below).
@@ -811,3 +812,221 @@ def test_bij_run_embeds_input_lists_with_matryoshka_dimensions_and_base64(
     assert [top(d.embedding) for d in ids.data] == [IDS["e"], IDS["g"]] and ids.usage.prompt_tokens == 3
     (odd,) = out.errors
     assert odd["custom_id"] == "odd" and "Matryoshka dimensions [128, 64], got 32" in odd["error"]["message"]
+
+
+# --- reasoning and tool calls: vLLM's parsers on the engine's own output ---------------------
+
+# Tools whose arguments a constraint fixes (enums, no other properties; strict: vLLM's structural tag
+# constrains a strict tool's arguments, a lax one's only to some JSON): the marker model's answer is known.
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"], "additionalProperties": False}}}
+# A hermes tool call, as a regex: with tool_choice auto nothing constrains the answer, so the row's own
+# structured output makes the random-free marker model write one (after its reasoning).
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Oslo|Paris)"\}\}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A chat engine on the marker model with vLLM's deepseek_r1 reasoning parser and hermes tool parser."""
+    from tiny_models import build_marker_model
+
+    # One token a character: tools in the prompt take hundreds.
+    model = build_marker_model(tmp_path_factory.mktemp("marker"), max_positions=1024)
+    adapter.shutdown_llm()
+    engine = create_engine("vllm", EngineConfig(task="chat", name=str(model), vllm={
+        **KNOBS, "maxModelLen": 1024, "reasoningParser": "deepseek_r1", "toolCallParser": "hermes"}))
+    engine.load()
+    yield engine
+    adapter.shutdown_llm()
+
+
+def _line(**body: Any) -> bytes:
+    return json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "m", "messages": [{"role": "user", "content": "weather in Oslo?"}], **body}}).encode()
+
+
+def _answer(engine: Any, **body: Any) -> dict[str, Any]:
+    """One OpenAI chat line through bij as the worker runs it: parsed, run, checked, answered."""
+    from bij_worker.engines.base import run_to_completion
+    from bij_worker.inputs import InputOptions, parse_line, result_row
+    from bij_worker.structured import Validator
+
+    opts = InputOptions(format="openai", task="chat", engine="vllm", honours=engine.honours, max_tokens=200)
+    line = _line(**body)
+    row = parse_line(line, (0, 0, len(line)), "in.jsonl", opts)
+    assert row.request is not None, row.error
+    results = run_to_completion(engine, [row.request])
+    found = Validator().check([row.request], results)
+    assert results[0].error is None, results[0].error
+    assert found.violations == 0
+    return result_row(row, results[0], opts)["response"]["body"]
+
+
+def test_the_parsers_bij_names_are_the_ones_the_installed_vllm_ships() -> None:
+    from bij_worker.contract.spec import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    assert set(REASONING_PARSERS) <= set(ReasoningParserManager.list_registered())
+    assert set(TOOL_CALL_PARSERS) <= set(ToolParserManager.list_registered())
+    # What engines/chat_parsing.py calls, as the installed release has it.
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.abstract_parser import Parser
+    from vllm.parser.parser_manager import ParserManager
+
+    assert {"tool_parser_name", "reasoning_parser_name", "enable_auto_tools", "model_name", "tokenizer"} <= set(
+        inspect.signature(ParserManager.get_parser).parameters)
+    assert {"model_output", "request", "enable_auto_tools", "model_output_token_ids"} <= set(
+        inspect.signature(Parser.parse).parameters)
+    assert {"adjust_request", "count_reasoning_tokens", "set_prompt_token_ids", "tool_parser_cls"} <= set(dir(Parser))
+    assert {"tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "structured_outputs",
+            "skip_special_tokens"} <= set(ChatCompletionRequest.model_fields)
+
+
+def test_the_reasoning_is_kept_apart_from_the_content_and_its_tokens_counted(thinker: Any) -> None:
+    from openai.types.chat import ChatCompletion
+
+    body = _answer(thinker)
+    message = body["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("ok", "yes")
+    assert body["choices"][0]["finish_reason"] == "stop"
+    # <think> o k </think>: two tokens of reasoning between the markers.
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    ChatCompletion.model_validate(body)
+
+
+def test_reasoning_effort_none_turns_thinking_off_in_the_template(thinker: Any) -> None:
+    from bij_worker.engines.base import Request
+
+    def prompt(**kw: Any) -> str:
+        (ids,) = thinker._prompt_ids([Request(messages=[{"role": "user", "content": "hi"}], **kw)])
+        return thinker.tokenizer.decode(ids)
+
+    assert prompt(reasoning_effort="none").endswith("assistant:<think></think>")
+    assert prompt(reasoning_effort="high").endswith("assistant:") == prompt().endswith("assistant:") is True
+
+
+def test_auto_tool_calls_are_read_by_the_tool_parser_after_the_reasoning(thinker: Any) -> None:
+    from openai.types.chat import ChatCompletion
+
+    body = _answer(thinker, tools=[WEATHER, CLOCK])
+    # Nothing forces a call: the marker model answers in words.
+    assert body["choices"][0]["message"]["content"] == "yes" and "tool_calls" not in body["choices"][0]["message"]
+    from bij_worker.engines.base import Request, ToolAsk, run_to_completion
+    from bij_worker.sampling import Sampling
+
+    req = Request(messages=[{"role": "user", "content": "weather?"}], max_tokens=200,
+                  tools=ToolAsk((WEATHER, CLOCK)), sampling=Sampling(structured_output=("regex", HERMES_CALL)))
+    (res,) = run_to_completion(thinker, [req])
+    parsed = res.extra["parsed"]
+    assert parsed.reasoning == "ok" and parsed.finish_reason == "tool_calls"
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather"]
+    assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert parsed.output == ""  # nothing but the call: no content
+    from bij_worker.inputs import InputOptions, Row, result_row
+
+    opts = InputOptions(format="openai", task="chat", engine="vllm")
+    answer = result_row(Row(at=(0, 0, 0), id="r1", request=req, url="/v1/chat/completions"), res, opts)
+    ChatCompletion.model_validate(answer["response"]["body"])
+    message = answer["response"]["body"]["choices"][0]["message"]
+    assert message["content"] is None
+    # Not vLLM's random id: the same on every run of the row.
+    assert message["tool_calls"][0]["id"] == result_row(Row(at=(0, 0, 0), id="r1", request=req), res, opts)[
+        "response"]["body"]["choices"][0]["message"]["tool_calls"][0]["id"]
+    assert message["tool_calls"][0]["id"].startswith("call_")
+
+
+def test_required_and_named_tool_choice_force_a_valid_call(thinker: Any) -> None:
+    required = _answer(thinker, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    choice = required["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
+    assert choice["message"]["reasoning_content"] == "ok"
+    (call,) = choice["message"]["tool_calls"]
+    # The first allowed token wins where the constraint forbids the wired one: get_t(ime) before get_w(eather).
+    assert call["function"]["name"] == "get_time" and json.loads(call["function"]["arguments"]) == {"zone": "UTC"}
+    named = _answer(thinker, tools=[WEATHER, CLOCK],
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_tool_role_history_reaches_the_model_as_its_template_shows_calls(thinker: Any) -> None:
+    from bij_worker.engines.base import Request, ToolAsk
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    req = Request(messages=[{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None,
+                                                                       "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "call_1", "content": "3 C"}], tools=ToolAsk((WEATHER,)))
+    (ids,) = thinker._prompt_ids([req])
+    text = thinker.tokenizer.decode(ids)
+    call_text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    assert f"\nassistant:{call_text}\ntool:3 C\n" in text
+    assert text.startswith('<s>tools:[{"type": "function"')
+
+
+def test_a_responses_line_is_answered_with_its_reasoning_item_and_message(thinker: Any) -> None:
+    from bij_worker.engines.base import run_to_completion
+    from bij_worker.inputs import InputOptions, parse_line, result_row
+    from openai.types.responses import Response
+
+    opts = InputOptions(format="openai", task="chat", engine="vllm", honours=thinker.honours, max_tokens=200)
+    line = json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/responses", "body": {
+        "model": "m", "input": "weather in Oslo?", "instructions": "be brief", "max_output_tokens": 50}}).encode()
+    row = parse_line(line, (0, 0, len(line)), "in.jsonl", opts)
+    assert row.request is not None, row.error
+    (res,) = run_to_completion(thinker, [row.request])
+    body = Response.model_validate(result_row(row, res, opts)["response"]["body"])
+    assert [o.type for o in body.output] == ["reasoning", "message"] and body.output_text == "yes"
+    assert body.output[0].content is not None and body.output[0].content[0].text == "ok"
+    assert body.usage is not None and body.usage.output_tokens_details.reasoning_tokens == 2
+
+
+def test_bij_run_answers_tool_and_reasoning_lines_through_the_worker(
+        file_place, make_job, read_output, worker_env, bij_bin, tmp_path_factory):
+    """The spec's parsers reach the worker's engine: chat and responses lines in one OpenAI batch file,
+    answered with reasoning and tool calls; a line asking for a tool the row does not give is an error row."""
+    from tiny_models import build_marker_model
+
+    model = build_marker_model(tmp_path_factory.mktemp("marker-run"), max_positions=1024)
+
+    def line(cid: str, url: str = "/v1/chat/completions", **body: Any) -> dict[str, Any]:
+        content = {"input": "weather?"} if url == "/v1/responses" else {
+            "messages": [{"role": "user", "content": "weather?"}]}
+        return {"custom_id": cid, "method": "POST", "url": url, "body": {"model": "m", **content, **body}}
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    inputs = [line("think"), line("named", tools=[WEATHER, CLOCK], tool_choice=named),
+              line("resp", "/v1/responses", tools=[{"type": "function", **CLOCK["function"]}],
+                   tool_choice="required"),
+              line("unknown", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})]
+    path, job = vllm_job(make_job, file_place, inputs, model, input={"format": "openai"}, model={
+        "engine": "vllm", "name": str(model), "task": "chat", "maxTokens": 200,
+        "vllm": {**SPEC_VLLM, "maxModelLen": 1024, "reasoningParser": "deepseek_r1", "toolCallParser": "hermes"}})
+    done = bij(bij_bin, worker_env(file_place), "run", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = read_output(job)
+    got = {r["custom_id"]: r["response"]["body"] for r in out.results}
+    assert got["think"]["choices"][0]["message"] == {"role": "assistant", "content": "yes", "reasoning_content": "ok"}
+    (call,) = got["named"]["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert [o["type"] for o in got["resp"]["output"]] == ["reasoning", "function_call"]
+    assert got["resp"]["output"][1]["name"] == "get_time" and got["resp"]["status"] == "completed"
+    assert [(e["custom_id"], e["error"]["code"]) for e in out.errors] == [("unknown", "invalid_request")]
+
+
+def test_a_parser_failing_on_one_answer_fails_that_row_alone(thinker: Any, monkeypatch: Any) -> None:
+    from bij_worker.engines.base import Request, run_to_completion
+
+    def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("parser bug")
+
+    reqs = [Request(messages=[{"role": "user", "content": "hi"}], max_tokens=20) for _ in range(2)]
+    monkeypatch.setattr(thinker._parsing, "_apply", lambda req, res, *rest: broken(None) if req is reqs[0] else res)
+    first, second = run_to_completion(thinker, reqs)
+    assert first.extra["code"] == "engine_rejected" and "parser bug" in str(first.error)
+    assert second.error is None and second.completion_tokens

@@ -88,3 +88,63 @@ def build_model(path: Path, *, wired: bool = True, pad_token: bool = True, chat_
                 model.lm_head.weight[IDS[successor(word)], i] = 10.0
     model.save_pretrained(path)
     return path
+
+
+# The marker model: one token per character (any ASCII text, JSON and tool-call markup included) and
+# a reasoning model's <think> and </think> tokens; wired so that greedy decoding after a chat prompt
+# ("...assistant:") thinks "ok" and answers "yes": <think> o k </think> y e s </s>. Where a
+# constraint forbids the wired successor, the first allowed token (lowest id) wins: the output is
+# known in advance too.
+MARKER_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+THINK, END_THINK = "<think>", "</think>"
+# Whitespace last: where a JSON constraint allows it, the first allowed token is never a space, so a
+# constrained answer does not pad itself out to its token cap.
+MARKER_VOCAB = MARKER_SPECIALS + [THINK, END_THINK] + [chr(i) for i in range(33, 127)] + [" ", "\n"]
+MARKER_CHAIN = {":": THINK, THINK: "o", "o": "k", "k": END_THINK, END_THINK: "y", "y": "e", "e": "s"}
+# Tools as a hermes-style template shows them; earlier calls as <tool_call> JSON; thinking off
+# (enable_thinking false, as reasoning_effort "none" asks) closes the reasoning in the prompt.
+MARKER_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}tools:{{ tools | tojson }}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}:{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
+)
+
+
+def build_marker_model(path: Path, max_positions: int = 320) -> Path:
+    """Save the marker model (see MARKER_CHAIN) and its character-level tokenizer to `path`."""
+    import torch
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    ids = {w: i for i, w in enumerate(MARKER_VOCAB)}
+    tk = Tokenizer(models.WordLevel(vocab=ids, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.add_tokens([AddedToken(THINK, normalized=False), AddedToken(END_THINK, normalized=False)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                        pad_token="<pad>")
+    tokenizer.chat_template = MARKER_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(MARKER_VOCAB), hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_positions,
+        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for word, i in ids.items():
+            model.model.embed_tokens.weight[i, i] = 1.0
+            model.lm_head.weight[ids[MARKER_CHAIN.get(word, "</s>")], i] = 10.0
+    model.save_pretrained(path)
+    return path

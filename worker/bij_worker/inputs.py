@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from . import responses, tools
 from .contract.columns import RESULT_FIELDS, clash_message, consumed
 from .contract.columns import carried as carried_columns
-from .engines.base import Choice, Image, Request, Result, TokenLogprob
+from .engines.base import Choice, Image, Request, Result, TokenLogprob, ToolAsk
 from .images import ImageProblem, parse_image
 from .sampling import (
     ADAPTERS,
@@ -41,6 +42,7 @@ from .sampling import (
     UnknownField,
     from_column,
     from_openai,
+    json_schema_text,
     over_budget,
     refusal,
 )
@@ -55,6 +57,7 @@ OPENAI_URLS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "generate",
     "/v1/embeddings": "embed",
+    "/v1/responses": "chat",  # read as the chat request it asks for (responses.py)
 }
 
 
@@ -186,6 +189,13 @@ def _messages_ok(msgs: Any) -> str | None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return f"message {i} must be an object with a string role"
         c = m.get("content")
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)
+                                  or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                             for t in calls)):
+            return f"message {i} tool_calls must be an assistant's list of {{id, type, function}} calls"
+        if c is None and calls:  # an assistant turn that only called tools
+            continue
         if not (isinstance(c, str) or isinstance(c, list)):
             return f"message {i} content must be a string or a list of parts"
     return None
@@ -465,6 +475,40 @@ def _images(parts: list[tuple[str, dict[str, Any]]], opts: InputOptions) -> tupl
     return tuple(parse_image(part, where, opts.max_image_bytes) for where, part in parts)
 
 
+@dataclass(frozen=True, slots=True)
+class _ChatAsk:
+    """What a chat body's tool and reasoning fields ask (tools.py), as the row's request takes it."""
+
+    tools: ToolAsk | None
+    reasoning_effort: str | None
+    asked: frozenset[str]
+    spelled: dict[str, str]
+
+
+def _chat_tools(body: dict[str, Any], own: Sampling) -> _ChatAsk:
+    """A chat body's `tools`, `tool_choice`, `parallel_tool_calls` and `reasoning_effort`; raises BadField."""
+    ask = tools.tool_ask(body)
+    effort = tools.reasoning_effort(body)
+    asked: set[str] = set()
+    spelled: dict[str, str] = {}
+    if ask is not None:
+        asked.add(tools.TOOLS)
+        spelled[tools.TOOLS] = "body.tools (a tool call parser: model.vllm.toolCallParser)"
+    if effort is not None:
+        asked.add(tools.REASONING_EFFORT)
+        spelled[tools.REASONING_EFFORT] = "body.reasoning_effort"
+    if ask is not None and tools.forced(ask):
+        if own.structured_output is not None:
+            raise BadField("body.response_format cannot be kept with a forced tool call "
+                           f"(body.tool_choice {ask.choice!r}): the call's arguments are the answer's JSON")
+        asked.add(tools.FORCED_TOOL_CHOICE)
+        spelled[tools.FORCED_TOOL_CHOICE] = f"body.tool_choice {ask.choice!r} (a forced tool call)"
+        for i, t in enumerate(ask.tools):  # checked as the calls' arguments will be
+            if t["function"].get("parameters"):
+                json_schema_text(f"body.tools[{i}].function.parameters", t["function"]["parameters"])
+    return _ChatAsk(ask, effort, frozenset(asked), spelled)
+
+
 def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOptions) -> Row:
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
@@ -480,6 +524,11 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     body = obj.get("body")
     if not isinstance(body, dict):
         return _bad(at, "invalid_request", "body must be an object", cid)
+    if url == "/v1/responses":
+        try:
+            body = responses.chat_body(body)
+        except (UnknownField, BadField) as e:
+            return _bad(at, "invalid_request", str(e), cid)
     try:
         ask = from_openai(body, kind)
     except (UnknownField, BadField) as e:
@@ -511,6 +560,12 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
         if parts:
             asked |= {IMAGES}
             spelled[IMAGES] = _IMAGE_PART
+        try:
+            chat_ask = _chat_tools(body, own)
+        except BadField as e:
+            return _bad(at, "invalid_request", str(e), cid)
+        asked |= chat_ask.asked
+        spelled.update(chat_ask.spelled)
     else:
         field = "input" if kind == "embed" else "prompt"
         prompts = _prompts(body.get(field), f"body.{field}")
@@ -531,7 +586,9 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
             images = _images(image_parts, opts)
         except ImageProblem as e:
             return _bad(at, e.code, str(e), cid)
-        return Row(at=at, id=cid, request=_request(opts, own, messages=msgs, adapter=adapter, images=images), url=url)
+        req = _request(opts, own, messages=msgs, adapter=adapter, images=images)
+        req.tools, req.reasoning_effort = chat_ask.tools, chat_ask.reasoning_effort
+        return Row(at=at, id=cid, request=req, url=url)
     requests = [_request(opts, own, text=p, adapter=adapter) if isinstance(p, str) else
                 _request(opts, own, token_ids=p, adapter=adapter) for p in prompts]
     return Row(at=at, id=cid, request=requests[0], url=url, parts=requests if len(requests) > 1 else None,
@@ -577,6 +634,9 @@ def plain_result(rid: Any, res: Result, truncated: bool = False,
         out["usage"] = usage
     if res.choices is not None:
         out["choices"] = [_plain_choice(i, c) for i, c in enumerate(res.choices)]
+    parsed = res.extra.get("parsed")
+    if isinstance(parsed, Choice) and parsed.reasoning is not None:
+        out["reasoning"] = parsed.reasoning
     if truncated:
         out["truncated"] = True
     if columns:
@@ -588,6 +648,8 @@ def _plain_choice(i: int, c: Choice) -> dict[str, Any]:
     """One of a plain result row's `choices`: index, output, finish_reason, completion_tokens, logprobs."""
     out: dict[str, Any] = {"index": i, "output": c.output, "finish_reason": c.finish_reason,
                            "completion_tokens": c.completion_tokens}
+    if c.reasoning is not None:
+        out["reasoning"] = c.reasoning
     if c.logprobs is not None:
         out["logprobs"] = [{"token": t.token, "logprob": t.logprob,
                             "top_logprobs": [{"token": s, "logprob": lp} for s, lp in t.top]} for t in c.logprobs]
@@ -619,6 +681,9 @@ def _choices(res: Result, max_tokens: int) -> list[Choice]:
     """A result's answers: its `choices`, or its one output."""
     if res.choices is not None:
         return res.choices
+    parsed = res.extra.get("parsed")
+    if isinstance(parsed, Choice):  # parsed by the engine's reasoning and tool call parsers
+        return [parsed]
     finish = res.extra.get("finish_reason") or ("length" if (res.completion_tokens or 0) >= max_tokens else "stop")
     return [Choice(output=res.output or "", completion_tokens=res.completion_tokens or 0, finish_reason=finish)]
 
@@ -647,6 +712,30 @@ def _vector(embedding: list[float] | None, encoding: str) -> list[float] | str |
     return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
 
 
+def _chat_message(c: Choice, row: Row, call_ids: str) -> dict[str, Any]:
+    """A chat answer's `message`: its content, the reasoning a reasoning parser kept apart from it
+    (`reasoning_content`), and the tool calls a tool parser read (`tool_calls`, with ids stable
+    across reruns: ``call_<row digest>_<choice>_<call>``)."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.output}
+    if c.reasoning is not None:
+        message["reasoning_content"] = c.reasoning
+    if c.tool_calls is not None:
+        # A forced call (required, a named function) has empty content, as vLLM's server answers it.
+        ask = row.request.tools if row.request is not None else None
+        message["content"] = "" if tools.forced(ask) else (c.output or None)
+        message["tool_calls"] = [{**call, "id": call.get("id") or f"call_{call_ids}_{k}"}
+                                 for k, call in enumerate(c.tool_calls)]
+    return message
+
+
+def _reasoning_usage(usage: dict[str, Any], choices: list[Choice]) -> dict[str, Any]:
+    """`usage` with `completion_tokens_details.reasoning_tokens` when a reasoning parser counted them."""
+    counted = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
+    if not counted:
+        return usage
+    return {**usage, "completion_tokens_details": {"reasoning_tokens": sum(counted)}}
+
+
 def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     """The published result row for a successful request (a row with several prompts: its merged_result)."""
     if opts.format != "openai":
@@ -657,7 +746,11 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     body: dict[str, Any]
     served = row.request.adapter if row.request is not None and row.request.adapter else opts.model_name
     parts: list[Result] = res.extra.get("parts") or [res]
-    if kind == "embed":
+    if row.url == "/v1/responses":
+        (choice,) = _choices(res, row.request.max_tokens if row.request else 0)[:1]
+        body = responses.response_object(digest, served, choice, _reasoning_usage(usage, [choice]), f"{digest}_0",
+                                         row.request, res.cached_tokens)
+    elif kind == "embed":
         body = {"object": "list", "model": served,
                 "data": [{"object": "embedding", "index": i, "embedding": _vector(r.embedding, row.encoding)}
                          for i, r in enumerate(parts)], "usage": usage}
@@ -665,9 +758,9 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
         choices = _choices(res, row.request.max_tokens if row.request else 0)
         body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": int(time.time()),
                 "model": served,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.output},
+                "choices": [{"index": i, "message": _chat_message(c, row, f"{digest}_{i}"),
                              "logprobs": _chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                            for i, c in enumerate(choices)], "usage": usage}
+                            for i, c in enumerate(choices)], "usage": _reasoning_usage(usage, choices)}
     else:
         # Several prompts: each prompt's n choices in turn, numbered on (prompt-major, as OpenAI does).
         choices = [c for r in parts for c in _choices(r, row.request.max_tokens if row.request else 0)]

@@ -328,7 +328,9 @@ OPENAI_FIELDS: dict[str, dict[str, str]] = {
 # `model`: the answer names the model that ran (spec.model.name); `user`: an end-user id for abuse
 # tracking, no effect on the answer.
 OPENAI_NO_EFFECT = frozenset({"model", "user"})
-OPENAI_CONTENT = {"chat": frozenset({"messages"}), "generate": frozenset({"prompt"}), "embed": frozenset({"input"})}
+# Chat: the messages, and the tool and reasoning fields (read by tools.py).
+OPENAI_CONTENT = {"chat": frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"}),
+                  "generate": frozenset({"prompt"}), "embed": frozenset({"input"})}
 # /v1/embeddings: how the vectors are written (OpenAI's two).
 ENCODINGS = ("float", "base64")
 # Known OpenAI fields no engine here honours (yet): a row that sets one (to anything but its

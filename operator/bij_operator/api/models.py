@@ -34,7 +34,8 @@ import yaml
 from bij_worker.contract.spec import BatchInferenceJob, SpecError, parse_job
 
 # The endpoints a batch may name, and the model.task each runs as.
-ENDPOINTS: dict[str, str] = {"/v1/chat/completions": "chat", "/v1/completions": "generate", "/v1/embeddings": "embed"}
+ENDPOINTS: dict[str, str] = {"/v1/chat/completions": "chat", "/v1/completions": "generate", "/v1/embeddings": "embed",
+                             "/v1/responses": "chat"}
 # The parts of a bij spec a model's entry may set; the server sets the others.
 TEMPLATE_KEYS = frozenset({"model", "workers", "batching", "sharding", "storage", "maxErrorRatio"})
 

@@ -235,6 +235,27 @@ class OutputSpec(_Model):
         return _check_uri(uri)
 
 
+# The reasoning and tool call parsers vLLM ships (0.32: ReasoningParserManager, ToolParserManager),
+# known here so that a spec naming another fails at validation, not on the GPU node; the vLLM test
+# tier checks the lists against the installed release.
+REASONING_PARSERS = (
+    "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41", "ernie45",
+    "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2", "hunyuan_a13b", "hy_v3", "hy_v4",
+    "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo", "minicpmv", "minimax_m2",
+    "minimax_m2_append_think", "minimax_m3", "mistral", "muse_glimmer", "nemotron_v3", "olmo3", "openai_gptoss",
+    "plamo3", "poolside_v1", "qwen3", "seed_oss", "step3", "step3p5",
+)
+TOOL_CALL_PARSERS = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4",
+    "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47", "granite",
+    "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "internlm", "jamba",
+    "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json", "llama4_json", "llama4_pythonic", "longcat",
+    "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral", "muse_glimmer", "olmo3", "openai", "phi4_mini_json",
+    "plamo3", "poolside_v1", "pythonic", "qwen3_coder", "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5",
+    "xlam",
+)
+
+
 class VllmOptions(_Model):
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
     # Unset: vLLM's own default for the machine (256 on its CPU build). 512 was set here once without a
@@ -254,6 +275,24 @@ class VllmOptions(_Model):
     # Any other vLLM engine argument (EngineArgs names, snake_case or camelCase), passed as given; a
     # name the installed vLLM does not know fails the worker at start (exit 42) naming it.
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    # Chat answers parsed as vLLM's OpenAI server parses them (its --reasoning-parser and
+    # --tool-call-parser): the reasoning apart from the content, tool calls as message.tool_calls.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, v: str | None) -> str | None:
+        if v is not None and v not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {v!r} (vLLM ships: {', '.join(REASONING_PARSERS)})")
+        return v
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_call_parser(cls, v: str | None) -> str | None:
+        if v is not None and v not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown tool call parser {v!r} (vLLM ships: {', '.join(TOOL_CALL_PARSERS)})")
+        return v
 
     @property
     def gpus(self) -> int:

@@ -24,6 +24,25 @@ class Image:
     data: bytes | None = None  # None until the worker fetched it (file://, s3://)
 
 
+@dataclass(frozen=True, slots=True)
+class ToolAsk:
+    """A chat row's tools (OpenAI `tools`, function tools only), which one it must call (`tool_choice`:
+    "none", "auto", "required" or a function's name) and whether it may call several at once."""
+
+    tools: tuple[dict[str, Any], ...]
+    choice: str = "auto"  # none | auto | required | the name of a function in `tools`
+    named: bool = False  # `choice` names a function
+    parallel: bool | None = None  # OpenAI `parallel_tool_calls`; None: not set (several allowed)
+
+    def body(self) -> dict[str, Any]:
+        """The fields as an OpenAI chat body carries them."""
+        choice: Any = {"type": "function", "function": {"name": self.choice}} if self.named else self.choice
+        out: dict[str, Any] = {"tools": list(self.tools), "tool_choice": choice}
+        if self.parallel is not None:
+            out["parallel_tool_calls"] = self.parallel
+        return out
+
+
 @dataclass(slots=True)  # not frozen: a frozen dataclass pays a setattr call per field, per row
 class Request:
     """One row's work (or one of its prompts): `text` (or `token_ids`) for embed/generate, `messages`
@@ -42,6 +61,8 @@ class Request:
     # A prompt given as token ids (OpenAI `prompt`/`input` of integers): the model gets them as they
     # are, no special tokens added; `text` is then None.
     token_ids: list[int] | None = None
+    tools: ToolAsk | None = None  # a chat row's tools (OpenAI `tools`, `tool_choice`)
+    reasoning_effort: str | None = None  # OpenAI `reasoning_effort`, given to the chat template
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +82,9 @@ class Choice:
     completion_tokens: int
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None  # when the row asked for them
+    reasoning: str | None = None  # the reasoning a reasoning parser found, apart from `output`
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI message.tool_calls a tool parser found
+    reasoning_tokens: int | None = None  # tokens of the reasoning (with a reasoning parser)
 
 
 @dataclass(slots=True)

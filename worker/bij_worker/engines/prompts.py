@@ -41,7 +41,37 @@ def chat_messages(req: Request) -> list[dict[str, Any]]:
                 # OpenAI content parts; most chat templates expect a plain string.
                 content = "".join(str(p.get("text", "")) for p in parts)
             m = {**m, "content": content}
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            m = {**m, "tool_calls": [_template_call(c) for c in m["tool_calls"]]}
         out.append(m)
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier tool call as chat templates read it: its arguments a dict, not the
+    JSON text OpenAI carries (vLLM's server makes the same change)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        args = {}
+    return {**call, "function": {**fn, "arguments": args if isinstance(args, dict) else {}}}
+
+
+def row_template_kwargs(req: Request, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat template's variables for a request: the spec's (model.chatTemplateKwargs), the row's
+    tools, and its `reasoning_effort` with `enable_thinking` (false for "none") as vLLM's server gives
+    them, unless the spec sets `enable_thinking` itself."""
+    if req.tools is None and req.reasoning_effort is None:
+        return kwargs or {}
+    out = dict(kwargs or {})
+    if req.tools is not None:
+        out["tools"] = list(req.tools.tools)
+    if req.reasoning_effort is not None:
+        out["reasoning_effort"] = req.reasoning_effort
+        out.setdefault("enable_thinking", req.reasoning_effort != "none")
     return out
 
 
@@ -53,7 +83,8 @@ def prompt_ids(tok: Any, requests: list[Request], chat: bool, template: str | No
     (ids outside the tokenizer's vocabulary refuse it); chat prompts are rendered with the chat
     template, which already holds BOS and friends, so none are added again. `template` replaces the
     tokenizer's own (spec.model.chatTemplate); `template_kwargs` are variables the template reads
-    (spec.model.chatTemplateKwargs, e.g. a reasoning model's thinking switch), under a row's own
+    (spec.model.chatTemplateKwargs, e.g. a reasoning model's thinking switch; see
+    `row_template_kwargs` for what a row's tools and reasoning effort add), under a row's own
     (`chatTemplateKwargs`); a row may also end the prompt without the generation prompt
     (`addGenerationPrompt` false) or leave its last message open to be continued
     (`continueFinalMessage`, an assistant prefill).
@@ -66,7 +97,7 @@ def prompt_ids(tok: Any, requests: list[Request], chat: bool, template: str | No
     problems: dict[int, str] = {}
     for i, r in enumerate(requests):
         s = r.sampling
-        kwargs = dict(template_kwargs or {})
+        kwargs = dict(row_template_kwargs(r, template_kwargs))  # a copy: the row's own fields go on top
         if s.chat_template_kwargs:
             kwargs.update(json.loads(s.chat_template_kwargs))
         if s.continue_final_message:

@@ -33,6 +33,9 @@ What the engine does, and the adapter relies on (checked by the vLLM test tier):
   bad_words); a row with n > 1 answers is reported one answer at a time under its request id,
   finished with the last; LoRA adapters are `LoRARequest`s (`enable_lora` when the spec lists
   adapters);
+- chat answers go through vLLM's reasoning and tool call parsers when the spec names them
+  (`model.vllm.reasoningParser`, `toolCallParser`), as its OpenAI server runs them (chat_parsing.py):
+  `reasoning_parser` is also an engine argument, `tool_call_parser` only bij's;
 - a chat row's own template variables, `add_generation_prompt` and `continue_final_message`
   render its prompt (prompts.prompt_ids, as `LLM.chat` renders it); a prompt given as token ids
   goes in as it is (vLLM refuses ids outside the vocabulary);
@@ -59,6 +62,7 @@ from typing import Any
 
 from ..sampling import IMAGES, TOKEN_IDS
 from ..structured import grammar_schema
+from ..tools import FORCED_TOOL_CHOICE, REASONING_EFFORT, TOOLS
 from .base import (
     BASIC_SAMPLING,
     CHAT_TEMPLATE_FIELDS,
@@ -73,6 +77,7 @@ from .base import (
     request_text,
     run_to_completion,
 )
+from .chat_parsing import ChatParsing
 from .prompts import GREEDY_EPS, prompt_ids, truncate_prompt
 
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
@@ -100,7 +105,8 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
         raise ValueError("engine vllm needs model.name (a model directory or a Hugging Face id)")
     kwargs: dict[str, Any] = {"model": config.name, "seed": config.seed}
     for key, value in config.vllm.items():
-        if snake_case(key) == "engine_args":  # spec.model.vllm.engineArgs: free-form, over the named knobs
+        if snake_case(key) in ("engine_args", "tool_call_parser"):
+            # engineArgs: free-form, over the named knobs; toolCallParser: bij's (as vLLM's server's) alone.
             continue
         kwargs[snake_case(key)] = value
     for key, value in (config.vllm.get("engineArgs") or config.vllm.get("engine_args") or {}).items():
@@ -273,6 +279,13 @@ class VllmEngine:
         self.config = config
         self.honours = frozenset() if config.task == "embed" else self.GENERATION_FIELDS
         self.honours |= CHAT_TEMPLATE_FIELDS if config.task == "chat" else {TOKEN_IDS}
+        if config.task == "chat":
+            # reasoning_effort goes to the chat template, as vLLM's server gives it.
+            self.honours = self.honours | {REASONING_EFFORT}
+            if config.vllm.get("toolCallParser") or config.vllm.get("tool_call_parser"):
+                self.honours = self.honours | {TOOLS, FORCED_TOOL_CHOICE}
+        self._parsing: ChatParsing | None = None  # vLLM's reasoning and tool call parsers (chat)
+        self._chat: dict[str, Request] = {}  # chat requests in the engine whose answers are parsed
         if config.adapters and config.task != "embed":
             self.honours = self.honours | {"adapters"}
         # One LoRARequest per adapter, ids 1.. in name order (vLLM keys its adapter cache by id).
@@ -313,6 +326,9 @@ class VllmEngine:
             # vLLM cuts a Matryoshka model's embeddings to `dimensions` and normalises them again; for
             # other models it refuses the field (the row is refused before it reaches vLLM).
             self.honours = self.honours | {"dimensions"}
+        if self.config.task == "chat" and ({"reasoningParser", "reasoning_parser", "toolCallParser",
+                                            "tool_call_parser"} & {k for k, v in self.config.vllm.items() if v}):
+            self._parsing = ChatParsing(self.config, self.tokenizer, self.engine.model_config)
 
     def _loaded(self) -> Any:
         if self.llm is None:
@@ -406,6 +422,8 @@ class VllmEngine:
             self._top[rid] = s.top_logprobs
         if s.n and s.n > 1:
             self._parts[rid] = {}
+        if self._parsing is not None:
+            self._chat[rid] = request
 
     def step(self) -> list[tuple[int, Result]]:
         """One vLLM engine step; the requests that finished in it, as (tag, result)."""
@@ -432,6 +450,9 @@ class VllmEngine:
                 continue
             self._in_engine.discard(rid)
             res = self._result(out, self._top.pop(rid, 0))
+            chat = self._chat.pop(rid, None)
+            if chat is not None and self._parsing is not None:
+                res = self._parsing.apply(chat, res, sorted(out.outputs, key=lambda c: c.index), out.prompt_token_ids)
             structured = self._asks.pop(rid, None)
             if structured is not None and res.extra.get("finish_reason") == "error" \
                     and (res.completion_tokens or 0) <= 1:
@@ -463,6 +484,7 @@ class VllmEngine:
                 self._top.pop(rid, None)
                 self._asks.pop(rid, None)
                 self._parts.pop(rid, None)
+                self._chat.pop(rid, None)
 
     def run(self, requests: list[Request]) -> list[Result]:
         """Run a whole chunk through vLLM's engine loop; refused rows become row errors, the rest keep order."""
@@ -512,12 +534,18 @@ class VllmEngine:
                 # vLLM returns the sampled token's logprob and this many of the most likely ones.
                 ("logprobs", (s.top_logprobs or 0) if s.logprobs else None),
             ) if v is not None)
-            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra), s.structured_output)
+            tooled, keep_special = self._parsing.adjusted(r) if self._parsing is not None else (None, False)
+            if keep_special:
+                extra += (("skip_special_tokens", False),)
+            key = (r.max_tokens, 0.0 if greedy else r.temperature, seed, repr(extra), s.structured_output,
+                   repr(tooled))
             if key not in self._sampling:
                 if len(self._sampling) > 10_000:  # rows with their own seeds: keep the cache bounded
                     self._sampling.clear()
                 more = dict(extra)
-                if s.structured_output is not None:
+                if tooled is not None:  # a tool row: constrained as vLLM's server constrains it
+                    more["structured_outputs"] = tooled
+                elif s.structured_output is not None:
                     more["structured_outputs"] = _structured_params(s.structured_output)
                 # FINAL_ONLY, as LLM.generate asks: a step reports a request once, when it finishes.
                 self._sampling[key] = SamplingParams(max_tokens=key[0], temperature=key[1], seed=seed,

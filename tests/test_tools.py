@@ -1,0 +1,195 @@
+"""Tool calling and reasoning fields of OpenAI chat lines: read and checked per row (tools.py, inputs.py),
+answered as OpenAI's chat completion (message.tool_calls, message.reasoning_content, reasoning tokens).
+
+The engine side (vLLM's parsers on real engine output) is in test_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from bij_worker.contract.spec import SpecError, load_job
+from bij_worker.engines.base import BASIC_SAMPLING, Choice, Request, Result, ToolAsk
+from bij_worker.engines.prompts import chat_messages, row_template_kwargs
+from bij_worker.inputs import InputOptions, Row, parse_line, result_row
+from bij_worker.tools import call_problem
+
+VLLM_FIELDS = BASIC_SAMPLING | {"structuredOutput"}
+# A vLLM chat engine with a tool call parser that reads forced calls as JSON (hermes).
+TOOLED = InputOptions(format="openai", task="chat", engine="vllm",
+                      honours=VLLM_FIELDS | {"tools", "toolChoice", "reasoningEffort"})
+UNTOOLED = InputOptions(format="openai", task="chat", engine="vllm", honours=VLLM_FIELDS | {"reasoningEffort"})
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+def parse(obj: Any, opts: InputOptions) -> Row:
+    line = json.dumps(obj).encode()
+    return parse_line(line, (0, 0, len(line)), "in.jsonl", opts)
+
+
+def chat(messages: list[dict[str, Any]] | None = None, **body: Any) -> dict[str, Any]:
+    return {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": messages or [{"role": "user", "content": "weather in Oslo?"}], **body}}
+
+
+def test_tools_reach_the_request_with_auto_as_the_default_choice() -> None:
+    row = parse(chat(tools=[WEATHER, CLOCK], parallel_tool_calls=False), TOOLED)
+    assert row.error is None and row.request is not None
+    assert row.request.tools == ToolAsk((WEATHER, CLOCK), "auto", False, False)
+    assert row.request.sampling.structured_output is None  # auto: the model may answer in words
+
+
+def test_an_engine_without_a_tool_call_parser_refuses_tools_naming_the_knob() -> None:
+    row = parse(chat(tools=[WEATHER]), UNTOOLED)
+    assert row.error_code == "unsupported"
+    assert row.error == "engine vllm cannot honour body.tools (a tool call parser: model.vllm.toolCallParser)"
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"tool_choice": "auto"}, "body.tool_choice needs body.tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "body.tool_choice must be"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "names function 'get_time', which is not in body.tools"),
+    ({"tools": [{"type": "retrieval"}]}, "body.tools[0] must be"),
+    ({"tools": [WEATHER, WEATHER]}, "names a function twice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "body.parallel_tool_calls must be a boolean"),
+    ({"reasoning_effort": "extreme"}, "body.reasoning_effort must be one of none, minimal"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "body.response_format cannot be kept with a forced tool call"),
+])
+def test_bad_tool_fields_are_invalid_request_rows_naming_the_field(body: dict[str, Any], needle: str) -> None:
+    row = parse(chat(**body), TOOLED)
+    assert row.error_code == "invalid_request" and needle in str(row.error), row.error
+
+
+def test_a_forced_calls_arguments_are_checked_against_the_tools_parameters() -> None:
+    required = parse(chat(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False), TOOLED)
+    assert required.request is not None and required.request.tools is not None
+    # Constrained by the engine (vLLM's own tool-call constraint), not by a structured output of the row's.
+    assert required.request.sampling.structured_output is None
+    ask = required.request.tools
+
+    def call(name: str, arguments: str) -> dict[str, Any]:
+        return {"id": None, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+    assert call_problem(ask, [call("get_weather", '{"city": "Oslo"}')]) is None
+    assert call_problem(ask, [call("get_time", "{}")]) is None
+    assert call_problem(ask, []) == "no tool call could be read from the answer"
+    assert "2 tool calls, and body.parallel_tool_calls is false" in str(
+        call_problem(ask, [call("get_time", "{}")] * 2))
+    assert "arguments at (the arguments): 'city' is a required property" in str(
+        call_problem(ask, [call("get_weather", "{}")]))
+    assert "not valid JSON" in str(call_problem(ask, [call("get_weather", '{"city": NaN}')]))
+    assert "calls 'get_date', not one of body.tools" in str(call_problem(ask, [call("get_date", "{}")]))
+    named = ToolAsk((WEATHER, CLOCK), "get_weather", True)
+    assert "calls 'get_time', not 'get_weather'" in str(call_problem(named, [call("get_time", "{}")]))
+    bad = parse(chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+                     tool_choice="required"), TOOLED)
+    assert bad.error_code == "invalid_request" and "body.tools[0].function.parameters is not a valid" in str(
+        bad.error)
+
+
+def test_an_engine_without_forced_calls_refuses_them_naming_the_choice() -> None:
+    opts = InputOptions(format="openai", task="chat", engine="vllm", honours=VLLM_FIELDS | {"tools"})
+    row = parse(chat(tools=[WEATHER], tool_choice="required"), opts)
+    assert row.error_code == "unsupported" and "body.tool_choice 'required' (a forced tool call)" in str(row.error)
+    assert parse(chat(tools=[WEATHER], tool_choice="none"), opts).error is None
+
+
+def test_tool_role_messages_and_assistant_calls_in_the_history_reach_the_template() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = [{"role": "user", "content": "weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 3}'}]
+    row = parse(chat(history, tools=[WEATHER]), TOOLED)
+    assert row.error is None and row.request is not None
+    rendered = chat_messages(row.request)
+    # Chat templates read an earlier call's arguments as a dict, as vLLM's server gives them.
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert rendered[2] == history[2]
+    assert row_template_kwargs(row.request, {"x": 1}) == {"x": 1, "tools": [WEATHER]}
+    bad = parse(chat([{"role": "user", "content": "hi", "tool_calls": [call]}], tools=[WEATHER]), TOOLED)
+    assert bad.error_code == "invalid_request" and "tool_calls must be an assistant's" in str(bad.error)
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_gives_it() -> None:
+    row = parse(chat(reasoning_effort="none"), UNTOOLED)
+    assert row.request is not None and row.request.reasoning_effort == "none"
+    assert row_template_kwargs(row.request, None) == {"reasoning_effort": "none", "enable_thinking": False}
+    high = Request(messages=[], reasoning_effort="high")
+    assert row_template_kwargs(high, None) == {"reasoning_effort": "high", "enable_thinking": True}
+    # The spec's own thinking switch wins.
+    assert row_template_kwargs(high, {"enable_thinking": False})["enable_thinking"] is False
+    refused = parse(chat(reasoning_effort="low"), InputOptions(format="openai", task="chat", engine="transformers",
+                                                               honours=BASIC_SAMPLING))
+    assert refused.error_code == "unsupported" and "body.reasoning_effort" in str(refused.error)
+
+
+def _answer(row: Row, choice: Choice, prompt: int = 7) -> dict[str, Any]:
+    res = Result(output=choice.output, prompt_tokens=prompt, completion_tokens=choice.completion_tokens,
+                 extra={"finish_reason": choice.finish_reason, "parsed": choice})
+    return result_row(row, res, TOOLED)
+
+
+def test_answers_carry_tool_calls_reasoning_and_reasoning_tokens_in_the_openai_sdks_shape() -> None:
+    chat_types = pytest.importorskip("openai.types.chat")
+    auto = parse(chat(tools=[WEATHER]), TOOLED)
+    call = {"id": None, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    line = _answer(auto, Choice(output="", completion_tokens=9, finish_reason="tool_calls", reasoning="cold north",
+                                tool_calls=[call], reasoning_tokens=3))
+    body = chat_types.ChatCompletion.model_validate(line["response"]["body"])
+    msg = body.choices[0].message
+    assert body.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert msg.tool_calls is not None and msg.tool_calls[0].function.name == "get_weather"
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    assert body.usage is not None and body.usage.completion_tokens_details is not None
+    assert body.usage.completion_tokens_details.reasoning_tokens == 3
+    raw = line["response"]["body"]["choices"][0]["message"]
+    assert raw["reasoning_content"] == "cold north"
+    # Call ids are stable across reruns: made of the row's id.
+    assert raw["tool_calls"][0]["id"] == _answer(auto, Choice(
+        output="", completion_tokens=9, finish_reason="tool_calls", tool_calls=[call]))["response"]["body"][
+        "choices"][0]["message"]["tool_calls"][0]["id"]
+    # A forced call has empty content, as vLLM's server answers it; a plain answer has no tool_calls.
+    named = parse(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                  TOOLED)
+    forced_msg = _answer(named, Choice(output='{"city": "Oslo"}', completion_tokens=6, finish_reason="stop",
+                                       tool_calls=[call]))["response"]["body"]["choices"][0]["message"]
+    assert forced_msg["content"] == "" and len(forced_msg["tool_calls"]) == 1
+    plain = _answer(parse(chat(), TOOLED), Choice(output="hello", completion_tokens=1, finish_reason="stop"))
+    assert plain["response"]["body"]["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
+    assert "completion_tokens_details" not in plain["response"]["body"]["usage"]
+
+
+def test_the_spec_names_only_parsers_vllm_ships(tmp_path: Any) -> None:
+    def load(**vllm: Any) -> Any:
+        path = tmp_path / "job.yaml"
+        path.write_text(json.dumps({
+            "apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": "s"},
+            "spec": {"input": {"uri": "file:///in/"}, "output": {"uri": "file:///out/"},
+                     "model": {"engine": "vllm", "name": "/m", "task": "chat", "vllm": vllm}}}))
+        return load_job(path).spec.model.vllm
+
+    got = load(reasoningParser="deepseek_r1", toolCallParser="hermes")
+    assert (got.reasoning_parser, got.tool_call_parser) == ("deepseek_r1", "hermes")
+    with pytest.raises(SpecError, match="unknown tool call parser 'hermes2'"):
+        load(toolCallParser="hermes2")
+    with pytest.raises(SpecError, match="unknown reasoning parser 'r1'"):
+        load(reasoningParser="r1")
+
+
+def test_a_plain_rows_result_carries_the_reasoning_beside_the_output() -> None:
+    from bij_worker.inputs import plain_result
+
+    parsed = Choice(output="yes", completion_tokens=7, finish_reason="stop", reasoning="ok", reasoning_tokens=2)
+    row = plain_result(3, Result(output="yes", prompt_tokens=4, completion_tokens=7, extra={"parsed": parsed}))
+    assert row == {"id": 3, "output": "yes", "reasoning": "ok",
+                   "usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}
+    two = [parsed, Choice(output="no", completion_tokens=3, finish_reason="stop", reasoning="hm")]
+    row = plain_result(4, Result(output="yes", prompt_tokens=4, completion_tokens=10, choices=two))
+    assert [(c["output"], c["reasoning"]) for c in row["choices"]] == [("yes", "ok"), ("no", "hm")]
