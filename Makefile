@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: images install demo test test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down api-demo gpu-wheels gpu-check
+.PHONY: images install demo test test-slow test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down api-demo gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -70,14 +70,19 @@ api-demo: cluster-up
 
 # The vLLM tier runs when .venv-vllm is there (make vllm-env; CI builds it); without it its tests are
 # skipped, saying how to get it. It is never rebuilt here: `make test-vllm` does that when needed.
+# `make test` leaves out the tests marked slow (long cluster and fault suites) to stay under 20 minutes on a
+# warm machine; `make test-slow` runs them, and CI runs both.
 test: install cluster-bin s3-bin
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e and not slow" $(PYTEST_ARGS)
 	@if [ -f $(VLLM_VENV)/.installed ]; then \
 		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py"; \
 		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py $(VLLM_PYTEST_ARGS); \
 	else \
 		echo "make test: no $(VLLM_VENV), so the vLLM tier (tests/test_vllm.py) was skipped: make vllm-env builds it"; \
 	fi
+
+test-slow: install cluster-bin s3-bin
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "slow and not e2e" $(PYTEST_ARGS)
 
 test-vllm: vllm-env
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py $(VLLM_PYTEST_ARGS)

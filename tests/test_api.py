@@ -302,6 +302,7 @@ def test_a_responses_batch_is_answered_with_responses_objects_the_sdk_reads(tena
     assert all(Response.model_validate(line["response"]["body"]).output_text for line in out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_a_cancelled_or_expired_batch_keeps_every_finished_row_once_and_counts_the_rest(
         api_cluster: ApiCluster, tenant: Tenant, tmp_path: Path, how: str) -> None:

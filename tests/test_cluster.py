@@ -485,6 +485,7 @@ def test_a_node_deleted_under_running_pods_costs_only_its_chunks(env: Env) -> No
 # --- failures -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_exit_42_fails_the_job_through_its_pod_failure_policy_and_the_bij_says_why(env: Env) -> None:
     job_ids(env)
     env.gate("exit", "cfg-r0", 1, "42 1")
@@ -683,6 +684,7 @@ def assert_partial(env: Env, name: str, ids: list[Any], phase: str) -> dict[str,
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_cancel_or_a_deadline_drains_the_round_and_publishes_the_finished_rows_once(env: Env, how: str) -> None:
     ids = job_ids(env)
@@ -834,6 +836,7 @@ def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in status.get("conditions") or []}
 
 
+@pytest.mark.slow
 def test_a_worker_role_missing_a_grant_holds_the_bij_before_any_pod_until_the_role_is_fixed(env: Env) -> None:
     rbac = _worker_role(env, READ_ONLY)
     ids = job_ids(env, 20)
@@ -993,6 +996,7 @@ def _operator_session(env: Env, restart: Any) -> None:
 
 # These leave the operator installed in their last mode (namespaced, watching one test's namespace): tests that
 # need the operator to serve a namespace of their own come before them.
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_chart_rbac_is_exactly_what_the_operator_uses(env: Env, mode: str) -> None:
     cluster = env.cluster
