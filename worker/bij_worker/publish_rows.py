@@ -314,14 +314,16 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     if plan.partial is not None:
         counts["notRun"] = count_not_run(plan, index, store, emit=not_run.append)
     index_of = {n: k for k, n in enumerate(names)}
+    not_run_of: dict[int, list[dict[str, Any]]] = {}  # by input object, for partitioned files
+    for line in not_run:
+        not_run_of.setdefault(index_of[line["object"]], []).append(line)
 
     def finish(obj: int) -> None:
         """Close the current object's files and open the next object's (`obj`; -1: none)."""
         nonlocal results, errors, capped, current
         if current >= 0:
-            for line in not_run:
-                if index_of.get(line["object"]) == current:
-                    errors.add(line)
+            for line in not_run_of.pop(current, []):
+                errors.add(line)
             for key, part in (("files", results), ("errorFiles", errors), ("cappedFiles", capped)):
                 part.close(always=key == "files")
                 files[key] += [{**f, "input": names[current]} for f in part.files]
