@@ -145,12 +145,16 @@ class Place:
 
     @property
     def spec_storage(self) -> dict[str, Any]:
-        """The spec's `storage` block for this place."""
-        return {"s3": {"endpointUrl": self.endpoint}} if self.endpoint else {}
+        """The spec's `storage` block for this place (gs:// has no spec setting: its endpoint is GCS's)."""
+        return {"s3": {"endpointUrl": self.endpoint}} if self.endpoint and self.scheme == "s3" else {}
 
     def env(self) -> dict[str, str]:
         """What a worker subprocess needs to reach this place (the Job sets the same for a pod)."""
-        return {"AWS_ENDPOINT_URL": self.endpoint} if self.endpoint else {}
+        if not self.endpoint:
+            return {}
+        if self.scheme == "gs":  # the stand-in checks the region V4 signs with (GCS takes "auto")
+            return {"BIJ_GCS_ENDPOINT_URL": self.endpoint, "BIJ_GCS_REGION": "us-east-1"}
+        return {"AWS_ENDPOINT_URL": self.endpoint}
 
     def write_jsonl(self, name: str, rows: list[Any], *, zst: bool = False) -> str:
         """Write rows (dicts are JSON-encoded, str/bytes are written as the raw line) and return the URI."""
@@ -183,6 +187,21 @@ def s3_place(s3_endpoint: str) -> Place:
     bucket = f"bij-test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
     return Place("s3", f"s3://{bucket}/data/", s3_endpoint)
+
+
+@pytest.fixture
+def gs_place(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Place:
+    """A gs:// place: GCS's XML API is S3's, so the session's S3 server stands in for storage.googleapis.com
+    (BIJ_GCS_ENDPOINT_URL points gs:// there, as it may point to a private GCS endpoint; versitygw checks the
+    signing region, which BIJ_GCS_REGION sets)."""
+    import boto3
+
+    bucket = f"bij-gcs-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    place = Place("gs", f"gs://{bucket}/data/", s3_endpoint)
+    for k, v in place.env().items():
+        monkeypatch.setenv(k, v)
+    return place
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from bij_operator.doctor import (
+    Doctor,
     Finding,
     format_report,
     node_fits,
@@ -151,3 +152,30 @@ def test_a_missing_grant_names_the_verb_and_the_commands_that_grant_it() -> None
     assert "FAIL  rbac" in report and f"fix: {fix}" in report and "unused" not in report
     assert report.splitlines()[-1] == "not ready: 1 check(s) failed, 1 warning(s)"
     assert format_report([Finding("namespace", "ok", "exists")]).splitlines()[-1] == "ready"
+
+
+def test_the_storage_probe_reaches_gs_through_the_gcs_endpoint(gs_place: Any) -> None:
+    gs_place.write_jsonl("in/a.jsonl", [{"id": 1, "text": "x"}])
+    doc = {"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": "p"},
+           "spec": {"input": {"uri": gs_place.uri("in/")}, "output": {"uri": gs_place.uri("out/")}}}
+    results = probe(doc)
+    assert [(r["check"], r["ok"]) for r in results] == [("input", True), ("output", True)], results
+    assert gs_place.storage.list(gs_place.uri("out/")) == []
+
+
+@pytest.mark.parametrize(("uri", "keys", "level"), [
+    ("gs://in/data/", {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}, "ok"),
+    ("gs://in/data/", {"HF_TOKEN"}, "fail"),  # GCS's XML API signs with an HMAC key only
+    ("s3://in/data/", {"HF_TOKEN"}, "warn"),  # S3 may sign with the pod's own identity (IRSA)
+])
+def test_a_gs_job_needs_an_hmac_key_in_its_secret(uri: str, keys: set[str], level: str) -> None:
+    from types import SimpleNamespace
+
+    doctor = Doctor.__new__(Doctor)
+    doctor.core = SimpleNamespace(read_namespaced_secret=lambda name, ns: SimpleNamespace(
+        data=dict.fromkeys(keys, "eA=="), string_data=None))
+    finding = doctor.secret("team", "keys", job(input={"uri": uri}))
+    assert finding.level == level, finding
+    if level == "fail":
+        assert "gs:// needs a Cloud Storage HMAC key" in finding.detail
+        assert "gcloud storage hmac create" in finding.fix and "AWS_SECRET_ACCESS_KEY=SECRET" in finding.fix

@@ -174,14 +174,16 @@ def one_line(p: subprocess.CompletedProcess[str]) -> str:
 @pytest.mark.parametrize("spec, args, says", [
     ({}, ["--parallelism", "-1"], "--parallelism must be at least 1, got -1"),
     ({"input": {"uri": "s3:///"}}, [], "spec.input.uri: s3:// needs a bucket (s3://bucket/prefix)"),
+    ({"input": {"uri": "gs:///in/"}}, [], "spec.input.uri: gs:// needs a bucket (gs://bucket/prefix)"),
+    ({"output": {"uri": "gcs://b/out/"}}, [], "spec.output.uri: must start with file://, s3:// or gs://"),
     ({"output": {"uri": "file://"}}, [], "spec.output.uri: file:// needs a path (file:///absolute/path"),
     ({"storage": {"s3": {"endpointUrl": "not a url::"}}}, [],
      "spec.storage.s3.endpointUrl: must be an http(s) URL such as https://s3.example.com:9000"),
     ({"workers": {"parallelism": 10 ** 30}}, [], "spec.workers.parallelism: Input should be less than or equal"),
     ({"output": {"uri": "IN/out/"}}, [], "spec.output.uri must not be spec.input.uri, lie inside it or contain it"),
     ({"suspend": True}, [], "is suspended (spec.suspend: true): nothing was run; set spec.suspend to false"),
-], ids=["negative-parallelism", "s3-without-bucket", "file-without-path", "bad-endpoint", "huge-parallelism",
-        "output-inside-input", "suspended"])
+], ids=["negative-parallelism", "s3-without-bucket", "gs-without-bucket", "gcs-output", "file-without-path",
+        "bad-endpoint", "huge-parallelism", "output-inside-input", "suspended"])
 def test_a_spec_that_cannot_run_ends_in_one_line_and_exit_42(file_place, worker_env, bij_bin, tmp_path, spec, args,
                                                              says):
     from conftest import _merge
@@ -267,6 +269,37 @@ def test_the_endpoint_in_the_spec_reaches_every_storage_call_whatever_the_enviro
     p = subprocess.run([bij_bin("bij"), "results", layout.manifest_uri(job)], env=env, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 1 and poisoned in p.stderr
+
+
+def test_gs_input_and_output_plan_run_and_publish_through_bij_run(gs_place, make_job, read_output, worker_env,
+                                                                   bij_bin):
+    # gs:// is GCS's XML API: the session's S3 server stands in for it through BIJ_GCS_ENDPOINT_URL; the S3
+    # settings of the environment name a port nobody listens on, and gs:// must never use them.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        poisoned = f"http://127.0.0.1:{s.getsockname()[1]}"
+    inputs = rows(300)
+    spec, job = make_job(gs_place, gs_place.write_jsonl("in/a.jsonl", inputs[:150]),
+                         input={"uri": gs_place.uri("in/*.jsonl")}, sharding={"targetShardBytes": 2048},
+                         output={"keepIntermediate": True})
+    gs_place.write_jsonl("in/b.jsonl", inputs[150:])
+    env = worker_env(gs_place, s3_attempts=2, AWS_ENDPOINT_URL=poisoned)
+    p = bij_run(bij_bin, spec, env)
+    assert p.returncode == 0, p.stderr
+    manifest_uri = layout.manifest_uri(job)
+    assert manifest_uri.startswith("gs://") and p.stdout.strip().splitlines()[-1] == manifest_uri
+    out = read_output(job)
+    check_published(out, inputs)
+
+    p = subprocess.run([bij_bin("bij"), "publish", str(spec)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    check_published(read_output(job), inputs)
+    p = subprocess.run([bij_bin("bij"), "results", manifest_uri], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert [json.loads(line)["id"] for line in p.stdout.splitlines()] == [r["id"] for r in inputs]
 
 
 def test_a_store_that_refuses_the_identity_ends_bij_run_and_bij_publish_with_42_naming_the_uri_and_the_key(

@@ -243,6 +243,7 @@ def test_an_output_inside_the_folder_a_glob_lists_is_refused(file_place, make_jo
 
 @pytest.mark.parametrize(("field", "uri", "says"), [
     ("input", "s3://b*/in/", "a glob may not be in the bucket name"),
+    ("input", "gs://b*/in/", "a glob may not be in the bucket name"),
     ("input", "s3://b/in/**x/*.jsonl", "'**' must be a whole folder name"),
     ("input", "s3://b/in/day-[0-2.jsonl", "has no closing ']'"),
     ("output", "s3://b/out-*/", "an output is one folder: no wildcards"),

@@ -172,14 +172,15 @@ def test_open_storage_shares_one_s3_client_per_endpoint(monkeypatch):
 def test_open_storage_picks_by_scheme_and_rejects_others():
     assert isinstance(open_storage("file:///x", None), FileStorage)
     assert isinstance(open_storage("s3://b/k", {"endpointUrl": "http://127.0.0.1:9"}), S3Storage)
-    with pytest.raises(StorageError, match="gs://b"):
-        open_storage("gs://b/k", None)
+    with pytest.raises(StorageError, match="az://b/k.*use file://, s3:// or gs://"):
+        open_storage("az://b/k", None)
     with pytest.raises(StorageError, match="no bucket"):
         split_s3("s3:///k")
 
 
 @pytest.mark.parametrize("uri, s3, message", [
     ("s3:///", None, "has no bucket: use s3://bucket/prefix"),
+    ("gs:///k", None, "has no bucket: use gs://bucket/prefix"),
     ("file://", None, "has no path: use file:///absolute/path"),
     ("s3://b/k", {"endpointUrl": "not a url::"}, "endpointUrl .* is not a usable endpoint"),
 ])
@@ -547,3 +548,94 @@ def test_a_shard_read_in_blocks_keeps_every_line_at_its_place_and_leaves_blank_l
                 for at, line in got] == want
         blocks = list(iter_shard_blocks(lambda uri: fs, objects, pieces, max_line=20))
         assert [size for _, _, sizes in blocks for size in sizes] == [at[2] - at[1] for at, _ in want]
+
+
+# --- gs:// : Google Cloud Storage's XML API (the S3 server stands in for storage.googleapis.com) --------------
+
+
+def test_gs_goes_to_the_gcs_endpoint_whatever_the_s3_settings_say(monkeypatch):
+    monkeypatch.delenv("BIJ_GCS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("BIJ_GCS_REGION", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # another S3 store's: never GCS's
+    st = open_storage("gs://b/k", {"endpointUrl": "http://127.0.0.1:10", "region": "eu-west-3"})
+    assert isinstance(st, S3Storage) and st.scheme == "gs"
+    assert st.client.meta.endpoint_url == "https://storage.googleapis.com"
+    assert st.client.meta.region_name == "auto"
+    assert open_storage("gs://other/x", None) is st
+    monkeypatch.setenv("BIJ_GCS_ENDPOINT_URL", "http://127.0.0.1:11")  # a private or stand-in endpoint
+    assert open_storage("gs://b/k", None).client.meta.endpoint_url == "http://127.0.0.1:11"
+    monkeypatch.setenv("BIJ_GCS_ENDPOINT_URL", "not a url::")
+    with pytest.raises(StorageError, match="BIJ_GCS_ENDPOINT_URL 'not a url::' is not a usable endpoint") as e:
+        open_storage("gs://b/k", None)
+    assert e.value.permanent
+
+
+def test_gs_round_trip_sends_only_what_the_gcs_xml_api_takes(gs_place, monkeypatch):
+    import bij_worker.storage as storage_module
+
+    st = S3Storage(endpoint_url=gs_place.endpoint, region="us-east-1", scheme="gs", base_delay=0.001)
+    sent: list[tuple[str, str, dict[str, str]]] = []
+    st.client.meta.events.register("before-send.s3", lambda request, **_: sent.append(
+        (request.method, request.url, {k.lower(): v for k, v in request.headers.items()})))
+    claim = gs_place.uri("claims/00001-0.json")
+    assert st.create(claim, b"first")
+    assert not st.create(claim, b"second")
+    assert st.read_bytes(claim) == b"first"
+    # "Only if none exists" as GCS says it (its XML API applies If-None-Match to reads only) and as S3 does.
+    creates = [h for m, url, h in sent if m == "PUT" and url.endswith(claim.rsplit("/", 1)[1])]
+    assert len(creates) >= 2  # (the store may answer a conditional PUT before its body: botocore sends it again)
+    assert all(h["if-none-match"] == b"*" and h["x-goog-if-generation-match"] == b"0" for h in creates)
+    monkeypatch.setattr(storage_module, "MULTIPART_BYTES", 5 << 20)
+    big = gs_place.uri("out/big.jsonl")
+    parts = [bytes([65 + i]) * (1 << 20) for i in range(11)]
+    assert st.write_stream(big, iter(parts)) == 11 << 20  # a multipart upload: GCS's XML API has it
+    assert st.read_bytes(big) == b"".join(parts)
+    with st.open_read(big, start=(11 << 20) - 3, version=st.list(big)[0].version) as f:
+        assert f.read() == b"KKK"
+    assert [o.uri for o in st.list(gs_place.base)] == [claim, big]
+    assert any("uploadId=" in url for _, url, _ in sent)
+    assert all(url.startswith(gs_place.endpoint) for _, url, _ in sent)
+    # botocore's default CRC32 checksums are no part of GCS's XML API: sent only where an operation needs one.
+    assert not [h for _, _, h in sent if any(k.startswith(("x-amz-checksum-", "x-amz-sdk-checksum")) for k in h)]
+    st.delete(claim)
+    assert not st.exists(claim)
+
+
+def test_gs_create_falls_back_to_check_then_write_where_gcs_refuses_its_precondition_header(gs_place):
+    from botocore.exceptions import ClientError
+
+    real = gs_place.storage.client
+
+    class Refusing:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def put_object(self, **kw: Any) -> Any:
+            if "IfNoneMatch" in kw:
+                raise ClientError({"Error": {"Code": "ExcessHeaderValues", "Message": "x-goog-if-generation-match"},
+                                   "ResponseMetadata": {"HTTPStatusCode": 400}}, "PutObject")
+            return real.put_object(**kw)
+
+    st = S3Storage(client=Refusing(), scheme="gs", base_delay=0.001)
+    uri = gs_place.uri("claims/owner.json")
+    assert st.create(uri, b"first")
+    assert not st.create(uri, b"second")
+    assert st.read_bytes(uri) == b"first"
+    plain_s3 = S3Storage(client=Refusing(), base_delay=0.001)  # on s3:// that code is an error like any other
+    with pytest.raises(StorageError, match="ExcessHeaderValues"):
+        plain_s3.create(gs_place.uri("claims/other.json"), b"x")
+
+
+def test_a_listing_that_pages_without_a_token_goes_on_after_the_last_key():
+    pages = {None: {"IsTruncated": True, "Contents": [{"Key": "p/a", "Size": 1}, {"Key": "p/b", "Size": 2}]},
+             "p/b": {"IsTruncated": False, "Contents": [{"Key": "p/c", "Size": 3}]}}
+    asked: list[dict[str, Any]] = []
+
+    class Client:
+        def list_objects_v2(self, **kw: Any) -> dict[str, Any]:
+            asked.append(kw)
+            return pages[kw.get("StartAfter")]
+
+    st = S3Storage(client=Client(), scheme="gs")
+    assert [(o.uri, o.size) for o in st.list("gs://b/p/")] == [("gs://b/p/a", 1), ("gs://b/p/b", 2), ("gs://b/p/c", 3)]
+    assert [kw.get("StartAfter") for kw in asked] == [None, "p/b"]

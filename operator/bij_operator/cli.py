@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("results", help="print published rows as JSON lines (checks every file's sha256)")
     p.add_argument("manifest", help="the job's YAML (its output, read with its spec.storage), or the manifest's or "
-                                    "output's URI (file://... or s3://...; S3 settings from the AWS environment)")
+                                    "output's URI (file://, s3:// or gs://...; S3 settings from the AWS environment)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--errors", action="store_true", help="the error rows instead of the results")
     which.add_argument("--capped", action="store_true", help="rows still rejected by the judge at the cap")
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="jsonl: JSON lines on stdout (default); parquet: one Parquet stream of the results")
 
     p = sub.add_parser("status", help="a short summary of a job: rounds, shards, rows, errors, truncated, cost")
-    p.add_argument("target", help="the job's YAML (read with its spec.storage), or its manifest URI (file://... or "
-                                  "s3://...; S3 settings from the AWS environment)")
+    p.add_argument("target", help="the job's YAML (read with its spec.storage), or its manifest URI (file://, s3:// or "
+                                  "gs://...; S3 settings from the AWS environment)")
 
     p = sub.add_parser("doctor", help="is a namespace ready for bijs? the worker identity's grants, its Secret, "
                                       "nodes that fit, and storage as the job's pods see it")

@@ -245,7 +245,7 @@ class Doctor:
         if uses_files and file_volume is None:
             out.append(Finding("storage", "fail", "the job reads or writes file:// URIs, which a cluster serves only "
                                "under the chart value fileStorage (not set on the operator found)",
-                               "use s3:// URIs, or install the chart with fileStorage.mountPath and .volume"))
+                               "use s3:// or gs:// URIs, or install the chart with fileStorage.mountPath and .volume"))
             probe = False
         out.append(self.nodes(job, chosen, file_volume))
         if probe:
@@ -288,9 +288,16 @@ class Doctor:
             return Finding("secret", "warn", f"cannot read Secret {namespace}/{name}: {e.status} {e.reason} "
                            "(the probe pod still tells whether storage answers)")
         keys = set((secret.data or {}).keys()) | set((secret.string_data or {}).keys())
-        s3 = any(u.startswith("s3://") for u in (job.spec.input.uri, job.spec.output.uri))
+        uris = (job.spec.input.uri, job.spec.output.uri)
         lacking = [k for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if k not in keys]
-        if s3 and lacking:
+        if any(u.startswith("gs://") for u in uris) and lacking:
+            # gs:// goes through GCS's XML API, which takes an HMAC key only: a pod's own identity cannot sign.
+            return Finding("secret", "fail", f"Secret {namespace}/{name} has no {' or '.join(lacking)}: gs:// needs "
+                           "a Cloud Storage HMAC key (its access id and secret) under these names",
+                           f"gcloud storage hmac create SERVICE_ACCOUNT_EMAIL, then kubectl -n {namespace} create "
+                           f"secret generic {name} --from-literal=AWS_ACCESS_KEY_ID=ACCESS_ID "
+                           "--from-literal=AWS_SECRET_ACCESS_KEY=SECRET")
+        if any(u.startswith("s3://") for u in uris) and lacking:
             return Finding("secret", "warn", f"Secret {namespace}/{name} has no {' or '.join(lacking)}; its pods "
                            "sign S3 requests with whatever identity the pod has (IRSA, workload identity)")
         return Finding("secret", "ok", f"Secret {namespace}/{name} exists ({len(keys)} key(s))")

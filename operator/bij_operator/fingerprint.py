@@ -100,7 +100,8 @@ def input_changes(planned: Sequence[PlanObject], current: Sequence[ObjectInfo]) 
         if b.size != o.size:
             changed.append(f"{uri} (size {b.size} -> {o.size})")
         elif b.version is not None and o.version is not None and b.version != o.version:
-            what = "ETag" if uri.startswith(("s3://", "http")) else "commit" if uri.startswith("hf://") else "mtime"
+            what = ("ETag" if uri.startswith(("s3://", "gs://", "http")) else "commit" if uri.startswith("hf://")
+                    else "mtime")
             changed.append(f"{uri} (rewritten: {what} differs)")
     if changed:
         out.append(f"{len(changed)} input object(s) changed: {_first(changed)}")

@@ -107,7 +107,7 @@ def file_uri_problems(job: BatchInferenceJob, volume: FileVolume | None) -> list
             continue
         if volume is None:
             problems.append(f"{field}: {uri}: file:// URIs need a volume shared by every pod of the bij, and this "
-                            "operator has none: set the chart value fileStorage (volume and mountPath), or use s3://")
+                            "operator has none: set the chart value fileStorage (volume and mountPath), or use s3:// or gs://")
         elif not volume.covers(uri):
             problems.append(f"{field}: {uri} is outside the shared volume at {volume.mount_path} (chart value "
                             "fileStorage.mountPath): pods elsewhere do not see it")

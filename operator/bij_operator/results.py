@@ -156,7 +156,7 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
 def target_manifest(target: str) -> tuple[str, Any]:
     """(manifest or output URI, S3 settings) for what `bij results`/`bij status` were given: a job's
     YAML (its output, with its spec.storage), or a bare URI (the standard AWS environment)."""
-    if target.startswith(("file://", "s3://")):
+    if target.startswith(("file://", "s3://", "gs://")):
         return target, None
     job = load_job(target)
     return layout.manifest_uri(job), job.spec.storage.s3
@@ -284,7 +284,7 @@ def local_status_lines(store: Any, job: BatchInferenceJob) -> list[str]:
 def cli_status(args: argparse.Namespace) -> int:
     target: str = args.target
     try:
-        if target.startswith(("file://", "s3://")):
+        if target.startswith(("file://", "s3://", "gs://")):
             _, _, manifest = load_manifest(target, None)  # a bare URI: the standard AWS environment
             lines = manifest_summary(manifest)
         else:

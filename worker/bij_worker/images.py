@@ -1,7 +1,7 @@
 """Images of chat rows: `image_url` content parts, checked when a row is parsed and fetched
 before the engine sees them.
 
-An image comes as a ``data:`` URL (its bytes inline, base64) or as a ``file://`` / ``s3://``
+An image comes as a ``data:`` URL (its bytes inline, base64) or as a ``file://`` / ``s3://`` / ``gs://``
 URI, which the worker reads through the same storage as its input. Other schemes (``http``,
 ``https``, ...) are refused: worker pods need not reach the internet, and a web URL may answer
 differently when a resumed shard runs the row again. Each image is bounded by
@@ -30,7 +30,7 @@ from typing import Any
 from .engines.base import Image
 from .storage import NotFound, Storage, StorageError
 
-FETCHED_SCHEMES = ("file://", "s3://")
+FETCHED_SCHEMES = ("file://", "s3://", "gs://")
 # Folders no image is ever read from, whatever input.imageRoot says (kernel and device files, the
 # host's configuration, a pod's service-account token).
 FORBIDDEN_DIRS = ("/proc", "/sys", "/dev", "/etc", "/run/secrets", "/var/run/secrets")
@@ -73,7 +73,7 @@ def parse_image(part: dict[str, Any], where: str, limit: int) -> Image:
         return Image(url)
     scheme = url.split(":", 1)[0] if ":" in url else url[:20]
     raise ImageProblem("unsupported", f"{where}.image_url.url: {json.dumps(scheme)[:40]} images are not fetched "
-                       "(data: URLs, file:// and s3:// are; a worker need not reach the internet, and a web URL "
+                       "(data: URLs, file://, s3:// and gs:// are; a worker need not reach the internet, and a web URL "
                        "may answer differently when the row runs again)")
 
 

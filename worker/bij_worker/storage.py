@@ -1,8 +1,9 @@
-"""One storage interface for `file://` and `s3://`.
+"""One storage interface for `file://`, `s3://` and `gs://`.
 
 Everything bij reads or writes goes through `Storage`: listing with sizes,
 ranged streaming reads, atomic whole-object writes, and (file:// only) durable
-appends. S3 errors that can pass (throttling, 5xx, dropped connections) are
+appends. `gs://` is Google Cloud Storage through its S3-compatible XML API (HMAC keys,
+the same client as `s3://`; see `GCS_ENDPOINT`). S3 errors that can pass (throttling, 5xx, dropped connections) are
 retried with exponential backoff, a broken read stream resumes from the byte it
 reached; anything else stops with a `StorageError` that names the URI.
 """
@@ -99,6 +100,12 @@ def open_storage(uri: str, s3: Any) -> Storage:
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
         return _shared_s3(endpoint, region, tuple(os.environ.get(k) for k in _CREDENTIAL_VARIABLES))
+    if uri.startswith("gs://"):
+        split_s3(uri)
+        # GCS has one endpoint of its own: spec.storage.s3 (another S3 store) never applies to it.
+        endpoint = os.environ.get("BIJ_GCS_ENDPOINT_URL") or GCS_ENDPOINT
+        region = os.environ.get("BIJ_GCS_REGION") or "auto"
+        return _shared_gcs(endpoint, region, tuple(os.environ.get(k) for k in _CREDENTIAL_VARIABLES))
     if uri.startswith(("https://", "http://")):
         from .storage_http import HttpStorage
 
@@ -107,7 +114,7 @@ def open_storage(uri: str, s3: Any) -> Storage:
         from .storage_hf import HfStorage
 
         return HfStorage()
-    raise StorageError(f"unsupported URI {uri!r}: use file:// or s3:// (or https:// or hf:// for an input)",
+    raise StorageError(f"unsupported URI {uri!r}: use file://, s3:// or gs:// (or https:// or hf:// for an input)",
                        permanent=True)
 
 
@@ -122,6 +129,27 @@ def _shared_s3(endpoint: str | None, region: str | None, credentials: tuple[str 
     except ValueError as e:  # botocore: "Invalid endpoint: ..."
         raise StorageError(f"spec.storage.s3.endpointUrl (or AWS_ENDPOINT_URL) {endpoint!r} is not a usable "
                            f"endpoint ({e}): give a URL such as https://s3.example.com:9000", permanent=True) from None
+
+
+# Google Cloud Storage's XML API, which speaks S3 to an HMAC key (Cloud Storage > Settings > Interoperability).
+# It signs V4 with the region "auto" (BIJ_GCS_REGION: another, for an endpoint that checks it).
+GCS_ENDPOINT = "https://storage.googleapis.com"
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_gcs(endpoint: str, region: str, credentials: tuple[str | None, ...]) -> S3Storage:
+    try:
+        return S3Storage(endpoint_url=endpoint, region=region, scheme="gs")
+    except ValueError as e:
+        raise StorageError(f"BIJ_GCS_ENDPOINT_URL {endpoint!r} is not a usable endpoint ({e}): give a URL such as "
+                           f"{GCS_ENDPOINT}", permanent=True) from None
+
+
+def _add_generation_precondition(request: Any, **_: Any) -> None:
+    """GCS applies If-None-Match to reads only (a PUT carrying it overwrites); its own precondition for
+    "only if no object exists" is x-goog-if-generation-match: 0, added to every conditional create."""
+    if request.headers.get("If-None-Match") == "*":
+        request.headers["x-goog-if-generation-match"] = "0"
 
 
 def _local_path(uri: str) -> Path:
@@ -336,11 +364,13 @@ def _fsync_dir(path: Path) -> None:
 
 
 def split_s3(uri: str) -> tuple[str, str]:
-    """`s3://bucket/key` → (bucket, key)."""
-    rest = uri[len("s3://") :]
+    """`s3://bucket/key` (or `gs://bucket/key`) → (bucket, key)."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in ("s3", "gs"):
+        raise StorageError(f"not an s3:// or gs:// URI: {uri!r}", permanent=True)
     bucket, _, key = rest.partition("/")
     if not bucket:
-        raise StorageError(f"{uri!r} has no bucket: use s3://bucket/prefix", permanent=True)
+        raise StorageError(f"{uri!r} has no bucket: use {scheme}://bucket/prefix", permanent=True)
     return bucket, key
 
 
@@ -442,7 +472,12 @@ def _is_unreachable(exc: BaseException) -> bool:
 
 
 class S3Storage:
-    """S3 and S3-compatible stores (MinIO, moto) through boto3; credentials: the standard AWS chain."""
+    """S3 and S3-compatible stores (MinIO, moto) through boto3; credentials: the standard AWS chain.
+
+    With `scheme="gs"`, Google Cloud Storage through its XML API: the same calls, signed with an HMAC key
+    (in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), with what that API lacks left out: no checksum
+    headers unless an operation requires them (botocore's default CRC32 headers are not part of it), and
+    conditional creates also as GCS's own generation precondition."""
 
     supports_append = False
 
@@ -453,9 +488,11 @@ class S3Storage:
         max_attempts: int = 8,
         base_delay: float = 0.2,
         client: Any = None,
+        scheme: str = "s3",
     ):
         self.max_attempts = max_attempts
         self.base_delay = base_delay
+        self.scheme = scheme
         self._session: Any = None  # where the client's credentials come from (None: a client given)
         if client is None:
             import boto3
@@ -463,15 +500,21 @@ class S3Storage:
 
             # botocore retries too; ours wraps whole operations (streams included)
             # and gives a message that names the URI when it gives up.
-            cfg = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=60)
+            settings: dict[str, Any] = {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 10,
+                                        "read_timeout": 60}
+            if scheme == "gs":
+                # endpoint_url is GCS's (or BIJ_GCS_ENDPOINT_URL): never AWS_ENDPOINT_URL, another store's.
+                region = region or "auto"
+                settings.update(request_checksum_calculation="when_required",
+                                response_checksum_validation="when_required")
+            else:
+                endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+                region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
             self._session = boto3.session.Session()
-            client = self._session.client(
-                "s3",
-                endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
-                region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-                or "us-east-1",
-                config=cfg,
-            )
+            client = self._session.client("s3", endpoint_url=endpoint_url, region_name=region,
+                                          config=Config(**settings))
+            if scheme == "gs":
+                client.meta.events.register("before-sign.s3.PutObject", _add_generation_precondition)
         self.client = client
 
     def _call(self, what: str, uri: str, fn: Callable[[], T]) -> T:
@@ -517,10 +560,13 @@ class S3Storage:
         bucket, key = split_s3(uri)
         out: list[ObjectInfo] = []
         token: str | None = None
+        start_after: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": key}
             if token:
                 kwargs["ContinuationToken"] = token
+            elif start_after:
+                kwargs["StartAfter"] = start_after
             page = self._call("list", uri, lambda kw=kwargs: self.client.list_objects_v2(**kw))  # type: ignore[misc]
             for obj in page.get("Contents", []):
                 k = obj["Key"]
@@ -529,10 +575,16 @@ class S3Storage:
                     continue
                 if k.endswith("/"):
                     continue
-                out.append(ObjectInfo(f"s3://{bucket}/{k}", int(obj["Size"]), obj.get("ETag")))
+                out.append(ObjectInfo(f"{self.scheme}://{bucket}/{k}", int(obj["Size"]), obj.get("ETag")))
             if not page.get("IsTruncated"):
                 break
             token = page.get("NextContinuationToken")
+            if not token:  # a store that pages without a token: go on after the last key it gave
+                contents = page.get("Contents") or []
+                if not contents:
+                    raise StorageError(f"list {uri}: the store says there is more but gives no way on",
+                                       permanent=True)
+                start_after = contents[-1]["Key"]
         out.sort(key=lambda o: o.uri)
         return out
 
@@ -606,7 +658,10 @@ class S3Storage:
         except ObjectChanged:  # 412: the object exists
             return False
         except StorageError as e:
-            if "NotImplemented" not in str(e):
+            # A store without conditional writes says NotImplemented; GCS, where it refuses its precondition
+            # header on a request signed the S3 way, says so with a 400 naming the header.
+            refused = ("NotImplemented",) + (("ExcessHeaderValues", "InvalidArgument") if self.scheme == "gs" else ())
+            if not any(code in str(e) for code in refused):
                 raise
         # A store without conditional writes: check, then write (a narrow race, and the best it allows).
         if self.exists(uri):
@@ -627,7 +682,7 @@ class S3Storage:
         self._call("delete", uri, lambda: self.client.delete_object(Bucket=bucket, Key=key))
 
     def append_durable(self, uri: str, data: bytes) -> None:
-        raise StorageError("s3:// objects are immutable: write segments instead of appending")
+        raise StorageError(f"{self.scheme}:// objects are immutable: write segments instead of appending")
 
     def remove_stale_temp(self, uri: str, older_than_s: float) -> int:
         return 0  # a PUT is atomic: nothing is left behind

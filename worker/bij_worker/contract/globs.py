@@ -66,8 +66,9 @@ def check_glob(uri: str) -> None:
     base, pattern = split_glob(uri)
     if pattern is None:
         return
-    if uri.startswith("s3://") and base.count("/") < 3:
-        raise ValueError(f"a glob may not be in the bucket name: {uri!r} (use s3://bucket/prefix/*.jsonl)")
+    scheme = uri.partition("://")[0]
+    if scheme in ("s3", "gs") and base.count("/") < 3:
+        raise ValueError(f"a glob may not be in the bucket name: {uri!r} (use {scheme}://bucket/prefix/*.jsonl)")
     if any("**" in part and part != "**" for part in pattern.split("/")):
         raise ValueError(f"'**' must be a whole folder name (a/**/b.jsonl), got {uri!r}")
     _compile(pattern)

@@ -96,8 +96,9 @@ class _Model(BaseModel):
 
 # An S3 endpoint: scheme, host, optional port and path (botocore refuses anything else).
 ENDPOINT_PATTERN = r"^https?://[^\s/?#:]+(:[0-9]{1,5})?(/[^\s]*)?$"
-# s3://bucket[/key] with a bucket; file:// with a path (absolute, or relative to the working directory).
-URI_PATTERN = r"^(s3://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the same
+# s3://bucket[/key] or gs://bucket[/key] with a bucket; file:// with a path (absolute, or relative to the
+# working directory).
+URI_PATTERN = r"^((s3|gs)://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the same
 # An input may also be one object at an http(s) URL (a web server, a presigned S3 / signed GCS URL).
 HTTP_PATTERN = r"^https?://[^/?#]+/[^?#]*[^/?#](\?.*)?$"
 # Or files of a dataset of the Hugging Face Hub (storage_hf).
@@ -660,10 +661,11 @@ OVERLAP_MESSAGE = ("spec.output.uri must not be spec.input.uri, lie inside it or
 
 
 def _check_uri(uri: str) -> str:
-    if not (uri.startswith("file://") or uri.startswith("s3://")):
-        raise ValueError(f"must start with file:// or s3://, got {uri!r}")
-    if uri.startswith("s3://") and not re.match(URI_PATTERN, uri):
-        raise ValueError(f"s3:// needs a bucket (s3://bucket/prefix), got {uri!r}")
+    if not uri.startswith(("file://", "s3://", "gs://")):
+        raise ValueError(f"must start with file://, s3:// or gs://, got {uri!r}")
+    for scheme in ("s3", "gs"):
+        if uri.startswith(f"{scheme}://") and not re.match(URI_PATTERN, uri):
+            raise ValueError(f"{scheme}:// needs a bucket ({scheme}://bucket/prefix), got {uri!r}")
     if not re.match(URI_PATTERN, uri):
         raise ValueError(f"file:// needs a path (file:///absolute/path or file://relative/path), got {uri!r}")
     return uri
