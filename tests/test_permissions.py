@@ -13,7 +13,7 @@ import pytest
 from bij_operator.access_review import check_grants
 from bij_operator.driver import Driver
 from bij_operator.permissions import RECHECK_FIRST, RECHECK_MAX, WORKER_GRANTS, GrantCheck, recheck_after, record
-from bij_operator.reconcile import CheckPermissions, PlanRound, Wait, decide
+from bij_operator.reconcile import CheckPermissions, Nothing, PlanRound, StopHeld, Wait, decide
 from bij_operator.status import fmt_time
 from bij_worker.contract.spec import parse_job
 from kubernetes.client import ApiException
@@ -126,12 +126,40 @@ def test_rechecks_back_off_to_a_cap_and_count_only_answers_that_stay_missing() -
     assert isinstance(d, Wait) and d.recheck == pytest.approx(4 * RECHECK_FIRST - 1)
 
 
-def test_a_held_bij_that_is_cancelled_stays_held_rather_than_start_a_pod_that_would_be_refused() -> None:
-    cancelled = a_job().model_copy(update={"spec": a_job().spec.model_copy(update={"cancel": True})})
-    d = decide(cancelled, recorded(MISSING), [], now=NOW + dt.timedelta(seconds=1), check_permissions=True)
-    assert isinstance(d, Wait) and d.reason == "MissingPermissions"
+def stopping(job: Any, **spec: Any) -> Any:
+    """`job` with spec fields set (cancel, deadlineSeconds) and a creation time: NOW."""
+    return job.model_copy(update={"spec": job.spec.model_copy(update=spec),
+                                  "metadata": job.metadata.model_copy(update={"creation_timestamp": fmt_time(NOW)})})
+
+
+@pytest.mark.parametrize("later", [1.0, RECHECK_FIRST])  # held; held with its re-check due
+def test_a_held_bij_that_is_cancelled_ends_cancelled_at_once_without_its_grants_or_a_pod(later: float) -> None:
+    d = decide(stopping(a_job(), cancel=True), recorded(MISSING), [], now=NOW + dt.timedelta(seconds=later),
+               check_permissions=True)
+    assert isinstance(d, StopHeld) and (d.phase, d.reason, d.round) == ("Cancelled", "Cancelled", 0)
+    assert d.message.startswith("spec.cancel is true while the bij was held before its first pod (")
+    assert PATCH_STATUS in d.message and d.message.endswith("nothing ran and nothing was published")
+
+
+def test_a_held_bij_whose_deadline_passes_ends_expired_at_once() -> None:
+    job = stopping(a_job(), deadline_seconds=60)
+    d = decide(job, recorded(MISSING, at=NOW + dt.timedelta(seconds=20)), [], now=NOW + dt.timedelta(seconds=30),
+               check_permissions=True)
+    assert isinstance(d, Wait) and d.reason == "MissingPermissions"  # held, the deadline still ahead
+    d = decide(job, recorded(MISSING, at=NOW + dt.timedelta(seconds=59)), [], now=NOW + dt.timedelta(seconds=60),
+               check_permissions=True)
+    assert isinstance(d, StopHeld) and (d.phase, d.reason) == ("Expired", "Expired")
+    assert d.message.startswith("spec.deadlineSeconds (60) passed at 2026-01-01T12:01:00Z while the bij was held")
+
+
+def test_a_stop_before_the_grants_are_known_asks_first_and_one_granted_stops_as_usual() -> None:
+    cancelled = stopping(a_job(), cancel=True)
+    assert isinstance(decide(cancelled, {}, [], now=NOW, check_permissions=True), CheckPermissions)
     d = decide(cancelled, recorded(GrantCheck("team", "bij-worker")), [], now=NOW, check_permissions=True)
-    assert isinstance(d, PlanRound) and d.phase == "Cancelling"
+    assert isinstance(d, PlanRound) and d.phase == "Cancelling"  # its pods may report: the rows are counted
+    d = decide(cancelled, {**recorded(MISSING), "phase": "Cancelled", "message": "m"}, [], now=NOW,
+               check_permissions=True)
+    assert isinstance(d, Nothing) and d.phase == "Cancelled"
 
 
 def test_another_service_account_in_the_spec_is_asked_about_at_once() -> None:
@@ -207,3 +235,33 @@ def test_the_local_runner_never_asks_and_records_nothing(file_place, make_job) -
     Driver(backend, worker_grants=None).reconcile()  # as local.LocalRun builds it
     assert "workerPermissions" not in backend.status and "WorkerPermissions" not in conditions(backend.status)
     assert backend.creates == [f"{job.metadata.name}-plan-r0", f"{job.metadata.name}-r0"]
+
+
+@pytest.mark.parametrize("spec, phase", [({"cancel": True}, "Cancelled"), ({"deadlineSeconds": 1}, "Expired")])
+def test_the_driver_ends_a_held_bij_that_is_cancelled_or_expires_without_starting_a_pod(
+        file_place, make_job, spec: dict[str, Any], phase: str) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
+    backend = FakeBackend(job)
+    authz = FakeAuthz(allowed=set())
+    driver = Driver(backend, worker_grants=lambda sa: check_grants(authz, job.metadata.namespace, sa))
+    idle = driver.reconcile()
+    assert isinstance(idle.decision, Wait) and idle.decision.reason == "MissingPermissions"
+    asked = len(authz.asked)
+    created = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=5)
+    backend.job = job.model_copy(update={
+        "spec": job.spec.model_copy(update={"cancel": bool(spec.get("cancel")),
+                                            "deadline_seconds": spec.get("deadlineSeconds")}),
+        "metadata": job.metadata.model_copy(update={"creation_timestamp": fmt_time(created)})})
+    idle = driver.reconcile()
+    assert isinstance(idle.decision, StopHeld) and idle.recheck is None
+    st = backend.status
+    assert st["phase"] == phase and "nothing ran and nothing was published" in st["message"]
+    assert st.get("completionTime") and not st.get("manifestUri")
+    assert backend.creates == [] and len(authz.asked) == asked  # no pod, no further review
+    ready = conditions(st)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", phase)
+    assert conditions(st)["WorkerPermissions"]["status"] == "False"
+    assert [e[:2] for e in backend.events] == [("Warning", "MissingPermissions"), ("Normal", phase)]
+    driver.reconcile()  # stopped for good: nothing more is said or done, and it stays not Ready
+    assert len(backend.events) == 2 and backend.creates == []
+    assert conditions(backend.status)["Ready"]["status"] == "False"

@@ -45,6 +45,7 @@ from .permissions import CONDITION as PERMISSIONS_CONDITION
 from .permissions import STATUS_KEY as PERMISSIONS_KEY
 from .permissions import GrantCheck, condition, record
 from .reconcile import (
+    STOPPED_PHASES,
     TERMINAL_PHASES,
     CheckPermissions,
     CreateJob,
@@ -61,6 +62,7 @@ from .reconcile import (
     RerunStep,
     Retry,
     StepDecision,
+    StopHeld,
     Wait,
     current_round,
     decide,
@@ -351,11 +353,22 @@ class Driver:
         if isinstance(d, (MarkFailed, Retry)):
             return self.apply_failure(seen, d, job)
 
+        if isinstance(d, StopHeld):
+            # Cancelled or Expired before anything ran: said once, and not Ready (there is no manifest).
+            patch = {**self.base(seen, d, now), "message": d.message}
+            patch["conditions"] = set_condition(patch["conditions"], "Ready", False, d.reason, d.message,
+                                                generation=seen.generation, now=now)
+            self.write_status(seen, patch, event=("Normal", d.phase, d.message))
+            return Idle(d)
+
         if isinstance(d, Nothing):
-            # Finished: only keep observedGeneration and conditions current after spec edits.
+            # Finished: only keep observedGeneration and conditions current after spec edits (a bij stopped
+            # before anything ran published nothing: it stays not Ready).
+            unpublished = d.phase in STOPPED_PHASES and not status.get("manifestUri")
             patch = {"observedGeneration": seen.generation,
                      "conditions": phase_conditions(status.get("conditions") or [], d.phase, d.reason, d.message,
-                                                    generation=seen.generation, now=now)}
+                                                    generation=seen.generation, now=now,
+                                                    ready=False if unpublished else None)}
             self.write_status(seen, patch)
             return Idle(d)
 

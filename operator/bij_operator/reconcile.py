@@ -235,6 +235,13 @@ class CheckPermissions(Decision):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StopHeld(Decision):
+    """A bij held before its first pod (its worker identity lacks a grant, `permissions_gate`) is cancelled or
+    its deadline passed: it ends Cancelled or Expired at once. Nothing ran, so there is nothing to drain or to
+    publish, and no step pod is started (it could not report): no manifest, ``Ready`` stays False."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanRound(StepDecision):
     """Plan round `round` (idempotent) and record it in ``status.rounds``."""
 
@@ -723,9 +730,15 @@ def decide(
 
     if check_permissions and not round_records(status):
         # Only before anything ran (a bij already under way when this check came in is left alone), and
-        # before a stop too: cancelling plans round 0 in a pod, which would be refused as well.
+        # before a stop too: cancelling plans round 0 in a pod, which would be refused as well. A held bij
+        # that is cancelled or expires ends so at once, without its grants and without a pod.
         held = permissions_gate(job, status, now)
         if held is not None:
+            stop = stop_requested(job, status, now)
+            if stop is not None and held.reason == "MissingPermissions":
+                return StopHeld(round=0, phase=stop.phase, reason=stop.phase,
+                                message=f"{stop.message} while the bij was held before its first pod "
+                                        f"({held.message}): nothing ran and nothing was published")
             return held
 
     stop = stop_requested(job, status, now)

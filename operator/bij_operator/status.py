@@ -78,11 +78,13 @@ def phase_conditions(
     *,
     generation: int | None,
     now: dt.datetime,
+    ready: bool | None = None,
 ) -> list[dict[str, Any]]:
-    """All condition types, derived from one phase. The true ones carry `reason`/`message`."""
+    """All condition types, derived from one phase. The true ones carry `reason`/`message`. `ready`: Ready
+    as given rather than from the phase (False for a bij stopped before anything ran: nothing is published)."""
     truth = {
         # Cancelled and Expired: the finished part is published and readable.
-        "Ready": phase in ("Succeeded", "Cancelled", "Expired"),
+        "Ready": phase in ("Succeeded", "Cancelled", "Expired") if ready is None else ready,
         "Running": phase in ("Planning", "Running", "Publishing", "Cancelling"),
         "Suspended": phase == "Suspended",
         "Succeeded": phase == "Succeeded",
