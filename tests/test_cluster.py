@@ -874,6 +874,30 @@ def test_a_worker_role_missing_a_grant_holds_the_bij_before_any_pod_until_the_ro
     wait_for(lambda: "PermissionsGranted" in env.reasons("held") or None, 30, "the PermissionsGranted Event")
 
 
+@pytest.mark.slow
+def test_a_held_bij_that_is_cancelled_or_expires_ends_so_without_its_grants_or_a_pod(env: Env) -> None:
+    _worker_role(env, READ_ONLY)
+    job_ids(env, 10)
+    env.create(env.doc("held-cancel"))
+    env.create(env.doc("held-expire", deadlineSeconds=30))
+    wait_for(lambda: (env.status("held-cancel").get("workerPermissions") or {}).get("result") == "Missing" or None,
+             60, "the missing grant found")
+    assert env.status("held-cancel")["phase"] == "Pending"
+    env.kubectl("patch", "bij", "held-cancel", "--type=merge", "-p", '{"spec": {"cancel": true}}')
+    for name, phase in (("held-cancel", "Cancelled"), ("held-expire", "Expired")):
+        st = env.wait_phase(name, phase, timeout=120)
+        print(st["message"])
+        assert "while the bij was held before its first pod" in st["message"]
+        assert st["message"].endswith("nothing ran and nothing was published")
+        conditions = _conditions(st)
+        assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("False", phase)
+        assert conditions["WorkerPermissions"]["status"] == "False"
+        assert st.get("completionTime") and not st.get("manifestUri")
+        wait_for(lambda name=name, phase=phase: phase in env.reasons(name) or None, 30, f"the {phase} Event")
+        assert not (env.tmp / f"out-{name}").exists()
+    assert env.jobs() == []  # no step, no round: their pods could not have reported
+
+
 def test_a_grant_revoked_after_the_check_fails_the_step_saying_the_403_and_the_missing_verb(env: Env) -> None:
     # The worker identity holds its grant when the bij is created, so it passes the operator's check; the
     # input is not there yet, so its plan step reports that and is run again after the retry delay.
