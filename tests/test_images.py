@@ -44,11 +44,11 @@ def line(*parts: dict[str, Any], cid: str = "r1") -> dict[str, Any]:
 
 
 def test_images_reach_the_request_in_the_order_of_their_parts() -> None:
-    row = parse(line(part(data_url(b"first")), part("file:///pics/b.png"), part("s3://bucket/c.jpg", detail="auto")),
-                VISION)
+    row = parse(line(part(data_url(b"first")), part("file:///pics/b.png"), part("s3://bucket/c.jpg", detail="auto"),
+                     part("gs://bucket/d.webp")), VISION)
     assert row.error is None
     assert row.request.images == (Image("data:image/png;base64", b"first"), Image("file:///pics/b.png"),
-                                  Image("s3://bucket/c.jpg"))
+                                  Image("s3://bucket/c.jpg"), Image("gs://bucket/d.webp"))
 
 
 def test_an_image_row_on_an_engine_without_vision_is_unsupported_never_the_text_alone() -> None:

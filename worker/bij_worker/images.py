@@ -97,7 +97,7 @@ def _data_url(url: str, where: str, limit: int) -> bytes:
 
 def fetch_images(images: tuple[Image, ...], storage_for: Callable[[str], Storage], limit: int,
                  root: str | None = None) -> tuple[Image, ...]:
-    """The images with the bytes of every file:// and s3:// one read (at most `limit` + 1 bytes each).
+    """The images with the bytes of every file://, s3:// and gs:// one read (at most `limit` + 1 bytes each).
 
     A missing or refused object, or one over `limit`, raises ImageProblem naming its URI; an
     outage that may pass (StorageError not permanent) propagates, as any storage read's does.
