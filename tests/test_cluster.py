@@ -747,6 +747,32 @@ def _s3_doc(env: Env, name: str, input_uri: str, output_uri: str, secret: str, e
     return doc
 
 
+@pytest.mark.slow
+def test_a_gs_bij_runs_through_with_an_hmac_key_in_its_secret(env: Env, s3_service: Any) -> None:
+    """gs:// input and output on the cluster: the key in the credentials Secret signs every step, round and
+    publish pod (the S3 server stands in for GCS's XML API, as BIJ_GCS_ENDPOINT_URL in spec.workers.env says)."""
+    import boto3
+
+    who, bucket = _tenant(s3_service, "gcs")
+    root = boto3.client("s3", endpoint_url=s3_service.endpoint)
+    rows = [json.dumps({"id": i, "text": f"row {i}"}) for i in range(ROWS)]
+    root.put_object(Bucket=bucket, Key="in/rows.jsonl", Body=("\n".join(rows) + "\n").encode())
+    env.core.create_namespaced_secret(env.ns, {"metadata": {"name": "gcs-hmac"}, "stringData": who.env()})
+    doc = env.doc("gcs", input={"uri": f"gs://{bucket}/in/"},
+                  output={"uri": f"gs://{bucket}/out/", "compression": "none"})
+    doc["spec"]["storage"] = {"credentialsSecret": "gcs-hmac"}
+    doc["spec"]["workers"]["env"].update(BIJ_GCS_ENDPOINT_URL=s3_service.endpoint, BIJ_GCS_REGION="us-east-1")
+    env.create(doc)
+    done = env.wait_phase("gcs", "Succeeded", timeout=300)
+    assert done["manifestUri"] == f"gs://{bucket}/out/manifest.json" and done["rows"]["done"] == ROWS
+    manifest = json.loads(root.get_object(Bucket=bucket, Key="out/manifest.json")["Body"].read())
+    got = []
+    for f in manifest["files"]:
+        body = root.get_object(Bucket=bucket, Key=f"out/{f['path']}")["Body"].read().decode()
+        got += [json.loads(line)["id"] for line in body.splitlines() if line.strip()]
+    assert sorted(got) == list(range(ROWS))
+
+
 def test_tenants_stay_apart_each_namespace_with_its_own_s3_identity(env: Env, s3_service: Any) -> None:
     """Two namespaces, each with its own S3 identity owning one bucket: B's bij cannot read A's input
     through the operator or write into A's bucket, and A's job, run meanwhile, publishes every row once."""
