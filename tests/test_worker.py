@@ -335,6 +335,25 @@ def test_a_batch_engine_cuts_batches_from_the_whole_window_sorted_by_length(file
     assert read_output(job).result_ids == list(range(16))
 
 
+@pytest.mark.parametrize("task", ["generate", "embed"])
+def test_only_embedding_batches_are_cut_short_for_padding(task, file_place, make_job, run_shards, recording_echo):
+    """An embedding batch costs its rows x its longest prompt, so short rows are not padded to long ones;
+    a generation batch costs its decode steps, the same for 4 rows as for 16, so it is never cut short."""
+    lengths = [100] * 4 + [10] * 12
+    inputs = [{"id": i, "text": "x" * (4 * n)} for i, n in enumerate(lengths)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), model={"engine": "echo", "task": task},
+                      sharding={"chunkRows": 16, "targetShardBytes": 1 << 20},
+                      batching={"maxBatchSize": 16, "targetBatchTokens": 100_000})
+    engine = recording_echo(task)
+    run_shards(job, engine=engine)
+    sizes = [len(b) for b in engine.batches]
+    assert sum(sizes) == 16
+    if task == "generate":
+        assert sizes == [16]
+    else:  # the long rows alone (with one short row at most: 20% of padding is allowed), then the short ones
+        assert len(sizes) == 2 and sizes[0] in (4, 5)
+
+
 def test_prompts_sharing_a_prefix_run_together_and_the_share_is_reported(file_place, make_job, run_shards,
                                                                         read_output):
     import random

@@ -43,7 +43,10 @@ from .prepare import OpenChunk, Preparer
 from .reader import Line, Prefetcher
 from .stopflag import StopFlag
 
-# Padding a batch engine may waste before a batch is cut short (see batcher.plan_batches).
+# Padding a batch engine may waste before a batch is cut short (see batcher.plan_batches): for
+# embedding only, where a batch costs its rows x its longest prompt. A generation batch's cost is its
+# decode steps, nearly the same for 16 rows as for 64: cut short, it runs those steps again for the
+# rows left out (on an H200, a generate loop over bij's padding-cut batches took 2.7x as long).
 MAX_PADDING_WASTE = 0.2
 
 
@@ -124,6 +127,8 @@ class Batching:
     target_tokens: int
     max_batch: int
     sort: bool
+    # Most padding (a share of a batch's padded tokens) before a batch is cut short; None: never.
+    padding_waste: float | None
     prefix_order: bool
     chunk_rows: int
     window: int
@@ -269,7 +274,7 @@ class StreamScheduler:
                             op.place(i, res)
                 elif taken < len(pending):
                     k = first_batch(itertools.islice(pending_tokens, taken, taken + b.max_batch),
-                                    b.target_tokens, b.max_batch, MAX_PADDING_WASTE if b.sort else None)
+                                    b.target_tokens, b.max_batch, b.padding_waste if b.sort else None)
                     items = pending[taken:taken + k]
                     tokens = pending_tokens[taken:taken + k]
                     taken += k

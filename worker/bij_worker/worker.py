@@ -42,7 +42,15 @@ from .judge import Judge
 from .metrics import Metrics, Stats
 from .prepare import Preparer
 from .reader import DamagedObject, Prefetcher, iter_shard_blocks, prefix_digest
-from .schedulers import Batching, EngineCalls, EngineFailure, JudgeLoop, StreamScheduler, run_isolating
+from .schedulers import (
+    MAX_PADDING_WASTE,
+    Batching,
+    EngineCalls,
+    EngineFailure,
+    JudgeLoop,
+    StreamScheduler,
+    run_isolating,
+)
 from .stopflag import StopFlag
 from .storage import NotFound, Storage, StorageError, open_storage
 
@@ -116,6 +124,7 @@ class ShardWorker:
         self.batching = Batching(
             target_tokens=batching.target_batch_tokens or default_tokens, max_batch=self.max_batch,
             sort=batching.sort_by_length, prefix_order=batching.prefix_order, chunk_rows=self.chunk_rows,
+            padding_waste=MAX_PADDING_WASTE if spec.model.task == "embed" else None,
             window=batching.in_flight_rows or self.default_window(), commit_slots=batching.commit_queue_chunks)
         self.depth = batching.prefetch_chunks
         self.max_line = spec.input.max_line_bytes
