@@ -43,7 +43,8 @@ MINILM_FILES = ["config.json", "config_sentence_transformers.json", "modules.jso
                 "1_Pooling/config.json"]
 # Llama shapes (hidden, layers, heads, kv heads, intermediate) of real models.
 SHAPES = {
-    "tiny": (128, 2, 2, 1, 128),  # head size 64: vLLM's CPU attention has no kernel for 16
+    "tiny": (128, 2, 2, 1, 128),
+    "small": (256, 4, 4, 2, 512),  # head size 64: vLLM's CPU attention has no kernel for 16
     "1b": (2048, 16, 32, 8, 8192),  # Llama 3.2 1B
     "3b": (3072, 28, 24, 8, 8192),  # Llama 3.2 3B
     "8b": (4096, 32, 32, 8, 14336),  # Llama 3.1 8B
@@ -129,6 +130,62 @@ def child_generate(model_dir: str, texts_path: str, device: str, batch: int, tok
     print(json.dumps({"load_s": t1 - t0, "generate_s": time.perf_counter() - t1, "tokens": generated}))
 
 
+def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, tokens: int) -> None:
+    """Where a gap between bij and the generate loop comes from, in one process on one loaded model:
+    the loop of child_generate, bij's engine (`run`) on the same batches, and the loop on the batches
+    bij's worker makes (longest first, cut by its batcher). Each twice, alternating; the faster counts."""
+    import torch
+    from bij_worker.batcher import first_batch, run_order
+    from bij_worker.engines import EngineConfig, create_engine
+    from bij_worker.engines.base import Request
+    from bij_worker.schedulers import MAX_PADDING_WASTE
+
+    texts = json.loads(Path(texts_path).read_text())
+    engine = create_engine("transformers", EngineConfig(task="generate", name=model_dir, device=device))
+    engine.load()
+    model, tok = engine.model, engine.tokenizer  # type: ignore[attr-defined]
+    in_order = [texts[i:i + batch] for i in range(0, len(texts), batch)]
+    lengths = engine.count_tokens([Request(text=t, max_tokens=tokens) for t in texts])
+    order = run_order([], lengths, by_prefix=False, by_length=True)
+    ranked, ranked_len, bij_batches = [texts[i] for i in order], [lengths[i] for i in order], []
+    target = engine.batch_shape()[1]  # type: ignore[attr-defined]
+    while ranked:
+        k = first_batch(ranked_len[:batch], target, batch, MAX_PADDING_WASTE)
+        bij_batches.append(ranked[:k])
+        ranked, ranked_len = ranked[k:], ranked_len[k:]
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def loop(batches: list[list[str]]) -> int:
+        made = 0
+        with torch.inference_mode():
+            for b in batches:
+                enc = tok(b, return_tensors="pt", padding=True, return_token_type_ids=False).to(device)
+                out = model.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+                made += int((out[:, enc["input_ids"].shape[1]:] != tok.pad_token_id).sum())
+        return made
+
+    def bij_engine(batches: list[list[str]]) -> int:
+        return sum(r.completion_tokens or 0 for b in batches
+                   for r in engine.run([Request(text=t, max_tokens=tokens) for t in b]))
+
+    loop(in_order[:1])  # warm-up: kernels, allocator
+    sides = {"loop": lambda: loop(in_order), "engine": lambda: bij_engine(in_order),
+             "loop_bij_batches": lambda: loop(bij_batches)}
+    best: dict[str, float] = {}
+    made: dict[str, int] = {}
+    for _ in range(2):
+        for name, side in sides.items():
+            sync()
+            t0 = time.perf_counter()
+            made[name] = side()
+            sync()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+    print(json.dumps({"seconds": best, "tokens": made, "batches": len(in_order), "bij_batches": len(bij_batches)}))
+
+
 def run_child(*args: str) -> dict[str, float]:
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, check=True)
@@ -137,12 +194,15 @@ def run_child(*args: str) -> dict[str, float]:
     return doc
 
 
-def bij(work: Path, name: str, input_path: Path, model: dict[str, Any]) -> dict[str, float]:
+def bij(work: Path, name: str, input_path: Path, model: dict[str, Any]) -> dict[str, Any]:
     out = work / f"out-{name}"
     spec = harness.write_spec(work / f"{name}.yaml", f"gpu-{name}", input_path, out, model, chunk_rows=512)
-    wall = harness.run_bij(spec)
+    phases: dict[str, float] = {}
+    wall = harness.run_bij(spec, phases=phases)
+    print(f"bij run ({name}): {harness.phase_line(phases)}", flush=True)
     (rec,) = harness.done_records(out)
-    return {"wall_s": wall, "steady_s": harness.steady_seconds(rec, wall), "tokens_out": rec.get("tokensOut", 0),
+    return {"phases": phases, "wall_s": wall, "steady_s": harness.steady_seconds(rec, wall),
+            "tokens_out": rec.get("tokensOut", 0),
             "batches": rec.get("batches", 0), "load_s": rec.get("modelLoadSeconds", 0)}
 
 
@@ -152,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-rows", type=int, default=512, help="prompts to generate for")
     p.add_argument("--gen-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--inproc-rows", type=int, default=256,
+                   help="prompts for the in-process split of the generate gap (engine vs loop)")
     p.add_argument("--vllm-rows", type=int, default=4096, help="prompts for the vLLM comparison")
     p.add_argument("--vllm-only", action="store_true", help="only the vLLM comparison")
     p.add_argument("--tiny", action="store_true", help="dry run on CPU: tiny sizes and shape")
@@ -162,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         kind, *rest = args.child
         if kind == "encode":
             child_encode(*rest)
+        elif kind == "inproc":
+            child_inproc(rest[0], rest[1], rest[2], int(rest[3]), int(rest[4]))
         else:
             child_generate(rest[0], rest[1], rest[2], int(rest[3]), int(rest[4]))
         return 0
@@ -171,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.tiny:
         args.texts, args.gen_rows, args.gen_tokens, args.shape, args.vllm_rows = 200, 16, 8, "tiny", 64
+        args.inproc_rows = 16
     elif device != "cuda":
         print("gpu_check: no CUDA GPU here (use --tiny for a dry run on CPU)", file=sys.stderr)
         return 2
@@ -243,6 +308,7 @@ def embed_and_generate(args: argparse.Namespace, device: str, report: harness.Re
     print(f"embed {n} texts on {device}: encode {n / anchor['encode_s']:.0f} rows/s (process "
           f"{anchor['wall_s']:.1f}s); bij steady {n / cand['steady_s']:.0f} rows/s (bij run {cand['wall_s']:.1f}s, "
           f"{cand['batches']} batches)", flush=True)
+    report.details["embed"] = {"bij": cand, "encode": anchor}
     report.ratio("embed end to end: bij run / encode process", anchor["wall_s"] / cand["wall_s"], 0.95)
     report.ratio("embed steady: bij / encode rows/s", anchor["encode_s"] / cand["steady_s"], 1.0)
     # --- generation
@@ -262,10 +328,24 @@ def embed_and_generate(args: argparse.Namespace, device: str, report: harness.Re
     print(f"generate {m} prompts x {args.gen_tokens} tokens, Llama {args.shape} shape, batch {batch}: "
           f"generate loop {anchor['tokens'] / anchor['generate_s']:.0f} tokens/s; bij "
           f"{cand['tokens_out'] / cand['steady_s']:.0f} tokens/s", flush=True)
+    report.details["generate"] = {"bij": cand, "loop": anchor}
     report.ratio("generate steady: bij / generate loop rows/s", anchor["generate_s"] / cand["steady_s"], 0.95)
     report.ratio("generate end to end: bij run / generate process", anchor["wall_s"] / cand["wall_s"], None)
     report.ratio("bij tokens/s", cand["tokens_out"] / cand["steady_s"], None)
     report.ratio("generate loop tokens/s", anchor["tokens"] / anchor["generate_s"], None)
+    # Where a gap comes from: the engine against the loop in one process (same batches), and the
+    # loop on the batches bij's worker makes (its order and cuts).
+    part = min(m, args.inproc_rows)
+    part_texts = work / "gen-part.json"
+    part_texts.write_text(json.dumps(prompts[:part]))
+    split = run_child("--child", "inproc", str(llama), str(part_texts), device, str(batch), str(args.gen_tokens))
+    sec = split["seconds"]
+    print(f"generate in one process, {part} prompts: loop {sec['loop']:.1f}s ({split['batches']} batches), "
+          f"bij's engine {sec['engine']:.1f}s, loop on bij's {split['bij_batches']} batches "
+          f"{sec['loop_bij_batches']:.1f}s; tokens {split['tokens']}", flush=True)
+    report.details["generate in one process"] = split
+    report.ratio("generate in one process: loop / bij's engine, same batches", sec["loop"] / sec["engine"], None)
+    report.ratio("generate in one process: loop / loop on bij's batches", sec["loop"] / sec["loop_bij_batches"], None)
 
 
 if __name__ == "__main__":

@@ -296,16 +296,48 @@ def run_worker(manifest: str, index: int = 0, command: list[str] | None = None,
     return WorkerRun(p.returncode, wall, events, int(usage.ru_maxrss))
 
 
-def run_bij(spec: Path, env: dict[str, str] | None = None) -> float:
+def run_bij(spec: Path, env: dict[str, str] | None = None, phases: dict[str, float] | None = None) -> float:
     """`bij run SPEC` as a user runs it (in `env`, default ours); returns its wall time in seconds.
-    Fails loudly on a failed job."""
+    Fails loudly on a failed job. With `phases`, fills it with the seconds since the start at which
+    `bij run` said each of PHASES (the first time), read from its stderr as it comes."""
     cmd = [sys.executable, "-m", "bij_operator.cli", "run", str(spec), "--parallelism", "1", "--no-progress"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr is not None
+    tail: list[str] = []
+    for line in proc.stderr:
+        tail = (tail + [line])[-60:]
+        if phases is not None:
+            for name, marker in PHASES.items():
+                if name not in phases and marker in line:
+                    phases[name] = time.perf_counter() - t0
+    rc = proc.wait()
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"bij run {spec} failed with exit code {proc.returncode}:\n{proc.stderr[-3000:]}")
+    if rc != 0:
+        raise RuntimeError(f"bij run {spec} failed with exit code {rc}:\n{''.join(tail)[-3000:]}")
+    if phases is not None:
+        phases["exit"] = wall
     return wall
+
+
+# What `bij run` (and its worker) print as a job goes, in order: where its wall time goes.
+PHASES = {
+    "planned": "created Job",  # the plan step ran and the round's Job exists
+    "worker loading": "Loading",  # the worker process has imported its engine and starts the model load
+    "shard done": "shard 0 done",
+    "round finished": "round 0 finished",
+    "published": "published ",
+}
+
+
+def phase_line(phases: dict[str, float]) -> str:
+    """`planned 0.7s, worker loading +6.4s, ...`: each phase's seconds after the one before."""
+    out, last = [], 0.0
+    for name in [*PHASES, "exit"]:
+        if name in phases:
+            out.append(f"{name} +{phases[name] - last:.1f}s")
+            last = phases[name]
+    return ", ".join(out)
 
 
 def done_records(output: Path) -> list[dict[str, Any]]:
