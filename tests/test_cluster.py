@@ -927,6 +927,9 @@ JUSTIFIED = {
     ("", "pods", "list"):
         "the failed pods of a step Job say why it is retried or failed; listed only once one failed "
         "(test_a_grant_revoked_after_the_check_fails_the_step_saying_the_403_and_the_missing_verb)",
+    ("", "services", "create"):
+        "the headless Service of a bij whose lanes span several pods (spec.workers.nodesPerLane > 1); created only "
+        "for such a bij (tests/test_render.py and tests/test_group.py test it)",
 }
 MODES = {
     "all-namespaces": {},
