@@ -141,7 +141,8 @@ class RayNode:
     def __init__(self, args: list[str]):
         cmd = [ray_command(), "start", *args, "--block", "--disable-usage-stats"]
         log.info("starting Ray: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+        # Ray's own output goes to the pod's log (stderr): stdout carries the worker's progress events.
+        self.proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=sys.stderr)
 
     @classmethod
     def head(cls, port: int) -> RayNode:
@@ -277,7 +278,7 @@ class GroupLeader:
                     self._gone(sock)
                     continue
                 self._buffers[sock] += data
-                while b"\n" in self._buffers[sock]:
+                while sock in self._buffers and b"\n" in self._buffers[sock]:
                     line, _, rest = self._buffers[sock].partition(b"\n")
                     self._buffers[sock] = rest
                     self._said(sock, line.decode(errors="replace").strip())
