@@ -413,6 +413,15 @@ def run_member(role: Role, host: str, *, drain_seconds: float, ray: bool = True,
     node: RayNode | None = None
     try:
         if ray:
+            # The leader starts its Ray head as it opens the channel: join Ray once the head answers.
+            try:
+                head = _connect(host, ray_port(), time.monotonic() + join_seconds(), stop)
+            except GroupError as e:
+                log.error("%s", e)
+                return EXIT_FAILED
+            if head is None:
+                return EXIT_TERMINATED
+            head.close()
             node = RayNode.worker(f"{host}:{ray_port()}")
         sock.sendall(f"join {role.rank}\n".encode())
         sock.settimeout(0.5)

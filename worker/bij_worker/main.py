@@ -329,12 +329,24 @@ def _main(argv: list[str] | None, group: _Group) -> int:
         for r in reporter:
             r.close()
         if group.leader is not None and not completed:
+            _close_engine()
             group.leader.close()  # members see the channel drop without `done`: the group is replaced
     log.info("lane %d: every shard of the round is done", lane)
     if group.leader is not None:
+        _close_engine()  # before its pipeline stages on the members go
         group.leader.finish()  # members stop their Ray nodes and succeed with this pod
         group.leader.close()
     return EXIT_OK
+
+
+def _close_engine() -> None:
+    """Stop a vLLM engine spread over the lane's pods before the group goes (its Ray workers on them)."""
+    vllm = sys.modules.get("bij_worker.engines.vllm")
+    if vllm is not None and vllm.holds_llm():
+        try:
+            vllm.close_llm()
+        except Exception:  # noqa: BLE001 - the pod exits next; nothing it could still commit is lost
+            log.exception("stopping the engine")
 
 
 def _form_group(role: Role, group: _Group, stop: StopFlag, current: list[StopFlag],
