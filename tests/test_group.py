@@ -229,7 +229,7 @@ def results(job: Any, read_output: Any) -> dict[int, str]:
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_RAY, reason="Ray is not installed here (make vllm-env installs it)")
 @pytest.mark.timeout(600)
-def test_a_round_of_a_two_pod_lane_answers_as_one_pod_and_survives_losing_its_member(
+def test_a_round_of_a_two_pod_lane_answers_as_one_pod_and_survives_its_member_stopped_then_lost(
         file_place: Any, make_job: Any, worker_env: Any, bij_bin: Any, read_output: Any, tmp_path: Path) -> None:
     from bij_operator.planner import plan_round
     from bij_worker.contract import layout
@@ -248,23 +248,41 @@ def test_a_round_of_a_two_pod_lane_answers_as_one_pod_and_survives_losing_its_me
     plan = plan_round(job, 0)
     assert plan.lanes == 1 and plan.shard_count >= 3
     manifest = layout.round_manifest_uri(job, 0)
-    env = group_env(worker_env, file_place, 2)
-    # The group forms; once the leader has committed a chunk the member's pod is killed (a node lost).
-    lead = start_pod(bij_bin, env, manifest, 0)
-    mem = start_pod(bij_bin, env, manifest, 1)
-    assert lead.stdout is not None
-    chunks = 0
-    while chunks < 2:
-        line = lead.stdout.readline()
-        assert line, lead.stderr.read() if lead.stderr else "the leader ended"
-        chunks += json.loads(line)["event"] == "chunk"
+    def formed_and_working() -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+        """A new group (as the Job's replacement pods), once its leader has committed two chunks."""
+        env = group_env(worker_env, file_place, 2)
+        lead, mem = start_pod(bij_bin, env, manifest, 0), start_pod(bij_bin, env, manifest, 1)
+        assert lead.stdout is not None
+        chunks = 0
+        while chunks < 2:
+            line = lead.stdout.readline()
+            assert line, lead.stderr.read() if lead.stderr else "the leader ended"
+            chunks += json.loads(line)["event"] == "chunk"
+        return lead, mem
+
+    def shards_done(out: str) -> set[int]:
+        return {json.loads(line)["index"] for line in out.splitlines() if json.loads(line)["event"] == "done"}
+
+    # The member's pod is preempted (SIGTERM): it says so and keeps its Ray node up while the leader drains
+    # (its in-flight chunk may still commit); then both go, neither counted against its index.
+    lead, mem = formed_and_working()
+    mem.send_signal(signal.SIGTERM)
+    lead_out, lead_err = lead.communicate(timeout=120)
+    _, mem_err = mem.communicate(timeout=60)
+    assert lead.returncode == EXIT_GROUP_LOST, lead_err
+    assert mem.returncode == EXIT_TERMINATED, mem_err
+    assert "member 1 is stopping (SIGTERM)" in lead_err
+    assert len(shards_done(lead_out)) < plan.shard_count, "the round ended before the member was stopped"
+
+    # The replaced group works on; its member's pod is deleted without a word (SIGKILL: a node lost):
+    # the leader stops at once, its in-flight rows lost, nothing of them committed.
+    lead, mem = formed_and_working()
     mem.send_signal(signal.SIGKILL)
     mem.wait(timeout=30)
     lead_out, lead_err = lead.communicate(timeout=120)
     assert lead.returncode == EXIT_GROUP_LOST, lead_err
     assert "member 1 is gone" in lead_err
-    done_before = {json.loads(line)["index"] for line in lead_out.splitlines() if json.loads(line)["event"] == "done"}
-    assert len(done_before) < plan.shard_count, "the round ended before the member was lost"
+    assert len(shards_done(lead_out)) < plan.shard_count, "the round ended before the member was lost"
 
     # The Job replaces both pods (EXIT_GROUP_LOST and a lost pod are not counted): the new group resumes.
     env = group_env(worker_env, file_place, 2)
