@@ -631,3 +631,15 @@ def test_bij_run_refuses_lanes_of_several_pods_saying_why(tmp_path: Path, capsys
     path.write_text(yaml.safe_dump(doc))
     assert bij_main(["run", str(path)]) == 42
     assert "runs on Kubernetes only" in capsys.readouterr().err
+
+
+def test_cli_render_of_lanes_of_several_pods_prints_their_service_then_the_job(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = make_job(**TWO_NODE_VLLM).model_dump(by_alias=True, exclude_none=True)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert bij_main(["render", str(path), "--shards", "3"]) == 0
+    service, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert (service["kind"], service["metadata"]["name"]) == ("Service", "summaries-lanes")
+    assert job["kind"] == "Job" and job["spec"]["completions"] == 6
+    assert pod(job)["subdomain"] == "summaries-lanes"

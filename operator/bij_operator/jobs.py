@@ -585,7 +585,8 @@ def _scheduling(job: BatchInferenceJob) -> tuple[dict[str, str], list[dict[str, 
 
 
 def cli_render(args: argparse.Namespace) -> int:
-    """`bij render SPEC [--round R] [--shards N] [--image IMG]`: print the round's Job as YAML.
+    """`bij render SPEC [--round R] [--shards N] [--image IMG]`: print the round's Job as YAML (after the
+    headless Service of its lanes when spec.workers.nodesPerLane is above 1).
 
     Without --shards the input is planned now (object sizes only) to count the shards; the Job
     has one index per lane (workers.parallelism, at most one per shard).
@@ -625,5 +626,10 @@ def cli_render(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"cannot render: {e}", file=sys.stderr)
         return 1
+    if job.spec.workers.nodes_per_lane > 1:
+        # Lanes of several pods: the headless Service the operator creates first, then the Job.
+        service = render_lane_service(job, owner_uid=job.metadata.uid)
+        sys.stdout.write(yaml.safe_dump_all([service, rendered], sort_keys=False))
+        return 0
     sys.stdout.write(yaml.safe_dump(rendered, sort_keys=False))
     return 0
