@@ -668,6 +668,39 @@ def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(env: En
     assert_every_row_once(env.tmp / "out-sus" / "manifest.json", ids)
 
 
+def test_lanes_of_two_pods_get_a_headless_service_and_a_job_of_two_indexes_a_lane(env: Env) -> None:
+    """The objects of a bij whose lanes span two pods, as the operator (under the chart's RBAC) creates them
+    and the real API server and Job controller take them; suspended, so no pod needs Ray here (the group
+    itself runs in tests/test_group.py)."""
+    job_ids(env)
+    env.create(env.doc("two", model={"engine": "simulated", "task": "generate"}, suspend=True,
+                       workers={"parallelism": 2, "nodesPerLane": 2, "backoffLimitPerIndex": 1}))
+    wait_for(lambda: env.jobs_named("two-r0") or None, 120, "the round's Job")
+    job = env.job("two-r0")
+    lanes = env.status("two")["rounds"][0]["lanes"]
+    spec = job["spec"]
+    assert spec["suspend"] is True and spec["completions"] == 2 * lanes and spec["parallelism"] == 2 * min(2, lanes)
+    assert spec["template"]["spec"]["subdomain"] == "two-lanes"
+    assert job["metadata"]["annotations"]["batchinference.io/nodes-per-lane"] == "2"
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "worker", "operator": "In", "values": [44]}} \
+        in spec["podFailurePolicy"]["rules"]
+    core = env.core
+    svc = core.read_namespaced_service("two-lanes", env.ns)
+    assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses is True
+    assert [o.uid for o in svc.metadata.owner_references] == [env.bij("two")["metadata"]["uid"]]
+    # Deleted with its bij, as the Jobs are.
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "two")
+
+    def service_gone() -> bool:
+        try:
+            core.read_namespaced_service("two-lanes", env.ns)
+        except ApiException as e:
+            return e.status == 404
+        return False
+
+    wait_for(service_gone, 60, "the Service collected with its bij")
+
+
 def assert_partial(env: Env, name: str, ids: list[Any], phase: str) -> dict[str, Any]:
     """The partial manifest of a stopped bij: every finished row once, and the rest counted as not run."""
     manifest = env.tmp / f"out-{name}" / "manifest.json"
