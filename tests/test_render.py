@@ -532,6 +532,9 @@ def test_a_lane_of_n_pods_is_n_consecutive_indexes_whose_first_is_the_leader_rea
     e = env(rendered)
     assert e["BIJ_NODES_PER_LANE"] == "2"
     assert e["BIJ_GROUP_LEADER"] == "summaries-r0-{index}.summaries-lanes"
+    own = make_job(**{**TWO_NODE_VLLM, "workers": {"nodesPerLane": 2, "env": {"BIJ_GROUP_LEADER": "{index}.lanes.x"}}})
+    assert [v for k, v in ((x["name"], x.get("value")) for x in container(render(own))["env"])
+            if k == "BIJ_GROUP_LEADER"] == ["{index}.lanes.x"]
     roles = [role_of(i, e) for i in range(spec["completions"])]
     assert [(r.lane, r.rank, r.leader) for r in roles] == [
         (0, 0, True), (0, 1, False), (1, 0, True), (1, 1, False), (2, 0, True), (2, 1, False)]

@@ -294,10 +294,10 @@ def _group_lanes(metadata: dict[str, Any], spec: dict[str, Any], job: BatchInfer
     # hostname <job>-<index> (set by the Job controller for Indexed Jobs) under this subdomain
     pod["subdomain"] = lane_service_name(job)
     (container,) = pod["containers"]
-    container["env"] += [
-        {"name": NODES_PER_LANE_ENV, "value": str(nodes)},
-        {"name": GROUP_LEADER_ENV, "value": f"{metadata['name']}-{{index}}.{lane_service_name(job)}"},
-    ]
+    container["env"].append({"name": NODES_PER_LANE_ENV, "value": str(nodes)})
+    if GROUP_LEADER_ENV not in job.spec.workers.env:  # the user's setting wins (another DNS name, say)
+        container["env"].append({"name": GROUP_LEADER_ENV,
+                                 "value": f"{metadata['name']}-{{index}}.{lane_service_name(job)}"})
     container["ports"] += [{"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"},
                            {"name": "group", "containerPort": GROUP_PORT, "protocol": "TCP"}]
 
