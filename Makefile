@@ -73,7 +73,7 @@ api-demo: cluster-up
 # `make test` leaves out the tests marked slow (long cluster and fault suites) to stay under 20 minutes on a
 # warm machine; `make test-slow` runs them, and CI runs both.
 test: install cluster-bin s3-bin
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e and not slow" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e and not slow and not vllm" $(PYTEST_ARGS)
 	@if [ -f $(VLLM_VENV)/.installed ]; then \
 		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py tests/test_group.py"; \
 		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py tests/test_group.py $(VLLM_PYTEST_ARGS); \
