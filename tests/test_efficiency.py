@@ -31,6 +31,9 @@ def test_cost_per_million_rows_is_total_over_rows() -> None:
     assert cost(None, 7200.0, 1000, 1) is None
     assert cost(1.0, 10.0, 0, 0) == {"pricePerHour": 1.0, "total": round(10 / 3600, 6),
                                      "perMillionRows": None, "perMillionTokens": None}
+    # A lane of two pods (spec.workers.nodesPerLane): its worker seconds are the leader's, paid twice.
+    two = cost(2.5, 7200.0, rows=1000, tokens=50000, pods_per_lane=2)
+    assert two is not None and two["total"] == 10.0 and two["podsPerLane"] == 2
 
 
 def test_status_has_cost_so_far_and_the_rounds_eta() -> None:

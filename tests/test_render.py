@@ -505,3 +505,144 @@ def test_a_publish_pass_job_runs_all_its_pods_at_once_whatever_the_rounds_parall
     job = make_job(workers={"parallelism": 1})
     spec = jobs.render_publish_job(job, "write", 2, "file:///o/_bij/t/publish/plan.json")["spec"]
     assert (spec["completions"], spec["parallelism"]) == (2, 2)
+
+
+# --- lanes of several pods (spec.workers.nodesPerLane) -----------------------------------------------
+
+TWO_NODE_VLLM = {"model": {"engine": "vllm", "name": "m", "task": "generate", "vllm": {"tensorParallelSize": 8}},
+                 "workers": {"nodesPerLane": 2, "parallelism": 4}}
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+def test_a_round_of_two_pod_lanes_and_its_headless_service_are_valid_for_kubernetes(kube: str) -> None:
+    job = make_job(**{**TWO_NODE_VLLM, "workers": {**TWO_NODE_VLLM["workers"], "queueName": "gpus"}})
+    kubernetes_validate.validate(render(job, completions=3, owner_uid="uid-1"), kube, strict=True)
+    kubernetes_validate.validate(jobs.render_lane_service(job, owner_uid="uid-1"), kube, strict=True)
+
+
+def test_a_lane_of_n_pods_is_n_consecutive_indexes_whose_first_is_the_leader_reached_by_name() -> None:
+    from bij_worker.group import leader_host, role_of
+
+    job = make_job(**TWO_NODE_VLLM)
+    rendered = render(job, completions=3)
+    spec = rendered["spec"]
+    assert spec["completions"] == 6 and spec["parallelism"] == 6  # 3 lanes (fewer than parallelism 4) of 2
+    assert rendered["metadata"]["annotations"]["batchinference.io/nodes-per-lane"] == "2"
+    assert pod(rendered)["subdomain"] == "summaries-lanes" == jobs.render_lane_service(job)["metadata"]["name"]
+    e = env(rendered)
+    assert e["BIJ_NODES_PER_LANE"] == "2"
+    assert e["BIJ_GROUP_LEADER"] == "summaries-r0-{index}.summaries-lanes"
+    own = make_job(**{**TWO_NODE_VLLM, "workers": {"nodesPerLane": 2, "env": {"BIJ_GROUP_LEADER": "{index}.lanes.x"}}})
+    assert [v for k, v in ((x["name"], x.get("value")) for x in container(render(own))["env"])
+            if k == "BIJ_GROUP_LEADER"] == ["{index}.lanes.x"]
+    roles = [role_of(i, e) for i in range(spec["completions"])]
+    assert [(r.lane, r.rank, r.leader) for r in roles] == [
+        (0, 0, True), (0, 1, False), (1, 0, True), (1, 1, False), (2, 0, True), (2, 1, False)]
+    # Every pod of lane 1 reaches the same leader: index 2, named <job>-<index> under the Service.
+    assert {leader_host(r, e) for r in roles if r.lane == 1} == {"summaries-r0-2.summaries-lanes"}
+    # One pipeline stage a pod: each pod gets the GPUs of tensor parallel, not tensor x pipeline.
+    assert container(rendered)["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    ports = {p["name"]: p["containerPort"] for p in container(rendered)["ports"]}
+    assert ports == {"metrics": 9400, "ray": 6379, "group": 6390}
+    # Fewer lanes at once than there are: whole groups at once.
+    fewer = make_job(**{**TWO_NODE_VLLM, "workers": {"nodesPerLane": 3, "parallelism": 2}})
+    assert render(fewer, completions=5)["spec"]["parallelism"] == 6
+    assert jobs.desired_parallelism(fewer, 5) == 6
+
+
+def test_a_headless_service_selects_the_bijs_worker_pods_and_publishes_them_before_they_are_ready() -> None:
+    job = make_job(**TWO_NODE_VLLM)
+    svc = jobs.render_lane_service(job, owner_uid="uid-1")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    labels = render(job)["spec"]["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert svc["metadata"]["namespace"] == "team-a"
+
+
+def test_a_member_lost_is_not_counted_against_the_indexes_of_its_group_but_bad_config_still_fails_the_job() -> None:
+    rules = render(make_job(**TWO_NODE_VLLM))["spec"]["podFailurePolicy"]["rules"]
+    assert [r["action"] for r in rules] == ["Ignore", "Ignore", "FailJob"]
+    assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    assert rules[1]["onExitCodes"] == {"containerName": "worker", "operator": "In", "values": [44]}
+    # A lane of one pod has no group to lose.
+    one = render(make_job())["spec"]["podFailurePolicy"]["rules"]
+    assert all(44 not in (r.get("onExitCodes") or {}).get("values", []) for r in one)
+    assert "subdomain" not in pod(render(make_job()))
+    assert "batchinference.io/nodes-per-lane" not in render(make_job())["metadata"]["annotations"]
+
+
+def test_publish_and_step_jobs_of_a_bij_with_lanes_of_several_pods_are_plain_pods() -> None:
+    job = make_job(**TWO_NODE_VLLM)
+    for body in (jobs.render_publish_job(job, "ids", 3, "s3://b/p.json"), jobs.render_step_job(job, "plan", 0)):
+        assert body["spec"]["completions"] in (1, 3)
+        assert "subdomain" not in pod(body)
+        assert "BIJ_NODES_PER_LANE" not in env(body)
+        assert "batchinference.io/nodes-per-lane" not in body["metadata"]["annotations"]
+
+
+def test_lanes_of_several_pods_need_an_engine_that_spans_them() -> None:
+    from bij_worker.contract.spec import SpecError
+
+    with pytest.raises(SpecError, match="nodesPerLane above 1 needs model.engine vllm"):
+        make_job(workers={"nodesPerLane": 2})  # echo
+    with pytest.raises(SpecError, match="pipelineParallelSize"):
+        make_job(model={"engine": "vllm", "name": "m", "vllm": {"pipelineParallelSize": 3}},
+                 workers={"nodesPerLane": 2})
+    assert make_job(model={"engine": "vllm", "name": "m", "vllm": {"pipelineParallelSize": 2}},
+                    workers={"nodesPerLane": 2}).spec.gpus == 1
+    assert make_job(model={"engine": "simulated"}, workers={"nodesPerLane": 4}).spec.workers.nodes_per_lane == 4
+
+
+def test_the_leaders_vllm_runs_rays_executor_one_pipeline_stage_a_pod() -> None:
+    from bij_worker.engines.vllm import llm_kwargs
+    from bij_worker.main import engine_config
+
+    job = make_job(**TWO_NODE_VLLM)
+    kwargs = llm_kwargs(engine_config(job.spec))
+    assert kwargs["distributed_executor_backend"] == "ray"
+    assert kwargs["pipeline_parallel_size"] == 2 and kwargs["tensor_parallel_size"] == 8
+    single = llm_kwargs(engine_config(make_job(model=TWO_NODE_VLLM["model"]).spec))
+    assert "distributed_executor_backend" not in single and single["pipeline_parallel_size"] == 1
+
+
+def test_the_operator_counts_a_lane_done_when_its_leader_is_and_failed_when_any_of_its_pods_is() -> None:
+    from bij_operator.reconcile import JobView
+
+    job = make_job(**TWO_NODE_VLLM)
+    body = render(job, completions=3)
+    body["status"] = {"completedIndexes": "0-1,3", "failedIndexes": "5", "active": 1}
+    view = JobView.of(body)
+    assert view.nodes_per_lane == 2
+    assert view.completed == frozenset({0}) and view.failed == frozenset({2})  # index 3 is lane 1's member
+    lanes = view.lanes
+    assert (lanes.done, lanes.failed, lanes.active, lanes.total) == (1, 1, 1, 3)
+    plain = render(make_job(), completions=3)
+    plain["status"] = {"completedIndexes": "0,2"}
+    assert JobView.of(plain).completed == frozenset({0, 2}) and JobView.of(plain).lanes.total == 3
+
+
+def test_bij_run_refuses_lanes_of_several_pods_saying_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bij_operator.local import LocalRunner
+
+    job = make_job(model={"engine": "simulated"}, workers={"nodesPerLane": 2})
+    with pytest.raises(ValueError, match="nodesPerLane is 2: .* runs on Kubernetes only"):
+        LocalRunner(job)
+    doc = job.model_dump(by_alias=True, exclude_none=True)
+    doc["spec"]["input"]["uri"], doc["spec"]["output"]["uri"] = f"file://{tmp_path}/in/", f"file://{tmp_path}/out/"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert bij_main(["run", str(path)]) == 42
+    assert "runs on Kubernetes only" in capsys.readouterr().err
+
+
+def test_cli_render_of_lanes_of_several_pods_prints_their_service_then_the_job(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = make_job(**TWO_NODE_VLLM).model_dump(by_alias=True, exclude_none=True)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert bij_main(["render", str(path), "--shards", "3"]) == 0
+    service, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert (service["kind"], service["metadata"]["name"]) == ("Service", "summaries-lanes")
+    assert job["kind"] == "Job" and job["spec"]["completions"] == 6
+    assert pod(job)["subdomain"] == "summaries-lanes"

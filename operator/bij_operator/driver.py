@@ -40,7 +40,7 @@ from bij_worker.contract.spec import BatchInferenceJob, SpecError
 
 from .efficiency import eta_seconds, fmt_duration
 from .fingerprint import field_digests
-from .jobs import FileVolume, render_job, render_publish_job, render_step_job
+from .jobs import FileVolume, render_job, render_lane_service, render_publish_job, render_step_job
 from .permissions import CONDITION as PERMISSIONS_CONDITION
 from .permissions import STATUS_KEY as PERMISSIONS_KEY
 from .permissions import GrantCheck, condition, record
@@ -129,6 +129,10 @@ class Backend(Protocol):
     def create_job(self, body: dict[str, Any]) -> Created:
         """Create a batch/v1 Job owned by the bij: "exists" when an earlier attempt of ours did,
         "foreign" when a Job of that name belongs to someone else (never adopted or replaced)."""
+
+    def create_service(self, body: dict[str, Any]) -> None:
+        """Create a v1 Service owned by the bij (the headless Service of lanes of several pods); one that
+        exists already is fine."""
 
     def patch_job(self, name: str, spec: dict[str, Any]) -> None:
         """Merge `spec` into the Job's spec (suspend, parallelism)."""
@@ -257,6 +261,9 @@ class Driver:
             return None
 
         if isinstance(d, CreateJob):
+            if job.spec.workers.nodes_per_lane > 1:
+                # Before the Job: a lane's members find its leader by the name this Service gives it.
+                self.backend.create_service(render_lane_service(job, owner_uid=job.metadata.uid))
             body = render_job(job, d.round, d.completions, layout.round_manifest_uri(job, d.round),
                               image=self.backend.worker_image, owner_uid=job.metadata.uid,
                               file_volume=self.backend.file_volume)

@@ -39,15 +39,19 @@ def efficiency(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def cost(price_per_hour: float | None, worker_seconds: float, rows: int, tokens: int) -> dict[str, Any] | None:
+def cost(price_per_hour: float | None, worker_seconds: float, rows: int, tokens: int,
+         pods_per_lane: int = 1) -> dict[str, Any] | None:
     """What the worker pods cost at `price_per_hour` (one pod, any currency); None without a price.
+    `worker_seconds` are the lanes' (their leaders'); a lane of several pods (spec.workers.nodesPerLane)
+    costs that many pods meanwhile.
 
     perMillionRows = total / rows x 1e6 (result rows), perMillionTokens likewise over tokens in + out.
     """
     if price_per_hour is None:
         return None
-    total = price_per_hour * worker_seconds / 3600
+    total = price_per_hour * worker_seconds * pods_per_lane / 3600
     return {
+        **({"podsPerLane": pods_per_lane} if pods_per_lane > 1 else {}),
         "pricePerHour": price_per_hour,
         "total": round(total, 6),
         "perMillionRows": round(total / rows * 1e6, 6) if rows else None,
@@ -87,7 +91,8 @@ def fmt_money(value: float | None) -> str:
 
 
 def status_fields(records: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]], round_bytes: int | None,
-                  round_seconds: float | None, price_per_hour: float | None) -> dict[str, Any]:
+                  round_seconds: float | None, price_per_hour: float | None,
+                  pods_per_lane: int = 1) -> dict[str, Any]:
     """`efficiency`, `cost` (so far) and `eta` for the bij's status.
 
     `records` are every shard record so far (all rounds), `current` the current round's;
@@ -98,7 +103,7 @@ def status_fields(records: Sequence[Mapping[str, Any]], current: Sequence[Mappin
     out: dict[str, Any] = {"efficiency": eff}
     rows = sum(int(r.get("rows") or 0) for r in records)
     tokens = sum(int(r.get("tokensIn") or 0) + int(r.get("tokensOut") or 0) for r in records)
-    spent = cost(price_per_hour, eff["workerSeconds"], rows, tokens)
+    spent = cost(price_per_hour, eff["workerSeconds"], rows, tokens, pods_per_lane)
     if spent is not None:
         out["cost"] = spent
     if round_bytes and round_seconds is not None:

@@ -28,7 +28,7 @@ from typing import Any, cast
 
 import kopf
 import urllib3
-from bij_worker.contract.codes import JOB_LABEL, STEP_LABEL
+from bij_worker.contract.codes import JOB_LABEL, NODES_PER_LANE_ANNOTATION, STEP_LABEL
 from bij_worker.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from kubernetes.client import ApiException
 
@@ -117,6 +117,14 @@ class Api:
             raise
         return dict(json.loads(resp.data))
 
+    def create_service(self, namespace: str, body: dict[str, Any]) -> None:
+        """Create the Service; one that exists already (an earlier round's) is fine."""
+        try:
+            self.core.create_namespaced_service(namespace, body, _preload_content=False)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             resp = self.batch.read_namespaced_job(name, namespace, _preload_content=False)
@@ -163,9 +171,11 @@ def job_essence(body: Mapping[str, Any]) -> dict[str, Any]:
     """What decisions read of a Job (`reconcile.JobView`), without its pod template."""
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
+    nodes = (meta.get("annotations") or {}).get(NODES_PER_LANE_ANNOTATION)
     return json.loads(json.dumps({
         "metadata": {k: meta[k] for k in ("name", "uid", "resourceVersion", "labels", "ownerReferences",
-                                           "deletionTimestamp") if k in meta},
+                                           "deletionTimestamp") if k in meta}
+        | ({"annotations": {NODES_PER_LANE_ANNOTATION: nodes}} if nodes else {}),
         "spec": {k: spec[k] for k in ("completions", "parallelism", "suspend") if k in spec},
         "status": body.get("status") or {},
     }))
@@ -242,6 +252,10 @@ class KubeBackend:
             self.recent[name] = (time.monotonic(), job_essence(existing))
             return "exists"
         return "foreign"
+
+    def create_service(self, body: dict[str, Any]) -> None:
+        kopf.adopt(body, owner=as_body(self.raw))
+        self.api.create_service(self.namespace, body)
 
     def patch_job(self, name: str, spec: dict[str, Any]) -> None:
         self.api.patch_job(self.namespace, name, {"spec": spec})

@@ -23,8 +23,10 @@ import yaml
 from bij_worker.contract import layout
 from bij_worker.contract.codes import (
     EXIT_BAD_CONFIG,
+    EXIT_GROUP_LOST,
     JOB_LABEL,
     MANIFEST_ANNOTATION,
+    NODES_PER_LANE_ANNOTATION,
     PUBLISH_LABEL,
     PUBLISH_PLAN_ANNOTATION,
     ROUND_LABEL,
@@ -44,6 +46,13 @@ MAX_COMPLETIONS = 100_000
 WORKER_UID = 1000
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+# A lane of several pods (spec.workers.nodesPerLane): its pods reach the leader (rank 0) by the stable name
+# `<job>-<index>.<service>` a headless Service gives an Indexed Job's pods (their hostname and subdomain).
+RAY_PORT = 6379  # the leader's Ray head (GCS)
+GROUP_PORT = 6390  # the leader's group channel: members join, and learn that the lane is done (bij_worker.group)
+NODES_PER_LANE_ENV = "BIJ_NODES_PER_LANE"
+GROUP_LEADER_ENV = "BIJ_GROUP_LEADER"  # the leader's host, "{index}" standing for the leader's index
 
 # Spot node labels by provider: (label, value). Karpenter and EKS managed node groups do not
 # taint spot nodes by default; GKE (when asked to, as its docs recommend) and AKS do.
@@ -137,6 +146,37 @@ def job_labels(job: BatchInferenceJob, round_no: int) -> dict[str, str]:
     }
 
 
+def lane_service_name(job: BatchInferenceJob) -> str:
+    """The headless Service that names the pods of a bij's lanes of several pods (all its rounds)."""
+    return f"{job.metadata.name}-lanes"
+
+
+def render_lane_service(job: BatchInferenceJob, *, owner_uid: str | None = None) -> dict[str, Any]:
+    """The headless Service of a bij whose lanes span several pods (spec.workers.nodesPerLane > 1): with it
+    as their subdomain, the round Job's pods resolve as `<job>-<index>.<service>`, so a lane's members
+    find its leader. Its addresses are published before the pods are ready: a member joins its leader
+    while both start."""
+    labels = {k: v for k, v in job_labels(job, 0).items() if k != ROUND_LABEL}
+    metadata: dict[str, Any] = {"name": lane_service_name(job), "namespace": job.metadata.namespace,
+                                "labels": labels}
+    if owner_uid:
+        metadata["ownerReferences"] = [{"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+                                        "name": job.metadata.name, "uid": owner_uid, "controller": True,
+                                        "blockOwnerDeletion": True}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {JOB_LABEL: job.metadata.name, "app.kubernetes.io/component": "worker"},
+            "ports": [{"name": "ray", "port": RAY_PORT, "protocol": "TCP"},
+                      {"name": "group", "port": GROUP_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
 def render_job(
     job: BatchInferenceJob,
     round_no: int,
@@ -146,18 +186,24 @@ def render_job(
     image: str = DEFAULT_WORKER_IMAGE,
     owner_uid: str | None = None,
     file_volume: FileVolume | None = None,
+    group: bool = True,
 ) -> dict[str, Any]:
-    """The batch/v1 Job that runs round `round_no` of `job` with one index per lane (`completions`).
+    """The batch/v1 Job that runs round `round_no` of `job` with `completions` lanes.
 
+    A lane is one index, or with spec.workers.nodesPerLane = n > 1 (and `group`) n indexes: index i is
+    rank i % n of lane i // n, rank 0 its leader (the bij worker and a Ray head), the others Ray workers
+    that join it by name through the headless Service of `render_lane_service`.
     `image` is the operator's default worker image; spec.workers.image wins over it.
     With `owner_uid` the Job is owned by (and garbage-collected with) the BatchInferenceJob.
     With `file_volume` (chart value fileStorage) its pods mount the volume file:// URIs lie on.
     """
-    if not 1 <= completions <= MAX_COMPLETIONS:
-        raise ValueError(f"a round needs 1 to {MAX_COMPLETIONS} lanes, got {completions}")
+    w = job.spec.workers
+    nodes = w.nodes_per_lane if group else 1
+    if not 1 <= completions * nodes <= MAX_COMPLETIONS:
+        raise ValueError(f"a round needs 1 to {MAX_COMPLETIONS} pods, got {completions} lanes of {nodes}")
     if round_no < 0:
         raise ValueError(f"round must be >= 0, got {round_no}")
-    w = job.spec.workers
+    lanes, completions = completions, completions * nodes
     labels = job_labels(job, round_no)
     metadata: dict[str, Any] = {
         "name": job_name(job, round_no),
@@ -182,7 +228,7 @@ def render_job(
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": completions,
-        "parallelism": desired_parallelism(job, completions),
+        "parallelism": desired_parallelism(job, lanes) if nodes > 1 else min(w.parallelism, completions),
         # Kueue admits a queued Job by unsuspending it, so such a Job is created suspended.
         "suspend": job.spec.suspend or bool(w.queue_name),
         # Retries are counted per lane: one bad lane cannot use up the whole round's budget.
@@ -223,7 +269,37 @@ def render_job(
     }
     if w.ttl_seconds_after_finished is not None:
         spec["ttlSecondsAfterFinished"] = w.ttl_seconds_after_finished
+    if nodes > 1:
+        _group_lanes(metadata, spec, job, nodes)
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
+
+
+def _group_lanes(metadata: dict[str, Any], spec: dict[str, Any], job: BatchInferenceJob, nodes: int) -> None:
+    """Make the round Job's lanes groups of `nodes` pods.
+
+    All or nothing: with spec.workers.queueName Kueue admits the Job whole (its pods' resources at once);
+    without it the group's indexes are next to each other, and the Job controller starts pending indexes
+    lowest first, so a lane's pods are created together. A group is replaced whole: a member whose peer is
+    gone (its leader, or a member of the leader's) exits EXIT_GROUP_LOST, which the podFailurePolicy does
+    not count against that index (the member that failed counts, a preempted one does not), so every
+    index of the lane starts again and the new group joins afresh; the lane's uncommitted rows are redone,
+    its committed ones never are (the replacement leader resumes the lane's claims).
+    """
+    metadata["annotations"][NODES_PER_LANE_ANNOTATION] = str(nodes)
+    rules = spec["podFailurePolicy"]["rules"]
+    rules.insert(1, {"action": "Ignore",
+                     "onExitCodes": {"containerName": WORKER_CONTAINER, "operator": "In",
+                                     "values": [EXIT_GROUP_LOST]}})
+    pod = spec["template"]["spec"]
+    # hostname <job>-<index> (set by the Job controller for Indexed Jobs) under this subdomain
+    pod["subdomain"] = lane_service_name(job)
+    (container,) = pod["containers"]
+    container["env"].append({"name": NODES_PER_LANE_ENV, "value": str(nodes)})
+    if GROUP_LEADER_ENV not in job.spec.workers.env:  # the user's setting wins (another DNS name, say)
+        container["env"].append({"name": GROUP_LEADER_ENV,
+                                 "value": f"{metadata['name']}-{{index}}.{lane_service_name(job)}"})
+    container["ports"] += [{"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"},
+                           {"name": "group", "containerPort": GROUP_PORT, "protocol": "TCP"}]
 
 
 def publish_job_name(job: BatchInferenceJob, pass_name: str) -> str:
@@ -240,7 +316,8 @@ def render_publish_job(job: BatchInferenceJob, pass_name: str, completions: int,
     Same image, identity, storage settings and failure policy as the round's workers, but no GPU and
     none of the spot/GPU placement: publishing reads and writes storage, on any node.
     """
-    body = render_job(job, 0, completions, plan_uri, image=image, owner_uid=owner_uid, file_volume=file_volume)
+    body = render_job(job, 0, completions, plan_uri, image=image, owner_uid=owner_uid, file_volume=file_volume,
+                      group=False)
     meta = body["metadata"]
     meta["name"] = publish_job_name(job, pass_name)
     for labels in (meta["labels"], body["spec"]["template"]["metadata"]["labels"]):
@@ -508,7 +585,8 @@ def _scheduling(job: BatchInferenceJob) -> tuple[dict[str, str], list[dict[str, 
 
 
 def cli_render(args: argparse.Namespace) -> int:
-    """`bij render SPEC [--round R] [--shards N] [--image IMG]`: print the round's Job as YAML.
+    """`bij render SPEC [--round R] [--shards N] [--image IMG]`: print the round's Job as YAML (after the
+    headless Service of its lanes when spec.workers.nodesPerLane is above 1).
 
     Without --shards the input is planned now (object sizes only) to count the shards; the Job
     has one index per lane (workers.parallelism, at most one per shard).
@@ -548,5 +626,10 @@ def cli_render(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"cannot render: {e}", file=sys.stderr)
         return 1
+    if job.spec.workers.nodes_per_lane > 1:
+        # Lanes of several pods: the headless Service the operator creates first, then the Job.
+        service = render_lane_service(job, owner_uid=job.metadata.uid)
+        sys.stdout.write(yaml.safe_dump_all([service, rendered], sort_keys=False))
+        return 0
     sys.stdout.write(yaml.safe_dump(rendered, sort_keys=False))
     return 0

@@ -170,6 +170,10 @@ class LocalBackend:
         job.tick()
         return "created"
 
+    def create_service(self, body: dict[str, Any]) -> None:
+        # Lanes of several pods are refused before a local run starts (nodes_per_lane_refusal).
+        raise NotImplementedError("bij run has no Services: a lane of several pods runs on Kubernetes only")
+
     def patch_job(self, name: str, spec: dict[str, Any]) -> None:
         self.jobs[name].patch(spec)
 
@@ -266,6 +270,9 @@ class LocalRunner:
                  worker_cmd: list[str] | None = None, cancel: bool = False):
         if parallelism is not None and parallelism < 1:
             raise ValueError(f"--parallelism must be at least 1, got {parallelism}")
+        refused = None if cancel else nodes_per_lane_refusal(job)
+        if refused:
+            raise ValueError(refused)
         if parallelism is not None and parallelism != job.spec.workers.parallelism:
             # --parallelism is spec.workers.parallelism for this run: lanes of rounds not planned yet,
             # processes at once, publish processes.
@@ -446,6 +453,17 @@ def with_start_time(job: BatchInferenceJob, store: Any) -> BatchInferenceJob:
     return job.model_copy(update={"metadata": job.metadata.model_copy(update={"creation_timestamp": started})})
 
 
+def nodes_per_lane_refusal(job: BatchInferenceJob) -> str | None:
+    """Why `bij run` cannot run `job` here: a lane of several pods (spec.workers.nodesPerLane) needs a node per
+    pod and a Ray cluster across them, which only a Kubernetes cluster gives."""
+    nodes = job.spec.workers.nodes_per_lane
+    if nodes == 1:
+        return None
+    return (f"spec.workers.nodesPerLane is {nodes}: a lane of several pods (a Ray head and Ray workers on "
+            "different nodes) runs on Kubernetes only; `bij run` runs one process per lane: set "
+            "nodesPerLane to 1 here (the model must fit one machine), or apply the job to a cluster")
+
+
 def cli_job(args: argparse.Namespace) -> BatchInferenceJob | None:
     """The job `bij run` / `bij cancel` name, or None once the reason it cannot run is printed."""
     try:
@@ -455,6 +473,10 @@ def cli_job(args: argparse.Namespace) -> BatchInferenceJob | None:
         return None
     if args.parallelism is not None and args.parallelism < 1:
         print(f"bij: --parallelism must be at least 1, got {args.parallelism}", file=sys.stderr)
+        return None
+    refused = nodes_per_lane_refusal(job)
+    if refused and getattr(args, "command", None) != "cancel":
+        print(f"bij: {refused}", file=sys.stderr)
         return None
     return job
 

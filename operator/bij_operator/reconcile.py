@@ -35,7 +35,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from bij_worker.contract.codes import GENERATION_LABEL, JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
+from bij_worker.contract.codes import (
+    GENERATION_LABEL,
+    JOB_LABEL,
+    NODES_PER_LANE_ANNOTATION,
+    PUBLISH_LABEL,
+    ROUND_LABEL,
+)
 from bij_worker.contract.publish_plan import PASSES as PUBLISH_PASSES
 from bij_worker.contract.spec import BatchInferenceJob
 from bij_worker.contract.step_report import StepErrorCode, StepReport
@@ -132,9 +138,11 @@ class JobView:
     suspend: bool
     active: int
     terminating: int  # pods being deleted that have not ended yet (SIGTERM sent, draining)
-    completed: frozenset[int]
-    failed: frozenset[int]
+    completed: frozenset[int]  # lanes done (their leader's index succeeded)
+    failed: frozenset[int]  # lanes with an index failed for good
     conditions: Mapping[str, Condition]
+    # Pods per lane (spec.workers.nodesPerLane when the Job was made): index i is rank i % n of lane i // n.
+    nodes_per_lane: int = 1
 
     @classmethod
     def of(cls, job: Mapping[str, Any]) -> JobView:
@@ -142,6 +150,8 @@ class JobView:
         spec = job.get("spec") or {}
         status = job.get("status") or {}
         round_label = (meta.get("labels") or {}).get(ROUND_LABEL)
+        raw_nodes = str((meta.get("annotations") or {}).get(NODES_PER_LANE_ANNOTATION) or "1")
+        nodes = int(raw_nodes) if raw_nodes.isdigit() and int(raw_nodes) > 0 else 1
         conditions = {
             c["type"]: Condition(
                 status=str(c.get("status")) == "True",
@@ -161,9 +171,12 @@ class JobView:
             suspend=bool(spec.get("suspend")),
             active=int(status.get("active") or 0),
             terminating=int(status.get("terminating") or 0),
-            completed=parse_ranges(status.get("completedIndexes")),
-            failed=parse_ranges(status.get("failedIndexes")),
+            # A lane of several pods is done when its leader (rank 0) is: the others follow it. It has
+            # failed when any of its pods has: the group cannot run without one of them.
+            completed=frozenset(i // nodes for i in parse_ranges(status.get("completedIndexes")) if i % nodes == 0),
+            failed=frozenset(i // nodes for i in parse_ranges(status.get("failedIndexes"))),
             conditions=conditions,
+            nodes_per_lane=nodes,
         )
 
     def has(self, condition_type: str) -> bool:
@@ -192,7 +205,8 @@ class JobView:
 
     @property
     def lanes(self) -> Lanes:
-        return Lanes(done=len(self.completed), failed=len(self.failed), active=self.active, total=self.completions)
+        return Lanes(done=len(self.completed), failed=len(self.failed), active=-(-self.active // self.nodes_per_lane),
+                     total=self.completions // self.nodes_per_lane)
 
 
 # --- decisions ---------------------------------------------------------------------------------
@@ -829,7 +843,8 @@ def decide(
         patch_suspend = True if not view.suspend else None
     else:
         patch_suspend = False if view.suspend and not queued else None
-    want_parallelism = desired_parallelism(job, view.completions) if view.completions else None
+    want_parallelism = (desired_parallelism(job, view.completions // view.nodes_per_lane)
+                        if view.completions else None)
     patch_parallelism = want_parallelism if want_parallelism and view.parallelism != want_parallelism else None
     if patch_suspend is not None or patch_parallelism is not None:
         verb = {True: "suspending", False: "resuming", None: "updating"}[patch_suspend]
@@ -841,9 +856,10 @@ def decide(
     return Wait(round=r, **_progress(r, view, shards, want_suspend))
 
 
-def desired_parallelism(job: BatchInferenceJob, completions: int) -> int:
-    """Pods at once: spec.workers.parallelism, but never more than there are lanes."""
-    return min(job.spec.workers.parallelism, completions)
+def desired_parallelism(job: BatchInferenceJob, lanes: int) -> int:
+    """Pods at once: spec.workers.parallelism lanes, but never more than there are, each of
+    spec.workers.nodesPerLane pods (a group's pods run together or not at all)."""
+    return min(job.spec.workers.parallelism, lanes) * job.spec.workers.nodes_per_lane
 
 
 def _progress(r: int, view: JobView, shards: Shards | None, want_suspend: bool) -> dict[str, Any]:

@@ -109,7 +109,7 @@ def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
     out: dict[str, Any] = {"done": len(records), "stats": summarize(round_no, 0, records).as_status(),
                            "efficiency": eff, "damaged": damaged[:MOST_DAMAGED],
                            "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
-    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], rows, tokens)
+    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], rows, tokens, job.spec.workers.nodes_per_lane)
     if spent is not None:
         out["cost"] = spent
     return out

@@ -11,7 +11,13 @@ Exit codes (the Job's podFailurePolicy relies on them):
 - 42   bad configuration (missing plan, index out of range, unknown engine, missing model,
        a storage error no retry fixes, an input object changed since planning):
        a retry cannot help, the Job fails at once
+- 44   a lane of several pods lost a member (or its leader): the group is replaced whole, and this
+       index is not to blame (bij_worker.group)
 - other  a failure worth a retry (storage outage, engine crash); a rerun resumes
+
+With spec.workers.nodesPerLane = n > 1 (env BIJ_NODES_PER_LANE) index i is rank i % n of lane i // n:
+rank 0 works the lane as above, with a Ray head and the group's members joined before its engine loads;
+the other ranks run a Ray worker node each and nothing else (bij_worker.group).
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ from collections.abc import Callable
 from typing import Any
 
 from .adapters import AdapterError, adapter_folders, fetch_adapters
-from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TERMINATED
+from .contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_TERMINATED
 from .contract.plan import Plan
 from .contract.spec import JobSpec
 from .engines import EngineConfig, create_engine
 from .engines.base import is_continuous
+from .group import GroupError, GroupLeader, Role, join_seconds, member_main, role_of
 from .lanes import Claim, Claims, EngineShare, LeaseKeeper
 from .metrics import Metrics, Stats
 from .reader import DamagedObject, ReplacementDiffers
@@ -51,8 +58,13 @@ log = logging.getLogger("bij.worker")
 
 def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> EngineConfig:
     """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec);
-    `adapters`: the local folders of spec.model.adapters, once fetched."""
+    `adapters`: the local folders of spec.model.adapters, once fetched. A lane of several pods
+    (spec.workers.nodesPerLane) runs vLLM with Ray's executor, one pipeline stage a pod."""
     m = spec.model
+    vllm = m.vllm.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if spec.workers.nodes_per_lane > 1:
+        vllm["distributedExecutorBackend"] = "ray"
+        vllm["pipelineParallelSize"] = spec.workers.nodes_per_lane
     return EngineConfig(
         task=m.task,
         name=m.name,
@@ -61,7 +73,7 @@ def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> Engi
         seed=m.seed,
         max_input_tokens=m.max_input_tokens,
         truncate=m.truncates,
-        vllm=m.vllm.model_dump(mode="json", by_alias=True, exclude_none=True),
+        vllm=vllm,
         simulated=m.simulated.model_dump(mode="json", by_alias=True, exclude_none=True),
         device=os.environ.get("BIJ_DEVICE") or None,
         chat_template=m.chat_template,
@@ -85,6 +97,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    group = _Group()
+    code = _main(argv, group)
+    if group.lost and code in (EXIT_TERMINATED, EXIT_FAILED) and not group.signalled:
+        # A member went (or said it goes) first: this index is not to blame; the group is replaced whole.
+        return EXIT_GROUP_LOST
+    return code
+
+
+class _Group:
+    """The lane's group of pods as the leader's main sees it (nothing when the lane is one pod)."""
+
+    def __init__(self) -> None:
+        self.leader: GroupLeader | None = None
+        self.lost: str | None = None
+        self.signalled = False  # this pod's own SIGTERM came before any loss
+
+
+def _main(argv: list[str] | None, group: _Group) -> int:
     logging.basicConfig(level=os.environ.get("BIJ_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     rest = sys.argv[1:] if argv is None else argv
@@ -107,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             # a torn frame is skipped on resume.
             os._exit(EXIT_TERMINATED)
         log.info("signal %d: taking no new chunk", signum)
+        group.signalled = group.lost is None
         stop.request()
         for flag in current:
             flag.request()
@@ -124,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             r.on_event(event)
 
     lane = -1
+    completed = False
     try:
         if not args.manifest:
             raise BadConfig("no round plan: pass --manifest or set BIJ_MANIFEST")
@@ -133,7 +165,13 @@ def main(argv: list[str] | None = None) -> int:
             if raw is None or not raw.isdigit():
                 raise BadConfig(f"no lane index: pass --index or set JOB_COMPLETION_INDEX (got {raw!r})")
             index = int(raw)
-        lane = index
+        try:
+            role = role_of(index)
+        except ValueError as e:
+            raise BadConfig(str(e)) from None
+        if not role.leader:
+            return member_main(role, args.drain_seconds)
+        lane = role.lane
         # The plan says where everything else is, and carries the spec whose storage settings every
         # later call uses; reading the plan itself takes them from the standard AWS environment
         # (AWS_ENDPOINT_URL, AWS_REGION), which the Job sets from the same spec.
@@ -167,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         name = spec.model.name
         if name and (name.startswith(("/", "./", "../"))) and not os.path.exists(name):
             raise BadConfig(f"spec.model.name: no model at {name}")
+        if role.nodes > 1:
+            group.leader = _form_group(role, group, stop, current, args.drain_seconds)
         claims = Claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
                         lane=lane, lanes=lanes, shards=len(plan.shards), writer=uuid.uuid4().hex[:12],
                         lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
@@ -259,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             # Asked to stop as its last shard finished: nothing was left to drain, and it says so too.
             log.info("lane %d: stopped with every shard it took done", lane)
             return EXIT_TERMINATED
+        completed = True
     except DamagedObject as e:
         # input.onDamagedObject fail: no retry reads past it; the rows before it are durable.
         log.error("%s; the rows before it are durable: replace the object and run again (it resumes there), "
@@ -270,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     except BadConfig as e:
         log.error("bad configuration: %s", e)
         return EXIT_BAD_CONFIG
+    except GroupError as e:
+        log.error("%s", e)
+        return EXIT_FAILED
     except StorageError as e:
         if e.permanent:
             # A missing bucket, denied access, no credentials, an input replaced after planning:
@@ -284,8 +328,52 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for r in reporter:
             r.close()
+        if group.leader is not None and not completed:
+            _close_engine()
+            group.leader.close()  # members see the channel drop without `done`: the group is replaced
     log.info("lane %d: every shard of the round is done", lane)
+    if group.leader is not None:
+        _close_engine()  # before its pipeline stages on the members go
+        group.leader.finish()  # members stop their Ray nodes and succeed with this pod
+        group.leader.close()
     return EXIT_OK
+
+
+def _close_engine() -> None:
+    """Stop a vLLM engine spread over the lane's pods before the group goes (its Ray workers on them)."""
+    vllm = sys.modules.get("bij_worker.engines.vllm")
+    if vllm is not None and vllm.holds_llm():
+        try:
+            vllm.close_llm()
+        except Exception:  # noqa: BLE001 - the pod exits next; nothing it could still commit is lost
+            log.exception("stopping the engine")
+
+
+def _form_group(role: Role, group: _Group, stop: StopFlag, current: list[StopFlag],
+                drain_seconds: float) -> GroupLeader:
+    """Start the lane's Ray head and group channel, and wait until every member has joined."""
+
+    def on_lost(reason: str, drain: bool) -> None:
+        group.lost = reason
+        # A member that said it stops keeps its node up while the in-flight chunk finishes; one that is
+        # gone took its pipeline stage with it: nothing in flight can finish, nothing more is committed.
+        seconds = drain_seconds if drain else 0.0
+        stop.request(drain_seconds=seconds)
+        for flag in list(current):
+            flag.request(drain_seconds=seconds)
+        # An engine whose Ray worker died may never return a step: the pod goes regardless (what is
+        # durable stays durable, a torn frame is skipped on resume), so that the group is replaced.
+        watchdog = threading.Timer(seconds + 30.0, os._exit, args=(EXIT_GROUP_LOST,))
+        watchdog.daemon = True
+        watchdog.start()
+
+    leader = GroupLeader(role, on_lost).start()
+    try:
+        leader.wait_members(join_seconds(), stop.event)
+    except BaseException:
+        leader.close()
+        raise
+    return leader
 
 
 class ShardRun:

@@ -88,6 +88,11 @@ cluster-scoped objects always go in the ClusterRole.
 - apiGroups: [batch]
   resources: [jobs]
   verbs: [get, list, watch, create, patch, delete]
+# A bij whose lanes span several pods (spec.workers.nodesPerLane): one headless Service, so that a lane's
+# pods find its leader by name; deleted with the bij through its owner reference.
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create]
 # The failed pods of a step Job: their exit code, reason (OOMKilled) and last log lines say why a
 # step is retried or failed (listed only once a step's pod failed).
 - apiGroups: [""]

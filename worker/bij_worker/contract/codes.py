@@ -13,6 +13,9 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # worth a retry (the Job's backoffLimitPerIndex decides)
 EXIT_BAD_CONFIG = 42  # never worth a retry: the Job's podFailurePolicy fails the Job
 EXIT_TERMINATED = 143  # SIGTERM: the in-flight chunk was committed or dropped whole
+# A lane of several pods (workers.nodesPerLane) lost a member, or its leader: the group is replaced whole and
+# the pod's own index is not to blame (the podFailurePolicy ignores it; the member that failed counts).
+EXIT_GROUP_LOST = 44
 
 # Labels on the Jobs (and their pods) the operator creates for a bij.
 JOB_LABEL = f"{API_GROUP}/job"  # the bij's name
@@ -23,4 +26,5 @@ STEP_LABEL = f"{API_GROUP}/step"  # a step Job (bij_operator.steps): plan-r<r>, 
 
 # Annotations: where a Job's work is described.
 MANIFEST_ANNOTATION = f"{API_GROUP}/manifest"  # a round Job: its round plan (shards.json)
+NODES_PER_LANE_ANNOTATION = f"{API_GROUP}/nodes-per-lane"  # a round Job: pods per lane (index i: lane i // n)
 PUBLISH_PLAN_ANNOTATION = f"{API_GROUP}/publish-plan"  # a publish Job: its publish plan (plan.json)

@@ -64,6 +64,15 @@ BATCH_SHAPE_NOT_CONTINUOUS = (
     "(echo, sentence-transformers, transformers); engines vllm and simulated schedule every step themselves: "
     "set model.vllm.maxNumSeqs (model.simulated.maxNumSeqs) and model.vllm.engineArgs.max_num_batched_tokens"
 )
+GROUP_ENGINES = ("vllm", "simulated")
+NODES_PER_LANE_ENGINE = (
+    "workers.nodesPerLane above 1 needs model.engine vllm (pipeline parallel across the lane's pods over Ray) "
+    "or simulated"
+)
+NODES_PER_LANE_PIPELINE = (
+    "with workers.nodesPerLane above 1 the engine runs pipeline parallel across the lane's pods: leave "
+    "model.vllm.pipelineParallelSize unset (or equal to nodesPerLane); model.vllm.tensorParallelSize is per pod"
+)
 GPUS_FOR_VLLM = (
     "workers.gpus must be at least model.vllm.tensorParallelSize x model.vllm.pipelineParallelSize "
     "with model.engine vllm (leave workers.gpus unset for exactly that many)"
@@ -523,6 +532,9 @@ class WorkersSpec(_Model):
     # A lane renews its claim on the shard it works this often / 3; a shard whose claim is older
     # than this (its pod died) is taken over by another lane.
     lease_seconds: int = Field(60, ge=3, le=3600)
+    # Pods one lane spans (a model larger than one node): the leader (rank 0) runs a Ray head and the lane's
+    # worker, the others Ray workers; vLLM runs pipeline parallel across them (bij_worker.group).
+    nodes_per_lane: int = Field(1, ge=1, le=64)
     # Kubernetes caps maxFailedIndexes (and completions with backoffLimitPerIndex) at 100000.
     max_failed_indexes: int | None = Field(None, ge=0, le=100_000)
     termination_grace_period_seconds: int = Field(60, ge=1, le=3600)
@@ -593,7 +605,12 @@ class JobSpec(_Model):
             raise ValueError(PARQUET_NOT_OPENAI)
         if self.output.partition_by == "input" and self.judge is not None and self.judge.strategy != "inPlace":
             raise ValueError(PARTITION_NEEDS_ONE_ROUND)
-        if self.model.engine == "vllm" and self.workers.gpus is not None and self.workers.gpus < self.model.vllm.gpus:
+        nodes = self.workers.nodes_per_lane
+        if nodes > 1 and self.model.engine not in GROUP_ENGINES:
+            raise ValueError(NODES_PER_LANE_ENGINE)
+        if nodes > 1 and self.model.vllm.pipeline_parallel_size not in (1, nodes):
+            raise ValueError(NODES_PER_LANE_PIPELINE)
+        if self.model.engine == "vllm" and self.workers.gpus is not None and self.workers.gpus < self.engine_gpus:
             raise ValueError(GPUS_FOR_VLLM)
         if uris_overlap(self.input.uri, self.output.uri):
             raise ValueError(OVERLAP_MESSAGE)
@@ -603,11 +620,19 @@ class JobSpec(_Model):
         return self
 
     @property
+    def engine_gpus(self) -> int:
+        """GPUs vLLM needs in one pod: tensor x pipeline parallel, or tensor parallel alone when the lane
+        spans several pods (one pipeline stage a pod)."""
+        if self.workers.nodes_per_lane > 1:
+            return self.model.vllm.tensor_parallel_size
+        return self.model.vllm.gpus
+
+    @property
     def gpus(self) -> int:
-        """GPUs per worker pod: spec.workers.gpus, else tensor x pipeline parallel for vLLM, else 0."""
+        """GPUs per worker pod: spec.workers.gpus, else what vLLM needs in one pod (engine_gpus), else 0."""
         if self.workers.gpus is not None:
             return self.workers.gpus
-        return self.model.vllm.gpus if self.model.engine == "vllm" else 0
+        return self.engine_gpus if self.model.engine == "vllm" else 0
 
 
 class Metadata(_Model):
