@@ -21,6 +21,7 @@ made here by `make gpu-wheels`). Weights are random: throughput is what is measu
     python bench/gpu_check.py [--texts 50000] [--gen-rows 512] [--gen-tokens 128] [--shape 1b]
                               [--vllm-rows 4096] [--vllm-only]
     python bench/gpu_check.py --tiny      # a dry run on CPU with tiny sizes
+    python bench/gpu_check.py --profile DIR   # also py-spy profiles of the bij runs (where bij's time goes)
 """
 
 from __future__ import annotations
@@ -194,16 +195,69 @@ def run_child(*args: str) -> dict[str, float]:
     return doc
 
 
+PROFILE: Path | None = None  # --profile: where py-spy's profiles of the bij runs go
+
+
 def bij(work: Path, name: str, input_path: Path, model: dict[str, Any]) -> dict[str, Any]:
     out = work / f"out-{name}"
     spec = harness.write_spec(work / f"{name}.yaml", f"gpu-{name}", input_path, out, model, chunk_rows=512)
     phases: dict[str, float] = {}
-    wall = harness.run_bij(spec, phases=phases)
+    wrap = None
+    if PROFILE is not None:
+        PROFILE.mkdir(parents=True, exist_ok=True)
+        wrap = [py_spy(), "record", "--subprocesses", "--threads", "-r", "50", "-f", "raw",
+                "-o", str(PROFILE / f"bij-{name}.txt"), "--"]
+    wall = harness.run_bij(spec, phases=phases, wrap=wrap)
     print(f"bij run ({name}): {harness.phase_line(phases)}", flush=True)
     (rec,) = harness.done_records(out)
+    busy = float(rec.get("engineBusySeconds", 0.0))
+    print(f"bij run ({name}): {rec.get('batches', 0)} batches, engine busy {busy:.1f}s of the shard's "
+          f"{float(rec['seconds']):.1f}s", flush=True)
+    if PROFILE is not None:
+        print(profile_summary(PROFILE / f"bij-{name}.txt"), flush=True)
     return {"phases": phases, "wall_s": wall, "steady_s": harness.steady_seconds(rec, wall),
-            "tokens_out": rec.get("tokensOut", 0),
+            "tokens_out": rec.get("tokensOut", 0), "engine_busy_s": busy,
             "batches": rec.get("batches", 0), "load_s": rec.get("modelLoadSeconds", 0)}
+
+
+def py_spy() -> str:
+    """py-spy's binary: on the PATH, or where `make gpu-check` installs the wheels (bench/gpu_wheels.py)."""
+    found = shutil.which("py-spy") or next((str(p) for p in [Path("/tmp/bij-site/bin/py-spy")] if p.exists()), None)
+    if found is None:
+        raise SystemExit("gpu_check --profile: no py-spy (pip install py-spy, or make gpu-wheels again)")
+    return found
+
+
+IDLE_FRAMES = ("wait (threading", "select (", "sleep (", "_wait_for_tstate", "poll (", "accept (")
+
+
+def profile_summary(raw: Path, top: int = 12) -> str:
+    """Samples (py-spy's, not idle) per process and thread, and the functions most often on top of the stack,
+    from py-spy's raw output (`--threads`: each stack starts with its process and thread)."""
+    if not raw.exists():
+        return f"profile: {raw.name} not written (py-spy could not attach?)"
+    threads: dict[str, int] = {}
+    leaves: dict[str, int] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = stack.split(";")
+        n = int(count)
+        procs = [f for f in frames if f.startswith("process ")]
+        thread = next((f for f in frames if f.startswith("thread (")), "thread ?")
+        what = procs[-1].split('"')[1].split() if procs and '"' in procs[-1] else ["?"]
+        # The process by what it runs (bij run, the worker, a step or publish pass), then its thread.
+        name = " ".join(w for w in what[1:] if not w.startswith(("/", "{", "file:")))[:70]
+        head = f"{name} | {thread.split(': ', 1)[-1]}"
+        threads[head] = threads.get(head, 0) + n
+        if frames[-1] and not any(w in frames[-1] for w in IDLE_FRAMES):
+            leaves[frames[-1]] = leaves.get(frames[-1], 0) + n
+    out = [f"profile {raw.name}: samples by process | thread (50 a second, not idle)"]
+    out += [f"  {n:7d} {h[:150]}" for h, n in sorted(threads.items(), key=lambda kv: -kv[1])[:top]]
+    out.append("  busiest frames:")
+    out += [f"  {n:7d} {f[:150]}" for f, n in sorted(leaves.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-only", action="store_true", help="only the vLLM comparison")
     p.add_argument("--tiny", action="store_true", help="dry run on CPU: tiny sizes and shape")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="record the bij runs with py-spy (all their processes and threads) into DIR and print "
+                        "where their samples went")
     p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -240,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA GPU here (use --tiny for a dry run on CPU)", file=sys.stderr)
         return 2
     os.environ["BIJ_DEVICE"] = device
+    global PROFILE
+    PROFILE = Path(args.profile).resolve() if args.profile else None
     report = harness.Report("gpu_check")
     work = harness.work_dir("gpu", keep=False)
     t_start = time.perf_counter()

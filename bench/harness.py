@@ -296,11 +296,14 @@ def run_worker(manifest: str, index: int = 0, command: list[str] | None = None,
     return WorkerRun(p.returncode, wall, events, int(usage.ru_maxrss))
 
 
-def run_bij(spec: Path, env: dict[str, str] | None = None, phases: dict[str, float] | None = None) -> float:
+def run_bij(spec: Path, env: dict[str, str] | None = None, phases: dict[str, float] | None = None,
+            wrap: list[str] | None = None) -> float:
     """`bij run SPEC` as a user runs it (in `env`, default ours); returns its wall time in seconds.
     Fails loudly on a failed job. With `phases`, fills it with the seconds since the start at which
-    `bij run` said each of PHASES (the first time), read from its stderr as it comes."""
-    cmd = [sys.executable, "-m", "bij_operator.cli", "run", str(spec), "--parallelism", "1", "--no-progress"]
+    `bij run` said each of PHASES (the first time), read from its stderr as it comes. `wrap` goes before
+    the command (a profiler's)."""
+    cmd = [*(wrap or []), sys.executable, "-m", "bij_operator.cli", "run", str(spec), "--parallelism", "1",
+           "--no-progress"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None
