@@ -435,6 +435,50 @@ def test_exit_42_fails_the_job_at_once_and_stops_the_other_indexes(tmp_path: Pat
     assert "completedIndexes" not in lj.view()["status"]  # the others were stopped, not finished
 
 
+def in_process_job(body: dict, outcomes: list[Any]) -> tuple[LocalJob, list[str], list[tuple[list[str], dict]]]:
+    """A LocalJob whose pods run `step` in this process: each call takes the next outcome (an exit code
+    to return, or an exception to raise) and logs a line first."""
+    import logging
+
+    said: list[str] = []
+    calls: list[tuple[list[str], dict]] = []
+    left = list(outcomes)
+
+    def step(args: list[str], env: Any) -> int:
+        calls.append((args, dict(env)))
+        outcome = left.pop(0)
+        logging.getLogger("bij.steps").error("attempt %d of index %s", len(calls), env["JOB_COMPLETION_INDEX"])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return int(outcome)
+
+    lj = LocalJob(body, ["never-run"], {"A": "1"}, say=said.append, in_process=step)
+    lj.run(poll=0.01)
+    return lj, said, calls
+
+
+def test_an_in_process_pod_gets_its_args_and_environment_and_is_retried_as_a_process_would_be() -> None:
+    lj, said, calls = in_process_job(job_body(1, backoff=2), [1, RuntimeError("storage went away"), 0])
+    assert [c["type"] for c in lj.view()["status"]["conditions"]] == ["Complete"]
+    assert len(calls) == 3 and all(args == [] for args, _ in calls)  # --metrics-port is dropped as for a process
+    assert [env["A"] for _, env in calls] == ["1"] * 3
+    assert [env["JOB_COMPLETION_INDEX"] for _, env in calls] == ["0"] * 3
+    assert {env["POD_NAME"] for _, env in calls} == {"j-r0-0-1", "j-r0-0-2", "j-r0-0-3"}
+    assert said == ["bij: j-r0 index 0 failed (exit 1), retry 1/2", "bij: j-r0 index 0 failed (exit 1), retry 2/2"]
+    # Each failed attempt is a failed pod whose message is the end of its log: the exception for the second.
+    (first, second) = lj.failed_pods()
+    assert first["status"]["containerStatuses"][0]["state"]["terminated"]["message"] == "attempt 1 of index 0"
+    assert "RuntimeError: storage went away" in second["status"]["containerStatuses"][0]["state"]["terminated"][
+        "message"]
+
+
+def test_an_in_process_pod_that_exits_42_fails_the_job_at_once() -> None:
+    lj, _, calls = in_process_job(job_body(1, backoff=3), [SystemExit(42)])
+    (cond,) = lj.view()["status"]["conditions"]
+    assert cond["type"] == "Failed" and cond["reason"] == "PodFailurePolicy" and "exit code 42" in cond["message"]
+    assert len(calls) == 1
+
+
 def test_more_failed_indexes_than_allowed_fail_the_job(tmp_path: Path) -> None:
     lj, _ = run_local(tmp_path, job_body(3, parallelism=1, max_failed=0), [1, 0, 0])
     (cond,) = lj.view()["status"]["conditions"]

@@ -491,3 +491,39 @@ def test_bij_run_publishes_one_file_per_input_file_with_its_columns(place, make_
         assert [r["output"] for r in got] == [r["text"] for r in inputs]
         assert [{k: v for k, v in r.items() if k not in ("id", "output", "usage")} for r in got] == [
             {k: v for k, v in r.items() if k not in ("id", "text")} for r in inputs]
+
+
+@pytest.mark.parametrize("spec_env", [{}, {"SOME_SETTING": "x"}])
+def test_steps_run_in_the_bij_process_unless_their_environment_would_differ(spec_env, file_place, make_job,
+                                                                            read_output, worker_env, monkeypatch):
+    """A step's interpreter start costs more than its work: with the worker command and environment of
+    `bij run` itself, steps and one-index publish passes run in its process and only lanes start one.
+    A spec that gives pods variables of their own keeps every step in a process with them."""
+    import subprocess
+    import sys
+
+    from bij_operator import localjobs
+    from bij_operator.local import LocalRunner
+
+    inputs = rows(30)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), workers={"env": spec_env})
+    started: list[list[str]] = []
+
+    class Counting(subprocess.Popen):  # type: ignore[type-arg]
+        def __init__(self, args: Any, *a: Any, **kw: Any) -> None:
+            started.append(list(args))
+            super().__init__(args, *a, **kw)
+
+    monkeypatch.setattr(localjobs.subprocess, "Popen", Counting)
+    for k, v in worker_env(file_place).items():
+        monkeypatch.setenv(k, v)
+    assert LocalRunner(job, show_progress=False).run() == 0
+    check_published(read_output(job), inputs)
+    kinds = sorted(a[a.index("step") + 1] if "step" in a else ("publish" if "publish" in a else "lane")
+                   for a in (cmd[1:] if cmd[0] == sys.executable else cmd for cmd in started))
+    assert "lane" in kinds
+    steps = [k for k in kinds if k != "lane"]
+    if spec_env:
+        assert steps == ["finish", "manifest", "plan", "publish", "publish", "publish", "publish-plan"], kinds
+    else:
+        assert steps == [], kinds

@@ -20,6 +20,7 @@ as a kubelet keeps a terminated container's message.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -70,7 +71,8 @@ class LocalJob:
 
     def __init__(self, body: Mapping[str, Any], command: Sequence[str], env: Mapping[str, str], *,
                  extra_args: Sequence[str] = (), on_stdout: Callable[[IO[bytes]], None] | None = None,
-                 say: Callable[[str], None] = _say, stats: list[dict[str, Any]] | None = None):
+                 say: Callable[[str], None] = _say, stats: list[dict[str, Any]] | None = None,
+                 in_process: Callable[[list[str], Mapping[str, str]], int] | None = None):
         meta, spec = body["metadata"], body["spec"]
         self.name = str(meta["name"])
         self.uid = str(meta.get("uid") or uuid.uuid4())
@@ -92,13 +94,17 @@ class LocalJob:
             i = args.index("--metrics-port")
             del args[i:i + 2]
         self.command = [*command, *args, *extra_args]
+        self.args = [*args, *extra_args]
+        # Runs the pod's args in this process (a thread per index) instead of `command`: for a short
+        # storage step, whose interpreter start and imports cost more than its work (see _InProcess).
+        self.in_process = in_process
         self.env = {**env, JOB_UID_ENV: self.uid}
         self.on_stdout = on_stdout
         self.say = say
         self.stats = stats
         self.pending: deque[int] = deque(range(self.completions))
         self.attempts: dict[int, int] = {}
-        self.procs: dict[int, tuple[subprocess.Popen[bytes], float, threading.Thread]] = {}
+        self.procs: dict[int, tuple[subprocess.Popen[bytes] | _InProcess, float, threading.Thread]] = {}
         self.last_error: dict[int, str] = {}
         self.last_lines: dict[int, list[str]] = {}
         # Each failed attempt as the API server shows a failed pod (what `reconcile.failed_pods` reads).
@@ -126,16 +132,22 @@ class LocalJob:
         changed = False
         for i in list(self.procs):
             p, started, reader = self.procs[i]
-            got, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if got != p.pid:
-                continue
+            if isinstance(p, _InProcess):
+                if reader.is_alive():
+                    continue
+                rc, rss = p.returncode, 0
+                self.last_error[i], self.last_lines[i] = p.last_error(), p.tail()
+            else:
+                got, status, usage = os.wait4(p.pid, os.WNOHANG)
+                if got != p.pid:
+                    continue
+                rc, rss = os.waitstatus_to_exitcode(status), usage.ru_maxrss
+                p.returncode = rc
+                reader.join(timeout=5)  # its stderr is read to the end: the last line is known
             changed = True
             del self.procs[i]
-            rc = os.waitstatus_to_exitcode(status)
-            p.returncode = rc
-            reader.join(timeout=5)  # its stderr is read to the end: the last line is known
             if self.stats is not None:
-                self.stats.append({"job": self.name, "index": i, "maxRssKiB": usage.ru_maxrss, "rc": rc,
+                self.stats.append({"job": self.name, "index": i, "maxRssKiB": rss, "rc": rc,
                                    "seconds": round(time.monotonic() - started, 3)})
             self._ended(i, rc)
         if self.fail_reason is None and not self.stopping and not self.suspend:
@@ -159,6 +171,11 @@ class LocalJob:
         # A session of its own: a terminal's Ctrl-C reaches only bij, which asks each worker once
         # (SIGTERM) to drain; a second signal would make the worker quit at once.
         env = {**self.env, "JOB_COMPLETION_INDEX": str(i), POD_NAME_ENV: f"{self.name}-{i}-{self.attempts[i]}"}
+        if self.in_process is not None:
+            pod = _InProcess(self.in_process, self.args, env)
+            self.procs[i] = (pod, time.monotonic(), pod.thread)
+            pod.thread.start()
+            return
         p = subprocess.Popen(self.command, env=env,
                              stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              stdout=subprocess.PIPE if self.on_stdout else subprocess.DEVNULL, start_new_session=True)
@@ -240,6 +257,8 @@ class LocalJob:
         # The pid cannot be reused before tick() reaps it. Each worker leads a session of its own
         # (start_new_session), so its process group is its pid: `group` reaches its children too.
         for p, _, _ in self.procs.values():
+            if isinstance(p, _InProcess):
+                continue  # a short step: it ends on its own (its work is rewritten whole if run again)
             try:
                 (os.killpg if group else os.kill)(p.pid, sig)
             except ProcessLookupError:
@@ -296,3 +315,63 @@ class LocalJob:
                              "labels": dict(self.labels)},
                 "spec": {"completions": self.completions, "parallelism": self.parallelism, "suspend": self.suspend},
                 "status": status}
+
+
+class _InProcess:
+    """One index of a step Job run in a thread of this process (LocalJob's `in_process`).
+
+    Its log lines (from its thread only) go to stderr at WARNING and above, as a step pod's
+    (BIJ_LOG_LEVEL=WARNING) would, and the last ones are kept for the Job's failure message; an
+    exception, or a SystemExit, ends it as a pod's process would end: exit 1, or the exit's code.
+    """
+
+    def __init__(self, run: Callable[[list[str], Mapping[str, str]], int], args: list[str],
+                 env: Mapping[str, str]):
+        self.run, self.args, self.env = run, args, env
+        self.returncode = 1
+        self.lines: deque[str] = deque(maxlen=5)
+        self.thread = threading.Thread(target=self._main, name="bij-step", daemon=True)
+
+    def _main(self) -> None:
+        me = threading.get_ident()
+        handler = _ThreadLog(me, self.lines)
+        root = logging.getLogger()
+        root.addHandler(handler)
+        try:
+            self.returncode = self.run(self.args, self.env)
+        except SystemExit as e:
+            self.returncode = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException as e:  # noqa: BLE001 - a pod's process would die of it: exit 1, its last words
+            logging.getLogger("bij.worker").error("%s: %s", type(e).__name__, e, exc_info=True)
+            self.returncode = 1
+        finally:
+            root.removeHandler(handler)
+
+    def last_error(self) -> str:
+        return self.lines[-1] if self.lines else ""
+
+    def tail(self) -> list[str]:
+        return list(self.lines)
+
+
+class _ThreadLog(logging.Handler):
+    """A step thread's log records: WARNING and above to stderr, the messages kept."""
+
+    def __init__(self, thread: int, lines: deque[str]):
+        super().__init__(level=logging.DEBUG)
+        self.thread, self.lines = thread, lines
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread != self.thread:
+            # Another thread's record, which Python's last-resort handler would have printed had this
+            # one not been on the root logger: printed so by the first such handler, if it is alone there.
+            handlers = logging.getLogger().handlers
+            if record.levelno >= logging.WARNING and handlers and handlers[0] is self and \
+                    all(isinstance(h, _ThreadLog) for h in handlers):
+                sys.stderr.write(record.getMessage() + "\n")
+            return
+        self.lines.append(record.getMessage())
+        if record.levelno >= logging.WARNING:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()

@@ -176,21 +176,22 @@ def say_last_words(message: str, path: str = TERMINATION_LOG) -> None:
         pass
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
     """`bij-worker step KIND --job-spec JSON --key JOB_NAME [--round R] [--rounds N] [--plan URI]`: run one
     step and report its result (or the failure it met) into the bij's status. Exits 0 once the report
     of a result or an expected failure is delivered; 1 when it cannot be delivered, or the failure is
-    INTERNAL (the pod is run again by its Job)."""
+    INTERNAL (the pod is run again by its Job). `env`: the pod's environment (default this process's)."""
+    env = os.environ if env is None else env
     args = parse_args(argv)
     try:
-        sink = sink_from_env()
+        sink = sink_from_env(env)
     except ReportError as e:
         log.error("%s", e)
         return 1
     if sink is None:
         say_last_words("nowhere to report the result: set BIJ_REPORT_TO (the step Job sets it)")
         return 1
-    report = step_report(args, os.environ.get(JOB_UID_ENV, ""), os.environ.get(POD_NAME_ENV, ""))
+    report = step_report(args, env.get(JOB_UID_ENV, ""), env.get(POD_NAME_ENV, ""))
     try:
         put_with_retries(sink, "steps", args.key, report.as_status())
     except ReportError as e:

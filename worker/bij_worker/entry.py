@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +49,22 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def run_in_process(argv: list[str], env: Mapping[str, str]) -> int:
+    """One publish pass or storage step (`publish ...`, `step ...`) in this process, with `env` as its
+    environment, for a caller whose own environment already holds the storage settings (`bij run`):
+    no interpreter to start and nothing to import again. Logging is the caller's. Anything else
+    (a lane, the probe) runs only in a process of its own."""
+    if argv[:1] == ["publish"]:
+        from .publish_rows import main as publish_main
+
+        return publish_main(argv[1:], env)
+    if argv[:1] == ["step"]:
+        from bij_operator.steps import main as step_main
+
+        return step_main(argv[1:], env)
+    raise ValueError(f"only a publish pass or a step runs in-process, not {argv[:1]}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import logging
 import os
 import tempfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -491,7 +491,7 @@ def run_pass(plan: PublishPlan, pass_name: str, index: int) -> None:
     {"ids": run_ids, "dedupe": run_dedupe, "write": run_write}[pass_name](plan, index, store)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
     """`bij-worker publish --plan URI --pass ids|dedupe|write [--index I] [--stride S]`: one index of a
     publish pass, or with --stride every S-th index from I. Loads no engine and no spec model."""
     p = argparse.ArgumentParser(prog="bij-worker publish", description=__doc__,
@@ -505,7 +505,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     index = args.index
     if index is None:
-        raw = os.environ.get("JOB_COMPLETION_INDEX", "")
+        raw = (os.environ if env is None else env).get("JOB_COMPLETION_INDEX", "")
         if not raw.isdigit():
             log.error("no index: pass --index or set JOB_COMPLETION_INDEX (got %r)", raw)
             return EXIT_BAD_CONFIG
