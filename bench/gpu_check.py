@@ -119,16 +119,23 @@ def child_generate(model_dir: str, texts_path: str, device: str, batch: int, tok
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     t1 = time.perf_counter()
-    generated = 0
-    with torch.inference_mode():
-        for i in range(0, len(texts), batch):
-            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, return_token_type_ids=False).to(device)
-            out = model.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-            new = out[:, enc["input_ids"].shape[1]:]
-            generated += int((new != tok.pad_token_id).sum())
+    generated = generate_loop(model, tok, [texts[i:i + batch] for i in range(0, len(texts), batch)], device, tokens)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     print(json.dumps({"load_s": t1 - t0, "generate_s": time.perf_counter() - t1, "tokens": generated}))
+
+
+def generate_loop(model: Any, tok: Any, batches: list[list[str]], device: str, tokens: int) -> int:
+    """The plain loop a user writes: `model.generate` on each batch, greedy; new tokens made (pads not counted)."""
+    import torch
+
+    made = 0
+    with torch.inference_mode():
+        for b in batches:
+            enc = tok(b, return_tensors="pt", padding=True, return_token_type_ids=False).to(device)
+            out = model.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+            made += int((out[:, enc["input_ids"].shape[1]:] != tok.pad_token_id).sum())
+    return made
 
 
 def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, tokens: int) -> None:
@@ -160,13 +167,7 @@ def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, token
             torch.cuda.synchronize()
 
     def loop(batches: list[list[str]]) -> int:
-        made = 0
-        with torch.inference_mode():
-            for b in batches:
-                enc = tok(b, return_tensors="pt", padding=True, return_token_type_ids=False).to(device)
-                out = model.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-                made += int((out[:, enc["input_ids"].shape[1]:] != tok.pad_token_id).sum())
-        return made
+        return generate_loop(model, tok, batches, device, tokens)
 
     def bij_engine(batches: list[list[str]]) -> int:
         return sum(r.completion_tokens or 0 for b in batches

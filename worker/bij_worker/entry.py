@@ -15,18 +15,10 @@ from collections.abc import Mapping
 
 def main(argv: list[str] | None = None) -> int:
     rest = sys.argv[1:] if argv is None else argv
-    if rest[:1] == ["publish"]:
+    if rest[:1] in (["publish"], ["step"]):
         logging.basicConfig(level=os.environ.get("BIJ_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-        from .publish_rows import main as publish_main
-
-        return publish_main(rest[1:])
-    if rest[:1] == ["step"]:
-        logging.basicConfig(level=os.environ.get("BIJ_LOG_LEVEL", "INFO"),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-        from bij_operator.steps import main as step_main
-
-        return step_main(rest[1:])
+        return run_in_process(rest, os.environ)
     if rest[:1] == ["probe"]:
         from .probe import main as probe_main
 
