@@ -726,14 +726,22 @@ def test_a_lane_of_two_pods_forms_over_ray_and_a_member_evicted_mid_round_replac
                                 "terminationGracePeriodSeconds": 20,
                                 "env": {**base, "BIJ_GROUP_LEADER": "127.0.0.1", "BIJ_RAY_PORT": str(ports[0]),
                                         "BIJ_GROUP_PORT": str(ports[1]), "BIJ_REPORT_INTERVAL": "0.5"}}))
+    # The leader's engine stops stepping after 40 steps (about 16 rows) until the member is evicted: the
+    # round cannot end first, however fast or slow this machine is.
+    gate = env.gate("hold", "grp-r0", 0, "40")
     # The group formed and the leader works: rows are reported done, and the member's pod runs.
-    wait_for(lambda: (env.status("grp").get("rows") or {}).get("done", 0) >= 16 or None, 240, "rows done")
+    wait_for(lambda: (env.status("grp").get("rows") or {}).get("done", 0) >= 8 or None, 240, "rows done")
     member = wait_for(lambda: env.running_pod("grp-r0", 1), 30, "the member's pod running")
     leader = env.running_pod("grp-r0", 0)
     assert leader is not None
     body = kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(
         name=member["metadata"]["name"], namespace=env.ns))
     env.core.create_namespaced_pod_eviction(member["metadata"]["name"], env.ns, body)
+    # The member says it leaves at once (its SIGTERM); the leader drains its in-flight rows once its engine
+    # steps again.
+    wait_for(lambda: env.running_pod("grp-r0", 1) is None or None, 60, "the member's pod stopping")
+    time.sleep(2)
+    gate.unlink()
     done = env.wait_phase("grp", "Succeeded", timeout=400)
     assert done["rows"]["done"] == ROWS
     assert_every_row_once(env.tmp / "out-grp" / "manifest.json", ids)
@@ -744,6 +752,13 @@ def test_a_lane_of_two_pods_forms_over_ray_and_a_member_evicted_mid_round_replac
     first = env.core.read_namespaced_pod(leader["metadata"]["name"], env.ns)
     (state,) = first.status.container_statuses
     assert state.state.terminated.exit_code == 44
+    # Not silent: the leader reported why, the operator said it once as a Warning, and the round's record
+    # and its RoundFinished message count it.
+    warned = [e for e in env.events("grp") if e["reason"] == "LaneGroupReplaced"]
+    assert len(warned) == 1 and "lane 0: member 1 is stopping (SIGTERM)" in warned[0]["message"], warned
+    (rec,) = done["rounds"]
+    assert rec["groupsReplaced"] == 1
+    assert any("lane groups replaced: 1" in e["message"] for e in env.events("grp") if e["reason"] == "RoundFinished")
 
 
 def assert_partial(env: Env, name: str, ids: list[Any], phase: str) -> dict[str, Any]:

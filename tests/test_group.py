@@ -41,11 +41,12 @@ def leader(nodes: int, lost: Lost) -> GroupLeader:
     return GroupLeader(Role(0, nodes), lost, port=0, host="127.0.0.1", ray=False).start()
 
 
-def member(group: GroupLeader, rank: int, stop: threading.Event | None = None,
-           drain: float = 30.0) -> tuple[threading.Thread, list[int]]:
+def member(group: GroupLeader, rank: int, stop: threading.Event | None = None, drain: float = 30.0,
+           report: Any = None) -> tuple[threading.Thread, list[int]]:
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(run_member(
-        Role(rank, group.role.nodes), "127.0.0.1", drain_seconds=drain, ray=False, stop=stop, port=group.port)))
+        Role(rank, group.role.nodes), "127.0.0.1", drain_seconds=drain, ray=False, stop=stop, port=group.port,
+        report=report)))
     thread.start()
     return thread, codes
 
@@ -108,13 +109,51 @@ def test_a_member_stopping_on_sigterm_lets_the_leader_drain_then_exits_143() -> 
     assert codes == [EXIT_TERMINATED]
 
 
-def test_a_member_whose_leader_is_gone_exits_group_lost() -> None:
+def test_a_member_whose_leader_is_gone_exits_group_lost_and_says_why() -> None:
+    said: list[str] = []
     group = leader(2, Lost())
-    thread, codes = member(group, 1)
+    thread, codes = member(group, 1, report=said.append)
     group.wait_members(30)
     group.close()  # the leader's pod is gone, without `done`
     thread.join(30)
     assert codes == [EXIT_GROUP_LOST]
+    assert said == ["lane 0: the leader is gone (seen by member 1)"]
+
+
+def test_a_leader_that_replaces_its_group_tells_its_members_who_say_nothing() -> None:
+    """Another member gone: the leader reports the loss (bij_worker.main) and says `regroup`, so the
+    members left exit EXIT_GROUP_LOST without a second report of the same loss."""
+    said: list[str] = []
+    lost = Lost()
+    group = leader(3, lost)
+    thread, codes = member(group, 1, report=said.append)
+    try:
+        sock = socket.create_connection(("127.0.0.1", group.port))
+        sock.sendall(b"join 2\n")
+        group.wait_members(30)
+        sock.close()  # member 2's pod is gone
+        assert lost.event.wait(30) and lost.calls == [("member 2 is gone", False)]
+    finally:
+        group.close(regroup=True)
+    thread.join(30)
+    assert codes == [EXIT_GROUP_LOST]
+    assert said == []
+
+
+def test_a_member_reports_its_groups_loss_into_the_round_its_job_names(tmp_path: Path) -> None:
+    from bij_worker.group import _member_report
+    from bij_worker.report import read_folder
+
+    env = {"BIJ_REPORT_TO": f"dir:{tmp_path}", "BIJ_ROUND": "2", "POD_NAME": "grp-r2-3-abcde"}
+    report = _member_report(Role(3, 2), env)
+    assert report is not None
+    report("lane 1: the leader is gone (seen by member 1)")
+    got = read_folder(tmp_path)["lanes"]["grp-r2-3-abcde"]
+    assert (got["round"], got["lane"], got["rank"], got["groupLost"]) == (
+        2, 1, 1, "lane 1: the leader is gone (seen by member 1)")
+    # Nowhere to report, or no round named: nothing to say it with.
+    assert _member_report(Role(3, 2), {"BIJ_ROUND": "2"}) is None
+    assert _member_report(Role(3, 2), {"BIJ_REPORT_TO": f"dir:{tmp_path}"}) is None
 
 
 def test_a_second_member_of_one_rank_is_refused() -> None:

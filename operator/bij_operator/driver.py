@@ -306,6 +306,8 @@ class Driver:
             for rec in status.get("rounds") or []:
                 if rec.get("round") == d.round:
                     rec = {**rec, **stats.as_status(), "completionTime": fmt_time(now)}
+                    if d.lanes is not None and d.lanes.replaced:
+                        rec["groupsReplaced"] = d.lanes.replaced  # its lanes' reports go below
                 rounds.append(rec)
             msg = f"round {d.round} finished: {d.shards.summary if d.shards else '0/0'} shards, " \
                   f"{stats.approved} rows, {stats.errors} error rows"
@@ -314,6 +316,8 @@ class Driver:
             if d.failed_lanes:
                 noun = "lane" if len(d.failed_lanes) == 1 else "lanes"
                 msg += f"; {noun} {format_ranges(d.failed_lanes)} failed, the other lanes finished their shards"
+            if d.lanes is not None and d.lanes.replaced:
+                msg += f"; lane groups replaced: {d.lanes.replaced}"
             patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
                      **self.progress(status, d.round, now, ended=stats),
                      **{k: end[k] for k in ("efficiency", "cost") if k in end}}

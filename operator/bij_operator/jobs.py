@@ -52,6 +52,7 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 RAY_PORT = 6379  # the leader's Ray head (GCS)
 GROUP_PORT = 6390  # the leader's group channel: members join, and learn that the lane is done (bij_worker.group)
 NODES_PER_LANE_ENV = "BIJ_NODES_PER_LANE"
+ROUND_ENV = "BIJ_ROUND"  # bij_worker.group.ROUND_ENV
 GROUP_LEADER_ENV = "BIJ_GROUP_LEADER"  # the leader's host, "{index}" standing for the leader's index
 
 # Spot node labels by provider: (label, value). Karpenter and EKS managed node groups do not
@@ -270,11 +271,12 @@ def render_job(
     if w.ttl_seconds_after_finished is not None:
         spec["ttlSecondsAfterFinished"] = w.ttl_seconds_after_finished
     if nodes > 1:
-        _group_lanes(metadata, spec, job, nodes)
+        _group_lanes(metadata, spec, job, nodes, round_no)
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
 
 
-def _group_lanes(metadata: dict[str, Any], spec: dict[str, Any], job: BatchInferenceJob, nodes: int) -> None:
+def _group_lanes(metadata: dict[str, Any], spec: dict[str, Any], job: BatchInferenceJob, nodes: int,
+                 round_no: int) -> None:
     """Make the round Job's lanes groups of `nodes` pods.
 
     All or nothing: with spec.workers.queueName Kueue admits the Job whole (its pods' resources at once);
@@ -295,6 +297,8 @@ def _group_lanes(metadata: dict[str, Any], spec: dict[str, Any], job: BatchInfer
     pod["subdomain"] = lane_service_name(job)
     (container,) = pod["containers"]
     container["env"].append({"name": NODES_PER_LANE_ENV, "value": str(nodes)})
+    # A member reads no plan; the round names its report when it sees its leader gone.
+    container["env"].append({"name": ROUND_ENV, "value": str(round_no)})
     if GROUP_LEADER_ENV not in job.spec.workers.env:  # the user's setting wins (another DNS name, say)
         container["env"].append({"name": GROUP_LEADER_ENV,
                                  "value": f"{metadata['name']}-{{index}}.{lane_service_name(job)}"})

@@ -112,10 +112,11 @@ class Lanes:
     failed: int
     active: int
     total: int
+    replaced: int = 0  # lane groups (spec.workers.nodesPerLane > 1) replaced whole this round
 
     @property
     def summary(self) -> str:
-        return f"{self.done}/{self.total}"
+        return f"{self.done}/{self.total}" + (f" ({self.replaced} replaced)" if self.replaced else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +144,8 @@ class JobView:
     conditions: Mapping[str, Condition]
     # Pods per lane (spec.workers.nodesPerLane when the Job was made): index i is rank i % n of lane i // n.
     nodes_per_lane: int = 1
+    # Why each of the round's lane groups was replaced, oldest first (the pods' reports, `group_losses`).
+    group_losses: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, job: Mapping[str, Any]) -> JobView:
@@ -206,7 +209,16 @@ class JobView:
     @property
     def lanes(self) -> Lanes:
         return Lanes(done=len(self.completed), failed=len(self.failed), active=-(-self.active // self.nodes_per_lane),
-                     total=self.completions // self.nodes_per_lane)
+                     total=self.completions // self.nodes_per_lane, replaced=len(self.group_losses))
+
+
+def group_losses(status: Mapping[str, Any], round_no: int) -> tuple[str, ...]:
+    """Why lane groups of round `round_no` were replaced: the ``groupLost`` of its pods' lane reports
+    (bij_worker.group: one pod of the group reports it), oldest first."""
+    reported = (status.get("reports") or {}).get("lanes") or {}
+    found = sorted((str(v.get("at") or ""), str(v["groupLost"])) for v in reported.values()
+                   if isinstance(v, Mapping) and v.get("round") == round_no and v.get("groupLost"))
+    return tuple(reason for _, reason in found)
 
 
 # --- decisions ---------------------------------------------------------------------------------
@@ -797,6 +809,7 @@ def decide(
         return Wait(round=r, phase="Pending", reason="WaitingForOldJob",
                     message=f"Job {view.name} belongs to an earlier object of this name; "
                             "waiting for it to be deleted")
+    view = dataclasses.replace(view, group_losses=group_losses(status, r))
 
     end: Mapping[str, Any] | None = None
     damaged: list[str] = []
@@ -853,7 +866,12 @@ def decide(
                         message=f"round {r}: {verb} Job {view.name}", shards=shards, lanes=view.lanes,
                         job_name=view.name, suspend=patch_suspend, parallelism=patch_parallelism)
 
-    return Wait(round=r, **_progress(r, view, shards, want_suspend))
+    progress = _progress(r, view, shards, want_suspend)
+    seen_before = int((status.get("lanes") or {}).get("replaced") or 0)
+    if view.group_losses and progress["phase"] == "Running" and len(view.group_losses) > seen_before:
+        # A lane's group of pods was replaced since the status last said so: a Warning, once each.
+        return Wait(round=r, warning="LaneGroupReplaced", **progress)
+    return Wait(round=r, **progress)
 
 
 def desired_parallelism(job: BatchInferenceJob, lanes: int) -> int:
@@ -877,8 +895,12 @@ def _progress(r: int, view: JobView, shards: Shards | None, want_suspend: bool) 
     if view.active == 0 and lanes.done == 0 and lanes.failed == 0 and not (shards and shards.done):
         return dict(phase="Pending", reason="WaitingForPods", shards=shards, lanes=lanes,
                     message=f"round {r}: waiting for worker pods to start")
+    regrouped = ""
+    if view.group_losses:
+        times = "once" if len(view.group_losses) == 1 else f"{len(view.group_losses)} times"
+        regrouped = f"; a lane's group of pods was replaced {times}, last: {view.group_losses[-1]}"
     return dict(phase="Running", reason="Running", shards=shards, lanes=lanes,
-                message=f"round {r}: {counts}, {view.active} active")
+                message=f"round {r}: {counts}, {view.active} active{regrouped}")
 
 
 def job_failed(r: int, view: JobView, shards: Shards | None = None) -> MarkFailed:

@@ -146,7 +146,8 @@ def decision_status(
         patch["shardsSummary"] = s.summary
     if decision.lanes is not None:
         lanes = decision.lanes
-        patch["lanes"] = {"done": lanes.done, "failed": lanes.failed, "active": lanes.active, "total": lanes.total}
+        patch["lanes"] = {"done": lanes.done, "failed": lanes.failed, "active": lanes.active, "total": lanes.total,
+                          "replaced": lanes.replaced}
         patch["lanesSummary"] = lanes.summary
     if not old.get("startTime"):
         patch["startTime"] = fmt_time(now)

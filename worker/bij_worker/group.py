@@ -52,6 +52,7 @@ LEADER_ENV = "BIJ_GROUP_LEADER"  # the leader's host name, "{index}" standing fo
 GROUP_PORT_ENV = "BIJ_GROUP_PORT"
 RAY_PORT_ENV = "BIJ_RAY_PORT"
 JOIN_SECONDS_ENV = "BIJ_GROUP_JOIN_SECONDS"
+ROUND_ENV = "BIJ_ROUND"  # the round the Job runs (set on a lane of several pods): a member's report names it
 GROUP_PORT = 6390
 RAY_PORT = 6379
 JOIN_SECONDS = 600.0
@@ -354,12 +355,20 @@ class GroupLeader:
                     break
             time.sleep(0.1)
 
-    def close(self) -> None:
-        """Stop the channel (members still connected see it drop) and the Ray head."""
+    def close(self, regroup: bool = False) -> None:
+        """Stop the channel (members still connected see it drop) and the Ray head. `regroup`: tell the
+        members first that this leader replaces the group and has reported why (they report nothing)."""
         self._closed.set()
         if self._thread.is_alive():
             self._thread.join(2)
         for sock in list(self._buffers):
+            if regroup:
+                try:
+                    sock.setblocking(True)
+                    sock.settimeout(2.0)
+                    sock.sendall(b"regroup\n")
+                except OSError:
+                    pass
             self._drop(sock)
         try:
             self._selector.unregister(self.server)
@@ -396,10 +405,12 @@ def _connect(host: str, port: int, deadline: float, stop: threading.Event) -> so
 
 
 def run_member(role: Role, host: str, *, drain_seconds: float, ray: bool = True,
-               stop: threading.Event | None = None, port: int | None = None) -> int:
+               stop: threading.Event | None = None, port: int | None = None,
+               report: Callable[[str], None] | None = None) -> int:
     """A member's whole life: join the leader (its Ray head and its group channel), then wait for `done`
     (exit 0), the leader's loss (EXIT_GROUP_LOST) or SIGTERM (say `leaving`, keep the Ray node up while the
-    leader drains, at most `drain_seconds`; exit 143). Its own Ray node failing: EXIT_FAILED."""
+    leader drains, at most `drain_seconds`; exit 143). Its own Ray node failing: EXIT_FAILED. The leader gone
+    without a word (not `regroup`): `report` says why the group is replaced, as the leader would have."""
     stop = stop or threading.Event()
     port = group_port() if port is None else port
     log.info("lane %d: member %d of %d, leader %s", role.lane, role.rank, role.nodes, host)
@@ -450,7 +461,12 @@ def run_member(role: Role, host: str, *, drain_seconds: float, ray: bool = True,
             if not data:
                 if said_leaving_at is not None:
                     return EXIT_TERMINATED
+                if b"regroup\n" in buffer:
+                    log.warning("lane %d member %d: the leader replaces the group", role.lane, role.rank)
+                    return EXIT_GROUP_LOST
                 log.error("lane %d member %d: the leader is gone before the lane was done", role.lane, role.rank)
+                if report is not None:
+                    report(f"lane {role.lane}: the leader is gone (seen by member {role.rank})")
                 return EXIT_GROUP_LOST
             buffer += data
             if b"done\n" in buffer:
@@ -480,4 +496,31 @@ def member_main(role: Role, drain_seconds: float) -> int:
         from .contract.codes import EXIT_BAD_CONFIG
 
         return EXIT_BAD_CONFIG
-    return run_member(role, host, drain_seconds=drain_seconds, stop=stop)
+    return run_member(role, host, drain_seconds=drain_seconds, stop=stop, report=_member_report(role))
+
+
+def _member_report(role: Role, env: dict[str, str] | None = None) -> Callable[[str], None] | None:
+    """Where a member says its group is replaced: its own lane report (bij_worker.report), keyed by its pod
+    name, for the round the Job says (BIJ_ROUND); None when the pod reports nowhere."""
+    from .report import POD_NAME_ENV, ReportError, put_with_retries, sink_from_env
+
+    env = dict(os.environ) if env is None else env
+    raw = env.get(ROUND_ENV, "")
+    try:
+        sink = sink_from_env(env)
+    except ReportError as e:
+        log.warning("cannot report: %s", e)
+        return None
+    if sink is None or not raw.isdigit():
+        return None
+    key = env.get(POD_NAME_ENV) or f"lane-{raw}-{role.lane}-member-{role.rank}"
+
+    def report(reason: str) -> None:
+        value = {"round": int(raw), "lane": role.lane, "rank": role.rank, "shardsDone": 0, "rows": 0, "errors": 0,
+                 "bytes": 0, "groupLost": reason, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        try:
+            put_with_retries(sink, "lanes", key, value, attempts=3)
+        except (ReportError, OSError) as e:
+            log.warning("cannot report the group's loss: %s", e)
+
+    return report

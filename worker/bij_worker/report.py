@@ -8,6 +8,8 @@ the bij's own status subresource with a JSON merge patch of its own key only::
     status.reports.steps.<step Job name> = {"jobUid": ..., "result": {...}}
     status.reports.lanes.<pod name>      = {"round": 0, "lane": 1, "shardsDone": 3, "rows": ..., ...}
 
+A lane of several pods whose group is replaced says why in its last report (``groupLost``).
+
 Why the status subresource, and not a ConfigMap or the container's termination message: the
 operator already reads the bij on every step, so a report costs it no request at all; the worker
 service account needs one permission (`patch` on `batchinferencejobs/status` in its namespace) and
@@ -199,6 +201,13 @@ class LaneReporter:
                 s["shardsDone"] += 1
             else:
                 return
+            self.version += 1
+
+    def group_lost(self, reason: str) -> None:
+        """The lane's group of pods is replaced (bij_worker.group): said in the last report, which the
+        operator turns into a Warning Event and the count in status.lanes.replaced."""
+        with self.lock:
+            self.state["groupLost"] = reason
             self.version += 1
 
     def _loop(self) -> None:

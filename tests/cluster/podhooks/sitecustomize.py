@@ -4,7 +4,8 @@ A pod knows its round Job and index from its name (`<job>-<index>-<suffix>`, HOS
 JOB_COMPLETION_INDEX; files in the folder steer it, so a test drives each state instead of
 racing the clock:
   exit-<job>-<index>   "<code> <times>": the first <times> pods of that index exit with <code> at start
-  hold-<job>-<index>   "<n>": after n engine calls, each further call waits while the file exists
+  hold-<job>-<index>   "<n>": after n engine calls, each further call waits while the file exists (the
+                       simulated engine: after n engine steps, each further step)
   holdrow-<job>        "<text>": an engine call with a row containing <text> waits while the file exists,
                        whichever lane works that row's shard
   holdrow-all          the same for every job (for jobs whose names are made elsewhere, as bij-api does)
@@ -55,3 +56,17 @@ if _gates and _index is not None and Path(sys.argv[0]).name == "bij-worker":
         return out
 
     echo.EchoEngine.run = run
+
+    from bij_worker.engines import simulated
+
+    _step = simulated.SimulatedEngine.step
+    _steps = [0]
+
+    def step(self):
+        _steps[0] += 1
+        hold = _folder / f"hold-{_key}"
+        while hold.exists() and _steps[0] > int(hold.read_text() or 0):
+            time.sleep(0.05)
+        return _step(self)
+
+    simulated.SimulatedEngine.step = step
