@@ -163,6 +163,16 @@ class Env:
                 return p
         return None
 
+    def describe(self, name: str, job: str) -> str:
+        """The bij's status, its round Job's status, each pod's state and what the pods printed: for a
+        test that timed out waiting on them."""
+        lines = [f"status: {json.dumps(self.status(name))}", f"job: {json.dumps(self.job(job).get('status'))}"]
+        for p in self.pods(job):
+            lines.append(f"pod {p['metadata']['name']}: {p['status'].get('phase')} "
+                         f"{json.dumps(p['status'].get('containerStatuses'), default=str)}")
+        lines.append(self.cluster.pod_logs(self.ns, job)[-20000:])
+        return "\n".join(lines)
+
     def events(self, name: str) -> list[dict[str, Any]]:
         evs = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.name={name}").items
         return [self.api.sanitize_for_serialization(e) for e in evs]
@@ -730,8 +740,11 @@ def test_a_lane_of_two_pods_forms_over_ray_and_a_member_evicted_mid_round_replac
     # round cannot end first, however fast or slow this machine is.
     gate = env.gate("hold", "grp-r0", 0, "40")
     # The group formed and the leader works: rows are reported done, and the member's pod runs.
-    wait_for(lambda: (env.status("grp").get("rows") or {}).get("done", 0) >= 8 or None, 240, "rows done")
-    member = wait_for(lambda: env.running_pod("grp-r0", 1), 30, "the member's pod running")
+    try:
+        wait_for(lambda: (env.status("grp").get("rows") or {}).get("done", 0) >= 8 or None, 240, "rows done")
+        member = wait_for(lambda: env.running_pod("grp-r0", 1), 30, "the member's pod running")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{env.describe('grp', 'grp-r0')}") from None
     leader = env.running_pod("grp-r0", 0)
     assert leader is not None
     body = kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(

@@ -269,6 +269,23 @@ def test_rows_count_every_finished_round_also_while_the_last_one_publishes(file_
     assert driver.progress({"rounds": rounds, **lanes}, 1, now_utc())["rows"] == {"done": 49, "failed": 3}
 
 
+def test_rows_a_lane_reports_reach_the_status_while_its_shard_is_still_running(file_place, make_job) -> None:
+    """A lane commits many chunks of one shard: nothing the decision shows changes (shards, lanes,
+    message), yet the status's rows follow the lane's reports, at most once per status interval."""
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": i, "text": f"t{i}"} for i in range(50)]))
+    backend = FakeBackend(job)
+    driver = Driver(backend, status_interval=0.0)
+    driver.reconcile()
+    name = f"{job.metadata.name}-r0"
+    backend.jobs[name]["status"] = {"active": 1}
+    driver.reconcile()
+    assert backend.status["phase"] == "Running" and backend.status["rows"]["done"] == 0
+    for rows in (8, 16):
+        backend.status.setdefault("reports", {})["lanes"] = {f"{name}-0-x": {"round": 0, "lane": 0, "rows": rows}}
+        driver.reconcile()
+        assert backend.status["rows"]["done"] == rows
+
+
 def test_a_job_of_our_name_that_is_someone_elses_is_reported_never_adopted(file_place, make_job) -> None:
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
     backend = FakeBackend(job, foreign={f"{job.metadata.name}-r0"})

@@ -391,7 +391,10 @@ class Driver:
             self.write_status(seen, patch, event=("Warning", d.warning, d.message))
             return Idle(d, recheck=d.recheck)
         recheck = d.recheck or (self.progress_interval if d.phase == "Running" else None)
-        if not status_differs(status, patch) and not phase_changed:
+        # The rows the lanes reported count as a change too: a lane can commit many chunks of one shard
+        # while the decision (shards, lanes, message) stays the same.
+        rows = self.progress(status, d.round, now)["rows"]
+        if not status_differs(status, {**patch, "rows": rows}) and not phase_changed:
             return Idle(d, recheck=recheck)
         wait = self.last_progress + self.status_interval - time.monotonic()
         if not phase_changed and wait > 0:
