@@ -393,14 +393,14 @@ class Driver:
         recheck = d.recheck or (self.progress_interval if d.phase == "Running" else None)
         # The rows the lanes reported count as a change too: a lane can commit many chunks of one shard
         # while the decision (shards, lanes, message) stays the same.
-        rows = self.progress(status, d.round, now)["rows"]
-        if not status_differs(status, {**patch, "rows": rows}) and not phase_changed:
+        progress = self.progress(status, d.round, now)
+        if not status_differs(status, {**patch, "rows": progress["rows"]}) and not phase_changed:
             return Idle(d, recheck=recheck)
         wait = self.last_progress + self.status_interval - time.monotonic()
         if not phase_changed and wait > 0:
             # Progress only: write it at the end of the interval, once, whatever happens meanwhile.
             return Idle(d, recheck=wait)
-        patch.update(self.progress(status, d.round, now))
+        patch.update(progress)
         self.last_progress = time.monotonic()
         self.write_status(seen, patch)
         return Idle(d, recheck=recheck)

@@ -328,14 +328,14 @@ def _main(argv: list[str] | None, group: _Group) -> int:
     finally:
         # This pod replaces its group (a member left first): its last report says why, and its members
         # are told so, and say nothing themselves. A leader stopped first is replaced as one pod is.
-        regroup = group.lost is not None and not group.signalled
+        regroup = None if group.signalled else group.lost
         for r in reporter:
-            if regroup and group.lost is not None:
-                r.group_lost(f"lane {lane}: {group.lost}")
+            if regroup is not None:
+                r.group_lost(f"lane {lane}: {regroup}")
             r.close()
         if group.leader is not None and not completed:
             _close_engine()
-            group.leader.close(regroup=regroup)  # members see `regroup`, or the channel drop without `done`
+            group.leader.close(regroup=regroup is not None)  # members see `regroup`, or the channel drop without `done`
     log.info("lane %d: every shard of the round is done", lane)
     if group.leader is not None:
         _close_engine()  # before its pipeline stages on the members go

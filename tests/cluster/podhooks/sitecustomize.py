@@ -39,11 +39,15 @@ if _gates and _index is not None and Path(sys.argv[0]).name == "bij-worker":
     _run = echo.EchoEngine.run
     _calls = [0]
 
+    def _hold(calls):
+        """Wait while hold-<job>-<index> exists and says fewer than `calls` engine calls."""
+        hold = _folder / f"hold-{_key}"
+        while hold.exists() and calls > int(hold.read_text() or 0):
+            time.sleep(0.05)
+
     def run(self, requests):
         _calls[0] += 1
-        hold = _folder / f"hold-{_key}"
-        while hold.exists() and _calls[0] > int(hold.read_text() or 0):
-            time.sleep(0.05)
+        _hold(_calls[0])
         for hold_row in (_folder / f"holdrow-{_job}", _folder / "holdrow-all"):
             if hold_row.exists():
                 needle = hold_row.read_text()
@@ -65,9 +69,7 @@ if _gates and _index is not None and Path(sys.argv[0]).name == "bij-worker":
     def step(self):
         if self.unfinished():  # a step that runs sequences (an idle one returns at once)
             _steps[0] += 1
-            hold = _folder / f"hold-{_key}"
-            while hold.exists() and _steps[0] > int(hold.read_text() or 0):
-                time.sleep(0.05)
+            _hold(_steps[0])
         return _step(self)
 
     simulated.SimulatedEngine.step = step
