@@ -11,7 +11,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # Pin by digest too (vllm/vllm-openai:v0.33.0@sha256:...) for reproducible builds.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 
-# --- build: one wheel with both packages (bij_operator, bij_worker) ---------------------------
+# --- build: one wheel with the bij package ---------------------------
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 # A distribution's Python (Debian's) is marked externally managed: pip refuses to install into it
@@ -19,8 +19,7 @@ WORKDIR /src
 ENV PIP_BREAK_SYSTEM_PACKAGES=1
 RUN python3 -m pip install --no-cache-dir setuptools==84.2.1 wheel==0.48.0
 COPY pyproject.toml README.md* ./
-COPY operator/ operator/
-COPY worker/ worker/
+COPY src/ src/
 RUN python3 -m pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels .
 
 # --- worker: the round Job pods -------------------------------------------------------------
@@ -44,7 +43,7 @@ ARG WORKER_EXTRAS=[vllm]
 COPY --from=build /wheels /tmp/wheels
 RUN python3 -m pip install "$(ls /tmp/wheels/bij-*.whl)${WORKER_EXTRAS}" \
     && rm -rf /tmp/wheels \
-    && python3 -c "import bij_worker.entry, bij_worker.main, bij_worker.publish_rows"
+    && python3 -c "import bij.cli.worker, bij.worker.main, bij.steps.publish_rows"
 # uid 1000, as the round Jobs' securityContext expects (runAsNonRoot needs a numeric USER).
 # Some bases already have a uid 1000 user (ubuntu); reuse it, with our own HOME.
 RUN (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin bij) \
@@ -77,7 +76,7 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
 COPY --from=build /wheels /tmp/wheels
 RUN python3 -m pip install "$(ls /tmp/wheels/bij-*.whl)[operator]" \
     && rm -rf /tmp/wheels \
-    && python3 -c "import bij_operator.cli, kopf"
+    && python3 -c "import bij.cli.main, kopf"
 RUN useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin bij
 # The chart mounts the root filesystem read-only with an emptyDir at /tmp.
 USER 1000:1000

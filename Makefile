@@ -103,11 +103,12 @@ gpu-wheels: install
 gpu-check:
 	$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target /tmp/bij-site \
 		--find-links bench/gpu/wheels -r bench/gpu/requirements.txt
-	PYTHONPATH=$(CURDIR)/operator:$(CURDIR)/worker:/tmp/bij-site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+	PYTHONPATH=$(CURDIR)/src:/tmp/bij-site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
 		$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check operator worker tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples tools
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
 sync-crd: install

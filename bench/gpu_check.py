@@ -143,10 +143,11 @@ def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, token
     the loop of child_generate, bij's engine (`run`) on the same batches, and the loop on the batches
     bij's worker makes (longest first, cut by its batcher). Each twice, alternating; the faster counts."""
     import torch
-    from bij_worker.batcher import first_batch, run_order
-    from bij_worker.engines import EngineConfig, create_engine
-    from bij_worker.engines.base import Request
-    from bij_worker.schedulers import MAX_PADDING_WASTE
+
+    from bij.engines import EngineConfig, create_engine
+    from bij.engines.base import Request
+    from bij.worker.batcher import first_batch, run_order
+    from bij.worker.schedulers import MAX_PADDING_WASTE
 
     texts = json.loads(Path(texts_path).read_text())
     engine = create_engine("transformers", EngineConfig(task="generate", name=model_dir, device=device))
@@ -379,7 +380,7 @@ def embed_and_generate(args: argparse.Namespace, device: str, report: harness.Re
     harness.write_rows(gen_input, prompts)
     cand = bij(work, "generate", gen_input, {"engine": "transformers", "task": "generate", "name": str(llama),
                                              "maxTokens": args.gen_tokens})
-    from bij_worker.engines import EngineConfig, create_engine
+    from bij.engines import EngineConfig, create_engine
 
     batch = create_engine("transformers", EngineConfig(task="generate", name=str(llama),
                                                        device=device)).batch_shape()[0]  # type: ignore[attr-defined]

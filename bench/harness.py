@@ -211,15 +211,15 @@ def write_spec(path: Path, name: str, input_path: Path, output_path: Path | str,
 
 def plan(spec: Path) -> tuple[str, int]:
     """Write round 0's plan for a spec, as `bij run` would; returns (manifest URI, shard count)."""
-    from bij_operator.planner import plan_round
-    from bij_worker.contract.spec import load_job
+    from bij.contract.spec import load_job
+    from bij.steps.planner import plan_round
 
     p = plan_round(load_job(spec), 0)
     return p.manifest_uri, p.shard_count
 
 
 def worker_command() -> list[str]:
-    from bij_operator.localjobs import worker_command as cmd
+    from bij.local.jobs import worker_command as cmd
 
     return cmd()
 
@@ -302,7 +302,7 @@ def run_bij(spec: Path, env: dict[str, str] | None = None, phases: dict[str, flo
     Fails loudly on a failed job. With `phases`, fills it with the seconds since the start at which
     `bij run` said each of PHASES (the first time), read from its stderr as it comes. `wrap` goes before
     the command (a profiler's)."""
-    cmd = [*(wrap or []), sys.executable, "-m", "bij_operator.cli", "run", str(spec), "--parallelism", "1",
+    cmd = [*(wrap or []), sys.executable, "-m", "bij.cli.main", "run", str(spec), "--parallelism", "1",
            "--no-progress"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -351,8 +351,8 @@ def done_records(output: Path) -> list[dict[str, Any]]:
 def log_places(output: Path) -> tuple[int, int]:
     """(records, distinct input places) in the shards' durable logs under an output folder (one log
     per writer; a torn tail is no record): more records than places means rows were computed twice."""
-    from bij_worker.segments import object_records
-    from bij_worker.storage import FileStorage
+    from bij.storage import FileStorage
+    from bij.storage.segments import object_records
 
     store = FileStorage()
     recs = [r for p in sorted(output.glob("_bij/*/round-*/shards/*/*"))

@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import coin_engine  # noqa: E402
-from bij_operator.local import LocalRunner  # noqa: E402
-from bij_worker.contract.spec import load_job  # noqa: E402
+
+from bij.contract.spec import load_job  # noqa: E402
+from bij.local.run import LocalRunner  # noqa: E402
 
 
 def run(tmp: Path, rows: int, strategy: str, approval: int, args: argparse.Namespace) -> dict[str, Any]:

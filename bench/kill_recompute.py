@@ -3,8 +3,8 @@
 The worker runs the echo engine slowed down (a sleep per row), so that kills land
 mid-work, and every row the engine computes is appended to a side file. The
 slowing and the counting live in this file only: a child process replaces
-`create_engine` in `bij_worker.engines` and `bij_worker.main`, then calls the real
-`bij_worker.main.main` — no hooks in the worker's code.
+`create_engine` in `bij.engines` and `bij.worker.main`, then calls the real
+`bij.worker.main.main` — no hooks in the worker's code.
 
 Per trial: a fresh one-shard job; the worker is killed with SIGKILL at a uniformly
 random time between its "resume" event and its expected end; a second worker
@@ -30,10 +30,10 @@ import harness
 
 def slow_worker(side_file: str, seconds_per_row: float, worker_argv: list[str]) -> int:
     """The child: the real worker main, with an echo engine that is slow and logs what it computes."""
-    import bij_worker.engines as engines
-    import bij_worker.main as worker_main
-    from bij_worker.engines.base import EngineConfig, Request, Result, request_text
-    from bij_worker.engines.echo import EchoEngine
+    import bij.engines as engines
+    import bij.worker.main as worker_main
+    from bij.engines.base import EngineConfig, Request, Result, request_text
+    from bij.engines.echo import EchoEngine
 
     fd = os.open(side_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 

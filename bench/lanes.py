@@ -95,8 +95,8 @@ def worker_child(argv: list[str]) -> int:
     BIJ_BENCH_SLOW_LANE=i: lane i's simulated steps take BIJ_BENCH_SLOW_FACTOR x stepSeconds;
     BIJ_BENCH_KILL_LANE=i, BIJ_BENCH_KILL_AFTER=shards:chunks: lane i kills itself (SIGKILL).
     """
-    from bij_worker import main as worker_main
-    from bij_worker.engines import simulated
+    from bij.engines import simulated
+    from bij.worker import main as worker_main
 
     lane = os.environ.get("JOB_COMPLETION_INDEX", "")
     if lane and lane == os.environ.get("BIJ_BENCH_SLOW_LANE"):
@@ -165,12 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         args.kill_after_shards = args.shards // args.lanes // 4
 
     import yaml
-    from bij_operator.efficiency import efficiency
-    from bij_operator.local import LocalRunner
-    from bij_operator.planner import plan_round
-    from bij_operator.publish import publish as bij_publish
-    from bij_worker.contract.spec import load_job
-    from bij_worker.storage import open_storage
+
+    from bij.contract.efficiency import efficiency
+    from bij.contract.spec import load_job
+    from bij.local.publish import publish as bij_publish
+    from bij.local.run import LocalRunner
+    from bij.steps.planner import plan_round
+    from bij.storage import open_storage
 
     report = harness.Report("lanes")
     work = harness.work_dir("lanes", args.keep)

@@ -75,14 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     args = harness.parse(p, argv)
 
     import kubernetes
-    from bij_operator.jobs import render_job
-    from bij_operator.planner import plan_round
-    from bij_worker.contract import layout
-    from bij_worker.contract.spec import load_job
-    from bij_worker.storage import open_storage
     from cluster import build
     from cluster.harness import LocalCluster, add_worker_account, wait_for
     from simulated import bare_engine_seconds, mixed_rows
+
+    from bij.contract import layout
+    from bij.contract.spec import load_job
+    from bij.control.jobs import render_job
+    from bij.steps.planner import plan_round
+    from bij.storage import open_storage
 
     report = harness.Report("lanes_cluster")
     work = harness.work_dir("lanes-cluster", args.keep)

@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     anchor_counts = [] if args.no_anchor else sorted({int(x) for x in args.anchor_shards.split(",") if x})
     anchor_counts = [n for n in anchor_counts if n in counts]
 
-    from bij_operator.planner import plan_round
-    from bij_worker.contract import layout
-    from bij_worker.contract.spec import load_job
+    from bij.contract import layout
+    from bij.contract.spec import load_job
+    from bij.steps.planner import plan_round
 
     report = harness.Report("many_shards")
     work = harness.work_dir("many-shards", args.keep)
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert tree is not None
                 env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url, "BIJ_LOG_LEVEL": "WARNING",
                        "PYTHONPATH": os.pathsep.join([str(tree / "operator"), str(tree / "worker")])}
-                cmd = [sys.executable, "-m", "bij_worker.entry", "--manifest", layout.round_manifest_uri(job, 0),
+                cmd = [sys.executable, "-m", "bij.cli.worker", "--manifest", layout.round_manifest_uri(job, 0),
                        "--progress"]
                 done: dict[int, int] = {}
                 done_at: list[float] = []  # when each "done" event arrived, seconds since the start

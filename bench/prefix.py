@@ -41,7 +41,7 @@ def prompts(n: int, systems: int, seed: int = 11) -> list[str]:
 
 
 def possible_share(texts: list[str]) -> float:
-    from bij_worker.batcher import PrefixShare
+    from bij.worker.batcher import PrefixShare
 
     share = PrefixShare()
     for t in sorted(texts):

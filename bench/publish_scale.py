@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def candidate(name: str, parallelism: int = args.parallelism) -> dict[str, Any]:
             stats_file = work / f"stats-{name}.json"
-            cmd = [sys.executable, "-m", "bij_operator.cli", "publish", str(specs[name]),
+            cmd = [sys.executable, "-m", "bij.cli.main", "publish", str(specs[name]),
                    "--parallelism", str(parallelism), "--process-stats", str(stats_file)]
             wall, rss, out = run_rss(cmd)
             stats = json.loads(stats_file.read_text())
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                     "processes": len(stats) - 1, "counts": json.loads(out)}
 
         def anchor(name: str) -> dict[str, Any]:
-            cmd = [sys.executable, "-m", "bij_operator.cli", "publish", str(anchor_specs[name])]
+            cmd = [sys.executable, "-m", "bij.cli.main", "publish", str(anchor_specs[name])]
             wall, rss, out = run_rss(cmd, env=anchor_env)
             print(f"  anchor    {name:5}: {wall:6.1f}s; peak RSS MiB: in-process publish {rss / 1024:.1f}",
                   flush=True)

@@ -50,8 +50,8 @@ def mixed_rows(n: int, max_words: int, seed: int = 5) -> list[str]:
 
 def bare_engine_seconds(texts: list[str], max_num_seqs: int, step_seconds: float, max_tokens: int) -> float:
     """The anchor: every request submitted at once to the simulated engine, stepped until all are back."""
-    from bij_worker.engines import EngineConfig, create_engine
-    from bij_worker.engines.base import Request
+    from bij.engines import EngineConfig, create_engine
+    from bij.engines.base import Request
 
     engine: Any = create_engine("simulated", EngineConfig(task="generate", max_tokens=max_tokens, simulated={
         "maxNumSeqs": max_num_seqs, "stepSeconds": step_seconds}))
@@ -64,7 +64,7 @@ def bare_engine_seconds(texts: list[str], max_num_seqs: int, step_seconds: float
 
 
 def done_record(out_uri: str, s3: dict[str, Any] | None) -> dict[str, Any]:
-    from bij_worker.storage import open_storage
+    from bij.storage import open_storage
 
     store = open_storage(out_uri, s3)
     (obj,) = [o for o in store.list(out_uri + "_bij/") if "/done/" in o.uri]

@@ -32,7 +32,7 @@ BATCHING = {"targetBatchTokens": 16384, "maxBatchSize": 128}
 
 def padded_tokens(counts: list[int], chunk_rows: int, sort: bool) -> int:
     """Tokens the model processes, padding included, for the worker's batches of these rows."""
-    from bij_worker.batcher import plan_batches
+    from bij.worker.batcher import plan_batches
 
     total = 0
     for start in range(0, len(counts), chunk_rows):
@@ -45,8 +45,8 @@ def padded_tokens(counts: list[int], chunk_rows: int, sort: bool) -> int:
 def engine_keeps_batches() -> tuple[bool, str]:
     """Does the engine hand each worker batch to model.encode as one batch? (A stand-in model records it.)"""
     try:
-        from bij_worker.engines.base import EngineConfig, Request
-        from bij_worker.engines.sentence_transformers import SentenceTransformersEngine
+        from bij.engines.base import EngineConfig, Request
+        from bij.engines.sentence_transformers import SentenceTransformersEngine
 
         calls: list[tuple[int, int]] = []
 

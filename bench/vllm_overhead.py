@@ -49,8 +49,8 @@ def synthetic_prompts(rows: int, min_words: int, max_words: int, seed: int = 0) 
 
 def engine_config(args: argparse.Namespace) -> Any:
     """The EngineConfig the worker builds from the spec this benchmark writes."""
-    from bij_worker.contract.spec import ModelSpec
-    from bij_worker.engines.base import EngineConfig
+    from bij.contract.spec import ModelSpec
+    from bij.engines.base import EngineConfig
 
     model = ModelSpec.model_validate(model_section(args))
     return EngineConfig(
@@ -73,8 +73,9 @@ def model_section(args: argparse.Namespace) -> dict[str, Any]:
 
 def raw_child(args: argparse.Namespace) -> None:
     """Runs in a child process: print one JSON line with the raw vLLM timings."""
-    from bij_worker.engines.vllm import shared_llm
     from vllm import SamplingParams
+
+    from bij.engines.vllm import shared_llm
 
     prompts = synthetic_prompts(args.rows, args.min_words, args.max_words)
     t0 = time.perf_counter()
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bij-vllm-overhead-"))
     try:
         spec = write_job(workdir, args)
-        cmd = [sys.executable, "-m", "bij_operator.cli", "run", str(spec), "--parallelism", "1", "--no-progress"]
+        cmd = [sys.executable, "-m", "bij.cli.main", "run", str(spec), "--parallelism", "1", "--no-progress"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd)
         wall_s = time.perf_counter() - t0

@@ -334,7 +334,7 @@ def run_bij(work: Path, workload: str, kw: dict[str, Any], req_path: Path, env: 
             args: Any) -> dict[str, Any]:
     out = work / f"bij-out-{time.monotonic_ns()}"
     spec = bij_spec(work, workload, kw, req_path, out, args)
-    cmd = [sys.executable, "-m", "bij_operator.cli", "run", str(spec), "--parallelism", "1", "--no-progress"]
+    cmd = [sys.executable, "-m", "bij.cli.main", "run", str(spec), "--parallelism", "1", "--no-progress"]
     r = run_process(cmd, env, watch=out, marker=READY)
     r.pop("stdout")
     (rec,) = harness.done_records(out)

@@ -69,8 +69,8 @@ def model_section(model: Path, args: Any) -> dict[str, Any]:
 
 
 def engine_config(section: dict[str, Any]) -> Any:
-    from bij_worker.contract.spec import ModelSpec
-    from bij_worker.engines.base import EngineConfig
+    from bij.contract.spec import ModelSpec
+    from bij.engines.base import EngineConfig
 
     m = ModelSpec.model_validate(section)
     return EngineConfig(task=m.task, name=m.name, max_tokens=m.max_tokens, temperature=m.temperature, seed=m.seed,
@@ -79,8 +79,9 @@ def engine_config(section: dict[str, Any]) -> Any:
 
 def raw_child(section_json: str, prompts_path: str) -> int:
     """A child process: load the LLM as the worker does, time one `LLM.generate` on every prompt."""
-    from bij_worker.engines.vllm import shared_llm
     from vllm import SamplingParams
+
+    from bij.engines.vllm import shared_llm
 
     section = json.loads(section_json)
     texts = json.loads(Path(prompts_path).read_text())
@@ -100,10 +101,10 @@ def raw_child(section_json: str, prompts_path: str) -> int:
 
 def counting_worker(side_file: str, worker_argv: list[str]) -> int:
     """A child: the real worker main, its vLLM engine logging each row it finishes (one write per step)."""
-    import bij_worker.engines as engines
-    import bij_worker.main as worker_main
-    from bij_worker.engines.base import EngineConfig, Request, Result
-    from bij_worker.engines.vllm import VllmEngine
+    import bij.engines as engines
+    import bij.worker.main as worker_main
+    from bij.engines.base import EngineConfig, Request, Result
+    from bij.engines.vllm import VllmEngine
 
     fd = os.open(side_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from bij_worker.engines.base import BASIC_SAMPLING, EngineConfig, Request, Result, estimate_tokens, request_text
+from bij.engines.base import BASIC_SAMPLING, EngineConfig, Request, Result, estimate_tokens, request_text
 
 
 def coin(text: str, seed: int | None) -> int:
@@ -70,8 +70,8 @@ class CoinEngine:
 
 def install() -> None:
     """Make every engine name build a CoinEngine (the worker process only)."""
-    import bij_worker.engines as engines
-    import bij_worker.main as main
+    import bij.engines as engines
+    import bij.worker.main as main
 
     def create(engine: str, config: EngineConfig) -> Any:
         return CoinEngine(config)
@@ -86,6 +86,6 @@ def worker_cmd() -> list[str]:
 
 if __name__ == "__main__":
     install()
-    from bij_worker.main import main as worker_main
+    from bij.worker.main import main as worker_main
 
     sys.exit(worker_main(sys.argv[1:]))

@@ -138,7 +138,7 @@ class Place:
     @property
     def storage(self) -> Any:
         if self._storage is None:
-            from bij_worker.storage import open_storage
+            from bij.storage import open_storage
 
             self._storage = open_storage(self.base, {"endpointUrl": self.endpoint} if self.endpoint else None)
         return self._storage
@@ -244,7 +244,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture
 def make_job(tmp_path: Path) -> Any:
     """make_job(place, input_uri, out_dir="out/", **spec) -> (spec path, job); spec keys merge into the defaults."""
-    from bij_worker.contract.spec import load_job
+    from bij.contract.spec import load_job
 
     def make(place: Place, input_uri: str, *, name: str = "t", out_dir: str = "out/", **spec: Any) -> Any:
         doc = {
@@ -280,7 +280,7 @@ class Output:
 @pytest.fixture
 def read_output() -> Any:
     """read_output(job) -> Output; fails when a file's rows, bytes or sha256 disagree with the manifest."""
-    from bij_worker.storage import open_storage
+    from bij.storage import open_storage
 
     def read(job: Any) -> Output:
         out_uri = job.spec.output.uri.rstrip("/") + "/"
@@ -310,8 +310,8 @@ def read_output() -> Any:
 def shard_log_lines(place: Place, job: Any, round_no: int = 0) -> dict[int, list[dict[str, Any]]]:
     """Every raw durable record of each shard, as written (no de-duplication), by shard index; a torn
     tail of a log is not a record."""
-    from bij_worker.contract import layout
-    from bij_worker.segments import object_records
+    from bij.contract import layout
+    from bij.storage.segments import object_records
 
     prefix = layout.join(layout.round_prefix(job, round_no), "shards") + "/"
     out: dict[int, list[dict[str, Any]]] = {}
@@ -335,9 +335,9 @@ import os
 if os.environ.get("BIJ_TEST_HARNESS"):
     import time
 
-    from bij_worker.engines import echo
-    from bij_worker.engines.base import request_text
-    from bij_worker import storage
+    from bij.engines import echo
+    from bij.engines.base import request_text
+    from bij import storage
 
     _log = os.environ.get("BIJ_TEST_ECHO_LOG")  # one line per row the engine computes
     _delay = float(os.environ.get("BIJ_TEST_ECHO_DELAY", "0"))  # seconds per batch
@@ -466,8 +466,8 @@ class RecordingEcho:
 
     def __init__(self, task: str = "generate", max_input_tokens: int | None = None, fail_on: str | None = None,
                  truncate: bool = False):
-        from bij_worker.engines.base import EngineConfig
-        from bij_worker.engines.echo import EchoEngine
+        from bij.engines.base import EngineConfig
+        from bij.engines.echo import EchoEngine
 
         self.inner = EchoEngine(EngineConfig(task=task, max_input_tokens=max_input_tokens, truncate=truncate))
         self.name, self.schedules_itself, self.honours = "echo", False, self.inner.honours
@@ -490,7 +490,7 @@ class RecordingEcho:
         return self.inner.max_input_tokens()
 
     def run(self, requests: list[Any]) -> list[Any]:
-        from bij_worker.engines.base import request_text
+        from bij.engines.base import request_text
 
         texts = [request_text(r) for r in requests]
         if self.fail_on is not None and any(self.fail_on in t for t in texts):
@@ -506,9 +506,9 @@ def run_shards() -> Any:
     Plans round 0 (or reads its plan) and works the shards with `engine` (a RecordingEcho
     for the job's task by default; it is returned as `run_shards.engine`).
     """
-    from bij_operator.planner import plan_round
-    from bij_worker.contract import layout
-    from bij_worker.worker import ShardWorker, load_plan
+    from bij.contract import layout
+    from bij.steps.planner import plan_round
+    from bij.worker.shard import ShardWorker, load_plan
 
     def run(job: Any, engine: Any = None, indexes: list[int] | None = None, **kw: Any) -> dict[int, Any]:
         plan_round(job, 0)

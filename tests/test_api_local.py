@@ -23,14 +23,15 @@ from typing import Any
 import pytest
 import yaml
 from aiohttp import web
-from bij_operator.api.auth import Caller, Unauthenticated
-from bij_operator.api.batches import LABEL, bij_name
-from bij_operator.api.files import FileStore
-from bij_operator.api.models import ModelMap
-from bij_operator.api.server import Api
-from bij_operator.local import LocalRunner, merge_patch
-from bij_worker.contract.spec import parse_job
 from cluster.controlplane import free_port
+
+from bij.api.auth import Caller, Unauthenticated
+from bij.api.batches import LABEL, bij_name
+from bij.api.files import FileStore
+from bij.api.models import ModelMap
+from bij.api.server import Api
+from bij.contract.spec import parse_job
+from bij.local.run import LocalRunner, merge_patch
 
 openai = pytest.importorskip("openai")
 
@@ -132,9 +133,9 @@ def lines_of(client: Any, file_id: str) -> list[dict[str, Any]]:
 
 def durable_rows(job: Any) -> int:
     """Rows the bij's workers made durable so far (round 0's shard logs)."""
-    from bij_worker.contract import layout
-    from bij_worker.segments import object_records
-    from bij_worker.storage import open_storage
+    from bij.contract import layout
+    from bij.storage import open_storage
+    from bij.storage.segments import object_records
 
     store = open_storage(job.spec.output.uri, None)
     prefix = layout.join(layout.round_prefix(job, 0), "shards") + "/"
@@ -273,8 +274,8 @@ def completion(cid: str, model: str) -> dict[str, Any]:
 
 def test_lines_naming_an_adapter_run_on_it_and_lines_naming_the_model_on_its_base(
         lora_api: Server, lora_models: tuple[Path, Path, Path], tmp_path: Path) -> None:
-    from bij_worker.engines.base import EngineConfig, Request
-    from bij_worker.engines.transformers import TransformersEngine
+    from bij.engines.base import EngineConfig, Request
+    from bij.engines.transformers import TransformersEngine
 
     c = lora_api.client
     listed = {m.id: getattr(m, "parent", None) for m in c.models.list()}

@@ -7,9 +7,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from bij_operator.publish import publish
-from bij_worker.batcher import plan_batches
-from bij_worker.reader import Line, Prefetcher
+
+from bij.steps.publish import publish
+from bij.worker.batcher import plan_batches
+from bij.worker.reader import Line, Prefetcher
 
 
 def test_batches_hold_every_row_once_within_the_padded_budget():
@@ -101,7 +102,7 @@ def test_prefetch_hands_a_read_error_to_the_consumer_and_close_stops_the_reader(
 
 
 def test_padding_waste_cap_cuts_a_batch_before_short_rows_pad_to_a_long_one():
-    from bij_worker.batcher import plan_batches
+    from bij.worker.batcher import plan_batches
 
     tokens = [100] * 8 + [10] * 8
     assert plan_batches(tokens, 10_000, 16) == [list(range(16))]
@@ -113,7 +114,7 @@ def test_padding_waste_cap_cuts_a_batch_before_short_rows_pad_to_a_long_one():
 
 
 def test_run_order_groups_shared_prefixes_first_seen_first_then_longest_first():
-    from bij_worker.batcher import MIN_SHARED_PREFIX, run_order
+    from bij.worker.batcher import MIN_SHARED_PREFIX, run_order
 
     a, b = "A" * MIN_SHARED_PREFIX, "B" * MIN_SHARED_PREFIX
     texts = [b + "x", a + "xyz", "The cat", b + "xyz", a + "x", "The dog sat"]
@@ -126,7 +127,7 @@ def test_run_order_groups_shared_prefixes_first_seen_first_then_longest_first():
 
 
 def test_prefix_share_counts_characters_shared_with_the_prompt_before():
-    from bij_worker.batcher import PrefixShare, shared_prefix
+    from bij.worker.batcher import PrefixShare, shared_prefix
 
     assert shared_prefix("system: be brief. q1", "system: be brief. q2") == 19
     assert shared_prefix("abc", "abc") == 3 and shared_prefix("", "x") == 0
@@ -137,7 +138,7 @@ def test_prefix_share_counts_characters_shared_with_the_prompt_before():
 
 
 def test_first_batch_cuts_where_plan_batches_does():
-    from bij_worker.batcher import cut_batches, first_batch
+    from bij.worker.batcher import cut_batches, first_batch
 
     rnd = random.Random(8)
     for _ in range(300):

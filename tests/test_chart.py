@@ -12,8 +12,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from bij_operator import jobs
-from bij_worker.contract.spec import parse_job
+
+from bij.contract.spec import parse_job
+from bij.control import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "bij-operator"
@@ -235,7 +236,7 @@ def test_worker_service_account_exists_where_round_jobs_run(chart: helm.Chart) -
 
 
 def test_the_worker_role_is_exactly_the_grants_bij_doctor_checks(chart: helm.Chart) -> None:
-    from bij_operator.permissions import worker_role_rules
+    from bij.control.permissions import worker_role_rules
 
     roles = [r for r in of_kind(render(chart, NON_DEFAULT), "Role") if r["metadata"]["name"] == "bij-worker"]
     assert {r["metadata"]["namespace"] for r in roles} == {"team-a", "team-b", "team-c"}
@@ -258,7 +259,7 @@ def test_file_storage_is_off_by_default_and_names_its_volume_to_the_operator_whe
     assert "BIJ_FILE_STORAGE" not in {e["name"] for e in operator_container(render(chart))["env"]}
     on = {"fileStorage": {"mountPath": "/data", "volume": {"persistentVolumeClaim": {"claimName": "shared"}}}}
     env = {e["name"]: e.get("value") for e in operator_container(render(chart, on))["env"]}
-    from bij_operator.jobs import FileVolume
+    from bij.control.jobs import FileVolume
 
     volume = FileVolume.from_env(env)
     assert volume == FileVolume("/data", {"persistentVolumeClaim": {"claimName": "shared"}})
@@ -416,7 +417,7 @@ def test_grafana_dashboard_is_off_by_default_and_a_labelled_configmap_when_on(ch
     import json
     import re
 
-    from bij_worker.metrics import Metrics
+    from bij.worker.metrics import Metrics
 
     assert not [o for o in render(chart) if o["kind"] == "ConfigMap"]
     values = {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "Batch"}}}
@@ -459,7 +460,7 @@ def test_bij_api_is_off_by_default(chart: helm.Chart) -> None:
 
 
 def test_bij_api_runs_the_model_map_under_its_own_account_with_exactly_its_grants(chart: helm.Chart) -> None:
-    from bij_operator.api.models import ModelMap
+    from bij.api.models import ModelMap
 
     objects = api_objects(render(chart, WITH_API))
     assert sorted(o["kind"] for o in objects) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment",

@@ -24,7 +24,6 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
-from bij_operator.reconcile import parse_ranges
 from cluster import build_or_skip
 from cluster.harness import (
     OPERATOR_NAMESPACE,
@@ -35,6 +34,8 @@ from cluster.harness import (
     wait_for,
 )
 from kubernetes.client import ApiException
+
+from bij.control.reconcile import parse_ranges
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -313,8 +314,9 @@ def _server_verdict(env: Env, doc: dict[str, Any]) -> str | None:
 
 
 def test_every_bad_spec_is_refused_by_the_real_api_server_as_bij_validate_says(env: Env) -> None:
-    from bij_operator import validate
     from test_crd import BAD
+
+    from bij.cli import validate
 
     mismatches = []
     for case, doc, expected in BAD:
@@ -1218,7 +1220,8 @@ def test_bij_doctor_names_a_missing_grant_with_its_fix_and_probes_storage_from_t
     import shlex
 
     import boto3
-    from bij_operator.cli import main as bij
+
+    from bij.cli.main import main as bij
 
     kubeconfig = str(env.cluster.kubeconfig)
 

@@ -8,13 +8,14 @@ import json
 from typing import Any
 
 import pytest
-from bij_worker.contract import layout
-from bij_worker.contract.plan import BadPlan, JudgeMode, Plan
-from bij_worker.contract.records import BadRecord, decode_shard_record
-from bij_worker.contract.spec import ModelSpec
-from bij_worker.inputs import InputOptions
-from bij_worker.main import engine_config
-from bij_worker.storage import StorageError
+
+from bij.contract import layout
+from bij.contract.plan import BadPlan, JudgeMode, Plan
+from bij.contract.records import BadRecord, decode_shard_record
+from bij.contract.spec import ModelSpec
+from bij.storage import StorageError
+from bij.worker.inputs import InputOptions
+from bij.worker.main import engine_config
 
 
 def legacy_doc() -> dict[str, Any]:
@@ -101,8 +102,8 @@ def test_a_malformed_shard_record_is_a_permanent_error_naming_it(broken: bytes, 
 
 def test_the_operator_reads_shard_records_through_the_contract_and_names_a_bad_one(file_place, make_job,
                                                                                   run_shards) -> None:
-    from bij_operator.progress import live_records, shard_records
-    from bij_operator.publish import publish
+    from bij.steps.progress import live_records, shard_records
+    from bij.steps.publish import publish
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": i, "text": f"t{i}"} for i in range(9)]))
     run_shards(job)

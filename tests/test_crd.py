@@ -15,9 +15,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from bij_operator import validate
-from bij_operator.cli import main as bij_main
-from bij_worker.contract.spec import job_to_dict, parse_job
+
+from bij.cli import validate
+from bij.cli.main import main as bij_main
+from bij.contract.spec import job_to_dict, parse_job
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = ROOT / "crds" / "batchinferencejobs.yaml"
@@ -137,7 +138,7 @@ def test_conditions_are_a_list_map_keyed_by_type() -> None:
 
 def test_packaged_crd_copy_is_the_source() -> None:
     sync = load_sync_tool()
-    packaged = ROOT / "operator" / "bij_operator" / "crds" / "batchinferencejobs.yaml"
+    packaged = ROOT / "src" / "bij" / "contract" / "crds" / "batchinferencejobs.yaml"
     assert packaged not in sync.drifted(ROOT), "run: python tools/sync_crd.py"
     assert yaml.safe_load(packaged.read_text()) == crd()
 

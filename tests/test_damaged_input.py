@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import zstandard
-from bij_operator.publish import read_manifest
-from bij_operator.reconcile import MarkFailed, decide
-from bij_worker.contract import layout
-from bij_worker.contract.records import DamageRecord
+
+from bij.contract import layout
+from bij.contract.records import DamageRecord
+from bij.control.reconcile import MarkFailed, decide
+from bij.steps.publish import read_manifest
 
 ROWS = [{"id": i, "text": f"row {i} " + "z" * (i * 7 % 50)} for i in range(12000)]  # several zstd blocks
 DATA = b"".join(json.dumps(r).encode() + b"\n" for r in ROWS)
@@ -165,7 +166,7 @@ def test_a_round_that_failed_on_a_damaged_object_publishes_after_switching_to_er
 
 
 def _job() -> Any:
-    from bij_worker.contract.spec import parse_job
+    from bij.contract.spec import parse_job
 
     return parse_job({"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
                       "metadata": {"name": "j", "namespace": "ns", "uid": "u1"},
@@ -202,7 +203,7 @@ def test_a_round_failed_on_a_damaged_object_fails_the_bij_naming_it() -> None:
 
 @pytest.mark.parametrize("value, ok", [("fail", True), ("errorRow", True), ("skip", False)])
 def test_on_damaged_object_is_fail_or_error_row_in_the_model_and_the_crd(value, ok) -> None:
-    from bij_operator.validate import check_document
+    from bij.cli.validate import check_document
 
     doc = {"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": "j"},
            "spec": {"input": {"uri": "s3://b/in/", "onDamagedObject": value}, "output": {"uri": "s3://b/out/"}}}
@@ -213,6 +214,6 @@ def test_on_damaged_object_is_fail_or_error_row_in_the_model_and_the_crd(value, 
     verdicts = check_document(doc)
     assert verdicts.schema == verdicts.model == [] and verdicts.stored is not None
     assert verdicts.stored["spec"]["input"]["onDamagedObject"] == "fail"
-    from bij_worker.contract.spec import parse_job
+    from bij.contract.spec import parse_job
 
     assert parse_job(doc).spec.input.on_damaged_object == "fail"

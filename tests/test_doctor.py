@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bij_operator.doctor import (
+
+from bij.cli.doctor import (
     Doctor,
     Finding,
     format_report,
@@ -20,10 +21,10 @@ from bij_operator.doctor import (
     pod_findings,
     probe_pod,
 )
-from bij_operator.jobs import render_job
-from bij_operator.permissions import WORKER_GRANTS, grant_fix
-from bij_worker.contract.spec import parse_job
-from bij_worker.probe import probe
+from bij.contract.spec import parse_job
+from bij.control.jobs import render_job
+from bij.control.permissions import WORKER_GRANTS, grant_fix
+from bij.steps.probe import probe
 
 
 def job(**spec: Any) -> Any:

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bij_operator import steps
-from bij_operator.driver import Driver, Observed
-from bij_operator.localjobs import LocalJob
-from bij_operator.reconcile import (
+
+from bij.contract.codes import GENERATION_LABEL, JOB_LABEL, ROUND_LABEL, STEP_LABEL
+from bij.contract.spec import parse_job
+from bij.control.driver import Driver, Observed
+from bij.control.reconcile import (
     CreateJob,
     MarkFailed,
     PlanRound,
@@ -24,8 +25,8 @@ from bij_operator.reconcile import (
     decide,
     parse_ranges,
 )
-from bij_worker.contract.codes import GENERATION_LABEL, JOB_LABEL, ROUND_LABEL, STEP_LABEL
-from bij_worker.contract.spec import parse_job
+from bij.local.jobs import LocalJob
+from bij.steps import main as steps
 
 # --- steps, decided by decide() from their Job, pods and report ----------------------------------------
 
@@ -218,7 +219,7 @@ class FakeBackend:
         self.jobs.pop(name, None)
 
     def write_status(self, patch: dict[str, Any]) -> None:
-        from bij_operator.local import merge_patch
+        from bij.local.run import merge_patch
 
         merge_patch(self.status, patch)
 
@@ -255,7 +256,7 @@ def test_a_bij_whose_lanes_span_several_pods_gets_its_headless_service_before_it
 
 
 def test_rows_count_every_finished_round_also_while_the_last_one_publishes(file_place, make_job) -> None:
-    from bij_operator.status import now_utc
+    from bij.control.status import now_utc
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
     driver = Driver(FakeBackend(job))
@@ -582,7 +583,7 @@ def test_a_step_pod_that_cannot_pull_its_image_is_said_naming_the_pod_and_the_re
 
 
 def test_the_operator_looks_at_a_steps_pods_only_once_one_failed_or_is_slow_to_start() -> None:
-    from bij_operator.handlers import pods_failed, slow_to_start
+    from bij.control.handlers import pods_failed, slow_to_start
 
     running = {"status": {"active": 1, "ready": 0, "startTime": "2026-01-01T12:00:00Z"}}
     started = NOW.timestamp()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from bij_operator.efficiency import cost, efficiency, eta_seconds, fmt_duration, fmt_money, status_fields
-from bij_operator.publish import publish
-from bij_worker.contract.spec import SpecError, parse_spec
+
+from bij.contract.efficiency import cost, efficiency, eta_seconds, fmt_duration, fmt_money, status_fields
+from bij.contract.spec import SpecError, parse_spec
+from bij.steps.publish import publish
 
 RECORDS = [
     {"rows": 600, "errors": 1, "tokensIn": 30000, "tokensOut": 0, "seconds": 50.0, "modelLoadSeconds": 10.0,
@@ -77,10 +78,10 @@ def test_a_price_that_is_not_a_number_names_the_field(price: object) -> None:
 
 
 def test_time_a_stopped_run_spent_counts_towards_the_shard(file_place, make_job, run_shards) -> None:
-    from bij_operator.progress import live_records, shard_records
-    from bij_worker.contract import layout
-    from bij_worker.metrics import Stats
-    from bij_worker.worker import StopFlag
+    from bij.contract import layout
+    from bij.steps.progress import live_records, shard_records
+    from bij.worker.metrics import Stats
+    from bij.worker.shard import StopFlag
 
     rows = [{"id": i, "text": f"row {i}"} for i in range(100)]
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows),

@@ -19,11 +19,12 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-from bij_worker.engines import create_engine  # noqa: E402
-from bij_worker.engines.base import EngineConfig, Request  # noqa: E402
-from bij_worker.engines.echo import ECHO_DIM, EchoEngine  # noqa: E402
-from bij_worker.sampling import Sampling  # noqa: E402
 from tiny_models import BOS, EOS, MAX_POSITIONS, VOCAB, build_model, chain_after  # noqa: E402
+
+from bij.contract.sampling import Sampling  # noqa: E402
+from bij.engines import create_engine  # noqa: E402
+from bij.engines.base import EngineConfig, Request  # noqa: E402
+from bij.engines.echo import ECHO_DIM, EchoEngine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -398,7 +399,7 @@ def test_simulated_engine_sleeps_each_step() -> None:
 
 
 def test_llm_kwargs_pass_every_spec_knob_through() -> None:
-    from bij_worker.engines.vllm import llm_kwargs
+    from bij.engines.vllm import llm_kwargs
 
     config = EngineConfig(
         task="generate", name="/models/m", seed=3,
@@ -413,7 +414,7 @@ def test_llm_kwargs_pass_every_spec_knob_through() -> None:
 
 
 def test_engine_args_pass_through_over_the_named_knobs_and_unknown_names_are_found() -> None:
-    from bij_worker.engines.vllm import llm_kwargs, unknown_arguments
+    from bij.engines.vllm import llm_kwargs, unknown_arguments
 
     config = EngineConfig(task="generate", name="/models/m", adapters={"fr": "/a/fr"},
                           vllm={"maxNumSeqs": 64, "engineArgs": {"maxNumBatchedTokens": 512, "max_num_seqs": 32,
@@ -426,7 +427,7 @@ def test_engine_args_pass_through_over_the_named_knobs_and_unknown_names_are_fou
 
 
 def test_on_vllms_cpu_build_one_lora_slot_more_than_adapters_stays_empty_for_base_rows() -> None:
-    from bij_worker.engines.vllm import llm_kwargs
+    from bij.engines.vllm import llm_kwargs
 
     two = {"fr": "/a/fr", "de": "/a/de"}
     assert "max_loras" not in llm_kwargs(EngineConfig(task="generate", name="m", adapters=two))
@@ -437,7 +438,7 @@ def test_on_vllms_cpu_build_one_lora_slot_more_than_adapters_stays_empty_for_bas
 
 
 def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
-    from bij_worker.engines.vllm import llm_kwargs
+    from bij.engines.vllm import llm_kwargs
 
     config = EngineConfig(task="embed", name="m")
     assert llm_kwargs(config, has_runner=True)["runner"] == "pooling"
@@ -447,7 +448,7 @@ def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
 
 
 def test_vllm_engine_module_imports_without_vllm() -> None:
-    from bij_worker.engines.vllm import VllmEngine
+    from bij.engines.vllm import VllmEngine
 
     engine = VllmEngine(EngineConfig(task="generate", name="m"))
     assert engine.schedules_itself is True
@@ -589,7 +590,7 @@ def matryoshka_minilm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     import json
     import shutil
 
-    from bij_worker.engines.sentence_transformers import default_model_path
+    from bij.engines.sentence_transformers import default_model_path
 
     path = tmp_path_factory.mktemp("matryoshka") / "minilm"
     shutil.copytree(default_model_path(), path)

@@ -14,19 +14,20 @@ from typing import Any
 
 import pytest
 import yaml
-from bij_operator import planner
-from bij_operator.cli import main as bij_main
-from bij_operator.fingerprint import PlanRefused
-from bij_operator.planner import PlanError
-from bij_operator.publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved
-from bij_operator.results import ResultsError
-from bij_worker.contract.errors import BijError
-from bij_worker.contract.spec import SpecError
-from bij_worker.lanes import Claim, LeaseKeeper
-from bij_worker.publish_rows import PublishPlanError
-from bij_worker.reader import CorruptInput
-from bij_worker.storage import NotFound, ObjectChanged, S3Storage, StorageError
-from bij_worker.worker import BadConfig, EngineFailure
+
+from bij.cli.main import main as bij_main
+from bij.contract.errors import BijError
+from bij.contract.fingerprint import PlanRefused
+from bij.contract.spec import SpecError
+from bij.steps import planner
+from bij.steps.planner import PlanError
+from bij.steps.publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved
+from bij.steps.publish_rows import PublishPlanError
+from bij.steps.results import ResultsError
+from bij.storage import NotFound, ObjectChanged, S3Storage, StorageError
+from bij.worker.lanes import Claim, LeaseKeeper
+from bij.worker.reader import CorruptInput
+from bij.worker.shard import BadConfig, EngineFailure
 
 ERRORS: list[type[BijError]] = [StorageError, NotFound, ObjectChanged, PublishError, ErrorRatioExceeded,
                                 WorkFilesRemoved, ResultsError, PlanError, PlanRefused, SpecError,

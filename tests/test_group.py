@@ -1,4 +1,4 @@
-"""Lanes of several pods (spec.workers.nodesPerLane, bij_worker.group): the leader and its members.
+"""Lanes of several pods (spec.workers.nodesPerLane, bij.worker.group): the leader and its members.
 
 The group channel's rules run here without Ray (threads on localhost); with Ray installed (the vLLM
 environment: `make vllm-env`) a real Ray head and worker node form the group, and a round runs through
@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bij_worker.contract.codes import EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_TERMINATED
-from bij_worker.group import GroupError, GroupLeader, Role, run_member
+
+from bij.contract.codes import EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_TERMINATED
+from bij.worker.group import GroupError, GroupLeader, Role, run_member
 
 HAS_RAY = importlib.util.find_spec("ray") is not None
 # The vLLM tier's environment (make vllm-env) has Ray: `make test` runs the tests marked vllm there.
@@ -121,7 +122,7 @@ def test_a_member_whose_leader_is_gone_exits_group_lost_and_says_why() -> None:
 
 
 def test_a_leader_that_replaces_its_group_tells_its_members_who_say_nothing() -> None:
-    """Another member gone: the leader reports the loss (bij_worker.main) and says `regroup`, so the
+    """Another member gone: the leader reports the loss (bij.worker.main) and says `regroup`, so the
     members left exit EXIT_GROUP_LOST without a second report of the same loss."""
     said: list[str] = []
     lost = Lost()
@@ -141,8 +142,8 @@ def test_a_leader_that_replaces_its_group_tells_its_members_who_say_nothing() ->
 
 
 def test_a_member_reports_its_groups_loss_into_the_round_its_job_names(tmp_path: Path) -> None:
-    from bij_worker.group import _member_report
-    from bij_worker.report import read_folder
+    from bij.worker.group import _member_report
+    from bij.worker.report import read_folder
 
     env = {"BIJ_REPORT_TO": f"dir:{tmp_path}", "BIJ_ROUND": "2", "POD_NAME": "grp-r2-3-abcde"}
     report = _member_report(Role(3, 2), env)
@@ -233,7 +234,7 @@ def rows(n: int) -> list[dict[str, Any]]:
 
 
 def group_job(make_job: Any, place: Any, inputs: list[dict[str, Any]], name: str, **workers: Any) -> Any:
-    from bij_worker.contract.spec import BatchInferenceJob
+    from bij.contract.spec import BatchInferenceJob
 
     spec_path, job = make_job(place, place.write_jsonl("in.jsonl", inputs), name=name, out_dir=f"{name}/",
                               model={"engine": "simulated", "task": "generate", "maxTokens": 6, "seed": 3,
@@ -256,7 +257,7 @@ def group_env(worker_env: Any, place: Any, nodes: int) -> dict[str, str]:
 
 
 def results(job: Any, read_output: Any) -> dict[int, str]:
-    from bij_operator.publish import publish
+    from bij.steps.publish import publish
 
     publish(job)
     out = read_output(job).results
@@ -270,8 +271,8 @@ def results(job: Any, read_output: Any) -> dict[int, str]:
 @pytest.mark.timeout(600)
 def test_a_round_of_a_two_pod_lane_answers_as_one_pod_and_survives_its_member_stopped_then_lost(
         file_place: Any, make_job: Any, worker_env: Any, bij_bin: Any, read_output: Any, tmp_path: Path) -> None:
-    from bij_operator.planner import plan_round
-    from bij_worker.contract import layout
+    from bij.contract import layout
+    from bij.steps.planner import plan_round
 
     inputs = rows(240)
     # The reference: the same rows through a lane of one pod.

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bij_worker.storage import NotFound, StorageError, StorageRefused, open_storage
-from bij_worker.storage_hf import HfStorage, split_hf
+
+from bij.storage import NotFound, StorageError, StorageRefused, open_storage
+from bij.storage.hf import HfStorage, split_hf
 
 REPO = "acme/prompts"
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 import zstandard
-from bij_worker.storage import NotFound, ObjectChanged, StorageRefused, open_storage
-from bij_worker.storage_http import HttpStorage
+
+from bij.storage import NotFound, ObjectChanged, StorageRefused, open_storage
+from bij.storage.http import HttpStorage
 
 
 @dataclass

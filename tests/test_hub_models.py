@@ -115,7 +115,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hub(tiny_llama: Path) -> Iterator[FakeHub]:
-    from bij_worker.engines.sentence_transformers import default_model_path
+    from bij.engines.sentence_transformers import default_model_path
 
     server = FakeHub({MINILM_ID: Path(default_model_path()), LLAMA_ID: tiny_llama})
     yield server
@@ -133,8 +133,8 @@ def hub_env(hub: FakeHub, cache: Path, *, offline: bool) -> dict[str, str]:
 
 LOAD = """
 import json, sys
-from bij_worker.engines import create_engine
-from bij_worker.engines.base import EngineConfig, Request
+from bij.engines import create_engine
+from bij.engines.base import EngineConfig, Request
 engine, task, name = sys.argv[1:4]
 e = create_engine(engine, EngineConfig(task=task, name=name, device="cpu"))
 e.load()
@@ -161,7 +161,7 @@ def test_a_sentence_transformers_hub_id_downloads_into_an_empty_cache_then_loads
     assert "model.safetensors" in {Path(f).name for f in hub.downloaded()}
     assert (cached_repo(cache, MINILM_ID) / "snapshots" / COMMIT / "model.safetensors").exists()
     # The same vectors as the packaged copy loaded by path.
-    from bij_worker.engines.sentence_transformers import default_model_path
+    from bij.engines.sentence_transformers import default_model_path
 
     p = load_and_run(hub_env(hub, tmp_path / "unused", offline=True), "sentence-transformers", "embed",
                      default_model_path(), "a cat")

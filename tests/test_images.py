@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bij_worker.engines.base import BASIC_SAMPLING, Image
-from bij_worker.images import ImageProblem, fetch_images
-from bij_worker.inputs import InputOptions, parse_line
-from bij_worker.sampling import IMAGES
-from bij_worker.storage import open_storage
+
+from bij.contract.sampling import IMAGES
+from bij.engines.base import BASIC_SAMPLING, Image
+from bij.storage import open_storage
+from bij.worker.images import ImageProblem, fetch_images
+from bij.worker.inputs import InputOptions, parse_line
 
 VISION = InputOptions(format="openai", task="chat", engine="vllm", honours=BASIC_SAMPLING | {IMAGES},
                       max_image_bytes=64)
@@ -114,7 +115,7 @@ def test_file_images_are_regular_files_under_the_image_root_and_never_system_fil
     import os
     import threading
 
-    from bij_worker.images import read_local_image
+    from bij.worker.images import read_local_image
 
     root = tmp_path / "pics"
     root.mkdir()
@@ -183,7 +184,7 @@ class ImageBytes:
         return None
 
     def run(self, requests: list[Any]) -> list[Any]:
-        from bij_worker.engines.base import Result
+        from bij.engines.base import Result
 
         return [Result(output=" ".join(f"{len(im.data)}:{im.data[:1].decode()}" for im in r.images),
                        prompt_tokens=1, completion_tokens=1) for r in requests]
@@ -191,7 +192,7 @@ class ImageBytes:
 
 def test_a_job_fetches_each_rows_images_before_the_engine_sees_them(file_place, make_job, run_shards,
                                                                     read_output, tmp_path: Path) -> None:
-    from bij_operator.publish import publish
+    from bij.steps.publish import publish
 
     (tmp_path / "a.png").write_bytes(b"a" * 10)
     (tmp_path / "big.png").write_bytes(b"b" * 65)
@@ -222,7 +223,7 @@ def test_a_job_fetches_each_rows_images_before_the_engine_sees_them(file_place, 
 def test_a_job_refuses_image_rows_on_an_engine_without_vision(file_place, make_job, run_shards,
                                                               read_output, tmp_path: Path) -> None:
     """On echo every image row is an unsupported error row, whatever its image; text rows are answered."""
-    from bij_operator.publish import publish
+    from bij.steps.publish import publish
 
     (tmp_path / "pic.png").write_bytes(b"p" * 10)
     text = {"custom_id": "text", "method": "POST", "url": "/v1/chat/completions",

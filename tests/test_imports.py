@@ -14,18 +14,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"bij_operator": ROOT / "operator" / "bij_operator", "bij_worker": ROOT / "worker" / "bij_worker"}
+PACKAGES = {"bij": ROOT / "src" / "bij"}
 
 # What `decide()` may stand on: plain data and functions over it, no storage, Kubernetes or processes.
 PURE = {
-    "bij_operator.reconcile", "bij_operator.fingerprint", "bij_operator.rounds",
-    "bij_operator.stopping",  # whether cancel was asked or the deadline passed: the spec, the status, a clock
-    "bij_operator.permissions",  # the worker grants and the recorded answer about them (asked in access_review)
-    "bij_worker.contract", "bij_worker.contract.codes", "bij_worker.contract.errors", "bij_worker.contract.spec",
-    "bij_worker.contract.plan", "bij_worker.contract.publish_plan", "bij_worker.contract.globs",
-    "bij_worker.contract.step_report",  # a step's report as the status holds it: pydantic over plain data
-    "bij_worker.contract.columns",  # the names a published row uses: the spec refuses them as pass-through columns
-    "bij_worker.sampling",  # the spec's sampling defaults are checked with the rows' own rules
+    "bij.control.reconcile", "bij.contract.fingerprint", "bij.contract.rounds",
+    "bij.control.stopping",  # whether cancel was asked or the deadline passed: the spec, the status, a clock
+    "bij.control.permissions",  # the worker grants and the recorded answer about them (asked in access_review)
+    "bij.contract", "bij.contract.codes", "bij.contract.errors", "bij.contract.spec",
+    "bij.contract.plan", "bij.contract.publish_plan", "bij.contract.globs",
+    "bij.contract.step_report",  # a step's report as the status holds it: pydantic over plain data
+    "bij.contract.columns",  # the names a published row uses: the spec refuses them as pass-through columns
+    "bij.contract.sampling",  # the spec's sampling defaults are checked with the rows' own rules
 }
 IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",
                     "zstandard", "pyarrow"}
@@ -138,10 +138,10 @@ def _circle_through(start: str, component: set[str], edges: dict[str, set[str]])
 
 def test_the_graph_sees_lazy_imports_and_skips_type_checking_ones() -> None:
     edges, _ = import_graph()
-    # jobs.cli_render imports the planner inside the function; fingerprint names storage's ObjectInfo
+    # bij-worker imports the lane's main inside its main; fingerprint names storage's ObjectInfo
     # only for mypy.
-    assert "bij_operator.planner" in edges["bij_operator.jobs"]
-    assert "bij_worker.storage" not in edges["bij_operator.fingerprint"]
+    assert "bij.worker.main" in edges["bij.cli.worker"]
+    assert "bij.storage" not in edges["bij.contract.fingerprint"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 
 
@@ -154,14 +154,14 @@ def test_no_import_circles_in_the_operator_or_the_worker() -> None:
 def test_no_circles_even_through_imports_only_for_the_type_checker() -> None:
     # A circle hidden under TYPE_CHECKING still ties two modules together for a reader: none either.
     edges, _ = import_graph(type_only=True)
-    assert "bij_worker.stopflag" in edges["bij_worker.schedulers"]
+    assert "bij.worker.stopflag" in edges["bij.worker.schedulers"]
     found = cycles(edges)
     assert not found, "import circles through type-only imports: " + "; ".join(" -> ".join(c) for c in found)
 
 
 def test_decide_imports_only_pure_modules() -> None:
     edges, imported = import_graph()
-    reached, todo = set(), ["bij_operator.reconcile"]
+    reached, todo = set(), ["bij.control.reconcile"]
     while todo:
         m = todo.pop()
         if m not in reached:
@@ -174,8 +174,17 @@ def test_decide_imports_only_pure_modules() -> None:
 
 def test_importing_reconcile_loads_no_storage_kubernetes_or_publishing() -> None:
     # The same rule, checked on the interpreter rather than on the source.
-    code = ("import sys, bij_operator.reconcile; "
-            "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('bij_operator', 'bij_worker', 'boto3', "
+    code = ("import sys, bij.control.reconcile; "
+            "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('bij', 'boto3', "
             "'kopf', 'kubernetes', 'zstandard', 'pyarrow')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert set(out) <= PURE | {"bij_operator", "bij_worker"}, sorted(set(out) - PURE)
+    assert set(out) <= PURE | {"bij", "bij.control"}, sorted(set(out) - PURE)
+
+
+def test_the_layer_contracts_hold() -> None:
+    # pyproject.toml's import-linter contracts: each layer imports only the layers below it, and control
+    # imports no storage, engine, worker or step code.
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    done = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "Contracts: 2 kept, 0 broken." in done.stdout

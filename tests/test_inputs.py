@@ -6,10 +6,11 @@ import json
 from typing import Any
 
 import pytest
-from bij_operator.planner import plan_round
-from bij_operator.publish import publish
-from bij_worker.engines.echo import echo_embedding
-from bij_worker.inputs import InputOptions, id_key, parse_line
+
+from bij.engines.echo import echo_embedding
+from bij.steps.planner import plan_round
+from bij.steps.publish import publish
+from bij.worker.inputs import InputOptions, id_key, parse_line
 
 AT = (0, 120, 140)
 PLAIN = InputOptions(task="generate")
@@ -297,7 +298,7 @@ OTHER_LINES = [b'{"text": "no id"}', b'{"id": null, "text": "null id"}', b'{"id"
 def test_a_chunk_parsed_in_one_pass_gives_what_parse_line_gives(opts):
     import random
 
-    from bij_worker.inputs import parse_plain_lines
+    from bij.worker.inputs import parse_plain_lines
 
     def fields(line: bytes) -> bytes:  # the same rows under the job's field names
         return line.replace(b'"id"', b'"%s"' % opts.id_field.encode()).replace(

@@ -13,16 +13,17 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).parent))
 import coin_engine  # noqa: E402
-from bij_operator.local import LocalRunner  # noqa: E402
-from bij_operator.planner import plan_round  # noqa: E402
-from bij_operator.rounds import RoundStats, needs_another_round, round_mode  # noqa: E402
-from bij_worker.contract import layout  # noqa: E402
-from bij_worker.contract.plan import JudgeMode  # noqa: E402
-from bij_worker.contract.spec import JudgeSpec, load_job, parse_job  # noqa: E402
-from bij_worker.engines.base import EngineConfig, Request  # noqa: E402
-from bij_worker.engines.echo import EchoEngine  # noqa: E402
-from bij_worker.judge import Judge, attempt_params  # noqa: E402
-from bij_worker.worker import ShardWorker, load_plan  # noqa: E402
+
+from bij.contract import layout  # noqa: E402
+from bij.contract.plan import JudgeMode  # noqa: E402
+from bij.contract.rounds import RoundStats, needs_another_round, round_mode  # noqa: E402
+from bij.contract.spec import JudgeSpec, load_job, parse_job  # noqa: E402
+from bij.engines.base import EngineConfig, Request  # noqa: E402
+from bij.engines.echo import EchoEngine  # noqa: E402
+from bij.local.run import LocalRunner  # noqa: E402
+from bij.steps.planner import plan_round  # noqa: E402
+from bij.worker.judge import Judge, attempt_params  # noqa: E402
+from bij.worker.shard import ShardWorker, load_plan  # noqa: E402
 
 
 def write_rows(path: Path, n: int, text: Any = lambda i: f"row {i}") -> list[int]:
@@ -164,7 +165,7 @@ def test_kill_during_attempt_k_resumes_at_attempt_k(tmp_path: Path) -> None:
     assert {r.seed for r in second.calls[0]} == {attempt_params(0.0, 0, 3)[1]}
     assert len(second.calls[0]) == len(first.calls[2]) - sum(
         1 for r in first.calls[2] if coin_engine.coin(r.text or "", r.seed) < 10)
-    from bij_operator.publish import publish
+    from bij.steps.publish import publish
 
     m = publish(job, rounds=1)
     assert m["counts"]["rows"] + m["counts"]["capped"] == 40
@@ -231,7 +232,7 @@ def test_round_plans_carry_their_mode(tmp_path: Path) -> None:
 
 
 def test_every_round_is_cut_into_shards_per_lane_within_the_size_limits(tmp_path: Path) -> None:
-    from bij_operator.planner import round_target_bytes
+    from bij.steps.planner import round_target_bytes
 
     write_rows(tmp_path / "in" / "a.jsonl", 10)
     doc = job_doc(tmp_path, {"type": "regex", "pattern": "x"})

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bij_operator.planner import plan_round
-from bij_operator.publish import publish
-from bij_worker import lanes as lanes_module
-from bij_worker.contract import layout
-from bij_worker.lanes import Claim, Claims, LeaseKeeper
-from bij_worker.storage import FileStorage, NotFound, ObjectInfo
+
+from bij.contract import layout
+from bij.steps.planner import plan_round
+from bij.steps.publish import publish
+from bij.storage import FileStorage, NotFound, ObjectInfo
+from bij.worker import lanes as lanes_module
+from bij.worker.lanes import Claim, Claims, LeaseKeeper
 
 
 class Clock:
@@ -320,7 +321,7 @@ def test_bij_run_loads_the_model_once_per_lane(parallelism, file_place, make_job
     eff = manifest["efficiency"]
     # One load per lane that worked: a lane that starts after the others took every shard exits
     # without loading (on a loaded machine that happens), so count the lanes that did work.
-    from bij_operator.progress import shard_records
+    from bij.steps.progress import shard_records
 
     working = {int(r["lane"]) for r in shard_records(job, 0).values()}
     assert eff["modelLoads"] == len(working) and 1 <= len(working) <= parallelism
@@ -329,9 +330,9 @@ def test_bij_run_loads_the_model_once_per_lane(parallelism, file_place, make_job
 
 
 def test_an_engine_share_routes_each_shards_results_to_it_and_drops_a_closed_ones() -> None:
-    from bij_worker.engines import EngineConfig, create_engine
-    from bij_worker.engines.base import Request
-    from bij_worker.lanes import EngineShare
+    from bij.engines import EngineConfig, create_engine
+    from bij.engines.base import Request
+    from bij.worker.lanes import EngineShare
 
     engine: Any = create_engine("simulated", EngineConfig(task="generate", max_tokens=8,
                                                           simulated={"maxNumSeqs": 4, "stepSeconds": 0.0}))

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import yaml
-from bij_operator.planner import plan_round
-from bij_operator.publish import read_manifest
-from bij_worker.contract import layout
+
+from bij.contract import layout
+from bij.steps.planner import plan_round
+from bij.steps.publish import read_manifest
 
 
 def rows(n: int) -> list[dict[str, Any]]:
@@ -421,7 +422,7 @@ os.execv(os.environ["BIJ_WORKER_BIN"], ["bij-worker", *args])
 def run_killing_steps(tmp_path: Path, job: Any, times: int, env: dict[str, str], bij_bin: Any) -> int:
     import sys
 
-    from bij_operator.local import LocalRunner
+    from bij.local.run import LocalRunner
 
     script, folder = tmp_path / "killer.py", tmp_path / "kills"
     script.write_text(KILLER)
@@ -461,7 +462,7 @@ def test_a_plan_step_that_fails_for_good_ends_failed_naming_the_step_pod_and_cau
     assert "Traceback" not in said
     assert len(list((tmp_path / "kills").glob("t-plan-r0.*"))) == 2
     # `bij status` says the same as `kubectl get bij` would.
-    from bij_operator.results import job_summary
+    from bij.steps.results import job_summary
 
     lines = job_summary(job)
     assert lines[1].startswith("  phase     Failed (StepFailed): step plan-r0 failed 2 time(s), giving up"), lines
@@ -502,8 +503,8 @@ def test_steps_run_in_the_bij_process_unless_their_environment_would_differ(spec
     import subprocess
     import sys
 
-    from bij_operator import localjobs
-    from bij_operator.local import LocalRunner
+    from bij.local import jobs as localjobs
+    from bij.local.run import LocalRunner
 
     inputs = rows(30)
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), workers={"env": spec_env})

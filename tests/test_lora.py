@@ -13,10 +13,11 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may reach a model hub
 pytest.importorskip("peft")
 
-from bij_worker.adapters import AdapterError, cache_root, fetch_adapter  # noqa: E402
-from bij_worker.engines.base import EngineConfig, Request  # noqa: E402
-from bij_worker.engines.transformers import TransformersEngine  # noqa: E402
 from byte_model import build_byte_model, build_lora  # noqa: E402
+
+from bij.engines.base import EngineConfig, Request  # noqa: E402
+from bij.engines.transformers import TransformersEngine  # noqa: E402
+from bij.worker.adapters import AdapterError, cache_root, fetch_adapter  # noqa: E402
 
 PROMPTS = ["the quick", "brown fox", "jumps the", "fox the quick brown"]
 
@@ -99,7 +100,7 @@ def test_a_job_routes_rows_by_openai_model_and_refuses_unknown_names(models: tup
 
 
 def test_an_adapter_row_on_an_engine_without_adapters_is_unsupported() -> None:
-    from bij_worker.inputs import InputOptions, parse_line
+    from bij.worker.inputs import InputOptions, parse_line
 
     opts = InputOptions(task="generate", engine="echo", honours=frozenset({"maxTokens"}), adapters=frozenset({"fr"}))
     line = json.dumps({"id": 1, "text": "x", "adapter": "fr"}).encode()
@@ -112,10 +113,10 @@ def test_an_adapter_row_on_an_engine_without_adapters_is_unsupported() -> None:
 
 def test_adapters_are_fetched_with_a_shard_to_work_just_before_the_model_loads(
         models: tuple[Path, Path, Path], file_place: Any, make_job: Any, worker_env: Any, bij_bin: Any) -> None:
-    from bij_operator.planner import plan_round
-    from bij_worker.contract import layout
-    from bij_worker.contract.records import encode, shard_record
-    from bij_worker.worker import load_plan
+    from bij.contract import layout
+    from bij.contract.records import encode, shard_record
+    from bij.steps.planner import plan_round
+    from bij.worker.shard import load_plan
 
     base, _, _ = models
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "the quick"}]),

@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 import pytest
-from bij_operator.api.batches import (
+
+from bij.api.batches import (
     ANNOTATION,
     CANCELLING_AT,
     BadRequest,
@@ -19,9 +20,9 @@ from bij_operator.api.batches import (
     status_of,
     window_seconds,
 )
-from bij_operator.api.files import LineStats
-from bij_operator.api.models import ModelMap, ModelMapError, job_doc
-from bij_worker.contract.spec import SpecError, parse_job
+from bij.api.files import LineStats
+from bij.api.models import ModelMap, ModelMapError, job_doc
+from bij.contract.spec import SpecError, parse_job
 
 BATCH = "batch_0123456789abcdef01234567"
 
@@ -216,7 +217,7 @@ def test_an_upload_streams_to_storage_and_its_download_is_the_same_bytes(place: 
     import asyncio
     import hashlib
 
-    from bij_operator.api.files import FileStore
+    from bij.api.files import FileStore
 
     files = FileStore(place.uri("openai/"), {"endpointUrl": place.endpoint} if place.endpoint else None)
     line = json.dumps({"custom_id": "x", "url": "/v1/chat/completions", "body": {"model": "m", "pad": "p" * 200}})
@@ -245,7 +246,7 @@ def test_an_upload_streams_to_storage_and_its_download_is_the_same_bytes(place: 
 def test_an_upload_cut_off_midway_leaves_no_file(place: Any) -> None:
     import asyncio
 
-    from bij_operator.api.files import FileStore
+    from bij.api.files import FileStore
 
     files = FileStore(place.uri("openai/"), {"endpointUrl": place.endpoint} if place.endpoint else None)
 
@@ -288,7 +289,7 @@ def test_a_name_lines_could_mean_two_models_by_is_refused(doc: Any, message: str
 
 
 def test_upload_line_stats_keep_each_models_first_line_and_say_when_there_are_too_many() -> None:
-    from bij_operator.api.files import MAX_MODELS
+    from bij.api.files import MAX_MODELS
 
     stats = LineStats()
     for i in range(MAX_MODELS + 3):

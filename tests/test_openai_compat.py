@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from bij_operator.publish import publish
+
+from bij.steps.publish import publish
 
 openai_types = pytest.importorskip("openai.types")
 chat_types = pytest.importorskip("openai.types.chat")
@@ -64,7 +65,7 @@ def test_list_inputs_answer_one_line_with_an_item_per_input_in_the_sdks_shapes(
     import base64
     import struct
 
-    from bij_worker.engines.echo import echo_embedding
+    from bij.engines.echo import echo_embedding
 
     embed, complete = "/v1/embeddings", "/v1/completions"
     lines = [request("three", embed, {"input": ["alpha", "beta gamma", "delta"]}),
@@ -110,8 +111,8 @@ def test_list_inputs_answer_one_line_with_an_item_per_input_in_the_sdks_shapes(
 
 
 def test_several_prompts_with_n_answers_are_numbered_prompt_major_as_openai_does() -> None:
-    from bij_worker.engines.base import Choice, Result
-    from bij_worker.inputs import InputOptions, Row, merged_result, result_row
+    from bij.engines.base import Choice, Result
+    from bij.worker.inputs import InputOptions, Row, merged_result, result_row
 
     def answers(prompt: str) -> Result:
         return Result(output=f"{prompt}0", prompt_tokens=2, completion_tokens=2,
@@ -137,8 +138,8 @@ def test_a_continuous_engine_answers_every_prompt_of_a_line_in_that_line(
              for i in range(3)]
     _, job = make_job(file_place, file_place.write_jsonl("c.jsonl", lines), input={"format": "openai"},
                       model={"engine": "simulated", "task": "generate"})
-    from bij_worker.engines.base import EngineConfig
-    from bij_worker.engines.simulated import SimulatedEngine
+    from bij.engines.base import EngineConfig
+    from bij.engines.simulated import SimulatedEngine
 
     run_shards(job, SimulatedEngine(EngineConfig(task="generate", simulated={"stepSeconds": 0, "maxNumSeqs": 4})))
     publish(job)
@@ -154,10 +155,10 @@ def test_a_judge_job_refuses_a_line_with_several_prompts_naming_why() -> None:
     """A judge approves one answer per row: a line with several prompts is an error row there."""
     import json
 
-    from bij_worker.engines.base import EngineConfig
-    from bij_worker.engines.echo import EchoEngine
-    from bij_worker.inputs import InputOptions
-    from bij_worker.prepare import Preparer
+    from bij.engines.base import EngineConfig
+    from bij.engines.echo import EchoEngine
+    from bij.worker.inputs import InputOptions
+    from bij.worker.prepare import Preparer
 
     opts = InputOptions(format="openai", task="generate", engine="echo", honours=frozenset({"maxTokens"}))
     prep = Preparer(opts, EchoEngine(EngineConfig(task="generate")), ["in.jsonl"], max_input_tokens=None,
@@ -183,9 +184,9 @@ def test_all_minilm_answers_input_lists_in_base64_and_dimensions_only_where_decl
     import shutil
     import struct
 
-    from bij_worker.engines import create_engine
-    from bij_worker.engines.base import EngineConfig, Request
-    from bij_worker.engines.sentence_transformers import default_model_path
+    from bij.engines import create_engine
+    from bij.engines.base import EngineConfig, Request
+    from bij.engines.sentence_transformers import default_model_path
 
     path = tmp_path / "minilm"
     shutil.copytree(default_model_path(), path)
@@ -226,7 +227,7 @@ def test_a_line_of_several_prompts_is_durable_whole_or_not_at_all_and_a_rerun_ru
         file_place, make_job, run_shards, recording_echo, read_output) -> None:
     """Every prompt of a line is committed with its line, in one chunk: a shard stopped after some
     chunks keeps whole lines only, and the rerun runs exactly the prompts of the lines not yet durable."""
-    from bij_worker.worker import StopFlag
+    from bij.worker.shard import StopFlag
 
     lines = [request(f"r{i}", "/v1/completions", {"prompt": [f"p{i} {k}" for k in range(1 + i % 4)]})
              for i in range(60)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import urllib.request
 
-from bij_operator.handlers import OperatorMetrics, parse_args
+from bij.control.handlers import OperatorMetrics, parse_args
 
 
 def free_port() -> int:

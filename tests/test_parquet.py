@@ -10,13 +10,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from bij_operator.planner import PlanError, plan_round
-from bij_operator.publish import publish
-from bij_worker import parquet
-from bij_worker.contract import layout
-from bij_worker.engines.echo import echo_embedding
-from bij_worker.stopflag import StopFlag
-from bij_worker.worker import load_plan
+
+from bij.contract import layout
+from bij.engines.echo import echo_embedding
+from bij.steps.planner import PlanError, plan_round
+from bij.steps.publish import publish
+from bij.storage import parquet
+from bij.worker.shard import load_plan
+from bij.worker.stopflag import StopFlag
 
 
 def parquet_bytes(table: pa.Table, row_group_size: int) -> bytes:
@@ -94,7 +95,7 @@ def test_string_ids_only_make_a_string_column_and_judge_columns_come_along(file_
 
 
 def test_parquet_output_refuses_openai_input() -> None:
-    from bij_worker.contract.spec import SpecError, parse_spec
+    from bij.contract.spec import SpecError, parse_spec
 
     with pytest.raises(SpecError, match="output.format parquet needs input.format jsonl or parquet"):
         parse_spec({"input": {"uri": "file:///in", "format": "openai"},

@@ -10,11 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from bij_operator.planner import PlanError, plan_round, plan_shards
-from bij_operator.publish import publish
-from bij_worker.contract import layout
-from bij_worker.contract.spec import SpecError, parse_job
-from bij_worker.worker import load_plan
+
+from bij.contract import layout
+from bij.contract.spec import SpecError, parse_job
+from bij.steps.planner import PlanError, plan_round, plan_shards
+from bij.steps.publish import publish
+from bij.worker.shard import load_plan
 
 
 def rows(prefix: str, n: int) -> list[dict[str, Any]]:
@@ -118,7 +119,7 @@ def test_partitioning_by_input_refuses_judge_rounds() -> None:
 
 
 def test_a_large_partition_is_built_in_batches_and_spooled(file_place, make_job, run_shards, monkeypatch) -> None:
-    from bij_worker import publish_rows
+    from bij.steps import publish_rows
 
     # Batches of 7 rows and a spool that goes to disk after 100 bytes: the file is still one file.
     monkeypatch.setattr(publish_rows, "FILE_ROWS", 7)

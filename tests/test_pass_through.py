@@ -13,16 +13,18 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 import zstandard
-from bij_operator.planner import PlanError, plan_round
-from bij_operator.publish import publish
-from bij_worker.contract.columns import RESULT_FIELDS
-from bij_worker.contract.spec import SpecError, load_job, parse_job
-from bij_worker.inputs import InputOptions, parquet_columns, parse_line
-from bij_worker.worker import StopFlag
+
+from bij.contract.columns import RESULT_FIELDS
+from bij.contract.spec import SpecError, load_job, parse_job
+from bij.steps.planner import PlanError, plan_round
+from bij.steps.publish import publish
+from bij.worker.inputs import InputOptions, parquet_columns, parse_line
+from bij.worker.shard import StopFlag
 
 sys.path.insert(0, str(Path(__file__).parent))
 import coin_engine  # noqa: E402
-from bij_operator.local import LocalRunner  # noqa: E402
+
+from bij.local.run import LocalRunner  # noqa: E402
 
 
 def rows(n: int) -> list[dict[str, Any]]:
@@ -239,7 +241,7 @@ def test_carried_columns_survive_a_stop_and_resume(file_place, make_job, run_sha
 
 def test_one_parquet_stream_of_files_with_other_columns_is_refused_naming_the_file(file_place, make_job,
                                                                                    run_shards) -> None:
-    from bij_operator.results import ResultsError, write_parquet
+    from bij.steps.results import ResultsError, write_parquet
 
     file_place.write_jsonl("in/a.jsonl", [{"id": 1, "text": "a", "lang": "de"}])
     file_place.write_jsonl("in/b.jsonl", [{"id": 2, "text": "b", "score": 0.5}])

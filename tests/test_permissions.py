@@ -10,14 +10,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from bij_operator.access_review import check_grants
-from bij_operator.driver import Driver
-from bij_operator.permissions import RECHECK_FIRST, RECHECK_MAX, WORKER_GRANTS, GrantCheck, recheck_after, record
-from bij_operator.reconcile import CheckPermissions, Nothing, PlanRound, StopHeld, Wait, decide
-from bij_operator.status import fmt_time
-from bij_worker.contract.spec import parse_job
 from kubernetes.client import ApiException
 from test_driver import FakeBackend
+
+from bij.contract.spec import parse_job
+from bij.control.access_review import check_grants
+from bij.control.driver import Driver
+from bij.control.permissions import RECHECK_FIRST, RECHECK_MAX, WORKER_GRANTS, GrantCheck, recheck_after, record
+from bij.control.reconcile import CheckPermissions, Nothing, PlanRound, StopHeld, Wait, decide
+from bij.control.status import fmt_time
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.timezone.utc)
 PATCH_STATUS = "patch batchinferencejobs/status.batchinference.io"

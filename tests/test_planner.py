@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 import zstandard
-from bij_operator.fingerprint import PlanRefused
-from bij_operator.planner import PlanError, input_objects, plan_round, plan_shards
-from bij_worker.contract import layout
-from bij_worker.contract.globs import glob_matches, split_glob
-from bij_worker.contract.plan import PlanObject
-from bij_worker.reader import iter_shard
-from bij_worker.storage import FileStorage, ObjectInfo
+
+from bij.contract import layout
+from bij.contract.fingerprint import PlanRefused
+from bij.contract.globs import glob_matches, split_glob
+from bij.contract.plan import PlanObject
+from bij.steps.planner import PlanError, input_objects, plan_round, plan_shards
+from bij.storage import FileStorage, ObjectInfo
+from bij.worker.reader import iter_shard
 
 FS = FileStorage()
 
@@ -249,7 +250,7 @@ def test_an_output_inside_the_folder_a_glob_lists_is_refused(file_place, make_jo
     ("output", "s3://b/out-*/", "an output is one folder: no wildcards"),
 ])
 def test_a_bad_glob_is_refused_naming_the_field(field: str, uri: str, says: str) -> None:
-    from bij_worker.contract.spec import SpecError, parse_job
+    from bij.contract.spec import SpecError, parse_job
 
     spec: dict[str, Any] = {"input": {"uri": "s3://b/in/"}, "output": {"uri": "s3://b/out/"}}
     spec[field] = {"uri": uri}
@@ -329,7 +330,7 @@ def test_a_second_job_at_an_output_another_job_owns_is_refused(place, make_job):
 
 
 def test_the_same_job_made_again_takes_its_output_over_and_drops_the_old_manifest(file_place, make_job):
-    from bij_worker.contract.spec import parse_job
+    from bij.contract.spec import parse_job
 
     uri = file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "a"}])
     _, job = make_job(file_place, uri)

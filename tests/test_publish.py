@@ -9,18 +9,20 @@ from typing import Any
 
 import pytest
 import zstandard
-from bij_operator import publish as publish_module
-from bij_operator.planner import plan_round
-from bij_operator.publish import PublishError, publish, read_manifest
-from bij_worker import publish_rows
-from bij_worker.contract import layout
-from bij_worker.contract.publish_plan import PublishPlan
-from bij_worker.engines.base import estimate_tokens
-from bij_worker.engines.echo import echo_embedding
-from bij_worker.publish_rows import PublishPlanError
-from bij_worker.segments import ShardLog
-from bij_worker.storage import open_storage
-from bij_worker.worker import load_plan
+
+from bij.contract import layout
+from bij.contract.publish_plan import PublishPlan
+from bij.engines.base import estimate_tokens
+from bij.engines.echo import echo_embedding
+from bij.local.publish import publish as publish_in_processes
+from bij.steps import publish as publish_module
+from bij.steps import publish_rows
+from bij.steps.planner import plan_round
+from bij.steps.publish import PublishError, publish, read_manifest
+from bij.steps.publish_rows import PublishPlanError
+from bij.storage import open_storage
+from bij.storage.segments import ShardLog
+from bij.worker.shard import load_plan
 
 
 class RecordingStorage:
@@ -201,7 +203,7 @@ def test_publishing_again_gives_the_same_files(file_place, make_job, run_shards,
 
 
 def test_publishing_with_a_spec_that_decides_rows_differently_is_refused(file_place, make_job, run_shards):
-    from bij_operator.fingerprint import PlanRefused
+    from bij.contract.fingerprint import PlanRefused
 
     uri = file_place.write_jsonl("in.jsonl", [{"id": i, "text": f"row {i}"} for i in range(10)])
     _, job = make_job(file_place, uri)
@@ -228,7 +230,7 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
     inline = publish(job)
     raw = read_output(job).raw
     stats: list[dict[str, Any]] = []
-    spread = publish(job, processes=2, bucket_rows=10, stats=stats)
+    spread = publish_in_processes(job, processes=2, bucket_rows=10, stats=stats)
     assert _same(inline, spread) and read_output(job).raw == raw
     assert inline["counts"]["duplicates"] == 2
     plan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
@@ -397,7 +399,7 @@ def test_a_publish_plan_written_before_the_typed_model_loads_and_is_written_byte
     (OLD_PUBLISH_PLAN.replace('"format": "parquet"', '"format": "csv"').encode(), "format:"),
 ])
 def test_an_unreadable_publish_plan_is_a_publish_plan_error_naming_it(tmp_path, data, says):
-    from bij_worker.entry import main
+    from bij.cli.worker import main
 
     uri = (tmp_path / "plan.json").as_uri()
     open_storage(uri, None).write_bytes(uri, data)
@@ -408,7 +410,7 @@ def test_an_unreadable_publish_plan_is_a_publish_plan_error_naming_it(tmp_path, 
 
 
 def test_a_publish_pass_with_an_index_out_of_range_is_a_bad_configuration(file_place, make_job, run_shards):
-    from bij_worker.entry import main
+    from bij.cli.worker import main
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)), output={"keepIntermediate": True})
     run_shards(job)
@@ -428,10 +430,10 @@ def test_a_publish_pass_process_loads_no_engine_and_no_spec_model(file_place, ma
     run_shards(job)
     publish(job)
     uri = layout.publish_plan_uri(layout.publish_prefix(job))
-    probe = ("import sys; from bij_worker.entry import main; "
+    probe = ("import sys; from bij.cli.worker import main; "
              f"rc = main(['publish', '--plan', {uri!r}, '--pass', 'write', '--index', '0']); "
-             "print(rc, sorted(m for m in sys.modules if m in ('torch', 'transformers', 'bij_worker.engines.echo', "
-             "'bij_worker.contract.spec', 'bij_worker.main', 'bij_worker.worker', 'bij_worker.lanes')))")
+             "print(rc, sorted(m for m in sys.modules if m in ('torch', 'transformers', 'bij.engines.echo', "
+             "'bij.contract.spec', 'bij.worker.main', 'bij.worker.shard', 'bij.worker.lanes')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split(None, 1) == ["0", "[]\n"], out
 

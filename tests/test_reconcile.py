@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from bij_operator import reconcile as rc
-from bij_operator.reconcile import (
+
+from bij.contract.spec import BatchInferenceJob, parse_job
+from bij.control import reconcile as rc
+from bij.control.reconcile import (
     CreateJob,
     CreatePublishJob,
     FinishRound,
@@ -23,8 +25,7 @@ from bij_operator.reconcile import (
     format_ranges,
     parse_ranges,
 )
-from bij_operator.status import decision_status, phase_conditions, rows_progress, set_condition
-from bij_worker.contract.spec import BatchInferenceJob, parse_job
+from bij.control.status import decision_status, phase_conditions, rows_progress, set_condition
 
 UID = "0b6a2c1e-uid"
 
@@ -626,7 +627,7 @@ def with_fields(job: BatchInferenceJob, **spec: Any) -> BatchInferenceJob:
 
 
 def test_editing_a_row_deciding_field_after_planning_fails_the_bij_naming_it() -> None:
-    from bij_operator.fingerprint import field_digests
+    from bij.contract.fingerprint import field_digests
 
     job = make_job()
     status = planned(0, specDigests=field_digests(job))

@@ -1,4 +1,4 @@
-"""The round Job (`bij_operator.jobs.render_job`, `bij render`): valid for Kubernetes, and with the
+"""The round Job (`bij.control.jobs.render_job`, `bij render`): valid for Kubernetes, and with the
 failure, spot and security settings a preemptible batch round depends on."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from bij_operator import jobs
-from bij_operator.cli import main as bij_main
-from bij_operator.jobs import render_job
-from bij_worker.contract import layout
-from bij_worker.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
-from bij_worker.contract.spec import BatchInferenceJob, load_job, parse_job
+
+from bij.cli.main import main as bij_main
+from bij.contract import layout
+from bij.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
+from bij.contract.spec import BatchInferenceJob, load_job, parse_job
+from bij.control import jobs
+from bij.control.jobs import render_job
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -220,7 +221,7 @@ def test_pods_report_into_their_bijs_status_under_their_pod_name_and_their_jobs_
 
 
 def test_a_step_job_is_one_pod_of_the_workers_identity_with_the_spec_and_no_gpu() -> None:
-    from bij_operator import steps
+    from bij.steps import main as steps
 
     job = make_job(workers={"gpus": 1, "serviceAccountName": "team-a-worker", "backoffLimitPerIndex": 5,
                                     "image": "vllm-worker:big", "nodeSelector": {"pool": "h100"},
@@ -316,7 +317,7 @@ def test_vllm_without_gpus_gets_tensor_x_pipeline_parallel_gpus() -> None:
 
 
 def test_vllm_with_too_few_gpus_is_refused_naming_both_fields() -> None:
-    from bij_worker.contract.spec import SpecError
+    from bij.contract.spec import SpecError
 
     for workers, vllm in (({"gpus": 0}, {}), ({"gpus": 1}, {"tensorParallelSize": 2})):
         with pytest.raises(SpecError) as e:
@@ -435,7 +436,7 @@ def test_cli_render_with_shards_prints_the_job(capsys: pytest.CaptureFixture[str
 def test_cli_render_plans_the_input_when_no_shard_count_is_given(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from bij_operator.planner import plan_shards_for
+    from bij.steps.planner import plan_shards_for
 
     data = tmp_path / "in"
     data.mkdir()
@@ -521,7 +522,7 @@ def test_a_round_of_two_pod_lanes_and_its_headless_service_are_valid_for_kuberne
 
 
 def test_a_lane_of_n_pods_is_n_consecutive_indexes_whose_first_is_the_leader_reached_by_name() -> None:
-    from bij_worker.group import leader_host, role_of
+    from bij.worker.group import leader_host, role_of
 
     job = make_job(**TWO_NODE_VLLM)
     rendered = render(job, completions=3)
@@ -582,7 +583,7 @@ def test_publish_and_step_jobs_of_a_bij_with_lanes_of_several_pods_are_plain_pod
 
 
 def test_lanes_of_several_pods_need_an_engine_that_spans_them() -> None:
-    from bij_worker.contract.spec import SpecError
+    from bij.contract.spec import SpecError
 
     with pytest.raises(SpecError, match="nodesPerLane above 1 needs model.engine vllm"):
         make_job(workers={"nodesPerLane": 2})  # echo
@@ -595,8 +596,8 @@ def test_lanes_of_several_pods_need_an_engine_that_spans_them() -> None:
 
 
 def test_the_leaders_vllm_runs_rays_executor_one_pipeline_stage_a_pod() -> None:
-    from bij_worker.engines.vllm import llm_kwargs
-    from bij_worker.main import engine_config
+    from bij.engines.vllm import llm_kwargs
+    from bij.worker.main import engine_config
 
     job = make_job(**TWO_NODE_VLLM)
     kwargs = llm_kwargs(engine_config(job.spec))
@@ -607,7 +608,7 @@ def test_the_leaders_vllm_runs_rays_executor_one_pipeline_stage_a_pod() -> None:
 
 
 def test_the_operator_counts_a_lane_done_when_its_leader_is_and_failed_when_any_of_its_pods_is() -> None:
-    from bij_operator.reconcile import JobView
+    from bij.control.reconcile import JobView
 
     job = make_job(**TWO_NODE_VLLM)
     body = render(job, completions=3)
@@ -623,7 +624,7 @@ def test_the_operator_counts_a_lane_done_when_its_leader_is_and_failed_when_any_
 
 
 def test_bij_run_refuses_lanes_of_several_pods_saying_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from bij_operator.local import LocalRunner
+    from bij.local.run import LocalRunner
 
     job = make_job(model={"engine": "simulated"}, workers={"nodesPerLane": 2})
     with pytest.raises(ValueError, match="nodesPerLane is 2: .* runs on Kubernetes only"):

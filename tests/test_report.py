@@ -1,4 +1,4 @@
-"""Reports from a bij's pods to its driver (bij_worker.report) and the errors a step reports (steps)."""
+"""Reports from a bij's pods to its driver (bij.worker.report) and the errors a step reports (steps)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bij_operator import steps
-from bij_operator.fingerprint import PlanRefused
-from bij_operator.planner import PlanError
-from bij_worker import report
-from bij_worker.contract.step_report import StepErrorCode, StepReport
-from bij_worker.storage import StorageError, StorageRefused
+
+from bij.contract.fingerprint import PlanRefused
+from bij.contract.step_report import StepErrorCode, StepReport
+from bij.steps import main as steps
+from bij.steps.planner import PlanError
+from bij.storage import StorageError, StorageRefused
+from bij.worker import report
 
 
 def test_folder_reports_are_read_back_as_the_status_holds_them_and_none_removes_one(tmp_path: Path) -> None:

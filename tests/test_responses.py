@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 import pytest
-from bij_worker.engines.base import BASIC_SAMPLING, Choice, Result
-from bij_worker.inputs import InputOptions, Row, parse_line, result_row
+
+from bij.engines.base import BASIC_SAMPLING, Choice, Result
+from bij.worker.inputs import InputOptions, Row, parse_line, result_row
 
 OPTS = InputOptions(format="openai", task="chat", engine="vllm", model_name="m",
                     honours=BASIC_SAMPLING | {"structuredOutput", "tools", "toolChoice", "reasoningEffort", "topP"})
@@ -92,8 +93,8 @@ def test_answers_are_responses_objects_the_openai_sdk_reads() -> None:
 
 
 def test_bij_api_takes_every_endpoint_the_worker_answers() -> None:
-    from bij_operator.api.models import ENDPOINTS
-    from bij_worker.inputs import OPENAI_URLS
+    from bij.api.models import ENDPOINTS
+    from bij.worker.inputs import OPENAI_URLS
 
     assert ENDPOINTS == OPENAI_URLS and ENDPOINTS["/v1/responses"] == "chat"
 

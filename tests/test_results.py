@@ -8,9 +8,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from bij_operator.cli import main as bij_main
-from bij_operator.publish import publish
-from bij_worker.contract import layout
+
+from bij.cli.main import main as bij_main
+from bij.contract import layout
+from bij.steps.publish import publish
 
 ROWS: list[Any] = [{"id": 1, "text": "one"}, {"id": "1", "text": "string one"}, {"id": "x", "text": "ex"},
                    '{"id": "broken", ', {"id": 2**70, "text": "big"}, {"text": "no id"}]

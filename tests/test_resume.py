@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 import zstandard
-from bij_operator.planner import plan_round
-from bij_operator.publish import publish
-from bij_worker.contract import layout
-from bij_worker.contract.codes import EXIT_FAILED, EXIT_TERMINATED
-from bij_worker.contract.plan import Plan
-from bij_worker.segments import DamagedLog, ShardLog, frame_length
-from bij_worker.worker import ShardWorker, StopFlag, load_plan
+
+from bij.contract import layout
+from bij.contract.codes import EXIT_FAILED, EXIT_TERMINATED
+from bij.contract.plan import Plan
+from bij.steps.planner import plan_round
+from bij.steps.publish import publish
+from bij.storage.segments import DamagedLog, ShardLog, frame_length
+from bij.worker.shard import ShardWorker, StopFlag, load_plan
 
 
 def rows_with_mixed_lengths(n: int, seed: int = 7, bad_every: int = 0) -> list[Any]:
@@ -385,7 +386,7 @@ def test_a_damaged_or_short_segment_is_an_error_never_a_torn_tail(s3_place):
 @pytest.mark.parametrize("place", ["file", "s3"], indirect=True)
 def test_a_shard_logged_before_compression_resumes_and_publishes(place, make_job, run_shards, recording_echo,
                                                                  read_output, log_lines):
-    from bij_worker.segments import encode_records
+    from bij.storage.segments import encode_records
 
     inputs = rows_with_mixed_lengths(60, bad_every=11)
     _, job = make_job(place, place.write_jsonl("in.jsonl", inputs),
@@ -543,9 +544,9 @@ def test_a_stopped_worker_leaves_no_done_record_and_a_finished_shard_is_not_reru
 
 def test_results_encoded_a_chunk_at_once_are_the_records_resume_and_publish_read():
     """The one-pass encoding of the common result shape writes, byte for byte, what the records would."""
-    from bij_worker.engines.base import Result
-    from bij_worker.inputs import InputOptions, Row, result_row
-    from bij_worker.segments import encode_plain_results, loads_record
+    from bij.engines.base import Result
+    from bij.storage.segments import encode_plain_results, loads_record
+    from bij.worker.inputs import InputOptions, Row, result_row
 
     rnd = random.Random(3)
     ids: list[Any] = ["a", 1, 0, -7, "é ✓", 9223372036854775807, 18446744073709551615, "1", "x\"y\\z\n"]

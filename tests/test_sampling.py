@@ -6,10 +6,11 @@ import json
 from typing import Any
 
 import pytest
-from bij_worker.contract.spec import SpecError, load_job
-from bij_worker.engines.base import BASIC_SAMPLING, CHAT_TEMPLATE_FIELDS
-from bij_worker.inputs import InputOptions, parse_line, parse_plain_lines
-from bij_worker.sampling import NO_SAMPLING, Sampling
+
+from bij.contract.sampling import NO_SAMPLING, Sampling
+from bij.contract.spec import SpecError, load_job
+from bij.engines.base import BASIC_SAMPLING, CHAT_TEMPLATE_FIELDS
+from bij.worker.inputs import InputOptions, parse_line, parse_plain_lines
 
 TRANSFORMERS = BASIC_SAMPLING | {"topP", "topK", "minP", "repetitionPenalty", "stop"}
 ECHO_CHAT = InputOptions(format="openai", task="chat", engine="echo", honours=BASIC_SAMPLING)
@@ -162,7 +163,7 @@ def test_spec_sampling_problems_name_the_fields(tmp_path: Any, model: dict[str, 
 
 def test_a_job_answers_what_it_can_and_refuses_the_rest_in_input_order(file_place, make_job, run_shards,
                                                                          read_output) -> None:
-    from bij_operator.publish import publish
+    from bij.steps.publish import publish
 
     def line(cid: str, **body: Any) -> dict[str, Any]:
         return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
@@ -198,7 +199,7 @@ def test_spec_sampling_the_engine_cannot_honour_fails_the_job_at_start(model: di
 
 
 def _answers() -> Any:
-    from bij_worker.engines.base import Choice, Result, TokenLogprob
+    from bij.engines.base import Choice, Result, TokenLogprob
 
     lps = [TokenLogprob("Hel", -0.1, (("Hel", -0.1), ("He", -2.5))), TokenLogprob("lo", -0.3, (("lo", -0.3),))]
     choices = [Choice("Hello", 2, "stop", lps), Choice("Hi", 1, "length", lps[:1])]
@@ -208,8 +209,9 @@ def _answers() -> Any:
 @pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
 def test_n_answers_and_logprobs_come_out_in_openai_shapes_the_sdk_parses(url: str) -> None:
     openai_types = pytest.importorskip("openai.types")
-    from bij_worker.inputs import Row, result_row
     from openai.types.chat import ChatCompletion
+
+    from bij.worker.inputs import Row, result_row
 
     kind = "chat" if "chat" in url else "generate"
     opts = InputOptions(format="openai", task=kind)
@@ -233,8 +235,8 @@ def test_n_answers_and_logprobs_come_out_in_openai_shapes_the_sdk_parses(url: st
 
 
 def test_n_answers_in_plain_rows_survive_parquet() -> None:
-    from bij_worker.inputs import plain_result
-    from bij_worker.parquet import results_table, table_rows
+    from bij.storage.parquet import results_table, table_rows
+    from bij.worker.inputs import plain_result
 
     rows = [plain_result(1, _answers()), {"id": 2, "output": "plain", "usage": {
         "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}]

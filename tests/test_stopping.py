@@ -15,11 +15,12 @@ import time
 from typing import Any
 
 import pytest
-from bij_operator.reconcile import Nothing, PatchJob, PlanRound, PreparePublish, Publish, Wait, decide
-from bij_operator.stopping import seconds_left, stop_requested
-from bij_worker.contract import layout
-from bij_worker.contract.spec import parse_job
 from test_reconcile import UID, k8s_job, planned
+
+from bij.contract import layout
+from bij.contract.spec import parse_job
+from bij.control.reconcile import Nothing, PatchJob, PlanRound, PreparePublish, Publish, Wait, decide
+from bij.control.stopping import seconds_left, stop_requested
 
 NOW = dt.datetime(2024, 1, 1, 0, 10, tzinfo=dt.timezone.utc)
 

@@ -13,17 +13,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from bij_worker import storage
-from bij_worker.storage import (
-    FileStorage,
-    NotFound,
-    S3Storage,
-    StorageError,
-    StorageRefused,
-    open_storage,
-    split_lines,
-    split_s3,
-)
 from botocore.exceptions import (
     ClientError,
     ConnectionClosedError,
@@ -33,6 +22,18 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 from s3server import Identity
+
+from bij import storage
+from bij.storage import (
+    FileStorage,
+    NotFound,
+    S3Storage,
+    StorageError,
+    StorageRefused,
+    open_storage,
+    split_lines,
+    split_s3,
+)
 
 # --- file:// ---------------------------------------------------------------------------------------
 
@@ -105,7 +106,7 @@ def test_create_writes_only_where_nothing_is(place):
 
 
 def test_a_streamed_write_holds_one_part_at_a_time_and_appears_whole(place, monkeypatch):
-    import bij_worker.storage as storage_module
+    import bij.storage as storage_module
 
     monkeypatch.setattr(storage_module, "MULTIPART_BYTES", 5 << 20)  # S3's smallest part but the last
     uri = place.uri("files/big.jsonl")
@@ -477,7 +478,7 @@ def test_a_line_over_the_limit_is_reported_by_length_and_never_held():
 
 
 def test_reading_a_version_that_was_replaced_is_refused(place):
-    from bij_worker.storage import ObjectChanged
+    from bij.storage import ObjectChanged
 
     uri = place.uri("in/a.jsonl")
     place.storage.write_bytes(uri, b'{"id": 1}\n')
@@ -509,7 +510,7 @@ def test_split_lines_with_a_limit_agrees_with_a_plain_split():
 
 
 def test_lines_split_a_block_at_a_time_are_the_lines_split_one_by_one():
-    from bij_worker.reader import split_blocks
+    from bij.worker.reader import split_blocks
 
     rnd = random.Random(5)
     for _ in range(2000):
@@ -526,8 +527,8 @@ def test_lines_split_a_block_at_a_time_are_the_lines_split_one_by_one():
 
 
 def test_a_shard_read_in_blocks_keeps_every_line_at_its_place_and_leaves_blank_lines_out(tmp_path):
-    from bij_worker.contract.plan import PlanObject
-    from bij_worker.reader import InputProblem, iter_shard, iter_shard_blocks
+    from bij.contract.plan import PlanObject
+    from bij.worker.reader import InputProblem, iter_shard, iter_shard_blocks
 
     lines = [b'{"id": 1}', b"", b"  ", b"crlf\r", b"x" * 40, "é".encode(), b"\t", b"last"]
     data = b"\n".join(lines)
@@ -571,7 +572,7 @@ def test_gs_goes_to_the_gcs_endpoint_whatever_the_s3_settings_say(monkeypatch):
 
 
 def test_gs_round_trip_sends_only_what_the_gcs_xml_api_takes(gs_place, monkeypatch):
-    import bij_worker.storage as storage_module
+    import bij.storage as storage_module
 
     st = S3Storage(endpoint_url=gs_place.endpoint, region="us-east-1", scheme="gs", base_delay=0.001)
     sent: list[tuple[str, str, dict[str, str]]] = []

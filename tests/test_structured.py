@@ -14,10 +14,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may reach a model hub
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from bij_worker.engines.base import EngineConfig, Request  # noqa: E402
-from bij_worker.engines.transformers import TransformersEngine  # noqa: E402
-from bij_worker.sampling import Sampling, json_schema_text  # noqa: E402
 from byte_model import build_byte_model  # noqa: E402
+
+from bij.contract.sampling import Sampling, json_schema_text  # noqa: E402
+from bij.engines.base import EngineConfig, Request  # noqa: E402
+from bij.engines.transformers import TransformersEngine  # noqa: E402
 
 SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "ok": {"type": "boolean"},
@@ -109,7 +110,7 @@ def test_with_the_judges_schema_as_structured_output_every_row_passes_at_round_z
 
 
 def test_openai_response_format_reaches_the_engine_as_structured_output() -> None:
-    from bij_worker.inputs import InputOptions, parse_line
+    from bij.worker.inputs import InputOptions, parse_line
 
     opts = InputOptions(format="openai", task="chat", engine="transformers",
                         honours=frozenset({"structuredOutput", "maxTokens", "temperature", "seed"}))
@@ -130,11 +131,12 @@ def test_openai_response_format_reaches_the_engine_as_structured_output() -> Non
     assert row.error == "engine echo cannot honour body.response_format"
 
 
-# --- Every structured answer is valid or an error row (bij_worker.structured) ---------------------
+# --- Every structured answer is valid or an error row (bij.engines.structured) ---------------------
 
-from bij_worker.engines.base import Choice, Result  # noqa: E402
-from bij_worker.structured import UNENFORCED_KEYWORDS, Validator, grammar_schema  # noqa: E402
 from tiny_models import build_model  # noqa: E402
+
+from bij.engines.base import Choice, Result  # noqa: E402
+from bij.engines.structured import UNENFORCED_KEYWORDS, Validator, grammar_schema  # noqa: E402
 
 BOUNDED = {"type": "object", "properties": {
     "name": {"type": "string", "minLength": 2, "maxLength": 8},
@@ -215,7 +217,7 @@ def test_a_tokenizer_that_cannot_write_json_fails_those_rows_alone_and_says_so_o
     """15 chat rows on a word-level (WordPiece-decoded) tokenizer, 6 asking for a JSON schema: the job
     publishes, the 6 are `unsupported` error rows naming why, the other 9 are answered, and the reason
     is in the manifest's notes once."""
-    from bij_operator.publish import publish
+    from bij.steps.publish import publish
 
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     rows = [{"id": i, "text": "a b", **({"sampling": {"structuredOutput": {"jsonSchema": schema}}}
@@ -243,7 +245,7 @@ def test_structured_rows_on_a_byte_level_model_are_never_an_invalid_success(
     """Schemas with maxLength, nested arrays, enums, patterns and uniqueItems (which the grammar does not
     enforce), sampled at temperature 1 beside plain rows: every published answer validates, every
     other structured row is an error row carrying its answer, and the plain rows are answered."""
-    from bij_operator.publish import publish
+    from bij.steps.publish import publish
 
     choice = ["red", "green"]
     asks = [{"jsonSchema": BOUNDED}, {"jsonSchema": SCHEMAS[1]}, {"regex": "[a-c]{2}-[0-9]"}, {"choice": choice}]
@@ -281,7 +283,7 @@ def test_structured_rows_on_a_byte_level_model_are_never_an_invalid_success(
 
 def test_a_thousand_structured_rows_every_success_validates(
         byte_model: Path, file_place: Any, make_job: Any, run_shards: Any, read_output: Any) -> None:
-    from bij_operator.publish import publish
+    from bij.steps.publish import publish
 
     schema = {"type": "object", "properties": {"label": {"enum": ["cat", "dog", "bird"]},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -310,7 +312,7 @@ def test_a_broken_answer_is_retried_once_on_the_second_grammar_backend(byte_mode
     llguidance, and an answer that keeps to it replaces the first, counted as repaired. Without a second
     backend the broken answers stay broken, and the validator makes them schema_violation rows."""
     pytest.importorskip("llguidance")
-    import bij_worker.engines.transformers as tf
+    import bij.engines.transformers as tf
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 8}},
               "required": ["name"], "additionalProperties": False}
@@ -345,7 +347,7 @@ def test_each_costly_or_odd_row_fails_alone_beside_good_rows(
     runs: nothing of it is ever held), a seed beyond 64 bits on a line with a NaN (read by the standard
     library's parser), a schema whose uniqueItems the grammar does not enforce, and good rows: the good
     rows are answered, each other row is an answer that keeps its schema or an error row naming why."""
-    from bij_operator.publish import publish
+    from bij.steps.publish import publish
 
     unique = {"type": "array", "items": {"enum": [0, 1]}, "uniqueItems": True, "minItems": 2, "maxItems": 2}
     lines = [json.dumps({"id": i, "text": f"good {i}"}) for i in range(4)]

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from bij_operator.publish import publish
-from bij_worker.contract.spec import parse_spec
-from bij_worker.engines.echo import echo_embedding
+
+from bij.contract.spec import parse_spec
+from bij.engines.echo import echo_embedding
+from bij.steps.publish import publish
 
 LONG = "0123456789" * 10  # 100 bytes: 25 estimated tokens for the echo engine
 
@@ -46,7 +47,7 @@ def test_embed_cuts_a_long_row_marks_it_and_counts_it(file_place, make_job, run_
 
 
 def test_truncate_false_keeps_a_long_embed_row_an_error(file_place, make_job, run_shards, read_output) -> None:
-    from bij_worker.metrics import Metrics
+    from bij.worker.metrics import Metrics
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows()), model=spec_for("embed", False))
     metrics = Metrics()
@@ -86,8 +87,8 @@ def test_truncated_openai_lines_carry_the_mark(file_place, make_job, run_shards,
 
 
 def test_a_resumed_shard_counts_truncated_rows_already_durable(file_place, make_job, run_shards) -> None:
-    from bij_operator.progress import shard_records
-    from bij_worker.contract import layout
+    from bij.contract import layout
+    from bij.steps.progress import shard_records
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows()), model=spec_for("embed", None))
     run_shards(job)

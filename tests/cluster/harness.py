@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import kubernetes
-from bij_operator.permissions import worker_role_rules
 from kubernetes.client import ApiException
+
+from bij.control.permissions import worker_role_rules
 
 from .controlplane import BIN, ROOT, ClusterError, ControlPlane, free_port
 from .kubelet import ProcessKubelet

@@ -116,7 +116,7 @@ cluster-scoped objects always go in the ClusterRole.
 {{- end -}}
 
 {{- define "bij-operator.rules.worker" -}}
-# A merge patch of the pod's own key under status.reports of its bij (bij_worker.report).
+# A merge patch of the pod's own key under status.reports of its bij (bij.worker.report).
 - apiGroups: [batchinference.io]
   resources: [batchinferencejobs/status]
   verbs: [patch]

@@ -33,8 +33,8 @@ if _gates and _index is not None and Path(sys.argv[0]).name == "bij-worker":
             print(f"test hook: exiting with {code}", file=sys.stderr, flush=True)
             os._exit(code)
 
-    from bij_worker.engines import echo
-    from bij_worker.engines.base import request_text
+    from bij.engines import echo
+    from bij.engines.base import request_text
 
     _run = echo.EchoEngine.run
     _calls = [0]
@@ -61,7 +61,7 @@ if _gates and _index is not None and Path(sys.argv[0]).name == "bij-worker":
 
     echo.EchoEngine.run = run
 
-    from bij_worker.engines import simulated
+    from bij.engines import simulated
 
     _step = simulated.SimulatedEngine.step
     _steps = [0]

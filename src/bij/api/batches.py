@@ -1,0 +1,176 @@
+"""An OpenAI batch is a BatchInferenceJob: how one becomes the other (pure functions).
+
+The bij of batch ``batch_<hex>`` is named ``batch-<hex>``, labelled `LABEL`, and keeps what the
+Batch object needs that its spec does not say (endpoint, input file, window, metadata, model,
+input lines) in the annotation `ANNOTATION`. Its status is read live: the phase decides the
+batch's status, ``status.rows`` its request counts, the completion time its end.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from bij.contract.spec import MAX_DEADLINE_SECONDS
+
+LABEL = "batchinference.io/openai-batch"
+ANNOTATION = "batchinference.io/openai-batch"
+CANCELLING_AT = "batchinference.io/cancelling-at"
+MAX_METADATA = 16
+_WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class BadRequest(ValueError):
+    """A request the API refuses (HTTP 400); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def window_seconds(window: Any) -> int:
+    """``completion_window`` ("24h", "30m", "90s", "2d") in seconds: the bij's deadlineSeconds."""
+    m = _WINDOW.match(window) if isinstance(window, str) else None
+    if m is None:
+        raise BadRequest(f"completion_window must be a duration such as 24h, 30m or 90s, got {window!r}",
+                         "completion_window")
+    seconds = int(m.group(1)) * _UNIT[m.group(2)]
+    if not 1 <= seconds <= MAX_DEADLINE_SECONDS:
+        raise BadRequest(f"completion_window must be between 1s and {MAX_DEADLINE_SECONDS // 86400}d, got {window!r}",
+                         "completion_window")
+    return seconds
+
+
+def check_metadata(metadata: Any) -> dict[str, str]:
+    """At most 16 pairs, keys up to 64 characters, values up to 512, all strings (as OpenAI's)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping) or len(metadata) > MAX_METADATA:
+        raise BadRequest(f"metadata must be an object of at most {MAX_METADATA} string pairs", "metadata")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512:
+            raise BadRequest(f"metadata: {k!r} must be a string key (<= 64 characters) with a string value "
+                             "(<= 512 characters)", "metadata")
+    return dict(metadata)
+
+
+def bij_name(batch_id: str) -> str | None:
+    """The bij of a batch id, or None when the string is no batch id of ours."""
+    if not batch_id.startswith("batch_") or not batch_id[6:].isalnum() or len(batch_id) > 46:
+        return None
+    return "batch-" + batch_id[6:]
+
+
+def output_file_id(batch_id: str, kind: str) -> str:
+    """The id of a batch's output ("output") or error ("errors") file."""
+    return f"file-{batch_id[6:]}-{kind}"
+
+
+def batch_of_file(file_id: str) -> tuple[str, str] | None:
+    """(batch id, "output" | "errors") of a batch's output or error file id, else None."""
+    m = re.match(r"^file-([0-9a-f]+)-(output|errors)$", file_id)
+    return (f"batch_{m.group(1)}", m.group(2)) if m else None
+
+
+def _epoch(text: Any) -> int | None:
+    if not text:
+        return None
+    try:
+        return int(dt.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return None
+
+
+def record(bij: Mapping[str, Any]) -> dict[str, Any]:
+    """What the batch's annotation keeps (endpoint, input file, window, metadata, model, lines)."""
+    ann = (bij.get("metadata") or {}).get("annotations") or {}
+    return dict(json.loads(ann.get(ANNOTATION) or "{}"))
+
+
+def status_of(bij: Mapping[str, Any]) -> str:
+    """The OpenAI status of a batch, from its bij's phase."""
+    st = bij.get("status") or {}
+    phase = st.get("phase")
+    cancel = bool((bij.get("spec") or {}).get("cancel"))
+    if phase == "Cancelled":
+        return "cancelled"
+    if phase == "Expired":
+        return "expired"
+    if phase == "Succeeded":
+        return "completed"
+    if phase == "Failed":
+        return "failed"
+    if phase == "Publishing":
+        return "finalizing"  # every row is done (a cancel asked for now changes nothing): results being written
+    if cancel:
+        return "cancelling"
+    if phase == "Cancelling":
+        return "finalizing"  # the deadline passed: the finished part is being published
+    # Planning round 0 is validating; planning a judge round after it is work in progress.
+    if phase in ("Running", "Suspended") or (phase in ("Pending", "Planning") and st.get("rounds")):
+        return "in_progress"
+    return "validating"
+
+
+def usage_of(manifest: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's batch ``usage`` from what the published manifest counts: prompt and completion tokens
+    of the result rows, the prompt tokens the engine's prefix cache served, and the reasoning tokens
+    the result rows' usage names. None before there is a manifest."""
+    if not manifest:
+        return None
+    counts = manifest.get("counts") or {}
+    tokens_in, tokens_out = int(counts.get("tokensIn") or 0), int(counts.get("tokensOut") or 0)
+    return {"input_tokens": tokens_in,
+            "input_tokens_details": {"cached_tokens": int((manifest.get("engine") or {}).get("cachedTokens") or 0)},
+            "output_tokens": tokens_out,
+            "output_tokens_details": {"reasoning_tokens": int(counts.get("reasoningTokens") or 0)},
+            "total_tokens": tokens_in + tokens_out}
+
+
+def batch_object(bij: Mapping[str, Any], manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The OpenAI Batch object of a bij made by `bij-api`; `manifest`, once published, gives its usage."""
+    rec = record(bij)
+    meta = bij.get("metadata") or {}
+    st = bij.get("status") or {}
+    status = status_of(bij)
+    batch_id = rec["id"]
+    created = _epoch(meta.get("creationTimestamp")) or 0
+    expires = created + window_seconds(rec["completion_window"])
+    ended = _epoch(st.get("completionTime"))
+    rows = st.get("rows") or {}
+    # A stopped batch's requests never run are failed ones, each with its line in the error file.
+    done, failed = int(rows.get("done") or 0), int(rows.get("failed") or 0) + int(rows.get("notRun") or 0)
+    final = status in ("completed", "cancelled", "expired")
+    # Finalizing began when publishing did; an expired batch's, at its deadline (it stops, then publishes).
+    finalizing = _epoch((st.get("publish") or {}).get("startedAt"))
+    if status == "expired" or (status == "finalizing" and st.get("phase") == "Cancelling"):
+        finalizing = expires
+    obj: dict[str, Any] = {
+        "id": batch_id, "object": "batch", "endpoint": rec["endpoint"], "model": rec.get("model"),
+        "errors": None, "input_file_id": rec["input_file_id"], "completion_window": rec["completion_window"],
+        "status": status,
+        "output_file_id": output_file_id(batch_id, "output") if final and done else None,
+        "error_file_id": output_file_id(batch_id, "errors") if final and failed else None,
+        "created_at": created,
+        "in_progress_at": _epoch(st.get("startTime")) if status != "validating" else None,
+        "expires_at": expires,
+        "finalizing_at": finalizing if status in ("finalizing", "completed", "expired") else None,
+        "completed_at": ended if status == "completed" else None,
+        "failed_at": ended if status == "failed" else None,
+        "expired_at": ended if status == "expired" else None,
+        "cancelling_at": _epoch((meta.get("annotations") or {}).get(CANCELLING_AT)),
+        "cancelled_at": ended if status == "cancelled" else None,
+        "request_counts": {"total": int(rec.get("lines") or 0), "completed": done, "failed": failed},
+        "metadata": rec.get("metadata") or None,
+        "usage": usage_of(manifest) if final else None,
+    }
+    if status == "failed":
+        reason = next((c.get("reason") for c in st.get("conditions") or []
+                       if c.get("type") == "Failed" and c.get("status") == "True"), None)
+        obj["errors"] = {"object": "list", "data": [{"code": reason or "failed", "message": st.get("message"),
+                                                      "param": None, "line": None}]}
+    return obj

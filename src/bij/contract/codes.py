@@ -1,0 +1,38 @@
+"""Exit codes, labels and annotations: the names the operator, the worker and Kubernetes share.
+
+The round Job's podFailurePolicy fails the Job on `EXIT_BAD_CONFIG`; the operator finds its
+Jobs by the labels and the worker's plan by the annotations.
+"""
+
+from __future__ import annotations
+
+API_GROUP = "batchinference.io"
+
+# bij-worker's exit codes (see bij.worker.main).
+EXIT_OK = 0
+EXIT_FAILED = 1  # worth a retry (the Job's backoffLimitPerIndex decides)
+EXIT_BAD_CONFIG = 42  # never worth a retry: the Job's podFailurePolicy fails the Job
+EXIT_TERMINATED = 143  # SIGTERM: the in-flight chunk was committed or dropped whole
+# A lane of several pods (workers.nodesPerLane) lost a member, or its leader: the group is replaced whole and
+# the pod's own index is not to blame (the podFailurePolicy ignores it; the member that failed counts).
+EXIT_GROUP_LOST = 44
+
+# Labels on the Jobs (and their pods) the operator creates for a bij.
+JOB_LABEL = f"{API_GROUP}/job"  # the bij's name
+ROUND_LABEL = f"{API_GROUP}/round"  # a round Job: its round number
+PUBLISH_LABEL = f"{API_GROUP}/publish-pass"  # a publish Job: its pass (ids, dedupe, write)
+GENERATION_LABEL = f"{API_GROUP}/generation"  # a step Job: the bij's metadata.generation it ran for
+STEP_LABEL = f"{API_GROUP}/step"  # a step Job (bij.steps.main): plan-r<r>, finish-r<r>, publish-plan, manifest
+
+# Annotations: where a Job's work is described.
+MANIFEST_ANNOTATION = f"{API_GROUP}/manifest"  # a round Job: its round plan (shards.json)
+NODES_PER_LANE_ANNOTATION = f"{API_GROUP}/nodes-per-lane"  # a round Job: pods per lane (index i: lane i // n)
+PUBLISH_PLAN_ANNOTATION = f"{API_GROUP}/publish-plan"  # a publish Job: its publish plan (plan.json)
+
+# Where a pod sends its report (`bij.worker.report`): kube:<namespace>/<name> or dir:<folder>.
+REPORT_ENV = "BIJ_REPORT_TO"
+# The pod's name (downward API): the key of its lane report.
+POD_NAME_ENV = "POD_NAME"
+# The Job's uid (downward API, from the pod's batch.kubernetes.io/controller-uid label): a step's result
+# names the Job that made it, so a result left by a deleted Job of the same name is never taken.
+JOB_UID_ENV = "BIJ_JOB_UID"

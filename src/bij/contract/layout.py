@@ -1,0 +1,185 @@
+"""Where a job's state lives under its output URI. One place, so nobody computes paths twice.
+
+    <output>/manifest.json                          published last; readers trust only this
+    <output>/results/r<round>-<index>.jsonl[.zst]  published result files
+    <output>/errors/r<round>-<index>.jsonl[.zst]   published error rows
+    <output>/results/<input name>.jsonl[.zst]      ... with output.partitionBy input: one per input object
+                                                    (`partition_stem`), .parquet for Parquet results
+    <output>/_bij/owner.json                        which job owns this output (namespace, name, id)
+    <output>/_bij/<job_id>/round-<r>/shards.json    the round plan (written once)
+    <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable logs of one shard (one per writer, zstd frames)
+    <output>/_bij/<job_id>/round-<r>/done/<index>.json  a shard's completion record
+    <output>/_bij/<job_id>/round-<r>/progress/<index>.json  a running shard's live counts
+    <output>/_bij/<job_id>/round-<r>/claims/<index>-<generation>.json  which worker holds a shard
+    <output>/_bij/<job_id>/round-<r>/rejected/<index>.jsonl  judge rounds: rejected rows, next round's input
+    <output>/_bij/<job_id>/publish/                 the publish passes' plan, id buckets and shard summaries
+    <output>/_bij/<job_id>/removed.json             what was removed after publishing (output.keepIntermediate)
+
+The operator knows the job; a worker knows only its round plan, so everything under a round
+takes the plan's round prefix (`round_prefix(job, r)`, recorded in the plan as `roundPrefix`),
+and everything under the publish folder takes the publish plan's prefix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
+    from bij.contract.spec import BatchInferenceJob
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URI parts with single slashes."""
+    out = base.rstrip("/")
+    for p in parts:
+        out += "/" + p.strip("/")
+    return out
+
+
+def object_path(uri: str) -> str:
+    """An object's URI without the query string of a signed http(s) URL (which names no part of the object):
+    what its name and suffix (.jsonl, .zst) are read from."""
+    return uri.split("?", 1)[0] if uri.startswith(("https://", "http://")) else uri
+
+
+# Input suffixes a partitioned file's name drops (the planner's input suffixes, and .parquet).
+PARTITION_SUFFIXES = (".jsonl.zst", ".ndjson.zst", ".json.zst", ".jsonl", ".ndjson", ".json", ".parquet")
+
+
+def partition_stem(uri: str, name: str | None) -> str:
+    """An input object's relative name (`PlanObject.name`) without its input suffix: the name its
+    published files have under results/, errors/ and capped/ with output.partitionBy input, before
+    the result's own suffix (`data/a/x.jsonl` under the input folder `data/` -> `a/x`). One
+    https:// object (or one without a relative name) is named by its file name."""
+    if name is None or uri.startswith(("https://", "http://")):
+        name = object_path(uri).rsplit("/", 1)[-1]
+    for suffix in PARTITION_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def partition_problem(stem: str) -> str | None:
+    """Why a partition stem cannot name a file under the output folder, or None."""
+    parts = stem.split("/")
+    if stem.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        return "it is not a plain relative path (empty, '.' or '..' parts)"
+    return None
+
+
+# --- the job ------------------------------------------------------------------------------------
+
+
+def state_prefix(job: BatchInferenceJob) -> str:
+    return join(job.spec.output.uri, "_bij", job.job_id)
+
+
+def round_prefix(job: BatchInferenceJob, round_no: int) -> str:
+    return join(state_prefix(job), f"round-{round_no}")
+
+
+def round_manifest_uri(job: BatchInferenceJob, round_no: int) -> str:
+    return join(round_prefix(job, round_no), "shards.json")
+
+
+def owner_uri(job: BatchInferenceJob) -> str:
+    return join(job.spec.output.uri, "_bij", "owner.json")
+
+
+def removed_uri(job: BatchInferenceJob) -> str:
+    """The record of the work files removed after a successful publish; its presence refuses a republish."""
+    return join(state_prefix(job), "removed.json")
+
+
+def local_status_uri(job: BatchInferenceJob) -> str:
+    """`bij run`'s status (phase, message, conditions) while it runs or after it stopped short of
+    publishing, for `bij status`; removed once the job is published."""
+    return join(state_prefix(job), "local-status.json")
+
+
+def manifest_uri(job: BatchInferenceJob) -> str:
+    return join(job.spec.output.uri, "manifest.json")
+
+
+def publish_prefix(job: BatchInferenceJob) -> str:
+    """The publish passes' working folder: their plan, id buckets and per-shard summaries."""
+    return join(state_prefix(job), "publish")
+
+
+# --- one round, from its plan's round prefix ------------------------------------------------------
+
+
+def shard_prefix(round_prefix: str, index: int) -> str:
+    """The folder of a shard's durable logs (one log per writer)."""
+    return join(round_prefix, "shards", f"{index:05d}")
+
+
+def done_folder(round_prefix: str) -> str:
+    return join(round_prefix, "done") + "/"
+
+
+def done_uri(round_prefix: str, index: int) -> str:
+    """A shard's completion record: written once, when every row of the shard is durable."""
+    return join(round_prefix, "done", f"{index:05d}.json")
+
+
+def progress_folder(round_prefix: str) -> str:
+    return join(round_prefix, "progress") + "/"
+
+
+def progress_uri(round_prefix: str, index: int) -> str:
+    """A running shard's live counts (rewritten now and then; the done record supersedes it)."""
+    return join(round_prefix, "progress", f"{index:05d}.json")
+
+
+def damaged_folder(round_prefix: str) -> str:
+    return join(round_prefix, "damaged") + "/"
+
+
+def damaged_uri(round_prefix: str, index: int) -> str:
+    """The damaged input object a shard met (`records.DamageRecord`): the object, where it breaks."""
+    return join(round_prefix, "damaged", f"{index:05d}.json")
+
+
+def claims_folder(round_prefix: str) -> str:
+    return join(round_prefix, "claims") + "/"
+
+
+def claim_uri(round_prefix: str, shard: int, generation: int) -> str:
+    """Claim `generation` of a shard (created once, conditionally; the newest holds the shard)."""
+    return join(round_prefix, "claims", f"{shard:05d}-{generation:05d}.json")
+
+
+def rejected_folder(round_prefix: str) -> str:
+    """A judge round's rejected rows: the next round's input."""
+    return join(round_prefix, "rejected") + "/"
+
+
+def rejected_uri(round_prefix: str, index: int) -> str:
+    return join(round_prefix, "rejected", f"{index:05d}.jsonl")
+
+
+# --- publishing, from the publish plan's prefix ---------------------------------------------------
+
+
+def publish_plan_uri(prefix: str) -> str:
+    return join(prefix, "plan.json")
+
+
+def publish_ids_uri(prefix: str, unit: int, bucket: int) -> str:
+    """The ids of one shard (unit) that fall in one bucket, with their places (one zstd frame)."""
+    return join(prefix, "ids", f"{unit:05d}", f"{bucket:05d}.jsonl.zst")
+
+
+def publish_order_uri(prefix: str, unit: int) -> str:
+    return join(prefix, "ids", f"{unit:05d}", "order.json")
+
+
+def publish_losers_uri(prefix: str, bucket: int) -> str:
+    """The places of one bucket's duplicate ids that lost to an earlier occurrence."""
+    return join(prefix, "losers", f"{bucket:05d}.json")
+
+
+def publish_summary_uri(prefix: str, unit: int) -> str:
+    """A shard's summary after the write pass: counts, files and checksums."""
+    return join(prefix, "shards", f"{unit:05d}.json")

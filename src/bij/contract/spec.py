@@ -1,0 +1,766 @@
+"""The BatchInferenceJob spec: one model for `bij run`, the worker and the operator.
+
+The YAML a user `kubectl apply`s is the input here too. Field names are the
+camelCase ones from the CRD; Python attributes are snake_case. Every error
+names the field path (``spec.model.engine``) and the reason.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from bij.contract.codes import API_GROUP
+from bij.contract.columns import RESULT_FIELDS, consumed
+from bij.contract.errors import BijError
+from bij.contract.globs import check_glob, has_glob
+from bij.contract.sampling import DEFAULT_ROW_BUDGET, Sampling
+from bij.contract.sampling import from_spec as sampling_from_spec
+
+API_VERSION = "v1alpha1"
+KIND = "BatchInferenceJob"
+# A longer input line is an error row (its bytes are never held in memory).
+DEFAULT_MAX_LINE_BYTES = 32 << 20
+# One image of a chat row at most (OpenAI's own limit per image).
+DEFAULT_MAX_IMAGE_BYTES = 20 << 20
+# Ids one publish dedupe process holds at once, by default (spec.output.publishBucketRows), and the
+# least a spec may ask for (fewer means more bucket files: shards x buckets).
+PUBLISH_BUCKET_ROWS = 250_000
+MIN_PUBLISH_BUCKET_ROWS = 1000
+
+# Kubernetes object names (RFC 1123 subdomain); the round Job name `<name>-r<round>` must
+# stay a valid DNS label, so the bij name itself is capped below 63.
+NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME_LEN = 52
+# A Kubernetes resource quantity ("4", "500m", "16Gi"); the CRD uses the same pattern.
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
+    r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+
+# The CRD's rules say the same (crds/batchinferencejobs.yaml).
+PARQUET_NOT_OPENAI = (
+    "output.format parquet needs input.format jsonl or parquet: OpenAI batch output is JSON lines by definition"
+)
+PASS_THROUGH_NOT_OPENAI = (
+    "input.passThrough needs input.format jsonl or parquet: an OpenAI batch output line has a fixed shape "
+    "(custom_id, response, error) and carries no input columns"
+)
+PARTITION_NEEDS_ONE_ROUND = (
+    "output.partitionBy input needs judge.strategy inPlace (or no judge): rows a judge round re-dispatches "
+    "are read from the round's rejected files, no longer from their input object"
+)
+# Engines that schedule their own batches step by step (add and finish requests as they go).
+CONTINUOUS_ENGINES = ("vllm", "simulated")
+BATCH_SHAPE_NOT_CONTINUOUS = (
+    "batching.targetBatchTokens and batching.maxBatchSize shape the batches of engines that run whole batches "
+    "(echo, sentence-transformers, transformers); engines vllm and simulated schedule every step themselves: "
+    "set model.vllm.maxNumSeqs (model.simulated.maxNumSeqs) and model.vllm.engineArgs.max_num_batched_tokens"
+)
+GROUP_ENGINES = ("vllm", "simulated")
+NODES_PER_LANE_ENGINE = (
+    "workers.nodesPerLane above 1 needs model.engine vllm (pipeline parallel across the lane's pods over Ray) "
+    "or simulated"
+)
+NODES_PER_LANE_PIPELINE = (
+    "with workers.nodesPerLane above 1 the engine runs pipeline parallel across the lane's pods: leave "
+    "model.vllm.pipelineParallelSize unset (or equal to nodesPerLane); model.vllm.tensorParallelSize is per pod"
+)
+GPUS_FOR_VLLM = (
+    "workers.gpus must be at least model.vllm.tensorParallelSize x model.vllm.pipelineParallelSize "
+    "with model.engine vllm (leave workers.gpus unset for exactly that many)"
+)
+
+
+# The longest spec.deadlineSeconds: 366 days (the CRD says the same).
+MAX_DEADLINE_SECONDS = 366 * 24 * 3600
+
+class SpecError(BijError):
+    """A spec that can never work. The message names each bad field and why."""
+
+    permanent = True
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f"{source}: " if source else ""
+        if len(problems) == 1:  # one line for one problem
+            super().__init__(f"{where}invalid BatchInferenceJob: {problems[0]}")
+        else:
+            super().__init__(where + "invalid BatchInferenceJob:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+# An S3 endpoint: scheme, host, optional port and path (botocore refuses anything else).
+ENDPOINT_PATTERN = r"^https?://[^\s/?#:]+(:[0-9]{1,5})?(/[^\s]*)?$"
+# s3://bucket[/key] or gs://bucket[/key] with a bucket; file:// with a path (absolute, or relative to the
+# working directory).
+URI_PATTERN = r"^((s3|gs)://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the same
+# An input may also be one object at an http(s) URL (a web server, a presigned S3 / signed GCS URL).
+HTTP_PATTERN = r"^https?://[^/?#]+/[^?#]*[^/?#](\?.*)?$"
+# Or files of a dataset of the Hugging Face Hub (storage_hf).
+HF_PATTERN = r"^hf://datasets/[^/@]+/[^/@]+(@[^/]+)?(/.*)?$"
+
+
+class S3Options(_Model):
+    endpoint_url: str | None = None
+    region: str | None = None
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(ENDPOINT_PATTERN, url):
+            raise ValueError(f"must be an http(s) URL such as https://s3.example.com:9000, got {url!r}")
+        return url
+
+
+class StorageSpec(_Model):
+    s3: S3Options = S3Options()
+    # Name of a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (operator only);
+    # without it the pod's service account (IRSA / workload identity) is used.
+    credentials_secret: str | None = None
+
+
+class InputSpec(_Model):
+    uri: str
+    format: Literal["jsonl", "openai", "parquet"] = "jsonl"
+    id_field: str = "id"
+    text_field: str = "text"
+    messages_field: str | None = None
+    # A row's own sampling fields (an object with model.sampling's keys), over the spec's.
+    sampling_field: str = "sampling"
+    # A row's LoRA adapter (a name from model.adapters); OpenAI lines name it in body.model.
+    adapter_field: str = "adapter"
+    # A longer line is an error row (its bytes are never held in memory).
+    max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31)
+    # One image of a chat row (an image_url part: a data URL, file:// or s3://) at most; a larger
+    # one is an image_too_large error row.
+    max_image_bytes: int = Field(DEFAULT_MAX_IMAGE_BYTES, ge=1, le=1 << 31)
+    # The file:// folder file:// images may be read from (bij.worker.images); None: the folder of a
+    # file:// input (an s3:// input's rows may not name file:// images then).
+    image_root: str | None = None
+    # A .zst object cut short or damaged: fail the round (the rows before it stay durable), or
+    # record one corrupt_input error row where it breaks and publish without the rest of it.
+    on_damaged_object: Literal["fail", "errorRow"] = "fail"
+    # The input columns carried to each result row beside its result fields (bij.worker.inputs,
+    # "pass-through columns"): unset, every column the request does not consume; a list, those
+    # columns only; [] none. JSONL and Parquet input only: an OpenAI batch output line has a fixed shape.
+    pass_through: list[str] | None = Field(None, max_length=1000)
+
+    @field_validator("pass_through")
+    @classmethod
+    def _pass_through(cls, names: list[str] | None) -> list[str] | None:
+        if names is None:
+            return None
+        for name in names:
+            if not name or len(name) > 256:
+                raise ValueError(f"column names have 1 to 256 characters, got {name[:40]!r}")
+            if name in RESULT_FIELDS:
+                raise ValueError(f"column {name!r} clashes with the result field of that name; result rows carry "
+                                 f"{', '.join(sorted(RESULT_FIELDS))}")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"column {dup[0]!r} is named twice")
+        return names
+
+    @model_validator(mode="after")
+    def _pass_through_format(self) -> InputSpec:
+        if self.pass_through is not None and self.format == "openai":
+            raise ValueError(PASS_THROUGH_NOT_OPENAI)
+        return self
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_scheme(cls, uri: str) -> str:
+        if uri.startswith(("https://", "http://")):
+            # One object read with range requests (storage_http): HTTP lists nothing.
+            if not re.match(HTTP_PATTERN, uri):
+                raise ValueError(f"an http(s) input names one object: https://host/path, got {uri!r}")
+            if has_glob(uri.split("?", 1)[0]):
+                raise ValueError(f"an http(s) input names one object: no wildcards, got {uri!r}")
+            return uri
+        check_glob(uri)  # a glob below the folder it names: contract.globs
+        if uri.startswith("hf://"):
+            if not re.match(HF_PATTERN, uri):
+                raise ValueError(f"an hf:// input is a dataset: hf://datasets/OWNER/NAME[@REVISION]/PATH, got {uri!r}")
+            return uri
+        return _check_uri(uri)
+
+    @field_validator("image_root")
+    @classmethod
+    def _image_root(cls, uri: str | None) -> str | None:
+        if uri is not None and not (uri.startswith("file:///") and len(uri) > len("file:///")):
+            raise ValueError("must be a file:// folder, as file:///path")
+        return uri
+
+    def consumed_columns(self) -> frozenset[str]:
+        """The columns a row's request consumes (contract.columns): never carried unless passThrough names them."""
+        return consumed(self.id_field, self.text_field, self.messages_field, self.sampling_field, self.adapter_field)
+
+    def carries_every_column(self) -> bool:
+        """Whether rows carry every column their request does not consume (passThrough unset, plain input)."""
+        return self.pass_through is None and self.format != "openai"
+
+    def image_root_path(self) -> str | None:
+        """The folder (a path) file:// images may come from, or None."""
+        if self.image_root is not None:
+            return self.image_root.removeprefix("file://")
+        if self.uri.startswith("file://"):
+            path = self.uri.removeprefix("file://")
+            return path if path.endswith("/") else posixpath.dirname(path) or "/"
+        return None
+
+
+class OutputSpec(_Model):
+    uri: str
+    # Result files: JSON lines, or Parquet (error and capped files stay JSON lines).
+    format: Literal["jsonl", "parquet"] = "jsonl"
+    compression: Literal["zstd", "none"] = "zstd"
+    # After a successful publish, remove the work files under _bij/ (durable logs, judge inputs,
+    # publish buckets); plans, completion records and a record of what was removed stay.
+    keep_intermediate: bool = False
+    # Ids one publish dedupe process holds at once: its memory, against the number of bucket files.
+    publish_bucket_rows: int = Field(PUBLISH_BUCKET_ROWS, ge=MIN_PUBLISH_BUCKET_ROWS)
+    # How published files are cut: by shard (r<round>-<shard>, parts of FILE_ROWS rows), or by input
+    # object, one file each with the input's relative name (no object is cut across shards then).
+    partition_by: Literal["shard", "input"] = "shard"
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_scheme(cls, uri: str) -> str:
+        if has_glob(uri):
+            raise ValueError(f"an output is one folder: no wildcards (* ? [), got {uri!r}")
+        return _check_uri(uri)
+
+
+# The reasoning and tool call parsers vLLM ships (0.32: ReasoningParserManager, ToolParserManager),
+# known here so that a spec naming another fails at validation, not on the GPU node; the vLLM test
+# tier checks the lists against the installed release.
+REASONING_PARSERS = (
+    "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41", "ernie45",
+    "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2", "hunyuan_a13b", "hy_v3", "hy_v4",
+    "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo", "minicpmv", "minimax_m2",
+    "minimax_m2_append_think", "minimax_m3", "mistral", "muse_glimmer", "nemotron_v3", "olmo3", "openai_gptoss",
+    "plamo3", "poolside_v1", "qwen3", "seed_oss", "step3", "step3p5",
+)
+TOOL_CALL_PARSERS = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4",
+    "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47", "granite",
+    "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "internlm", "jamba",
+    "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json", "llama4_json", "llama4_pythonic", "longcat",
+    "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral", "muse_glimmer", "olmo3", "openai", "phi4_mini_json",
+    "plamo3", "poolside_v1", "pythonic", "qwen3_coder", "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5",
+    "xlam",
+)
+
+
+class VllmOptions(_Model):
+    gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
+    # Unset: vLLM's own default for the machine (256 on its CPU build). 512 was set here once without a
+    # measurement; bench/vllm_peers.py passes every side one value.
+    max_num_seqs: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+    quantization: str | None = None
+    max_model_len: int | None = Field(8192, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    dtype: str = "auto"
+    # LoRA (with model.adapters): adapters in one batch, and the largest rank (vLLM's max_loras, max_lora_rank).
+    max_loras: int | None = Field(None, ge=1)
+    max_lora_rank: int | None = Field(None, ge=1)
+    # vLLM's enforce_eager: no CUDA graphs (on its CPU build, no compiled graph): quicker to start.
+    enforce_eager: bool = False
+    # Any other vLLM engine argument (EngineArgs names, snake_case or camelCase), passed as given; a
+    # name the installed vLLM does not know fails the worker at start (exit 42) naming it.
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    # Chat answers parsed as vLLM's OpenAI server parses them (its --reasoning-parser and
+    # --tool-call-parser): the reasoning apart from the content, tool calls as message.tool_calls.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, v: str | None) -> str | None:
+        if v is not None and v not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {v!r} (vLLM ships: {', '.join(REASONING_PARSERS)})")
+        return v
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_call_parser(cls, v: str | None) -> str | None:
+        if v is not None and v not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown tool call parser {v!r} (vLLM ships: {', '.join(TOOL_CALL_PARSERS)})")
+        return v
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one vLLM engine spans: tensor-parallel x pipeline-parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class SimulatedOptions(_Model):
+    """The simulated engine: continuous batching on a clock (dry runs, cost estimates, benchmarks)."""
+
+    max_num_seqs: int = Field(256, ge=1)
+    step_seconds: float = Field(0.02, ge=0, le=60)
+    load_seconds: float = Field(0.0, ge=0, le=3600)  # slept once per process, as a model load
+
+
+class SamplingSpec(_Model):
+    """Sampling defaults for every row (`model.sampling`); a row's own fields win (see sampling.py)."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    seed: int | None = None
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    stop: list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    n: int | None = Field(None, ge=1, le=128)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not all(v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> SamplingSpec:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("topLogprobs needs logprobs: true")
+        return self
+
+
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class AdapterSpec(_Model):
+    """A LoRA adapter rows may ask for by name: a folder as PEFT saves it (file:// or s3://)."""
+
+    name: str = Field(pattern=ADAPTER_NAME)
+    uri: str
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_scheme(cls, uri: str) -> str:
+        return _check_uri(uri)
+
+
+class StructuredOutputSpec(_Model):
+    """Constrained decoding for every row (`model.structuredOutput`): exactly one of these."""
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class ModelSpec(_Model):
+    engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated"] = "echo"
+    name: str | None = None
+    # What OpenAI lines call the base model (body.model, and the results' model); default: name.
+    served_name: str | None = Field(None, max_length=256)
+    task: Literal["embed", "generate", "chat"] = "embed"
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0, le=2)
+    seed: int = 0
+    # What one row may cost, in generated token places: n x maxTokens x (1 + topLogprobs when it asks
+    # for logprobs). A row over it is an invalid_request error row naming its fields (bij.contract.sampling).
+    row_budget: int = Field(DEFAULT_ROW_BUDGET, ge=1, le=1 << 40)
+    # The prompt limit; default: the engine's limit.
+    max_input_tokens: int | None = Field(None, ge=1)
+    # A prompt over the limit is cut to it (and marked) instead of becoming a too_many_tokens
+    # error row; unset means true for embed (as SentenceTransformer.encode does), false otherwise.
+    truncate: bool | None = None
+    # Sampling defaults for every row beyond maxTokens/temperature/seed (which may move here too).
+    sampling: SamplingSpec = SamplingSpec()
+    # Chat prompts: a Jinja template instead of the tokenizer's own, and variables it reads
+    # (e.g. {enable_thinking: false} for a reasoning model).
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Every row's output follows this (a row's own response_format or structuredOutput wins).
+    structured_output: StructuredOutputSpec | None = None
+    # LoRA adapters a row may name (OpenAI body.model, or input.adapterField); fetched once per pod.
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
+    vllm: VllmOptions = VllmOptions()
+    simulated: SimulatedOptions = SimulatedOptions()
+
+    def resolved_sampling(self) -> Sampling:
+        """Every row's sampling defaults: model.sampling, with model.maxTokens/temperature/seed under it."""
+        base = Sampling(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed)
+        return self.own_sampling().over(base)
+
+    def own_sampling(self) -> Sampling:
+        """What model.sampling and model.structuredOutput set (the engine must honour each field they ask for)."""
+        fields = self.sampling.model_dump(by_alias=True, exclude_none=True)
+        if self.structured_output is not None:
+            fields["structuredOutput"] = self.structured_output.model_dump(by_alias=True, exclude_none=True)
+        return sampling_from_spec(fields)
+
+    @property
+    def truncates(self) -> bool:
+        """Whether prompts over the limit are truncated (the task's default when unset)."""
+        return self.truncate if self.truncate is not None else self.task == "embed"
+
+    @model_validator(mode="after")
+    def _task_fits_engine(self) -> ModelSpec:
+        if self.engine == "sentence-transformers" and self.task != "embed":
+            raise ValueError("engine sentence-transformers only supports task embed")
+        if self.engine == "transformers" and self.task == "embed":
+            raise ValueError("engine transformers supports tasks generate and chat, not embed")
+        both = [k for k in ("max_tokens", "temperature", "seed")
+                if k in self.model_fields_set and getattr(self.sampling, k) is not None]
+        if both:
+            names = ", ".join(f"model.{to_camel(k)} and model.sampling.{to_camel(k)}" for k in both)
+            raise ValueError(f"{names} both set: set one")
+        adapter_names = [a.name for a in self.adapters]
+        dup = sorted({n for n in adapter_names if adapter_names.count(n) > 1})
+        if dup:
+            raise ValueError(f"model.adapters: the name {dup[0]!r} is used twice")
+        for base in (self.name, self.served_name):
+            if base is not None and base in adapter_names:
+                raise ValueError(f"model.adapters: {base!r} is the base model's name")
+        if self.adapters and self.engine not in ("transformers", "vllm"):
+            raise ValueError(f"model.adapters needs engine transformers or vllm, not {self.engine}")
+        asked = self.own_sampling().asked()
+        if self.task == "embed" and asked:
+            names = ", ".join("model.structuredOutput" if a == "structuredOutput" else f"model.sampling.{a}"
+                              for a in sorted(asked))
+            raise ValueError(f"{names} has no meaning for task embed")
+        return self
+
+
+class ShardingSpec(_Model):
+    target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=1 << 40)
+    # A round is cut into at least this many shards per lane, so the last shards in flight are
+    # short; never into shards smaller than minShardBytes (or targetShardBytes, if smaller).
+    shards_per_lane: int = Field(4, ge=1, le=64)
+    min_shard_bytes: int = Field(1024 * 1024, ge=1024, le=1 << 40)
+    chunk_rows: int = Field(512, ge=1, le=1_000_000)
+
+
+class BatchingSpec(_Model):
+    # None: the engine's choice for its device (see the worker's batching defaults).
+    target_batch_tokens: int | None = Field(None, ge=1)
+    max_batch_size: int | None = Field(None, ge=1)
+    sort_by_length: bool = True
+    # Prompts sharing a prefix (system prompt, few-shot block) run together within the in-flight window.
+    prefix_order: bool = True
+    prefetch_chunks: int = Field(2, ge=1, le=64)
+    # Rows read and not yet handed to the commit writer; None: 8 x what the engine runs at once.
+    in_flight_rows: int | None = Field(None, ge=1, le=1_000_000)
+    # Finished chunks waiting for storage before compute waits too.
+    commit_queue_chunks: int = Field(4, ge=1, le=64)
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+    @model_validator(mode="after")
+    def _pod_rules(self) -> Toleration:
+        # The same rules the API server applies to a Pod; caught here, not when the Job is created.
+        if self.operator == "Exists" and self.value:
+            raise ValueError("a toleration with operator Exists must not have a value")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("a toleration without a key must use operator Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds needs effect NoExecute")
+        return self
+
+
+class ModelCacheSpec(_Model):
+    type: Literal["emptyDir", "hostPath", "pvc"] = "emptyDir"
+    path: str | None = None  # hostPath only
+    claim_name: str | None = None  # pvc only
+    size_limit: str | None = Field(None, pattern=QUANTITY_PATTERN)  # emptyDir only
+    mount_path: str = "/models"
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelCacheSpec:
+        if self.type == "hostPath" and not self.path:
+            raise ValueError("modelCache.type hostPath needs modelCache.path")
+        if self.type == "pvc" and not self.claim_name:
+            raise ValueError("modelCache.type pvc needs modelCache.claimName")
+        return self
+
+
+class WorkersSpec(_Model):
+    parallelism: int = Field(4, ge=1, le=10_000)
+    image: str | None = None  # default: the operator's configured worker image
+    # GPUs per worker pod; unset: what the engine needs (JobSpec.gpus).
+    gpus: int | None = Field(None, ge=0, le=64)
+    # Price of one worker pod per hour, any currency: the manifest and status then say what the job cost.
+    price_per_hour: float | None = Field(None, ge=0, strict=True)
+    cpu: str | None = Field(None, pattern=QUANTITY_PATTERN)
+    memory: str | None = Field(None, pattern=QUANTITY_PATTERN)
+    shm_size: str | None = Field("8Gi", pattern=QUANTITY_PATTERN)
+    spot: bool = False
+    spot_provider: Literal["all", "gke", "eks", "karpenter", "aks"] = "all"
+    # The step Jobs (plan, finish, publish plan, manifest) run anywhere by default; true: on the workers'
+    # nodes (their nodeSelector, tolerations, affinity, spot and GPU placement), where nothing else may run.
+    steps_on_worker_nodes: bool = False
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    affinity: dict[str, Any] | None = None
+    priority_class_name: str | None = None
+    queue_name: str | None = None
+    service_account_name: str | None = None
+    backoff_limit_per_index: int = Field(3, ge=0, le=100)
+    # A lane renews its claim on the shard it works this often / 3; a shard whose claim is older
+    # than this (its pod died) is taken over by another lane.
+    lease_seconds: int = Field(60, ge=3, le=3600)
+    # Pods one lane spans (a model larger than one node): the leader (rank 0) runs a Ray head and the lane's
+    # worker, the others Ray workers; vLLM runs pipeline parallel across them (bij.worker.group).
+    nodes_per_lane: int = Field(1, ge=1, le=64)
+    # Kubernetes caps maxFailedIndexes (and completions with backoffLimitPerIndex) at 100000.
+    max_failed_indexes: int | None = Field(None, ge=0, le=100_000)
+    termination_grace_period_seconds: int = Field(60, ge=1, le=3600)
+    ttl_seconds_after_finished: int | None = Field(86400, ge=0)
+    model_cache: ModelCacheSpec = ModelCacheSpec()
+    env: dict[str, str] = {}
+
+
+class JudgeSpec(_Model):
+    type: Literal["regex", "jsonSchema", "llm"]
+    pattern: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    prompt: str | None = None
+    approve_pattern: str = r"^\s*(yes|approve)"
+    strategy: Literal["rounds", "inPlace", "hybrid"] = "rounds"
+    max_rounds: int = Field(3, ge=1, le=20)
+    max_attempts: int = Field(3, ge=1, le=100)
+    # hybrid: switch to inPlace when a round approves less than this share of its rows,
+    # or after this many rounds, whichever comes first.
+    hybrid_min_approval_rate: float = Field(0.5, ge=0, le=1)
+    hybrid_switch_after_rounds: int = Field(2, ge=1, le=20)
+
+    @model_validator(mode="after")
+    def _judge_fields(self) -> JudgeSpec:
+        if self.type == "regex":
+            if not self.pattern:
+                raise ValueError("judge.type regex needs judge.pattern")
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"judge.pattern is not a valid regular expression: {e}") from e
+        if self.type == "jsonSchema" and self.json_schema is None:
+            raise ValueError("judge.type jsonSchema needs judge.schema")
+        if self.type == "llm":
+            if not self.prompt:
+                raise ValueError("judge.type llm needs judge.prompt")
+            if "{output}" not in self.prompt:
+                raise ValueError("judge.prompt must contain {output}")
+        try:
+            re.compile(self.approve_pattern)
+        except re.error as e:
+            raise ValueError(f"judge.approvePattern is not a valid regular expression: {e}") from e
+        return self
+
+
+class JobSpec(_Model):
+    input: InputSpec
+    output: OutputSpec
+    model: ModelSpec = ModelSpec()
+    sharding: ShardingSpec = ShardingSpec()
+    batching: BatchingSpec = BatchingSpec()
+    workers: WorkersSpec = WorkersSpec()
+    storage: StorageSpec = StorageSpec()
+    judge: JudgeSpec | None = None
+    max_error_ratio: float | None = Field(None, ge=0, le=1)
+    suspend: bool = False
+    # Stop for good and publish what is finished as a partial manifest (phase Cancelled), or do so
+    # once this many seconds have passed since the job was created (phase Expired).
+    cancel: bool = False
+    # At most MAX_DEADLINE_SECONDS: creation time plus the deadline must be a date (a "9999999d" window is not).
+    deadline_seconds: int | None = Field(None, ge=1, le=MAX_DEADLINE_SECONDS)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        if self.judge is not None and self.model.task == "embed":
+            raise ValueError("judge needs a generate or chat task: embeddings have no text to judge")
+        if self.output.format == "parquet" and self.input.format == "openai":
+            raise ValueError(PARQUET_NOT_OPENAI)
+        if self.output.partition_by == "input" and self.judge is not None and self.judge.strategy != "inPlace":
+            raise ValueError(PARTITION_NEEDS_ONE_ROUND)
+        nodes = self.workers.nodes_per_lane
+        if nodes > 1 and self.model.engine not in GROUP_ENGINES:
+            raise ValueError(NODES_PER_LANE_ENGINE)
+        if nodes > 1 and self.model.vllm.pipeline_parallel_size not in (1, nodes):
+            raise ValueError(NODES_PER_LANE_PIPELINE)
+        if self.model.engine == "vllm" and self.workers.gpus is not None and self.workers.gpus < self.engine_gpus:
+            raise ValueError(GPUS_FOR_VLLM)
+        if uris_overlap(self.input.uri, self.output.uri):
+            raise ValueError(OVERLAP_MESSAGE)
+        if self.model.engine in CONTINUOUS_ENGINES and (self.batching.target_batch_tokens is not None
+                                                        or self.batching.max_batch_size is not None):
+            raise ValueError(BATCH_SHAPE_NOT_CONTINUOUS)
+        return self
+
+    @property
+    def engine_gpus(self) -> int:
+        """GPUs vLLM needs in one pod: tensor x pipeline parallel, or tensor parallel alone when the lane
+        spans several pods (one pipeline stage a pod)."""
+        if self.workers.nodes_per_lane > 1:
+            return self.model.vllm.tensor_parallel_size
+        return self.model.vllm.gpus
+
+    @property
+    def gpus(self) -> int:
+        """GPUs per worker pod: spec.workers.gpus, else what vLLM needs in one pod (engine_gpus), else 0."""
+        if self.workers.gpus is not None:
+            return self.workers.gpus
+        return self.engine_gpus if self.model.engine == "vllm" else 0
+
+
+class Metadata(_Model):
+    name: str
+    namespace: str = "default"
+    uid: str | None = None
+    creation_timestamp: str | None = None  # set by the API server; spec.deadlineSeconds counts from it
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+    @model_validator(mode="after")
+    def _name(self) -> Metadata:
+        if not NAME_RE.match(self.name) or len(self.name) > MAX_NAME_LEN:
+            raise ValueError(
+                f"metadata.name {self.name!r} must be lowercase letters, digits and '-', "
+                f"start and end alphanumeric, at most {MAX_NAME_LEN} characters"
+            )
+        return self
+
+
+class BatchInferenceJob(_Model):
+    api_version: str = f"{API_GROUP}/{API_VERSION}"
+    kind: str = KIND
+    metadata: Metadata
+    spec: JobSpec
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+    @model_validator(mode="after")
+    def _kind(self) -> BatchInferenceJob:
+        if self.kind != KIND:
+            raise ValueError(f"kind must be {KIND}, got {self.kind!r}")
+        if self.api_version != f"{API_GROUP}/{API_VERSION}":
+            raise ValueError(f"apiVersion must be {API_GROUP}/{API_VERSION}, got {self.api_version!r}")
+        return self
+
+    @property
+    def job_id(self) -> str:
+        """Stable id of this job's working state: the uid in a cluster, the name locally."""
+        return self.metadata.uid or self.metadata.name
+
+
+OVERLAP_MESSAGE = ("spec.output.uri must not be spec.input.uri, lie inside it or contain it: a job would read "
+                   "its own (or an earlier job's) state and results as input; choose a separate output folder")
+
+
+def _check_uri(uri: str) -> str:
+    if not uri.startswith(("file://", "s3://", "gs://")):
+        raise ValueError(f"must start with file://, s3:// or gs://, got {uri!r}")
+    for scheme in ("s3", "gs"):
+        if uri.startswith(f"{scheme}://") and not re.match(URI_PATTERN, uri):
+            raise ValueError(f"{scheme}:// needs a bucket ({scheme}://bucket/prefix), got {uri!r}")
+    if not re.match(URI_PATTERN, uri):
+        raise ValueError(f"file:// needs a path (file:///absolute/path or file://relative/path), got {uri!r}")
+    return uri
+
+
+def folder_key(uri: str) -> str:
+    """A URI as a folder, for comparing places: one trailing slash, `.`/`..` resolved in file:// paths."""
+    if uri.startswith("file://"):
+        path = posixpath.normpath(uri[len("file://"):])
+        uri = "file://" + path
+    return uri.rstrip("/") + "/"
+
+
+def uris_overlap(a: str, b: str) -> bool:
+    """Whether one URI is the other or lies under it (`in/` and `in-old/` do not overlap)."""
+    fa, fb = folder_key(a), folder_key(b)
+    return fa.startswith(fb) or fb.startswith(fa)
+
+
+def _format_errors(err: ValidationError, prefix: str = "") -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",))
+        path = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "(document)"
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        problems.append(f"{path}: {msg}")
+    return problems
+
+
+def parse_job(doc: Any, source: str | None = None) -> BatchInferenceJob:
+    """Validate a BatchInferenceJob document (a dict as parsed from YAML or from the API)."""
+    if not isinstance(doc, dict):
+        raise SpecError(["(document): must be a mapping with apiVersion, kind, metadata and spec"], source)
+    if "spec" not in doc:
+        raise SpecError(["spec: missing"], source)
+    try:
+        return BatchInferenceJob.model_validate(doc)
+    except ValidationError as e:
+        raise SpecError(_format_errors(e), source) from None
+
+
+def parse_spec(spec: Any, name: str = "job", source: str | None = None) -> JobSpec:
+    """Validate only a `spec` mapping (the operator gets metadata from the API)."""
+    try:
+        return JobSpec.model_validate(spec)
+    except ValidationError as e:
+        raise SpecError(_format_errors(e, "spec."), source) from None
+
+
+def load_job(path: str | Path) -> BatchInferenceJob:
+    """Load and validate a BatchInferenceJob from a YAML file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SpecError([f"cannot read file: {e.strerror}"], str(p)) from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        raise SpecError([f"not valid YAML: {e}"], str(p)) from None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if len(jobs) != 1:
+        raise SpecError([f"expected exactly one {KIND} document, found {len(jobs)}"], str(p))
+    return parse_job(jobs[0], str(p))
+
+
+def job_to_dict(job: BatchInferenceJob) -> dict[str, Any]:
+    """The job as a JSON-able dict with camelCase keys (what the worker receives)."""
+    return job.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -1,0 +1,597 @@
+"""The one driver of a BatchInferenceJob, for the operator and for `bij run` alike.
+
+`Driver.reconcile()` observes the bij through a `Backend`, asks `reconcile.decide()` for the
+next step, applies it, and asks again until the answer is to wait. What a step does to the
+world goes through the backend; everything else — planning, the status fields and messages,
+Events, what a failed step means — is written once, here and in the pure core, so the operator
+and `bij run` take the same decisions in the same order.
+
+The driver reads and writes no storage. What touches the bij's data (planning a round, a finished
+round's statistics, the publish plan, the manifest) is a step (`steps`) run as a one-pod Job in the
+bij's namespace under its identity, like the round and publish Jobs; each pod reports its small
+result, and each lane its progress, into the bij's status (`bij.worker.report`), where the driver
+reads them with the bij itself. Whether a step runs, waits, is retried or failed is decided by
+`reconcile.decide()` from its Job, its pods and its report, as a round is: the driver only creates
+and deletes step Jobs and records their results.
+
+Backends:
+
+- `handlers.KubeBackend`: the Kubernetes API (status subresource, batch/v1 Jobs owned by the
+  bij, Events), driven by one kopf daemon per bij.
+- `local.LocalBackend`: `bij run` on one machine; status kept in memory, Jobs run as local
+  processes with `JOB_COMPLETION_INDEX` by a small Indexed Job controller, Events printed.
+
+Every step is idempotent (deterministic Job names, "exists" means an earlier attempt did it,
+planning and publishing rewrite nothing), so a driver stopped anywhere continues where it
+stopped when asked again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+from bij.contract import layout
+from bij.contract.codes import GENERATION_LABEL
+from bij.contract.efficiency import eta_seconds, fmt_duration
+from bij.contract.fingerprint import field_digests
+from bij.contract.rounds import RoundStats
+from bij.contract.spec import BatchInferenceJob, SpecError
+from bij.control.jobs import FileVolume, render_job, render_lane_service, render_publish_job, render_step_job
+from bij.control.permissions import CONDITION as PERMISSIONS_CONDITION
+from bij.control.permissions import STATUS_KEY as PERMISSIONS_KEY
+from bij.control.permissions import GrantCheck, condition, record
+from bij.control.reconcile import (
+    STOPPED_PHASES,
+    TERMINAL_PHASES,
+    CheckPermissions,
+    CreateJob,
+    CreatePublishJob,
+    Decision,
+    FinishRound,
+    MarkFailed,
+    Nothing,
+    PatchJob,
+    Phase,
+    PlanRound,
+    PreparePublish,
+    Publish,
+    RerunStep,
+    Retry,
+    StepDecision,
+    StopHeld,
+    Wait,
+    current_round,
+    decide,
+    format_ranges,
+    name_conflict,
+    round_records,
+)
+from bij.control.status import (
+    decision_status,
+    fmt_time,
+    now_utc,
+    parse_time,
+    phase_conditions,
+    set_condition,
+    status_differs,
+)
+from bij.control.stopping import seconds_left
+
+log = logging.getLogger("bij.driver")
+
+# Progress-only status writes (shard counts, rows) at most this often; phase changes and actions
+# are written at once.
+STATUS_INTERVAL = 5.0
+# While a round runs, its rows are refreshed from the lanes' reports in the status this often.
+PROGRESS_INTERVAL = 30.0
+# Steps applied per reconcile before yielding; a whole run takes about ten.
+MAX_STEPS = 16
+# A Job of our name that belongs to someone else is looked at again this often.
+CONFLICT_RECHECK = 15.0
+# A step Job deleted to run anew, or one that succeeded before its report shows in the status read:
+# look again this soon.
+REPORT_RECHECK = 1.0
+
+Created = Literal["created", "exists", "foreign"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What a backend sees of the bij: its spec (parsed, or why it cannot be), status and Jobs."""
+
+    job: BatchInferenceJob | None
+    spec_error: SpecError | None
+    status: Mapping[str, Any]
+    generation: int | None
+    output_uri: str
+    jobs: Sequence[Mapping[str, Any]]
+    # The pods of its step Jobs that failed (`reconcile.failed_pods` reads them): what a retry or a
+    # failure says about the cause.
+    pods: Sequence[Mapping[str, Any]] = ()
+
+
+class Backend(Protocol):
+    """Where the driver's steps take effect."""
+
+    worker_image: str
+    steps_image: str  # the image of step Jobs (bij without an engine)
+    # The volume file:// URIs lie on, mounted into every pod (the chart's fileStorage); None: no volume.
+    file_volume: FileVolume | None
+
+    def observe(self) -> Observed | None:
+        """The bij now; None when it is gone (deleted, or being deleted)."""
+
+    def create_job(self, body: dict[str, Any]) -> Created:
+        """Create a batch/v1 Job owned by the bij: "exists" when an earlier attempt of ours did,
+        "foreign" when a Job of that name belongs to someone else (never adopted or replaced)."""
+
+    def create_service(self, body: dict[str, Any]) -> None:
+        """Create a v1 Service owned by the bij (the headless Service of lanes of several pods); one that
+        exists already is fine."""
+
+    def patch_job(self, name: str, spec: dict[str, Any]) -> None:
+        """Merge `spec` into the Job's spec (suspend, parallelism)."""
+
+    def delete_job(self, name: str) -> None:
+        """Delete a step Job (and its pods) so that the step runs again; gone already is fine."""
+
+    def write_status(self, patch: dict[str, Any]) -> None:
+        """Merge-patch the bij's status."""
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Post an Event about the bij (Normal or Warning)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Idle:
+    """Where a reconcile stopped: the last decision, and when to ask again without a change.
+
+    ``recheck`` None: only when something changes (a Job, the spec). ``gone``: the bij was deleted.
+    """
+
+    decision: Decision | None
+    recheck: float | None = None
+    gone: bool = False
+
+
+class Driver:
+    """Steps one bij forward through a backend. One driver per bij; not shared between threads.
+
+    ``worker_grants``: where the bij's pods run under RBAC (the operator), asks the API server whether its
+    worker service account holds every grant its pods use (`access_review.check_grants`); `decide()` then
+    checks before the first pod. None (`bij run`: local processes, no RBAC): never checked."""
+
+    def __init__(self, backend: Backend, *, status_interval: float = STATUS_INTERVAL,
+                 progress_interval: float = PROGRESS_INTERVAL,
+                 on_decision: Callable[[Decision], None] | None = None,
+                 worker_grants: Callable[[str], GrantCheck] | None = None):
+        self.backend = backend
+        self.status_interval = status_interval
+        self.progress_interval = progress_interval
+        self.on_decision = on_decision
+        self.worker_grants = worker_grants
+        self.last_progress = 0.0
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def reconcile(self) -> Idle:
+        """Bring the bij forward as far as it can go now. Safe to call any time, any number of times."""
+        last: Decision | None = None
+        for _ in range(MAX_STEPS):
+            seen = self.backend.observe()
+            if seen is None:
+                return Idle(None, gone=True)
+            if seen.job is None:
+                assert seen.spec_error is not None
+                self.mark_invalid(seen, seen.spec_error)
+                return Idle(None)
+            job = seen.job
+            now = now_utc()
+            last = decide(job, seen.status, seen.jobs, self.shards_done(seen.status), now=now, pods=seen.pods,
+                          generation=seen.generation, check_permissions=self.worker_grants is not None)
+            log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
+            if self.on_decision is not None:
+                self.on_decision(last)
+            idle = self.apply(seen, job, last)
+            if idle is not None:
+                return until_deadline(idle, job, seen.status, now)
+        log.warning("%s: still changing after %d steps; continuing shortly", last, MAX_STEPS)
+        return Idle(last, recheck=1.0)
+
+    def apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
+        """Apply one decision: None when the loop should ask again (something changed), else where
+        to stop."""
+        try:
+            return self._apply(seen, job, d)
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(d, StepDecision) and d.result is not None:
+                # A result this operator cannot read (a pod of another bij version): said, never raised.
+                what = d.step_args()
+                unreadable = MarkFailed(round=d.round, phase="Failed", reason="StepFailed", event="StepFailed",
+                                        message=f"step {what['kind']} of round {what['round_no']}: its result "
+                                                f"cannot be read ({type(e).__name__}: {e}); are the steps' image "
+                                                "and the operator of one version?")
+                return self.apply_failure(seen, unreadable, job)
+            if not isinstance(e, ValueError) or not isinstance(d, (CreateJob, CreatePublishJob)):
+                raise
+            # The Job cannot be made from this spec (more lanes than an Indexed Job may have): only a spec
+            # change helps.
+            failed = MarkFailed(round=d.round, phase="Failed", reason="CannotCreateJob",
+                                message=f"round {d.round}: {e}", shards=d.shards, event="CannotCreateJob")
+            return self.apply_failure(seen, failed, job)
+
+    def _apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
+        status = seen.status
+        now = now_utc()
+
+        if isinstance(d, StepDecision) and d.result is None:
+            return self.run_step(seen, job, d)
+
+        if isinstance(d, CheckPermissions):
+            self.check_permissions(seen, d, now)
+            return None
+
+        if isinstance(d, RerunStep):
+            self.backend.delete_job(d.job_name)
+            self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
+            return Idle(d, recheck=REPORT_RECHECK)  # once its Job is gone, the step is made anew
+
+        if isinstance(d, PlanRound):
+            got = d.result
+            assert got is not None
+            shards, lanes, size = int(got["shards"]), int(got["lanes"]), int(got["bytes"])
+            rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
+            rec: dict[str, Any] = {"round": d.round, "shards": shards, "lanes": lanes,
+                                   "bytes": size, "startTime": fmt_time(now)}
+            if d.round == 0:
+                rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
+            rounds.append(rec)
+            msg = (f"round {d.round}: planned {shards} shards in {lanes} lanes from {int(got['objects'])} "
+                   f"input objects ({size:,} {got.get('unit') or 'bytes'})")
+            patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
+                     "shards": {"done": 0, "total": shards}, "shardsSummary": f"0/{shards}"}
+            if "rows" not in status:
+                patch["rows"] = {"done": 0, "failed": 0}  # so the ROWS column reads 0, not <none>
+            self.write_status(seen, patch, event=("Normal", "RoundPlanned", msg))
+            return None
+
+        if isinstance(d, CreateJob):
+            if job.spec.workers.nodes_per_lane > 1:
+                # Before the Job: a lane's members find its leader by the name this Service gives it.
+                self.backend.create_service(render_lane_service(job, owner_uid=job.metadata.uid))
+            body = render_job(job, d.round, d.completions, layout.round_manifest_uri(job, d.round),
+                              image=self.backend.worker_image, owner_uid=job.metadata.uid,
+                              file_volume=self.backend.file_volume)
+            created = self.create_job(seen, d, body, f"round {d.round}", "Pending")
+            if created == "foreign":
+                return Idle(d, recheck=CONFLICT_RECHECK)
+            spec = body["spec"]
+            msg = (f"round {d.round}: created Job {body['metadata']['name']} with {d.completions} lanes for "
+                   f"{d.shards.total if d.shards else '?'} shards, parallelism {spec['parallelism']}"
+                   + (", suspended" if spec.get("suspend") else ""))
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg},
+                              event=("Normal", "RoundStarted", msg) if created == "created" else None)
+            return None
+
+        if isinstance(d, PatchJob):
+            job_spec: dict[str, Any] = {}
+            if d.suspend is not None:
+                job_spec["suspend"] = d.suspend
+            if d.parallelism is not None:
+                job_spec["parallelism"] = d.parallelism
+            self.backend.patch_job(d.job_name, job_spec)
+            reason = {True: "Suspended", False: "Resumed", None: "Scaled"}[d.suspend]
+            if d.phase == "Cancelling":
+                reason = d.reason
+            what = {True: "suspended (durable work is kept)", False: "resumed",
+                    None: f"parallelism set to {d.parallelism}"}[d.suspend]
+            msg = d.message if d.phase == "Cancelling" else f"round {d.round}: Job {d.job_name} {what}"
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg}, event=("Normal", reason, msg))
+            return None
+
+        if isinstance(d, FinishRound):
+            end = d.result or {}
+            planned = int((round_records(status).get(d.round) or {}).get("shards") or 0)
+            counted = end.get("stats") or {}
+            stats = RoundStats(round=d.round, shards=planned, approved=int(counted.get("approved") or 0),
+                               rejected=int(counted.get("rejected") or 0), capped=int(counted.get("capped") or 0),
+                               errors=int(counted.get("errors") or 0),
+                               engine_calls=int(counted.get("engineCalls") or 0))
+            rounds = []
+            for rec in status.get("rounds") or []:
+                if rec.get("round") == d.round:
+                    rec = {**rec, **stats.as_status(), "completionTime": fmt_time(now)}
+                    if d.lanes is not None and d.lanes.replaced:
+                        rec["groupsReplaced"] = d.lanes.replaced  # its lanes' reports go below
+                rounds.append(rec)
+            msg = f"round {d.round} finished: {d.shards.summary if d.shards else '0/0'} shards, " \
+                  f"{stats.approved} rows, {stats.errors} error rows"
+            if job.spec.judge is not None:
+                msg += f", {stats.rejected} rejected, {stats.capped} capped (approval {stats.approval_rate:.1%})"
+            if d.failed_lanes:
+                noun = "lane" if len(d.failed_lanes) == 1 else "lanes"
+                msg += f"; {noun} {format_ranges(d.failed_lanes)} failed, the other lanes finished their shards"
+            if d.lanes is not None and d.lanes.replaced:
+                msg += f"; lane groups replaced: {d.lanes.replaced}"
+            patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
+                     **self.progress(status, d.round, now, ended=stats),
+                     **{k: end[k] for k in ("efficiency", "cost") if k in end}}
+            lanes_reported = ((status.get("reports") or {}).get("lanes") or {})
+            gone = {k: None for k, v in lanes_reported.items() if isinstance(v, Mapping) and v.get("round") == d.round}
+            if gone:
+                patch["reports"] = {"lanes": gone}  # counted in status.rounds now
+            self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
+            return None
+
+        if isinstance(d, PreparePublish):
+            got = d.result
+            assert got is not None
+            if "published" in got:
+                # Published before the status said so (a restart in between): the manifest stands.
+                return self.published(seen, job, d, got["published"])
+            plan_uri, passes = str(got["planUri"]), {str(k): int(v) for k, v in dict(got["passes"]).items()}
+            msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
+                + " indexes" + (" (partial)" if d.partial else "")
+            # startedAt: when publishing began (bij-api's finalizing_at).
+            record: dict[str, Any] = {"rounds": d.rounds, "planUri": plan_uri, "passes": passes,
+                                      "startedAt": fmt_time(now)}
+            if d.partial:
+                record["partial"] = d.partial
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg, "publish": record})
+            return None
+
+        if isinstance(d, CreatePublishJob):
+            body = render_publish_job(job, d.pass_name, d.completions, d.plan_uri, image=self.backend.worker_image,
+                                      owner_uid=job.metadata.uid, file_volume=self.backend.file_volume)
+            created = self.create_job(seen, d, body, "publishing", "Publishing")
+            if created == "foreign":
+                return Idle(d, recheck=CONFLICT_RECHECK)
+            pods = f"{d.completions} pod" + ("s" if d.completions != 1 else "")
+            msg = f"publishing: created Job {body['metadata']['name']} for pass {d.pass_name} ({pods})"
+            self.write_status(seen, {**self.base(seen, d, now), "message": msg},
+                              event=("Normal", "PublishPassStarted", msg) if created == "created" else None)
+            return None
+
+        if isinstance(d, Publish):
+            assert d.result is not None
+            return self.published(seen, job, d, d.result)
+
+        if isinstance(d, (MarkFailed, Retry)):
+            return self.apply_failure(seen, d, job)
+
+        if isinstance(d, StopHeld):
+            # Cancelled or Expired before anything ran: said once, and not Ready (there is no manifest).
+            patch = {**self.base(seen, d, now), "message": d.message}
+            patch["conditions"] = set_condition(patch["conditions"], "Ready", False, d.reason, d.message,
+                                                generation=seen.generation, now=now)
+            self.write_status(seen, patch, event=("Normal", d.phase, d.message))
+            return Idle(d)
+
+        if isinstance(d, Nothing):
+            # Finished: only keep observedGeneration and conditions current after spec edits (a bij stopped
+            # before anything ran published nothing: it stays not Ready).
+            unpublished = d.phase in STOPPED_PHASES and not status.get("manifestUri")
+            patch = {"observedGeneration": seen.generation,
+                     "conditions": phase_conditions(status.get("conditions") or [], d.phase, d.reason, d.message,
+                                                    generation=seen.generation, now=now,
+                                                    ready=False if unpublished else None)}
+            self.write_status(seen, patch)
+            return Idle(d)
+
+        assert isinstance(d, Wait), d
+        patch = {**self.base(seen, d, now), "message": d.message}
+        phase_changed = status.get("phase") != d.phase or status.get("round") != d.round
+        if d.warning and status.get("message") != d.message:
+            # A step's pod failed and its Job runs it again: said at once, once.
+            self.write_status(seen, patch, event=("Warning", d.warning, d.message))
+            return Idle(d, recheck=d.recheck)
+        recheck = d.recheck or (self.progress_interval if d.phase == "Running" else None)
+        # The rows the lanes reported count as a change too: a lane can commit many chunks of one shard
+        # while the decision (shards, lanes, message) stays the same.
+        progress = self.progress(status, d.round, now)
+        if not status_differs(status, {**patch, "rows": progress["rows"]}) and not phase_changed:
+            return Idle(d, recheck=recheck)
+        wait = self.last_progress + self.status_interval - time.monotonic()
+        if not phase_changed and wait > 0:
+            # Progress only: write it at the end of the interval, once, whatever happens meanwhile.
+            return Idle(d, recheck=wait)
+        patch.update(progress)
+        self.last_progress = time.monotonic()
+        self.write_status(seen, patch)
+        return Idle(d, recheck=recheck)
+
+    # --- steps shared by several decisions ----------------------------------------------------------
+
+    def apply_failure(self, seen: Observed, d: Decision, job: BatchInferenceJob | None = None) -> Idle:
+        """A failed bij (MarkFailed) or a step to try again later (Retry): status, one Event per message."""
+        now = now_utc()
+        patch = {**self.base(seen, d, now), "message": d.message}
+        if isinstance(d, MarkFailed) and job is not None:
+            patch.update(self.progress(seen.status, d.round, now))
+        # Once per message: a recoverable failure (SpecChanged) is decided again on every change.
+        first = seen.status.get("message") != d.message
+        reason = d.reason if isinstance(d, Retry) else d.event if isinstance(d, MarkFailed) else "Failed"
+        self.write_status(seen, patch, event=("Warning", reason, d.message) if first else None)
+        return Idle(d, recheck=d.delay if isinstance(d, Retry) else None)
+
+    def check_permissions(self, seen: Observed, d: CheckPermissions, now: Any) -> None:
+        """Ask whether the worker identity holds its grants; record the answer (``status.workerPermissions``,
+        the WorkerPermissions Condition) and say it in an Event when it changed. `decide()` takes it from there."""
+        assert self.worker_grants is not None  # decided only where grants are checked
+        check = self.worker_grants(d.service_account)
+        previous = seen.status.get(PERMISSIONS_KEY)
+        previous = previous if isinstance(previous, Mapping) else {}
+        rec = record(check, previous, fmt_time(now))
+        truth, reason, message = condition(check)
+        patch = {**self.base(seen, d, now), "message": d.message, PERMISSIONS_KEY: rec}
+        patch["conditions"] = set_condition(patch["conditions"], PERMISSIONS_CONDITION, truth, reason, message,
+                                            generation=seen.generation, now=now)
+        was = (previous.get("serviceAccount"), previous.get("result"), previous.get("missing"))
+        event: tuple[str, str, str] | None = None
+        if was != (rec["serviceAccount"], rec["result"], rec["missing"]):
+            if check.result == "Missing":
+                event = ("Warning", "MissingPermissions", message)
+            elif check.result == "Unknown":
+                event = ("Warning", "PermissionsNotChecked", message)
+            elif previous.get("result") == "Missing":
+                event = ("Normal", "PermissionsGranted", f"{message}: the bij goes on")
+        log.info("worker grants of %s: %s", check.user, check.result)
+        self.write_status(seen, patch, event=event)
+
+    def create_job(self, seen: Observed, d: Decision, body: dict[str, Any], what: str,
+                   phase: Phase) -> Created:
+        created = self.backend.create_job(body)
+        if created == "foreign":
+            conflict = name_conflict(d, body["metadata"]["name"], what, phase)
+            self.write_status(seen, {**self.base(seen, conflict, now_utc()), "message": conflict.message},
+                              event=("Warning", "JobNameConflict", conflict.message)
+                              if seen.status.get("message") != conflict.message else None)
+        return created
+
+    def published(self, seen: Observed, job: BatchInferenceJob, d: Decision, manifest: Mapping[str, Any]) -> Idle:
+        """Phase Succeeded with what the manifest says (Cancelled or Expired for a partial manifest)."""
+        now = now_utc()
+        counts = manifest.get("counts") or {}
+        uri = layout.manifest_uri(job)
+        partial = (manifest.get("partial") or {}).get("phase")
+        files = manifest.get("files") or 0
+        codes = counts.get("errorCodes") or {}
+        by_code = (": " + ", ".join(f"{n} {code}" for code, n in sorted(codes.items(), key=lambda e: -e[1]))
+                   if codes else "")
+        msg = (f"published {counts.get('rows', 0)} rows in {files if isinstance(files, int) else len(files)} files "
+               f"({counts.get('errors', 0)} error rows{by_code}) to {uri}")
+        if partial:
+            msg = (f"{partial.lower()} ({manifest['partial'].get('reason', '')}): " + msg
+                   + f"; {counts.get('notRun', 0)} rows not run")
+        structured = counts.get("structured") or {}
+        if structured.get("validated") or structured.get("violations"):
+            # Structured answers checked after decoding (bij.engines.structured).
+            msg += (f"; structured answers: {structured.get('validated', 0)} validated "
+                    f"({structured.get('repaired', 0)} repaired on a second grammar backend), "
+                    f"{structured.get('violations', 0)} schema_violation error rows")
+        for note in manifest.get("notes") or []:
+            msg += f"; {note}"  # what the engine could not serve at all, once each (not per row)
+        damaged = [str(o.get("message")) for o in manifest.get("damagedObjects") or []]
+        if damaged:
+            # input.onDamagedObject errorRow: published without what lay behind the break; never silent.
+            msg += "; damaged input (one corrupt_input error row each, the rest unread): " + "; ".join(damaged)
+        if counts.get("capped"):
+            # Never silent: rows the judge still rejected at the cap are published apart and said so.
+            capped = (f"RetryCapReached: {counts['capped']} rows were still rejected by the judge at the cap; "
+                      "they are in the manifest's cappedFiles")
+            msg += f"; {capped}"
+            self.backend.event("Warning", "RetryCapReached", capped)
+        done = dataclasses.replace(d, phase=partial or "Succeeded", reason=partial or "Published", message=msg)
+        rows = {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}
+        if partial:
+            rows["notRun"] = int(counts.get("notRun", 0))
+        patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg, "rows": rows}
+        patch.update({k: v for k, v in self.progress(seen.status, d.round, now).items() if k != "rows"})
+        self.write_status(seen, patch, event=("Normal", partial or "Published", msg))
+        return Idle(done)
+
+    def mark_invalid(self, seen: Observed, err: SpecError) -> None:
+        """Phase Failed with the validation problems; posted once per distinct message."""
+        msg = "invalid spec: " + "; ".join(err.problems)
+        now = now_utc()
+        patch = {"phase": "Failed", "message": msg, "observedGeneration": seen.generation,
+                 "conditions": phase_conditions(seen.status.get("conditions") or [], "Failed", "InvalidSpec", msg,
+                                                generation=seen.generation, now=now)}
+        if seen.status.get("message") != msg:
+            self.write_status(seen, patch, event=("Warning", "InvalidSpec", msg))
+
+    def base(self, seen: Observed, d: Decision, now: Any) -> dict[str, Any]:
+        """The status fields every decision sets (phase, round, shards, conditions, ...)."""
+        return decision_status(seen.status, d, generation=seen.generation, now=now, output_uri=seen.output_uri)
+
+    def write_status(self, seen: Observed, patch: dict[str, Any], event: tuple[str, str, str] | None = None) -> None:
+        """Merge-patch the status (only if it changes) and post the Event."""
+        if status_differs(seen.status, patch):
+            self.backend.write_status(patch)
+        if event is not None:
+            self.backend.event(*event)
+
+    # --- storage steps, run as Jobs in the bij's namespace (bij.steps.main) ---------------------
+
+    def run_step(self, seen: Observed, job: BatchInferenceJob, d: StepDecision) -> Idle | None:
+        """Create the one-pod Job of step `d` (`decide()` saw none): its pod reports into the bij's status,
+        and `decide()` takes it from there. None: look again (something changed)."""
+        args = d.step_args()
+        body = render_step_job(job, **args, image=self.backend.steps_image, owner_uid=job.metadata.uid,
+                               file_volume=self.backend.file_volume)
+        body["metadata"]["labels"][GENERATION_LABEL] = str(seen.generation or 0)
+        name = body["metadata"]["name"]
+        created = self.create_job(seen, d, body, f"{d.message}: step {args['kind']}", d.phase)
+        if created == "foreign":
+            return Idle(d, recheck=CONFLICT_RECHECK)
+        if created == "created":
+            log.info("%s/%s: step %s runs in Job %s", job.metadata.namespace, job.metadata.name, args["kind"], name)
+            # The phase from the start (Planning, Publishing, ...), not only once the step reports.
+            self.write_status(seen, {**self.base(seen, d, now_utc()), "message": f"{d.message} (step Job {name})"})
+        return None
+
+    # --- progress from the pods' reports (the operator reads no storage) ------------------------------
+
+    def shards_done(self, status: Mapping[str, Any]) -> int | None:
+        """How many shards of the current round its lanes reported finished; None when no round runs.
+        A lane counts only shards it finished itself, so the sum counts each shard once."""
+        rec = round_records(status).get(current_round(status))
+        if rec is None or rec.get("completionTime") or status.get("phase") in TERMINAL_PHASES:
+            return None
+        return sum(int(v.get("shardsDone") or 0) for v in lane_reports(status, current_round(status)))
+
+    def progress(self, status: Mapping[str, Any], round_no: int, now: Any,
+                 ended: RoundStats | None = None) -> dict[str, Any]:
+        """``rows`` and ``rowsPerSecond``: the finished rounds' counts in ``status.rounds``, and the
+        current round's (its statistics once `ended`, else what its lanes reported); ``eta`` of the
+        running round from the input its lanes reported done."""
+        done = failed = 0
+        for r, rec in round_records(status).items():
+            # A finished round counts from its record (the current one too: while publishing, say),
+            # unless its statistics are being recorded right now (`ended`).
+            if rec.get("completionTime") and not (r == round_no and ended is not None):
+                done += int(rec.get("approved") or 0)
+                failed += int(rec.get("errors") or 0)
+        finished = bool((round_records(status).get(round_no) or {}).get("completionTime"))
+        current = [] if finished else lane_reports(status, round_no)
+        if ended is not None:
+            done += ended.approved
+            failed += ended.errors
+        else:
+            done += sum(int(v.get("rows") or 0) for v in current)
+            failed += sum(int(v.get("errors") or 0) for v in current)
+        started = status.get("startTime") or min((str(r["startTime"]) for r in round_records(status).values()
+                                                  if r.get("startTime")), default=None)
+        out: dict[str, Any] = {"rows": {"done": done, "failed": failed}}
+        start = parse_time(started)
+        if start is not None:
+            elapsed = (now - start).total_seconds()
+            out["rowsPerSecond"] = round(done / elapsed, 2) if elapsed > 0 else 0.0
+        this_round = round_records(status).get(round_no) or {}
+        round_start = parse_time(this_round.get("startTime"))
+        size = int(this_round.get("bytes") or 0)
+        if ended is None and size and round_start is not None and current:
+            got = sum(int(v.get("bytes") or 0) for v in current)
+            out["eta"] = fmt_duration(eta_seconds(got, size, (now - round_start).total_seconds()))
+        return out
+
+
+def lane_reports(status: Mapping[str, Any], round_no: int) -> list[Mapping[str, Any]]:
+    """The progress reports of the lanes of round `round_no` (``status.reports.lanes``)."""
+    reported = (status.get("reports") or {}).get("lanes") or {}
+    return [v for v in reported.values() if isinstance(v, Mapping) and v.get("round") == round_no]
+
+
+def until_deadline(idle: Idle, job: BatchInferenceJob, status: Mapping[str, Any], now: Any) -> Idle:
+    """`idle`, asked again no later than spec.deadlineSeconds runs out (so an idle bij still expires)."""
+    if idle.gone or status.get("phase") in TERMINAL_PHASES:
+        return idle
+    left = seconds_left(job, status, now)
+    # Once it has passed the bij is stopping, and its Jobs' changes wake the driver.
+    if not left or (idle.recheck is not None and idle.recheck <= left):
+        return idle
+    return dataclasses.replace(idle, recheck=left + 0.1)

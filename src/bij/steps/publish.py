@@ -1,0 +1,359 @@
+"""Publish a finished job: result and error files, then `manifest.json` last, in one atomic write.
+
+Readers trust only the manifest. Publishing keeps the first occurrence of each
+id in input order (a retried index or a duplicate pod can leave a row twice; an
+id repeated across shards is a bad row), writes result and error files per
+shard, and then the manifest with row counts and checksums. The row-level work
+runs in bounded-memory passes (`bij.steps.publish_rows`), as worker processes
+or in this one; what is done here grows with shards, never with rows. It is
+deterministic: publishing again gives the same files and the same manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bij.contract import layout
+from bij.contract.efficiency import cost, efficiency
+from bij.contract.errors import BijError
+from bij.contract.fingerprint import PlanRefused, spec_changes
+from bij.contract.plan import BadPlan, Plan
+from bij.contract.publish_plan import PublishPlan
+from bij.contract.records import RemovedRecord, ShardRecord, decode_shard_record, now_stamp
+from bij.contract.spec import BatchInferenceJob
+from bij.steps import publish_rows
+from bij.steps.progress import damage_records
+from bij.storage import NotFound, Storage, open_storage
+from bij.storage.parquet import id_kind
+
+
+class PublishError(BijError):
+    """The job cannot be published yet: a round or shard has not finished.
+
+    `permanent`: a publish process reported what no retry fixes (exit 42).
+    """
+
+    permanent = False
+
+
+class ErrorRatioExceeded(PublishError):
+    """More rows failed than spec.maxErrorRatio allows: the job failed, publishing again will not help."""
+
+
+@dataclass
+class _Totals:
+    rows: int = 0
+    errors: int = 0
+    capped: int = 0
+    duplicates: int = 0
+    truncated: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    reasoning_tokens: int = 0  # of tokens_out: what result rows' usage counts as reasoning
+    files: list[dict[str, Any]] = field(default_factory=list)
+    error_files: list[dict[str, Any]] = field(default_factory=list)
+    capped_files: list[dict[str, Any]] = field(default_factory=list)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    # From the shards' completion records: how busy the engine was and what its prefix cache could reuse.
+    busy_s: float = 0.0
+    steps: int = 0
+    occupancy_steps: float = 0.0  # meanOccupancy x steps, summed
+    shared_chars: float = 0.0  # prefixShare x promptChars, summed
+    prompt_chars: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
+    error_codes: dict[str, int] = field(default_factory=dict)  # error rows by code
+    structured_validated: int = 0  # structured answers checked after decoding and valid
+    structured_repaired: int = 0  # ... of them valid only on the second grammar backend's try
+    structured_violations: int = 0  # ... and published as schema_violation error rows
+    notes: list[str] = field(default_factory=list)  # what the engine could not serve at all, once each
+    done_records: list[ShardRecord] = field(default_factory=list)  # O(shards): efficiency and cost
+
+    def add_done(self, rec: ShardRecord) -> None:
+        self.done_records.append(rec)
+        self.busy_s += float(rec.get("engineBusySeconds", 0.0))
+        steps = int(rec.get("engineSteps", 0))
+        self.steps += steps
+        self.occupancy_steps += float(rec.get("meanOccupancy", 0.0)) * steps
+        chars = int(rec.get("promptChars", 0))
+        self.prompt_chars += chars
+        self.shared_chars += float(rec.get("prefixShare", 0.0)) * chars
+        self.cached_tokens += int(rec.get("cachedTokens", 0))
+        self.structured_validated += int(rec.get("structuredValidated", 0))
+        self.structured_repaired += int(rec.get("structuredRepaired", 0))
+        self.structured_violations += int(rec.get("structuredViolations", 0))
+        for note in rec.get("notes") or []:
+            if note not in self.notes:
+                self.notes.append(note)
+
+    def engine(self) -> dict[str, Any]:
+        return {"busySeconds": round(self.busy_s, 3), "steps": self.steps,
+                "meanOccupancy": round(self.occupancy_steps / self.steps, 4) if self.steps else None,
+                "prefixShare": round(self.shared_chars / self.prompt_chars, 4) if self.prompt_chars else None,
+                "cachedTokens": self.cached_tokens}
+
+
+def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> Plan:
+    uri = layout.round_manifest_uri(job, round_no)
+    try:
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+    except NotFound:
+        raise PublishError(f"round {round_no} was never planned") from None
+    except BadPlan as e:
+        raise PublishError(str(e), permanent=True) from None
+
+
+def result_id_kind(done_records: list[ShardRecord]) -> str:
+    """'int', 'str' or 'mixed': the Parquet `id` column's type for the whole job, from the workers'
+    counts of integer and string ids (a record without them counts as mixed)."""
+    if any("intIds" not in rec or "strIds" not in rec for rec in done_records):
+        return id_kind(None, None)
+    return id_kind(sum(int(rec["intIds"]) for rec in done_records), sum(int(rec["strIds"]) for rec in done_records))
+
+
+def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan],
+                       done_records: list[ShardRecord], bucket_rows: int,
+                       partial: str | None = None) -> tuple[str, PublishPlan]:
+    """The plan the row-level passes follow: O(shards) to write, one bucket per `bucket_rows` ids."""
+    rows = sum(int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
+               for rec in done_records)
+    prefix = layout.publish_prefix(job)
+    unit_objects: list[list[int]] = []
+    if job.spec.output.partition_by == "input":
+        unit_objects = [sorted({obj for obj, _, _ in shard}) for p in plans for shard in p.shards]
+        counted = [obj for objs in unit_objects for obj in objs]
+        if len(plans) != 1 or len(counted) != len(set(counted)):
+            raise PublishError("output.partitionBy input needs one round whose shards hold whole input objects; "
+                               f"round 0 of {job.metadata.name} was planned otherwise: start over with "
+                               "`bij run --restart` or a new spec.output.uri", permanent=True)
+    plan = PublishPlan(
+        prefix=prefix,
+        output_uri=job.spec.output.uri,
+        units=[(r, index, layout.shard_prefix(p.round_prefix, index))
+               for r, p in enumerate(plans) for index in range(len(p.shards))],
+        object_names=[[o.display_name for o in p.objects] for p in plans],
+        bucket_rows=bucket_rows,
+        buckets=max(1, -(-rows // max(1, bucket_rows))),
+        compression=job.spec.output.compression,
+        format=job.spec.output.format,
+        task=job.spec.model.task,
+        judge=job.spec.judge is not None,
+        id_kind=result_id_kind(done_records) if job.spec.output.format == "parquet" else None,
+        s3=job.spec.storage.s3.model_dump(by_alias=True, exclude_none=True),
+        partial=partial,
+        round_plans=[layout.round_manifest_uri(job, r) for r in range(len(plans))] if partial else [],
+        partition_by=job.spec.output.partition_by,
+        unit_objects=unit_objects,
+        partitions=[layout.partition_stem(o.uri, o.name) for o in plans[0].objects] if unit_objects else [],
+    )
+    uri = layout.publish_plan_uri(prefix)
+    store.write_bytes(uri, plan.to_json())
+    return uri, plan
+
+
+def run_passes(plan: PublishPlan) -> None:
+    """Run the three row-level passes in this process, every index of each in turn (`bij.local.publish`
+    runs them as the Jobs the operator would create, in worker processes)."""
+    for pass_name in publish_rows.PASSES:
+        for index in range(plan.count(pass_name)):
+            publish_rows.run_pass(plan, pass_name, index)
+
+
+def publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | None = None) -> dict[str, Any]:
+    """Write result/error/capped files for rounds 0..rounds-1 and then the manifest. Returns the manifest.
+
+    The row-level work runs in the passes of `bij.steps.publish_rows`, here in this process
+    (`bij.local.publish` runs them in worker processes); this function reads only plans,
+    completion records and per-shard summaries, O(shards).
+    `bucket_rows` overrides spec.output.publishBucketRows (`bij publish --bucket-rows`).
+    Rows a judge still rejected at the cap go to `capped/` files with their last
+    output, attempts and verdicts, and are counted in `counts.capped`.
+    """
+    plan_uri, pplan = prepare_publish(job, rounds, bucket_rows)
+    run_passes(pplan)
+    return finish_publish(job, rounds, pplan)
+
+
+def prepare_publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | None = None,
+                    partial: str | None = None) -> tuple[str, PublishPlan]:
+    """Check that rounds 0..rounds-1 are whole and made by this spec, and write the publish plan the
+    row-level passes follow, with buckets of `bucket_rows` ids (default spec.output.publishBucketRows).
+    `partial` (Cancelled or Expired, see `stopping`): shards need not be finished; each is published
+    as far as it is durable and the passes count its rows not run. O(shards). Returns the plan's URI
+    and the plan."""
+    store = open_storage(job.spec.output.uri, job.spec.storage.s3)
+    try:
+        stopped = (json.loads(store.read_bytes(layout.manifest_uri(job))).get("partial") or {}).get("phase")
+    except NotFound:
+        stopped = None
+    if stopped:
+        # Cancelled or expired: its partial manifest is its result for good.
+        raise PublishError(f"{job.metadata.name} was {stopped.lower()} and its finished part published to "
+                           f"{layout.manifest_uri(job)}: it is never published again; to run it anew, use a new "
+                           "spec.output.uri (or bij run --restart)", permanent=True)
+    removed = removed_record(store, job)
+    if removed is not None:
+        raise WorkFilesRemoved(
+            f"{job.metadata.name} was published and its work files removed at {removed.get('removedAt')} "
+            f"(output.keepIntermediate: false): {layout.manifest_uri(job)} stays valid, but publishing again "
+            "would find no rows; to publish anew, run the job into a new output URI")
+    t = _Totals()
+    plans = [load_round_plan(store, job, r) for r in range(rounds)]
+    for r, plan in enumerate(plans):
+        changes = spec_changes(plan.job, job)
+        if changes:
+            # The manifest must name what made the rows, never a spec edited since.
+            raise PlanRefused(f"cannot publish: {'; '.join(changes)} since round {r} was planned; undo the change, "
+                              "or start over with `bij run --restart`")
+    _read_done(store, plans, t, partial=partial is not None)  # O(shards); the id kind needs them all
+    return write_publish_plan(store, job, plans, t.done_records, bucket_rows or job.spec.output.publish_bucket_rows,
+                              partial)
+
+
+def _read_done(store: Storage, plans: list[Plan], t: _Totals, partial: bool = False) -> None:
+    for r, plan in enumerate(plans):
+        for index in range(len(plan.shards)):
+            uri = layout.done_uri(plan.round_prefix, index)
+            try:
+                t.add_done(decode_shard_record(store.read_bytes(uri), f"completion record {uri}"))
+            except NotFound:
+                if partial:
+                    continue  # stopped before it finished: published as far as it is durable
+                raise PublishError(f"round {r} shard {index} has not finished") from None
+
+
+def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> dict[str, Any]:
+    """After the passes: the manifest from the completion records and the passes' per-shard summaries,
+    O(shards), written last in one atomic write; then the work files go (keepIntermediate false)."""
+    out_uri = job.spec.output.uri
+    store = open_storage(out_uri, job.spec.storage.s3)
+    plans = [load_round_plan(store, job, r) for r in range(rounds)]
+    t = _Totals()
+    _read_done(store, plans, t, partial=pplan.partial is not None)
+    not_run = 0
+    t.rounds = [{"round": r, "shards": len(p.shards), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
+    for unit in range(len(pplan.units)):
+        summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan.prefix, unit)))
+        c = summary["counts"]
+        t.files += summary["files"]
+        t.error_files += summary["errorFiles"]
+        t.capped_files += summary["cappedFiles"]
+        t.rows += c["rows"]
+        t.errors += c["errors"]
+        t.capped += c["capped"]
+        t.duplicates += c["duplicates"]
+        t.truncated += c["truncated"]
+        t.tokens_in += c["tokensIn"]
+        t.tokens_out += c["tokensOut"]
+        t.reasoning_tokens += int(c.get("reasoningTokens", 0))
+        for code, n in (c.get("errorCodes") or {}).items():
+            t.error_codes[code] = t.error_codes.get(code, 0) + int(n)
+        t.rounds[summary["round"]]["rows"] += c["rows"]
+        t.rounds[summary["round"]]["errors"] += c["errors"]
+        not_run += int(c.get("notRun", 0))
+    if job.spec.judge is not None:
+        # The judge's view of each round (rows in, approved, rejected, approval rate).
+        from bij.steps.progress import round_history
+
+        t.rounds = [{**h.as_status(), "rows": d["rows"], "errors": d["errors"]}
+                    for h, d in zip(round_history(job, rounds), t.rounds, strict=True)]
+    total = t.rows + t.errors + t.capped
+    ratio = t.errors / total if total else 0.0
+    limit = job.spec.max_error_ratio
+    # A stopped job publishes what it has, whatever share of it failed: that was asked for.
+    if limit is not None and ratio > limit and pplan.partial is None:
+        raise ErrorRatioExceeded(
+            f"{t.errors} of {total} rows failed ({ratio:.1%}), above spec.maxErrorRatio {limit:.1%}; "
+            f"error rows are in {layout.join(out_uri, 'errors')}/"
+        )
+    eff = efficiency(t.done_records)
+    manifest: dict[str, Any] = {
+        "apiVersion": f"{job.api_version}",
+        "kind": "BatchInferenceJobManifest",
+        "job": {"name": job.metadata.name, "namespace": job.metadata.namespace, "id": job.job_id},
+        "outputUri": out_uri,
+        # What the result files hold: JSON lines (plain or OpenAI batch output) or Parquet.
+        "format": "openai" if job.spec.input.format == "openai" else job.spec.output.format,
+        "compression": job.spec.output.compression,
+        "model": {"engine": job.spec.model.engine, "name": job.spec.model.name, "task": job.spec.model.task},
+        "judge": job.spec.judge.type if job.spec.judge else None,
+        "files": t.files,
+        "errorFiles": t.error_files,
+        "cappedFiles": t.capped_files,
+        "counts": {"rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
+                   "truncated": t.truncated, "inputRows": total + not_run,
+                   "tokensIn": t.tokens_in, "tokensOut": t.tokens_out, "reasoningTokens": t.reasoning_tokens,
+                   **({"notRun": not_run} if pplan.partial else {}),
+                   # Error rows by code; structured answers checked after decoding (bij.engines.structured).
+                   "errorCodes": dict(sorted(t.error_codes.items())),
+                   "structured": {"validated": t.structured_validated, "repaired": t.structured_repaired,
+                                  "violations": t.structured_violations}},
+        # What the engine could not serve at all (a grammar its tokenizer cannot write), said once each.
+        "notes": t.notes,
+        "rounds": t.rounds,
+        **(partial_fields(pplan.partial, t.rows, t.errors, not_run) if pplan.partial else {}),
+        # input.onDamagedObject errorRow: objects published without what lay behind their break.
+        "damagedObjects": [{"round": r, "shard": rec.shard, "object": rec.name, "offset": rec.offset,
+                            "reason": rec.reason, "message": rec.describe()}
+                           for r in range(rounds) for rec in damage_records(job, r)],
+        "engine": t.engine(),
+        "efficiency": eff,
+        "publishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], t.rows,
+                 t.tokens_in + t.tokens_out, job.spec.workers.nodes_per_lane)
+    if spent is not None:
+        manifest["cost"] = spent
+    store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())
+    if not job.spec.output.keep_intermediate:
+        remove_work_files(store, job, plans, pplan)
+    return manifest
+
+
+def partial_fields(phase: str, completed: int, failed: int, not_run: int) -> dict[str, Any]:
+    """What marks a manifest partial: the phase the job stopped in and its rows completed (results),
+    failed (error rows) and not run (no worker finished them), which add up to the input's rows."""
+    reason = "spec.cancel" if phase == "Cancelled" else "spec.deadlineSeconds"
+    return {"partial": {"phase": phase, "reason": reason,
+                        "counts": {"completed": completed, "failed": failed, "notRun": not_run}}}
+
+
+class WorkFilesRemoved(PublishError):
+    """The job was published and its work files removed (output.keepIntermediate false): it cannot be
+    published again."""
+
+
+def removed_record(store: Storage, job: BatchInferenceJob) -> RemovedRecord | None:
+    """What was removed after the job was published, or None when its work files are all there."""
+    try:
+        return json.loads(store.read_bytes(layout.removed_uri(job)))  # type: ignore[no-any-return]
+    except NotFound:
+        return None
+
+
+def remove_work_files(store: Storage, job: BatchInferenceJob, plans: list[Plan],
+                      publish_plan: PublishPlan) -> RemovedRecord:
+    """Remove what only publishing needed: the shards' durable logs, judge rounds' inputs and the
+    publish passes' id buckets. Plans, completion records and shard summaries stay (O(shards)), with
+    a record of what went; it is written first, so a removal cut short still refuses a republish."""
+    folders = [layout.join(p.round_prefix, sub) + "/" for p in plans for sub in ("shards", "rejected")]
+    folders += [layout.join(publish_plan.prefix, sub) + "/" for sub in ("ids", "losers")]
+    objects = [obj for folder in folders for obj in store.list(folder)]
+    record: RemovedRecord = {"removedAt": now_stamp(),
+                             "reason": "output.keepIntermediate is false: work files go once the manifest is published",
+                             "folders": folders, "objects": len(objects), "bytes": sum(o.size for o in objects)}
+    store.write_bytes(layout.removed_uri(job), json.dumps(record, indent=1).encode())
+    for obj in objects:
+        store.delete(obj.uri)
+    return record
+
+
+def read_manifest(job: BatchInferenceJob) -> dict[str, Any] | None:
+    """The published manifest, or None when the job has not been published."""
+    store = open_storage(job.spec.output.uri, job.spec.storage.s3)
+    try:
+        return dict(json.loads(store.read_bytes(layout.manifest_uri(job))))
+    except NotFound:
+        return None

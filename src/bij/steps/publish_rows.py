@@ -1,0 +1,532 @@
+"""The row-level work of publishing, in passes whose memory does not grow with the job.
+
+The operator (or `bij run`) writes a publish plan and runs three passes, each
+indexed like a round's shards, as worker processes or in its own process; it then
+writes `manifest.json` from the small per-shard summaries the last pass leaves.
+
+1. ``ids`` (one per shard): stream the shard's durable log and write every row's
+   id with its place into one of N bucket files, by a hash of the id.
+2. ``dedupe`` (one per bucket): read the bucket from every shard; for each id the
+   first occurrence in input order (round, shard, object, offset) wins, whatever
+   its kind; every later *result* with that id is a loser.
+3. ``write`` (one per shard): stream the log again and write its result, error
+   and capped files, losers turned into ``duplicate_id`` error rows, in input
+   order; leave a summary record with counts, files and checksums.
+
+A pass holds one bucket (``bucketRows`` ids, spec.output.publishBucketRows), or one file part (``fileRows``
+rows), never the job. Every pass is deterministic and rewrites its outputs
+whole, so publishing again gives the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import orjson
+import zstandard
+
+from bij.contract import layout
+from bij.contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK
+from bij.contract.columns import RESULT_FIELDS
+from bij.contract.publish_plan import PASSES, PublishPlan, PublishPlanError, Unit
+from bij.storage import NotFound, Storage, StorageError, open_storage
+from bij.storage.parquet import SUFFIX as PARQUET_SUFFIX
+from bij.storage.parquet import encode_results, results_table, table_bytes
+from bij.storage.segments import LEVEL, ShardLog, encode_records, loads_record
+from bij.worker.inputs import id_key, row_id, row_usage
+
+log = logging.getLogger("bij.worker")
+FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
+# The error line of an OpenAI batch request a stopped batch never ran, by the phase it stopped in:
+# OpenAI's codes, and its message for an expired request (its API reference's words for a cancelled one).
+NOT_RUN_ERRORS = {
+    "Expired": ("batch_expired", "This request could not be executed before the completion window expired."),
+    "Cancelled": ("batch_cancelled", "The batch was cancelled before this request executed."),
+}
+SPOOL_BYTES = 64 << 20  # a partitioned JSON lines file is held in memory up to this size, on local disk beyond
+
+
+def _read_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
+    """A bucket file of pass 1 (one zstd frame), or the plain one a pass 1 of an older version wrote."""
+    uri = layout.publish_ids_uri(prefix, unit, bucket)
+    try:
+        data = store.read_bytes(uri)
+    except NotFound as e:
+        try:
+            return store.read_bytes(uri.removesuffix(".zst"))
+        except NotFound:
+            raise e from None
+    try:
+        return zstandard.ZstdDecompressor().decompress(data)
+    except zstandard.ZstdError as e:
+        raise StorageError(f"id bucket {uri} does not decode ({e}); publish again to rewrite it",
+                           permanent=True) from None
+
+
+def bucket_of(key: str, buckets: int) -> int:
+    """A stable bucket for an id key (crc32: the same in every process and Python version)."""
+    return zlib.crc32(key.encode("utf-8", "surrogatepass")) % buckets
+
+
+def load(uri: str, s3: Any) -> PublishPlan:
+    """The publish plan at `uri`, read with the job's S3 settings (see `open_storage`); PublishPlanError
+    when it is missing or unreadable."""
+    try:
+        data = open_storage(uri, s3).read_bytes(uri)
+    except NotFound:
+        raise PublishPlanError(f"publish plan {uri} does not exist") from None
+    return PublishPlan.from_json(data, f"publish plan {uri}")
+
+
+def count(plan: PublishPlan, pass_name: str) -> int:
+    """How many indexes a pass has: one per shard, or one per bucket."""
+    return plan.count(pass_name)
+
+
+def _records(store: Storage, unit: Unit, ordered: bool) -> Iterator[dict[str, Any]]:
+    """A shard's final records (no judge steps), in input order.
+
+    A log whose records are already in input order (one writer, the usual case) is
+    streamed; when several writers interleave (a resumed or duplicate pod) the
+    shard is sorted in memory, bounded by the shard's size rather than the job's.
+    """
+    records = (rec for rec in ShardLog(store, unit[2]).scan()
+               if rec["kind"] not in ("attempt", "rejected"))
+    if ordered:
+        yield from records
+        return
+    yield from sorted(records, key=lambda rec: (rec["at"][0], rec["at"][1]))
+
+
+def run_ids(plan: PublishPlan, index: int, store: Storage) -> None:
+    """Pass 1: every id of shard `index` with its place, into the bucket files."""
+    buckets = plan.buckets
+    # bytearrays, not lists of orjson's bytes: each of those keeps a 4 KiB buffer.
+    parts = [bytearray() for _ in range(buckets)]
+    unit = plan.units[index]
+    last: tuple[int, int] = (-1, -1)
+    ordered = True
+    for rec in _records(store, unit, ordered=True):  # the log's own order: pass 1 needs no other
+        at = (rec["at"][0], rec["at"][1])
+        ordered = ordered and at > last
+        last = max(last, at)
+        rid = row_id(rec["row"])
+        if rid is None:
+            continue
+        key = id_key(rid)
+        entry = [key, rec["at"][0], rec["at"][1], rec["kind"] == "result"]
+        part = parts[bucket_of(key, buckets)]
+        part += orjson.dumps(entry)
+        part += b"\n"
+    # Compressed: id buckets are a good part of the work files beside the logs.
+    cctx = zstandard.ZstdCompressor(level=LEVEL, write_checksum=True)
+    for b in range(buckets):
+        store.write_bytes(layout.publish_ids_uri(plan.prefix, index, b), cctx.compress(bytes(parts[b])))
+        parts[b] = bytearray()
+    store.write_bytes(layout.publish_order_uri(plan.prefix, index), json.dumps({"ordered": ordered}).encode())
+
+
+def run_dedupe(plan: PublishPlan, bucket: int, store: Storage) -> None:
+    """Pass 2: the first occurrence of each id in bucket `bucket` wins; the results after it lose."""
+    first: dict[str, tuple[int, int, int]] = {}
+    results: list[tuple[str, tuple[int, int, int]]] = []
+    for unit in range(len(plan.units)):
+        data = _read_ids(store, plan.prefix, unit, bucket)
+        for line in data.splitlines():
+            key, obj, off, is_result = orjson.loads(line)
+            place = (unit, obj, off)
+            if key not in first or place < first[key]:
+                first[key] = place
+            if is_result:
+                results.append((key, place))
+        del data
+    losers: dict[str, list[list[int]]] = {}
+    for key, place in results:
+        if first[key] != place:
+            losers.setdefault(str(place[0]), []).append([place[1], place[2]])
+    store.write_bytes(layout.publish_losers_uri(plan.prefix, bucket), json.dumps(losers, sort_keys=True).encode())
+
+
+class _FileParts:
+    """One kind of published file for a shard (results, errors or capped), cut into parts of `FILE_ROWS`."""
+
+    def __init__(self, plan: PublishPlan, store: Storage, folder: str, name: str, parquet: bool):
+        self.plan, self.store, self.folder, self.name, self.parquet = plan, store, folder, name, parquet
+        self.rows: list[dict[str, Any]] = []  # Parquet: rows; JSON lines: each row already encoded
+        self.lines: list[bytes] = []
+        self.files: list[dict[str, Any]] = []
+        self.limit = FILE_ROWS if plan.file_rows is None else plan.file_rows
+
+    def add(self, row: dict[str, Any]) -> None:
+        if self.parquet:
+            self.rows.append(row)
+        else:
+            self.lines.append(encode_records([row]))
+        if len(self.rows) + len(self.lines) >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        n = len(self.rows) + len(self.lines)
+        if not n:
+            return
+        part = len(self.files)
+        name = self.name if part == 0 else f"{self.name}-{part:03d}"
+        compression = self.plan.compression
+        if self.parquet:
+            path = f"{self.folder}/{name}{PARQUET_SUFFIX}"
+            data = encode_results(self.rows, self.plan.task, self.plan.id_kind or "mixed", self.plan.judge,
+                                  compression)
+        else:
+            path = f"{self.folder}/{name}.jsonl" + (".zst" if compression == "zstd" else "")
+            data = b"".join(self.lines)
+            if compression == "zstd":
+                data = zstandard.ZstdCompressor(level=3).compress(data)
+        self.store.write_bytes(f"{self.plan.output_uri.rstrip('/')}/{path}", data)
+        self.files.append({"path": path, "rows": n, "bytes": len(data),
+                           "sha256": hashlib.sha256(data).hexdigest()})
+        self.rows, self.lines = [], []
+
+    def close(self, always: bool = False) -> None:
+        """Write the last part (a shard without rows of this kind has no file, `always` or not)."""
+        self.flush()
+
+
+class _PartitionFile:
+    """One kind of published file for one input object (output.partitionBy input): one file, whatever
+    its rows. Rows go to a spooled temporary file as they come (in memory up to SPOOL_BYTES, on local
+    disk beyond): JSON lines as published (compressed as they go); for Parquet, JSON lines that become
+    one Arrow table at the end, a batch of `FILE_ROWS` rows at a time."""
+
+    def __init__(self, plan: PublishPlan, store: Storage, folder: str, stem: str, parquet: bool):
+        self.plan, self.store, self.parquet = plan, store, parquet
+        suffix = PARQUET_SUFFIX if parquet else ".jsonl" + (".zst" if plan.compression == "zstd" else "")
+        self.path = f"{folder}/{stem}{suffix}"
+        self.limit = FILE_ROWS if plan.file_rows is None else plan.file_rows
+        self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - closed in close()
+        compress = plan.compression == "zstd" and not parquet
+        self.cctx = zstandard.ZstdCompressor(level=3).compressobj() if compress else None
+        self.n = 0
+        self.files: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.n += 1
+        line = encode_records([row])
+        self.spool.write(self.cctx.compress(line) if self.cctx is not None else line)
+
+    def _batches(self, as_text: frozenset[str] = frozenset()) -> Iterator[Any]:
+        """The spooled rows as result tables of `limit` rows; the carried columns `as_text` as JSON text."""
+        self.spool.seek(0)
+        rows: list[dict[str, Any]] = []
+        for line in self.spool:
+            rows.append(loads_record(line))
+            if len(rows) >= self.limit:
+                yield self._table(rows, as_text)
+                rows = []
+        if rows or not self.n:
+            yield self._table(rows, as_text)
+
+    def _table(self, rows: list[dict[str, Any]], as_text: frozenset[str]) -> Any:
+        import pyarrow as pa
+
+        table = results_table(rows, self.plan.task, self.plan.id_kind or "mixed", self.plan.judge)
+        for name in as_text & set(table.column_names):
+            text = [None if r.get(name) is None else json.dumps(r[name], sort_keys=True, ensure_ascii=False)
+                    for r in rows]
+            table = table.set_column(table.column_names.index(name), name, pa.array(text, type=pa.string()))
+        return table
+
+    def _parquet(self) -> bytes:
+        """The spooled rows as one Parquet file: a carried column whose type differs between batches
+        holds JSON text in every batch (as within one batch), made from the rows again."""
+        import pyarrow as pa
+
+        tables = list(self._batches())
+        try:
+            table = pa.concat_tables(tables, promote_options="default")  # columns missing or all null: null
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            kinds: dict[str, set[Any]] = {}
+            for t in tables:
+                for f in t.schema:
+                    if f.name not in RESULT_FIELDS and f.type != pa.null():
+                        kinds.setdefault(f.name, set()).add(f.type)
+            mixed = frozenset(name for name, types in kinds.items() if len(types) > 1)
+            del tables
+            table = pa.concat_tables(list(self._batches(mixed)), promote_options="default")
+        return table_bytes(table, self.plan.compression)
+
+    def close(self, always: bool = False) -> None:
+        """Write the file (with `always`, even without rows: a results file for every input object)."""
+        if self.n == 0 and not always:
+            self.spool.close()
+            return
+        if self.parquet:
+            data = self._parquet()
+            self.spool.close()
+            self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - closed below
+            self.spool.write(data)
+        elif self.cctx is not None:
+            self.spool.write(self.cctx.flush())
+        digest = hashlib.sha256()
+        self.spool.seek(0)
+
+        def parts() -> Iterator[bytes]:
+            while part := self.spool.read(1 << 20):
+                digest.update(part)
+                yield part
+
+        size = self.store.write_stream(f"{self.plan.output_uri.rstrip('/')}/{self.path}", parts())
+        self.spool.close()
+        self.files.append({"path": self.path, "rows": self.n, "bytes": size, "sha256": digest.hexdigest()})
+
+
+def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
+    """Pass 3: shard `index`'s published files, losers as duplicate_id errors, and its summary."""
+    losers: set[tuple[int, int]] = set()
+    for b in range(plan.buckets):
+        for obj, off in json.loads(store.read_bytes(layout.publish_losers_uri(plan.prefix, b))).get(str(index), []):
+            losers.add((obj, off))
+    round_no, shard, _ = plan.units[index]
+    names = plan.object_names[round_no]
+    name = f"r{round_no}-{shard:05d}"
+    parquet = plan.format == "parquet"
+    results: _FileParts | _PartitionFile = _FileParts(plan, store, "results", name, parquet)
+    errors: _FileParts | _PartitionFile = _FileParts(plan, store, "errors", name, False)
+    capped: _FileParts | _PartitionFile = _FileParts(plan, store, "capped", name, False)
+    # output.partitionBy input: the unit's objects lie whole in it; each gets its own files, one object at a time.
+    partitions = list(plan.unit_objects[index]) if plan.partition_by == "input" else []
+    files: dict[str, list[dict[str, Any]]] = {"files": [], "errorFiles": [], "cappedFiles": []}
+    current = -1
+
+    counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
+              "tokensOut": 0, "reasoningTokens": 0}
+    # OpenAI batch lines a stopped batch never ran each get their batch_expired / batch_cancelled line
+    # in the error files (their object's, when partitioned), as OpenAI writes them; they stay counted
+    # as notRun, not as errors.
+    not_run: list[dict[str, Any]] = []
+    if plan.partial is not None:
+        counts["notRun"] = count_not_run(plan, index, store, emit=not_run.append)
+    index_of = {n: k for k, n in enumerate(names)}
+    not_run_of: dict[int, list[dict[str, Any]]] = {}  # by input object, for partitioned files
+    for line in not_run:
+        not_run_of.setdefault(index_of[line["object"]], []).append(line)
+
+    def finish(obj: int) -> None:
+        """Close the current object's files and open the next object's (`obj`; -1: none)."""
+        nonlocal results, errors, capped, current
+        if current >= 0:
+            for line in not_run_of.pop(current, []):
+                errors.add(line)
+            for key, part in (("files", results), ("errorFiles", errors), ("cappedFiles", capped)):
+                part.close(always=key == "files")
+                files[key] += [{**f, "input": names[current]} for f in part.files]
+        current = obj
+        if obj >= 0:
+            stem = plan.partitions[obj]
+            results = _PartitionFile(plan, store, "results", stem, parquet)
+            errors = _PartitionFile(plan, store, "errors", stem, False)
+            capped = _PartitionFile(plan, store, "capped", stem, False)
+    codes: dict[str, int] = {}  # error rows by code
+    ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan.prefix, index)))["ordered"])
+    for rec in _records(store, plan.units[index], ordered):
+        row = rec["row"]
+        while partitions and rec["at"][0] >= partitions[0]:  # this record's object, and any without rows before it
+            finish(partitions.pop(0))
+        if rec["kind"] == "result":
+            if (rec["at"][0], rec["at"][1]) in losers:
+                rid = row_id(row)
+                counts["duplicates"] += 1
+                counts["errors"] += 1
+                lost: dict[str, Any] = {"id": rid, "error": {
+                    "code": "duplicate_id",
+                    "message": f"id {json.dumps(rid)} was seen before; the first occurrence wins"},
+                    "object": names[rec["at"][0]], "offset": rec["at"][1]}
+                if "custom_id" in row:  # an OpenAI batch line's error, in that shape like every other error row
+                    lost["custom_id"], lost["response"] = rid, None
+                else:  # its pass-through columns, as every error row of a plain input
+                    lost.update((k, v) for k, v in row.items() if k not in RESULT_FIELDS)
+                errors.add(lost)
+                codes["duplicate_id"] = codes.get("duplicate_id", 0) + 1
+                continue
+            results.add(row)
+            counts["rows"] += 1
+            counts["truncated"] += bool(row.get("truncated"))
+            u = row_usage(row)
+            counts["tokensIn"] += u.get("prompt_tokens", 0)
+            counts["tokensOut"] += u.get("completion_tokens", 0)
+            details: Any = u.get("completion_tokens_details") or {}  # OpenAI's usage breakdown, when there is one
+            counts["reasoningTokens"] += int(details.get("reasoning_tokens") or 0)
+        elif rec["kind"] == "capped":
+            capped.add(row)
+            counts["capped"] += 1
+        else:
+            errors.add(row)
+            counts["errors"] += 1
+            code = str((row.get("error") or {}).get("code") or "unknown")
+            codes[code] = codes.get(code, 0) + 1
+    if plan.partition_by == "input":
+        while partitions:
+            finish(partitions.pop(0))
+        finish(-1)
+    else:
+        for line in not_run:
+            errors.add(line)
+        for key, parts in (("files", results), ("errorFiles", errors), ("cappedFiles", capped)):
+            parts.close()
+            files[key] = parts.files
+    where = {"round": round_no, "shard": shard}
+    summary = {**where, "counts": {**counts, "errorCodes": codes},
+               "files": [{**f, **where} for f in files["files"]],
+               "errorFiles": [{**f, **where} for f in files["errorFiles"]],
+               "cappedFiles": [{**f, **where} for f in files["cappedFiles"]]}
+    store.write_bytes(layout.publish_summary_uri(plan.prefix, index), json.dumps(summary).encode())
+
+
+def count_not_run(plan: PublishPlan, index: int, store: Storage,
+                  emit: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """A stopped job's partial publish (`plan.partial`): the rows of unit `index` that no worker finished.
+
+    They are the shard's input rows after its durable cursor (what a resumed worker would start
+    from) and its rows between judge attempts, for a shard without a completion record; and in the
+    last round published, the rows the judge rejected, whose next round never ran. Reads the
+    shard's durable log and the input after its cursor: bounded by the shard, in the pass's pod.
+    With OpenAI batch input, `emit` gets each one's error line (`not_run_line`).
+    """
+    # Here only: a whole publish loads no spec model (the round plan carries the job's spec).
+    from bij.contract.plan import Plan
+    from bij.worker.reader import iter_shard_blocks
+
+    round_no, shard, prefix = plan.units[index]
+    last_round = round_no == len(plan.round_plans) - 1
+    uri = plan.round_plans[round_no]
+    try:
+        rplan = Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+    except NotFound:
+        raise PublishPlanError(f"round plan {uri} does not exist") from None
+    done = store.exists(layout.done_uri(rplan.round_prefix, shard))
+    if done and not (last_round and plan.judge):
+        return 0
+    names = plan.object_names[round_no]
+
+    def not_run(cid: Any, at: tuple[int, int]) -> None:
+        assert emit is not None and plan.partial is not None
+        emit(not_run_line(plan.partial, cid, names[at[0]], at[1]))
+
+    line_of = not_run if emit is not None and rplan.spec.input.format == "openai" else None
+    attempts: dict[tuple[int, int], Any] = {}
+    finals: set[tuple[int, int]] = set()
+    n = 0
+    log_ = ShardLog(store, prefix)
+    for rec in log_.scan():
+        place = (rec["at"][0], rec["at"][1])
+        if rec["kind"] == "attempt":
+            attempts[place] = rec.get("id")
+            continue
+        finals.add(place)
+        if rec["kind"] == "rejected" and last_round:
+            n += 1
+            if line_of:
+                line_of(row_id(rec["row"]), place)
+    if not done:
+        for place in sorted(set(attempts) - finals):
+            n += 1
+            if line_of:
+                line_of(attempts[place], place)
+        spec = rplan.spec.input
+        stores: dict[str, Storage] = {}
+
+        def storage_for(u: str) -> Storage:
+            scheme = u.split("://", 1)[0]
+            if scheme not in stores:
+                stores[scheme] = open_storage(u, plan.s3)
+            return stores[scheme]
+
+        columns = [c for c in (spec.id_field, spec.text_field, spec.messages_field, spec.sampling_field,
+                               spec.adapter_field) if c]
+        for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.shards[shard],
+                                                  log_.state.cursor, columns, spec.max_line_bytes,
+                                                  on_damaged="errorRow"):
+            n += len(places)
+            if line_of:
+                for (obj, off, _), line in zip(places, lines, strict=True):
+                    line_of(_custom_id(line), (obj, off))
+    return n
+
+
+def not_run_line(phase: str, custom_id: Any, object_name: str, offset: int) -> dict[str, Any]:
+    """The error line of an OpenAI batch request a batch stopped in `phase` never ran: OpenAI's
+    fields (``custom_id``, ``response: null``, ``error`` with its code and message) and, as every
+    error row here, ``id`` and where the line is."""
+    code, message = NOT_RUN_ERRORS[phase]
+    return {"id": custom_id, "error": {"code": code, "message": message}, "object": object_name,
+            "offset": offset, "custom_id": custom_id, "response": None}
+
+
+def _custom_id(line: Any) -> Any:
+    """The custom_id of an OpenAI batch line not run (None when the line says none)."""
+    if not isinstance(line, bytes | bytearray):
+        return None  # a damaged object's break: no line to name
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) else None
+
+
+def run_pass(plan: PublishPlan, pass_name: str, index: int) -> None:
+    """Run one index of one pass, with the storage settings the plan carries."""
+    if pass_name not in PASSES:
+        raise PublishPlanError(f"unknown publish pass {pass_name!r}; one of {', '.join(PASSES)}")
+    if not 0 <= index < count(plan, pass_name):
+        raise PublishPlanError(f"publish pass {pass_name} has {count(plan, pass_name)} indexes, not {index}")
+    store = open_storage(plan.output_uri, plan.s3)
+    {"ids": run_ids, "dedupe": run_dedupe, "write": run_write}[pass_name](plan, index, store)
+
+
+def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
+    """`bij-worker publish --plan URI --pass ids|dedupe|write [--index I] [--stride S]`: one index of a
+    publish pass, or with --stride every S-th index from I. Loads no engine and no spec model."""
+    p = argparse.ArgumentParser(prog="bij-worker publish", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", required=True, help="URI of the publish plan (plan.json)")
+    p.add_argument("--pass", dest="pass_name", required=True, choices=PASSES)
+    p.add_argument("--index", type=int, default=None,
+                   help="shard or bucket index (default: env JOB_COMPLETION_INDEX, as set by an Indexed Job)")
+    p.add_argument("--stride", type=int, default=0,
+                   help="also work indexes index + stride, index + 2 x stride, ... of the pass, one after the other")
+    args = p.parse_args(argv)
+    index = args.index
+    if index is None:
+        raw = (os.environ if env is None else env).get("JOB_COMPLETION_INDEX", "")
+        if not raw.isdigit():
+            log.error("no index: pass --index or set JOB_COMPLETION_INDEX (got %r)", raw)
+            return EXIT_BAD_CONFIG
+        index = int(raw)
+    if args.stride < 0:
+        log.error("--stride must be >= 0, got %d", args.stride)
+        return EXIT_BAD_CONFIG
+    try:
+        # The pass's Job sets AWS_ENDPOINT_URL and AWS_REGION from the spec; the plan carries the
+        # same settings for everything after it.
+        plan = load(args.plan, None)
+        indexes = range(index, count(plan, args.pass_name), args.stride) if args.stride else [index]
+        for i in indexes:
+            run_pass(plan, args.pass_name, i)
+    except PublishPlanError as e:
+        log.error("bad configuration: %s", e)
+        return EXIT_BAD_CONFIG
+    except StorageError as e:
+        if e.permanent:  # a missing bucket, denied access: the same on every retry
+            log.error("bad configuration: storage: %s", e)
+            return EXIT_BAD_CONFIG
+        log.error("storage: %s", e)
+        return EXIT_FAILED
+    return EXIT_OK

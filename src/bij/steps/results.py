@@ -1,0 +1,297 @@
+"""`bij results` and `bij status`: published rows and a job's summary, without knowing the formats.
+
+`bij results MANIFEST_URI` streams the rows the manifest lists as JSON lines (or one
+Parquet stream), checking each file's sha256 against the manifest first; `bij status`
+says in a few lines where a job stands: rounds, shards, rows, errors, truncated, cost.
+Both read `file://` and `s3://` alike, through the one storage interface.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from typing import IO, Any
+
+import orjson
+import zstandard
+
+from bij.contract import layout
+from bij.contract.efficiency import fmt_money, status_fields
+from bij.contract.errors import BijError
+from bij.contract.plan import Plan
+from bij.contract.records import ShardRecord
+from bij.contract.spec import BatchInferenceJob, SpecError, load_job
+from bij.steps.progress import damage_records, live_records
+from bij.storage import NotFound, Storage, StorageError, open_storage
+from bij.storage.parquet import SUFFIX as PARQUET_SUFFIX
+from bij.storage.parquet import id_kind, is_int64, read_table, results_table, table_rows
+
+FILE_LISTS = {"results": "files", "errors": "errorFiles", "capped": "cappedFiles"}
+
+
+class ResultsError(BijError):
+    """The results cannot be read: no manifest there, or a file that does not match it."""
+
+
+def manifest_location(uri: str) -> str:
+    """The manifest's URI: `uri` itself when it names one, else `<uri>/manifest.json`."""
+    return uri if uri.endswith(".json") else layout.join(uri, "manifest.json")
+
+
+def load_manifest(uri: str, s3: Any) -> tuple[Storage, str, dict[str, Any]]:
+    """(storage, base URI of the listed paths, manifest) for a manifest URI or an output URI, read with
+    the job's S3 settings (see `open_storage`)."""
+    where = manifest_location(uri)
+    store = open_storage(where, s3)
+    try:
+        manifest = json.loads(store.read_bytes(where))
+    except NotFound:
+        raise ResultsError(f"no manifest at {where}: the job has not been published (or the URI is wrong)") from None
+    except ValueError as e:
+        raise ResultsError(f"{where} is not a manifest: {e}") from None
+    return store, where.rsplit("/", 1)[0] + "/", manifest
+
+
+def read_file(store: Storage, base: str, entry: dict[str, Any]) -> bytes:
+    """A listed file's bytes, after checking them against the manifest's sha256."""
+    uri = base + entry["path"]
+    data = store.read_bytes(uri)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry.get("sha256"):
+        raise ResultsError(f"{uri}: sha256 {digest} does not match the manifest's {entry.get('sha256')}; "
+                           "the file changed after it was published")
+    return data
+
+
+def file_lines(data: bytes, path: str) -> Iterator[bytes]:
+    """The JSON lines of a published JSONL file, as stored (ids come back exactly as given)."""
+    if path.endswith(".zst"):
+        data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
+    for line in data.splitlines():
+        if line.strip():
+            yield line
+
+
+def iter_rows(uri: str, which: str, s3: Any) -> Iterator[dict[str, Any]]:
+    """Every published row of `which` (results, errors or capped), in manifest order."""
+    store, base, manifest = load_manifest(uri, s3)
+    for entry in manifest.get(FILE_LISTS[which]) or []:
+        data = read_file(store, base, entry)
+        if entry["path"].endswith(PARQUET_SUFFIX):
+            yield from table_rows(read_table(data))
+        else:
+            for line in file_lines(data, entry["path"]):
+                yield orjson.loads(line)
+
+
+def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
+    """Stream the rows as JSON lines; JSONL files are copied line for line. Returns the row count."""
+    store, base, manifest = load_manifest(uri, s3)
+    n = 0
+    for entry in manifest.get(FILE_LISTS[which]) or []:
+        data = read_file(store, base, entry)
+        if entry["path"].endswith(PARQUET_SUFFIX):
+            for row in table_rows(read_table(data)):
+                out.write(orjson.dumps(row) + b"\n")
+                n += 1
+        else:
+            for line in file_lines(data, entry["path"]):
+                out.write(line + b"\n")
+                n += 1
+    return n
+
+
+def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
+    """All result rows as one Parquet stream (the schema `output.format: parquet` writes)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    store, base, manifest = load_manifest(uri, s3)
+    if manifest.get("format") == "openai":
+        raise ResultsError("OpenAI batch output lines stay JSON lines: use --format jsonl")
+    files = manifest.get("files") or []
+    task = (manifest.get("model") or {}).get("task", "embed")
+    judged = manifest.get("judge") is not None
+    ids = "mixed"
+    if files and not files[0]["path"].endswith(PARQUET_SUFFIX):
+        # JSONL results: one pass for the id column's type, so the stream has one schema.
+        ints = strs = 0
+        for row in iter_rows(uri, "results", s3):
+            ints += is_int64(row.get("id"))
+            strs += not is_int64(row.get("id"))
+        ids = id_kind(ints, strs)
+    writer: Any = None
+    n = 0
+    sink = pa.PythonFile(out, mode="w")
+    try:
+        for entry in files:
+            data = read_file(store, base, entry)
+            if entry["path"].endswith(PARQUET_SUFFIX):
+                table = read_table(data)
+            else:
+                rows = [orjson.loads(line) for line in file_lines(data, entry["path"])]
+                table = results_table(rows, task, ids, judged)
+            if writer is None:
+                writer = pq.ParquetWriter(sink, table.schema, compression="zstd")
+            try:
+                table = table.cast(writer.schema)
+            except (ValueError, TypeError, NotImplementedError):  # pyarrow: ArrowInvalid is a ValueError
+                raise ResultsError(
+                    f"{entry['path']} has other columns than the files before it ({', '.join(table.column_names)} "
+                    f"against {', '.join(writer.schema.names)}): its rows carry other pass-through columns "
+                    "(input.passThrough); read the files one by one, or as JSON lines") from None
+            writer.write_table(table)
+            n += table.num_rows
+        if writer is None:  # nothing published: still a valid, empty file
+            pq.write_table(results_table([], task, ids, judged), sink)
+    finally:
+        if writer is not None:
+            writer.close()
+    return n
+
+
+def target_manifest(target: str) -> tuple[str, Any]:
+    """(manifest or output URI, S3 settings) for what `bij results`/`bij status` were given: a job's
+    YAML (its output, with its spec.storage), or a bare URI (the standard AWS environment)."""
+    if target.startswith(("file://", "s3://", "gs://")):
+        return target, None
+    job = load_job(target)
+    return layout.manifest_uri(job), job.spec.storage.s3
+
+
+def cli_results(args: argparse.Namespace) -> int:
+    which = "errors" if args.errors else "capped" if args.capped else "results"
+    out = sys.stdout.buffer
+    try:
+        uri, s3 = target_manifest(args.manifest)
+        if args.format == "parquet":
+            if which != "results":
+                raise ResultsError("error and capped rows are JSON lines: --format parquet reads results only")
+            if out.isatty():
+                raise ResultsError("--format parquet writes binary Parquet: redirect it to a file")
+            write_parquet(uri, out, s3)
+        else:
+            write_jsonl(uri, which, out, s3)
+        out.flush()
+    except (ResultsError, SpecError, StorageError) as e:
+        print(f"bij: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `bij results ... | head`
+        return 0
+    return 0
+
+
+# --- bij status -------------------------------------------------------------------------------------
+
+
+def manifest_summary(manifest: dict[str, Any]) -> list[str]:
+    """A published job in a few lines."""
+    c = manifest.get("counts") or {}
+    job = manifest.get("job") or {}
+    lines = [f"{job.get('name', '?')}: published {manifest.get('publishedAt', '?')} to "
+             f"{manifest.get('outputUri', '?')}"]
+    rounds = manifest.get("rounds") or []
+    shards = sum(int(r.get("shards") or 0) for r in rounds)
+    lines.append(f"  rounds    {len(rounds)}, {shards} shards")
+    lines.append(f"  rows      {c.get('rows', 0):,} results ({len(manifest.get('files') or [])} "
+                 f"{manifest.get('format', 'jsonl')} files), {c.get('errors', 0):,} errors, "
+                 f"{c.get('truncated', 0):,} truncated, {c.get('capped', 0):,} capped, "
+                 f"{c.get('duplicates', 0):,} duplicates")
+    lines.append(f"  tokens    {c.get('tokensIn', 0):,} in, {c.get('tokensOut', 0):,} out")
+    partial = manifest.get("partial")
+    if partial:
+        pc = partial.get("counts") or {}
+        lines.append(f"  partial   {str(partial.get('phase', '?')).lower()} ({partial.get('reason', '?')}): "
+                     f"{pc.get('completed', 0):,} completed, {pc.get('failed', 0):,} failed, "
+                     f"{pc.get('notRun', 0):,} not run")
+    for o in manifest.get("damagedObjects") or []:
+        lines.append(f"  damaged   {o.get('message')}: one corrupt_input error row, the rest of it unread")
+    lines += _efficiency_lines(manifest.get("efficiency"), manifest.get("cost"))
+    return lines
+
+
+def _efficiency_lines(eff: dict[str, Any] | None, spent: dict[str, Any] | None) -> list[str]:
+    lines = []
+    if eff:
+        lines.append(f"  workers   {eff['workerSeconds']:,.1f} s ({eff.get('modelLoads', 0)} model loads, "
+                     f"{eff['modelLoadSeconds']:,.1f} s), "
+                     f"engine busy {eff['engineBusyFraction']:.0%}, {eff['rowsPerSecondPerWorker']:,.1f} rows/s "
+                     f"and {eff['tokensPerSecondPerWorker']:,.0f} tokens/s per worker")
+    if spent:
+        lines.append(f"  cost      {fmt_money(spent['total'])} at {spent['pricePerHour']:g}/hour per worker: "
+                     f"{fmt_money(spent.get('perMillionRows'))} per million rows, "
+                     f"{fmt_money(spent.get('perMillionTokens'))} per million tokens")
+    return lines
+
+
+def job_summary(job: BatchInferenceJob) -> list[str]:
+    """A job from its spec: the manifest's summary once published, else its rounds so far."""
+    try:
+        _, _, manifest = load_manifest(layout.manifest_uri(job), job.spec.storage.s3)
+        return manifest_summary(manifest)
+    except ResultsError:
+        pass
+    store = open_storage(job.spec.output.uri, job.spec.storage.s3)
+    lines = [f"{job.metadata.name}: not published yet ({job.spec.output.uri})"]
+    lines += local_status_lines(store, job)
+    records: list[ShardRecord] = []
+    current: list[ShardRecord] = []
+    r = 0
+    while store.exists(layout.round_manifest_uri(job, r)):
+        plan = Plan.from_json(store.read_bytes(layout.round_manifest_uri(job, r)), layout.round_manifest_uri(job, r))
+        current = list(live_records(job, r).values())
+        records += current
+        done = sum(1 for rec in current if "finishedAt" in rec)
+        rows = sum(int(rec.get("rows") or 0) for rec in current)
+        errors = sum(int(rec.get("errors") or 0) for rec in current)
+        truncated = sum(int(rec.get("truncated") or 0) for rec in current)
+        lines.append(f"  round {r}   {done}/{len(plan.shards)} shards done ({plan.lane_count} lanes), {rows:,} rows, "
+                     f"{errors:,} errors, {truncated:,} truncated")
+        for rec in damage_records(job, r):
+            what = ("the round failed there; the rows before it are kept: replace the object and run again"
+                    if rec.mode == "fail" else "one corrupt_input error row, the rest of it unread")
+            lines.append(f"  damaged   {rec.describe()}: {what}")
+        r += 1
+    if r == 0:
+        lines.append("  no round planned: run `bij run` (or apply it to a cluster)")
+        return lines
+    fields = status_fields(records, current, None, None, job.spec.workers.price_per_hour,
+                           job.spec.workers.nodes_per_lane)
+    spent = fields.get("cost")
+    lines += _efficiency_lines(fields["efficiency"], None)
+    if spent:
+        lines.append(f"  cost      {fmt_money(spent['total'])} so far at {spent['pricePerHour']:g}/hour per worker")
+    return lines
+
+
+def local_status_lines(store: Any, job: BatchInferenceJob) -> list[str]:
+    """The phase, failure reason and message of its last `bij run`, as `kubectl get bij` shows a cluster's
+    (a retry or a failure says its step, pod and cause); none where it kept none."""
+    try:
+        kept = json.loads(store.read_bytes(layout.local_status_uri(job)))
+    except (StorageError, OSError, ValueError):
+        return []
+    if not isinstance(kept, dict) or not kept.get("phase"):
+        return []
+    reason = next((c.get("reason") for c in kept.get("conditions") or [] if isinstance(c, dict)
+                   and c.get("type") == "Failed" and c.get("status") == "True"), None)
+    phase = f"{kept['phase']} ({reason})" if reason else str(kept["phase"])
+    return [f"  phase     {phase}: {kept.get('message') or ''}".rstrip(": ")]
+
+
+def cli_status(args: argparse.Namespace) -> int:
+    target: str = args.target
+    try:
+        if target.startswith(("file://", "s3://", "gs://")):
+            _, _, manifest = load_manifest(target, None)  # a bare URI: the standard AWS environment
+            lines = manifest_summary(manifest)
+        else:
+            lines = job_summary(load_job(target))
+    except (ResultsError, SpecError, StorageError) as e:
+        print(f"bij: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0

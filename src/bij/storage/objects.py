@@ -1,0 +1,65 @@
+"""What every storage lists and raises (`bij.storage` and the read-only inputs beside it, `storage_http`
+and `storage_hf`, share them without importing each other): an object's place, size and version, and the
+errors a storage operation ends in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+# The errors live in the contract, so that a record's decoder can raise one without importing storage.
+from bij.contract.errors import NotFound, ObjectChanged, StorageError, StorageRefused
+
+__all__ = ["NotFound", "ObjectChanged", "ObjectInfo", "ReadOnlyInputs", "StorageError", "StorageRefused"]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    uri: str
+    size: int
+    # Which version of the object this is: the ETag on s3://, the mtime in ns on file://.
+    # A plan records it; reading another version of the object is refused.
+    version: str | None = None
+
+
+class ReadOnlyInputs:
+    """What an input-only storage (https://, hf://) answers beyond `list` and `open_read`: whole reads, and a
+    refusal naming the URI and `WHAT` for every write."""
+
+    supports_append = False
+    WHAT = "these URIs"
+
+    def list(self, uri: str) -> list[ObjectInfo]:
+        raise NotImplementedError
+
+    def open_read(self, uri: str, start: int = 0, version: str | None = None) -> BinaryIO:
+        raise NotImplementedError
+
+    def read_bytes(self, uri: str) -> bytes:
+        with self.open_read(uri) as f:
+            return f.read()
+
+    def exists(self, uri: str) -> bool:
+        return bool(self.list(uri))
+
+    def _read_only(self, uri: str) -> StorageError:
+        return StorageRefused(f"{uri}: {self.WHAT} are read-only (inputs only); write to file:// or s3://")
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        raise self._read_only(uri)
+
+    def create(self, uri: str, data: bytes) -> bool:
+        raise self._read_only(uri)
+
+    def write_stream(self, uri: str, parts: Iterable[bytes]) -> int:
+        raise self._read_only(uri)
+
+    def delete(self, uri: str) -> None:
+        raise self._read_only(uri)
+
+    def append_durable(self, uri: str, data: bytes) -> None:
+        raise self._read_only(uri)
+
+    def remove_stale_temp(self, uri: str, older_than_s: float) -> int:
+        return 0  # nothing is written here, so no temp file is left

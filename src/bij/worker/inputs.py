@@ -1,0 +1,791 @@
+"""Input rows in, result and error rows out: `jsonl` rows and OpenAI batch request lines.
+
+A bad row never stops a shard: it becomes an error row that says what is wrong
+and where the row is (object and byte offset). Rows without an id get a stable
+one from their place, ``<object name>:<byte offset>``, the same on every run.
+
+Each row's request is built here, once: its content, and its sampling fields from the
+spec, the OpenAI body or the sampling column (`sampling.py`). A field bij does not know
+is an ``invalid_request`` row; one the engine cannot honour, an ``unsupported`` row.
+
+A plain row's other columns are carried to its result, error and capped rows
+(`contract.columns`, input.passThrough); a row with a column named like a result field
+is an ``invalid_row`` row naming it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from bij.contract.columns import RESULT_FIELDS, clash_message, consumed
+from bij.contract.columns import carried as carried_columns
+from bij.contract.sampling import (
+    ADAPTERS,
+    DEFAULT_ROW_BUDGET,
+    IMAGES,
+    NO_SAMPLING,
+    TOKEN_IDS,
+    BadField,
+    Sampling,
+    UnknownField,
+    from_column,
+    from_openai,
+    json_schema_text,
+    over_budget,
+    refusal,
+)
+from bij.engines import tools
+from bij.engines.base import Choice, Image, Request, Result, TokenLogprob, ToolAsk
+from bij.worker import responses
+from bij.worker.images import ImageProblem, parse_image
+
+if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
+    from bij.contract.spec import JobSpec
+
+# Reserved field of re-dispatched rows (judge rounds): {"id", "attempts", "verdicts", "output"}.
+CARRY_FIELD = "_bij"
+
+OPENAI_URLS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "generate",
+    "/v1/embeddings": "embed",
+    "/v1/responses": "chat",  # read as the chat request it asks for (responses.py)
+}
+
+
+@dataclass(slots=True)
+class Row:
+    """One parsed input line: a request to run, or an error to record."""
+
+    at: tuple[int, int, int]  # (object index, offset, end)
+    id: Any  # str or int exactly as given (or generated); None when unknown
+    request: Request | None = None
+    error_code: str | None = None
+    error: str | None = None
+    url: str | None = None  # OpenAI batch lines: which endpoint shape to answer in
+    generated_id: bool = False
+    # Judge rounds: attempts and verdicts a row already had in earlier rounds
+    # (carried in the re-dispatched line's "_bij" field).
+    prior_attempts: int = 0
+    verdicts: list[str] = field(default_factory=list)
+    tokens: int = 0  # prompt tokens, once the worker has counted them
+    truncated: bool = False  # the prompt was over the limit and the engine cut it (model.truncate)
+    output: str | None = None  # a schema_violation error row: the answer that broke its structured output
+    # A row with several prompts (an OpenAI list `input` or `prompt`): one request each, in order,
+    # answered in one result row; `request` is the first. None: the row has one prompt.
+    parts: list[Request] | None = None
+    encoding: str = "float"  # /v1/embeddings encoding_format: float or base64
+    carried: dict[str, Any] | None = None  # its pass-through columns (contract.columns), None for none
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    format: str = "jsonl"
+    id_field: str = "id"
+    text_field: str = "text"
+    messages_field: str | None = None
+    task: str = "embed"
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    model_name: str = "bij"
+    truncate: bool = True  # prompts over the token limit are cut (and marked) rather than refused
+    sampling_field: str = "sampling"  # a JSONL/Parquet row's own sampling fields (spec keys)
+    sampling: Sampling = NO_SAMPLING  # the spec's sampling defaults, every field resolved
+    # The engine that will run the rows and the fields it honours (None: rows are not checked
+    # against an engine, as in a publish pass).
+    engine: str = ""
+    honours: frozenset[str] | None = None
+    adapter_field: str = "adapter"  # a plain row's LoRA adapter name
+    adapters: frozenset[str] = frozenset()  # spec.model.adapters' names
+    max_image_bytes: int = 20 << 20  # input.maxImageBytes (DEFAULT_MAX_IMAGE_BYTES): one image's bytes at most
+    image_root: str | None = None  # the folder (a path) file:// images may come from; None: none may
+    row_budget: int = DEFAULT_ROW_BUDGET  # model.rowBudget: n x maxTokens x (1 + topLogprobs) a row may ask
+    # input.passThrough (contract.columns): None every column the request does not consume, else these.
+    pass_through: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None) -> InputOptions:
+        """From the job's spec (as carried in the round plan), checked against `engine`'s `honours`."""
+        inp, model = spec.input, spec.model
+        sampling = model.resolved_sampling()
+        return cls(
+            format=inp.format,
+            id_field=inp.id_field,
+            text_field=inp.text_field,
+            messages_field=inp.messages_field,
+            task=model.task,
+            max_tokens=sampling.max_tokens or model.max_tokens,
+            temperature=model.temperature if sampling.temperature is None else sampling.temperature,
+            seed=model.seed if sampling.seed is None else sampling.seed,
+            model_name=model.served_name or model.name or model.engine,
+            truncate=model.truncates,
+            sampling_field=inp.sampling_field,
+            sampling=sampling,
+            adapter_field=inp.adapter_field,
+            adapters=frozenset(a.name for a in model.adapters),
+            max_image_bytes=inp.max_image_bytes,
+            image_root=inp.image_root_path(),
+            row_budget=model.row_budget,
+            engine=engine or model.engine,
+            honours=honours,
+            pass_through=() if inp.format == "openai" else
+            None if inp.pass_through is None else tuple(inp.pass_through),
+        )
+
+    @property
+    def consumed(self) -> frozenset[str]:
+        """The columns a row's request consumes: never carried by every-column pass-through."""
+        return consumed(self.id_field, self.text_field, self.messages_field, self.sampling_field, self.adapter_field)
+
+
+def parquet_columns(opts: InputOptions) -> list[str] | None:
+    """The columns a Parquet input is read for: id, text, chat messages, sampling and adapter fields, and the
+    pass-through columns (None: every column)."""
+    if opts.pass_through is None:
+        return None
+    wanted = [c for c in (opts.id_field, opts.text_field, opts.messages_field, opts.sampling_field,
+                          opts.adapter_field) if c]
+    return wanted + [c for c in opts.pass_through if c not in wanted]
+
+
+def carry(obj: dict[str, Any], opts: InputOptions) -> dict[str, Any] | str:
+    """A row's pass-through columns (contract.columns), or the name of one that clashes with a result field."""
+    if opts.pass_through == ():
+        return {}
+    out = carried_columns(obj, opts.consumed, opts.pass_through)
+    if opts.pass_through is None:
+        clash = next((k for k in out if k in RESULT_FIELDS), None)
+        if clash is not None:
+            return clash
+    return out
+
+
+def id_key(value: Any) -> str:
+    """A set key that keeps 1 and "1" apart: ids come back exactly as given."""
+    return ("s:" + value) if isinstance(value, str) else ("i:" + str(value))
+
+
+def _valid_id(value: Any) -> bool:
+    return (isinstance(value, str) and value != "") or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _bad(at: tuple[int, int, int], code: str, msg: str, rid: Any = None) -> Row:
+    return Row(at=at, id=rid, error_code=code, error=msg)
+
+
+def _messages_ok(msgs: Any) -> str | None:
+    if not isinstance(msgs, list) or not msgs:
+        return "must be a non-empty list of {role, content} messages"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f"message {i} must be an object with a string role"
+        c = m.get("content")
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)
+                                  or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                             for t in calls)):
+            return f"message {i} tool_calls must be an assistant's list of {{id, type, function}} calls"
+        if c is None and calls:  # an assistant turn that only called tools
+            continue
+        if not (isinstance(c, str) or isinstance(c, list)):
+            return f"message {i} content must be a string or a list of parts"
+    return None
+
+
+def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: InputOptions) -> Row:
+    """Parse one input line into a Row (never raises for bad input)."""
+    try:
+        obj = orjson.loads(line)
+    except ValueError:
+        try:  # the stdlib's message says where the JSON breaks
+            obj = json.loads(line)
+        except ValueError as e:
+            return _bad(at, "invalid_json", f"not valid JSON: {e}")
+        # The stdlib also accepts what orjson refuses for good reason: a lone surrogate escape
+        # ("\ud800") is no Unicode text, and no result or error row could be written with it.
+        problem = _not_unicode(obj)
+        if problem:
+            rid = obj.get("custom_id" if opts.format == "openai" else opts.id_field) if isinstance(obj, dict) else None
+            return _bad(at, "invalid_unicode", f"not valid Unicode: {problem}",
+                        rid if _valid_id(rid) and not _not_unicode(rid) else None)
+    if not isinstance(obj, dict):
+        return _bad(at, "invalid_row", f"a row must be a JSON object, got {type(obj).__name__}")
+    carried = obj.pop(CARRY_FIELD, None)
+    if isinstance(obj.get(opts.id_field), float) or (isinstance(carried, dict)
+                                                     and isinstance(carried.get("id"), float)):
+        # orjson reads integers beyond 64 bits as floats: ids must come back exactly as given.
+        obj = json.loads(line)
+        carried = obj.pop(CARRY_FIELD, None)
+    if opts.format == "openai":
+        row = _parse_openai(obj, at, opts)
+    else:
+        columns = carry(obj, opts)
+        if isinstance(columns, str):  # never written over a result field, nor dropped unsaid
+            rid = obj.get(opts.id_field)
+            return _bad(at, "invalid_row", clash_message(columns, "in this row"), rid if _valid_id(rid) else None)
+        row = _parse_plain(obj, at, object_name, opts)
+        row.carried = columns or None
+    req = row.request
+    if req is not None and opts.task != "embed":
+        # A row's cost is bounded before it runs (model.rowBudget), whatever it asks.
+        costly = over_budget(req.max_tokens, req.sampling, opts.row_budget, _SPELLED,
+                             len(row.parts) if row.parts else 1)
+        if costly:
+            bad = _bad(at, "invalid_request", costly, row.id)
+            bad.carried = row.carried
+            return bad
+        if (req.sampling.min_tokens or 0) > req.max_tokens:
+            bad = _bad(at, "invalid_request", f"minTokens {req.sampling.min_tokens} is over maxTokens "
+                       f"{req.max_tokens}", row.id)
+            bad.carried = row.carried
+            return bad
+    if isinstance(carried, dict):
+        # A row re-dispatched by a judge round keeps its id (even a generated one) and history.
+        if "id" in carried and row.generated_id:
+            row.id, row.generated_id = carried["id"], False
+        row.prior_attempts = int(carried.get("attempts", 0))
+        row.verdicts = [str(v) for v in carried.get("verdicts", [])]
+    return row
+
+
+def parse_plain_lines(lines: list[bytes], opts: InputOptions
+                      ) -> tuple[list[Any], list[Request], list[dict[str, Any]] | None] | None:
+    """The ids, requests and pass-through columns (None: no row carries any) of a chunk's lines in one
+    pass, when every line is a plain good row; else None.
+
+    A plain good row is what parse_line makes a request of without a second look: a JSON
+    object with a string or integer id and a non-blank string text (no messages to check,
+    no judge-round carry field). The checks run over the whole chunk at once, in C; any
+    line that is not such a row sends the whole chunk to parse_line, line by line, which
+    says what is wrong and where (a column that clashes with a result field too).
+    """
+    if opts.format != "jsonl" or not lines or (
+            opts.task != "embed" and over_budget(opts.max_tokens, opts.sampling, opts.row_budget, _SPELLED)):
+        return None
+    try:
+        objs = list(map(orjson.loads, lines))
+    except ValueError:
+        return None
+    if set(map(type, objs)) != {dict}:
+        return None
+    ids = list(map(dict.get, objs, repeat(opts.id_field)))
+    kinds = set(map(type, ids))
+    # Not None (a generated id), a float (orjson's reading of an integer beyond 64 bits), a bool.
+    if not kinds <= {str, int} or (str in kinds and "" in ids):
+        return None
+    texts: list[str] = list(map(dict.get, objs, repeat(opts.text_field)))  # type: ignore[arg-type]
+    if set(map(type, texts)) != {str} or not all(texts) or any(map(str.isspace, texts)):
+        return None
+    if any(map(dict.__contains__, objs, repeat(CARRY_FIELD))) or \
+            any(map(dict.__contains__, objs, repeat(opts.sampling_field))) or \
+            any(map(dict.__contains__, objs, repeat(opts.adapter_field))):
+        return None
+    if opts.task == "chat":
+        if opts.messages_field and any(map(dict.__contains__, objs, repeat(opts.messages_field))):
+            return None
+        requests = [Request(None, [{"role": "user", "content": text}], opts.max_tokens, opts.temperature, opts.seed,
+                            opts.sampling) for text in texts]
+    else:
+        requests = list(map(Request, texts, repeat(None), repeat(opts.max_tokens), repeat(opts.temperature),
+                            repeat(opts.seed), repeat(opts.sampling)))
+    columns: list[dict[str, Any]] | None = None
+    # Every row has its id and text (checked above): a row with no more fields has nothing to carry.
+    if opts.pass_through != () and max(map(len, objs)) > len({opts.id_field, opts.text_field}):
+        keys: set[str] = set().union(*map(dict.keys, objs))
+        kept = keys - opts.consumed if opts.pass_through is None else keys & set(opts.pass_through)
+        if kept & RESULT_FIELDS and opts.pass_through is None:
+            return None  # line by line: each such row is an error row naming the column
+        if kept:
+            consumed, only = opts.consumed, opts.pass_through
+            columns = [carried_columns(obj, consumed, only) for obj in objs]
+    return ids, requests, columns
+
+
+# How a row's budget refusal names its fields (the spec's camelCase names, as a sampling field spells them).
+_SPELLED = {"n": "n", "maxTokens": "maxTokens", "topLogprobs": "topLogprobs", "prompts": "prompts"}
+
+
+def _not_unicode(value: Any) -> str | None:
+    """Where a parsed value holds a string that cannot be UTF-8 (a lone surrogate), else None."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate escape (\\u{ord(e.object[e.start]):04x})"
+
+
+def redispatch_line(line: bytes, row: Row, attempts: int, verdicts: list[str], output: str | None) -> str:
+    """The input line for the next judge round: the original row plus its id and history."""
+    obj = json.loads(line)
+    obj[CARRY_FIELD] = {"id": row.id, "attempts": attempts, "verdicts": verdicts[-20:], "output": output}
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str, opts: InputOptions) -> Row:
+    generated = opts.id_field not in obj or obj[opts.id_field] is None
+    if generated:
+        rid: Any = f"{object_name}:{at[1]}"
+    else:
+        rid = obj[opts.id_field]
+        if not _valid_id(rid):
+            return _bad(at, "invalid_id", f"field {opts.id_field!r} must be a non-empty string or an integer, "
+                        f"got {json.dumps(rid)[:80]}")
+    column = opts.sampling_field
+    try:
+        own = from_column(obj.get(column), column)
+    except (UnknownField, BadField) as e:
+        return _bad(at, "invalid_request", str(e), rid)
+    spelled = {name: f"{column}.{name}" for name in own.asked()}
+    adapter = obj.get(opts.adapter_field)
+    if adapter is not None:
+        problem = _unknown_adapter(adapter, opts, f"field {opts.adapter_field!r}")
+        if problem:
+            return _bad(at, "invalid_request", problem, rid)
+        spelled[ADAPTERS] = f"field {opts.adapter_field!r} (a LoRA adapter)"
+    asks = own.asked() | ({ADAPTERS} if adapter is not None else set())
+    if opts.task == "chat" and opts.messages_field and opts.messages_field in obj:
+        msgs = obj[opts.messages_field]
+        problem = _messages_ok(msgs)
+        if problem:
+            return _bad(at, "invalid_messages", f"field {opts.messages_field!r} {problem}", rid)
+        parts = _content_asks(msgs, opts.messages_field)
+        if isinstance(parts, str):
+            return _bad(at, "unsupported", f"engine {opts.engine} cannot honour {parts}", rid)
+        refused = _refused(opts, asks | ({IMAGES} if parts else set()), {**spelled, IMAGES: _IMAGE_PART})
+        if refused:
+            return _bad(at, "unsupported", refused, rid)
+        try:
+            images = _images(parts, opts)
+        except ImageProblem as e:
+            return _bad(at, e.code, str(e), rid)
+        return Row(at=at, id=rid, request=_request(opts, own, messages=msgs, adapter=adapter, images=images),
+                   generated_id=generated)
+    if opts.text_field not in obj:
+        wanted = f"{opts.text_field!r}" + (f" or {opts.messages_field!r}" if opts.messages_field else "")
+        return _bad(at, "missing_text", f"no field {wanted}", rid)
+    text = obj[opts.text_field]
+    if not isinstance(text, str):
+        return _bad(at, "invalid_text", f"field {opts.text_field!r} must be a string, got {type(text).__name__}", rid)
+    if not text or text.isspace():
+        return _bad(at, "empty_text", f"field {opts.text_field!r} is empty", rid)
+    refused = _refused(opts, frozenset(asks), spelled)
+    if refused:
+        return _bad(at, "unsupported", refused, rid)
+    if opts.task == "chat":
+        req = _request(opts, own, messages=[{"role": "user", "content": text}], adapter=adapter)
+    else:
+        req = _request(opts, own, text=text, adapter=adapter)
+    return Row(at=at, id=rid, request=req, generated_id=generated)
+
+
+def _request(opts: InputOptions, own: Sampling, *, text: str | None = None,
+             messages: list[dict[str, Any]] | None = None, adapter: str | None = None,
+             images: tuple[Image, ...] = (), token_ids: list[int] | None = None) -> Request:
+    """A row's request: its own sampling fields over the spec's, its adapter and its images."""
+    if own is NO_SAMPLING:
+        return Request(text, messages, opts.max_tokens, opts.temperature, opts.seed, opts.sampling, adapter, images,
+                       token_ids)
+    s = own.over(opts.sampling)
+    return Request(text, messages,
+                   opts.max_tokens if own.max_tokens is None else own.max_tokens,
+                   opts.temperature if own.temperature is None else own.temperature,
+                   opts.seed if own.seed is None else own.seed, s, adapter, images, token_ids)
+
+
+# Prompts one row may hold (OpenAI's limit on an embeddings `input` list).
+MAX_PROMPTS = 2048
+
+
+def _prompts(value: Any, where: str) -> list[str | list[int]] | str:
+    """An OpenAI `prompt` or `input`: a string, a list of strings, a list of token ids, or a list of such
+    lists; the prompts in order, or what is wrong with it."""
+    shape = f"{where} must be a non-empty string, a list of them, a list of token ids, or a list of such lists"
+    if isinstance(value, str):
+        return [value] if value.strip() else f"{where} must be a non-empty string"
+    if not isinstance(value, list) or not value:
+        return shape
+    if _token_ids(value):
+        return [value]
+    if len(value) > MAX_PROMPTS:
+        return f"{where} holds {len(value)} prompts, more than {MAX_PROMPTS}"
+    for i, p in enumerate(value):
+        if isinstance(p, str):
+            if not p.strip():
+                return f"{where}[{i}] must be a non-empty string"
+        elif not (isinstance(p, list) and p and _token_ids(p)):
+            return f"{where}[{i}] must be a non-empty string or a non-empty list of token ids (integers from 0)"
+    return value
+
+
+def _token_ids(value: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in value)
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _unknown_adapter(name: Any, opts: InputOptions, where: str) -> str | None:
+    """Why `name` names no adapter of the job, or None when it does."""
+    if isinstance(name, str) and name in opts.adapters:
+        return None
+    known = ", ".join(sorted(opts.adapters)) if opts.adapters else "none: the job has no model.adapters"
+    return f"{where}: unknown adapter {json.dumps(name)[:80]} (model.adapters: {known})"
+
+
+def _refused(opts: InputOptions, asked: frozenset[str], spelled: dict[str, str]) -> str | None:
+    """The `unsupported` message when the engine cannot honour what the row asks."""
+    if opts.honours is None or not asked:
+        return None
+    return refusal(opts.engine, asked, opts.honours, spelled)
+
+
+_IMAGE_PART = "an image_url content part"
+
+
+def _content_asks(msgs: list[dict[str, Any]], where: str) -> list[tuple[str, dict[str, Any]]] | str:
+    """The image_url parts of chat messages (each with where it is), or the name of a part no
+    engine here can take (audio, files). Text parts ask nothing."""
+    images: list[tuple[str, dict[str, Any]]] = []
+    for i, m in enumerate(msgs):
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                continue
+            if kind == "image_url":
+                images.append((f"{where}[{i}].content[{j}]", part))  # type: ignore[arg-type]
+            else:
+                return f"{where}[{i}].content[{j}] of type {kind!r} (only text and image_url parts are known)"
+    return images
+
+
+def _images(parts: list[tuple[str, dict[str, Any]]], opts: InputOptions) -> tuple[Image, ...]:
+    """The images of a row's image_url parts, in order (data URLs decoded); raises ImageProblem."""
+    return tuple(parse_image(part, where, opts.max_image_bytes) for where, part in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatAsk:
+    """What a chat body's tool and reasoning fields ask (tools.py), as the row's request takes it."""
+
+    tools: ToolAsk | None
+    reasoning_effort: str | None
+    asked: frozenset[str]
+    spelled: dict[str, str]
+
+
+def _chat_tools(body: dict[str, Any], own: Sampling) -> _ChatAsk:
+    """A chat body's `tools`, `tool_choice`, `parallel_tool_calls` and `reasoning_effort`; raises BadField."""
+    ask = tools.tool_ask(body)
+    effort = tools.reasoning_effort(body)
+    asked: set[str] = set()
+    spelled: dict[str, str] = {}
+    if ask is not None:
+        asked.add(tools.TOOLS)
+        spelled[tools.TOOLS] = "body.tools (a tool call parser: model.vllm.toolCallParser)"
+    if effort is not None:
+        asked.add(tools.REASONING_EFFORT)
+        spelled[tools.REASONING_EFFORT] = "body.reasoning_effort"
+    if ask is not None and tools.forced(ask):
+        if own.structured_output is not None:
+            raise BadField("body.response_format cannot be kept with a forced tool call "
+                           f"(body.tool_choice {ask.choice!r}): the call's arguments are the answer's JSON")
+        asked.add(tools.FORCED_TOOL_CHOICE)
+        spelled[tools.FORCED_TOOL_CHOICE] = f"body.tool_choice {ask.choice!r} (a forced tool call)"
+        for i, t in enumerate(ask.tools):  # checked as the calls' arguments will be
+            if t["function"].get("parameters"):
+                json_schema_text(f"body.tools[{i}].function.parameters", t["function"]["parameters"])
+    return _ChatAsk(ask, effort, frozenset(asked), spelled)
+
+
+def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOptions) -> Row:
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return _bad(at, "invalid_id", "custom_id must be a non-empty string", cid if _valid_id(cid) else None)
+    url = obj.get("url")
+    if obj.get("method", "POST") != "POST":
+        return _bad(at, "invalid_request", f"method must be POST, got {obj.get('method')!r}", cid)
+    if url not in OPENAI_URLS:
+        return _bad(at, "invalid_request", f"url must be one of {', '.join(OPENAI_URLS)}, got {url!r}", cid)
+    kind = OPENAI_URLS[url]
+    if kind != opts.task:
+        return _bad(at, "invalid_request", f"url {url} needs model.task {kind}, the job runs {opts.task}", cid)
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return _bad(at, "invalid_request", "body must be an object", cid)
+    if url == "/v1/responses":
+        try:
+            body = responses.chat_body(body)
+        except (UnknownField, BadField) as e:
+            return _bad(at, "invalid_request", str(e), cid)
+    try:
+        ask = from_openai(body, kind)
+    except (UnknownField, BadField) as e:
+        return _bad(at, "invalid_request", str(e), cid)
+    own = ask.sampling
+    asked = own.asked()
+    spelled = dict(ask.spelled)
+    adapter = None
+    image_parts: list[tuple[str, dict[str, Any]]] = []
+    model = body.get("model")
+    if opts.adapters and model is not None and model != opts.model_name:
+        # With adapters, body.model picks one (or the base model by its name).
+        if model not in opts.adapters:
+            return _bad(at, "invalid_request", f"body.model: unknown model {json.dumps(model)[:80]} "
+                        f"(this job serves {opts.model_name} and adapters {', '.join(sorted(opts.adapters))})", cid)
+        adapter = model
+        asked |= {ADAPTERS}
+        spelled[ADAPTERS] = "body.model (a LoRA adapter)"
+    if kind == "chat":
+        msgs = body.get("messages")
+        problem = _messages_ok(msgs)
+        if problem:
+            return _bad(at, "invalid_request", f"body.messages {problem}", cid)
+        assert isinstance(msgs, list)
+        parts = _content_asks(msgs, "body.messages")
+        if isinstance(parts, str):
+            return _bad(at, "unsupported", f"engine {opts.engine or 'here'} cannot honour {parts}", cid)
+        image_parts = parts
+        if parts:
+            asked |= {IMAGES}
+            spelled[IMAGES] = _IMAGE_PART
+        try:
+            chat_ask = _chat_tools(body, own)
+        except BadField as e:
+            return _bad(at, "invalid_request", str(e), cid)
+        asked |= chat_ask.asked
+        spelled.update(chat_ask.spelled)
+    else:
+        field = "input" if kind == "embed" else "prompt"
+        prompts = _prompts(body.get(field), f"body.{field}")
+        if isinstance(prompts, str):
+            return _bad(at, "invalid_request", prompts, cid)
+        if any(isinstance(p, list) for p in prompts):
+            asked |= {TOKEN_IDS}
+            spelled[TOKEN_IDS] = f"body.{field} as token ids"
+    if ask.unhonoured:
+        # Known OpenAI fields that no engine here honours: refused whatever the engine.
+        return _bad(at, "unsupported", f"engine {opts.engine or 'here'} cannot honour {', '.join(ask.unhonoured)}",
+                    cid)
+    refused = _refused(opts, asked, spelled)
+    if refused:
+        return _bad(at, "unsupported", refused, cid)
+    if kind == "chat":
+        try:
+            images = _images(image_parts, opts)
+        except ImageProblem as e:
+            return _bad(at, e.code, str(e), cid)
+        req = _request(opts, own, messages=msgs, adapter=adapter, images=images)
+        req.tools, req.reasoning_effort = chat_ask.tools, chat_ask.reasoning_effort
+        return Row(at=at, id=cid, request=req, url=url)
+    requests = [_request(opts, own, text=p, adapter=adapter) if isinstance(p, str) else
+                _request(opts, own, token_ids=p, adapter=adapter) for p in prompts]
+    return Row(at=at, id=cid, request=requests[0], url=url, parts=requests if len(requests) > 1 else None,
+               encoding=ask.encoding)
+
+
+
+def row_id(row: dict[str, Any]) -> Any:
+    """The input id a published row carries: `custom_id` in OpenAI batch shape, else `id`."""
+    return row["custom_id"] if "custom_id" in row else row.get("id")
+
+
+def row_usage(row: dict[str, Any]) -> dict[str, int]:
+    """The token usage a published result row carries, in either output shape."""
+    usage = row.get("usage")
+    if usage is None and isinstance(row.get("response"), dict):
+        usage = row["response"].get("body", {}).get("usage")
+    return usage or {}
+
+
+def _usage(res: Result) -> dict[str, int]:
+    p, c = res.prompt_tokens, res.completion_tokens
+    if p is not None and c is not None:  # the common case, in one dict display
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if p is not None:
+        return {"prompt_tokens": p, "total_tokens": p}
+    if c is not None:
+        return {"completion_tokens": c, "total_tokens": c}
+    return {}
+
+
+def plain_result(rid: Any, res: Result, truncated: bool = False,
+                 columns: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The published result row of a successful request in the plain (jsonl) shape, its pass-through
+    `columns` after its own fields."""
+    out: dict[str, Any] = {"id": rid}
+    if res.embedding is not None:
+        out["embedding"] = res.embedding
+    else:
+        out["output"] = res.output
+    usage = _usage(res)
+    if usage:
+        out["usage"] = usage
+    if res.choices is not None:
+        out["choices"] = [_plain_choice(i, c) for i, c in enumerate(res.choices)]
+    parsed = res.extra.get("parsed")
+    if isinstance(parsed, Choice) and parsed.reasoning is not None:
+        out["reasoning"] = parsed.reasoning
+    if truncated:
+        out["truncated"] = True
+    if columns:
+        out.update(columns)
+    return out
+
+
+def _plain_choice(i: int, c: Choice) -> dict[str, Any]:
+    """One of a plain result row's `choices`: index, output, finish_reason, completion_tokens, logprobs."""
+    out: dict[str, Any] = {"index": i, "output": c.output, "finish_reason": c.finish_reason,
+                           "completion_tokens": c.completion_tokens}
+    if c.reasoning is not None:
+        out["reasoning"] = c.reasoning
+    if c.logprobs is not None:
+        out["logprobs"] = [{"token": t.token, "logprob": t.logprob,
+                            "top_logprobs": [{"token": s, "logprob": lp} for s, lp in t.top]} for t in c.logprobs]
+    return out
+
+
+def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI chat `choices[i].logprobs`: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if lps is None:
+        return None
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8")),
+                         "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+                                          for s, lp in t.top]} for t in lps], "refusal": None}
+
+
+def _completion_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI completions `choices[i].logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    if lps is None:
+        return None
+    offsets, at = [], 0
+    for t in lps:
+        offsets.append(at)
+        at += len(t.token)
+    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [dict(t.top) for t in lps], "text_offset": offsets}
+
+
+def _choices(res: Result, max_tokens: int) -> list[Choice]:
+    """A result's answers: its `choices`, or its one output."""
+    if res.choices is not None:
+        return res.choices
+    parsed = res.extra.get("parsed")
+    if isinstance(parsed, Choice):  # parsed by the engine's reasoning and tool call parsers
+        return [parsed]
+    finish = res.extra.get("finish_reason") or ("length" if (res.completion_tokens or 0) >= max_tokens else "stop")
+    return [Choice(output=res.output or "", completion_tokens=res.completion_tokens or 0, finish_reason=finish)]
+
+
+def merged_result(row: Row, results: list[Result]) -> Result:
+    """One Result for a row with several prompts (`row.parts`): the first failing prompt's error, named
+    by its place in the body (a failing part fails the row), else the results summed over the prompts
+    (usage), which result_row writes out prompt by prompt from `parts`."""
+    field = "input" if OPENAI_URLS.get(row.url or "") == "embed" else "prompt"
+    for k, r in enumerate(results):
+        if r.error is not None:
+            return Result(output=r.output, prompt_tokens=r.prompt_tokens, error=f"body.{field}[{k}]: {r.error}",
+                          extra=dict(r.extra))
+    prompt = [r.prompt_tokens for r in results if r.prompt_tokens is not None]
+    completion = [r.completion_tokens for r in results if r.completion_tokens is not None]
+    return Result(output=results[0].output, embedding=results[0].embedding,
+                  prompt_tokens=sum(prompt) if prompt else None,
+                  completion_tokens=sum(completion) if completion else None,
+                  extra={"parts": results})
+
+
+def _vector(embedding: list[float] | None, encoding: str) -> list[float] | str | None:
+    """An embedding as the row asked: floats, or base64 of little-endian float32 (OpenAI's)."""
+    if encoding != "base64" or embedding is None:
+        return embedding
+    return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+
+
+def _chat_message(c: Choice, row: Row, call_ids: str) -> dict[str, Any]:
+    """A chat answer's `message`: its content, the reasoning a reasoning parser kept apart from it
+    (`reasoning_content`), and the tool calls a tool parser read (`tool_calls`, with ids stable
+    across reruns: ``call_<row digest>_<choice>_<call>``)."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.output}
+    if c.reasoning is not None:
+        message["reasoning_content"] = c.reasoning
+    if c.tool_calls is not None:
+        # A forced call (required, a named function) has empty content, as vLLM's server answers it.
+        ask = row.request.tools if row.request is not None else None
+        message["content"] = "" if tools.forced(ask) else (c.output or None)
+        message["tool_calls"] = [{**call, "id": call.get("id") or f"call_{call_ids}_{k}"}
+                                 for k, call in enumerate(c.tool_calls)]
+    return message
+
+
+def _reasoning_usage(usage: dict[str, Any], choices: list[Choice]) -> dict[str, Any]:
+    """`usage` with `completion_tokens_details.reasoning_tokens` when a reasoning parser counted them."""
+    counted = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
+    if not counted:
+        return usage
+    return {**usage, "completion_tokens_details": {"reasoning_tokens": sum(counted)}}
+
+
+def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
+    """The published result row for a successful request (a row with several prompts: its merged_result)."""
+    if opts.format != "openai":
+        return plain_result(row.id, res, row.truncated, row.carried)
+    usage = _usage(res)
+    digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
+    kind = OPENAI_URLS.get(row.url or "", opts.task)
+    body: dict[str, Any]
+    served = row.request.adapter if row.request is not None and row.request.adapter else opts.model_name
+    parts: list[Result] = res.extra.get("parts") or [res]
+    if row.url == "/v1/responses":
+        (choice,) = _choices(res, row.request.max_tokens if row.request else 0)[:1]
+        body = responses.response_object(digest, served, choice, _reasoning_usage(usage, [choice]), f"{digest}_0",
+                                         row.request, res.cached_tokens)
+    elif kind == "embed":
+        body = {"object": "list", "model": served,
+                "data": [{"object": "embedding", "index": i, "embedding": _vector(r.embedding, row.encoding)}
+                         for i, r in enumerate(parts)], "usage": usage}
+    elif kind == "chat":
+        choices = _choices(res, row.request.max_tokens if row.request else 0)
+        body = {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": int(time.time()),
+                "model": served,
+                "choices": [{"index": i, "message": _chat_message(c, row, f"{digest}_{i}"),
+                             "logprobs": _chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                            for i, c in enumerate(choices)], "usage": _reasoning_usage(usage, choices)}
+    else:
+        # Several prompts: each prompt's n choices in turn, numbered on (prompt-major, as OpenAI does).
+        choices = [c for r in parts for c in _choices(r, row.request.max_tokens if row.request else 0)]
+        body = {"id": f"cmpl-{digest}", "object": "text_completion", "created": int(time.time()),
+                "model": served,
+                "choices": [{"index": i, "text": c.output, "logprobs": _completion_logprobs(c.logprobs),
+                             "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+                "usage": usage}
+    line = {"id": f"batch_req_{digest}", "custom_id": row.id,
+            "response": {"status_code": 200, "request_id": f"req_{digest}", "body": body}, "error": None}
+    if row.truncated:
+        line["truncated"] = True
+    return line
+
+
+def error_row(row: Row, object_name: str, opts: InputOptions) -> dict[str, Any]:
+    """The published error row: the id (null if unknown), what went wrong, and where the row is."""
+    out: dict[str, Any] = {"id": row.id, "error": {"code": row.error_code, "message": row.error},
+                           "object": object_name, "offset": row.at[1]}
+    if row.output is not None:
+        out["output"] = row.output
+    if opts.format == "openai":
+        out["custom_id"] = row.id
+        out["response"] = None
+    elif row.carried:
+        out.update(row.carried)
+    return out

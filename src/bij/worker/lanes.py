@@ -1,0 +1,440 @@
+"""Lanes: one worker process works many shards of a round with its model loaded once.
+
+A round's Job has one index per lane. Lane `i` works its own shards first (`i`,
+`i + lanes`, ...), in order; with none left it takes unfinished shards of other
+lanes: first ones nobody has started (from the end of the lane with the most
+left, so that lane keeps its order), then ones whose holder stopped renewing.
+
+Every shard a process works it first claims in the output store with a conditional
+create, so exactly one process wins each claim:
+
+    <round>/claims/<shard:05d>-<generation:05d>.json   {"lane", "writer", "expiresAt"}
+
+The newest generation holds the shard. Its writer renews it (rewrites its own object
+with a later `expiresAt`) every third of the lease while it works, and gives the shard
+up as soon as it sees a newer generation. Anyone may take a shard whose newest claim
+has expired by creating the next generation; a new process of the same lane (the
+replacement pod after a preemption, which the Job starts only once the old pod has
+terminated) takes its lane's claims at once. A shard resumes from its durable prefix
+whoever works it, and two writers by accident cannot lose or duplicate a row: each
+writer appends to its own log (see segments.py).
+
+A lane exits once every shard of the round is done: while others still hold shards
+it waits, so that a shard whose holder dies is taken over when its lease expires.
+
+A claim decision costs a few storage requests however many shards the round has:
+
+- Listings are few: the round's claims and completion records when the process starts, the
+  claims again when its own shards run out (and after a lost create, only while its listings
+  have cost no more requests than the claims it won), the completion records once more when
+  nothing is left to start. Each costs N / 1000 requests on S3 for N shards.
+- Between them the lane keeps what it learnt. Claims and completion records are never removed
+  while a round runs: a shard seen claimed stays claimed, one seen done stays done, and the
+  unstarted shards of a listing include every shard unstarted now.
+- The conditional create is the test. A lost create costs one request; one read of the winner
+  says whether the shard's own lane took it, and then that lane's earlier shards are taken
+  too (a lane claims its own shards in order).
+- A claim held by another is read again only once its last known expiry has passed (renewals
+  only move it later); completion is checked one record at a time, the first shard not known
+  done; a renewal asks whether the next generation exists (one HEAD).
+
+With a continuous-batching engine (vLLM, simulated) a lane starts its next shard as soon as
+every row of the current one is in the engine (`EngineShare`), so the engine's running batch
+does not drain at each shard's end; at most two shards of a lane are open at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bij.contract import layout
+from bij.contract.records import ClaimRecord
+from bij.storage import NotFound, Storage, StorageError
+
+log = logging.getLogger("bij.worker")
+
+DEFAULT_LEASE_SECONDS = 60.0
+_CLAIM_RE = re.compile(r"^(\d{5,})-(\d{5,})\.json$")
+_DONE_RE = re.compile(r"^(\d{5,})\.json$")
+
+
+@dataclass(frozen=True)
+class Claim:
+    shard: int
+    generation: int
+    lane: int
+    writer: str
+    expires_at: float
+
+
+LIST_PAGE = 1000  # keys one S3 LIST request returns: what a listing of n objects costs, in requests
+
+
+def listing_requests(objects: int) -> int:
+    """Requests one listing of `objects` objects costs on S3 (one at least, for an empty folder)."""
+    return max(1, -(-objects // LIST_PAGE))
+
+
+class Claims:
+    """The claims of one round, seen from one worker process (`writer`) of lane `lane`.
+
+    Not thread-safe across `next()` calls (the lane's thread makes them); `renew()` keeps no state
+    and may run in any thread.
+    """
+
+    def __init__(self, store: Storage, round_prefix: str, *, lane: int, lanes: int, shards: int, writer: str,
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS, share: bool = True,
+                 clock: Callable[[], float] = time.time):
+        self.store, self.prefix = store, round_prefix.rstrip("/")
+        self.share = share  # False: this lane's own shards only
+        self.lane, self.lanes, self.shards = lane, lanes, shards
+        self.writer, self.lease, self.clock = writer, float(lease_seconds), clock
+        # What this process learnt of the round (claims and completion records stay while it runs).
+        self._started = False
+        self._done: set[int] = set()  # shards with a completion record
+        self._newest: dict[int, int] = {}  # a claimed shard's newest claim generation (at least this one)
+        self._held: dict[int, Claim] = {}  # the last claim read (or made) of a shard, for its expiry
+        self._inherited: list[int] = []  # shards an earlier process of this lane held, to continue first
+        self._own_next = lane  # the next of this lane's own shards to try
+        self._free: dict[int, list[int]] | None = None  # unstarted shards by lane, at the last claims listing
+        self._pending: list[int] | None = None  # shards not known done, once nothing is left to start
+        self._won = 0  # claims this process created
+        self._listed = 0  # requests its listings cost (as on S3)
+
+    # --- what the store says -------------------------------------------------------------------
+
+    def uri(self, shard: int, generation: int) -> str:
+        return layout.claim_uri(self.prefix, shard, generation)
+
+    def _mine(self, shard: int) -> bool:
+        return self.share or shard % self.lanes == self.lane
+
+    def done(self) -> set[int]:
+        """Shards with a completion record, from one listing."""
+        objects = self.store.list(layout.done_folder(self.prefix))
+        self._listed += listing_requests(len(objects))
+        out = set()
+        for o in objects:
+            m = _DONE_RE.match(o.uri.rsplit("/", 1)[-1])
+            if m:
+                out.add(int(m.group(1)))
+        return out
+
+    def newest(self) -> dict[int, int]:
+        """The newest claim generation of every claimed shard, from one listing."""
+        objects = self.store.list(layout.claims_folder(self.prefix))
+        self._listed += listing_requests(len(objects))
+        out: dict[int, int] = {}
+        for o in objects:
+            m = _CLAIM_RE.match(o.uri.rsplit("/", 1)[-1])
+            if m:
+                s, g = int(m.group(1)), int(m.group(2))
+                out[s] = max(g, out.get(s, -1))
+        return out
+
+    def _learn_claims(self) -> None:
+        for s, g in self.newest().items():
+            self._newest[s] = max(g, self._newest.get(s, -1))
+
+    def _is_done(self, shard: int) -> bool:
+        if shard in self._done:
+            return True
+        if self.store.exists(layout.done_uri(self.prefix, shard)):
+            self._done.add(shard)
+            return True
+        return False
+
+    def read(self, shard: int, generation: int) -> Claim | None:
+        try:
+            rec = ClaimRecord.from_json(self.store.read_bytes(self.uri(shard, generation)), shard, generation)
+            return Claim(shard, generation, rec.lane, rec.writer, rec.expires_at)
+        except NotFound:
+            return None
+        except (ValueError, KeyError, TypeError):
+            # A claim we cannot read holds nothing: treat it as expired.
+            return Claim(shard, generation, -1, "", 0.0)
+
+    def _body(self, shard: int, generation: int) -> bytes:
+        return ClaimRecord(shard, generation, self.lane, self.writer, self.clock() + self.lease).to_json()
+
+    def take(self, shard: int, generation: int) -> Claim | None:
+        """Create claim `generation` of `shard`; None when another process created it first."""
+        won = self.store.create(self.uri(shard, generation), self._body(shard, generation))
+        self._newest[shard] = max(generation, self._newest.get(shard, -1))
+        if not won:
+            return None
+        self._won += 1
+        claim = Claim(shard, generation, self.lane, self.writer, self.clock() + self.lease)
+        self._held[shard] = claim
+        return claim
+
+    def renew(self, claim: Claim) -> bool:
+        """Extend our lease; False when a newer claim took the shard from us."""
+        # Claims are created generation after generation, so a newer one exists iff the next does.
+        if self.store.exists(self.uri(claim.shard, claim.generation + 1)):
+            return False
+        self.store.write_bytes(self.uri(claim.shard, claim.generation), self._body(claim.shard, claim.generation))
+        return True
+
+    # --- which shard next ----------------------------------------------------------------------
+
+    def next(self) -> Claim | None | bool:
+        """Claim the next shard to work: a Claim; True when every shard left is held by a live
+        lease of someone else (wait and ask again); None when every shard is done."""
+        if not self._started:
+            if self._start():
+                return None
+        # 1. What an earlier process of this lane held: it has stopped (a replacement pod starts
+        #    only once the old one is gone), so its shards continue here first.
+        while self._inherited:
+            s = self._inherited.pop(0)
+            got = self.take(s, self._newest[s] + 1)
+            if got:
+                return got
+        # 2. This lane's own shards, in order; a lost create means someone took the shard.
+        while self._own_next < self.shards:
+            s = self._own_next
+            self._own_next += self.lanes
+            if s not in self._done and s not in self._newest:
+                got = self.take(s, 0)
+                if got:
+                    return got
+        # 3. Shards nobody started: from the end of the lane with the most left.
+        if self.share:
+            got = self._steal()
+            if got:
+                return got
+        # 4. Shards whose holder stopped renewing; done when every shard is.
+        return self._expired()
+
+    def _start(self) -> bool:
+        """Learn the round from one listing of each kind; True when every shard of ours is done."""
+        self._started = True
+        self._done = self.done()
+        if all(s in self._done for s in range(self.shards) if self._mine(s)):
+            self._own_next, self._free, self._pending = self.shards, {}, []
+            return True
+        self._learn_claims()
+        for s, g in sorted(self._newest.items()):
+            if s in self._done or not self._mine(s):
+                continue
+            c = self.read(s, g)
+            if c is None:
+                continue
+            self._held[s] = c
+            if c.lane == self.lane and c.writer != self.writer:
+                self._inherited.append(s)
+        return False
+
+    def _steal(self) -> Claim | None:
+        if self._free is None:  # this lane's own shards have just run out
+            self._list_free()
+        while True:
+            assert self._free is not None
+            left = [(-len(shards), lane) for lane, shards in self._free.items() if shards]
+            if not left:
+                return None
+            lane = min(left)[1]
+            s = self._free[lane].pop()
+            got = self.take(s, 0)
+            if got:
+                return got
+            # Lost: the listing is out of date. List again while listings have cost no more
+            # requests than the claims this process won (so the busiest lane is the one it really
+            # is); otherwise learn from who won.
+            if self._listed <= self._won:
+                self._list_free()
+                continue
+            winner = self.read(s, 0)
+            if winner is not None:
+                self._held[s] = winner
+                if winner.lane == lane:
+                    # Its own lane got there: a lane claims its own shards in order, so every
+                    # earlier one of them is taken as well.
+                    self._free[lane].clear()
+
+    def _list_free(self) -> None:
+        """The unstarted shards of other lanes, from a listing of the round's claims."""
+        self._learn_claims()
+        self._free = {}
+        for s in range(self.shards):
+            if s % self.lanes != self.lane and s not in self._done and s not in self._newest:
+                self._free.setdefault(s % self.lanes, []).append(s)
+
+    def _expired(self) -> Claim | None | bool:
+        if self._pending is None:
+            # Nothing left to start: one listing says which shards others finished meanwhile.
+            self._done |= self.done()
+            self._pending = [s for s in range(self.shards) if self._mine(s) and s not in self._done]
+        # Completion, one record at a time: the round is not done while the first shard left is not.
+        while self._pending and self._is_done(self._pending[0]):
+            self._pending.pop(0)
+        if not self._pending:
+            return None
+        now = self.clock()
+        unknown = float("-inf")
+        for s in sorted(self._pending, key=lambda s: self._held[s].expires_at if s in self._held else unknown):
+            known = self._held.get(s)
+            if known is not None and known.expires_at >= now:
+                break  # renewals only move an expiry later: nothing after this one has expired either
+            if s in self._done:
+                continue
+            g = self._newest.get(s, 0)
+            c = self.read(s, g)
+            if c is None:
+                if s not in self._newest:  # never claimed after all: take it
+                    got = self.take(s, 0)
+                    if got:
+                        return got
+                continue
+            self._held[s] = c
+            if c.expires_at >= now:
+                continue
+            if self._is_done(s):  # a finished shard's claim is no longer renewed
+                continue
+            got = self.take(s, g + 1)
+            if got:
+                log.info("lane %d: took over shard %d from lane %d (its lease expired %.0f s ago)",
+                         self.lane, s, c.lane, now - c.expires_at)
+                return got
+        self._pending = [s for s in self._pending if s not in self._done]
+        return True
+
+    def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
+        """`next()`, waiting while others hold every shard left; None when all are done or when
+        `stopped` is set."""
+        # Often enough that a lane waiting at the round's end exits soon after the last shard is done.
+        poll = poll if poll is not None else max(0.2, min(0.5, self.lease / 4))
+        while not stopped.is_set():
+            got = self.next()
+            if got is None or isinstance(got, Claim):
+                return got
+            stopped.wait(poll)
+        return None
+
+
+class LeaseKeeper:
+    """Renews a claim every third of the lease while its shard is worked; calls `lost` once if a
+    newer claim took the shard."""
+
+    def __init__(self, claims: Claims, claim: Claim, lost: Callable[[], None]):
+        self.claims, self.claim, self.lost = claims, claim, lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{claim.shard}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        every = self.claims.lease / 3
+        while not self._stop.wait(every):
+            try:
+                if not self.claims.renew(self.claim):
+                    log.warning("lane %d: shard %d was taken over by another worker; giving it up",
+                                self.claims.lane, self.claim.shard)
+                    self.lost()
+                    return
+            except (StorageError, OSError) as e:  # a storage hiccup: try again at the next renewal
+                log.warning("lane %d: cannot renew the claim on shard %d: %s", self.claims.lane,
+                            self.claim.shard, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class EngineShare:
+    """One loaded continuous engine, shared by the shards a lane works at once.
+
+    While one shard's last rows run (its tail), the lane starts its next shard, so the engine's
+    running batch never drains between shards. Each shard's worker talks to its own `view`:
+    tags are mapped to engine-wide ones, and a step's results go to the view whose rows they are
+    (kept for it until it steps next). A closed view's rows still in the engine finish there,
+    and their results are dropped.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.lock = threading.Lock()
+        self._owner: dict[int, tuple[int, int]] = {}  # engine tag -> (view, its tag)
+        self._inbox: dict[int, list[tuple[int, Any]]] = {}
+        self._closed: set[int] = set()
+        self._next_tag = 0
+        self._next_view = 0
+
+    def view(self) -> EngineView:
+        with self.lock:
+            self._next_view += 1
+            self._inbox[self._next_view] = []
+            return EngineView(self, self._next_view)
+
+    def submit(self, view: int, tag: int, request: Any) -> None:
+        with self.lock:
+            g = self._next_tag
+            self._next_tag += 1
+            self.engine.submit(g, request)  # a ValueError: this row fails alone, nothing recorded
+            self._owner[g] = (view, tag)
+
+    def step(self, view: int) -> list[tuple[int, Any]]:
+        with self.lock:
+            mine = self._inbox[view]
+            if mine:
+                self._inbox[view] = []
+                return mine
+            for g, res in self.engine.step():
+                owner, tag = self._owner.pop(g)
+                if owner == view:
+                    mine.append((tag, res))
+                elif owner not in self._closed:
+                    self._inbox[owner].append((tag, res))
+            self._inbox[view] = []
+            return mine
+
+    def close(self, view: int) -> None:
+        with self.lock:
+            self._closed.add(view)
+            self._inbox.pop(view, None)
+            # Its rows still in the engine are nobody's now: aborting them frees their slots.
+            left = [g for g, (owner, _) in self._owner.items() if owner == view]
+            if left:
+                self.engine.abort(left)
+                for g in left:
+                    del self._owner[g]
+
+    def idle(self) -> bool:
+        """Nothing of any view still in the engine (closed views' rows included)."""
+        with self.lock:
+            return not self._owner
+
+
+class EngineView:
+    """A shard's handle on a shared continuous engine: what the worker needs, with its own tags."""
+
+    continuous = True
+
+    def __init__(self, share: EngineShare, view: int):
+        self._share, self._view = share, view
+        self._out = 0  # submitted and not yet returned
+
+    def submit(self, tag: int, request: Any) -> None:
+        self._share.submit(self._view, tag, request)
+        self._out += 1
+
+    def step(self) -> list[tuple[int, Any]]:
+        done = self._share.step(self._view)
+        self._out -= len(done)
+        return done
+
+    def unfinished(self) -> int:
+        return self._out
+
+    def close(self) -> None:
+        self._share.close(self._view)
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (concurrency, count_tokens, max_input_tokens, steps, ...) is the engine's.
+        return getattr(self._share.engine, name)

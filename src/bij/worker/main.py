@@ -1,0 +1,435 @@
+"""`bij-worker`: the pod entry point. Works lane JOB_COMPLETION_INDEX of a round plan.
+
+The lane's shards first, then unfinished shards of other lanes (see lanes.py), with the
+model loaded once for all of them.
+
+Exit codes (the Job's podFailurePolicy relies on them):
+
+- 0    every shard of the round is done (their completion records are written)
+- 143  terminated by SIGTERM/SIGINT: the in-flight chunks were committed or dropped whole;
+       a rerun resumes where it stopped
+- 42   bad configuration (missing plan, index out of range, unknown engine, missing model,
+       a storage error no retry fixes, an input object changed since planning):
+       a retry cannot help, the Job fails at once
+- 44   a lane of several pods lost a member (or its leader): the group is replaced whole, and this
+       index is not to blame (bij.worker.group)
+- other  a failure worth a retry (storage outage, engine crash); a rerun resumes
+
+With spec.workers.nodesPerLane = n > 1 (env BIJ_NODES_PER_LANE) index i is rank i % n of lane i // n:
+rank 0 works the lane as above, with a Ray head and the group's members joined before its engine loads;
+the other ranks run a Ray worker node each and nothing else (bij.worker.group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from bij.contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_TERMINATED
+from bij.contract.plan import Plan
+from bij.contract.sampling import ALL_FIELDS, refusal
+from bij.contract.spec import JobSpec
+from bij.engines import EngineConfig, create_engine
+from bij.engines.base import is_continuous
+from bij.storage import StorageError, open_storage
+from bij.worker.adapters import AdapterError, adapter_folders, fetch_adapters
+from bij.worker.group import GroupError, GroupLeader, Role, join_seconds, member_main, role_of
+from bij.worker.lanes import Claim, Claims, EngineShare, LeaseKeeper
+from bij.worker.metrics import Metrics, Stats
+from bij.worker.reader import DamagedObject, ReplacementDiffers
+from bij.worker.report import LaneReporter, ReportError, sink_from_env
+from bij.worker.shard import BadConfig, ShardOutcome, ShardWorker, load_plan
+from bij.worker.stopflag import StopFlag
+
+# How often a lane reports its progress to the operator (env BIJ_REPORT_INTERVAL, seconds).
+REPORT_INTERVAL = float(os.environ.get("BIJ_REPORT_INTERVAL") or 5.0)
+
+log = logging.getLogger("bij.worker")
+
+
+def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> EngineConfig:
+    """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec);
+    `adapters`: the local folders of spec.model.adapters, once fetched. A lane of several pods
+    (spec.workers.nodesPerLane) runs vLLM with Ray's executor, one pipeline stage a pod."""
+    m = spec.model
+    vllm = m.vllm.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if spec.workers.nodes_per_lane > 1:
+        vllm["distributedExecutorBackend"] = "ray"
+        vllm["pipelineParallelSize"] = spec.workers.nodes_per_lane
+    return EngineConfig(
+        task=m.task,
+        name=m.name,
+        max_tokens=m.max_tokens,
+        temperature=m.temperature,
+        seed=m.seed,
+        max_input_tokens=m.max_input_tokens,
+        truncate=m.truncates,
+        vllm=vllm,
+        simulated=m.simulated.model_dump(mode="json", by_alias=True, exclude_none=True),
+        device=os.environ.get("BIJ_DEVICE") or None,
+        chat_template=m.chat_template,
+        chat_template_kwargs=dict(m.chat_template_kwargs or {}),
+        adapters=dict(adapters or {}),
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bij-worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--manifest", default=os.environ.get("BIJ_MANIFEST"),
+                   help="URI of the round plan (shards.json); env BIJ_MANIFEST")
+    p.add_argument("--index", type=int, default=None,
+                   help="lane index (default: env JOB_COMPLETION_INDEX, as set by an Indexed Job)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--drain-seconds", type=float, default=float(os.environ.get("BIJ_DRAIN_SECONDS", "15")),
+                   help="after SIGTERM, how long the in-flight chunk may still run before it is dropped")
+    p.add_argument("--progress", action="store_true", help="print JSON progress events on stdout")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    group = _Group()
+    code = _main(argv, group)
+    if group.lost and code in (EXIT_TERMINATED, EXIT_FAILED) and not group.signalled:
+        # A member went (or said it goes) first: this index is not to blame; the group is replaced whole.
+        return EXIT_GROUP_LOST
+    return code
+
+
+class _Group:
+    """The lane's group of pods as the leader's main sees it (nothing when the lane is one pod)."""
+
+    def __init__(self) -> None:
+        self.leader: GroupLeader | None = None
+        self.lost: str | None = None
+        self.signalled = False  # this pod's own SIGTERM came before any loss
+
+
+def _main(argv: list[str] | None, group: _Group) -> int:
+    logging.basicConfig(level=os.environ.get("BIJ_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    stop = StopFlag(args.drain_seconds)
+    # The shard being worked has a stop flag of its own: a lost claim stops that shard only.
+    current: list[StopFlag] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if stop.requested:
+            # A second signal: no more waiting. What is durable stays durable;
+            # a torn frame is skipped on resume.
+            os._exit(EXIT_TERMINATED)
+        log.info("signal %d: taking no new chunk", signum)
+        group.signalled = group.lost is None
+        stop.request()
+        for flag in current:
+            flag.request()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    reporter: list[LaneReporter] = []  # set once the plan says which round this is
+
+    def emit(event: dict[str, Any]) -> None:
+        if args.progress:
+            sys.stdout.write(json.dumps(event) + "\n")
+            sys.stdout.flush()
+        for r in reporter:
+            r.on_event(event)
+
+    lane = -1
+    completed = False
+    try:
+        if not args.manifest:
+            raise BadConfig("no round plan: pass --manifest or set BIJ_MANIFEST")
+        index = args.index
+        if index is None:
+            raw = os.environ.get("JOB_COMPLETION_INDEX")
+            if raw is None or not raw.isdigit():
+                raise BadConfig(f"no lane index: pass --index or set JOB_COMPLETION_INDEX (got {raw!r})")
+            index = int(raw)
+        try:
+            role = role_of(index)
+        except ValueError as e:
+            raise BadConfig(str(e)) from None
+        if not role.leader:
+            return member_main(role, args.drain_seconds)
+        lane = role.lane
+        # The plan says where everything else is, and carries the spec whose storage settings every
+        # later call uses; reading the plan itself takes them from the standard AWS environment
+        # (AWS_ENDPOINT_URL, AWS_REGION), which the Job sets from the same spec.
+        plan = load_plan(args.manifest, None)
+        spec = plan.spec
+        lanes = plan.lane_count
+        if not 0 <= lane < lanes:
+            raise BadConfig(f"lane index {lane} is out of range: the round has {lanes} lanes")
+        try:
+            sink = sink_from_env()
+        except ReportError as e:
+            raise BadConfig(str(e)) from None
+        if sink is not None:
+            # How far the lane got, for `kubectl get bij`: the operator never reads storage.
+            reporter.append(LaneReporter(sink, plan.round, lane, interval=REPORT_INTERVAL))
+        metrics = Metrics()
+        if args.metrics_port:
+            metrics.serve(args.metrics_port)
+        engine_name = spec.model.engine
+        try:
+            # The adapters' folders are known now; they are fetched just before the model loads.
+            engine = create_engine(engine_name, engine_config(spec, adapter_folders(spec.model.adapters)))
+        except ValueError as e:
+            raise BadConfig(str(e)) from None
+        refused = refusal(engine_name, spec.model.own_sampling().asked(), engine.honours,
+                          {**{k: f"spec.model.sampling.{k}" for k in ALL_FIELDS},
+                           "structuredOutput": "spec.model.structuredOutput"})
+        if refused:
+            # A default every row would ask for: one clear failure, not an error row per row.
+            raise BadConfig(refused)
+        name = spec.model.name
+        if name and (name.startswith(("/", "./", "../"))) and not os.path.exists(name):
+            raise BadConfig(f"spec.model.name: no model at {name}")
+        if role.nodes > 1:
+            group.leader = _form_group(role, group, stop, current, args.drain_seconds)
+        claims = Claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
+                        lane=lane, lanes=lanes, shards=len(plan.shards), writer=uuid.uuid4().hex[:12],
+                        lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
+        # Nothing left to claim (a replacement pod after its shards were finished elsewhere):
+        # done without loading the model.
+        claim = claims.next_or_wait(stop.event)
+        # A continuous engine is shared by the lane's shards, so the next one starts during the
+        # current one's tail (judge jobs work chunk by chunk and do not overlap).
+        share = EngineShare(engine) if is_continuous(engine) and not spec.judge else None
+        loaded = False
+
+        def start(claim: Claim) -> ShardRun:
+            nonlocal loaded
+            stats = Stats(started_at=time.time())
+            if not loaded:
+                t = time.perf_counter()
+                # The shard was claimed before the load (a lane with nothing left never loads), and a
+                # big model loads for longer than a lease: renew the claim meanwhile, or the lane finds
+                # its own claim expired and works the shard twice (others would take it over too).
+                keeper = LeaseKeeper(claims, claim, lambda: None)
+                try:
+                    if spec.model.adapters:
+                        # Once per pod, with a shard to work (a lane with nothing left fetches nothing);
+                        # a missing adapter fails the lane before the model loads.
+                        fetch_adapters(spec.model.adapters, spec.storage.s3)
+                    engine.load()
+                except AdapterError as e:
+                    raise BadConfig(str(e)) from None
+                except (FileNotFoundError, ImportError, ValueError) as e:
+                    # Only what fails on every node alike: a full disk or a flaky mount is an
+                    # OSError worth a retry elsewhere, and must not fail the whole round.
+                    raise BadConfig(f"cannot load model for engine {engine_name}: {type(e).__name__}: {e}") from None
+                finally:
+                    keeper.close()
+                loaded = True
+                # The load counts with the first shard this process works (carried over to whoever
+                # resumes it, if this process stops before the shard is done).
+                stats.model_load_s, stats.model_loads = time.perf_counter() - t, 1
+                metrics.model_load.set(stats.model_load_s)
+                emit({"event": "loaded", "index": claim.shard, "lane": lane,
+                      "seconds": round(stats.model_load_s, 3)})
+            run = ShardRun(plan, claim, engine, claims, share, metrics=metrics, progress=emit, stats=stats,
+                           drain_seconds=args.drain_seconds)
+            current.append(run.stop)
+            if stop.requested:
+                run.stop.request()
+            run.start()
+            return run
+
+        def finish(run: ShardRun) -> ShardOutcome:
+            try:
+                return run.join()
+            finally:
+                current.remove(run.stop)
+
+        run = start(claim) if claim is not None else None
+        while run is not None:
+            while not run.tail.wait(0.2):
+                pass
+            after: ShardRun | None = None
+            if share is not None and not stop.requested and run.alive():
+                got = claims.next()  # the next shard, if one is free now; never waits
+                if isinstance(got, Claim):
+                    after = start(got)
+            try:
+                outcome = finish(run)
+            except BaseException:
+                if after is not None:
+                    after.stop.request(drain_seconds=0)
+                    finish(after)
+                raise
+            if outcome.status == "stopped":
+                if stop.requested:
+                    log.info("lane %d: stopped with %d rows of shard %d durable", lane, outcome.rows, run.claim.shard)
+                    if after is not None:
+                        finish(after)
+                    return EXIT_TERMINATED
+                if share is None:
+                    # Another worker holds the shard now: what its rows still in the engine compute
+                    # is not ours to commit.
+                    drain(engine)
+            else:
+                log.info("lane %d: shard %d done, %d rows, %d errors", lane, run.claim.shard, outcome.rows,
+                         outcome.errors)
+            if after is None:
+                claim = claims.next_or_wait(stop.event)
+                after = start(claim) if claim is not None else None
+            run = after
+        if stop.requested:
+            # Asked to stop as its last shard finished: nothing was left to drain, and it says so too.
+            log.info("lane %d: stopped with every shard it took done", lane)
+            return EXIT_TERMINATED
+        completed = True
+    except DamagedObject as e:
+        # input.onDamagedObject fail: no retry reads past it; the rows before it are durable.
+        log.error("%s; the rows before it are durable: replace the object and run again (it resumes there), "
+                  "or set spec.input.onDamagedObject: errorRow", e)
+        return EXIT_BAD_CONFIG
+    except ReplacementDiffers as e:
+        log.error("%s", e)
+        return EXIT_BAD_CONFIG
+    except BadConfig as e:
+        log.error("bad configuration: %s", e)
+        return EXIT_BAD_CONFIG
+    except GroupError as e:
+        log.error("%s", e)
+        return EXIT_FAILED
+    except StorageError as e:
+        if e.permanent:
+            # A missing bucket, denied access, no credentials, an input replaced after planning:
+            # the same on every retry and every node.
+            log.error("bad configuration: storage: %s", e)
+            return EXIT_BAD_CONFIG
+        log.error("storage: %s", e)
+        return EXIT_FAILED
+    except Exception:
+        log.exception("lane %d failed", lane)
+        return EXIT_FAILED
+    finally:
+        # This pod replaces its group (a member left first): its last report says why, and its members
+        # are told so, and say nothing themselves. A leader stopped first is replaced as one pod is.
+        regroup = None if group.signalled else group.lost
+        for r in reporter:
+            if regroup is not None:
+                r.group_lost(f"lane {lane}: {regroup}")
+            r.close()
+        if group.leader is not None and not completed:
+            _close_engine()
+            group.leader.close(regroup=regroup is not None)  # members see `regroup`, or the channel drop without `done`
+    log.info("lane %d: every shard of the round is done", lane)
+    if group.leader is not None:
+        _close_engine()  # before its pipeline stages on the members go
+        group.leader.finish()  # members stop their Ray nodes and succeed with this pod
+        group.leader.close()
+    return EXIT_OK
+
+
+def _close_engine() -> None:
+    """Stop a vLLM engine spread over the lane's pods before the group goes (its Ray workers on them)."""
+    vllm = sys.modules.get("bij.engines.vllm")
+    if vllm is not None and vllm.holds_llm():
+        try:
+            vllm.close_llm()
+        except Exception:  # noqa: BLE001 - the pod exits next; nothing it could still commit is lost
+            log.exception("stopping the engine")
+
+
+def _form_group(role: Role, group: _Group, stop: StopFlag, current: list[StopFlag],
+                drain_seconds: float) -> GroupLeader:
+    """Start the lane's Ray head and group channel, and wait until every member has joined."""
+
+    def on_lost(reason: str, drain: bool) -> None:
+        group.lost = reason
+        # A member that said it stops keeps its node up while the in-flight chunk finishes; one that is
+        # gone took its pipeline stage with it: nothing in flight can finish, nothing more is committed.
+        seconds = drain_seconds if drain else 0.0
+        stop.request(drain_seconds=seconds)
+        for flag in list(current):
+            flag.request(drain_seconds=seconds)
+        # An engine whose Ray worker died may never return a step: the pod goes regardless (what is
+        # durable stays durable, a torn frame is skipped on resume), so that the group is replaced.
+        watchdog = threading.Timer(seconds + 30.0, os._exit, args=(EXIT_GROUP_LOST,))
+        watchdog.daemon = True
+        watchdog.start()
+
+    leader = GroupLeader(role, on_lost).start()
+    try:
+        leader.wait_members(join_seconds(), stop.event)
+    except BaseException:
+        leader.close()
+        raise
+    return leader
+
+
+class ShardRun:
+    """One claimed shard worked in a thread of its own, its claim renewed meanwhile."""
+
+    def __init__(self, plan: Plan, claim: Claim, engine: Any, claims: Claims, share: EngineShare | None,
+                 *, metrics: Metrics, progress: Callable[[dict[str, Any]], None], stats: Stats,
+                 drain_seconds: float):
+        self.claim = claim
+        self.stop = StopFlag(drain_seconds)
+        self.tail = threading.Event()  # set once every row is in the engine, or the shard ended
+        self.view = share.view() if share is not None else None
+        self.worker = ShardWorker(plan, claim.shard, self.view or engine, metrics=metrics, stop=self.stop,
+                                  progress=progress, stats=stats, lane=claims.lane)
+        if self.view is not None:
+            self.worker.on_tail = self.tail.set
+        self.claims = claims
+        self.outcome: ShardOutcome | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"shard-{claim.shard}", daemon=True)
+
+    def start(self) -> None:
+        self.keeper = LeaseKeeper(self.claims, self.claim, lost_claim(self.stop))
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.outcome = self.worker.run()
+        except BaseException as e:  # noqa: BLE001 - raised again in the lane's thread by join()
+            self.error = e
+        finally:
+            self.keeper.close()
+            if self.view is not None:
+                self.view.close()
+            self.tail.set()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self) -> ShardOutcome:
+        while self.thread.is_alive():
+            self.thread.join(0.2)  # in slices: the lane's thread takes signals between them
+        if self.error is not None:
+            raise self.error
+        assert self.outcome is not None
+        return self.outcome
+
+
+def lost_claim(flag: StopFlag) -> Callable[[], None]:
+    """Stop working a shard another worker took over: nothing more of it is ours to commit."""
+    return lambda: flag.request(drain_seconds=0)
+
+
+def drain(engine: Any) -> None:
+    """Drop what a continuous engine still runs: abort it, and step until nothing is left."""
+    if is_continuous(engine):
+        engine.abort()
+        while engine.unfinished():
+            engine.step()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
