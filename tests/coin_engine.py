@@ -86,6 +86,6 @@ def worker_cmd() -> list[str]:
 
 if __name__ == "__main__":
     install()
-    from bij.worker.main import main as worker_main
+    from bij.cli.worker import main as worker_main
 
     sys.exit(worker_main(sys.argv[1:]))

@@ -1,1 +1,1 @@
-"""bij.cli."""
+"""bij.cli: the `bij` and `bij-worker` commands."""

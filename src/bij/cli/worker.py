@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest[:1] in (["publish"], ["step"]):
         logging.basicConfig(level=os.environ.get("BIJ_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-        from bij.steps.main import run_in_process
+        from bij.steps import run_in_process
 
         return run_in_process(rest, os.environ)
     if rest[:1] == ["probe"]:

@@ -9,6 +9,6 @@
 - `records`: the durable records (completion, progress, claim, owner, removed)
 - `columns`: the names a published row uses, and the input columns it carries (pass-through)
 
-Nothing here imports the rest of bij_worker or bij_operator beyond the storage layer's names,
-so either side can import it without the other's dependencies.
+Nothing here imports another layer of bij (pyproject.toml's import contracts hold it to that),
+so every layer can import it without another's dependencies.
 """

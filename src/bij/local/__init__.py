@@ -1,1 +1,1 @@
-"""bij.local."""
+"""bij.local: `bij run`, the operator's driver and Job bodies run as local processes."""

@@ -169,7 +169,7 @@ class LocalBackend:
             env.setdefault("BIJ_LOG_LEVEL", "WARNING")
         here = None
         if self.steps_here and (STEP_LABEL in labels or PUBLISH_LABEL in labels) and body["spec"]["completions"] == 1:
-            from bij.steps.main import run_in_process
+            from bij.steps import run_in_process
 
             here = run_in_process
         job = LocalJob(body, self.worker_cmd, env, extra_args=extra, on_stdout=on_stdout, in_process=here)

@@ -210,20 +210,5 @@ def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
     return 0
 
 
-
-def run_in_process(argv: list[str], env: Mapping[str, str]) -> int:
-    """One publish pass or storage step (`publish ...`, `step ...`) in this process, with `env` as its
-    environment, for a caller whose own environment already holds the storage settings (`bij run`):
-    no interpreter to start and nothing to import again. Logging is the caller's. Anything else
-    (a lane, the probe) runs only in a process of its own."""
-    if argv[:1] == ["publish"]:
-        from bij.steps.publish_rows import main as publish_main
-
-        return publish_main(argv[1:], env)
-    if argv[:1] == ["step"]:
-        return main(argv[1:], env)
-    raise ValueError(f"only a publish pass or a step runs in-process, not {argv[:1]}")
-
-
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,1 +1,1 @@
-"""bij data plane: storage, durable shard logs, reader, batcher, engines and the worker."""
+"""bij.worker: the data plane of a lane: reader, inputs, batcher, schedulers, committer, lanes, reports."""
