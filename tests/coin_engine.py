@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from bij.engines.base import BASIC_SAMPLING, EngineConfig, Request, Result, estimate_tokens, request_text
+from bij.engines.base import BASIC_SAMPLING, EngineBase, EngineConfig, Request, Result, estimate_tokens, request_text
 
 
 def coin(text: str, seed: int | None) -> int:
@@ -32,7 +32,7 @@ def approve_pattern(rate_percent: int) -> str:
     return rf"#[0-{tens - 1}]\d$" if tens > 1 else r"#0\d$"
 
 
-class CoinEngine:
+class CoinEngine(EngineBase):
     name = "coin"
     schedules_itself = False
     continuous = parallel_prepare = False

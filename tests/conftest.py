@@ -464,6 +464,9 @@ def bij_bin() -> Any:
 class RecordingEcho:
     """The echo engine, recording every batch it runs; `fail_on` makes rows containing it raise."""
 
+    steps = occupied = 0
+    notes = ()
+
     def __init__(self, task: str = "generate", max_input_tokens: int | None = None, fail_on: str | None = None,
                  truncate: bool = False):
         from bij.engines.base import EngineConfig
@@ -488,6 +491,9 @@ class RecordingEcho:
 
     def max_input_tokens(self) -> int | None:
         return self.inner.max_input_tokens()
+
+    def batch_shape(self) -> None:
+        return None
 
     def run(self, requests: list[Any]) -> list[Any]:
         from bij.engines.base import request_text

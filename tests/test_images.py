@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from bij.contract.sampling import IMAGES
-from bij.engines.base import BASIC_SAMPLING, Image
+from bij.engines.base import BASIC_SAMPLING, EngineBase, Image
 from bij.storage import open_storage
 from bij.worker.images import ImageProblem, fetch_images
 from bij.worker.inputs import InputOptions, parse_line
@@ -167,7 +167,7 @@ def test_s3_images_are_read_through_the_jobs_storage(s3_place: Any) -> None:
     assert e.value.code == "image_not_found"
 
 
-class ImageBytes:
+class ImageBytes(EngineBase):
     """A stand-in vision engine (the real one is vLLM's, in the vLLM tier): it declares images and
     answers each row with the sizes and first bytes of the images it was handed."""
 

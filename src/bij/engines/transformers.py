@@ -48,6 +48,7 @@ from bij.engines.base import (
     CHAT_TEMPLATE_FIELDS,
     ENGINE_REJECTED,
     Choice,
+    EngineBase,
     EngineConfig,
     Request,
     Result,
@@ -57,7 +58,7 @@ from bij.engines.prompts import GREEDY_EPS, count_prompt_tokens, pick_device, pr
 from bij.engines.structured import Validator, grammar_schema
 
 
-class TransformersEngine:
+class TransformersEngine(EngineBase):
     """A causal LM loaded with AutoModelForCausalLM from a local path or a hub id (tasks generate and chat).
 
     bf16 on a GPU, fp32 on CPU; batched generation with left padding. A hub id comes from the

@@ -66,6 +66,7 @@ from bij.engines.base import (
     CHAT_TEMPLATE_FIELDS,
     ENGINE_REJECTED,
     Choice,
+    EngineBase,
     EngineConfig,
     Image,
     Request,
@@ -260,7 +261,7 @@ def _pil(image: Image, index: int) -> Any:
     return pil.convert("RGB")
 
 
-class VllmEngine:
+class VllmEngine(EngineBase):
     """Generate, chat or embed with vLLM's offline `LLM`; one shared instance per process."""
 
     name = "vllm"

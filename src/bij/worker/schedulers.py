@@ -186,7 +186,8 @@ class StreamScheduler:
         until the drain time is over, and whole chunks that finish are committed.
         """
         engine, b = self.engine, self.batching
-        continuous = is_continuous(engine)
+        stepper = engine if is_continuous(engine) else None  # submit / step: its own continuous batching
+        continuous = stepper is not None
         writer = CommitWriter(self.committer.commit_chunks, b.commit_slots)
         opened: deque[OpenChunk] = deque()
         pending: list[tuple[OpenChunk, int]] = []  # rows in the window not yet given to the engine
@@ -228,7 +229,7 @@ class StreamScheduler:
                     if op.final is None:
                         self.committer.count_tokens(op.results)  # type: ignore[arg-type]
                         op.final, op.tally = self.prep.encode(op)
-                    idle = taken >= len(pending) and not (continuous and engine.unfinished())  # type: ignore[attr-defined]
+                    idle = taken >= len(pending) and not (stepper is not None and stepper.unfinished())
                     if not writer.put((op.chunk, op.final, op.tally), block=idle):
                         break
                     opened.popleft()
@@ -245,18 +246,18 @@ class StreamScheduler:
                     order = run_order(texts, pending_tokens, by_prefix=by_prefix, by_length=b.sort)
                     pending = list(map(pending.__getitem__, order))
                     pending_tokens = list(map(pending_tokens.__getitem__, order))
-                if continuous:
+                if stepper is not None:
                     # Keep the engine's own queue short: rows wait here, in window order, so that
                     # a chunk that joins later can still run before them where that is better.
-                    most = engine.concurrency()  # type: ignore[attr-defined]
-                    room = most + max(1, most // 8) - engine.unfinished()  # type: ignore[attr-defined]
+                    most = stepper.concurrency()
+                    room = most + max(1, most // 8) - stepper.unfinished()
                     while room > 0 and taken < len(pending):
                         op, i = pending[taken]
                         taken += 1
                         req = op.requests[i]
                         share.add(request_text(req))
                         try:
-                            engine.submit(next_tag, req)  # type: ignore[attr-defined]
+                            stepper.submit(next_tag, req)
                         except ValueError as e:
                             op.place(i, refused(e))
                             continue
@@ -268,8 +269,8 @@ class StreamScheduler:
                         # its next shard now, so the engine does not drain between them.
                         self.on_tail()
                         self.on_tail = None
-                    if engine.unfinished():  # type: ignore[attr-defined]
-                        for tag, res in self.calls.step(engine):  # type: ignore[arg-type]
+                    if stepper.unfinished():
+                        for tag, res in self.calls.step(stepper):
                             op, i = tags.pop(tag)
                             op.place(i, res)
                 elif taken < len(pending):

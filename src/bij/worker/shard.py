@@ -86,8 +86,7 @@ class ShardOutcome:
 
 def batch_shape(engine: Engine) -> tuple[int, int]:
     """(maxBatchSize, targetBatchTokens) the engine prefers on its device, when the spec leaves them out."""
-    shape = getattr(engine, "batch_shape", None)
-    return shape() if callable(shape) else (256, 32000)
+    return engine.batch_shape() or (256, 32000)
 
 
 class ShardWorker:
@@ -157,7 +156,7 @@ class ShardWorker:
         keeps in flight) the batch ran half empty on mixed lengths, with eight times full.
         """
         engine = self.engine
-        running = engine.concurrency() if is_continuous(engine) else self.max_batch  # type: ignore[attr-defined]
+        running = engine.concurrency() if is_continuous(engine) else self.max_batch
         return max(8 * running, 2 * self.chunk_rows)
 
     def storage_for(self, uri: str) -> Storage:
@@ -231,7 +230,7 @@ class ShardWorker:
         parse = self.prep.parse if self.judge is None and self.engine.parallel_prepare else None
         prefetch = Prefetcher(blocks, self.chunk_rows, self.depth, prepare=parse, blocks=True)
         self.metrics.engine_stopped()
-        steps0, occupied0 = getattr(self.engine, "steps", 0), getattr(self.engine, "occupied", 0)
+        steps0, occupied0 = self.engine.steps, self.engine.occupied
         try:
             if self.judge is not None:
                 finished = attempts_loop.by_chunk(prefetch)
@@ -244,11 +243,11 @@ class ShardWorker:
                     self.on_tail = stream.on_tail
         finally:
             prefetch.close()
-            steps = getattr(self.engine, "steps", 0) - steps0
-            if steps:
+            steps = self.engine.steps - steps0
+            if steps and is_continuous(self.engine):
                 self.stats.engine_steps += steps
-                self.stats.occupied += getattr(self.engine, "occupied", 0) - occupied0
-                self.stats.max_num_seqs = self.engine.concurrency()  # type: ignore[attr-defined]
+                self.stats.occupied += self.engine.occupied - occupied0
+                self.stats.max_num_seqs = self.engine.concurrency()
         if not finished:
             return self._stopped()
         if prefetch.damaged is not None:
@@ -306,7 +305,7 @@ class ShardWorker:
             if lines:
                 self.out.write_bytes(uri, ("\n".join(lines) + "\n").encode())
         # What the engine learnt it cannot serve at all (said once in the job's status, not per row).
-        self.stats.notes = list(getattr(self.engine, "notes", None) or [])
+        self.stats.notes = list(self.engine.notes)
         record = shard_record(self.index, self.round, self.lane, self.stats.as_record(), time.monotonic() - t0,
                               finished=True)
         self.out.write_bytes(layout.done_uri(self.plan.round_prefix, self.index), encode(record))
