@@ -260,7 +260,7 @@ def test_rows_count_every_finished_round_also_while_the_last_one_publishes(file_
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
     driver = Driver(FakeBackend(job))
-    lanes = {"reports": {"lanes": {"p0": {"round": 1, "rows": 7, "errors": 1}}}}
+    lanes = {"reports": {"lanes": {"p0": {"round": 1, "lane": 0, "rows": 7, "errors": 1}}}}
     rounds = [{"round": 0, "completionTime": "2026-01-01T00:00:00Z", "approved": 40, "errors": 2},
               {"round": 1, "startTime": "2026-01-01T00:00:00Z"}]
     # Round 1 running: round 0's record and what round 1's lanes reported so far.

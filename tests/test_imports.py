@@ -24,6 +24,7 @@ PURE = {
     "bij.contract", "bij.contract.codes", "bij.contract.errors", "bij.contract.spec",
     "bij.contract.plan", "bij.contract.publish_plan", "bij.contract.globs",
     "bij.contract.step_report",  # a step's report as the status holds it: pydantic over plain data
+    "bij.contract.lane_report",  # a lane's report as the status holds it: pydantic over plain data
     "bij.contract.columns",  # the names a published row uses: the spec refuses them as pass-through columns
     "bij.contract.sampling",  # the spec's sampling defaults are checked with the rows' own rules
 }

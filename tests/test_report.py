@@ -163,3 +163,21 @@ def test_an_unknown_or_overlong_step_error_is_internal_with_its_type_and_its_mes
                                  {"jobUid": "u", "result": {}, "error": {"code": "Internal", "message": "m"}}])
 def test_what_is_not_a_report_is_never_taken_for_one(raw: object) -> None:
     assert StepReport.parse(raw) is None
+
+
+def test_a_rounds_lane_reports_leave_out_what_is_no_report() -> None:
+    from bij.contract.lane_report import LaneReport, lane_reports
+
+    status = {"reports": {"lanes": {
+        "pod-a": {"round": 0, "lane": 0, "rows": 5, "errors": 1, "shardsDone": 1, "bytes": 70, "at": "t"},
+        "pod-b": {"round": 1, "lane": 0, "rows": 9},  # another round
+        "pod-c": "not a report",
+        "pod-d": {"round": 0, "lane": "first"},  # a lane that is no number
+    }}}
+    assert lane_reports(status, 0) == [LaneReport(round=0, lane=0, rows=5, errors=1, shards_done=1, bytes=70, at="t")]
+    assert lane_reports({}, 0) == [] and lane_reports({"reports": {"lanes": ["x"]}}, 0) == []
+    # What a pod writes: camelCase, the loss only when there is one.
+    assert LaneReport(round=2, lane=1, rank=1, group_lost="leader gone").as_status() == {
+        "round": 2, "lane": 1, "rank": 1, "shardsDone": 0, "rows": 0, "errors": 0, "bytes": 0,
+        "groupLost": "leader gone", "at": ""}
+    assert "groupLost" not in LaneReport(round=0, lane=0).as_status()

@@ -38,6 +38,7 @@ from bij.contract import layout
 from bij.contract.codes import GENERATION_LABEL
 from bij.contract.efficiency import eta_seconds, fmt_duration
 from bij.contract.fingerprint import field_digests
+from bij.contract.lane_report import lane_reports
 from bij.contract.rounds import RoundStats
 from bij.contract.spec import BatchInferenceJob, SpecError
 from bij.control.jobs import FileVolume, render_job, render_lane_service, render_publish_job, render_step_job
@@ -542,7 +543,7 @@ class Driver:
         rec = round_records(status).get(current_round(status))
         if rec is None or rec.get("completionTime") or status.get("phase") in TERMINAL_PHASES:
             return None
-        return sum(int(v.get("shardsDone") or 0) for v in lane_reports(status, current_round(status)))
+        return sum(r.shards_done for r in lane_reports(status, current_round(status)))
 
     def progress(self, status: Mapping[str, Any], round_no: int, now: Any,
                  ended: RoundStats | None = None) -> dict[str, Any]:
@@ -562,8 +563,8 @@ class Driver:
             done += ended.approved
             failed += ended.errors
         else:
-            done += sum(int(v.get("rows") or 0) for v in current)
-            failed += sum(int(v.get("errors") or 0) for v in current)
+            done += sum(r.rows for r in current)
+            failed += sum(r.errors for r in current)
         started = status.get("startTime") or min((str(r["startTime"]) for r in round_records(status).values()
                                                   if r.get("startTime")), default=None)
         out: dict[str, Any] = {"rows": {"done": done, "failed": failed}}
@@ -575,15 +576,9 @@ class Driver:
         round_start = parse_time(this_round.get("startTime"))
         size = int(this_round.get("bytes") or 0)
         if ended is None and size and round_start is not None and current:
-            got = sum(int(v.get("bytes") or 0) for v in current)
+            got = sum(r.bytes for r in current)
             out["eta"] = fmt_duration(eta_seconds(got, size, (now - round_start).total_seconds()))
         return out
-
-
-def lane_reports(status: Mapping[str, Any], round_no: int) -> list[Mapping[str, Any]]:
-    """The progress reports of the lanes of round `round_no` (``status.reports.lanes``)."""
-    reported = (status.get("reports") or {}).get("lanes") or {}
-    return [v for v in reported.values() if isinstance(v, Mapping) and v.get("round") == round_no]
 
 
 def until_deadline(idle: Idle, job: BatchInferenceJob, status: Mapping[str, Any], now: Any) -> Idle:

@@ -43,6 +43,7 @@ from bij.contract.codes import (
     ROUND_LABEL,
 )
 from bij.contract.fingerprint import field_digests
+from bij.contract.lane_report import lane_reports
 from bij.contract.publish_plan import PASSES as PUBLISH_PASSES
 from bij.contract.rounds import RoundStats, needs_another_round
 from bij.contract.spec import BatchInferenceJob
@@ -214,9 +215,7 @@ class JobView:
 def group_losses(status: Mapping[str, Any], round_no: int) -> tuple[str, ...]:
     """Why lane groups of round `round_no` were replaced: the ``groupLost`` of its pods' lane reports
     (bij.worker.group: one pod of the group reports it), oldest first."""
-    reported = (status.get("reports") or {}).get("lanes") or {}
-    found = sorted((str(v.get("at") or ""), str(v["groupLost"])) for v in reported.values()
-                   if isinstance(v, Mapping) and v.get("round") == round_no and v.get("groupLost"))
+    found = sorted((r.at, r.group_lost) for r in lane_reports(status, round_no) if r.group_lost)
     return tuple(reason for _, reason in found)
 
 

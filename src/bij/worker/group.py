@@ -502,6 +502,8 @@ def member_main(role: Role, drain_seconds: float) -> int:
 def _member_report(role: Role, env: dict[str, str] | None = None) -> Callable[[str], None] | None:
     """Where a member says its group is replaced: its own lane report (bij.worker.report), keyed by its pod
     name, for the round the Job says (BIJ_ROUND); None when the pod reports nowhere."""
+    from bij.contract.lane_report import LaneReport
+    from bij.contract.records import now_stamp
     from bij.worker.report import POD_NAME_ENV, ReportError, put_with_retries, sink_from_env
 
     env = dict(os.environ) if env is None else env
@@ -516,8 +518,8 @@ def _member_report(role: Role, env: dict[str, str] | None = None) -> Callable[[s
     key = env.get(POD_NAME_ENV) or f"lane-{raw}-{role.lane}-member-{role.rank}"
 
     def report(reason: str) -> None:
-        value = {"round": int(raw), "lane": role.lane, "rank": role.rank, "shardsDone": 0, "rows": 0, "errors": 0,
-                 "bytes": 0, "groupLost": reason, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        value = LaneReport(round=int(raw), lane=role.lane, rank=role.rank, group_lost=reason,
+                           at=now_stamp()).as_status()
         try:
             put_with_retries(sink, "lanes", key, value, attempts=3)
         except (ReportError, OSError) as e:

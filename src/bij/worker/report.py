@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bij.contract.codes import JOB_UID_ENV, POD_NAME_ENV, REPORT_ENV
+from bij.contract.lane_report import LaneReport
+from bij.contract.records import now_stamp
 from bij.contract.spec import API_GROUP, API_VERSION
 
 __all__ = ["JOB_UID_ENV", "POD_NAME_ENV", "REPORT_ENV"]  # and what is defined below
@@ -172,8 +174,7 @@ class LaneReporter:
     def __init__(self, sink: Sink, round_no: int, lane: int, interval: float = 5.0, key: str | None = None):
         self.sink = sink
         self.key = key or os.environ.get(POD_NAME_ENV) or f"lane-{round_no}-{lane}-{uuid.uuid4().hex[:8]}"
-        self.state: dict[str, Any] = {"round": round_no, "lane": lane, "shardsDone": 0, "rows": 0, "errors": 0,
-                                      "bytes": 0}
+        self.state = LaneReport(round=round_no, lane=lane)
         self.worked: set[int] = set()  # shards this pod worked (a "resume" came first)
         self.interval = interval
         self.version = 0
@@ -190,12 +191,12 @@ class LaneReporter:
             if kind == "resume":
                 self.worked.add(int(event.get("index", -1)))
             elif kind == "chunk":
-                s["rows"] += int(event.get("rows") or 0)
-                s["errors"] += int(event.get("errors") or 0)
-                s["bytes"] += int(event.get("bytes") or 0)
+                self.state = s.model_copy(update={"rows": s.rows + int(event.get("rows") or 0),
+                                                  "errors": s.errors + int(event.get("errors") or 0),
+                                                  "bytes": s.bytes + int(event.get("bytes") or 0)})
             elif kind == "done" and int(event.get("index", -1)) in self.worked:
                 # Only a shard this pod finished: one found finished was counted by its finisher.
-                s["shardsDone"] += 1
+                self.state = s.model_copy(update={"shards_done": s.shards_done + 1})
             else:
                 return
             self.version += 1
@@ -204,7 +205,7 @@ class LaneReporter:
         """The lane's group of pods is replaced (bij.worker.group): said in the last report, which the
         operator turns into a Warning Event and the count in status.lanes.replaced."""
         with self.lock:
-            self.state["groupLost"] = reason
+            self.state = self.state.model_copy(update={"group_lost": reason})
             self.version += 1
 
     def _loop(self) -> None:
@@ -216,7 +217,7 @@ class LaneReporter:
             if self.version == self.sent:
                 return
             version = self.version
-            value = {**self.state, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            value = self.state.model_copy(update={"at": now_stamp()}).as_status()
         try:
             self.sink.put("lanes", self.key, value)
             self.sent = version
