@@ -49,7 +49,7 @@ demo: install
 # first build takes 15-25 minutes, later ones seconds). Without Go the cluster tests are skipped,
 # except in CI, where they must run.
 cluster-bin:
-	@bash tests/cluster/build.sh || { [ "$$CI" != true ] && echo "make: no local control plane; tests/test_cluster.py will be skipped"; }
+	@bash tests/cluster/build.sh || { [ "$$CI" != true ] && echo "make: no local control plane; tests/system/test_cluster.py will be skipped"; }
 
 # versitygw, the S3 server the tests run against, built from its Go module into .s3/bin (a few
 # CPU-minutes the first time, seconds later). Without Go the S3 tests run on moto, an emulator, and
@@ -75,17 +75,17 @@ api-demo: cluster-up
 test: install cluster-bin s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e and not slow and not vllm" $(PYTEST_ARGS)
 	@if [ -f $(VLLM_VENV)/.installed ]; then \
-		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py tests/test_group.py"; \
-		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py tests/test_group.py $(VLLM_PYTEST_ARGS); \
+		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/engines/test_vllm.py tests/worker/test_group.py"; \
+		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/engines/test_vllm.py tests/worker/test_group.py $(VLLM_PYTEST_ARGS); \
 	else \
-		echo "make test: no $(VLLM_VENV), so the vLLM tier (tests/test_vllm.py) was skipped: make vllm-env builds it"; \
+		echo "make test: no $(VLLM_VENV), so the vLLM tier (tests/engines/test_vllm.py) was skipped: make vllm-env builds it"; \
 	fi
 
 test-slow: install cluster-bin s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "slow and not e2e" $(PYTEST_ARGS)
 
 test-vllm: vllm-env
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm.py tests/test_group.py $(VLLM_PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/engines/test_vllm.py tests/worker/test_group.py $(VLLM_PYTEST_ARGS)
 
 test-fast: install s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 """bij: offline batch inference on spot GPUs, as a Kubernetes operator and worker image, or on one machine.
 
 One package in layers, each importing only the layers below it (pyproject.toml's import-linter contracts,
-checked by `make lint` and tests/test_imports.py):
+checked by `make lint` and tests/contract/test_imports.py):
 
 - `cli`: the `bij` and `bij-worker` commands (run, operator, render, validate, doctor, publish, status)
 - `api` | `local`: bij-api, the OpenAI Batch API in front of the operator | `bij run`, one machine

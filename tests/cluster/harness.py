@@ -131,7 +131,7 @@ class LocalCluster:
         self.plane.stop()
 
 
-# The chart's worker Role (templates/rbac.yaml, rules.worker; tests/test_chart.py holds the two equal).
+# The chart's worker Role (templates/rbac.yaml, rules.worker; tests/system/test_chart.py holds the two equal).
 WORKER_RULES = worker_role_rules()
 
 

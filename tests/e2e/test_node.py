@@ -36,7 +36,7 @@ OPERATOR_IMAGE = os.environ.get("BIJ_OPERATOR_IMAGE", "localhost/bij-operator:de
 WORKER_IMAGE = os.environ.get("BIJ_WORKER_IMAGE", "localhost/bij-worker:cpu")
 # One node, labelled as a GKE spot node (round pods select it by that label) but not tainted: the
 # operator and the publish Jobs, which tolerate no spot taint, run on it too. The process kubelet's
-# cluster (tests/test_cluster.py) has the tainted spot nodes beside a CPU node.
+# cluster (tests/system/test_cluster.py) has the tainted spot nodes beside a CPU node.
 SPOT_LABEL = "cloud.google.com/gke-spot"
 BUCKET = "bij-e2e"
 EMBED_DIM = 384  # all-MiniLM-L6-v2

@@ -4,7 +4,7 @@ The API server's verdict comes from the CRD (the copy packaged with bij, generat
 crds/batchinferencejobs.yaml): unknown fields, pruning of nulls, defaults, the openAPI schema and
 the CEL rules (x-kubernetes-validations, evaluated with cel-python). Messages have the API server's
 shape, e.g. ``spec.judge: Invalid value: judge.type regex needs judge.pattern`` (checked against a
-real kube-apiserver by tests/test_cluster.py).
+real kube-apiserver by tests/system/test_cluster.py).
 
 The operator parses what the API server stored (the defaulted object) with ``spec.parse_job``;
 anything the CRD lets through but the model rejects is reported too, since such a job would be

@@ -3,7 +3,7 @@
 Public vLLM API only, as vLLM's own offline examples use it: `vllm.LLM` (one per process),
 the `LLMEngine` it holds (`LLM.llm_engine`) driven with `add_request` / `step` /
 `has_unfinished_requests` / `abort_request`, `SamplingParams`, `PoolingParams`,
-`TokensPrompt` and `EmbeddingRequestOutput`. `tests/test_vllm.py` checks every name and
+`TokensPrompt` and `EmbeddingRequestOutput`. `tests/engines/test_vllm.py` checks every name and
 keyword used here against the installed vLLM, so a release that moves one fails a test.
 
 vLLM batches continuously itself, so the worker drives its engine loop

@@ -1,7 +1,7 @@
 """`bij doctor`'s pure parts: which nodes can take a worker pod, what a probe pod says, the storage probe
 itself on file://, and the one list of the worker identity's grants the chart's Role must equal.
-(The whole command against the real control plane: tests/test_cluster.py; the chart's worker Role
-against `WORKER_GRANTS`: tests/test_chart.py.)"""
+(The whole command against the real control plane: tests/system/test_cluster.py; the chart's worker Role
+against `WORKER_GRANTS`: tests/system/test_chart.py.)"""
 
 from __future__ import annotations
 

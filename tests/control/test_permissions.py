@@ -1,7 +1,7 @@
 """The worker identity's grants, checked before a bij's first pod: the API server's answers as a
 `GrantCheck`, what `decide()` makes of the recorded answer (ask, hold with backoff, go on), what the
 driver records and says, and that `bij run` (no RBAC) never asks. (On the real control plane:
-tests/test_cluster.py.)"""
+tests/system/test_cluster.py.)"""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from bij.control.reconcile import parse_ranges
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / "tests" / "cluster" / "podhooks"
 GROUP, VERSION, PLURAL = "batchinference.io", "v1alpha1", "batchinferencejobs"
 ROWS = 120
@@ -683,7 +683,7 @@ def test_suspend_stops_the_round_and_resume_finishes_it_keeping_progress(env: En
 def test_lanes_of_two_pods_get_a_headless_service_and_a_job_of_two_indexes_a_lane(env: Env) -> None:
     """The objects of a bij whose lanes span two pods, as the operator (under the chart's RBAC) creates them
     and the real API server and Job controller take them; suspended, so no pod needs Ray here (the group
-    itself runs in tests/test_group.py)."""
+    itself runs in tests/worker/test_group.py)."""
     job_ids(env)
     env.create(env.doc("two", model={"engine": "simulated", "task": "generate"}, suspend=True,
                        workers={"parallelism": 2, "nodesPerLane": 2, "backoffLimitPerIndex": 1}))
@@ -1087,7 +1087,7 @@ JUSTIFIED = {
         "(test_a_grant_revoked_after_the_check_fails_the_step_saying_the_403_and_the_missing_verb)",
     ("", "services", "create"):
         "the headless Service of a bij whose lanes span several pods (spec.workers.nodesPerLane > 1); created only "
-        "for such a bij (tests/test_render.py and tests/test_group.py test it)",
+        "for such a bij (tests/control/test_render.py and tests/worker/test_group.py test it)",
 }
 MODES = {
     "all-namespaces": {},

@@ -19,7 +19,7 @@ from bij.contract.spec import BatchInferenceJob, load_job, parse_job
 from bij.control import jobs
 from bij.control.jobs import render_job
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 KUBE_VERSIONS = ["1.31", "1.33"]
 MANIFEST = "s3://bucket/out/_bij/uid-1/round-0/shards.json"

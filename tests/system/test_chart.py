@@ -16,7 +16,7 @@ import yaml
 from bij.contract.spec import parse_job
 from bij.control import jobs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "bij-operator"
 KUBE_VERSIONS = ["1.31", "1.33"]
 NAMESPACE = "bij-system"

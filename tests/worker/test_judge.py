@@ -11,7 +11,7 @@ import pytest
 import yaml
 import zstandard
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 import coin_engine  # noqa: E402
 
 from bij.contract import layout  # noqa: E402

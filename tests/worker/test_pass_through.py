@@ -21,7 +21,7 @@ from bij.steps.publish import publish
 from bij.worker.inputs import InputOptions, parquet_columns, parse_line
 from bij.worker.shard import StopFlag
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 import coin_engine  # noqa: E402
 
 from bij.local.run import LocalRunner  # noqa: E402

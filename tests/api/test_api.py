@@ -32,7 +32,7 @@ openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / "tests" / "cluster" / "podhooks"
 MODELS = ("tiny-chat", "tiny-completions", "tiny-embed")
 
