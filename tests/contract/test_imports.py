@@ -25,6 +25,7 @@ PURE = {
     "bij.contract.plan", "bij.contract.publish_plan", "bij.contract.globs",
     "bij.contract.step_report",  # a step's report as the status holds it: pydantic over plain data
     "bij.contract.lane_report",  # a lane's report as the status holds it: pydantic over plain data
+    "bij.contract.round_record",  # a round's record as the status holds it: pydantic over plain data
     "bij.contract.columns",  # the names a published row uses: the spec refuses them as pass-through columns
     "bij.contract.sampling",  # the spec's sampling defaults are checked with the rows' own rules
 }

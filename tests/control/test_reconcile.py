@@ -24,6 +24,7 @@ from bij.control.reconcile import (
     decide,
     format_ranges,
     parse_ranges,
+    round_stats,
 )
 from bij.control.status import decision_status, phase_conditions, rows_progress, set_condition
 
@@ -640,3 +641,23 @@ def test_editing_a_row_deciding_field_after_planning_fails_the_bij_naming_it() -
     failed = {**status, "phase": "Failed", "conditions": [{"type": "Failed", "status": "True",
                                                            "reason": "SpecChanged"}]}
     assert isinstance(decide(job, failed, []), CreateJob)
+
+
+def test_round_records_are_read_typed_and_an_entry_that_is_no_record_is_left_out() -> None:
+    from bij.contract.round_record import RoundRecord, round_records
+
+    status = {"rounds": [
+        {"round": 0, "shards": 8, "lanes": 2, "bytes": 512, "startTime": "2026-01-01T00:00:00Z",
+         "completionTime": "2026-01-01T00:05:00Z", "approved": 70, "rejected": 5, "capped": 1, "errors": 4,
+         "engineCalls": 9, "approvalRate": 0.875, "rowsIn": 80, "specDigests": {"spec.model": "abc"}},
+        {"round": 1, "shards": 3, "startTime": "2026-01-01T00:05:01Z"},
+        {"shards": 4},  # no round number
+        {"round": 2, "shards": "many"},  # not a count
+        "not a record",
+    ]}
+    got = round_records(status)
+    assert sorted(got) == [0, 1]
+    assert got[0].finished and got[0].spec_digests == {"spec.model": "abc"} and got[0].stats().approved == 70
+    assert got[1] == RoundRecord(round=1, shards=3, start_time="2026-01-01T00:05:01Z") and not got[1].finished
+    assert round_stats(status) == [got[0].stats()]  # round 1 has not finished
+    assert round_records({"rounds": "garbage"}) == {}

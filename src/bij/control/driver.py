@@ -39,6 +39,7 @@ from bij.contract.codes import GENERATION_LABEL
 from bij.contract.efficiency import eta_seconds, fmt_duration
 from bij.contract.fingerprint import field_digests
 from bij.contract.lane_report import lane_reports
+from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats
 from bij.contract.spec import BatchInferenceJob, SpecError
 from bij.control.jobs import FileVolume, render_job, render_lane_service, render_publish_job, render_step_job
@@ -69,7 +70,6 @@ from bij.control.reconcile import (
     decide,
     format_ranges,
     name_conflict,
-    round_records,
 )
 from bij.control.status import (
     decision_status,
@@ -296,7 +296,8 @@ class Driver:
 
         if isinstance(d, FinishRound):
             end = d.result or {}
-            planned = int((round_records(status).get(d.round) or {}).get("shards") or 0)
+            this = round_records(status).get(d.round)
+            planned = this.shards if this is not None else 0
             counted = end.get("stats") or {}
             stats = RoundStats(round=d.round, shards=planned, approved=int(counted.get("approved") or 0),
                                rejected=int(counted.get("rejected") or 0), capped=int(counted.get("capped") or 0),
@@ -541,7 +542,7 @@ class Driver:
         """How many shards of the current round its lanes reported finished; None when no round runs.
         A lane counts only shards it finished itself, so the sum counts each shard once."""
         rec = round_records(status).get(current_round(status))
-        if rec is None or rec.get("completionTime") or status.get("phase") in TERMINAL_PHASES:
+        if rec is None or rec.finished or status.get("phase") in TERMINAL_PHASES:
             return None
         return sum(r.shards_done for r in lane_reports(status, current_round(status)))
 
@@ -551,13 +552,15 @@ class Driver:
         current round's (its statistics once `ended`, else what its lanes reported); ``eta`` of the
         running round from the input its lanes reported done."""
         done = failed = 0
-        for r, rec in round_records(status).items():
+        records = round_records(status)
+        for r, rec in records.items():
             # A finished round counts from its record (the current one too: while publishing, say),
             # unless its statistics are being recorded right now (`ended`).
-            if rec.get("completionTime") and not (r == round_no and ended is not None):
-                done += int(rec.get("approved") or 0)
-                failed += int(rec.get("errors") or 0)
-        finished = bool((round_records(status).get(round_no) or {}).get("completionTime"))
+            if rec.finished and not (r == round_no and ended is not None):
+                done += rec.approved
+                failed += rec.errors
+        this_round = records.get(round_no)
+        finished = this_round is not None and this_round.finished
         current = [] if finished else lane_reports(status, round_no)
         if ended is not None:
             done += ended.approved
@@ -565,16 +568,15 @@ class Driver:
         else:
             done += sum(r.rows for r in current)
             failed += sum(r.errors for r in current)
-        started = status.get("startTime") or min((str(r["startTime"]) for r in round_records(status).values()
-                                                  if r.get("startTime")), default=None)
+        started = status.get("startTime") or min((r.start_time for r in records.values() if r.start_time),
+                                                 default=None)
         out: dict[str, Any] = {"rows": {"done": done, "failed": failed}}
         start = parse_time(started)
         if start is not None:
             elapsed = (now - start).total_seconds()
             out["rowsPerSecond"] = round(done / elapsed, 2) if elapsed > 0 else 0.0
-        this_round = round_records(status).get(round_no) or {}
-        round_start = parse_time(this_round.get("startTime"))
-        size = int(this_round.get("bytes") or 0)
+        round_start = parse_time(this_round.start_time if this_round is not None else None)
+        size = this_round.bytes if this_round is not None else 0
         if ended is None and size and round_start is not None and current:
             got = sum(r.bytes for r in current)
             out["eta"] = fmt_duration(eta_seconds(got, size, (now - round_start).total_seconds()))

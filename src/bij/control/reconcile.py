@@ -45,6 +45,7 @@ from bij.contract.codes import (
 from bij.contract.fingerprint import field_digests
 from bij.contract.lane_report import lane_reports
 from bij.contract.publish_plan import PASSES as PUBLISH_PASSES
+from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats, needs_another_round
 from bij.contract.spec import BatchInferenceJob
 from bij.contract.step_report import StepErrorCode, StepReport
@@ -389,15 +390,6 @@ def name_conflict(d: Decision, job_name: str, what: str, phase: Phase) -> Wait:
 
 
 # --- status accessors --------------------------------------------------------------------------
-
-
-def round_records(status: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
-    """``status.rounds`` keyed by round number."""
-    out: dict[int, Mapping[str, Any]] = {}
-    for rec in status.get("rounds") or []:
-        if isinstance(rec, Mapping) and isinstance(rec.get("round"), int):
-            out[rec["round"]] = rec
-    return out
 
 
 def current_round(status: Mapping[str, Any]) -> int:
@@ -780,10 +772,10 @@ def decide(
     if rec is None:
         return step(job, seen, PlanRound(round=r, phase="Planning", reason="Planning", message=f"planning round {r}"))
 
-    planned = int(rec.get("shards") or 0)
+    planned = rec.shards
     # A round planned before lanes existed has one lane per shard.
-    lanes = int(rec.get("lanes") or planned)
-    if rec.get("completionTime"):
+    lanes = rec.lanes or planned
+    if rec.finished:
         # The round's results are recorded as complete; the Job may already be gone (TTL).
         return after_round(job, seen, r)
     shards = Shards(done=min(shards_done, planned), total=planned) if shards_done is not None else None
@@ -927,8 +919,9 @@ def job_failed(r: int, view: JobView, shards: Shards | None = None) -> MarkFaile
 def spec_changed_since_planning(job: BatchInferenceJob, status: Mapping[str, Any]) -> list[str]:
     """The row-deciding spec fields (`fingerprint.ROW_FIELDS`) that differ from the digests recorded
     when round 0 was planned; empty when none differ or none were recorded."""
-    recorded = (round_records(status).get(0) or {}).get("specDigests")
-    if not isinstance(recorded, Mapping):
+    first = round_records(status).get(0)
+    recorded = first.spec_digests if first is not None else None
+    if recorded is None:
         return []
     now = field_digests(job)
     return [path for path, d in now.items() if path in recorded and recorded[path] != d]
@@ -937,12 +930,10 @@ def spec_changed_since_planning(job: BatchInferenceJob, status: Mapping[str, Any
 def round_stats(status: Mapping[str, Any]) -> list[RoundStats]:
     """The finished rounds' statistics as recorded in ``status.rounds``, in round order."""
     out = []
-    for r, rec in sorted(round_records(status).items()):
-        if not rec.get("completionTime"):
+    for _, rec in sorted(round_records(status).items()):
+        if not rec.finished:
             break
-        out.append(RoundStats(round=r, shards=int(rec.get("shards") or 0), approved=int(rec.get("approved") or 0),
-                              rejected=int(rec.get("rejected") or 0), capped=int(rec.get("capped") or 0),
-                              errors=int(rec.get("errors") or 0), engine_calls=int(rec.get("engineCalls") or 0)))
+        out.append(rec.stats())
     return out
 
 

@@ -33,10 +33,11 @@ from bij.contract import layout
 from bij.contract.codes import EXIT_BAD_CONFIG, PUBLISH_LABEL, ROUND_LABEL, STEP_LABEL
 from bij.contract.efficiency import fmt_money
 from bij.contract.fingerprint import PlanRefused
+from bij.contract.round_record import round_records
 from bij.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij.control.driver import Created, Driver, Observed
 from bij.control.jobs import FileVolume, render_job
-from bij.control.reconcile import STOPPED_PHASES, TERMINAL_PHASES, Retry, failure_reason, round_records
+from bij.control.reconcile import STOPPED_PHASES, TERMINAL_PHASES, Retry, failure_reason
 from bij.local.jobs import LocalJob, worker_command, worker_env
 from bij.local.publish import publish
 from bij.steps.planner import PlanError, RoundPlan, plan_round, reset_output
@@ -205,9 +206,9 @@ class LocalBackend:
     # --- processes ------------------------------------------------------------------------------
 
     def round_progress(self, round_no: int) -> _Progress:
-        rec = round_records(self.status).get(round_no) or {}
-        shards = int(rec.get("shards") or 0)
-        prog = _Progress(total_bytes=int(rec.get("bytes") or 0), shards=shards, round_no=round_no)
+        rec = round_records(self.status).get(round_no)
+        shards = rec.shards if rec is not None else 0
+        prog = _Progress(total_bytes=rec.bytes if rec is not None else 0, shards=shards, round_no=round_no)
         done = shard_records(self.job, round_no)
         prog.finished.update(done)
         prog.done_shards = len(done)
