@@ -15,6 +15,9 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +28,7 @@ import yaml
 from aiohttp import web
 from cluster.controlplane import free_port
 
-from bij.api.auth import Caller, Unauthenticated
+from bij.api.auth import Caller, Forbidden, Unauthenticated
 from bij.api.batches import LABEL, bij_name
 from bij.api.files import FileStore
 from bij.api.models import ModelMap
@@ -96,6 +99,11 @@ def serve(models: dict[str, Any], files: Path) -> Iterator[Server]:
     objects = Objects()
     api = Api(FileStore(f"file://{files}/"), ModelMap.parse(models, "models.yaml"), Tokens(),  # type: ignore[arg-type]
               objects, {})  # type: ignore[arg-type]
+    yield from serve_api(api, files)
+
+
+def serve_api(api: Api, files: Path) -> Iterator[Server]:
+    """`api` on a free port of this host, in a thread of its own, for the SDK to call."""
     port = free_port()
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(api.app())
@@ -113,7 +121,8 @@ def serve(models: dict[str, Any], files: Path) -> Iterator[Server]:
     assert started.wait(30), "bij-api did not start"
     url = f"http://127.0.0.1:{port}"
     try:
-        yield Server(openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60), objects, files, url)
+        yield Server(openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60),
+                     api.kube, files, url)  # type: ignore[arg-type]
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
@@ -319,3 +328,263 @@ def test_a_line_naming_no_served_model_or_another_models_adapter_is_refused_at_c
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("tiny-gen-es")
     assert lora_api.objects.items == {}  # nothing was created
+
+
+# --- every failure in OpenAI's error shape, with the status the SDK maps to its exception -------------------
+
+
+class Failing(Objects):
+    """The API server's stand-in, told what to raise next: `fail[verb]` is raised by that call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail: dict[str, Exception] = {}
+        self.calls: list[str] = []
+
+    def _maybe(self, verb: str) -> None:
+        self.calls.append(verb)
+        if verb in self.fail:
+            raise self.fail[verb]
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self._maybe("get")
+        return super().get(namespace, name)
+
+    def create(self, namespace: str, doc: dict[str, Any]) -> dict[str, Any]:
+        self._maybe("create")
+        return super().create(namespace, doc)
+
+    def list(self, namespace: str) -> list[dict[str, Any]]:
+        self._maybe("list")
+        return super().list(namespace)
+
+
+class TwoTokens(Tokens):
+    """`KEY` may use batches; "no-rbac" is a valid token whose identity may not."""
+
+    def caller(self, header: str | None) -> Caller:
+        if header == "Bearer no-rbac":
+            raise Forbidden("system:serviceaccount:team-a:nobody may not create batchinferencejobs")
+        return super().caller(header)
+
+
+@dataclass
+class Plain:
+    server: Server
+    api: Api
+    objects: Failing
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> Iterator[Plain]:
+    """bij-api whose Kubernetes stand-in and storage can be made to fail; no batch is ever run."""
+    objects = Failing()
+    api = Api(FileStore(f"file://{tmp_path}/files/"), ModelMap.parse({"tiny-chat": {"model": {"engine": "echo"}}},
+                                                                     "models.yaml"),
+              TwoTokens(), objects, {})  # type: ignore[arg-type]
+    for server in serve_api(api, tmp_path / "files"):
+        yield Plain(server, api, objects)
+
+
+def shape(e: Any) -> dict[str, Any]:
+    """The SDK's view of an error answer: `body` is the error object, checked to be OpenAI's shape."""
+    assert set(e.body) == {"message", "type", "param", "code"} and e.body["message"], e.body
+    return dict(e.body)
+
+
+def multipart(parts: list[tuple[str, str | None, bytes]]) -> tuple[bytes, str]:
+    """A multipart/form-data body with its parts in the order given: (name, filename or None, data)."""
+    boundary = uuid.uuid4().hex
+    out = b""
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + data + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def raw(url: str, method: str, body: bytes = b"", content_type: str = "application/json",
+        key: str = KEY) -> tuple[int, dict[str, str], dict[str, Any]]:
+    req = urllib.request.Request(url, data=body if method != "GET" else None, method=method,
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_a_malformed_batch_body_is_a_400_naming_its_field(plain: Plain, tmp_path: Path) -> None:
+    c = plain.server.client
+    f = upload(c, tmp_path, [chat(0)])
+    good = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    cases = [
+        ({k: v for k, v in good.items() if k != "input_file_id"}, "input_file_id", "missing_required_parameter"),
+        ({k: v for k, v in good.items() if k != "endpoint"}, "endpoint", "missing_required_parameter"),
+        ({**good, "input_file_id": 7}, "input_file_id", "invalid_value"),
+        ({**good, "endpoint": "/v1/images"}, "endpoint", "invalid_value"),
+        ({**good, "completion_window": 24}, "completion_window", "invalid_value"),
+        ({**good, "completion_window": "soon"}, "completion_window", "invalid_value"),
+        ({**good, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid_value"),
+        ({**good, "metadata": {"team": 5}}, "metadata", "invalid_value"),
+        ({**good, "priority": "high"}, "priority", "unknown_parameter"),
+        ({**good, "output_expires_after": {"anchor": "created_at", "seconds": 3600}}, "output_expires_after",
+         "invalid_value"),
+        ({**good, "input_file_id": "file-" + "0" * 24}, "input_file_id", None),
+    ]
+    for body, param, code in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.post("/batches", body=body, cast_to=object)
+        err = shape(e.value)
+        assert (e.value.status_code, e.value.param, e.value.code, err["type"]) == \
+            (400, param, code, "invalid_request_error"), (body, err)
+        assert param in err["message"], err
+    assert plain.objects.items == {}  # nothing refused was created
+    for data in (b"{not json", b"[1, 2]", b'"a string"'):
+        status, _, answer = raw(plain.server.url + "/v1/batches", "POST", data)
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+    status, _, answer = raw(plain.server.url + "/v1/batches", "POST", b'{"x": "' + b"a" * (2 << 20) + b'"}')
+    assert (status, answer["error"]["code"]) == (413, "request_too_large"), answer
+    assert c.batches.create(**good).status == "validating"  # type: ignore[arg-type]
+
+
+def test_list_queries_and_upload_forms_are_parsed_and_a_wrong_one_is_a_400_naming_it(plain: Plain,
+                                                                                     tmp_path: Path) -> None:
+    c = plain.server.client
+    for call, param in ((lambda: c.batches.list(limit=0), "limit"), (lambda: c.files.list(limit=101), "limit"),
+                        (lambda: c.batches.list(extra_query={"limit": "many"}), "limit"),
+                        (lambda: c.files.list(extra_query={"order": "sideways"}), "order"),
+                        (lambda: c.batches.list(after="batch_0123"), "after")):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert (e.value.param, shape(e.value)["type"]) == (param, "invalid_request_error"), e.value.body
+    line = (json.dumps(chat(0)) + "\n").encode()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.files.create(file=("a.jsonl", line), purpose="fine-tune")
+    assert (e.value.param, e.value.code) == ("purpose", "invalid_value") and "fine-tune" in e.value.message
+    url = plain.server.url + "/v1/files"
+    for parts, param, code in (([("file", "a.jsonl", line)], "purpose", "missing_required_parameter"),
+                               ([("purpose", None, b"batch")], "file", "missing_required_parameter")):
+        body, kind = multipart(parts)
+        status, _, answer = raw(url, "POST", body, kind)
+        assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, param, code), answer
+    status, _, answer = raw(url, "POST", b"{}")
+    assert (status, answer["error"]["param"]) == (400, "file"), answer
+    assert c.files.list().data == []  # nothing refused was kept
+    first = upload(c, tmp_path, [chat(0)]).id
+    upload(c, tmp_path, [chat(1)])
+    assert [x.id for x in c.files.list(order="asc", limit=1).data] == [first]
+
+
+def test_auth_routes_and_state_errors_are_the_sdks_exceptions(plain: Plain, tmp_path: Path) -> None:
+    s = plain.server
+    for key, cls, code in (("not-a-token", openai.AuthenticationError, "invalid_api_key"),
+                           ("no-rbac", openai.PermissionDeniedError, "forbidden")):
+        other = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+        with pytest.raises(cls) as e:
+            other.batches.list()
+        assert e.value.code == code and shape(e.value)["type"] in ("invalid_request_error", "permission_error")
+    c = s.client
+    for call in (lambda: c.batches.retrieve("batch_" + "0" * 24), lambda: c.files.retrieve("file-" + "0" * 24),
+                 lambda: c.models.retrieve("gpt-99"), lambda: c.get("/nothing-here", cast_to=object)):
+        with pytest.raises(openai.NotFoundError) as nf:
+            call()
+        assert shape(nf.value)["code"] == "not_found"
+    with pytest.raises(openai.APIStatusError) as e:
+        c.delete("/batches", cast_to=object)
+    assert (e.value.status_code, e.value.code) == (405, "method_not_allowed") and "GET" in e.value.message
+    assert e.value.response.headers["Allow"]
+    # Cancelling a completed batch is a 409 the SDK is told not to retry: asking again changes nothing.
+    b = c.batches.create(input_file_id=upload(c, tmp_path, [chat(0)]).id, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    plain.objects.items[(NAMESPACE, bij_name(b.id) or "")]["status"] = {"phase": "Succeeded"}
+    gets = plain.objects.calls.count("get")
+    with pytest.raises(openai.ConflictError) as conflict:
+        c.with_options(max_retries=2).batches.cancel(b.id)
+    assert shape(conflict.value)["code"] == "conflict" and "completed" in conflict.value.message
+    assert conflict.value.response.headers["x-should-retry"] == "false"
+    assert plain.objects.calls.count("get") == gets + 1
+
+
+def _api_exception(status: int, message: str | None = None, headers: dict[str, str] | None = None) -> Exception:
+    from kubernetes.client import ApiException
+
+    e = ApiException(status=status, reason="Refused")
+    e.body = json.dumps({"kind": "Status", "status": "Failure", "message": message, "code": status}) \
+        if message else None
+    e.headers = headers
+    return e
+
+
+def test_kubernetes_api_errors_are_a_400_with_its_message_or_a_retryable_503(plain: Plain, tmp_path: Path) -> None:
+    from urllib3.exceptions import MaxRetryError
+
+    c = plain.server.client
+    f = upload(c, tmp_path, [chat(0)])
+    create = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    invalid = ('BatchInferenceJob.batchinference.io "batch-x" is invalid: spec.workers.gpus: Invalid value: 9: '
+               "must be at most 8")
+    for status, message in ((422, invalid), (403, 'exceeded quota: compute, requested: count/batchinferencejobs'),
+                            (404, 'namespaces "team-a" not found'), (409, "already exists")):
+        plain.objects.fail["create"] = _api_exception(status, message)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.batches.create(**create)  # type: ignore[arg-type]
+        assert message in shape(e.value)["message"] and e.value.code == "invalid_request", e.value.body
+    plain.objects.fail["create"] = _api_exception(503, "etcdserver: leader changed")
+    with pytest.raises(openai.InternalServerError) as down:
+        c.batches.create(**create)  # type: ignore[arg-type]
+    assert (down.value.status_code, down.value.code, shape(down.value)["type"]) == \
+        (503, "kubernetes_unavailable", "service_unavailable_error")
+    assert "leader changed" in down.value.message and down.value.response.headers["Retry-After"]
+    del plain.objects.fail["create"]
+    plain.objects.fail["list"] = MaxRetryError(None, "/apis", "connection refused")  # type: ignore[arg-type]
+    with pytest.raises(openai.InternalServerError) as unreachable:
+        c.batches.list()
+    assert (unreachable.value.status_code, unreachable.value.code) == (503, "kubernetes_unavailable")
+    plain.objects.fail["list"] = _api_exception(429, "too many requests", {"Retry-After": "2"})
+    with pytest.raises(openai.RateLimitError) as throttled:
+        c.batches.list()
+    assert throttled.value.code == "rate_limit_exceeded" and throttled.value.response.headers["Retry-After"] == "2"
+    plain.objects.fail["get"] = _api_exception(403, 'cannot get resource "batchinferencejobs"')
+    with pytest.raises(openai.InternalServerError) as refused:
+        c.batches.retrieve("batch_" + "0" * 24)
+    assert (refused.value.status_code, refused.value.code) == (503, "kubernetes_refused")
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    plain.objects.fail["list"] = KeyError("a bug")
+    with pytest.raises(openai.InternalServerError) as bug:
+        c.batches.list()
+    assert (bug.value.status_code, shape(bug.value)["type"]) == (500, "server_error")
+    assert "a bug" not in bug.value.message  # the cause is in the server's log, not the answer
+
+
+def test_storage_outages_are_503_and_a_file_gone_from_storage_is_404(plain: Plain, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from bij.storage import StorageError, StorageRefused
+
+    c = plain.server.client
+    f = upload(c, tmp_path, [chat(0)])
+    # Its bytes removed behind the server's back: the download is a 404, not a status then a broken body.
+    (plain.server.files / NAMESPACE / "files" / f.id / "content.jsonl").unlink()
+    with pytest.raises(openai.NotFoundError):
+        c.files.content(f.id)
+    store = plain.api.files.store
+    for error, code, retry in ((StorageError("read s3://b/f: still failing after 5 attempts: reset"),
+                                "storage_unavailable", None),
+                               (StorageRefused("s3://b/f: access denied for key AKIA..."), "storage_refused",
+                                "false")):
+        def fail(*args: Any, _e: Exception = error, **kwargs: Any) -> Any:
+            raise _e
+
+        monkeypatch.setattr(store, "read_bytes", fail)
+        monkeypatch.setattr(store, "list", fail)
+        for call in (lambda: c.files.list(), lambda: c.files.retrieve(f.id),
+                     lambda: c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                              completion_window="24h")):
+            with pytest.raises(openai.InternalServerError) as e:
+                call()
+            assert (e.value.status_code, e.value.code, shape(e.value)["type"]) == \
+                (503, code, "service_unavailable_error"), e.value.body
+            assert e.value.response.headers.get("x-should-retry") == retry
+        monkeypatch.setattr(store, "write_stream", fail)
+        with pytest.raises(openai.InternalServerError) as up:
+            upload(c, tmp_path, [chat(1)])
+        assert (up.value.status_code, up.value.code) == (503, code)

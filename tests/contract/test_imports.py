@@ -1,5 +1,5 @@
-"""How the packages import each other: no circles (not even through type-only imports), and
-`reconcile.decide()` on pure modules only.
+"""How the packages import each other: no circles (not even through type-only imports),
+`reconcile.decide()` on pure modules only, and every library bij-api reaches declared in pyproject.
 
 The graph is read from the source with `ast`, every import counted (those inside functions too:
 a lazy import is still a dependency, it only hides a circle until the function runs), except
@@ -9,9 +9,13 @@ those under ``if TYPE_CHECKING:``, which never run.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"bij": ROOT / "src" / "bij"}
@@ -190,3 +194,42 @@ def test_the_layer_contracts_hold() -> None:
     done = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "Contracts: 2 kept, 0 broken." in done.stdout
+
+
+# Imported by a module bij-api reaches, but only on a path it never takes: its files prefix is file:// or
+# s3://, never an hf:// input (bij.storage.hf), whose library comes with the engines' extras.
+NOT_BIJ_API = {"huggingface_hub"}
+
+
+def _requirement_names(extra: str) -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + project["optional-dependencies"][extra]
+    return {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", r).group(0)).lower()  # type: ignore[union-attr]
+            for r in reqs}
+
+
+def test_every_library_bij_api_imports_is_declared_in_the_operator_extra() -> None:
+    """`pip install bij[operator]` (the image's bij-api) has every library a module bij-api reaches imports,
+    lazy imports included: none may come only as another's dependency."""
+    edges, names = import_graph()
+    reached, todo = set(), [m for m in edges if m == "bij.api" or m.startswith("bij.api.")]
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo += edges[m]
+    libraries = {n.split(".")[0]: m for m in sorted(reached) for n in names[m]
+                 if n.split(".")[0] not in sys.stdlib_module_names | {"bij", "__future__"}}
+    assert {"aiohttp", "kubernetes", "pydantic", "urllib3"} <= set(libraries)  # the walk sees what it must
+    dists = importlib.metadata.packages_distributions()
+    declared = _requirement_names("operator")
+    missing = {}
+    for lib, module in libraries.items():
+        if lib in NOT_BIJ_API:
+            continue
+        found = {re.sub(r"[-_.]+", "-", d).lower() for d in dists.get(lib, [])}
+        assert found, f"{module} imports {lib}, which no installed distribution provides"
+        if not found & declared:
+            missing[lib] = (module, sorted(found))
+    assert not missing, f"imported by bij-api's modules but not declared in pyproject's dependencies or its " \
+                        f"operator extra: {missing}"

@@ -16,15 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bij.api.errors import Forbidden, Unauthenticated
+
 SA_PREFIX = "system:serviceaccount:"
-
-
-class Unauthenticated(Exception):
-    """No token, or one the API server does not accept (HTTP 401)."""
-
-
-class Forbidden(Exception):
-    """A valid token whose identity may not create batchinferencejobs in its namespace (HTTP 403)."""
+__all__ = ["Authorizer", "Caller", "Forbidden", "Unauthenticated"]
 
 
 @dataclass(frozen=True)

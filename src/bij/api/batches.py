@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from bij.api.errors import BadRequest
 from bij.contract.spec import MAX_DEADLINE_SECONDS
 
 LABEL = "batchinference.io/openai-batch"
@@ -22,14 +23,6 @@ CANCELLING_AT = "batchinference.io/cancelling-at"
 MAX_METADATA = 16
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-class BadRequest(ValueError):
-    """A request the API refuses (HTTP 400); `param` names the field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 def window_seconds(window: Any) -> int:

@@ -19,7 +19,7 @@ import queue
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,7 +204,7 @@ class FileStore:
 
     # --- downloads ------------------------------------------------------------------------------
 
-    async def stream(self, uris: list[str]) -> AsyncIterator[bytes]:
+    async def stream(self, uris: list[str]) -> AsyncGenerator[bytes, None]:
         """The bytes of `uris`, one after the other, READ_BYTES at a time."""
         for uri in uris:
             f = await asyncio.to_thread(self.store.open_read, uri)

@@ -13,8 +13,9 @@
     GET    /v1/models/{id}            retrieve one
 
 Every /v1 request carries a service-account token (`auth`); its namespace holds the caller's files
-and batches, and another namespace's ids answer 404. Errors are OpenAI-shaped:
-``{"error": {"message", "type", "param", "code"}}``.
+and batches, and another namespace's ids answer 404. Bodies, form fields and queries are parsed by
+the models of `bodies`. Every error, aiohttp's own 404 and 405 and a bug's 500 too, is OpenAI-shaped
+(``{"error": {"message", "type", "param", "code"}}``, `errors` says which status each cause gets).
 """
 
 from __future__ import annotations
@@ -31,40 +32,31 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from kubernetes.client import ApiException
 
-from bij.api.auth import Authorizer, Caller, Forbidden, Unauthenticated
-from bij.api.batches import (
-    ANNOTATION,
-    CANCELLING_AT,
-    LABEL,
+from bij.api.auth import Authorizer, Caller
+from bij.api.batches import ANNOTATION, CANCELLING_AT, LABEL, batch_object, batch_of_file, bij_name, record, status_of
+from bij.api.bodies import CreateBatch, ListFilesQuery, ListQuery, Purpose, UploadForm, parse
+from bij.api.errors import (
+    ApiError,
     BadRequest,
-    batch_object,
-    batch_of_file,
-    bij_name,
-    check_metadata,
-    record,
-    status_of,
-    window_seconds,
+    Conflict,
+    MethodNotAllowed,
+    NotFoundError,
+    ServerError,
+    TooLarge,
+    classify,
+    kube_message,
 )
 from bij.api.files import MAX_MODELS, FileStore, new_id
 from bij.api.models import ENDPOINTS, ModelMap, ModelMapError, job_doc
 from bij.contract.spec import SpecError, parse_job
+from bij.storage import NotFound
 
 log = logging.getLogger("bij.api")
 GROUP, VERSION, PLURAL = "batchinference.io", "v1alpha1", "batchinferencejobs"
 FINAL = ("completed", "failed", "expired", "cancelled")
 MANIFESTS_KEPT = 4096  # ended batches' manifests kept in memory
-# The body of POST /v1/batches (OpenAI's, all of it): anything else is refused by name, never ignored.
-BATCH_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})
-
-
-class NotFoundError(Exception):
-    """HTTP 404, OpenAI-shaped."""
-
-
-class Conflict(Exception):
-    """HTTP 409: the batch is in a state that refuses the request."""
-
 
 class Kube:
     """The few API calls `bij-api` makes as itself (its ServiceAccount, or the kubeconfig)."""
@@ -96,36 +88,48 @@ class Kube:
         return [dict(i) for i in out.get("items") or []]
 
 
-def api_error(status: int, message: str, kind: str, param: str | None = None,
-              code: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                             status=status)
+class Cut(Exception):
+    """A streamed response that failed after its status was sent: the connection is closed, the client
+    sees a body shorter than its Content-Length."""
+
+
+def _http_error(request: web.Request, e: web.HTTPException) -> ApiError:
+    """aiohttp's own refusals (no such route, a method the route does not take, a body too large)."""
+    where = f"{request.method} {request.path}"
+    if e.status == 404:
+        return NotFoundError(f"{where}: no such route")
+    if e.status == 405:
+        return MethodNotAllowed(f"{where}: the method is not allowed here (allowed: {e.headers.get('Allow', '')})",
+                                headers={"Allow": e.headers.get("Allow", "")})
+    if e.status == 413:
+        return TooLarge(f"{where}: {e.text or e.reason}")
+    err = ApiError(f"{where}: {e.reason}")
+    err.status, err.type = e.status, "invalid_request_error" if e.status < 500 else "server_error"
+    return err
 
 
 @web.middleware
 async def errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                  ) -> web.StreamResponse:
+    """Every failure as OpenAI's error object; a response already under way (a download) is cut off
+    instead, as its status has been sent."""
     try:
         return await handler(request)
-    except Unauthenticated as e:
-        return api_error(401, str(e), "invalid_request_error", code="invalid_api_key")
-    except Forbidden as e:
-        return api_error(403, str(e), "permission_error", code="forbidden")
-    except NotFoundError as e:
-        return api_error(404, str(e), "invalid_request_error", code="not_found")
-    except Conflict as e:
-        return api_error(409, str(e), "invalid_request_error", code="conflict")
-    except BadRequest as e:
-        return api_error(400, str(e), "invalid_request_error", param=e.param)
-    except web.HTTPException as e:  # aiohttp's own: no such route, method not allowed, body too large
+    except web.HTTPException as e:
         if e.status < 400:
             raise
-        return api_error(e.status, f"{request.method} {request.path}: {e.reason}", "invalid_request_error",
-                         code="not_found" if e.status == 404 else None)
-    except Exception:  # a bug or an outage: OpenAI's shape still, the cause in the server's log
-        log.exception("%s %s failed", request.method, request.path)
-        return api_error(500, f"{request.method} {request.path}: the server failed; its log says why",
-                         "server_error")
+        err = _http_error(request, e)
+    except Cut:
+        raise
+    except Exception as e:  # noqa: BLE001 - classified: an outage, a storage object gone, else a bug
+        found = classify(e)
+        if found is None:
+            log.exception("%s %s failed", request.method, request.path)
+            found = ServerError(f"{request.method} {request.path}: the server failed; its log says why")
+        elif found.status >= 500:
+            log.warning("%s %s: %d %s", request.method, request.path, found.status, found)
+        err = found
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
 class Api:
@@ -167,9 +171,13 @@ class Api:
     async def create_file(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
         if not request.content_type.startswith("multipart/"):
-            raise BadRequest("upload a file as multipart/form-data with fields file and purpose", "file")
-        reader = await request.multipart()
-        purpose: str | None = None
+            raise BadRequest("upload a file as multipart/form-data with fields file and purpose", "file",
+                             "invalid_type")
+        try:
+            reader = await request.multipart()
+        except (ValueError, AssertionError) as e:  # no boundary, or not multipart after all
+            raise BadRequest(f"the upload is not readable multipart/form-data: {e}", "file", "invalid_type") from None
+        fields: dict[str, str] = {}
         obj: dict[str, Any] | None = None
         try:
             while True:
@@ -179,21 +187,17 @@ class Api:
                 if not isinstance(part, BodyPartReader):
                     continue
                 if part.name == "purpose":
-                    purpose = (await part.text()).strip()
-                    if purpose != "batch":
-                        raise BadRequest(f"purpose must be batch (the only files this server keeps), got "
-                                         f"{purpose!r}", "purpose")
+                    fields["purpose"] = await part.text()
+                    parse(Purpose, {"purpose": fields["purpose"]}, "upload form")  # refused before the file is kept
                 elif part.name == "file":
                     if obj is not None:
                         raise BadRequest("one file per upload: this one has two file fields", "file")
-                    obj = await self.files.upload(who.namespace, part.filename or "upload.jsonl", "batch",
-                                                  _chunks(part))
-                else:
+                    fields["file"] = part.filename or "upload.jsonl"
+                    obj = await self.files.upload(who.namespace, fields["file"], "batch", _chunks(part))
+                else:  # a form field OpenAI's SDK may send that this server has no use for (expires_after)
                     await part.release()
-            if obj is None:
-                raise BadRequest("no file field in the upload", "file")
-            if purpose is None:
-                raise BadRequest("purpose is missing: it must be batch", "purpose")
+            parse(UploadForm, fields, "upload form")
+            assert obj is not None  # UploadForm requires the file
         except BaseException:
             if obj is not None:  # a refused upload keeps nothing, whichever part came first
                 await asyncio.to_thread(self.files.delete, who.namespace, obj["id"])
@@ -203,12 +207,12 @@ class Api:
 
     async def list_files(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
-        purpose = request.query.get("purpose")
+        query = parse(ListFilesQuery, dict(request.query), "query")
         items = [_file_object(m) for m in await asyncio.to_thread(self.files.records, who.namespace)
-                 if purpose in (None, m.get("purpose"))]
-        if request.query.get("order") == "asc":
+                 if query.purpose in (None, m.get("purpose"))]
+        if query.order == "asc":
             items.reverse()
-        return web.json_response(_page(items, request))
+        return web.json_response(_page(items, query))
 
     async def _file(self, who: Caller, file_id: str) -> tuple[dict[str, Any], list[str]]:
         """The File object of `file_id` in the caller's namespace and the storage URIs of its bytes."""
@@ -243,12 +247,22 @@ class Api:
     async def file_content(self, request: web.Request) -> web.StreamResponse:
         who = await self.caller(request)
         obj, uris = await self._file(who, request.match_info["id"])
-        resp = web.StreamResponse(headers={"Content-Type": "application/jsonl"})
-        resp.content_length = obj["bytes"]
-        await resp.prepare(request)
-        async for data in self.files.stream(uris):
-            await resp.write(data)
-        await resp.write_eof()
+        chunks = self.files.stream(uris)
+        try:
+            first = await anext(chunks, b"")  # a file gone or storage down is answered before the status
+            resp = web.StreamResponse(headers={"Content-Type": "application/jsonl"})
+            resp.content_length = obj["bytes"]
+            await resp.prepare(request)
+            try:
+                await resp.write(first)
+                async for data in chunks:
+                    await resp.write(data)
+                await resp.write_eof()
+            except Exception as e:
+                log.warning("%s %s: cut off after its status was sent: %r", request.method, request.path, e)
+                raise Cut(str(e)) from e
+        finally:
+            await chunks.aclose()
         return resp
 
     async def delete_file(self, request: web.Request) -> web.Response:
@@ -296,8 +310,13 @@ class Api:
         return self.manifests[uri]
 
     async def _batch(self, bij: dict[str, Any]) -> dict[str, Any]:
-        """The Batch object of `bij`, with its usage once it has ended."""
-        return batch_object(bij, await self._manifest(bij))
+        """The Batch object of `bij`, with its usage once it has ended (none once its output folder was
+        removed: the batch is still there to list and retrieve)."""
+        try:
+            manifest = await self._manifest(bij)
+        except NotFound:
+            manifest = None
+        return batch_object(bij, manifest)
 
     async def _bij(self, who: Caller, batch_id: str) -> dict[str, Any]:
         name = bij_name(batch_id)
@@ -310,25 +329,11 @@ class Api:
     async def create_batch(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
         try:
-            body = await request.json()
-        except ValueError:
-            raise BadRequest("the request body must be a JSON object") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        unknown = sorted(set(body) - BATCH_FIELDS)
-        if unknown:
-            raise BadRequest(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: a batch takes "
-                             f"{', '.join(sorted(BATCH_FIELDS - {'output_expires_after'}))}", unknown[0])
-        if body.get("output_expires_after") is not None:
-            raise BadRequest("output_expires_after is not supported: a batch's output files are kept until its "
-                             "output folder is removed", "output_expires_after")
-        endpoint = body.get("endpoint")
-        if endpoint not in ENDPOINTS:
-            raise BadRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", "endpoint")
-        window = body.get("completion_window", "24h")
-        deadline = window_seconds(window)
-        metadata = check_metadata(body.get("metadata"))
-        file_id = str(body.get("input_file_id") or "")
+            data = await request.json()
+        except ValueError as e:
+            raise BadRequest(f"the request body is not JSON: {e}", None, "invalid_json") from None
+        body = parse(CreateBatch, data, "request body")
+        endpoint, window, file_id = body.endpoint, body.completion_window, body.input_file_id
         meta = await asyncio.to_thread(self.files.meta, who.namespace, file_id)
         if meta is None:
             raise BadRequest(f"input_file_id: no file {file_id!r} in this namespace", "input_file_id")
@@ -347,11 +352,12 @@ class Api:
         batch_id = new_id("batch_")
         # created_ns orders the list (the bij's creationTimestamp has whole seconds).
         rec = {"id": batch_id, "endpoint": endpoint, "input_file_id": file_id, "completion_window": window,
-               "metadata": metadata, "model": key, "lines": meta.get("lines", 0), "created_ns": time.time_ns()}
+               "metadata": body.metadata or {}, "model": key, "lines": meta.get("lines", 0),
+               "created_ns": time.time_ns()}
         doc = job_doc(bij_name(batch_id) or "", who.namespace, template,
                       input_uri=self.files.content_uri(who.namespace, file_id),
                       output_uri=self.files.batch_output(who.namespace, batch_id), task=ENDPOINTS[endpoint],
-                      deadline_seconds=deadline, served_name=key, labels={LABEL: "true"},
+                      deadline_seconds=body.deadline_seconds, served_name=key, labels={LABEL: "true"},
                       annotations={ANNOTATION: json.dumps(rec, sort_keys=True)})
         if self.s3:  # the workers reach the files prefix as the server does
             doc["spec"]["storage"] = {**doc["spec"].get("storage", {}),
@@ -361,7 +367,15 @@ class Api:
         except SpecError as e:
             raise BadRequest(f"model {key!r} cannot serve {endpoint}: {'; '.join(e.problems)}",
                              "endpoint") from None
-        made = await asyncio.to_thread(self.kube.create, who.namespace, doc)
+        try:
+            made = await asyncio.to_thread(self.kube.create, who.namespace, doc)
+        except ApiException as e:
+            # Admission (CEL rules, a webhook, a quota) or the namespace refused the bij: the caller's to
+            # change, with the API server's words; an outage or throttling is classified as any other.
+            if e.status in (400, 403, 404, 409, 422):
+                raise BadRequest(f"the Kubernetes API server refused batch {batch_id}'s BatchInferenceJob: "
+                                 f"{kube_message(e)}", None, "invalid_request") from None
+            raise
         log.info("%s created %s (bij %s/%s, model %s)", who.user, batch_id, who.namespace, doc["metadata"]["name"],
                  key)
         return web.json_response(batch_object(made))
@@ -402,11 +416,12 @@ class Api:
 
     async def list_batches(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
+        query = parse(ListQuery, dict(request.query), "query")
         bijs = await asyncio.to_thread(self.kube.list, who.namespace)
         ours = [b for b in bijs if ANNOTATION in (b["metadata"].get("annotations") or {})]
         ours.sort(key=lambda b: (record(b).get("created_ns", 0), b["metadata"].get("creationTimestamp", "")),
                   reverse=True)
-        return web.json_response(_page([await self._batch(b) for b in ours], request))
+        return web.json_response(_page([await self._batch(b) for b in ours], query))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
         who = await self.caller(request)
@@ -437,19 +452,13 @@ def _file_object(meta: dict[str, Any]) -> dict[str, Any]:
                                      "expires_at", "status_details")}
 
 
-def _page(items: list[dict[str, Any]], request: web.Request) -> dict[str, Any]:
+def _page(items: list[dict[str, Any]], query: ListQuery) -> dict[str, Any]:
     """One page of a list, OpenAI's cursor style: items after the id `after`, at most `limit` (1-100)."""
-    after = request.query.get("after")
-    try:
-        limit = int(request.query.get("limit", "20"))
-    except ValueError:
-        raise BadRequest(f"limit must be an integer, got {request.query.get('limit')!r}", "limit") from None
-    if not 1 <= limit <= 100:
-        raise BadRequest(f"limit must be between 1 and 100, got {limit}", "limit")
+    after, limit = query.after, query.limit
     if after:
         ids = [i["id"] for i in items]
         if after not in ids:
-            raise BadRequest(f"after: no {after} in this list", "after")
+            raise BadRequest(f"after: no {after} in this list", "after", "invalid_value")
         items = items[ids.index(after) + 1:]
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
