@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -17,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+from ports import free_port
 
 from .pki import KeyPair, Pki
 
@@ -53,12 +53,6 @@ def die_with_parent() -> None:
 
 class ClusterError(RuntimeError):
     """The control plane could not be built or started; the message says why."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build() -> Path:

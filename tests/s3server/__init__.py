@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ports import free_port  # noqa: F401  (the S3 tests import it from here)
+
 VERSION = "v1.8.0"  # build.sh builds the same
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,12 +41,6 @@ class Identity:
     def env(self) -> dict[str, str]:
         """The standard AWS variables that make boto3 (and so bij) sign as this identity."""
         return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class S3Server:
