@@ -10,6 +10,7 @@ checked by `make lint` and tests/contract/test_imports.py):
 - `worker`: the data plane of a lane: reader, inputs, batcher, schedulers, committer, lanes, reports
 - `engines`: the inference engines behind one interface (echo, simulated, transformers,
   sentence-transformers, vLLM)
-- `storage`: file://, s3://, gs://, hf://, https:// objects; durable segments; Parquet
+- `storage`: file://, s3://, gs://, hf://, https:// objects; durable segments; Parquet; the result
+  writers, one per output format (`storage.writers`)
 - `contract`: what every layer agrees on: the spec, the plans, records, layout, codes, errors
 """

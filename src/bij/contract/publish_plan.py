@@ -32,6 +32,9 @@ from bij.contract.errors import BijError, json_object, validation_problems
 
 PASSES = ("ids", "dedupe", "write")  # the row-level publish passes, in the order they run
 Unit = tuple[int, int, str]  # (round, shard, the shard's prefix): one index of the per-shard passes
+# spec.output.format: the formats of published result files, each written by its writer in
+# bij.storage.writers (declared here, not in the spec, so the passes load no spec model).
+OutputFormat = Literal["jsonl", "parquet"]
 
 
 class PublishPlanError(BijError):
@@ -53,7 +56,7 @@ class PublishPlan(BaseModel):
     bucket_rows: int
     buckets: int
     compression: Literal["zstd", "none"]
-    format: Literal["jsonl", "parquet"]  # spec.output.format (openai input publishes JSON lines)
+    format: OutputFormat  # spec.output.format (openai input publishes JSON lines)
     task: Literal["embed", "generate", "chat"]
     judge: bool
     id_kind: str | None  # the Parquet id column's type; None for JSON lines

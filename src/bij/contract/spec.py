@@ -20,6 +20,7 @@ from bij.contract.codes import API_GROUP
 from bij.contract.columns import RESULT_FIELDS, consumed
 from bij.contract.errors import BijError
 from bij.contract.globs import check_glob, has_glob
+from bij.contract.publish_plan import OutputFormat
 from bij.contract.sampling import DEFAULT_ROW_BUDGET, Sampling
 from bij.contract.sampling import from_spec as sampling_from_spec
 
@@ -226,7 +227,7 @@ class InputSpec(_Model):
 class OutputSpec(_Model):
     uri: str
     # Result files: JSON lines, or Parquet (error and capped files stay JSON lines).
-    format: Literal["jsonl", "parquet"] = "jsonl"
+    format: OutputFormat = "jsonl"
     compression: Literal["zstd", "none"] = "zstd"
     # After a successful publish, remove the work files under _bij/ (durable logs, judge inputs,
     # publish buckets); plans, completion records and a record of what was removed stay.

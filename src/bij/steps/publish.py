@@ -28,6 +28,7 @@ from bij.steps import publish_rows
 from bij.steps.progress import damage_records
 from bij.storage import NotFound, Storage, open_storage
 from bij.storage.parquet import id_kind
+from bij.storage.writers import writer_for
 
 
 class PublishError(BijError):
@@ -140,7 +141,7 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         format=job.spec.output.format,
         task=job.spec.model.task,
         judge=job.spec.judge is not None,
-        id_kind=result_id_kind(done_records) if job.spec.output.format == "parquet" else None,
+        id_kind=result_id_kind(done_records) if writer_for(job.spec.output.format).typed_ids else None,
         s3=job.spec.storage.s3.model_dump(by_alias=True, exclude_none=True),
         partial=partial,
         round_plans=[layout.round_manifest_uri(job, r) for r in range(len(plans))] if partial else [],

@@ -28,7 +28,7 @@ import os
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import IO, Any
 
 import orjson
 import zstandard
@@ -38,9 +38,8 @@ from bij.contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK
 from bij.contract.columns import RESULT_FIELDS
 from bij.contract.publish_plan import PASSES, PublishPlan, PublishPlanError, Unit
 from bij.storage import NotFound, Storage, StorageError, open_storage
-from bij.storage.parquet import SUFFIX as PARQUET_SUFFIX
-from bij.storage.parquet import encode_results, results_table, table_bytes
-from bij.storage.segments import LEVEL, ShardLog, encode_records, loads_record
+from bij.storage.segments import LEVEL, ShardLog
+from bij.storage.writers import ResultShape, ResultWriter, writer_for
 from bij.worker.inputs import id_key, row_id, row_usage
 
 log = logging.getLogger("bij.worker")
@@ -51,7 +50,7 @@ NOT_RUN_ERRORS = {
     "Expired": ("batch_expired", "This request could not be executed before the completion window expired."),
     "Cancelled": ("batch_cancelled", "The batch was cancelled before this request executed."),
 }
-SPOOL_BYTES = 64 << 20  # a partitioned JSON lines file is held in memory up to this size, on local disk beyond
+SPOOL_BYTES = 64 << 20  # a partitioned file is held in memory up to this size, on local disk beyond
 
 
 def _read_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
@@ -158,41 +157,30 @@ def run_dedupe(plan: PublishPlan, bucket: int, store: Storage) -> None:
 class _FileParts:
     """One kind of published file for a shard (results, errors or capped), cut into parts of `FILE_ROWS`."""
 
-    def __init__(self, plan: PublishPlan, store: Storage, folder: str, name: str, parquet: bool):
-        self.plan, self.store, self.folder, self.name, self.parquet = plan, store, folder, name, parquet
-        self.rows: list[dict[str, Any]] = []  # Parquet: rows; JSON lines: each row already encoded
-        self.lines: list[bytes] = []
+    def __init__(self, plan: PublishPlan, store: Storage, folder: str, name: str, writer: ResultWriter):
+        self.plan, self.store, self.folder, self.name, self.writer = plan, store, folder, name, writer
+        self.shape = _shape(plan)
+        self.part = writer.part(self.shape)
         self.files: list[dict[str, Any]] = []
         self.limit = FILE_ROWS if plan.file_rows is None else plan.file_rows
 
     def add(self, row: dict[str, Any]) -> None:
-        if self.parquet:
-            self.rows.append(row)
-        else:
-            self.lines.append(encode_records([row]))
-        if len(self.rows) + len(self.lines) >= self.limit:
+        self.part.add(row)
+        if len(self.part) >= self.limit:
             self.flush()
 
     def flush(self) -> None:
-        n = len(self.rows) + len(self.lines)
+        n = len(self.part)
         if not n:
             return
-        part = len(self.files)
-        name = self.name if part == 0 else f"{self.name}-{part:03d}"
-        compression = self.plan.compression
-        if self.parquet:
-            path = f"{self.folder}/{name}{PARQUET_SUFFIX}"
-            data = encode_results(self.rows, self.plan.task, self.plan.id_kind or "mixed", self.plan.judge,
-                                  compression)
-        else:
-            path = f"{self.folder}/{name}.jsonl" + (".zst" if compression == "zstd" else "")
-            data = b"".join(self.lines)
-            if compression == "zstd":
-                data = zstandard.ZstdCompressor(level=3).compress(data)
+        index = len(self.files)
+        name = self.name if index == 0 else f"{self.name}-{index:03d}"
+        path = f"{self.folder}/{name}{self.writer.suffix(self.plan.compression)}"
+        data = self.part.finish()
+        self.part = self.writer.part(self.shape)
         self.store.write_bytes(f"{self.plan.output_uri.rstrip('/')}/{path}", data)
         self.files.append({"path": path, "rows": n, "bytes": len(data),
                            "sha256": hashlib.sha256(data).hexdigest()})
-        self.rows, self.lines = [], []
 
     def close(self, always: bool = False) -> None:
         """Write the last part (a shard without rows of this kind has no file, `always` or not)."""
@@ -201,90 +189,47 @@ class _FileParts:
 
 class _PartitionFile:
     """One kind of published file for one input object (output.partitionBy input): one file, whatever
-    its rows. Rows go to a spooled temporary file as they come (in memory up to SPOOL_BYTES, on local
-    disk beyond): JSON lines as published (compressed as they go); for Parquet, JSON lines that become
-    one Arrow table at the end, a batch of `FILE_ROWS` rows at a time."""
+    its rows, built in spooled temporary files (in memory up to SPOOL_BYTES, on local disk beyond) and
+    streamed to storage."""
 
-    def __init__(self, plan: PublishPlan, store: Storage, folder: str, stem: str, parquet: bool):
-        self.plan, self.store, self.parquet = plan, store, parquet
-        suffix = PARQUET_SUFFIX if parquet else ".jsonl" + (".zst" if plan.compression == "zstd" else "")
-        self.path = f"{folder}/{stem}{suffix}"
-        self.limit = FILE_ROWS if plan.file_rows is None else plan.file_rows
-        self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - closed in close()
-        compress = plan.compression == "zstd" and not parquet
-        self.cctx = zstandard.ZstdCompressor(level=3).compressobj() if compress else None
+    def __init__(self, plan: PublishPlan, store: Storage, folder: str, stem: str, writer: ResultWriter):
+        self.plan, self.store = plan, store
+        self.path = f"{folder}/{stem}{writer.suffix(plan.compression)}"
+        limit = FILE_ROWS if plan.file_rows is None else plan.file_rows
+        self.stream = writer.stream(_shape(plan), _spool, limit)
         self.n = 0
         self.files: list[dict[str, Any]] = []
 
     def add(self, row: dict[str, Any]) -> None:
         self.n += 1
-        line = encode_records([row])
-        self.spool.write(self.cctx.compress(line) if self.cctx is not None else line)
-
-    def _batches(self, as_text: frozenset[str] = frozenset()) -> Iterator[Any]:
-        """The spooled rows as result tables of `limit` rows; the carried columns `as_text` as JSON text."""
-        self.spool.seek(0)
-        rows: list[dict[str, Any]] = []
-        for line in self.spool:
-            rows.append(loads_record(line))
-            if len(rows) >= self.limit:
-                yield self._table(rows, as_text)
-                rows = []
-        if rows or not self.n:
-            yield self._table(rows, as_text)
-
-    def _table(self, rows: list[dict[str, Any]], as_text: frozenset[str]) -> Any:
-        import pyarrow as pa
-
-        table = results_table(rows, self.plan.task, self.plan.id_kind or "mixed", self.plan.judge)
-        for name in as_text & set(table.column_names):
-            text = [None if r.get(name) is None else json.dumps(r[name], sort_keys=True, ensure_ascii=False)
-                    for r in rows]
-            table = table.set_column(table.column_names.index(name), name, pa.array(text, type=pa.string()))
-        return table
-
-    def _parquet(self) -> bytes:
-        """The spooled rows as one Parquet file: a carried column whose type differs between batches
-        holds JSON text in every batch (as within one batch), made from the rows again."""
-        import pyarrow as pa
-
-        tables = list(self._batches())
-        try:
-            table = pa.concat_tables(tables, promote_options="default")  # columns missing or all null: null
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            kinds: dict[str, set[Any]] = {}
-            for t in tables:
-                for f in t.schema:
-                    if f.name not in RESULT_FIELDS and f.type != pa.null():
-                        kinds.setdefault(f.name, set()).add(f.type)
-            mixed = frozenset(name for name, types in kinds.items() if len(types) > 1)
-            del tables
-            table = pa.concat_tables(list(self._batches(mixed)), promote_options="default")
-        return table_bytes(table, self.plan.compression)
+        self.stream.add(row)
 
     def close(self, always: bool = False) -> None:
         """Write the file (with `always`, even without rows: a results file for every input object)."""
         if self.n == 0 and not always:
-            self.spool.close()
+            self.stream.discard()
             return
-        if self.parquet:
-            data = self._parquet()
-            self.spool.close()
-            self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - closed below
-            self.spool.write(data)
-        elif self.cctx is not None:
-            self.spool.write(self.cctx.flush())
+        spool = self.stream.finish()
         digest = hashlib.sha256()
-        self.spool.seek(0)
 
         def parts() -> Iterator[bytes]:
-            while part := self.spool.read(1 << 20):
+            while part := spool.read(1 << 20):
                 digest.update(part)
                 yield part
 
-        size = self.store.write_stream(f"{self.plan.output_uri.rstrip('/')}/{self.path}", parts())
-        self.spool.close()
+        try:
+            size = self.store.write_stream(f"{self.plan.output_uri.rstrip('/')}/{self.path}", parts())
+        finally:
+            spool.close()
         self.files.append({"path": self.path, "rows": self.n, "bytes": size, "sha256": digest.hexdigest()})
+
+
+def _spool() -> IO[bytes]:
+    return tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - the file's user closes it
+
+
+def _shape(plan: PublishPlan) -> ResultShape:
+    return ResultShape(plan.task, plan.id_kind or "mixed", plan.judge, plan.compression)
 
 
 def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
@@ -296,10 +241,11 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     round_no, shard, _ = plan.units[index]
     names = plan.object_names[round_no]
     name = f"r{round_no}-{shard:05d}"
-    parquet = plan.format == "parquet"
-    results: _FileParts | _PartitionFile = _FileParts(plan, store, "results", name, parquet)
-    errors: _FileParts | _PartitionFile = _FileParts(plan, store, "errors", name, False)
-    capped: _FileParts | _PartitionFile = _FileParts(plan, store, "capped", name, False)
+    writer = writer_for(plan.format)
+    error_writer = writer_for(writer.error_format)
+    results: _FileParts | _PartitionFile = _FileParts(plan, store, "results", name, writer)
+    errors: _FileParts | _PartitionFile = _FileParts(plan, store, "errors", name, error_writer)
+    capped: _FileParts | _PartitionFile = _FileParts(plan, store, "capped", name, error_writer)
     # output.partitionBy input: the unit's objects lie whole in it; each gets its own files, one object at a time.
     partitions = list(plan.unit_objects[index]) if plan.partition_by == "input" else []
     files: dict[str, list[dict[str, Any]]] = {"files": [], "errorFiles": [], "cappedFiles": []}
@@ -330,9 +276,9 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
         current = obj
         if obj >= 0:
             stem = plan.partitions[obj]
-            results = _PartitionFile(plan, store, "results", stem, parquet)
-            errors = _PartitionFile(plan, store, "errors", stem, False)
-            capped = _PartitionFile(plan, store, "capped", stem, False)
+            results = _PartitionFile(plan, store, "results", stem, writer)
+            errors = _PartitionFile(plan, store, "errors", stem, error_writer)
+            capped = _PartitionFile(plan, store, "capped", stem, error_writer)
     codes: dict[str, int] = {}  # error rows by code
     ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan.prefix, index)))["ordered"])
     for rec in _records(store, plan.units[index], ordered):

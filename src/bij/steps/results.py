@@ -15,9 +15,6 @@ import sys
 from collections.abc import Iterator
 from typing import IO, Any
 
-import orjson
-import zstandard
-
 from bij.contract import layout
 from bij.contract.efficiency import fmt_money, status_fields
 from bij.contract.errors import BijError
@@ -26,8 +23,8 @@ from bij.contract.records import ShardRecord
 from bij.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij.steps.progress import damage_records, live_records
 from bij.storage import NotFound, Storage, StorageError, open_storage
-from bij.storage.parquet import SUFFIX as PARQUET_SUFFIX
-from bij.storage.parquet import id_kind, is_int64, read_table, results_table, table_rows
+from bij.storage.parquet import id_kind, is_int64, read_table, results_table
+from bij.storage.writers import PARQUET, ResultWriter, writer_of_path
 
 FILE_LISTS = {"results": "files", "errors": "errorFiles", "capped": "cappedFiles"}
 
@@ -66,13 +63,12 @@ def read_file(store: Storage, base: str, entry: dict[str, Any]) -> bytes:
     return data
 
 
-def file_lines(data: bytes, path: str) -> Iterator[bytes]:
-    """The JSON lines of a published JSONL file, as stored (ids come back exactly as given)."""
-    if path.endswith(".zst"):
-        data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
-    for line in data.splitlines():
-        if line.strip():
-            yield line
+def file_writer(entry: dict[str, Any]) -> ResultWriter:
+    """The writer of a listed file, known by its suffix."""
+    try:
+        return writer_of_path(entry["path"])
+    except ValueError as e:
+        raise ResultsError(str(e)) from None
 
 
 def iter_rows(uri: str, which: str, s3: Any) -> Iterator[dict[str, Any]]:
@@ -80,11 +76,7 @@ def iter_rows(uri: str, which: str, s3: Any) -> Iterator[dict[str, Any]]:
     store, base, manifest = load_manifest(uri, s3)
     for entry in manifest.get(FILE_LISTS[which]) or []:
         data = read_file(store, base, entry)
-        if entry["path"].endswith(PARQUET_SUFFIX):
-            yield from table_rows(read_table(data))
-        else:
-            for line in file_lines(data, entry["path"]):
-                yield orjson.loads(line)
+        yield from file_writer(entry).rows(data, entry["path"])
 
 
 def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
@@ -93,14 +85,9 @@ def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
     n = 0
     for entry in manifest.get(FILE_LISTS[which]) or []:
         data = read_file(store, base, entry)
-        if entry["path"].endswith(PARQUET_SUFFIX):
-            for row in table_rows(read_table(data)):
-                out.write(orjson.dumps(row) + b"\n")
-                n += 1
-        else:
-            for line in file_lines(data, entry["path"]):
-                out.write(line + b"\n")
-                n += 1
+        for line in file_writer(entry).lines(data, entry["path"]):
+            out.write(line + b"\n")
+            n += 1
     return n
 
 
@@ -116,8 +103,8 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     task = (manifest.get("model") or {}).get("task", "embed")
     judged = manifest.get("judge") is not None
     ids = "mixed"
-    if files and not files[0]["path"].endswith(PARQUET_SUFFIX):
-        # JSONL results: one pass for the id column's type, so the stream has one schema.
+    if files and file_writer(files[0]) is not PARQUET:
+        # Results not in Parquet: one pass for the id column's type, so the stream has one schema.
         ints = strs = 0
         for row in iter_rows(uri, "results", s3):
             ints += is_int64(row.get("id"))
@@ -129,11 +116,11 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     try:
         for entry in files:
             data = read_file(store, base, entry)
-            if entry["path"].endswith(PARQUET_SUFFIX):
+            fmt = file_writer(entry)
+            if fmt is PARQUET:  # its table as written
                 table = read_table(data)
             else:
-                rows = [orjson.loads(line) for line in file_lines(data, entry["path"])]
-                table = results_table(rows, task, ids, judged)
+                table = results_table(list(fmt.rows(data, entry["path"])), task, ids, judged)
             if writer is None:
                 writer = pq.ParquetWriter(sink, table.schema, compression="zstd")
             try:
