@@ -117,7 +117,7 @@ def up(state: Path) -> int:
     export KUBECONFIG={cluster.kubeconfig}
     export PATH={kubectl.parent}:$PATH
     kubectl get nodes
-    # a bij's pods run as bij-worker, made here in namespace {API_NAMESPACE} with its Role (see the README)
+    # a bij's pods run as bij-worker, made here in namespace {API_NAMESPACE} with its Role (docs/operations.md, RBAC)
     kubectl apply -f examples/local-embed.yaml      # file:// URIs must be absolute: pods do not share your cwd
     kubectl get bij -w
 

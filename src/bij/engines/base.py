@@ -9,7 +9,7 @@ from typing import Any, Protocol, TypeGuard
 
 from bij.contract.sampling import NO_SAMPLING, Sampling
 
-# What every engine honours: how many tokens, how random, which seed (see the README's table).
+# What every engine honours: how many tokens, how random, which seed (see the table in docs/user-guide.md, "Sampling").
 BASIC_SAMPLING: frozenset[str] = frozenset({"maxTokens", "temperature", "seed"})
 # How a chat row's template renders (engines that render chat templates: transformers, vLLM).
 CHAT_TEMPLATE_FIELDS: frozenset[str] = frozenset({"chatTemplateKwargs", "addGenerationPrompt", "continueFinalMessage"})
