@@ -628,14 +628,14 @@ def test_bij_run_answers_each_row_with_its_lora_adapter_and_refuses_unknown_name
 
 def test_bij_api_runs_lines_naming_an_adapter_on_it_and_lines_naming_the_model_on_its_base(
         tmp_path, tmp_path_factory):
-    """The same through bij-api with the openai SDK (test_api_local's in-process server): the model map
+    """The same through bij-api with the openai SDK (tests/api_harness.py's in-process server): the model map
     entry's key is its base model, its adapters are names lines may use, each row answered by vLLM
     with the adapter its line names."""
     pytest.importorskip("peft", reason="random adapters are made with PEFT (make vllm-env installs it)")
     import contextlib
 
+    from api_harness import lines_of, serve, upload
     from byte_model import build_lora
-    from test_api_local import lines_of, serve, upload
 
     base = build_model(tmp_path_factory.mktemp("base"), wired=False, max_positions=MAX_POSITIONS)
     one = build_lora(base, tmp_path_factory.mktemp("one"), seed=1)

@@ -314,7 +314,7 @@ def _server_verdict(env: Env, doc: dict[str, Any]) -> str | None:
 
 
 def test_every_bad_spec_is_refused_by_the_real_api_server_as_bij_validate_says(env: Env) -> None:
-    from test_crd import BAD
+    from crd_cases import BAD
 
     from bij.cli import validate
 
