@@ -29,6 +29,7 @@ stopped when asked again.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -226,165 +227,194 @@ class Driver:
             return self.apply_failure(seen, failed, job)
 
     def _apply(self, seen: Observed, job: BatchInferenceJob, d: Decision) -> Idle | None:
-        status = seen.status
+        """What one decision does to the world and the status: a step without its result runs its pod
+        first; every other decision has its method below."""
         now = now_utc()
-
         if isinstance(d, StepDecision) and d.result is None:
             return self.run_step(seen, job, d)
+        match d:
+            case CheckPermissions():
+                self.check_permissions(seen, d, now)
+                return None
+            case RerunStep():
+                self.backend.delete_job(d.job_name)
+                self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
+                return Idle(d, recheck=REPORT_RECHECK)  # once its Job is gone, the step is made anew
+            case PlanRound():
+                return self._plan_round(seen, job, d, now)
+            case CreateJob():
+                return self._create_round_job(seen, job, d, now)
+            case PatchJob():
+                return self._patch_round_job(seen, job, d, now)
+            case FinishRound():
+                return self._finish_round(seen, job, d, now)
+            case PreparePublish():
+                return self._prepare_publish(seen, job, d, now)
+            case CreatePublishJob():
+                return self._create_publish_job(seen, job, d, now)
+            case Publish():
+                assert d.result is not None
+                return self.published(seen, job, d, d.result)
+            case MarkFailed() | Retry():
+                return self.apply_failure(seen, d, job)
+            case StopHeld():
+                return self._stop_held(seen, job, d, now)
+            case Nothing():
+                return self._nothing(seen, job, d, now)
+            case Wait():
+                return self._wait(seen, d, now)
+        raise AssertionError(f"a decision the driver cannot apply: {d!r}")
 
-        if isinstance(d, CheckPermissions):
-            self.check_permissions(seen, d, now)
-            return None
+    def _plan_round(self, seen: Observed, job: BatchInferenceJob, d: PlanRound, now: dt.datetime) -> Idle | None:
+        """The plan step's result: the round's record in status.rounds, its shard count, a RoundPlanned Event."""
+        status = seen.status
+        got = d.result
+        assert got is not None
+        shards, lanes, size = int(got["shards"]), int(got["lanes"]), int(got["bytes"])
+        rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
+        rec: dict[str, Any] = {"round": d.round, "shards": shards, "lanes": lanes,
+                               "bytes": size, "startTime": fmt_time(now)}
+        if d.round == 0:
+            rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
+        rounds.append(rec)
+        msg = (f"round {d.round}: planned {shards} shards in {lanes} lanes from {int(got['objects'])} "
+               f"input objects ({size:,} {got.get('unit') or 'bytes'})")
+        patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
+                 "shards": {"done": 0, "total": shards}, "shardsSummary": f"0/{shards}"}
+        if "rows" not in status:
+            patch["rows"] = {"done": 0, "failed": 0}  # so the ROWS column reads 0, not <none>
+        self.write_status(seen, patch, event=("Normal", "RoundPlanned", msg))
+        return None
 
-        if isinstance(d, RerunStep):
-            self.backend.delete_job(d.job_name)
-            self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
-            return Idle(d, recheck=REPORT_RECHECK)  # once its Job is gone, the step is made anew
+    def _create_round_job(self, seen: Observed, job: BatchInferenceJob, d: CreateJob, now: dt.datetime) -> Idle | None:
+        """The round's Indexed Job (after the headless Service of its lanes of several pods)."""
+        if job.spec.workers.nodes_per_lane > 1:
+            # Before the Job: a lane's members find its leader by the name this Service gives it.
+            self.backend.create_service(render_lane_service(job, owner_uid=job.metadata.uid))
+        body = render_job(job, d.round, d.completions, layout.round_manifest_uri(job, d.round),
+                          image=self.backend.worker_image, owner_uid=job.metadata.uid,
+                          file_volume=self.backend.file_volume)
+        created = self.create_job(seen, d, body, f"round {d.round}", "Pending")
+        if created == "foreign":
+            return Idle(d, recheck=CONFLICT_RECHECK)
+        spec = body["spec"]
+        msg = (f"round {d.round}: created Job {body['metadata']['name']} with {d.completions} lanes for "
+               f"{d.shards.total if d.shards else '?'} shards, parallelism {spec['parallelism']}"
+               + (", suspended" if spec.get("suspend") else ""))
+        self.write_status(seen, {**self.base(seen, d, now), "message": msg},
+                          event=("Normal", "RoundStarted", msg) if created == "created" else None)
+        return None
 
-        if isinstance(d, PlanRound):
-            got = d.result
-            assert got is not None
-            shards, lanes, size = int(got["shards"]), int(got["lanes"]), int(got["bytes"])
-            rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
-            rec: dict[str, Any] = {"round": d.round, "shards": shards, "lanes": lanes,
-                                   "bytes": size, "startTime": fmt_time(now)}
-            if d.round == 0:
-                rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
+    def _patch_round_job(self, seen: Observed, job: BatchInferenceJob, d: PatchJob, now: dt.datetime) -> Idle | None:
+        """Suspend, resume or scale the round's Job; cancelling suspends it so its lanes drain."""
+        job_spec: dict[str, Any] = {}
+        if d.suspend is not None:
+            job_spec["suspend"] = d.suspend
+        if d.parallelism is not None:
+            job_spec["parallelism"] = d.parallelism
+        self.backend.patch_job(d.job_name, job_spec)
+        reason = {True: "Suspended", False: "Resumed", None: "Scaled"}[d.suspend]
+        if d.phase == "Cancelling":
+            reason = d.reason
+        what = {True: "suspended (durable work is kept)", False: "resumed",
+                None: f"parallelism set to {d.parallelism}"}[d.suspend]
+        msg = d.message if d.phase == "Cancelling" else f"round {d.round}: Job {d.job_name} {what}"
+        self.write_status(seen, {**self.base(seen, d, now), "message": msg}, event=("Normal", reason, msg))
+        return None
+
+    def _finish_round(self, seen: Observed, job: BatchInferenceJob, d: FinishRound, now: dt.datetime) -> Idle | None:
+        """The round-statistics step's result: the round's record completed, its lanes' reports dropped."""
+        status = seen.status
+        end = d.result or {}
+        this = round_records(status).get(d.round)
+        planned = this.shards if this is not None else 0
+        counted = end.get("stats") or {}
+        stats = RoundStats(round=d.round, shards=planned, approved=int(counted.get("approved") or 0),
+                           rejected=int(counted.get("rejected") or 0), capped=int(counted.get("capped") or 0),
+                           errors=int(counted.get("errors") or 0),
+                           engine_calls=int(counted.get("engineCalls") or 0))
+        rounds = []
+        for rec in status.get("rounds") or []:
+            if rec.get("round") == d.round:
+                rec = {**rec, **stats.as_status(), "completionTime": fmt_time(now)}
+                if d.lanes is not None and d.lanes.replaced:
+                    rec["groupsReplaced"] = d.lanes.replaced  # its lanes' reports go below
             rounds.append(rec)
-            msg = (f"round {d.round}: planned {shards} shards in {lanes} lanes from {int(got['objects'])} "
-                   f"input objects ({size:,} {got.get('unit') or 'bytes'})")
-            patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
-                     "shards": {"done": 0, "total": shards}, "shardsSummary": f"0/{shards}"}
-            if "rows" not in status:
-                patch["rows"] = {"done": 0, "failed": 0}  # so the ROWS column reads 0, not <none>
-            self.write_status(seen, patch, event=("Normal", "RoundPlanned", msg))
-            return None
+        msg = f"round {d.round} finished: {d.shards.summary if d.shards else '0/0'} shards, " \
+              f"{stats.approved} rows, {stats.errors} error rows"
+        if job.spec.judge is not None:
+            msg += f", {stats.rejected} rejected, {stats.capped} capped (approval {stats.approval_rate:.1%})"
+        if d.failed_lanes:
+            noun = "lane" if len(d.failed_lanes) == 1 else "lanes"
+            msg += f"; {noun} {format_ranges(d.failed_lanes)} failed, the other lanes finished their shards"
+        if d.lanes is not None and d.lanes.replaced:
+            msg += f"; lane groups replaced: {d.lanes.replaced}"
+        patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
+                 **self.progress(status, d.round, now, ended=stats),
+                 **{k: end[k] for k in ("efficiency", "cost") if k in end}}
+        lanes_reported = ((status.get("reports") or {}).get("lanes") or {})
+        gone = {k: None for k, v in lanes_reported.items() if isinstance(v, Mapping) and v.get("round") == d.round}
+        if gone:
+            patch["reports"] = {"lanes": gone}  # counted in status.rounds now
+        self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
+        return None
 
-        if isinstance(d, CreateJob):
-            if job.spec.workers.nodes_per_lane > 1:
-                # Before the Job: a lane's members find its leader by the name this Service gives it.
-                self.backend.create_service(render_lane_service(job, owner_uid=job.metadata.uid))
-            body = render_job(job, d.round, d.completions, layout.round_manifest_uri(job, d.round),
-                              image=self.backend.worker_image, owner_uid=job.metadata.uid,
-                              file_volume=self.backend.file_volume)
-            created = self.create_job(seen, d, body, f"round {d.round}", "Pending")
-            if created == "foreign":
-                return Idle(d, recheck=CONFLICT_RECHECK)
-            spec = body["spec"]
-            msg = (f"round {d.round}: created Job {body['metadata']['name']} with {d.completions} lanes for "
-                   f"{d.shards.total if d.shards else '?'} shards, parallelism {spec['parallelism']}"
-                   + (", suspended" if spec.get("suspend") else ""))
-            self.write_status(seen, {**self.base(seen, d, now), "message": msg},
-                              event=("Normal", "RoundStarted", msg) if created == "created" else None)
-            return None
+    def _prepare_publish(self, seen: Observed, job: BatchInferenceJob, d: PreparePublish,
+                         now: dt.datetime) -> Idle | None:
+        """The publish plan step's result: the publish record the passes follow (or the manifest, when one stands)."""
+        got = d.result
+        assert got is not None
+        if "published" in got:
+            # Published before the status said so (a restart in between): the manifest stands.
+            return self.published(seen, job, d, got["published"])
+        plan_uri, passes = str(got["planUri"]), {str(k): int(v) for k, v in dict(got["passes"]).items()}
+        msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
+            + " indexes" + (" (partial)" if d.partial else "")
+        # startedAt: when publishing began (bij-api's finalizing_at).
+        record: dict[str, Any] = {"rounds": d.rounds, "planUri": plan_uri, "passes": passes,
+                                  "startedAt": fmt_time(now)}
+        if d.partial:
+            record["partial"] = d.partial
+        self.write_status(seen, {**self.base(seen, d, now), "message": msg, "publish": record})
+        return None
 
-        if isinstance(d, PatchJob):
-            job_spec: dict[str, Any] = {}
-            if d.suspend is not None:
-                job_spec["suspend"] = d.suspend
-            if d.parallelism is not None:
-                job_spec["parallelism"] = d.parallelism
-            self.backend.patch_job(d.job_name, job_spec)
-            reason = {True: "Suspended", False: "Resumed", None: "Scaled"}[d.suspend]
-            if d.phase == "Cancelling":
-                reason = d.reason
-            what = {True: "suspended (durable work is kept)", False: "resumed",
-                    None: f"parallelism set to {d.parallelism}"}[d.suspend]
-            msg = d.message if d.phase == "Cancelling" else f"round {d.round}: Job {d.job_name} {what}"
-            self.write_status(seen, {**self.base(seen, d, now), "message": msg}, event=("Normal", reason, msg))
-            return None
+    def _create_publish_job(self, seen: Observed, job: BatchInferenceJob, d: CreatePublishJob,
+                            now: dt.datetime) -> Idle | None:
+        """The Job of one publish pass."""
+        body = render_publish_job(job, d.pass_name, d.completions, d.plan_uri, image=self.backend.worker_image,
+                                  owner_uid=job.metadata.uid, file_volume=self.backend.file_volume)
+        created = self.create_job(seen, d, body, "publishing", "Publishing")
+        if created == "foreign":
+            return Idle(d, recheck=CONFLICT_RECHECK)
+        pods = f"{d.completions} pod" + ("s" if d.completions != 1 else "")
+        msg = f"publishing: created Job {body['metadata']['name']} for pass {d.pass_name} ({pods})"
+        self.write_status(seen, {**self.base(seen, d, now), "message": msg},
+                          event=("Normal", "PublishPassStarted", msg) if created == "created" else None)
+        return None
 
-        if isinstance(d, FinishRound):
-            end = d.result or {}
-            this = round_records(status).get(d.round)
-            planned = this.shards if this is not None else 0
-            counted = end.get("stats") or {}
-            stats = RoundStats(round=d.round, shards=planned, approved=int(counted.get("approved") or 0),
-                               rejected=int(counted.get("rejected") or 0), capped=int(counted.get("capped") or 0),
-                               errors=int(counted.get("errors") or 0),
-                               engine_calls=int(counted.get("engineCalls") or 0))
-            rounds = []
-            for rec in status.get("rounds") or []:
-                if rec.get("round") == d.round:
-                    rec = {**rec, **stats.as_status(), "completionTime": fmt_time(now)}
-                    if d.lanes is not None and d.lanes.replaced:
-                        rec["groupsReplaced"] = d.lanes.replaced  # its lanes' reports go below
-                rounds.append(rec)
-            msg = f"round {d.round} finished: {d.shards.summary if d.shards else '0/0'} shards, " \
-                  f"{stats.approved} rows, {stats.errors} error rows"
-            if job.spec.judge is not None:
-                msg += f", {stats.rejected} rejected, {stats.capped} capped (approval {stats.approval_rate:.1%})"
-            if d.failed_lanes:
-                noun = "lane" if len(d.failed_lanes) == 1 else "lanes"
-                msg += f"; {noun} {format_ranges(d.failed_lanes)} failed, the other lanes finished their shards"
-            if d.lanes is not None and d.lanes.replaced:
-                msg += f"; lane groups replaced: {d.lanes.replaced}"
-            patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
-                     **self.progress(status, d.round, now, ended=stats),
-                     **{k: end[k] for k in ("efficiency", "cost") if k in end}}
-            lanes_reported = ((status.get("reports") or {}).get("lanes") or {})
-            gone = {k: None for k, v in lanes_reported.items() if isinstance(v, Mapping) and v.get("round") == d.round}
-            if gone:
-                patch["reports"] = {"lanes": gone}  # counted in status.rounds now
-            self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
-            return None
+    def _stop_held(self, seen: Observed, job: BatchInferenceJob, d: StopHeld, now: dt.datetime) -> Idle | None:
+        """Cancelled or expired before anything ran: said once, and not Ready (there is no manifest)."""
+        patch = {**self.base(seen, d, now), "message": d.message}
+        patch["conditions"] = set_condition(patch["conditions"], "Ready", False, d.reason, d.message,
+                                            generation=seen.generation, now=now)
+        self.write_status(seen, patch, event=("Normal", d.phase, d.message))
+        return Idle(d)
 
-        if isinstance(d, PreparePublish):
-            got = d.result
-            assert got is not None
-            if "published" in got:
-                # Published before the status said so (a restart in between): the manifest stands.
-                return self.published(seen, job, d, got["published"])
-            plan_uri, passes = str(got["planUri"]), {str(k): int(v) for k, v in dict(got["passes"]).items()}
-            msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
-                + " indexes" + (" (partial)" if d.partial else "")
-            # startedAt: when publishing began (bij-api's finalizing_at).
-            record: dict[str, Any] = {"rounds": d.rounds, "planUri": plan_uri, "passes": passes,
-                                      "startedAt": fmt_time(now)}
-            if d.partial:
-                record["partial"] = d.partial
-            self.write_status(seen, {**self.base(seen, d, now), "message": msg, "publish": record})
-            return None
+    def _nothing(self, seen: Observed, job: BatchInferenceJob, d: Nothing, now: dt.datetime) -> Idle | None:
+        """Finished: only observedGeneration and the conditions kept current after spec edits (a bij stopped
+        before anything ran published nothing: it stays not Ready)."""
+        status = seen.status
+        unpublished = d.phase in STOPPED_PHASES and not status.get("manifestUri")
+        patch = {"observedGeneration": seen.generation,
+                 "conditions": phase_conditions(status.get("conditions") or [], d.phase, d.reason, d.message,
+                                                generation=seen.generation, now=now,
+                                                ready=False if unpublished else None)}
+        self.write_status(seen, patch)
+        return Idle(d)
 
-        if isinstance(d, CreatePublishJob):
-            body = render_publish_job(job, d.pass_name, d.completions, d.plan_uri, image=self.backend.worker_image,
-                                      owner_uid=job.metadata.uid, file_volume=self.backend.file_volume)
-            created = self.create_job(seen, d, body, "publishing", "Publishing")
-            if created == "foreign":
-                return Idle(d, recheck=CONFLICT_RECHECK)
-            pods = f"{d.completions} pod" + ("s" if d.completions != 1 else "")
-            msg = f"publishing: created Job {body['metadata']['name']} for pass {d.pass_name} ({pods})"
-            self.write_status(seen, {**self.base(seen, d, now), "message": msg},
-                              event=("Normal", "PublishPassStarted", msg) if created == "created" else None)
-            return None
-
-        if isinstance(d, Publish):
-            assert d.result is not None
-            return self.published(seen, job, d, d.result)
-
-        if isinstance(d, (MarkFailed, Retry)):
-            return self.apply_failure(seen, d, job)
-
-        if isinstance(d, StopHeld):
-            # Cancelled or Expired before anything ran: said once, and not Ready (there is no manifest).
-            patch = {**self.base(seen, d, now), "message": d.message}
-            patch["conditions"] = set_condition(patch["conditions"], "Ready", False, d.reason, d.message,
-                                                generation=seen.generation, now=now)
-            self.write_status(seen, patch, event=("Normal", d.phase, d.message))
-            return Idle(d)
-
-        if isinstance(d, Nothing):
-            # Finished: only keep observedGeneration and conditions current after spec edits (a bij stopped
-            # before anything ran published nothing: it stays not Ready).
-            unpublished = d.phase in STOPPED_PHASES and not status.get("manifestUri")
-            patch = {"observedGeneration": seen.generation,
-                     "conditions": phase_conditions(status.get("conditions") or [], d.phase, d.reason, d.message,
-                                                    generation=seen.generation, now=now,
-                                                    ready=False if unpublished else None)}
-            self.write_status(seen, patch)
-            return Idle(d)
-
-        assert isinstance(d, Wait), d
+    def _wait(self, seen: Observed, d: Wait, now: dt.datetime) -> Idle:
+        """Nothing to do but wait: progress written at most once a status interval, a warning at once."""
+        status = seen.status
         patch = {**self.base(seen, d, now), "message": d.message}
         phase_changed = status.get("phase") != d.phase or status.get("round") != d.round
         if d.warning and status.get("message") != d.message:
