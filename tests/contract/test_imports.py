@@ -32,6 +32,8 @@ PURE = {
     "bij.contract.round_record",  # a round's record as the status holds it: pydantic over plain data
     "bij.contract.columns",  # the names a published row uses: the spec refuses them as pass-through columns
     "bij.contract.sampling",  # the spec's sampling defaults are checked with the rows' own rules
+    "bij.contract.schema",  # the CEL rules and schema extras declared on the spec's models: data
+    "bij.contract.status",  # the bij's status as decide() reads it: pydantic over plain data
 }
 IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",
                     "zstandard", "pyarrow"}

@@ -1,10 +1,10 @@
 """Check a BatchInferenceJob offline the way the API server would, then with the operator's model.
 
-The API server's verdict comes from the CRD (the copy packaged with bij, generated from
-crds/batchinferencejobs.yaml): unknown fields, pruning of nulls, defaults, the openAPI schema and
-the CEL rules (x-kubernetes-validations, evaluated with cel-python). Messages have the API server's
-shape, e.g. ``spec.judge: Invalid value: judge.type regex needs judge.pattern`` (checked against a
-real kube-apiserver by tests/system/test_cluster.py).
+The API server's verdict comes from the CRD (`bij.contract.crd`, generated from the models: the
+object `make sync-crd` writes to crds/batchinferencejobs.yaml): unknown fields, pruning of nulls,
+defaults, the openAPI schema and the CEL rules (x-kubernetes-validations, evaluated with
+cel-python). Messages have the API server's shape, e.g. ``spec.judge: Invalid value: judge.type
+regex needs judge.pattern`` (checked against a real kube-apiserver by tests/system/test_cluster.py).
 
 The operator parses what the API server stored (the defaulted object) with ``spec.parse_job``;
 anything the CRD lets through but the model rejects is reported too, since such a job would be
@@ -18,7 +18,6 @@ import copy
 import functools
 import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,8 @@ import celpy
 import jsonschema
 import yaml
 
+from bij.contract.crd import crd
 from bij.contract.spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
-
-# Generated from crds/batchinferencejobs.yaml by tools/sync_crd.py; a test fails when they drift.
-CRD_RESOURCE = ("crds", "batchinferencejobs.yaml")
 
 # Schema violations after which the API server does not run the CEL rules (a rule could not
 # rely on the fields it reads), and what it says instead.
@@ -42,11 +39,8 @@ RULES_SKIPPED = (
 
 @functools.cache
 def load_crd() -> dict[str, Any]:
-    """The BatchInferenceJob CRD shipped with this package."""
-    folder, name = CRD_RESOURCE
-    text = resources.files("bij.contract").joinpath(folder).joinpath(name).read_text()
-    crd: dict[str, Any] = yaml.safe_load(text)
-    return crd
+    """The BatchInferenceJob CRD, as generated from the models."""
+    return crd()
 
 
 def crd_schema(version: str = API_VERSION) -> dict[str, Any]:

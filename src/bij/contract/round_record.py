@@ -14,14 +14,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from bij.contract.rounds import RoundStats
+from bij.contract.schema import FREE_FORM, INT64
 
 
 class RoundRecord(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True,
+                              json_schema_extra=FREE_FORM)
 
     round: int
     shards: int = 0
@@ -30,10 +32,11 @@ class RoundRecord(BaseModel):
     start_time: str | None = None
     completion_time: str | None = None  # set once the round's statistics are recorded
     spec_digests: dict[str, str] | None = None  # round 0: the row-deciding spec fields (fingerprint)
-    rows_in: int = 0
-    approved: int = 0
-    rejected: int = 0
+    rows_in: int = Field(0, json_schema_extra=INT64)
+    approved: int = Field(0, json_schema_extra=INT64)
+    rejected: int = Field(0, json_schema_extra=INT64)
     capped: int = 0
+    approval_rate: float | None = None
     errors: int = 0
     engine_calls: int = 0
     groups_replaced: int = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import posixpath
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,6 +23,7 @@ from bij.contract.globs import check_glob, has_glob
 from bij.contract.publish_plan import OutputFormat
 from bij.contract.sampling import DEFAULT_ROW_BUDGET, Sampling
 from bij.contract.sampling import from_spec as sampling_from_spec
+from bij.contract.schema import FREE_FORM, INT64, cel, k8s
 
 API_VERSION = "v1alpha1"
 KIND = "BatchInferenceJob"
@@ -46,7 +47,7 @@ QUANTITY_PATTERN = (
 )
 
 
-# The CRD's rules say the same (crds/batchinferencejobs.yaml).
+# The CRD's rules (on the models below) say the same.
 PARQUET_NOT_OPENAI = (
     "output.format parquet needs input.format jsonl or parquet: OpenAI batch output is JSON lines by definition"
 )
@@ -65,6 +66,8 @@ BATCH_SHAPE_NOT_CONTINUOUS = (
     "(echo, sentence-transformers, transformers); engines vllm and simulated schedule every step themselves: "
     "set model.vllm.maxNumSeqs (model.simulated.maxNumSeqs) and model.vllm.engineArgs.max_num_batched_tokens"
 )
+OVERLAP_MESSAGE = ("spec.output.uri must not be spec.input.uri, lie inside it or contain it: a job would read "
+                   "its own (or an earlier job's) state and results as input; choose a separate output folder")
 GROUP_ENGINES = ("vllm", "simulated")
 NODES_PER_LANE_ENGINE = (
     "workers.nodesPerLane above 1 needs model.engine vllm (pipeline parallel across the lane's pods over Ray) "
@@ -113,10 +116,19 @@ URI_PATTERN = r"^((s3|gs)://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the 
 HTTP_PATTERN = r"^https?://[^/?#]+/[^?#]*[^/?#](\?.*)?$"
 # Or files of a dataset of the Hugging Face Hub (storage_hf).
 HF_PATTERN = r"^hf://datasets/[^/@]+/[^/@]+(@[^/]+)?(/.*)?$"
+# What the API server checks of a URI (CEL's matches(): RE2, a pattern inside a single-quoted string).
+MAX_URI = 4096
+INPUT_URI_RULE = cel(
+    "self.matches('^((s3|gs)://[^/]+(/.*)?|file://.+|https?://[^/?#]+/[^?#]*[^/?#](\\\\?.*)?"
+    "|hf://datasets/[^/@]+/[^/@]+(@[^/]+)?(/.*)?)$')",
+    "must start with file://, s3://, gs://, https:// or hf://, as s3://bucket/prefix or gs://bucket/prefix (a "
+    "bucket), file:///path (a path), https://host/object or hf://datasets/owner/name/path")
+STORE_URI_RULE = "self.matches('^((s3|gs)://[^/]+(/.*)?|file://.+)$')"
 
 
 class S3Options(_Model):
-    endpoint_url: str | None = None
+    endpoint_url: str | None = Field(None, json_schema_extra=k8s(pattern=ENDPOINT_PATTERN))
+    """S3-compatible endpoint (MinIO, R2, GCS interop); default AWS"""
     region: str | None = None
 
     @field_validator("endpoint_url")
@@ -129,36 +141,62 @@ class S3Options(_Model):
 
 class StorageSpec(_Model):
     s3: S3Options = S3Options()
-    # Name of a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (operator only);
-    # without it the pod's service account (IRSA / workload identity) is used.
     credentials_secret: str | None = None
+    """Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, passed to workers with envFrom; without it the pods'
+    identity (IRSA, workload identity) is used"""
+
+
+PASS_THROUGH_CLASH = cel(
+    "!(self in [" + ", ".join(f"'{name}'" for name in sorted(RESULT_FIELDS)) + "])",
+    "clashes with the result field of that name: result rows carry " + ", ".join(sorted(RESULT_FIELDS)))
+# A passThrough column: the API server checks its length and name (InputSpec._pass_through does in Python).
+ColumnName = Annotated[str, Field(json_schema_extra=k8s(PASS_THROUGH_CLASH, minLength=1, maxLength=256))]
+# A string the API server refuses empty (a validator refuses it in Python).
+NonEmpty = Annotated[str, Field(json_schema_extra=k8s(minLength=1))]
 
 
 class InputSpec(_Model):
-    uri: str
+    model_config = ConfigDict(json_schema_extra=k8s(
+        cel("!has(self.passThrough) || !has(self.format) || self.format != 'openai'", PASS_THROUGH_NOT_OPENAI,
+            ".passThrough")))
+
+    uri: str = Field(json_schema_extra=k8s(INPUT_URI_RULE, maxLength=MAX_URI))
+    """file:///path, s3://bucket/prefix or gs://bucket/prefix (Google Cloud Storage), or a glob below a folder:
+    s3://bucket/logs/2026-*/part-*.jsonl, file:///data/**/*.jsonl (* and ? within a name, [abc], ** any folders),
+    or one object at an https:// URL (a presigned or signed URL too), or files of a Hugging Face Hub dataset:
+    hf://datasets/OWNER/NAME[@REVISION]/PATH"""
     format: Literal["jsonl", "openai", "parquet"] = "jsonl"
+    """jsonl (one object per line), openai (OpenAI batch request lines) or parquet (*.parquet objects; idField,
+    textField and messagesField name columns)"""
     id_field: str = "id"
     text_field: str = "text"
     messages_field: str | None = None
-    # A row's own sampling fields (an object with model.sampling's keys), over the spec's.
+    """field holding a chat messages list (task chat); default wraps textField as one user message"""
     sampling_field: str = "sampling"
-    # A row's LoRA adapter (a name from model.adapters); OpenAI lines name it in body.model.
+    """field (JSONL) or struct column (Parquet) holding a row's own sampling fields, with model.sampling's keys;
+    they win over the spec's. Unknown keys are invalid_request error rows, fields the engine cannot honour
+    unsupported error rows"""
     adapter_field: str = "adapter"
-    # A longer line is an error row (its bytes are never held in memory).
-    max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31)
-    # One image of a chat row (an image_url part: a data URL, file:// or s3://) at most; a larger
-    # one is an image_too_large error row.
-    max_image_bytes: int = Field(DEFAULT_MAX_IMAGE_BYTES, ge=1, le=1 << 31)
-    # The file:// folder file:// images may be read from (bij.worker.images); None: the folder of a
-    # file:// input (an s3:// input's rows may not name file:// images then).
-    image_root: str | None = None
-    # A .zst object cut short or damaged: fail the round (the rows before it stay durable), or
-    # record one corrupt_input error row where it breaks and publish without the rest of it.
+    """field (JSONL) or column (Parquet) naming a row's LoRA adapter from model.adapters"""
+    max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31, json_schema_extra=INT64)
+    """a longer input line is an error row (its bytes are never held in memory)"""
+    max_image_bytes: int = Field(DEFAULT_MAX_IMAGE_BYTES, ge=1, le=1 << 31, json_schema_extra=INT64)
+    """one image of a chat row (an image_url part: a data URL, file:// or s3://) at most; a larger one is an
+    image_too_large error row"""
+    image_root: str | None = Field(None, json_schema_extra=k8s(
+        cel("self.matches('^file:///.+$')", "must be a file:// folder, as file:///path"), maxLength=MAX_URI))
+    """the file:// folder file:// images may be read from (regular files only, never /proc, /sys, /dev, /etc or a
+    service-account token); default the folder of a file:// input, none for an s3:// input"""
     on_damaged_object: Literal["fail", "errorRow"] = "fail"
-    # The input columns carried to each result row beside its result fields (bij.worker.inputs,
-    # "pass-through columns"): unset, every column the request does not consume; a list, those
-    # columns only; [] none. JSONL and Parquet input only: an OpenAI batch output line has a fixed shape.
-    pass_through: list[str] | None = Field(None, max_length=1000)
+    """a .zst object cut short or damaged: fail the round naming the object and the byte offset, the rows before it
+    kept (a rerun after replacing the object resumes); or errorRow: one corrupt_input error row where it breaks,
+    the rest of the object unread"""
+    pass_through: list[ColumnName] | None = Field(None, max_length=1000,
+                                                  json_schema_extra=k8s(x_kubernetes_list_type="set"))
+    """input columns carried to each result (and error) row beside its result fields: unset, every column the
+    request does not consume (not the id, text, messages, sampling or adapter columns); a list, those columns
+    only; [] none. A column named like a result field is refused at plan time (unset) or here (listed). JSONL and
+    Parquet input only"""
 
     @field_validator("pass_through")
     @classmethod
@@ -225,18 +263,24 @@ class InputSpec(_Model):
 
 
 class OutputSpec(_Model):
-    uri: str
-    # Result files: JSON lines, or Parquet (error and capped files stay JSON lines).
+    uri: str = Field(json_schema_extra=k8s(
+        cel(STORE_URI_RULE, "must start with file://, s3:// or gs://, as s3://bucket/prefix or gs://bucket/prefix "
+            "(a bucket) or file:///path (a path)"),
+        cel("!self.matches('[*?\\\\[]')", "an output is one folder: no wildcards (* ? [)"), maxLength=MAX_URI))
+    """file:///path, s3://bucket/prefix or gs://bucket/prefix; manifest.json is written here last"""
     format: OutputFormat = "jsonl"
+    """result files as JSON lines or Parquet (error and capped files stay JSON lines)"""
     compression: Literal["zstd", "none"] = "zstd"
-    # After a successful publish, remove the work files under _bij/ (durable logs, judge inputs,
-    # publish buckets); plans, completion records and a record of what was removed stay.
     keep_intermediate: bool = False
-    # Ids one publish dedupe process holds at once: its memory, against the number of bucket files.
-    publish_bucket_rows: int = Field(PUBLISH_BUCKET_ROWS, ge=MIN_PUBLISH_BUCKET_ROWS)
-    # How published files are cut: by shard (r<round>-<shard>, parts of FILE_ROWS rows), or by input
-    # object, one file each with the input's relative name (no object is cut across shards then).
+    """keep the work files under _bij/ (durable logs, judge inputs) after a successful publish; when false they are
+    removed and the job cannot be published again"""
+    publish_bucket_rows: int = Field(PUBLISH_BUCKET_ROWS, ge=MIN_PUBLISH_BUCKET_ROWS, json_schema_extra=INT64)
+    """ids one publish dedupe process holds at once (its memory); fewer ids a bucket means more bucket files (shards
+    x buckets)"""
     partition_by: Literal["shard", "input"] = "shard"
+    """shard: result files results/r<round>-<shard>[-<part>]; input: one result file per input object under results/
+    with the input's name relative to the input folder or glob root (and the result format's extension), errors/
+    and capped/ alike. With input, no object is cut across shards (parallelism is at most the input objects)"""
 
     @field_validator("uri")
     @classmethod
@@ -275,21 +319,25 @@ class VllmOptions(_Model):
     enable_prefix_caching: bool = True
     quantization: str | None = None
     max_model_len: int | None = Field(8192, ge=1)
+    """null means the model's own limit"""
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     dtype: str = "auto"
-    # LoRA (with model.adapters): adapters in one batch, and the largest rank (vLLM's max_loras, max_lora_rank).
     max_loras: int | None = Field(None, ge=1)
+    """LoRA adapters in one batch (vLLM's max_loras), with model.adapters"""
     max_lora_rank: int | None = Field(None, ge=1)
-    # vLLM's enforce_eager: no CUDA graphs (on its CPU build, no compiled graph): quicker to start.
+    """the largest adapter rank (vLLM's max_lora_rank), with model.adapters"""
     enforce_eager: bool = False
-    # Any other vLLM engine argument (EngineArgs names, snake_case or camelCase), passed as given; a
-    # name the installed vLLM does not know fails the worker at start (exit 42) naming it.
-    engine_args: dict[str, Any] = Field(default_factory=dict)
-    # Chat answers parsed as vLLM's OpenAI server parses them (its --reasoning-parser and
-    # --tool-call-parser): the reasoning apart from the content, tool calls as message.tool_calls.
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
+    """no CUDA graphs (no compiled graphs on CPU); a quicker start, slower steps"""
+    engine_args: dict[str, Any] = Field(default_factory=dict, json_schema_extra=FREE_FORM)
+    """any other vLLM engine argument (EngineArgs names, snake_case or camelCase), passed as given; a name the
+    worker's vLLM does not know fails the worker at start (exit 42)"""
+    reasoning_parser: str | None = Field(None, json_schema_extra=k8s(enum=list(REASONING_PARSERS)))
+    """vLLM's reasoning parser (its --reasoning-parser): chat answers carry the reasoning as
+    message.reasoning_content, apart from the content"""
+    tool_call_parser: str | None = Field(None, json_schema_extra=k8s(enum=list(TOOL_CALL_PARSERS)))
+    """vLLM's tool call parser (its --tool-call-parser): chat lines may carry tools, answered with
+    message.tool_calls"""
 
     @field_validator("reasoning_parser")
     @classmethod
@@ -317,6 +365,7 @@ class SimulatedOptions(_Model):
     max_num_seqs: int = Field(256, ge=1)
     step_seconds: float = Field(0.02, ge=0, le=60)
     load_seconds: float = Field(0.0, ge=0, le=3600)  # slept once per process, as a model load
+    """slept once per process, as a model load"""
 
 
 class SamplingSpec(_Model):
@@ -328,7 +377,8 @@ class SamplingSpec(_Model):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    stop: list[str] | None = None
+    stop: list[NonEmpty] | None = None
+    """stop strings (a row's own field may also be one string)"""
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
@@ -357,7 +407,8 @@ class AdapterSpec(_Model):
     """A LoRA adapter rows may ask for by name: a folder as PEFT saves it (file:// or s3://)."""
 
     name: str = Field(pattern=ADAPTER_NAME)
-    uri: str
+    uri: str = Field(json_schema_extra=k8s(cel(STORE_URI_RULE, "must start with file://, s3:// or gs://"),
+                                           maxLength=MAX_URI))
 
     @field_validator("uri")
     @classmethod
@@ -368,42 +419,60 @@ class AdapterSpec(_Model):
 class StructuredOutputSpec(_Model):
     """Constrained decoding for every row (`model.structuredOutput`): exactly one of these."""
 
+    model_config = ConfigDict(json_schema_extra=k8s(minProperties=1, maxProperties=1))
+
     json_schema: dict[str, Any] | None = None
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    json_object: bool | None = Field(None, json_schema_extra=k8s(enum=[True]))
+    regex: str | None = Field(None, json_schema_extra=k8s(minLength=1))
+    choice: list[NonEmpty] | None = Field(None, json_schema_extra=k8s(minItems=1))
+    grammar: str | None = Field(None, json_schema_extra=k8s(minLength=1))
+    """EBNF (GBNF), root rule 'root'"""
 
 
 class ModelSpec(_Model):
+    # has(): the API server also checks each rule against the bare default {} (no nested defaults).
+    model_config = ConfigDict(json_schema_extra=k8s(
+        cel("!has(self.engine) || !has(self.task) || self.engine != 'sentence-transformers' || self.task == 'embed'",
+            "engine sentence-transformers only supports task embed"),
+        cel("!has(self.engine) || !has(self.task) || self.engine != 'transformers' || self.task != 'embed'",
+            "engine transformers supports tasks generate and chat, not embed")))
+
     engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated"] = "echo"
     name: str | None = None
-    # What OpenAI lines call the base model (body.model, and the results' model); default: name.
+    """model name or path (Hugging Face id, or a path under the model cache)"""
     served_name: str | None = Field(None, max_length=256)
+    """the name OpenAI batch lines use for the base model (body.model) and results report; default: model.name.
+    bij-api sets it to the model map's key"""
     task: Literal["embed", "generate", "chat"] = "embed"
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0, le=2)
     seed: int = 0
-    # What one row may cost, in generated token places: n x maxTokens x (1 + topLogprobs when it asks
-    # for logprobs). A row over it is an invalid_request error row naming its fields (bij.contract.sampling).
-    row_budget: int = Field(DEFAULT_ROW_BUDGET, ge=1, le=1 << 40)
-    # The prompt limit; default: the engine's limit.
+    row_budget: int = Field(DEFAULT_ROW_BUDGET, ge=1, le=1 << 40, json_schema_extra=INT64)
+    """what one row may cost before it runs: n x maxTokens x (1 + topLogprobs when it asks for logprobs); a row over
+    it is an invalid_request error row naming its fields"""
     max_input_tokens: int | None = Field(None, ge=1)
-    # A prompt over the limit is cut to it (and marked) instead of becoming a too_many_tokens
-    # error row; unset means true for embed (as SentenceTransformer.encode does), false otherwise.
+    """the prompt limit in tokens; default is the engine's limit"""
     truncate: bool | None = None
-    # Sampling defaults for every row beyond maxTokens/temperature/seed (which may move here too).
+    """cut a prompt over the limit to the limit (the row is marked truncated and counted in counts.truncated)
+    instead of making it a too_many_tokens error row; unset means true for task embed, false for generate and
+    chat"""
     sampling: SamplingSpec = SamplingSpec()
-    # Chat prompts: a Jinja template instead of the tokenizer's own, and variables it reads
-    # (e.g. {enable_thinking: false} for a reasoning model).
-    chat_template: str | None = None
+    """sampling defaults for every row (a row's OpenAI body or sampling field wins); a field the engine cannot
+    honour fails the job at start naming it (see the table in docs/user-guide.md)"""
+    chat_template: str | None = Field(None, json_schema_extra=k8s(minLength=1))
+    """a Jinja chat template for task chat instead of the tokenizer's own"""
     chat_template_kwargs: dict[str, Any] | None = None
-    # Every row's output follows this (a row's own response_format or structuredOutput wins).
+    """variables the chat template reads, e.g. {enable_thinking false} for a reasoning model"""
     structured_output: StructuredOutputSpec | None = None
-    # LoRA adapters a row may name (OpenAI body.model, or input.adapterField); fetched once per pod.
-    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
+    """constrained decoding for every row, exactly one of these (a row's own response_format or sampling
+    structuredOutput wins)"""
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64, json_schema_extra=k8s(
+        x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"]))
+    """LoRA adapters a row may name (OpenAI body.model, or input.adapterField): folders as PEFT saves them, fetched
+    once per pod into the model cache (engines transformers and vllm)"""
     vllm: VllmOptions = VllmOptions()
     simulated: SimulatedOptions = SimulatedOptions()
+    """engine simulated, continuous batching on a clock (dry runs, cost estimates)"""
 
     def resolved_sampling(self) -> Sampling:
         """Every row's sampling defaults: model.sampling, with model.maxTokens/temperature/seed under it."""
@@ -451,34 +520,47 @@ class ModelSpec(_Model):
 
 
 class ShardingSpec(_Model):
-    target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=1 << 40)
-    # A round is cut into at least this many shards per lane, so the last shards in flight are
-    # short; never into shards smaller than minShardBytes (or targetShardBytes, if smaller).
+    target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=1 << 40, json_schema_extra=INT64)
     shards_per_lane: int = Field(4, ge=1, le=64)
-    min_shard_bytes: int = Field(1024 * 1024, ge=1024, le=1 << 40)
+    """a round is cut into at least this many shards per lane, so its tail is short"""
+    min_shard_bytes: int = Field(1024 * 1024, ge=1024, le=1 << 40, json_schema_extra=INT64)
+    """never cut shards smaller than this to reach shardsPerLane"""
     chunk_rows: int = Field(512, ge=1, le=1_000_000)
+    """rows made durable together; a preempted pod loses at most one chunk"""
 
 
 class BatchingSpec(_Model):
-    # None: the engine's choice for its device (see the worker's batching defaults).
     target_batch_tokens: int | None = Field(None, ge=1)
+    """padded tokens per batch (batch engines); default chosen per engine and device"""
     max_batch_size: int | None = Field(None, ge=1)
+    """rows per batch (batch engines); default chosen per engine and device"""
     sort_by_length: bool = True
-    # Prompts sharing a prefix (system prompt, few-shot block) run together within the in-flight window.
     prefix_order: bool = True
+    """prompts sharing a prefix run together within the in-flight window"""
     prefetch_chunks: int = Field(2, ge=1, le=64)
-    # Rows read and not yet handed to the commit writer; None: 8 x what the engine runs at once.
     in_flight_rows: int | None = Field(None, ge=1, le=1_000_000)
-    # Finished chunks waiting for storage before compute waits too.
+    """rows read and not yet handed to the commit writer (default 8 x what the engine runs at once, at least 2
+    chunks)"""
     commit_queue_chunks: int = Field(4, ge=1, le=64)
+    """finished chunks waiting for storage before compute waits too (those waiting together are written in one
+    commit)"""
 
 
 class Toleration(_Model):
-    key: str | None = None
+    # The rules the API server applies to a Pod's tolerations (_pod_rules says the same).
+    model_config = ConfigDict(json_schema_extra=k8s(
+        cel("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || size(self.value) == 0",
+            "a toleration with operator Exists must not have a value"),
+        cel("(has(self.key) && size(self.key) > 0) || (has(self.operator) && self.operator == 'Exists')",
+            "a toleration without a key must use operator Exists"),
+        cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            "tolerationSeconds needs effect NoExecute")))
+
+    key: str | None = Field(None, json_schema_extra=k8s(maxLength=317))
     operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
+    value: str | None = Field(None, json_schema_extra=k8s(maxLength=63))
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    toleration_seconds: int | None = Field(None, json_schema_extra=INT64)
 
     @model_validator(mode="after")
     def _pod_rules(self) -> Toleration:
@@ -493,10 +575,19 @@ class Toleration(_Model):
 
 
 class ModelCacheSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=k8s(
+        cel("!has(self.type) || self.type != 'hostPath' || (has(self.path) && size(self.path) > 0)",
+            "modelCache.type hostPath needs modelCache.path"),
+        cel("!has(self.type) || self.type != 'pvc' || (has(self.claimName) && size(self.claimName) > 0)",
+            "modelCache.type pvc needs modelCache.claimName")))
+
     type: Literal["emptyDir", "hostPath", "pvc"] = "emptyDir"
-    path: str | None = None  # hostPath only
-    claim_name: str | None = None  # pvc only
+    path: str | None = Field(None, json_schema_extra=k8s(maxLength=MAX_URI))  # hostPath only
+    """hostPath only"""
+    claim_name: str | None = Field(None, json_schema_extra=k8s(maxLength=253))  # pvc only
+    """pvc only"""
     size_limit: str | None = Field(None, pattern=QUANTITY_PATTERN)  # emptyDir only
+    """emptyDir only"""
     mount_path: str = "/models"
 
     @model_validator(mode="after")
@@ -511,45 +602,73 @@ class ModelCacheSpec(_Model):
 class WorkersSpec(_Model):
     parallelism: int = Field(4, ge=1, le=10_000)
     image: str | None = None  # default: the operator's configured worker image
-    # GPUs per worker pod; unset: what the engine needs (JobSpec.gpus).
+    """worker image; default is the operator's configured worker image"""
     gpus: int | None = Field(None, ge=0, le=64)
-    # Price of one worker pod per hour, any currency: the manifest and status then say what the job cost.
+    """GPUs per worker pod (nvidia.com/gpu); unset means tensorParallelSize x pipelineParallelSize for engine vllm,
+    none for the other engines"""
     price_per_hour: float | None = Field(None, ge=0, strict=True)
+    """price of one worker pod per hour, in any currency; the manifest and status then report cost (total,
+    perMillionRows, perMillionTokens)"""
     cpu: str | None = Field(None, pattern=QUANTITY_PATTERN)
+    """CPU request and limit, a Kubernetes quantity ("4", "500m")"""
     memory: str | None = Field(None, pattern=QUANTITY_PATTERN)
+    """memory request and limit, a Kubernetes quantity ("16Gi")"""
     shm_size: str | None = Field("8Gi", pattern=QUANTITY_PATTERN)
+    """size of the in-memory /dev/shm; null mounts none"""
     spot: bool = False
+    """schedule on spot/preemptible nodes (preemptions are not counted as failures)"""
     spot_provider: Literal["all", "gke", "eks", "karpenter", "aks"] = "all"
-    # The step Jobs (plan, finish, publish plan, manifest) run anywhere by default; true: on the workers'
-    # nodes (their nodeSelector, tolerations, affinity, spot and GPU placement), where nothing else may run.
+    """which spot node labels to select: one provider's (nodeSelector), or all (tolerate every spot taint and prefer
+    any spot label)"""
     steps_on_worker_nodes: bool = False
+    """run the step Jobs (plan, finish, publish plan, manifest: small pods without a GPU) with the workers'
+    placement (nodeSelector, tolerations, affinity, spot and GPU); default: on any node"""
     node_selector: dict[str, str] = {}
-    tolerations: list[Toleration] = []
+    tolerations: list[Toleration] = Field([], json_schema_extra=k8s(maxItems=64))
     affinity: dict[str, Any] | None = None
+    """a Pod affinity, merged with the spot node affinity"""
     priority_class_name: str | None = None
     queue_name: str | None = None
+    """Kueue LocalQueue; the round Jobs get the kueue.x-k8s.io/queue-name label"""
     service_account_name: str | None = None
+    """the pods' service account; default bij-worker (installed by the chart)"""
     backoff_limit_per_index: int = Field(3, ge=0, le=100)
+    """retries of one lane (pod index) after real failures (preemptions do not count)"""
     # A lane renews its claim on the shard it works this often / 3; a shard whose claim is older
     # than this (its pod died) is taken over by another lane.
     lease_seconds: int = Field(60, ge=3, le=3600)
-    # Pods one lane spans (a model larger than one node): the leader (rank 0) runs a Ray head and the lane's
-    # worker, the others Ray workers; vLLM runs pipeline parallel across them (bij.worker.group).
+    """a shard whose worker stopped renewing its claim this long is taken over by another lane"""
     nodes_per_lane: int = Field(1, ge=1, le=64)
+    """pods (nodes) one lane spans; above 1 the leader runs a Ray head and the bij worker, the others Ray workers,
+    and vLLM runs pipeline parallel across them (engine vllm or simulated)"""
     # Kubernetes caps maxFailedIndexes (and completions with backoffLimitPerIndex) at 100000.
     max_failed_indexes: int | None = Field(None, ge=0, le=100_000)
+    """fail the round once more shards than this have failed; default lets every shard run"""
     termination_grace_period_seconds: int = Field(60, ge=1, le=3600)
     ttl_seconds_after_finished: int | None = Field(86400, ge=0)
+    """delete finished round Jobs after this long; null keeps them"""
     model_cache: ModelCacheSpec = ModelCacheSpec()
     env: dict[str, str] = {}
+    """extra environment variables for the worker container"""
 
 
 class JudgeSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=k8s(
+        cel("self.type != 'regex' || (has(self.pattern) && size(self.pattern) > 0)",
+            "judge.type regex needs judge.pattern"),
+        cel("self.type != 'jsonSchema' || has(self.schema)", "judge.type jsonSchema needs judge.schema"),
+        cel("self.type != 'llm' || (has(self.prompt) && size(self.prompt) > 0)", "judge.type llm needs judge.prompt"),
+        cel("self.type != 'llm' || !has(self.prompt) || self.prompt.contains('{output}')",
+            "judge.prompt must contain {output}")))
+
     type: Literal["regex", "jsonSchema", "llm"]
-    pattern: str | None = None
+    pattern: str | None = Field(None, json_schema_extra=k8s(maxLength=4096))
+    """regex judge; an output is approved when the pattern matches (re.search)"""
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    prompt: str | None = None
-    approve_pattern: str = r"^\s*(yes|approve)"
+    """jsonSchema judge; an output is approved when it parses as JSON and validates"""
+    prompt: str | None = Field(None, json_schema_extra=k8s(maxLength=65536))
+    """llm judge; {output} is replaced with the output to judge"""
+    approve_pattern: str = Field(r"^\s*(yes|approve)", json_schema_extra=k8s(maxLength=4096))
     strategy: Literal["rounds", "inPlace", "hybrid"] = "rounds"
     max_rounds: int = Field(3, ge=1, le=20)
     max_attempts: int = Field(3, ge=1, le=100)
@@ -582,7 +701,32 @@ class JudgeSpec(_Model):
 
 
 class JobSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=k8s(
+        cel("!has(self.judge) || self.model.task != 'embed'",
+            "judge needs a generate or chat task: embeddings have no text to judge", ".judge"),
+        cel("!has(self.output.format) || !has(self.input.format) || self.output.format != 'parquet' || "
+            "self.input.format != 'openai'", PARQUET_NOT_OPENAI, ".output.format"),
+        cel("!has(self.model) || !has(self.model.engine) || self.model.engine != 'vllm' || !has(self.workers) || "
+            "!has(self.workers.gpus) || self.workers.gpus >= (has(self.model.vllm) && "
+            "has(self.model.vllm.tensorParallelSize) ? self.model.vllm.tensorParallelSize : 1) * "
+            "(has(self.model.vllm) && has(self.model.vllm.pipelineParallelSize) ? "
+            "self.model.vllm.pipelineParallelSize : 1)", GPUS_FOR_VLLM, ".workers.gpus"),
+        cel("!has(self.model) || !has(self.model.engine) || !(self.model.engine in ['vllm', 'simulated']) || "
+            "!has(self.batching) || (!has(self.batching.targetBatchTokens) && !has(self.batching.maxBatchSize))",
+            BATCH_SHAPE_NOT_CONTINUOUS, ".batching"),
+        cel("!has(self.output.partitionBy) || self.output.partitionBy != 'input' || !has(self.judge) || "
+            "(has(self.judge.strategy) && self.judge.strategy == 'inPlace')", PARTITION_NEEDS_ONE_ROUND,
+            ".output.partitionBy"),
+        # Neither URI may be the other or lie under it (compared as folders: in/ and in-old/ are apart).
+        cel("!((self.output.uri.endsWith('/') ? self.output.uri : self.output.uri + '/').startsWith("
+            "self.input.uri.endsWith('/') ? self.input.uri : self.input.uri + '/') || "
+            "(self.input.uri.endsWith('/') ? self.input.uri : self.input.uri + '/').startsWith("
+            "self.output.uri.endsWith('/') ? self.output.uri : self.output.uri + '/'))", OVERLAP_MESSAGE,
+            ".output.uri")))
+
     input: InputSpec
+    """Where the rows come from. Every object under uri is read (*.jsonl, *.jsonl.zst; *.parquet for format
+    parquet)."""
     output: OutputSpec
     model: ModelSpec = ModelSpec()
     sharding: ShardingSpec = ShardingSpec()
@@ -590,13 +734,19 @@ class JobSpec(_Model):
     workers: WorkersSpec = WorkersSpec()
     storage: StorageSpec = StorageSpec()
     judge: JudgeSpec | None = None
+    """Check each output; approved rows are results, rejected rows are retried in a next round (rounds) or inside
+    the pod (inPlace)."""
     max_error_ratio: float | None = Field(None, ge=0, le=1)
+    """fail the job when more than this share of rows are error rows"""
     suspend: bool = False
-    # Stop for good and publish what is finished as a partial manifest (phase Cancelled), or do so
-    # once this many seconds have passed since the job was created (phase Expired).
+    """suspend the round Job (running pods are stopped, durable work is kept)"""
     cancel: bool = False
+    """stop for good: the workers drain as on preemption, then the rows finished so far are published as a partial
+    manifest and the phase becomes Cancelled (never published again)"""
     # At most MAX_DEADLINE_SECONDS: creation time plus the deadline must be a date (a "9999999d" window is not).
-    deadline_seconds: int | None = Field(None, ge=1, le=MAX_DEADLINE_SECONDS)
+    deadline_seconds: int | None = Field(None, ge=1, le=MAX_DEADLINE_SECONDS, json_schema_extra=INT64)
+    """seconds after creation at which the job stops as on cancel and publishes what is finished (phase Expired); a
+    job already publishing finishes; at most 366 days"""
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
@@ -680,10 +830,6 @@ class BatchInferenceJob(_Model):
     def job_id(self) -> str:
         """Stable id of this job's working state: the uid in a cluster, the name locally."""
         return self.metadata.uid or self.metadata.name
-
-
-OVERLAP_MESSAGE = ("spec.output.uri must not be spec.input.uri, lie inside it or contain it: a job would read "
-                   "its own (or an earlier job's) state and results as input; choose a separate output folder")
 
 
 def _check_uri(uri: str) -> str:

@@ -1,0 +1,180 @@
+"""A BatchInferenceJob's status: the typed shape of what `kubectl get bij -o yaml` shows.
+
+The operator writes it (merge patches built in `bij.control.status` and the driver); the bij's own pods
+write only under `reports` (`LaneReport`, `StepReport`); `decide()`, `bij run`, `bij status` and bij-api
+read it through `JobStatus.read`, which keeps what parses and says what did not (`JobStatus.problems`):
+a damaged entry is a named problem, never a crash and never silently dropped. The CRD's status schema is
+generated from these models (`bij.contract.crd`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic.alias_generators import to_camel
+
+from bij.contract.round_record import RoundRecord
+from bij.contract.schema import FREE_FORM, INT64
+
+DATE_TIME: dict[str, Any] = {"format": "date-time"}
+PHASES = ("Pending", "Planning", "Running", "Publishing", "Succeeded", "Failed", "Suspended", "Cancelling",
+          "Cancelled", "Expired")
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def as_status(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class Shards(_Status):
+    done: int = 0
+    failed: int | None = None
+    total: int = 0
+
+
+class Lanes(_Status):
+    done: int = 0
+    failed: int = 0
+    active: int = 0
+    total: int = 0
+    replaced: int = 0
+    """lane groups (spec.workers.nodesPerLane > 1) of the current round replaced whole after one of their
+    pods was lost; each is also a LaneGroupReplaced Warning Event"""
+
+
+class Rows(_Status):
+    done: int = Field(0, json_schema_extra=INT64)
+    failed: int = Field(0, json_schema_extra=INT64)
+    not_run: int | None = Field(None, json_schema_extra=INT64)
+    """Cancelled or Expired, the rows no worker finished (not in the partial manifest)"""
+
+
+class Efficiency(_Status):
+    worker_seconds: float = 0.0
+    model_loads: int = 0
+    model_load_seconds: float = 0.0
+    engine_busy_seconds: float = 0.0
+    engine_busy_fraction: float = 0.0
+    rows_per_second_per_worker: float = 0.0
+    tokens_per_second_per_worker: float = 0.0
+
+
+class Cost(_Status):
+    price_per_hour: float = 0.0
+    total: float = 0.0
+    per_million_rows: float | None = Field(None, json_schema_extra={"nullable": True})
+    per_million_tokens: float | None = Field(None, json_schema_extra={"nullable": True})
+
+
+class WorkerPermissions(_Status):
+    service_account: str = ""
+    result: Literal["Granted", "Missing", "Unknown"] = "Unknown"
+    missing: list[str] = []
+    message: str = ""
+    check_time: str | None = Field(None, json_schema_extra=DATE_TIME)
+    checks: int = 0
+
+
+class Condition(_Status):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str | None = None
+    message: str | None = None
+    last_transition_time: str | None = Field(None, json_schema_extra=DATE_TIME)
+    observed_generation: int | None = Field(None, json_schema_extra=INT64)
+
+
+class JobStatus(_Status):
+    """Written by the operator, but for reports. Unknown fields are kept for newer operators."""
+
+    model_config = ConfigDict(json_schema_extra=FREE_FORM)
+
+    reports: dict[str, Any] = {}
+    """Written by the bij's own pods, each its own key (a JSON merge patch): steps.<Job name> is a storage
+    step's result (planning, a round's statistics, the publish plan, the manifest), lanes.<pod name> a
+    lane's progress. The operator reads these; it reads no storage."""
+    phase: str | None = None
+    """Pending, Planning, Running, Publishing, Succeeded, Failed, Suspended, Cancelling (draining and
+    publishing the finished part), Cancelled or Expired"""
+    round: int | None = None
+    observed_generation: int | None = Field(None, json_schema_extra=INT64)
+    shards: Shards | None = None
+    """shards of the current round"""
+    shards_summary: str | None = None
+    """"<done>/<total>" of the current round, for kubectl get"""
+    lanes: Lanes | None = None
+    """lanes (pod indexes) of the current round's Job; each works many shards"""
+    lanes_summary: str | None = None
+    """"<done>/<total>" lanes of the current round (and "(<n> replaced)"), for kubectl get -o wide"""
+    rows: Rows | None = None
+    rows_per_second: float | None = None
+    eta: str | None = None
+    """time left in the current round at the rate so far"""
+    efficiency: Efficiency | None = None
+    """how well the workers were used, from their shard records (so far)"""
+    cost: Cost | None = None
+    """with spec.workers.pricePerHour, what the worker pods cost (so far)"""
+    start_time: str | None = Field(None, json_schema_extra=DATE_TIME)
+    completion_time: str | None = Field(None, json_schema_extra=DATE_TIME)
+    manifest_uri: str | None = None
+    output_uri: str | None = None
+    message: str | None = None
+    rounds: list[RoundRecord] = []
+    """one entry per finished or running round"""
+    worker_permissions: WorkerPermissions | None = None
+    """The operator's check, before the first pod, that the worker service account holds every grant its
+    pods use (a LocalSubjectAccessReview each); the WorkerPermissions condition says the same. While a grant
+    is missing no pod starts and the check is repeated (checks in a row, backoff to 2 minutes)"""
+    conditions: list[Condition] = Field([], json_schema_extra={"x-kubernetes-list-type": "map",
+                                                               "x-kubernetes-list-map-keys": ["type"]})
+    _problems: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        """What `read` left out, each naming the field and why."""
+        return self._problems
+
+    @classmethod
+    def read(cls, status: Mapping[str, Any] | None) -> JobStatus:
+        """The status as written, keeping every field that parses. A field that does not (a foreign writer,
+        a damaged value) is left at its default and named in `problems`; so is each entry of `rounds` and
+        `conditions` on its own, the others kept."""
+        raw = dict(status or {})
+        problems: list[str] = []
+        for key, model in (("rounds", RoundRecord), ("conditions", Condition)):
+            value = raw.get(key)
+            if value is None:
+                continue
+            kept = []
+            for i, entry in enumerate(value if isinstance(value, list) else [value]):
+                try:
+                    kept.append(model.model_validate(entry))
+                except ValidationError as e:
+                    problems.append(f"status.{key}[{i}]: {_first_error(e)}")
+            raw[key] = kept
+        while True:
+            try:
+                out = cls.model_validate(raw)
+                break
+            except ValidationError as e:
+                bad = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
+                if not bad:
+                    raise
+                for key in sorted(bad):
+                    problems.append(f"status.{key}: {_first_error(e, key)}")
+                    raw.pop(key, None)
+                    raw.pop(to_camel(key), None)
+        out._problems = problems
+        return out
+
+
+def _first_error(e: ValidationError, key: str | None = None) -> str:
+    for err in e.errors():
+        if key is None or (err["loc"] and str(err["loc"][0]) == key):
+            where = ".".join(str(p) for p in err["loc"][1 if key else 0:])
+            return f"{where + ': ' if where else ''}{err['msg']}"
+    return str(e)
