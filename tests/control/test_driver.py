@@ -287,6 +287,41 @@ def test_rows_a_lane_reports_reach_the_status_while_its_shard_is_still_running(f
         assert backend.status["rows"]["done"] == rows
 
 
+def test_status_entries_bij_cannot_read_are_named_in_a_condition_and_one_event_and_the_job_goes_on(
+        file_place, make_job) -> None:
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": i, "text": f"t{i}"} for i in range(50)]))
+    backend = FakeBackend(job)
+    driver = Driver(backend, status_interval=0.0)
+    driver.reconcile()
+    name = f"{job.metadata.name}-r0"
+    backend.jobs[name]["status"] = {"active": 1}
+    backend.status["reports"]["lanes"] = {"stranger": {"round": "zero", "lane": 0},
+                                          f"{name}-0-x": {"round": 0, "lane": 0, "rows": 8}}
+    backend.status["rounds"].append({"round": 7, "shards": "many"})
+    backend.status["conditions"].append("not a condition")
+    driver.reconcile()
+
+    def damaged() -> list[dict[str, Any]]:
+        return [c for c in backend.status["conditions"] if c["type"] == "StatusDamaged"]
+
+    (cond,) = damaged()
+    assert cond["status"] == "True" and cond["reason"] == "UnreadableEntries"
+    assert "status.reports.lanes.stranger: round:" in cond["message"]
+    assert "status.rounds[1]: shards:" in cond["message"]
+    warned = [e for e in backend.events if e[1] == "StatusDamaged"]
+    assert len(warned) == 1 and warned[0][0] == "Warning" and "status.conditions[" in warned[0][2]
+    assert "not a condition" not in backend.status["conditions"]  # dropped, and said so
+    # The readable entries still count: the lane's rows, round 0's record.
+    assert backend.status["phase"] == "Running" and backend.status["rows"]["done"] == 8
+    driver.reconcile()  # the same damage: said once
+    assert len([e for e in backend.events if e[1] == "StatusDamaged"]) == 1
+    del backend.status["reports"]["lanes"]["stranger"]
+    backend.status["rounds"].pop()
+    driver.reconcile()
+    (cond,) = damaged()
+    assert cond["status"] == "False" and cond["reason"] == "Readable"
+
+
 def test_a_job_of_our_name_that_is_someone_elses_is_reported_never_adopted(file_place, make_job) -> None:
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "t"}]))
     backend = FakeBackend(job, foreign={f"{job.metadata.name}-r0"})

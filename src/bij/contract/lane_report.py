@@ -38,7 +38,8 @@ class LaneReport(BaseModel):
 
 def lane_reports(status: Mapping[str, Any], round_no: int) -> list[LaneReport]:
     """The reports of round `round_no`'s lanes in ``status.reports.lanes``. One that is no report (a
-    foreign writer, a damaged value) is left out: the round is then judged by its Job and records."""
+    foreign writer, a damaged value) is left out: the round is then judged by its Job and records
+    (`JobStatus.read` names it, and the driver says so in the StatusDamaged condition)."""
     reported = (status.get("reports") or {}).get("lanes") or {}
     out = []
     for raw in reported.values() if isinstance(reported, Mapping) else ():

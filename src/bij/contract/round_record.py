@@ -53,7 +53,8 @@ class RoundRecord(BaseModel):
 
 def round_records(status: Mapping[str, Any]) -> dict[int, RoundRecord]:
     """``status.rounds`` keyed by round number; an entry that is no record (no round number, a field of
-    the wrong type) is left out."""
+    the wrong type) is left out (`JobStatus.read` names it, and the driver says so in the StatusDamaged
+    condition)."""
     out: dict[int, RoundRecord] = {}
     rounds = status.get("rounds") or []
     for raw in rounds if isinstance(rounds, list) else ():

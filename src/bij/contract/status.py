@@ -3,7 +3,8 @@
 The operator writes it (merge patches built in `bij.control.status` and the driver); the bij's own pods
 write only under `reports` (`LaneReport`, `StepReport`); `decide()`, `bij run`, `bij status` and bij-api
 read it through `JobStatus.read`, which keeps what parses and says what did not (`JobStatus.problems`):
-a damaged entry is a named problem, never a crash and never silently dropped. The CRD's status schema is
+a damaged entry is a named problem, never a crash and never silently dropped (the driver shows the
+problems in the StatusDamaged condition and a Warning Event). The CRD's status schema is
 generated from these models (`bij.contract.crd`).
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from pydantic.alias_generators import to_camel
 
+from bij.contract.lane_report import LaneReport
 from bij.contract.round_record import RoundRecord
 from bij.contract.schema import FREE_FORM, INT64
 
@@ -142,9 +144,16 @@ class JobStatus(_Status):
     def read(cls, status: Mapping[str, Any] | None) -> JobStatus:
         """The status as written, keeping every field that parses. A field that does not (a foreign writer,
         a damaged value) is left at its default and named in `problems`; so is each entry of `rounds` and
-        `conditions` on its own, the others kept."""
+        `conditions` on its own, the others kept. A lane report that is no `LaneReport` is named too (the
+        reports stay as written; `lane_reports` leaves it out)."""
         raw = dict(status or {})
         problems: list[str] = []
+        lanes = raw.get("reports", {}).get("lanes") if isinstance(raw.get("reports"), Mapping) else None
+        for pod, entry in lanes.items() if isinstance(lanes, Mapping) else ():
+            try:
+                LaneReport.model_validate(entry)
+            except ValidationError as e:
+                problems.append(f"status.reports.lanes.{pod}: {_first_error(e)}")
         for key, model in (("rounds", RoundRecord), ("conditions", Condition)):
             value = raw.get(key)
             if value is None:

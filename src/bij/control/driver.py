@@ -43,6 +43,7 @@ from bij.contract.lane_report import lane_reports
 from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats
 from bij.contract.spec import BatchInferenceJob, SpecError
+from bij.contract.status import JobStatus
 from bij.control.jobs import FileVolume, render_job, render_lane_service, render_publish_job, render_step_job
 from bij.control.permissions import CONDITION as PERMISSIONS_CONDITION
 from bij.control.permissions import STATUS_KEY as PERMISSIONS_KEY
@@ -92,6 +93,8 @@ STATUS_INTERVAL = 5.0
 PROGRESS_INTERVAL = 30.0
 # Steps applied per reconcile before yielding; a whole run takes about ten.
 MAX_STEPS = 16
+# The condition that names status entries bij cannot read (Driver.say_damage).
+DAMAGED_CONDITION = "StatusDamaged"
 # A Job of our name that belongs to someone else is looked at again this often.
 CONFLICT_RECHECK = 15.0
 # A step Job deleted to run anew, or one that succeeded before its report shows in the status read:
@@ -192,6 +195,8 @@ class Driver:
                 self.mark_invalid(seen, seen.spec_error)
                 return Idle(None)
             job = seen.job
+            if self.say_damage(seen, JobStatus.read(seen.status)):
+                continue  # the damaged entries are named (and a damaged condition dropped): look again
             now = now_utc()
             last = decide(job, seen.status, seen.jobs, self.shards_done(seen.status), now=now, pods=seen.pods,
                           generation=seen.generation, check_permissions=self.worker_grants is not None)
@@ -536,6 +541,32 @@ class Driver:
         if seen.status.get("message") != msg:
             self.write_status(seen, patch, event=("Warning", "InvalidSpec", msg))
 
+    def say_damage(self, seen: Observed, state: JobStatus) -> bool:
+        """Status entries bij cannot read (written by something else, or damaged) are left out where they are
+        read; here they are named in the StatusDamaged condition and a Warning Event, once, and the condition
+        turns False when they are gone. A damaged condition is dropped (conditions are rewritten whole),
+        said in the Event. True when the status was written."""
+        said = next((c for c in state.conditions if c.type == DAMAGED_CONDITION), None)
+        dropped = [p for p in state.problems if p.startswith("status.conditions")]
+        lasting = [p for p in state.problems if p not in dropped]
+        message = unreadable(lasting)
+        new = bool(lasting) and (said is None or said.status != "True" or said.message != message)
+        conditions = [c.as_status() for c in state.conditions]
+        now = now_utc()
+        if new:
+            conditions = set_condition(conditions, DAMAGED_CONDITION, True, "UnreadableEntries", message,
+                                       generation=seen.generation, now=now)
+        elif not lasting and said is not None and said.status == "True":
+            conditions = set_condition(conditions, DAMAGED_CONDITION, False, "Readable",
+                                       "every status entry is readable", generation=seen.generation, now=now)
+        elif not dropped:
+            return False
+        self.backend.write_status({"conditions": conditions})
+        if new or dropped:
+            log.warning("%s: %s", seen.output_uri, unreadable(state.problems))
+            self.backend.event("Warning", DAMAGED_CONDITION, unreadable(state.problems))
+        return True
+
     def base(self, seen: Observed, d: Decision, now: Any) -> dict[str, Any]:
         """The status fields every decision sets (phase, round, shards, conditions, ...)."""
         return decision_status(seen.status, d, generation=seen.generation, now=now, output_uri=seen.output_uri)
@@ -611,6 +642,14 @@ class Driver:
             got = sum(r.bytes for r in current)
             out["eta"] = fmt_duration(eta_seconds(got, size, (now - round_start).total_seconds()))
         return out
+
+
+def unreadable(problems: Sequence[str]) -> str:
+    """What the StatusDamaged condition and Event say of `problems` (at most five named)."""
+    if not problems:
+        return ""
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    return "status entries left out as unreadable: " + "; ".join(problems[:5]) + more
 
 
 def until_deadline(idle: Idle, job: BatchInferenceJob, status: Mapping[str, Any], now: Any) -> Idle:
