@@ -97,9 +97,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    group = _Group()
-    code = _main(argv, group)
-    if group.lost and code in (EXIT_TERMINATED, EXIT_FAILED) and not group.signalled:
+    logging.basicConfig(level=os.environ.get("BIJ_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    lane = Lane(parse_args(argv))
+    signal.signal(signal.SIGTERM, lane.on_signal)
+    signal.signal(signal.SIGINT, lane.on_signal)
+    code = lane.run()
+    if lane.group.lost and code in (EXIT_TERMINATED, EXIT_FAILED) and not lane.group.signalled:
         # A member went (or said it goes) first: this index is not to blame; the group is replaced whole.
         return EXIT_GROUP_LOST
     return code
@@ -114,60 +118,108 @@ class _Group:
         self.signalled = False  # this pod's own SIGTERM came before any loss
 
 
-def _main(argv: list[str] | None, group: _Group) -> int:
-    logging.basicConfig(level=os.environ.get("BIJ_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    args = parse_args(argv)
-    stop = StopFlag(args.drain_seconds)
-    # The shard being worked has a stop flag of its own: a lost claim stops that shard only.
-    current: list[StopFlag] = []
+class Lane:
+    """One pod's lane of a round: set up from the plan (`setup`), its shards claimed and worked one after
+    another (`work`), the exit code said by what ended it (`run`)."""
 
-    def on_signal(signum: int, frame: Any) -> None:
-        if stop.requested:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.stop = StopFlag(args.drain_seconds)
+        # The shard being worked has a stop flag of its own: a lost claim stops that shard only.
+        self.current: list[StopFlag] = []
+        self.group = _Group()
+        self.reporter: LaneReporter | None = None  # set once the plan says which round this is
+        self.lane = -1
+        self.loaded = False
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        if self.stop.requested:
             # A second signal: no more waiting. What is durable stays durable;
             # a torn frame is skipped on resume.
             os._exit(EXIT_TERMINATED)
         log.info("signal %d: taking no new chunk", signum)
-        group.signalled = group.lost is None
-        stop.request()
-        for flag in current:
+        self.group.signalled = self.group.lost is None
+        self.stop.request()
+        for flag in self.current:
             flag.request()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    reporter: list[LaneReporter] = []  # set once the plan says which round this is
-
-    def emit(event: dict[str, Any]) -> None:
-        if args.progress:
+    def emit(self, event: dict[str, Any]) -> None:
+        if self.args.progress:
             sys.stdout.write(json.dumps(event) + "\n")
             sys.stdout.flush()
-        for r in reporter:
-            r.on_event(event)
+        if self.reporter is not None:
+            self.reporter.on_event(event)
 
-    lane = -1
-    completed = False
-    try:
-        if not args.manifest:
+    def run(self) -> int:
+        """Work the lane; the exit code the Job's podFailurePolicy reads (see the module's docstring)."""
+        completed = False
+        try:
+            role = self.role()
+            if not role.leader:
+                return member_main(role, self.args.drain_seconds)
+            self.setup(role)
+            code = self.work()
+            completed = code == EXIT_OK
+            if not completed:
+                return code
+        except DamagedObject as e:
+            # input.onDamagedObject fail: no retry reads past it; the rows before it are durable.
+            log.error("%s; the rows before it are durable: replace the object and run again (it resumes there), "
+                      "or set spec.input.onDamagedObject: errorRow", e)
+            return EXIT_BAD_CONFIG
+        except ReplacementDiffers as e:
+            log.error("%s", e)
+            return EXIT_BAD_CONFIG
+        except BadConfig as e:
+            log.error("bad configuration: %s", e)
+            return EXIT_BAD_CONFIG
+        except GroupError as e:
+            log.error("%s", e)
+            return EXIT_FAILED
+        except StorageError as e:
+            if e.permanent:
+                # A missing bucket, denied access, no credentials, an input replaced after planning:
+                # the same on every retry and every node.
+                log.error("bad configuration: storage: %s", e)
+                return EXIT_BAD_CONFIG
+            log.error("storage: %s", e)
+            return EXIT_FAILED
+        except Exception:
+            log.exception("lane %d failed", self.lane)
+            return EXIT_FAILED
+        finally:
+            self.close(completed)
+        log.info("lane %d: every shard of the round is done", self.lane)
+        if self.group.leader is not None:
+            _close_engine()  # before its pipeline stages on the members go
+            self.group.leader.finish()  # members stop their Ray nodes and succeed with this pod
+            self.group.leader.close()
+        return EXIT_OK
+
+    def role(self) -> Role:
+        """Which lane (and rank in its group of pods) this pod's index is."""
+        if not self.args.manifest:
             raise BadConfig("no round plan: pass --manifest or set BIJ_MANIFEST")
-        index = args.index
+        index = self.args.index
         if index is None:
             raw = os.environ.get("JOB_COMPLETION_INDEX")
             if raw is None or not raw.isdigit():
                 raise BadConfig(f"no lane index: pass --index or set JOB_COMPLETION_INDEX (got {raw!r})")
             index = int(raw)
         try:
-            role = role_of(index)
+            return role_of(index)
         except ValueError as e:
             raise BadConfig(str(e)) from None
-        if not role.leader:
-            return member_main(role, args.drain_seconds)
-        lane = role.lane
+
+    def setup(self, role: Role) -> None:
+        """The plan, the reporter, the engine (not loaded yet), the group of pods and the claims; everything
+        a lane cannot work with fails here as BadConfig."""
+        self.lane = lane = role.lane
         # The plan says where everything else is, and carries the spec whose storage settings every
         # later call uses; reading the plan itself takes them from the standard AWS environment
         # (AWS_ENDPOINT_URL, AWS_REGION), which the Job sets from the same spec.
-        plan = load_plan(args.manifest, None)
-        spec = plan.spec
+        self.plan = plan = load_plan(self.args.manifest, None)
+        self.spec = spec = plan.spec
         lanes = plan.lane_count
         if not 0 <= lane < lanes:
             raise BadConfig(f"lane index {lane} is out of range: the round has {lanes} lanes")
@@ -177,14 +229,14 @@ def _main(argv: list[str] | None, group: _Group) -> int:
             raise BadConfig(str(e)) from None
         if sink is not None:
             # How far the lane got, for `kubectl get bij`: the operator never reads storage.
-            reporter.append(LaneReporter(sink, plan.round, lane, interval=REPORT_INTERVAL))
-        metrics = Metrics()
-        if args.metrics_port:
-            metrics.serve(args.metrics_port)
+            self.reporter = LaneReporter(sink, plan.round, lane, interval=REPORT_INTERVAL)
+        self.metrics = Metrics()
+        if self.args.metrics_port:
+            self.metrics.serve(self.args.metrics_port)
         engine_name = spec.model.engine
         try:
             # The adapters' folders are known now; they are fetched just before the model loads.
-            engine = create_engine(engine_name, engine_config(spec, adapter_folders(spec.model.adapters)))
+            self.engine = engine = create_engine(engine_name, engine_config(spec, adapter_folders(spec.model.adapters)))
         except ValueError as e:
             raise BadConfig(str(e)) from None
         refused = refusal(engine_name, spec.model.own_sampling().asked(), engine.honours,
@@ -197,142 +249,119 @@ def _main(argv: list[str] | None, group: _Group) -> int:
         if name and (name.startswith(("/", "./", "../"))) and not os.path.exists(name):
             raise BadConfig(f"spec.model.name: no model at {name}")
         if role.nodes > 1:
-            group.leader = _form_group(role, group, stop, current, args.drain_seconds)
-        claims = Claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
-                        lane=lane, lanes=lanes, shards=len(plan.shards), writer=uuid.uuid4().hex[:12],
-                        lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
+            self.group.leader = _form_group(role, self.group, self.stop, self.current, self.args.drain_seconds)
+        self.claims = Claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
+                             lane=lane, lanes=lanes, shards=len(plan.shards), writer=uuid.uuid4().hex[:12],
+                             lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
+        # A continuous engine is shared by the lane's shards, so the next one starts during the
+        # current one's tail (judge jobs work chunk by chunk and do not overlap).
+        self.share = EngineShare(engine) if is_continuous(engine) and not spec.judge else None
+
+    def work(self) -> int:
+        """Claim and work shards until none is left (EXIT_OK) or the pod is asked to stop (EXIT_TERMINATED)."""
+        lane, claims, stop = self.lane, self.claims, self.stop
         # Nothing left to claim (a replacement pod after its shards were finished elsewhere):
         # done without loading the model.
         claim = claims.next_or_wait(stop.event)
-        # A continuous engine is shared by the lane's shards, so the next one starts during the
-        # current one's tail (judge jobs work chunk by chunk and do not overlap).
-        share = EngineShare(engine) if is_continuous(engine) and not spec.judge else None
-        loaded = False
-
-        def start(claim: Claim) -> ShardRun:
-            nonlocal loaded
-            stats = Stats(started_at=time.time())
-            if not loaded:
-                t = time.perf_counter()
-                # The shard was claimed before the load (a lane with nothing left never loads), and a
-                # big model loads for longer than a lease: renew the claim meanwhile, or the lane finds
-                # its own claim expired and works the shard twice (others would take it over too).
-                keeper = LeaseKeeper(claims, claim, lambda: None)
-                try:
-                    if spec.model.adapters:
-                        # Once per pod, with a shard to work (a lane with nothing left fetches nothing);
-                        # a missing adapter fails the lane before the model loads.
-                        fetch_adapters(spec.model.adapters, spec.storage.s3)
-                    engine.load()
-                except AdapterError as e:
-                    raise BadConfig(str(e)) from None
-                except (FileNotFoundError, ImportError, ValueError) as e:
-                    # Only what fails on every node alike: a full disk or a flaky mount is an
-                    # OSError worth a retry elsewhere, and must not fail the whole round.
-                    raise BadConfig(f"cannot load model for engine {engine_name}: {type(e).__name__}: {e}") from None
-                finally:
-                    keeper.close()
-                loaded = True
-                # The load counts with the first shard this process works (carried over to whoever
-                # resumes it, if this process stops before the shard is done).
-                stats.model_load_s, stats.model_loads = time.perf_counter() - t, 1
-                metrics.model_load.set(stats.model_load_s)
-                emit({"event": "loaded", "index": claim.shard, "lane": lane,
-                      "seconds": round(stats.model_load_s, 3)})
-            run = ShardRun(plan, claim, engine, claims, share, metrics=metrics, progress=emit, stats=stats,
-                           drain_seconds=args.drain_seconds)
-            current.append(run.stop)
-            if stop.requested:
-                run.stop.request()
-            run.start()
-            return run
-
-        def finish(run: ShardRun) -> ShardOutcome:
-            try:
-                return run.join()
-            finally:
-                current.remove(run.stop)
-
-        run = start(claim) if claim is not None else None
+        run = self.start(claim) if claim is not None else None
         while run is not None:
             while not run.tail.wait(0.2):
                 pass
             after: ShardRun | None = None
-            if share is not None and not stop.requested and run.alive():
+            if self.share is not None and not stop.requested and run.alive():
                 got = claims.next()  # the next shard, if one is free now; never waits
                 if isinstance(got, Claim):
-                    after = start(got)
+                    after = self.start(got)
             try:
-                outcome = finish(run)
+                outcome = self.finish(run)
             except BaseException:
                 if after is not None:
                     after.stop.request(drain_seconds=0)
-                    finish(after)
+                    self.finish(after)
                 raise
             if outcome.status == "stopped":
                 if stop.requested:
                     log.info("lane %d: stopped with %d rows of shard %d durable", lane, outcome.rows, run.claim.shard)
                     if after is not None:
-                        finish(after)
+                        self.finish(after)
                     return EXIT_TERMINATED
-                if share is None:
+                if self.share is None:
                     # Another worker holds the shard now: what its rows still in the engine compute
                     # is not ours to commit.
-                    drain(engine)
+                    drain(self.engine)
             else:
                 log.info("lane %d: shard %d done, %d rows, %d errors", lane, run.claim.shard, outcome.rows,
                          outcome.errors)
             if after is None:
                 claim = claims.next_or_wait(stop.event)
-                after = start(claim) if claim is not None else None
+                after = self.start(claim) if claim is not None else None
             run = after
         if stop.requested:
             # Asked to stop as its last shard finished: nothing was left to drain, and it says so too.
             log.info("lane %d: stopped with every shard it took done", lane)
             return EXIT_TERMINATED
-        completed = True
-    except DamagedObject as e:
-        # input.onDamagedObject fail: no retry reads past it; the rows before it are durable.
-        log.error("%s; the rows before it are durable: replace the object and run again (it resumes there), "
-                  "or set spec.input.onDamagedObject: errorRow", e)
-        return EXIT_BAD_CONFIG
-    except ReplacementDiffers as e:
-        log.error("%s", e)
-        return EXIT_BAD_CONFIG
-    except BadConfig as e:
-        log.error("bad configuration: %s", e)
-        return EXIT_BAD_CONFIG
-    except GroupError as e:
-        log.error("%s", e)
-        return EXIT_FAILED
-    except StorageError as e:
-        if e.permanent:
-            # A missing bucket, denied access, no credentials, an input replaced after planning:
-            # the same on every retry and every node.
-            log.error("bad configuration: storage: %s", e)
-            return EXIT_BAD_CONFIG
-        log.error("storage: %s", e)
-        return EXIT_FAILED
-    except Exception:
-        log.exception("lane %d failed", lane)
-        return EXIT_FAILED
-    finally:
+        return EXIT_OK
+
+    def load(self, claim: Claim, stats: Stats) -> None:
+        """Load the model, once per process, with the first shard claimed (a lane with nothing left never
+        loads); the load counts with that shard (carried over to whoever resumes it)."""
+        spec = self.spec
+        t = time.perf_counter()
+        # A big model loads for longer than a lease: renew the claim meanwhile, or the lane finds its own
+        # claim expired and works the shard twice (others would take it over too).
+        keeper = LeaseKeeper(self.claims, claim, lambda: None)
+        try:
+            if spec.model.adapters:
+                # Once per pod, with a shard to work (a lane with nothing left fetches nothing);
+                # a missing adapter fails the lane before the model loads.
+                fetch_adapters(spec.model.adapters, spec.storage.s3)
+            self.engine.load()
+        except AdapterError as e:
+            raise BadConfig(str(e)) from None
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            # Only what fails on every node alike: a full disk or a flaky mount is an
+            # OSError worth a retry elsewhere, and must not fail the whole round.
+            raise BadConfig(f"cannot load model for engine {spec.model.engine}: {type(e).__name__}: {e}") from None
+        finally:
+            keeper.close()
+        self.loaded = True
+        stats.model_load_s, stats.model_loads = time.perf_counter() - t, 1
+        self.metrics.model_load.set(stats.model_load_s)
+        self.emit({"event": "loaded", "index": claim.shard, "lane": self.lane,
+                   "seconds": round(stats.model_load_s, 3)})
+
+    def start(self, claim: Claim) -> ShardRun:
+        """Work `claim` in a thread of its own (loading the model first, the first time)."""
+        stats = Stats(started_at=time.time())
+        if not self.loaded:
+            self.load(claim, stats)
+        run = ShardRun(self.plan, claim, self.engine, self.claims, self.share, metrics=self.metrics,
+                       progress=self.emit, stats=stats, drain_seconds=self.args.drain_seconds)
+        self.current.append(run.stop)
+        if self.stop.requested:
+            run.stop.request()
+        run.start()
+        return run
+
+    def finish(self, run: ShardRun) -> ShardOutcome:
+        try:
+            return run.join()
+        finally:
+            self.current.remove(run.stop)
+
+    def close(self, completed: bool) -> None:
+        """The last report; a group of pods told to regroup when this pod replaces it."""
         # This pod replaces its group (a member left first): its last report says why, and its members
         # are told so, and say nothing themselves. A leader stopped first is replaced as one pod is.
-        regroup = None if group.signalled else group.lost
-        for r in reporter:
+        regroup = None if self.group.signalled else self.group.lost
+        if self.reporter is not None:
             if regroup is not None:
-                r.group_lost(f"lane {lane}: {regroup}")
-            r.close()
-        if group.leader is not None and not completed:
+                self.reporter.group_lost(f"lane {self.lane}: {regroup}")
+            self.reporter.close()
+        if self.group.leader is not None and not completed:
             _close_engine()
-            group.leader.close(regroup=regroup is not None)  # members see `regroup`, or the channel drop without `done`
-    log.info("lane %d: every shard of the round is done", lane)
-    if group.leader is not None:
-        _close_engine()  # before its pipeline stages on the members go
-        group.leader.finish()  # members stop their Ray nodes and succeed with this pod
-        group.leader.close()
-    return EXIT_OK
+            # Members see `regroup`, or the channel drop without `done`.
+            self.group.leader.close(regroup=regroup is not None)
 
 
 def _close_engine() -> None:
