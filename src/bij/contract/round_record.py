@@ -11,6 +11,7 @@ statistics (`RoundStats.as_status`) and its completion time. `decide()`, the dri
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,8 +48,7 @@ class RoundRecord(BaseModel):
 
     def stats(self) -> RoundStats:
         """The round's statistics as recorded (zeros before it finished)."""
-        return RoundStats(round=self.round, shards=self.shards, approved=self.approved, rejected=self.rejected,
-                          capped=self.capped, errors=self.errors, engine_calls=self.engine_calls)
+        return RoundStats(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RoundStats)})
 
 
 def round_records(status: Mapping[str, Any]) -> dict[int, RoundRecord]:

@@ -16,9 +16,12 @@ in their own files and counted, never silently dropped.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic.alias_generators import to_camel
 
 from bij.contract.spec import JudgeSpec
 
@@ -43,10 +46,9 @@ class RoundStats:
         return self.approved / judged if judged else 1.0
 
     def as_status(self) -> dict[str, Any]:
-        """The shape of one entry of status.rounds."""
-        return {"round": self.round, "shards": self.shards, "rowsIn": self.rows_in, "approved": self.approved,
-                "rejected": self.rejected, "capped": self.capped, "errors": self.errors,
-                "approvalRate": round(self.approval_rate, 4), "engineCalls": self.engine_calls}
+        """The statistics' fields of one entry of status.rounds (`RoundRecord`), camelCase."""
+        fields = {to_camel(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "rowsIn": self.rows_in, "approvalRate": round(self.approval_rate, 4)}
 
 
 @dataclass(frozen=True)
