@@ -6,6 +6,7 @@ conditional-request handling of a CDN or an object store's signed URLs: `Range`,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import http.server
 import json
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 import zstandard
+from input_rows import numbered
 
 from bij.storage import NotFound, ObjectChanged, StorageRefused, open_storage
 from bij.storage.http import HttpStorage
@@ -127,8 +129,7 @@ def web(tmp_path: Path) -> Iterator[Server]:
         httpd.server_close()
 
 
-def rows(n: int) -> list[dict[str, Any]]:
-    return [{"id": i, "text": f"row {i} " + "x" * (i % 37)} for i in range(n)]
+rows = functools.partial(numbered, filler="x", period=37)
 
 
 def jsonl(items: list[dict[str, Any]]) -> bytes:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from input_rows import numbered
 
 from bij.contract.codes import EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_TERMINATED
 from bij.worker.group import GroupError, GroupLeader, Role, run_member
@@ -229,8 +230,7 @@ def test_a_ray_head_and_a_member_node_form_the_group_and_leave_nothing_running(m
 
 # --- a round of two-pod lanes, the pods as processes -------------------------------------------------
 
-def rows(n: int) -> list[dict[str, Any]]:
-    return [{"id": i, "text": f"row {i} " + "lorem ipsum " * (i % 5)} for i in range(n)]
+rows = numbered
 
 
 def group_job(make_job: Any, place: Any, inputs: list[dict[str, Any]], name: str, **workers: Any) -> Any:

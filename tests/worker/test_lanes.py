@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from input_rows import numbered
 
 from bij.contract import layout
 from bij.steps.planner import plan_round
@@ -259,8 +260,7 @@ def test_a_lane_that_loses_a_steal_to_the_shards_own_lane_leaves_that_lanes_earl
     assert [u for u in store.creates if "/claims/" in u] == [b.uri(4, 0)]
 
 
-def rows(n: int) -> list[dict[str, Any]]:
-    return [{"id": i, "text": f"row {i} " + "lorem ipsum " * (i % 5)} for i in range(n)]
+rows = numbered
 
 
 def test_a_lane_killed_mid_shard_and_never_restarted_is_taken_over_after_its_lease(

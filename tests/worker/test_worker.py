@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from typing import Any
 
 import pytest
+from input_rows import numbered
 
 from bij.contract import layout
 from bij.contract.codes import EXIT_BAD_CONFIG
@@ -23,9 +25,7 @@ from bij.worker.shard import (
     run_isolating,
 )
 
-
-def rows(n: int) -> list[dict[str, Any]]:
-    return [{"id": i, "text": f"row {i} " + "q" * (i % 40)} for i in range(n)]
+rows = functools.partial(numbered, filler="q", period=40)
 
 
 def planned(job: Any) -> Plan:
