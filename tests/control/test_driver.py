@@ -14,6 +14,7 @@ import pytest
 
 from bij.contract.codes import GENERATION_LABEL, JOB_LABEL, ROUND_LABEL, STEP_LABEL
 from bij.contract.spec import parse_job
+from bij.contract.status import JobStatus
 from bij.control.driver import Driver, Observed
 from bij.control.reconcile import (
     CreateJob,
@@ -264,10 +265,12 @@ def test_rows_count_every_finished_round_also_while_the_last_one_publishes(file_
     rounds = [{"round": 0, "completionTime": "2026-01-01T00:00:00Z", "approved": 40, "errors": 2},
               {"round": 1, "startTime": "2026-01-01T00:00:00Z"}]
     # Round 1 running: round 0's record and what round 1's lanes reported so far.
-    assert driver.progress({"rounds": rounds, **lanes}, 1, now_utc())["rows"] == {"done": 47, "failed": 3}
+    assert driver.progress(JobStatus.read({"rounds": rounds, **lanes}), 1, now_utc())["rows"] == {"done": 47,
+                                                                                                "failed": 3}
     # Round 1 finished and publishing: both records, and no lane report counted twice.
     rounds[1].update(completionTime="2026-01-01T00:01:00Z", approved=9, errors=1)
-    assert driver.progress({"rounds": rounds, **lanes}, 1, now_utc())["rows"] == {"done": 49, "failed": 3}
+    assert driver.progress(JobStatus.read({"rounds": rounds, **lanes}), 1, now_utc())["rows"] == {"done": 49,
+                                                                                                "failed": 3}
 
 
 def test_rows_a_lane_reports_reach_the_status_while_its_shard_is_still_running(file_place, make_job) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from bij.api.errors import BadRequest
 from bij.contract.spec import MAX_DEADLINE_SECONDS
+from bij.contract.status import JobStatus, Rows
 
 LABEL = "batchinference.io/openai-batch"
 ANNOTATION = "batchinference.io/openai-batch"
@@ -86,8 +87,8 @@ def record(bij: Mapping[str, Any]) -> dict[str, Any]:
 
 def status_of(bij: Mapping[str, Any]) -> str:
     """The OpenAI status of a batch, from its bij's phase."""
-    st = bij.get("status") or {}
-    phase = st.get("phase")
+    st = JobStatus.read(bij.get("status"))
+    phase = st.phase
     cancel = bool((bij.get("spec") or {}).get("cancel"))
     if phase == "Cancelled":
         return "cancelled"
@@ -104,7 +105,7 @@ def status_of(bij: Mapping[str, Any]) -> str:
     if phase == "Cancelling":
         return "finalizing"  # the deadline passed: the finished part is being published
     # Planning round 0 is validating; planning a judge round after it is work in progress.
-    if phase in ("Running", "Suspended") or (phase in ("Pending", "Planning") and st.get("rounds")):
+    if phase in ("Running", "Suspended") or (phase in ("Pending", "Planning") and st.rounds):
         return "in_progress"
     return "validating"
 
@@ -128,19 +129,19 @@ def batch_object(bij: Mapping[str, Any], manifest: Mapping[str, Any] | None = No
     """The OpenAI Batch object of a bij made by `bij-api`; `manifest`, once published, gives its usage."""
     rec = record(bij)
     meta = bij.get("metadata") or {}
-    st = bij.get("status") or {}
+    st = JobStatus.read(bij.get("status"))
     status = status_of(bij)
     batch_id = rec["id"]
     created = _epoch(meta.get("creationTimestamp")) or 0
     expires = created + window_seconds(rec["completion_window"])
-    ended = _epoch(st.get("completionTime"))
-    rows = st.get("rows") or {}
+    ended = _epoch(st.completion_time)
+    rows = st.rows or Rows()
     # A stopped batch's requests never run are failed ones, each with its line in the error file.
-    done, failed = int(rows.get("done") or 0), int(rows.get("failed") or 0) + int(rows.get("notRun") or 0)
+    done, failed = rows.done, rows.failed + (rows.not_run or 0)
     final = status in ("completed", "cancelled", "expired")
     # Finalizing began when publishing did; an expired batch's, at its deadline (it stops, then publishes).
-    finalizing = _epoch((st.get("publish") or {}).get("startedAt"))
-    if status == "expired" or (status == "finalizing" and st.get("phase") == "Cancelling"):
+    finalizing = _epoch((st.publish or {}).get("startedAt"))
+    if status == "expired" or (status == "finalizing" and st.phase == "Cancelling"):
         finalizing = expires
     obj: dict[str, Any] = {
         "id": batch_id, "object": "batch", "endpoint": rec["endpoint"], "model": rec.get("model"),
@@ -149,7 +150,7 @@ def batch_object(bij: Mapping[str, Any], manifest: Mapping[str, Any] | None = No
         "output_file_id": output_file_id(batch_id, "output") if final and done else None,
         "error_file_id": output_file_id(batch_id, "errors") if final and failed else None,
         "created_at": created,
-        "in_progress_at": _epoch(st.get("startTime")) if status != "validating" else None,
+        "in_progress_at": _epoch(st.start_time) if status != "validating" else None,
         "expires_at": expires,
         "finalizing_at": finalizing if status in ("finalizing", "completed", "expired") else None,
         "completed_at": ended if status == "completed" else None,
@@ -162,8 +163,7 @@ def batch_object(bij: Mapping[str, Any], manifest: Mapping[str, Any] | None = No
         "usage": usage_of(manifest) if final else None,
     }
     if status == "failed":
-        reason = next((c.get("reason") for c in st.get("conditions") or []
-                       if c.get("type") == "Failed" and c.get("status") == "True"), None)
-        obj["errors"] = {"object": "list", "data": [{"code": reason or "failed", "message": st.get("message"),
+        reason = next((c.reason for c in st.conditions if c.type == "Failed" and c.status == "True"), None)
+        obj["errors"] = {"object": "list", "data": [{"code": reason or "failed", "message": st.message,
                                                       "param": None, "line": None}]}
     return obj

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from pydantic.alias_generators import to_camel
 
-from bij.contract.lane_report import LaneReport
+from bij.contract.lane_report import LaneReport, lane_reports
 from bij.contract.round_record import RoundRecord
 from bij.contract.schema import FREE_FORM, INT64
 
@@ -127,6 +127,9 @@ class JobStatus(_Status):
     message: str | None = None
     rounds: list[RoundRecord] = []
     """one entry per finished or running round"""
+    publish: dict[str, Any] | None = Field(None, json_schema_extra=FREE_FORM)
+    """the publish of the results, once it began: its plan, the passes done, when it started, and
+    whether it publishes the finished part of a stopped job (partial)"""
     worker_permissions: WorkerPermissions | None = None
     """The operator's check, before the first pod, that the worker service account holds every grant its
     pods use (a LocalSubjectAccessReview each); the WorkerPermissions condition says the same. While a grant
@@ -139,6 +142,19 @@ class JobStatus(_Status):
     def problems(self) -> list[str]:
         """What `read` left out, each naming the field and why."""
         return self._problems
+
+    def round_records(self) -> dict[int, RoundRecord]:
+        """``rounds`` keyed by round number (a later entry of one round wins)."""
+        return {r.round: r for r in self.rounds}
+
+    def lane_reports(self, round_no: int) -> list[LaneReport]:
+        """The reports of round `round_no`'s lanes (`lane_report.lane_reports`)."""
+        return lane_reports({"reports": self.reports}, round_no)
+
+    @property
+    def current_round(self) -> int:
+        """The round the status shows (0 before the first is planned)."""
+        return self.round if self.round is not None and self.round >= 0 else 0
 
     @classmethod
     def read(cls, status: Mapping[str, Any] | None) -> JobStatus:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,6 @@ from bij.contract import layout
 from bij.contract.codes import GENERATION_LABEL
 from bij.contract.efficiency import eta_seconds, fmt_duration
 from bij.contract.fingerprint import field_digests
-from bij.contract.lane_report import lane_reports
 from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats
 from bij.contract.spec import BatchInferenceJob, SpecError
@@ -68,7 +68,6 @@ from bij.control.reconcile import (
     StepDecision,
     StopHeld,
     Wait,
-    current_round,
     decide,
     format_ranges,
     name_conflict,
@@ -117,6 +116,11 @@ class Observed:
     # The pods of its step Jobs that failed (`reconcile.failed_pods` reads them): what a retry or a
     # failure says about the cause.
     pods: Sequence[Mapping[str, Any]] = ()
+
+    @functools.cached_property
+    def state(self) -> JobStatus:
+        """The status, typed (what does not parse is left out and named: `say_damage`)."""
+        return JobStatus.read(self.status)
 
 
 class Backend(Protocol):
@@ -195,10 +199,10 @@ class Driver:
                 self.mark_invalid(seen, seen.spec_error)
                 return Idle(None)
             job = seen.job
-            if self.say_damage(seen, JobStatus.read(seen.status)):
+            if self.say_damage(seen, seen.state):
                 continue  # the damaged entries are named (and a damaged condition dropped): look again
             now = now_utc()
-            last = decide(job, seen.status, seen.jobs, self.shards_done(seen.status), now=now, pods=seen.pods,
+            last = decide(job, seen.status, seen.jobs, self.shards_done(seen.state), now=now, pods=seen.pods,
                           generation=seen.generation, check_permissions=self.worker_grants is not None)
             log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
             if self.on_decision is not None:
@@ -355,7 +359,7 @@ class Driver:
         if d.lanes is not None and d.lanes.replaced:
             msg += f"; lane groups replaced: {d.lanes.replaced}"
         patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
-                 **self.progress(status, d.round, now, ended=stats),
+                 **self.progress(seen.state, d.round, now, ended=stats),
                  **{k: end[k] for k in ("efficiency", "cost") if k in end}}
         lanes_reported = ((status.get("reports") or {}).get("lanes") or {})
         gone = {k: None for k, v in lanes_reported.items() if isinstance(v, Mapping) and v.get("round") == d.round}
@@ -408,10 +412,9 @@ class Driver:
     def _nothing(self, seen: Observed, job: BatchInferenceJob, d: Nothing, now: dt.datetime) -> Idle | None:
         """Finished: only observedGeneration and the conditions kept current after spec edits (a bij stopped
         before anything ran published nothing: it stays not Ready)."""
-        status = seen.status
-        unpublished = d.phase in STOPPED_PHASES and not status.get("manifestUri")
+        unpublished = d.phase in STOPPED_PHASES and not seen.state.manifest_uri
         patch = {"observedGeneration": seen.generation,
-                 "conditions": phase_conditions(status.get("conditions") or [], d.phase, d.reason, d.message,
+                 "conditions": phase_conditions(seen.status.get("conditions") or [], d.phase, d.reason, d.message,
                                                 generation=seen.generation, now=now,
                                                 ready=False if unpublished else None)}
         self.write_status(seen, patch)
@@ -419,17 +422,17 @@ class Driver:
 
     def _wait(self, seen: Observed, d: Wait, now: dt.datetime) -> Idle:
         """Nothing to do but wait: progress written at most once a status interval, a warning at once."""
-        status = seen.status
+        status, state = seen.status, seen.state
         patch = {**self.base(seen, d, now), "message": d.message}
-        phase_changed = status.get("phase") != d.phase or status.get("round") != d.round
-        if d.warning and status.get("message") != d.message:
+        phase_changed = state.phase != d.phase or state.round != d.round
+        if d.warning and state.message != d.message:
             # A step's pod failed and its Job runs it again: said at once, once.
             self.write_status(seen, patch, event=("Warning", d.warning, d.message))
             return Idle(d, recheck=d.recheck)
         recheck = d.recheck or (self.progress_interval if d.phase == "Running" else None)
         # The rows the lanes reported count as a change too: a lane can commit many chunks of one shard
         # while the decision (shards, lanes, message) stays the same.
-        progress = self.progress(status, d.round, now)
+        progress = self.progress(state, d.round, now)
         if not status_differs(status, {**patch, "rows": progress["rows"]}) and not phase_changed:
             return Idle(d, recheck=recheck)
         wait = self.last_progress + self.status_interval - time.monotonic()
@@ -448,9 +451,9 @@ class Driver:
         now = now_utc()
         patch = {**self.base(seen, d, now), "message": d.message}
         if isinstance(d, MarkFailed) and job is not None:
-            patch.update(self.progress(seen.status, d.round, now))
+            patch.update(self.progress(seen.state, d.round, now))
         # Once per message: a recoverable failure (SpecChanged) is decided again on every change.
-        first = seen.status.get("message") != d.message
+        first = seen.state.message != d.message
         reason = d.reason if isinstance(d, Retry) else d.event if isinstance(d, MarkFailed) else "Failed"
         self.write_status(seen, patch, event=("Warning", reason, d.message) if first else None)
         return Idle(d, recheck=d.delay if isinstance(d, Retry) else None)
@@ -527,7 +530,7 @@ class Driver:
         if partial:
             rows["notRun"] = int(counts.get("notRun", 0))
         patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg, "rows": rows}
-        patch.update({k: v for k, v in self.progress(seen.status, d.round, now).items() if k != "rows"})
+        patch.update({k: v for k, v in self.progress(seen.state, d.round, now).items() if k != "rows"})
         self.write_status(seen, patch, event=("Normal", partial or "Published", msg))
         return Idle(done)
 
@@ -599,21 +602,21 @@ class Driver:
 
     # --- progress from the pods' reports (the operator reads no storage) ------------------------------
 
-    def shards_done(self, status: Mapping[str, Any]) -> int | None:
+    def shards_done(self, state: JobStatus) -> int | None:
         """How many shards of the current round its lanes reported finished; None when no round runs.
         A lane counts only shards it finished itself, so the sum counts each shard once."""
-        rec = round_records(status).get(current_round(status))
-        if rec is None or rec.finished or status.get("phase") in TERMINAL_PHASES:
+        rec = state.round_records().get(state.current_round)
+        if rec is None or rec.finished or state.phase in TERMINAL_PHASES:
             return None
-        return sum(r.shards_done for r in lane_reports(status, current_round(status)))
+        return sum(r.shards_done for r in state.lane_reports(state.current_round))
 
-    def progress(self, status: Mapping[str, Any], round_no: int, now: Any,
+    def progress(self, state: JobStatus, round_no: int, now: Any,
                  ended: RoundStats | None = None) -> dict[str, Any]:
         """``rows`` and ``rowsPerSecond``: the finished rounds' counts in ``status.rounds``, and the
         current round's (its statistics once `ended`, else what its lanes reported); ``eta`` of the
         running round from the input its lanes reported done."""
         done = failed = 0
-        records = round_records(status)
+        records = state.round_records()
         for r, rec in records.items():
             # A finished round counts from its record (the current one too: while publishing, say),
             # unless its statistics are being recorded right now (`ended`).
@@ -622,14 +625,14 @@ class Driver:
                 failed += rec.errors
         this_round = records.get(round_no)
         finished = this_round is not None and this_round.finished
-        current = [] if finished else lane_reports(status, round_no)
+        current = [] if finished else state.lane_reports(round_no)
         if ended is not None:
             done += ended.approved
             failed += ended.errors
         else:
             done += sum(r.rows for r in current)
             failed += sum(r.errors for r in current)
-        started = status.get("startTime") or min((r.start_time for r in records.values() if r.start_time),
+        started = state.start_time or min((r.start_time for r in records.values() if r.start_time),
                                                  default=None)
         out: dict[str, Any] = {"rows": {"done": done, "failed": failed}}
         start = parse_time(started)

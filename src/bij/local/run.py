@@ -35,6 +35,7 @@ from bij.contract.efficiency import fmt_money
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.round_record import round_records
 from bij.contract.spec import BatchInferenceJob, SpecError, load_job
+from bij.contract.status import JobStatus
 from bij.control.driver import Created, Driver, Observed
 from bij.control.jobs import FileVolume, render_job
 from bij.control.reconcile import STOPPED_PHASES, TERMINAL_PHASES, Retry, failure_reason
@@ -379,11 +380,11 @@ class LocalRunner:
                 print("bij: stopped; run the same command again to resume", file=sys.stderr)
                 return 130
             idle = driver.reconcile()
-            status = backend.status
-            if (status.get("phase"), status.get("message")) != said:
-                said = (status.get("phase"), status.get("message"))
+            status, state = backend.status, JobStatus.read(backend.status)
+            if (state.phase, state.message) != said:
+                said = (state.phase, state.message)
                 self.keep_status(store, status)
-            if status.get("phase") in TERMINAL_PHASES:
+            if state.phase in TERMINAL_PHASES:
                 return self.finished(status)
             if isinstance(idle.decision, Retry):
                 # The operator would try again later; here the person who ran bij decides.
