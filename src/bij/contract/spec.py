@@ -313,9 +313,8 @@ TOOL_CALL_PARSERS = (
 
 class VllmOptions(_Model):
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
-    # Unset: vLLM's own default for the machine (256 on its CPU build). 512 was set here once without a
-    # measurement; bench/vllm_peers.py passes every side one value.
     max_num_seqs: int | None = Field(None, ge=1)
+    """sequences in one engine step (vLLM's max_num_seqs); unset means vLLM's own default for the machine"""
     enable_prefix_caching: bool = True
     quantization: str | None = None
     max_model_len: int | None = Field(8192, ge=1)
