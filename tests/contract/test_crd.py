@@ -121,6 +121,13 @@ def test_conditions_are_a_list_map_keyed_by_type() -> None:
     }
 
 
+def test_every_spec_field_is_described_for_kubectl_explain() -> None:
+    """A field's docstring is its description: a new spec field without one fails here."""
+    bare = [path for path, node in walk_schema(validate.crd_schema()["properties"]["spec"], "spec")
+            if path != "spec" and not path.endswith(("[]", "{}")) and not node.get("description")]
+    assert bare == []
+
+
 def test_crd_files_are_what_the_models_generate() -> None:
     """crds/ and the chart's copy are `make sync-crd`'s output: a model changed without it fails here."""
     sync = load_sync_tool()

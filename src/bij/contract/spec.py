@@ -130,6 +130,7 @@ class S3Options(_Model):
     endpoint_url: str | None = Field(None, json_schema_extra=k8s(pattern=ENDPOINT_PATTERN))
     """S3-compatible endpoint (MinIO, R2, GCS interop); default AWS"""
     region: str | None = None
+    """the S3 region; default from the pods' environment"""
 
     @field_validator("endpoint_url")
     @classmethod
@@ -141,6 +142,7 @@ class S3Options(_Model):
 
 class StorageSpec(_Model):
     s3: S3Options = S3Options()
+    """the S3 endpoint and region (also for gs:// through Google's S3-compatible API)"""
     credentials_secret: str | None = None
     """Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, passed to workers with envFrom; without it the pods'
     identity (IRSA, workload identity) is used"""
@@ -169,7 +171,9 @@ class InputSpec(_Model):
     """jsonl (one object per line), openai (OpenAI batch request lines) or parquet (*.parquet objects; idField,
     textField and messagesField name columns)"""
     id_field: str = "id"
+    """field (JSONL) or column (Parquet) holding a row's id, carried to its result"""
     text_field: str = "text"
+    """field (JSONL) or column (Parquet) holding a row's text: the prompt, or the text to embed"""
     messages_field: str | None = None
     """field holding a chat messages list (task chat); default wraps textField as one user message"""
     sampling_field: str = "sampling"
@@ -271,6 +275,7 @@ class OutputSpec(_Model):
     format: OutputFormat = "jsonl"
     """result files as JSON lines or Parquet (error and capped files stay JSON lines)"""
     compression: Literal["zstd", "none"] = "zstd"
+    """compression of the result files: zstd or none"""
     keep_intermediate: bool = False
     """keep the work files under _bij/ (durable logs, judge inputs) after a successful publish; when false they are
     removed and the job cannot be published again"""
@@ -313,15 +318,21 @@ TOOL_CALL_PARSERS = (
 
 class VllmOptions(_Model):
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
+    """share of each GPU's memory vLLM may use (weights, activations and KV cache)"""
     max_num_seqs: int | None = Field(None, ge=1)
     """sequences in one engine step (vLLM's max_num_seqs); unset means vLLM's own default for the machine"""
     enable_prefix_caching: bool = True
+    """reuse the KV cache of prompt prefixes rows share (system prompts, few-shot blocks)"""
     quantization: str | None = None
+    """vLLM's quantization method (its --quantization), e.g. fp8 or awq"""
     max_model_len: int | None = Field(8192, ge=1)
     """null means the model's own limit"""
     tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one model is split across within a pod (tensor parallel)"""
     pipeline_parallel_size: int = Field(1, ge=1)
+    """pipeline stages the model is split into (with workers.nodesPerLane, one per pod)"""
     dtype: str = "auto"
+    """the weights' and activations' type: auto, bfloat16, float16 or float32"""
     max_loras: int | None = Field(None, ge=1)
     """LoRA adapters in one batch (vLLM's max_loras), with model.adapters"""
     max_lora_rank: int | None = Field(None, ge=1)
@@ -362,7 +373,9 @@ class SimulatedOptions(_Model):
     """The simulated engine: continuous batching on a clock (dry runs, cost estimates, benchmarks)."""
 
     max_num_seqs: int = Field(256, ge=1)
+    """sequences in one simulated step"""
     step_seconds: float = Field(0.02, ge=0, le=60)
+    """seconds one simulated step takes"""
     load_seconds: float = Field(0.0, ge=0, le=3600)  # slept once per process, as a model load
     """slept once per process, as a model load"""
 
@@ -371,19 +384,31 @@ class SamplingSpec(_Model):
     """Sampling defaults for every row (`model.sampling`); a row's own fields win (see sampling.py)."""
 
     max_tokens: int | None = Field(None, ge=1)
+    """tokens generated per row at most"""
     temperature: float | None = Field(None, ge=0, le=2)
+    """sampling temperature; 0 is greedy"""
     seed: int | None = None
+    """sampling seed"""
     top_p: float | None = Field(None, gt=0, le=1)
+    """nucleus sampling: only the most likely tokens whose probabilities add up to this"""
     top_k: int | None = Field(None, ge=-1)
+    """only this many most likely tokens; -1 for all"""
     min_p: float | None = Field(None, ge=0, le=1)
+    """tokens less likely than this share of the most likely one are left out"""
     stop: list[NonEmpty] | None = None
     """stop strings (a row's own field may also be one string)"""
     presence_penalty: float | None = Field(None, ge=-2, le=2)
+    """penalty for a token that appeared at all (OpenAI's presence_penalty)"""
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    """penalty for a token by how often it appeared (OpenAI's frequency_penalty)"""
     repetition_penalty: float | None = Field(None, gt=0, le=2)
+    """above 1 discourages repeating tokens of the prompt and the answer"""
     n: int | None = Field(None, ge=1, le=128)
+    """answers per row"""
     logprobs: bool | None = None
+    """return the log probability of each generated token"""
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    """with logprobs, also this many most likely tokens at each place"""
 
     @field_validator("stop")
     @classmethod
@@ -406,8 +431,10 @@ class AdapterSpec(_Model):
     """A LoRA adapter rows may ask for by name: a folder as PEFT saves it (file:// or s3://)."""
 
     name: str = Field(pattern=ADAPTER_NAME)
+    """the name rows ask for the adapter by"""
     uri: str = Field(json_schema_extra=k8s(cel(STORE_URI_RULE, "must start with file://, s3:// or gs://"),
                                            maxLength=MAX_URI))
+    """the adapter's folder as PEFT saves it: file://, s3:// or gs://"""
 
     @field_validator("uri")
     @classmethod
@@ -421,9 +448,13 @@ class StructuredOutputSpec(_Model):
     model_config = ConfigDict(json_schema_extra=k8s(minProperties=1, maxProperties=1))
 
     json_schema: dict[str, Any] | None = None
+    """answers are JSON that validates under this JSON Schema"""
     json_object: bool | None = Field(None, json_schema_extra=k8s(enum=[True]))
+    """answers are one JSON object"""
     regex: str | None = Field(None, json_schema_extra=k8s(minLength=1))
+    """answers match this regular expression"""
     choice: list[NonEmpty] | None = Field(None, json_schema_extra=k8s(minItems=1))
+    """answers are exactly one of these strings"""
     grammar: str | None = Field(None, json_schema_extra=k8s(minLength=1))
     """EBNF (GBNF), root rule 'root'"""
 
@@ -437,15 +468,21 @@ class ModelSpec(_Model):
             "engine transformers supports tasks generate and chat, not embed")))
 
     engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated"] = "echo"
+    """what runs the model: echo (answers with the input text, embeds it as a hash: for trying bij out),
+    sentence-transformers (embeddings), transformers, vllm, or simulated (continuous batching on a clock)"""
     name: str | None = None
     """model name or path (Hugging Face id, or a path under the model cache)"""
     served_name: str | None = Field(None, max_length=256)
     """the name OpenAI batch lines use for the base model (body.model) and results report; default: model.name.
     bij-api sets it to the model map's key"""
     task: Literal["embed", "generate", "chat"] = "embed"
+    """embed (a vector per row), generate (a completion of the row's text) or chat (an answer to the row's messages)"""
     max_tokens: int = Field(256, ge=1)
+    """tokens generated per row at most (generate and chat)"""
     temperature: float = Field(0.0, ge=0, le=2)
+    """sampling temperature; 0 is greedy"""
     seed: int = 0
+    """sampling seed"""
     row_budget: int = Field(DEFAULT_ROW_BUDGET, ge=1, le=1 << 40, json_schema_extra=INT64)
     """what one row may cost before it runs: n x maxTokens x (1 + topLogprobs when it asks for logprobs); a row over
     it is an invalid_request error row naming its fields"""
@@ -470,6 +507,7 @@ class ModelSpec(_Model):
     """LoRA adapters a row may name (OpenAI body.model, or input.adapterField): folders as PEFT saves them, fetched
     once per pod into the model cache (engines transformers and vllm)"""
     vllm: VllmOptions = VllmOptions()
+    """engine vllm: its engine arguments"""
     simulated: SimulatedOptions = SimulatedOptions()
     """engine simulated, continuous batching on a clock (dry runs, cost estimates)"""
 
@@ -520,6 +558,7 @@ class ModelSpec(_Model):
 
 class ShardingSpec(_Model):
     target_shard_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=1 << 40, json_schema_extra=INT64)
+    """input bytes one shard holds at most"""
     shards_per_lane: int = Field(4, ge=1, le=64)
     """a round is cut into at least this many shards per lane, so its tail is short"""
     min_shard_bytes: int = Field(1024 * 1024, ge=1024, le=1 << 40, json_schema_extra=INT64)
@@ -534,9 +573,11 @@ class BatchingSpec(_Model):
     max_batch_size: int | None = Field(None, ge=1)
     """rows per batch (batch engines); default chosen per engine and device"""
     sort_by_length: bool = True
+    """rows of similar length run together within the in-flight window (less padding)"""
     prefix_order: bool = True
     """prompts sharing a prefix run together within the in-flight window"""
     prefetch_chunks: int = Field(2, ge=1, le=64)
+    """chunks read ahead of the engine"""
     in_flight_rows: int | None = Field(None, ge=1, le=1_000_000)
     """rows read and not yet handed to the commit writer (default 8 x what the engine runs at once, at least 2
     chunks)"""
@@ -556,10 +597,15 @@ class Toleration(_Model):
             "tolerationSeconds needs effect NoExecute")))
 
     key: str | None = Field(None, json_schema_extra=k8s(maxLength=317))
+    """the taint's key; empty with operator Exists tolerates every taint"""
     operator: Literal["Exists", "Equal"] | None = None
+    """Equal (key and value match) or Exists (the key matches)"""
     value: str | None = Field(None, json_schema_extra=k8s(maxLength=63))
+    """the taint's value, with operator Equal"""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """the taint effect tolerated; empty for all"""
     toleration_seconds: int | None = Field(None, json_schema_extra=INT64)
+    """with effect NoExecute, how long a pod stays on a node tainted so"""
 
     @model_validator(mode="after")
     def _pod_rules(self) -> Toleration:
@@ -581,6 +627,7 @@ class ModelCacheSpec(_Model):
             "modelCache.type pvc needs modelCache.claimName")))
 
     type: Literal["emptyDir", "hostPath", "pvc"] = "emptyDir"
+    """emptyDir (the pod's own, gone with it), hostPath (a folder of the node) or pvc (a PersistentVolumeClaim)"""
     path: str | None = Field(None, json_schema_extra=k8s(maxLength=MAX_URI))  # hostPath only
     """hostPath only"""
     claim_name: str | None = Field(None, json_schema_extra=k8s(maxLength=253))  # pvc only
@@ -588,6 +635,7 @@ class ModelCacheSpec(_Model):
     size_limit: str | None = Field(None, pattern=QUANTITY_PATTERN)  # emptyDir only
     """emptyDir only"""
     mount_path: str = "/models"
+    """where the cache is mounted in the worker container"""
 
     @model_validator(mode="after")
     def _source(self) -> ModelCacheSpec:
@@ -600,6 +648,7 @@ class ModelCacheSpec(_Model):
 
 class WorkersSpec(_Model):
     parallelism: int = Field(4, ge=1, le=10_000)
+    """lanes (worker pods, or groups of nodesPerLane pods) that run at once; each works many shards"""
     image: str | None = None  # default: the operator's configured worker image
     """worker image; default is the operator's configured worker image"""
     gpus: int | None = Field(None, ge=0, le=64)
@@ -623,10 +672,13 @@ class WorkersSpec(_Model):
     """run the step Jobs (plan, finish, publish plan, manifest: small pods without a GPU) with the workers'
     placement (nodeSelector, tolerations, affinity, spot and GPU); default: on any node"""
     node_selector: dict[str, str] = {}
+    """node labels the worker pods must have"""
     tolerations: list[Toleration] = Field([], json_schema_extra=k8s(maxItems=64))
+    """taints the worker pods tolerate (with spot, also the providers' spot taints)"""
     affinity: dict[str, Any] | None = None
     """a Pod affinity, merged with the spot node affinity"""
     priority_class_name: str | None = None
+    """the worker pods' PriorityClass"""
     queue_name: str | None = None
     """Kueue LocalQueue; the round Jobs get the kueue.x-k8s.io/queue-name label"""
     service_account_name: str | None = None
@@ -644,9 +696,11 @@ class WorkersSpec(_Model):
     max_failed_indexes: int | None = Field(None, ge=0, le=100_000)
     """fail the round once more shards than this have failed; default lets every shard run"""
     termination_grace_period_seconds: int = Field(60, ge=1, le=3600)
+    """seconds a worker pod has after SIGTERM to commit its finished chunks before it is killed"""
     ttl_seconds_after_finished: int | None = Field(86400, ge=0)
     """delete finished round Jobs after this long; null keeps them"""
     model_cache: ModelCacheSpec = ModelCacheSpec()
+    """where the model's files are kept on the node: emptyDir, hostPath or a PVC"""
     env: dict[str, str] = {}
     """extra environment variables for the worker container"""
 
@@ -661,6 +715,8 @@ class JudgeSpec(_Model):
             "judge.prompt must contain {output}")))
 
     type: Literal["regex", "jsonSchema", "llm"]
+    """regex (the output matches pattern), jsonSchema (it parses as JSON and validates under schema) or llm (the
+    model, asked prompt, answers yes)"""
     pattern: str | None = Field(None, json_schema_extra=k8s(maxLength=4096))
     """regex judge; an output is approved when the pattern matches (re.search)"""
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
@@ -668,13 +724,20 @@ class JudgeSpec(_Model):
     prompt: str | None = Field(None, json_schema_extra=k8s(maxLength=65536))
     """llm judge; {output} is replaced with the output to judge"""
     approve_pattern: str = Field(r"^\s*(yes|approve)", json_schema_extra=k8s(maxLength=4096))
+    """llm judge: an output is approved when the judge's answer matches this (re.search, ignoring case)"""
     strategy: Literal["rounds", "inPlace", "hybrid"] = "rounds"
+    """rounds (rejected rows run again in a next round), inPlace (retried inside the pod) or hybrid (rounds, then
+    inPlace)"""
     max_rounds: int = Field(3, ge=1, le=20)
+    """rounds at most, the first included; rows still rejected in the last are capped"""
     max_attempts: int = Field(3, ge=1, le=100)
+    """inPlace: attempts per row at most; a row still rejected after them is capped"""
     # hybrid: switch to inPlace when a round approves less than this share of its rows,
     # or after this many rounds, whichever comes first.
     hybrid_min_approval_rate: float = Field(0.5, ge=0, le=1)
+    """hybrid: switch to inPlace once a round approves less than this share of its rows"""
     hybrid_switch_after_rounds: int = Field(2, ge=1, le=20)
+    """hybrid: switch to inPlace after this many rounds"""
 
     @model_validator(mode="after")
     def _judge_fields(self) -> JudgeSpec:
@@ -727,11 +790,17 @@ class JobSpec(_Model):
     """Where the rows come from. Every object under uri is read (*.jsonl, *.jsonl.zst; *.parquet for format
     parquet)."""
     output: OutputSpec
+    """where the results go: result, error and capped files, and manifest.json last"""
     model: ModelSpec = ModelSpec()
+    """the model, the task and the engine that runs every row"""
     sharding: ShardingSpec = ShardingSpec()
+    """how each round's input is cut into shards, the unit a lane claims and resumes"""
     batching: BatchingSpec = BatchingSpec()
+    """how rows are read, ordered and batched for the engine"""
     workers: WorkersSpec = WorkersSpec()
+    """the worker pods: how many at once, their resources, placement and retries"""
     storage: StorageSpec = StorageSpec()
+    """the S3 endpoint, region and credentials for s3:// and gs:// URIs"""
     judge: JudgeSpec | None = None
     """Check each output; approved rows are results, rejected rows are retried in a next round (rounds) or inside
     the pod (inPlace)."""

@@ -103,7 +103,9 @@ class JobStatus(_Status):
     """Pending, Planning, Running, Publishing, Succeeded, Failed, Suspended, Cancelling (draining and
     publishing the finished part), Cancelled or Expired"""
     round: int | None = None
+    """the current round (0 is the first)"""
     observed_generation: int | None = Field(None, json_schema_extra=INT64)
+    """the spec generation the status describes"""
     shards: Shards | None = None
     """shards of the current round"""
     shards_summary: str | None = None
@@ -113,7 +115,9 @@ class JobStatus(_Status):
     lanes_summary: str | None = None
     """"<done>/<total>" lanes of the current round (and "(<n> replaced)"), for kubectl get -o wide"""
     rows: Rows | None = None
+    """rows done and failed so far, all rounds"""
     rows_per_second: float | None = None
+    """rows done per second of wall time since startTime"""
     eta: str | None = None
     """time left in the current round at the rate so far"""
     efficiency: Efficiency | None = None
@@ -121,10 +125,15 @@ class JobStatus(_Status):
     cost: Cost | None = None
     """with spec.workers.pricePerHour, what the worker pods cost (so far)"""
     start_time: str | None = Field(None, json_schema_extra=DATE_TIME)
+    """when the operator first handled the job"""
     completion_time: str | None = Field(None, json_schema_extra=DATE_TIME)
+    """when the job ended (Succeeded, Failed, Cancelled or Expired)"""
     manifest_uri: str | None = None
+    """the published manifest (results, errors, counts), once published"""
     output_uri: str | None = None
+    """spec.output.uri"""
     message: str | None = None
+    """what the job is doing or waiting for, or why it failed"""
     rounds: list[RoundRecord] = []
     """one entry per finished or running round"""
     publish: dict[str, Any] | None = Field(None, json_schema_extra=FREE_FORM)
@@ -136,6 +145,8 @@ class JobStatus(_Status):
     is missing no pod starts and the check is repeated (checks in a row, backoff to 2 minutes)"""
     conditions: list[Condition] = Field([], json_schema_extra={"x-kubernetes-list-type": "map",
                                                                "x-kubernetes-list-map-keys": ["type"]})
+    """Ready, Running, Suspended, Succeeded and Failed from the phase; WorkerPermissions; StatusDamaged when a status
+    entry cannot be read"""
     _problems: list[str] = PrivateAttr(default_factory=list)
 
     @property
