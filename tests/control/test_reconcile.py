@@ -645,6 +645,7 @@ def test_editing_a_row_deciding_field_after_planning_fails_the_bij_naming_it() -
 
 def test_round_records_are_read_typed_and_an_entry_that_is_no_record_is_left_out() -> None:
     from bij.contract.round_record import RoundRecord, round_records
+    from bij.contract.status import JobStatus
 
     status = {"rounds": [
         {"round": 0, "shards": 8, "lanes": 2, "bytes": 512, "startTime": "2026-01-01T00:00:00Z",
@@ -659,5 +660,7 @@ def test_round_records_are_read_typed_and_an_entry_that_is_no_record_is_left_out
     assert sorted(got) == [0, 1]
     assert got[0].finished and got[0].spec_digests == {"spec.model": "abc"} and got[0].stats().approved == 70
     assert got[1] == RoundRecord(round=1, shards=3, start_time="2026-01-01T00:05:01Z") and not got[1].finished
-    assert round_stats(status) == [got[0].stats()]  # round 1 has not finished
+    state = JobStatus.read(status)
+    assert state.round_records() == got and len(state.problems) == 3  # each entry left out is named
+    assert round_stats(state) == [got[0].stats()]  # round 1 has not finished
     assert round_records({"rounds": "garbage"}) == {}

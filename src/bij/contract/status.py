@@ -21,8 +21,9 @@ from bij.contract.round_record import RoundRecord
 from bij.contract.schema import FREE_FORM, INT64
 
 DATE_TIME: dict[str, Any] = {"format": "date-time"}
-PHASES = ("Pending", "Planning", "Running", "Publishing", "Succeeded", "Failed", "Suspended", "Cancelling",
-          "Cancelled", "Expired")
+# What the bij is doing (status.phase): decided by `bij.control.reconcile.decide`.
+Phase = Literal["Pending", "Planning", "Running", "Suspended", "Publishing", "Succeeded", "Failed", "Cancelling",
+                "Cancelled", "Expired"]
 
 
 class _Status(BaseModel):
@@ -99,7 +100,7 @@ class JobStatus(_Status):
     """Written by the bij's own pods, each its own key (a JSON merge patch): steps.<Job name> is a storage
     step's result (planning, a round's statistics, the publish plan, the manifest), lanes.<pod name> a
     lane's progress. The operator reads these; it reads no storage."""
-    phase: str | None = None
+    phase: Phase | None = None
     """Pending, Planning, Running, Publishing, Succeeded, Failed, Suspended, Cancelling (draining and
     publishing the finished part), Cancelled or Expired"""
     round: int | None = None

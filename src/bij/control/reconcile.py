@@ -33,7 +33,7 @@ import datetime as dt
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from bij.contract.codes import (
     GENERATION_LABEL,
@@ -43,17 +43,14 @@ from bij.contract.codes import (
     ROUND_LABEL,
 )
 from bij.contract.fingerprint import field_digests
-from bij.contract.lane_report import lane_reports
 from bij.contract.publish_plan import PASSES as PUBLISH_PASSES
-from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats, needs_another_round
 from bij.contract.spec import BatchInferenceJob
+from bij.contract.status import JobStatus, Phase
 from bij.contract.step_report import StepErrorCode, StepReport
 from bij.control.permissions import DEFAULT_SERVICE_ACCOUNT, STATUS_KEY, recheck_due, service_account_user
 from bij.control.stopping import Stop, stop_requested
 
-Phase = Literal["Pending", "Planning", "Running", "Suspended", "Publishing", "Succeeded", "Failed", "Cancelling",
-                "Cancelled", "Expired"]
 # Cancelled and Expired: stopped for good by spec.cancel or spec.deadlineSeconds, the finished part published.
 STOPPED_PHASES: frozenset[str] = frozenset({"Cancelled", "Expired"})
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"}) | STOPPED_PHASES
@@ -213,10 +210,10 @@ class JobView:
                      total=self.completions // self.nodes_per_lane, replaced=len(self.group_losses))
 
 
-def group_losses(status: Mapping[str, Any], round_no: int) -> tuple[str, ...]:
+def group_losses(state: JobStatus, round_no: int) -> tuple[str, ...]:
     """Why lane groups of round `round_no` were replaced: the ``groupLost`` of its pods' lane reports
     (bij.worker.group: one pod of the group reports it), oldest first."""
-    found = sorted((r.at, r.group_lost) for r in lane_reports(status, round_no) if r.group_lost)
+    found = sorted((r.at, r.group_lost) for r in state.lane_reports(round_no) if r.group_lost)
     return tuple(reason for _, reason in found)
 
 
@@ -392,16 +389,11 @@ def name_conflict(d: Decision, job_name: str, what: str, phase: Phase) -> Wait:
 # --- status accessors --------------------------------------------------------------------------
 
 
-def current_round(status: Mapping[str, Any]) -> int:
-    value = status.get("round")
-    return value if isinstance(value, int) and value >= 0 else 0
-
-
-def failure_reason(status: Mapping[str, Any]) -> str | None:
+def failure_reason(state: JobStatus) -> str | None:
     """The reason on the ``Failed`` condition, if the bij is marked failed."""
-    for c in status.get("conditions") or []:
-        if c.get("type") == "Failed" and c.get("status") == "True":
-            return str(c.get("reason") or "")
+    for c in state.conditions:
+        if c.type == "Failed" and c.status == "True":
+            return c.reason or ""
     return None
 
 
@@ -454,6 +446,7 @@ class Observation:
     metadata.name/labels/creationTimestamp and status.containerStatuses), metadata.generation, the time."""
 
     status: Mapping[str, Any]
+    state: JobStatus  # the status, typed
     jobs: Sequence[Mapping[str, Any]]
     pods: Sequence[Mapping[str, Any]]
     generation: int | None
@@ -730,21 +723,22 @@ def decide(
     shard is done: a lane that failed for good costs nothing if the others finished its shards.
     """
     status = status or {}
-    phase = status.get("phase")
-    r = current_round(status)
+    state = JobStatus.read(status)
+    phase = state.phase
+    r = state.current_round
     now = now or dt.datetime.now(dt.timezone.utc)
-    seen = Observation(status=status, jobs=observed_jobs, pods=pods, generation=generation, now=now)
+    seen = Observation(status=status, state=state, jobs=observed_jobs, pods=pods, generation=generation, now=now)
 
     if phase == "Succeeded":
         return Nothing(round=r, phase="Succeeded", reason="Published",
-                       message=str(_condition_message(status, "Succeeded") or "manifest published"))
-    if phase == "Failed" and failure_reason(status) not in RECOVERABLE_FAILURES:
-        return Nothing(round=r, phase="Failed", reason=failure_reason(status) or "Failed",
-                       message=str(_condition_message(status, "Failed") or "failed"))
+                       message=_condition_message(state, "Succeeded") or "manifest published")
+    if phase == "Failed" and failure_reason(state) not in RECOVERABLE_FAILURES:
+        return Nothing(round=r, phase="Failed", reason=failure_reason(state) or "Failed",
+                       message=_condition_message(state, "Failed") or "failed")
     if phase in STOPPED_PHASES:
-        return Nothing(round=r, phase=phase, reason=phase, message=str(status.get("message") or phase.lower()))
+        return Nothing(round=r, phase=phase, reason=phase, message=state.message or phase.lower())
 
-    if check_permissions and not round_records(status):
+    if check_permissions and not state.rounds:
         # Only before anything ran (a bij already under way when this check came in is left alone), and
         # before a stop too: cancelling plans round 0 in a pod, which would be refused as well. A held bij
         # that is cancelled or expires ends so at once, without its grants and without a pod.
@@ -761,14 +755,14 @@ def decide(
     if stop is not None:
         return stopping_step(job, seen, stop)
 
-    changed = spec_changed_since_planning(job, status)
+    changed = spec_changed_since_planning(job, state)
     if changed:
         return MarkFailed(round=r, phase="Failed", reason="SpecChanged",
                           message=f"{', '.join(changed)} changed after round 0 was planned: rows made before and "
                                   "after would be mixed; undo the change, or delete and re-create the "
                                   "BatchInferenceJob to start over")
 
-    rec = round_records(status).get(r)
+    rec = state.round_records().get(r)
     if rec is None:
         return step(job, seen, PlanRound(round=r, phase="Planning", reason="Planning", message=f"planning round {r}"))
 
@@ -799,7 +793,7 @@ def decide(
         return Wait(round=r, phase="Pending", reason="WaitingForOldJob",
                     message=f"Job {view.name} belongs to an earlier object of this name; "
                             "waiting for it to be deleted")
-    view = dataclasses.replace(view, group_losses=group_losses(status, r))
+    view = dataclasses.replace(view, group_losses=group_losses(seen.state, r))
 
     end: Mapping[str, Any] | None = None
     damaged: list[str] = []
@@ -857,7 +851,7 @@ def decide(
                         job_name=view.name, suspend=patch_suspend, parallelism=patch_parallelism)
 
     progress = _progress(r, view, shards, want_suspend)
-    seen_before = int((status.get("lanes") or {}).get("replaced") or 0)
+    seen_before = seen.state.lanes.replaced if seen.state.lanes is not None else 0
     if view.group_losses and progress["phase"] == "Running" and len(view.group_losses) > seen_before:
         # A lane's group of pods was replaced since the status last said so: a Warning, once each.
         return Wait(round=r, warning="LaneGroupReplaced", **progress)
@@ -916,10 +910,10 @@ def job_failed(r: int, view: JobView, shards: Shards | None = None) -> MarkFaile
                       shards=shards, lanes=view.lanes, failed_lanes=tuple(sorted(failed)))
 
 
-def spec_changed_since_planning(job: BatchInferenceJob, status: Mapping[str, Any]) -> list[str]:
+def spec_changed_since_planning(job: BatchInferenceJob, state: JobStatus) -> list[str]:
     """The row-deciding spec fields (`fingerprint.ROW_FIELDS`) that differ from the digests recorded
     when round 0 was planned; empty when none differ or none were recorded."""
-    first = round_records(status).get(0)
+    first = state.round_records().get(0)
     recorded = first.spec_digests if first is not None else None
     if recorded is None:
         return []
@@ -927,10 +921,10 @@ def spec_changed_since_planning(job: BatchInferenceJob, status: Mapping[str, Any
     return [path for path, d in now.items() if path in recorded and recorded[path] != d]
 
 
-def round_stats(status: Mapping[str, Any]) -> list[RoundStats]:
+def round_stats(state: JobStatus) -> list[RoundStats]:
     """The finished rounds' statistics as recorded in ``status.rounds``, in round order."""
     out = []
-    for _, rec in sorted(round_records(status).items()):
+    for _, rec in sorted(state.round_records().items()):
         if not rec.finished:
             break
         out.append(rec.stats())
@@ -954,8 +948,8 @@ def publishing(job: BatchInferenceJob, seen: Observation, r: int, partial: str |
     steps in Jobs of their own (`steps`), so the operator's own work grows with shards, never with rows.
     """
     rounds = r + 1
-    status, observed_jobs = seen.status, seen.jobs
-    rec = status.get("publish") or {}
+    observed_jobs = seen.jobs
+    rec = seen.state.publish or {}
     if rec.get("rounds") != rounds or not rec.get("planUri") or not isinstance(rec.get("passes"), Mapping):
         return step(job, seen, PreparePublish(round=r, phase="Publishing", reason="Publishing", partial=partial,
                                               message=f"publishing {rounds} round(s): planning the publish passes",
@@ -997,7 +991,7 @@ def after_round(job: BatchInferenceJob, seen: Observation, r: int) -> Decision:
     so the rounds end at ``maxRounds`` without a check here. Error rows beyond
     ``spec.maxErrorRatio`` fail the job instead of publishing.
     """
-    history = round_stats(seen.status)
+    history = round_stats(seen.state)
     limit = job.spec.max_error_ratio
     if limit is not None:
         errors = sum(h.errors for h in history)
@@ -1018,9 +1012,8 @@ def stopping_step(job: BatchInferenceJob, seen: Observation, stop: Stop) -> Deci
     """The next step of a bij that stops for good (`stopping`): plan round 0 if it never was, suspend the
     round's Job so its workers drain as on preemption, wait until no pod of it is active or terminating,
     then publish rounds 0..round as a partial manifest (phase Cancelling until it ends Cancelled or Expired)."""
-    status = seen.status
-    r = current_round(status)
-    rec = round_records(status).get(r)
+    r = seen.state.current_round
+    rec = seen.state.round_records().get(r)
     if rec is None and r == 0:
         return step(job, seen, PlanRound(round=0, phase="Cancelling", reason=stop.reason,
                                          message=f"{stop.message}: planning round 0 to count the rows not run"))
@@ -1042,8 +1035,5 @@ def stopping_step(job: BatchInferenceJob, seen: Observation, stop: Stop) -> Deci
     return d
 
 
-def _condition_message(status: Mapping[str, Any], type_: str) -> str | None:
-    for c in status.get("conditions") or []:
-        if c.get("type") == type_:
-            return c.get("message")
-    return None
+def _condition_message(state: JobStatus, type_: str) -> str | None:
+    return next((c.message for c in state.conditions if c.type == type_), None)

@@ -425,7 +425,7 @@ class LocalRunner:
             self.summary(manifest)
             return 0 if self.cancel and status["phase"] == "Cancelled" else EXIT_STOPPED
         if status.get("phase") != "Succeeded":
-            reason = failure_reason(status) or "Failed"
+            reason = failure_reason(JobStatus.read(status)) or "Failed"
             if reason == "PodFailurePolicy":
                 print("bij: a worker reported a bad configuration (exit 42); see its log above", file=sys.stderr)
             return EXIT_BAD_CONFIG if reason in BAD_CONFIG_REASONS else 1
