@@ -1,6 +1,7 @@
 """What ``kubectl get bij`` shows: status fields and conditions, built from a decision.
 
-Pure functions over plain dicts. Conditions follow the Kubernetes API conventions:
+Pure functions that build the status merge patch (plain dicts, as the API takes them; the status is
+read typed through `bij.contract.status.JobStatus`). Conditions follow the Kubernetes API conventions:
 a list keyed by ``type``, each with ``status`` ("True"/"False"), ``reason``
 (CamelCase), ``message``, ``lastTransitionTime`` (changes only when ``status``
 flips) and ``observedGeneration``. Beside the phase's own types, ``WorkerPermissions``
