@@ -13,6 +13,12 @@ process started from nothing and loads the model once:
 - bij: `bij run spec.yaml` end to end: plan, the worker (durable commits: an fsynced frame per
   chunk), publish, all of it.
 
+Each side keeps its own process layout, as a user gets it: raw and run-batch take vLLM's default,
+its engine core and model worker in processes of their own (spawned on the CPU platform, each
+importing vLLM again); bij's worker runs the engine in its own process on the CPU platform
+(`engines/vllm.py: engine_in_process`) and vLLM's default elsewhere. Set
+VLLM_ENABLE_V1_MULTIPROCESSING=1 to give bij vLLM's layout too (every side reads it).
+
 Workloads: OpenAI chat lines of mixed length, a quarter with a shared long system prompt;
 /v1/completions lines of mixed length, a quarter sharing a 160-word prefix (vLLM 0.32's
 run-batch has no /v1/completions endpoint: there bij is compared with raw only); /v1/embeddings
@@ -27,7 +33,8 @@ committed log frame on disk, from the process start); engine steps and mean runn
 observable from outside); prefix-cache hit tokens (each
 side's own count: `num_cached_tokens`, run-batch's `usage.prompt_tokens_details.cached_tokens`,
 bij's manifest); CPU seconds per 1,000 rows of the processes other than vLLM's engine core
-(bij: `bij run` and its worker; the others: their front process), sampled from /proc; peak RSS
+(bij: `bij run` and its worker, which holds the engine where it runs in process; the others:
+their front process), sampled from /proc; peak RSS
 (the sum of every process's own peak). The answers are compared across sides (text equal, embeddings
 within 1e-3) and a mismatch is reported.
 
@@ -426,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm_peers: vllm {vllm.__version__}, tiny random Llama (hidden 128, 1 layer), "
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; sizes {sizes}, "
               f"{args.repeats} runs per side, maxNumSeqs {args.max_num_seqs}", flush=True)
+        layout = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        print("vllm_peers: engine processes: raw and run-batch "
+              + ("vLLM's default (engine core and model worker in processes of their own)" if layout is None
+                 else f"VLLM_ENABLE_V1_MULTIPROCESSING={layout}")
+              + "; bij " + ("its worker holds the engine on the CPU platform, vLLM's default elsewhere"
+                            if layout is None else f"VLLM_ENABLE_V1_MULTIPROCESSING={layout}"), flush=True)
         for workload in args.only.split(","):
             rows = sizes[workload]
             kw = engine_args(workload, model, args)

@@ -437,6 +437,20 @@ def test_on_vllms_cpu_build_one_lora_slot_more_than_adapters_stays_empty_for_bas
     assert "max_loras" not in llm_kwargs(EngineConfig(task="generate", name="m"), cpu=True)
 
 
+def test_on_vllms_cpu_platform_the_engine_runs_in_the_workers_process_unless_the_environment_says() -> None:
+    from bij.engines.vllm import engine_in_process
+
+    cpu: dict[str, str] = {}
+    engine_in_process(cpu, cpu=True)
+    assert cpu == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    chosen = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    engine_in_process(chosen, cpu=True)
+    assert chosen == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    cuda: dict[str, str] = {}
+    engine_in_process(cuda, cpu=False)
+    assert cuda == {}  # vLLM's own default: its engine core in a process of its own
+
+
 def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
     from bij.engines.vllm import llm_kwargs
 

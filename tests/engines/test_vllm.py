@@ -10,8 +10,9 @@ signatures.
 
 Run with `make vllm-env` then `make test` (or `.venv-vllm/bin/pytest -m vllm tests/engines/test_vllm.py`);
 elsewhere the module is skipped. The engine runs in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0: a load of seconds, not half a minute); one `bij run` test
-keeps vLLM's default, its engine core in a process of its own, as on a GPU node.
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, as bij's worker runs it on vLLM's CPU platform: a load of
+seconds, not half a minute); one `bij run` test keeps vLLM's default, its engine core in a
+process of its own, as on a GPU node.
 """
 
 from __future__ import annotations
@@ -375,7 +376,9 @@ def test_bij_run_embeds_through_a_pooling_model_head_truncated(
     inputs = [{"id": i, "text": t} for i, t in enumerate(["c c c", "e e", "a " * MAX_POSITIONS + "h", "", "g"])]
     path, job = vllm_job(make_job, file_place, inputs, wired_model,
                          model={"engine": "vllm", "name": str(wired_model), "task": "embed", "vllm": SPEC_VLLM})
-    done = bij(bij_bin, worker_env(file_place), "run", str(path))
+    env = worker_env(file_place)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # bij's own choice on this platform: the engine in the worker
+    done = bij(bij_bin, env, "run", str(path))
     assert done.returncode == 0, done.stderr[-3000:]
     out = read_output(job)
     by_id = {r["id"]: r["embedding"] for r in out.results}
