@@ -16,8 +16,9 @@ process started from nothing and loads the model once:
 Each side keeps its own process layout, as a user gets it: raw and run-batch take vLLM's default,
 its engine core and model worker in processes of their own (spawned on the CPU platform, each
 importing vLLM again); bij's worker runs the engine in its own process on the CPU platform
-(`engines/vllm.py: engine_in_process`) and vLLM's default elsewhere. Set
-VLLM_ENABLE_V1_MULTIPROCESSING=1 to give bij vLLM's layout too (every side reads it).
+(`engines/vllm.py: engine_in_process`) and vLLM's default elsewhere. VLLM_ENABLE_V1_MULTIPROCESSING
+set in the bench's environment gives raw and bij the same layout (run-batch's `AsyncLLM` always
+runs its engine core apart).
 
 Workloads: OpenAI chat lines of mixed length, a quarter with a shared long system prompt;
 /v1/completions lines of mixed length, a quarter sharing a 160-word prefix (vLLM 0.32's
@@ -434,11 +435,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; sizes {sizes}, "
               f"{args.repeats} runs per side, maxNumSeqs {args.max_num_seqs}", flush=True)
         layout = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        print("vllm_peers: engine processes: raw and run-batch "
-              + ("vLLM's default (engine core and model worker in processes of their own)" if layout is None
-                 else f"VLLM_ENABLE_V1_MULTIPROCESSING={layout}")
-              + "; bij " + ("its worker holds the engine on the CPU platform, vLLM's default elsewhere"
-                            if layout is None else f"VLLM_ENABLE_V1_MULTIPROCESSING={layout}"), flush=True)
+        print("vllm_peers: engine processes: " + (
+            "raw and run-batch vLLM's default (engine core and model worker apart); bij's worker holds the "
+            "engine on the CPU platform" if layout is None else
+            f"raw and bij VLLM_ENABLE_V1_MULTIPROCESSING={layout}; run-batch its engine core apart"), flush=True)
         for workload in args.only.split(","):
             rows = sizes[workload]
             kw = engine_args(workload, model, args)

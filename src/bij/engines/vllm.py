@@ -173,13 +173,14 @@ def shared_llm(config: EngineConfig) -> Any:
                           "vLLM's CPU build: make vllm-env)") from e
     from vllm.platforms import current_platform
 
+    cpu = current_platform.is_cpu()
     kwargs = llm_kwargs(
         config,
         has_runner="runner" in inspect.signature(vllm.LLM.__init__).parameters,
         version=_version(getattr(vllm, "__version__", "0.0")),
-        cpu=current_platform.is_cpu(),
+        cpu=cpu,
     )
-    engine_in_process(os.environ, cpu=current_platform.is_cpu())
+    engine_in_process(os.environ, cpu=cpu)
     unknown = unknown_arguments(kwargs, _known_arguments(vllm))
     if unknown:
         # Checked before anything loads: vLLM's own error would come after minutes of start-up, if at all.
