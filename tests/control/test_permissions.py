@@ -22,6 +22,7 @@ from bij.control.status import fmt_time
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.timezone.utc)
 PATCH_STATUS = "patch batchinferencejobs/status.batchinference.io"
+EVERY_GRANT = (f"{PATCH_STATUS}, create leases.coordination.k8s.io, patch leases.coordination.k8s.io")
 
 
 def a_job(sa: str | None = None) -> Any:
@@ -61,14 +62,16 @@ def test_each_worker_grant_is_asked_for_the_service_account_in_its_namespace() -
     assert namespace == body.metadata.namespace == body.spec.resource_attributes.namespace == "team"
     assert body.spec.user == "system:serviceaccount:team:runner"
     assert "system:serviceaccounts:team" in body.spec.groups
-    assert check.describe() == f"system:serviceaccount:team:runner may {PATCH_STATUS}"
+    assert check.describe() == f"system:serviceaccount:team:runner may {EVERY_GRANT}"
 
 
 def test_a_missing_grant_is_named_with_the_commands_that_grant_it() -> None:
     check = check_grants(FakeAuthz(allowed=set()), "team", "bij-worker")
-    assert check.result == "Missing" and [g.what for g in check.missing] == [PATCH_STATUS]
-    assert f"may not {PATCH_STATUS}" in check.describe()
-    assert "kubectl -n team create role bij-worker --verb=patch" in check.fix
+    assert check.result == "Missing" and ", ".join(g.what for g in check.missing) == EVERY_GRANT
+    assert f"may not {EVERY_GRANT}" in check.describe()
+    assert ("kubectl -n team create role bij-worker --verb=create,patch "
+            "--resource=batchinferencejobs.batchinference.io/status --resource=leases.coordination.k8s.io &&") \
+        in check.fix
     assert "--serviceaccount=team:bij-worker" in check.fix
 
 
@@ -198,7 +201,7 @@ def test_the_driver_holds_a_bij_missing_a_grant_and_goes_on_once_it_is_granted(f
     assert st["phase"] == "Pending" and st["message"] == cond["message"]
     assert conditions(st)["Ready"]["reason"] == "MissingPermissions"
     assert [e[:2] for e in backend.events] == [("Warning", "MissingPermissions")]
-    assert st["workerPermissions"]["missing"] == [PATCH_STATUS] and idle.recheck is not None
+    assert ", ".join(st["workerPermissions"]["missing"]) == EVERY_GRANT and idle.recheck is not None
     assert 0 < idle.recheck <= RECHECK_FIRST
     # Asked again before the re-check is due: no review, no Event.
     asked = len(authz.asked)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from bij.contract.lane_report import tally
 from bij.contract.spec import BatchInferenceJob, parse_job
 from bij.control import reconcile as rc
 from bij.control.reconcile import (
@@ -191,19 +192,19 @@ def test_failed_indexes_of_a_running_job_show_but_do_not_fail_the_bij_yet() -> N
 
 
 def test_a_replaced_lane_group_is_a_warning_once_and_stays_in_the_message_and_lanes() -> None:
-    """A lane of several pods replaced whole (its pods' lane reports say `groupLost`): the Running
+    """A lane of several pods replaced whole (its pods' lane reports, summed, say `groupLost`): the Running
     message and status.lanes say so, and the first decision to see each new loss posts a Warning."""
     job = make_job()
-    reports = {"lanes": {
-        "emb-r0-0-aaaaa": {"round": 0, "lane": 0, "rows": 40, "at": "2024-01-01T00:10:00Z",
-                           "groupLost": "lane 0: member 1 is stopping (SIGTERM)"},
-        "emb-r0-0-bbbbb": {"round": 0, "lane": 0, "rows": 5, "at": "2024-01-01T00:20:00Z"},
-        "emb-r0-3-ccccc": {"round": 0, "lane": 1, "rank": 1, "at": "2024-01-01T00:15:00Z",
-                           "groupLost": "lane 1: the leader is gone (seen by member 1)"},
-        "old": {"round": 1, "lane": 0, "groupLost": "another round's"},
-    }}
-    status = {**planned(), "reports": reports}
-    d = decide(job, status, [k8s_job(completions=8, active=4)], shards_done=2)
+    reports = tally([
+        {"round": 0, "lane": 0, "rows": 40, "at": "2024-01-01T00:10:00Z",
+         "groupLost": "lane 0: member 1 is stopping (SIGTERM)"},
+        {"round": 0, "lane": 0, "rows": 5, "at": "2024-01-01T00:20:00Z"},
+        {"round": 0, "lane": 1, "rank": 1, "at": "2024-01-01T00:15:00Z",
+         "groupLost": "lane 1: the leader is gone (seen by member 1)"},
+        {"round": 1, "lane": 0, "groupLost": "another round's"},
+    ], 0)
+    status = planned()
+    d = decide(job, status, [k8s_job(completions=8, active=4)], shards_done=2, lanes_reported=reports)
     assert isinstance(d, Wait) and d.phase == "Running"
     assert d.warning == "LaneGroupReplaced"
     assert d.lanes is not None and d.lanes.replaced == 2 and d.lanes.summary == "0/8 (2 replaced)"
@@ -213,11 +214,13 @@ def test_a_replaced_lane_group_is_a_warning_once_and_stays_in_the_message_and_la
     patch = decision_status(status, d, generation=1, now=now, output_uri="file:///data/out")
     assert patch["lanes"]["replaced"] == 2 and patch["lanesSummary"] == "0/8 (2 replaced)"
     # Said once: the status shows both losses now.
-    again = decide(job, {**status, "lanes": patch["lanes"]}, [k8s_job(completions=8, active=4)], shards_done=3)
+    again = decide(job, {**status, "lanes": patch["lanes"]}, [k8s_job(completions=8, active=4)], shards_done=3,
+                   lanes_reported=reports)
     assert isinstance(again, Wait) and again.warning is None and again.lanes is not None
     assert again.lanes.replaced == 2
     # No loss: nothing said, and the count is 0 (a merge patch keeps no earlier round's count).
-    quiet = decide(job, planned(), [k8s_job(completions=8, active=4)], shards_done=2)
+    quiet = decide(job, planned(), [k8s_job(completions=8, active=4)], shards_done=2,
+                   lanes_reported=tally([{"round": 0, "lane": 0, "rows": 5}], 0))
     assert isinstance(quiet, Wait) and quiet.warning is None and "replaced" not in quiet.message
     quiet_patch = decision_status(planned(), quiet, generation=1, now=now, output_uri="file:///data/out")
     assert quiet_patch["lanes"]["replaced"] == 0

@@ -292,6 +292,7 @@ NAMESPACED_GRANTS = grants([
     {"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/finalizers"], "verbs": ["update"]},
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["authorization.k8s.io"], "resources": ["localsubjectaccessreviews"], "verbs": ["create"]},
@@ -302,14 +303,15 @@ PEERING_VERBS = ["list", "watch", "patch"]
 
 
 WORKER_GRANTS = grants([{"apiGroups": ["batchinference.io"], "resources": ["batchinferencejobs/status"],
-                         "verbs": ["patch"]}])
+                         "verbs": ["patch"]},
+                        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create", "patch"]}])
 
 
 def operator_roles(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in of_kind(objects, kind) if o["metadata"]["name"] != "bij-worker"]
 
 
-def test_the_worker_role_only_lets_pods_report_into_their_bijs_status(chart: helm.Chart) -> None:
+def test_the_worker_role_only_lets_pods_report_into_their_bijs_status_and_their_leases(chart: helm.Chart) -> None:
     for values, where in (({}, {NAMESPACE}), (NON_DEFAULT, {"team-a", "team-b", "team-c"})):
         objects = render(chart, values)
         roles = [r for r in of_kind(objects, "Role") if r["metadata"]["name"] == "bij-worker"]

@@ -409,6 +409,16 @@ def test_many_shards_run_in_lanes_with_one_model_load_per_lane_pod(env: Env) -> 
     assert sorted(map(json.dumps, published_ids)) == sorted(map(json.dumps, ids))
     wide = env.kubectl("get", "bij", "lanes", "-o", "wide", "--no-headers").split()
     assert "4/4" in wide
+    # Each lane's pod reported into a Lease of its own, owned by the round's Job; the bij holds totals only.
+    assert "lanes" not in (done.get("reports") or {})
+    leases = json.loads(env.kubectl("get", "leases", "-l", "batchinference.io/job=lanes,batchinference.io/round=0",
+                                    "-o", "json"))["items"]
+    assert sorted(lease["metadata"]["name"] for lease in leases) == sorted(p["metadata"]["name"]
+                                                                           for p in env.pods("lanes-r0"))
+    assert all(lease["metadata"]["ownerReferences"][0]["name"] == "lanes-r0" for lease in leases)
+    reports = [json.loads(lease["metadata"]["annotations"]["batchinference.io/lane-report"]) for lease in leases]
+    assert sum(r["rows"] + r["errors"] for r in reports) == 1000  # every row once, in its lane's last report
+    assert sum(r["shardsDone"] for r in reports) == round0["shards"]
 
 
 # --- spot: preemption is not a failure ------------------------------------------------------------

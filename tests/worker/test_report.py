@@ -165,19 +165,91 @@ def test_what_is_not_a_report_is_never_taken_for_one(raw: object) -> None:
     assert StepReport.parse(raw) is None
 
 
-def test_a_rounds_lane_reports_leave_out_what_is_no_report() -> None:
-    from bij.contract.lane_report import LaneReport, lane_reports
+def test_a_rounds_lane_reports_sum_into_one_tally_that_leaves_out_what_is_no_report() -> None:
+    from bij.contract.lane_report import LaneReport, LaneTally, tally
 
-    status = {"reports": {"lanes": {
-        "pod-a": {"round": 0, "lane": 0, "rows": 5, "errors": 1, "shardsDone": 1, "bytes": 70, "at": "t"},
-        "pod-b": {"round": 1, "lane": 0, "rows": 9},  # another round
-        "pod-c": "not a report",
-        "pod-d": {"round": 0, "lane": "first"},  # a lane that is no number
-    }}}
-    assert lane_reports(status, 0) == [LaneReport(round=0, lane=0, rows=5, errors=1, shards_done=1, bytes=70, at="t")]
-    assert lane_reports({}, 0) == [] and lane_reports({"reports": {"lanes": ["x"]}}, 0) == []
+    reports = [
+        {"round": 0, "lane": 0, "rows": 5, "errors": 1, "shardsDone": 1, "bytes": 70, "at": "t1"},
+        {"round": 0, "lane": 1, "rank": 1, "groupLost": "leader gone", "at": "t3"},
+        {"round": 0, "lane": 2, "rows": 7, "shardsDone": 2, "bytes": 30, "at": "t4"},
+        {"round": 0, "lane": 3, "rank": 2, "groupLost": "member 1 gone", "at": "t2"},
+        {"round": 1, "lane": 0, "rows": 9},  # another round
+        "not a report", None,
+        {"round": 0, "lane": "first"},  # a lane that is no number
+    ]
+    assert tally(iter(reports), 0) == LaneTally(round=0, pods=4, shards_done=3, rows=12, errors=1, bytes=100,
+                                                groups_replaced=2, last_group_lost="leader gone",
+                                                last_group_lost_at="t3", last_at="t4")
+    assert tally([], 0) == LaneTally(round=0)
+    assert tally([LaneReport(round=1, lane=0, rows=9)], 1).rows == 9
     # What a pod writes: camelCase, the loss only when there is one.
     assert LaneReport(round=2, lane=1, rank=1, group_lost="leader gone").as_status() == {
         "round": 2, "lane": 1, "rank": 1, "shardsDone": 0, "rows": 0, "errors": 0, "bytes": 0,
         "groupLost": "leader gone", "at": ""}
     assert "groupLost" not in LaneReport(round=0, lane=0).as_status()
+
+
+def test_each_pod_reports_less_often_the_more_run_so_a_rounds_reports_per_second_stay_flat() -> None:
+    from bij.contract.lane_report import LANE_REPORTS_PER_SECOND, REPORT_SECONDS, report_interval
+
+    assert report_interval(1) == report_interval(10) == REPORT_SECONDS
+    for pods in (100, 1_000, 10_000, 100_000):
+        assert pods / report_interval(pods) <= LANE_REPORTS_PER_SECOND
+    assert 10_000 / report_interval(10_000) == LANE_REPORTS_PER_SECOND  # not slower than it must be
+
+
+def test_a_lane_report_goes_into_a_lease_of_its_own_made_once_then_patched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    got: list[tuple[str, str, dict[str, Any]]] = []
+    answers = {"POST": [201, 201, 409], "PATCH": [200, 404, 200]}
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            got.append((self.command, self.path, body))
+            code = answers[self.command].pop(0)
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_POST = do_PATCH = answer  # noqa: N815 (http.server's names)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "token").write_text("tok-1\n")
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
+        monkeypatch.setattr(report, "_tls", lambda cafile: None)
+        sink = report.sink_from_env({"BIJ_REPORT_TO": "kube:team-a/emb", "BIJ_REPORT_INTERVAL": "5",
+                                     "BIJ_JOB_NAME": "emb-r0", "BIJ_JOB_UID": "uid-1"}, sa_dir=tmp_path)
+        assert isinstance(sink, report.KubeReports)
+        sink.leases.url = sink.leases.url.replace("https://", "http://")  # this test's server speaks plain HTTP
+        one = {"round": 0, "lane": 3, "rows": 10}
+        sink.put("lanes", "emb-r0-3-abcde", one)  # made
+        sink.put("lanes", "emb-r0-3-abcde", {**one, "rows": 20})  # patched
+        sink.put("lanes", "emb-r0-3-abcde", {**one, "rows": 30})  # gone under it (404): made again
+        other = report.sink_from_env({"BIJ_REPORT_TO": "kube:team-a/emb"}, sa_dir=tmp_path)
+        assert isinstance(other, report.KubeReports)
+        other.leases.url = other.leases.url.replace("https://", "http://")
+        other.put("lanes", "emb-r0-4-fghij", one)  # made by an earlier try whose answer was lost (409): patched
+    finally:
+        server.shutdown()
+    base = "/apis/coordination.k8s.io/v1/namespaces/team-a/leases"
+    assert [(m, p) for m, p, _ in got] == [("POST", base), ("PATCH", f"{base}/emb-r0-3-abcde"),
+                                          ("PATCH", f"{base}/emb-r0-3-abcde"), ("POST", base),
+                                          ("POST", base), ("PATCH", f"{base}/emb-r0-4-fghij")]
+    made = got[0][2]
+    assert made["kind"] == "Lease" and made["metadata"]["name"] == "emb-r0-3-abcde"
+    assert made["metadata"]["labels"] == {"batchinference.io/job": "emb", "batchinference.io/round": "0"}
+    assert made["metadata"]["ownerReferences"] == [{"apiVersion": "batch/v1", "kind": "Job", "name": "emb-r0",
+                                                    "uid": "uid-1"}]
+    assert made["spec"]["holderIdentity"] == "emb-r0-3-abcde" and made["spec"]["leaseDurationSeconds"] == 16
+    assert json.loads(made["metadata"]["annotations"]["batchinference.io/lane-report"]) == one
+    patched = got[1][2]
+    assert "labels" not in patched["metadata"] and "ownerReferences" not in patched["metadata"]
+    assert json.loads(patched["metadata"]["annotations"]["batchinference.io/lane-report"])["rows"] == 20
+    assert "ownerReferences" not in got[4][2]["metadata"]  # no Job named: the Lease goes with its namespace

@@ -98,6 +98,11 @@ cluster-scoped objects always go in the ClusterRole.
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
+# A running round's lanes report their progress into a Lease each (bij.worker.report); the operator sums
+# them, a page at a time, at a fixed rate.
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [list]
 # Events on the BatchInferenceJobs (kopf posts core v1 events).
 - apiGroups: [""]
   resources: [events]
@@ -116,9 +121,16 @@ cluster-scoped objects always go in the ClusterRole.
 {{- end -}}
 
 {{- define "bij-operator.rules.worker" -}}
-# A merge patch of the pod's own key under status.reports of its bij (bij.worker.report).
+# A step pod: a merge patch of its own key under status.reports of its bij (bij.worker.report).
 - apiGroups: [batchinference.io]
   resources: [batchinferencejobs/status]
+  verbs: [patch]
+# A lane's pod: its progress in a Lease of its own, made on its first report and patched after.
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
   verbs: [patch]
 {{- end -}}
 

@@ -36,3 +36,8 @@ POD_NAME_ENV = "POD_NAME"
 # The Job's uid (downward API, from the pod's batch.kubernetes.io/controller-uid label): a step's result
 # names the Job that made it, so a result left by a deleted Job of the same name is never taken.
 JOB_UID_ENV = "BIJ_JOB_UID"
+# The Job's name (downward API, from the pod's batch.kubernetes.io/job-name label): a lane's Lease is owned
+# by its round's Job, so it goes when the Job (or the bij) does.
+JOB_NAME_ENV = "BIJ_JOB_NAME"
+# Seconds between two lane reports of a pod (`lane_report.report_interval` of the round's lane count).
+REPORT_INTERVAL_ENV = "BIJ_REPORT_INTERVAL"

@@ -1,11 +1,11 @@
 """A BatchInferenceJob's status: the typed shape of what `kubectl get bij -o yaml` shows.
 
-The operator writes it (merge patches built in `bij.control.status` and the driver); the bij's own pods
-write only under `reports` (`LaneReport`, `StepReport`); `decide()`, `bij run`, `bij status` and bij-api
-read it through `JobStatus.read`, which keeps what parses and says what did not (`JobStatus.problems`):
-a damaged entry is a named problem, never a crash and never silently dropped (the driver shows the
-problems in the StatusDamaged condition and a Warning Event). The CRD's status schema is
-generated from these models (`bij.contract.crd`).
+The operator writes it (merge patches built in `bij.control.status` and the driver); the bij's own step
+pods write only under `reports` (`StepReport`; lanes report into Leases of their own, `lane_report`);
+`decide()`, `bij run`, `bij status` and bij-api read it through `JobStatus.read`, which keeps what
+parses and says what did not (`JobStatus.problems`): a damaged entry is a named problem, never a crash
+and never silently dropped (the driver shows the problems in the StatusDamaged condition and a Warning
+Event). The CRD's status schema is generated from these models (`bij.contract.crd`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from pydantic.alias_generators import to_camel
 
-from bij.contract.lane_report import LaneReport, lane_reports
 from bij.contract.round_record import RoundRecord
 from bij.contract.schema import FREE_FORM, INT64
 
@@ -97,9 +96,9 @@ class JobStatus(_Status):
     model_config = ConfigDict(json_schema_extra=FREE_FORM)
 
     reports: dict[str, Any] = {}
-    """Written by the bij's own pods, each its own key (a JSON merge patch): steps.<Job name> is a storage
-    step's result (planning, a round's statistics, the publish plan, the manifest), lanes.<pod name> a
-    lane's progress. The operator reads these; it reads no storage."""
+    """Written by the bij's own step pods, each its own key (a JSON merge patch): steps.<Job name> is a
+    storage step's result (planning, a round's statistics, the publish plan, the manifest). The operator
+    reads these; it reads no storage. Lanes report their progress into Leases of their own, never here."""
     phase: Phase | None = None
     """Pending, Planning, Running, Publishing, Succeeded, Failed, Suspended, Cancelling (draining and
     publishing the finished part), Cancelled or Expired"""
@@ -159,10 +158,6 @@ class JobStatus(_Status):
         """``rounds`` keyed by round number (a later entry of one round wins)."""
         return {r.round: r for r in self.rounds}
 
-    def lane_reports(self, round_no: int) -> list[LaneReport]:
-        """The reports of round `round_no`'s lanes (`lane_report.lane_reports`)."""
-        return lane_reports({"reports": self.reports}, round_no)
-
     @property
     def current_round(self) -> int:
         """The round the status shows (0 before the first is planned)."""
@@ -172,16 +167,9 @@ class JobStatus(_Status):
     def read(cls, status: Mapping[str, Any] | None) -> JobStatus:
         """The status as written, keeping every field that parses. A field that does not (a foreign writer,
         a damaged value) is left at its default and named in `problems`; so is each entry of `rounds` and
-        `conditions` on its own, the others kept. A lane report that is no `LaneReport` is named too (the
-        reports stay as written; `lane_reports` leaves it out)."""
+        `conditions` on its own, the others kept."""
         raw = dict(status or {})
         problems: list[str] = []
-        lanes = raw.get("reports", {}).get("lanes") if isinstance(raw.get("reports"), Mapping) else None
-        for pod, entry in lanes.items() if isinstance(lanes, Mapping) else ():
-            try:
-                LaneReport.model_validate(entry)
-            except ValidationError as e:
-                problems.append(f"status.reports.lanes.{pod}: {_first_error(e)}")
         for key, model in (("rounds", RoundRecord), ("conditions", Condition)):
             value = raw.get(key)
             if value is None:

@@ -8,11 +8,11 @@ and `bij run` take the same decisions in the same order.
 
 The driver reads and writes no storage. What touches the bij's data (planning a round, a finished
 round's statistics, the publish plan, the manifest) is a step (`steps`) run as a one-pod Job in the
-bij's namespace under its identity, like the round and publish Jobs; each pod reports its small
-result, and each lane its progress, into the bij's status (`bij.worker.report`), where the driver
-reads them with the bij itself. Whether a step runs, waits, is retried or failed is decided by
-`reconcile.decide()` from its Job, its pods and its report, as a round is: the driver only creates
-and deletes step Jobs and records their results.
+bij's namespace under its identity, like the round and publish Jobs; each step pod reports its small
+result into the bij's status (`bij.worker.report`), where the driver reads it with the bij itself, and
+each lane its progress into a Lease of its own, which the backend sums (`Observed.lanes`). Whether a
+step runs, waits, is retried or failed is decided by `reconcile.decide()` from its Job, its pods and
+its report, as a round is: the driver only creates and deletes step Jobs and records their results.
 
 Backends:
 
@@ -40,6 +40,7 @@ from bij.contract import layout
 from bij.contract.codes import GENERATION_LABEL
 from bij.contract.efficiency import eta_seconds, fmt_duration
 from bij.contract.fingerprint import field_digests
+from bij.contract.lane_report import LaneTally
 from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats
 from bij.contract.spec import BatchInferenceJob, SpecError
@@ -88,7 +89,7 @@ log = logging.getLogger("bij.driver")
 # Progress-only status writes (shard counts, rows) at most this often; phase changes and actions
 # are written at once.
 STATUS_INTERVAL = 5.0
-# While a round runs, its rows are refreshed from the lanes' reports in the status this often.
+# While a round runs, its rows are refreshed from the lanes' reports this often.
 PROGRESS_INTERVAL = 30.0
 # Steps applied per reconcile before yielding; a whole run takes about ten.
 MAX_STEPS = 16
@@ -116,6 +117,9 @@ class Observed:
     # The pods of its step Jobs that failed (`reconcile.failed_pods` reads them): what a retry or a
     # failure says about the cause.
     pods: Sequence[Mapping[str, Any]] = ()
+    # The current round's lane reports, summed by the backend from the lanes' own Leases (or files): the
+    # one thing the driver sees of them, the same size for any number of lanes.
+    lanes: LaneTally | None = None
 
     @functools.cached_property
     def state(self) -> JobStatus:
@@ -202,8 +206,9 @@ class Driver:
             if self.say_damage(seen, seen.state):
                 continue  # the damaged entries are named (and a damaged condition dropped): look again
             now = now_utc()
-            last = decide(job, seen.status, seen.jobs, self.shards_done(seen.state), now=now, pods=seen.pods,
-                          generation=seen.generation, check_permissions=self.worker_grants is not None)
+            last = decide(job, seen.status, seen.jobs, self.shards_done(seen), lanes_reported=seen.lanes, now=now,
+                          pods=seen.pods, generation=seen.generation,
+                          check_permissions=self.worker_grants is not None)
             log.debug("%s/%s: %s", job.metadata.namespace, job.metadata.name, last)
             if self.on_decision is not None:
                 self.on_decision(last)
@@ -332,7 +337,8 @@ class Driver:
         return None
 
     def _finish_round(self, seen: Observed, job: BatchInferenceJob, d: FinishRound, now: dt.datetime) -> Idle | None:
-        """The round-statistics step's result: the round's record completed, its lanes' reports dropped."""
+        """The round-statistics step's result: the round's record completed (its lanes' reports, in their
+        Leases, are no longer read: they go with the round's Job)."""
         status = seen.status
         end = d.result or {}
         this = round_records(status).get(d.round)
@@ -347,7 +353,7 @@ class Driver:
             if rec.get("round") == d.round:
                 rec = {**rec, **stats.as_status(), "completionTime": fmt_time(now)}
                 if d.lanes is not None and d.lanes.replaced:
-                    rec["groupsReplaced"] = d.lanes.replaced  # its lanes' reports go below
+                    rec["groupsReplaced"] = d.lanes.replaced  # its lanes' reports are read no more
             rounds.append(rec)
         msg = f"round {d.round} finished: {d.shards.summary if d.shards else '0/0'} shards, " \
               f"{stats.approved} rows, {stats.errors} error rows"
@@ -359,12 +365,8 @@ class Driver:
         if d.lanes is not None and d.lanes.replaced:
             msg += f"; lane groups replaced: {d.lanes.replaced}"
         patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
-                 **self.progress(seen.state, d.round, now, ended=stats),
+                 **self.progress(seen, d.round, now, ended=stats),
                  **{k: end[k] for k in ("efficiency", "cost") if k in end}}
-        lanes_reported = ((status.get("reports") or {}).get("lanes") or {})
-        gone = {k: None for k, v in lanes_reported.items() if isinstance(v, Mapping) and v.get("round") == d.round}
-        if gone:
-            patch["reports"] = {"lanes": gone}  # counted in status.rounds now
         self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
         return None
 
@@ -432,7 +434,7 @@ class Driver:
         recheck = d.recheck or (self.progress_interval if d.phase == "Running" else None)
         # The rows the lanes reported count as a change too: a lane can commit many chunks of one shard
         # while the decision (shards, lanes, message) stays the same.
-        progress = self.progress(state, d.round, now)
+        progress = self.progress(seen, d.round, now)
         if not status_differs(status, {**patch, "rows": progress["rows"]}) and not phase_changed:
             return Idle(d, recheck=recheck)
         wait = self.last_progress + self.status_interval - time.monotonic()
@@ -451,7 +453,7 @@ class Driver:
         now = now_utc()
         patch = {**self.base(seen, d, now), "message": d.message}
         if isinstance(d, MarkFailed) and job is not None:
-            patch.update(self.progress(seen.state, d.round, now))
+            patch.update(self.progress(seen, d.round, now))
         # Once per message: a recoverable failure (SpecChanged) is decided again on every change.
         first = seen.state.message != d.message
         reason = d.reason if isinstance(d, Retry) else d.event if isinstance(d, MarkFailed) else "Failed"
@@ -530,7 +532,7 @@ class Driver:
         if partial:
             rows["notRun"] = int(counts.get("notRun", 0))
         patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg, "rows": rows}
-        patch.update({k: v for k, v in self.progress(seen.state, d.round, now).items() if k != "rows"})
+        patch.update({k: v for k, v in self.progress(seen, d.round, now).items() if k != "rows"})
         self.write_status(seen, patch, event=("Normal", partial or "Published", msg))
         return Idle(done)
 
@@ -602,19 +604,26 @@ class Driver:
 
     # --- progress from the pods' reports (the operator reads no storage) ------------------------------
 
-    def shards_done(self, state: JobStatus) -> int | None:
+    def shards_done(self, seen: Observed) -> int | None:
         """How many shards of the current round its lanes reported finished; None when no round runs.
         A lane counts only shards it finished itself, so the sum counts each shard once."""
+        state = seen.state
         rec = state.round_records().get(state.current_round)
         if rec is None or rec.finished or state.phase in TERMINAL_PHASES:
             return None
-        return sum(r.shards_done for r in state.lane_reports(state.current_round))
+        return self.reported(seen, state.current_round).shards_done
 
-    def progress(self, state: JobStatus, round_no: int, now: Any,
+    @staticmethod
+    def reported(seen: Observed, round_no: int) -> LaneTally:
+        """Round `round_no`'s lane reports as the backend summed them (none, for another round)."""
+        return seen.lanes if seen.lanes is not None and seen.lanes.round == round_no else LaneTally(round=round_no)
+
+    def progress(self, seen: Observed, round_no: int, now: Any,
                  ended: RoundStats | None = None) -> dict[str, Any]:
         """``rows`` and ``rowsPerSecond``: the finished rounds' counts in ``status.rounds``, and the
         current round's (its statistics once `ended`, else what its lanes reported); ``eta`` of the
         running round from the input its lanes reported done."""
+        state = seen.state
         done = failed = 0
         records = state.round_records()
         for r, rec in records.items():
@@ -625,13 +634,13 @@ class Driver:
                 failed += rec.errors
         this_round = records.get(round_no)
         finished = this_round is not None and this_round.finished
-        current = [] if finished else state.lane_reports(round_no)
+        current = LaneTally(round=round_no) if finished else self.reported(seen, round_no)
         if ended is not None:
             done += ended.approved
             failed += ended.errors
         else:
-            done += sum(r.rows for r in current)
-            failed += sum(r.errors for r in current)
+            done += current.rows
+            failed += current.errors
         started = state.start_time or min((r.start_time for r in records.values() if r.start_time),
                                                  default=None)
         out: dict[str, Any] = {"rows": {"done": done, "failed": failed}}
@@ -641,9 +650,8 @@ class Driver:
             out["rowsPerSecond"] = round(done / elapsed, 2) if elapsed > 0 else 0.0
         round_start = parse_time(this_round.start_time if this_round is not None else None)
         size = this_round.bytes if this_round is not None else 0
-        if ended is None and size and round_start is not None and current:
-            got = sum(r.bytes for r in current)
-            out["eta"] = fmt_duration(eta_seconds(got, size, (now - round_start).total_seconds()))
+        if ended is None and size and round_start is not None and current.pods:
+            out["eta"] = fmt_duration(eta_seconds(current.bytes, size, (now - round_start).total_seconds()))
         return out
 
 

@@ -22,6 +22,7 @@ from bij.contract.codes import (
     EXIT_BAD_CONFIG,
     EXIT_GROUP_LOST,
     JOB_LABEL,
+    JOB_NAME_ENV,
     JOB_UID_ENV,
     MANIFEST_ANNOTATION,
     NODES_PER_LANE_ANNOTATION,
@@ -29,9 +30,11 @@ from bij.contract.codes import (
     PUBLISH_LABEL,
     PUBLISH_PLAN_ANNOTATION,
     REPORT_ENV,
+    REPORT_INTERVAL_ENV,
     ROUND_LABEL,
     STEP_LABEL,
 )
+from bij.contract.lane_report import report_interval
 from bij.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, job_to_dict
 from bij.control.permissions import DEFAULT_SERVICE_ACCOUNT
 from bij.control.reconcile import STEP_TRIES_ANNOTATION, desired_parallelism, step_job_name, step_key
@@ -420,12 +423,18 @@ def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rou
 
 
 def _report_env(job: BatchInferenceJob) -> list[dict[str, Any]]:
-    """Where the pod reports (the bij's status subresource), under which key, for which Job."""
+    """Where the pod reports (a step: the bij's status subresource; a lane: a Lease of its own), under which
+    key, for which Job, and how often a lane does (less often the more pods run at once, so the writes of a
+    round stay flat in its lanes: `lane_report.report_interval`)."""
+    pods = job.spec.workers.parallelism * job.spec.workers.nodes_per_lane
     return [
         {"name": REPORT_ENV, "value": f"kube:{job.metadata.namespace}/{job.metadata.name}"},
         {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": JOB_UID_ENV,
          "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}},
+        {"name": JOB_NAME_ENV,
+         "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/job-name']"}}},
+        {"name": REPORT_INTERVAL_ENV, "value": f"{report_interval(pods):g}"},
     ]
 
 

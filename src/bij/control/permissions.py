@@ -44,8 +44,11 @@ class Grant:
 
 
 # Every grant a bij's pods use (the chart's `bij-operator.rules.worker`; a test holds the two equal):
-# a pod merge-patches its own report into the bij's status (bij.worker.report).
-WORKER_GRANTS: tuple[Grant, ...] = (Grant("batchinference.io", "batchinferencejobs", "patch", "status"),)
+# a step pod merge-patches its own report into the bij's status, a lane's pod writes its progress into a
+# Lease of its own (bij.worker.report).
+WORKER_GRANTS: tuple[Grant, ...] = (Grant("batchinference.io", "batchinferencejobs", "patch", "status"),
+                                    Grant("coordination.k8s.io", "leases", "create"),
+                                    Grant("coordination.k8s.io", "leases", "patch"))
 
 
 def worker_role_rules() -> list[dict[str, Any]]:
@@ -57,8 +60,8 @@ def worker_role_rules() -> list[dict[str, Any]]:
 def grant_fix(namespace: str, sa: str, missing: Sequence[Grant]) -> str:
     """The commands that grant `missing` to the worker identity."""
     verbs = ",".join(sorted({g.verb for g in missing}))
-    resources = " ".join(f"--resource={g.resource}.{g.group}" + (f"/{g.subresource}" if g.subresource else "")
-                         for g in missing)
+    resources = " ".join(dict.fromkeys(f"--resource={g.resource}.{g.group}" +
+                                       (f"/{g.subresource}" if g.subresource else "") for g in missing))
     return (f"kubectl -n {namespace} create role bij-worker --verb={verbs} {resources} && "
             f"kubectl -n {namespace} create rolebinding bij-worker --role=bij-worker "
             f"--serviceaccount={namespace}:{sa}  (or list {namespace} in the chart's workerServiceAccount.namespaces)")

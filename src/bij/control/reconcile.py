@@ -43,6 +43,7 @@ from bij.contract.codes import (
     ROUND_LABEL,
 )
 from bij.contract.fingerprint import field_digests
+from bij.contract.lane_report import LaneTally
 from bij.contract.publish_plan import PASSES as PUBLISH_PASSES
 from bij.contract.rounds import RoundStats, needs_another_round
 from bij.contract.spec import BatchInferenceJob
@@ -142,8 +143,9 @@ class JobView:
     conditions: Mapping[str, Condition]
     # Pods per lane (spec.workers.nodesPerLane when the Job was made): index i is rank i % n of lane i // n.
     nodes_per_lane: int = 1
-    # Why each of the round's lane groups was replaced, oldest first (the pods' reports, `group_losses`).
-    group_losses: tuple[str, ...] = ()
+    # Lane groups of the round replaced so far, and why the latest was (the pods' reports, `LaneTally`).
+    groups_replaced: int = 0
+    last_group_lost: str | None = None
 
     @classmethod
     def of(cls, job: Mapping[str, Any]) -> JobView:
@@ -207,14 +209,7 @@ class JobView:
     @property
     def lanes(self) -> Lanes:
         return Lanes(done=len(self.completed), failed=len(self.failed), active=-(-self.active // self.nodes_per_lane),
-                     total=self.completions // self.nodes_per_lane, replaced=len(self.group_losses))
-
-
-def group_losses(state: JobStatus, round_no: int) -> tuple[str, ...]:
-    """Why lane groups of round `round_no` were replaced: the ``groupLost`` of its pods' lane reports
-    (bij.worker.group: one pod of the group reports it), oldest first."""
-    found = sorted((r.at, r.group_lost) for r in state.lane_reports(round_no) if r.group_lost)
-    return tuple(reason for _, reason in found)
+                     total=self.completions // self.nodes_per_lane, replaced=self.groups_replaced)
 
 
 # --- decisions ---------------------------------------------------------------------------------
@@ -705,13 +700,15 @@ def decide(
     observed_jobs: Sequence[Mapping[str, Any]],
     shards_done: int | None = None,
     *,
+    lanes_reported: LaneTally | None = None,
     now: dt.datetime | None = None,
     pods: Sequence[Mapping[str, Any]] = (),
     generation: int | None = None,
     check_permissions: bool = False,
 ) -> Decision:
     """The next step for `job`, given its current ``status``, the Jobs labelled with its name,
-    how many shards of the current round its lanes reported done (None: not looked at), the failed
+    how many shards of the current round its lanes reported done (None: not looked at) and the rest of
+    their reports summed (`lanes_reported`: replaced lane groups), the failed
     pods of its step Jobs (`pods`), its metadata.generation and `now` (default: the clock), which
     decides whether spec.deadlineSeconds has passed and whether a step's retry is due. Once the round's
     Job ended its finish step counts the shards done and the damaged objects its workers stopped at.
@@ -793,7 +790,9 @@ def decide(
         return Wait(round=r, phase="Pending", reason="WaitingForOldJob",
                     message=f"Job {view.name} belongs to an earlier object of this name; "
                             "waiting for it to be deleted")
-    view = dataclasses.replace(view, group_losses=group_losses(seen.state, r))
+    if lanes_reported is not None and lanes_reported.round == r:
+        view = dataclasses.replace(view, groups_replaced=lanes_reported.groups_replaced,
+                                   last_group_lost=lanes_reported.last_group_lost)
 
     end: Mapping[str, Any] | None = None
     damaged: list[str] = []
@@ -852,7 +851,7 @@ def decide(
 
     progress = _progress(r, view, shards, want_suspend)
     seen_before = seen.state.lanes.replaced if seen.state.lanes is not None else 0
-    if view.group_losses and progress["phase"] == "Running" and len(view.group_losses) > seen_before:
+    if view.groups_replaced and progress["phase"] == "Running" and view.groups_replaced > seen_before:
         # A lane's group of pods was replaced since the status last said so: a Warning, once each.
         return Wait(round=r, warning="LaneGroupReplaced", **progress)
     return Wait(round=r, **progress)
@@ -880,9 +879,9 @@ def _progress(r: int, view: JobView, shards: Shards | None, want_suspend: bool) 
         return dict(phase="Pending", reason="WaitingForPods", shards=shards, lanes=lanes,
                     message=f"round {r}: waiting for worker pods to start")
     regrouped = ""
-    if view.group_losses:
-        times = "once" if len(view.group_losses) == 1 else f"{len(view.group_losses)} times"
-        regrouped = f"; a lane's group of pods was replaced {times}, last: {view.group_losses[-1]}"
+    if view.groups_replaced:
+        times = "once" if view.groups_replaced == 1 else f"{view.groups_replaced} times"
+        regrouped = f"; a lane's group of pods was replaced {times}, last: {view.last_group_lost}"
     return dict(phase="Running", reason="Running", shards=shards, lanes=lanes,
                 message=f"round {r}: {counts}, {view.active} active{regrouped}")
 

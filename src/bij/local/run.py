@@ -33,6 +33,7 @@ from bij.contract import layout
 from bij.contract.codes import EXIT_BAD_CONFIG, PUBLISH_LABEL, ROUND_LABEL, STEP_LABEL
 from bij.contract.efficiency import fmt_money
 from bij.contract.fingerprint import PlanRefused
+from bij.contract.lane_report import tally
 from bij.contract.round_record import round_records
 from bij.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij.contract.status import JobStatus
@@ -45,7 +46,7 @@ from bij.steps.planner import PlanError, RoundPlan, plan_round, reset_output
 from bij.steps.progress import shard_records
 from bij.steps.publish import PublishError, read_manifest, removed_record
 from bij.storage import StorageError, open_storage
-from bij.worker.report import REPORT_ENV, FolderSink, read_folder
+from bij.worker.report import LANES, REPORT_ENV, FolderSink, read_folder
 
 # Failures a rerun cannot fix until something changes (exit 42); any other failure may pass (exit 1).
 BAD_CONFIG_REASONS = frozenset({"PodFailurePolicy", "InvalidSpec", "PlanRefused", "SpecChanged", "CannotCreateJob",
@@ -147,11 +148,14 @@ class LocalBackend:
     def observe(self) -> Observed:
         status = json.loads(json.dumps(self.status))
         reported = read_folder(self.reports.name)
+        lanes = reported.pop(LANES, None)
         if reported:
             status["reports"] = reported
+        round_no = status.get("round")
         return Observed(job=self.job, spec_error=None, status=status, generation=1,
                         output_uri=self.job.spec.output.uri, jobs=[j.view() for j in self.jobs.values()],
-                        pods=[p for j in self.jobs.values() if STEP_LABEL in j.labels for p in j.failed_pods()])
+                        pods=[p for j in self.jobs.values() if STEP_LABEL in j.labels for p in j.failed_pods()],
+                        lanes=tally(lanes.values(), round_no) if lanes and isinstance(round_no, int) else None)
 
     def create_job(self, body: dict[str, Any]) -> Created:
         name = body["metadata"]["name"]

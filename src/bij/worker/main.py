@@ -34,7 +34,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from bij.contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_TERMINATED
+from bij.contract.codes import (
+    EXIT_BAD_CONFIG,
+    EXIT_FAILED,
+    EXIT_GROUP_LOST,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    REPORT_INTERVAL_ENV,
+)
+from bij.contract.lane_report import REPORT_SECONDS
 from bij.contract.plan import Plan
 from bij.contract.sampling import ALL_FIELDS, refusal
 from bij.contract.spec import JobSpec
@@ -50,8 +58,8 @@ from bij.worker.report import LaneReporter, ReportError, sink_from_env
 from bij.worker.shard import BadConfig, ShardOutcome, ShardWorker, load_plan
 from bij.worker.stopflag import StopFlag
 
-# How often a lane reports its progress to the operator (env BIJ_REPORT_INTERVAL, seconds).
-REPORT_INTERVAL = float(os.environ.get("BIJ_REPORT_INTERVAL") or 5.0)
+# How often a lane reports its progress to the operator (seconds; the round's Job sets it from its lane count).
+REPORT_INTERVAL = float(os.environ.get(REPORT_INTERVAL_ENV) or REPORT_SECONDS)
 
 log = logging.getLogger("bij.worker")
 

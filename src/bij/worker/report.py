@@ -2,32 +2,34 @@
 
 The operator never reads storage: what it needs to know from storage (a round's plan, a round's
 statistics, the publish plan, the manifest's counts) is worked out by a pod of the bij's namespace
-(`bij-worker step ...`), and running lanes say how far they got. Each pod writes its report into
-the bij's own status subresource with a JSON merge patch of its own key only::
+(`bij-worker step ...`), and running lanes say how far they got:
 
-    status.reports.steps.<step Job name> = {"jobUid": ..., "result": {...}}
-    status.reports.lanes.<pod name>      = {"round": 0, "lane": 1, "shardsDone": 3, "rows": ..., ...}
+- a step pod writes its `StepReport` into the bij's own status subresource, a JSON merge patch of its
+  own key only (``status.reports.steps.<step Job name>``): a handful a round, so the operator, which
+  reads the bij on every step anyway, gets it without a request, and a merge patch of one key never
+  touches another pod's key or the operator's fields;
+- a lane's pod writes its `LaneReport` into a `coordination.k8s.io/v1` Lease of its own, named after the
+  pod, labelled with the bij and the round, owned by the round's Job (`lane_report`): the bij object
+  then stays the same size for 10 lanes and 10,000, and a report rewrites ~1 KB instead of the whole
+  bij, read by every watcher. Lanes report every ``BIJ_REPORT_INTERVAL`` seconds, which the Job sets
+  from its lane count so the writes of a round stay flat, the first one at a random point of the
+  interval so that lanes started together do not report together.
 
 A lane of several pods whose group is replaced says why in its last report (``groupLost``).
 
-Why the status subresource, and not a ConfigMap or the container's termination message: the
-operator already reads the bij on every step, so a report costs it no request at all; the worker
-service account needs one permission (`patch` on `batchinferencejobs/status` in its namespace) and
-no read; a report is deleted with the bij; and running lanes can report (a termination message
-only exists once the container ended). A merge patch of one key never touches another pod's key or
-the operator's fields, so the writers need no coordination.
-
 `bij run` has no API server: its Jobs run as local processes that write the same reports as files
-under a folder (``BIJ_REPORT_TO=dir:<folder>``) which the local driver reads into the status it
-keeps in memory. Where a report goes is set by the Job (``BIJ_REPORT_TO``); without it nothing is
-reported (a worker run by hand).
+under a folder (``BIJ_REPORT_TO=dir:<folder>``) which the local driver reads. Where a report goes is set
+by the Job (``BIJ_REPORT_TO``); without it nothing is reported (a worker run by hand).
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import functools
 import json
 import logging
 import os
+import random
 import ssl
 import threading
 import time
@@ -38,8 +40,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from bij.contract.codes import JOB_UID_ENV, POD_NAME_ENV, REPORT_ENV
-from bij.contract.lane_report import LaneReport
+from bij.contract.codes import (
+    JOB_LABEL,
+    JOB_NAME_ENV,
+    JOB_UID_ENV,
+    POD_NAME_ENV,
+    REPORT_ENV,
+    REPORT_INTERVAL_ENV,
+    ROUND_LABEL,
+)
+from bij.contract.lane_report import REPORT_ANNOTATION, REPORT_SECONDS, LaneReport
 from bij.contract.records import now_stamp
 from bij.contract.spec import API_GROUP, API_VERSION
 
@@ -49,14 +59,17 @@ log = logging.getLogger("bij.report")
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 PLURAL = "batchinferencejobs"
+LANES = "lanes"  # the section of a lane's report
 
 
 class ReportError(Exception):
-    """A report could not be delivered; `permanent`: the API server refused it (a 4xx), the same on a retry."""
+    """A report could not be delivered; `permanent`: the API server refused it (a 4xx), the same on a retry;
+    `status`: its HTTP status, if it answered."""
 
-    def __init__(self, message: str, permanent: bool = False):
+    def __init__(self, message: str, permanent: bool = False, status: int | None = None):
         super().__init__(message)
         self.permanent = permanent
+        self.status = status
 
 
 class Sink(Protocol):
@@ -64,29 +77,39 @@ class Sink(Protocol):
         """Set ``status.reports.<section>.<key>`` to `value` (None removes it)."""
 
 
-class KubeStatus:
-    """Merge patches of the bij's status subresource with the pod's service account token."""
+@functools.lru_cache(maxsize=4)
+def _tls(cafile: str) -> ssl.SSLContext:
+    """One TLS context per CA file: many reporters in one process (lanes of a bench, a step and its lane)
+    share it instead of each loading the CA again."""
+    return ssl.create_default_context(cafile=cafile)
 
-    def __init__(self, namespace: str, name: str, sa_dir: Path = SA_DIR, timeout: float = 15.0):
+
+class _KubeApi:
+    """Requests to the API server with the pod's service account token."""
+
+    def __init__(self, sa_dir: Path = SA_DIR, timeout: float = 15.0):
         host = os.environ.get("KUBERNETES_SERVICE_HOST")
         port = os.environ.get("KUBERNETES_SERVICE_PORT")
         if not host or not port:
             raise ReportError(f"{REPORT_ENV} asks for the Kubernetes API, but KUBERNETES_SERVICE_HOST/PORT are unset")
         if ":" in host:
             host = f"[{host}]"
-        self.url = (f"https://{host}:{port}/apis/{API_GROUP}/{API_VERSION}/namespaces/{namespace}/{PLURAL}/"
-                    f"{name}/status")
+        self.server = f"https://{host}:{port}"
         self.sa_dir = sa_dir
         self.timeout = timeout
-        self.context = ssl.create_default_context(cafile=str(sa_dir / "ca.crt"))
+        self.context = _tls(str(sa_dir / "ca.crt"))
 
-    def put(self, section: str, key: str, value: Mapping[str, Any] | None) -> None:
-        body = json.dumps({"status": {"reports": {section: {key: value}}}}).encode()
+    def request(self, method: str, url: str, body: Mapping[str, Any] | None = None,
+                content_type: str = "application/json") -> None:
+        """Send one request; an HTTP error is a `ReportError` (`permanent` for what a retry cannot change)
+        with its `status`."""
+        data = json.dumps(body).encode() if body is not None else None
         # Read each time: a projected token is rotated while the pod runs.
         token = (self.sa_dir / "token").read_text().strip()
-        req = urllib.request.Request(self.url, data=body, method="PATCH", headers={
-            "Content-Type": "application/merge-patch+json", "Authorization": f"Bearer {token}",
-            "Accept": "application/json"})
+        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = content_type
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, context=self.context, timeout=self.timeout) as resp:
                 resp.read()
@@ -99,9 +122,93 @@ class KubeStatus:
                 pass
             # Forbidden, not found, invalid: asked again, the API server answers the same.
             refused = 400 <= e.code < 500 and e.code not in (408, 409, 429)
-            raise ReportError(f"PATCH {self.url}: HTTP {e.code}: {detail[:600]}", permanent=refused) from None
+            raise ReportError(f"{method} {url}: HTTP {e.code}: {detail[:600]}", permanent=refused,
+                              status=e.code) from None
         except (urllib.error.URLError, OSError) as e:
-            raise ReportError(f"PATCH {self.url}: {e}") from None
+            raise ReportError(f"{method} {url}: {e}") from None
+
+
+class KubeStatus(_KubeApi):
+    """Merge patches of the bij's status subresource (a step's report)."""
+
+    def __init__(self, namespace: str, name: str, sa_dir: Path = SA_DIR, timeout: float = 15.0):
+        super().__init__(sa_dir, timeout)
+        self.url = f"{self.server}/apis/{API_GROUP}/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
+
+    def put(self, section: str, key: str, value: Mapping[str, Any] | None) -> None:
+        self.request("PATCH", self.url, {"status": {"reports": {section: {key: value}}}},
+                     "application/merge-patch+json")
+
+
+class KubeLeases(_KubeApi):
+    """A lane's report in a Lease of its own, named `key` (the pod's name): created on the first report,
+    merge-patched after; owned by the round's Job where the pod knows it (``BIJ_JOB_NAME``/``BIJ_JOB_UID``)."""
+
+    def __init__(self, namespace: str, bij: str, sa_dir: Path = SA_DIR, timeout: float = 15.0,
+                 lease_seconds: int | None = None, job: tuple[str, str] | None = None):
+        super().__init__(sa_dir, timeout)
+        self.bij = bij
+        self.url = f"{self.server}/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+        self.lease_seconds = lease_seconds
+        self.job = job  # (name, uid) of the round's Job
+        self.made: set[str] = set()
+
+    def body(self, key: str, value: Mapping[str, Any]) -> dict[str, Any]:
+        meta: dict[str, Any] = {"annotations": {REPORT_ANNOTATION: json.dumps(value, separators=(",", ":"))}}
+        spec: dict[str, Any] = {"holderIdentity": key, "renewTime": _micro_time()}
+        if self.lease_seconds:
+            spec["leaseDurationSeconds"] = self.lease_seconds
+        if key not in self.made:
+            meta.update(name=key, labels={JOB_LABEL: self.bij, ROUND_LABEL: str(value.get("round", ""))})
+            if self.job is not None:
+                meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": self.job[0],
+                                            "uid": self.job[1]}]
+        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
+
+    def put(self, section: str, key: str, value: Mapping[str, Any] | None) -> None:
+        if value is None:
+            try:
+                self.request("DELETE", f"{self.url}/{key}")
+            except ReportError as e:
+                if e.status != 404:
+                    raise
+            self.made.discard(key)
+            return
+        if key in self.made:
+            try:
+                self.request("PATCH", f"{self.url}/{key}", self.body(key, value), "application/merge-patch+json")
+                return
+            except ReportError as e:
+                if e.status != 404:
+                    raise
+                self.made.discard(key)  # deleted under us (its Job was): made again below
+        try:
+            self.request("POST", self.url, self.body(key, value))
+        except ReportError as e:
+            if e.status != 409:
+                raise
+            # Made by an earlier try of this pod whose answer was lost: patch it.
+            self.made.add(key)
+            self.request("PATCH", f"{self.url}/{key}", self.body(key, value), "application/merge-patch+json")
+            return
+        self.made.add(key)
+
+
+class KubeReports:
+    """A pod's reports on Kubernetes: a step's into the bij's status, a lane's into its Lease."""
+
+    def __init__(self, namespace: str, name: str, sa_dir: Path = SA_DIR, lease_seconds: int | None = None,
+                 job: tuple[str, str] | None = None):
+        self.status = KubeStatus(namespace, name, sa_dir)
+        self.leases = KubeLeases(namespace, name, sa_dir, lease_seconds=lease_seconds, job=job)
+
+    def put(self, section: str, key: str, value: Mapping[str, Any] | None) -> None:
+        (self.leases if section == LANES else self.status).put(section, key, value)
+
+
+def _micro_time() -> str:
+    """Now as a Kubernetes MicroTime (a Lease's renewTime)."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class FolderSink:
@@ -136,7 +243,7 @@ def read_folder(folder: str | Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def sink_from_env(env: Mapping[str, str] | None = None) -> Sink | None:
+def sink_from_env(env: Mapping[str, str] | None = None, sa_dir: Path = SA_DIR) -> Sink | None:
     """Where this pod's reports go (``BIJ_REPORT_TO``: ``kube:<namespace>/<bij>`` or ``dir:<folder>``)."""
     where = (env if env is not None else os.environ).get(REPORT_ENV, "")
     if not where:
@@ -144,10 +251,22 @@ def sink_from_env(env: Mapping[str, str] | None = None) -> Sink | None:
     kind, _, rest = where.partition(":")
     if kind == "kube" and "/" in rest:
         namespace, name = rest.split("/", 1)
-        return KubeStatus(namespace, name)
+        env = env if env is not None else os.environ
+        interval = env.get(REPORT_INTERVAL_ENV, "")
+        job_name, job_uid = env.get(JOB_NAME_ENV), env.get(JOB_UID_ENV)
+        return KubeReports(namespace, name, sa_dir,
+                           lease_seconds=int(3 * float(interval)) + 1 if _is_number(interval) else None,
+                           job=(job_name, job_uid) if job_name and job_uid else None)
     if kind == "dir" and rest:
         return FolderSink(rest)
     raise ReportError(f"{REPORT_ENV}={where!r}: expected kube:<namespace>/<name> or dir:<folder>")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def put_with_retries(sink: Sink, section: str, key: str, value: Mapping[str, Any] | None,
@@ -171,7 +290,7 @@ class LaneReporter:
     end (`close`), best effort: a report that cannot be sent costs the lane nothing (its records in
     storage are what counts), and the lane never waits for the API server."""
 
-    def __init__(self, sink: Sink, round_no: int, lane: int, interval: float = 5.0, key: str | None = None):
+    def __init__(self, sink: Sink, round_no: int, lane: int, interval: float = REPORT_SECONDS, key: str | None = None):
         self.sink = sink
         self.key = key or os.environ.get(POD_NAME_ENV) or f"lane-{round_no}-{lane}-{uuid.uuid4().hex[:8]}"
         self.state = LaneReport(round=round_no, lane=lane)
@@ -209,8 +328,11 @@ class LaneReporter:
             self.version += 1
 
     def _loop(self) -> None:
-        while not self.closed.wait(self.interval):
+        # The first report at a random point of the interval: lanes that start together spread out.
+        wait = random.uniform(0, self.interval)
+        while not self.closed.wait(wait):
             self.send()
+            wait = self.interval
 
     def send(self) -> None:
         with self.lock:
@@ -219,7 +341,7 @@ class LaneReporter:
             version = self.version
             value = self.state.model_copy(update={"at": now_stamp()}).as_status()
         try:
-            self.sink.put("lanes", self.key, value)
+            self.sink.put(LANES, self.key, value)
             self.sent = version
         except (ReportError, OSError) as e:
             log.warning("cannot report progress: %s", e)
