@@ -196,6 +196,92 @@ def test_valid_answers_count_as_validated_and_what_cannot_be_checked_is_left_alo
     assert Validator().check(reqs[2:3], many).violations == 1 and "answer 1" in str(many[0].error)
 
 
+def _problem(kind: str, value: Any, output: str, validator: Validator | None = None) -> str | None:
+    return (validator or Validator()).problem(_structured(kind, value), output)
+
+
+@pytest.mark.timeout(20)  # Python's re takes hours here (2**40 ways to split forty a's), holding the GIL
+def test_a_backtracking_regex_is_checked_in_linear_time() -> None:
+    req = Request(text="x", sampling=Sampling(structured_output=("regex", "(a+)+b")))
+    cut = [Result(output="a" * 40, completion_tokens=40, extra={"finish_reason": "length"})]
+    assert Validator().check([req], cut).violations == 1
+    assert "does not match the pattern '(a+)+b' (cut at its token cap: 40 tokens" in str(cut[0].error)
+    assert _problem("regex", "(a+)+b", "a" * 100_000 + "b") is None
+    # The schema's own regexes too: pattern, and patternProperties (additionalProperties reads them).
+    why = _problem("json_schema", {"type": "string", "pattern": "^(a+)+b$"}, json.dumps("a" * 40))
+    assert why is not None and "does not match '^(a+)+b$' (keyword pattern)" in why
+    keyed = {"type": "object", "patternProperties": {"^(a+)+b$": {"type": "integer"}}, "additionalProperties": False}
+    why = _problem("json_schema", keyed, json.dumps({"a" * 40: 1}))
+    assert why is not None and "not match any of the regexes: '^(a+)+b$' (keyword additionalProperties)" in why
+    assert _problem("json_schema", keyed, json.dumps({"a" * 40 + "b": 1})) is None
+
+
+@pytest.mark.parametrize(("pattern", "output", "matches"), [
+    ("[a-c]{3}-[0-9]{2}", "abc-12", True),
+    ("[a-c]{3}-[0-9]{2}", "abc-123", False),
+    (r"\d+(\.\d+)?", "3.14", True),
+    (r"\d+(\.\d+)?", "3.", False),
+    ("(yes|no)", "yes", True),
+    ("(yes|no)", "yesno", False),  # the whole answer, not a prefix
+    ("é+ ok", "éé ok", True),
+    (r"[\u0041-\u005a]+", "ABC", True),  # JSON Schema's (ECMA-262's) \uXXXX escape
+    (r"[\u0041-\u005a]+", "abc", False),
+    (r"\\u0041", "\\u0041", True),  # an escaped backslash, then a plain "u0041"
+    (r"(?P<word>\w+) \w+", "hello world", True),
+    ("a.c", "a\nc", False),  # "." stops at a line break, as in re
+])
+def test_ordinary_patterns_match_and_refuse_answers_as_before(pattern: str, output: str, matches: bool) -> None:
+    why = _problem("regex", pattern, output)
+    assert (why is None) == matches, why
+    if not matches:
+        assert why == f"does not match the pattern {pattern!r}"
+
+
+@pytest.mark.parametrize(("pattern", "reason"), [
+    (r"(a)\1", r"invalid escape sequence: \1"),  # a backreference
+    ("(?=a)a", "invalid perl operator: (?="),  # a lookahead
+    ("a{1001}", "invalid repetition size: {1001}"),
+])
+def test_a_pattern_the_linear_engine_refuses_is_a_violation_naming_it(pattern: str, reason: str) -> None:
+    req = Request(text="x", sampling=Sampling(structured_output=("regex", pattern)))
+    results = [Result(output="aa", completion_tokens=2, extra={"finish_reason": "stop"})]
+    assert Validator().check([req], results).violations == 1
+    assert results[0].extra["code"] == "schema_violation"
+    assert results[0].error == (f"the answer breaks its structured output (regex): the pattern {pattern!r} "
+                                f"cannot be matched in linear time (RE2: {reason})")
+    why = _problem("json_schema", {"type": "string", "pattern": pattern}, '"aa"')
+    assert why is not None and f"the pattern {pattern!r} cannot be matched in linear time" in why
+
+
+@pytest.mark.timeout(20)
+def test_a_schema_check_that_runs_too_long_is_stopped_and_says_so() -> None:
+    # Each level tries both array branches before failing: 2**40 steps without a deadline.
+    node = {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/n"}},
+                      {"type": "array", "items": {"$ref": "#/$defs/n"}}, {"type": "integer"}]}
+    schema = {"$defs": {"n": node}, "$ref": "#/$defs/n"}
+    deep = "[" * 40 + '"x"' + "]" * 40
+    assert _problem("json_schema", schema, deep, Validator(seconds=0.5)) == (
+        "its schema's check ran past 0.5 s and was stopped (too costly to check)")
+    assert _problem("json_schema", schema, "[[1], [[2]]]", Validator(seconds=0.5)) is None
+
+
+@pytest.mark.timeout(20)
+def test_unique_items_of_a_long_array_of_objects_is_checked_in_linear_time() -> None:
+    schema = {"type": "array", "uniqueItems": True}
+    items = [{"id": i, "tags": [i, {"k": True}]} for i in range(20_000)]  # pairwise: 2*10**8 comparisons
+    assert _problem("json_schema", schema, json.dumps(items)) is None
+    twice = items + [{"tags": [7.0, {"k": True}], "id": 7}]  # 7 == 7.0 and keys unordered, as JSON Schema says
+    assert "has non-unique elements" in str(_problem("json_schema", schema, json.dumps(twice)))
+    assert _problem("json_schema", schema, "[1, true, 0, false]") is None  # true is not 1
+
+
+def test_an_answer_nested_too_deep_is_a_violation_not_a_crash() -> None:
+    assert _problem("json_object", "", "[" * 100_000) == "not valid JSON: nested deeper than the parser goes"
+    deep = "[" * 400 + "]" * 400
+    why = _problem("json_schema", {"items": {"$ref": "#"}}, deep)
+    assert why == "nested deeper than its schema's check goes"
+
+
 def test_length_bounded_strings_reach_the_grammar_as_patterns_without_control_characters() -> None:
     tight = json.loads(grammar_schema(json.dumps(BOUNDED)))
     assert tight["properties"]["name"] == {"type": "string", "pattern": "^[^\\x00-\\x1f]{2,8}$"}

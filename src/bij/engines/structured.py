@@ -8,9 +8,10 @@ validator, whichever engine made it (the transformers engine first retries a bro
 once on its second grammar backend, llguidance):
 
 - ``json_schema``: strict JSON (no NaN, no raw control characters), then the `jsonschema`
-  library's validator for the schema's own draft;
+  library's validator for the schema's own draft, its regexes (`pattern`, `patternProperties`) and
+  `uniqueItems` checked in linear time and the whole check stopped after `CHECK_SECONDS`;
 - ``json_object``: strict JSON whose value is an object;
-- ``regex``: the pattern matches the whole answer (`re.fullmatch`);
+- ``regex``: the pattern matches the whole answer, matched by RE2 (linear time);
 - ``choice``: the answer is one of the choices;
 - ``grammar`` (EBNF): no validator here; counted as unchecked.
 
@@ -18,6 +19,14 @@ An answer that breaks its structured output becomes a ``schema_violation`` error
 the answer, never a success; so does an answer cut by its token cap (finish_reason ``length``)
 that breaks it (half a JSON object), the message saying so. A cut answer that still keeps to its
 structured output (a pattern that a prefix satisfies) is a success with finish_reason ``length``.
+
+No answer may hold the worker for long: Python's `re` backtracks (``(a+)+b`` against forty ``a``s
+runs for hours, holding the GIL, so the lane's lease and report threads starve), so every regex is
+matched by RE2, whose time is linear in the answer. RE2 reads the dialect the grammar backends take
+(no backreferences, no lookarounds; ``\\d``, ``\\w`` are ASCII, as in JSON Schema's ECMA-262); a
+pattern RE2 refuses makes the answer a violation naming the pattern and why, never a fallback to
+`re`. A schema whose check runs past `CHECK_SECONDS` (nested ``anyOf`` over a deep answer is
+exponential) makes the answer a violation that says so.
 
 `grammar_schema` tightens a schema before it reaches the grammar backend where a known
 defect can be avoided: a string bounded by minLength/maxLength (and without a pattern of its
@@ -28,10 +37,17 @@ validator still checks the schema as the row gave it.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
+import math
 import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import re2
 
 from bij.engines.base import Request, Result
 
@@ -49,6 +65,16 @@ _NO_CONTROL = "[^\\x00-\\x1f]"
 UNENFORCED_KEYWORDS = ("uniqueItems", "not", "if", "then", "else", "dependentSchemas", "dependentRequired",
                        "patternProperties", "propertyNames", "contains", "minContains", "maxContains",
                        "multipleOf", "format", "unevaluatedProperties", "unevaluatedItems")
+# The longest one answer's schema check may run: a real answer checks in milliseconds; past this the
+# check is stopped (a pure-Python check does not starve other threads, but it must still end).
+CHECK_SECONDS = 2.0
+# Compiled patterns kept (RE2 programs; each bounded by RE2's max_mem, 8 MiB).
+MOST_PATTERNS = 1024
+# A JSON Schema pattern may write a character as \uXXXX (ECMA-262); RE2 writes it \x{XXXX}. Escapes
+# are read pairwise from the left, so an escaped backslash before a "u" stays what it is.
+_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|.)", re.DOTALL)
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a refused pattern is reported in its row, not on stderr
 
 
 def grammar_schema(text: str) -> str:
@@ -83,7 +109,139 @@ def _strict_constant(name: str) -> Any:
 def _strict_json(text: str) -> Any:
     """The JSON value of `text`, refusing what Python's parser allows beyond JSON (NaN, Infinity)
     and raw control characters inside strings (json.loads refuses them with strict=True, its default)."""
-    return json.loads(text, parse_constant=_strict_constant)
+    try:
+        return json.loads(text, parse_constant=_strict_constant)
+    except RecursionError:
+        raise ValueError("nested deeper than the parser goes") from None
+
+
+@functools.lru_cache(maxsize=MOST_PATTERNS)
+def linear_pattern(text: str) -> Any:
+    """`text` compiled by RE2 (whose match time is linear in the string), or why RE2 refuses it (a str):
+    a backreference, a lookaround, a count over 1,000, a program over RE2's memory bound."""
+    try:
+        return re2.compile(_ESCAPE.sub(_re2_escape, text), _RE2_OPTIONS)
+    except re2.error as e:
+        why = e.args[0] if e.args else e
+        return (why.decode("utf-8", "replace") if isinstance(why, bytes) else str(why)) or "refused"
+
+
+def _re2_escape(m: re.Match[str]) -> str:
+    return f"\\x{{{m[1][1:]}}}" if m[1][0] == "u" and len(m[1]) == 5 else m[0]
+
+
+def _refused(text: str, why: str) -> str:
+    return f"the pattern {text!r} cannot be matched in linear time (RE2: {why})"
+
+
+class _PastDeadline(Exception):
+    """A schema check ran past its deadline."""
+
+
+# When the schema check running in this thread must stop (monotonic clock).
+_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("bij_check_deadline", default=math.inf)
+
+
+def _bounded(keyword: Any) -> Any:
+    """A jsonschema keyword that first looks at the clock: every step of a check, however deep or
+    branching, goes through a keyword, so a check past its deadline stops at its next step."""
+    def check(validator: Any, value: Any, instance: Any, schema: Any) -> Iterator[Any]:
+        if time.monotonic() > _deadline.get():
+            raise _PastDeadline
+        yield from keyword(validator, value, instance, schema) or ()
+    return check
+
+
+def _pattern_keyword(validator: Any, pattern: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    from jsonschema.exceptions import ValidationError
+
+    if validator.is_type(instance, "string"):
+        compiled = linear_pattern(pattern)
+        if isinstance(compiled, str):
+            yield ValidationError(_refused(pattern, compiled))
+        elif not compiled.search(instance):
+            yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties_keyword(validator: Any, patterns: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    from jsonschema.exceptions import ValidationError
+
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        compiled = linear_pattern(pattern)
+        if isinstance(compiled, str):
+            yield ValidationError(_refused(pattern, compiled))
+            continue
+        for k, v in instance.items():
+            if compiled.search(k):
+                yield from validator.descend(v, subschema, path=k, schema_path=pattern)
+
+
+def _additional_properties_keyword(validator: Any, extra: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    """jsonschema's additionalProperties, the patternProperties it skips matched by RE2 (a refused
+    pattern is reported by patternProperties itself)."""
+    from jsonschema.exceptions import ValidationError
+
+    if not validator.is_type(instance, "object"):
+        return
+    patterns = schema.get("patternProperties", {})
+    compiled = [c for c in map(linear_pattern, patterns) if not isinstance(c, str)]
+    properties = schema.get("properties", {})
+    extras = sorted((k for k in instance if k not in properties and not any(c.search(k) for c in compiled)), key=str)
+    if validator.is_type(extra, "object"):
+        for k in extras:
+            yield from validator.descend(instance[k], extra, path=k)
+    elif not extra and extras:
+        names = ", ".join(map(repr, extras))
+        if patterns:
+            yield ValidationError(f"{names} {'does' if len(extras) == 1 else 'do'} not match any of the regexes: "
+                                  + ", ".join(map(repr, sorted(patterns))))
+        else:
+            yield ValidationError(f"Additional properties are not allowed ({names} "
+                                  f"{'was' if len(extras) == 1 else 'were'} unexpected)")
+
+
+def _json_identity(value: Any) -> Any:
+    """A hashable stand-in equal where JSON Schema's equality is (1 == 1.0, true != 1, keys unordered)."""
+    if isinstance(value, bool):
+        return ("boolean", value)
+    if isinstance(value, int | float):
+        return ("number", value)
+    if isinstance(value, list):
+        return ("array", tuple(map(_json_identity, value)))
+    if isinstance(value, dict):
+        return ("object", frozenset((k, _json_identity(v)) for k, v in value.items()))
+    return (type(value).__name__, value)
+
+
+def _unique_items_keyword(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    """uniqueItems by hashing: jsonschema compares unsortable items (objects) pairwise, quadratic in
+    a long answer's array, inside one step the deadline cannot stop."""
+    from jsonschema.exceptions import ValidationError
+
+    if unique and validator.is_type(instance, "array"):
+        seen: set[Any] = set()
+        for item in instance:
+            key = _json_identity(item)
+            if key in seen:
+                yield ValidationError(f"{instance!r} has non-unique elements")
+                return
+            seen.add(key)
+
+
+_LINEAR_KEYWORDS = {"pattern": _pattern_keyword, "patternProperties": _pattern_properties_keyword,
+                    "additionalProperties": _additional_properties_keyword, "uniqueItems": _unique_items_keyword}
+
+
+@functools.lru_cache(maxsize=16)
+def _bounded_validator(base: Any) -> Any:
+    """The draft's validator class with its regexes matched by RE2, uniqueItems hashed, and every keyword
+    looking at the deadline."""
+    import jsonschema
+
+    keywords = {k: _bounded(_LINEAR_KEYWORDS.get(k, fn)) for k, fn in base.VALIDATORS.items()}
+    return jsonschema.validators.extend(base, validators=keywords)
 
 
 @dataclass
@@ -100,10 +258,9 @@ class Checked:
 class Validator:
     """Checks structured answers; the validators of schemas and patterns seen are kept (bounded)."""
 
-    def __init__(self, most: int = 1024):
-        self.most = most
+    def __init__(self, most: int = 1024, seconds: float = CHECK_SECONDS):
+        self.most, self.seconds = most, seconds
         self._schemas: dict[str, Any] = {}
-        self._patterns: dict[str, re.Pattern[str]] = {}
 
     def problem(self, structured: tuple[str, str], output: str) -> str | None:
         """Why `output` breaks `structured`; None when it keeps to it (or it cannot be checked)."""
@@ -115,15 +272,23 @@ class Validator:
                 return f"not valid JSON: {e}"
             if kind == "json_object":
                 return None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
-            error = next(iter(self._schema(text).iter_errors(value)), None)
+            started = _deadline.set(time.monotonic() + self.seconds)
+            try:
+                error = next(iter(self._schema(text).iter_errors(value)), None)
+            except _PastDeadline:
+                return f"its schema's check ran past {self.seconds:g} s and was stopped (too costly to check)"
+            except RecursionError:
+                return "nested deeper than its schema's check goes"
+            finally:
+                _deadline.reset(started)
             if error is None:
                 return None
             where = "/".join(map(str, error.absolute_path)) or "(the value)"
             return f"at {where}: {error.message} (keyword {error.validator})"
         if kind == "regex":
-            pattern = self._pattern(text)
-            if pattern is None:
-                return None
+            pattern = linear_pattern(text)
+            if isinstance(pattern, str):
+                return _refused(text, pattern)
             return None if pattern.fullmatch(output) else f"does not match the pattern {text!r}"
         if kind == "choice":
             choices = json.loads(text)
@@ -131,10 +296,7 @@ class Validator:
         return None
 
     def checkable(self, structured: tuple[str, str]) -> bool:
-        kind, text = structured
-        if kind == "regex":
-            return self._pattern(text) is not None
-        return kind in ("json_schema", "json_object", "choice")
+        return structured[0] in ("json_schema", "json_object", "regex", "choice")
 
     def check(self, requests: list[Request], results: list[Result]) -> Checked:
         """Check every structured answer; a row that breaks its structured output becomes
@@ -176,21 +338,8 @@ class Validator:
             import jsonschema
 
             schema = json.loads(text)
-            v = jsonschema.validators.validator_for(schema)(schema)
+            v = _bounded_validator(jsonschema.validators.validator_for(schema))(schema)
             if len(self._schemas) >= self.most:
                 self._schemas.clear()
             self._schemas[text] = v
         return v
-
-    def _pattern(self, text: str) -> re.Pattern[str] | None:
-        """The regex compiled by Python's `re`; None when `re` cannot read it (a syntax only the
-        grammar backend has): such an answer is unchecked, never refused for the validator's sake."""
-        if text not in self._patterns:
-            try:
-                compiled: re.Pattern[str] | None = re.compile(text)
-            except re.error:
-                compiled = None
-            if len(self._patterns) >= self.most:
-                self._patterns.clear()
-            self._patterns[text] = compiled  # type: ignore[assignment]
-        return self._patterns[text]
