@@ -40,9 +40,10 @@ def test_the_worker_takes_its_defaults_from_the_spec_model() -> None:
     spec = Plan.from_doc(legacy_doc()).spec
     defaults = ModelSpec()
     opts = InputOptions.from_spec(spec)
-    assert (opts.max_tokens, opts.temperature, opts.truncate) == (defaults.max_tokens, defaults.temperature, True)
+    basic = defaults.basics()  # maxTokens, temperature, seed: sampling.SPEC_DEFAULTS, the model leaves them unset
+    assert (opts.max_tokens, opts.temperature, opts.truncate) == (basic.max_tokens, basic.temperature, True)
     cfg = engine_config(spec)
-    assert cfg.max_tokens == defaults.max_tokens
+    assert cfg.max_tokens == basic.max_tokens
     assert cfg.vllm["gpuMemoryUtilization"] == defaults.vllm.gpu_memory_utilization  # camelCase, as planned
     assert "maxNumSeqs" not in cfg.vllm  # unset: vLLM's own default
 

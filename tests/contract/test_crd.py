@@ -230,6 +230,9 @@ GOOD = [
     ("pass-through-narrowed", with_spec(input={"uri": "s3://b/in/", "format": "parquet",
                                                "passThrough": ["text", "lang"]})),
     ("pass-through-off", with_spec(input={"uri": "s3://b/in/", "passThrough": []})),
+    # model.maxTokens/temperature/seed carry no CRD default, so the API server's defaulting sets neither beside these.
+    ("sampling-basics-alone", with_spec(model={"task": "generate",
+                                               "sampling": {"temperature": 0.7, "maxTokens": 10, "seed": 3}})),
     ("partition-by-input-judged-in-place", with_spec(
         output={"uri": "s3://bucket/out", "partitionBy": "input"}, model={"task": "generate"},
         judge={"type": "regex", "pattern": "x", "strategy": "inPlace"})),

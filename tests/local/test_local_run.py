@@ -166,6 +166,20 @@ def test_a_rerun_of_a_published_job_whose_work_files_went_still_refuses_a_change
     assert p.returncode == 0 and "nothing to do" in p.stderr, p.stderr
 
 
+def test_bij_run_takes_maxtokens_temperature_and_seed_from_model_sampling_alone(file_place, make_job, read_output,
+                                                                                 worker_env, bij_bin):
+    # The round plan carries the spec as a dict: a default written into it must not read back as set.
+    words = [f"w{i}" for i in range(20)]
+    inputs = [{"id": i, "text": " ".join(words)} for i in range(3)]
+    spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                         model={"engine": "simulated", "simulated": {"stepSeconds": 0},
+                                "sampling": {"temperature": 0.7, "maxTokens": 10, "seed": 3}})
+    p = bij_run(bij_bin, spec, worker_env())
+    assert p.returncode == 0, p.stderr
+    # The simulated engine answers a row's first min(words, maxTokens) words.
+    assert [r["output"] for r in read_output(job).results] == [" ".join(words[:10])] * 3
+
+
 def one_line(p: subprocess.CompletedProcess[str]) -> str:
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr

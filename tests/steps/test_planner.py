@@ -281,6 +281,20 @@ def test_a_rerun_whose_spec_decides_rows_differently_is_refused_naming_the_chang
     assert "bij run --restart" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_plan_whose_spec_carried_the_old_sampling_defaults_matches_a_spec_that_sets_none(file_place, make_job):
+    # Plans written while model.maxTokens/temperature/seed had defaults of their own recorded 256, 0.0 and 0;
+    # now unset, they must still read the same, or every resume across the upgrade would be refused.
+    uri = file_place.write_jsonl("in.jsonl", [{"id": 1, "text": "a"}])
+    _, job = make_job(file_place, uri)
+    first = plan_round(job, 0)
+    plan_uri = layout.round_manifest_uri(job, 0)
+    doc = json.loads(file_place.storage.read_bytes(plan_uri))
+    assert "maxTokens" not in doc["job"]["spec"]["model"]
+    doc["job"]["spec"]["model"].update({"maxTokens": 256, "temperature": 0.0, "seed": 0})
+    file_place.storage.write_bytes(plan_uri, json.dumps(doc).encode())
+    assert plan_round(job, 0).shard_count == first.shard_count
+
+
 def test_a_rerun_with_another_input_uri_is_refused(file_place, make_job):
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", [{"id": 1, "text": "a"}]))
     plan_round(job, 0)

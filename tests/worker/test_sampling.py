@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 
+from bij.cli.validate import check_document
 from bij.contract.sampling import NO_SAMPLING, Sampling
-from bij.contract.spec import SpecError, load_job
+from bij.contract.spec import SpecError, job_to_dict, load_job, parse_job
 from bij.engines.base import BASIC_SAMPLING, CHAT_TEMPLATE_FIELDS
 from bij.worker.inputs import InputOptions, parse_line, parse_plain_lines
+from bij.worker.main import engine_config
 
 TRANSFORMERS = BASIC_SAMPLING | {"topP", "topK", "minP", "repetitionPenalty", "stop"}
 ECHO_CHAT = InputOptions(format="openai", task="chat", engine="echo", honours=BASIC_SAMPLING)
@@ -415,3 +417,50 @@ def test_embedding_lines_take_dimensions_where_the_model_allows_and_an_encoding_
                          ({"min_tokens": 1}, "unknown field 'body.min_tokens'")):
         row = parse(embed(**body), matryoshka)
         assert row.error_code == "invalid_request" and needle in str(row.error), row.error
+
+
+def _stored(model: dict[str, Any]) -> Any:
+    """The job the operator reads: the document with the CRD's defaults applied as the API server does."""
+    verdicts = check_document(_spec(model))
+    assert verdicts.schema == [] and verdicts.stored is not None
+    return verdicts
+
+
+def _request(job_spec: Any) -> Any:
+    opts = InputOptions.from_spec(job_spec, honours=TRANSFORMERS)
+    row = parse({"id": 1, "text": "go"}, opts)
+    assert row.error is None
+    return row.request
+
+
+def test_model_sampling_basics_alone_pass_after_the_crds_defaults_and_reach_every_row() -> None:
+    verdicts = _stored({"task": "generate", "sampling": {"temperature": 0.7, "maxTokens": 10, "seed": 3}})
+    assert verdicts.model == verdicts.model_stored == []
+    job = parse_job(verdicts.stored)
+    for spec in (job.spec, parse_job(job_to_dict(job)).spec):  # as stored, and as a round plan carries it
+        req = _request(spec)
+        assert (req.max_tokens, req.temperature, req.seed) == (10, 0.7, 3)
+        assert engine_config(spec).seed == 3  # the engine's own seed follows the rows'
+
+
+def test_a_spec_setting_no_sampling_runs_rows_with_256_tokens_greedy_and_seed_0() -> None:
+    verdicts = _stored({"task": "generate"})
+    assert verdicts.model == verdicts.model_stored == []
+    job = parse_job(verdicts.stored)
+    req = _request(job.spec)
+    assert (req.max_tokens, req.temperature, req.seed) == (256, 0.0, 0)
+    cfg = engine_config(job.spec)
+    assert (cfg.max_tokens, cfg.temperature, cfg.seed) == (256, 0.0, 0)
+
+
+@pytest.mark.parametrize("model, needle", [
+    ({"temperature": 0.2, "sampling": {"temperature": 0.7}}, "model.temperature and model.sampling.temperature"),
+    # Set to the value a spec that sets neither runs with: still set, still ambiguous.
+    ({"temperature": 0, "sampling": {"temperature": 0.7}}, "model.temperature and model.sampling.temperature"),
+    ({"seed": 0, "sampling": {"seed": 3}}, "model.seed and model.sampling.seed"),
+])
+def test_a_field_set_both_in_model_and_model_sampling_is_refused_after_the_crds_defaults(
+        model: dict[str, Any], needle: str) -> None:
+    verdicts = _stored({"task": "generate", **model})
+    for problems in (verdicts.model, verdicts.model_stored):
+        assert any(f"{needle} both set: set one" in p for p in problems), problems

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from bij.contract.errors import BijError
 from bij.contract.plan import PlanObject
+from bij.contract.sampling import DEFAULT_MAX_TOKENS, DEFAULT_SEED, DEFAULT_TEMPERATURE
 from bij.contract.spec import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
 
 if TYPE_CHECKING:  # a type only: the spec's fingerprint is pure, `reconcile` imports it
@@ -39,6 +40,10 @@ _ADDED_LATER: dict[str, Any] = {"input.maxLineBytes": DEFAULT_MAX_LINE_BYTES, "i
                                 "model.sampling": {}, "input.adapterField": "adapter", "model.adapters": [],
                                 "model.vllm.engineArgs": {}, "input.maxImageBytes": DEFAULT_MAX_IMAGE_BYTES,
                                 "output.partitionBy": "shard"}
+# Fields a spec leaves unset (None) for a default applied elsewhere (sampling.SPEC_DEFAULTS): unset reads as
+# that value, as plans written when the spec itself defaulted them recorded it, so those plans still match.
+_UNSET_MEANS: dict[str, Any] = {"model.maxTokens": DEFAULT_MAX_TOKENS, "model.temperature": DEFAULT_TEMPERATURE,
+                                "model.seed": DEFAULT_SEED}
 
 
 class PlanRefused(BijError):
@@ -52,7 +57,7 @@ def _get(spec: Mapping[str, Any], path: str) -> Any:
     value: Any = spec
     for part in path.split("."):
         if not isinstance(value, Mapping) or part not in value:
-            return _ADDED_LATER.get(path)
+            return _UNSET_MEANS[path] if path in _UNSET_MEANS else _ADDED_LATER.get(path)
         value = value[part]
     return value
 

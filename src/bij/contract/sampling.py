@@ -1,13 +1,14 @@
 """What a row asks of the engine beyond its prompt, built in one place and honoured or refused.
 
 A row's sampling fields come from three places, later ones winning: the spec's defaults
-(`model.sampling`, and the older `model.maxTokens`/`temperature`/`seed`), then the row
-itself, either the body of an OpenAI batch line (`top_p`, `stop`, ...) or a sampling
-column of a JSONL or Parquet row (`input.samplingField`, default ``sampling``, with the
-spec's camelCase keys). Every field is checked here; a field nobody knows is an
-``invalid_request`` error row naming it. Each engine says which fields it honours
-(`Engine.honours`); a row that asks for one it does not honour gets an ``unsupported``
-error row naming the engine and the field, and is never answered as if it had not asked.
+(`model.sampling`, and the older `model.maxTokens`/`temperature`/`seed`; where neither sets
+one of these three, `SPEC_DEFAULTS`), then the row itself, either the body of an OpenAI
+batch line (`top_p`, `stop`, ...) or a sampling column of a JSONL or Parquet row
+(`input.samplingField`, default ``sampling``, with the spec's camelCase keys). Every field
+is checked here; a field nobody knows is an ``invalid_request`` error row naming it. Each
+engine says which fields it honours (`Engine.honours`); a row that asks for one it does
+not honour gets an ``unsupported`` error row naming the engine and the field, and is never
+answered as if it had not asked.
 
 A field set to its neutral value (``n: 1``, ``top_p: 1``, ``presence_penalty: 0``,
 ``stop: []``, ...) asks for nothing: every engine does that already, so it is never
@@ -77,6 +78,37 @@ class Sampling:
 
 
 NO_SAMPLING = Sampling()
+
+# What a row runs with when neither model.sampling nor model.maxTokens/temperature/seed sets these.
+# Applied here (`spec_defaults`), never as the spec's or the CRD's defaults: after the API server's
+# defaulting a spec must still tell what its user set (model.X and model.sampling.X may not both be).
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 0.0  # greedy
+DEFAULT_SEED = 0
+SPEC_DEFAULTS = Sampling(max_tokens=DEFAULT_MAX_TOKENS, temperature=DEFAULT_TEMPERATURE, seed=DEFAULT_SEED)
+
+
+@dataclass(frozen=True, slots=True)
+class Basics:
+    """The maxTokens, temperature and seed every request of a job defaults to (each one resolved)."""
+
+    max_tokens: int
+    temperature: float
+    seed: int
+
+
+def spec_defaults(own: Sampling, older: Sampling) -> Sampling:
+    """Every row's sampling defaults from the spec: `own` (model.sampling and model.structuredOutput),
+    then `older` (model.maxTokens/temperature/seed), then `SPEC_DEFAULTS`: maxTokens, temperature and
+    seed are always set."""
+    return own.over(older).over(SPEC_DEFAULTS)
+
+
+def basics(s: Sampling) -> Basics:
+    """`s`'s maxTokens, temperature and seed, `SPEC_DEFAULTS`' where `s` leaves one unset."""
+    return Basics(max_tokens=DEFAULT_MAX_TOKENS if s.max_tokens is None else s.max_tokens,
+                  temperature=DEFAULT_TEMPERATURE if s.temperature is None else s.temperature,
+                  seed=DEFAULT_SEED if s.seed is None else s.seed)
 
 # Values that change nothing: every engine "honours" them by doing what it always does.
 NEUTRAL: dict[str, Any] = {

@@ -21,7 +21,7 @@ from bij.contract.columns import RESULT_FIELDS, consumed
 from bij.contract.errors import BijError
 from bij.contract.globs import check_glob, has_glob
 from bij.contract.publish_plan import OutputFormat
-from bij.contract.sampling import DEFAULT_ROW_BUDGET, Sampling
+from bij.contract.sampling import DEFAULT_ROW_BUDGET, Basics, Sampling, basics, spec_defaults
 from bij.contract.sampling import from_spec as sampling_from_spec
 from bij.contract.schema import FREE_FORM, INT64, cel, k8s
 
@@ -477,12 +477,15 @@ class ModelSpec(_Model):
     bij-api sets it to the model map's key"""
     task: Literal["embed", "generate", "chat"] = "embed"
     """embed (a vector per row), generate (a completion of the row's text) or chat (an answer to the row's messages)"""
-    max_tokens: int = Field(256, ge=1)
-    """tokens generated per row at most (generate and chat)"""
-    temperature: float = Field(0.0, ge=0, le=2)
-    """sampling temperature; 0 is greedy"""
-    seed: int = 0
-    """sampling seed"""
+    # No defaults here (nor in the CRD): unset is None, so a spec the API server defaulted still tells
+    # whether its user set these or model.sampling's (sampling.SPEC_DEFAULTS applies where neither does).
+    max_tokens: int | None = Field(None, ge=1)
+    """tokens generated per row at most (generate and chat), or set model.sampling.maxTokens (not both);
+    default 256"""
+    temperature: float | None = Field(None, ge=0, le=2)
+    """sampling temperature, 0 is greedy; or set model.sampling.temperature (not both); default 0"""
+    seed: int | None = None
+    """sampling seed, or set model.sampling.seed (not both); default 0"""
     row_budget: int = Field(DEFAULT_ROW_BUDGET, ge=1, le=1 << 40, json_schema_extra=INT64)
     """what one row may cost before it runs: n x maxTokens x (1 + topLogprobs when it asks for logprobs); a row over
     it is an invalid_request error row naming its fields"""
@@ -512,9 +515,14 @@ class ModelSpec(_Model):
     """engine simulated, continuous batching on a clock (dry runs, cost estimates)"""
 
     def resolved_sampling(self) -> Sampling:
-        """Every row's sampling defaults: model.sampling, with model.maxTokens/temperature/seed under it."""
-        base = Sampling(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed)
-        return self.own_sampling().over(base)
+        """Every row's sampling defaults: model.sampling, with model.maxTokens/temperature/seed under it
+        and the effective defaults (sampling.SPEC_DEFAULTS) under both."""
+        older = Sampling(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed)
+        return spec_defaults(self.own_sampling(), older)
+
+    def basics(self) -> Basics:
+        """The maxTokens, temperature and seed every row defaults to, resolved as `resolved_sampling` does."""
+        return basics(self.resolved_sampling())
 
     def own_sampling(self) -> Sampling:
         """What model.sampling and model.structuredOutput set (the engine must honour each field they ask for)."""
@@ -534,8 +542,10 @@ class ModelSpec(_Model):
             raise ValueError("engine sentence-transformers only supports task embed")
         if self.engine == "transformers" and self.task == "embed":
             raise ValueError("engine transformers supports tasks generate and chat, not embed")
+        # None is unset: neither the model nor the CRD defaults these, so a defaulted spec counts only
+        # what its user wrote.
         both = [k for k in ("max_tokens", "temperature", "seed")
-                if k in self.model_fields_set and getattr(self.sampling, k) is not None]
+                if getattr(self, k) is not None and getattr(self.sampling, k) is not None]
         if both:
             names = ", ".join(f"model.{to_camel(k)} and model.sampling.{to_camel(k)}" for k in both)
             raise ValueError(f"{names} both set: set one")

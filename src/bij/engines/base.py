@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Protocol, TypeGuard
 
-from bij.contract.sampling import NO_SAMPLING, Sampling
+from bij.contract.sampling import DEFAULT_MAX_TOKENS, DEFAULT_SEED, DEFAULT_TEMPERATURE, NO_SAMPLING, Sampling
 
 # What every engine honours: how many tokens, how random, which seed (see the table in docs/user-guide.md, "Sampling").
 BASIC_SAMPLING: frozenset[str] = frozenset({"maxTokens", "temperature", "seed"})
@@ -50,8 +50,8 @@ class Request:
 
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
-    max_tokens: int = 256
-    temperature: float = 0.0
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
     seed: int | None = None
     # Every sampling field in force for this row (spec defaults under the row's own); the three
     # above are its resolved max_tokens, temperature and seed.
@@ -112,9 +112,9 @@ class EngineConfig:
 
     task: str = "embed"  # embed | generate | chat
     name: str | None = None
-    max_tokens: int = 256
-    temperature: float = 0.0
-    seed: int = 0
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    seed: int = DEFAULT_SEED
     max_input_tokens: int | None = None
     # Cut prompts over max_input_tokens() to it instead of refusing them (spec.model.truncate).
     truncate: bool = False

@@ -30,13 +30,17 @@ from bij.contract.columns import RESULT_FIELDS, clash_message, consumed
 from bij.contract.columns import carried as carried_columns
 from bij.contract.sampling import (
     ADAPTERS,
+    DEFAULT_MAX_TOKENS,
     DEFAULT_ROW_BUDGET,
+    DEFAULT_SEED,
+    DEFAULT_TEMPERATURE,
     IMAGES,
     NO_SAMPLING,
     TOKEN_IDS,
     BadField,
     Sampling,
     UnknownField,
+    basics,
     from_column,
     from_openai,
     json_schema_text,
@@ -94,9 +98,9 @@ class InputOptions:
     text_field: str = "text"
     messages_field: str | None = None
     task: str = "embed"
-    max_tokens: int = 256
-    temperature: float = 0.0
-    seed: int = 0
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    seed: int = DEFAULT_SEED
     model_name: str = "bij"
     truncate: bool = True  # prompts over the token limit are cut (and marked) rather than refused
     sampling_field: str = "sampling"  # a JSONL/Parquet row's own sampling fields (spec keys)
@@ -118,15 +122,16 @@ class InputOptions:
         """From the job's spec (as carried in the round plan), checked against `engine`'s `honours`."""
         inp, model = spec.input, spec.model
         sampling = model.resolved_sampling()
+        basic = basics(sampling)
         return cls(
             format=inp.format,
             id_field=inp.id_field,
             text_field=inp.text_field,
             messages_field=inp.messages_field,
             task=model.task,
-            max_tokens=sampling.max_tokens or model.max_tokens,
-            temperature=model.temperature if sampling.temperature is None else sampling.temperature,
-            seed=model.seed if sampling.seed is None else sampling.seed,
+            max_tokens=basic.max_tokens,
+            temperature=basic.temperature,
+            seed=basic.seed,
             model_name=model.served_name or model.name or model.engine,
             truncate=model.truncates,
             sampling_field=inp.sampling_field,

@@ -69,6 +69,7 @@ def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> Engi
     `adapters`: the local folders of spec.model.adapters, once fetched. A lane of several pods
     (spec.workers.nodesPerLane) runs vLLM with Ray's executor, one pipeline stage a pod."""
     m = spec.model
+    basic = m.basics()
     vllm = m.vllm.model_dump(mode="json", by_alias=True, exclude_none=True)
     if spec.workers.nodes_per_lane > 1:
         vllm["distributedExecutorBackend"] = "ray"
@@ -76,9 +77,9 @@ def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> Engi
     return EngineConfig(
         task=m.task,
         name=m.name,
-        max_tokens=m.max_tokens,
-        temperature=m.temperature,
-        seed=m.seed,
+        max_tokens=basic.max_tokens,
+        temperature=basic.temperature,
+        seed=basic.seed,
         max_input_tokens=m.max_input_tokens,
         truncate=m.truncates,
         vllm=vllm,
