@@ -341,6 +341,18 @@ def test_a_server_that_ignores_range_and_if_match_and_sends_another_version_is_r
         store.open_read(info.uri, 100, info.version).read()
 
 
+def test_an_object_without_a_validator_is_refused_by_the_planner(web: Server, file_place: Any,
+                                                                 make_job: Any) -> None:
+    from bij.steps.planner import PlanError, plan_round
+
+    (web.root / "a.jsonl").write_bytes(jsonl(rows(50)))
+    web.no_validator = True
+    _, job = make_job(file_place, web.url("a.jsonl"))
+    with pytest.raises(PlanError, match=rf"{web.url('a.jsonl')} has no version to plan against") as e:
+        plan_round(job)
+    assert e.value.permanent
+
+
 def test_a_read_without_a_validator_is_not_reopened_midway(web: Server) -> None:
     (web.root / "big.jsonl").write_bytes(jsonl(rows(3000)))
     web.no_validator = True
