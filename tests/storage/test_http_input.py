@@ -37,6 +37,7 @@ class Server:
     ignore_range: bool = False  # answer 200 and the whole object to a Range request
     ignore_if_match: bool = False  # answer whatever the object is now, If-Match or not
     no_validator: bool = False  # send no ETag (and, as here always, no Last-Modified)
+    last_modified: str | None = None  # send this Last-Modified instead of an ETag (If-Unmodified-Since is ignored)
     trickle_body: float = 0.0  # seconds between the body's bytes
     trickle_headers: float = 0.0  # seconds between the bytes of the status line and headers
     before_range: Callable[[str], None] | None = None  # called with the Range of each ranged GET, before answering
@@ -103,7 +104,9 @@ def _handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
                               server.trickle_headers)
                 return
             self.send_response(status)
-            if not server.no_validator:
+            if server.last_modified:
+                self.send_header("Last-Modified", server.last_modified)
+            elif not server.no_validator:
                 self.send_header("ETag", etag)
             self.send_header("Accept-Ranges", "bytes")
             self.send_header("Content-Length", str(len(data_out)))
@@ -305,6 +308,21 @@ def test_an_object_whose_etag_changes_between_ranged_reads_is_refused(web: Serve
         assert f.read(100) == first[:100]
     (web.root / "a.jsonl").write_bytes(second)
     with pytest.raises(ObjectChanged, match=rf"{info.uri} changed since it was planned: .*ETag {info.version}"):
+        store.open_read(info.uri, 100, info.version).read()
+
+
+def test_an_object_versioned_by_last_modified_is_refused_when_that_date_moves(web: Server) -> None:
+    data = jsonl(rows(50))
+    (web.root / "a.jsonl").write_bytes(data)
+    web.last_modified = "Sun, 06 Dec 2026 01:00:00 GMT"
+    store = HttpStorage(base_delay=0.01)
+    (info,) = store.list(web.url("a.jsonl"))
+    assert info.version == "last-modified:Sun, 06 Dec 2026 01:00:00 GMT"
+    with store.open_read(info.uri, 100, info.version) as f:
+        assert f.read() == data[100:]
+    web.last_modified = "Sun, 06 Dec 2026 01:00:05 GMT"
+    with pytest.raises(ObjectChanged, match=r"changed since it was planned: the plan read Last-Modified Sun, 06 Dec "
+                                            r"2026 01:00:00 GMT, this response carries Last-Modified .*01:00:05"):
         store.open_read(info.uri, 100, info.version).read()
 
 
