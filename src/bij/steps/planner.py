@@ -401,11 +401,25 @@ def _list_input(job: BatchInferenceJob, input_uri: str, parquet: bool = False) -
         listed = open_storage(base, job.spec.storage.s3).list(base)
         if pattern is not None:
             listed = [o for o in listed if glob_matches(pattern, o.uri[len(base):])]
-        return input_objects(listed, base, parquet)
+        objects = input_objects(listed, base, parquet)
     except StorageRefused as e:  # stays a refusal: the bij fails rather than waiting for input to appear
         raise StorageRefused(f"spec.input.uri: cannot list {input_uri}: {e}") from None
     except StorageError as e:
         raise PlanError(f"spec.input.uri: cannot list {input_uri}: {e}", permanent=e.permanent) from None
+    check_versions(objects)
+    return objects
+
+
+def check_versions(objects: list[ObjectInfo]) -> None:
+    """Refuse an input object without a version (an https:// server that sends neither a strong ETag nor
+    Last-Modified): shards read it at different times, and nothing could tell when it changed between
+    them, so rows of two versions could be published as one input."""
+    for o in objects:
+        if o.version is None:
+            raise PlanError(f"spec.input.uri: {o.uri} has no version to plan against: the server sends neither a "
+                            "strong ETag nor a Last-Modified date, so a change between two shards' reads could not "
+                            "be told. Serve it with an ETag (S3, GCS and common web servers do), or copy it to "
+                            "s3:// or file://")
 
 
 def local_place(uri: str) -> str:
