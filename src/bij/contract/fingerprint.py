@@ -43,7 +43,8 @@ _ADDED_LATER: dict[str, Any] = {"input.maxLineBytes": DEFAULT_MAX_LINE_BYTES, "i
 
 class PlanRefused(BijError):
     """The job must not run as it stands: it does not match its plan, its output belongs to another
-    job, or its URIs overlap. No retry helps; the message says what changed and what to do."""
+    job, its URIs overlap, or its inputs cannot each be published (output.partitionBy input). No retry
+    helps; the message says what changed and what to do."""
 
     permanent = True
 
