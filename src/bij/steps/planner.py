@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import zstandard
@@ -475,8 +475,28 @@ def claim_output(job: BatchInferenceJob, store: Storage) -> None:
         store.write_bytes(uri, body)
 
 
+def output_standing(job: BatchInferenceJob, store: Storage) -> Literal["ours", "unclaimed", "refused"]:
+    """Where the job's output stands with the plan step's checks, read only: "ours" once `claim_output`
+    recorded this job as its owner, "refused" when it overlaps the input or another job owns it, else
+    "unclaimed". A StorageError when it cannot be read."""
+    try:
+        check_places(job)
+    except PlanRefused:
+        return "refused"
+    try:
+        owner = OwnerRecord.from_json(store.read_bytes(layout.owner_uri(job)))
+    except NotFound:
+        return "unclaimed"
+    except ValueError:
+        return "refused"  # damaged: the plan step decides (`claim_output` takes it over)
+    mine = OwnerRecord(job.metadata.namespace, job.metadata.name, job.job_id)
+    return "ours" if owner.same_job(mine) and owner.id == mine.id else "refused"
+
+
 def reset_output(job: BatchInferenceJob) -> int:
-    """Start the job over: delete its manifest, then its plans and durable results (how many objects)."""
+    """Start the job over: delete its manifest, then its plans and durable results (how many objects).
+    An output that overlaps the input is refused first (`PlanRefused`): those would be the input's files."""
+    check_places(job)
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
     store.delete(layout.manifest_uri(job))  # first: no reader may trust it over what follows
     objects = store.list(layout.state_prefix(job) + "/")
