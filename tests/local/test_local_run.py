@@ -216,6 +216,81 @@ def test_a_spec_that_cannot_run_ends_in_one_line_and_exit_42(file_place, worker_
     assert in_uri and not (tmp_path / "data" / "out" / "manifest.json").exists()
 
 
+def listing(root: Path) -> list[tuple[str, bytes | None]]:
+    """Every path under `root` (links not followed) with a file's bytes: what a refused job must leave as it was."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            found.append((str(path.relative_to(root)), path.read_bytes() if path.is_file() else None))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("args", [[], ["--restart"]], ids=["run", "restart"])
+@pytest.mark.parametrize("overlap", ["symlink", "symlink-inside", "relative-path"])
+def test_an_output_that_overlaps_the_input_is_refused_leaving_both_folders_as_they_were(
+        overlap, args, file_place, worker_env, bij_bin, tmp_path, monkeypatch):
+    # The input is an earlier job's published output, manifest.json and all: the output the spec names
+    # resolves into it, which only the plan step sees. Not a status file, owner record or deletion lands there.
+    data = tmp_path / "data"
+    file_place.write_jsonl("in/results/r0-00000.jsonl", rows(20))
+    (data / "in" / "manifest.json").write_text('{"files": []}')
+    out = file_place.uri("out/")
+    if overlap == "symlink":
+        (data / "out").symlink_to(data / "in")
+    elif overlap == "symlink-inside":
+        (data / "out").symlink_to(data / "in" / "results")
+    else:  # written apart, one relative and one absolute: the spec check cannot see the overlap
+        monkeypatch.chdir(tmp_path)
+        out = "file://data/in/"
+    spec = write_spec(tmp_path, {"input": {"uri": file_place.uri("in/")}, "output": {"uri": out},
+                                 "model": {"engine": "echo", "task": "generate"}})
+    before = listing(data), listing(data / "in")
+    computed = tmp_path / "computed.txt"
+    p = subprocess.run([bij_bin("bij"), "run", str(spec), *args], env=worker_env(echo_log=computed),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 42, p.stderr
+    assert "spec.output.uri must not be spec.input.uri, lie inside it or contain it" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not computed.exists()
+    assert (listing(data), listing(data / "in")) == before
+
+
+def test_inputs_whose_partitioned_files_would_clash_are_refused_before_any_row_is_computed(
+        file_place, make_job, worker_env, bij_bin, tmp_path):
+    # results/c.jsonl.zst would be c.jsonl's file and the folder of c.jsonl.zst/d.jsonl's: refused when
+    # planned, not found by the write pass after the compute (exit 1 there, as if a rerun could help).
+    first = file_place.write_jsonl("in/c.jsonl", rows(30))
+    second = file_place.write_jsonl("in/c.jsonl.zst/d.jsonl", rows(30))
+    spec, job = make_job(file_place, file_place.uri("in/"), output={"partitionBy": "input", "compression": "zstd"})
+    computed = tmp_path / "computed.txt"
+    p = bij_run(bij_bin, spec, worker_env(echo_log=computed))
+    assert p.returncode == 42, p.stderr  # bad configuration: no rerun helps until the input or spec changes
+    assert f"{first} and {second} cannot both be published: results/c.jsonl.zst would be both a file and the " \
+           "folder of results/c.jsonl.zst/d.jsonl.zst: rename one, or narrow spec.input.uri" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    assert not computed.exists()  # no row computed
+    assert not (tmp_path / "data" / "out").exists()  # and nothing written
+
+
+def test_a_partition_clash_fails_the_job_as_plan_refused(file_place, make_job, worker_env, monkeypatch):
+    # The operator's decision on the plan step's report, as `kubectl get bij` would show it: Failed, the
+    # reason PlanRefused, the message naming both inputs; never a plan retried every few minutes.
+    from bij.contract.status import JobStatus
+    from bij.control.reconcile import failure_reason
+    from bij.local.run import LocalRunner
+
+    first = file_place.write_jsonl("in/c.jsonl", rows(5))
+    second = file_place.write_jsonl("in/c.jsonl.zst/d.jsonl", rows(5))
+    _, job = make_job(file_place, file_place.uri("in/"), output={"partitionBy": "input", "compression": "zstd"})
+    for k, v in worker_env(file_place).items():
+        monkeypatch.setenv(k, v)
+    runner = LocalRunner(job, show_progress=False)
+    assert runner.run() == 42
+    status = JobStatus.read(runner.backend.status)
+    assert status.phase == "Failed" and failure_reason(status) == "PlanRefused"
+    assert f"{first} and {second} cannot both be published" in (status.message or "")
+
+
 def test_storage_that_can_never_work_ends_in_one_line_naming_the_uri(s3_place, worker_env, bij_bin, tmp_path):
     s3_place.write_jsonl("in/a.jsonl", rows(10))
     spec = {"input": {"uri": s3_place.uri("in/")}, "output": {"uri": s3_place.uri("out/")},

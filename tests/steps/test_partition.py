@@ -12,8 +12,9 @@ import pytest
 import zstandard
 
 from bij.contract import layout
+from bij.contract.fingerprint import PlanRefused
 from bij.contract.spec import SpecError, parse_job
-from bij.steps.planner import PlanError, plan_round, plan_shards
+from bij.steps.planner import plan_round, plan_shards
 from bij.steps.publish import publish
 from bij.worker.shard import load_plan
 
@@ -100,11 +101,75 @@ def test_an_input_file_with_no_result_rows_still_has_its_result_file(file_place,
     assert [f["path"] for f in manifest["errorFiles"]] == ["errors/b.jsonl"]
 
 
-def test_two_inputs_that_would_publish_the_same_file_are_refused_at_plan_time(file_place, make_job) -> None:
-    file_place.write_jsonl("in/x.jsonl", rows("a", 3))
-    file_place.write_jsonl("in/x.ndjson", rows("b", 3))
+@pytest.mark.parametrize("paths, clash", [
+    (["r/a.jsonl", "r/b.jsonl", "r/a/b.jsonl"], None),
+    (["r/a.jsonl", "r/b.jsonl", "r/a.jsonl"], layout.PathClash(0, 2, "r/a.jsonl", None)),
+    (["r/a.jsonl", "r/a.jsonl/b/c.jsonl"], layout.PathClash(0, 1, "r/a.jsonl", "r/a.jsonl/b/c.jsonl")),
+    (["r/a.jsonl/b/c.jsonl", "r/x.jsonl", "r/a.jsonl/b"], layout.PathClash(0, 2, "r/a.jsonl/b", "r/a.jsonl/b/c.jsonl")),
+    (["r/ab.jsonl", "r/a/b.jsonl", "r/a.jsonl.d/x.jsonl"], None),  # a name that only begins like another's
+], ids=["apart", "same-path", "file-then-folder", "folder-then-file", "prefix-of-a-name"])
+def test_path_clash_finds_two_paths_that_cannot_both_be_files(paths, clash) -> None:
+    assert layout.path_clash(paths) == clash
+
+
+def write_input(place: Any, name: str) -> None:
+    if name.endswith(".parquet"):
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"id": [name], "text": ["t"]}), buf)
+        place.storage.write_bytes(place.uri(f"in/{name}"), buf.getvalue())
+    else:
+        place.write_jsonl(f"in/{name}", rows(name, 3), zst=name.endswith(".zst"))
+
+
+@pytest.mark.parametrize("first, second, output, clash", [  # first, second: in input (listing) order
+    # the same published file
+    ("x.jsonl", "x.ndjson", {}, "would both publish results/x.jsonl"),
+    ("x.json.zst", "x.jsonl", {"compression": "zstd"}, "would both publish results/x.jsonl.zst"),
+    # one's file is a folder of the other's: the second cannot be written once the first is
+    ("c.jsonl", "c.jsonl.zst/d.jsonl", {"compression": "zstd"},
+     "results/c.jsonl.zst would be both a file and the folder of results/c.jsonl.zst/d.jsonl.zst"),
+    ("c.jsonl/d/e.ndjson", "c.ndjson", {},
+     "results/c.jsonl would be both a file and the folder of results/c.jsonl/d/e.jsonl"),
+    ("p.jsonl", "p.parquet/q.jsonl", {"format": "parquet"},
+     "results/p.parquet would be both a file and the folder of results/p.parquet/q.parquet"),
+    # results apart, error files not: Parquet results, JSON lines errors
+    ("c.jsonl/d.parquet", "c.parquet", {"format": "parquet", "compression": "none"},
+     "errors/c.jsonl would be both a file and the folder of errors/c.jsonl/d.jsonl"),
+], ids=["same-stem", "same-stem-zst", "file-and-folder-zst", "file-and-folder-deep", "parquet-results",
+        "errors-only"])
+def test_two_inputs_whose_published_files_clash_are_refused_at_plan_time_writing_nothing(
+        file_place, make_job, first, second, output, clash) -> None:
+    for name in (second, first):
+        write_input(file_place, name)
+    fmt = {"input": {"format": "parquet"}} if first.endswith(".parquet") else {}
+    _, job = make_job(file_place, file_place.uri("in/"), output={"partitionBy": "input", **output}, **fmt)
+    with pytest.raises(PlanRefused) as refused:
+        plan_round(job, 0)
+    # Both inputs named, in input order, with the path they fight over.
+    assert f"{file_place.uri('in', first)} and {file_place.uri('in', second)} " in str(refused.value)
+    assert clash in str(refused.value) and "rename one, or narrow spec.input.uri" in str(refused.value)
+    assert not file_place.storage.list(job.spec.output.uri)  # refused: nothing written, not even the owner record
+
+
+def test_an_input_beside_a_folder_of_its_own_name_is_not_a_clash(file_place, make_job) -> None:
+    # results/a.jsonl and results/a/b.jsonl are a file and a folder of different names.
+    for name in ("a.jsonl", "a/b.jsonl", "a.jsonl.d/c.jsonl"):
+        file_place.write_jsonl(f"in/{name}", rows(name, 3))
     _, job = make_job(file_place, file_place.uri("in/"), output={"partitionBy": "input"})
-    with pytest.raises(PlanError, match=r"in/x.jsonl and .*in/x.ndjson would both publish results/x"):
+    assert plan_round(job, 0).objects == 3
+
+
+def test_a_plan_written_before_the_clash_check_is_refused_on_the_next_run(file_place, make_job) -> None:
+    from bij.steps.planner import build_plan, input_objects
+
+    file_place.write_jsonl("in/c.jsonl", rows("c", 3))
+    file_place.write_jsonl("in/c.jsonl.zst/d.jsonl", rows("d", 3))
+    _, job = make_job(file_place, file_place.uri("in/"), output={"partitionBy": "input", "compression": "zstd"})
+    # The round plan an earlier version wrote, which let both inputs through: read again, and refused.
+    objects = input_objects(file_place.storage.list(file_place.uri("in/")), file_place.uri("in/"))
+    plan = build_plan(job, 0, objects, file_place.uri("in/"))
+    file_place.storage.write_bytes(layout.round_manifest_uri(job, 0), plan.to_json())
+    with pytest.raises(PlanRefused, match="results/c.jsonl.zst would be both a file and the folder"):
         plan_round(job, 0)
 
 

@@ -48,7 +48,8 @@ _UNSET_MEANS: dict[str, Any] = {"model.maxTokens": DEFAULT_MAX_TOKENS, "model.te
 
 class PlanRefused(BijError):
     """The job must not run as it stands: it does not match its plan, its output belongs to another
-    job, or its URIs overlap. No retry helps; the message says what changed and what to do."""
+    job, its URIs overlap, or its inputs cannot each be published (output.partitionBy input). No retry
+    helps; the message says what changed and what to do."""
 
     permanent = True
 

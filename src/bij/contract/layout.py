@@ -22,7 +22,8 @@ and everything under the publish folder takes the publish plan's prefix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
     from bij.contract.spec import BatchInferenceJob
@@ -64,6 +65,38 @@ def partition_problem(stem: str) -> str | None:
     parts = stem.split("/")
     if stem.startswith("/") or any(p in ("", ".", "..") for p in parts):
         return "it is not a plain relative path (empty, '.' or '..' parts)"
+    return None
+
+
+class PathClash(NamedTuple):
+    """Two published paths that cannot both be files: `first` and `second` index them (first < second);
+    `file` is one of them, and `inside` the other when it lies in a folder named `file` (None: the same path)."""
+
+    first: int
+    second: int
+    file: str
+    inside: str | None
+
+
+def path_clash(paths: Sequence[str]) -> PathClash | None:
+    """The first two of `paths` that cannot both be written: the same path, or one of them a folder of
+    the other (`x.jsonl` and `x.jsonl/y.jsonl`: a file system holds one of the two, and the second write
+    fails). None when every path can be a file of its own. O(total length of the paths)."""
+    files: dict[str, int] = {}
+    folders: dict[str, tuple[int, str]] = {}  # every folder some path lies in: the first such path
+    for i, path in enumerate(paths):
+        if path in files:
+            return PathClash(files[path], i, path, None)
+        if path in folders:
+            j, under = folders[path]
+            return PathClash(j, i, path, under)
+        folder = ""
+        for part in path.split("/")[:-1]:
+            folder = f"{folder}/{part}" if folder else part
+            if folder in files:
+                return PathClash(files[folder], i, folder, path)
+            folders.setdefault(folder, (i, path))
+        files[path] = i
     return None
 
 

@@ -28,7 +28,7 @@ MOST_MESSAGE = 2000
 class StepErrorCode(str, Enum):
     """Why a step failed, as the operator decides on it."""
 
-    PLAN_REFUSED = "PlanRefused"  # the output belongs to another job or spec: only a spec edit helps
+    PLAN_REFUSED = "PlanRefused"  # the output belongs to another job or spec, or clashes: only an edit helps
     PLAN_FAILED = "PlanFailed"  # the input cannot be planned yet (missing, unreadable): time may help
     STORAGE_REFUSED = "StorageRefused"  # access denied, no such bucket: only a change of grants helps
     STORAGE_FAILED = "StorageFailed"  # an outage, a damaged record: time may help

@@ -42,7 +42,7 @@ from bij.control.jobs import FileVolume, render_job
 from bij.control.reconcile import STOPPED_PHASES, TERMINAL_PHASES, Retry, failure_reason
 from bij.local.jobs import LocalJob, worker_command, worker_env
 from bij.local.publish import publish
-from bij.steps.planner import PlanError, RoundPlan, plan_round, reset_output
+from bij.steps.planner import PlanError, RoundPlan, output_standing, plan_round, reset_output
 from bij.steps.progress import shard_records
 from bij.steps.publish import PublishError, read_manifest, removed_record
 from bij.storage import StorageError, open_storage
@@ -298,6 +298,7 @@ class LocalRunner:
             job = job.model_copy(update={"spec": job.spec.model_copy(update={"cancel": True})})
         self.cancel = cancel
         self.job = job
+        self.output_claimed = False  # the plan step claimed the output for this job: its status may go there
         # The pod's command; a library user can run workers another way (a container, another venv).
         self.worker_cmd = worker_cmd or worker_command()
         self.parallelism = job.spec.workers.parallelism
@@ -397,9 +398,18 @@ class LocalRunner:
 
     def keep_status(self, store: Any, status: dict[str, Any]) -> None:
         """What `kubectl get bij` would show, where `bij status` reads it (layout.local_status_uri); gone once
-        published. Best effort: a status that cannot be kept does not stop the run."""
+        published. Best effort: a status that cannot be kept does not stop the run.
+
+        Kept once the plan step claimed the output for this job; before that only a failure that is not a
+        refusal (a plan step that crashed), and never where the output overlaps the input or is another
+        job's: a refused spec writes nothing."""
         uri = layout.local_status_uri(self.job)
         try:
+            standing = "ours" if self.output_claimed else output_standing(self.job, store)
+            self.output_claimed = standing == "ours"
+            crashed = status.get("phase") == "Failed" and failure_reason(JobStatus.read(status)) != "PlanRefused"
+            if standing == "refused" or (standing == "unclaimed" and not crashed):
+                return
             if status.get("phase") in ("Succeeded", *STOPPED_PHASES):
                 if store.exists(uri):
                     store.delete(uri)
@@ -516,6 +526,9 @@ def cli_run(args: argparse.Namespace) -> int:
     if args.restart:
         try:
             gone = reset_output(job)
+        except PlanRefused as e:
+            print(f"bij: --restart: {e}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
         except StorageError as e:
             print(f"bij: --restart: {e}", file=sys.stderr)
             return EXIT_BAD_CONFIG if e.permanent else 1

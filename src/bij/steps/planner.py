@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import zstandard
@@ -37,6 +37,7 @@ from bij.steps.progress import round_history
 from bij.storage import NotFound, ObjectInfo, Storage, StorageError, StorageRefused, open_storage
 from bij.storage.parquet import SUFFIX as PARQUET_SUFFIX
 from bij.storage.parquet import Footer, read_footer
+from bij.storage.writers import writer_for
 
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.zst", ".ndjson.zst", ".json.zst")
 # A temp file of an atomic write untouched this long was left by a killed writer.
@@ -284,17 +285,31 @@ def partitioned(job: BatchInferenceJob, round_no: int) -> bool:
 
 
 def check_partition_names(plan: Plan) -> None:
-    """With output.partitionBy input: every input object names its own published file."""
-    seen: dict[str, str] = {}
+    """With output.partitionBy input: refuse (`PlanRefused`: no retry helps, renaming or a narrower input
+    does) a plan whose input objects cannot each have their own published files: a name that is no plain
+    relative path, two that publish the same file, or one whose file would be a folder of another's
+    (`c.jsonl` -> results/c.jsonl.zst, `c.jsonl.zst/d.jsonl` -> results/c.jsonl.zst/d.jsonl.zst).
+    Found here, from the names alone, rather than by the write pass after every row was computed."""
+    stems = []
     for o in plan.objects:
         stem = layout.partition_stem(o.uri, o.name)
         problem = layout.partition_problem(stem)
         if problem:
-            raise PlanError(f"spec.output.partitionBy: input: {o.uri} cannot name a result file: {problem}")
-        if stem in seen:
-            raise PlanError(f"spec.output.partitionBy: input: {seen[stem]} and {o.uri} would both publish "
-                            f"results/{stem}: rename one, or narrow spec.input.uri")
-        seen[stem] = o.uri
+            raise PlanRefused(f"spec.output.partitionBy: input: {o.uri} cannot name a result file: {problem}")
+        stems.append(stem)
+    output = plan.spec.output
+    results = writer_for(output.format)
+    # capped/ files are written as errors/ files are: the same names.
+    suffixes = {"results": results.suffix(output.compression),
+                "errors": writer_for(results.error_format).suffix(output.compression)}
+    for folder, suffix in suffixes.items():
+        clash = layout.path_clash([f"{folder}/{stem}{suffix}" for stem in stems])
+        if clash is None:
+            continue
+        both = f"{plan.objects[clash.first].uri} and {plan.objects[clash.second].uri}"
+        what = (f"would both publish {clash.file}" if clash.inside is None else
+                f"cannot both be published: {clash.file} would be both a file and the folder of {clash.inside}")
+        raise PlanRefused(f"spec.output.partitionBy: input: {both} {what}: rename one, or narrow spec.input.uri")
 
 
 def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
@@ -302,18 +317,19 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
 
     A plan already written must match the job: the same row-deciding spec fields and, for
     round 0, the same input objects; otherwise `PlanRefused` says what changed. The output must
-    not overlap the input and must belong to this job (`claim_output`).
+    not overlap the input and must belong to this job (`claim_output`); nothing is written before
+    the new plan passed its checks.
     """
     uri = layout.round_manifest_uri(job, round_no)
     store = open_storage(uri, job.spec.storage.s3)
     check_places(job)
-    claim_output(job, store)
-    # Temp files of atomic writes that a kill cut short (file:// only; a PUT leaves none).
-    store.remove_stale_temp(job.spec.output.uri, STALE_TEMP_SECONDS)
     input_uri = round_inputs(job, round_no)
     if store.exists(uri):
+        take_output(job, store)
         planned = read_plan(store, uri)
         changes = spec_changes(planned.job, job)
+        if not changes and partitioned(job, round_no):
+            check_partition_names(planned)  # a plan an earlier version wrote, before it checked these
         if round_no == 0 and not changes:
             current = _list_input(job, input_uri, is_parquet_round(job, 0))
             changes = input_changes(planned.objects, current)
@@ -347,8 +363,17 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
     plan = build_plan(job, round_no, objects, input_uri, mode, footers)
     if partitioned(job, round_no):
         check_partition_names(plan)
+    # Only a job that passed every check writes: a refused one leaves its output as it was.
+    take_output(job, store)
     store.write_bytes(uri, plan.to_json())
     return _round_plan(uri, plan)
+
+
+def take_output(job: BatchInferenceJob, store: Storage) -> None:
+    """Claim the output for this job (`claim_output`), and remove the temp files of atomic writes that a
+    kill cut short (file:// only; a PUT leaves none)."""
+    claim_output(job, store)
+    store.remove_stale_temp(job.spec.output.uri, STALE_TEMP_SECONDS)
 
 
 def take_replacements(store: Storage, planned: Plan, current: list[ObjectInfo]) -> Plan | None:
@@ -464,8 +489,28 @@ def claim_output(job: BatchInferenceJob, store: Storage) -> None:
         store.write_bytes(uri, body)
 
 
+def output_standing(job: BatchInferenceJob, store: Storage) -> Literal["ours", "unclaimed", "refused"]:
+    """Where the job's output stands with the plan step's checks, read only: "ours" once `claim_output`
+    recorded this job as its owner, "refused" when it overlaps the input or another job owns it, else
+    "unclaimed". A StorageError when it cannot be read."""
+    try:
+        check_places(job)
+    except PlanRefused:
+        return "refused"
+    try:
+        owner = OwnerRecord.from_json(store.read_bytes(layout.owner_uri(job)))
+    except NotFound:
+        return "unclaimed"
+    except ValueError:
+        return "refused"  # damaged: the plan step decides (`claim_output` takes it over)
+    mine = OwnerRecord(job.metadata.namespace, job.metadata.name, job.job_id)
+    return "ours" if owner.same_job(mine) and owner.id == mine.id else "refused"
+
+
 def reset_output(job: BatchInferenceJob) -> int:
-    """Start the job over: delete its manifest, then its plans and durable results (how many objects)."""
+    """Start the job over: delete its manifest, then its plans and durable results (how many objects).
+    An output that overlaps the input is refused first (`PlanRefused`): those would be the input's files."""
+    check_places(job)
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
     store.delete(layout.manifest_uri(job))  # first: no reader may trust it over what follows
     objects = store.list(layout.state_prefix(job) + "/")
