@@ -45,6 +45,7 @@ from bij.contract.sampling import (
 )
 from bij.engines import tools
 from bij.engines.base import Choice, Image, Request, Result, TokenLogprob, ToolAsk
+from bij.storage.exact_json import beyond_int64, may_hold_big_int
 from bij.worker import responses
 from bij.worker.images import ImageProblem, parse_image
 
@@ -112,6 +113,8 @@ class InputOptions:
     row_budget: int = DEFAULT_ROW_BUDGET  # model.rowBudget: n x maxTokens x (1 + topLogprobs) a row may ask
     # input.passThrough (contract.columns): None every column the request does not consume, else these.
     pass_through: tuple[str, ...] | None = None
+    # The results are Parquet (output.format): a carried integer must fit int64, else the row is an error row.
+    int64_columns: bool = False
 
     @classmethod
     def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None) -> InputOptions:
@@ -140,6 +143,7 @@ class InputOptions:
             honours=honours,
             pass_through=() if inp.format == "openai" else
             None if inp.pass_through is None else tuple(inp.pass_through),
+            int64_columns=spec.output.format == "parquet",
         )
 
     @property
@@ -218,14 +222,13 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
             rid = obj.get("custom_id" if opts.format == "openai" else opts.id_field) if isinstance(obj, dict) else None
             return _bad(at, "invalid_unicode", f"not valid Unicode: {problem}",
                         rid if _valid_id(rid) and not _not_unicode(rid) else None)
+    else:
+        if may_hold_big_int(line):
+            # orjson reads integers beyond 64 bits as floats: ids and carried columns come back exactly as given.
+            obj = json.loads(line)
     if not isinstance(obj, dict):
         return _bad(at, "invalid_row", f"a row must be a JSON object, got {type(obj).__name__}")
     carried = obj.pop(CARRY_FIELD, None)
-    if isinstance(obj.get(opts.id_field), float) or (isinstance(carried, dict)
-                                                     and isinstance(carried.get("id"), float)):
-        # orjson reads integers beyond 64 bits as floats: ids must come back exactly as given.
-        obj = json.loads(line)
-        carried = obj.pop(CARRY_FIELD, None)
     if opts.format == "openai":
         row = _parse_openai(obj, at, opts)
     else:
@@ -235,6 +238,9 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
             return _bad(at, "invalid_row", clash_message(columns, "in this row"), rid if _valid_id(rid) else None)
         row = _parse_plain(obj, at, object_name, opts)
         row.carried = columns or None
+    big = _beyond_int64(row.carried, opts) if row.request is not None else None
+    if big is not None:
+        return _invalid_row(row, big)
     req = row.request
     if req is not None and opts.task != "embed":
         # A row's cost is bounded before it runs (model.rowBudget), whatever it asks.
@@ -256,6 +262,25 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
         row.prior_attempts = int(carried.get("attempts", 0))
         row.verdicts = [str(v) for v in carried.get("verdicts", [])]
     return row
+
+
+def _invalid_row(row: Row, message: str) -> Row:
+    """`row` as an `invalid_row` error row: its id, and its carried columns, kept."""
+    bad = _bad(row.at, "invalid_row", message, row.id)
+    bad.carried = row.carried
+    return bad
+
+
+def _beyond_int64(columns: dict[str, Any] | None, opts: InputOptions) -> str | None:
+    """Why a row's carried columns cannot go into a Parquet result (an integer beyond 64 bits), else None."""
+    if not opts.int64_columns or not columns:
+        return None
+    for name, value in columns.items():
+        where = beyond_int64(value, name)
+        if where is not None:
+            return (f"column {name!r} holds an integer beyond 64 bits (at {where}), which a Parquet result "
+                    "(output.format: parquet) cannot hold; make it a string, or use output.format jsonl")
+    return None
 
 
 def parse_plain_lines(lines: list[bytes], opts: InputOptions
@@ -301,6 +326,14 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions
     columns: list[dict[str, Any]] | None = None
     # Every row has its id and text (checked above): a row with no more fields has nothing to carry.
     if opts.pass_through != () and max(map(len, objs)) > len({opts.id_field, opts.text_field}):
+        # Only a carried column can still hold an integer beyond 64 bits, which orjson reads as a float:
+        # those lines again, exactly (exact_json; the scan only where columns are carried, the common rows
+        # pay nothing).
+        if may_hold_big_int(b"\n".join(lines)):
+            if opts.int64_columns:
+                return None  # line by line: a carried one a Parquet result cannot hold is an error row naming it
+            objs = [json.loads(line) if may_hold_big_int(line) else obj
+                    for line, obj in zip(lines, objs, strict=True)]
         keys: set[str] = set().union(*map(dict.keys, objs))
         kept = keys - opts.consumed if opts.pass_through is None else keys & set(opts.pass_through)
         if kept & RESULT_FIELDS and opts.pass_through is None:
