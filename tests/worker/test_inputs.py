@@ -355,3 +355,30 @@ def test_a_carried_integer_a_parquet_result_cannot_hold_is_an_error_row_naming_i
     assert exactly(row.carried) == exactly({"ok": 2**63 - 1, "nested": {"x": [1, 2**80]}})  # kept on its error row
     assert parse({"id": 2**70, "text": "t", "ok": -(2**63)}, parquet).request is not None  # an id is kept as text
     assert parse_plain_lines([json.dumps({"id": 1, "text": "t", "n": 2**64}).encode()], parquet) is None
+
+
+@pytest.mark.parametrize("bij", [{"attempts": "many"}, {"id": "g-30"}, {"id": "x", "attempts": 1, "verdicts": []},
+                                 "text", None])
+def test_a_users_own_bij_field_is_an_error_row_naming_it_and_never_read(bij):
+    for line in ({"id": 7, "text": "t", "_bij": bij}, {"text": "t", "_bij": bij, "lang": "de"}):
+        row = parse(line)
+        assert row.request is None and row.error_code == "invalid_row"
+        assert row.error.startswith("field '_bij' is reserved for bij's own bookkeeping of judge rounds")
+        assert row.id == line.get("id", "in/a.jsonl:120") and row.prior_attempts == 0 and row.verdicts == []
+    assert parse({"text": "t", "_bij": bij, "lang": "de"}).carried == {"lang": "de"}
+    line = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "p"}, "_bij": bij}
+    assert parse(line, InputOptions(format="openai", task="generate")).error_code == "invalid_row"
+
+
+def test_a_judge_rounds_own_bij_field_gives_the_row_its_id_and_history_and_a_broken_one_an_error_row():
+    later = InputOptions(task="generate", redispatched=True)
+    row = parse({"text": "t", "_bij": {"id": "a.jsonl:0", "attempts": 2, "verdicts": ["no", "no"]}}, later)
+    assert (row.id, row.generated_id, row.prior_attempts, row.verdicts) == ("a.jsonl:0", False, 2, ["no", "no"])
+    assert parse({"id": 3, "text": "t", "_bij": {"id": 3, "attempts": 1}}, later).prior_attempts == 1
+    for bij, message in [({"attempts": "many"}, "field '_bij'.attempts must be a non-negative integer, got \"many\""),
+                         ({"attempts": -1}, "attempts must be a non-negative integer"),
+                         ({"verdicts": "no"}, "field '_bij'.verdicts must be a list"),
+                         ({"id": 1.5}, "field '_bij'.id must be a non-empty string or an integer"),
+                         ([1], "field '_bij' must be an object, got list")]:
+        row = parse({"id": 3, "text": "t", "_bij": bij}, later)
+        assert (row.id, row.request, row.error_code) == (3, None, "invalid_row") and message in row.error, row.error

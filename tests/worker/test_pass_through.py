@@ -141,7 +141,7 @@ def test_the_spec_refuses_a_listed_result_field_and_openai_input() -> None:
     assert "_bij" in RESULT_FIELDS and "text" not in RESULT_FIELDS
 
 
-# --- integers beyond 64 bits ----------------------------------------------------------------------------
+# --- integers beyond 64 bits, the reserved _bij field ------------------------------------------------
 
 
 def exactly(value: Any) -> str:
@@ -197,6 +197,24 @@ def test_a_parquet_result_refuses_a_carried_integer_beyond_64_bits_naming_the_co
                                                     "Parquet result (output.format: parquet) cannot hold")
     assert "column 'nested' holds an integer beyond 64 bits (at nested.x[0])" in errors[1]["error"]["message"]
     assert exactly(errors[0]["n"]) == exactly(2**70)  # the JSON lines error file keeps it exactly
+
+
+def test_a_users_bij_field_is_an_error_row_and_takes_no_id_from_it(file_place, make_job, run_shards,
+                                                                   read_output) -> None:
+    inputs: list[dict[str, Any]] = [{"id": f"g-{i}", "text": f"row {i}", "lang": "de"} for i in range(40)]
+    inputs.insert(10, {"text": "claims g-30", "_bij": {"id": "g-30"}, "lang": "xx"})
+    inputs.insert(20, {"id": "many", "text": "bad history", "_bij": {"attempts": "many"}})
+    _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs))
+    assert {o.status for o in run_shards(job).values()} == {"done"}
+    publish(job)
+    out = read_output(job)
+    assert [(r["id"], r["output"], r["lang"]) for r in out.results] == [(f"g-{i}", f"row {i}", "de") for i in range(40)]
+    offset = sum(len(json.dumps(r)) + 1 for r in inputs[:10])
+    assert [(e["id"], e["error"]["code"]) for e in out.errors] == [(f"a.jsonl:{offset}", "invalid_row"),
+                                                                   ("many", "invalid_row")]
+    assert all(e["error"]["message"].startswith("field '_bij' is reserved for bij's own bookkeeping")
+               for e in out.errors)
+    assert out.errors[0]["lang"] == "xx" and out.manifest["counts"]["errors"] == 2
 
 
 # --- judge rounds -----------------------------------------------------------------------------------
