@@ -3,7 +3,8 @@
 Output: one file per shard, zstd-compressed, with `id`, then `embedding` (a list of
 float32) for embed or `output` and the usage columns for generate and chat, `truncated`,
 and `attempts` / `round` when a judge ran, then the rows' pass-through columns (their
-types read from the values in that file; a column of mixed types holds JSON text).
+types read from the values in that file; a column of mixed types holds JSON text; an integer
+beyond 64 bits is refused, `BeyondInt64`).
 The `id` column is int64 when every result id of the job is an integer, string when
 every one is a string; when a job mixes them, `id` holds every id as text and `id_int`
 (int64, null for string ids) keeps the integers, so `1` and `"1"` stay apart (an integer

@@ -10,7 +10,10 @@ is an ``invalid_request`` row; one the engine cannot honour, an ``unsupported`` 
 
 A plain row's other columns are carried to its result, error and capped rows
 (`contract.columns`, input.passThrough); a row with a column named like a result field
-is an ``invalid_row`` row naming it.
+is an ``invalid_row`` row naming it. Integers beyond 64 bits are read exactly (exact_json).
+
+A row's ``_bij`` field is bij's own bookkeeping of judge rounds, read only from a later
+round's input (which bij wrote); a user's row with one is an ``invalid_row`` row.
 """
 
 from __future__ import annotations
