@@ -278,7 +278,8 @@ def test_a_zst_object_of_several_frames_is_read_to_its_end(file_place, make_job,
 PLAIN_LINES = [b'{"id": 1, "text": "one"}', b'{"id": "a-2", "text": "two"}', b'{"id": 0, "text": "z"}',
                '{"id": "é", "text": "ünïcødé ✓ 🙂"}'.encode(), b'{"text": "x", "id": 9223372036854775807}',
                b'{"id": -3, "text": "neg", "other": [1, {"a": null}]}', b'{"id":"t","text":"\\u00e9\\n"}',
-               b'{"id": 5, "lang": "de", "text": "five", "score": 0.5}']
+               b'{"id": 5, "lang": "de", "text": "five", "score": 0.5}',
+               b'{"id": 6, "text": "big", "big": 1180591620717411303425, "n": {"x": [-9223372036854775809]}}']
 OTHER_LINES = [b'{"text": "no id"}', b'{"id": null, "text": "null id"}', b'{"id": true, "text": "bool id"}',
                b'{"id": 1.5, "text": "float id"}', b'{"id": "", "text": "empty id"}',
                b'{"id": 123456789012345678901234567890, "text": "big id"}',
@@ -326,3 +327,58 @@ def test_a_chunk_parsed_in_one_pass_gives_what_parse_line_gives(opts):
     assert taken > 100
     assert parse_plain_lines([], PLAIN) is None
     assert parse_plain_lines(PLAIN_LINES, InputOptions(format="openai", task="generate")) is None
+
+
+def exactly(value: Any) -> str:
+    """`value` as JSON text: 2**70 and the float 2**70 compare equal in Python, never as text."""
+    return json.dumps(value, sort_keys=True)
+
+
+def test_integers_beyond_64_bits_in_any_column_are_read_exactly_in_one_pass_and_line_by_line():
+    from bij.worker.inputs import parse_plain_lines
+
+    big = {"big": 2**70, "nested": {"x": [2**80, -(2**63) - 1]}}
+    line = json.dumps({"id": 1, "text": "t", **big}).encode()
+    assert exactly(parse(line).carried) == exactly(big)
+    one_pass = parse_plain_lines([b'{"id": 0, "text": "z", "big": 1}', line], PLAIN)
+    assert one_pass is not None and exactly(one_pass[2]) == exactly([{"big": 1}, big])
+
+
+def test_a_carried_integer_a_parquet_result_cannot_hold_is_an_error_row_naming_its_column():
+    from bij.worker.inputs import parse_plain_lines
+
+    parquet = InputOptions(task="generate", int64_columns=True)
+    row = parse({"id": 4, "text": "t", "ok": 2**63 - 1, "nested": {"x": [1, 2**80]}}, parquet)
+    assert (row.id, row.request, row.error_code) == (4, None, "invalid_row")
+    assert row.error.startswith("column 'nested' holds an integer beyond 64 bits (at nested.x[1]), which a Parquet "
+                                "result (output.format: parquet) cannot hold")
+    assert exactly(row.carried) == exactly({"ok": 2**63 - 1, "nested": {"x": [1, 2**80]}})  # kept on its error row
+    assert parse({"id": 2**70, "text": "t", "ok": -(2**63)}, parquet).request is not None  # an id is kept as text
+    assert parse_plain_lines([json.dumps({"id": 1, "text": "t", "n": 2**64}).encode()], parquet) is None
+
+
+@pytest.mark.parametrize("bij", [{"attempts": "many"}, {"id": "g-30"}, {"id": "x", "attempts": 1, "verdicts": []},
+                                 "text", None])
+def test_a_users_own_bij_field_is_an_error_row_naming_it_and_never_read(bij):
+    for line in ({"id": 7, "text": "t", "_bij": bij}, {"text": "t", "_bij": bij, "lang": "de"}):
+        row = parse(line)
+        assert row.request is None and row.error_code == "invalid_row"
+        assert row.error.startswith("field '_bij' is reserved for bij's own bookkeeping of judge rounds")
+        assert row.id == line.get("id", "in/a.jsonl:120") and row.prior_attempts == 0 and row.verdicts == []
+    assert parse({"text": "t", "_bij": bij, "lang": "de"}).carried == {"lang": "de"}
+    line = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "p"}, "_bij": bij}
+    assert parse(line, InputOptions(format="openai", task="generate")).error_code == "invalid_row"
+
+
+def test_a_judge_rounds_own_bij_field_gives_the_row_its_id_and_history_and_a_broken_one_an_error_row():
+    later = InputOptions(task="generate", redispatched=True)
+    row = parse({"text": "t", "_bij": {"id": "a.jsonl:0", "attempts": 2, "verdicts": ["no", "no"]}}, later)
+    assert (row.id, row.generated_id, row.prior_attempts, row.verdicts) == ("a.jsonl:0", False, 2, ["no", "no"])
+    assert parse({"id": 3, "text": "t", "_bij": {"id": 3, "attempts": 1}}, later).prior_attempts == 1
+    for bij, message in [({"attempts": "many"}, "field '_bij'.attempts must be a non-negative integer, got \"many\""),
+                         ({"attempts": -1}, "attempts must be a non-negative integer"),
+                         ({"verdicts": "no"}, "field '_bij'.verdicts must be a list"),
+                         ({"id": 1.5}, "field '_bij'.id must be a non-empty string or an integer"),
+                         ([1], "field '_bij' must be an object, got list")]:
+        row = parse({"id": 3, "text": "t", "_bij": bij}, later)
+        assert (row.id, row.request, row.error_code) == (3, None, "invalid_row") and message in row.error, row.error

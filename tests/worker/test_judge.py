@@ -93,6 +93,28 @@ def test_rounds_every_row_ends_once_and_round_statuses_add_up(tmp_path: Path) ->
     assert any(f.endswith("/round-1/rejected/") for f in json.loads(removed.read_text())["folders"])
 
 
+def test_a_users_bij_field_is_refused_in_round_0_and_later_rounds_keep_their_rows_ids(tmp_path: Path) -> None:
+    ids: list[Any] = write_rows(tmp_path / "in" / "a.jsonl", 60)
+    with (tmp_path / "in" / "a.jsonl").open("a") as f:
+        for k in range(12):  # rows without an id: the later rounds must keep the id of their place in round 0
+            ids.append(f"a.jsonl:{f.tell()}")
+            f.write(json.dumps({"text": f"anon {k}"}) + "\n")
+        claim = f.tell()
+        f.write(json.dumps({"text": "claims 5", "_bij": {"id": 5, "attempts": 2, "verdicts": ["x"]}}) + "\n")
+        f.write(json.dumps({"id": "many", "text": "bad", "_bij": {"attempts": "many"}}) + "\n")
+    judge = {"type": "regex", "pattern": coin_engine.approve_pattern(30), "strategy": "rounds", "maxRounds": 3}
+    m = run_job(tmp_path, job_doc(tmp_path, judge))
+    results, capped = read_rows(tmp_path, m["files"]), read_rows(tmp_path, m["cappedFiles"])
+    assert any(r["round"] > 0 and isinstance(r["id"], str) for r in results)  # an id-less row went on
+    assert sorted(map(str, [r["id"] for r in results + capped])) == sorted(map(str, ids))  # each once
+    for r in results:
+        assert r["attempts"] == r["round"] + 1  # the history is bij's own
+    errors = read_rows(tmp_path, m["errorFiles"])
+    assert [(e["id"], e["error"]["code"]) for e in errors] == [(f"a.jsonl:{claim}", "invalid_row"),
+                                                               ("many", "invalid_row")]
+    assert all("field '_bij' is reserved" in e["error"]["message"] for e in errors)
+
+
 def test_rounds_stop_early_when_nothing_is_rejected(tmp_path: Path) -> None:
     write_rows(tmp_path / "in" / "a.jsonl", 50)
     judge = {"type": "regex", "pattern": r"#\d\d$", "strategy": "rounds", "maxRounds": 5}

@@ -141,6 +141,82 @@ def test_the_spec_refuses_a_listed_result_field_and_openai_input() -> None:
     assert "_bij" in RESULT_FIELDS and "text" not in RESULT_FIELDS
 
 
+# --- integers beyond 64 bits, the reserved _bij field ------------------------------------------------
+
+
+def exactly(value: Any) -> str:
+    """`value` as JSON text: 2**70 and the float 2**70 compare equal in Python, never as text."""
+    return json.dumps(value, sort_keys=True)
+
+
+def big_rows(n: int) -> list[dict[str, Any]]:
+    return [{"id": i, "text": f"row {i}", "big": 2**70 + i, "nested": {"x": [2**80, -(2**63) - 1 - i]}}
+            for i in range(n)]
+
+
+def test_integers_beyond_64_bits_in_carried_columns_come_back_exactly(file_place, make_job, run_shards,
+                                                                      read_output) -> None:
+    from bij.steps.results import ResultsError, iter_rows, write_parquet
+
+    inputs = [*big_rows(40), {"id": "empty", "text": "", "big": 2**70}, {"id": 2**70, "text": "x", "n": 2**64}]
+    _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs))
+    run_shards(job)
+    publish(job)
+    out = read_output(job)
+    assert exactly([{k: r[k] for k in ("id", "big", "nested")} for r in out.results[:40]]) == \
+        exactly([{k: r[k] for k in ("id", "big", "nested")} for r in inputs[:40]])
+    assert exactly(out.results[40]) == exactly({"id": 2**70, "output": "x", "usage": out.results[40]["usage"],
+                                                "n": 2**64})
+    (err,) = out.errors
+    assert (err["error"]["code"], exactly(err["big"])) == ("empty_text", exactly(2**70))  # error rows too
+    # `bij results` reads them back exactly; as one Parquet stream, it refuses them by name.
+    assert exactly([r["big"] for r in list(iter_rows(job.spec.output.uri, "results", None))[:40]]) == \
+        exactly([r["big"] for r in inputs[:40]])
+    with pytest.raises(ResultsError, match=r"column 'big' of the result row with id 0 holds an integer beyond 64 bits "
+                                           r"\(at big\), which Parquet cannot hold"):
+        write_parquet(job.spec.output.uri, io.BytesIO(), None)
+
+
+def test_a_parquet_result_refuses_a_carried_integer_beyond_64_bits_naming_the_column(file_place, make_job,
+                                                                                     run_shards) -> None:
+    inputs: list[dict[str, Any]] = [{"id": i, "text": f"row {i}", "n": i - 2**62} for i in range(40)]
+    inputs[3]["n"] = 2**70
+    inputs[25]["nested"] = {"x": [2**80]}
+    _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs), output={"format": "parquet"})
+    run_shards(job)
+    manifest = publish(job)
+    got = pa.concat_tables([pq.read_table(pa.BufferReader(file_place.storage.read_bytes(
+        file_place.uri("out/" + f["path"])))) for f in manifest["files"]])
+    assert got.column("id").to_pylist() == [i for i in range(40) if i not in (3, 25)]
+    assert got.schema.field("n").type == pa.int64()  # never a float
+    assert got.column("n").to_pylist() == [r["n"] for r in inputs if r["id"] not in (3, 25)]
+    errors = [json.loads(line) for f in manifest["errorFiles"]
+              for line in file_place.storage.read_bytes(file_place.uri("out/" + f["path"])).splitlines()]
+    assert [(e["id"], e["error"]["code"]) for e in errors] == [(3, "invalid_row"), (25, "invalid_row")]
+    assert errors[0]["error"]["message"].startswith("column 'n' holds an integer beyond 64 bits (at n), which a "
+                                                    "Parquet result (output.format: parquet) cannot hold")
+    assert "column 'nested' holds an integer beyond 64 bits (at nested.x[0])" in errors[1]["error"]["message"]
+    assert exactly(errors[0]["n"]) == exactly(2**70)  # the JSON lines error file keeps it exactly
+
+
+def test_a_users_bij_field_is_an_error_row_and_takes_no_id_from_it(file_place, make_job, run_shards,
+                                                                   read_output) -> None:
+    inputs: list[dict[str, Any]] = [{"id": f"g-{i}", "text": f"row {i}", "lang": "de"} for i in range(40)]
+    inputs.insert(10, {"text": "claims g-30", "_bij": {"id": "g-30"}, "lang": "xx"})
+    inputs.insert(20, {"id": "many", "text": "bad history", "_bij": {"attempts": "many"}})
+    _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs))
+    assert {o.status for o in run_shards(job).values()} == {"done"}
+    publish(job)
+    out = read_output(job)
+    assert [(r["id"], r["output"], r["lang"]) for r in out.results] == [(f"g-{i}", f"row {i}", "de") for i in range(40)]
+    offset = sum(len(json.dumps(r)) + 1 for r in inputs[:10])
+    assert [(e["id"], e["error"]["code"]) for e in out.errors] == [(f"a.jsonl:{offset}", "invalid_row"),
+                                                                   ("many", "invalid_row")]
+    assert all(e["error"]["message"].startswith("field '_bij' is reserved for bij's own bookkeeping")
+               for e in out.errors)
+    assert out.errors[0]["lang"] == "xx" and out.manifest["counts"]["errors"] == 2
+
+
 # --- judge rounds -----------------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ a dataset's columns (`input.passThrough`):
 
 - unset: every column the row's request does not consume. Consumed are the id column (the
   result has it as `id`), the text, messages, sampling and adapter columns, and the judge
-  rounds' `_bij` field; so is any column of a name in `RESULT_FIELDS`, which a row may not
+  rounds' `_bij` field (bij's own, read only from a later round's input; a user's row with it
+  is an error row); so is any column of a name in `RESULT_FIELDS`, which a row may not
   have then (the planner refuses the job, a worker makes such a row an error row naming it).
 - a list: those columns only (a column a row lacks is left out of its JSON line, null in
   Parquet); it may name a consumed column (the text, to keep it beside its answer).

@@ -23,7 +23,7 @@ from bij.contract.records import ShardRecord
 from bij.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij.steps.progress import damage_records, live_records
 from bij.storage import NotFound, Storage, StorageError, open_storage
-from bij.storage.parquet import id_kind, is_int64, read_table, results_table
+from bij.storage.parquet import BeyondInt64, id_kind, is_int64, read_table, results_table
 from bij.storage.writers import PARQUET, ResultWriter, writer_of_path
 
 FILE_LISTS = {"results": "files", "errors": "errorFiles", "capped": "cappedFiles"}
@@ -120,7 +120,10 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
             if fmt is PARQUET:  # its table as written
                 table = read_table(data)
             else:
-                table = results_table(list(fmt.rows(data, entry["path"])), task, ids, judged)
+                try:
+                    table = results_table(list(fmt.rows(data, entry["path"])), task, ids, judged)
+                except BeyondInt64 as e:
+                    raise ResultsError(f"{entry['path']}: {e}; read the results as JSON lines") from None
             if writer is None:
                 writer = pq.ParquetWriter(sink, table.schema, compression="zstd")
             try:

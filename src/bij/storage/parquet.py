@@ -3,7 +3,8 @@
 Output: one file per shard, zstd-compressed, with `id`, then `embedding` (a list of
 float32) for embed or `output` and the usage columns for generate and chat, `truncated`,
 and `attempts` / `round` when a judge ran, then the rows' pass-through columns (their
-types read from the values in that file; a column of mixed types holds JSON text).
+types read from the values in that file; a column of mixed types holds JSON text; an integer
+beyond 64 bits is refused, `BeyondInt64`).
 The `id` column is int64 when every result id of the job is an integer, string when
 every one is a string; when a job mixes them, `id` holds every id as text and `id_int`
 (int64, null for string ids) keeps the integers, so `1` and `"1"` stay apart (an integer
@@ -29,6 +30,7 @@ import orjson
 
 from bij.contract.columns import RESULT_FIELDS
 from bij.storage import Storage
+from bij.storage.exact_json import beyond_int64
 
 ID_INT = "id_int"
 SUFFIX = ".parquet"
@@ -91,7 +93,7 @@ def results_table(rows: list[dict[str, Any]], task: str, ids: str, judged: bool)
         columns["attempts"] = pa.array([r.get("attempts") for r in rows], type=pa.int64())
         columns["round"] = pa.array([r.get("round") for r in rows], type=pa.int64())
     for name in carried_names(rows):
-        columns[name] = _carried_array([r.get(name) for r in rows])
+        columns[name] = _carried_array(name, [r.get(name) for r in rows], raw)
     return pa.table(columns)
 
 
@@ -105,15 +107,29 @@ def carried_names(rows: list[dict[str, Any]]) -> list[str]:
     return list(names)
 
 
-def _carried_array(values: list[Any]) -> Any:
+class BeyondInt64(ValueError):
+    """A pass-through column holds an integer beyond 64 bits, which no Parquet column holds exactly.
+
+    The worker makes such a row an error row before it runs (output.format: parquet); this is
+    what a Parquet stream of JSON lines results (`bij results --format parquet`) says of one.
+    """
+
+
+def _carried_array(name: str, values: list[Any], ids: list[Any]) -> Any:
     """A pass-through column: Arrow's type for its values (JSON types: a string, int64, double, bool,
     list or struct column), or each value's JSON text where they share no type (a column that is
-    sometimes a number, sometimes a string)."""
+    sometimes a number, sometimes a string). An integer beyond 64 bits is refused (BeyondInt64), never
+    made a float or text."""
     import pyarrow as pa
 
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        for rid, value in zip(ids, values, strict=True):
+            where = beyond_int64(value, name)
+            if where is not None:
+                raise BeyondInt64(f"column {name!r} of the result row with id {json.dumps(rid)[:80]} holds an "
+                                  f"integer beyond 64 bits (at {where}), which Parquet cannot hold") from None
         return pa.array([None if v is None else json.dumps(v, sort_keys=True, ensure_ascii=False)
                          for v in values], type=pa.string())
 

@@ -54,7 +54,8 @@ from typing import Any
 import orjson
 import zstandard
 
-from bij.storage import NotFound, ObjectInfo, Storage, StorageError, split_lines
+from bij.contract.columns import RESULT_FIELDS
+from bij.storage import NotFound, ObjectInfo, Storage, StorageError, exact_json, split_lines
 
 # file://: a log per writer; logs of older versions were all named "log.jsonl".
 LOG_PREFIX = "log"
@@ -173,16 +174,23 @@ class _Limited:
         return data
 
 
-def loads_record(line: bytes) -> Any:
-    """Parse one log record fast, ids exactly as the stdlib would read them.
+# A published row's own fields (an OpenAI batch output line's too): any other is a carried column.
+_ROW_FIELDS = RESULT_FIELDS | {"custom_id", "response"}
 
-    orjson reads an integer beyond 64 bits as a float; an id is never a float, so
-    a float id means such an integer, and the stdlib parses that line instead.
+
+def loads_record(line: bytes) -> Any:
+    """Parse one log record fast, every integer (an id, a carried column's, nested or not) exactly as given.
+
+    orjson reads an integer beyond 64 bits as a float; an id is never a float, so a float id
+    means such an integer. Beside the id, only a row's carried columns (its fields that are no
+    result field) can hold one: only such a row's line is scanned (exact_json), and the stdlib
+    parses it where it may.
     """
     rec = orjson.loads(line)
     row = rec.get("row")
-    if isinstance(rec.get("id"), float) or (isinstance(row, dict) and isinstance(
-            row.get("custom_id", row.get("id")), float)):
+    if isinstance(rec.get("id"), float) or (isinstance(row, dict) and (
+            isinstance(row.get("custom_id", row.get("id")), float)
+            or (not row.keys() <= _ROW_FIELDS and exact_json.may_hold_big_int(line)))):
         return json.loads(line)
     return rec
 

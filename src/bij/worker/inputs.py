@@ -10,7 +10,10 @@ is an ``invalid_request`` row; one the engine cannot honour, an ``unsupported`` 
 
 A plain row's other columns are carried to its result, error and capped rows
 (`contract.columns`, input.passThrough); a row with a column named like a result field
-is an ``invalid_row`` row naming it.
+is an ``invalid_row`` row naming it. Integers beyond 64 bits are read exactly (exact_json).
+
+A row's ``_bij`` field is bij's own bookkeeping of judge rounds, read only from a later
+round's input (which bij wrote); a user's row with one is an ``invalid_row`` row.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from bij.contract.sampling import (
 )
 from bij.engines import tools
 from bij.engines.base import Choice, Image, Request, Result, TokenLogprob, ToolAsk
+from bij.storage.exact_json import beyond_int64, may_hold_big_int
 from bij.worker import responses
 from bij.worker.images import ImageProblem, parse_image
 
@@ -116,10 +120,17 @@ class InputOptions:
     row_budget: int = DEFAULT_ROW_BUDGET  # model.rowBudget: n x maxTokens x (1 + topLogprobs) a row may ask
     # input.passThrough (contract.columns): None every column the request does not consume, else these.
     pass_through: tuple[str, ...] | None = None
+    # The lines are a later judge round's input, written by bij (redispatch_line): only then is a row's
+    # `_bij` field bij's bookkeeping; in the user's input it is a reserved name, an error row.
+    redispatched: bool = False
+    # The results are Parquet (output.format): a carried integer must fit int64, else the row is an error row.
+    int64_columns: bool = False
 
     @classmethod
-    def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None) -> InputOptions:
-        """From the job's spec (as carried in the round plan), checked against `engine`'s `honours`."""
+    def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None, *,
+                  round_no: int = 0) -> InputOptions:
+        """From the job's spec (as carried in the round plan) for round `round_no`, checked against `engine`'s
+        `honours`."""
         inp, model = spec.input, spec.model
         sampling = model.resolved_sampling()
         basic = basics(sampling)
@@ -145,6 +156,8 @@ class InputOptions:
             honours=honours,
             pass_through=() if inp.format == "openai" else
             None if inp.pass_through is None else tuple(inp.pass_through),
+            redispatched=round_no > 0,  # round 0 reads the user's input, every later one a round's rejects
+            int64_columns=spec.output.format == "parquet",
         )
 
     @property
@@ -223,14 +236,13 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
             rid = obj.get("custom_id" if opts.format == "openai" else opts.id_field) if isinstance(obj, dict) else None
             return _bad(at, "invalid_unicode", f"not valid Unicode: {problem}",
                         rid if _valid_id(rid) and not _not_unicode(rid) else None)
+    else:
+        if may_hold_big_int(line):
+            # orjson reads integers beyond 64 bits as floats: ids and carried columns come back exactly as given.
+            obj = json.loads(line)
     if not isinstance(obj, dict):
         return _bad(at, "invalid_row", f"a row must be a JSON object, got {type(obj).__name__}")
-    carried = obj.pop(CARRY_FIELD, None)
-    if isinstance(obj.get(opts.id_field), float) or (isinstance(carried, dict)
-                                                     and isinstance(carried.get("id"), float)):
-        # orjson reads integers beyond 64 bits as floats: ids must come back exactly as given.
-        obj = json.loads(line)
-        carried = obj.pop(CARRY_FIELD, None)
+    own = obj.pop(CARRY_FIELD, _ABSENT)
     if opts.format == "openai":
         row = _parse_openai(obj, at, opts)
     else:
@@ -240,6 +252,15 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
             return _bad(at, "invalid_row", clash_message(columns, "in this row"), rid if _valid_id(rid) else None)
         row = _parse_plain(obj, at, object_name, opts)
         row.carried = columns or None
+    if own is not _ABSENT:
+        # What bij records about a row comes from bij's own lines only (a later judge round's input),
+        # never from a column of the user's.
+        problem = _history(row, own) if opts.redispatched else _RESERVED
+        if problem is not None:
+            return _invalid_row(row, problem)
+    big = _beyond_int64(row.carried, opts) if row.request is not None else None
+    if big is not None:
+        return _invalid_row(row, big)
     req = row.request
     if req is not None and opts.task != "embed":
         # A row's cost is bounded before it runs (model.rowBudget), whatever it asks.
@@ -254,13 +275,51 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
                        f"{req.max_tokens}", row.id)
             bad.carried = row.carried
             return bad
-    if isinstance(carried, dict):
-        # A row re-dispatched by a judge round keeps its id (even a generated one) and history.
-        if "id" in carried and row.generated_id:
-            row.id, row.generated_id = carried["id"], False
-        row.prior_attempts = int(carried.get("attempts", 0))
-        row.verdicts = [str(v) for v in carried.get("verdicts", [])]
     return row
+
+
+_ABSENT = object()
+_RESERVED = (f"field {CARRY_FIELD!r} is reserved for bij's own bookkeeping of judge rounds and cannot be an input "
+             "column; rename it")
+
+
+def _invalid_row(row: Row, message: str) -> Row:
+    """`row` as an `invalid_row` error row: its id, and its carried columns, kept."""
+    bad = _bad(row.at, "invalid_row", message, row.id)
+    bad.carried = row.carried
+    return bad
+
+
+def _history(row: Row, own: Any) -> str | None:
+    """Take a judge round's bookkeeping (the `_bij` field bij wrote, see redispatch_line) into `row`: its id
+    (even a generated one) and its attempts and verdicts so far; what is wrong with it, if anything."""
+    if not isinstance(own, dict):
+        return f"field {CARRY_FIELD!r} must be an object, got {type(own).__name__}"
+    attempts, verdicts = own.get("attempts", 0), own.get("verdicts", [])
+    if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0:
+        return f"field {CARRY_FIELD!r}.attempts must be a non-negative integer, got {json.dumps(attempts)[:80]}"
+    if not isinstance(verdicts, list):
+        return f"field {CARRY_FIELD!r}.verdicts must be a list, got {type(verdicts).__name__}"
+    if "id" in own:
+        if not _valid_id(own["id"]):
+            got = json.dumps(own["id"])[:80]
+            return f"field {CARRY_FIELD!r}.id must be a non-empty string or an integer, got {got}"
+        if row.generated_id:
+            row.id, row.generated_id = own["id"], False
+    row.prior_attempts, row.verdicts = attempts, [str(v) for v in verdicts]
+    return None
+
+
+def _beyond_int64(columns: dict[str, Any] | None, opts: InputOptions) -> str | None:
+    """Why a row's carried columns cannot go into a Parquet result (an integer beyond 64 bits), else None."""
+    if not opts.int64_columns or not columns:
+        return None
+    for name, value in columns.items():
+        where = beyond_int64(value, name)
+        if where is not None:
+            return (f"column {name!r} holds an integer beyond 64 bits (at {where}), which a Parquet result "
+                    "(output.format: parquet) cannot hold; make it a string, or use output.format jsonl")
+    return None
 
 
 def parse_plain_lines(lines: list[bytes], opts: InputOptions
@@ -306,6 +365,14 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions
     columns: list[dict[str, Any]] | None = None
     # Every row has its id and text (checked above): a row with no more fields has nothing to carry.
     if opts.pass_through != () and max(map(len, objs)) > len({opts.id_field, opts.text_field}):
+        # Only a carried column can still hold an integer beyond 64 bits, which orjson reads as a float:
+        # those lines again, exactly (exact_json; the scan only where columns are carried, the common rows
+        # pay nothing).
+        if may_hold_big_int(b"\n".join(lines)):
+            if opts.int64_columns:
+                return None  # line by line: a carried one a Parquet result cannot hold is an error row naming it
+            objs = [json.loads(line) if may_hold_big_int(line) else obj
+                    for line, obj in zip(lines, objs, strict=True)]
         keys: set[str] = set().union(*map(dict.keys, objs))
         kept = keys - opts.consumed if opts.pass_through is None else keys & set(opts.pass_through)
         if kept & RESULT_FIELDS and opts.pass_through is None:

@@ -115,7 +115,7 @@ class ShardWorker:
         self.names = [o.display_name for o in self.objects]
         spec = plan.spec
         self.spec = spec
-        self.opts = InputOptions.from_spec(spec, engine.name, engine.honours)
+        self.opts = InputOptions.from_spec(spec, engine.name, engine.honours, round_no=plan.round)
         batching = spec.batching
         default_batch, default_tokens = batch_shape(engine)
         self.max_batch = batching.max_batch_size or default_batch

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-import orjson
 import zstandard
 
+from bij.storage import exact_json
 from bij.storage.segments import encode_records
 from bij.storage.writers.base import ResultShape
 
@@ -81,7 +81,7 @@ class JsonlWriter:
 
     def rows(self, data: bytes, path: str) -> Iterator[dict[str, Any]]:
         for line in self.lines(data, path):
-            yield orjson.loads(line)
+            yield exact_json.loads(line)  # integers beyond 64 bits too
 
 
 JSONL = JsonlWriter()
