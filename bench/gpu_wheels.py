@@ -21,7 +21,7 @@ from pathlib import Path
 # sentence-transformers with scikit-learn and scipy, pyyaml, prometheus-client, pyarrow, attrs).
 PURE = ["pydantic", "annotated-types", "typing-inspection", "boto3", "botocore", "s3transfer", "jmespath",
         "jsonschema", "referencing", "jsonschema-specifications"]
-COMPILED = ["pydantic-core", "orjson", "zstandard", "rpds-py", "py-spy"]  # py-spy: gpu_check --profile
+COMPILED = ["pydantic-core", "orjson", "zstandard", "rpds-py", "google-re2", "py-spy"]  # py-spy: gpu_check --profile
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux_2_5_x86_64", "manylinux1_x86_64"]
 

@@ -145,7 +145,8 @@ def test_the_storage_probe_lists_the_input_and_writes_reads_and_deletes_under_th
 
 def test_a_missing_grant_names_the_verb_and_the_commands_that_grant_it() -> None:
     fix = grant_fix("team", "bij-worker", list(WORKER_GRANTS))
-    role = "kubectl -n team create role bij-worker --verb=patch --resource=batchinferencejobs.batchinference.io/status"
+    role = ("kubectl -n team create role bij-worker --verb=create,patch "
+            "--resource=batchinferencejobs.batchinference.io/status --resource=leases.coordination.k8s.io")
     assert role in fix
     assert "--serviceaccount=team:bij-worker" in fix
     report = format_report([Finding("rbac", "fail", "may not patch", fix), Finding("nodes", "warn", "none fit"),

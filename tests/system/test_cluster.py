@@ -996,7 +996,7 @@ def test_a_worker_role_missing_a_grant_holds_the_bij_before_any_pod_until_the_ro
     assert (cond["status"], cond["reason"]) == ("False", "MissingPermissions")
     assert (f"system:serviceaccount:{env.ns}:bij-worker may not patch batchinferencejobs/status.batchinference.io"
             in cond["message"])
-    assert f"Fix: kubectl -n {env.ns} create role bij-worker --verb=patch" in cond["message"]
+    assert f"Fix: kubectl -n {env.ns} create role bij-worker --verb=create,patch" in cond["message"]
     assert st["phase"] == "Pending" and st["message"] == cond["message"]
     assert env.jobs() == []  # no step, no round Job: their pods would be refused
     wide = env.kubectl("get", "bij", "held", "-o", "wide", "--no-headers")
