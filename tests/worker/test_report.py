@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,23 @@ from bij.steps import main as steps
 from bij.steps.planner import PlanError
 from bij.storage import StorageError, StorageRefused
 from bij.worker import report
+
+
+@contextlib.contextmanager
+def fake_api_server(handler: type[BaseHTTPRequestHandler], sa_dir: Path,
+                    monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A plain-HTTP stand-in for the API server on 127.0.0.1, and a service account token in `sa_dir` (a
+    sink's URL must then be made http://)."""
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (sa_dir / "token").write_text("tok-1\n")
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
+        monkeypatch.setattr(report, "_tls", lambda cafile: None)
+        yield
+    finally:
+        server.shutdown()
 
 
 def test_folder_reports_are_read_back_as_the_status_holds_them_and_none_removes_one(tmp_path: Path) -> None:
@@ -80,18 +99,10 @@ def test_a_report_is_a_merge_patch_of_the_pods_own_key_in_the_bijs_status(tmp_pa
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        (tmp_path / "token").write_text("tok-1\n")
-        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
-        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
-        monkeypatch.setattr(report.ssl, "create_default_context", lambda cafile: None)
+    with fake_api_server(Handler, tmp_path, monkeypatch):
         sink = report.KubeStatus("team-a", "emb", sa_dir=tmp_path)
         sink.url = sink.url.replace("https://", "http://")  # this test's server speaks plain HTTP
         report.put_with_retries(sink, "steps", "emb-plan-r0", {"jobUid": "u", "result": {"shards": 2}}, delay=0.01)
-    finally:
-        server.shutdown()
     assert len(got) == 2
     path, ctype, body, auth = got[-1]
     assert path == "/apis/batchinference.io/v1alpha1/namespaces/team-a/batchinferencejobs/emb/status"
@@ -120,19 +131,11 @@ def test_a_report_the_api_server_forbids_is_not_retried_and_says_the_verb_missin
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        (tmp_path / "token").write_text("tok-1\n")
-        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
-        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
-        monkeypatch.setattr(report.ssl, "create_default_context", lambda cafile: None)
+    with fake_api_server(Handler, tmp_path, monkeypatch):
         sink = report.KubeStatus("team-a", "emb", sa_dir=tmp_path)
         sink.url = sink.url.replace("https://", "http://")
         with pytest.raises(report.ReportError) as refused:
             report.put_with_retries(sink, "steps", "emb-plan-r0", {"jobUid": "u", "result": {}}, delay=0.01)
-    finally:
-        server.shutdown()
     assert len(calls) == 1 and refused.value.permanent
     assert str(refused.value).endswith(f"HTTP 403: {forbidden}")
 
@@ -217,13 +220,7 @@ def test_a_lane_report_goes_into_a_lease_of_its_own_made_once_then_patched(
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        (tmp_path / "token").write_text("tok-1\n")
-        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
-        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
-        monkeypatch.setattr(report, "_tls", lambda cafile: None)
+    with fake_api_server(Handler, tmp_path, monkeypatch):
         sink = report.sink_from_env({"BIJ_REPORT_TO": "kube:team-a/emb", "BIJ_REPORT_INTERVAL": "5",
                                      "BIJ_JOB_NAME": "emb-r0", "BIJ_JOB_UID": "uid-1"}, sa_dir=tmp_path)
         assert isinstance(sink, report.KubeReports)
@@ -236,8 +233,6 @@ def test_a_lane_report_goes_into_a_lease_of_its_own_made_once_then_patched(
         assert isinstance(other, report.KubeReports)
         other.leases.url = other.leases.url.replace("https://", "http://")
         other.put("lanes", "emb-r0-4-fghij", one)  # made by an earlier try whose answer was lost (409): patched
-    finally:
-        server.shutdown()
     base = "/apis/coordination.k8s.io/v1/namespaces/team-a/leases"
     assert [(m, p) for m, p, _ in got] == [("POST", base), ("PATCH", f"{base}/emb-r0-3-abcde"),
                                           ("PATCH", f"{base}/emb-r0-3-abcde"), ("POST", base),
