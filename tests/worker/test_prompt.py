@@ -155,3 +155,12 @@ def test_validate_shows_the_first_rows_rendered(file_place, make_job, capsys) ->
         "  row 1: template_error: spec.prompt.template: the row has no column 'body'",
         "  row 2:", "    system: Be terse.", "    user: Title 2: body of 2",
     ]
+
+
+def test_the_example_job_renders_its_rows(monkeypatch, capsys) -> None:
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)  # its input is file://examples/articles.jsonl, relative to the repository
+    assert bij_main(["validate", "examples/prompt-columns.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert '  row "a1":\n    system: You write one-sentence summaries for a changelog.\n' in out
+    assert "    user: Summarise this article.\n      Title: Lanes and shards\n" in out
