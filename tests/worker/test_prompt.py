@@ -105,6 +105,8 @@ def test_a_row_missing_a_column_is_one_template_error_row_naming_it(file_place, 
     "{{ row.pop('title') }}",
     "{{ row.title * 100000000 }}",
     "{{ 9 ** 99999999 }}",
+    # a loop that writes without end is stopped at the size limit
+    "{% for i in range(100000) %}{% for j in range(100000) %}" + "x" * 4096 + "{% endfor %}{% endfor %}",
 ])
 def test_a_template_reaching_for_python_internals_is_an_error_row_not_a_leak(template: str) -> None:
     from bij.contract.spec import parse_spec

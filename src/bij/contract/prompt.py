@@ -83,8 +83,15 @@ def compiled_template(source: str) -> Template:
 
 def render(template: Template, columns: Mapping[str, Any]) -> str:
     """The template rendered over one row's columns; PromptError saying why it cannot be."""
+    parts: list[str] = []
+    size = 0
     try:
-        text = template.render(row=_Columns(columns))
+        # Streamed, so a loop that writes without end is stopped at the limit rather than filling memory.
+        for piece in template.generate(row=_Columns(columns)):
+            size += len(piece)
+            if size > MAX_RENDERED_CHARS:
+                raise PromptError(f"spec.prompt.template rendered over {MAX_RENDERED_CHARS} characters for this row")
+            parts.append(piece)
     except SecurityError as e:
         raise PromptError(f"spec.prompt.template is not allowed to do this: {e}") from None
     except TemplateError as e:  # UndefinedError included: a missing column
@@ -92,6 +99,4 @@ def render(template: Template, columns: Mapping[str, Any]) -> str:
     except (ArithmeticError, TypeError, ValueError, LookupError, AttributeError, RecursionError, MemoryError) as e:
         # The template's own expressions (a division by zero, a filter given the wrong type): this row's fault.
         raise PromptError(f"spec.prompt.template failed: {type(e).__name__}: {e}") from None
-    if len(text) > MAX_RENDERED_CHARS:
-        raise PromptError(f"spec.prompt.template rendered {len(text)} characters, over {MAX_RENDERED_CHARS}")
-    return text
+    return "".join(parts)
