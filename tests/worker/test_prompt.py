@@ -166,3 +166,17 @@ def test_the_example_job_renders_its_rows(monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert '  row "a1":\n    system: You write one-sentence summaries for a changelog.\n' in out
     assert "    user: Summarise this article.\n      Title: Lanes and shards\n" in out
+
+
+def test_a_row_a_judge_round_sends_again_is_rendered_from_its_columns_again() -> None:
+    from bij.contract.spec import parse_spec
+    from bij.worker.inputs import redispatch_line
+
+    spec = parse_spec({"input": {"uri": "file:///in/"}, "output": {"uri": "file:///out/"},
+                       "model": {"engine": "echo", "task": "generate"}, "prompt": {"template": TITLED},
+                       "judge": {"type": "regex", "pattern": "x"}})
+    line = b'{"id": 1, "title": "T", "body": "B"}'
+    first = parse_line(line, (0, 0, 1), "a.jsonl", InputOptions.from_spec(spec))
+    again = redispatch_line(line, first, 1, ["rejected"], "T: B").encode()
+    row = parse_line(again, (0, 0, 1), "rejected.jsonl", InputOptions.from_spec(spec, round_no=1))
+    assert row.request is not None and row.request.text == "T: B" and row.prior_attempts == 1
