@@ -233,6 +233,9 @@ GOOD = [
     # model.maxTokens/temperature/seed carry no CRD default, so the API server's defaulting sets neither beside these.
     ("sampling-basics-alone", with_spec(model={"task": "generate",
                                                "sampling": {"temperature": 0.7, "maxTokens": 10, "seed": 3}})),
+    ("prompt-chat-with-system", with_spec(model={"task": "chat"},
+                                          prompt={"system": "Be terse.", "template": "{{ row.title }}"})),
+    ("prompt-embed-prefix", with_spec(prompt={"template": "query: {{ row.text }}"})),
     ("partition-by-input-judged-in-place", with_spec(
         output={"uri": "s3://bucket/out", "partitionBy": "input"}, model={"task": "generate"},
         judge={"type": "regex", "pattern": "x", "strategy": "inPlace"})),

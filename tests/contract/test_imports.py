@@ -34,6 +34,7 @@ PURE = {
     "bij.contract.sampling",  # the spec's sampling defaults are checked with the rows' own rules
     "bij.contract.schema",  # the CEL rules and schema extras declared on the spec's models: data
     "bij.contract.status",  # the bij's status as decide() reads it: pydantic over plain data
+    "bij.contract.prompt",  # spec.prompt's template is parsed when the spec is (Jinja, sandboxed: no I/O)
 }
 IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",
                     "zstandard", "pyarrow"}

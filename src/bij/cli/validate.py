@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +25,11 @@ from typing import Any
 import celpy
 import jsonschema
 import yaml
+import zstandard
 
 from bij.contract.crd import crd
-from bij.contract.spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
+from bij.contract.globs import glob_matches, split_glob
+from bij.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, parse_job
 
 # Schema violations after which the API server does not run the CEL rules (a rule could not
 # rely on the fields it reads), and what it says instead.
@@ -416,4 +419,74 @@ def cli_validate(args: argparse.Namespace) -> int:
                 print(f"  * {p}")
     if not failed:
         print("valid")
+        for doc in jobs:
+            for line in prompt_preview(parse_job(doc)):
+                print(line)
     return 1 if failed else 0
+
+
+# Rows `bij validate` renders spec.prompt.template for.
+PREVIEW_ROWS = 3
+
+
+def prompt_preview(job: BatchInferenceJob, rows: int = PREVIEW_ROWS) -> list[str]:
+    """spec.prompt rendered for the first `rows` rows of a file:// input, as the worker renders them (the
+    request each row becomes, or its error row); nothing when the job has no prompt or its input is elsewhere."""
+    from bij.steps.planner import input_objects
+    from bij.storage import StorageError, open_storage
+    from bij.worker.inputs import InputOptions, parse_line
+
+    spec = job.spec
+    if spec.prompt is None:
+        return []
+    if not spec.input.uri.startswith("file://"):
+        return [f"spec.prompt: not rendered here: the input {spec.input.uri} is not a file:// input"]
+    parquet = spec.input.format == "parquet"
+    base, pattern = split_glob(spec.input.uri)
+    try:
+        listed = open_storage(base, None).list(base)
+    except StorageError as e:
+        return [f"spec.prompt: not rendered here: cannot list {spec.input.uri}: {e}"]
+    if pattern is not None:
+        listed = [o for o in listed if glob_matches(pattern, o.uri[len(base):])]
+    objects = input_objects(listed, base, parquet)
+    if not objects:
+        return [f"spec.prompt: not rendered here: no input rows at {spec.input.uri}"]
+    uri = objects[0].uri
+    opts = InputOptions.from_spec(spec)
+    out = [f"spec.prompt rendered for the first rows of {uri}:"]
+    offset = 0
+    for line in _first_lines(uri.removeprefix("file://"), parquet, rows):
+        row = parse_line(line, (0, offset, offset + len(line)), uri.rsplit("/", 1)[-1], opts)
+        offset += len(line)
+        label = f"  row {json.dumps(row.id, ensure_ascii=False)}"
+        if row.request is None:
+            out.append(f"{label}: {row.error_code}: {row.error}")
+        elif row.request.messages is not None:
+            out.append(f"{label}:")
+            out += [f"    {m['role']}: {_indented(m['content'])}" for m in row.request.messages]
+        else:
+            out.append(f"{label}: {_indented(row.request.text)}")
+    return out
+
+
+def _indented(text: Any) -> str:
+    return str(text).replace("\n", "\n      ")
+
+
+def _first_lines(path: str, parquet: bool, n: int) -> list[bytes]:
+    """The first `n` rows of a local input object as JSON lines (Parquet rows encoded as the worker reads them)."""
+    if parquet:
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+        return [] if batch is None else [json.dumps(r, default=str).encode() for r in batch.to_pylist()[:n]]
+    lines: list[bytes] = []
+    with open(path, "rb") as raw:
+        stream = zstandard.ZstdDecompressor().stream_reader(raw) if path.endswith(".zst") else raw
+        for line in io.BufferedReader(stream) if path.endswith(".zst") else stream:  # type: ignore[arg-type]
+            if line.strip():
+                lines.append(line.rstrip(b"\n"))
+            if len(lines) == n:
+                break
+    return lines

@@ -2,7 +2,7 @@
 on every later run, so rows made from one spec and one input are never mixed with another's.
 
 What decides the rows: the spec fields in `ROW_FIELDS` (the input's place and shape, the model
-and its sampling, the judge) and, for round 0, the input objects themselves (URI, size, and the
+and its sampling, the prompt template, the judge) and, for round 0, the input objects themselves (URI, size, and the
 ETag on s3:// or the mtime on file://). The plan already carries both: the job's spec and its
 objects. Everything else (sharding, batching, workers, storage, maxErrorRatio, suspend) only says
 how the work is done, and may change between runs.
@@ -33,7 +33,7 @@ ROW_FIELDS = (
     "model.sampling", "model.structuredOutput", "model.chatTemplate", "model.chatTemplateKwargs", "model.adapters",
     "model.maxInputTokens", "model.truncate", "model.vllm.maxModelLen", "model.vllm.quantization", "model.vllm.dtype",
     "model.vllm.engineArgs",
-    "judge",
+    "judge", "prompt",
 )
 # Fields younger than some plans: a plan without them ran with these values.
 _ADDED_LATER: dict[str, Any] = {"input.maxLineBytes": DEFAULT_MAX_LINE_BYTES, "input.samplingField": "sampling",

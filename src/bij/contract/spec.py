@@ -20,6 +20,7 @@ from bij.contract.codes import API_GROUP
 from bij.contract.columns import RESULT_FIELDS, consumed
 from bij.contract.errors import BijError
 from bij.contract.globs import check_glob, has_glob
+from bij.contract.prompt import compile_template
 from bij.contract.publish_plan import OutputFormat
 from bij.contract.sampling import DEFAULT_ROW_BUDGET, Basics, Sampling, basics, spec_defaults
 from bij.contract.sampling import from_spec as sampling_from_spec
@@ -76,6 +77,16 @@ NODES_PER_LANE_ENGINE = (
 NODES_PER_LANE_PIPELINE = (
     "with workers.nodesPerLane above 1 the engine runs pipeline parallel across the lane's pods: leave "
     "model.vllm.pipelineParallelSize unset (or equal to nodesPerLane); model.vllm.tensorParallelSize is per pod"
+)
+PROMPT_NOT_OPENAI = (
+    "prompt needs input.format jsonl or parquet: an OpenAI batch line brings its own request body"
+)
+PROMPT_NOT_MESSAGES = (
+    "prompt renders each row's user message from its columns: leave input.messagesField unset"
+)
+SYSTEM_NEEDS_CHAT = (
+    "prompt.system is a chat system message and needs model.task chat; for generate or embed put the "
+    "instruction in prompt.template"
 )
 GPUS_FOR_VLLM = (
     "workers.gpus must be at least model.vllm.tensorParallelSize x model.vllm.pipelineParallelSize "
@@ -772,6 +783,25 @@ class JudgeSpec(_Model):
         return self
 
 
+class PromptSpec(_Model):
+    """A row's prompt rendered from its columns (instead of read from input.textField)."""
+
+    system: str | None = Field(None, json_schema_extra=k8s(minLength=1, maxLength=65536))
+    """task chat: a system message put before each row's rendered user message"""
+    template: str = Field(json_schema_extra=k8s(minLength=1, maxLength=65536))
+    """a Jinja template over the row's columns, as row.NAME (`{{ row.title }}: {{ row.body }}`), run sandboxed:
+    the prompt (generate), the user message (chat) or the text to embed, an instruction prefix included. A row
+    missing a column it uses is a template_error error row naming the column"""
+
+    @field_validator("template")
+    @classmethod
+    def _template_parses(cls, source: str) -> str:
+        if not source.strip():
+            raise ValueError("must not be blank")
+        compile_template(source)  # ValueError naming the line
+        return source
+
+
 class JobSpec(_Model):
     model_config = ConfigDict(json_schema_extra=k8s(
         cel("!has(self.judge) || self.model.task != 'embed'",
@@ -794,7 +824,12 @@ class JobSpec(_Model):
             "self.input.uri.endsWith('/') ? self.input.uri : self.input.uri + '/') || "
             "(self.input.uri.endsWith('/') ? self.input.uri : self.input.uri + '/').startsWith("
             "self.output.uri.endsWith('/') ? self.output.uri : self.output.uri + '/'))", OVERLAP_MESSAGE,
-            ".output.uri")))
+            ".output.uri"),
+        cel("!has(self.prompt) || !has(self.input.format) || self.input.format != 'openai'", PROMPT_NOT_OPENAI,
+            ".prompt"),
+        cel("!has(self.prompt) || !has(self.input.messagesField)", PROMPT_NOT_MESSAGES, ".prompt"),
+        cel("!has(self.prompt) || !has(self.prompt.system) || (has(self.model) && has(self.model.task) && "
+            "self.model.task == 'chat')", SYSTEM_NEEDS_CHAT, ".prompt.system")))
 
     input: InputSpec
     """Where the rows come from. Every object under uri is read (*.jsonl, *.jsonl.zst; *.parquet for format
@@ -803,6 +838,9 @@ class JobSpec(_Model):
     """where the results go: result, error and capped files, and manifest.json last"""
     model: ModelSpec = ModelSpec()
     """the model, the task and the engine that runs every row"""
+    prompt: PromptSpec | None = None
+    """each row's prompt rendered from its columns by a sandboxed Jinja template, with an optional chat system
+    message; unset, a row brings its prompt in input.textField (or input.messagesField)"""
     sharding: ShardingSpec = ShardingSpec()
     """how each round's input is cut into shards, the unit a lane claims and resumes"""
     batching: BatchingSpec = BatchingSpec()
@@ -846,6 +884,13 @@ class JobSpec(_Model):
         if self.model.engine in CONTINUOUS_ENGINES and (self.batching.target_batch_tokens is not None
                                                         or self.batching.max_batch_size is not None):
             raise ValueError(BATCH_SHAPE_NOT_CONTINUOUS)
+        if self.prompt is not None:
+            if self.input.format == "openai":
+                raise ValueError(PROMPT_NOT_OPENAI)
+            if self.input.messages_field is not None:
+                raise ValueError(PROMPT_NOT_MESSAGES)
+            if self.prompt.system is not None and self.model.task != "chat":
+                raise ValueError(SYSTEM_NEEDS_CHAT)
         return self
 
     @property

@@ -195,7 +195,8 @@ def read_footers(job: BatchInferenceJob, objects: list[ObjectInfo]) -> dict[int,
         except (OSError, ValueError) as e:  # pyarrow: ArrowInvalid is a ValueError, a bad footer
             raise PlanError(f"spec.input.uri: {o.uri} is not a readable Parquet file: {e}") from None
         wanted = [inp.text_field] + ([inp.messages_field] if inp.messages_field else [])
-        if not any(c in footer.columns for c in wanted):
+        # With spec.prompt the prompt comes from the template's columns: a row missing one is its error row.
+        if job.spec.prompt is None and not any(c in footer.columns for c in wanted):
             field = "spec.input.textField" + (" / spec.input.messagesField" if inp.messages_field else "")
             raise PlanError(f"{field}: {o.uri} has no column {' or '.join(map(repr, wanted))} "
                             f"(its columns: {', '.join(footer.columns)})")

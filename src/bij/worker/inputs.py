@@ -12,6 +12,10 @@ A plain row's other columns are carried to its result, error and capped rows
 (`contract.columns`, input.passThrough); a row with a column named like a result field
 is an ``invalid_row`` row naming it. Integers beyond 64 bits are read exactly (exact_json).
 
+With spec.prompt a plain row's prompt is rendered from its columns (`contract.prompt`, once per row,
+the template compiled once per lane): a row the template fails on (a missing column, a sandbox refusal)
+is a ``template_error`` row naming why.
+
 A row's ``_bij`` field is bij's own bookkeeping of judge rounds, read only from a later
 round's input (which bij wrote); a user's row with one is an ``invalid_row`` row.
 """
@@ -31,6 +35,7 @@ import orjson
 
 from bij.contract.columns import RESULT_FIELDS, clash_message, consumed
 from bij.contract.columns import carried as carried_columns
+from bij.contract.prompt import TEMPLATE_ERROR, PromptError, compiled_template, render
 from bij.contract.sampling import (
     ADAPTERS,
     DEFAULT_MAX_TOKENS,
@@ -57,6 +62,8 @@ from bij.worker import responses
 from bij.worker.images import ImageProblem, parse_image
 
 if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
+    from jinja2 import Template
+
     from bij.contract.spec import JobSpec
 
 # Reserved field of re-dispatched rows (judge rounds): {"id", "attempts", "verdicts", "output"}.
@@ -125,6 +132,10 @@ class InputOptions:
     redispatched: bool = False
     # The results are Parquet (output.format): a carried integer must fit int64, else the row is an error row.
     int64_columns: bool = False
+    # spec.prompt: the compiled template a plain row's prompt is rendered with (None: the row's textField),
+    # and task chat's system message before it.
+    prompt: Template | None = None
+    system: str | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None, *,
@@ -158,6 +169,8 @@ class InputOptions:
             None if inp.pass_through is None else tuple(inp.pass_through),
             redispatched=round_no > 0,  # round 0 reads the user's input, every later one a round's rejects
             int64_columns=spec.output.format == "parquet",
+            prompt=None if spec.prompt is None else compiled_template(spec.prompt.template),
+            system=None if spec.prompt is None else spec.prompt.system,
         )
 
     @property
@@ -168,8 +181,8 @@ class InputOptions:
 
 def parquet_columns(opts: InputOptions) -> list[str] | None:
     """The columns a Parquet input is read for: id, text, chat messages, sampling and adapter fields, and the
-    pass-through columns (None: every column)."""
-    if opts.pass_through is None:
+    pass-through columns (None: every column, as a prompt template may read any)."""
+    if opts.pass_through is None or opts.prompt is not None:
         return None
     wanted = [c for c in (opts.id_field, opts.text_field, opts.messages_field, opts.sampling_field,
                           opts.adapter_field) if c]
@@ -333,7 +346,7 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions
     line that is not such a row sends the whole chunk to parse_line, line by line, which
     says what is wrong and where (a column that clashes with a result field too).
     """
-    if opts.format != "jsonl" or not lines or (
+    if opts.format != "jsonl" or not lines or opts.prompt is not None or (
             opts.task != "embed" and over_budget(opts.max_tokens, opts.sampling, opts.row_budget, _SPELLED)):
         return None
     try:
@@ -442,19 +455,29 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
             return _bad(at, e.code, str(e), rid)
         return Row(at=at, id=rid, request=_request(opts, own, messages=msgs, adapter=adapter, images=images),
                    generated_id=generated)
-    if opts.text_field not in obj:
+    if opts.prompt is not None:
+        try:
+            text = render(opts.prompt, obj)
+        except PromptError as e:
+            return _bad(at, TEMPLATE_ERROR, str(e), rid)
+        if not text or text.isspace():
+            return _bad(at, "empty_text", "spec.prompt.template rendered an empty prompt for this row", rid)
+    elif opts.text_field not in obj:
         wanted = f"{opts.text_field!r}" + (f" or {opts.messages_field!r}" if opts.messages_field else "")
         return _bad(at, "missing_text", f"no field {wanted}", rid)
-    text = obj[opts.text_field]
-    if not isinstance(text, str):
-        return _bad(at, "invalid_text", f"field {opts.text_field!r} must be a string, got {type(text).__name__}", rid)
-    if not text or text.isspace():
-        return _bad(at, "empty_text", f"field {opts.text_field!r} is empty", rid)
+    else:
+        text = obj[opts.text_field]
+        if not isinstance(text, str):
+            return _bad(at, "invalid_text", f"field {opts.text_field!r} must be a string, got {type(text).__name__}",
+                        rid)
+        if not text or text.isspace():
+            return _bad(at, "empty_text", f"field {opts.text_field!r} is empty", rid)
     refused = _refused(opts, frozenset(asks), spelled)
     if refused:
         return _bad(at, "unsupported", refused, rid)
     if opts.task == "chat":
-        req = _request(opts, own, messages=[{"role": "user", "content": text}], adapter=adapter)
+        system = [{"role": "system", "content": opts.system}] if opts.system is not None else []
+        req = _request(opts, own, messages=[*system, {"role": "user", "content": text}], adapter=adapter)
     else:
         req = _request(opts, own, text=text, adapter=adapter)
     return Row(at=at, id=rid, request=req, generated_id=generated)
