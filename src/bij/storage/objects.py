@@ -4,7 +4,7 @@ errors a storage operation ends in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -57,6 +57,14 @@ class ReadOnlyInputs:
 
     def delete(self, uri: str) -> None:
         raise self._read_only(uri)
+
+    def list_pages(self, uri: str) -> Iterator[list[ObjectInfo]]:
+        yield self.list(uri)
+
+    def delete_many(self, uris: Iterable[str]) -> dict[str, str]:
+        for uri in uris:
+            raise self._read_only(uri)
+        return {}
 
     def append_durable(self, uri: str, data: bytes) -> None:
         raise self._read_only(uri)
