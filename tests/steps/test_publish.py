@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import zstandard
 
+from bij import storage
 from bij.contract import layout
 from bij.contract.publish_plan import PublishPlan
 from bij.engines.base import estimate_tokens
@@ -20,7 +21,6 @@ from bij.steps import publish_rows
 from bij.steps.planner import plan_round
 from bij.steps.publish import PublishError, WorkFilesRemoved, publish, read_manifest
 from bij.steps.publish_rows import PublishPlanError
-from bij import storage
 from bij.storage import StorageError, open_storage
 from bij.storage.segments import ShardLog
 from bij.worker.shard import load_plan

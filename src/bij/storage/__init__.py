@@ -18,11 +18,11 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
-from bij.storage.objects import NotFound, ObjectChanged, ObjectInfo, StorageError, StorageRefused
+from bij.storage.objects import NotFound, ObjectChanged, ObjectInfo, ObjectPage, StorageError, StorageRefused
 
 T = TypeVar("T")
 
@@ -42,7 +42,7 @@ class Storage(Protocol):
         """Objects at `uri` (one object) or under it (a prefix), sorted by URI."""
         ...
 
-    def list_pages(self, uri: str) -> Iterator[list[ObjectInfo]]:
+    def list_pages(self, uri: str) -> Iterator[ObjectPage]:
         """Objects under `uri` as `list` finds them, a page of at most `PAGE` at a time, in no set order:
         memory holds one page however many there are (for what walks millions of objects)."""
         ...
@@ -218,7 +218,7 @@ class FileStorage:
         out.sort(key=lambda o: o.uri)
         return out
 
-    def list_pages(self, uri: str) -> Iterator[list[ObjectInfo]]:
+    def list_pages(self, uri: str) -> Iterator[ObjectPage]:
         p = _local_path(uri)
         if p.is_file():
             yield self.list(uri)
@@ -617,7 +617,7 @@ class S3Storage:
         out.sort(key=lambda o: o.uri)
         return out
 
-    def list_pages(self, uri: str) -> Iterator[list[ObjectInfo]]:
+    def list_pages(self, uri: str) -> Iterator[ObjectPage]:
         bucket, key = split_s3(uri)
         token: str | None = None
         start_after: str | None = None
@@ -758,7 +758,7 @@ class S3Storage:
             failed.update(self._delete_batch(batch))
         return failed
 
-    def _delete_batch(self, uris: list[str]) -> dict[str, str]:
+    def _delete_batch(self, uris: Sequence[str]) -> dict[str, str]:
         """One DeleteObjects request (quiet: only the keys it could not delete come back)."""
         by_bucket: dict[str, list[str]] = {}
         for uri in uris:

@@ -11,7 +11,7 @@ from typing import BinaryIO
 # The errors live in the contract, so that a record's decoder can raise one without importing storage.
 from bij.contract.errors import NotFound, ObjectChanged, StorageError, StorageRefused
 
-__all__ = ["NotFound", "ObjectChanged", "ObjectInfo", "ReadOnlyInputs", "StorageError", "StorageRefused"]
+__all__ = ["NotFound", "ObjectChanged", "ObjectInfo", "ObjectPage", "ReadOnlyInputs", "StorageError", "StorageRefused"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,10 @@ class ObjectInfo:
     # Which version of the object this is: the ETag on s3://, the mtime in ns on file://.
     # A plan records it; reading another version of the object is refused.
     version: str | None = None
+
+
+# One page of a streamed listing (`Storage.list_pages`): at most `bij.storage.PAGE` objects.
+ObjectPage = list[ObjectInfo]
 
 
 class ReadOnlyInputs:
@@ -58,7 +62,7 @@ class ReadOnlyInputs:
     def delete(self, uri: str) -> None:
         raise self._read_only(uri)
 
-    def list_pages(self, uri: str) -> Iterator[list[ObjectInfo]]:
+    def list_pages(self, uri: str) -> Iterator[ObjectPage]:
         yield self.list(uri)
 
     def delete_many(self, uris: Iterable[str]) -> dict[str, str]:
