@@ -19,6 +19,7 @@ from bij.control.reconcile import (
     CreateJob,
     MarkFailed,
     PlanRound,
+    Publish,
     RerunStep,
     Retry,
     Wait,
@@ -648,3 +649,23 @@ def test_a_step_result_this_operator_cannot_read_fails_the_bij_saying_so(file_pl
     idle = Driver(backend).reconcile()
     assert isinstance(idle.decision, MarkFailed) and backend.status["phase"] == "Failed"
     assert "step plan of round 0: its result cannot be read (KeyError: 'shards')" in backend.status["message"]
+
+
+def test_work_files_left_after_the_manifest_are_a_condition_and_one_warning_and_the_bij_succeeds() -> None:
+    job = a_job()
+    backend = FakeBackend(job)
+    manifest = {"counts": {"rows": 10, "errors": 0}, "files": [{"path": "results/part-0.jsonl"}],
+                "workFilesRemoval": {"removed": 2000, "bytes": 9, "left": "file:///out/_bij/x/",
+                                     "error": "delete file:///out/_bij/x/y: Permission denied"}}
+    result = steps.manifest_summary(manifest)  # what the manifest step reports
+    d = Publish(round=0, phase="Publishing", reason="Publishing", message="publishing", rounds=1, result=result)
+    Driver(backend).published(backend.observe(), job, d, result)
+    assert backend.status["phase"] == "Succeeded"
+    conditions = {c["type"]: c for c in backend.status["conditions"]}
+    assert conditions["Succeeded"]["status"] == "True"
+    left = conditions["WorkFilesRemoved"]
+    assert left["status"] == "False" and left["reason"] == "RemovalFailed"
+    assert "Permission denied" in left["message"] and "file:///out/_bij/x/" in left["message"]
+    warnings = [e for e in backend.events if e[0] == "Warning"]
+    assert [w[1] for w in warnings] == ["RemovalFailed"] and "Permission denied" in warnings[0][2]
+    assert [e[1] for e in backend.events if e[0] == "Normal"] == ["Published"]

@@ -617,3 +617,42 @@ def test_steps_run_in_the_bij_process_unless_their_environment_would_differ(spec
         assert steps == ["finish", "manifest", "plan", "publish", "publish", "publish", "publish-plan"], kinds
     else:
         assert steps == [], kinds
+
+
+def test_bij_run_whose_work_file_removal_fails_succeeds_with_a_warning_and_a_rerun_removes_the_rest(
+        file_place, make_job, read_output, log_lines, worker_env, monkeypatch, capsys):
+    from bij.contract.status import JobStatus
+    from bij.local.run import LocalRunner
+    from bij.steps import publish as publish_module
+    from bij.storage import StorageError, open_storage
+
+    class DeletesRefused:
+        def __init__(self, inner: Any):
+            self.inner = inner
+
+        def delete_many(self, uris: Any) -> dict[str, str]:
+            raise StorageError("delete: the bucket refused every delete")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    inputs = rows(200)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 8192})
+    for k, v in worker_env(file_place).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(publish_module, "open_storage", lambda uri, s3: DeletesRefused(open_storage(uri, s3)))
+    runner = LocalRunner(job, show_progress=False)
+    assert runner.run() == 0
+    status = JobStatus.read(runner.backend.status)
+    assert status.phase == "Succeeded"
+    left = next(c for c in runner.backend.status["conditions"] if c["type"] == "WorkFilesRemoved")
+    assert left["status"] == "False" and left["reason"] == "RemovalFailed"
+    err = capsys.readouterr().err
+    assert err.count("bij: RemovalFailed: removing work files failed") == 1  # the Warning, once
+    check_published(read_output(job), inputs)
+    assert log_lines(file_place, job)  # the durable logs are still there
+    monkeypatch.setattr(publish_module, "open_storage", open_storage)
+    assert LocalRunner(job, show_progress=False).run() == 0
+    assert "nothing to do" in capsys.readouterr().err
+    assert not log_lines(file_place, job)
+    check_published(read_output(job), inputs)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import zstandard
 
+from bij import storage
 from bij.contract import layout
 from bij.contract.publish_plan import PublishPlan
 from bij.engines.base import estimate_tokens
@@ -18,9 +19,9 @@ from bij.local.publish import publish as publish_in_processes
 from bij.steps import publish as publish_module
 from bij.steps import publish_rows
 from bij.steps.planner import plan_round
-from bij.steps.publish import PublishError, publish, read_manifest
+from bij.steps.publish import PublishError, WorkFilesRemoved, publish, read_manifest
 from bij.steps.publish_rows import PublishPlanError
-from bij.storage import open_storage
+from bij.storage import StorageError, open_storage
 from bij.storage.segments import ShardLog
 from bij.worker.shard import load_plan
 
@@ -58,8 +59,9 @@ def test_the_manifest_is_written_last_and_once(place, make_job, run_shards, read
     assert writes.count(layout.manifest_uri(job)) == 1
     listed = [layout.join(job.spec.output.uri, f["path"]) for f in manifest["files"] + manifest["errorFiles"]]
     assert set(listed) == set(published[:-1]) and len(manifest["files"]) >= 2
-    # Only the record of the removed work files comes after the manifest (output.keepIntermediate false).
-    assert writes[writes.index(layout.manifest_uri(job)) + 1:] == [layout.removed_uri(job)]
+    # Only the record of the removed work files comes after the manifest (output.keepIntermediate false):
+    # written before the first delete, and once more when the removal finished.
+    assert writes[writes.index(layout.manifest_uri(job)) + 1:] == [layout.removed_uri(job)] * 2
     assert out.manifest == manifest
 
 
@@ -456,6 +458,53 @@ def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file
     refused = r"work files removed at .*\(output.keepIntermediate: false\).* new output URI"
     with pytest.raises(PublishError, match=refused):
         publish(job)
+    assert read_manifest(job) == manifest
+
+
+class FailingDeletes:
+    """The real storage, whose batched deletes fail after `pages` of them (an outage midway)."""
+
+    def __init__(self, inner: Any, pages: int):
+        self.inner, self.pages, self.deletes = inner, pages, 0
+
+    def delete_many(self, uris: Any) -> dict[str, str]:
+        self.deletes += 1
+        if self.deletes > self.pages:
+            raise StorageError("delete s3://b/k: still failing after 8 attempts: SlowDown")
+        return self.inner.delete_many(uris)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_removal_failing_midway_leaves_the_job_published_and_a_rerun_removes_the_rest(
+        file_place, make_job, run_shards, read_output, monkeypatch):
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(300)), sharding={"targetShardBytes": 1024})
+    run_shards(job)
+    plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
+    logs = [o.uri for i in range(len(plan.shards))
+            for o in file_place.storage.list(layout.shard_prefix(plan.round_prefix, i) + "/")]
+    assert len(logs) >= 3
+    monkeypatch.setattr(storage, "PAGE", 2)  # pages of 2: the second delete request fails
+    failing = FailingDeletes(open_storage(job.spec.output.uri, job.spec.storage.s3), pages=1)
+    monkeypatch.setattr(publish_module, "open_storage", lambda uri, s3: failing)
+    manifest = publish(job)
+    # Published: the manifest is written and returned, and the failure rides beside it as a warning.
+    warning = manifest.pop("workFilesRemoval")
+    assert warning["error"].endswith("SlowDown") and warning["left"] == layout.state_prefix(job) + "/"
+    assert warning["removed"] == 2
+    assert read_output(job).manifest == manifest
+    assert sum(file_place.storage.exists(uri) for uri in logs) == len(logs) - 2  # one page went
+    record = json.loads(file_place.storage.read_bytes(layout.removed_uri(job)))
+    assert "finishedAt" not in record and record["failed"].endswith("SlowDown") and record["objects"] == 2
+    # A second publish finds the job published, and resumes the removal on the way.
+    monkeypatch.setattr(publish_module, "open_storage", open_storage)
+    with pytest.raises(WorkFilesRemoved) as refused:
+        publish(job)
+    assert refused.value.removal is not None and refused.value.removal.error is None
+    assert not any(file_place.storage.exists(uri) for uri in logs)
+    record = json.loads(file_place.storage.read_bytes(layout.removed_uri(job)))
+    assert record["finishedAt"] and record["objects"] >= len(logs) and "failed" not in record
     assert read_manifest(job) == manifest
 
 

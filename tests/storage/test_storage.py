@@ -640,3 +640,43 @@ def test_a_listing_that_pages_without_a_token_goes_on_after_the_last_key():
     st = S3Storage(client=Client(), scheme="gs")
     assert [(o.uri, o.size) for o in st.list("gs://b/p/")] == [("gs://b/p/a", 1), ("gs://b/p/b", 2), ("gs://b/p/c", 3)]
     assert [kw.get("StartAfter") for kw in asked] == [None, "p/b"]
+
+
+def test_file_list_pages_stream_every_object_in_pages_and_delete_many_takes_them_all(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(storage, "PAGE", 4)
+    for d in ("a", "a/deep", "b"):
+        (tmp_path / d).mkdir()
+        for i in range(5):
+            (tmp_path / d / f"f{i}").write_bytes(b"x" * i)
+    fs = FileStorage()
+    pages = list(fs.list_pages(f"file://{tmp_path}"))
+    assert all(len(p) <= 4 for p in pages) and len(pages) == 4
+    found = sorted((o.uri, o.size) for p in pages for o in p)
+    assert found == [(o.uri, o.size) for o in fs.list(f"file://{tmp_path}")]
+    missing = f"file://{tmp_path}/never-there"  # gone already: no error
+    assert fs.delete_many([uri for uri, _ in found] + [missing]) == {}
+    assert fs.list(f"file://{tmp_path}") == [] and list(fs.list_pages(f"file://{tmp_path}/nothing")) == []
+
+
+def test_s3_delete_many_sends_1000_keys_a_request_and_a_missing_key_is_no_error(s3):
+    st, spy, base = s3
+    uris = [f"{base}del/k{i:05d}" for i in range(2005)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda u: spy.client.put_object(Bucket=split_s3(u)[0], Key=split_s3(u)[1], Body=b"x"), uris))
+    pages = list(st.list_pages(base + "del/"))
+    assert [len(p) for p in pages] == [1000, 1000, 5]
+    spy.calls.clear()
+    assert st.delete_many([o.uri for p in pages for o in p] + [f"{base}del/never-there"]) == {}
+    assert sum(1 for name, _ in spy.calls if name == "delete_objects") == 3  # ceil(2006 / 1000)
+    assert st.list(base + "del/") == []
+
+
+def test_s3_delete_many_reports_the_keys_the_store_would_not_delete(s3, monkeypatch):
+    st, spy, base = s3
+    _, key = split_s3(base + "kept")
+    real = spy.client.delete_objects
+    # (The client is shared by the session's tests: monkeypatch puts it back.)
+    monkeypatch.setattr(spy.client, "delete_objects", lambda **kw: {**real(**kw), "Errors": [
+        {"Key": key, "Code": "AccessDenied", "Message": "Access Denied"},
+        {"Key": "gone", "Code": "NoSuchKey", "Message": "gone already"}]})
+    assert st.delete_many([base + "kept"]) == {base + "kept": "AccessDenied: Access Denied"}

@@ -205,11 +205,19 @@ class OwnerRecord:
         return cls(doc.get("namespace"), doc.get("name"), doc.get("id"), str(doc.get("claimedAt") or ""))
 
 
-class RemovedRecord(TypedDict):
-    """The work files removed after a successful publish; its presence refuses a republish."""
-
+class _RemovedCounts(TypedDict):
     removedAt: str
     reason: str
     folders: list[str]
     objects: int
     bytes: int
+
+
+class RemovedRecord(_RemovedCounts, total=False):
+    """The work files removed after a successful publish; its presence refuses a republish. Written
+    before the first delete and again as it goes: counts summed while streaming, never a list of objects
+    (bounded however many there were). Without `finishedAt` the removal was cut short or failed (`failed`
+    says why) and the next publish or run resumes it."""
+
+    finishedAt: str
+    failed: str

@@ -21,6 +21,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+# The key of a manifest step's result (and of `finish_publish`'s answer, never of the manifest itself)
+# when removing work files failed after the manifest was written: {"removed", "bytes", "left", "error"}.
+# The bij still succeeds, with the Condition `REMOVAL_CONDITION` False and a Warning Event.
+REMOVAL_FAILED = "workFilesRemoval"
+REMOVAL_CONDITION = "WorkFilesRemoved"
+
 # A message longer than this is cut (a status is no place for a stack of text).
 MOST_MESSAGE = 2000
 

@@ -45,6 +45,7 @@ from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats
 from bij.contract.spec import BatchInferenceJob, SpecError
 from bij.contract.status import JobStatus
+from bij.contract.step_report import REMOVAL_CONDITION, REMOVAL_FAILED
 from bij.control.jobs import FileVolume, render_job, render_lane_service, render_publish_job, render_step_job
 from bij.control.permissions import CONDITION as PERMISSIONS_CONDITION
 from bij.control.permissions import STATUS_KEY as PERMISSIONS_KEY
@@ -527,11 +528,22 @@ class Driver:
                       "they are in the manifest's cappedFiles")
             msg += f"; {capped}"
             self.backend.event("Warning", "RetryCapReached", capped)
+        removal = manifest.get(REMOVAL_FAILED) or {}
+        if removal:
+            # The manifest stands: work files left behind are a warning, never a failed bij.
+            left = (f"RemovalFailed: removing work files failed after {removal.get('removed', 0)} objects: "
+                    f"{removal.get('error')}; the rest are left under {removal.get('left')} (a rerun resumes "
+                    "the removal, or a bucket lifecycle rule on the _bij/ prefix removes them)")
+            msg += f"; {left}"
+            self.backend.event("Warning", "RemovalFailed", left)
         done = dataclasses.replace(d, phase=partial or "Succeeded", reason=partial or "Published", message=msg)
         rows = {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}
         if partial:
             rows["notRun"] = int(counts.get("notRun", 0))
         patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg, "rows": rows}
+        if removal:
+            patch["conditions"] = set_condition(patch["conditions"], REMOVAL_CONDITION, False, "RemovalFailed",
+                                                left, generation=seen.generation, now=now)
         patch.update({k: v for k, v in self.progress(seen, d.round, now).items() if k != "rows"})
         self.write_status(seen, patch, event=("Normal", partial or "Published", msg))
         return Idle(done)

@@ -37,6 +37,7 @@ from bij.contract.lane_report import tally
 from bij.contract.round_record import round_records
 from bij.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij.contract.status import JobStatus
+from bij.contract.step_report import REMOVAL_FAILED
 from bij.control.driver import Created, Driver, Observed
 from bij.control.jobs import FileVolume, render_job
 from bij.control.reconcile import STOPPED_PHASES, TERMINAL_PHASES, Retry, failure_reason
@@ -45,6 +46,7 @@ from bij.local.publish import publish
 from bij.steps.planner import PlanError, RoundPlan, output_standing, plan_round, reset_output
 from bij.steps.progress import shard_records
 from bij.steps.publish import PublishError, read_manifest, removed_record
+from bij.steps.removal import resume_removal
 from bij.storage import StorageError, open_storage
 from bij.worker.report import LANES, REPORT_ENV, FolderSink, read_folder
 
@@ -368,6 +370,10 @@ class LocalRunner:
         removed = removed_record(store, self.job)
         if removed is not None and read_manifest(self.job) is not None:
             plan_round(self.job, 0)  # a changed spec or input is refused here as on any rerun
+            resumed = resume_removal(store, self.job)  # a removal cut short goes on; the manifest stands
+            warning = resumed.warning() if resumed is not None else None
+            if warning:
+                print(f"bij: warning: {warning}", file=sys.stderr)
             # A rerun of a finished job: nothing to work, and its logs are gone (keepIntermediate false).
             print(f"bij: {self.job.metadata.name} was published before; its work files were removed at "
                   f"{removed.get('removedAt')} (output.keepIntermediate: false), nothing to do", file=sys.stderr)
@@ -566,5 +572,10 @@ def cli_publish(args: argparse.Namespace) -> int:
         own = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")), 0)
         with open(args.process_stats, "w") as f:
             json.dump([*stats, {"pass": "driver", "index": 0, "maxRssKiB": own}], f)
+    failed = manifest.get(REMOVAL_FAILED)
+    if failed:
+        # Published: work files left behind are a warning, not a failed publish.
+        print(f"bij: warning: the manifest stands, but removing work files failed: {failed['error']}; the rest are "
+              f"left under {failed['left']} (run `bij publish` again to resume the removal)", file=sys.stderr)
     print(json.dumps(manifest["counts"]))
     return 0

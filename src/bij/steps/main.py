@@ -30,7 +30,7 @@ from bij.contract.efficiency import cost, efficiency
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.rounds import summarize
 from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
-from bij.contract.step_report import MOST_MESSAGE, StepError, StepErrorCode, StepReport
+from bij.contract.step_report import MOST_MESSAGE, REMOVAL_FAILED, StepError, StepErrorCode, StepReport
 from bij.steps import publish_rows
 from bij.steps.planner import PlanError, plan_round
 from bij.steps.progress import damage_records, shard_records
@@ -80,11 +80,13 @@ def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 
     if kind == "publish-plan":
         try:
             uri, pplan = prepare_publish(job, rounds, partial=partial)
-        except WorkFilesRemoved:
+        except WorkFilesRemoved as e:
             # Published before the status said so (a restart in between): the manifest stands.
             found = read_manifest(job)
             if found is None:
                 raise
+            if e.removal is not None and e.removal.error is not None:
+                found = {**found, REMOVAL_FAILED: e.removal.as_result()}
             return {"published": manifest_summary(found)}
         return {"planUri": uri, "passes": {p: pplan.count(p) for p in publish_rows.PASSES}}
     if kind == "manifest":
@@ -131,6 +133,10 @@ def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
         summary["notes"] = notes[:MOST_DAMAGED]
     if manifest.get("partial"):
         summary["partial"] = dict(manifest["partial"])  # Cancelled or Expired: the phase it ends in
+    if manifest.get(REMOVAL_FAILED):
+        # Removing work files failed after the manifest was written: a warning, not a failure.
+        failed = dict(manifest[REMOVAL_FAILED])
+        summary[REMOVAL_FAILED] = {**failed, "error": str(failed.get("error"))[:MOST_MESSAGE]}
     return summary
 
 

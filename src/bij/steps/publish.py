@@ -22,10 +22,12 @@ from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused, spec_changes
 from bij.contract.plan import BadPlan, Plan
 from bij.contract.publish_plan import PublishPlan
-from bij.contract.records import RemovedRecord, ShardRecord, decode_shard_record, now_stamp
+from bij.contract.records import ShardRecord, decode_shard_record
 from bij.contract.spec import BatchInferenceJob
+from bij.contract.step_report import REMOVAL_FAILED
 from bij.steps import publish_rows
 from bij.steps.progress import damage_records
+from bij.steps.removal import Removal, remove_work_files, removed_record, resume_removal
 from bij.storage import NotFound, Storage, open_storage
 from bij.storage.parquet import id_kind
 from bij.storage.writers import writer_for
@@ -196,10 +198,11 @@ def prepare_publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | 
                            "spec.output.uri (or bij run --restart)", permanent=True)
     removed = removed_record(store, job)
     if removed is not None:
+        removal = resume_removal(store, job)  # one cut short goes on; the manifest stands either way
         raise WorkFilesRemoved(
             f"{job.metadata.name} was published and its work files removed at {removed.get('removedAt')} "
             f"(output.keepIntermediate: false): {layout.manifest_uri(job)} stays valid, but publishing again "
-            "would find no rows; to publish anew, run the job into a new output URI")
+            "would find no rows; to publish anew, run the job into a new output URI", removal)
     t = _Totals()
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
     for r, plan in enumerate(plans):
@@ -309,8 +312,18 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         manifest["cost"] = spent
     store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())
     if not job.spec.output.keep_intermediate:
-        remove_work_files(store, job, plans, pplan)
+        removal = remove_work_files(store, job, work_folders(plans, pplan))
+        if removal.error is not None:
+            # The manifest stands: a failed removal is a warning beside it, never a failed job.
+            return {**manifest, REMOVAL_FAILED: removal.as_result()}
     return manifest
+
+
+def work_folders(plans: list[Plan], publish_plan: PublishPlan) -> list[str]:
+    """What only publishing needed: the shards' durable logs, judge rounds' inputs and the publish
+    passes' id buckets. Plans, completion records and shard summaries stay (O(shards))."""
+    folders = [layout.join(p.round_prefix, sub) + "/" for p in plans for sub in ("shards", "rejected")]
+    return folders + [layout.join(publish_plan.prefix, sub) + "/" for sub in ("ids", "losers")]
 
 
 def partial_fields(phase: str, completed: int, failed: int, not_run: int) -> dict[str, Any]:
@@ -323,32 +336,11 @@ def partial_fields(phase: str, completed: int, failed: int, not_run: int) -> dic
 
 class WorkFilesRemoved(PublishError):
     """The job was published and its work files removed (output.keepIntermediate false): it cannot be
-    published again."""
+    published again. `removal`: a removal cut short that was resumed here, and how that ended."""
 
-
-def removed_record(store: Storage, job: BatchInferenceJob) -> RemovedRecord | None:
-    """What was removed after the job was published, or None when its work files are all there."""
-    try:
-        return json.loads(store.read_bytes(layout.removed_uri(job)))  # type: ignore[no-any-return]
-    except NotFound:
-        return None
-
-
-def remove_work_files(store: Storage, job: BatchInferenceJob, plans: list[Plan],
-                      publish_plan: PublishPlan) -> RemovedRecord:
-    """Remove what only publishing needed: the shards' durable logs, judge rounds' inputs and the
-    publish passes' id buckets. Plans, completion records and shard summaries stay (O(shards)), with
-    a record of what went; it is written first, so a removal cut short still refuses a republish."""
-    folders = [layout.join(p.round_prefix, sub) + "/" for p in plans for sub in ("shards", "rejected")]
-    folders += [layout.join(publish_plan.prefix, sub) + "/" for sub in ("ids", "losers")]
-    objects = [obj for folder in folders for obj in store.list(folder)]
-    record: RemovedRecord = {"removedAt": now_stamp(),
-                             "reason": "output.keepIntermediate is false: work files go once the manifest is published",
-                             "folders": folders, "objects": len(objects), "bytes": sum(o.size for o in objects)}
-    store.write_bytes(layout.removed_uri(job), json.dumps(record, indent=1).encode())
-    for obj in objects:
-        store.delete(obj.uri)
-    return record
+    def __init__(self, message: str = "", removal: Removal | None = None, *, permanent: bool | None = None):
+        super().__init__(message, permanent=permanent)
+        self.removal = removal
 
 
 def read_manifest(job: BatchInferenceJob) -> dict[str, Any] | None:

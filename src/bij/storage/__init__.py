@@ -18,16 +18,19 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
-from bij.storage.objects import NotFound, ObjectChanged, ObjectInfo, StorageError, StorageRefused
+from bij.storage.objects import NotFound, ObjectChanged, ObjectInfo, ObjectPage, StorageError, StorageRefused
 
 T = TypeVar("T")
 
 
 MULTIPART_BYTES = 8 << 20  # the S3 part size of `write_stream` (S3 needs at least 5 MiB but for the last)
+# Objects in one page of `list_pages` and one request of `delete_many` (S3's ListObjectsV2 and
+# DeleteObjects take at most 1,000).
+PAGE = 1000
 
 
 class Storage(Protocol):
@@ -37,6 +40,16 @@ class Storage(Protocol):
 
     def list(self, uri: str) -> list[ObjectInfo]:
         """Objects at `uri` (one object) or under it (a prefix), sorted by URI."""
+        ...
+
+    def list_pages(self, uri: str) -> Iterator[ObjectPage]:
+        """Objects under `uri` as `list` finds them, a page of at most `PAGE` at a time, in no set order:
+        memory holds one page however many there are (for what walks millions of objects)."""
+        ...
+
+    def delete_many(self, uris: Iterable[str]) -> dict[str, str]:
+        """Delete objects, `PAGE` to a request where the store takes batches; one missing is no error.
+        Returns what could not be deleted: URI -> why (a request that fails whole raises `StorageError`)."""
         ...
 
     def open_read(self, uri: str, start: int = 0, version: str | None = None) -> BinaryIO:
@@ -204,6 +217,49 @@ class FileStorage:
             raise _os_error("list", uri, e) from None
         out.sort(key=lambda o: o.uri)
         return out
+
+    def list_pages(self, uri: str) -> Iterator[ObjectPage]:
+        p = _local_path(uri)
+        if p.is_file():
+            yield self.list(uri)
+            return
+        # scandir reads a folder as it goes (os.walk holds each folder's names): only the folders
+        # still to visit and one page are held.
+        folders = [p] if p.is_dir() else []
+        page: list[ObjectInfo] = []
+        while folders:
+            folder = folders.pop()
+            try:
+                with os.scandir(folder) as entries:
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            folders.append(Path(entry.path))
+                            continue
+                        try:
+                            st = entry.stat()
+                        except FileNotFoundError:  # removed while listing
+                            continue
+                        page.append(ObjectInfo("file://" + entry.path, st.st_size, _version(st)))
+                        if len(page) >= PAGE:
+                            yield page
+                            page = []
+            except FileNotFoundError:
+                continue  # removed while listing
+            except OSError as e:
+                raise _os_error("list", "file://" + str(folder), e) from None
+        if page:
+            yield page
+
+    def delete_many(self, uris: Iterable[str]) -> dict[str, str]:
+        failed: dict[str, str] = {}
+        for uri in uris:
+            try:
+                _local_path(uri).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                failed[uri] = str(_os_error("delete", uri, e))
+        return failed
 
     def open_read(self, uri: str, start: int = 0, version: str | None = None) -> BinaryIO:
         try:
@@ -557,17 +613,22 @@ class S3Storage:
         return f" as access key id {key}" if key else ""
 
     def list(self, uri: str) -> list[ObjectInfo]:
+        out = [obj for page in self.list_pages(uri) for obj in page]
+        out.sort(key=lambda o: o.uri)
+        return out
+
+    def list_pages(self, uri: str) -> Iterator[ObjectPage]:
         bucket, key = split_s3(uri)
-        out: list[ObjectInfo] = []
         token: str | None = None
         start_after: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": key}
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": key, "MaxKeys": PAGE}
             if token:
                 kwargs["ContinuationToken"] = token
             elif start_after:
                 kwargs["StartAfter"] = start_after
             page = self._call("list", uri, lambda kw=kwargs: self.client.list_objects_v2(**kw))  # type: ignore[misc]
+            out: list[ObjectInfo] = []
             for obj in page.get("Contents", []):
                 k = obj["Key"]
                 # A prefix without a trailing slash must not match "docs-old/" for "docs".
@@ -576,6 +637,8 @@ class S3Storage:
                 if k.endswith("/"):
                     continue
                 out.append(ObjectInfo(f"{self.scheme}://{bucket}/{k}", int(obj["Size"]), obj.get("ETag")))
+            if out:
+                yield out
             if not page.get("IsTruncated"):
                 break
             token = page.get("NextContinuationToken")
@@ -585,8 +648,6 @@ class S3Storage:
                     raise StorageError(f"list {uri}: the store says there is more but gives no way on",
                                        permanent=True)
                 start_after = contents[-1]["Key"]
-        out.sort(key=lambda o: o.uri)
-        return out
 
     def _get(self, uri: str, start: int, version: str | None = None) -> Any:
         bucket, key = split_s3(uri)
@@ -680,6 +741,40 @@ class S3Storage:
     def delete(self, uri: str) -> None:
         bucket, key = split_s3(uri)
         self._call("delete", uri, lambda: self.client.delete_object(Bucket=bucket, Key=key))
+
+    def delete_many(self, uris: Iterable[str]) -> dict[str, str]:
+        failed: dict[str, str] = {}
+        if self.scheme == "gs":  # GCS's XML API has no multi-object delete
+            for uri in uris:
+                self.delete(uri)
+            return failed
+        batch: list[str] = []
+        for uri in uris:
+            batch.append(uri)
+            if len(batch) == PAGE:
+                failed.update(self._delete_batch(batch))
+                batch = []
+        if batch:
+            failed.update(self._delete_batch(batch))
+        return failed
+
+    def _delete_batch(self, uris: Sequence[str]) -> dict[str, str]:
+        """One DeleteObjects request (quiet: only the keys it could not delete come back)."""
+        by_bucket: dict[str, list[str]] = {}
+        for uri in uris:
+            bucket, key = split_s3(uri)
+            by_bucket.setdefault(bucket, []).append(key)
+        failed: dict[str, str] = {}
+        for bucket, keys in by_bucket.items():
+            where = f"{self.scheme}://{bucket}/{keys[0]}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+            body = {"Objects": [{"Key": k} for k in keys], "Quiet": True}
+            answer = self._call("delete", where,
+                                lambda b=bucket, d=body: self.client.delete_objects(Bucket=b, Delete=d))  # type: ignore[misc]
+            for err in answer.get("Errors") or []:
+                if err.get("Code") == "NoSuchKey":
+                    continue  # gone already: what a delete wants
+                failed[f"{self.scheme}://{bucket}/{err.get('Key')}"] = f"{err.get('Code')}: {err.get('Message')}"
+        return failed
 
     def append_durable(self, uri: str, data: bytes) -> None:
         raise StorageError(f"{self.scheme}:// objects are immutable: write segments instead of appending")

@@ -4,14 +4,14 @@ errors a storage operation ends in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
 # The errors live in the contract, so that a record's decoder can raise one without importing storage.
 from bij.contract.errors import NotFound, ObjectChanged, StorageError, StorageRefused
 
-__all__ = ["NotFound", "ObjectChanged", "ObjectInfo", "ReadOnlyInputs", "StorageError", "StorageRefused"]
+__all__ = ["NotFound", "ObjectChanged", "ObjectInfo", "ObjectPage", "ReadOnlyInputs", "StorageError", "StorageRefused"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,10 @@ class ObjectInfo:
     # Which version of the object this is: the ETag on s3://, the mtime in ns on file://.
     # A plan records it; reading another version of the object is refused.
     version: str | None = None
+
+
+# One page of a streamed listing (`Storage.list_pages`): at most `bij.storage.PAGE` objects.
+ObjectPage = list[ObjectInfo]
 
 
 class ReadOnlyInputs:
@@ -57,6 +61,14 @@ class ReadOnlyInputs:
 
     def delete(self, uri: str) -> None:
         raise self._read_only(uri)
+
+    def list_pages(self, uri: str) -> Iterator[ObjectPage]:
+        yield self.list(uri)
+
+    def delete_many(self, uris: Iterable[str]) -> dict[str, str]:
+        for uri in uris:
+            raise self._read_only(uri)
+        return {}
 
     def append_durable(self, uri: str, data: bytes) -> None:
         raise self._read_only(uri)
