@@ -503,6 +503,9 @@ def _describe(exc: BaseException) -> str:
         err = exc.response.get("Error", {})
         code = str(err.get("Code", "?"))
         hint = f"; {_HINTS[code]}" if code in _HINTS else ""
+        if code == "403":
+            # A HEAD's answer has no body, so no S3 error code: say what a GET would have said.
+            return f"AccessDenied: 403 {err.get('Message', '') or 'Forbidden'}{hint}"
         return f"{code}: {err.get('Message', '') or exc}{hint}"
     if isinstance(exc, NoCredentialsError):
         return ("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
