@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -275,11 +276,20 @@ def test_unique_items_of_a_long_array_of_objects_is_checked_in_linear_time() -> 
     assert _problem("json_schema", schema, "[1, true, 0, false]") is None  # true is not 1
 
 
-def test_an_answer_nested_too_deep_is_a_violation_not_a_crash() -> None:
-    assert _problem("json_object", "", "[" * 100_000) == "not valid JSON: nested deeper than the parser goes"
-    deep = "[" * 400 + "]" * 400
-    why = _problem("json_schema", {"items": {"$ref": "#"}}, deep)
-    assert why == "nested deeper than its schema's check goes"
+@pytest.mark.parametrize("recursion_limit", [None, 100_000])
+def test_an_answer_nested_too_deep_is_a_violation_not_a_crash(recursion_limit: int | None) -> None:
+    """The same answer, whatever the interpreter's recursion limit (libraries loaded in a worker raise it)."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(recursion_limit or before)
+    try:
+        assert _problem("json_object", "", "[" * 100_000) == "not valid JSON: nested deeper than the parser goes"
+        deep = "[" * 400 + "]" * 400
+        why = _problem("json_schema", {"items": {"$ref": "#"}}, deep)
+        assert why == "nested deeper than its schema's check goes"
+        # Brackets inside strings are text, not nesting.
+        assert _problem("json_object", "", json.dumps({"text": "[" * 10_000})) is None
+    finally:
+        sys.setrecursionlimit(before)
 
 
 def test_length_bounded_strings_reach_the_grammar_as_patterns_without_control_characters() -> None:

@@ -68,6 +68,10 @@ UNENFORCED_KEYWORDS = ("uniqueItems", "not", "if", "then", "else", "dependentSch
 # The longest one answer's schema check may run: a real answer checks in milliseconds; past this the
 # check is stopped (a pure-Python check does not starve other threads, but it must still end).
 CHECK_SECONDS = 2.0
+# How deep an answer may nest arrays and objects to be parsed, and to be checked against its schema (the
+# check recurses several frames a level): bounds of their own, not the interpreter's recursion limit.
+PARSE_DEPTH = 512
+CHECK_DEPTH = 128
 # Compiled patterns kept (RE2 programs; each bounded by RE2's max_mem, 8 MiB).
 MOST_PATTERNS = 1024
 # A JSON Schema pattern may write a character as \uXXXX (ECMA-262); RE2 writes it \x{XXXX}. Escapes
@@ -106,9 +110,49 @@ def _strict_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _nesting(text: str, most: int) -> bool:
+    """Whether the JSON text `text` nests arrays and objects deeper than `most` (brackets inside strings not
+    counted); linear in the text, and no scan at all when it has too few brackets to."""
+    if text.count("[") + text.count("{") <= most:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > most:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
+def _depth(value: Any) -> int:
+    """How deep a parsed JSON value nests arrays and objects (iteratively: no recursion to run out of)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (list, dict)):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _strict_json(text: str) -> Any:
     """The JSON value of `text`, refusing what Python's parser allows beyond JSON (NaN, Infinity)
-    and raw control characters inside strings (json.loads refuses them with strict=True, its default)."""
+    and raw control characters inside strings (json.loads refuses them with strict=True, its default).
+    Nesting is bounded by `PARSE_DEPTH` before parsing, whatever the interpreter's recursion limit
+    (which other libraries raise), so a deep answer is refused the same way everywhere."""
+    if _nesting(text, PARSE_DEPTH):
+        raise ValueError("nested deeper than the parser goes")
     try:
         return json.loads(text, parse_constant=_strict_constant)
     except RecursionError:
@@ -272,6 +316,8 @@ class Validator:
                 return f"not valid JSON: {e}"
             if kind == "json_object":
                 return None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
+            if _depth(value) > CHECK_DEPTH:
+                return "nested deeper than its schema's check goes"
             started = _deadline.set(time.monotonic() + self.seconds)
             try:
                 error = next(iter(self._schema(text).iter_errors(value)), None)
