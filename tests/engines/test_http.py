@@ -46,6 +46,7 @@ class FakeServer:
         self.policy: Policy = lambda body, n, total: None
         self.release = threading.Event()  # set to end hung requests
         self.arrivals: list[float] = []
+        self.authorization: list[str | None] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,6 +58,7 @@ class FakeServer:
                 with server.lock:
                     server.bodies.append(body)
                     server.paths.append(self.path)
+                    server.authorization.append(self.headers.get("Authorization"))
                     server.arrivals.append(time.monotonic())
                     key = row_key(body)
                     server.sends[key] += 1
@@ -254,6 +256,21 @@ def test_the_window_grows_additively_up_to_max_in_flight(server: FakeServer) -> 
     results = engine.run([Request(text=f"r{i}") for i in range(200)])
     assert [r.output for r in results] == [f"re: r{i}" for i in range(200)]  # in order
     assert engine.stats()["largest"] == 8 and server.peak <= 8
+
+
+def test_the_authorization_env_var_is_sent_a_bare_key_as_bearer(server: FakeServer,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from bij.engines.base import Request
+
+    spec = parse_spec({"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"},
+                       "model": http_model(server, "generate")})
+    monkeypatch.setenv("BIJ_HTTP_AUTHORIZATION", "sk-123")
+    create_engine("http", engine_config(spec)).run([Request(text="a")])
+    monkeypatch.setenv("BIJ_HTTP_AUTHORIZATION", "Basic dXNlcg==")
+    create_engine("http", engine_config(spec)).run([Request(text="b")])
+    monkeypatch.delenv("BIJ_HTTP_AUTHORIZATION")
+    create_engine("http", engine_config(spec)).run([Request(text="c")])
+    assert server.authorization == ["Bearer sk-123", "Basic dXNlcg==", None]
 
 
 @pytest.mark.parametrize(("model", "needle"), [
