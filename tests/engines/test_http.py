@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bij.contract import layout
 from bij.contract.spec import SpecError, parse_spec
 from bij.engines import create_engine
 from bij.engines.http import HttpEngine, retry_after_seconds
@@ -287,3 +291,54 @@ def test_retry_after_takes_seconds_or_an_http_date() -> None:
     assert retry_after_seconds("2") == 2.0
     assert retry_after_seconds(None) is None and retry_after_seconds("soon") is None
     assert 9 <= (retry_after_seconds("Sun, 06 Dec 2026 00:00:10 GMT", now=1796515200.0) or 0) <= 11
+
+
+def worker_pids(manifest: str) -> list[int]:
+    """Pids of the live workers working on this round's plan."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and manifest.encode() in (d / "cmdline").read_bytes().split(b"\0"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_bij_run_killed_mid_job_resumes_without_resending_durable_rows(
+        server: FakeServer, file_place: Any, make_job: Any, read_output: Any, worker_env: Any, bij_bin: Any) -> None:
+    import signal
+    import subprocess
+
+    server.policy = lambda body, n, total: "hang" if int(body["prompt"].split()[1]) >= 32 else None
+    rows = [{"id": i, "text": f"row {i}"} for i in range(100)]
+    # In input order, so rows 0-31 are the first two chunks.
+    spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows), model=http_model(server, "generate"),
+                         workers={"parallelism": 1}, sharding={"targetShardBytes": 1 << 20, "chunkRows": 16},
+                         batching={"sortByLength": False, "prefixOrder": False})
+    p = subprocess.Popen([bij_bin("bij"), "run", str(spec)], env=worker_env(file_place), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(server.bodies) <= 32 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(server.bodies) > 32, "the first run never got past its first 32 rows"
+        time.sleep(2)  # the two answered chunks commit
+    finally:
+        # bij and its worker, which leads a session of its own (as a pod's kill ends every process in it).
+        for pid in [*worker_pids(layout.round_manifest_uri(job, 0)), p.pid]:
+            os.kill(pid, signal.SIGKILL)
+        p.wait()
+    time.sleep(0.5)
+    first = len(server.bodies)
+    server.release.set()
+    server.policy = lambda body, n, total: None
+    rerun = subprocess.run([bij_bin("bij"), "run", str(spec)], env=worker_env(file_place), capture_output=True,
+                           text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    out = read_output(job)
+    assert sorted(r["id"] for r in out.results) == list(range(100)) and out.errors == []
+    durable = int(re.search(r"resuming after (\d+) durable records", rerun.stderr).group(1))  # type: ignore[union-attr]
+    assert durable == 32
+    resent = [row_key(b) for b in server.bodies[first:]]
+    assert len(resent) == len(set(resent)) == 100 - durable  # each row not yet durable once, no other

@@ -61,11 +61,12 @@ PARTITION_NEEDS_ONE_ROUND = (
     "are read from the round's rejected files, no longer from their input object"
 )
 # Engines that schedule their own batches step by step (add and finish requests as they go).
-CONTINUOUS_ENGINES = ("vllm", "simulated")
+CONTINUOUS_ENGINES = ("vllm", "simulated", "http")
 BATCH_SHAPE_NOT_CONTINUOUS = (
     "batching.targetBatchTokens and batching.maxBatchSize shape the batches of engines that run whole batches "
-    "(echo, sentence-transformers, transformers); engines vllm and simulated schedule every step themselves: "
-    "set model.vllm.maxNumSeqs (model.simulated.maxNumSeqs) and model.vllm.engineArgs.max_num_batched_tokens"
+    "(echo, sentence-transformers, transformers); engines vllm, simulated and http schedule every step themselves: "
+    "set model.vllm.maxNumSeqs (model.simulated.maxNumSeqs, model.http.maxInFlight) and "
+    "model.vllm.engineArgs.max_num_batched_tokens"
 )
 OVERLAP_MESSAGE = ("spec.output.uri must not be spec.input.uri, lie inside it or contain it: a job would read "
                    "its own (or an earlier job's) state and results as input; choose a separate output folder")
@@ -866,7 +867,7 @@ class JobSpec(_Model):
             "has(self.model.vllm.tensorParallelSize) ? self.model.vllm.tensorParallelSize : 1) * "
             "(has(self.model.vllm) && has(self.model.vllm.pipelineParallelSize) ? "
             "self.model.vllm.pipelineParallelSize : 1)", GPUS_FOR_VLLM, ".workers.gpus"),
-        cel("!has(self.model) || !has(self.model.engine) || !(self.model.engine in ['vllm', 'simulated']) || "
+        cel("!has(self.model) || !has(self.model.engine) || !(self.model.engine in ['vllm', 'simulated', 'http']) || "
             "!has(self.batching) || (!has(self.batching.targetBatchTokens) && !has(self.batching.maxBatchSize))",
             BATCH_SHAPE_NOT_CONTINUOUS, ".batching"),
         cel("!has(self.output.partitionBy) || self.output.partitionBy != 'input' || !has(self.judge) || "

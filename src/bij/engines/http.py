@@ -1,9 +1,10 @@
 """The http engine: an existing OpenAI-compatible server (vLLM, SGLang, KServe, a hosted API) answers the rows.
 
 bij keeps its own guarantees (shards, claims, commits, resume, error rows, publish); the engine only
-sends each row's request to `model.http.baseUrl` and reads the answer. It is handed a whole chunk at
-once (`schedules_itself`) and sends its rows concurrently from a thread pool, as many in flight as
-its congestion window allows:
+sends each row's request to `model.http.baseUrl` and reads the answer. It is a continuous engine
+(submit / step, as vLLM): the worker keeps up to `maxInFlight` rows submitted, each is sent from a
+thread pool as soon as the congestion window has room, and a step returns whichever answers came
+back, so one slow row holds up no other:
 
 - the window grows by one request per window's worth of successes (additive increase) and halves
   on a 429, a 503, a 504 or a timeout (multiplicative decrease, at most once per round trip), between
@@ -23,7 +24,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,7 @@ from bij.engines.base import (
     estimate_tokens,
     request_text,
     request_texts,
+    run_to_completion,
 )
 from bij.engines.echo import truncate_text
 
@@ -51,6 +54,7 @@ MAX_RETRY_AFTER = 300.0  # seconds; a longer Retry-After is waited this long
 START_WINDOW = 4
 BACKOFF_BASE = 0.05  # seconds before a retry without Retry-After, doubled per attempt (jittered)
 BACKOFF_MAX = 5.0
+STEP_WAIT = 0.5  # seconds a step waits for an answer before it hands control back to the worker
 
 
 @dataclass
@@ -92,21 +96,30 @@ class Window:
         self.paused_seconds = 0.0  # time requests were held back by Retry-After
         self._pause_until = 0.0
         self._cut_at = 0  # a failure of a request sent before the last cut does not cut again
+        self._queued = 0  # turns taken by acquire
+        self._serving = 0  # the turn that may go next
         self._cond = threading.Condition()
 
     def acquire(self) -> int:
-        """Wait for room in the window and for any Retry-After to pass; returns the request's send number."""
+        """Wait for room in the window and for any Retry-After to pass, first come first served (rows go out
+        in the order the worker submitted them, so chunks complete, and commit, in input order); returns the
+        request's send number."""
         with self._cond:
+            turn = self._queued
+            self._queued += 1
             while True:
                 now = time.monotonic()
                 if now < self._pause_until:
                     wait = self._pause_until - now
                     self._cond.wait(wait)
-                    self.paused_seconds += min(wait, max(0.0, time.monotonic() - now))
+                    if turn == self._serving:  # count the pause once, not once per waiting request
+                        self.paused_seconds += max(0.0, min(wait, time.monotonic() - now))
                     continue
-                if self.in_flight < int(self.size):
+                if turn == self._serving and self.in_flight < int(self.size):
                     break
                 self._cond.wait()
+            self._serving += 1
+            self._cond.notify_all()  # the next in line may fit too
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             self.sent += 1
@@ -138,8 +151,8 @@ class HttpEngine(EngineBase):
     """Rows sent to an OpenAI-compatible server: `model.http: {baseUrl, servedModel, maxInFlight, ...}`."""
 
     name = "http"
-    continuous = False
-    schedules_itself = True  # the whole chunk at once: the window, not a batch size, bounds what is in flight
+    continuous = True  # submit / step: answers come back as they arrive, the window bounds what is in flight
+    schedules_itself = True
     parallel_prepare = True  # its threads wait on sockets, which lets go of the interpreter
 
     def __init__(self, config: EngineConfig):
@@ -161,6 +174,10 @@ class HttpEngine(EngineBase):
         self.path = {"chat": "/v1/chat/completions", "generate": "/v1/completions",
                      "embed": "/v1/embeddings"}[config.task]
         self.window = Window(self.max_in_flight)
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: dict[int, Future[Result]] = {}
+        self.steps = 0
+        self.occupied = 0
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         auth = os.environ.get(AUTHORIZATION_ENV)
         if auth:
@@ -209,12 +226,37 @@ class HttpEngine(EngineBase):
             text = truncate_text(text, limit, head=head)
         return text
 
-    def run(self, requests: list[Request]) -> list[Result]:
-        if not requests:
+    def concurrency(self) -> int:
+        return self.max_in_flight
+
+    def submit(self, tag: int, request: Request) -> None:
+        if self._pool is None:
+            # Threads block in the window while it is full: maxInFlight of them cover every slot it may open.
+            self._pool = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix="bij-http")
+        self._futures[tag] = self._pool.submit(self._row, request)
+
+    def unfinished(self) -> int:
+        return len(self._futures)
+
+    def step(self) -> list[tuple[int, Result]]:
+        """The rows whose answers (or final errors) came back: waits for the first, at most STEP_WAIT."""
+        if not self._futures:
             return []
-        with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(requests)),
-                                thread_name_prefix="bij-http") as pool:
-            return list(pool.map(self._row, requests))
+        wait(self._futures.values(), timeout=STEP_WAIT, return_when=FIRST_COMPLETED)
+        self.steps += 1
+        self.occupied += self.window.in_flight
+        done = [tag for tag, f in self._futures.items() if f.done()]
+        return [(tag, self._futures.pop(tag).result()) for tag in done]
+
+    def abort(self, tags: Sequence[int] | None = None) -> None:
+        """Drop rows not yet returned; a row not yet sent is never sent, one on the wire is let finish unread."""
+        for tag in list(self._futures) if tags is None else tags:
+            f = self._futures.pop(tag, None)
+            if f is not None:
+                f.cancel()
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        return run_to_completion(self, requests)
 
     def _row(self, req: Request) -> Result:
         data = json.dumps(self.body(req)).encode()
