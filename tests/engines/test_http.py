@@ -262,6 +262,25 @@ def test_the_window_grows_additively_up_to_max_in_flight(server: FakeServer) -> 
     assert engine.stats()["largest"] == 8 and server.peak <= 8
 
 
+def test_an_aborted_row_is_not_sent_again_and_no_thread_holds_up_the_exit(server: FakeServer) -> None:
+    from bij.engines.base import Request
+
+    server.policy = lambda body, n, total: (503, {}, "busy")
+    spec = parse_spec({"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"},
+                       "model": http_model(server, "generate", retries=20)})
+    engine = create_engine("http", engine_config(spec))
+    assert isinstance(engine, HttpEngine)
+    engine.submit(0, Request(text="doomed"))
+    deadline = time.monotonic() + 5
+    while not server.sends["doomed"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.abort()
+    assert engine.unfinished() == 0 and engine.step() == []
+    time.sleep(0.5)  # longer than the backoffs of the next sends would have taken
+    assert server.sends["doomed"] <= 2  # the send on the wire at the abort, at most: not the 21 allowed
+    assert all(t.daemon for t in engine._threads)
+
+
 def test_the_authorization_env_var_is_sent_a_bare_key_as_bearer(server: FakeServer,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from bij.engines.base import Request

@@ -19,13 +19,14 @@ from __future__ import annotations
 import email.utils
 import json
 import os
+import queue
 import random
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,15 @@ START_WINDOW = 4
 BACKOFF_BASE = 0.05  # seconds before a retry without Retry-After, doubled per attempt (jittered)
 BACKOFF_MAX = 5.0
 STEP_WAIT = 0.5  # seconds a step waits for an answer before it hands control back to the worker
+
+
+@dataclass
+class _Send:
+    """One submitted row: its request, its future, and whether the worker dropped it (abort)."""
+
+    request: Request
+    future: Future[Result]
+    dropped: bool = False
 
 
 @dataclass
@@ -174,8 +184,11 @@ class HttpEngine(EngineBase):
         self.path = {"chat": "/v1/chat/completions", "generate": "/v1/completions",
                      "embed": "/v1/embeddings"}[config.task]
         self.window = Window(self.max_in_flight)
-        self._pool: ThreadPoolExecutor | None = None
-        self._futures: dict[int, Future[Result]] = {}
+        # Daemon threads, not a ThreadPoolExecutor: a request hanging until its timeout must not hold up
+        # the worker's exit after it dropped the row (an executor's threads are joined at exit).
+        self._queue: queue.SimpleQueue[_Send] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._sends: dict[int, _Send] = {}
         self.steps = 0
         self.occupied = 0
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -230,38 +243,57 @@ class HttpEngine(EngineBase):
         return self.max_in_flight
 
     def submit(self, tag: int, request: Request) -> None:
-        if self._pool is None:
+        if not self._threads:
             # Threads block in the window while it is full: maxInFlight of them cover every slot it may open.
-            self._pool = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix="bij-http")
-        self._futures[tag] = self._pool.submit(self._row, request)
+            for i in range(self.max_in_flight):
+                t = threading.Thread(target=self._serve, name=f"bij-http-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        send = _Send(request, Future())
+        self._sends[tag] = send
+        self._queue.put(send)
+
+    def _serve(self) -> None:
+        while True:
+            send = self._queue.get()
+            if not send.future.set_running_or_notify_cancel():
+                continue  # dropped before it was sent
+            try:
+                send.future.set_result(self._row(send))
+            except BaseException as e:  # the worker sees it when it takes the row's result
+                send.future.set_exception(e)
 
     def unfinished(self) -> int:
-        return len(self._futures)
+        return len(self._sends)
 
     def step(self) -> list[tuple[int, Result]]:
         """The rows whose answers (or final errors) came back: waits for the first, at most STEP_WAIT."""
-        if not self._futures:
+        if not self._sends:
             return []
-        wait(self._futures.values(), timeout=STEP_WAIT, return_when=FIRST_COMPLETED)
+        wait([s.future for s in self._sends.values()], timeout=STEP_WAIT, return_when=FIRST_COMPLETED)
         self.steps += 1
         self.occupied += self.window.in_flight
-        done = [tag for tag, f in self._futures.items() if f.done()]
-        return [(tag, self._futures.pop(tag).result()) for tag in done]
+        done = [tag for tag, s in self._sends.items() if s.future.done()]
+        return [(tag, self._sends.pop(tag).future.result()) for tag in done]
 
     def abort(self, tags: Sequence[int] | None = None) -> None:
-        """Drop rows not yet returned; a row not yet sent is never sent, one on the wire is let finish unread."""
-        for tag in list(self._futures) if tags is None else tags:
-            f = self._futures.pop(tag, None)
-            if f is not None:
-                f.cancel()
+        """Drop rows not yet returned: one not yet sent is never sent, one on the wire is not sent again."""
+        for tag in list(self._sends) if tags is None else tags:
+            send = self._sends.pop(tag, None)
+            if send is not None:
+                send.dropped = True
+                send.future.cancel()
 
     def run(self, requests: list[Request]) -> list[Result]:
         return run_to_completion(self, requests)
 
-    def _row(self, req: Request) -> Result:
+    def _row(self, send: _Send) -> Result:
+        req = send.request
         data = json.dumps(self.body(req)).encode()
         answer = _Answer(None)
         for attempt in range(self.retries + 1):
+            if send.dropped:
+                return Result(error="dropped by the worker", extra={"code": "aborted"})
             ticket = self.window.acquire()
             answer = self._send(data)
             congested = answer.timed_out or answer.status in CONGESTION
