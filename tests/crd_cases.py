@@ -40,6 +40,8 @@ BAD = [
      "spec.model: Invalid value: engine sentence-transformers only supports task embed"),
     ("transformers-embedding", with_spec(model={"engine": "transformers", "task": "embed"}),
      "spec.model: Invalid value: engine transformers supports tasks generate and chat"),
+    ("http-without-a-url", with_spec(model={"engine": "http", "task": "chat", "name": "m"}),
+     "spec.model: Invalid value: model.engine http needs model.http.baseUrl"),
     ("unknown-engine", with_spec(model={"engine": "tgi"}),
      'spec.model.engine: Unsupported value: "tgi": supported values: "echo", "sentence-transformers"'),
     ("hostpath-cache-without-path", with_spec(workers={"modelCache": {"type": "hostPath"}}),

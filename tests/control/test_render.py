@@ -212,6 +212,17 @@ def test_s3_settings_as_env_and_credentials_only_by_secret_reference() -> None:
     assert "envFrom" not in container(plain) and "AWS_ENDPOINT_URL" not in env(plain)
 
 
+def test_engine_http_gets_its_authorization_by_secret_reference_and_no_gpu() -> None:
+    job = make_job(model={"engine": "http", "task": "chat", "name": "m",
+                          "http": {"baseUrl": "http://vllm:8000", "headersSecret": {"name": "fleet", "key": "token"}}})
+    rendered = render(job)
+    [auth] = [e for e in container(rendered)["env"] if e["name"] == "BIJ_HTTP_AUTHORIZATION"]
+    assert auth["valueFrom"] == {"secretKeyRef": {"name": "fleet", "key": "token"}}
+    assert "nvidia.com/gpu" not in json.dumps(container(rendered).get("resources", {}))
+    plain = make_job(model={"engine": "http", "task": "chat", "name": "m", "http": {"baseUrl": "http://vllm:8000"}})
+    assert all(e["name"] != "BIJ_HTTP_AUTHORIZATION" for e in container(render(plain))["env"])
+
+
 def test_pods_report_into_their_bijs_status_under_their_pod_name_and_their_jobs_uid() -> None:
     values = env(render(make_job()))
     job = make_job()

@@ -61,11 +61,12 @@ PARTITION_NEEDS_ONE_ROUND = (
     "are read from the round's rejected files, no longer from their input object"
 )
 # Engines that schedule their own batches step by step (add and finish requests as they go).
-CONTINUOUS_ENGINES = ("vllm", "simulated")
+CONTINUOUS_ENGINES = ("vllm", "simulated", "http")
 BATCH_SHAPE_NOT_CONTINUOUS = (
     "batching.targetBatchTokens and batching.maxBatchSize shape the batches of engines that run whole batches "
-    "(echo, sentence-transformers, transformers); engines vllm and simulated schedule every step themselves: "
-    "set model.vllm.maxNumSeqs (model.simulated.maxNumSeqs) and model.vllm.engineArgs.max_num_batched_tokens"
+    "(echo, sentence-transformers, transformers); engines vllm, simulated and http schedule every step themselves: "
+    "set model.vllm.maxNumSeqs (model.simulated.maxNumSeqs, model.http.maxInFlight) and "
+    "model.vllm.engineArgs.max_num_batched_tokens"
 )
 OVERLAP_MESSAGE = ("spec.output.uri must not be spec.input.uri, lie inside it or contain it: a job would read "
                    "its own (or an earlier job's) state and results as input; choose a separate output folder")
@@ -391,6 +392,47 @@ class SimulatedOptions(_Model):
     """slept once per process, as a model load"""
 
 
+class SecretKeyRef(_Model):
+    """One key of a Secret in the job's namespace."""
+
+    name: NonEmpty
+    """the Secret's name"""
+    key: NonEmpty
+    """the key whose value is used"""
+
+
+# Where engine http reads the Authorization header's value: the Job maps model.http.headersSecret onto it.
+HTTP_AUTHORIZATION_ENV = "BIJ_HTTP_AUTHORIZATION"
+HTTP_NEEDS_URL = "model.engine http needs model.http.baseUrl"
+
+
+class HttpOptions(_Model):
+    """An OpenAI-compatible server (vLLM, SGLang, KServe, a hosted API) that answers the rows (engine http)."""
+
+    base_url: str | None = Field(None, json_schema_extra=k8s(pattern=ENDPOINT_PATTERN))
+    """the server's URL without /v1, e.g. http://vllm.inference.svc:8000; rows go to /v1/chat/completions,
+    /v1/completions or /v1/embeddings by model.task"""
+    served_model: str | None = Field(None, max_length=256)
+    """the model name the server knows, sent as every body's model; default model.name"""
+    headers_secret: SecretKeyRef | None = None
+    """a Secret's key whose value is sent as the Authorization header (a bare key as Bearer); with bij run set
+    env BIJ_HTTP_AUTHORIZATION instead"""
+    max_in_flight: int = Field(64, ge=1, le=4096)
+    """requests one lane has in flight at most; below it the lane finds the server's capacity itself (AIMD)"""
+    timeout_seconds: float = Field(600, gt=0, le=86400)
+    """seconds one request may take; a timeout is retried, and counts as the server being full"""
+    retries: int = Field(3, ge=0, le=20)
+    """sends after the first for a retryable failure (408, 429, 5xx, timeouts, lost connections); a row is sent
+    at most retries + 1 times"""
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(ENDPOINT_PATTERN, url):
+            raise ValueError(f"must be an http(s) URL such as http://vllm.inference.svc:8000, got {url!r}")
+        return url
+
+
 class SamplingSpec(_Model):
     """Sampling defaults for every row (`model.sampling`); a row's own fields win (see sampling.py)."""
 
@@ -476,11 +518,14 @@ class ModelSpec(_Model):
         cel("!has(self.engine) || !has(self.task) || self.engine != 'sentence-transformers' || self.task == 'embed'",
             "engine sentence-transformers only supports task embed"),
         cel("!has(self.engine) || !has(self.task) || self.engine != 'transformers' || self.task != 'embed'",
-            "engine transformers supports tasks generate and chat, not embed")))
+            "engine transformers supports tasks generate and chat, not embed"),
+        cel("!has(self.engine) || self.engine != 'http' || (has(self.http) && has(self.http.baseUrl))",
+            HTTP_NEEDS_URL)))
 
-    engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated"] = "echo"
+    engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated", "http"] = "echo"
     """what runs the model: echo (answers with the input text, embeds it as a hash: for trying bij out),
-    sentence-transformers (embeddings), transformers, vllm, or simulated (continuous batching on a clock)"""
+    sentence-transformers (embeddings), transformers, vllm, simulated (continuous batching on a clock), or http
+    (an OpenAI-compatible server that already runs, model.http; the pods need no GPU)"""
     name: str | None = None
     """model name or path (Hugging Face id, or a path under the model cache)"""
     served_name: str | None = Field(None, max_length=256)
@@ -524,6 +569,8 @@ class ModelSpec(_Model):
     """engine vllm: its engine arguments"""
     simulated: SimulatedOptions = SimulatedOptions()
     """engine simulated, continuous batching on a clock (dry runs, cost estimates)"""
+    http: HttpOptions | None = None
+    """engine http: the OpenAI-compatible server, its model name, credentials and limits"""
 
     def resolved_sampling(self) -> Sampling:
         """Every row's sampling defaults: model.sampling, with model.maxTokens/temperature/seed under it
@@ -553,6 +600,13 @@ class ModelSpec(_Model):
             raise ValueError("engine sentence-transformers only supports task embed")
         if self.engine == "transformers" and self.task == "embed":
             raise ValueError("engine transformers supports tasks generate and chat, not embed")
+        if self.engine == "http":
+            if self.http is None or self.http.base_url is None:
+                raise ValueError(HTTP_NEEDS_URL)
+            if not (self.http.served_model or self.name):
+                raise ValueError("model.engine http needs model.http.servedModel or model.name: the server's model")
+            if self.task == "chat" and self.truncate:
+                raise ValueError("model.truncate with engine http cuts text prompts only, not task chat's messages")
         # None is unset: neither the model nor the CRD defaults these, so a defaulted spec counts only
         # what its user wrote.
         both = [k for k in ("max_tokens", "temperature", "seed")
@@ -813,7 +867,7 @@ class JobSpec(_Model):
             "has(self.model.vllm.tensorParallelSize) ? self.model.vllm.tensorParallelSize : 1) * "
             "(has(self.model.vllm) && has(self.model.vllm.pipelineParallelSize) ? "
             "self.model.vllm.pipelineParallelSize : 1)", GPUS_FOR_VLLM, ".workers.gpus"),
-        cel("!has(self.model) || !has(self.model.engine) || !(self.model.engine in ['vllm', 'simulated']) || "
+        cel("!has(self.model) || !has(self.model.engine) || !(self.model.engine in ['vllm', 'simulated', 'http']) || "
             "!has(self.batching) || (!has(self.batching.targetBatchTokens) && !has(self.batching.maxBatchSize))",
             BATCH_SHAPE_NOT_CONTINUOUS, ".batching"),
         cel("!has(self.output.partitionBy) || self.output.partitionBy != 'input' || !has(self.judge) || "

@@ -35,7 +35,7 @@ from bij.contract.codes import (
     STEP_LABEL,
 )
 from bij.contract.lane_report import report_interval
-from bij.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, job_to_dict
+from bij.contract.spec import API_GROUP, API_VERSION, HTTP_AUTHORIZATION_ENV, KIND, BatchInferenceJob, job_to_dict
 from bij.control.permissions import DEFAULT_SERVICE_ACCOUNT
 from bij.control.reconcile import STEP_TRIES_ANNOTATION, desired_parallelism, step_job_name, step_key
 
@@ -468,7 +468,7 @@ def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str,
         "imagePullPolicy": "IfNotPresent",
         "command": ["bij-worker"],
         "args": ["--manifest", manifest_uri, "--metrics-port", str(WORKER_METRICS_PORT)],
-        "env": _env(job, manifest_uri) + _report_env(job),
+        "env": _env(job, manifest_uri) + _report_env(job) + _http_env(job),
         "ports": [{"name": "metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"}],
         "volumeMounts": mounts,
         # readOnlyRootFilesystem stays off: vLLM, torch.compile and Triton write caches under $HOME.
@@ -519,6 +519,15 @@ def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str,
     if w.priority_class_name:
         pod["priorityClassName"] = w.priority_class_name
     return pod
+
+
+def _http_env(job: BatchInferenceJob) -> list[dict[str, Any]]:
+    """Engine http's Authorization value, by reference to the Secret's key (never copied into the Job)."""
+    http = job.spec.model.http
+    if job.spec.model.engine != "http" or http is None or http.headers_secret is None:
+        return []
+    ref = http.headers_secret
+    return [{"name": HTTP_AUTHORIZATION_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
 def _env(job: BatchInferenceJob, manifest_uri: str) -> list[dict[str, str]]:

@@ -27,6 +27,10 @@ def create_engine(engine: str, config: EngineConfig) -> Engine:
         from bij.engines.vllm import VllmEngine
 
         return VllmEngine(config)
+    if engine == "http":
+        from bij.engines.http import HttpEngine
+
+        return HttpEngine(config)
     raise ValueError(f"unknown engine {engine!r}")
 
 

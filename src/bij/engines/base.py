@@ -120,6 +120,7 @@ class EngineConfig:
     truncate: bool = False
     vllm: dict[str, Any] = field(default_factory=dict)
     simulated: dict[str, Any] = field(default_factory=dict)
+    http: dict[str, Any] = field(default_factory=dict)  # spec.model.http (engine http), camelCase keys
     device: str | None = None  # None: cuda when available, else cpu
     # Chat prompts: a template instead of the tokenizer's own, and variables it reads.
     chat_template: str | None = None

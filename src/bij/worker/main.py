@@ -84,6 +84,7 @@ def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> Engi
         truncate=m.truncates,
         vllm=vllm,
         simulated=m.simulated.model_dump(mode="json", by_alias=True, exclude_none=True),
+        http=m.http.model_dump(mode="json", by_alias=True, exclude_none=True) if m.http else {},
         device=os.environ.get("BIJ_DEVICE") or None,
         chat_template=m.chat_template,
         chat_template_kwargs=dict(m.chat_template_kwargs or {}),

@@ -1,0 +1,358 @@
+"""The http engine: an existing OpenAI-compatible server (vLLM, SGLang, KServe, a hosted API) answers the rows.
+
+bij keeps its own guarantees (shards, claims, commits, resume, error rows, publish); the engine only
+sends each row's request to `model.http.baseUrl` and reads the answer. It is a continuous engine
+(submit / step, as vLLM): the worker keeps up to `maxInFlight` rows submitted, each is sent from a
+thread pool as soon as the congestion window has room, and a step returns whichever answers came
+back, so one slow row holds up no other:
+
+- the window grows by one request per window's worth of successes (additive increase) and halves
+  on a 429, a 503, a 504 or a timeout (multiplicative decrease, at most once per round trip), between
+  1 and `maxInFlight`;
+- a `Retry-After` on such an answer pauses every request of the lane until it has passed;
+- 408, 429, 5xx, timeouts and lost connections are retried, anything else is the row's error row at
+  once; a row is sent at most `retries + 1` times, and its error row carries the last status and body.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import os
+import queue
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+from bij.contract.spec import HTTP_AUTHORIZATION_ENV as AUTHORIZATION_ENV
+from bij.engines.base import (
+    BASIC_SAMPLING,
+    EngineBase,
+    EngineConfig,
+    Request,
+    Result,
+    estimate_many,
+    estimate_tokens,
+    request_text,
+    request_texts,
+    run_to_completion,
+)
+from bij.engines.echo import truncate_text
+
+# Sampling fields sent to the server as OpenAI body fields (camelCase spec name -> body name).
+SENT_FIELDS = {"topP": "top_p", "stop": "stop", "presencePenalty": "presence_penalty",
+               "frequencyPenalty": "frequency_penalty"}
+RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
+CONGESTION = frozenset({429, 503, 504})  # the fleet says it is full: shrink the window
+BODY_CUT = 1000  # characters of a server's error body kept in the error row
+MAX_RETRY_AFTER = 300.0  # seconds; a longer Retry-After is waited this long
+START_WINDOW = 4
+BACKOFF_BASE = 0.05  # seconds before a retry without Retry-After, doubled per attempt (jittered)
+BACKOFF_MAX = 5.0
+STEP_WAIT = 0.5  # seconds a step waits for an answer before it hands control back to the worker
+
+
+@dataclass
+class _Send:
+    """One submitted row: its request, its future, and whether the worker dropped it (abort)."""
+
+    request: Request
+    future: Future[Result]
+    dropped: bool = False
+
+
+@dataclass
+class _Answer:
+    status: int | None  # None: no answer (timeout, lost connection)
+    body: bytes = b""
+    retry_after: float | None = None
+    timed_out: bool = False
+    reason: str = ""  # why there was no answer
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """A Retry-After header's wait in seconds (delta-seconds or an HTTP date), capped; None when absent or bad."""
+    if not value:
+        return None
+    try:
+        secs = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value).timestamp()
+        except (TypeError, ValueError):
+            return None
+        secs = when - (time.time() if now is None else now)
+    return min(max(secs, 0.0), MAX_RETRY_AFTER)
+
+
+class Window:
+    """The lane's congestion window (AIMD) and its shared pause, over every request the engine sends."""
+
+    def __init__(self, max_in_flight: int, start: int = START_WINDOW):
+        self.max = max_in_flight
+        self.size = float(min(start, max_in_flight))
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self.smallest = self.size
+        self.largest = self.size
+        self.cuts = 0
+        self.sent = 0
+        self.paused_seconds = 0.0  # time requests were held back by Retry-After
+        self._pause_until = 0.0
+        self._cut_at = 0  # a failure of a request sent before the last cut does not cut again
+        self._queued = 0  # turns taken by acquire
+        self._serving = 0  # the turn that may go next
+        self._cond = threading.Condition()
+
+    def acquire(self) -> int:
+        """Wait for room in the window and for any Retry-After to pass, first come first served (rows go out
+        in the order the worker submitted them, so chunks complete, and commit, in input order); returns the
+        request's send number."""
+        with self._cond:
+            turn = self._queued
+            self._queued += 1
+            while True:
+                now = time.monotonic()
+                if now < self._pause_until:
+                    wait = self._pause_until - now
+                    self._cond.wait(wait)
+                    if turn == self._serving:  # count the pause once, not once per waiting request
+                        self.paused_seconds += max(0.0, min(wait, time.monotonic() - now))
+                    continue
+                if turn == self._serving and self.in_flight < int(self.size):
+                    break
+                self._cond.wait()
+            self._serving += 1
+            self._cond.notify_all()  # the next in line may fit too
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self.sent += 1
+            return self.sent
+
+    def release(self, ticket: int, congested: bool, retry_after: float | None) -> None:
+        with self._cond:
+            self.in_flight -= 1
+            if congested:
+                if ticket > self._cut_at:
+                    self.size = max(1.0, self.size / 2)
+                    self._cut_at = self.sent
+                    self.cuts += 1
+                    self.smallest = min(self.smallest, self.size)
+                if retry_after:
+                    self._pause_until = max(self._pause_until, time.monotonic() + retry_after)
+            else:
+                self.size = min(float(self.max), self.size + 1 / self.size)
+                self.largest = max(self.largest, self.size)
+            self._cond.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {"window": self.size, "smallest": self.smallest, "largest": self.largest, "cuts": self.cuts,
+                    "sent": self.sent, "peakInFlight": self.peak_in_flight, "pausedSeconds": self.paused_seconds}
+
+
+class HttpEngine(EngineBase):
+    """Rows sent to an OpenAI-compatible server: `model.http: {baseUrl, servedModel, maxInFlight, ...}`."""
+
+    name = "http"
+    continuous = True  # submit / step: answers come back as they arrive, the window bounds what is in flight
+    schedules_itself = True
+    parallel_prepare = True  # its threads wait on sockets, which lets go of the interpreter
+
+    def __init__(self, config: EngineConfig):
+        opts = config.http
+        self.config = config
+        self.base_url = str(opts.get("baseUrl") or "").rstrip("/")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"model.http.baseUrl must be an http:// or https:// URL, not {self.base_url!r}")
+        served = opts.get("servedModel") or config.name
+        if not served:
+            raise ValueError("model.http.servedModel (or model.name) must name the server's model")
+        self.served_model = str(served)
+        self.max_in_flight = int(opts.get("maxInFlight", 64))
+        self.timeout = float(opts.get("timeoutSeconds", 600))
+        self.retries = int(opts.get("retries", 3))
+        if self.max_in_flight < 1 or self.timeout <= 0 or self.retries < 0:
+            raise ValueError("model.http: maxInFlight must be >= 1, timeoutSeconds > 0, retries >= 0")
+        self.honours = frozenset() if config.task == "embed" else BASIC_SAMPLING | frozenset(SENT_FIELDS)
+        self.path = {"chat": "/v1/chat/completions", "generate": "/v1/completions",
+                     "embed": "/v1/embeddings"}[config.task]
+        self.window = Window(self.max_in_flight)
+        # Daemon threads, not a ThreadPoolExecutor: a request hanging until its timeout must not hold up
+        # the worker's exit after it dropped the row (an executor's threads are joined at exit).
+        self._queue: queue.SimpleQueue[_Send] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._sends: dict[int, _Send] = {}
+        self.steps = 0
+        self.occupied = 0
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        auth = os.environ.get(AUTHORIZATION_ENV)
+        if auth:
+            # A bare key is a bearer token; a value with a scheme ("Bearer x", "Basic y") is sent as it is.
+            self._headers["Authorization"] = auth if " " in auth.strip() else f"Bearer {auth.strip()}"
+
+    def load(self) -> None:
+        return None
+
+    def count_tokens(self, requests: list[Request]) -> list[int]:
+        return estimate_many(request_texts(requests))
+
+    def max_input_tokens(self) -> int | None:
+        return self.config.max_input_tokens
+
+    def stats(self) -> dict[str, Any]:
+        """The congestion window's story: its size now, smallest and largest, cuts, sends, pauses."""
+        return self.window.stats()
+
+    def body(self, req: Request) -> dict[str, Any]:
+        """The OpenAI body the server expects for this row (model = servedModel)."""
+        out: dict[str, Any] = {"model": self.served_model}
+        if self.config.task == "embed":
+            out["input"] = self._text(req, head=True)
+            return out
+        if self.config.task == "chat":
+            out["messages"] = req.messages if req.messages is not None else [{"role": "user", "content": req.text}]
+        else:
+            out["prompt"] = self._text(req, head=False)
+        out["max_tokens"] = req.max_tokens
+        out["temperature"] = req.temperature
+        if req.seed is not None:
+            out["seed"] = req.seed
+        s = req.sampling
+        for key in SENT_FIELDS.values():
+            value = getattr(s, key)  # the body's name is the Sampling field's
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def _text(self, req: Request, head: bool) -> str:
+        text = request_text(req)
+        limit = self.config.max_input_tokens
+        if self.config.truncate and limit is not None and estimate_tokens(text) > limit:
+            # The worker marked this row truncated by the same estimate: cut it so.
+            text = truncate_text(text, limit, head=head)
+        return text
+
+    def concurrency(self) -> int:
+        return self.max_in_flight
+
+    def submit(self, tag: int, request: Request) -> None:
+        if not self._threads:
+            # Threads block in the window while it is full: maxInFlight of them cover every slot it may open.
+            for i in range(self.max_in_flight):
+                t = threading.Thread(target=self._serve, name=f"bij-http-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        send = _Send(request, Future())
+        self._sends[tag] = send
+        self._queue.put(send)
+
+    def _serve(self) -> None:
+        while True:
+            send = self._queue.get()
+            if not send.future.set_running_or_notify_cancel():
+                continue  # dropped before it was sent
+            try:
+                send.future.set_result(self._row(send))
+            except BaseException as e:  # the worker sees it when it takes the row's result
+                send.future.set_exception(e)
+
+    def unfinished(self) -> int:
+        return len(self._sends)
+
+    def step(self) -> list[tuple[int, Result]]:
+        """The rows whose answers (or final errors) came back: waits for the first, at most STEP_WAIT."""
+        if not self._sends:
+            return []
+        wait([s.future for s in self._sends.values()], timeout=STEP_WAIT, return_when=FIRST_COMPLETED)
+        self.steps += 1
+        self.occupied += self.window.in_flight
+        done = [tag for tag, s in self._sends.items() if s.future.done()]
+        return [(tag, self._sends.pop(tag).future.result()) for tag in done]
+
+    def abort(self, tags: Sequence[int] | None = None) -> None:
+        """Drop rows not yet returned: one not yet sent is never sent, one on the wire is not sent again."""
+        for tag in list(self._sends) if tags is None else tags:
+            send = self._sends.pop(tag, None)
+            if send is not None:
+                send.dropped = True
+                send.future.cancel()
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        return run_to_completion(self, requests)
+
+    def _row(self, send: _Send) -> Result:
+        req = send.request
+        data = json.dumps(self.body(req)).encode()
+        answer = _Answer(None)
+        for attempt in range(self.retries + 1):
+            if send.dropped:
+                return Result(error="dropped by the worker", extra={"code": "aborted"})
+            ticket = self.window.acquire()
+            answer = self._send(data)
+            congested = answer.timed_out or answer.status in CONGESTION
+            self.window.release(ticket, congested, answer.retry_after)
+            if answer.status is not None and 200 <= answer.status < 300:
+                return self._result(req, answer.body)
+            retryable = answer.status is None or answer.status in RETRYABLE
+            if not retryable or attempt == self.retries:
+                break
+            if answer.retry_after is None:  # a Retry-After is waited in the window, by every request
+                time.sleep(min(BACKOFF_MAX, BACKOFF_BASE * 2 ** attempt) * (0.5 + random.random()))
+        sends = f" after {self.retries + 1} sends" if (answer.status is None or answer.status in RETRYABLE) else ""
+        if answer.status is None:
+            return Result(error=f"no answer from {self.base_url}{self.path}{sends}: {answer.reason}",
+                          extra={"code": "timeout" if answer.timed_out else "server_error"})
+        body = answer.body.decode("utf-8", "replace")[:BODY_CUT]
+        code = ("invalid_request" if answer.status in (400, 422)
+                else "server_error" if answer.status in RETRYABLE else "http_error")
+        return Result(error=f"the server answered {answer.status}{sends}: {body}",
+                      extra={"code": code, "status": answer.status})
+
+    def _send(self, data: bytes) -> _Answer:
+        req = urllib.request.Request(self.base_url + self.path, data=data, headers=self._headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return _Answer(resp.status, resp.read())
+        except urllib.error.HTTPError as e:
+            try:
+                body = e.read()
+            except OSError:
+                body = b""
+            return _Answer(e.code, body, retry_after_seconds(e.headers.get("Retry-After") if e.headers else None))
+        except TimeoutError as e:
+            return _Answer(None, timed_out=True, reason=f"timed out after {self.timeout:g}s ({e})")
+        except urllib.error.URLError as e:
+            timed_out = isinstance(e.reason, TimeoutError)
+            why = f"timed out after {self.timeout:g}s" if timed_out else str(e.reason)
+            return _Answer(None, timed_out=timed_out, reason=why)
+        except (ConnectionError, OSError) as e:  # a connection reset mid-answer, a closed socket
+            return _Answer(None, reason=str(e) or type(e).__name__)
+
+    def _result(self, req: Request, raw: bytes) -> Result:
+        try:
+            doc = json.loads(raw)
+            usage = doc.get("usage") or {}
+            if self.config.task == "embed":
+                emb = doc["data"][0]["embedding"]
+                return Result(embedding=[float(v) for v in emb],
+                              prompt_tokens=usage.get("prompt_tokens") or estimate_tokens(request_text(req)))
+            choice = doc["choices"][0]
+            text = choice["message"]["content"] if self.config.task == "chat" else choice["text"]
+            text = text or ""
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            return Result(error=f"the server's answer is not an OpenAI {self.path} answer ({type(e).__name__}: {e}): "
+                                f"{raw.decode('utf-8', 'replace')[:BODY_CUT]}", extra={"code": "server_error"})
+        extra = {"finish_reason": choice["finish_reason"]} if choice.get("finish_reason") else {}
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        return Result(output=text,
+                      prompt_tokens=prompt if isinstance(prompt, int) else estimate_tokens(request_text(req)),
+                      completion_tokens=completion if isinstance(completion, int) else estimate_tokens(text),
+                      extra=extra)
