@@ -8,7 +8,7 @@ sink (`sink_from_env`, a service account token of the worker identity) at the in
 Job would give them (`lane_report.report_interval(N)`), in a few processes of threads. Beside them,
 this process plays the operator's part: it watches the bij (kopf decodes every event of it) and,
 for the Lease design, sums the round's Leases (`handlers.Api.lane_reports`, `lane_report.tally`)
-every `handlers.LANE_TALLY_INTERVAL` seconds and writes the totals into the status, as the driver does.
+every `lane_report.tally_interval(N)` seconds and writes the totals into the status, as the driver does.
 
 Two designs, measured in the same run on the same API server:
 
@@ -16,10 +16,11 @@ Two designs, measured in the same run on the same API server:
 - status (the anchor): each pod's report under status.reports.lanes.<pod> of the bij, every 5 s
   (the design before it), at N <= --max-status-lanes.
 
-For each N, over --seconds after every lane started: the bij object's size (its JSON, as etcd holds it
-with managedFields), the API server's write requests a second for the bij and the Leases
-(apiserver_request_total), the bytes etcd took in a second (etcd_debugging_mvcc_total_put_size_in_bytes,
-the size of every key and value put), and the CPU seconds a second of the operator's part. Targets
+For each N, over --seconds (or one sum's interval, if longer) after one report interval: the bij
+object's size (its JSON, as etcd holds it with managedFields), the API server's write requests a second
+for the bij and the Leases (apiserver_request_total; refused ones by code), the bytes etcd took in a
+second (etcd_debugging_mvcc_total_put_size_in_bytes, the size of every key and value put), and the CPU
+seconds a second of the operator's part. Targets
 (principle 12): the object <= 64 KiB at every N; writes, bytes and operator CPU within 2x from N = 100 to
 N = 10,000. With --repeats R each N runs R times; the median counts and the spread is printed.
 
@@ -55,8 +56,8 @@ STATUS_INTERVAL = 5.0  # the previous design's report interval, whatever the lan
 
 
 def lanes_child(argv: list[str]) -> int:
-    """`scale.py --child DESIGN FIRST COUNT INTERVAL`: COUNT reporters, keys FIRST.., until stdin closes."""
-    design, first, count, interval = argv[0], int(argv[1]), int(argv[2]), float(argv[3])
+    """`scale.py --child DESIGN FIRST COUNT INTERVAL BIJ`: COUNT reporters, keys FIRST.., until stdin closes."""
+    design, first, count, interval, bij = argv[0], int(argv[1]), int(argv[2]), float(argv[3]), argv[4]
     threading.stack_size(256 * 1024)  # thousands of reporter threads, each waiting
     from bij.worker import report
 
@@ -64,7 +65,7 @@ def lanes_child(argv: list[str]) -> int:
     assert isinstance(sink, report.KubeReports)
     # The previous design: a lane's report is a merge patch of its key in the bij's status.
     chosen: report.Sink = sink.status if design == "status" else sink
-    reporters = [report.LaneReporter(chosen, round_no=0, lane=i, interval=interval, key=f"lane-{i:05d}-x")
+    reporters = [report.LaneReporter(chosen, round_no=0, lane=i, interval=interval, key=f"{bij}-{i:05d}")
                  for i in range(first, first + count)]
     print("ready", flush=True)
     stop = threading.Event()
@@ -115,8 +116,9 @@ class Meters:
         return {
             "writes": prom(text, "apiserver_request_total", verb="POST|PATCH|PUT|DELETE",
                            resource="leases|batchinferencejobs", code="2.."),
-            "refused": prom(text, "apiserver_request_total", verb="POST|PATCH|PUT|DELETE",
-                            resource="leases|batchinferencejobs", code="[45].."),
+            **{f"refused_{code}": prom(text, "apiserver_request_total", verb="POST|PATCH|PUT|DELETE",
+                                       resource="leases|batchinferencejobs", code=code)
+               for code in ("409", "429", "5..")},
             "etcd_bytes": prom(etcd, "etcd_debugging_mvcc_total_put_size_in_bytes"),
         }
 
@@ -125,13 +127,13 @@ class OperatorPart(threading.Thread):
     """What the operator does for one bij while its round runs: decode every watch event of the bij and,
     with Leases, sum them every LANE_TALLY_INTERVAL and write the totals. CPU counted in `cpu`."""
 
-    def __init__(self, kubeconfig: Path, ns: str, name: str, fold: bool):
+    def __init__(self, kubeconfig: Path, ns: str, name: str, fold: bool, interval: float):
         super().__init__(daemon=True)
         assert os.environ.get("KUBECONFIG") == str(kubeconfig)  # read by the client when it is imported
-        from bij.control.handlers import LANE_TALLY_INTERVAL, Api
+        from bij.control.handlers import Api
 
         self.api = Api()
-        self.interval = LANE_TALLY_INTERVAL
+        self.interval = interval
         self.ns, self.name, self.fold = ns, name, fold
         self.cpu = 0.0
         self.events = 0
@@ -178,7 +180,7 @@ class OperatorPart(threading.Thread):
 def one_run(cluster: Any, meters: Meters, custom: Any, ns: str, sa_dir: Path, design: str, lanes: int,
             seconds: float) -> dict[str, Any]:
     """N lanes of one design for `seconds`; what they cost."""
-    from bij.contract.lane_report import report_interval
+    from bij.contract.lane_report import report_interval, tally_interval
     from bij.contract.spec import API_GROUP, API_VERSION
 
     name = f"scale-{design[0]}{lanes}-{uuid.uuid4().hex[:4]}"
@@ -195,13 +197,14 @@ def one_run(cluster: Any, meters: Meters, custom: Any, ns: str, sa_dir: Path, de
            "PYTHONPATH": str(harness.REPO / "src")}
     procs = min(PROCESSES, lanes)
     share = [lanes // procs + (1 if i < lanes % procs else 0) for i in range(procs)]
-    operator = OperatorPart(cluster.kubeconfig, ns, name, fold=design == "leases")
+    every = tally_interval(lanes)
+    operator = OperatorPart(cluster.kubeconfig, ns, name, fold=design == "leases", interval=every)
     operator.start()
     children = []
     first = 0
     for count in share:
         children.append(subprocess.Popen([sys.executable, __file__, "--child", design, str(first), str(count),
-                                          str(interval)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                          str(interval), name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                          text=True))
         first += count
     for child in children:
@@ -211,7 +214,8 @@ def one_run(cluster: Any, meters: Meters, custom: Any, ns: str, sa_dir: Path, de
     # Reporters start at a random point of their interval: count from one interval on (at most --seconds).
     time.sleep(min(interval, seconds))
     before, cpu0, t0 = meters.read(), operator.cpu, time.monotonic()
-    time.sleep(seconds)
+    # At least one sum of the Leases in the window, so that its cost is in the operator's CPU a second.
+    time.sleep(max(seconds, every * 1.05) if design == "leases" else seconds)
     after, cpu1, t1 = meters.read(), operator.cpu, time.monotonic()
     obj = custom.get_namespaced_custom_object(API_GROUP, API_VERSION, ns, "batchinferencejobs", name)
     operator.stopped.set()
@@ -223,12 +227,12 @@ def one_run(cluster: Any, meters: Meters, custom: Any, ns: str, sa_dir: Path, de
     out = {"design": design, "lanes": lanes, "interval": interval, "seconds": round(took, 1),
            "object_kib": len(json.dumps(obj).encode()) / 1024,
            "writes_per_s": (after["writes"] - before["writes"]) / took,
-           "refused": after["refused"] - before["refused"],
+           "refused": {k[len("refused_"):]: after[k] - before[k] for k in after if k.startswith("refused_")},
            "etcd_kib_per_s": (after["etcd_bytes"] - before["etcd_bytes"]) / 1024 / took,
            "operator_cpu_ms_per_s": (cpu1 - cpu0) * 1000 / took, "watch_events": operator.events}
     print(f"  {design:7} {lanes:>6} lanes (report every {interval:g} s): object {out['object_kib']:8.1f} KiB, "
           f"{out['writes_per_s']:7.1f} writes/s, etcd {out['etcd_kib_per_s']:9.1f} KiB/s, operator "
-          f"{out['operator_cpu_ms_per_s']:6.1f} ms CPU/s, {out['refused']:.0f} refused", flush=True)
+          f"{out['operator_cpu_ms_per_s']:6.1f} ms CPU/s, refused by code {out['refused']}", flush=True)
     return out
 
 

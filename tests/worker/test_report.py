@@ -201,6 +201,16 @@ def test_each_pod_reports_less_often_the_more_run_so_a_rounds_reports_per_second
     assert 10_000 / report_interval(10_000) == LANE_REPORTS_PER_SECOND  # not slower than it must be
 
 
+def test_the_operator_sums_a_rounds_leases_less_often_the_more_there_are_so_it_reads_as_many_a_second() -> None:
+    from bij.contract.lane_report import TALLY_SECONDS, report_interval, tally_interval
+
+    assert tally_interval(10) == tally_interval(100) == TALLY_SECONDS
+    per_second = {pods: pods / tally_interval(pods) for pods in (1_000, 10_000, 100_000)}
+    assert max(per_second.values()) <= 2 * min(per_second.values())
+    for pods in (10, 1_000, 10_000):
+        assert tally_interval(pods) <= report_interval(pods)  # never staler than the reports themselves
+
+
 def test_a_lane_report_goes_into_a_lease_of_its_own_made_once_then_patched(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     got: list[tuple[str, str, dict[str, Any]]] = []

@@ -35,6 +35,19 @@ REPORT_SECONDS = 5.0
 LANE_REPORTS_PER_SECOND = 20.0
 
 
+# The operator sums a running round's Leases at most this often; with many lanes, less often (`tally_interval`).
+TALLY_SECONDS = 10.0
+# ... about this many times per report interval of a pod, so the Leases it reads a second stay flat in lanes.
+TALLIES_PER_REPORT = 5
+
+
+def tally_interval(lanes: int) -> float:
+    """Seconds between two sums of a round's Leases when it runs `lanes` pods: `TALLY_SECONDS`, or a fifth of
+    their report interval where that is longer (10,000 pods: every 100 s), since a Lease changes no more often
+    than its pod reports; the operator then reads the same number of Leases a second at any lane count."""
+    return max(TALLY_SECONDS, report_interval(lanes) / TALLIES_PER_REPORT)
+
+
 def report_interval(lanes: int) -> float:
     """Seconds between two reports of one pod when a round runs `lanes` pods: `REPORT_SECONDS`, or longer,
     so that all of them together send `LANE_REPORTS_PER_SECOND` (10,000 pods: one report each 500 s)."""

@@ -31,7 +31,7 @@ import urllib3
 from kubernetes.client import ApiException
 
 from bij.contract.codes import JOB_LABEL, NODES_PER_LANE_ANNOTATION, PUBLISH_LABEL, ROUND_LABEL, STEP_LABEL
-from bij.contract.lane_report import REPORT_ANNOTATION, LaneTally, tally
+from bij.contract.lane_report import REPORT_ANNOTATION, LaneTally, tally, tally_interval
 from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from bij.control.access_review import check_grants
 from bij.control.driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
@@ -45,8 +45,7 @@ PLURAL = "batchinferencejobs"
 SPEC_POLL = 1.0
 # How long a woken daemon lets kopf finish indexing the Job it was woken for.
 INDEX_SETTLE = 0.02
-# A running round's lane Leases are summed at most this often (seconds), and listed this many a request.
-LANE_TALLY_INTERVAL = 10.0
+# A running round's lane Leases are listed this many a request (summed every `lane_report.tally_interval`).
 LEASE_PAGE = 500
 
 log = logging.getLogger("bij.operator")
@@ -229,7 +228,7 @@ class KubeBackend:
         self.raw: dict[str, Any] = {}
         # Jobs this backend created or read that the index has not shown yet (a watch event is on its way).
         self.recent: dict[str, tuple[float, dict[str, Any]]] = {}
-        # The current round's lane reports, summed at most once per LANE_TALLY_INTERVAL (monotonic time).
+        # The current round's lane reports, summed at most once per `tally_interval` (monotonic time).
         self.tallied: tuple[float, LaneTally] | None = None
 
     def jobs(self) -> list[dict[str, Any]]:
@@ -270,15 +269,17 @@ class KubeBackend:
 
     def lane_tally(self, status: Mapping[str, Any], jobs: Iterable[Mapping[str, Any]]) -> LaneTally | None:
         """The current round's lane reports, summed from its pods' Leases while its Job exists; listed at most
-        once per LANE_TALLY_INTERVAL, whatever the lane count, so reading them costs the API server and this
-        operator the same per second at 10 lanes and 10,000."""
+        once per `tally_interval` of its pods, which grows with them as their report interval does, so
+        reading them costs the API server and this operator the same per second at 10 lanes and 10,000."""
         round_no = status.get("round")
-        if not isinstance(round_no, int) or not any(is_round_job(j, round_no) for j in jobs):
+        running = [j for j in jobs if isinstance(round_no, int) and is_round_job(j, round_no)]
+        if not running or not isinstance(round_no, int):
             return None
+        pods = max(int((j.get("spec") or {}).get("parallelism") or 1) for j in running)
         now = time.monotonic()
         if self.tallied is not None:
             at, last = self.tallied
-            if last.round == round_no and now - at < LANE_TALLY_INTERVAL:
+            if last.round == round_no and now - at < tally_interval(pods):
                 return last
         self.tallied = (now, tally(self.api.lane_reports(self.namespace, self.name, round_no), round_no))
         return self.tallied[1]
