@@ -207,8 +207,8 @@ def test_the_operator_sums_a_rounds_leases_less_often_the_more_there_are_so_it_r
     assert tally_interval(10) == tally_interval(100) == TALLY_SECONDS
     per_second = {pods: pods / tally_interval(pods) for pods in (1_000, 10_000, 100_000)}
     assert max(per_second.values()) <= 2 * min(per_second.values())
-    for pods in (10, 1_000, 10_000):
-        assert tally_interval(pods) <= report_interval(pods)  # never staler than the reports themselves
+    for pods in (1_000, 10_000):
+        assert tally_interval(pods) < report_interval(pods)  # with many pods, still read within their interval
 
 
 def test_a_lane_report_goes_into_a_lease_of_its_own_made_once_then_patched(
