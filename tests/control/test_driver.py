@@ -622,6 +622,34 @@ def test_a_step_pod_that_cannot_pull_its_image_is_said_naming_the_pod_and_the_re
            'image "registry.local/bij-steps:nope"' in d.message
 
 
+@pytest.mark.parametrize("stop", [{"cancel": True}, {"deadlineSeconds": 60}])
+def test_a_bij_whose_plan_step_cannot_start_still_ends_at_once_when_cancelled_or_expired(stop: dict[str, Any]) -> None:
+    from bij.control.reconcile import StopHeld
+
+    name = "emb-plan-r0"
+    pod = {"metadata": {"name": f"{name}-0-abcde", "labels": {"batch.kubernetes.io/job-name": name}},
+           "status": {"phase": "Pending", "containerStatuses": [{"state": {"waiting": {
+               "reason": "ErrImagePull", "message": 'pull "registry.local/bij-steps:nope": not found'}}}]}}
+    started = {"phase": "Planning", "startTime": "2026-01-01T11:58:00Z"}
+    job = a_job()
+    stuck = decide(job, started, [step_job(name)], now=NOW, generation=1, pods=[pod])
+    assert isinstance(stuck, Wait) and stuck.reason == "StepCannotStart"
+    job = job.model_copy(update={"spec": job.spec.model_copy(update={
+        "cancel": stop.get("cancel", False), "deadline_seconds": stop.get("deadlineSeconds")})})
+    d = decide(job, started, [step_job(name)], now=NOW, generation=1, pods=[pod])
+    # Stopping would plan round 0 in that same step: it ends at once instead, nothing ran, its Job goes.
+    assert isinstance(d, StopHeld) and d.job_name == name
+    assert d.phase == ("Cancelled" if "cancel" in stop else "Expired")
+    assert "could not be planned" in d.message and "ErrImagePull" in d.message
+    assert "nothing ran and nothing was published" in d.message
+    backend = FakeBackend(job)
+    backend.jobs[name] = step_job(name)
+    Driver(backend)._stop_held(Observed(job=job, spec_error=None, status=dict(started), generation=1,
+                                        output_uri=job.spec.output.uri, jobs=[]), job, d, NOW)
+    assert backend.deletes == [name] and backend.status["phase"] == d.phase
+    assert any(reason == d.phase for _, reason, _ in backend.events)
+
+
 def test_the_operator_looks_at_a_steps_pods_only_once_one_failed_or_is_slow_to_start() -> None:
     from bij.control.handlers import pods_failed, slow_to_start
 

@@ -272,6 +272,17 @@ def test_a_step_job_is_one_pod_of_the_workers_identity_with_the_spec_and_no_gpu(
     assert json.loads(args.job_spec)["metadata"]["name"] == job.metadata.name
 
 
+def test_step_pods_take_the_charts_step_resources_and_a_bad_value_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    job = make_job()
+    big = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+    monkeypatch.setenv("BIJ_STEP_RESOURCES", json.dumps(big))
+    assert container(jobs.render_step_job(job, "finish", 0, image="steps:1"))["resources"] == big
+    for bad in ("{not json", '{"limits": 4}', '{"memory": "1Gi"}'):
+        monkeypatch.setenv("BIJ_STEP_RESOURCES", bad)
+        with pytest.raises(ValueError, match="BIJ_STEP_RESOURCES"):
+            jobs.render_step_job(job, "finish", 0, image="steps:1")
+
+
 def test_the_shared_file_volume_is_mounted_into_every_kind_of_pod_of_a_bij() -> None:
     volume = jobs.FileVolume.from_env({jobs.FILE_STORAGE_ENV: json.dumps(
         {"mountPath": "/data/", "volume": {"persistentVolumeClaim": {"claimName": "shared"}}})})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ NON_DEFAULT = {
     "image": {"repository": "registry.local/bij-operator", "tag": "dev", "pullPolicy": "Always"},
     "workerImage": {"repository": "registry.local/bij-worker", "tag": "dev"},
     "stepsImage": {"repository": "registry.local/bij-steps", "tag": "dev"},
+    "stepResources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
     "imagePullSecrets": [{"name": "registry"}],
     "logLevel": "DEBUG",
     "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
@@ -178,6 +180,8 @@ def test_operator_deployment_defaults(chart: helm.Chart) -> None:
     assert container["image"] == "ghcr.io/bij-project/bij-operator:" + chart.metadata["appVersion"]
     # Step Jobs run bij without an engine: by default the operator's own image.
     assert env["BIJ_STEPS_IMAGE"] == container["image"]
+    # Step pods get the same resources from the chart as the operator gives them without it.
+    assert json.loads(env["BIJ_STEP_RESOURCES"]) == jobs.STEP_RESOURCES
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
 
 
@@ -201,6 +205,7 @@ def test_operator_deployment_with_non_default_values(chart: helm.Chart) -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["BIJ_WORKER_IMAGE"] == "registry.local/bij-worker:dev"
     assert env["BIJ_STEPS_IMAGE"] == "registry.local/bij-steps:dev"
+    assert json.loads(env["BIJ_STEP_RESOURCES"]) == NON_DEFAULT["stepResources"]
     assert env["BIJ_LOG_LEVEL"] == "DEBUG" and env["HTTPS_PROXY"] == "http://proxy:3128"
     assert env["BIJ_METRICS_PORT"] == "9401"
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]

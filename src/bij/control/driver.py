@@ -406,6 +406,8 @@ class Driver:
 
     def _stop_held(self, seen: Observed, job: BatchInferenceJob, d: StopHeld, now: dt.datetime) -> Idle | None:
         """Cancelled or expired before anything ran: said once, and not Ready (there is no manifest)."""
+        if d.job_name:
+            self.backend.delete_job(d.job_name)
         patch = {**self.base(seen, d, now), "message": d.message}
         patch["conditions"] = set_condition(patch["conditions"], "Ready", False, d.reason, d.message,
                                             generation=seen.generation, now=now)

@@ -35,7 +35,13 @@ from bij.contract.lane_report import REPORT_ANNOTATION, LaneTally, tally, tally_
 from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from bij.control.access_review import check_grants
 from bij.control.driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
-from bij.control.jobs import FileVolume, file_uri_problems, steps_image_default, worker_image_default
+from bij.control.jobs import (
+    FileVolume,
+    file_uri_problems,
+    step_resources_default,
+    steps_image_default,
+    worker_image_default,
+)
 from bij.control.permissions import GrantCheck
 from bij.control.reconcile import Decision, owns
 
@@ -553,6 +559,11 @@ def main(argv: list[str] | None = None) -> int:
         config.worker_image = args.worker_image
     if args.steps_image:
         config.steps_image = args.steps_image
+    try:
+        step_resources_default()  # a bad chart value stops the operator at start, not at a bij's first step
+    except ValueError as e:
+        print(f"bij operator: {e}", file=sys.stderr)
+        return 2
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port)

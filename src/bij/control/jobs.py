@@ -361,6 +361,25 @@ def render_publish_job(job: BatchInferenceJob, pass_name: str, completions: int,
 
 # A step reads and writes small records (plans, footers, summaries): a small pod anywhere, never a GPU's.
 STEP_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+STEP_RESOURCES_ENV = "BIJ_STEP_RESOURCES"  # the chart's stepResources, as JSON
+
+
+def step_resources_default() -> dict[str, Any]:
+    """The step pods' container resources: env BIJ_STEP_RESOURCES (the chart value stepResources, JSON with
+    `requests` and `limits`), else STEP_RESOURCES. ValueError naming the variable when it is not that shape."""
+    text = os.environ.get(STEP_RESOURCES_ENV, "").strip()
+    if not text:
+        return copy.deepcopy(STEP_RESOURCES)
+    try:
+        got = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{STEP_RESOURCES_ENV} is not JSON ({e}): {text[:200]!r}") from None
+    if (not isinstance(got, dict) or not got or set(got) - {"requests", "limits"}
+            or not all(isinstance(v, dict) and all(isinstance(q, (str, int)) for q in v.values())
+                       for v in got.values())):
+        raise ValueError(f"{STEP_RESOURCES_ENV} must be an object of `requests` and/or `limits`, each mapping a "
+                         f"resource to a quantity (the chart value stepResources): got {text[:200]!r}")
+    return got
 
 
 def steps_image_default() -> str:
@@ -409,7 +428,7 @@ def render_step_job(job: BatchInferenceJob, kind: str, round_no: int = 0, *, rou
     (container,) = pod["containers"]
     container["image"] = image
     container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in ("model-cache", "dshm")]
-    container["resources"] = copy.deepcopy(STEP_RESOURCES)
+    container["resources"] = step_resources_default()
     container["terminationMessagePolicy"] = "FallbackToLogsOnError"
     container["env"] = [e for e in container["env"] if e["name"] != "HF_HOME"]
     args = ["step", kind, "--key", meta["name"], "--round", str(round_no), "--rounds", str(rounds),

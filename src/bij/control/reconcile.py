@@ -253,9 +253,12 @@ class CheckPermissions(Decision):
 
 @dataclass(frozen=True, kw_only=True)
 class StopHeld(Decision):
-    """A bij held before its first pod (its worker identity lacks a grant, `permissions_gate`) is cancelled or
-    its deadline passed: it ends Cancelled or Expired at once. Nothing ran, so there is nothing to drain or to
-    publish, and no step pod is started (it could not report): no manifest, ``Ready`` stays False."""
+    """A bij held before its first pod (its worker identity lacks a grant, `permissions_gate`), or whose round 0
+    plan step cannot start (its image cannot be pulled, say), is cancelled or its deadline passed: it ends
+    Cancelled or Expired at once. Nothing ran, so there is nothing to drain or to publish, and no other step pod
+    is started: no manifest, ``Ready`` stays False. `job_name`: the stuck step Job, deleted with its pod."""
+
+    job_name: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1014,8 +1017,14 @@ def stopping_step(job: BatchInferenceJob, seen: Observation, stop: Stop) -> Deci
     r = seen.state.current_round
     rec = seen.state.round_records().get(r)
     if rec is None and r == 0:
-        return step(job, seen, PlanRound(round=0, phase="Cancelling", reason=stop.reason,
-                                         message=f"{stop.message}: planning round 0 to count the rows not run"))
+        d = step(job, seen, PlanRound(round=0, phase="Cancelling", reason=stop.reason,
+                                      message=f"{stop.message}: planning round 0 to count the rows not run"))
+        if isinstance(d, Wait) and d.reason == "StepCannotStart":
+            # A plan step that cannot start would hold the stop for good; nothing ran, so nothing is lost.
+            return StopHeld(round=0, phase=stop.phase, reason=stop.phase, job_name=step_job_name(job, "plan", 0),
+                            message=f"{stop.message} while round 0 could not be planned ({d.message}): nothing ran "
+                                    "and nothing was published")
+        return d
     view = round_job(job, r, seen.jobs)
     if view is not None and is_ours(job, view) and not (view.succeeded or view.failed_for_good):
         if not view.suspend:
