@@ -22,6 +22,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,10 +92,23 @@ class RealCluster:
     cluster: Any  # cluster.harness.LocalCluster, on the real control plane
     node: Any  # node.Node
     s3: Any  # s3server.S3Server
+    values: dict[str, Any]  # the chart values the operator was installed with
 
     @property
     def api(self) -> Any:
         return self.cluster.api
+
+    @contextmanager
+    def operator_with(self, **values: Any) -> Iterator[None]:
+        """The operator upgraded with these chart values on top of the fixture's (`helm upgrade`), and back after."""
+        old = self.cluster.operator_pod()["metadata"]["uid"]
+        self.cluster.install_operator(values={**self.values, **values}, timeout=300)
+        changed = self.cluster.operator_pod(timeout=180, not_uid=old)["metadata"]["uid"]
+        try:
+            yield
+        finally:
+            self.cluster.install_operator(values=self.values, timeout=300)
+            self.cluster.operator_pod(timeout=180, not_uid=changed)
 
     def kubectl(self, *args: str, check: bool = True) -> str:
         return str(self.cluster.kubectl(*args, check=check).stdout)
@@ -133,7 +147,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
         for image in (OPERATOR_IMAGE, WORKER_IMAGE):
             load_image(node, image, node.state)
         node.start_kubelet()
-        Ns(RealCluster(None, node, s3), "").s3().create_bucket(Bucket=BUCKET)
+        Ns(RealCluster(None, node, s3, {}), "").s3().create_bucket(Bucket=BUCKET)
         cluster = LocalCluster(state / "plane")
         cluster.plane = plane
         cluster.connect()
@@ -146,14 +160,15 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
         # The operator has no storage identity: a bij's pods reach S3 with the bij's own credentials.
         repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
         wrepo, wtag = WORKER_IMAGE.rsplit(":", 1)
-        cluster.install_operator(values={
+        values = {
             "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
             "workerImage": {"repository": wrepo, "tag": wtag},
             "extraArgs": ["--status-interval", "0.5"],
             # Pods in containers share no folder with this machine: S3 only, as on a real cluster.
             "fileStorage": {"mountPath": "", "volume": {}},
-        }, timeout=300)
-        yield RealCluster(cluster, node, s3)
+        }
+        cluster.install_operator(values=values, timeout=300)
+        yield RealCluster(cluster, node, s3, values)
     finally:
         node.stop()
         plane.stop()
@@ -246,6 +261,28 @@ class Ns:
     def pods(self, job: str) -> list[Any]:
         selector = f"batch.kubernetes.io/job-name={job}"
         return list(self.core.list_namespaced_pod(self.name, label_selector=selector).items)
+
+    def events(self, name: str) -> list[Any]:
+        """The Events about bij `name`, oldest first."""
+        evs = self.core.list_namespaced_event(self.name, field_selector=f"involvedObject.name={name}").items
+        return sorted(evs, key=lambda e: str(e.first_timestamp or e.event_time or ""))
+
+    def running_with_progress(self, job: str, rows: int) -> tuple[Any, str] | None:
+        """A Running worker pod of Job `job` once its metrics, scraped over the pod network at the pod's own
+        address, count `rows` rows done."""
+        pod = next((p for p in self.pods(job) if p.status.phase == "Running" and p.status.pod_ip), None)
+        if pod is None:
+            return None
+        try:
+            with urllib.request.urlopen(f"http://{pod.status.pod_ip}:9400/metrics", timeout=5) as r:
+                metrics = r.read().decode()
+        except OSError:
+            return None
+        return (pod, metrics) if rows_ok(metrics) >= rows else None
+
+    def no_manifest(self, prefix: str) -> bool:
+        listed = self.s3().list_objects_v2(Bucket=BUCKET, Prefix=f"{self.name}/{prefix}-out/")
+        return not any(o["Key"].endswith("manifest.json") for o in listed.get("Contents") or [])
 
 
 @pytest.fixture()
@@ -362,24 +399,12 @@ def test_an_evicted_worker_drains_on_sigterm_and_its_replacement_resumes(ns: Ns)
     ns.create("ev", ns.spec(
         "ev", model={"engine": "simulated", "task": "generate", "maxTokens": 4,
                      "simulated": {"maxNumSeqs": 8, "stepSeconds": 0.25}},
-        sharding={"targetShardBytes": 1 << 20, "chunkRows": 8}, batching={"maxBatchSize": 8},
+        sharding={"targetShardBytes": 1 << 20, "chunkRows": 8},
         workers={"terminationGracePeriodSeconds": grace,
                  "modelCache": {"type": "emptyDir", "mountPath": "/var/cache/bij-models"}}))
 
-    def running_with_progress() -> tuple[Any, str] | None:
-        """The running worker pod once its metrics, scraped over the pod network at the pod's own
-        address, count two chunks done."""
-        pod = next((p for p in ns.pods("ev-r0") if p.status.phase == "Running" and p.status.pod_ip), None)
-        if pod is None:
-            return None
-        try:
-            with urllib.request.urlopen(f"http://{pod.status.pod_ip}:9400/metrics", timeout=5) as r:
-                metrics = r.read().decode()
-        except OSError:
-            return None
-        return (pod, metrics) if rows_ok(metrics) >= 16 else None
-
-    pod, metrics = wait_for(running_with_progress, 600, "the worker pod running with two chunks done", interval=0.3)
+    pod, metrics = wait_for(lambda: ns.running_with_progress("ev-r0", 16), 600,
+                            "the worker pod running with two chunks done", interval=0.3)
     name = pod.metadata.name
     assert "# TYPE bij_rows_total counter" in metrics and rows_ok(metrics) < len(ids)
 
@@ -427,4 +452,117 @@ def test_an_evicted_worker_drains_on_sigterm_and_its_replacement_resumes(ns: Ns)
     job = kubernetes.client.BatchV1Api(ns.real.api).read_namespaced_job("ev-r0", ns.name)
     assert not job.status.failed  # an eviction is a disruption, not a failure
     replacements = [p for p in ns.pods("ev-r0") if p.metadata.name != name]
+    assert replacements and any(p.status.phase == "Succeeded" for p in replacements)
+
+
+# --- a step pod that cannot start, a step pod killed by its memory limit ------------------------------
+
+
+def test_a_step_pod_whose_image_cannot_be_pulled_is_shown_and_the_bij_can_still_be_cancelled(ns: Ns) -> None:
+    from cluster.harness import wait_for
+
+    ns.put_rows(f"{ns.name}/pull-in/rows.jsonl", 20)
+    with ns.real.operator_with(stepsImage={"repository": "localhost/bij-no-such-steps", "tag": "none"}):
+        ns.create("pull", ns.spec("pull", model={"engine": "echo", "task": "embed"}))
+        st = wait_for(lambda: (s if "step plan-r0 cannot start" in (s := ns.status("pull")).get("message", "")
+                               else None), 300, "the plan step said to be stuck", interval=0.5)
+        # The phase, a Condition and a Warning Event each name the Job, the pod and the kubelet's reason.
+        assert st["phase"] == "Planning"
+        assert any(r in st["message"] for r in ("ErrImagePull", "ImagePullBackOff")), st["message"]
+        assert "Job pull-plan-r0, pod pull-plan-r0-0-" in st["message"]
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "False" and ready["reason"] == "StepCannotStart", ready
+        stuck = [e for e in ns.events("pull") if e.reason == "StepCannotStart"]
+        assert stuck and stuck[0].type == "Warning" and "localhost/bij-no-such-steps" in stuck[0].message
+
+        # Cancelling it cannot wait for a plan step that will never start: it ends now, nothing ran.
+        ns.custom.patch_namespaced_custom_object(GROUP, VERSION, ns.name, PLURAL, "pull", {"spec": {"cancel": True}})
+        done = ns.wait_phase("pull", "Cancelled", timeout=120)
+        assert "could not be planned" in done["message"] and "nothing was published" in done["message"]
+        assert next(c for c in done["conditions"] if c["type"] == "Ready")["status"] == "False"
+        wait_for(lambda: not ns.pods("pull-plan-r0") or None, 120, "the stuck plan step's pod gone")
+        assert ns.no_manifest("pull")
+
+
+def test_a_step_pod_killed_by_its_memory_limit_is_retried_then_fails_the_bij_naming_oomkilled(ns: Ns) -> None:
+    ns.put_rows(f"{ns.name}/oom-in/rows.jsonl", 20)
+    # Below what the step's Python needs to import bij: the kernel kills it as it starts.
+    tiny = {"requests": {"cpu": "100m", "memory": "24Mi"}, "limits": {"memory": "24Mi"}}
+    with ns.real.operator_with(stepResources=tiny):
+        ns.create("oom", ns.spec("oom", model={"engine": "echo", "task": "embed"},
+                                 workers={"backoffLimitPerIndex": 1}))
+        failed = ns.wait_phase("oom", "Failed", timeout=600)
+    message = failed["message"]
+    assert "step plan-r0 failed 2 time(s), giving up" in message, message
+    assert "exit code 137 (OOMKilled)" in message, message
+    cond = next(c for c in failed["conditions"] if c["type"] == "Failed")
+    assert cond["status"] == "True" and "OOMKilled" in cond["message"]
+    reasons = [e.reason for e in ns.events("oom")]
+    assert "StepRetrying" in reasons and "StepFailed" in reasons, reasons
+    retry = next(e for e in ns.events("oom") if e.reason == "StepRetrying")
+    assert retry.type == "Warning" and "OOMKilled" in retry.message
+    assert ns.no_manifest("oom")
+
+
+# --- a worker killed by the kernel's OOM killer mid-shard --------------------------------------------
+
+ALLOCATE = r"""
+import os, sys, time
+cgroup, pids, cap = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))
+held, deadline = [], time.monotonic() + 120
+while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline and len(held) * 32 < cap:
+    held.append(bytearray(b"x") * (32 << 20))  # written, so the pages are charged to the cgroup
+    time.sleep(0.02)
+sys.exit(0 if not any(os.path.exists(f"/proc/{p}") for p in pids) else 3)
+"""
+
+
+def container_memory_cgroup(container_id: str) -> Path:
+    """The cgroup v1 memory folder of a container (the kubelet's cgroupfs driver names it by the container's id)."""
+    root = Path("/sys/fs/cgroup/memory")
+    for folder, dirs, _ in os.walk(root):
+        if container_id in dirs:
+            return Path(folder) / container_id
+    raise AssertionError(f"no memory cgroup for container {container_id} under {root}")
+
+
+def test_a_worker_oom_killed_mid_shard_is_replaced_and_its_shard_resumes(ns: Ns) -> None:
+    import kubernetes
+    from cluster.harness import wait_for
+
+    ids = ns.put_rows(f"{ns.name}/wo-in/rows.jsonl", 400)
+    ns.create("wo", ns.spec(
+        "wo", model={"engine": "simulated", "task": "generate", "maxTokens": 4,
+                     "simulated": {"maxNumSeqs": 8, "stepSeconds": 0.25}},
+        sharding={"targetShardBytes": 1 << 20, "chunkRows": 8}, workers={"memory": "1Gi"}))
+    pod, _ = wait_for(lambda: ns.running_with_progress("wo-r0", 16), 600, "the worker with two chunks done",
+                      interval=0.3)
+    (status,) = pod.status.container_statuses
+    cgroup = container_memory_cgroup(status.container_id.split("://", 1)[1])
+    assert int((cgroup / "memory.limit_in_bytes").read_text()) == 1 << 30  # the spec's limit, as runc set it
+    pids = (cgroup / "cgroup.procs").read_text().split()
+    for pid in pids:  # the worker is the one the kernel picks in its cgroup
+        Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
+    # Memory charged to the worker's cgroup until its limit is reached: the kernel's OOM killer, as a
+    # worker that outgrows its limit meets it.
+    alloc = subprocess.run(["python3", "-c", ALLOCATE, str(cgroup), ",".join(pids), str(2048)],
+                           capture_output=True, text=True, timeout=180)
+    assert alloc.returncode == 0, f"the worker outlived its limit: {alloc.stdout} {alloc.stderr}"
+
+    def ended() -> Any:
+        (st,) = ns.core.read_namespaced_pod(pod.metadata.name, ns.name).status.container_statuses
+        return st.state.terminated
+
+    terminated = wait_for(ended, 120, "the OOM-killed worker's container ended")
+    assert (terminated.exit_code, terminated.reason) == (137, "OOMKilled"), terminated
+
+    done = ns.wait_phase("wo", "Succeeded", timeout=600)
+    assert done["rows"]["done"] == len(ids)
+    rows = ns.published(f"{ns.name}/wo-out/manifest.json")
+    assert sorted(r["id"] for r in rows) == sorted(ids)  # every row once: the shard resumed, nothing twice
+    job = kubernetes.client.BatchV1Api(ns.real.api).read_namespaced_job("wo-r0", ns.name)
+    assert job.status.failed == 1  # an OOM kill is a failure of the pod (counted), not a disruption
+    replacements = [p for p in ns.pods("wo-r0") if p.metadata.name != pod.metadata.name]
     assert replacements and any(p.status.phase == "Succeeded" for p in replacements)
