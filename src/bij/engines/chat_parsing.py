@@ -63,8 +63,10 @@ class ChatParsing:
             {"role": "user", "content": req.text or ""}]}
         if req.tools is not None:
             body.update(req.tools.body())
-            if strict:
-                body["tools"] = [{**t, "function": {**t["function"], "strict": True}} for t in body["tools"]]
+            if strict:  # length-bounded strings tightened against raw control characters (structured.py)
+                body["tools"] = [{**t, "function": {**t["function"], "strict": True, **(
+                    {"parameters": json.loads(grammar_schema(json.dumps(t["function"]["parameters"])))}
+                    if t["function"].get("parameters") else {})}} for t in body["tools"]]
         if req.reasoning_effort is not None:
             body["reasoning_effort"] = req.reasoning_effort
         return ChatCompletionRequest.model_validate(body)
@@ -86,7 +88,7 @@ class ChatParsing:
             from vllm.sampling_params import StructuredOutputsParams
 
             # Length-bounded strings tightened against raw control characters (bij.engines.structured).
-            return StructuredOutputsParams(json=grammar_schema(json.dumps(forced_schema(req.tools)))), False
+            return StructuredOutputsParams(json=json.loads(grammar_schema(json.dumps(forced_schema(req.tools))))), False
         # A forced call's arguments are constrained whatever the tool's own `strict` says: vLLM's structural
         # tag leaves a lax tool's arguments free, and a model that does not already answer well fills them
         # with anything.
