@@ -116,7 +116,8 @@ def forced_schema(ask: ToolAsk) -> dict[str, Any]:
     tools' `$defs` gathered at the top, where their `$ref`s point."""
     if ask.named:
         return next(_parameters(t) for t in ask.tools if _name(t) == ask.choice)
-    calls, defs = [], {}
+    calls: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
     for t in ask.tools:
         params = _parameters(t)
         defs.update(params.pop("$defs", None) or {})
