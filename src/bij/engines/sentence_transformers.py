@@ -173,7 +173,13 @@ class SentenceTransformersEngine(EngineBase):
         import torch
         from sentence_transformers.util import batch_to_device
 
-        features = dict(self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt"))
+        # Padded by hand: a tokenizer without a pad token pads nothing; padding is masked out either way.
+        width, pad = max(map(len, rows)), self.tokenizer.pad_token_id or 0
+        left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        padded = [([pad] * (width - len(r)) + r) if left else (r + [pad] * (width - len(r))) for r in rows]
+        masks = [([0] * (width - len(r)) + [1] * len(r)) if left else ([1] * len(r) + [0] * (width - len(r)))
+                 for r in rows]
+        features = {"input_ids": torch.tensor(padded), "attention_mask": torch.tensor(masks)}
         if "token_type_ids" in getattr(self.tokenizer, "model_input_names", ()):
             features["token_type_ids"] = torch.zeros_like(features["input_ids"])
         with torch.inference_mode():
