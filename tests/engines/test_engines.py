@@ -140,6 +140,49 @@ def test_minilm_truncates_to_a_lowered_limit() -> None:
     assert res.prompt_tokens == 4 and res.embedding == head.embedding
 
 
+def test_minilm_embeds_token_ids_as_the_text_they_tokenize_to(minilm: Any) -> None:
+    """Token ids go to the model as they are, bypassing the tokenizer: the ids a text tokenizes to (its
+    [CLS] and [SEP] included) embed as that text, alone or padded beside a longer row."""
+    texts = ["The cat sits on the mat.", "A considerably longer sentence about trains, weather and tea."]
+    ids = [minilm.tokenizer(t)["input_ids"] for t in texts]
+    by_ids = minilm.run([Request(token_ids=i) for i in ids])
+    by_text = minilm.run([Request(text=t) for t in texts])
+    for a, b, i in zip(by_ids, by_text, ids, strict=True):
+        assert a.error is None and a.prompt_tokens == len(i) == b.prompt_tokens
+        assert a.embedding == pytest.approx(b.embedding, abs=1e-5)
+    assert minilm.count_tokens([Request(token_ids=ids[0]), Request(text=texts[1])]) == [len(i) for i in ids]
+    # Other ids, another embedding.
+    (other,) = minilm.run([Request(token_ids=ids[0][:3] + ids[0][4:])])
+    assert cosine(other.embedding, by_text[0].embedding) < 0.999
+
+
+def test_token_ids_beyond_the_vocabulary_fail_their_row_alone_naming_it(minilm: Any) -> None:
+    import json
+
+    from bij.worker.inputs import InputOptions, merged_result, parse_line, result_row
+
+    opts = InputOptions(format="openai", task="embed", engine="sentence-transformers", honours=minilm.honours)
+
+    def embed(cid: str, value: Any) -> tuple[Any, Any]:
+        line = json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/embeddings",
+                           "body": {"model": "m", "input": value}}).encode()
+        row = parse_line(line, (0, 0, len(line)), "in.jsonl", opts)
+        assert row.request is not None, row.error
+        results = minilm.run(row.parts or [row.request])
+        return row, merged_result(row, results) if row.parts else results[0]
+
+    good = minilm.tokenizer("hello world")["input_ids"]
+    row, res = embed("ids", [good, good[:2] + good[-1:]])
+    assert res.error is None
+    data = result_row(row, res, opts)["response"]["body"]["data"]
+    assert [d["index"] for d in data] == [0, 1] and len(data[0]["embedding"]) == 384
+    _, bad = embed("bad", [good, [101, 30522, 102]])
+    assert bad.error == "body.input[1]: token id 30522 is outside the vocabulary of 30522 tokens"
+    assert bad.extra["code"] == "invalid_request"
+    _, alone = embed("alone", [101, 99999])
+    assert alone.error == "token id 99999 is outside the vocabulary of 30522 tokens" and alone.embedding is None
+
+
 def test_sentence_transformers_refuses_generate() -> None:
     with pytest.raises(ValueError, match="embed"):
         create_engine("sentence-transformers", EngineConfig(task="generate"))

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from bij.contract.spec import SpecError, load_job
-from bij.engines.base import BASIC_SAMPLING, Choice, Request, Result, ToolAsk
+from bij.engines.base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, ToolAsk
 from bij.engines.prompts import chat_messages, row_template_kwargs
-from bij.engines.tools import call_problem
+from bij.engines.tools import call_problem, forced_calls, forced_schema
 from bij.worker.inputs import InputOptions, Row, parse_line, result_row
 
 VLLM_FIELDS = BASIC_SAMPLING | {"structuredOutput"}
@@ -49,6 +49,15 @@ def test_an_engine_without_a_tool_call_parser_refuses_tools_naming_the_knob() ->
     row = parse(chat(tools=[WEATHER]), UNTOOLED)
     assert row.error_code == "unsupported"
     assert row.error == "engine vllm cannot honour body.tools (a tool call parser: model.vllm.toolCallParser)"
+
+
+def test_a_forced_call_needs_no_tool_call_parser() -> None:
+    """vLLM's server serves required and named tool choice without a parser (the calls' JSON schema)."""
+    forcing = InputOptions(format="openai", task="chat", engine="vllm", honours=VLLM_FIELDS | {"toolChoice"})
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        row = parse(chat(tools=[WEATHER], tool_choice=choice), forcing)
+        assert row.error is None and row.request is not None and row.request.tools is not None
+    assert parse(chat(tools=[WEATHER]), forcing).error_code == "unsupported"  # auto: the parser reads the calls
 
 
 @pytest.mark.parametrize(("body", "needle"), [
@@ -194,3 +203,100 @@ def test_a_plain_rows_result_carries_the_reasoning_beside_the_output() -> None:
     two = [parsed, Choice(output="no", completion_tokens=3, finish_reason="stop", reasoning="hm")]
     row = plain_result(4, Result(output="yes", prompt_tokens=4, completion_tokens=10, choices=two))
     assert [(c["output"], c["reasoning"]) for c in row["choices"]] == [("yes", "ok"), ("no", "hm")]
+
+
+def test_the_forced_calls_schema_is_vllms_and_its_answers_read_back_as_calls() -> None:
+    """What a forced call is decoded under without a parser: vLLM's `get_json_schema_from_tools` (the vLLM
+    tier compares the two on the installed vLLM); a named call's arguments are the whole answer."""
+    import jsonschema
+
+    defs = {"Zone": {"enum": ["UTC", "CET"]}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"$ref": "#/$defs/Zone"}}, "required": ["zone"], "$defs": defs}}}
+    required = ToolAsk((WEATHER, clock), "required", False, False)
+    schema = forced_schema(required)
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1 and schema["$defs"] == defs
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [
+        {"type": "string", "enum": [n]} for n in ("get_weather", "get_time")]
+    assert "$defs" in clock["function"]["parameters"]  # the row's own tools are left as they are
+    answer = '[{"name": "get_time", "parameters": {"zone": "CET"}}]'
+    jsonschema.validate(json.loads(answer), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"zone": "PST"}}], schema)
+    assert forced_calls(required, answer) == [
+        {"id": None, "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]
+    assert forced_calls(required, '[{"name": "get_ti') == []  # cut short: no call, call_problem says so
+    named = ToolAsk((WEATHER, CLOCK), "get_weather", True)
+    assert forced_schema(named) == WEATHER["function"]["parameters"]
+    assert forced_schema(ToolAsk((WEATHER, CLOCK), "get_time", True)) == {"type": "object", "properties": {}}
+    assert forced_calls(named, '{"city": "Oslo"}')[0]["function"] == {"name": "get_weather",
+                                                                       "arguments": '{"city": "Oslo"}'}
+
+
+# --- forced calls on a random-weight model (the transformers engine) ----------------------------
+
+# Bounded strings and numbers: a random model fills them with anything the constraint allows.
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "days": {
+        "type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}}}
+ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+BYTE_CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="module")
+def random_chat(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from byte_model import build_byte_model
+
+    from bij.engines.transformers import TransformersEngine
+
+    model = build_byte_model(tmp_path_factory.mktemp("bytes"))
+    engine = TransformersEngine(EngineConfig(task="chat", name=str(model), device="cpu", chat_template=BYTE_CHAT))
+    engine.load()
+    return engine
+
+
+def _forced_rows(engine: Any, choice: Any, seeds: range, max_tokens: int = 96) -> list[tuple[Row, Result]]:
+    opts = InputOptions(format="openai", task="chat", engine="transformers", honours=engine.honours,
+                        max_tokens=max_tokens, temperature=1.0)
+    # One call a row (parallel_tool_calls false): a random model writes a free array of calls until its cap.
+    rows = [parse(chat(tools=[CITY, ZONE], tool_choice=choice, parallel_tool_calls=False, seed=s), opts)
+            for s in seeds]
+    assert all(r.request is not None for r in rows), rows[0].error
+    return list(zip(rows, engine.run([r.request for r in rows]), strict=True))
+
+
+def test_forced_calls_on_a_random_model_are_valid_calls_or_cut_rows_that_say_so(random_chat: Any) -> None:
+    """A random-weight model writes anything it may: every forced answer is a call whose arguments keep
+    to the tool's parameters, or an error row saying its token cap cut it."""
+    import jsonschema
+
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY, ZONE)}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    valid = 0
+    for choice in ("required", named):
+        for row, res in _forced_rows(random_chat, choice, range(4)):
+            if res.error is not None:
+                assert res.extra["code"] == "schema_violation" and "cut at its token cap" in res.error, res.error
+                continue
+            valid += 1
+            body = result_row(row, res, TOOLED)["response"]["body"]
+            (answer,) = body["choices"]
+            assert answer["message"]["content"] == ""
+            assert answer["finish_reason"] == ("stop" if isinstance(choice, dict) else "tool_calls")
+            for call in answer["message"]["tool_calls"]:
+                name = call["function"]["name"]
+                assert name == "get_weather" or choice == "required"
+                jsonschema.validate(json.loads(call["function"]["arguments"]), params[name])
+    assert valid >= 4
+
+
+def test_a_forced_call_cut_by_its_token_cap_is_an_error_row_saying_so(random_chat: Any) -> None:
+    for _, res in _forced_rows(random_chat, "required", range(2), max_tokens=8):
+        assert res.extra["code"] == "schema_violation"
+        assert "no tool call could be read" in str(res.error) and "cut at its token cap: 8 tokens" in str(res.error)

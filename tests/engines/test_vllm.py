@@ -1036,3 +1036,120 @@ def test_a_parser_failing_on_one_answer_fails_that_row_alone(thinker: Any, monke
     first, second = run_to_completion(thinker, reqs)
     assert first.extra["code"] == "engine_rejected" and "parser bug" in str(first.error)
     assert second.error is None and second.completion_tokens
+
+
+# --- constrained answers on a random-weight model: the constraint alone keeps them valid ---------
+
+# Bounded strings and numbers: a random model fills them with anything the constraint allows.
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "days": {
+        "type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}}}
+ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY, ZONE)}
+# Tools left out of the prompt: the byte-level model spends a token a byte, and the constraint is under test.
+BYTE_CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def test_forced_calls_without_a_parser_are_decoded_under_vllms_own_schema() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    from bij.engines.base import ToolAsk
+    from bij.engines.tools import forced_schema
+
+    for ask in (ToolAsk((CITY, ZONE), "required"), ToolAsk((CITY, ZONE), "required", False, False),
+                ToolAsk((CITY, ZONE), "get_time", True)):
+        vreq = ChatCompletionRequest.model_validate({"model": "m", "messages": [], **ask.body()})
+        assert forced_schema(ask) == get_json_schema_from_tools(vreq.tool_choice, vreq.tools,
+                                                                vreq.parallel_tool_calls)
+
+
+@pytest.fixture(scope="module")
+def random_chat(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Two chat engines on one random-weight byte-level model (one LLM): with vLLM's hermes tool parser, and
+    with none."""
+    from byte_model import build_byte_model
+
+    model = build_byte_model(tmp_path_factory.mktemp("bytes"))
+    adapter.shutdown_llm()
+    knobs = {**KNOBS, "maxModelLen": 256}
+    engines = [loaded(create_engine("vllm", EngineConfig(task="chat", name=str(model), chat_template=BYTE_CHAT,
+                                                         vllm={**knobs, **parser})))
+               for parser in ({"toolCallParser": "hermes"}, {})]
+    yield engines
+    adapter.shutdown_llm()
+
+
+def _run_lines(engine: Any, bodies: list[dict[str, Any]]) -> list[tuple[Any, Result]]:
+    """OpenAI chat lines through bij as the worker runs them: parsed, run, checked."""
+    from bij.engines.base import run_to_completion
+    from bij.engines.structured import Validator
+    from bij.worker.inputs import InputOptions, parse_line
+
+    opts = InputOptions(format="openai", task="chat", engine="vllm", honours=engine.honours, max_tokens=120,
+                        temperature=1.0)
+    rows = []
+    for k, body in enumerate(bodies):
+        line = json.dumps({"custom_id": f"r{k}", "method": "POST", "url": "/v1/chat/completions", "body": {
+            "model": "m", "messages": [{"role": "user", "content": "the fox"}], "seed": k, **body}}).encode()
+        rows.append(parse_line(line, (0, 0, len(line)), "in.jsonl", opts))
+    assert all(r.request is not None for r in rows), [r.error for r in rows]
+    results = run_to_completion(engine, [r.request for r in rows])
+    Validator().check([r.request for r in rows], results)
+    return list(zip(rows, results, strict=True))
+
+
+def test_forced_calls_on_a_random_model_keep_to_the_tools_schemas_with_or_without_a_parser(
+        random_chat: Any) -> None:
+    """Every forced answer is a call whose arguments keep to the tool's parameters, or an error row saying
+    its token cap cut it: the constraint holds the whole call, not only its envelope."""
+    import jsonschema
+
+    from bij.worker.inputs import InputOptions, result_row
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for engine in random_chat:
+        valid = 0
+        opts = InputOptions(format="openai", task="chat", engine="vllm")
+        for row, res in _run_lines(engine, [{"tools": [CITY, ZONE], "tool_choice": choice,
+                                             "parallel_tool_calls": False} for choice in ("required", named) * 2]):
+            if res.error is not None:
+                assert res.extra["code"] == "schema_violation" and "cut at its token cap" in res.error, res.error
+                continue
+            valid += 1
+            (answer,) = result_row(row, res, opts)["response"]["body"]["choices"]
+            (call,) = answer["message"]["tool_calls"]
+            name = call["function"]["name"]
+            assert name == "get_weather" or row.request.tools.choice == "required"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[name])
+        assert valid >= 3, engine.config.vllm
+
+
+def test_structured_outputs_on_a_random_model_keep_to_their_schema_regex_and_choices(random_chat: Any) -> None:
+    import re
+
+    import jsonschema
+
+    from bij.contract.sampling import Sampling
+    from bij.engines.base import Request, run_to_completion
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {
+        "type": "integer", "minimum": 0, "maximum": 99}}, "required": ["answer", "n"], "additionalProperties": False}
+    asks = [("json_schema", json.dumps(schema)), ("regex", "[a-c]{3}-[0-9]{2}"), ("choice", '["red", "green", "blue"]')]
+    _, bare = random_chat
+    reqs = [Request(messages=[{"role": "user", "content": "the fox"}], max_tokens=60, temperature=1.0, seed=s,
+                    sampling=Sampling(structured_output=a)) for s in range(3) for a in asks]
+    free = Request(messages=[{"role": "user", "content": "the fox"}], max_tokens=20, temperature=1.0, seed=0)
+    *results, unconstrained = run_to_completion(bare, [*reqs, free])
+    for k, res in enumerate(results):
+        assert res.error is None and res.extra["finish_reason"] == "stop", res
+        if k % 3 == 0:
+            jsonschema.validate(json.loads(res.output), schema)
+        elif k % 3 == 1:
+            assert re.fullmatch("[a-c]{3}-[0-9]{2}", res.output)
+        else:
+            assert res.output in ("red", "green", "blue")
+    # Unconstrained, the random model writes none of these.
+    assert unconstrained.output not in ("red", "green", "blue") and not unconstrained.output.startswith("{")

@@ -11,20 +11,24 @@ reasoning's tokens (`count_reasoning_tokens`). The same calls are made here, on 
 - `tool_choice` auto: the calls the tool parser finds in the text, finish_reason ``tool_calls``;
 - "required" or a named function: the answer was constrained as vLLM's server constrains it (the
   parser's `adjust_request`: a JSON schema of the calls, or a structural tag in the model's own call
-  format) and read as vLLM reads it; finish_reason ``tool_calls`` for "required", ``stop`` for a
-  named function; calls that break what the row asked for make it a `schema_violation` error row
-  (tools.call_problem);
+  format, every tool made strict so that the tag constrains the arguments too) and read as vLLM
+  reads it; finish_reason ``tool_calls`` for "required", ``stop`` for a named function; calls that
+  break what the row asked for make it a `schema_violation` error row (tools.checked);
 - "none": no calls are read.
+
+Without a tool call parser only forced calls are served, as vLLM's server serves them without one:
+decoded under `tools.forced_schema` and read by `tools.forced_calls`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from bij.engines.base import ENGINE_REJECTED, Choice, EngineConfig, Request, Result
 from bij.engines.prompts import row_template_kwargs
-from bij.engines.structured import MAX_CARRIED, SCHEMA_VIOLATION
-from bij.engines.tools import call_problem, forced
+from bij.engines.structured import MAX_CARRIED, grammar_schema
+from bij.engines.tools import checked, forced, forced_result, forced_schema
 
 # The prefix of vLLM's random tool call ids (vllm.renderers.chat_utils.make_tool_call_id).
 _RANDOM_ID = "chatcmpl-tool-"
@@ -46,14 +50,23 @@ class ChatParsing:
                                             enable_auto_tools=self.tool_calls is not None, model_name=config.name,
                                             tokenizer=tokenizer)
 
-    def request(self, req: Request) -> Any:
-        """vLLM's ChatCompletionRequest for a row (what its parsers read: tools, tool_choice, messages)."""
+    def reads(self, req: Request) -> bool:
+        """Whether a row's answers are read here: every answer with a parser, a forced call's without."""
+        return self.cls is not None or forced(req.tools)
+
+    def request(self, req: Request, strict: bool = False) -> Any:
+        """vLLM's ChatCompletionRequest for a row (what its parsers read: tools, tool_choice, messages);
+        `strict`: every tool marked strict, so that a structural tag constrains its arguments."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         body: dict[str, Any] = {"model": self.config.name or "", "messages": req.messages or [
             {"role": "user", "content": req.text or ""}]}
         if req.tools is not None:
             body.update(req.tools.body())
+            if strict:  # length-bounded strings tightened against raw control characters (structured.py)
+                body["tools"] = [{**t, "function": {**t["function"], "strict": True, **(
+                    {"parameters": json.loads(grammar_schema(json.dumps(t["function"]["parameters"])))}
+                    if t["function"].get("parameters") else {})}} for t in body["tools"]]
         if req.reasoning_effort is not None:
             body["reasoning_effort"] = req.reasoning_effort
         return ChatCompletionRequest.model_validate(body)
@@ -67,9 +80,19 @@ class ChatParsing:
         structured outputs to decode it with (None: the row's own), and whether its text keeps special
         tokens (tool-call markers that are special tokens would be lost before the parser reads them).
         A forced call is always constrained so; an auto row only when it has no structured output of its own."""
-        if self.cls is None or req.tools is None or req.tools.choice == "none":
+        if req.tools is None or req.tools.choice == "none":
             return None, False
-        vreq = self.request(req)
+        if self.cls is None:  # no parser: a forced call's JSON, as vLLM's server decodes it without one
+            if not forced(req.tools):
+                return None, False
+            from vllm.sampling_params import StructuredOutputsParams
+
+            # Length-bounded strings tightened against raw control characters (bij.engines.structured).
+            return StructuredOutputsParams(json=json.loads(grammar_schema(json.dumps(forced_schema(req.tools))))), False
+        # A forced call's arguments are constrained whatever the tool's own `strict` says: vLLM's structural
+        # tag leaves a lax tool's arguments free, and a model that does not already answer well fills them
+        # with anything.
+        vreq = self.request(req, strict=forced(req.tools))
         vreq = self._parser(req, vreq).adjust_request(vreq)
         structured = vreq.structured_outputs
         if req.sampling.structured_output is not None and not forced(req.tools):
@@ -79,8 +102,10 @@ class ChatParsing:
     def apply(self, req: Request, res: Result, outputs: list[Any], prompt: Any = None) -> Result:
         """The row's result with each answer parsed (`outputs`: vLLM's CompletionOutputs, by index;
         `prompt`: the prompt's token ids, which parsers that read state from the prompt are given)."""
-        if self.cls is None or res.error is not None:
+        if res.error is not None:
             return res
+        if self.cls is None:
+            return forced_result(req, res) if forced(req.tools) else res
         try:
             return self._apply(req, res, outputs, prompt)
         except Exception as e:  # a parser failing on one answer (or on the row's messages): that row alone
@@ -107,19 +132,7 @@ class ChatParsing:
 
     def checked(self, req: Request, res: Result) -> Result:
         """A forced row's result, or its schema_violation error when a call breaks what it asked for."""
-        if req.tools is None or not forced(req.tools) or res.error is not None:
-            return res
-        answers = res.choices or [res.extra["parsed"]]
-        for k, c in enumerate(answers):
-            why = call_problem(req.tools, c.tool_calls or [])
-            if why is not None:
-                which = f"answer {k}" if len(answers) > 1 else "the answer"
-                asked = f"body.tool_choice {req.tools.choice!r}"
-                return Result(output=c.output[:MAX_CARRIED], prompt_tokens=res.prompt_tokens,
-                              completion_tokens=res.completion_tokens,
-                              error=f"{which} breaks its forced tool call ({asked}): {why}",
-                              extra={"code": SCHEMA_VIOLATION})
-        return res
+        return checked(req, res)
 
     def _parse(self, req: Request, vreq: Any, prompt: Any, text: str, token_ids: Any, finish: str, tokens: int,
                logprobs: Any = None) -> Choice:

@@ -92,7 +92,7 @@ def prompt_ids(tok: Any, requests: list[Request], chat: bool, template: str | No
     if not chat:
         texts = [request_text(r) for r in requests if r.token_ids is None]
         enc = iter(tok(texts, add_special_tokens=True, verbose=False)["input_ids"]) if texts else iter([])
-        return [list(next(enc)) if r.token_ids is None else _given_ids(tok, r.token_ids) for r in requests]
+        return [list(next(enc)) if r.token_ids is None else given_ids(tok, r.token_ids) for r in requests]
     rendered: list[str | None] = []
     problems: dict[int, str] = {}
     for i, r in enumerate(requests):
@@ -114,7 +114,7 @@ def prompt_ids(tok: Any, requests: list[Request], chat: bool, template: str | No
     return [problems[i] if t is None else list(next(ids)) for i, t in enumerate(rendered)]
 
 
-def _given_ids(tok: Any, ids: list[int]) -> list[int] | str:
+def given_ids(tok: Any, ids: list[int]) -> list[int] | str:
     """A prompt given as token ids, or why the tokenizer has no such tokens."""
     size = len(tok)
     bad = [t for t in ids if t >= size]

@@ -9,6 +9,10 @@ A row's `dimensions` is honoured as vLLM honours it: only for a model whose conf
 Matryoshka embeddings (`is_matryoshka`, or `matryoshka_dimensions`, the sizes it was trained
 for), by keeping the first `dimensions` values and normalising them again (when the model
 normalises its embeddings); other models refuse the field.
+
+A row's input may come as token ids (OpenAI's and vLLM's `input: [1, 2, 3]`): they go to the model
+as they are, no tokenizer and no special tokens added (ids the tokenizer tokenized a text to embed
+as that text); an id outside the tokenizer's vocabulary fails its row.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from bij.contract.sampling import TOKEN_IDS
 from bij.engines import hub
 from bij.engines.base import EngineBase, EngineConfig, Request, Result, request_text
-from bij.engines.prompts import pick_device
+from bij.engines.prompts import given_ids, pick_device
 
 
 def default_model_path() -> str:
@@ -40,7 +45,8 @@ class SentenceTransformersEngine(EngineBase):
     parallel_prepare = True  # its compute lets go of the interpreter: parse the next chunks meanwhile
     schedules_itself = False
     continuous = False
-    honours: frozenset[str] = frozenset()  # embeddings: only `dimensions`, on a Matryoshka model (see load)
+    # Inputs as token ids; `dimensions` too on a Matryoshka model (see load).
+    honours: frozenset[str] = frozenset({TOKEN_IDS})
 
     def __init__(self, config: EngineConfig):
         if config.task != "embed":
@@ -70,7 +76,7 @@ class SentenceTransformersEngine(EngineBase):
             size = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
             self._dimensions = (int(size() or 0),
                                 [int(d) for d in sizes] if sizes else None)
-            self.honours = frozenset({"dimensions"})
+            self.honours = self.honours | {"dimensions"}
         self._normalises = any(type(m).__name__ == "Normalize" for m in self.model)
         limit = self.model.max_seq_length
         if self.config.max_input_tokens is not None:
@@ -94,18 +100,19 @@ class SentenceTransformersEngine(EngineBase):
     def count_tokens(self, requests: list[Request]) -> list[int]:
         """Tokens per request, special tokens included, untruncated (one batched tokenizer call)."""
         self._loaded()
-        if not requests:
-            return []
-        enc = self.tokenizer(
-            [request_text(r) for r in requests],
+        texts = [request_text(r) for r in requests if r.token_ids is None]
+        if not texts:
+            return [len(r.token_ids or ()) for r in requests]
+        enc = iter(self.tokenizer(
+            texts,
             add_special_tokens=True,
             padding=False,
             truncation=False,
             return_attention_mask=False,
             return_token_type_ids=False,
             verbose=False,  # no "longer than the model max" warning: long rows become row errors
-        )
-        return [len(ids) for ids in enc["input_ids"]]
+        )["input_ids"])
+        return [len(next(enc)) if r.token_ids is None else len(r.token_ids) for r in requests]
 
     def max_input_tokens(self) -> int | None:
         """The model's `max_seq_length`, or `config.max_input_tokens` when that is smaller."""
@@ -134,19 +141,50 @@ class SentenceTransformersEngine(EngineBase):
                 results[i] = Result(
                     prompt_tokens=n, error=f"input is {n} tokens, longer than the model's limit of {limit}"
                 )
-        if ok:
+        ids: dict[int, list[int]] = {}
+        for i in [i for i in ok if requests[i].token_ids is not None]:
+            given = given_ids(self.tokenizer, requests[i].token_ids or [])
+            if isinstance(given, str):
+                results[i] = Result(prompt_tokens=counts[i], error=given, extra={"code": "invalid_request"})
+            else:
+                ids[i] = given[:counts[i]]  # cut to the limit (with truncate): the head, as encode() keeps it
+        texts_ok = [i for i in ok if requests[i].token_ids is None]
+        vectors: dict[int, list[float]] = {}
+        if texts_ok:
             matrix = model.encode(
-                [texts[i] for i in ok],
-                batch_size=len(ok),
+                [texts[i] for i in texts_ok],
+                batch_size=len(texts_ok),
                 show_progress_bar=False,
                 convert_to_numpy=True,
             )
             # One tolist() on the matrix is far cheaper than converting row by row.
-            for i, vec in zip(ok, matrix.tolist(), strict=True):
-                d = requests[i].sampling.dimensions
-                results[i] = Result(embedding=vec, prompt_tokens=counts[i]) if d is None else \
-                    self._shortened(vec, d, counts[i])
+            vectors.update(zip(texts_ok, matrix.tolist(), strict=True))
+        if ids:
+            vectors.update(zip(ids, self._embed_ids(list(ids.values())), strict=True))
+        for i, vec in vectors.items():
+            d = requests[i].sampling.dimensions
+            results[i] = Result(embedding=vec, prompt_tokens=counts[i]) if d is None else \
+                self._shortened(vec, d, counts[i])
         return results
+
+    def _embed_ids(self, rows: list[list[int]]) -> list[list[float]]:
+        """Embeddings of inputs given as token ids: padded into one batch as the tokenizer pads its own, run
+        through the model's modules as `encode` runs them (pooling and normalisation included)."""
+        import torch
+        from sentence_transformers.util import batch_to_device
+
+        # Padded by hand: a tokenizer without a pad token pads nothing; padding is masked out either way.
+        width, pad = max(map(len, rows)), self.tokenizer.pad_token_id or 0
+        left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        padded = [([pad] * (width - len(r)) + r) if left else (r + [pad] * (width - len(r))) for r in rows]
+        masks = [([0] * (width - len(r)) + [1] * len(r)) if left else ([1] * len(r) + [0] * (width - len(r)))
+                 for r in rows]
+        features = {"input_ids": torch.tensor(padded), "attention_mask": torch.tensor(masks)}
+        if "token_type_ids" in getattr(self.tokenizer, "model_input_names", ()):
+            features["token_type_ids"] = torch.zeros_like(features["input_ids"])
+        with torch.inference_mode():
+            out = self.model(batch_to_device(features, self.model.device))
+        return out["sentence_embedding"].float().cpu().tolist()  # type: ignore[no-any-return]
 
     def _shortened(self, vec: list[float], d: int, tokens: int) -> Result:
         """The first `d` values of a Matryoshka embedding, normalised again (what vLLM's pooler does);

@@ -2,10 +2,13 @@
 `parallel_tool_calls`, `reasoning_effort`.
 
 Read and checked here, once per row, as vLLM's OpenAI server checks them. A row that forces a
-tool call (`tool_choice` "required" or a named function) is constrained while decoding as vLLM's
-server constrains it (its tool parser's `adjust_request`: the JSON schema of the calls, or a
-structural tag in the model's own call format), and its calls are checked after decoding
-(`call_problem`): a row whose calls break what it asked for is a `schema_violation` error row.
+tool call (`tool_choice` "required" or a named function) is constrained while decoding, the whole
+call, arguments included, against the tools' `parameters`: with a tool call parser as its
+`adjust_request` constrains it (the JSON schema of the calls, or a structural tag in the model's
+own call format with every tool strict), without one by `forced_schema`, the JSON schema vLLM's
+server decodes a forced call under (`get_json_schema_from_tools`), the answer read as it reads
+it (`forced_calls`). Its calls are checked after decoding (`call_problem`, `checked`): a row
+whose calls break what it asked for, or that its token cap cut, is a `schema_violation` error row.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from bij.contract.sampling import BadField
-from bij.engines.base import ToolAsk
+from bij.engines.base import Choice, Request, Result, ToolAsk
+from bij.engines.structured import MAX_CARRIED, SCHEMA_VIOLATION
 
 # OpenAI's values and the ones vLLM's server adds ("max"); vLLM gives the value to the chat template
 # as `reasoning_effort`, and `enable_thinking` false for "none", true for the others.
@@ -103,6 +107,90 @@ def call_problem(ask: ToolAsk, calls: list[dict[str, Any]]) -> str | None:
             where = "/".join(map(str, error.absolute_path)) or "(the arguments)"
             return f"tool call {k}: arguments at {where}: {error.message} (keyword {error.validator})"
     return None
+
+
+def forced_schema(ask: ToolAsk) -> dict[str, Any]:
+    """The JSON schema a forced call is decoded under without a tool call parser, as vLLM's server
+    builds it (`get_json_schema_from_tools`): a named function's parameters; for "required" an array
+    of at least one {name, parameters} of any tool (at most one when parallel calls are off), the
+    tools' `$defs` gathered at the top, where their `$ref`s point."""
+    if ask.named:
+        return next(_parameters(t) for t in ask.tools if _name(t) == ask.choice)
+    calls: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
+    for t in ask.tools:
+        params = _parameters(t)
+        defs.update(params.pop("$defs", None) or {})
+        calls.append({"properties": {"name": {"type": "string", "enum": [_name(t)]}, "parameters": params},
+                      "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    if ask.parallel is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def forced_calls(ask: ToolAsk, text: str) -> list[dict[str, Any]]:
+    """The calls of a forced answer decoded under `forced_schema`, read as vLLM's server reads them
+    without a parser: a named function's arguments are the whole answer; "required" answers a JSON
+    array of {name, parameters}. An answer that cannot be read has no calls (`call_problem` says so)."""
+    if ask.named:
+        return [_call(ask.choice, text)] if text.strip() else []
+    try:
+        value = json.loads(text, parse_constant=_not_json)
+    except ValueError:
+        return []
+    if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                              and "parameters" in c for c in value):
+        return []
+    return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": None, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def forced_choice(ask: ToolAsk, c: Choice) -> Choice:
+    """A forced answer decoded under `forced_schema`, as a choice with its calls and no content;
+    finish_reason `tool_calls` for "required" (as vLLM's server answers), `stop` for a named function."""
+    finish = "tool_calls" if not ask.named and c.finish_reason == "stop" else c.finish_reason
+    return Choice(output="", completion_tokens=c.completion_tokens, finish_reason=finish, logprobs=c.logprobs,
+                  reasoning=c.reasoning, tool_calls=forced_calls(ask, c.output), reasoning_tokens=c.reasoning_tokens)
+
+
+def forced_result(req: Request, res: Result) -> Result:
+    """A forced row's result decoded under `forced_schema`, its answers read as calls and checked."""
+    if req.tools is None or res.error is not None:
+        return res
+    if res.choices is not None:
+        res.choices = [forced_choice(req.tools, c) for c in res.choices]
+        return checked(req, res, [c.output for c in res.choices])
+    answer = res.output or ""
+    parsed = forced_choice(req.tools, Choice(output=answer, completion_tokens=res.completion_tokens or 0,
+                                             finish_reason=res.extra.get("finish_reason", "stop")))
+    res.output, res.extra["finish_reason"], res.extra["parsed"] = "", parsed.finish_reason, parsed
+    return checked(req, res, [answer])
+
+
+def checked(req: Request, res: Result, answers: list[str] | None = None) -> Result:
+    """A forced row's result, or its schema_violation error when a call breaks what it asked for (or
+    its token cap cut the call short); `answers`: the text each answer carries into the error row."""
+    if req.tools is None or not forced(req.tools) or res.error is not None:
+        return res
+    choices = res.choices or [res.extra["parsed"]]
+    for k, c in enumerate(choices):
+        why = call_problem(req.tools, c.tool_calls or [])
+        if why is not None:
+            if c.finish_reason == "length":
+                why += f" (cut at its token cap: {c.completion_tokens} tokens; raise maxTokens)"
+            which = f"answer {k}" if len(choices) > 1 else "the answer"
+            text = answers[k] if answers is not None else c.output
+            return Result(output=text[:MAX_CARRIED], prompt_tokens=res.prompt_tokens,
+                          completion_tokens=res.completion_tokens,
+                          error=f"{which} breaks its forced tool call (body.tool_choice {req.tools.choice!r}): {why}",
+                          extra={"code": SCHEMA_VIOLATION})
+    return res
 
 
 def _not_json(name: str) -> Any:

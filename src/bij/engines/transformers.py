@@ -20,6 +20,9 @@ For small models, CPU runs and tests. Choices a user can observe:
   uses by default, so both engines accept the same grammars; JSON comes out compact (no
   free whitespace, which a weak model could emit forever). Without xgrammar installed the
   engine does not honour it and such rows are refused.
+- A forced tool call (chat `tool_choice` "required" or a named function) is decoded as vLLM's
+  server decodes one without a tool call parser: under the JSON schema of the calls, arguments
+  included (`tools.forced_schema`), read back as calls and checked (`tools.forced_result`).
 - LoRA adapters (spec.model.adapters) load once with PEFT; rows are grouped by adapter, so a
   batch runs one adapter (or the base model, with the adapters disabled).
 - Seeds are per batch: `torch.manual_seed` runs before each sampled batch with the
@@ -56,6 +59,7 @@ from bij.engines.base import (
 )
 from bij.engines.prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 from bij.engines.structured import Validator, grammar_schema
+from bij.engines.tools import FORCED_TOOL_CHOICE, forced, forced_result, forced_schema
 
 
 class TransformersEngine(EngineBase):
@@ -97,6 +101,8 @@ class TransformersEngine(EngineBase):
         self.honours = self.honours | (CHAT_TEMPLATE_FIELDS if config.task == "chat" else {TOKEN_IDS})
         if importlib.util.find_spec("xgrammar") is not None:
             self.honours = self.honours | {"structuredOutput"}
+            if config.task == "chat":
+                self.honours = self.honours | {FORCED_TOOL_CHOICE}
         if config.adapters and importlib.util.find_spec("peft") is not None:
             self.honours = self.honours | {"adapters"}
 
@@ -190,7 +196,16 @@ class TransformersEngine(EngineBase):
                                    template_kwargs=self.config.chat_template_kwargs)
 
     def run(self, requests: list[Request]) -> list[Result]:
-        """Generate for the batch; rows that cannot run (too long, bad template) become row errors."""
+        """Generate for the batch; rows that cannot run (too long, bad template) become row errors.
+        A forced tool call is decoded under its calls' schema and read back as calls."""
+        decoded = [replace(r, sampling=replace(r.sampling, structured_output=(
+            "json_schema", json.dumps(forced_schema(r.tools))))) if r.tools is not None and forced(r.tools) else r
+            for r in requests]
+        results = self._run(decoded)
+        return [forced_result(r, res) if r is not d else res
+                for r, d, res in zip(requests, decoded, results, strict=True)]
+
+    def _run(self, requests: list[Request]) -> list[Result]:
         self._loaded()
         results = [Result() for _ in requests]
         limit = self.max_input_tokens()

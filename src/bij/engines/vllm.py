@@ -302,8 +302,11 @@ class VllmEngine(EngineBase):
         if config.task == "chat":
             # reasoning_effort goes to the chat template, as vLLM's server gives it.
             self.honours = self.honours | {REASONING_EFFORT}
+            # A forced call (required, a named function) is served with or without a tool call parser, as
+            # vLLM's server serves it; tool_choice auto needs the parser to read the calls.
+            self.honours = self.honours | {FORCED_TOOL_CHOICE}
             if config.vllm.get("toolCallParser") or config.vllm.get("tool_call_parser"):
-                self.honours = self.honours | {TOOLS, FORCED_TOOL_CHOICE}
+                self.honours = self.honours | {TOOLS}
         self._parsing: ChatParsing | None = None  # vLLM's reasoning and tool call parsers (chat)
         self._chat: dict[str, Request] = {}  # chat requests in the engine whose answers are parsed
         if config.adapters and config.task != "embed":
@@ -346,8 +349,7 @@ class VllmEngine(EngineBase):
             # vLLM cuts a Matryoshka model's embeddings to `dimensions` and normalises them again; for
             # other models it refuses the field (the row is refused before it reaches vLLM).
             self.honours = self.honours | {"dimensions"}
-        if self.config.task == "chat" and ({"reasoningParser", "reasoning_parser", "toolCallParser",
-                                            "tool_call_parser"} & {k for k, v in self.config.vllm.items() if v}):
+        if self.config.task == "chat":  # the spec's parsers, if any; forced tool calls without them
             self._parsing = ChatParsing(self.config, self.tokenizer, self.engine.model_config)
 
     def _loaded(self) -> Any:
@@ -442,7 +444,7 @@ class VllmEngine(EngineBase):
             self._top[rid] = s.top_logprobs
         if s.n and s.n > 1:
             self._parts[rid] = {}
-        if self._parsing is not None:
+        if self._parsing is not None and self._parsing.reads(request):
             self._chat[rid] = request
 
     def step(self) -> list[tuple[int, Result]]:

@@ -587,7 +587,7 @@ def _chat_tools(body: dict[str, Any], own: Sampling) -> _ChatAsk:
     effort = tools.reasoning_effort(body)
     asked: set[str] = set()
     spelled: dict[str, str] = {}
-    if ask is not None:
+    if ask is not None and not tools.forced(ask):  # a forced call needs no parser (FORCED_TOOL_CHOICE below)
         asked.add(tools.TOOLS)
         spelled[tools.TOOLS] = "body.tools (a tool call parser: model.vllm.toolCallParser)"
     if effort is not None:
