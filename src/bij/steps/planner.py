@@ -88,16 +88,16 @@ def _with_canary(job: BatchInferenceJob, rp: RoundPlan, plan: Plan) -> RoundPlan
 
 def canary_shard_count(job: BatchInferenceJob, spec: CanarySpec, plan: Plan) -> int:
     """How many of round 0's first shards the canary runs: enough to hold `canary_rows` rows. Rows are counted
-    for Parquet (row groups) and estimated for JSONL from the first object's first line (planning reads no
-    more rows than that), so the canary may run more rows than asked, never fewer than one shard."""
+    for Parquet (row groups) and estimated for JSONL from the mean line of the first object's first
+    `SAMPLE_BYTES` (uncompressed), so the canary runs whole shards: more rows than asked, or a few less
+    where later lines are shorter than those."""
     objects = plan.objects
     if any(o.row_groups is not None for o in objects):
         shard_rows = [float(sum(sum((objects[o].row_groups or [])[a:b]) for o, a, b in pieces))
                       for pieces in plan.shards]
     else:
         head = objects[0].uri
-        first = first_line(open_storage(head, job.spec.storage.s3), head, is_compressed(head))
-        per_row = float(len(first) + 1) if first else 1024.0
+        per_row = mean_row_bytes(open_storage(head, job.spec.storage.s3), head, is_compressed(head))
         shard_rows = [sum(b - a for _, a, b in pieces) / per_row for pieces in plan.shards]
     return leading_shards(shard_rows, canary_rows(spec, sum(shard_rows)))
 
@@ -273,6 +273,30 @@ def first_line(storage: Storage, uri: str, compressed: bool) -> bytes | None:
     except (StorageError, zstandard.ZstdError, OSError):
         return None
     return None
+
+
+# What the canary's estimate of rows per byte reads of the input's first object.
+SAMPLE_BYTES = 256 << 10
+
+
+def mean_row_bytes(storage: Storage, uri: str, compressed: bool) -> float:
+    """The mean length of the lines in an object's first SAMPLE_BYTES (decompressed for .zst; a .zst shard's
+    bytes are compressed, so there it counts fewer rows than there are); 1 KiB when none can be read."""
+    try:
+        with storage.open_read(uri) as raw:
+            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw) if compressed else raw
+            head = b""
+            while len(head) < SAMPLE_BYTES:
+                part = stream.read(64 << 10)
+                if not part:
+                    break
+                head += part
+    except (StorageError, zstandard.ZstdError, OSError):
+        return 1024.0
+    lines = head.count(b"\n")
+    if not lines:
+        return float(max(len(head), 1024))
+    return (head.rindex(b"\n") + 1) / lines
 
 
 def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo], input_uri: str,
