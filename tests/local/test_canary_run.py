@@ -86,3 +86,16 @@ def test_answers_cut_at_max_tokens_are_counted_and_end_the_job_canary_failed(fil
     ran = sum(durable_rows(job).values())
     assert f"{ran} of {ran} answers cut at maxTokens (100.0%), above spec.canary.maxLengthCutShare 50.0%" in p.stderr
     assert ran < 1000 // 4 and read_manifest(job) is None
+
+
+def test_validate_shows_the_canary_settings_with_their_defaults(file_place, make_job, capsys):
+    from bij.cli.main import main as bij_main
+
+    path, _ = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)),
+                       canary={"maxErrorShare": 0.02, "minTokensPerSecondPerLane": 40})
+    assert bij_main(["validate", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "valid",
+        "canary: round 0's first shards holding about 0.5% of the input's rows, at most 2,000 run alone first "
+        "(whole shards); the job stops there (CanaryFailed) on: error rows above 2.0%; fewer than 40 output "
+        "tokens/s per lane"]
