@@ -16,6 +16,7 @@ from bij.control.reconcile import (
     CreateJob,
     MarkFailed,
     Nothing,
+    PatchJob,
     Wait,
     decide,
 )
@@ -24,8 +25,8 @@ UID = "0b6a2c1e-uid"
 SHARDS, CANARY = 40, 2
 
 
-def make_job(canary: dict[str, Any] | None, price: float | None = None) -> Any:
-    spec: dict[str, Any] = {"input": {"uri": "file:///data/in"}, "output": {"uri": "file:///data/out"},
+def make_job(canary: dict[str, Any] | None, price: float | None = None, **more: Any) -> Any:
+    spec: dict[str, Any] = {**more, "input": {"uri": "file:///data/in"}, "output": {"uri": "file:///data/out"},
                             "model": {"engine": "echo", "task": "generate"}, "workers": {"parallelism": 4}}
     if price is not None:
         spec["workers"]["pricePerHour"] = price
@@ -81,6 +82,12 @@ def test_a_running_canary_is_waited_for_and_no_round_job_is_made() -> None:
     d = decide(make_job({"maxErrorShare": 0.1}), planned(), [canary_k8s_job(active=2)], shards_done=1)
     assert isinstance(d, Wait) and d.reason == "Canary" and d.shards is not None
     assert d.shards.summary == "1/2"
+
+
+@pytest.mark.parametrize("spec", [{"suspend": True}, {"cancel": True}])
+def test_suspending_or_cancelling_during_the_canary_suspends_its_job_so_its_lanes_drain(spec: dict[str, Any]) -> None:
+    d = decide(make_job({"maxErrorShare": 0.1}, **spec), planned(), [canary_k8s_job(active=2)])
+    assert isinstance(d, PatchJob) and (d.job_name, d.suspend) == ("emb-r0-canary", True)
 
 
 def test_a_finished_canary_is_counted_by_its_step() -> None:

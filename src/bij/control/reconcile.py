@@ -743,6 +743,17 @@ def canary_gate(job: BatchInferenceJob, seen: Observation, rec: RoundRecord,
         return Wait(round=0, phase="Pending", reason="WaitingForOldJob",
                     message=f"Job {view.name} belongs to an earlier object of this name; waiting for it to be deleted")
     if not (view.succeeded or view.failed_for_good):
+        # spec.suspend holds the canary as it holds a round; a Job Kueue queues is never unsuspended here.
+        want = job.spec.suspend
+        patch = True if want and not view.suspend else \
+            False if not want and view.suspend and not job.spec.workers.queue_name else None
+        if patch is not None:
+            return PatchJob(round=0, phase="Suspended" if want else "Running", reason="Suspended" if want else "Canary",
+                            shards=shards, lanes=view.lanes, job_name=view.name, suspend=patch,
+                            message=f"canary: {'suspending' if want else 'resuming'} Job {view.name}")
+        if view.suspend:
+            return Wait(round=0, phase="Suspended" if want else "Pending", reason="Suspended" if want else "Queued",
+                        shards=shards, lanes=view.lanes, message=f"canary: Job {view.name} is suspended")
         return Wait(round=0, phase="Running", reason="Canary", shards=shards, lanes=view.lanes,
                     message=f"canary: {shards.summary + ' shards done, ' if shards else ''}"
                             f"{view.lanes.done}/{view.lanes.total} lanes done, {view.active} active")
@@ -1131,6 +1142,8 @@ def stopping_step(job: BatchInferenceJob, seen: Observation, stop: Stop) -> Deci
         return step(job, seen, PlanRound(round=0, phase="Cancelling", reason=stop.reason,
                                          message=f"{stop.message}: planning round 0 to count the rows not run"))
     view = round_job(job, r, seen.jobs)
+    if view is None and r == 0:
+        view = canary_job(job, seen.jobs)  # stopped during the canary: its lanes drain the same way
     if view is not None and is_ours(job, view) and not (view.succeeded or view.failed_for_good):
         if not view.suspend:
             return PatchJob(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes, job_name=view.name,
