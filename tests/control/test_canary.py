@@ -167,3 +167,29 @@ def test_no_threshold_set_breaks_nothing_and_figures_read_from_records() -> None
     assert (f.rows_in, f.errors, f.length_cuts, f.tokens_per_second_per_lane) == (20, 2, 3, 5.0)
     assert broken(CanarySpec(), f) == []
     assert estimate(f, 100, 2, None) == {"rows": 100, "laneSeconds": 50.0, "seconds": 25.0}
+
+
+def test_the_canary_job_is_the_round_job_whose_lanes_work_only_the_first_shards() -> None:
+    from bij.contract.codes import CANARY_SHARDS_ENV
+    from bij.control.jobs import render_canary_job, render_job
+
+    job = make_job({"maxErrorShare": 0.1})
+    body = render_canary_job(job, 2, CANARY, "file:///data/out/_bij/x/round-0/shards.json")
+    round_body = render_job(job, 0, 2, "file:///data/out/_bij/x/round-0/shards.json")
+    assert body["metadata"]["name"] == "emb-r0-canary" != round_body["metadata"]["name"]
+    assert body["metadata"]["labels"][rc.CANARY_LABEL] == "true"
+    (container,) = body["spec"]["template"]["spec"]["containers"]
+    assert {"name": CANARY_SHARDS_ENV, "value": str(CANARY)} in container["env"]
+    assert rc.round_job(job, 0, [body]) is None and rc.canary_job(job, [body]) is not None
+
+
+def test_a_worker_of_a_canary_job_works_only_the_first_shards_and_refuses_a_bad_count() -> None:
+    from bij.contract.codes import CANARY_SHARDS_ENV
+    from bij.worker.main import worked_shards
+    from bij.worker.shard import BadConfig
+
+    assert worked_shards(40, {}) == 40
+    assert worked_shards(40, {CANARY_SHARDS_ENV: "3"}) == 3
+    assert worked_shards(2, {CANARY_SHARDS_ENV: "3"}) == 2
+    with pytest.raises(BadConfig, match="BIJ_CANARY_SHARDS must be a positive number of shards, not '0'"):
+        worked_shards(40, {CANARY_SHARDS_ENV: "0"})
