@@ -65,6 +65,10 @@ def test_a_canary_that_passes_is_estimated_and_its_rows_are_published_once(
     canary = durable_rows(job)
     assert 100 <= sum(canary.values()) < 2000 // 4 and list(canary) == list(range(len(canary)))
     assert read_manifest(job) is None
+    status = subprocess.run([bij_bin("bij"), "status", str(spec)], env=worker_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert f"  canary    Passed: {sum(canary.values())} rows, 0 errors, 0 cut at maxTokens; round 0 whole: about " \
+        in status.stdout and "costing about" in status.stdout
 
     p = bij_run(bij_bin, spec, worker_env())
     assert p.returncode == 0, p.stderr

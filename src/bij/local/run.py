@@ -430,7 +430,7 @@ class LocalRunner:
                 if store.exists(uri):
                     store.delete(uri)
                 return
-            kept = {k: status[k] for k in ("phase", "message", "round", "conditions") if k in status}
+            kept = {k: status[k] for k in ("phase", "message", "round", "conditions", "canary") if k in status}
             store.write_bytes(uri, json.dumps(kept).encode())
         except (StorageError, OSError):
             pass
