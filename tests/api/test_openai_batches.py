@@ -56,6 +56,7 @@ def bij(phase: str | None = None, *, cancel: bool = False, rows: dict[str, int] 
     (bij("Publishing", cancel=True), "finalizing"),  # asked too late: every row was done
     (bij("Succeeded"), "completed"),
     (bij("Failed"), "failed"),
+    (bij("CanaryFailed"), "failed"),  # spec.canary stopped it: nothing more runs
     (bij("Cancelled", cancel=True), "cancelled"),
     (bij("Expired"), "expired"),
 ])

@@ -35,6 +35,8 @@ PURE = {
     "bij.contract.schema",  # the CEL rules and schema extras declared on the spec's models: data
     "bij.contract.status",  # the bij's status as decide() reads it: pydantic over plain data
     "bij.contract.prompt",  # spec.prompt's template is parsed when the spec is (Jinja, sandboxed: no I/O)
+    "bij.contract.canary",  # spec.canary's verdict and estimate: arithmetic over the canary step's figures
+    "bij.contract.efficiency",  # how money and durations are written: arithmetic
 }
 IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",
                     "zstandard", "pyarrow"}

@@ -525,6 +525,34 @@ def test_exit_42_fails_the_job_through_its_pod_failure_policy_and_the_bij_says_w
     assert not (env.tmp / "out-cfg" / "manifest.json").exists()
 
 
+def test_a_canary_whose_rows_all_fail_ends_the_bij_canary_failed_before_the_round_job(env: Env) -> None:
+    job_ids(env)
+    env.create(env.doc("cny", prompt={"template": "Summarise {{ row.title }}"},
+                       canary={"rows": 10, "maxErrorShare": 0.1}))
+    st = env.wait_phase("cny", "CanaryFailed")
+    assert env.round_jobs() == ["cny-r0-canary"]  # round 0's own Job was never made
+    canary = {c["type"]: c for c in st["conditions"]}["Canary"]
+    assert canary["status"] == "False" and canary["reason"] == "CanaryFailed"
+    assert "above spec.canary.maxErrorShare 10.0%" in st["message"] and "template_error" in st["message"]
+    assert st["canary"]["verdict"] == "Failed" and st["canary"]["examples"]
+    wait_for(lambda: "CanaryFailed" in env.reasons("cny") or None, 30, "the CanaryFailed event")
+    assert not (env.tmp / "out-cny" / "manifest.json").exists()
+
+
+def test_a_canary_that_passes_shows_its_estimate_and_its_rows_are_published_once(env: Env) -> None:
+    ids = job_ids(env)
+    env.create(env.doc("cnp", canary={"rows": 10, "maxErrorShare": 0.1},
+                       workers={"pricePerHour": 2.0}))
+    done = env.wait_phase("cnp", "Succeeded")
+    assert env.round_jobs() == ["cnp-r0", "cnp-r0-canary"]
+    assert done["canary"]["verdict"] == "Passed" and done["canary"]["estimate"]["rows"] > 0
+    assert "cost" in done["canary"]["estimate"]
+    assert {c["type"]: c for c in done["conditions"]}["Canary"]["status"] == "True"
+    reasons = env.reasons("cnp")
+    assert reasons.index("CanaryPassed") < reasons.index("RoundStarted")
+    assert_every_row_once(env.tmp / "out-cnp" / "manifest.json", ids)
+
+
 def test_a_lane_that_uses_up_its_retries_costs_nothing_when_the_others_finish_its_shards(env: Env) -> None:
     ids = job_ids(env)
     env.gate("exit", "flaky-r0", 0, "1 5")

@@ -96,7 +96,7 @@ def status_of(bij: Mapping[str, Any]) -> str:
         return "expired"
     if phase == "Succeeded":
         return "completed"
-    if phase == "Failed":
+    if phase in ("Failed", "CanaryFailed"):
         return "failed"
     if phase == "Publishing":
         return "finalizing"  # every row is done (a cancel asked for now changes nothing): results being written

@@ -16,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--restart", action="store_true",
                    help="start over: delete this job's manifest, plans and durable results first")
+    p.add_argument("--canary-only", action="store_true",
+                   help="run only the canary (spec.canary, or its defaults) and stop with its verdict and the "
+                        "estimate of the whole job; its results are kept for the full run")
 
     p = sub.add_parser("cancel", help="stop a job run with `bij run` for good and publish what it finished "
                                       "(a partial manifest, phase Cancelled)")

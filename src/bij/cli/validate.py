@@ -29,7 +29,16 @@ import zstandard
 
 from bij.contract.crd import crd
 from bij.contract.globs import glob_matches, split_glob
-from bij.contract.spec import API_GROUP, API_VERSION, KIND, BatchInferenceJob, SpecError, parse_job
+from bij.contract.spec import (
+    API_GROUP,
+    API_VERSION,
+    CANARY_MAX_ROWS,
+    CANARY_SHARE,
+    KIND,
+    BatchInferenceJob,
+    SpecError,
+    parse_job,
+)
 
 # Schema violations after which the API server does not run the CEL rules (a rule could not
 # rely on the fields it reads), and what it says instead.
@@ -420,9 +429,31 @@ def cli_validate(args: argparse.Namespace) -> int:
     if not failed:
         print("valid")
         for doc in jobs:
-            for line in prompt_preview(parse_job(doc)):
+            job = parse_job(doc)
+            for line in canary_summary(job):
+                print(line)
+            for line in prompt_preview(job):
                 print(line)
     return 1 if failed else 0
+
+
+def canary_summary(job: BatchInferenceJob) -> list[str]:
+    """What spec.canary will do, its defaults filled in: how many rows run first, and what stops the job."""
+    c = job.spec.canary
+    if c is None:
+        return []
+    rows = f"{c.rows:,} rows" if c.rows is not None else \
+        f"{CANARY_SHARE:.1%} of the input's rows, at most {CANARY_MAX_ROWS:,}"
+    limits = [f"error rows above {c.max_error_share:.1%}" if c.max_error_share is not None else "",
+              f"answers cut at maxTokens above {c.max_length_cut_share:.1%}"
+              if c.max_length_cut_share is not None else "",
+              f"schema violations above {c.max_schema_violation_share:.1%}"
+              if c.max_schema_violation_share is not None else "",
+              f"fewer than {c.min_tokens_per_second_per_lane:g} output tokens/s per lane"
+              if c.min_tokens_per_second_per_lane is not None else ""]
+    stops = "; ".join(x for x in limits if x) or "no threshold set: it only measures, and estimates the job"
+    return [f"canary: round 0's first shards holding about {rows} run alone first (whole shards); "
+            f"the job stops there (CanaryFailed) on: {stops}"]
 
 
 # Rows `bij validate` renders spec.prompt.template for.

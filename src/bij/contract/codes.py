@@ -23,6 +23,7 @@ ROUND_LABEL = f"{API_GROUP}/round"  # a round Job: its round number
 PUBLISH_LABEL = f"{API_GROUP}/publish-pass"  # a publish Job: its pass (ids, dedupe, write)
 GENERATION_LABEL = f"{API_GROUP}/generation"  # a step Job: the bij's metadata.generation it ran for
 STEP_LABEL = f"{API_GROUP}/step"  # a step Job (bij.steps.main): plan-r<r>, finish-r<r>, publish-plan, manifest
+CANARY_LABEL = f"{API_GROUP}/canary"  # round 0's canary Job (spec.canary): "true"
 
 # Annotations: where a Job's work is described.
 MANIFEST_ANNOTATION = f"{API_GROUP}/manifest"  # a round Job: its round plan (shards.json)
@@ -31,6 +32,8 @@ PUBLISH_PLAN_ANNOTATION = f"{API_GROUP}/publish-plan"  # a publish Job: its publ
 
 # Where a pod sends its report (`bij.worker.report`): kube:<namespace>/<name> or dir:<folder>.
 REPORT_ENV = "BIJ_REPORT_TO"
+# A canary Job's lanes work only the round's first this many shards (spec.canary).
+CANARY_SHARDS_ENV = "BIJ_CANARY_SHARDS"
 # The pod's name (downward API): the key of its lane report.
 POD_NAME_ENV = "POD_NAME"
 # The Job's uid (downward API, from the pod's batch.kubernetes.io/controller-uid label): a step's result

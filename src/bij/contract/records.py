@@ -53,6 +53,7 @@ class ShardCounts(TypedDict):
     structuredValidated: int  # structured answers checked after decoding and valid
     structuredRepaired: int  # ... of them valid only on the second grammar backend's try
     structuredViolations: int  # ... and that broke their structured output (schema_violation rows)
+    lengthCuts: int  # result rows whose answer stopped at its token cap (finish_reason length)
     notes: list[str]  # what the engine could not serve at all (a grammar its tokenizer cannot write)
 
 

@@ -856,6 +856,27 @@ class PromptSpec(_Model):
         return source
 
 
+# The canary's size when spec.canary.rows is not set: this share of the input's rows, at most CANARY_MAX_ROWS.
+CANARY_SHARE = 0.005
+CANARY_MAX_ROWS = 2000
+
+
+class CanarySpec(_Model):
+    """A first part of round 0 run alone, its results kept: the rest runs only if its rows pass these checks."""
+
+    rows: int | None = Field(None, ge=1, le=1_000_000)
+    """rows the canary runs at least (whole shards from the plan's start); default 0.5% of the input's rows,
+    at most 2,000"""
+    max_error_share: float | None = Field(None, ge=0, le=1)
+    """stop (phase CanaryFailed) when more than this share of the canary's rows are error rows"""
+    max_length_cut_share: float | None = Field(None, ge=0, le=1)
+    """... when more than this share of its answers were cut at maxTokens (finish_reason length)"""
+    max_schema_violation_share: float | None = Field(None, ge=0, le=1)
+    """... when more than this share of its rows broke spec.model.structuredOutput (schema_violation)"""
+    min_tokens_per_second_per_lane: float | None = Field(None, gt=0)
+    """... when a lane wrote fewer output tokens per second than this"""
+
+
 class JobSpec(_Model):
     model_config = ConfigDict(json_schema_extra=k8s(
         cel("!has(self.judge) || self.model.task != 'embed'",
@@ -908,6 +929,10 @@ class JobSpec(_Model):
     the pod (inPlace)."""
     max_error_ratio: float | None = Field(None, ge=0, le=1)
     """fail the job when more than this share of rows are error rows"""
+    canary: CanarySpec | None = None
+    """run the first shards of round 0 alone and stop (phase CanaryFailed, nothing more spent) if their rows
+    break these thresholds; their results are kept for the full run. The status then estimates the job's time
+    and cost"""
     suspend: bool = False
     """suspend the round Job (running pods are stopped, durable work is kept)"""
     cancel: bool = False

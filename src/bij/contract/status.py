@@ -22,7 +22,7 @@ from bij.contract.schema import FREE_FORM, INT64
 DATE_TIME: dict[str, Any] = {"format": "date-time"}
 # What the bij is doing (status.phase): decided by `bij.control.reconcile.decide`.
 Phase = Literal["Pending", "Planning", "Running", "Suspended", "Publishing", "Succeeded", "Failed", "Cancelling",
-                "Cancelled", "Expired"]
+                "Cancelled", "Expired", "CanaryFailed"]
 
 
 class _Status(BaseModel):
@@ -72,6 +72,39 @@ class Cost(_Status):
     per_million_tokens: float | None = Field(None, json_schema_extra={"nullable": True})
 
 
+class CanaryExample(_Status):
+    id: str | None = None  # the row's id as text (null: unknown)
+    code: str = ""
+    message: str = ""
+
+
+class CanaryEstimate(_Status):
+    rows: int = Field(0, json_schema_extra=INT64)
+    lane_seconds: float = 0.0
+    seconds: float = 0.0
+    cost: float | None = None
+
+
+class Canary(_Status):
+    """spec.canary's run: round 0's first `shards` shards, run alone; their figures; the verdict."""
+
+    shards: int = 0
+    verdict: Literal["Passed", "Failed"] | None = None
+    rows: int = Field(0, json_schema_extra=INT64)
+    errors: int = Field(0, json_schema_extra=INT64)
+    length_cuts: int = Field(0, json_schema_extra=INT64)
+    schema_violations: int = Field(0, json_schema_extra=INT64)
+    tokens_out: int = Field(0, json_schema_extra=INT64)
+    lane_seconds: float = 0.0
+    tokens_per_second_per_lane: float = 0.0
+    broken: list[str] = []
+    """each threshold of spec.canary its rows broke, with the figure and the limit"""
+    examples: list[CanaryExample] = []
+    """a few of its error rows: id, code and message"""
+    estimate: CanaryEstimate | None = None
+    """round 0 whole at the canary's pace: rows, lane-seconds, wall seconds on its lanes, cost (with pricePerHour)"""
+
+
 class WorkerPermissions(_Status):
     service_account: str = ""
     result: Literal["Granted", "Missing", "Unknown"] = "Unknown"
@@ -101,7 +134,8 @@ class JobStatus(_Status):
     reads these; it reads no storage. Lanes report their progress into Leases of their own, never here."""
     phase: Phase | None = None
     """Pending, Planning, Running, Publishing, Succeeded, Failed, Suspended, Cancelling (draining and
-    publishing the finished part), Cancelled or Expired"""
+    publishing the finished part), Cancelled, Expired, or CanaryFailed (spec.canary's rows broke a threshold:
+    nothing more ran, nothing was published)"""
     round: int | None = None
     """the current round (0 is the first)"""
     observed_generation: int | None = Field(None, json_schema_extra=INT64)
@@ -139,6 +173,8 @@ class JobStatus(_Status):
     publish: dict[str, Any] | None = Field(None, json_schema_extra=FREE_FORM)
     """the publish of the results, once it began: its plan, the passes done, when it started, and
     whether it publishes the finished part of a stopped job (partial)"""
+    canary: Canary | None = None
+    """spec.canary: its shards, figures, verdict, and the estimate of the whole job it gave"""
     worker_permissions: WorkerPermissions | None = None
     """The operator's check, before the first pod, that the worker service account holds every grant its
     pods use (a LocalSubjectAccessReview each); the WorkerPermissions condition says the same. While a grant

@@ -46,14 +46,23 @@ from bij.contract.rounds import RoundStats
 from bij.contract.spec import BatchInferenceJob, SpecError
 from bij.contract.status import JobStatus
 from bij.contract.step_report import REMOVAL_CONDITION, REMOVAL_FAILED
-from bij.control.jobs import FileVolume, render_job, render_lane_service, render_publish_job, render_step_job
+from bij.control.jobs import (
+    FileVolume,
+    render_canary_job,
+    render_job,
+    render_lane_service,
+    render_publish_job,
+    render_step_job,
+)
 from bij.control.permissions import CONDITION as PERMISSIONS_CONDITION
 from bij.control.permissions import STATUS_KEY as PERMISSIONS_KEY
 from bij.control.permissions import GrantCheck, condition, record
 from bij.control.reconcile import (
     STOPPED_PHASES,
     TERMINAL_PHASES,
+    CanaryVerdict,
     CheckPermissions,
+    CreateCanaryJob,
     CreateJob,
     CreatePublishJob,
     Decision,
@@ -259,6 +268,10 @@ class Driver:
                 return self._plan_round(seen, job, d, now)
             case CreateJob():
                 return self._create_round_job(seen, job, d, now)
+            case CreateCanaryJob():
+                return self._create_canary_job(seen, job, d, now)
+            case CanaryVerdict():
+                return self._canary_verdict(seen, d, now)
             case PatchJob():
                 return self._patch_round_job(seen, job, d, now)
             case FinishRound():
@@ -291,9 +304,13 @@ class Driver:
                                "bytes": size, "startTime": fmt_time(now)}
         if d.round == 0:
             rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
+        canary = int(got.get("canaryShards") or 0)
+        if canary:
+            rec["canaryShards"] = canary
         rounds.append(rec)
         msg = (f"round {d.round}: planned {shards} shards in {lanes} lanes from {int(got['objects'])} "
-               f"input objects ({size:,} {got.get('unit') or 'bytes'})")
+               f"input objects ({size:,} {got.get('unit') or 'bytes'})"
+               + (f"; the canary runs its first {canary} alone first" if canary else ""))
         patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
                  "shards": {"done": 0, "total": shards}, "shardsSummary": f"0/{shards}"}
         if "rows" not in status:
@@ -319,6 +336,32 @@ class Driver:
         self.write_status(seen, {**self.base(seen, d, now), "message": msg},
                           event=("Normal", "RoundStarted", msg) if created == "created" else None)
         return None
+
+    def _create_canary_job(self, seen: Observed, job: BatchInferenceJob, d: CreateCanaryJob,
+                           now: dt.datetime) -> Idle | None:
+        """Round 0's canary Job (spec.canary): its lanes work the plan's first shards only."""
+        body = render_canary_job(job, d.completions, d.canary_shards, layout.round_manifest_uri(job, 0),
+                                 image=self.backend.worker_image, owner_uid=job.metadata.uid,
+                                 file_volume=self.backend.file_volume)
+        created = self.create_job(seen, d, body, "canary", "Running")
+        if created == "foreign":
+            return Idle(d, recheck=CONFLICT_RECHECK)
+        msg = f"canary: created Job {body['metadata']['name']} with {d.completions} lanes for the first " \
+              f"{d.canary_shards} shards of round 0"
+        self.write_status(seen, {**self.base(seen, d, now), "message": msg, "canary": {"shards": d.canary_shards}},
+                          event=("Normal", "CanaryStarted", msg) if created == "created" else None)
+        return None
+
+    def _canary_verdict(self, seen: Observed, d: CanaryVerdict, now: dt.datetime) -> Idle | None:
+        """The canary's figures, verdict and estimate in ``status.canary``, the Canary condition and an Event;
+        CanaryFailed is final (`decide()` says Nothing from then on)."""
+        patch = {**self.base(seen, d, now), "message": d.message, "canary": dict(d.canary)}
+        patch["conditions"] = set_condition(patch["conditions"], "Canary", d.passed, d.reason, d.message,
+                                            generation=seen.generation, now=now)
+        self.write_status(seen, patch, event=("Normal" if d.passed else "Warning", d.reason, d.message))
+        # Passed: stop here and ask again at once, so that `bij run --canary-only` sees the verdict before the
+        # round's own Job is made.
+        return Idle(d, recheck=0.01) if d.passed else Idle(d)
 
     def _patch_round_job(self, seen: Observed, job: BatchInferenceJob, d: PatchJob, now: dt.datetime) -> Idle | None:
         """Suspend, resume or scale the round's Job; cancelling suspends it so its lanes drain."""

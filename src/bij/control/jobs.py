@@ -19,6 +19,8 @@ from typing import Any
 
 from bij.contract import layout
 from bij.contract.codes import (
+    CANARY_LABEL,
+    CANARY_SHARDS_ENV,
     EXIT_BAD_CONFIG,
     EXIT_GROUP_LOST,
     JOB_LABEL,
@@ -274,6 +276,25 @@ def render_job(
     if nodes > 1:
         _group_lanes(metadata, spec, job, nodes, round_no)
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
+
+
+def canary_job_name(job: BatchInferenceJob) -> str:
+    return f"{job_name(job, 0)}-canary"
+
+
+def render_canary_job(job: BatchInferenceJob, completions: int, shards: int, manifest_uri: str, *,
+                      image: str = DEFAULT_WORKER_IMAGE, owner_uid: str | None = None,
+                      file_volume: FileVolume | None = None) -> dict[str, Any]:
+    """Round 0's canary Job (spec.canary): the round's Job, but its `completions` lanes work only the plan's
+    first `shards` shards (`CANARY_SHARDS_ENV`); what they make durable is round 0's, which the round's own
+    Job then skips."""
+    body = render_job(job, 0, completions, manifest_uri, image=image, owner_uid=owner_uid, file_volume=file_volume)
+    body["metadata"]["name"] = canary_job_name(job)
+    for labels in (body["metadata"]["labels"], body["spec"]["template"]["metadata"]["labels"]):
+        labels[CANARY_LABEL] = "true"
+    for container in body["spec"]["template"]["spec"]["containers"]:
+        container["env"].append({"name": CANARY_SHARDS_ENV, "value": str(shards)})
+    return body
 
 
 def _group_lanes(metadata: dict[str, Any], spec: dict[str, Any], job: BatchInferenceJob, nodes: int,

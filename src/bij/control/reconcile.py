@@ -35,7 +35,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bij.contract.canary import CanaryFigures, broken, describe_estimate, estimate
 from bij.contract.codes import (
+    CANARY_LABEL,
     GENERATION_LABEL,
     JOB_LABEL,
     NODES_PER_LANE_ANNOTATION,
@@ -45,6 +47,7 @@ from bij.contract.codes import (
 from bij.contract.fingerprint import field_digests
 from bij.contract.lane_report import LaneTally
 from bij.contract.publish_plan import PASSES as PUBLISH_PASSES
+from bij.contract.round_record import RoundRecord
 from bij.contract.rounds import RoundStats, needs_another_round
 from bij.contract.spec import BatchInferenceJob
 from bij.contract.status import JobStatus, Phase
@@ -54,7 +57,8 @@ from bij.control.stopping import Stop, stop_requested
 
 # Cancelled and Expired: stopped for good by spec.cancel or spec.deadlineSeconds, the finished part published.
 STOPPED_PHASES: frozenset[str] = frozenset({"Cancelled", "Expired"})
-TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"}) | STOPPED_PHASES
+# CanaryFailed: spec.canary's rows broke a threshold; nothing more runs and nothing is published.
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed", "CanaryFailed"}) | STOPPED_PHASES
 # Reasons under which a Failed phase is not final: a spec edit may clear it.
 RECOVERABLE_FAILURES: frozenset[str] = frozenset({"InvalidSpec", "SpecChanged", "PlanRefused", "StorageRefused"})
 
@@ -275,6 +279,36 @@ class CreateJob(Decision):
 
     completions: int
     suspend: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class CreateCanaryJob(Decision):
+    """Create round 0's canary Job (spec.canary): `completions` lanes that work the plan's first `canary_shards`
+    shards only (a 409 means an earlier attempt already did)."""
+
+    completions: int
+    canary_shards: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckCanary(StepDecision):
+    """The canary Job ended: count its shards' figures and read a few failing rows (``result``, the canary step),
+    then `canary_verdict` decides."""
+
+    canary_shards: int
+
+    def step_args(self) -> dict[str, Any]:
+        # The step's `rounds` argument carries the canary's shard count.
+        return {"kind": "canary", "round_no": 0, "rounds": self.canary_shards}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanaryVerdict(Decision):
+    """Record the canary's figures, verdict and estimate in ``status.canary`` (the Canary condition, an Event):
+    ``passed`` and round 0's own Job runs next (skipping the canary's shards), or phase CanaryFailed for good."""
+
+    passed: bool
+    canary: Mapping[str, Any]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -678,9 +712,94 @@ def round_job(
     for raw in observed_jobs:
         view = JobView.of(raw)
         labels = (raw.get("metadata") or {}).get("labels") or {}
-        if labels.get(JOB_LABEL) == job.metadata.name and view.round == round_no:
+        if labels.get(JOB_LABEL) == job.metadata.name and view.round == round_no and CANARY_LABEL not in labels:
             return view
     return None
+
+
+def canary_job(job: BatchInferenceJob, observed_jobs: Sequence[Mapping[str, Any]]) -> JobView | None:
+    """The observed canary Job of this bij (spec.canary, round 0)."""
+    for raw in observed_jobs:
+        labels = (raw.get("metadata") or {}).get("labels") or {}
+        if labels.get(JOB_LABEL) == job.metadata.name and labels.get(CANARY_LABEL):
+            return JobView.of(raw)
+    return None
+
+
+def canary_gate(job: BatchInferenceJob, seen: Observation, rec: RoundRecord,
+                shards_done: int | None) -> Decision | None:
+    """Round 0 with spec.canary, before its own Job: run the canary's shards alone, count them, and decide
+    (`canary_verdict`). None once it passed: the round goes on, its Job skipping the shards already done."""
+    canary = seen.state.canary
+    if canary is not None and canary.verdict == "Passed":
+        return None
+    k = rec.canary_shards
+    shards = Shards(done=min(shards_done, k), total=k) if shards_done is not None else None
+    view = canary_job(job, seen.jobs)
+    if view is None:
+        lanes = min(rec.lanes or k, k)
+        return CreateCanaryJob(round=0, phase="Running", reason="CanaryStarting", completions=lanes,
+                               canary_shards=k, shards=shards or Shards(done=0, total=k),
+                               message=f"canary: creating its Job for the first {k} of {rec.shards} shards of "
+                                       f"round 0 in {lanes} lanes")
+    if not is_ours(job, view):
+        return Wait(round=0, phase="Pending", reason="WaitingForOldJob",
+                    message=f"Job {view.name} belongs to an earlier object of this name; waiting for it to be deleted")
+    if not (view.succeeded or view.failed_for_good):
+        # spec.suspend holds the canary as it holds a round; a Job Kueue queues is never unsuspended here.
+        want = job.spec.suspend
+        patch = True if want and not view.suspend else \
+            False if not want and view.suspend and not job.spec.workers.queue_name else None
+        if patch is not None:
+            return PatchJob(round=0, phase="Suspended" if want else "Running", reason="Suspended" if want else "Canary",
+                            shards=shards, lanes=view.lanes, job_name=view.name, suspend=patch,
+                            message=f"canary: {'suspending' if want else 'resuming'} Job {view.name}")
+        if view.suspend:
+            return Wait(round=0, phase="Suspended" if want else "Pending", reason="Suspended" if want else "Queued",
+                        shards=shards, lanes=view.lanes, message=f"canary: Job {view.name} is suspended")
+        return Wait(round=0, phase="Running", reason="Canary", shards=shards, lanes=view.lanes,
+                    message=f"canary: {shards.summary + ' shards done, ' if shards else ''}"
+                            f"{view.lanes.done}/{view.lanes.total} lanes done, {view.active} active")
+    counted = step(job, seen, CheckCanary(round=0, phase="Running", reason="CanaryChecking", canary_shards=k,
+                                          lanes=view.lanes, message=f"canary: Job {view.name} ended; counting its "
+                                                                    f"{k} shards"))
+    if not isinstance(counted, CheckCanary) or counted.result is None:
+        return counted
+    done = int(counted.result.get("done") or 0)
+    if done < k or (view.failure is not None and view.failure.reason == "PodFailurePolicy"):
+        # Lanes failed with canary shards left, or a worker said the configuration is bad (exit 42).
+        return job_failed(0, view, Shards(done=done, total=k))
+    return canary_verdict(job, rec, counted.result)
+
+
+def canary_verdict(job: BatchInferenceJob, rec: RoundRecord, result: Mapping[str, Any]) -> CanaryVerdict:
+    """The canary's figures (the canary step's `result`) against spec.canary's thresholds, and the estimate of
+    round 0 whole at its pace."""
+    spec = job.spec.canary
+    assert spec is not None
+    figures = CanaryFigures.from_status(result)
+    failures = broken(spec, figures)
+    w = job.spec.workers
+    est = estimate(figures, rec.bytes, min(rec.lanes or 1, w.parallelism), w.price_per_hour, w.nodes_per_lane)
+    examples = [dict(e) for e in result.get("examples") or []]
+    canary = {**figures.as_status(), "verdict": "Failed" if failures else "Passed", "broken": failures,
+              "examples": examples, "estimate": est}
+    canary.pop("bytes", None)
+    said = (f"canary ({figures.rows_in} rows in {figures.shards} shards: {figures.errors} errors, "
+            f"{figures.length_cuts} cut at maxTokens, {figures.schema_violations} schema violations, "
+            f"{figures.tokens_per_second_per_lane:,.1f} output tokens/s per lane)")
+    if failures:
+        shown = "; ".join(f"id {e.get('id')}: {e.get('code')}: {e.get('message')}" for e in examples)
+        return CanaryVerdict(round=0, phase="CanaryFailed", reason="CanaryFailed", passed=False, canary=canary,
+                             shards=Shards(done=figures.shards, total=rec.shards),
+                             message=f"{said} failed: {'; '.join(failures)}"
+                                     + (f". Failing rows: {shown}" if shown else "")
+                                     + ". Nothing more ran and nothing was published; the canary's rows stay "
+                                       "under the output (bij run --restart, or a new spec.output.uri, to start "
+                                       "over with a changed spec)")
+    return CanaryVerdict(round=0, phase="Running", reason="CanaryPassed", passed=True, canary=canary,
+                         shards=Shards(done=figures.shards, total=rec.shards),
+                         message=f"{said} passed; round 0 whole: {describe_estimate(est)}")
 
 
 def owns(job: BatchInferenceJob, raw_job: Mapping[str, Any]) -> bool:
@@ -737,6 +856,8 @@ def decide(
                        message=_condition_message(state, "Failed") or "failed")
     if phase in STOPPED_PHASES:
         return Nothing(round=r, phase=phase, reason=phase, message=state.message or phase.lower())
+    if phase == "CanaryFailed":
+        return Nothing(round=r, phase="CanaryFailed", reason="CanaryFailed", message=state.message or "canary failed")
 
     if check_permissions and not state.rounds:
         # Only before anything ran (a bij already under way when this check came in is left alone), and
@@ -772,6 +893,10 @@ def decide(
     if rec.finished:
         # The round's results are recorded as complete; the Job may already be gone (TTL).
         return after_round(job, seen, r)
+    if r == 0 and rec.canary_shards and job.spec.canary is not None:
+        gate = canary_gate(job, seen, rec, shards_done)
+        if gate is not None:
+            return gate
     shards = Shards(done=min(shards_done, planned), total=planned) if shards_done is not None else None
 
     view = round_job(job, r, observed_jobs)
@@ -1026,6 +1151,8 @@ def stopping_step(job: BatchInferenceJob, seen: Observation, stop: Stop) -> Deci
                                     "and nothing was published")
         return d
     view = round_job(job, r, seen.jobs)
+    if view is None and r == 0:
+        view = canary_job(job, seen.jobs)  # stopped during the canary: its lanes drain the same way
     if view is not None and is_ours(job, view) and not (view.succeeded or view.failed_for_good):
         if not view.suspend:
             return PatchJob(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes, job_name=view.name,

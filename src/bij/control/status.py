@@ -89,7 +89,7 @@ def phase_conditions(
         "Running": phase in ("Planning", "Running", "Publishing", "Cancelling"),
         "Suspended": phase == "Suspended",
         "Succeeded": phase == "Succeeded",
-        "Failed": phase == "Failed",
+        "Failed": phase in ("Failed", "CanaryFailed"),
     }
     out: list[dict[str, Any]] = [dict(c) for c in conditions]
     for type_ in CONDITION_TYPES:
@@ -152,7 +152,8 @@ def decision_status(
         patch["lanesSummary"] = lanes.summary
     if not old.get("startTime"):
         patch["startTime"] = fmt_time(now)
-    if decision.phase in ("Succeeded", "Failed", "Cancelled", "Expired") and not old.get("completionTime"):
+    if decision.phase in ("Succeeded", "Failed", "Cancelled", "Expired", "CanaryFailed") \
+            and not old.get("completionTime"):
         patch["completionTime"] = fmt_time(now)
     return patch
 

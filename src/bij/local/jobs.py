@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
+from bij.contract.codes import CANARY_SHARDS_ENV
 from bij.contract.spec import BatchInferenceJob
 from bij.control.reconcile import format_ranges
 from bij.control.status import fmt_time, now_utc
@@ -97,7 +98,10 @@ class LocalJob:
         # Runs the pod's args in this process (a thread per index) instead of `command`: for a short
         # storage step, whose interpreter start and imports cost more than its work (see _InProcess).
         self.in_process = in_process
-        self.env = {**env, JOB_UID_ENV: self.uid}
+        # Of the pod's own variables only the one that says which shards its lanes work (a canary Job's).
+        own = {e["name"]: str(e.get("value", "")) for e in container.get("env") or []
+               if e.get("name") == CANARY_SHARDS_ENV}
+        self.env = {**env, **own, JOB_UID_ENV: self.uid}
         self.on_stdout = on_stdout
         self.say = say
         self.stats = stats

@@ -35,7 +35,7 @@ from bij.contract.efficiency import fmt_money
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.lane_report import tally
 from bij.contract.round_record import round_records
-from bij.contract.spec import BatchInferenceJob, SpecError, load_job
+from bij.contract.spec import BatchInferenceJob, CanarySpec, SpecError, load_job
 from bij.contract.status import JobStatus
 from bij.contract.step_report import REMOVAL_FAILED
 from bij.control.driver import Created, Driver, Observed
@@ -52,7 +52,8 @@ from bij.worker.report import LANES, REPORT_ENV, FolderSink, read_folder
 
 # Failures a rerun cannot fix until something changes (exit 42); any other failure may pass (exit 1).
 BAD_CONFIG_REASONS = frozenset({"PodFailurePolicy", "InvalidSpec", "PlanRefused", "SpecChanged", "CannotCreateJob",
-                                "TooManyErrors", "WorkFilesRemoved", "DamagedInput", "StorageRefused"})
+                                "TooManyErrors", "WorkFilesRemoved", "DamagedInput", "StorageRefused",
+                                "CanaryFailed"})
 EXIT_STOPPED = 3  # Cancelled or Expired: a partial manifest was published, and the job never runs again
 
 
@@ -284,7 +285,7 @@ class LocalRunner:
     """Runs one job to the end through the operator's decisions, with worker subprocesses."""
 
     def __init__(self, job: BatchInferenceJob, parallelism: int | None = None, show_progress: bool = True,
-                 worker_cmd: list[str] | None = None, cancel: bool = False):
+                 worker_cmd: list[str] | None = None, cancel: bool = False, canary_only: bool = False):
         if parallelism is not None and parallelism < 1:
             raise ValueError(f"--parallelism must be at least 1, got {parallelism}")
         refused = None if cancel else nodes_per_lane_refusal(job)
@@ -298,7 +299,11 @@ class LocalRunner:
         if cancel:
             # `bij cancel`: as the operator does for spec.cancel, publish what is durable and stop for good.
             job = job.model_copy(update={"spec": job.spec.model_copy(update={"cancel": True})})
+        if canary_only and job.spec.canary is None:
+            # --canary-only without spec.canary: the default canary, thresholds none (its figures and estimate).
+            job = job.model_copy(update={"spec": job.spec.model_copy(update={"canary": CanarySpec()})})
         self.cancel = cancel
+        self.canary_only = canary_only
         self.job = job
         self.output_claimed = False  # the plan step claimed the output for this job: its status may go there
         # The pod's command; a library user can run workers another way (a container, another venv).
@@ -397,6 +402,11 @@ class LocalRunner:
                 self.keep_status(store, status)
             if state.phase in TERMINAL_PHASES:
                 return self.finished(status)
+            if self.canary_only and state.canary is not None and state.canary.verdict == "Passed":
+                # The verdict and estimate were said (the CanaryPassed Event); the rest runs on the next `bij run`.
+                print("bij: --canary-only: the canary passed; run again without --canary-only to run the rest "
+                      "(the canary's rows are kept)", file=sys.stderr)
+                return 0
             if isinstance(idle.decision, Retry):
                 # The operator would try again later; here the person who ran bij decides.
                 return EXIT_BAD_CONFIG if idle.decision.permanent else 1
@@ -420,7 +430,7 @@ class LocalRunner:
                 if store.exists(uri):
                     store.delete(uri)
                 return
-            kept = {k: status[k] for k in ("phase", "message", "round", "conditions") if k in status}
+            kept = {k: status[k] for k in ("phase", "message", "round", "conditions", "canary") if k in status}
             store.write_bytes(uri, json.dumps(kept).encode())
         except (StorageError, OSError):
             pass
@@ -444,6 +454,8 @@ class LocalRunner:
                   f"{c['notRun']:,} not run", file=sys.stderr)
             self.summary(manifest)
             return 0 if self.cancel and status["phase"] == "Cancelled" else EXIT_STOPPED
+        if status.get("phase") == "CanaryFailed":
+            return EXIT_BAD_CONFIG  # its message, with the figures and failing rows, was said (the Event)
         if status.get("phase") != "Succeeded":
             reason = failure_reason(JobStatus.read(status)) or "Failed"
             if reason == "PodFailurePolicy":
@@ -540,7 +552,8 @@ def cli_run(args: argparse.Namespace) -> int:
             return EXIT_BAD_CONFIG if e.permanent else 1
         print(f"bij: --restart: deleted the manifest and {gone} objects (plans, durable results) of "
               f"{job.metadata.name} under {job.spec.output.uri}", file=sys.stderr)
-    return LocalRunner(job, args.parallelism, show_progress=not args.no_progress).run()
+    return LocalRunner(job, args.parallelism, show_progress=not args.no_progress,
+                       canary_only=getattr(args, "canary_only", False)).run()
 
 
 def planned_rounds(job: BatchInferenceJob) -> int:

@@ -26,6 +26,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from bij.contract import layout
+from bij.contract.canary import MOST_EXAMPLES, CanaryFigures
 from bij.contract.efficiency import cost, efficiency
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.rounds import summarize
@@ -42,12 +44,13 @@ from bij.steps.publish import (
     prepare_publish,
     read_manifest,
 )
-from bij.storage import StorageError, StorageRefused
+from bij.storage import StorageError, StorageRefused, open_storage
+from bij.storage.segments import ShardLog
 from bij.worker.report import JOB_UID_ENV, POD_NAME_ENV, ReportError, put_with_retries, sink_from_env
 
 log = logging.getLogger("bij.step")
 
-KINDS = ("plan", "finish", "publish-plan", "manifest")
+KINDS = ("plan", "finish", "canary", "publish-plan", "manifest")
 # Damaged objects named in a result at most: the status stays small; the manifest lists them all.
 MOST_DAMAGED = 20
 # Where a container's termination message goes (the kubelet shows it in the pod's status).
@@ -73,10 +76,15 @@ def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 
     """Do one step's storage work for `job` and return its small result."""
     if kind == "plan":
         plan = plan_round(job, round_no)
-        return {"manifestUri": plan.manifest_uri, "shards": plan.shard_count, "objects": plan.objects,
-                "bytes": plan.total_bytes, "unit": plan.unit, "lanes": plan.lanes}
+        out = {"manifestUri": plan.manifest_uri, "shards": plan.shard_count, "objects": plan.objects,
+               "bytes": plan.total_bytes, "unit": plan.unit, "lanes": plan.lanes}
+        if plan.canary_shards:
+            out["canaryShards"] = plan.canary_shards
+        return out
     if kind == "finish":
         return finish_round(job, round_no)
+    if kind == "canary":
+        return canary_figures(job, rounds)
     if kind == "publish-plan":
         try:
             uri, pplan = prepare_publish(job, rounds, partial=partial)
@@ -120,6 +128,33 @@ def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
     spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], rows, tokens, job.spec.workers.nodes_per_lane)
     if spent is not None:
         out["cost"] = spent
+    return out
+
+
+def canary_figures(job: BatchInferenceJob, shards: int) -> dict[str, Any]:
+    """The canary's figures (round 0's first `shards` shards, from their completion records) and a few of its
+    failing rows (id, code, message) read from their durable logs, for the verdict's message."""
+    records = {i: r for i, r in shard_records(job, 0).items() if i < shards}
+    out: dict[str, Any] = CanaryFigures.of(records.values()).as_status()
+    out["done"] = len(records)
+    store = open_storage(layout.round_prefix(job, 0), job.spec.storage.s3)
+    examples: list[dict[str, Any]] = []
+    for i in sorted(records):
+        if not records[i].get("errors"):
+            continue
+        for rec in ShardLog(store, layout.shard_prefix(layout.round_prefix(job, 0), i)).scan():
+            if rec.get("kind") != "error":
+                continue
+            row = rec.get("row") or {}
+            err = row.get("error") or {}
+            rid = row.get("id", row.get("custom_id"))
+            examples.append({"id": None if rid is None else str(rid), "code": str(err.get("code") or ""),
+                             "message": str(err.get("message") or "")[:300]})
+            if len(examples) >= MOST_EXAMPLES:
+                break
+        if len(examples) >= MOST_EXAMPLES:
+            break
+    out["examples"] = examples
     return out
 
 

@@ -16,6 +16,7 @@ works many shards with its model loaded once (see bij.worker.lanes).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import orjson
 import zstandard
 
 from bij.contract import layout
+from bij.contract.canary import canary_rows, leading_shards
 from bij.contract.columns import clash_message, first_clash
 from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused, digest, input_changes, row_fields, spec_changes
@@ -32,7 +34,7 @@ from bij.contract.globs import glob_matches, split_glob
 from bij.contract.plan import PLAN_VERSION, BadPlan, Fingerprint, JudgeMode, Plan, PlanObject
 from bij.contract.records import DamageRecord, OwnerRecord
 from bij.contract.rounds import RoundMode, round_mode
-from bij.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, job_to_dict, uris_overlap
+from bij.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, CanarySpec, job_to_dict, uris_overlap
 from bij.steps.progress import round_history
 from bij.storage import NotFound, ObjectInfo, Storage, StorageError, StorageRefused, open_storage
 from bij.storage.parquet import SUFFIX as PARQUET_SUFFIX
@@ -66,6 +68,8 @@ class RoundPlan:
     unit: str = "bytes"
     # The round Job's indexes: each a worker that loads the model once and works many shards.
     lanes: int = 0
+    # Round 0 with spec.canary: its first shards that run alone first (`canary_shard_count`).
+    canary_shards: int = 0
 
 
 def _round_plan(uri: str, plan: Plan) -> RoundPlan:
@@ -74,6 +78,28 @@ def _round_plan(uri: str, plan: Plan) -> RoundPlan:
         return RoundPlan(uri, len(plan.shards), len(objects),
                          sum(sum(o.row_groups or []) for o in objects), "rows", plan.lane_count)
     return RoundPlan(uri, len(plan.shards), len(objects), sum(o.size for o in objects), lanes=plan.lane_count)
+
+
+def _with_canary(job: BatchInferenceJob, rp: RoundPlan, plan: Plan) -> RoundPlan:
+    if plan.round != 0 or job.spec.canary is None or not plan.shards:
+        return rp
+    return dataclasses.replace(rp, canary_shards=canary_shard_count(job, job.spec.canary, plan))
+
+
+def canary_shard_count(job: BatchInferenceJob, spec: CanarySpec, plan: Plan) -> int:
+    """How many of round 0's first shards the canary runs: enough to hold `canary_rows` rows. Rows are counted
+    for Parquet (row groups) and estimated for JSONL from the mean line of the first object's first
+    `SAMPLE_BYTES` (uncompressed), so the canary runs whole shards: more rows than asked, or a few less
+    where later lines are shorter than those."""
+    objects = plan.objects
+    if any(o.row_groups is not None for o in objects):
+        shard_rows = [float(sum(sum((objects[o].row_groups or [])[a:b]) for o, a, b in pieces))
+                      for pieces in plan.shards]
+    else:
+        head = objects[0].uri
+        per_row = mean_row_bytes(open_storage(head, job.spec.storage.s3), head, is_compressed(head))
+        shard_rows = [sum(b - a for _, a, b in pieces) / per_row for pieces in plan.shards]
+    return leading_shards(shard_rows, canary_rows(spec, sum(shard_rows)))
 
 
 def is_compressed(uri: str) -> bool:
@@ -249,6 +275,30 @@ def first_line(storage: Storage, uri: str, compressed: bool) -> bytes | None:
     return None
 
 
+# What the canary's estimate of rows per byte reads of the input's first object.
+SAMPLE_BYTES = 256 << 10
+
+
+def mean_row_bytes(storage: Storage, uri: str, compressed: bool) -> float:
+    """The mean length of the lines in an object's first SAMPLE_BYTES (decompressed for .zst; a .zst shard's
+    bytes are compressed, so there it counts fewer rows than there are); 1 KiB when none can be read."""
+    try:
+        with storage.open_read(uri) as raw:
+            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw) if compressed else raw
+            head = b""
+            while len(head) < SAMPLE_BYTES:
+                part = stream.read(64 << 10)
+                if not part:
+                    break
+                head += part
+    except (StorageError, zstandard.ZstdError, OSError):
+        return 1024.0
+    lines = head.count(b"\n")
+    if not lines:
+        return float(max(len(head), 1024))
+    return (head.rindex(b"\n") + 1) / lines
+
+
 def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo], input_uri: str,
                mode: RoundMode | None = None, footers: dict[int, Footer] | None = None) -> Plan:
     """The round plan document (shards.json) for these input objects (with Parquet footers, if any)."""
@@ -337,7 +387,7 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
             replaced = take_replacements(store, planned, current) if changes else None
             if replaced is not None:
                 store.write_bytes(uri, replaced.to_json())
-                return _round_plan(uri, replaced)
+                return _with_canary(job, _round_plan(uri, replaced), replaced)
         if changes:
             raise PlanRefused(
                 f"{'; '.join(changes)} since round {round_no} was planned ({uri}): rows made before and after "
@@ -350,7 +400,7 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
             planned = planned.model_copy(update={"job": planned.job.model_copy(update={"spec": planned.spec.model_copy(
                 update={"input": planned.spec.input.model_copy(update={"on_damaged_object": wanted})})})})
             store.write_bytes(uri, planned.to_json())
-        return _round_plan(uri, planned)
+        return _with_canary(job, _round_plan(uri, planned), planned)
     parquet = is_parquet_round(job, round_no)
     objects = _list_input(job, input_uri, parquet)
     if not objects and round_no == 0:
@@ -367,7 +417,7 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
     # Only a job that passed every check writes: a refused one leaves its output as it was.
     take_output(job, store)
     store.write_bytes(uri, plan.to_json())
-    return _round_plan(uri, plan)
+    return _with_canary(job, _round_plan(uri, plan), plan)
 
 
 def take_output(job: BatchInferenceJob, store: Storage) -> None:

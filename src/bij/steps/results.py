@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from bij.contract import layout
+from bij.contract.canary import describe_estimate
 from bij.contract.efficiency import fmt_money, status_fields
 from bij.contract.errors import BijError
 from bij.contract.plan import Plan
@@ -269,7 +270,15 @@ def local_status_lines(store: Any, job: BatchInferenceJob) -> list[str]:
     reason = next((c.get("reason") for c in kept.get("conditions") or [] if isinstance(c, dict)
                    and c.get("type") == "Failed" and c.get("status") == "True"), None)
     phase = f"{kept['phase']} ({reason})" if reason else str(kept["phase"])
-    return [f"  phase     {phase}: {kept.get('message') or ''}".rstrip(": ")]
+    lines = [f"  phase     {phase}: {kept.get('message') or ''}".rstrip(": ")]
+    canary = kept.get("canary")
+    if isinstance(canary, dict) and canary.get("verdict"):
+        line = (f"  canary    {canary['verdict']}: {int(canary.get('rows') or 0):,} rows, "
+                f"{int(canary.get('errors') or 0):,} errors, {int(canary.get('lengthCuts') or 0):,} cut at maxTokens")
+        if isinstance(canary.get("estimate"), dict):
+            line += f"; round 0 whole: {describe_estimate(canary['estimate'])}"
+        lines.append(line)
+    return lines
 
 
 def cli_status(args: argparse.Namespace) -> int:

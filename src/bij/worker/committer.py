@@ -31,6 +31,15 @@ _CACHED_TOKENS = attrgetter("cached_tokens")
 _COMPLETION_TOKENS = attrgetter("completion_tokens")
 
 
+def length_cut(res: Result) -> bool:
+    """Whether a successful answer stopped at its token cap (finish_reason length, any of its choices)."""
+    if res.error is not None:
+        return False
+    if res.choices:
+        return any(c.finish_reason == "length" for c in res.choices)
+    return res.extra.get("finish_reason") == "length"
+
+
 @dataclass(slots=True)
 class Tally:
     """What committed records add to the shard's counts."""
@@ -45,6 +54,7 @@ class Tally:
     codes: dict[str, int] = field(default_factory=dict)  # error rows by code
     validated: int = 0  # structured answers checked after decoding and valid
     repaired: int = 0  # ... of them, valid only on the second grammar backend's try
+    length_cuts: int = 0  # result rows whose answer stopped at its token cap (finish_reason length)
 
     @classmethod
     def of(cls, records: list[dict[str, Any]]) -> Tally:
@@ -83,6 +93,7 @@ class Tally:
             self.codes[code] = self.codes.get(code, 0) + n
         self.validated += other.validated
         self.repaired += other.repaired
+        self.length_cuts += other.length_cuts
 
     def add_to(self, stats: Stats) -> None:
         """Count these records into a shard's statistics."""
@@ -96,6 +107,7 @@ class Tally:
         stats.structured_validated += self.validated
         stats.structured_repaired += self.repaired
         stats.structured_violations += self.codes.get(SCHEMA_VIOLATION, 0)
+        stats.length_cuts += self.length_cuts
 
 
 class Committer:
@@ -111,12 +123,13 @@ class Committer:
         self.report_every = report_every
         self.last_report = self.t0 = time.monotonic()  # t0: when work on the shard began, earlier runs included
 
-    def commit(self, records: list[dict[str, Any]], validated: int = 0, repaired: int = 0) -> None:
+    def commit(self, records: list[dict[str, Any]], validated: int = 0, repaired: int = 0,
+               length_cuts: int = 0) -> None:
         """Make records durable and count them (`validated`: structured answers among them checked valid,
-        `repaired` of those only on the second grammar backend's try)."""
+        `repaired` of those only on the second grammar backend's try, `length_cuts` answers cut at their cap)."""
         if records:
             tally = Tally.of(records)
-            tally.validated, tally.repaired = validated, repaired
+            tally.validated, tally.repaired, tally.length_cuts = validated, repaired, length_cuts
             self.commit_encoded(ShardLog.encode(records), tally)
 
     def commit_chunks(self, items: list[tuple[Chunk, bytes, Tally]]) -> None:

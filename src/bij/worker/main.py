@@ -31,10 +31,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from bij.contract.codes import (
+    CANARY_SHARDS_ENV,
     EXIT_BAD_CONFIG,
     EXIT_FAILED,
     EXIT_GROUP_LOST,
@@ -117,6 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         # A member went (or said it goes) first: this index is not to blame; the group is replaced whole.
         return EXIT_GROUP_LOST
     return code
+
+
+def worked_shards(planned: int, env: Mapping[str, str]) -> int:
+    """The shards this process's lanes work: the round's, or a canary Job's first few (`CANARY_SHARDS_ENV`)."""
+    raw = env.get(CANARY_SHARDS_ENV)
+    if not raw:
+        return planned
+    if not raw.isdigit() or int(raw) < 1:
+        raise BadConfig(f"{CANARY_SHARDS_ENV} must be a positive number of shards, not {raw!r}")
+    return min(planned, int(raw))
 
 
 class _Group:
@@ -261,7 +272,8 @@ class Lane:
         if role.nodes > 1:
             self.group.leader = _form_group(role, self.group, self.stop, self.current, self.args.drain_seconds)
         self.claims = Claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
-                             lane=lane, lanes=lanes, shards=len(plan.shards), writer=uuid.uuid4().hex[:12],
+                             lane=lane, lanes=lanes, shards=worked_shards(len(plan.shards), os.environ),
+                             writer=uuid.uuid4().hex[:12],
                              lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
         # A continuous engine is shared by the lane's shards, so the next one starts during the
         # current one's tail (judge jobs work chunk by chunk and do not overlap).

@@ -46,6 +46,7 @@ class Stats:
     structured_validated: int = 0
     structured_repaired: int = 0  # ... valid only on the second grammar backend's try (among validated)
     structured_violations: int = 0
+    length_cuts: int = 0  # result rows whose answer stopped at its token cap (finish_reason length)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -71,7 +72,7 @@ class Stats:
             "cachedTokens": d["cached_tokens"],
             "bytes": d["bytes"], "intIds": d["int_ids"], "strIds": d["str_ids"],
             "structuredValidated": d["structured_validated"], "structuredRepaired": d["structured_repaired"],
-            "structuredViolations": d["structured_violations"],
+            "structuredViolations": d["structured_violations"], "lengthCuts": d["length_cuts"],
             "notes": list(d["notes"]),
         }
 

@@ -18,7 +18,7 @@ from bij.engines.structured import SCHEMA_VIOLATION, Checked, Validator
 from bij.storage import Storage
 from bij.storage.parquet import is_int64
 from bij.storage.segments import ShardLog, encode_plain_results
-from bij.worker.committer import Tally
+from bij.worker.committer import Tally, length_cut
 from bij.worker.images import ImageProblem, fetch_images
 from bij.worker.inputs import InputOptions, Row, error_row, merged_result, parse_line, parse_plain_lines, result_row
 from bij.worker.reader import Chunk, InputProblem, Line
@@ -189,7 +189,8 @@ class Preparer:
         if op.rows is None and not op.truncated and set(map(_ERROR, results)) == {None}:
             data = encode_plain_results(op.places, op.ids, results, op.carried)
             if data is not None:
-                tally = Tally(results=len(results), validated=checked.validated, repaired=checked.repaired)
+                tally = Tally(results=len(results), validated=checked.validated, repaired=checked.repaired,
+                              length_cuts=sum(map(length_cut, results)))
                 if set(map(type, op.ids)) == {str}:
                     tally.str_ids = len(results)
                 else:
@@ -211,6 +212,7 @@ class Preparer:
                 records.append({"at": list(row.at), "kind": "result", "row": result_row(row, res, self.opts)})
         tally = Tally.of(records)
         tally.validated, tally.repaired = checked.validated, checked.repaired
+        tally.length_cuts = sum(map(length_cut, results))
         return ShardLog.encode(records), tally
 
     @staticmethod

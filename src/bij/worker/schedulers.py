@@ -35,7 +35,7 @@ from bij.engines.base import (
 )
 from bij.worker.batcher import PrefixShare, first_batch, plan_batches, run_order
 from bij.worker.commits import CommitWriter
-from bij.worker.committer import Committer
+from bij.worker.committer import Committer, length_cut
 from bij.worker.inputs import Row, redispatch_line, result_row
 from bij.worker.judge import Judge, Verdict, attempt_params
 from bij.worker.metrics import Metrics, Stats
@@ -355,7 +355,7 @@ class JudgeLoop:
 
     def attempt_loop(self, live: list[_Live], records: list[dict[str, Any]]) -> bool:
         """Run rows until each is final; with inPlace judging, commit every attempt as it completes."""
-        validated = repaired = 0  # structured answers checked valid, counted with the commit that holds them
+        validated = repaired = cuts = 0  # structured answers checked valid, counted with the commit that holds them
         while live:
             results = self._run_engine(live)
             if results is None:
@@ -378,6 +378,7 @@ class JudgeLoop:
                         out["attempts"] = row.prior_attempts + item.attempts_here + 1
                         out["round"] = self.round
                     records.append({"at": list(row.at), "kind": "result", "row": out})
+                    cuts += length_cut(res)
                     continue
                 item.attempts_here += 1
                 row.verdicts.append(verdict.reason)
@@ -394,10 +395,10 @@ class JudgeLoop:
                 else:
                     records.append({"at": list(row.at), "kind": "capped",
                                     "row": self._capped_row(row, total, res.output)})
-            self.committer.commit(records, validated, repaired)
-            records, validated, repaired = [], 0, 0
+            self.committer.commit(records, validated, repaired, cuts)
+            records, validated, repaired, cuts = [], 0, 0, 0
             live = retry
-        self.committer.commit(records, validated, repaired)
+        self.committer.commit(records, validated, repaired, cuts)
         return True
 
     def _capped_row(self, row: Row, attempts: int, output: str | None) -> dict[str, Any]:

@@ -1,0 +1,144 @@
+"""The canary (spec.canary): the first shards of round 0 run alone, and their figures decide whether the rest runs.
+
+Pure functions over plain data, shared by the plan step (how many shards the canary takes), the canary
+step (its figures, from the shards' completion records) and `decide()` (its verdict, the job's estimate):
+
+- `canary_rows`: the rows the canary asks for (spec.canary.rows, else 0.5% of the input's, at most 2,000);
+- `leading_shards`: how many of the plan's first shards hold that many rows (estimated);
+- `CanaryFigures.of`: the shares and the tokens per second per lane, from completion records;
+- `broken`: the thresholds the figures break (empty: it passed);
+- `estimate`: the whole job's lane-time, wall time and cost at the canary's pace.
+
+The canary's shards are ordinary shards of round 0: their durable results are the ones the full run keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bij.contract.efficiency import fmt_money
+from bij.contract.spec import CANARY_MAX_ROWS, CANARY_SHARE, CanarySpec
+
+# Failing rows the verdict quotes (ids and error messages): enough to see the pattern, the status stays small.
+MOST_EXAMPLES = 3
+
+
+def canary_rows(spec: CanarySpec, input_rows: float) -> int:
+    """Rows the canary runs at least: spec.canary.rows, else CANARY_SHARE of the (estimated) input, at most
+    CANARY_MAX_ROWS; one at least."""
+    if spec.rows is not None:
+        return spec.rows
+    return max(1, min(CANARY_MAX_ROWS, math.ceil(input_rows * CANARY_SHARE)))
+
+
+def leading_shards(shard_rows: Sequence[float], wanted: int) -> int:
+    """How many of the first shards (rows each, estimated) hold `wanted` rows: one at least, all at most."""
+    total = 0.0
+    for i, rows in enumerate(shard_rows):
+        total += rows
+        if total >= wanted:
+            return i + 1
+    return len(shard_rows)
+
+
+@dataclass(frozen=True)
+class CanaryFigures:
+    """What the canary's shards did: rows in, error rows, answers cut at their token cap, schema violations,
+    output tokens, and the seconds their lanes worked (`seconds` of each completion record, summed)."""
+
+    shards: int
+    rows: int  # result rows
+    errors: int
+    length_cuts: int
+    schema_violations: int
+    tokens_out: int
+    lane_seconds: float
+    bytes: int  # input bytes (Parquet: rows) behind them, to scale to the whole round
+
+    @classmethod
+    def of(cls, records: Iterable[Mapping[str, Any]]) -> CanaryFigures:
+        """Summed from completion records (`ShardRecord`); counts a record lacks (an older worker's) are 0."""
+        recs = list(records)
+
+        def total(key: str) -> int:
+            return sum(int(r.get(key) or 0) for r in recs)
+
+        return cls(shards=len(recs), rows=total("rows"), errors=total("errors"), length_cuts=total("lengthCuts"),
+                   schema_violations=total("structuredViolations"), tokens_out=total("tokensOut"),
+                   lane_seconds=round(sum(float(r.get("seconds") or 0.0) for r in recs), 3), bytes=total("bytes"))
+
+    @property
+    def rows_in(self) -> int:
+        return self.rows + self.errors
+
+    def share(self, n: int) -> float:
+        return n / self.rows_in if self.rows_in else 0.0
+
+    @property
+    def tokens_per_second_per_lane(self) -> float:
+        return self.tokens_out / self.lane_seconds if self.lane_seconds > 0 else 0.0
+
+    def as_status(self) -> dict[str, Any]:
+        return {"shards": self.shards, "rows": self.rows_in, "errors": self.errors, "lengthCuts": self.length_cuts,
+                "schemaViolations": self.schema_violations, "tokensOut": self.tokens_out,
+                "laneSeconds": self.lane_seconds, "bytes": self.bytes,
+                "tokensPerSecondPerLane": round(self.tokens_per_second_per_lane, 3)}
+
+    @classmethod
+    def from_status(cls, doc: Mapping[str, Any]) -> CanaryFigures:
+        """The inverse of `as_status` (a canary step's result)."""
+        errors = int(doc.get("errors") or 0)
+        return cls(shards=int(doc.get("shards") or 0), rows=int(doc.get("rows") or 0) - errors, errors=errors,
+                   length_cuts=int(doc.get("lengthCuts") or 0), schema_violations=int(doc.get("schemaViolations") or 0),
+                   tokens_out=int(doc.get("tokensOut") or 0), lane_seconds=float(doc.get("laneSeconds") or 0.0),
+                   bytes=int(doc.get("bytes") or 0))
+
+
+def broken(spec: CanarySpec, f: CanaryFigures) -> list[str]:
+    """Each threshold of spec.canary the figures break, said with the figure and the limit; empty: passed."""
+    out = []
+    checks = ((spec.max_error_share, f.errors, "error rows", "maxErrorShare"),
+              (spec.max_length_cut_share, f.length_cuts, "answers cut at maxTokens", "maxLengthCutShare"),
+              (spec.max_schema_violation_share, f.schema_violations, "rows broke the schema",
+               "maxSchemaViolationShare"))
+    for limit, n, what, field in checks:
+        if limit is not None and f.rows_in and f.share(n) > limit:
+            out.append(f"{n} of {f.rows_in} {what} ({f.share(n):.1%}), above spec.canary.{field} {limit:.1%}")
+    floor = spec.min_tokens_per_second_per_lane
+    if floor is not None and f.tokens_per_second_per_lane < floor:
+        out.append(f"{f.tokens_per_second_per_lane:,.1f} output tokens/s per lane, below "
+                   f"spec.canary.minTokensPerSecondPerLane {floor:g}")
+    return out
+
+
+def estimate(f: CanaryFigures, round_bytes: int, lanes: int, price_per_hour: float | None,
+             nodes_per_lane: int = 1) -> dict[str, Any]:
+    """The whole of round 0 at the canary's pace: rows, lane-seconds, wall seconds on `lanes` lanes and, with a
+    price per worker pod hour, the cost. Scaled by input bytes (Parquet: rows), so rows of unequal length
+    scale as the canary's did."""
+    scale = round_bytes / f.bytes if f.bytes else 0.0
+    lane_seconds = f.lane_seconds * scale
+    out: dict[str, Any] = {"rows": round(f.rows_in * scale), "laneSeconds": round(lane_seconds, 1),
+                           "seconds": round(lane_seconds / max(1, lanes), 1)}
+    if price_per_hour is not None:
+        out["cost"] = round(lane_seconds / 3600 * price_per_hour * nodes_per_lane, 4)
+    return out
+
+
+def describe_estimate(est: Mapping[str, Any]) -> str:
+    """One line for the status message and the console."""
+    secs = float(est.get("seconds") or 0.0)
+    text = f"about {int(est.get('rows') or 0):,} rows in {_duration(secs)}"
+    if est.get("cost") is not None:
+        text += f", costing about {fmt_money(float(est['cost']))}"
+    return text
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
