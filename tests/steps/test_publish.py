@@ -283,27 +283,96 @@ def test_the_spec_sizes_the_publish_buckets_and_bij_publish_bucket_rows_override
     assert default.spec.output.publish_bucket_rows == 250_000
 
 
-def test_id_buckets_are_compressed_and_plain_ones_of_an_older_pass_are_still_read(file_place, make_job,
-                                                                                  run_shards):
-    inputs = rows(50) + rows(5)  # five ids twice: losers to find
+def test_publishing_writes_objects_by_shards_and_output_parts_never_shards_times_buckets(file_place, make_job,
+                                                                                      run_shards, monkeypatch):
+    # Five ids twice, in other shards: losers to find, in a few of many buckets.
+    inputs = rows(200) + rows(5)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
+    run_shards(job)
+    written: list[str] = []
+    for name in ("write_bytes", "write_stream", "create"):
+        real = getattr(storage.FileStorage, name)
+
+        def record(self: Any, uri: str, data: Any, _real: Any = real) -> Any:
+            written.append(uri)
+            return _real(self, uri, data)
+
+        monkeypatch.setattr(storage.FileStorage, name, record)
+    manifest = publish(job, bucket_rows=1000 // 100)  # 21 buckets of 10 ids
+    prefix = layout.publish_prefix(job)
+    plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
+    shards, buckets = len(plan.units), plan.buckets
+    assert shards >= 8 and buckets == 21 and manifest["counts"]["duplicates"] == 5
+    parts = sum(len(manifest[k]) for k in ("files", "errorFiles", "cappedFiles"))
+    losers = [u for u in written if "/losers/" in u]
+    assert 1 <= len(losers) <= 5  # only buckets with duplicates
+    # ids files and summaries (2 a shard), output parts, the buckets with losers, the plan and the manifest.
+    assert len(written) == 2 * shards + parts + len(losers) + 2, written
+    assert sorted(u for u in written if "/ids/" in u) == [layout.publish_ids_uri(prefix, u) for u in range(shards)]
+
+
+def test_a_publish_whose_ids_pass_ran_on_an_older_version_goes_on_from_its_bucket_files(file_place, make_job,
+                                                                                      run_shards, read_output):
+    inputs = rows(50) + rows(5)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
+    run_shards(job)
+    publish(job, bucket_rows=10)
+    raw = read_output(job).raw
+    prefix = layout.publish_prefix(job)
+    plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
+    store = file_place.storage
+    losers = {o.uri: store.read_bytes(o.uri) for o in store.list(layout.publish_losers_folder(prefix))}
+    assert sum(len(places) for v in losers.values() for places in json.loads(v).values()) == 5
+    # What a pass 1 of an older version left: a file per shard and bucket (zstd, or plain before that), and
+    # order.json.
+    for unit in range(len(plan.units)):
+        for b in range(plan.buckets):
+            data = publish_rows._read_ids(store, prefix, unit, b)
+            uri = layout.publish_bucket_ids_uri(prefix, unit, b)
+            store.write_bytes(uri if b % 2 else uri.removesuffix(".zst"),
+                              zstandard.ZstdCompressor().compress(data) if b % 2 else data)
+        store.write_bytes(layout.publish_order_uri(prefix, unit), b'{"ordered": true}')
+        store.delete(layout.publish_ids_uri(prefix, unit))
+    for uri in losers:
+        store.delete(uri)
+    for pass_name in ("dedupe", "write"):
+        for i in range(plan.count(pass_name)):
+            publish_rows.run_pass(plan, pass_name, i)
+    assert {o.uri: store.read_bytes(o.uri) for o in store.list(layout.publish_losers_folder(prefix))} == losers
+    publish_module.finish_publish(job, 1, plan)
+    assert read_output(job).raw == raw
+
+
+def test_a_losers_file_an_earlier_publish_left_does_not_count_once_its_bucket_has_none(file_place, make_job,
+                                                                                        run_shards, read_output):
+    inputs = rows(50)
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
                       output={"keepIntermediate": True})
     run_shards(job)
     publish(job, bucket_rows=10)
     prefix = layout.publish_prefix(job)
+    assert file_place.storage.list(layout.publish_losers_folder(prefix)) == []
+    # As a publish of other rows (or other buckets) would have left them: in a bucket, and beyond the buckets.
+    for b in (0, 99):
+        file_place.storage.write_bytes(layout.publish_losers_uri(prefix, b), b'{"0": [[0, 0]], "1": [[0, 0]]}')
+    manifest = publish(job, bucket_rows=10)
+    assert manifest["counts"]["duplicates"] == 0 and read_output(job).result_ids == [r["id"] for r in inputs]
+
+
+def test_an_ids_file_of_another_publish_plan_is_refused_naming_it(file_place, make_job, run_shards):
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(50)), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
+    run_shards(job)
+    publish(job, bucket_rows=10)
+    prefix = layout.publish_prefix(job)
     plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
-    store = file_place.storage
-    buckets = [o.uri for o in store.list(f"{prefix}/ids/") if not o.uri.endswith("order.json")]
-    assert len(buckets) == len(plan.units) * plan.buckets and all(u.endswith(".jsonl.zst") for u in buckets)
-    losers = {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan.buckets)}
-    assert sum(len(places) for v in losers.values() for places in json.loads(v).values()) == 5
-    for uri in buckets:  # as a pass 1 before compression left them
-        store.write_bytes(uri.removesuffix(".zst"), zstandard.ZstdDecompressor().decompress(store.read_bytes(uri)))
-        store.delete(uri)
-    for b in range(plan.buckets):
-        store.delete(layout.publish_losers_uri(prefix, b))
-        publish_rows.run_pass(plan, "dedupe", b)
-    assert {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan.buckets)} == losers
+    other = plan.model_copy(update={"buckets": plan.buckets + 1})
+    with pytest.raises(StorageError, match=r"ids (file .*00000\.ids|of shard unit 0)"):
+        for b in range(other.buckets):
+            publish_rows.run_dedupe(other, b, file_place.storage)
+        publish_rows.run_write(other, 0, file_place.storage)
 
 
 def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place, make_job, run_shards, read_output):
