@@ -375,9 +375,12 @@ def test_an_ids_file_of_another_publish_plan_is_refused_naming_it(file_place, ma
         publish_rows.run_write(other, 0, file_place.storage)
 
 
-def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place, make_job, run_shards, read_output):
-    inputs = rows(60)
-    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_a_log_written_out_of_input_order_is_published_in_input_order(with_ids, file_place, make_job, run_shards,
+                                                                     read_output):
+    inputs = rows(60) if with_ids else [{"text": r["text"]} for r in rows(60)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20},
+                      output={"keepIntermediate": True})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
     records = ShardLog(file_place.storage, layout.shard_prefix(plan.round_prefix, 0)).read().records
@@ -387,7 +390,64 @@ def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place
     log.append(records[40:])  # a later writer's rows first, as a resumed writer's log can list first
     log.append(records[:40])
     manifest = publish(job)
-    assert read_output(job).result_ids == [r["id"] for r in inputs] and manifest["counts"]["rows"] == 60
+    out = read_output(job)
+    assert [r["output"] for r in out.results] == [r["text"] for r in inputs] and manifest["counts"]["rows"] == 60
+    # Without ids no ids pass ran to say the log was out of order: the write pass found it out.
+    pplan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
+    assert pplan.unique_ids is not with_ids
+
+
+def test_a_job_whose_ids_are_all_generated_publishes_without_the_ids_and_dedupe_passes(file_place, make_job,
+                                                                                      run_shards, read_output,
+                                                                                      monkeypatch):
+    inputs = [{"text": f"text {i} " + "y" * 20} for i in range(60)] + ["bad line"]  # no id field; an error row w/o id
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
+    run_shards(job)
+    scans: list[str] = []
+    real_scan = ShardLog.scan
+
+    def scan(self: ShardLog) -> Any:
+        scans.append(self.prefix)
+        return real_scan(self)
+
+    monkeypatch.setattr(ShardLog, "scan", scan)
+    stats: list[dict[str, Any]] = []
+    manifest = publish_in_processes(job, processes=2, stats=stats)
+    prefix = layout.publish_prefix(job)
+    plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
+    assert plan.unique_ids and (plan.count("ids"), plan.count("dedupe")) == (0, 0)
+    assert {s["pass"] for s in stats} == {"write"} and len(plan.units) >= 3
+    assert file_place.storage.list(f"{prefix}/ids/") == []
+    out = read_output(job)
+    assert [r["output"] for r in out.results] == [r["text"] for r in inputs[:-1]]
+    assert len(set(out.result_ids)) == 60 and manifest["counts"]["errors"] == 1
+    # In this process (the passes' processes are their own): each shard's log is read once, by the write pass.
+    scans.clear()
+    publish(job)
+    assert sorted(scans) == sorted(u[2] for u in plan.units)
+
+
+def test_an_id_given_as_another_rows_generated_id_still_loses_to_it(file_place, make_job, run_shards, read_output):
+    inputs = [{"text": f"text {i} " + "y" * 20} for i in range(60)]
+    file_place.write_jsonl("in.jsonl", inputs)
+    _, job = make_job(file_place, file_place.uri("in.jsonl"), sharding={"targetShardBytes": 1024})
+    run_shards(job)
+    first = publish(job)
+    generated = read_output(job).result_ids[0]  # "<object>:<offset>" of the first row
+    assert first["counts"]["duplicates"] == 0 and _publish_plan(job).unique_ids
+    # The same id given by a row of another shard: no longer provably unique, so the passes look.
+    file_place.write_jsonl("in.jsonl", [*inputs, {"id": generated, "text": "given"}])
+    _, job = make_job(file_place, file_place.uri("in.jsonl"), sharding={"targetShardBytes": 1024}, out_dir="out2/")
+    run_shards(job)
+    manifest = publish(job)
+    assert [(e["id"], e["error"]["code"]) for e in read_output(job).errors] == [(generated, "duplicate_id")]
+    assert manifest["counts"]["duplicates"] == 1
+    assert not _publish_plan(job).unique_ids
+
+
+def _publish_plan(job: Any) -> PublishPlan:
+    return publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
 
 
 def test_a_shard_with_more_rows_than_a_file_holds_is_published_in_parts(file_place, make_job, run_shards,

@@ -336,9 +336,24 @@ def _shape(plan: PublishPlan) -> ResultShape:
     return ResultShape(plan.task, plan.id_kind or "mixed", plan.judge, plan.compression)
 
 
+class _OutOfOrder(Exception):
+    """A shard's log is not in input order (several writers interleaved): publish it sorted."""
+
+
 def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     """Pass 3: shard `index`'s published files, losers as duplicate_id errors, and its summary."""
-    losers = _losers_of(plan, index, store)
+    if plan.unique_ids:
+        # No ids pass ran: no id repeats, and whether the log is in input order shows as it streams
+        # (out of order, rare, the shard is written again from its sorted records: the same names).
+        try:
+            _write(plan, index, store, set(), ordered=True)
+        except _OutOfOrder:
+            _write(plan, index, store, set(), ordered=False)
+        return
+    _write(plan, index, store, _losers_of(plan, index, store), _ordered(store, plan.prefix, index, plan.buckets))
+
+
+def _write(plan: PublishPlan, index: int, store: Storage, losers: set[tuple[int, int]], ordered: bool) -> None:
     round_no, shard, _ = plan.units[index]
     names = plan.object_names[round_no]
     name = f"r{round_no}-{shard:05d}"
@@ -381,9 +396,14 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
             errors = _PartitionFile(plan, store, "errors", stem, error_writer)
             capped = _PartitionFile(plan, store, "capped", stem, error_writer)
     codes: dict[str, int] = {}  # error rows by code
-    ordered = _ordered(store, plan.prefix, index, plan.buckets)
+    last = (-1, -1)
     for rec in _records(store, plan.units[index], ordered):
         row = rec["row"]
+        if ordered:
+            at = (rec["at"][0], rec["at"][1])
+            if at <= last:
+                raise _OutOfOrder
+            last = at
         while partitions and rec["at"][0] >= partitions[0]:  # this record's object, and any without rows before it
             finish(partitions.pop(0))
         if rec["kind"] == "result":
