@@ -342,15 +342,14 @@ class _OutOfOrder(Exception):
 
 def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     """Pass 3: shard `index`'s published files, losers as duplicate_id errors, and its summary."""
-    if plan.unique_ids:
-        # No ids pass ran: no id repeats, and whether the log is in input order shows as it streams
-        # (out of order, rare, the shard is written again from its sorted records: the same names).
-        try:
-            _write(plan, index, store, set(), ordered=True)
-        except _OutOfOrder:
-            _write(plan, index, store, set(), ordered=False)
-        return
-    _write(plan, index, store, _losers_of(plan, index, store), _ordered(store, plan.prefix, index, plan.buckets))
+    # Without an ids pass (no id repeats) nothing has said whether the log is in input order: that shows
+    # as it streams, and a log out of order (rare) is written again from its sorted records, the same names.
+    losers = set() if plan.unique_ids else _losers_of(plan, index, store)
+    ordered = plan.unique_ids or _ordered(store, plan.prefix, index, plan.buckets)
+    try:
+        _write(plan, index, store, losers, ordered)
+    except _OutOfOrder:
+        _write(plan, index, store, losers, ordered=False)
 
 
 def _write(plan: PublishPlan, index: int, store: Storage, losers: set[tuple[int, int]], ordered: bool) -> None:
