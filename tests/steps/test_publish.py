@@ -283,32 +283,104 @@ def test_the_spec_sizes_the_publish_buckets_and_bij_publish_bucket_rows_override
     assert default.spec.output.publish_bucket_rows == 250_000
 
 
-def test_id_buckets_are_compressed_and_plain_ones_of_an_older_pass_are_still_read(file_place, make_job,
-                                                                                  run_shards):
-    inputs = rows(50) + rows(5)  # five ids twice: losers to find
+def test_publishing_writes_objects_by_shards_and_output_parts_never_shards_times_buckets(file_place, make_job,
+                                                                                      run_shards, monkeypatch):
+    # Five ids twice, in other shards: losers to find, in a few of many buckets.
+    inputs = rows(200) + rows(5)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
+    run_shards(job)
+    written: list[str] = []
+    for name in ("write_bytes", "write_stream", "create"):
+        real = getattr(storage.FileStorage, name)
+
+        def record(self: Any, uri: str, data: Any, _real: Any = real) -> Any:
+            written.append(uri)
+            return _real(self, uri, data)
+
+        monkeypatch.setattr(storage.FileStorage, name, record)
+    manifest = publish(job, bucket_rows=1000 // 100)  # 21 buckets of 10 ids
+    prefix = layout.publish_prefix(job)
+    plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
+    shards, buckets = len(plan.units), plan.buckets
+    assert shards >= 8 and buckets == 21 and manifest["counts"]["duplicates"] == 5
+    parts = sum(len(manifest[k]) for k in ("files", "errorFiles", "cappedFiles"))
+    losers = [u for u in written if "/losers/" in u]
+    assert 1 <= len(losers) <= 5  # only buckets with duplicates
+    # ids files and summaries (2 a shard), output parts, the buckets with losers, the plan and the manifest.
+    assert len(written) == 2 * shards + parts + len(losers) + 2, written
+    assert sorted(u for u in written if "/ids/" in u) == [layout.publish_ids_uri(prefix, u) for u in range(shards)]
+
+
+def test_a_publish_whose_ids_pass_ran_on_an_older_version_goes_on_from_its_bucket_files(file_place, make_job,
+                                                                                      run_shards, read_output):
+    inputs = rows(50) + rows(5)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
+    run_shards(job)
+    publish(job, bucket_rows=10)
+    raw = read_output(job).raw
+    prefix = layout.publish_prefix(job)
+    plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
+    store = file_place.storage
+    losers = {o.uri: store.read_bytes(o.uri) for o in store.list(layout.publish_losers_folder(prefix))}
+    assert sum(len(places) for v in losers.values() for places in json.loads(v).values()) == 5
+    # What a pass 1 of an older version left: a file per shard and bucket (zstd, or plain before that), and
+    # order.json.
+    for unit in range(len(plan.units)):
+        for b in range(plan.buckets):
+            data = publish_rows._read_ids(store, prefix, unit, b)
+            uri = layout.publish_bucket_ids_uri(prefix, unit, b)
+            store.write_bytes(uri if b % 2 else uri.removesuffix(".zst"),
+                              zstandard.ZstdCompressor().compress(data) if b % 2 else data)
+        store.write_bytes(layout.publish_order_uri(prefix, unit), b'{"ordered": true}')
+        store.delete(layout.publish_ids_uri(prefix, unit))
+    for uri in losers:
+        store.delete(uri)
+    for pass_name in ("dedupe", "write"):
+        for i in range(plan.count(pass_name)):
+            publish_rows.run_pass(plan, pass_name, i)
+    assert {o.uri: store.read_bytes(o.uri) for o in store.list(layout.publish_losers_folder(prefix))} == losers
+    publish_module.finish_publish(job, 1, plan)
+    assert read_output(job).raw == raw
+
+
+def test_a_losers_file_an_earlier_publish_left_does_not_count_once_its_bucket_has_none(file_place, make_job,
+                                                                                        run_shards, read_output):
+    inputs = rows(50)
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
                       output={"keepIntermediate": True})
     run_shards(job)
     publish(job, bucket_rows=10)
     prefix = layout.publish_prefix(job)
+    assert file_place.storage.list(layout.publish_losers_folder(prefix)) == []
+    # As a publish of other rows (or other buckets) would have left them: in a bucket, and beyond the buckets.
+    for b in (0, 99):
+        file_place.storage.write_bytes(layout.publish_losers_uri(prefix, b), b'{"0": [[0, 0]], "1": [[0, 0]]}')
+    manifest = publish(job, bucket_rows=10)
+    assert manifest["counts"]["duplicates"] == 0 and read_output(job).result_ids == [r["id"] for r in inputs]
+
+
+def test_an_ids_file_of_another_publish_plan_is_refused_naming_it(file_place, make_job, run_shards):
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(50)), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
+    run_shards(job)
+    publish(job, bucket_rows=10)
+    prefix = layout.publish_prefix(job)
     plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
-    store = file_place.storage
-    buckets = [o.uri for o in store.list(f"{prefix}/ids/") if not o.uri.endswith("order.json")]
-    assert len(buckets) == len(plan.units) * plan.buckets and all(u.endswith(".jsonl.zst") for u in buckets)
-    losers = {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan.buckets)}
-    assert sum(len(places) for v in losers.values() for places in json.loads(v).values()) == 5
-    for uri in buckets:  # as a pass 1 before compression left them
-        store.write_bytes(uri.removesuffix(".zst"), zstandard.ZstdDecompressor().decompress(store.read_bytes(uri)))
-        store.delete(uri)
-    for b in range(plan.buckets):
-        store.delete(layout.publish_losers_uri(prefix, b))
-        publish_rows.run_pass(plan, "dedupe", b)
-    assert {b: store.read_bytes(layout.publish_losers_uri(prefix, b)) for b in range(plan.buckets)} == losers
+    other = plan.model_copy(update={"buckets": plan.buckets + 1})
+    with pytest.raises(StorageError, match=r"ids (file .*00000\.ids|of shard unit 0)"):
+        for b in range(other.buckets):
+            publish_rows.run_dedupe(other, b, file_place.storage)
+        publish_rows.run_write(other, 0, file_place.storage)
 
 
-def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place, make_job, run_shards, read_output):
-    inputs = rows(60)
-    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20})
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_a_log_written_out_of_input_order_is_published_in_input_order(with_ids, file_place, make_job, run_shards,
+                                                                     read_output):
+    inputs = rows(60) if with_ids else [{"text": r["text"]} for r in rows(60)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1 << 20},
+                      output={"keepIntermediate": True})
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
     records = ShardLog(file_place.storage, layout.shard_prefix(plan.round_prefix, 0)).read().records
@@ -318,7 +390,64 @@ def test_a_log_written_out_of_input_order_is_published_in_input_order(file_place
     log.append(records[40:])  # a later writer's rows first, as a resumed writer's log can list first
     log.append(records[:40])
     manifest = publish(job)
-    assert read_output(job).result_ids == [r["id"] for r in inputs] and manifest["counts"]["rows"] == 60
+    out = read_output(job)
+    assert [r["output"] for r in out.results] == [r["text"] for r in inputs] and manifest["counts"]["rows"] == 60
+    # Without ids no ids pass ran to say the log was out of order: the write pass found it out.
+    pplan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
+    assert pplan.unique_ids is not with_ids
+
+
+def test_a_job_whose_ids_are_all_generated_publishes_without_the_ids_and_dedupe_passes(file_place, make_job,
+                                                                                      run_shards, read_output,
+                                                                                      monkeypatch):
+    inputs = [{"text": f"text {i} " + "y" * 20} for i in range(60)] + ["bad line"]  # no id field; an error row w/o id
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
+                      output={"keepIntermediate": True})
+    run_shards(job)
+    scans: list[str] = []
+    real_scan = ShardLog.scan
+
+    def scan(self: ShardLog) -> Any:
+        scans.append(self.prefix)
+        return real_scan(self)
+
+    monkeypatch.setattr(ShardLog, "scan", scan)
+    stats: list[dict[str, Any]] = []
+    manifest = publish_in_processes(job, processes=2, stats=stats)
+    prefix = layout.publish_prefix(job)
+    plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
+    assert plan.unique_ids and (plan.count("ids"), plan.count("dedupe")) == (0, 0)
+    assert {s["pass"] for s in stats} == {"write"} and len(plan.units) >= 3
+    assert file_place.storage.list(f"{prefix}/ids/") == []
+    out = read_output(job)
+    assert [r["output"] for r in out.results] == [r["text"] for r in inputs[:-1]]
+    assert len(set(out.result_ids)) == 60 and manifest["counts"]["errors"] == 1
+    # In this process (the passes' processes are their own): each shard's log is read once, by the write pass.
+    scans.clear()
+    publish(job)
+    assert sorted(scans) == sorted(u[2] for u in plan.units)
+
+
+def test_an_id_given_as_another_rows_generated_id_still_loses_to_it(file_place, make_job, run_shards, read_output):
+    inputs = [{"text": f"text {i} " + "y" * 20} for i in range(60)]
+    file_place.write_jsonl("in.jsonl", inputs)
+    _, job = make_job(file_place, file_place.uri("in.jsonl"), sharding={"targetShardBytes": 1024})
+    run_shards(job)
+    first = publish(job)
+    generated = read_output(job).result_ids[0]  # "<object>:<offset>" of the first row
+    assert first["counts"]["duplicates"] == 0 and _publish_plan(job).unique_ids
+    # The same id given by a row of another shard: no longer provably unique, so the passes look.
+    file_place.write_jsonl("in.jsonl", [*inputs, {"id": generated, "text": "given"}])
+    _, job = make_job(file_place, file_place.uri("in.jsonl"), sharding={"targetShardBytes": 1024}, out_dir="out2/")
+    run_shards(job)
+    manifest = publish(job)
+    assert [(e["id"], e["error"]["code"]) for e in read_output(job).errors] == [(generated, "duplicate_id")]
+    assert manifest["counts"]["duplicates"] == 1
+    assert not _publish_plan(job).unique_ids
+
+
+def _publish_plan(job: Any) -> PublishPlan:
+    return publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
 
 
 def test_a_shard_with_more_rows_than_a_file_holds_is_published_in_parts(file_place, make_job, run_shards,

@@ -287,6 +287,24 @@ def test_s3_ranged_reads_start_at_the_byte(s3):
             assert f.read() == data[start:]
 
 
+@pytest.mark.parametrize("scheme", ["file", "s3", "gs"])
+def test_a_ranged_read_gives_exactly_the_slice_asked_for_in_one_request(scheme, request):
+    place = request.getfixturevalue(f"{scheme}_place")
+    st = place.storage
+    data = bytes(range(256)) * 40
+    st.write_bytes(place.uri("r.bin"), data)
+    for start, length in ((0, 16), (1, 1), (255, 3000), (len(data) - 5, 5), (len(data) - 5, 100), (7, 0)):
+        assert st.read_range(place.uri("r.bin"), start, length) == data[start:start + length], (start, length)
+    if scheme != "file":  # one GET with the bytes asked for, never the rest of the object
+        spy = Spy(st.client)
+        ranged = S3Storage(client=spy, base_delay=0.001)
+        assert ranged.read_range(place.uri("r.bin"), 100, 10) == data[100:110]
+        calls = [kw for name, kw in spy.calls if name == "get_object"]
+        assert [kw["Range"] for kw in calls] == ["bytes=100-109"]
+    with pytest.raises(NotFound):
+        st.read_range(place.uri("none.bin"), 0, 16)
+
+
 def test_s3_write_replaces_the_whole_object_and_a_missing_key_is_not_found(s3):
     st, _, base = s3
     st.write_bytes(base + "o.json", b"first version")

@@ -91,6 +91,32 @@ def test_resume_skips_rows_already_durable(file_place, make_job, run_shards, rec
     check_complete(read_output(job), inputs)
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_a_resumed_shard_counts_the_rows_whose_id_is_their_place_as_one_run_does(given, file_place, make_job,
+                                                                                  run_shards):
+    # placeIds: final rows whose id is none or generated from their place; publishing skips its ids
+    # and dedupe passes only when they are every row (`publish.ids_cannot_repeat`).
+    inputs: list[Any] = [{"text": f"row {i}"} | ({"id": f"in.jsonl:x{i}"} if given else {}) for i in range(60)]
+    inputs.append("bad line")
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"chunkRows": 10,
+                                                                                        "targetShardBytes": 1 << 20},
+                      batching={"inFlightRows": 10, "commitQueueChunks": 2})
+    stop = StopFlag()
+    events: list[dict[str, Any]] = []
+
+    def progress(ev: dict[str, Any]) -> None:
+        events.append(ev)
+        if sum(1 for e in events if e["event"] == "chunk") == 2:
+            stop.request()
+
+    assert run_shards(job, stop=stop, progress=progress)[0].status == "stopped"
+    assert run_shards(job)[0].status == "done"
+    plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
+    done = json.loads(file_place.storage.read_bytes(layout.done_uri(plan.round_prefix, 0)))
+    # Given ids (even ones shaped like a place's) are never counted: the error row without an id is.
+    assert (done["rows"], done["errors"], done["placeIds"]) == (60, 1, 1 if given else 61)
+
+
 def writer_log(plan: Plan, index: int) -> Path:
     """The one writer's log of a shard worked once (file://)."""
     (log,) = Path(layout.shard_prefix(plan.round_prefix, index)[len("file://"):]).glob("log-*.jsonl.zst")

@@ -12,7 +12,7 @@
     <output>/_bij/<job_id>/round-<r>/progress/<index>.json  a running shard's live counts
     <output>/_bij/<job_id>/round-<r>/claims/<index>-<generation>.json  which worker holds a shard
     <output>/_bij/<job_id>/round-<r>/rejected/<index>.jsonl  judge rounds: rejected rows, next round's input
-    <output>/_bij/<job_id>/publish/                 the publish passes' plan, id buckets and shard summaries
+    <output>/_bij/<job_id>/publish/                 the publish passes' plan, ids files, losers and shard summaries
     <output>/_bij/<job_id>/removed.json             what was removed after publishing (output.keepIntermediate)
 
 The operator knows the job; a worker knows only its round plan, so everything under a round
@@ -199,17 +199,29 @@ def publish_plan_uri(prefix: str) -> str:
     return join(prefix, "plan.json")
 
 
-def publish_ids_uri(prefix: str, unit: int, bucket: int) -> str:
-    """The ids of one shard (unit) that fall in one bucket, with their places (one zstd frame)."""
+def publish_ids_uri(prefix: str, unit: int) -> str:
+    """The ids of one shard (unit) with their places, grouped by bucket behind an index of byte offsets
+    (`bij.steps.publish_rows.IdsHeader`): one object per shard, whatever the buckets."""
+    return join(prefix, "ids", f"{unit:05d}.ids")
+
+
+def publish_bucket_ids_uri(prefix: str, unit: int, bucket: int) -> str:
+    """Before one ids file per shard: the ids of one shard in one bucket (one zstd frame), read only
+    where a pass 1 of an older version left them."""
     return join(prefix, "ids", f"{unit:05d}", f"{bucket:05d}.jsonl.zst")
 
 
 def publish_order_uri(prefix: str, unit: int) -> str:
+    """Before one ids file per shard: whether the shard's log was in input order (its ids file says it now)."""
     return join(prefix, "ids", f"{unit:05d}", "order.json")
 
 
+def publish_losers_folder(prefix: str) -> str:
+    return join(prefix, "losers") + "/"
+
+
 def publish_losers_uri(prefix: str, bucket: int) -> str:
-    """The places of one bucket's duplicate ids that lost to an earlier occurrence."""
+    """The places of one bucket's duplicate ids that lost to an earlier occurrence (only a bucket with some)."""
     return join(prefix, "losers", f"{bucket:05d}.json")
 
 

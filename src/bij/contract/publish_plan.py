@@ -8,7 +8,8 @@ On disk it is camelCase JSON:
      "bucketRows": N, "buckets": B, "compression": "zstd" | "none", "format": "jsonl" | "parquet",
      "task": ..., "judge": bool, "idKind": "int" | "str" | "mixed" | null, "fileRows"?: N,
      "s3": {"endpointUrl"?: ..., "region"?: ...}, "partial"?: "Cancelled" | "Expired", "roundPlans"?: [uri, ...],
-     "partitionBy"?: "input", "unitObjects"?: [[object index, ...] per unit], "partitions"?: [stem, ...]}
+     "partitionBy"?: "input", "unitObjects"?: [[object index, ...] per unit], "partitions"?: [stem, ...],
+     "uniqueIds"?: true}
 
 `partitionBy` input (spec.output.partitionBy): the write pass publishes one file per input object, named
 `partitions[object]` (`layout.partition_stem`), for the objects of each unit (`unitObjects`: each lies
@@ -72,6 +73,9 @@ class PublishPlan(BaseModel):
     partition_by: Literal["shard", "input"] = "shard"
     unit_objects: list[list[int]] = []  # partitionBy input: each unit's objects, in input order
     partitions: list[str] = []  # partitionBy input: each input object's published name (its stem)
+    # No id of the job can repeat (`publish.ids_cannot_repeat`): the ids and dedupe passes have no
+    # indexes, and the write pass reads each log once.
+    unique_ids: bool = False
 
     def to_json(self) -> bytes:
         doc = self.model_dump(mode="json", by_alias=True)
@@ -83,6 +87,8 @@ class PublishPlan(BaseModel):
             del doc["partial"], doc["roundPlans"]
         if self.partition_by == "shard":
             del doc["partitionBy"], doc["unitObjects"], doc["partitions"]
+        if not self.unique_ids:
+            del doc["uniqueIds"]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
@@ -95,5 +101,8 @@ class PublishPlan(BaseModel):
             raise PublishPlanError(f"{source} is not a publish plan: {validation_problems(e)}") from None
 
     def count(self, pass_name: str) -> int:
-        """How many indexes a pass has: one per shard, or one per bucket (`dedupe`)."""
+        """How many indexes a pass has: one per shard, or one per bucket (`dedupe`); none for ids and
+        dedupe where no id can repeat."""
+        if self.unique_ids and pass_name in ("ids", "dedupe"):
+            return 0
         return self.buckets if pass_name == "dedupe" else len(self.units)

@@ -50,6 +50,7 @@ class ShardCounts(TypedDict):
     bytes: int
     intIds: int
     strIds: int
+    placeIds: int  # final rows whose id is none or their place's generated one (no duplicates possible)
     structuredValidated: int  # structured answers checked after decoding and valid
     structuredRepaired: int  # ... of them valid only on the second grammar backend's try
     structuredViolations: int  # ... and that broke their structured output (schema_violation rows)

@@ -150,10 +150,25 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         partition_by=job.spec.output.partition_by,
         unit_objects=unit_objects,
         partitions=[layout.partition_stem(o.uri, o.name) for o in plans[0].objects] if unit_objects else [],
+        unique_ids=ids_cannot_repeat(plans, done_records, partial),
     )
     uri = layout.publish_plan_uri(prefix)
     store.write_bytes(uri, plan.to_json())
     return uri, plan
+
+
+def ids_cannot_repeat(plans: list[Plan], done_records: list[ShardRecord], partial: str | None) -> bool:
+    """Whether no id of the job can appear twice, so publishing needs no ids and dedupe passes: one round,
+    every shard finished, its objects' display names distinct, and every final row's id none or generated
+    from its own place (`placeIds` of the completion records: an id `<object>:<offset>` names one place).
+    A record of an older worker, without `placeIds`, proves nothing."""
+    if partial is not None or len(plans) != 1 or len(done_records) != len(plans[0].shards):
+        return False
+    names = [o.display_name for o in plans[0].objects]
+    if len(set(names)) != len(names):
+        return False
+    return all("placeIds" in rec and int(rec["placeIds"]) == int(rec.get("rows", 0)) + int(rec.get("errors", 0))
+               + int(rec.get("capped", 0)) for rec in done_records)
 
 
 def run_passes(plan: PublishPlan) -> None:

@@ -5,13 +5,19 @@ indexed like a round's shards, as worker processes or in its own process; it the
 writes `manifest.json` from the small per-shard summaries the last pass leaves.
 
 1. ``ids`` (one per shard): stream the shard's durable log and write every row's
-   id with its place into one of N bucket files, by a hash of the id.
-2. ``dedupe`` (one per bucket): read the bucket from every shard; for each id the
-   first occurrence in input order (round, shard, object, offset) wins, whatever
-   its kind; every later *result* with that id is a loser.
+   id with its place into ONE ids file, grouped by bucket (a hash of the id), behind
+   an index of each bucket's byte offsets (`IdsHeader`).
+2. ``dedupe`` (one per bucket): read the bucket's slice of every shard's ids file,
+   two ranged reads a shard (its index entry, then the slice; none for an empty
+   slice); for each id the first occurrence in input order (round, shard, object,
+   offset) wins, whatever its kind; every later *result* with that id is a loser.
+   A bucket with losers leaves one losers file; one without leaves none.
 3. ``write`` (one per shard): stream the log again and write its result, error
    and capped files, losers turned into ``duplicate_id`` error rows, in input
    order; leave a summary record with counts, files and checksums.
+
+Objects written grow with shards, buckets with duplicates and output parts, never
+shards x buckets: a 15,000-shard job writes 15,000 ids files, not one per shard and bucket.
 
 A pass holds one bucket (``bucketRows`` ids, spec.output.publishBucketRows), or one file part (``fileRows``
 rows), never the job. Every pass is deterministic and rewrites its outputs
@@ -25,6 +31,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import struct
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -53,21 +61,91 @@ NOT_RUN_ERRORS = {
 SPOOL_BYTES = 64 << 20  # a partitioned file is held in memory up to this size, on local disk beyond
 
 
-def _read_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
-    """A bucket file of pass 1 (one zstd frame), or the plain one a pass 1 of an older version wrote."""
-    uri = layout.publish_ids_uri(prefix, unit, bucket)
+class IdsHeader:
+    """The head of a shard's ids file (pass 1): what a reader needs to find one bucket's slice.
+
+    Bytes 0-23: ``bij-ids\\x02``, flags (1: the shard's log was in input order), the bucket count
+    (little-endian u64 each); then buckets + 1 u64 offsets: bucket b is bytes [offset b, offset b+1),
+    one zstd frame of JSON lines ``[key, object, offset, is_result]``, or nothing when empty.
+    """
+
+    MAGIC = b"bij-ids\x02"
+    HEAD = struct.Struct("<8sQQ")
+    OFFSETS = struct.Struct("<QQ")  # one bucket's start and end
+
+    @classmethod
+    def pack(cls, ordered: bool, slices: list[bytes]) -> bytes:
+        """The header for `slices` (one per bucket, in order), which follow it in the file."""
+        at = cls.HEAD.size + 8 * (len(slices) + 1)
+        offsets = [at]
+        for part in slices:
+            at += len(part)
+            offsets.append(at)
+        return cls.HEAD.pack(cls.MAGIC, int(ordered), len(slices)) + struct.pack(f"<{len(offsets)}Q", *offsets)
+
+    @classmethod
+    def slice_at(cls, bucket: int) -> int:
+        """Where bucket `bucket`'s start and end offsets lie in the file."""
+        return cls.HEAD.size + 8 * bucket
+
+
+def _older_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
+    """A bucket file a pass 1 of an older version wrote (one zstd frame, or plain before that): a publish
+    begun by an older bij goes on without its ids pass again."""
+    uri = layout.publish_bucket_ids_uri(prefix, unit, bucket)
     try:
         data = store.read_bytes(uri)
-    except NotFound as e:
+    except NotFound:
         try:
             return store.read_bytes(uri.removesuffix(".zst"))
         except NotFound:
-            raise e from None
+            raise StorageError(f"{layout.publish_ids_uri(prefix, unit)} does not exist: publish pass ids has not "
+                               f"run for shard unit {unit}; publish again", permanent=True) from None
+    return _decompress(data, uri)
+
+
+def _decompress(data: bytes, uri: str) -> bytes:
     try:
         return zstandard.ZstdDecompressor().decompress(data)
     except zstandard.ZstdError as e:
         raise StorageError(f"id bucket {uri} does not decode ({e}); publish again to rewrite it",
                            permanent=True) from None
+
+
+def _read_ids(store: Storage, prefix: str, unit: int, bucket: int) -> bytes:
+    """Bucket `bucket`'s ids of shard unit `unit`: two ranged reads of its ids file (its offsets, then
+    its slice), one when the slice is empty."""
+    uri = layout.publish_ids_uri(prefix, unit)
+    try:
+        head = store.read_range(uri, IdsHeader.slice_at(bucket), IdsHeader.OFFSETS.size)
+    except NotFound:
+        return _older_ids(store, prefix, unit, bucket)
+    if len(head) != IdsHeader.OFFSETS.size:
+        raise StorageError(f"ids file {uri} has no bucket {bucket}: it was written for another publish plan; "
+                           "publish again to rewrite it", permanent=True)
+    start, end = IdsHeader.OFFSETS.unpack(head)
+    if start == end:
+        return b""
+    data = store.read_range(uri, start, end - start)
+    if len(data) != end - start:
+        raise StorageError(f"ids file {uri} ends inside bucket {bucket}; publish again to rewrite it",
+                           permanent=True)
+    return _decompress(data, f"{uri} (bucket {bucket})")
+
+
+def _ordered(store: Storage, prefix: str, unit: int, buckets: int) -> bool:
+    """Whether shard unit `unit`'s log was in input order, as its ids file says (and checks that file
+    was written for `buckets` buckets, the plan's)."""
+    uri = layout.publish_ids_uri(prefix, unit)
+    try:
+        magic, flags, written = IdsHeader.HEAD.unpack_from(store.read_range(uri, 0, IdsHeader.HEAD.size).ljust(
+            IdsHeader.HEAD.size, b"\0"))
+    except NotFound:  # an older pass 1's
+        return bool(json.loads(store.read_bytes(layout.publish_order_uri(prefix, unit)))["ordered"])
+    if magic != IdsHeader.MAGIC or written != buckets:
+        raise StorageError(f"ids file {uri} was not written for this publish plan ({buckets} buckets); "
+                           "publish again to rewrite it", permanent=True)
+    return bool(flags & 1)
 
 
 def bucket_of(key: str, buckets: int) -> int:
@@ -125,12 +203,14 @@ def run_ids(plan: PublishPlan, index: int, store: Storage) -> None:
         part = parts[bucket_of(key, buckets)]
         part += orjson.dumps(entry)
         part += b"\n"
-    # Compressed: id buckets are a good part of the work files beside the logs.
+    # Compressed: ids are a good part of the work files beside the logs. One file, one write, whatever
+    # the buckets: an empty bucket is an empty slice.
     cctx = zstandard.ZstdCompressor(level=LEVEL, write_checksum=True)
+    slices = []
     for b in range(buckets):
-        store.write_bytes(layout.publish_ids_uri(plan.prefix, index, b), cctx.compress(bytes(parts[b])))
+        slices.append(cctx.compress(bytes(parts[b])) if parts[b] else b"")
         parts[b] = bytearray()
-    store.write_bytes(layout.publish_order_uri(plan.prefix, index), json.dumps({"ordered": ordered}).encode())
+    store.write_stream(layout.publish_ids_uri(plan.prefix, index), [IdsHeader.pack(ordered, slices), *slices])
 
 
 def run_dedupe(plan: PublishPlan, bucket: int, store: Storage) -> None:
@@ -141,6 +221,9 @@ def run_dedupe(plan: PublishPlan, bucket: int, store: Storage) -> None:
         data = _read_ids(store, plan.prefix, unit, bucket)
         for line in data.splitlines():
             key, obj, off, is_result = orjson.loads(line)
+            if bucket_of(key, plan.buckets) != bucket:  # a file of another plan, found before it counts
+                raise StorageError(f"ids of shard unit {unit} do not fall in bucket {bucket} of this publish plan; "
+                                   "publish again to rewrite them", permanent=True)
             place = (unit, obj, off)
             if key not in first or place < first[key]:
                 first[key] = place
@@ -151,7 +234,28 @@ def run_dedupe(plan: PublishPlan, bucket: int, store: Storage) -> None:
     for key, place in results:
         if first[key] != place:
             losers.setdefault(str(place[0]), []).append([place[1], place[2]])
-    store.write_bytes(layout.publish_losers_uri(plan.prefix, bucket), json.dumps(losers, sort_keys=True).encode())
+    uri = layout.publish_losers_uri(plan.prefix, bucket)
+    if losers:
+        store.write_bytes(uri, json.dumps(losers, sort_keys=True).encode())
+    else:  # no object for a bucket without duplicates; one an earlier publish left must not count
+        store.delete(uri)
+
+
+_LOSERS_NAME = re.compile(r"(\d{5,})\.json")
+
+
+def _losers_of(plan: PublishPlan, index: int, store: Storage) -> set[tuple[int, int]]:
+    """The places of shard unit `index` whose results lost to an earlier id: from the buckets that have
+    losers files (one listing), of this plan's buckets (a file beyond them is an earlier plan's)."""
+    losers: set[tuple[int, int]] = set()
+    for page in store.list_pages(layout.publish_losers_folder(plan.prefix)):
+        for info in page:
+            m = _LOSERS_NAME.fullmatch(info.uri.rsplit("/", 1)[-1])
+            if m is None or int(m.group(1)) >= plan.buckets:
+                continue
+            for obj, off in json.loads(store.read_bytes(info.uri)).get(str(index), []):
+                losers.add((obj, off))
+    return losers
 
 
 class _FileParts:
@@ -232,12 +336,23 @@ def _shape(plan: PublishPlan) -> ResultShape:
     return ResultShape(plan.task, plan.id_kind or "mixed", plan.judge, plan.compression)
 
 
+class _OutOfOrder(Exception):
+    """A shard's log is not in input order (several writers interleaved): publish it sorted."""
+
+
 def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
     """Pass 3: shard `index`'s published files, losers as duplicate_id errors, and its summary."""
-    losers: set[tuple[int, int]] = set()
-    for b in range(plan.buckets):
-        for obj, off in json.loads(store.read_bytes(layout.publish_losers_uri(plan.prefix, b))).get(str(index), []):
-            losers.add((obj, off))
+    # Without an ids pass (no id repeats) nothing has said whether the log is in input order: that shows
+    # as it streams, and a log out of order (rare) is written again from its sorted records, the same names.
+    losers = set() if plan.unique_ids else _losers_of(plan, index, store)
+    ordered = plan.unique_ids or _ordered(store, plan.prefix, index, plan.buckets)
+    try:
+        _write(plan, index, store, losers, ordered)
+    except _OutOfOrder:
+        _write(plan, index, store, losers, ordered=False)
+
+
+def _write(plan: PublishPlan, index: int, store: Storage, losers: set[tuple[int, int]], ordered: bool) -> None:
     round_no, shard, _ = plan.units[index]
     names = plan.object_names[round_no]
     name = f"r{round_no}-{shard:05d}"
@@ -280,9 +395,14 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
             errors = _PartitionFile(plan, store, "errors", stem, error_writer)
             capped = _PartitionFile(plan, store, "capped", stem, error_writer)
     codes: dict[str, int] = {}  # error rows by code
-    ordered = bool(json.loads(store.read_bytes(layout.publish_order_uri(plan.prefix, index)))["ordered"])
+    last = (-1, -1)
     for rec in _records(store, plan.units[index], ordered):
         row = rec["row"]
+        if ordered:
+            at = (rec["at"][0], rec["at"][1])
+            if at <= last:
+                raise _OutOfOrder
+            last = at
         while partitions and rec["at"][0] >= partitions[0]:  # this record's object, and any without rows before it
             finish(partitions.pop(0))
         if rec["kind"] == "result":

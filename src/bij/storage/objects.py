@@ -44,6 +44,10 @@ class ReadOnlyInputs:
         with self.open_read(uri) as f:
             return f.read()
 
+    def read_range(self, uri: str, start: int, length: int) -> bytes:
+        with self.open_read(uri, start) as f:
+            return f.read(length)
+
     def exists(self, uri: str) -> bool:
         return bool(self.list(uri))
 

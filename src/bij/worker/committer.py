@@ -40,6 +40,12 @@ def length_cut(res: Result) -> bool:
     return res.extra.get("finish_reason") == "length"
 
 
+def place_id(names: list[str], at: list[int]) -> str:
+    """The id a row without one gets: its object's display name and its offset (`inputs._parse_plain`).
+    Rows of one round whose ids are all their own places' are unique (publishing need not look)."""
+    return f"{names[at[0]]}:{at[1]}"
+
+
 @dataclass(slots=True)
 class Tally:
     """What committed records add to the shard's counts."""
@@ -51,16 +57,21 @@ class Tally:
     truncated: int = 0
     int_ids: int = 0
     str_ids: int = 0
+    place_ids: int = 0  # final rows whose id is none or their place's own generated id (`place_id`)
     codes: dict[str, int] = field(default_factory=dict)  # error rows by code
     validated: int = 0  # structured answers checked after decoding and valid
     repaired: int = 0  # ... of them, valid only on the second grammar backend's try
     length_cuts: int = 0  # result rows whose answer stopped at its token cap (finish_reason length)
 
     @classmethod
-    def of(cls, records: list[dict[str, Any]]) -> Tally:
+    def of(cls, records: list[dict[str, Any]], names: list[str] | None = None) -> Tally:
+        """What `records` add; with `names` (the round's objects' display names), their place ids too."""
         t = cls()
         for rec in records:
             kind = rec["kind"]
+            if names is not None and kind in ("result", "error", "capped"):
+                rid = row_id(rec["row"])
+                t.place_ids += rid is None or rid == place_id(names, rec["at"])
             if kind == "result":
                 t.results += 1
                 t.count_result(rec["row"])
@@ -89,6 +100,7 @@ class Tally:
         self.truncated += other.truncated
         self.int_ids += other.int_ids
         self.str_ids += other.str_ids
+        self.place_ids += other.place_ids
         for code, n in other.codes.items():
             self.codes[code] = self.codes.get(code, 0) + n
         self.validated += other.validated
@@ -104,6 +116,7 @@ class Tally:
         stats.truncated += self.truncated
         stats.int_ids += self.int_ids
         stats.str_ids += self.str_ids
+        stats.place_ids += self.place_ids
         stats.structured_validated += self.validated
         stats.structured_repaired += self.repaired
         stats.structured_violations += self.codes.get(SCHEMA_VIOLATION, 0)
@@ -116,6 +129,7 @@ class Committer:
     def __init__(self, plan: Plan, index: int, lane: int, out: Storage, *, stats: Stats, metrics: Metrics,
                  progress: Callable[[dict[str, Any]], None], report_every: float):
         self.plan, self.index, self.lane, self.out = plan, index, lane, out
+        self.names = [o.display_name for o in plan.objects]
         self.log = ShardLog(out, layout.shard_prefix(plan.round_prefix, index))
         self.stats, self.metrics, self.progress = stats, metrics, progress
         # How often the shard's live progress record is rewritten (for `kubectl get bij` ROWS
@@ -128,7 +142,7 @@ class Committer:
         """Make records durable and count them (`validated`: structured answers among them checked valid,
         `repaired` of those only on the second grammar backend's try, `length_cuts` answers cut at their cap)."""
         if records:
-            tally = Tally.of(records)
+            tally = Tally.of(records, self.names)
             tally.validated, tally.repaired, tally.length_cuts = validated, repaired, length_cuts
             self.commit_encoded(ShardLog.encode(records), tally)
 
@@ -171,7 +185,7 @@ class Committer:
 
     def count_final(self, rec: dict[str, Any]) -> None:
         """Count a record already durable (a resumed shard's log)."""
-        Tally.of([rec]).add_to(self.stats)
+        Tally.of([rec], self.names).add_to(self.stats)
         if rec["kind"] == "result":
             usage = row_usage(rec["row"])
             self.stats.tokens_in += usage.get("prompt_tokens", 0)

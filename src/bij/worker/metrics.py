@@ -41,6 +41,7 @@ class Stats:
     bytes: int = 0  # input bytes (Parquet: rows) of the shard behind the durable rows, for ETAs
     int_ids: int = 0  # result rows whose id is an integer ...
     str_ids: int = 0  # ... or a string (Parquet output picks the id column's type from these)
+    place_ids: int = 0  # final rows whose id is none or generated from their place: none can repeat
     # Rows with structured output: answers checked and valid, and answers that broke it (error rows)
     # (bij.engines.structured); `notes`: what the engine could not serve at all, said once each.
     structured_validated: int = 0
@@ -71,6 +72,7 @@ class Stats:
             "prefixShare": round(self.prefix_share, 4), "promptChars": d["prompt_chars"],
             "cachedTokens": d["cached_tokens"],
             "bytes": d["bytes"], "intIds": d["int_ids"], "strIds": d["str_ids"],
+            "placeIds": d["place_ids"],
             "structuredValidated": d["structured_validated"], "structuredRepaired": d["structured_repaired"],
             "structuredViolations": d["structured_violations"], "lengthCuts": d["length_cuts"],
             "notes": list(d["notes"]),

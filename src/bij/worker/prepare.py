@@ -210,7 +210,7 @@ class Preparer:
                 records.append(self.error_record(row))
             else:
                 records.append({"at": list(row.at), "kind": "result", "row": result_row(row, res, self.opts)})
-        tally = Tally.of(records)
+        tally = Tally.of(records, self.names)
         tally.validated, tally.repaired = checked.validated, checked.repaired
         tally.length_cuts = sum(map(length_cut, results))
         return ShardLog.encode(records), tally
