@@ -12,6 +12,10 @@ back, so one slow row holds up no other:
 - a `Retry-After` on such an answer pauses every request of the lane until it has passed;
 - 408, 429, 5xx, timeouts and lost connections are retried, anything else is the row's error row at
   once; a row is sent at most `retries + 1` times, and its error row carries the last status and body.
+
+Before the lane's first row, `load` asks the server whether it serves `servedModel` (GET /v1/models, or one
+tiny request where the server has no such list): a wrong baseUrl, model or credential fails the lane as a
+bad configuration naming the URL and the status, instead of turning every row into an error row.
 """
 
 from __future__ import annotations
@@ -157,6 +161,20 @@ class Window:
                     "sent": self.sent, "peakInFlight": self.peak_in_flight, "pausedSeconds": self.paused_seconds}
 
 
+class ServerRefused(ValueError):
+    """The server answered the preflight in a way no retry changes (401, 403, 404, a model it does not serve):
+    a bad configuration (a ValueError, as the worker treats a model that cannot load)."""
+
+
+class ServerUnreachable(ConnectionError):
+    """The server did not answer the preflight (no connection, a timeout, 429 or 5xx through every try): worth
+    retrying the lane later or elsewhere, not a bad configuration."""
+
+
+PREFLIGHT_TIMEOUT = 10.0  # seconds one preflight request may take at most
+PREFLIGHT_WAIT = 1.0  # seconds before the preflight's next try, doubled per try
+
+
 class HttpEngine(EngineBase):
     """Rows sent to an OpenAI-compatible server: `model.http: {baseUrl, servedModel, maxInFlight, ...}`."""
 
@@ -198,7 +216,63 @@ class HttpEngine(EngineBase):
             self._headers["Authorization"] = auth if " " in auth.strip() else f"Bearer {auth.strip()}"
 
     def load(self) -> None:
-        return None
+        """The preflight: the server answers, knows the credential and serves `servedModel` (see the module)."""
+        self.preflight()
+
+    def preflight(self) -> None:
+        """GET /v1/models must list servedModel; a server without that list (404, 405) answers one tiny request
+        instead. Raises ServerRefused (a bad configuration) or ServerUnreachable (worth a later retry)."""
+        answer = self._try(lambda: self._call("GET", "/v1/models", None, min(self.timeout, PREFLIGHT_TIMEOUT)))
+        if answer.status is not None and 200 <= answer.status < 300:
+            served = self._listed_models(answer.body)
+            if served is None or self.served_model in served:
+                return
+            listed = ", ".join(sorted(served)[:20]) or "none"
+            raise ServerRefused(f"{self.base_url}/v1/models does not list model.http.servedModel "
+                                f"{self.served_model!r}; it serves: {listed}")
+        if answer.status in (404, 405, 501):  # no model list here: one tiny request shows what the rows would meet
+            tiny = self.body(Request(text="Hi", max_tokens=1, temperature=0.0))
+            answer = self._try(lambda: self._call("POST", self.path, json.dumps(tiny).encode(), self.timeout))
+            if answer.status is not None and 200 <= answer.status < 300:
+                return
+            self._refuse(answer, self.path)
+        self._refuse(answer, "/v1/models")
+
+    def _refuse(self, answer: _Answer, path: str) -> None:
+        url = self.base_url + path
+        if answer.status is None:
+            raise ServerUnreachable(f"preflight: no answer from {url} after {self.retries + 1} tries: {answer.reason}")
+        body = answer.body.decode("utf-8", "replace")[:BODY_CUT]
+        if answer.status in RETRYABLE:
+            raise ServerUnreachable(f"preflight: {url} answered {answer.status} through {self.retries + 1} tries: "
+                                    f"{body}")
+        hint = {401: "the credential (model.http.headersSecret, or env BIJ_HTTP_AUTHORIZATION) is missing or wrong",
+                403: "the credential (model.http.headersSecret, or env BIJ_HTTP_AUTHORIZATION) may not use it",
+                404: f"model.http.baseUrl or model.http.servedModel {self.served_model!r} is wrong"}.get(
+                    answer.status, f"it refuses a one-token request for model {self.served_model!r}")
+        raise ServerRefused(f"preflight: {url} answered {answer.status}: {hint}: {body}")
+
+    def _try(self, call: Any) -> _Answer:
+        """One preflight request, tried again (retries + 1 times in all) while it is retryable."""
+        answer = _Answer(None)
+        for attempt in range(self.retries + 1):
+            answer = call()
+            if answer.status is not None and answer.status not in RETRYABLE:
+                return answer
+            if attempt < self.retries:
+                time.sleep(answer.retry_after if answer.retry_after is not None
+                           else min(BACKOFF_MAX, PREFLIGHT_WAIT * 2 ** attempt))
+        return answer
+
+    @staticmethod
+    def _listed_models(raw: bytes) -> set[str] | None:
+        """The ids an OpenAI /v1/models answer lists; None when the answer is not such a list (then it proves
+        only that the server answers)."""
+        try:
+            data = json.loads(raw)["data"]
+            return {str(m["id"]) for m in data}
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
         return estimate_many(request_texts(requests))
@@ -316,9 +390,12 @@ class HttpEngine(EngineBase):
                       extra={"code": code, "status": answer.status})
 
     def _send(self, data: bytes) -> _Answer:
-        req = urllib.request.Request(self.base_url + self.path, data=data, headers=self._headers, method="POST")
+        return self._call("POST", self.path, data, self.timeout)
+
+    def _call(self, method: str, path: str, data: bytes | None, timeout: float) -> _Answer:
+        req = urllib.request.Request(self.base_url + path, data=data, headers=self._headers, method=method)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return _Answer(resp.status, resp.read())
         except urllib.error.HTTPError as e:
             try:
@@ -327,10 +404,10 @@ class HttpEngine(EngineBase):
                 body = b""
             return _Answer(e.code, body, retry_after_seconds(e.headers.get("Retry-After") if e.headers else None))
         except TimeoutError as e:
-            return _Answer(None, timed_out=True, reason=f"timed out after {self.timeout:g}s ({e})")
+            return _Answer(None, timed_out=True, reason=f"timed out after {timeout:g}s ({e})")
         except urllib.error.URLError as e:
             timed_out = isinstance(e.reason, TimeoutError)
-            why = f"timed out after {self.timeout:g}s" if timed_out else str(e.reason)
+            why = f"timed out after {timeout:g}s" if timed_out else str(e.reason)
             return _Answer(None, timed_out=timed_out, reason=why)
         except (ConnectionError, OSError) as e:  # a connection reset mid-answer, a closed socket
             return _Answer(None, reason=str(e) or type(e).__name__)
