@@ -454,3 +454,100 @@ def test_bij_run_against_a_wrong_served_model_fails_fast_without_error_rows(
     assert server.bodies == []  # no row was sent, so none became an error row
     assert not file_place.storage.exists(file_place.uri("out/manifest.json"))
     assert time.monotonic() - start < 60
+
+
+SLOW_SERVER = """
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(0.02)
+        out = json.dumps({"choices": [{"text": "ok", "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+s = ThreadingHTTPServer(("127.0.0.1", 0), H)
+s.daemon_threads = True
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def test_a_lane_with_many_requests_waiting_spends_little_cpu_per_row() -> None:
+    """Hundreds of rows submitted and a window of a few dozen: waiting rows cost no CPU (the next in line
+    alone is woken), and neither do rows still unanswered when a step collects answers."""
+    import subprocess
+    import sys
+
+    from bij.engines.base import Request
+
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        url = f"http://127.0.0.1:{proc.stdout.readline().strip()}"
+        spec = parse_spec({"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"},
+                           "model": {"engine": "http", "task": "generate", "name": "m",
+                                     "http": {"baseUrl": url, "maxInFlight": 256}}})
+        engine = create_engine("http", engine_config(spec))
+        rows = 800
+        cpu = time.process_time()
+        results = engine.run([Request(text=f"r{i}") for i in range(rows)])
+        cpu = time.process_time() - cpu
+    finally:
+        proc.kill()
+        proc.wait()
+    assert [r.output for r in results] == ["ok"] * rows
+    assert cpu / rows < 0.0015, f"{cpu / rows * 1000:.2f} ms of CPU a row"
+
+
+def test_connections_are_kept_alive_and_one_the_server_closed_while_idle_is_opened_again() -> None:
+    """Rows reuse their thread's connection; a server that drops a kept connection without saying so (its
+    keep-alive timeout) costs no row a retry or an error."""
+    from bij.engines.base import Request
+
+    connections: list[int] = []
+    answered: Counter[str] = Counter()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+        def setup(self) -> None:
+            super().setup()
+            connections.append(1)
+            self.served = 0
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answered[body["prompt"]] += 1
+            out = json.dumps({"choices": [{"text": "re: " + body["prompt"], "finish_reason": "stop"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+            self.served += 1
+            self.close_connection = self.served % 3 == 0  # closed after the answer, unannounced
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        spec = parse_spec({"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"},
+                           "model": {"engine": "http", "task": "generate", "name": "m",
+                                     "http": {"baseUrl": f"http://127.0.0.1:{httpd.server_address[1]}",
+                                              "maxInFlight": 4, "retries": 0}}})
+        results = create_engine("http", engine_config(spec)).run([Request(text=f"r{i}") for i in range(120)])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert [r.output for r in results] == [f"re: r{i}" for i in range(120)]
+    assert set(answered.values()) == {1}  # each row answered once, none failed on a dropped connection
+    assert len(connections) <= 120 // 3 + 8  # a connection per three rows, not one per row

@@ -21,16 +21,16 @@ bad configuration naming the URL and the status, instead of turning every row in
 from __future__ import annotations
 
 import email.utils
+import http.client
 import json
 import os
 import queue
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,7 @@ STEP_WAIT = 0.5  # seconds a step waits for an answer before it hands control ba
 class _Send:
     """One submitted row: its request, its future, and whether the worker dropped it (abort)."""
 
+    tag: int
     request: Request
     future: Future[Result]
     dropped: bool = False
@@ -112,35 +113,47 @@ class Window:
         self._cut_at = 0  # a failure of a request sent before the last cut does not cut again
         self._queued = 0  # turns taken by acquire
         self._serving = 0  # the turn that may go next
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # Each waiting request's own condition, by turn: only the next in line is woken (waking all of up to
+        # maxInFlight waiting threads on every answer cost more CPU than sending).
+        self._waiting: dict[int, threading.Condition] = {}
 
     def acquire(self) -> int:
         """Wait for room in the window and for any Retry-After to pass, first come first served (rows go out
         in the order the worker submitted them, so chunks complete, and commit, in input order); returns the
         request's send number."""
-        with self._cond:
+        with self._lock:
             turn = self._queued
             self._queued += 1
+            me = threading.Condition(self._lock)
             while True:
                 now = time.monotonic()
                 if now < self._pause_until:
                     wait = self._pause_until - now
-                    self._cond.wait(wait)
+                    self._waiting[turn] = me
+                    me.wait(wait)
                     if turn == self._serving:  # count the pause once, not once per waiting request
                         self.paused_seconds += max(0.0, min(wait, time.monotonic() - now))
                     continue
                 if turn == self._serving and self.in_flight < int(self.size):
                     break
-                self._cond.wait()
+                self._waiting[turn] = me
+                me.wait()
+            self._waiting.pop(turn, None)
             self._serving += 1
-            self._cond.notify_all()  # the next in line may fit too
+            self._wake_next()  # the next in line may fit too
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             self.sent += 1
             return self.sent
 
+    def _wake_next(self) -> None:
+        nxt = self._waiting.get(self._serving)
+        if nxt is not None:
+            nxt.notify()
+
     def release(self, ticket: int, congested: bool, retry_after: float | None) -> None:
-        with self._cond:
+        with self._lock:
             self.in_flight -= 1
             if congested:
                 if ticket > self._cut_at:
@@ -153,10 +166,10 @@ class Window:
             else:
                 self.size = min(float(self.max), self.size + 1 / self.size)
                 self.largest = max(self.largest, self.size)
-            self._cond.notify_all()
+            self._wake_next()
 
     def stats(self) -> dict[str, Any]:
-        with self._cond:
+        with self._lock:
             return {"window": self.size, "smallest": self.smallest, "largest": self.largest, "cuts": self.cuts,
                     "sent": self.sent, "peakInFlight": self.peak_in_flight, "pausedSeconds": self.paused_seconds}
 
@@ -207,9 +220,16 @@ class HttpEngine(EngineBase):
         self._queue: queue.SimpleQueue[_Send] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._sends: dict[int, _Send] = {}
+        # Sends whose answer came back, as they come: a step takes them in O(answers), where waiting on every
+        # submitted row's future (the worker keeps thousands submitted) cost more CPU than the requests.
+        self._done: queue.SimpleQueue[_Send] = queue.SimpleQueue()
         self.steps = 0
         self.occupied = 0
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        url = urllib.parse.urlsplit(self.base_url)
+        self._scheme, self._host, self._port = url.scheme, url.hostname or "", url.port
+        self._prefix = url.path  # a server behind a path: http://gateway/fleet-a
+        self._local = threading.local()  # each sending thread's kept-alive connection
         auth = os.environ.get(AUTHORIZATION_ENV)
         if auth:
             # A bare key is a bearer token; a value with a scheme ("Bearer x", "Basic y") is sent as it is.
@@ -323,7 +343,7 @@ class HttpEngine(EngineBase):
                 t = threading.Thread(target=self._serve, name=f"bij-http-{i}", daemon=True)
                 t.start()
                 self._threads.append(t)
-        send = _Send(request, Future())
+        send = _Send(tag, request, Future())
         self._sends[tag] = send
         self._queue.put(send)
 
@@ -336,6 +356,7 @@ class HttpEngine(EngineBase):
                 send.future.set_result(self._row(send))
             except BaseException as e:  # the worker sees it when it takes the row's result
                 send.future.set_exception(e)
+            self._done.put(send)
 
     def unfinished(self) -> int:
         return len(self._sends)
@@ -344,11 +365,21 @@ class HttpEngine(EngineBase):
         """The rows whose answers (or final errors) came back: waits for the first, at most STEP_WAIT."""
         if not self._sends:
             return []
-        wait([s.future for s in self._sends.values()], timeout=STEP_WAIT, return_when=FIRST_COMPLETED)
+        came: list[_Send] = []
+        try:
+            came.append(self._done.get(timeout=STEP_WAIT))
+            while True:
+                came.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
         self.steps += 1
         self.occupied += self.window.in_flight
-        done = [tag for tag, s in self._sends.items() if s.future.done()]
-        return [(tag, self._sends.pop(tag).future.result()) for tag in done]
+        out = []
+        for send in came:
+            if self._sends.get(send.tag) is send:  # not a dropped row's late answer (its tag may be reused)
+                del self._sends[send.tag]
+                out.append((send.tag, send.future.result()))
+        return out
 
     def abort(self, tags: Sequence[int] | None = None) -> None:
         """Drop rows not yet returned: one not yet sent is never sent, one on the wire is not sent again."""
@@ -393,24 +424,52 @@ class HttpEngine(EngineBase):
         return self._call("POST", self.path, data, self.timeout)
 
     def _call(self, method: str, path: str, data: bytes | None, timeout: float) -> _Answer:
-        req = urllib.request.Request(self.base_url + path, data=data, headers=self._headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return _Answer(resp.status, resp.read())
-        except urllib.error.HTTPError as e:
+        """One request on this thread's kept-alive connection (a new TCP connection per row cost more CPU than
+        the rest of the row); a kept connection the server closed meanwhile is opened again once."""
+        for fresh in (False, True):
+            conn, reused = self._connection(timeout, fresh)
             try:
-                body = e.read()
-            except OSError:
-                body = b""
-            return _Answer(e.code, body, retry_after_seconds(e.headers.get("Retry-After") if e.headers else None))
-        except TimeoutError as e:
-            return _Answer(None, timed_out=True, reason=f"timed out after {timeout:g}s ({e})")
-        except urllib.error.URLError as e:
-            timed_out = isinstance(e.reason, TimeoutError)
-            why = f"timed out after {timeout:g}s" if timed_out else str(e.reason)
-            return _Answer(None, timed_out=timed_out, reason=why)
-        except (ConnectionError, OSError) as e:  # a connection reset mid-answer, a closed socket
-            return _Answer(None, reason=str(e) or type(e).__name__)
+                conn.request(method, self._prefix + path, body=data, headers=self._headers)
+                resp = conn.getresponse()
+                body = resp.read()
+            except TimeoutError as e:
+                self._drop_connection()
+                return _Answer(None, timed_out=True, reason=f"timed out after {timeout:g}s ({e})")
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                self._drop_connection()
+                if reused:  # closed while idle (a server's keep-alive timeout): not this request's fault
+                    continue
+                return _Answer(None, reason=str(e) or type(e).__name__)
+            except (OSError, http.client.HTTPException) as e:  # refused, unknown host, a garbled answer
+                self._drop_connection()
+                return _Answer(None, reason=str(e) or type(e).__name__)
+            if resp.will_close:
+                self._drop_connection()
+            if 200 <= resp.status < 300:
+                return _Answer(resp.status, body)
+            return _Answer(resp.status, body, retry_after_seconds(resp.getheader("Retry-After")))
+        return _Answer(None, reason="the server closed the connection")
+
+    def _connection(self, timeout: float, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to the server (and whether it was used before), its timeout set."""
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None or fresh:
+            if conn is not None:
+                conn.close()
+            kind = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+            conn = kind(self._host, self._port, timeout=timeout)
+            self._local.conn = conn
+            return conn, False
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, True
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
 
     def _result(self, req: Request, raw: bytes) -> Result:
         try:
