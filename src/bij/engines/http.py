@@ -4,7 +4,7 @@ bij keeps its own guarantees (shards, claims, commits, resume, error rows, publi
 sends each row's request to `model.http.baseUrl` and reads the answer. It is a continuous engine
 (submit / step, as vLLM): the worker keeps up to `maxInFlight` rows submitted, each is sent from a
 thread pool as soon as the congestion window has room, and a step returns whichever answers came
-back, so one slow row holds up no other:
+back, so one slow row holds up no other (each sending thread keeps its connection alive):
 
 - the window grows by one request per window's worth of successes (additive increase) and halves
   on a 429, a 503, a 504 or a timeout (multiplicative decrease, at most once per round trip), between
