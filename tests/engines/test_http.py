@@ -551,3 +551,20 @@ def test_connections_are_kept_alive_and_one_the_server_closed_while_idle_is_open
     assert [r.output for r in results] == [f"re: r{i}" for i in range(120)]
     assert set(answered.values()) == {1}  # each row answered once, none failed on a dropped connection
     assert len(connections) <= 120 // 3 + 8  # a connection per three rows, not one per row
+
+
+def test_rows_go_through_the_http_proxy_the_environment_names(server: FakeServer,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """As urllib honours HTTP_PROXY: the proxy (here the test server) gets each request with its absolute URL."""
+    from bij.engines.base import Request
+
+    monkeypatch.setenv("HTTP_PROXY", server.url)
+    monkeypatch.setenv("http_proxy", server.url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    spec = parse_spec({"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"},
+                       "model": {"engine": "http", "task": "generate", "name": "m",
+                                 "http": {"baseUrl": "http://fleet.example:8000/gw"}}})
+    results = create_engine("http", engine_config(spec)).run([Request(text="via proxy")])
+    assert [r.output for r in results] == ["re: via proxy"]
+    assert server.paths == ["http://fleet.example:8000/gw/v1/completions"]

@@ -29,6 +29,7 @@ import random
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -229,6 +230,10 @@ class HttpEngine(EngineBase):
         url = urllib.parse.urlsplit(self.base_url)
         self._scheme, self._host, self._port = url.scheme, url.hostname or "", url.port
         self._prefix = url.path  # a server behind a path: http://gateway/fleet-a
+        proxy = urllib.request.getproxies().get(url.scheme)
+        self._proxy = urllib.parse.urlsplit(proxy) if proxy and not urllib.request.proxy_bypass(url.netloc) else None
+        if self._proxy is not None and url.scheme == "http":
+            self._prefix = f"http://{url.netloc}{url.path}"  # a plain-http proxy takes the absolute URL
         self._local = threading.local()  # each sending thread's kept-alive connection
         auth = os.environ.get(AUTHORIZATION_ENV)
         if auth:
@@ -457,7 +462,12 @@ class HttpEngine(EngineBase):
             if conn is not None:
                 conn.close()
             kind = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
-            conn = kind(self._host, self._port, timeout=timeout)
+            if self._proxy is None:
+                conn = kind(self._host, self._port, timeout=timeout)
+            else:  # HTTP(S)_PROXY, as urllib honours it: http through the proxy, https tunnelled (CONNECT)
+                conn = kind(self._proxy.hostname or "", self._proxy.port, timeout=timeout)
+                if self._scheme == "https":
+                    conn.set_tunnel(self._host, self._port)
             self._local.conn = conn
             return conn, False
         conn.timeout = timeout
