@@ -72,11 +72,13 @@ api-demo: cluster-up
 # skipped, saying how to get it. It is never rebuilt here: `make test-vllm` does that when needed.
 # `make test` leaves out the tests marked slow (long cluster and fault suites) to stay under 20 minutes on a
 # warm machine; `make test-slow` runs them, and CI runs both.
+VLLM_TESTS = tests/engines/test_vllm.py tests/engines/test_http_vllm.py tests/worker/test_group.py
+
 test: install cluster-bin s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e and not slow and not vllm" $(PYTEST_ARGS)
 	@if [ -f $(VLLM_VENV)/.installed ]; then \
-		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/engines/test_vllm.py tests/worker/test_group.py"; \
-		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/engines/test_vllm.py tests/worker/test_group.py $(VLLM_PYTEST_ARGS); \
+		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm $(VLLM_TESTS)"; \
+		HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm $(VLLM_TESTS) $(VLLM_PYTEST_ARGS); \
 	else \
 		echo "make test: no $(VLLM_VENV), so the vLLM tier (tests/engines/test_vllm.py) was skipped: make vllm-env builds it"; \
 	fi
@@ -85,7 +87,7 @@ test-slow: install cluster-bin s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "slow and not e2e" $(PYTEST_ARGS)
 
 test-vllm: vllm-env
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm tests/engines/test_vllm.py tests/worker/test_group.py $(VLLM_PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm $(VLLM_TESTS) $(VLLM_PYTEST_ARGS)
 
 test-fast: install s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -51,11 +51,30 @@ class FakeServer:
         self.release = threading.Event()  # set to end hung requests
         self.arrivals: list[float] = []
         self.authorization: list[str | None] = []
+        self.models: list[str] | None = ["fleet-model"]  # what GET /v1/models lists; None: no such endpoint
+        self.gets: list[str | None] = []  # the Authorization header of each GET
+        self.get_verdict: tuple[int, str] | None = None  # (status, body) every GET answers instead
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 return None
+
+            def do_GET(self) -> None:
+                server.gets.append(self.headers.get("Authorization"))
+                if server.get_verdict is not None:
+                    status, text = server.get_verdict
+                elif self.path == "/v1/models" and server.models is not None:
+                    status, text = 200, json.dumps({"object": "list", "data": [
+                        {"id": m, "object": "model"} for m in server.models]})
+                else:
+                    status, text = 404, '{"detail": "Not Found"}'
+                out = text.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -361,3 +380,191 @@ def test_bij_run_killed_mid_job_resumes_without_resending_durable_rows(
     assert durable == 32
     resent = [row_key(b) for b in server.bodies[first:]]
     assert len(resent) == len(set(resent)) == 100 - durable  # each row not yet durable once, no other
+
+
+def http_engine(server: FakeServer, task: str = "generate", **http: Any) -> HttpEngine:
+    spec = parse_spec({"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"},
+                       "model": http_model(server, task, **http)})
+    engine = create_engine("http", engine_config(spec))
+    assert isinstance(engine, HttpEngine)
+    return engine
+
+
+def test_preflight_passes_when_v1_models_lists_the_served_model_and_sends_no_row(server: FakeServer) -> None:
+    http_engine(server).load()
+    assert len(server.gets) == 1 and server.bodies == []
+
+
+def test_preflight_names_the_url_and_the_models_served_when_the_served_model_is_wrong(server: FakeServer) -> None:
+    from bij.engines.http import ServerRefused
+
+    server.models = ["other-model", "third"]
+    with pytest.raises(ServerRefused, match=re.escape(f"{server.url}/v1/models does not list model.http.servedModel "
+                                                      "'fleet-model'; it serves: other-model, third")):
+        http_engine(server).load()
+    assert server.bodies == []
+
+
+@pytest.mark.parametrize(("status", "needle"), [
+    (401, "answered 401: the credential"), (403, "answered 403: the credential"),
+    (404, "answered 404: model.http.baseUrl or model.http.servedModel 'fleet-model' is wrong")])
+def test_preflight_refuses_a_wrong_credential_or_base_url_naming_url_and_status(
+        server: FakeServer, status: int, needle: str) -> None:
+    from bij.engines.http import ServerRefused
+
+    server.models = None  # a wrong baseUrl: nothing under it answers, POST neither
+    server.get_verdict = (status, '{"error": "nope"}')
+    server.policy = lambda body, n, total: (status, {}, '{"error": "nope"}')
+    with pytest.raises(ServerRefused, match=re.escape(f"preflight: {server.url}/v1/") + ".*" + re.escape(needle)):
+        http_engine(server).load()
+    assert len(server.gets) == 1  # not retried
+
+
+def test_preflight_without_a_model_list_sends_one_tiny_request(server: FakeServer) -> None:
+    server.models = None
+    http_engine(server, "chat").load()
+    [body] = server.bodies
+    assert server.paths == ["/v1/chat/completions"] and body["max_tokens"] == 1 and body["model"] == "fleet-model"
+
+
+def test_preflight_retries_a_busy_server_then_says_it_is_unreachable_not_misconfigured(server: FakeServer) -> None:
+    from bij.engines.http import ServerUnreachable
+
+    server.get_verdict = (503, "warming up")
+    with pytest.raises(ServerUnreachable, match=re.escape(f"{server.url}/v1/models answered 503 through 2 tries")):
+        http_engine(server, retries=1).load()
+    assert len(server.gets) == 2
+    server.get_verdict = None
+    http_engine(server, retries=1).load()  # up again: it passes
+
+
+def test_bij_run_against_a_wrong_served_model_fails_fast_without_error_rows(
+        server: FakeServer, file_place: Any, make_job: Any, worker_env: Any, bij_bin: Any) -> None:
+    import subprocess
+
+    server.models = ["the-real-model"]
+    rows = [{"id": i, "text": f"row {i}"} for i in range(50)]
+    spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows), model=http_model(server, "generate"))
+    start = time.monotonic()
+    done = subprocess.run([bij_bin("bij"), "run", str(spec)], env=worker_env(file_place), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"{server.url}/v1/models does not list model.http.servedModel 'fleet-model'" in done.stderr
+    assert "bad configuration" in done.stderr
+    assert server.bodies == []  # no row was sent, so none became an error row
+    assert not file_place.storage.exists(file_place.uri("out/manifest.json"))
+    assert time.monotonic() - start < 60
+
+
+SLOW_SERVER = """
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(0.02)
+        out = json.dumps({"choices": [{"text": "ok", "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+s = ThreadingHTTPServer(("127.0.0.1", 0), H)
+s.daemon_threads = True
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def test_a_lane_with_many_requests_waiting_spends_little_cpu_per_row() -> None:
+    """Hundreds of rows submitted and a window of a few dozen: waiting rows cost no CPU (the next in line
+    alone is woken), and neither do rows still unanswered when a step collects answers."""
+    import subprocess
+    import sys
+
+    from bij.engines.base import Request
+
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        url = f"http://127.0.0.1:{proc.stdout.readline().strip()}"
+        spec = parse_spec({"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"},
+                           "model": {"engine": "http", "task": "generate", "name": "m",
+                                     "http": {"baseUrl": url, "maxInFlight": 256}}})
+        engine = create_engine("http", engine_config(spec))
+        rows = 800
+        cpu = time.process_time()
+        results = engine.run([Request(text=f"r{i}") for i in range(rows)])
+        cpu = time.process_time() - cpu
+    finally:
+        proc.kill()
+        proc.wait()
+    assert [r.output for r in results] == ["ok"] * rows
+    assert cpu / rows < 0.0015, f"{cpu / rows * 1000:.2f} ms of CPU a row"
+
+
+def test_connections_are_kept_alive_and_one_the_server_closed_while_idle_is_opened_again() -> None:
+    """Rows reuse their thread's connection; a server that drops a kept connection without saying so (its
+    keep-alive timeout) costs no row a retry or an error."""
+    from bij.engines.base import Request
+
+    connections: list[int] = []
+    answered: Counter[str] = Counter()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+        def setup(self) -> None:
+            super().setup()
+            connections.append(1)
+            self.served = 0
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answered[body["prompt"]] += 1
+            out = json.dumps({"choices": [{"text": "re: " + body["prompt"], "finish_reason": "stop"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+            self.served += 1
+            self.close_connection = self.served % 3 == 0  # closed after the answer, unannounced
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        spec = parse_spec({"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"},
+                           "model": {"engine": "http", "task": "generate", "name": "m",
+                                     "http": {"baseUrl": f"http://127.0.0.1:{httpd.server_address[1]}",
+                                              "maxInFlight": 4, "retries": 0}}})
+        results = create_engine("http", engine_config(spec)).run([Request(text=f"r{i}") for i in range(120)])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert [r.output for r in results] == [f"re: r{i}" for i in range(120)]
+    assert set(answered.values()) == {1}  # each row answered once, none failed on a dropped connection
+    assert len(connections) <= 120 // 3 + 8  # a connection per three rows, not one per row
+
+
+def test_rows_go_through_the_http_proxy_the_environment_names(server: FakeServer,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """As urllib honours HTTP_PROXY: the proxy (here the test server) gets each request with its absolute URL."""
+    from bij.engines.base import Request
+
+    monkeypatch.setenv("HTTP_PROXY", server.url)
+    monkeypatch.setenv("http_proxy", server.url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    spec = parse_spec({"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"},
+                       "model": {"engine": "http", "task": "generate", "name": "m",
+                                 "http": {"baseUrl": "http://fleet.example:8000/gw"}}})
+    results = create_engine("http", engine_config(spec)).run([Request(text="via proxy")])
+    assert [r.output for r in results] == ["re: via proxy"]
+    assert server.paths == ["http://fleet.example:8000/gw/v1/completions"]

@@ -4,7 +4,7 @@ bij keeps its own guarantees (shards, claims, commits, resume, error rows, publi
 sends each row's request to `model.http.baseUrl` and reads the answer. It is a continuous engine
 (submit / step, as vLLM): the worker keeps up to `maxInFlight` rows submitted, each is sent from a
 thread pool as soon as the congestion window has room, and a step returns whichever answers came
-back, so one slow row holds up no other:
+back, so one slow row holds up no other (each sending thread keeps its connection alive):
 
 - the window grows by one request per window's worth of successes (additive increase) and halves
   on a 429, a 503, a 504 or a timeout (multiplicative decrease, at most once per round trip), between
@@ -12,21 +12,26 @@ back, so one slow row holds up no other:
 - a `Retry-After` on such an answer pauses every request of the lane until it has passed;
 - 408, 429, 5xx, timeouts and lost connections are retried, anything else is the row's error row at
   once; a row is sent at most `retries + 1` times, and its error row carries the last status and body.
+
+Before the lane's first row, `load` asks the server whether it serves `servedModel` (GET /v1/models, or one
+tiny request where the server has no such list): a wrong baseUrl, model or credential fails the lane as a
+bad configuration naming the URL and the status, instead of turning every row into an error row.
 """
 
 from __future__ import annotations
 
 import email.utils
+import http.client
 import json
 import os
 import queue
 import random
 import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +67,7 @@ STEP_WAIT = 0.5  # seconds a step waits for an answer before it hands control ba
 class _Send:
     """One submitted row: its request, its future, and whether the worker dropped it (abort)."""
 
+    tag: int
     request: Request
     future: Future[Result]
     dropped: bool = False
@@ -108,35 +114,47 @@ class Window:
         self._cut_at = 0  # a failure of a request sent before the last cut does not cut again
         self._queued = 0  # turns taken by acquire
         self._serving = 0  # the turn that may go next
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # Each waiting request's own condition, by turn: only the next in line is woken (waking all of up to
+        # maxInFlight waiting threads on every answer cost more CPU than sending).
+        self._waiting: dict[int, threading.Condition] = {}
 
     def acquire(self) -> int:
         """Wait for room in the window and for any Retry-After to pass, first come first served (rows go out
         in the order the worker submitted them, so chunks complete, and commit, in input order); returns the
         request's send number."""
-        with self._cond:
+        with self._lock:
             turn = self._queued
             self._queued += 1
+            me = threading.Condition(self._lock)
             while True:
                 now = time.monotonic()
                 if now < self._pause_until:
                     wait = self._pause_until - now
-                    self._cond.wait(wait)
+                    self._waiting[turn] = me
+                    me.wait(wait)
                     if turn == self._serving:  # count the pause once, not once per waiting request
                         self.paused_seconds += max(0.0, min(wait, time.monotonic() - now))
                     continue
                 if turn == self._serving and self.in_flight < int(self.size):
                     break
-                self._cond.wait()
+                self._waiting[turn] = me
+                me.wait()
+            self._waiting.pop(turn, None)
             self._serving += 1
-            self._cond.notify_all()  # the next in line may fit too
+            self._wake_next()  # the next in line may fit too
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             self.sent += 1
             return self.sent
 
+    def _wake_next(self) -> None:
+        nxt = self._waiting.get(self._serving)
+        if nxt is not None:
+            nxt.notify()
+
     def release(self, ticket: int, congested: bool, retry_after: float | None) -> None:
-        with self._cond:
+        with self._lock:
             self.in_flight -= 1
             if congested:
                 if ticket > self._cut_at:
@@ -149,12 +167,26 @@ class Window:
             else:
                 self.size = min(float(self.max), self.size + 1 / self.size)
                 self.largest = max(self.largest, self.size)
-            self._cond.notify_all()
+            self._wake_next()
 
     def stats(self) -> dict[str, Any]:
-        with self._cond:
+        with self._lock:
             return {"window": self.size, "smallest": self.smallest, "largest": self.largest, "cuts": self.cuts,
                     "sent": self.sent, "peakInFlight": self.peak_in_flight, "pausedSeconds": self.paused_seconds}
+
+
+class ServerRefused(ValueError):
+    """The server answered the preflight in a way no retry changes (401, 403, 404, a model it does not serve):
+    a bad configuration (a ValueError, as the worker treats a model that cannot load)."""
+
+
+class ServerUnreachable(ConnectionError):
+    """The server did not answer the preflight (no connection, a timeout, 429 or 5xx through every try): worth
+    retrying the lane later or elsewhere, not a bad configuration."""
+
+
+PREFLIGHT_TIMEOUT = 10.0  # seconds one preflight request may take at most
+PREFLIGHT_WAIT = 1.0  # seconds before the preflight's next try, doubled per try
 
 
 class HttpEngine(EngineBase):
@@ -189,16 +221,83 @@ class HttpEngine(EngineBase):
         self._queue: queue.SimpleQueue[_Send] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._sends: dict[int, _Send] = {}
+        # Sends whose answer came back, as they come: a step takes them in O(answers), where waiting on every
+        # submitted row's future (the worker keeps thousands submitted) cost more CPU than the requests.
+        self._done: queue.SimpleQueue[_Send] = queue.SimpleQueue()
         self.steps = 0
         self.occupied = 0
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        url = urllib.parse.urlsplit(self.base_url)
+        self._scheme, self._host, self._port = url.scheme, url.hostname or "", url.port
+        self._prefix = url.path  # a server behind a path: http://gateway/fleet-a
+        proxy = urllib.request.getproxies().get(url.scheme)
+        self._proxy = urllib.parse.urlsplit(proxy) if proxy and not urllib.request.proxy_bypass(url.netloc) else None
+        if self._proxy is not None and url.scheme == "http":
+            self._prefix = f"http://{url.netloc}{url.path}"  # a plain-http proxy takes the absolute URL
+        self._local = threading.local()  # each sending thread's kept-alive connection
         auth = os.environ.get(AUTHORIZATION_ENV)
         if auth:
             # A bare key is a bearer token; a value with a scheme ("Bearer x", "Basic y") is sent as it is.
             self._headers["Authorization"] = auth if " " in auth.strip() else f"Bearer {auth.strip()}"
 
     def load(self) -> None:
-        return None
+        """The preflight: the server answers, knows the credential and serves `servedModel` (see the module)."""
+        self.preflight()
+
+    def preflight(self) -> None:
+        """GET /v1/models must list servedModel; a server without that list (404, 405) answers one tiny request
+        instead. Raises ServerRefused (a bad configuration) or ServerUnreachable (worth a later retry)."""
+        answer = self._try(lambda: self._call("GET", "/v1/models", None, min(self.timeout, PREFLIGHT_TIMEOUT)))
+        if answer.status is not None and 200 <= answer.status < 300:
+            served = self._listed_models(answer.body)
+            if served is None or self.served_model in served:
+                return
+            listed = ", ".join(sorted(served)[:20]) or "none"
+            raise ServerRefused(f"{self.base_url}/v1/models does not list model.http.servedModel "
+                                f"{self.served_model!r}; it serves: {listed}")
+        if answer.status in (404, 405, 501):  # no model list here: one tiny request shows what the rows would meet
+            tiny = self.body(Request(text="Hi", max_tokens=1, temperature=0.0))
+            answer = self._try(lambda: self._call("POST", self.path, json.dumps(tiny).encode(), self.timeout))
+            if answer.status is not None and 200 <= answer.status < 300:
+                return
+            self._refuse(answer, self.path)
+        self._refuse(answer, "/v1/models")
+
+    def _refuse(self, answer: _Answer, path: str) -> None:
+        url = self.base_url + path
+        if answer.status is None:
+            raise ServerUnreachable(f"preflight: no answer from {url} after {self.retries + 1} tries: {answer.reason}")
+        body = answer.body.decode("utf-8", "replace")[:BODY_CUT]
+        if answer.status in RETRYABLE:
+            raise ServerUnreachable(f"preflight: {url} answered {answer.status} through {self.retries + 1} tries: "
+                                    f"{body}")
+        hint = {401: "the credential (model.http.headersSecret, or env BIJ_HTTP_AUTHORIZATION) is missing or wrong",
+                403: "the credential (model.http.headersSecret, or env BIJ_HTTP_AUTHORIZATION) may not use it",
+                404: f"model.http.baseUrl or model.http.servedModel {self.served_model!r} is wrong"}.get(
+                    answer.status, f"it refuses a one-token request for model {self.served_model!r}")
+        raise ServerRefused(f"preflight: {url} answered {answer.status}: {hint}: {body}")
+
+    def _try(self, call: Any) -> _Answer:
+        """One preflight request, tried again (retries + 1 times in all) while it is retryable."""
+        answer = _Answer(None)
+        for attempt in range(self.retries + 1):
+            answer = call()
+            if answer.status is not None and answer.status not in RETRYABLE:
+                return answer
+            if attempt < self.retries:
+                time.sleep(answer.retry_after if answer.retry_after is not None
+                           else min(BACKOFF_MAX, PREFLIGHT_WAIT * 2 ** attempt))
+        return answer
+
+    @staticmethod
+    def _listed_models(raw: bytes) -> set[str] | None:
+        """The ids an OpenAI /v1/models answer lists; None when the answer is not such a list (then it proves
+        only that the server answers)."""
+        try:
+            data = json.loads(raw)["data"]
+            return {str(m["id"]) for m in data}
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
         return estimate_many(request_texts(requests))
@@ -249,7 +348,7 @@ class HttpEngine(EngineBase):
                 t = threading.Thread(target=self._serve, name=f"bij-http-{i}", daemon=True)
                 t.start()
                 self._threads.append(t)
-        send = _Send(request, Future())
+        send = _Send(tag, request, Future())
         self._sends[tag] = send
         self._queue.put(send)
 
@@ -262,6 +361,7 @@ class HttpEngine(EngineBase):
                 send.future.set_result(self._row(send))
             except BaseException as e:  # the worker sees it when it takes the row's result
                 send.future.set_exception(e)
+            self._done.put(send)
 
     def unfinished(self) -> int:
         return len(self._sends)
@@ -270,11 +370,21 @@ class HttpEngine(EngineBase):
         """The rows whose answers (or final errors) came back: waits for the first, at most STEP_WAIT."""
         if not self._sends:
             return []
-        wait([s.future for s in self._sends.values()], timeout=STEP_WAIT, return_when=FIRST_COMPLETED)
+        came: list[_Send] = []
+        try:
+            came.append(self._done.get(timeout=STEP_WAIT))
+            while True:
+                came.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
         self.steps += 1
         self.occupied += self.window.in_flight
-        done = [tag for tag, s in self._sends.items() if s.future.done()]
-        return [(tag, self._sends.pop(tag).future.result()) for tag in done]
+        out = []
+        for send in came:
+            if self._sends.get(send.tag) is send:  # not a dropped row's late answer (its tag may be reused)
+                del self._sends[send.tag]
+                out.append((send.tag, send.future.result()))
+        return out
 
     def abort(self, tags: Sequence[int] | None = None) -> None:
         """Drop rows not yet returned: one not yet sent is never sent, one on the wire is not sent again."""
@@ -316,24 +426,60 @@ class HttpEngine(EngineBase):
                       extra={"code": code, "status": answer.status})
 
     def _send(self, data: bytes) -> _Answer:
-        req = urllib.request.Request(self.base_url + self.path, data=data, headers=self._headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return _Answer(resp.status, resp.read())
-        except urllib.error.HTTPError as e:
+        return self._call("POST", self.path, data, self.timeout)
+
+    def _call(self, method: str, path: str, data: bytes | None, timeout: float) -> _Answer:
+        """One request on this thread's kept-alive connection (a new TCP connection per row cost more CPU than
+        the rest of the row); a kept connection the server closed meanwhile is opened again once."""
+        for fresh in (False, True):
+            conn, reused = self._connection(timeout, fresh)
             try:
-                body = e.read()
-            except OSError:
-                body = b""
-            return _Answer(e.code, body, retry_after_seconds(e.headers.get("Retry-After") if e.headers else None))
-        except TimeoutError as e:
-            return _Answer(None, timed_out=True, reason=f"timed out after {self.timeout:g}s ({e})")
-        except urllib.error.URLError as e:
-            timed_out = isinstance(e.reason, TimeoutError)
-            why = f"timed out after {self.timeout:g}s" if timed_out else str(e.reason)
-            return _Answer(None, timed_out=timed_out, reason=why)
-        except (ConnectionError, OSError) as e:  # a connection reset mid-answer, a closed socket
-            return _Answer(None, reason=str(e) or type(e).__name__)
+                conn.request(method, self._prefix + path, body=data, headers=self._headers)
+                resp = conn.getresponse()
+                body = resp.read()
+            except TimeoutError as e:
+                self._drop_connection()
+                return _Answer(None, timed_out=True, reason=f"timed out after {timeout:g}s ({e})")
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                self._drop_connection()
+                if reused:  # closed while idle (a server's keep-alive timeout): not this request's fault
+                    continue
+                return _Answer(None, reason=str(e) or type(e).__name__)
+            except (OSError, http.client.HTTPException) as e:  # refused, unknown host, a garbled answer
+                self._drop_connection()
+                return _Answer(None, reason=str(e) or type(e).__name__)
+            if resp.will_close:
+                self._drop_connection()
+            if 200 <= resp.status < 300:
+                return _Answer(resp.status, body)
+            return _Answer(resp.status, body, retry_after_seconds(resp.getheader("Retry-After")))
+        return _Answer(None, reason="the server closed the connection")
+
+    def _connection(self, timeout: float, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to the server (and whether it was used before), its timeout set."""
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None or fresh:
+            if conn is not None:
+                conn.close()
+            kind = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+            if self._proxy is None:
+                conn = kind(self._host, self._port, timeout=timeout)
+            else:  # HTTP(S)_PROXY, as urllib honours it: http through the proxy, https tunnelled (CONNECT)
+                conn = kind(self._proxy.hostname or "", self._proxy.port, timeout=timeout)
+                if self._scheme == "https":
+                    conn.set_tunnel(self._host, self._port)
+            self._local.conn = conn
+            return conn, False
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, True
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
 
     def _result(self, req: Request, raw: bytes) -> Result:
         try:
