@@ -148,3 +148,30 @@ def build_marker_model(path: Path, max_positions: int = 320) -> Path:
             model.lm_head.weight[ids[MARKER_CHAIN.get(word, "</s>")], i] = 10.0
     model.save_pretrained(path)
     return path
+
+
+# Labels of the tiny classifier, named as a real model's config.id2label names them.
+CLASSIFIER_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+BERT_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *CHAIN, *OTHER, "the", "cat", "dog", "sat", "ran",
+              "on", "mat", "fast", "what", "is", "a", "pet"]
+
+
+def build_bert_head(path: Path, *, num_labels: int, id2label: dict[int, str] | None = None,
+                    max_positions: int = MAX_POSITIONS) -> Path:
+    """Save a tiny BERT with a sequence-classification head (random weights) and its WordPiece tokenizer:
+    a classifier with `id2label`, or with one label a cross-encoder as sentence-transformers' CrossEncoder
+    loads it (the pair as [CLS] a [SEP] b [SEP])."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = path / "vocab.txt"
+    vocab.write_text("\n".join(dict.fromkeys(BERT_WORDS)) + "\n")
+    BertTokenizerFast(vocab_file=str(vocab), model_max_length=max_positions).save_pretrained(path)
+    torch.manual_seed(1)
+    labels = id2label or {i: f"LABEL_{i}" for i in range(num_labels)}
+    config = BertConfig(vocab_size=len(dict.fromkeys(BERT_WORDS)), hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=max_positions,
+                        num_labels=num_labels, initializer_range=0.5, id2label=labels, label2id={v: k for k, v in labels.items()})
+    BertForSequenceClassification(config).eval().save_pretrained(path)
+    return path
