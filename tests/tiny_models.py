@@ -162,16 +162,24 @@ def build_bert_head(path: Path, *, num_labels: int, id2label: dict[int, str] | N
     a classifier with `id2label`, or with one label a cross-encoder as sentence-transformers' CrossEncoder
     loads it (the pair as [CLS] a [SEP] b [SEP])."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = path / "vocab.txt"
-    vocab.write_text("\n".join(dict.fromkeys(BERT_WORDS)) + "\n")
-    BertTokenizerFast(vocab_file=str(vocab), model_max_length=max_positions).save_pretrained(path)
+    ids = {w: i for i, w in enumerate(dict.fromkeys(BERT_WORDS))}
+    tk = Tokenizer(models.WordPiece(vocab=ids, unk_token="[UNK]"))
+    tk.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+    PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=max_positions, unk_token="[UNK]",
+                            pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                            mask_token="[MASK]",
+                            model_input_names=["input_ids", "token_type_ids", "attention_mask"]).save_pretrained(path)
     torch.manual_seed(1)
     labels = id2label or {i: f"LABEL_{i}" for i in range(num_labels)}
-    config = BertConfig(vocab_size=len(dict.fromkeys(BERT_WORDS)), hidden_size=32, num_hidden_layers=2,
+    config = BertConfig(vocab_size=len(ids), hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=max_positions,
-                        num_labels=num_labels, initializer_range=0.5, id2label=labels, label2id={v: k for k, v in labels.items()})
+                        num_labels=num_labels, initializer_range=0.2, id2label=labels, label2id={v: k for k, v in labels.items()})
     BertForSequenceClassification(config).eval().save_pretrained(path)
     return path

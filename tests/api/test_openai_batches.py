@@ -181,7 +181,7 @@ def test_an_embedding_model_serves_only_the_embeddings_endpoint() -> None:
     template = models.template("minilm") or {}
     common = dict(input_uri="file:///f/in.jsonl", output_uri="file:///f/out/", deadline_seconds=None)
     assert parse_job(job_doc("b", "ns", template, task="embed", **common)).spec.model.task == "embed"
-    with pytest.raises(SpecError, match="only supports task embed"):
+    with pytest.raises(SpecError, match="supports tasks embed, classify, score and rerank"):
         parse_job(job_doc("b", "ns", template, task="chat", **common))
 
 

@@ -213,10 +213,12 @@ class CrossEncoderEngine(_PairEngine):
         self.tokenizer = model.tokenizer
         tok_max = self.tokenizer.model_max_length if self.tokenizer.model_max_length < 1 << 30 else None
         positions = getattr(model.config, "max_position_embeddings", None)
-        limits = [n for n in (model.max_length, tok_max, positions, self.config.max_input_tokens) if n]
+        # sentence-transformers 5.x calls it max_seq_length (max_length before, a deprecated alias now).
+        length_name = "max_seq_length" if hasattr(model, "max_seq_length") else "max_length"
+        limits = [n for n in (getattr(model, length_name), tok_max, positions, self.config.max_input_tokens) if n]
         self._limit = min(limits) if limits else None
-        # predict() cuts every pair to max_length, as the tokenizer cuts pairs.
-        model.max_length = self._limit
+        # predict() cuts every pair to it, as the tokenizer cuts pairs.
+        setattr(model, length_name, self._limit)
         self.model = model
 
     def _outputs(self, pairs: list[tuple[str, str | None]]) -> list[list[float]]:
