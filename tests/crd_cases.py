@@ -43,6 +43,8 @@ BAD = [
      "spec.model: Invalid value: engine sentence-transformers supports tasks embed, classify, score and rerank"),
     ("transformers-embedding", with_spec(model={"engine": "transformers", "task": "embed"}),
      "spec.model: Invalid value: engine transformers supports tasks generate, chat, classify, score and rerank"),
+    ("a-classifier-without-a-model", with_spec(model={"engine": "sentence-transformers", "task": "rerank"}),
+     "spec.model: Invalid value: model.task classify, score and rerank need model.name"),
     ("echo-reranking", with_spec(model={"task": "rerank"}),
      "spec.model: Invalid value: engine echo supports tasks embed, generate and chat"),
     ("vllm-scoring", with_spec(model={"engine": "vllm", "name": "m", "task": "score"}),

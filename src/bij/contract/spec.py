@@ -114,6 +114,8 @@ def _engine_task_rule(engine: str) -> dict[str, Any]:
                engine_tasks_message(engine))
 
 
+POOLING_NEEDS_NAME = ("model.task classify, score and rerank need model.name: a sequence-classification model "
+                      "(classify) or a cross-encoder with one label (score, rerank); no packaged model runs them")
 JUDGE_NEEDS_TEXT = "judge needs a generate or chat task: embeddings and pooling tasks have no text to judge"
 GPUS_FOR_VLLM = (
     "workers.gpus must be at least model.vllm.tensorParallelSize x model.vllm.pipelineParallelSize "
@@ -548,6 +550,8 @@ class ModelSpec(_Model):
     # has(): the API server also checks each rule against the bare default {} (no nested defaults).
     model_config = ConfigDict(json_schema_extra=k8s(
         *(_engine_task_rule(engine) for engine in ENGINE_TASKS),
+        cel("!has(self.task) || !(self.task in ['classify', 'score', 'rerank']) || has(self.name)",
+            POOLING_NEEDS_NAME),
         cel("!has(self.engine) || self.engine != 'http' || (has(self.http) && has(self.http.baseUrl))",
             HTTP_NEEDS_URL)))
 
@@ -631,6 +635,8 @@ class ModelSpec(_Model):
     def _task_fits_engine(self) -> ModelSpec:
         if self.task not in ENGINE_TASKS[self.engine]:
             raise ValueError(engine_tasks_message(self.engine))
+        if self.task in POOLING_TASKS and self.name is None:
+            raise ValueError(POOLING_NEEDS_NAME)
         if self.engine == "http":
             if self.http is None or self.http.base_url is None:
                 raise ValueError(HTTP_NEEDS_URL)
