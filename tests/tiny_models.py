@@ -180,6 +180,7 @@ def build_bert_head(path: Path, *, num_labels: int, id2label: dict[int, str] | N
     labels = id2label or {i: f"LABEL_{i}" for i in range(num_labels)}
     config = BertConfig(vocab_size=len(ids), hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=max_positions,
-                        num_labels=num_labels, initializer_range=0.2, id2label=labels, label2id={v: k for k, v in labels.items()})
+                        num_labels=num_labels, initializer_range=0.2, id2label=labels,
+                        label2id={v: k for k, v in labels.items()})
     BertForSequenceClassification(config).eval().save_pretrained(path)
     return path

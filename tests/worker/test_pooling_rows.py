@@ -89,15 +89,18 @@ def test_a_label_column_is_carried_as_any_column_by_the_other_tasks():
 
 @pytest.mark.parametrize("url, body, message", [
     ("/v1/score", {"text_1": "a"}, "body.text_2 is required"),
-    ("/v1/score", {"text_1": ["a", "b"], "text_2": "c"}, "body.text_1 must be a string (one text per line), got a list"),
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": "c"},
+     "body.text_1 must be a string (one text per line), got a list"),
     ("/v1/rerank", {"query": "q", "documents": "d"}, "body.documents must be a non-empty list of strings"),
     ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "body.top_n must be a non-negative integer"),
-    ("/v1/rerank", {"query": "q", "documents": ["d"], "temperature": 0}, "body.temperature is not a field of /v1/rerank"),
+    ("/v1/rerank", {"query": "q", "documents": ["d"], "temperature": 0},
+     "body.temperature is not a field of /v1/rerank"),
     ("/classify", {"model": "m"}, "body.input must be a string (one text per line), got missing"),
 ])
 def test_an_openai_pooling_line_with_a_bad_body_is_an_error_row_naming_the_field(url, body, message):
     task = {"/v1/score": "score", "/v1/rerank": "rerank", "/classify": "classify"}[url]
-    row = parse({"custom_id": "c", "method": "POST", "url": url, "body": body}, InputOptions(format="openai", task=task))
+    row = parse({"custom_id": "c", "method": "POST", "url": url, "body": body},
+                InputOptions(format="openai", task=task))
     assert row.request is None and row.id == "c" and message in row.error
 
 

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from bij.contract.columns import clash_message, consumed, result_fields
 from bij.contract.columns import carried as carried_columns
+from bij.contract.columns import clash_message, consumed, result_fields
 from bij.contract.prompt import TEMPLATE_ERROR, PromptError, compiled_template, render
 from bij.contract.sampling import (
     ADAPTERS,
@@ -383,7 +383,8 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions
     says what is wrong and where (a column that clashes with a result field too).
     """
     if opts.format != "jsonl" or not lines or opts.prompt is not None or opts.task in ("score", "rerank") or (
-            opts.task in ("generate", "chat") and over_budget(opts.max_tokens, opts.sampling, opts.row_budget, _SPELLED)):
+            opts.task in ("generate", "chat")
+            and over_budget(opts.max_tokens, opts.sampling, opts.row_budget, _SPELLED)):
         return None
     try:
         objs = list(map(orjson.loads, lines))
@@ -514,9 +515,9 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
         return _bad(at, "unsupported", refused, rid)
     if opts.task in ("score", "rerank"):
         req = _request(opts, own, text=text, adapter=adapter)
-        problem = _pooling_texts(req, obj, opts.task, opts.pair_field, opts.documents_field, "field ")
-        if problem is not None:
-            return _bad(at, problem[0], problem[1], rid)
+        bad_field = _pooling_texts(req, obj, opts.task, opts.pair_field, opts.documents_field, "field ")
+        if bad_field is not None:
+            return _bad(at, bad_field[0], bad_field[1], rid)
         return Row(at=at, id=rid, request=req, generated_id=generated)
     if opts.task == "chat":
         system = [{"role": "system", "content": opts.system}] if opts.system is not None else []
