@@ -157,10 +157,10 @@ BERT_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *CHAIN, *OTHER, "the
 
 
 def build_bert_head(path: Path, *, num_labels: int, id2label: dict[int, str] | None = None,
-                    max_positions: int = MAX_POSITIONS) -> Path:
+                    max_positions: int = MAX_POSITIONS, hidden_size: int = 32) -> Path:
     """Save a tiny BERT with a sequence-classification head (random weights) and its WordPiece tokenizer:
     a classifier with `id2label`, or with one label a cross-encoder as sentence-transformers' CrossEncoder
-    loads it (the pair as [CLS] a [SEP] b [SEP])."""
+    loads it (the pair as [CLS] a [SEP] b [SEP]). vLLM's CPU attention wants heads of 64: hidden_size=128."""
     import torch
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
@@ -178,7 +178,7 @@ def build_bert_head(path: Path, *, num_labels: int, id2label: dict[int, str] | N
                             model_input_names=["input_ids", "token_type_ids", "attention_mask"]).save_pretrained(path)
     torch.manual_seed(1)
     labels = id2label or {i: f"LABEL_{i}" for i in range(num_labels)}
-    config = BertConfig(vocab_size=len(ids), hidden_size=32, num_hidden_layers=2,
+    config = BertConfig(vocab_size=len(ids), hidden_size=hidden_size, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=max_positions,
                         num_labels=num_labels, initializer_range=0.2, id2label=labels,
                         label2id={v: k for k, v in labels.items()})

@@ -95,7 +95,7 @@ ENGINE_TASKS: dict[str, tuple[str, ...]] = {
     "echo": ("embed", "generate", "chat"),
     "sentence-transformers": ("embed", *POOLING_TASKS),
     "transformers": ("generate", "chat", *POOLING_TASKS),
-    "vllm": ("generate", "chat", "embed"),
+    "vllm": ("generate", "chat", "embed", *POOLING_TASKS),
     "simulated": ("embed", "generate", "chat"),
     "http": ("embed", "generate", "chat"),
 }
@@ -568,8 +568,8 @@ class ModelSpec(_Model):
     """embed (a vector per row), generate (a completion of the row's text), chat (an answer to the row's messages),
     classify (a label and class probabilities for the row's text: a sequence-classification model), score (the
     relevance of input.pairField to input.textField: a cross-encoder) or rerank (input.documentsField ranked by
-    relevance to input.queryField: a cross-encoder); classify, score and rerank run on engines transformers and
-    sentence-transformers"""
+    relevance to input.queryField: a cross-encoder); classify, score and rerank run on engines transformers,
+    sentence-transformers and vllm"""
     # No defaults here (nor in the CRD): unset is None, so a spec the API server defaulted still tells
     # whether its user set these or model.sampling's (sampling.SPEC_DEFAULTS applies where neither does).
     max_tokens: int | None = Field(None, ge=1)

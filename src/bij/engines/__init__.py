@@ -19,6 +19,10 @@ def create_engine(engine: str, config: EngineConfig) -> Engine:
         if engine == "sentence-transformers" and config.task != "classify":
             return CrossEncoderEngine(config)
         return SequenceClassifierEngine(config)
+    if engine == "vllm" and config.task in ("classify", "score", "rerank"):
+        from bij.engines.vllm_pooling import VllmPoolingEngine
+
+        return VllmPoolingEngine(config)
     if engine == "sentence-transformers":
         from bij.engines.sentence_transformers import SentenceTransformersEngine
 
