@@ -1,7 +1,9 @@
 """Parquet: result files that publish writes, and input objects read by row groups.
 
 Output: one file per shard, zstd-compressed, with `id`, then `embedding` (a list of
-float32) for embed or `output` and the usage columns for generate and chat, `truncated`,
+float32) for embed, `output` and the usage columns for generate and chat, or the pooling
+tasks' own (`label` and `probs`, a list of float32, for classify; `score`; rerank's `results`,
+a list of {index, relevance_score}) and `prompt_tokens`, then `truncated`,
 and `attempts` / `round` when a judge ran, then the rows' pass-through columns (their
 types read from the values in that file; a column of mixed types holds JSON text; an integer
 beyond 64 bits is refused, `BeyondInt64`).
