@@ -52,7 +52,8 @@ def test_vllm_reranks_and_scores_as_the_cross_encoder_head_does(tmp_path: Path) 
             assert g.prompt_tokens == w.prompt_tokens
         served.config = EngineConfig(task="score", name=str(path), vllm=KNOBS, truncate=True)  # same LLM
         direct.config = EngineConfig(task="score", name=str(path), device="cpu", truncate=True)
-        pairs = [Request(text=QUERY, pair=d) for d in DOCUMENTS]
+        # the last pair is over the 128 positions: both cut it to them (model.truncate)
+        pairs = [Request(text=QUERY, pair=d) for d in [*DOCUMENTS, " ".join(["the cat sat"] * 60)]]
         assert [r.pooled["score"] for r in served.run(pairs)] == pytest.approx(
             [r.pooled["score"] for r in direct.run(pairs)], abs=1e-2)
     finally:
@@ -68,5 +69,29 @@ def test_vllm_classifies_with_the_labels_of_id2label(tmp_path: Path) -> None:
         for g, w in zip(served.run(rows), direct.run(rows), strict=True):
             assert g.pooled["probs"] == pytest.approx(w.pooled["probs"], abs=1e-2)
             assert g.pooled["label"] == w.pooled["label"] and g.pooled["label"] in CLASSIFIER_LABELS.values()
+    finally:
+        adapter.shutdown_llm()
+
+
+def test_rerank_rows_run_through_the_worker_on_vllm_and_bad_rows_are_error_rows(
+        tmp_path: Path, file_place: Any, make_job: Any, run_shards: Any, read_output: Any) -> None:
+    from bij.steps.publish import publish
+
+    path = build_bert_head(tmp_path / "ce", num_labels=1, max_positions=128, hidden_size=128)
+    lines = [{"id": i, "query": QUERY, "documents": DOCUMENTS[: i + 1]} for i in range(3)]
+    lines.append({"id": "bad", "query": QUERY, "documents": [1, 2]})
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", lines),
+                      model={"engine": "vllm", "task": "rerank", "name": str(path), "vllm": {"maxModelLen": 128}})
+    served, direct = engines(path, "rerank")
+    try:
+        run_shards(job, served)
+        publish(job)
+        out = read_output(job)
+        want = direct.run([Request(text=QUERY, documents=DOCUMENTS[: i + 1]) for i in range(3)])
+        by_id = {r["id"]: r["results"] for r in out.results}
+        assert [[r["index"] for r in by_id[i]] for i in range(3)] == \
+            [[r["index"] for r in w.pooled["results"]] for w in want]
+        assert [(e["id"], e["error"]["code"]) for e in out.errors] == [("bad", "invalid_text")]
+        assert "field 'documents'[0] must be a string, got int" in out.errors[0]["error"]["message"]
     finally:
         adapter.shutdown_llm()
