@@ -72,7 +72,7 @@ api-demo: cluster-up
 # skipped, saying how to get it. It is never rebuilt here: `make test-vllm` does that when needed.
 # `make test` leaves out the tests marked slow (long cluster and fault suites) to stay under 20 minutes on a
 # warm machine; `make test-slow` runs them, and CI runs both.
-VLLM_TESTS = tests/engines/test_vllm.py tests/engines/test_http_vllm.py tests/worker/test_group.py
+VLLM_TESTS = tests/engines/test_vllm.py tests/engines/test_http_vllm.py tests/engines/test_vllm_pooling.py tests/worker/test_group.py
 
 test: install cluster-bin s3-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e and not slow and not vllm" $(PYTEST_ARGS)

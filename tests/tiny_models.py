@@ -148,3 +148,39 @@ def build_marker_model(path: Path, max_positions: int = 320) -> Path:
             model.lm_head.weight[ids[MARKER_CHAIN.get(word, "</s>")], i] = 10.0
     model.save_pretrained(path)
     return path
+
+
+# Labels of the tiny classifier, named as a real model's config.id2label names them.
+CLASSIFIER_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+BERT_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *CHAIN, *OTHER, "the", "cat", "dog", "sat", "ran",
+              "on", "mat", "fast", "what", "is", "a", "pet"]
+
+
+def build_bert_head(path: Path, *, num_labels: int, id2label: dict[int, str] | None = None,
+                    max_positions: int = MAX_POSITIONS, hidden_size: int = 32) -> Path:
+    """Save a tiny BERT with a sequence-classification head (random weights) and its WordPiece tokenizer:
+    a classifier with `id2label`, or with one label a cross-encoder as sentence-transformers' CrossEncoder
+    loads it (the pair as [CLS] a [SEP] b [SEP]). vLLM's CPU attention wants heads of 64: hidden_size=128."""
+    import torch
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+    ids = {w: i for i, w in enumerate(dict.fromkeys(BERT_WORDS))}
+    tk = Tokenizer(models.WordPiece(vocab=ids, unk_token="[UNK]"))
+    tk.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+    PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=max_positions, unk_token="[UNK]",
+                            pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                            mask_token="[MASK]",
+                            model_input_names=["input_ids", "token_type_ids", "attention_mask"]).save_pretrained(path)
+    torch.manual_seed(1)
+    labels = id2label or {i: f"LABEL_{i}" for i in range(num_labels)}
+    config = BertConfig(vocab_size=len(ids), hidden_size=hidden_size, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=max_positions,
+                        num_labels=num_labels, initializer_range=0.2, id2label=labels,
+                        label2id={v: k for k, v in labels.items()})
+    BertForSequenceClassification(config).eval().save_pretrained(path)
+    return path

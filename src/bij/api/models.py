@@ -36,7 +36,9 @@ from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
 
 # The endpoints a batch may name, and the model.task each runs as.
 ENDPOINTS: dict[str, str] = {"/v1/chat/completions": "chat", "/v1/completions": "generate", "/v1/embeddings": "embed",
-                             "/v1/responses": "chat"}
+                             "/v1/responses": "chat",
+                             # vLLM's pooling endpoints (a classifier, a cross-encoder)
+                             "/classify": "classify", "/v1/score": "score", "/v1/rerank": "rerank"}
 # The parts of a bij spec a model's entry may set; the server sets the others.
 TEMPLATE_KEYS = frozenset({"model", "workers", "batching", "sharding", "storage", "maxErrorRatio"})
 

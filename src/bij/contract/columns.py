@@ -26,6 +26,16 @@ RESULT_FIELDS = frozenset({
     "id", "id_int", "output", "embedding", "usage", "prompt_tokens", "completion_tokens", "choices",
     "truncated", "attempts", "round", "verdicts", "error", "object", "offset", "_bij",
 })
+# The pooling tasks' own result fields (model.task classify, score, rerank): in a job of that task an
+# input column of such a name clashes as a RESULT_FIELDS one does; other tasks carry it as any column.
+TASK_FIELDS: dict[str, frozenset[str]] = {
+    "classify": frozenset({"label", "probs"}), "score": frozenset({"score"}), "rerank": frozenset({"results"}),
+}
+
+
+def result_fields(task: str) -> frozenset[str]:
+    """The names a published row of `task` uses itself: RESULT_FIELDS and the task's own."""
+    return RESULT_FIELDS | TASK_FIELDS.get(task, frozenset())
 
 
 def consumed(id_field: str, text_field: str, messages_field: str | None, sampling_field: str,

@@ -58,7 +58,7 @@ class PublishPlan(BaseModel):
     buckets: int
     compression: Literal["zstd", "none"]
     format: OutputFormat  # spec.output.format (openai input publishes JSON lines)
-    task: Literal["embed", "generate", "chat"]
+    task: Literal["embed", "generate", "chat", "classify", "score", "rerank"]
     judge: bool
     id_kind: str | None  # the Parquet id column's type; None for JSON lines
     file_rows: int | None = None  # None: publish_rows.FILE_ROWS

@@ -89,6 +89,34 @@ SYSTEM_NEEDS_CHAT = (
     "prompt.system is a chat system message and needs model.task chat; for generate or embed put the "
     "instruction in prompt.template"
 )
+# The tasks each engine runs (model.task); the CRD's rules and the Python check are made from this table.
+POOLING_TASKS = ("classify", "score", "rerank")
+ENGINE_TASKS: dict[str, tuple[str, ...]] = {
+    "echo": ("embed", "generate", "chat"),
+    "sentence-transformers": ("embed", *POOLING_TASKS),
+    "transformers": ("generate", "chat", *POOLING_TASKS),
+    "vllm": ("generate", "chat", "embed", *POOLING_TASKS),
+    "simulated": ("embed", "generate", "chat"),
+    "http": ("embed", "generate", "chat"),
+}
+
+
+def engine_tasks_message(engine: str) -> str:
+    """Why a spec's task is refused for `engine`: the tasks it runs."""
+    *first, last = ENGINE_TASKS[engine]
+    return f"engine {engine} supports tasks {', '.join(first)} and {last}" if first else \
+        f"engine {engine} only supports task {last}"
+
+
+def _engine_task_rule(engine: str) -> dict[str, Any]:
+    tasks = ", ".join(f"'{t}'" for t in ENGINE_TASKS[engine])
+    return cel(f"!has(self.task) || (has(self.engine) ? self.engine : 'echo') != '{engine}' || self.task in [{tasks}]",
+               engine_tasks_message(engine))
+
+
+POOLING_NEEDS_NAME = ("model.task classify, score and rerank need model.name: a sequence-classification model "
+                      "(classify) or a cross-encoder with one label (score, rerank); no packaged model runs them")
+JUDGE_NEEDS_TEXT = "judge needs a generate or chat task: embeddings and pooling tasks have no text to judge"
 GPUS_FOR_VLLM = (
     "workers.gpus must be at least model.vllm.tensorParallelSize x model.vllm.pipelineParallelSize "
     "with model.engine vllm (leave workers.gpus unset for exactly that many)"
@@ -194,6 +222,12 @@ class InputSpec(_Model):
     unsupported error rows"""
     adapter_field: str = "adapter"
     """field (JSONL) or column (Parquet) naming a row's LoRA adapter from model.adapters"""
+    pair_field: str = "pair"
+    """task score: field (JSONL) or column (Parquet) holding the text scored against textField's"""
+    query_field: str = "query"
+    """task rerank: field (JSONL) or column (Parquet) holding the query"""
+    documents_field: str = "documents"
+    """task rerank: field (JSONL) or column (Parquet) holding the list of texts ranked against the query"""
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1024, le=1 << 31, json_schema_extra=INT64)
     """a longer input line is an error row (its bytes are never held in memory)"""
     max_image_bytes: int = Field(DEFAULT_MAX_IMAGE_BYTES, ge=1, le=1 << 31, json_schema_extra=INT64)
@@ -515,10 +549,9 @@ class StructuredOutputSpec(_Model):
 class ModelSpec(_Model):
     # has(): the API server also checks each rule against the bare default {} (no nested defaults).
     model_config = ConfigDict(json_schema_extra=k8s(
-        cel("!has(self.engine) || !has(self.task) || self.engine != 'sentence-transformers' || self.task == 'embed'",
-            "engine sentence-transformers only supports task embed"),
-        cel("!has(self.engine) || !has(self.task) || self.engine != 'transformers' || self.task != 'embed'",
-            "engine transformers supports tasks generate and chat, not embed"),
+        *(_engine_task_rule(engine) for engine in ENGINE_TASKS),
+        cel("!has(self.task) || !(self.task in ['classify', 'score', 'rerank']) || has(self.name)",
+            POOLING_NEEDS_NAME),
         cel("!has(self.engine) || self.engine != 'http' || (has(self.http) && has(self.http.baseUrl))",
             HTTP_NEEDS_URL)))
 
@@ -531,8 +564,12 @@ class ModelSpec(_Model):
     served_name: str | None = Field(None, max_length=256)
     """the name OpenAI batch lines use for the base model (body.model) and results report; default: model.name.
     bij-api sets it to the model map's key"""
-    task: Literal["embed", "generate", "chat"] = "embed"
-    """embed (a vector per row), generate (a completion of the row's text) or chat (an answer to the row's messages)"""
+    task: Literal["embed", "generate", "chat", "classify", "score", "rerank"] = "embed"
+    """embed (a vector per row), generate (a completion of the row's text), chat (an answer to the row's messages),
+    classify (a label and class probabilities for the row's text: a sequence-classification model), score (the
+    relevance of input.pairField to input.textField: a cross-encoder) or rerank (input.documentsField ranked by
+    relevance to input.queryField: a cross-encoder); classify, score and rerank run on engines transformers,
+    sentence-transformers and vllm"""
     # No defaults here (nor in the CRD): unset is None, so a spec the API server defaulted still tells
     # whether its user set these or model.sampling's (sampling.SPEC_DEFAULTS applies where neither does).
     max_tokens: int | None = Field(None, ge=1)
@@ -549,8 +586,8 @@ class ModelSpec(_Model):
     """the prompt limit in tokens; default is the engine's limit"""
     truncate: bool | None = None
     """cut a prompt over the limit to the limit (the row is marked truncated and counted in counts.truncated)
-    instead of making it a too_many_tokens error row; unset means true for task embed, false for generate and
-    chat"""
+    instead of making it a too_many_tokens error row; unset means true for tasks embed, classify, score and
+    rerank, false for generate and chat"""
     sampling: SamplingSpec = SamplingSpec()
     """sampling defaults for every row (a row's OpenAI body or sampling field wins); a field the engine cannot
     honour fails the job at start naming it (see the table in docs/user-guide.md)"""
@@ -592,14 +629,14 @@ class ModelSpec(_Model):
     @property
     def truncates(self) -> bool:
         """Whether prompts over the limit are truncated (the task's default when unset)."""
-        return self.truncate if self.truncate is not None else self.task == "embed"
+        return self.truncate if self.truncate is not None else self.task not in ("generate", "chat")
 
     @model_validator(mode="after")
     def _task_fits_engine(self) -> ModelSpec:
-        if self.engine == "sentence-transformers" and self.task != "embed":
-            raise ValueError("engine sentence-transformers only supports task embed")
-        if self.engine == "transformers" and self.task == "embed":
-            raise ValueError("engine transformers supports tasks generate and chat, not embed")
+        if self.task not in ENGINE_TASKS[self.engine]:
+            raise ValueError(engine_tasks_message(self.engine))
+        if self.task in POOLING_TASKS and self.name is None:
+            raise ValueError(POOLING_NEEDS_NAME)
         if self.engine == "http":
             if self.http is None or self.http.base_url is None:
                 raise ValueError(HTTP_NEEDS_URL)
@@ -624,10 +661,10 @@ class ModelSpec(_Model):
         if self.adapters and self.engine not in ("transformers", "vllm"):
             raise ValueError(f"model.adapters needs engine transformers or vllm, not {self.engine}")
         asked = self.own_sampling().asked()
-        if self.task == "embed" and asked:
+        if self.task not in ("generate", "chat") and asked:
             names = ", ".join("model.structuredOutput" if a == "structuredOutput" else f"model.sampling.{a}"
                               for a in sorted(asked))
-            raise ValueError(f"{names} has no meaning for task embed")
+            raise ValueError(f"{names} has no meaning for task {self.task}")
         return self
 
 
@@ -879,8 +916,7 @@ class CanarySpec(_Model):
 
 class JobSpec(_Model):
     model_config = ConfigDict(json_schema_extra=k8s(
-        cel("!has(self.judge) || self.model.task != 'embed'",
-            "judge needs a generate or chat task: embeddings have no text to judge", ".judge"),
+        cel("!has(self.judge) || self.model.task in ['generate', 'chat']", JUDGE_NEEDS_TEXT, ".judge"),
         cel("!has(self.output.format) || !has(self.input.format) || self.output.format != 'parquet' || "
             "self.input.format != 'openai'", PARQUET_NOT_OPENAI, ".output.format"),
         cel("!has(self.model) || !has(self.model.engine) || self.model.engine != 'vllm' || !has(self.workers) || "
@@ -945,8 +981,8 @@ class JobSpec(_Model):
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
-        if self.judge is not None and self.model.task == "embed":
-            raise ValueError("judge needs a generate or chat task: embeddings have no text to judge")
+        if self.judge is not None and self.model.task not in ("generate", "chat"):
+            raise ValueError(JUDGE_NEEDS_TEXT)
         if self.output.format == "parquet" and self.input.format == "openai":
             raise ValueError(PARQUET_NOT_OPENAI)
         if self.output.partition_by == "input" and self.judge is not None and self.judge.strategy != "inPlace":

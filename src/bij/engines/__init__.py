@@ -11,6 +11,18 @@ def create_engine(engine: str, config: EngineConfig) -> Engine:
         from bij.engines.echo import EchoEngine
 
         return EchoEngine(config)
+    if engine in ("sentence-transformers", "transformers") and config.task in ("classify", "score", "rerank"):
+        # A cross-encoder (score, rerank) through sentence-transformers' CrossEncoder; a classifier through
+        # transformers' sequence-classification head (sentence-transformers has no classifier of its own).
+        from bij.engines.pooling import CrossEncoderEngine, SequenceClassifierEngine
+
+        if engine == "sentence-transformers" and config.task != "classify":
+            return CrossEncoderEngine(config)
+        return SequenceClassifierEngine(config)
+    if engine == "vllm" and config.task in ("classify", "score", "rerank"):
+        from bij.engines.vllm_pooling import VllmPoolingEngine
+
+        return VllmPoolingEngine(config)
     if engine == "sentence-transformers":
         from bij.engines.sentence_transformers import SentenceTransformersEngine
 

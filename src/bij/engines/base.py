@@ -63,6 +63,9 @@ class Request:
     token_ids: list[int] | None = None
     tools: ToolAsk | None = None  # a chat row's tools (OpenAI `tools`, `tool_choice`)
     reasoning_effort: str | None = None  # OpenAI `reasoning_effort`, given to the chat template
+    # Task score: the text scored against `text`. Task rerank: the documents ranked against `text` (the query).
+    pair: str | None = None
+    documents: list[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +107,16 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
     choices: list[Choice] | None = None
     cached_tokens: int | None = None  # prompt tokens the engine's prefix cache served (vLLM)
+    # A pooling task's answer, the result row's own fields: {label, probs} (classify), {score} (score) or
+    # {results: [{index, relevance_score}], best first} (rerank).
+    pooled: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """What an engine needs from the spec (spec.model), flattened."""
 
-    task: str = "embed"  # embed | generate | chat
+    task: str = "embed"  # embed | generate | chat | classify | score | rerank
     name: str | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = DEFAULT_TEMPERATURE

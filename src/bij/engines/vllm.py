@@ -120,11 +120,12 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
             # (vllm-project/vllm#48421). One slot more than there are adapters keeps the last one
             # empty for good (slots fill from the first free one): its delta is zero.
             kwargs["max_loras"] = max(int(kwargs.get("max_loras") or 1), len(config.adapters)) + 1
-    if config.task == "embed":
+    if config.task in ("embed", "classify", "score", "rerank"):  # the pooling runner
         if has_runner:
             kwargs["runner"] = "pooling"
         else:
-            kwargs["task"] = "embed" if version >= (0, 7) else "embedding"
+            kwargs["task"] = ("embed" if version >= (0, 7) else "embedding") if config.task == "embed" else \
+                "classify" if config.task == "classify" else "score"
     return kwargs
 
 

@@ -43,7 +43,7 @@ import zstandard
 
 from bij.contract import layout
 from bij.contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK
-from bij.contract.columns import RESULT_FIELDS
+from bij.contract.columns import result_fields
 from bij.contract.publish_plan import PASSES, PublishPlan, PublishPlanError, Unit
 from bij.storage import NotFound, Storage, StorageError, open_storage
 from bij.storage.segments import LEVEL, ShardLog
@@ -396,6 +396,7 @@ def _write(plan: PublishPlan, index: int, store: Storage, losers: set[tuple[int,
             capped = _PartitionFile(plan, store, "capped", stem, error_writer)
     codes: dict[str, int] = {}  # error rows by code
     last = (-1, -1)
+    own_fields = result_fields(plan.task)  # a duplicate's error row carries its input columns, not its answer
     for rec in _records(store, plan.units[index], ordered):
         row = rec["row"]
         if ordered:
@@ -417,7 +418,7 @@ def _write(plan: PublishPlan, index: int, store: Storage, losers: set[tuple[int,
                 if "custom_id" in row:  # an OpenAI batch line's error, in that shape like every other error row
                     lost["custom_id"], lost["response"] = rid, None
                 else:  # its pass-through columns, as every error row of a plain input
-                    lost.update((k, v) for k, v in row.items() if k not in RESULT_FIELDS)
+                    lost.update((k, v) for k, v in row.items() if k not in own_fields)
                 errors.add(lost)
                 codes["duplicate_id"] = codes.get("duplicate_id", 0) + 1
                 continue

@@ -1,7 +1,9 @@
 """Parquet: result files that publish writes, and input objects read by row groups.
 
 Output: one file per shard, zstd-compressed, with `id`, then `embedding` (a list of
-float32) for embed or `output` and the usage columns for generate and chat, `truncated`,
+float32) for embed, `output` and the usage columns for generate and chat, or the pooling
+tasks' own (`label` and `probs`, a list of float32, for classify; `score`; rerank's `results`,
+a list of {index, relevance_score}) and `prompt_tokens`, then `truncated`,
 and `attempts` / `round` when a judge ran, then the rows' pass-through columns (their
 types read from the values in that file; a column of mixed types holds JSON text; an integer
 beyond 64 bits is refused, `BeyondInt64`).
@@ -28,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from bij.contract.columns import RESULT_FIELDS
+from bij.contract.columns import RESULT_FIELDS, TASK_FIELDS, result_fields
 from bij.storage import Storage
 from bij.storage.exact_json import beyond_int64
 
@@ -79,7 +81,10 @@ def results_table(rows: list[dict[str, Any]], task: str, ids: str, judged: bool)
         if ids == "mixed":
             columns[ID_INT] = pa.array([v if is_int64(v) else None for v in raw], type=pa.int64())
     usage = [r.get("usage") or {} for r in rows]
-    if task == "embed":
+    if task in TASK_FIELDS:
+        columns.update(_pooled_columns(rows, task))
+        columns["prompt_tokens"] = pa.array([u.get("prompt_tokens") for u in usage], type=pa.int64())
+    elif task == "embed":
         columns["embedding"] = pa.array([r.get("embedding") for r in rows], type=pa.list_(pa.float32()))
         columns["prompt_tokens"] = pa.array([u.get("prompt_tokens") for u in usage], type=pa.int64())
     else:
@@ -92,17 +97,32 @@ def results_table(rows: list[dict[str, Any]], task: str, ids: str, judged: bool)
     if judged:
         columns["attempts"] = pa.array([r.get("attempts") for r in rows], type=pa.int64())
         columns["round"] = pa.array([r.get("round") for r in rows], type=pa.int64())
-    for name in carried_names(rows):
+    for name in carried_names(rows, task):
         columns[name] = _carried_array(name, [r.get(name) for r in rows], raw)
     return pa.table(columns)
 
 
-def carried_names(rows: list[dict[str, Any]]) -> list[str]:
-    """The pass-through columns of result rows (contract.columns), in the order they first appear."""
+def _pooled_columns(rows: list[dict[str, Any]], task: str) -> dict[str, Any]:
+    """classify's `label` (string) and `probs` (list of float32), score's `score` (double), rerank's `results`
+    (list of {index int64, relevance_score double}, best first)."""
+    import pyarrow as pa
+
+    if task == "classify":
+        return {"label": pa.array([r.get("label") for r in rows], type=pa.string()),
+                "probs": pa.array([r.get("probs") for r in rows], type=pa.list_(pa.float32()))}
+    if task == "score":
+        return {"score": pa.array([r.get("score") for r in rows], type=pa.float64())}
+    ranked = pa.list_(pa.struct([("index", pa.int64()), ("relevance_score", pa.float64())]))
+    return {"results": pa.array([r.get("results") for r in rows], type=ranked)}
+
+
+def carried_names(rows: list[dict[str, Any]], task: str = "") -> list[str]:
+    """The pass-through columns of result rows of `task` (contract.columns), in the order they first appear."""
+    own = result_fields(task)
     names: dict[str, None] = {}
     for r in rows:
         for k in r:
-            if k not in RESULT_FIELDS:
+            if k not in own:
                 names[k] = None
     return list(names)
 
@@ -151,13 +171,18 @@ def table_bytes(table: Any, compression: str) -> bytes:
 def table_rows(table: Any) -> Iterator[dict[str, Any]]:
     """Rows of a results table in the JSONL result shape (the inverse of `results_table`)."""
     names = set(table.column_names)
-    carried = [c for c in table.column_names if c not in RESULT_FIELDS]
+    # A pooling task's own columns (its probs are float32: a row has them as the file holds them).
+    pooled = [c for c in table.column_names if any(c in f for f in TASK_FIELDS.values())]
+    pooled = pooled if "output" not in names and "embedding" not in names else []
+    carried = [c for c in table.column_names if c not in RESULT_FIELDS and c not in pooled]
     for rec in table.to_pylist():
         rid = rec.get("id")
         if ID_INT in names and rec.get(ID_INT) is not None:
             rid = rec[ID_INT]
         out: dict[str, Any] = {"id": rid}
-        if "embedding" in names:
+        if pooled:
+            out.update((c, rec[c]) for c in pooled)
+        elif "embedding" in names:
             out["embedding"] = rec["embedding"]
         else:
             out["output"] = rec["output"]

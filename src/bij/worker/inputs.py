@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from bij.contract.columns import RESULT_FIELDS, clash_message, consumed
 from bij.contract.columns import carried as carried_columns
+from bij.contract.columns import clash_message, consumed, result_fields
 from bij.contract.prompt import TEMPLATE_ERROR, PromptError, compiled_template, render
 from bij.contract.sampling import (
     ADAPTERS,
@@ -74,7 +74,21 @@ OPENAI_URLS = {
     "/v1/completions": "generate",
     "/v1/embeddings": "embed",
     "/v1/responses": "chat",  # read as the chat request it asks for (responses.py)
+    # vLLM's pooling endpoints, in the shapes its server takes and answers.
+    "/classify": "classify",
+    "/v1/score": "score",
+    "/v1/rerank": "rerank",
 }
+# The tasks that read a pair of texts (or several) and answer with a pooled head's output (Result.pooled).
+POOLING_TASKS = ("classify", "score", "rerank")
+# The body fields each pooling endpoint takes (vLLM's ClassificationRequest, ScoreRequest, RerankRequest):
+# the texts, and what may come beside them without changing the answer.
+_POOLING_BODY = {
+    "classify": frozenset({"input"}),
+    "score": frozenset({"text_1", "text_2"}),
+    "rerank": frozenset({"query", "documents", "top_n"}),
+}
+_POOLING_COMMON = frozenset({"model", "user"})
 
 
 @dataclass(slots=True)
@@ -100,6 +114,7 @@ class Row:
     parts: list[Request] | None = None
     encoding: str = "float"  # /v1/embeddings encoding_format: float or base64
     carried: dict[str, Any] | None = None  # its pass-through columns (contract.columns), None for none
+    top_n: int = 0  # an OpenAI /v1/rerank line's top_n: the best n documents answered (0: all)
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,9 @@ class InputOptions:
     # and task chat's system message before it.
     prompt: Template | None = None
     system: str | None = None
+    pair_field: str = "pair"  # task score: the text scored against the row's text
+    query_field: str = "query"  # task rerank: the query
+    documents_field: str = "documents"  # task rerank: the texts ranked
 
     @classmethod
     def from_spec(cls, spec: JobSpec, engine: str = "", honours: frozenset[str] | None = None, *,
@@ -171,12 +189,30 @@ class InputOptions:
             int64_columns=spec.output.format == "parquet",
             prompt=None if spec.prompt is None else compiled_template(spec.prompt.template),
             system=None if spec.prompt is None else spec.prompt.system,
+            pair_field=inp.pair_field,
+            query_field=inp.query_field,
+            documents_field=inp.documents_field,
         )
 
     @property
     def consumed(self) -> frozenset[str]:
         """The columns a row's request consumes: never carried by every-column pass-through."""
-        return consumed(self.id_field, self.text_field, self.messages_field, self.sampling_field, self.adapter_field)
+        return consumed(self.id_field, self.text_field, self.messages_field, self.sampling_field,
+                        self.adapter_field) | frozenset(self.task_columns)
+
+    @property
+    def task_columns(self) -> tuple[str, ...]:
+        """The columns a pooling task reads beside the text: score's pair, rerank's query and documents."""
+        if self.task == "score":
+            return (self.pair_field,)
+        if self.task == "rerank":
+            return (self.query_field, self.documents_field)
+        return ()
+
+    @property
+    def result_fields(self) -> frozenset[str]:
+        """The names the task's result rows use themselves (an input column of such a name clashes)."""
+        return result_fields(self.task)
 
 
 def parquet_columns(opts: InputOptions) -> list[str] | None:
@@ -185,7 +221,7 @@ def parquet_columns(opts: InputOptions) -> list[str] | None:
     if opts.pass_through is None or opts.prompt is not None:
         return None
     wanted = [c for c in (opts.id_field, opts.text_field, opts.messages_field, opts.sampling_field,
-                          opts.adapter_field) if c]
+                          opts.adapter_field, *opts.task_columns) if c]
     return wanted + [c for c in opts.pass_through if c not in wanted]
 
 
@@ -195,7 +231,7 @@ def carry(obj: dict[str, Any], opts: InputOptions) -> dict[str, Any] | str:
         return {}
     out = carried_columns(obj, opts.consumed, opts.pass_through)
     if opts.pass_through is None:
-        clash = next((k for k in out if k in RESULT_FIELDS), None)
+        clash = next((k for k in out if k in opts.result_fields), None)
         if clash is not None:
             return clash
     return out
@@ -275,7 +311,7 @@ def parse_line(line: bytes, at: tuple[int, int, int], object_name: str, opts: In
     if big is not None:
         return _invalid_row(row, big)
     req = row.request
-    if req is not None and opts.task != "embed":
+    if req is not None and opts.task in ("generate", "chat"):
         # A row's cost is bounded before it runs (model.rowBudget), whatever it asks.
         costly = over_budget(req.max_tokens, req.sampling, opts.row_budget, _SPELLED,
                              len(row.parts) if row.parts else 1)
@@ -346,8 +382,9 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions
     line that is not such a row sends the whole chunk to parse_line, line by line, which
     says what is wrong and where (a column that clashes with a result field too).
     """
-    if opts.format != "jsonl" or not lines or opts.prompt is not None or (
-            opts.task != "embed" and over_budget(opts.max_tokens, opts.sampling, opts.row_budget, _SPELLED)):
+    if opts.format != "jsonl" or not lines or opts.prompt is not None or opts.task in ("score", "rerank") or (
+            opts.task in ("generate", "chat")
+            and over_budget(opts.max_tokens, opts.sampling, opts.row_budget, _SPELLED)):
         return None
     try:
         objs = list(map(orjson.loads, lines))
@@ -388,7 +425,7 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions
                     for line, obj in zip(lines, objs, strict=True)]
         keys: set[str] = set().union(*map(dict.keys, objs))
         kept = keys - opts.consumed if opts.pass_through is None else keys & set(opts.pass_through)
-        if kept & RESULT_FIELDS and opts.pass_through is None:
+        if kept & opts.result_fields and opts.pass_through is None:
             return None  # line by line: each such row is an error row naming the column
         if kept:
             consumed, only = opts.consumed, opts.pass_through
@@ -455,6 +492,7 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
             return _bad(at, e.code, str(e), rid)
         return Row(at=at, id=rid, request=_request(opts, own, messages=msgs, adapter=adapter, images=images),
                    generated_id=generated)
+    text_field = opts.query_field if opts.task == "rerank" else opts.text_field
     if opts.prompt is not None:
         try:
             text = render(opts.prompt, obj)
@@ -462,19 +500,25 @@ def _parse_plain(obj: dict[str, Any], at: tuple[int, int, int], object_name: str
             return _bad(at, TEMPLATE_ERROR, str(e), rid)
         if not text or text.isspace():
             return _bad(at, "empty_text", "spec.prompt.template rendered an empty prompt for this row", rid)
-    elif opts.text_field not in obj:
-        wanted = f"{opts.text_field!r}" + (f" or {opts.messages_field!r}" if opts.messages_field else "")
+    elif text_field not in obj:
+        wanted = f"{text_field!r}" + (f" or {opts.messages_field!r}" if opts.messages_field else "")
         return _bad(at, "missing_text", f"no field {wanted}", rid)
     else:
-        text = obj[opts.text_field]
+        text = obj[text_field]
         if not isinstance(text, str):
-            return _bad(at, "invalid_text", f"field {opts.text_field!r} must be a string, got {type(text).__name__}",
+            return _bad(at, "invalid_text", f"field {text_field!r} must be a string, got {type(text).__name__}",
                         rid)
         if not text or text.isspace():
-            return _bad(at, "empty_text", f"field {opts.text_field!r} is empty", rid)
+            return _bad(at, "empty_text", f"field {text_field!r} is empty", rid)
     refused = _refused(opts, frozenset(asks), spelled)
     if refused:
         return _bad(at, "unsupported", refused, rid)
+    if opts.task in ("score", "rerank"):
+        req = _request(opts, own, text=text, adapter=adapter)
+        bad_field = _pooling_texts(req, obj, opts.task, opts.pair_field, opts.documents_field, "field ")
+        if bad_field is not None:
+            return _bad(at, bad_field[0], bad_field[1], rid)
+        return Row(at=at, id=rid, request=req, generated_id=generated)
     if opts.task == "chat":
         system = [{"role": "system", "content": opts.system}] if opts.system is not None else []
         req = _request(opts, own, messages=[*system, {"role": "user", "content": text}], adapter=adapter)
@@ -495,6 +539,32 @@ def _request(opts: InputOptions, own: Sampling, *, text: str | None = None,
                    opts.max_tokens if own.max_tokens is None else own.max_tokens,
                    opts.temperature if own.temperature is None else own.temperature,
                    opts.seed if own.seed is None else own.seed, s, adapter, images, token_ids)
+
+
+def _pooling_texts(req: Request, obj: dict[str, Any], task: str, pair: str, documents: str,
+                   where: str) -> tuple[str, str] | None:
+    """Put score's pair or rerank's documents from `obj` into `req`; else the error code and message, naming
+    the field (`where` says how: "field " for a row's column, "body." for an OpenAI body)."""
+    name = pair if task == "score" else documents
+    if name not in obj:
+        return "missing_text", f"no {where}{name!r}" if where == "field " else f"{where}{name} is required"
+    value = obj[name]
+    label = f"{where}{name!r}" if where == "field " else f"{where}{name}"
+    if task == "score":
+        if not isinstance(value, str):
+            return "invalid_text", f"{label} must be a string, got {type(value).__name__}"
+        if not value or value.isspace():
+            return "empty_text", f"{label} is empty"
+        req.pair = value
+        return None
+    if not isinstance(value, list) or not value:
+        got = "an empty list" if isinstance(value, list) else type(value).__name__
+        return "invalid_text", f"{label} must be a non-empty list of strings, got {got}"
+    for i, doc in enumerate(value):
+        if not isinstance(doc, str):
+            return "invalid_text", f"{label}[{i}] must be a string, got {type(doc).__name__}"
+    req.documents = value
+    return None
 
 
 # Prompts one row may hold (OpenAI's limit on an embeddings `input` list).
@@ -620,6 +690,8 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     body = obj.get("body")
     if not isinstance(body, dict):
         return _bad(at, "invalid_request", "body must be an object", cid)
+    if kind in POOLING_TASKS:
+        return _parse_pooling(body, kind, url, at, cid, opts)
     if url == "/v1/responses":
         try:
             body = responses.chat_body(body)
@@ -692,6 +764,32 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
 
 
 
+def _parse_pooling(body: dict[str, Any], kind: str, url: str, at: tuple[int, int, int], cid: str,
+                   opts: InputOptions) -> Row:
+    """An OpenAI-format line for vLLM's /classify, /v1/score or /v1/rerank: one text (classify's `input`),
+    one pair (score's `text_1`, `text_2`) or one query and its documents (rerank's, and `top_n`)."""
+    unknown = sorted(set(body) - _POOLING_BODY[kind] - _POOLING_COMMON)
+    if unknown:
+        return _bad(at, "invalid_request", f"body.{unknown[0]} is not a field of {url} here (it takes "
+                    f"{', '.join(sorted(_POOLING_BODY[kind] | _POOLING_COMMON))})", cid)
+    first = {"classify": "input", "score": "text_1", "rerank": "query"}[kind]
+    text = body.get(first)
+    if not isinstance(text, str):
+        got = "missing" if text is None else f"a {type(text).__name__}"
+        return _bad(at, "invalid_request", f"body.{first} must be a string (one text per line), got {got}", cid)
+    if not text or text.isspace():
+        return _bad(at, "empty_text", f"body.{first} is empty", cid)
+    top_n = body.get("top_n", 0)
+    if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
+        return _bad(at, "invalid_request", f"body.top_n must be a non-negative integer, got {json.dumps(top_n)}", cid)
+    req = _request(opts, NO_SAMPLING, text=text)
+    if kind != "classify":
+        problem = _pooling_texts(req, body, kind, "text_2", "documents", "body.")
+        if problem is not None:
+            return _bad(at, "invalid_request" if problem[0] == "missing_text" else problem[0], problem[1], cid)
+    return Row(at=at, id=cid, request=req, url=url, top_n=top_n)
+
+
 def row_id(row: dict[str, Any]) -> Any:
     """The input id a published row carries: `custom_id` in OpenAI batch shape, else `id`."""
     return row["custom_id"] if "custom_id" in row else row.get("id")
@@ -721,7 +819,9 @@ def plain_result(rid: Any, res: Result, truncated: bool = False,
     """The published result row of a successful request in the plain (jsonl) shape, its pass-through
     `columns` after its own fields."""
     out: dict[str, Any] = {"id": rid}
-    if res.embedding is not None:
+    if res.pooled is not None:
+        out.update(res.pooled)
+    elif res.embedding is not None:
         out["embedding"] = res.embedding
     else:
         out["output"] = res.output
@@ -846,6 +946,8 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
         (choice,) = _choices(res, row.request.max_tokens if row.request else 0)[:1]
         body = responses.response_object(digest, served, choice, _reasoning_usage(usage, [choice]), f"{digest}_0",
                                          row.request, res.cached_tokens)
+    elif kind in POOLING_TASKS:
+        body = _pooling_body(kind, digest, served, row, res, usage)
     elif kind == "embed":
         body = {"object": "list", "model": served,
                 "data": [{"object": "embedding", "index": i, "embedding": _vector(r.embedding, row.encoding)}
@@ -870,6 +972,27 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
     if row.truncated:
         line["truncated"] = True
     return line
+
+
+def _pooling_body(kind: str, digest: str, served: str, row: Row, res: Result, usage: dict[str, int]
+                  ) -> dict[str, Any]:
+    """The response body vLLM's server answers /classify, /v1/score or /v1/rerank with, for one line."""
+    pooled = res.pooled or {}
+    if kind == "classify":
+        probs = pooled.get("probs") or []
+        return {"id": f"classify-{digest}", "object": "list", "created": int(time.time()), "model": served,
+                "data": [{"index": 0, "label": pooled.get("label"), "probs": probs, "num_classes": len(probs)}],
+                "usage": usage}
+    if kind == "score":
+        return {"id": f"score-{digest}", "object": "list", "created": int(time.time()), "model": served,
+                "data": [{"index": 0, "object": "score", "score": pooled.get("score")}], "usage": usage}
+    documents = row.request.documents if row.request is not None and row.request.documents else []
+    ranked = pooled.get("results") or []
+    if row.top_n:
+        ranked = ranked[:row.top_n]
+    return {"id": f"rerank-{digest}", "model": served, "usage": usage,
+            "results": [{"index": r["index"], "document": {"text": documents[r["index"]]},
+                         "relevance_score": r["relevance_score"]} for r in ranked]}
 
 
 def error_row(row: Row, object_name: str, opts: InputOptions) -> dict[str, Any]:
