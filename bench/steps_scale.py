@@ -3,7 +3,7 @@
 For each N, a round of N tiny shards is simulated directly in storage on file:// (no job runs): a round
 plan of N shards, N completion records as workers write them, and for the manifest N publish-pass
 summaries of one file each. Each step then runs alone in a child process, which reports its peak RSS
-(ru_maxrss) and wall time:
+(VmHWM) and wall time:
 
 - finish: the finish step's statistics (`steps.main.finish_round`);
 - publish-plan: `steps.publish.prepare_publish`, the completion records and the publish plan;
@@ -112,8 +112,20 @@ def child(step: str, root: Path) -> int:
         uri = layout.round_manifest_uri(job, 0)
         Plan.from_json(Path(uri.removeprefix("file://")).read_bytes(), uri)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "rssMb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"seconds": seconds, "rssMb": peak_rss_mb()}))
     return 0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS: VmHWM, the high-water mark of its own memory since exec. Not ru_maxrss,
+    which Linux carries over from the parent's memory at exec (a child of a big parent starts big)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_child(src: Path, step: str, root: Path) -> dict[str, float]:
