@@ -80,10 +80,17 @@ class _Totals:
     str_ids: int = 0
     ids_counted: bool = True  # every record counted its integer and string ids
     done_rows: int = 0  # rows, error rows and capped rows the records count: the publish plan's buckets
+    done_count: int = 0  # completion records added
+    # Every record's rows have ids none or generated from their place (`placeIds`): see ids_cannot_repeat.
+    place_ids_only: bool = True
 
     def add_done(self, rec: ShardRecord, where: tuple[int, int] = (0, 0)) -> None:
         self.eff.add(rec)
-        self.done_rows += int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
+        rows = int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
+        self.done_rows += rows
+        self.done_count += 1
+        if "placeIds" not in rec or int(rec["placeIds"]) != rows:
+            self.place_ids_only = False
         if "intIds" in rec and "strIds" in rec:
             self.int_ids += int(rec["intIds"])
             self.str_ids += int(rec["strIds"])
@@ -164,25 +171,24 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         partition_by=job.spec.output.partition_by,
         unit_objects=unit_objects,
         partitions=[layout.partition_stem(o.uri, o.name) for o in plans[0].objects] if unit_objects else [],
-        unique_ids=ids_cannot_repeat(plans, done_records, partial),
+        unique_ids=ids_cannot_repeat(plans, done, partial),
     )
     uri = layout.publish_plan_uri(prefix)
     store.write_bytes(uri, plan.to_json())
     return uri, plan
 
 
-def ids_cannot_repeat(plans: list[Plan], done_records: list[ShardRecord], partial: str | None) -> bool:
+def ids_cannot_repeat(plans: list[Plan], done: _Totals, partial: str | None) -> bool:
     """Whether no id of the job can appear twice, so publishing needs no ids and dedupe passes: one round,
     every shard finished, its objects' display names distinct, and every final row's id none or generated
     from its own place (`placeIds` of the completion records: an id `<object>:<offset>` names one place).
-    A record of an older worker, without `placeIds`, proves nothing."""
-    if partial is not None or len(plans) != 1 or len(done_records) != len(plans[0].shards):
+    A record of an older worker, without `placeIds`, proves nothing. `done`: the sums of the records."""
+    if partial is not None or len(plans) != 1 or done.done_count != len(plans[0].shards):
         return False
     names = [o.display_name for o in plans[0].objects]
     if len(set(names)) != len(names):
         return False
-    return all("placeIds" in rec and int(rec["placeIds"]) == int(rec.get("rows", 0)) + int(rec.get("errors", 0))
-               + int(rec.get("capped", 0)) for rec in done_records)
+    return done.place_ids_only
 
 
 def run_passes(plan: PublishPlan) -> None:
