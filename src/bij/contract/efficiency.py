@@ -15,28 +15,45 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
+class EfficiencySums:
+    """The running sums `efficiency` reports, added one record at a time: a step streams a round's
+    records through one of these and holds no record after it is added."""
+
+    def __init__(self) -> None:
+        self.worker = self.load = self.busy = 0.0
+        self.rows = self.tokens = self.loads = 0
+
+    def add(self, rec: Mapping[str, Any]) -> None:
+        self.load += float(rec.get("modelLoadSeconds") or 0)
+        # Records from before lanes count a load wherever one took time (one process per shard then).
+        self.loads += (int(rec["modelLoads"]) if "modelLoads" in rec
+                       else int(float(rec.get("modelLoadSeconds") or 0) > 0))
+        self.worker += float(rec.get("seconds") or 0) + float(rec.get("modelLoadSeconds") or 0)
+        self.busy += float(rec.get("engineBusySeconds") or 0)
+        self.rows += int(rec.get("rows") or 0)
+        self.tokens += int(rec.get("tokensIn") or 0) + int(rec.get("tokensOut") or 0)
+
+    def result(self) -> dict[str, Any]:
+        """What `efficiency` returns for the records added so far."""
+        worker, busy = self.worker, self.busy
+        return {
+            "workerSeconds": round(worker, 3),
+            "modelLoads": self.loads,
+            "modelLoadSeconds": round(self.load, 3),
+            "engineBusySeconds": round(busy, 3),
+            "engineBusyFraction": round(busy / worker, 4) if worker else 0.0,
+            "rowsPerSecondPerWorker": round(self.rows / worker, 3) if worker else 0.0,
+            "tokensPerSecondPerWorker": round(self.tokens / worker, 3) if worker else 0.0,
+        }
+
+
 def efficiency(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Worker seconds, model loads and their seconds, engine busy seconds and fraction, rows/s and tokens/s
     per worker."""
-    worker = load = busy = 0.0
-    rows = tokens = loads = 0
+    sums = EfficiencySums()
     for rec in records:
-        load += float(rec.get("modelLoadSeconds") or 0)
-        # Records from before lanes count a load wherever one took time (one process per shard then).
-        loads += int(rec["modelLoads"]) if "modelLoads" in rec else int(float(rec.get("modelLoadSeconds") or 0) > 0)
-        worker += float(rec.get("seconds") or 0) + float(rec.get("modelLoadSeconds") or 0)
-        busy += float(rec.get("engineBusySeconds") or 0)
-        rows += int(rec.get("rows") or 0)
-        tokens += int(rec.get("tokensIn") or 0) + int(rec.get("tokensOut") or 0)
-    return {
-        "workerSeconds": round(worker, 3),
-        "modelLoads": loads,
-        "modelLoadSeconds": round(load, 3),
-        "engineBusySeconds": round(busy, 3),
-        "engineBusyFraction": round(busy / worker, 4) if worker else 0.0,
-        "rowsPerSecondPerWorker": round(rows / worker, 3) if worker else 0.0,
-        "tokensPerSecondPerWorker": round(tokens / worker, 3) if worker else 0.0,
-    }
+        sums.add(rec)
+    return sums.result()
 
 
 def cost(price_per_hour: float | None, worker_seconds: float, rows: int, tokens: int,

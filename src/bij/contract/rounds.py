@@ -17,7 +17,7 @@ in their own files and counted, never silently dropped.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,13 +57,33 @@ class RoundMode:
     final: bool  # rows rejected in this round are capped, not re-dispatched
 
 
-def summarize(round_no: int, shard_count: int, records: Mapping[int, Mapping[str, Any]]) -> RoundStats:
-    """A round's totals from its shards' completion records (`ShardRecord`s)."""
-    def total(key: str) -> int:
-        return sum(int(r.get(key, 0)) for r in records.values())
+class RoundSums:
+    """The totals of `RoundStats`, added one completion record at a time (a step streams a round's
+    records through one and holds none of them)."""
 
-    return RoundStats(round=round_no, shards=shard_count, approved=total("rows"), rejected=total("rejected"),
-                      capped=total("capped"), errors=total("errors"), engine_calls=total("engineCalls"))
+    def __init__(self) -> None:
+        self.approved = self.rejected = self.capped = self.errors = self.engine_calls = 0
+
+    def add(self, rec: Mapping[str, Any]) -> None:
+        self.approved += int(rec.get("rows", 0))
+        self.rejected += int(rec.get("rejected", 0))
+        self.capped += int(rec.get("capped", 0))
+        self.errors += int(rec.get("errors", 0))
+        self.engine_calls += int(rec.get("engineCalls", 0))
+
+    def stats(self, round_no: int, shard_count: int) -> RoundStats:
+        return RoundStats(round=round_no, shards=shard_count, approved=self.approved, rejected=self.rejected,
+                          capped=self.capped, errors=self.errors, engine_calls=self.engine_calls)
+
+
+def summarize(round_no: int, shard_count: int,
+              records: Mapping[int, Mapping[str, Any]] | Iterable[Mapping[str, Any]]) -> RoundStats:
+    """A round's totals from its shards' completion records (`ShardRecord`s): a mapping by index, or
+    any iterable of them, read once (a stream of a million records is never held)."""
+    sums = RoundSums()
+    for rec in records.values() if isinstance(records, Mapping) else records:
+        sums.add(rec)
+    return sums.stats(round_no, shard_count)
 
 
 def round_mode(judge: JudgeSpec | None, history: list[RoundStats]) -> RoundMode:

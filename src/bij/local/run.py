@@ -44,7 +44,7 @@ from bij.control.reconcile import STOPPED_PHASES, TERMINAL_PHASES, Retry, failur
 from bij.local.jobs import LocalJob, worker_command, worker_env
 from bij.local.publish import publish
 from bij.steps.planner import PlanError, RoundPlan, output_standing, plan_round, reset_output
-from bij.steps.progress import shard_records
+from bij.steps.progress import count_done, stream_records
 from bij.steps.publish import PublishError, read_manifest, removed_record
 from bij.steps.removal import resume_removal
 from bij.storage import StorageError, open_storage
@@ -217,14 +217,13 @@ class LocalBackend:
         rec = round_records(self.status).get(round_no)
         shards = rec.shards if rec is not None else 0
         prog = _Progress(total_bytes=rec.bytes if rec is not None else 0, shards=shards, round_no=round_no)
-        done = shard_records(self.job, round_no)
-        prog.finished.update(done)
-        prog.done_shards = len(done)
-        for r in done.values():
+        for index, r in stream_records(self.job, round_no):
+            prog.finished.add(index)
             prog.rows += r.get("rows", 0)
             prog.errors += r.get("errors", 0)
-        if done:
-            prog.bytes = int(prog.total_bytes * len(done) / max(1, shards))
+        prog.done_shards = len(prog.finished)
+        if prog.finished:
+            prog.bytes = int(prog.total_bytes * len(prog.finished) / max(1, shards))
         prog.start_frac = prog.bytes / prog.total_bytes if prog.total_bytes else 0.0
         prog.start_rows = prog.rows + prog.errors
         return prog
@@ -324,7 +323,7 @@ class LocalRunner:
         lj = LocalJob(body, self.worker_cmd, self.backend.env())
         lj.run()
         if lj.condition is None or lj.condition["type"] != "Complete":
-            if len(shard_records(self.job, round_no)) >= plan.shard_count and (
+            if count_done(self.job, round_no) >= plan.shard_count and (
                     lj.condition is None or lj.condition["reason"] != "PodFailurePolicy"):
                 return True, ""  # lanes failed, the others finished their shards
             return False, (lj.condition or {}).get("message", "stopped")

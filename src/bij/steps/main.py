@@ -28,14 +28,14 @@ from typing import Any
 
 from bij.contract import layout
 from bij.contract.canary import MOST_EXAMPLES, CanaryFigures
-from bij.contract.efficiency import cost, efficiency
+from bij.contract.efficiency import cost
 from bij.contract.fingerprint import PlanRefused
-from bij.contract.rounds import summarize
+from bij.contract.rounds import RoundSums
 from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
 from bij.contract.step_report import MOST_MESSAGE, REMOVAL_FAILED, StepError, StepErrorCode, StepReport
 from bij.steps import publish_rows
 from bij.steps.planner import PlanError, plan_round
-from bij.steps.progress import damage_records, shard_records
+from bij.steps.progress import Tally, damage_records, shard_records, stream_records
 from bij.steps.publish import (
     ErrorRatioExceeded,
     PublishError,
@@ -114,15 +114,21 @@ def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 
 def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
     """A round whose Job ended: how many shards are done, its statistics (what the judge and
     spec.maxErrorRatio decide on), the damaged objects its workers stopped at, and the efficiency and
-    cost of rounds 0..round_no, all from the workers' records (O(shards))."""
-    records = shard_records(job, round_no)
-    earlier = [rec for r in range(round_no) for rec in shard_records(job, r).values()]
-    every = earlier + list(records.values())
-    eff = efficiency(every)
-    rows = sum(int(r.get("rows") or 0) for r in every)
-    tokens = sum(int(r.get("tokensIn") or 0) + int(r.get("tokensOut") or 0) for r in every)
+    cost of rounds 0..round_no, all from the workers' records: time O(shards), memory flat."""
+    # Streamed, READS_IN_FLIGHT reads at a time: memory holds running sums, never a round's records.
+    every = Tally()  # rounds 0..round_no: efficiency, rows and tokens
+    for r in range(round_no):
+        every.add_all(stream_records(job, r))
+    current = RoundSums()
+    done = 0
+    for index, rec in stream_records(job, round_no):
+        every.add(index, rec)
+        current.add(rec)
+        done += 1
+    eff = every.efficiency.result()
+    rows, tokens = every.rows, every.tokens
     damaged = [rec.describe() for rec in damage_records(job, round_no) if rec.mode == "fail"]
-    out: dict[str, Any] = {"done": len(records), "stats": summarize(round_no, 0, records).as_status(),
+    out: dict[str, Any] = {"done": done, "stats": current.stats(round_no, 0).as_status(),
                            "efficiency": eff, "damaged": damaged[:MOST_DAMAGED],
                            "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
     spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], rows, tokens, job.spec.workers.nodes_per_lane)

@@ -1,13 +1,136 @@
-"""What the workers have finished: their per-shard completion records."""
+"""What the workers have finished: their per-shard completion records.
+
+A step reads a round's records as a stream (`stream_records`): the listing goes by pages, a bounded
+pool of threads reads `READS_IN_FLIGHT` records at a time, and each record is added to running sums
+(`Tally`) and dropped. Memory holds a page and the records in flight whatever the shard count, and
+the reads take (records / READS_IN_FLIGHT) round trips. What a caller needs per shard (which are done)
+is a bitmap (`DoneIndexes`), an eighth of a byte a shard.
+"""
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from bij.contract import layout
+from bij.contract.efficiency import EfficiencySums
 from bij.contract.plan import Plan
 from bij.contract.records import DamageRecord, ShardRecord, decode_shard_record
-from bij.contract.rounds import RoundStats, summarize
+from bij.contract.rounds import RoundStats, RoundSums
 from bij.contract.spec import BatchInferenceJob
-from bij.storage import NotFound, open_storage
+from bij.storage import NotFound, Storage, open_storage
+
+# Record reads in flight at once: enough to hide an object store's latency, few enough that memory
+# stays a handful of records (a record is a few KB).
+READS_IN_FLIGHT = 16
+
+
+class DoneIndexes:
+    """A set of shard indexes as a bitmap: 125 KB for a million shards, where a set of ints is ~60 MB."""
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+        self._count = 0
+
+    def add(self, index: int) -> None:
+        byte, bit = divmod(index, 8)
+        if byte >= len(self._bits):
+            self._bits.extend(bytes(max(byte + 1 - len(self._bits), len(self._bits))))
+        if not self._bits[byte] >> bit & 1:
+            self._bits[byte] |= 1 << bit
+            self._count += 1
+
+    def __contains__(self, index: object) -> bool:
+        if not isinstance(index, int) or index < 0:
+            return False
+        byte, bit = divmod(index, 8)
+        return byte < len(self._bits) and bool(self._bits[byte] >> bit & 1)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[int]:
+        for byte, value in enumerate(self._bits):
+            if value:
+                yield from (byte * 8 + bit for bit in range(8) if value >> bit & 1)
+
+    def first_missing(self, count: int) -> int | None:
+        """The lowest index below `count` not in the set, or None when all of 0..count-1 are."""
+        return next((i for i in range(count) if i not in self), None)
+
+
+class Tally:
+    """Running sums over a stream of shard records: which shards are done (a bitmap), the round's
+    judge statistics, efficiency, rows and tokens. Holds no record."""
+
+    def __init__(self) -> None:
+        self.done = DoneIndexes()
+        self.round = RoundSums()
+        self.efficiency = EfficiencySums()
+        self.rows = 0
+        self.tokens = 0
+
+    def add(self, index: int, rec: ShardRecord) -> None:
+        self.done.add(index)
+        self.round.add(rec)
+        self.efficiency.add(rec)
+        self.rows += int(rec.get("rows") or 0)
+        self.tokens += int(rec.get("tokensIn") or 0) + int(rec.get("tokensOut") or 0)
+
+    def add_all(self, records: Iterable[tuple[int, ShardRecord]]) -> Tally:
+        for index, rec in records:
+            self.add(index, rec)
+        return self
+
+
+def stream_records(job: BatchInferenceJob, round_no: int, kind: str = "done",
+                   in_flight: int = READS_IN_FLIGHT) -> Iterator[tuple[int, ShardRecord]]:
+    """(index, record) of every completion record (`kind` "done") or progress record ("progress") of a
+    round, in no set order, read `in_flight` at a time. BadRecord when one is not a shard record."""
+    prefix = layout.round_prefix(job, round_no)
+    folder = layout.done_folder(prefix) if kind == "done" else layout.progress_folder(prefix)
+    store = open_storage(folder, job.spec.storage.s3)
+    yield from read_records(store, folder, "completion" if kind == "done" else "progress", in_flight)
+
+
+def read_records(store: Storage, folder: str, what: str = "completion",
+                 in_flight: int = READS_IN_FLIGHT) -> Iterator[tuple[int, ShardRecord]]:
+    """(index, record) of each `<index>.json` record under `folder`, as `stream_records`. A record
+    listed and gone before it is read (superseded) is skipped."""
+    def read(uri: str) -> bytes | None:
+        try:
+            return store.read_bytes(uri)
+        except NotFound:
+            return None
+
+    def landed(item: tuple[int, str, Future[bytes | None]]) -> Iterator[tuple[int, ShardRecord]]:
+        index, uri, future = item
+        data = future.result()
+        if data is not None:
+            yield index, decode_shard_record(data, f"{what} record {uri}")
+
+    pending: deque[tuple[int, str, Future[bytes | None]]] = deque()
+    with ThreadPoolExecutor(max(1, in_flight), thread_name_prefix="bij-records") as pool:
+        try:
+            for page in store.list_pages(folder):
+                for obj in page:
+                    name = obj.uri.rsplit("/", 1)[-1]
+                    if not name.endswith(".json") or not name[:-5].isdigit():
+                        continue
+                    pending.append((int(name[:-5]), obj.uri, pool.submit(read, obj.uri)))
+                    if len(pending) >= in_flight:
+                        yield from landed(pending.popleft())
+            while pending:
+                yield from landed(pending.popleft())
+        finally:
+            for _, _, future in pending:  # a consumer that stopped early: do not wait for reads nobody wants
+                future.cancel()
+
+
+def round_tally(job: BatchInferenceJob, round_no: int, in_flight: int = READS_IN_FLIGHT) -> Tally:
+    """The running sums of a round's completion records, read as a stream."""
+    return Tally().add_all(stream_records(job, round_no, "done", in_flight))
 
 
 def shard_records(job: BatchInferenceJob, round_no: int) -> dict[int, ShardRecord]:
@@ -36,7 +159,7 @@ def round_history(job: BatchInferenceJob, rounds: int) -> list[RoundStats]:
     for r in range(rounds):
         uri = layout.round_manifest_uri(job, r)
         plan = Plan.from_json(open_storage(uri, job.spec.storage.s3).read_bytes(uri), f"round plan {uri}")
-        out.append(summarize(r, len(plan.shards), shard_records(job, r)))
+        out.append(round_tally(job, r).round.stats(r, len(plan.shards)))
     return out
 
 
@@ -55,18 +178,4 @@ def damage_records(job: BatchInferenceJob, round_no: int) -> list[DamageRecord]:
 
 
 def _records(job: BatchInferenceJob, round_no: int, kind: str) -> dict[int, ShardRecord]:
-    prefix = layout.round_prefix(job, round_no)
-    folder = layout.done_folder(prefix) if kind == "done" else layout.progress_folder(prefix)
-    store = open_storage(folder, job.spec.storage.s3)
-    out: dict[int, ShardRecord] = {}
-    for obj in store.list(folder):
-        name = obj.uri.rsplit("/", 1)[-1]
-        if not name.endswith(".json") or not name[:-5].isdigit():
-            continue
-        try:
-            data = store.read_bytes(obj.uri)
-        except NotFound:  # listed, then gone before it could be read
-            continue
-        out[int(name[:-5])] = decode_shard_record(data, f"{'completion' if kind == 'done' else 'progress'} record "
-                                                        f"{obj.uri}")
-    return out
+    return dict(sorted(stream_records(job, round_no, kind), key=lambda item: item[0]))

@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bij.contract import layout
-from bij.contract.efficiency import cost, efficiency
+from bij.contract.efficiency import EfficiencySums, cost
 from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused, spec_changes
 from bij.contract.plan import BadPlan, Plan
 from bij.contract.publish_plan import PublishPlan
-from bij.contract.records import ShardRecord, decode_shard_record
+from bij.contract.records import ShardRecord
 from bij.contract.spec import BatchInferenceJob
 from bij.contract.step_report import REMOVAL_FAILED
 from bij.steps import publish_rows
-from bij.steps.progress import damage_records
+from bij.steps.progress import DoneIndexes, damage_records, read_records
 from bij.steps.removal import Removal, remove_work_files, removed_record, resume_removal
 from bij.storage import NotFound, Storage, open_storage
 from bij.storage.parquet import id_kind
@@ -71,11 +71,31 @@ class _Totals:
     structured_validated: int = 0  # structured answers checked after decoding and valid
     structured_repaired: int = 0  # ... of them valid only on the second grammar backend's try
     structured_violations: int = 0  # ... and published as schema_violation error rows
-    notes: list[str] = field(default_factory=list)  # what the engine could not serve at all, once each
-    done_records: list[ShardRecord] = field(default_factory=list)  # O(shards): efficiency and cost
+    # What the engine could not serve at all, once each, by the first (round, shard) that said it:
+    # records stream in no set order, and the manifest lists notes in shard order.
+    first_noted: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Running sums of the completion records, which stream past and are not kept (memory flat in shards).
+    eff: EfficiencySums = field(default_factory=EfficiencySums)
+    int_ids: int = 0
+    str_ids: int = 0
+    ids_counted: bool = True  # every record counted its integer and string ids
+    done_rows: int = 0  # rows, error rows and capped rows the records count: the publish plan's buckets
+    done_count: int = 0  # completion records added
+    # Every record's rows have ids none or generated from their place (`placeIds`): see ids_cannot_repeat.
+    place_ids_only: bool = True
 
-    def add_done(self, rec: ShardRecord) -> None:
-        self.done_records.append(rec)
+    def add_done(self, rec: ShardRecord, where: tuple[int, int] = (0, 0)) -> None:
+        self.eff.add(rec)
+        rows = int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
+        self.done_rows += rows
+        self.done_count += 1
+        if "placeIds" not in rec or int(rec["placeIds"]) != rows:
+            self.place_ids_only = False
+        if "intIds" in rec and "strIds" in rec:
+            self.int_ids += int(rec["intIds"])
+            self.str_ids += int(rec["strIds"])
+        else:
+            self.ids_counted = False
         self.busy_s += float(rec.get("engineBusySeconds", 0.0))
         steps = int(rec.get("engineSteps", 0))
         self.steps += steps
@@ -88,8 +108,17 @@ class _Totals:
         self.structured_repaired += int(rec.get("structuredRepaired", 0))
         self.structured_violations += int(rec.get("structuredViolations", 0))
         for note in rec.get("notes") or []:
-            if note not in self.notes:
-                self.notes.append(note)
+            if note not in self.first_noted or where < self.first_noted[note]:
+                self.first_noted[note] = where
+
+    @property
+    def notes(self) -> list[str]:
+        return sorted(self.first_noted, key=lambda note: self.first_noted[note])
+
+    def id_kind(self) -> str:
+        """'int', 'str' or 'mixed': the Parquet `id` column's type for the whole job, from the workers'
+        counts of integer and string ids (a record without them counts as mixed)."""
+        return id_kind(self.int_ids, self.str_ids) if self.ids_counted else id_kind(None, None)
 
     def engine(self) -> dict[str, Any]:
         return {"busySeconds": round(self.busy_s, 3), "steps": self.steps,
@@ -108,20 +137,12 @@ def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> Pl
         raise PublishError(str(e), permanent=True) from None
 
 
-def result_id_kind(done_records: list[ShardRecord]) -> str:
-    """'int', 'str' or 'mixed': the Parquet `id` column's type for the whole job, from the workers'
-    counts of integer and string ids (a record without them counts as mixed)."""
-    if any("intIds" not in rec or "strIds" not in rec for rec in done_records):
-        return id_kind(None, None)
-    return id_kind(sum(int(rec["intIds"]) for rec in done_records), sum(int(rec["strIds"]) for rec in done_records))
-
-
 def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan],
-                       done_records: list[ShardRecord], bucket_rows: int,
+                       done: _Totals, bucket_rows: int,
                        partial: str | None = None) -> tuple[str, PublishPlan]:
-    """The plan the row-level passes follow: O(shards) to write, one bucket per `bucket_rows` ids."""
-    rows = sum(int(rec.get("rows", 0)) + int(rec.get("errors", 0)) + int(rec.get("capped", 0))
-               for rec in done_records)
+    """The plan the row-level passes follow: O(shards) to write, one bucket per `bucket_rows` ids.
+    `done`: the sums of the rounds' completion records."""
+    rows = done.done_rows
     prefix = layout.publish_prefix(job)
     unit_objects: list[list[int]] = []
     if job.spec.output.partition_by == "input":
@@ -143,32 +164,31 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         format=job.spec.output.format,
         task=job.spec.model.task,
         judge=job.spec.judge is not None,
-        id_kind=result_id_kind(done_records) if writer_for(job.spec.output.format).typed_ids else None,
+        id_kind=done.id_kind() if writer_for(job.spec.output.format).typed_ids else None,
         s3=job.spec.storage.s3.model_dump(by_alias=True, exclude_none=True),
         partial=partial,
         round_plans=[layout.round_manifest_uri(job, r) for r in range(len(plans))] if partial else [],
         partition_by=job.spec.output.partition_by,
         unit_objects=unit_objects,
         partitions=[layout.partition_stem(o.uri, o.name) for o in plans[0].objects] if unit_objects else [],
-        unique_ids=ids_cannot_repeat(plans, done_records, partial),
+        unique_ids=ids_cannot_repeat(plans, done, partial),
     )
     uri = layout.publish_plan_uri(prefix)
     store.write_bytes(uri, plan.to_json())
     return uri, plan
 
 
-def ids_cannot_repeat(plans: list[Plan], done_records: list[ShardRecord], partial: str | None) -> bool:
+def ids_cannot_repeat(plans: list[Plan], done: _Totals, partial: str | None) -> bool:
     """Whether no id of the job can appear twice, so publishing needs no ids and dedupe passes: one round,
     every shard finished, its objects' display names distinct, and every final row's id none or generated
     from its own place (`placeIds` of the completion records: an id `<object>:<offset>` names one place).
-    A record of an older worker, without `placeIds`, proves nothing."""
-    if partial is not None or len(plans) != 1 or len(done_records) != len(plans[0].shards):
+    A record of an older worker, without `placeIds`, proves nothing. `done`: the sums of the records."""
+    if partial is not None or len(plans) != 1 or done.done_count != len(plans[0].shards):
         return False
     names = [o.display_name for o in plans[0].objects]
     if len(set(names)) != len(names):
         return False
-    return all("placeIds" in rec and int(rec["placeIds"]) == int(rec.get("rows", 0)) + int(rec.get("errors", 0))
-               + int(rec.get("capped", 0)) for rec in done_records)
+    return done.place_ids_only
 
 
 def run_passes(plan: PublishPlan) -> None:
@@ -226,21 +246,24 @@ def prepare_publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | 
             # The manifest must name what made the rows, never a spec edited since.
             raise PlanRefused(f"cannot publish: {'; '.join(changes)} since round {r} was planned; undo the change, "
                               "or start over with `bij run --restart`")
-    _read_done(store, plans, t, partial=partial is not None)  # O(shards); the id kind needs them all
-    return write_publish_plan(store, job, plans, t.done_records, bucket_rows or job.spec.output.publish_bucket_rows,
+    _read_done(store, plans, t, partial=partial is not None)  # time O(shards), memory flat
+    return write_publish_plan(store, job, plans, t, bucket_rows or job.spec.output.publish_bucket_rows,
                               partial)
 
 
 def _read_done(store: Storage, plans: list[Plan], t: _Totals, partial: bool = False) -> None:
+    """Add every round's completion records to `t`, streamed (`progress.read_records`: a bounded pool of
+    reads over the listing), and check that each shard has one (unless `partial`): which ones do is a
+    bitmap, never the records."""
     for r, plan in enumerate(plans):
-        for index in range(len(plan.shards)):
-            uri = layout.done_uri(plan.round_prefix, index)
-            try:
-                t.add_done(decode_shard_record(store.read_bytes(uri), f"completion record {uri}"))
-            except NotFound:
-                if partial:
-                    continue  # stopped before it finished: published as far as it is durable
-                raise PublishError(f"round {r} shard {index} has not finished") from None
+        done = DoneIndexes()
+        for index, rec in read_records(store, layout.done_folder(plan.round_prefix)):
+            if index < len(plan.shards):
+                done.add(index)
+                t.add_done(rec, (r, index))
+        missing = done.first_missing(len(plan.shards))
+        if missing is not None and not partial:
+            raise PublishError(f"round {r} shard {missing} has not finished")
 
 
 def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> dict[str, Any]:
@@ -287,7 +310,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
             f"{t.errors} of {total} rows failed ({ratio:.1%}), above spec.maxErrorRatio {limit:.1%}; "
             f"error rows are in {layout.join(out_uri, 'errors')}/"
         )
-    eff = efficiency(t.done_records)
+    eff = t.eff.result()
     manifest: dict[str, Any] = {
         "apiVersion": f"{job.api_version}",
         "kind": "BatchInferenceJobManifest",

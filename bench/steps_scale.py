@@ -1,0 +1,190 @@
+"""The steps' memory and time at 10k to 1M shards: flat in shards, or not (DESIGN principle 12).
+
+For each N, a round of N tiny shards is simulated directly in storage on file:// (no job runs): a round
+plan of N shards, N completion records as workers write them, and for the manifest N publish-pass
+summaries of one file each. Each step then runs alone in a child process, which reports its peak RSS
+(VmHWM) and wall time:
+
+- finish: the finish step's statistics (`steps.main.finish_round`);
+- publish-plan: `steps.publish.prepare_publish`, the completion records and the publish plan;
+- manifest: `steps.publish.finish_publish` (output.keepIntermediate true: no removal timed);
+- plan-read: what a lane does first, reading the round plan (`Plan.from_json`).
+
+The same children run the code of the base commit (--base, default main, exported with `git archive`)
+in the same run, on the same storage: the anchor. Targets (issue 38): peak RSS within 1.3x from the
+smallest to the largest N and under 512 MB; time per shard within 1.5x.
+
+    python bench/steps_scale.py [--shards 10000,100000] [--base main] [--keep]
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+
+STEPS = ("finish", "publish-plan", "manifest", "plan-read")
+RSS_FLAT, RSS_MB, TIME_FLAT = 1.3, 512.0, 1.5
+SHARDS_PER_OBJECT = 100
+
+
+def job_doc(root: Path) -> dict[str, Any]:
+    return {"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": "scale"},
+            "spec": {"input": {"uri": f"file://{root}/in/"},
+                     "output": {"uri": f"file://{root}/out/", "compression": "none", "keepIntermediate": True},
+                     "model": {"engine": "echo", "task": "generate"}}}
+
+
+def record(index: int) -> dict[str, Any]:
+    return {"index": index, "round": 0, "lane": index % 1000, "rows": 10, "errors": 1, "truncated": 0,
+            "tokensIn": 100, "tokensOut": 50, "rejected": 0, "capped": 0, "engineCalls": 3, "judgeCalls": 0,
+            "batches": 1, "chunks": 1, "engineBusySeconds": 0.5, "modelLoadSeconds": 0.0, "modelLoads": 0,
+            "engineSteps": 4, "meanOccupancy": 0.5, "prefixShare": 0.1, "promptChars": 1000, "cachedTokens": 0,
+            "bytes": 999, "intIds": 11, "strIds": 0, "structuredValidated": 0, "structuredRepaired": 0,
+            "structuredViolations": 0, "notes": [], "seconds": 1.0, "finishedAt": "2026-12-06T00:00:00Z"}
+
+
+def simulate(root: Path, shards: int) -> None:
+    """A round of `shards` shards, every one done, in storage under `root` (plain writes, no fsync)."""
+    from bij.contract import layout
+    from bij.contract.plan import Plan
+    from bij.contract.spec import parse_job
+
+    job = parse_job(job_doc(root))
+    prefix = layout.round_prefix(job, 0)
+    objects = [{"uri": f"file://{root}/in/{o:06d}.jsonl", "size": SHARDS_PER_OBJECT * 1000, "name": f"{o:06d}.jsonl",
+                "version": "1"} for o in range(-(-shards // SHARDS_PER_OBJECT))]
+    plan = Plan.model_validate({
+        "round": 0, "roundPrefix": prefix, "inputUri": job.spec.input.uri, "job": job, "objects": objects,
+        "fingerprint": {"spec": "s", "input": "i"}, "lanes": min(shards, 1000),
+        "shards": [[(i // SHARDS_PER_OBJECT, i % SHARDS_PER_OBJECT * 1000, (i % SHARDS_PER_OBJECT + 1) * 1000)]
+                   for i in range(shards)]})
+    path = Path(layout.round_manifest_uri(job, 0).removeprefix("file://"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(plan.to_json())
+    del plan
+    done = Path(layout.done_folder(prefix).removeprefix("file://"))
+    done.mkdir(parents=True)
+    for i in range(shards):
+        (done / f"{i:05d}.json").write_text(json.dumps(record(i)))
+    summaries = Path(layout.join(layout.publish_prefix(job), "shards").removeprefix("file://"))
+    summaries.mkdir(parents=True)
+    for i in range(shards):
+        (summaries / f"{i:05d}.json").write_text(json.dumps({
+            "round": 0, "counts": {"rows": 10, "errors": 1, "capped": 0, "duplicates": 0, "truncated": 0,
+                                   "tokensIn": 100, "tokensOut": 50},
+            "files": [{"path": f"results/r0-{i:05d}.jsonl", "rows": 10, "sha256": "0" * 64, "bytes": 1000}],
+            "errorFiles": [{"path": f"errors/r0-{i:05d}.jsonl", "rows": 1, "sha256": "0" * 64, "bytes": 100}],
+            "cappedFiles": []}))
+
+
+def child(step: str, root: Path) -> int:
+    """Run one step over the simulated round; print its seconds and peak RSS as JSON."""
+    from bij.contract import layout
+    from bij.contract.plan import Plan
+    from bij.contract.spec import parse_job
+
+    job = parse_job(job_doc(root))
+    t0 = time.perf_counter()
+    if step == "finish":
+        from bij.steps.main import finish_round
+
+        assert finish_round(job, 0)["done"] > 0
+    elif step == "publish-plan":
+        from bij.steps.publish import prepare_publish
+
+        prepare_publish(job, 1)
+    elif step == "manifest":
+        from bij.steps import publish_rows
+        from bij.steps.publish import finish_publish
+
+        pplan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), None)
+        finish_publish(job, 1, pplan)
+    elif step == "plan-read":
+        uri = layout.round_manifest_uri(job, 0)
+        Plan.from_json(Path(uri.removeprefix("file://")).read_bytes(), uri)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"seconds": seconds, "rssMb": peak_rss_mb()}))
+    return 0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS: VmHWM, the high-water mark of its own memory since exec. Not ru_maxrss,
+    which Linux carries over from the parent's memory at exec (a child of a big parent starts big)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_child(src: Path, step: str, root: Path) -> dict[str, float]:
+    proc = subprocess.run([sys.executable, __file__, "--child", step, str(root)], capture_output=True, text=True,
+                          env={**harness.os.environ, "PYTHONPATH": str(src)})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{step} on {src} failed: {proc.stderr[-2000:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, rows=0, repeats=1)
+    p.add_argument("--shards", default="10000,100000", help="comma-separated shard counts")
+    p.add_argument("--base", default="main", help="the commit whose steps are the anchor")
+    args = harness.parse(p, argv)
+    counts = [int(n) for n in args.shards.split(",")]
+    report = harness.Report("steps_scale")
+    work = Path(tempfile.mkdtemp(prefix="bij-steps-scale-"))
+    base = work / "base"
+    base.mkdir()
+    archive = subprocess.run(["git", "-C", str(harness.REPO), "archive", args.base, "src"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+    sides = {"new": harness.REPO / "src", "base": base / "src"}
+    results: dict[str, dict[str, dict[int, dict[str, float]]]] = {s: {k: {} for k in STEPS} for s in sides}
+    try:
+        for n in counts:
+            root = work / f"n{n}"
+            t0 = time.perf_counter()
+            simulate(root, n)
+            print(f"simulated {n:,} shards in {time.perf_counter() - t0:.0f}s", flush=True)
+            for step in STEPS:  # the manifest step reads the publish plan the publish-plan step wrote
+                for side, src in sides.items():
+                    m = results[side][step][n] = run_child(src, step, root)
+                    print(f"{side:4} {step:12} {n:>9,} shards: {m['rssMb']:7.1f} MB peak RSS, "
+                          f"{m['seconds']:7.2f} s ({m['seconds'] / n * 1e6:6.1f} us/shard)", flush=True)
+            if not args.keep:
+                shutil.rmtree(root)
+        lo, hi = counts[0], counts[-1]
+        for step in STEPS:
+            for side in sides:
+                a, b = results[side][step][lo], results[side][step][hi]
+                rss, per = b["rssMb"] / a["rssMb"], (b["seconds"] / hi) / (a["seconds"] / lo)
+                target = side == "new"
+                report.ratio(f"{side} {step} RSS {hi}/{lo}", rss, RSS_FLAT if target else None, False)
+                report.ratio(f"{side} {step} s/shard {hi}/{lo}", per, TIME_FLAT if target else None, False)
+                if target:
+                    report.ratio(f"{side} {step} peak RSS MB at {hi}", b["rssMb"], RSS_MB, False)
+            report.ratio(f"{step} RSS new/base at {hi}",
+                         results["new"][step][hi]["rssMb"] / results["base"][step][hi]["rssMb"], None)
+        report.details["results"] = results
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    report.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        sys.exit(child(sys.argv[2], Path(sys.argv[3])))
+    sys.exit(main())
