@@ -21,8 +21,8 @@ from bij.api.batches import (
     window_seconds,
 )
 from bij.api.files import LineStats
-from bij.api.models import ENDPOINTS, ModelMap, ModelMapError, job_doc
-from bij.contract.spec import SpecError, parse_job
+from bij.api.models import ModelMap, ModelMapError, job_doc
+from bij.contract.spec import OPENAI_ENDPOINTS, SpecError, parse_job
 
 BATCH = "batch_0123456789abcdef01234567"
 
@@ -194,7 +194,8 @@ def test_a_cross_encoder_serves_the_rerank_and_score_endpoints_and_not_chat() ->
     common = dict(input_uri="file:///f/in.jsonl", output_uri="file:///f/out/", deadline_seconds=None)
     for endpoint, task in (("/v1/rerank", "rerank"), ("/v1/score", "score"), ("/classify", "classify")):
         batch = parse(CreateBatch, {"input_file_id": "file-1", "endpoint": endpoint}, "the body")
-        assert parse_job(job_doc("b", "ns", template, task=ENDPOINTS[batch.endpoint], **common)).spec.model.task == task
+        doc = job_doc("b", "ns", template, task=OPENAI_ENDPOINTS[batch.endpoint], **common)
+        assert parse_job(doc).spec.model.task == task
     with pytest.raises(SpecError, match="supports tasks embed, classify, score and rerank"):
         parse_job(job_doc("b", "ns", template, task="chat", **common))
 

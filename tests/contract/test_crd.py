@@ -23,7 +23,7 @@ from bij.contract.spec import job_to_dict, parse_job
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "batchinferencejobs.yaml"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-KUBE_VERSIONS = ["1.31", "1.33"]
+KUBE_VERSIONS = ["1.34", "1.36"]  # bij's minimum (every Job feature used is GA), and the tested version
 
 
 def load_sync_tool() -> ModuleType:

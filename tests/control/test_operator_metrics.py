@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
+from ports import free_port
+
 from bij.control.handlers import OperatorMetrics, parse_args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_metrics_endpoint_counts_decisions_by_kind() -> None:

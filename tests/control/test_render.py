@@ -21,7 +21,7 @@ from bij.control.jobs import render_job
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-KUBE_VERSIONS = ["1.31", "1.33"]
+KUBE_VERSIONS = ["1.34", "1.36"]  # bij's minimum (every Job feature used is GA), and the tested version
 MANIFEST = "s3://bucket/out/_bij/uid-1/round-0/shards.json"
 
 
@@ -98,7 +98,7 @@ def test_longest_name_and_last_round_still_give_a_valid_job_name() -> None:
     job = parse_job({**make_job().model_dump(by_alias=True), "metadata": {"name": "a" * 52}})
     rendered = render_job(job, 20, 1, MANIFEST)
     assert len(rendered["metadata"]["name"]) <= 63
-    kubernetes_validate.validate(rendered, "1.33", strict=True)
+    kubernetes_validate.validate(rendered, "1.34", strict=True)
 
 
 # --- identity -------------------------------------------------------------------------------

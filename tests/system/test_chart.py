@@ -19,7 +19,7 @@ from bij.control import jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "bij-operator"
-KUBE_VERSIONS = ["1.31", "1.33"]
+KUBE_VERSIONS = ["1.34", "1.36"]  # the chart's kubeVersion floor, and the version the tests run on
 NAMESPACE = "bij-system"
 # Kinds Kubernetes itself does not know: validated against their own CRD schema, or by shape.
 CRD_KINDS = {"monitoring.coreos.com/v1": {"ServiceMonitor", "PodMonitor"}, "kopf.dev/v1": {"KopfPeering",
@@ -99,7 +99,7 @@ def chart_crds(chart: helm.Chart) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("values", [{}, NON_DEFAULT, CLUSTER_WIDE_PEERING, WITH_API],
                          ids=["default", "namespaced", "peering", "api"])
 def test_chart_lints_without_warnings(values: dict[str, Any]) -> None:
-    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version="v1.31.0")
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version="v1.34.0")
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
@@ -146,6 +146,14 @@ def test_chart_crds_are_valid_for_kubernetes(chart: helm.Chart, kube: str) -> No
     }
     for crd in crds:
         kubernetes_validate.validate(crd, kube, strict=True)
+
+
+def test_chart_kube_version_is_the_documented_minimum() -> None:
+    # One minimum everywhere: the chart refuses older clusters, and README and operations.md say so.
+    floor = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    assert floor == f">={KUBE_VERSIONS[0]}.0-0"
+    assert f"Kubernetes ({KUBE_VERSIONS[0]} or newer)" in (ROOT / "README.md").read_text()
+    assert f"bij needs Kubernetes {KUBE_VERSIONS[0]} or newer" in (ROOT / "docs" / "operations.md").read_text()
 
 
 def test_chart_crd_is_the_generated_copy_of_the_source() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from input_rows import numbered
+from ports import free_port
 
 from bij.contract.codes import EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_TERMINATED
 from bij.worker.group import GroupError, GroupLeader, Role, run_member
@@ -183,12 +184,6 @@ def test_a_member_that_cannot_reach_its_leader_fails_counted(monkeypatch: pytest
 
 
 # --- with Ray ----------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def ray_processes(session: int) -> list[int]:
     """Processes still alive in the process group `session` (a RayNode's)."""

@@ -93,10 +93,12 @@ def test_answers_are_responses_objects_the_openai_sdk_reads() -> None:
 
 
 def test_bij_api_takes_every_endpoint_the_worker_answers() -> None:
-    from bij.api.models import ENDPOINTS
-    from bij.worker.inputs import OPENAI_URLS
+    from bij.api.bodies import CreateBatch
+    from bij.contract.spec import OPENAI_ENDPOINTS
 
-    assert ENDPOINTS == OPENAI_URLS and ENDPOINTS["/v1/responses"] == "chat"
+    for url in OPENAI_ENDPOINTS:
+        assert CreateBatch(input_file_id="file-1", endpoint=url).endpoint == url
+    assert OPENAI_ENDPOINTS["/v1/responses"] == "chat"
 
 
 def test_earlier_calls_in_the_input_are_the_chat_historys_tool_calls_and_tool_messages() -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bij.api.errors import Forbidden, Unauthenticated
+from bij.contract.codes import API_GROUP, PLURAL
 
 SA_PREFIX = "system:serviceaccount:"
 __all__ = ["Authorizer", "Caller", "Forbidden", "Unauthenticated"]
@@ -31,8 +32,8 @@ class Caller:
 class Authorizer:
     """TokenReview + SubjectAccessReview through the API server, with a short cache of verdicts."""
 
-    def __init__(self, api: Any, ttl: float = 30.0, group: str = "batchinference.io",
-                 resource: str = "batchinferencejobs"):
+    def __init__(self, api: Any, ttl: float = 30.0, group: str = API_GROUP,
+                 resource: str = PLURAL):
         import kubernetes
 
         self.authn = kubernetes.client.AuthenticationV1Api(api)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from bij.api.batches import check_metadata, window_seconds
 from bij.api.errors import BadRequest, from_validation
-from bij.api.models import ENDPOINTS
+from bij.contract.spec import OPENAI_ENDPOINTS
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -32,8 +32,8 @@ class CreateBatch(BaseModel):
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, v: str) -> str:
-        if v not in ENDPOINTS:
-            raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {v!r}")
+        if v not in OPENAI_ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(OPENAI_ENDPOINTS)}, got {v!r}")
         return v
 
     @field_validator("completion_window")

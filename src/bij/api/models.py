@@ -32,13 +32,8 @@ from typing import Any
 
 import yaml
 
-from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
+from bij.contract.spec import OPENAI_ENDPOINTS, BatchInferenceJob, SpecError, parse_job
 
-# The endpoints a batch may name, and the model.task each runs as.
-ENDPOINTS: dict[str, str] = {"/v1/chat/completions": "chat", "/v1/completions": "generate", "/v1/embeddings": "embed",
-                             "/v1/responses": "chat",
-                             # vLLM's pooling endpoints (a classifier, a cross-encoder)
-                             "/classify": "classify", "/v1/score": "score", "/v1/rerank": "rerank"}
 # The parts of a bij spec a model's entry may set; the server sets the others.
 TEMPLATE_KEYS = frozenset({"model", "workers", "batching", "sharding", "storage", "maxErrorRatio"})
 
@@ -120,12 +115,12 @@ class ModelMap:
                                     "and deadline)")
             # An entry serves the endpoints whose task it can run (an embedding model: /v1/embeddings).
             problems: dict[str, list[str]] = {}
-            for task in sorted(set(ENDPOINTS.values())):
+            for task in sorted(set(OPENAI_ENDPOINTS.values())):
                 try:
                     check(entry, task, name)
                 except SpecError as e:
                     problems[task] = e.problems
-            if len(problems) == len(set(ENDPOINTS.values())):
+            if len(problems) == len(set(OPENAI_ENDPOINTS.values())):
                 raise ModelMapError(f"{where}: no endpoint's task can run it: " + "; ".join(
                     f"task {task}: {', '.join(p)}" for task, p in problems.items()))
         # A name lines use must pick one thing: no adapter may share a name with an entry or another's adapter.

@@ -49,12 +49,12 @@ from bij.api.errors import (
     kube_message,
 )
 from bij.api.files import MAX_MODELS, FileStore, new_id
-from bij.api.models import ENDPOINTS, ModelMap, ModelMapError, job_doc
-from bij.contract.spec import SpecError, parse_job
+from bij.api.models import ModelMap, ModelMapError, job_doc
+from bij.contract.codes import PLURAL
+from bij.contract.spec import API_GROUP, API_VERSION, OPENAI_ENDPOINTS, SpecError, parse_job
 from bij.storage import NotFound
 
 log = logging.getLogger("bij.api")
-GROUP, VERSION, PLURAL = "batchinference.io", "v1alpha1", "batchinferencejobs"
 FINAL = ("completed", "failed", "expired", "cancelled")
 MANIFESTS_KEPT = 4096  # ended batches' manifests kept in memory
 
@@ -71,20 +71,20 @@ class Kube:
         from kubernetes.client import ApiException
 
         try:
-            return dict(self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
+            return dict(self.custom.get_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, name))
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
 
     def create(self, namespace: str, doc: dict[str, Any]) -> dict[str, Any]:
-        return dict(self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc))
+        return dict(self.custom.create_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, doc))
 
     def patch(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return dict(self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, patch))
+        return dict(self.custom.patch_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, name, patch))
 
     def list(self, namespace: str) -> list[dict[str, Any]]:
-        out = self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, label_selector=LABEL)
+        out = self.custom.list_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, label_selector=LABEL)
         return [dict(i) for i in out.get("items") or []]
 
 
@@ -356,7 +356,7 @@ class Api:
                "created_ns": time.time_ns()}
         doc = job_doc(bij_name(batch_id) or "", who.namespace, template,
                       input_uri=self.files.content_uri(who.namespace, file_id),
-                      output_uri=self.files.batch_output(who.namespace, batch_id), task=ENDPOINTS[endpoint],
+                      output_uri=self.files.batch_output(who.namespace, batch_id), task=OPENAI_ENDPOINTS[endpoint],
                       deadline_seconds=body.deadline_seconds, served_name=key, labels={LABEL: "true"},
                       annotations={ANNOTATION: json.dumps(rec, sort_keys=True)})
         if self.s3:  # the workers reach the files prefix as the server does

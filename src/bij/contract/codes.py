@@ -7,6 +7,7 @@ Jobs by the labels and the worker's plan by the annotations.
 from __future__ import annotations
 
 API_GROUP = "batchinference.io"
+PLURAL = "batchinferencejobs"  # the CRD's resource name: the REST path, RBAC rules, kopf's watch
 
 # bij-worker's exit codes (see bij.worker.main).
 EXIT_OK = 0
@@ -44,3 +45,11 @@ JOB_UID_ENV = "BIJ_JOB_UID"
 JOB_NAME_ENV = "BIJ_JOB_NAME"
 # Seconds between two lane reports of a pod (`lane_report.report_interval` of the round's lane count).
 REPORT_INTERVAL_ENV = "BIJ_REPORT_INTERVAL"
+
+# A lane of several pods (spec.workers.nodesPerLane): the operator sets these on the round Job's pods and
+# opens these ports on the leader; bij.worker.group reads and listens on them.
+NODES_PER_LANE_ENV = "BIJ_NODES_PER_LANE"
+GROUP_LEADER_ENV = "BIJ_GROUP_LEADER"  # the leader's host name, "{index}" standing for the leader's index
+ROUND_ENV = "BIJ_ROUND"  # the round the Job runs: a member's report names it
+RAY_PORT = 6379  # the leader's Ray head (GCS)
+GROUP_PORT = 6390  # the leader's group channel: members join, and learn that the lane is done

@@ -25,12 +25,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from bij.contract.codes import API_GROUP
+from bij.contract.codes import API_GROUP, PLURAL
 from bij.contract.schema import FREE_FORM, cel
 from bij.contract.spec import API_VERSION, KIND, MAX_NAME_LEN, JobSpec
 from bij.contract.status import JobStatus
 
-PLURAL = "batchinferencejobs"
 NAME = f"{PLURAL}.{API_GROUP}"
 
 # `kubectl get bij` (priority 1: `-o wide`).

@@ -30,7 +30,7 @@ import kopf
 import urllib3
 from kubernetes.client import ApiException
 
-from bij.contract.codes import JOB_LABEL, NODES_PER_LANE_ANNOTATION, PUBLISH_LABEL, ROUND_LABEL, STEP_LABEL
+from bij.contract.codes import JOB_LABEL, NODES_PER_LANE_ANNOTATION, PLURAL, PUBLISH_LABEL, ROUND_LABEL, STEP_LABEL
 from bij.contract.lane_report import REPORT_ANNOTATION, LaneTally, tally, tally_interval
 from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from bij.control.access_review import check_grants
@@ -45,7 +45,6 @@ from bij.control.jobs import (
 from bij.control.permissions import GrantCheck
 from bij.control.reconcile import Decision, owns
 
-PLURAL = "batchinferencejobs"
 # A waiting daemon wakes when one of its bij's Jobs changes; it looks for spec edits (and whether it
 # is to stop) this often, in memory, without an API call.
 SPEC_POLL = 1.0

@@ -23,16 +23,21 @@ from bij.contract.codes import (
     CANARY_SHARDS_ENV,
     EXIT_BAD_CONFIG,
     EXIT_GROUP_LOST,
+    GROUP_LEADER_ENV,
+    GROUP_PORT,
     JOB_LABEL,
     JOB_NAME_ENV,
     JOB_UID_ENV,
     MANIFEST_ANNOTATION,
     NODES_PER_LANE_ANNOTATION,
+    NODES_PER_LANE_ENV,
     POD_NAME_ENV,
     PUBLISH_LABEL,
     PUBLISH_PLAN_ANNOTATION,
+    RAY_PORT,
     REPORT_ENV,
     REPORT_INTERVAL_ENV,
+    ROUND_ENV,
     ROUND_LABEL,
     STEP_LABEL,
 )
@@ -52,11 +57,7 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 # A lane of several pods (spec.workers.nodesPerLane): its pods reach the leader (rank 0) by the stable name
 # `<job>-<index>.<service>` a headless Service gives an Indexed Job's pods (their hostname and subdomain).
-RAY_PORT = 6379  # the leader's Ray head (GCS)
-GROUP_PORT = 6390  # the leader's group channel: members join, and learn that the lane is done (bij.worker.group)
-NODES_PER_LANE_ENV = "BIJ_NODES_PER_LANE"
-ROUND_ENV = "BIJ_ROUND"  # bij.worker.group.ROUND_ENV
-GROUP_LEADER_ENV = "BIJ_GROUP_LEADER"  # the leader's host, "{index}" standing for the leader's index
+# Its ports and env names are bij.contract.codes' (RAY_PORT, GROUP_PORT, NODES_PER_LANE_ENV, ...).
 
 # Spot node labels by provider: (label, value). Karpenter and EKS managed node groups do not
 # taint spot nodes by default; GKE (when asked to, as its docs recommend) and AKS do.

@@ -15,6 +15,8 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from bij.contract.codes import API_GROUP, PLURAL
+
 # The worker identity's service account when spec.workers.serviceAccountName names none (the chart's).
 DEFAULT_SERVICE_ACCOUNT = "bij-worker"
 
@@ -46,7 +48,7 @@ class Grant:
 # Every grant a bij's pods use (the chart's `bij-operator.rules.worker`; a test holds the two equal):
 # a step pod merge-patches its own report into the bij's status, a lane's pod writes its progress into a
 # Lease of its own (bij.worker.report).
-WORKER_GRANTS: tuple[Grant, ...] = (Grant("batchinference.io", "batchinferencejobs", "patch", "status"),
+WORKER_GRANTS: tuple[Grant, ...] = (Grant(API_GROUP, PLURAL, "patch", "status"),
                                     Grant("coordination.k8s.io", "leases", "create"),
                                     Grant("coordination.k8s.io", "leases", "patch"))
 

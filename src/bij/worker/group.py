@@ -43,18 +43,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bij.contract.codes import EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_TERMINATED
+from bij.contract.codes import (
+    EXIT_FAILED,
+    EXIT_GROUP_LOST,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    GROUP_LEADER_ENV,
+    GROUP_PORT,
+    NODES_PER_LANE_ENV,
+    RAY_PORT,
+    ROUND_ENV,
+)
 
 log = logging.getLogger("bij.group")
 
-NODES_ENV = "BIJ_NODES_PER_LANE"
-LEADER_ENV = "BIJ_GROUP_LEADER"  # the leader's host name, "{index}" standing for the leader's index
 GROUP_PORT_ENV = "BIJ_GROUP_PORT"
 RAY_PORT_ENV = "BIJ_RAY_PORT"
 JOIN_SECONDS_ENV = "BIJ_GROUP_JOIN_SECONDS"
-ROUND_ENV = "BIJ_ROUND"  # the round the Job runs (set on a lane of several pods): a member's report names it
-GROUP_PORT = 6390
-RAY_PORT = 6379
 JOIN_SECONDS = 600.0
 
 
@@ -88,17 +93,17 @@ class Role:
 
 def role_of(index: int, env: dict[str, str] | None = None) -> Role:
     """The role of Job index `index`: from env BIJ_NODES_PER_LANE (1 when unset)."""
-    raw = (os.environ if env is None else env).get(NODES_ENV) or "1"
+    raw = (os.environ if env is None else env).get(NODES_PER_LANE_ENV) or "1"
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{NODES_ENV} must be a positive integer, got {raw!r}")
+        raise ValueError(f"{NODES_PER_LANE_ENV} must be a positive integer, got {raw!r}")
     return Role(index, int(raw))
 
 
 def leader_host(role: Role, env: dict[str, str] | None = None) -> str:
     """The leader's host name: env BIJ_GROUP_LEADER with its index (`<job>-{index}.<service>` on Kubernetes)."""
-    pattern = (os.environ if env is None else env).get(LEADER_ENV)
+    pattern = (os.environ if env is None else env).get(GROUP_LEADER_ENV)
     if not pattern:
-        raise ValueError(f"{LEADER_ENV} is not set: a lane of several pods needs its leader's host name")
+        raise ValueError(f"{GROUP_LEADER_ENV} is not set: a lane of several pods needs its leader's host name")
     return pattern.replace("{index}", str(role.leader_index))
 
 

@@ -55,6 +55,7 @@ from bij.contract.sampling import (
     over_budget,
     refusal,
 )
+from bij.contract.spec import OPENAI_ENDPOINTS
 from bij.engines import tools
 from bij.engines.base import Choice, Image, Request, Result, TokenLogprob, ToolAsk
 from bij.storage.exact_json import beyond_int64, may_hold_big_int
@@ -69,16 +70,6 @@ if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
 # Reserved field of re-dispatched rows (judge rounds): {"id", "attempts", "verdicts", "output"}.
 CARRY_FIELD = "_bij"
 
-OPENAI_URLS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "generate",
-    "/v1/embeddings": "embed",
-    "/v1/responses": "chat",  # read as the chat request it asks for (responses.py)
-    # vLLM's pooling endpoints, in the shapes its server takes and answers.
-    "/classify": "classify",
-    "/v1/score": "score",
-    "/v1/rerank": "rerank",
-}
 # The tasks that read a pair of texts (or several) and answer with a pooled head's output (Result.pooled).
 POOLING_TASKS = ("classify", "score", "rerank")
 # The body fields each pooling endpoint takes (vLLM's ClassificationRequest, ScoreRequest, RerankRequest):
@@ -682,9 +673,9 @@ def _parse_openai(obj: dict[str, Any], at: tuple[int, int, int], opts: InputOpti
     url = obj.get("url")
     if obj.get("method", "POST") != "POST":
         return _bad(at, "invalid_request", f"method must be POST, got {obj.get('method')!r}", cid)
-    if url not in OPENAI_URLS:
-        return _bad(at, "invalid_request", f"url must be one of {', '.join(OPENAI_URLS)}, got {url!r}", cid)
-    kind = OPENAI_URLS[url]
+    if url not in OPENAI_ENDPOINTS:
+        return _bad(at, "invalid_request", f"url must be one of {', '.join(OPENAI_ENDPOINTS)}, got {url!r}", cid)
+    kind = OPENAI_ENDPOINTS[url]
     if kind != opts.task:
         return _bad(at, "invalid_request", f"url {url} needs model.task {kind}, the job runs {opts.task}", cid)
     body = obj.get("body")
@@ -888,7 +879,7 @@ def merged_result(row: Row, results: list[Result]) -> Result:
     """One Result for a row with several prompts (`row.parts`): the first failing prompt's error, named
     by its place in the body (a failing part fails the row), else the results summed over the prompts
     (usage), which result_row writes out prompt by prompt from `parts`."""
-    field = "input" if OPENAI_URLS.get(row.url or "") == "embed" else "prompt"
+    field = "input" if OPENAI_ENDPOINTS.get(row.url or "") == "embed" else "prompt"
     for k, r in enumerate(results):
         if r.error is not None:
             return Result(output=r.output, prompt_tokens=r.prompt_tokens, error=f"body.{field}[{k}]: {r.error}",
@@ -938,7 +929,7 @@ def result_row(row: Row, res: Result, opts: InputOptions) -> dict[str, Any]:
         return plain_result(row.id, res, row.truncated, row.carried)
     usage = _usage(res)
     digest = hashlib.sha256(str(row.id).encode()).hexdigest()[:24]
-    kind = OPENAI_URLS.get(row.url or "", opts.task)
+    kind = OPENAI_ENDPOINTS.get(row.url or "", opts.task)
     body: dict[str, Any]
     served = row.request.adapter if row.request is not None and row.request.adapter else opts.model_name
     parts: list[Result] = res.extra.get("parts") or [res]

@@ -44,6 +44,7 @@ from bij.contract.codes import (
     JOB_LABEL,
     JOB_NAME_ENV,
     JOB_UID_ENV,
+    PLURAL,
     POD_NAME_ENV,
     REPORT_ENV,
     REPORT_INTERVAL_ENV,
@@ -58,7 +59,6 @@ __all__ = ["JOB_UID_ENV", "POD_NAME_ENV", "REPORT_ENV"]  # and what is defined b
 log = logging.getLogger("bij.report")
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-PLURAL = "batchinferencejobs"
 LANES = "lanes"  # the section of a lane's report
 
 
