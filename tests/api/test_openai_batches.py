@@ -22,7 +22,8 @@ from bij.api.batches import (
 )
 from bij.api.files import LineStats
 from bij.api.models import ModelMap, ModelMapError, job_doc
-from bij.contract.spec import OPENAI_ENDPOINTS, SpecError, parse_job
+from bij.contract.codes import OPENAI_ENDPOINTS
+from bij.contract.spec import SpecError, parse_job
 
 BATCH = "batch_0123456789abcdef01234567"
 

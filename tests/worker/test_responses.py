@@ -94,7 +94,7 @@ def test_answers_are_responses_objects_the_openai_sdk_reads() -> None:
 
 def test_bij_api_takes_every_endpoint_the_worker_answers() -> None:
     from bij.api.bodies import CreateBatch
-    from bij.contract.spec import OPENAI_ENDPOINTS
+    from bij.contract.codes import OPENAI_ENDPOINTS
 
     for url in OPENAI_ENDPOINTS:
         assert CreateBatch(input_file_id="file-1", endpoint=url).endpoint == url

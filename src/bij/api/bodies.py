@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from bij.api.batches import check_metadata, window_seconds
 from bij.api.errors import BadRequest, from_validation
-from bij.contract.spec import OPENAI_ENDPOINTS
+from bij.contract.codes import OPENAI_ENDPOINTS
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import yaml
 
-from bij.contract.spec import OPENAI_ENDPOINTS, BatchInferenceJob, SpecError, parse_job
+from bij.contract.codes import OPENAI_ENDPOINTS
+from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
 
 # The parts of a bij spec a model's entry may set; the server sets the others.
 TEMPLATE_KEYS = frozenset({"model", "workers", "batching", "sharding", "storage", "maxErrorRatio"})

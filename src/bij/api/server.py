@@ -50,8 +50,8 @@ from bij.api.errors import (
 )
 from bij.api.files import MAX_MODELS, FileStore, new_id
 from bij.api.models import ModelMap, ModelMapError, job_doc
-from bij.contract.codes import PLURAL
-from bij.contract.spec import API_GROUP, API_VERSION, OPENAI_ENDPOINTS, SpecError, parse_job
+from bij.contract.codes import OPENAI_ENDPOINTS, PLURAL
+from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from bij.storage import NotFound
 
 log = logging.getLogger("bij.api")

@@ -53,3 +53,16 @@ GROUP_LEADER_ENV = "BIJ_GROUP_LEADER"  # the leader's host name, "{index}" stand
 ROUND_ENV = "BIJ_ROUND"  # the round the Job runs: a member's report names it
 RAY_PORT = 6379  # the leader's Ray head (GCS)
 GROUP_PORT = 6390  # the leader's group channel: members join, and learn that the lane is done
+
+# The OpenAI endpoints a batch (bij-api) or an OpenAI batch line (the worker) may name, and the model.task
+# each runs as.
+OPENAI_ENDPOINTS: dict[str, str] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "generate",
+    "/v1/embeddings": "embed",
+    "/v1/responses": "chat",  # read as the chat request it asks for (bij.worker.responses)
+    # vLLM's pooling endpoints, in the shapes its server takes and answers (a classifier, a cross-encoder).
+    "/classify": "classify",
+    "/v1/score": "score",
+    "/v1/rerank": "rerank",
+}

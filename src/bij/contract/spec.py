@@ -28,18 +28,6 @@ from bij.contract.schema import FREE_FORM, INT64, cel, k8s
 
 API_VERSION = "v1alpha1"
 KIND = "BatchInferenceJob"
-# The OpenAI endpoints a batch (bij-api) or an OpenAI batch line (the worker) may name, and the model.task
-# each runs as.
-OPENAI_ENDPOINTS: dict[str, str] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "generate",
-    "/v1/embeddings": "embed",
-    "/v1/responses": "chat",  # read as the chat request it asks for (bij.worker.responses)
-    # vLLM's pooling endpoints, in the shapes its server takes and answers (a classifier, a cross-encoder).
-    "/classify": "classify",
-    "/v1/score": "score",
-    "/v1/rerank": "rerank",
-}
 # A longer input line is an error row (its bytes are never held in memory).
 DEFAULT_MAX_LINE_BYTES = 32 << 20
 # One image of a chat row at most (OpenAI's own limit per image).

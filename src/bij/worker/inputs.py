@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from bij.contract.codes import OPENAI_ENDPOINTS
 from bij.contract.columns import carried as carried_columns
 from bij.contract.columns import clash_message, consumed, result_fields
 from bij.contract.prompt import TEMPLATE_ERROR, PromptError, compiled_template, render
@@ -55,7 +56,6 @@ from bij.contract.sampling import (
     over_budget,
     refusal,
 )
-from bij.contract.spec import OPENAI_ENDPOINTS
 from bij.engines import tools
 from bij.engines.base import Choice, Image, Request, Result, TokenLogprob, ToolAsk
 from bij.storage.exact_json import beyond_int64, may_hold_big_int
