@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 from input_rows import numbered
-from ports import free_port
 
 from bij.contract.codes import EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_TERMINATED
 from bij.worker.group import GroupError, GroupLeader, Role, run_member
@@ -184,6 +183,14 @@ def test_a_member_that_cannot_reach_its_leader_fails_counted(monkeypatch: pytest
 
 
 # --- with Ray ----------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A port the kernel hands out (bind to 0), in its ephemeral range: not tests/ports.py's, which picks
+    below that range, where Ray starts its own workers (ports 10002-19999) and may take it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
 
 def ray_processes(session: int) -> list[int]:
     """Processes still alive in the process group `session` (a RayNode's)."""
