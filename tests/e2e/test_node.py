@@ -509,13 +509,21 @@ def test_a_step_pod_killed_by_its_memory_limit_is_retried_then_fails_the_bij_nam
 ALLOCATE = r"""
 import os, sys, time
 cgroup, pids, cap = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+
+def alive(pid):  # a killed worker stays a zombie until its shim reaps it
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
 with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
     f.write(str(os.getpid()))
 held, deadline = [], time.monotonic() + 120
-while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline and len(held) * 32 < cap:
+while any(alive(p) for p in pids) and time.monotonic() < deadline and len(held) * 32 < cap:
     held.append(bytearray(b"x") * (32 << 20))  # written, so the pages are charged to the cgroup
     time.sleep(0.02)
-sys.exit(0 if not any(os.path.exists(f"/proc/{p}") for p in pids) else 3)
+sys.exit(0 if not any(alive(p) for p in pids) else 3)
 """
 
 
@@ -549,7 +557,9 @@ def test_a_worker_oom_killed_mid_shard_is_replaced_and_its_shard_resumes(ns: Ns)
     # worker that outgrows its limit meets it.
     alloc = subprocess.run(["python3", "-c", ALLOCATE, str(cgroup), ",".join(pids), str(2048)],
                            capture_output=True, text=True, timeout=180)
-    assert alloc.returncode == 0, f"the worker outlived its limit: {alloc.stdout} {alloc.stderr}"
+    # -9: the container's end came first, and its cgroup was emptied with this process in it (runc's
+    # clean-up kills whatever is left there). Which of the two is killed by the OOM killer is read below.
+    assert alloc.returncode in (0, -9), f"the worker outlived its limit: exit {alloc.returncode} {alloc.stderr}"
 
     def ended() -> Any:
         (st,) = ns.core.read_namespaced_pod(pod.metadata.name, ns.name).status.container_statuses
