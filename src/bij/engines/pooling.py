@@ -83,14 +83,24 @@ class _PairEngine(EngineBase):
         self._loaded()
         return self._limit
 
+    def _tokenize(self, pairs: list[tuple[str, str | None]], **kwargs: Any) -> Any:
+        """The tokenizer on the pairs: first texts, and second texts where the task has them."""
+        seconds = [b for _, b in pairs]
+        return self.tokenizer([a for a, _ in pairs], seconds if seconds[0] is not None else None, **kwargs)
+
+    def _set_limit(self, model_config: Any, tokenizer: Any, *more: int | None) -> None:
+        """The input limit: the smallest that is set of the model's positions, the tokenizer's length,
+        `more` (the loader's own) and config.max_input_tokens."""
+        positions = getattr(model_config, "max_position_embeddings", None)
+        tok_max = tokenizer.model_max_length if tokenizer.model_max_length < 1 << 30 else None
+        limits = [n for n in (positions, tok_max, *more, self.config.max_input_tokens) if n]
+        self._limit = min(limits) if limits else None
+
     def _counts(self, pairs: list[tuple[str, str | None]]) -> list[int]:
         if not pairs:
             return []
-        firsts = [a for a, _ in pairs]
-        seconds = [b for _, b in pairs]
-        enc = self.tokenizer(firsts, seconds if seconds[0] is not None else None, add_special_tokens=True,
-                             padding=False, truncation=False, return_attention_mask=False,
-                             return_token_type_ids=False, verbose=False)
+        enc = self._tokenize(pairs, add_special_tokens=True, padding=False, truncation=False,
+                             return_attention_mask=False, return_token_type_ids=False, verbose=False)
         return [len(ids) for ids in enc["input_ids"]]
 
     def count_tokens(self, requests: list[Request]) -> list[int]:
@@ -165,20 +175,15 @@ class SequenceClassifierEngine(_PairEngine):
         model.to(self.device)
         model.eval()
         self._id2label = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
-        positions = getattr(model.config, "max_position_embeddings", None)
-        tok_max = tokenizer.model_max_length if tokenizer.model_max_length < 1 << 30 else None
-        limits = [n for n in (positions, tok_max, self.config.max_input_tokens) if n]
-        self._limit = min(limits) if limits else None
+        self._set_limit(model.config, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
 
     def _outputs(self, pairs: list[tuple[str, str | None]]) -> list[list[float]]:
         import torch
 
-        firsts = [a for a, _ in pairs]
-        seconds = [b for _, b in pairs]
-        enc = self.tokenizer(firsts, seconds if seconds[0] is not None else None, padding=True,
-                             truncation=self._limit is not None, max_length=self._limit, return_tensors="pt")
+        enc = self._tokenize(pairs, padding=True, truncation=self._limit is not None, max_length=self._limit,
+                             return_tensors="pt")
         with torch.inference_mode():
             logits = self.model(**enc.to(self.device)).logits.float()
         acts = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
@@ -211,12 +216,9 @@ class CrossEncoderEngine(_PairEngine):
             model = CrossEncoder(name, device=self.device, local_files_only=local_only)
         self._check_labels(name, model.config.num_labels)
         self.tokenizer = model.tokenizer
-        tok_max = self.tokenizer.model_max_length if self.tokenizer.model_max_length < 1 << 30 else None
-        positions = getattr(model.config, "max_position_embeddings", None)
         # sentence-transformers 5.x calls it max_seq_length (max_length before, a deprecated alias now).
         length_name = "max_seq_length" if hasattr(model, "max_seq_length") else "max_length"
-        limits = [n for n in (getattr(model, length_name), tok_max, positions, self.config.max_input_tokens) if n]
-        self._limit = min(limits) if limits else None
+        self._set_limit(model.config, self.tokenizer, getattr(model, length_name))
         # predict() cuts every pair to it, as the tokenizer cuts pairs.
         setattr(model, length_name, self._limit)
         self.model = model
