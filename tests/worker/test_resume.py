@@ -64,22 +64,33 @@ def shard_plan(job: Any) -> Plan:
     return load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
 
 
-def test_resume_skips_rows_already_durable(file_place, make_job, run_shards, recording_echo, read_output):
-    inputs = rows_with_mixed_lengths(100)
-    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"chunkRows": 10,
-                                                                                        "targetShardBytes": 1 << 20},
+def chunked_job(file_place: Any, make_job: Any, inputs: list[Any]) -> Any:
+    """One shard of chunks of 10 rows, 10 rows in flight and two chunks queued for commit."""
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
+                      sharding={"chunkRows": 10, "targetShardBytes": 1 << 20},
                       batching={"inFlightRows": 10, "commitQueueChunks": 2})
-    # Stop once three chunks are durable: no chunk joins the window after that; what is in the
-    # window (one chunk) and the commit queue (two) is finished.
+    return job
+
+
+def stop_after_chunks(chunks: int) -> dict[str, Any]:
+    """run_shards' stop and progress arguments that ask the worker to stop once `chunks` are durable."""
     stop = StopFlag()
     events: list[dict[str, Any]] = []
 
     def progress(ev: dict[str, Any]) -> None:
         events.append(ev)
-        if sum(1 for e in events if e["event"] == "chunk") == 3:
+        if sum(1 for e in events if e["event"] == "chunk") == chunks:
             stop.request()
 
-    first = run_shards(job, stop=stop, progress=progress)
+    return {"stop": stop, "progress": progress}
+
+
+def test_resume_skips_rows_already_durable(file_place, make_job, run_shards, recording_echo, read_output):
+    inputs = rows_with_mixed_lengths(100)
+    job = chunked_job(file_place, make_job, inputs)
+    # Stop once three chunks are durable: no chunk joins the window after that; what is in the
+    # window (one chunk) and the commit queue (two) is finished.
+    first = run_shards(job, **stop_after_chunks(3))
     durable = first[0].rows
     assert first[0].status == "stopped" and durable in (30, 40, 50)
 
@@ -98,18 +109,8 @@ def test_a_resumed_shard_counts_the_rows_whose_id_is_their_place_as_one_run_does
     # and dedupe passes only when they are every row (`publish.ids_cannot_repeat`).
     inputs: list[Any] = [{"text": f"row {i}"} | ({"id": f"in.jsonl:x{i}"} if given else {}) for i in range(60)]
     inputs.append("bad line")
-    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"chunkRows": 10,
-                                                                                        "targetShardBytes": 1 << 20},
-                      batching={"inFlightRows": 10, "commitQueueChunks": 2})
-    stop = StopFlag()
-    events: list[dict[str, Any]] = []
-
-    def progress(ev: dict[str, Any]) -> None:
-        events.append(ev)
-        if sum(1 for e in events if e["event"] == "chunk") == 2:
-            stop.request()
-
-    assert run_shards(job, stop=stop, progress=progress)[0].status == "stopped"
+    job = chunked_job(file_place, make_job, inputs)
+    assert run_shards(job, **stop_after_chunks(2))[0].status == "stopped"
     assert run_shards(job)[0].status == "done"
     plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
     done = json.loads(file_place.storage.read_bytes(layout.done_uri(plan.round_prefix, 0)))
