@@ -218,6 +218,19 @@ class EngineBase:
         return None
 
 
+class EstimatedTokens:
+    """For an engine with no tokenizer here (echo, http): tokens are estimated from the text, and the
+    input limit is config.max_input_tokens alone."""
+
+    config: EngineConfig
+
+    def count_tokens(self, requests: list[Request]) -> list[int]:
+        return estimate_many(request_texts(requests))
+
+    def max_input_tokens(self) -> int | None:
+        return self.config.max_input_tokens
+
+
 class ContinuousEngine(Engine, Protocol):
     """An engine with its own continuous batching (vLLM, simulated): requests join and leave
     the running batch at any step, so the worker keeps it fed instead of handing it batches.

@@ -10,7 +10,16 @@ import hashlib
 import struct
 from itertools import repeat
 
-from bij.engines.base import BASIC_SAMPLING, EngineBase, EngineConfig, Request, Result, estimate_many, request_texts
+from bij.engines.base import (
+    BASIC_SAMPLING,
+    EngineBase,
+    EngineConfig,
+    EstimatedTokens,
+    Request,
+    Result,
+    estimate_many,
+    request_texts,
+)
 
 ECHO_DIM = 8
 
@@ -29,7 +38,7 @@ def truncate_text(text: str, tokens: int, head: bool) -> str:
     return part.decode("utf-8", "ignore")
 
 
-class EchoEngine(EngineBase):
+class EchoEngine(EstimatedTokens, EngineBase):
     name = "echo"
     schedules_itself = False
     continuous = False
@@ -43,12 +52,6 @@ class EchoEngine(EngineBase):
 
     def load(self) -> None:
         return None
-
-    def count_tokens(self, requests: list[Request]) -> list[int]:
-        return estimate_many(request_texts(requests))
-
-    def max_input_tokens(self) -> int | None:
-        return self.config.max_input_tokens
 
     def run(self, requests: list[Request]) -> list[Result]:
         texts = request_texts(requests)

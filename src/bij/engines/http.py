@@ -40,12 +40,11 @@ from bij.engines.base import (
     BASIC_SAMPLING,
     EngineBase,
     EngineConfig,
+    EstimatedTokens,
     Request,
     Result,
-    estimate_many,
     estimate_tokens,
     request_text,
-    request_texts,
     run_to_completion,
 )
 from bij.engines.echo import truncate_text
@@ -189,7 +188,7 @@ PREFLIGHT_TIMEOUT = 10.0  # seconds one preflight request may take at most
 PREFLIGHT_WAIT = 1.0  # seconds before the preflight's next try, doubled per try
 
 
-class HttpEngine(EngineBase):
+class HttpEngine(EstimatedTokens, EngineBase):
     """Rows sent to an OpenAI-compatible server: `model.http: {baseUrl, servedModel, maxInFlight, ...}`."""
 
     name = "http"
@@ -298,12 +297,6 @@ class HttpEngine(EngineBase):
             return {str(m["id"]) for m in data}
         except (ValueError, KeyError, TypeError):
             return None
-
-    def count_tokens(self, requests: list[Request]) -> list[int]:
-        return estimate_many(request_texts(requests))
-
-    def max_input_tokens(self) -> int | None:
-        return self.config.max_input_tokens
 
     def stats(self) -> dict[str, Any]:
         """The congestion window's story: its size now, smallest and largest, cuts, sends, pauses."""
