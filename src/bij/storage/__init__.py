@@ -22,7 +22,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
-from bij.storage.objects import NotFound, ObjectChanged, ObjectInfo, ObjectPage, StorageError, StorageRefused
+from bij.storage.objects import (
+    NotFound,
+    ObjectChanged,
+    ObjectInfo,
+    ObjectPage,
+    ReopeningBody,
+    StorageError,
+    StorageRefused,
+)
 
 T = TypeVar("T")
 
@@ -817,16 +825,13 @@ class S3Storage:
         return 0  # a PUT is atomic: nothing is left behind
 
 
-class _ResumingS3Stream(io.RawIOBase):
+class _ResumingS3Stream(ReopeningBody):
     """A GET body that re-opens at the current offset when the connection breaks."""
 
     def __init__(self, storage: S3Storage, uri: str, start: int, version: str | None = None):
         self.storage, self.uri, self.pos, self.version = storage, uri, start, version
         self.body: Any = None
         self.failures = 0
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, b: Any) -> int:
         while True:
@@ -851,17 +856,6 @@ class _ResumingS3Stream(io.RawIOBase):
                 self._close_body()
                 time.sleep(min(10.0, self.storage.base_delay * 2 ** (self.failures - 1)))
 
-    def _close_body(self) -> None:
-        if self.body is not None:
-            try:
-                self.body.close()
-            except Exception:  # noqa: BLE001 - closing a broken stream
-                pass
-            self.body = None
-
-    def close(self) -> None:
-        self._close_body()
-        super().close()
 
 
 def split_lines(stream: Any, base_offset: int, block: int = 1 << 20,

@@ -30,7 +30,15 @@ from email.utils import parsedate_to_datetime
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
-from bij.storage.objects import NotFound, ObjectChanged, ObjectInfo, ReadOnlyInputs, StorageError, StorageRefused
+from bij.storage.objects import (
+    NotFound,
+    ObjectChanged,
+    ObjectInfo,
+    ReadOnlyInputs,
+    ReopeningBody,
+    StorageError,
+    StorageRefused,
+)
 
 TIMEOUT = 60.0  # one socket operation (connect, one receive)
 ATTEMPTS = 6
@@ -365,7 +373,7 @@ class _Body:
         self.response.close()
 
 
-class _ResumingHttpStream(io.RawIOBase):
+class _ResumingHttpStream(ReopeningBody):
     """A GET body that is reopened at the current offset when the connection breaks or stalls.
 
     A read without a planned version keeps the first response's, so a reopened stream never continues
@@ -381,9 +389,6 @@ class _ResumingHttpStream(io.RawIOBase):
         # Failures in a row: progress resets the count only after a window's worth of bytes at the minimum
         # speed, so a trickle that returns a byte now and then still runs out of attempts.
         self.since_failure = 0
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, b: Any) -> int:
         while True:
@@ -416,14 +421,3 @@ class _ResumingHttpStream(io.RawIOBase):
                 self._close_body()
                 time.sleep(min(10.0, self.storage.base_delay * 2 ** (self.failures - 1)))
 
-    def _close_body(self) -> None:
-        if self.body is not None:
-            try:
-                self.body.close()
-            except Exception:  # noqa: BLE001 - closing a broken stream
-                pass
-            self.body = None
-
-    def close(self) -> None:
-        self._close_body()
-        super().close()

@@ -4,9 +4,10 @@ errors a storage operation ends in."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 # The errors live in the contract, so that a record's decoder can raise one without importing storage.
 from bij.contract.errors import NotFound, ObjectChanged, StorageError, StorageRefused
@@ -79,3 +80,25 @@ class ReadOnlyInputs:
 
     def remove_stale_temp(self, uri: str, older_than_s: float) -> int:
         return 0  # nothing is written here, so no temp file is left
+
+
+class ReopeningBody(io.RawIOBase):
+    """What a GET body that is reopened at its offset after a break holds: the open response body
+    (`body`, None between opens) and how closing it lets go of a broken one."""
+
+    body: Any = None
+
+    def readable(self) -> bool:
+        return True
+
+    def _close_body(self) -> None:
+        if self.body is not None:
+            try:
+                self.body.close()
+            except Exception:  # noqa: BLE001 - closing a broken stream
+                pass
+            self.body = None
+
+    def close(self) -> None:
+        self._close_body()
+        super().close()
