@@ -37,6 +37,7 @@ PURE = {
     "bij.contract.prompt",  # spec.prompt's template is parsed when the spec is (Jinja, sandboxed: no I/O)
     "bij.contract.canary",  # spec.canary's verdict and estimate: arithmetic over the canary step's figures
     "bij.contract.efficiency",  # how money and durations are written: arithmetic
+    "bij.contract.engines",  # what each engine is: a table of data
 }
 IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",
                     "zstandard", "pyarrow"}

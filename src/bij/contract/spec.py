@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from bij.contract.codes import API_GROUP
 from bij.contract.columns import RESULT_FIELDS, consumed
+from bij.contract.engines import CONTINUOUS_ENGINES, ENGINE_TASKS, ENGINES, GROUP_ENGINES, POOLING_TASKS, names
 from bij.contract.errors import BijError
 from bij.contract.globs import check_glob, has_glob
 from bij.contract.prompt import compile_template
@@ -60,17 +61,15 @@ PARTITION_NEEDS_ONE_ROUND = (
     "output.partitionBy input needs judge.strategy inPlace (or no judge): rows a judge round re-dispatches "
     "are read from the round's rejected files, no longer from their input object"
 )
-# Engines that schedule their own batches step by step (add and finish requests as they go).
-CONTINUOUS_ENGINES = ("vllm", "simulated", "http")
+_KNOB, *_KNOBS = (ENGINES[e].in_flight for e in CONTINUOUS_ENGINES)
 BATCH_SHAPE_NOT_CONTINUOUS = (
     "batching.targetBatchTokens and batching.maxBatchSize shape the batches of engines that run whole batches "
-    "(echo, sentence-transformers, transformers); engines vllm, simulated and http schedule every step themselves: "
-    "set model.vllm.maxNumSeqs (model.simulated.maxNumSeqs, model.http.maxInFlight) and "
+    f"({', '.join(e for e in ENGINES if e not in CONTINUOUS_ENGINES)}); engines {names(CONTINUOUS_ENGINES)} "
+    f"schedule every step themselves: set {_KNOB} ({', '.join(str(k) for k in _KNOBS)}) and "
     "model.vllm.engineArgs.max_num_batched_tokens"
 )
 OVERLAP_MESSAGE = ("spec.output.uri must not be spec.input.uri, lie inside it or contain it: a job would read "
                    "its own (or an earlier job's) state and results as input; choose a separate output folder")
-GROUP_ENGINES = ("vllm", "simulated")
 NODES_PER_LANE_ENGINE = (
     "workers.nodesPerLane above 1 needs model.engine vllm (pipeline parallel across the lane's pods over Ray) "
     "or simulated"
@@ -89,29 +88,22 @@ SYSTEM_NEEDS_CHAT = (
     "prompt.system is a chat system message and needs model.task chat; for generate or embed put the "
     "instruction in prompt.template"
 )
-# The tasks each engine runs (model.task); the CRD's rules and the Python check are made from this table.
-POOLING_TASKS = ("classify", "score", "rerank")
-ENGINE_TASKS: dict[str, tuple[str, ...]] = {
-    "echo": ("embed", "generate", "chat"),
-    "sentence-transformers": ("embed", *POOLING_TASKS),
-    "transformers": ("generate", "chat", *POOLING_TASKS),
-    "vllm": ("generate", "chat", "embed", *POOLING_TASKS),
-    "simulated": ("embed", "generate", "chat"),
-    "http": ("embed", "generate", "chat"),
-}
 
 
 def engine_tasks_message(engine: str) -> str:
-    """Why a spec's task is refused for `engine`: the tasks it runs."""
-    *first, last = ENGINE_TASKS[engine]
-    return f"engine {engine} supports tasks {', '.join(first)} and {last}" if first else \
-        f"engine {engine} only supports task {last}"
+    """Why a spec's task is refused for `engine`: the tasks it runs (contract.engines' table)."""
+    tasks = ENGINE_TASKS[engine]
+    return f"engine {engine} supports tasks {names(tasks)}" if len(tasks) > 1 else \
+        f"engine {engine} only supports task {tasks[0]}"
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
 
 def _engine_task_rule(engine: str) -> dict[str, Any]:
-    tasks = ", ".join(f"'{t}'" for t in ENGINE_TASKS[engine])
-    return cel(f"!has(self.task) || (has(self.engine) ? self.engine : 'echo') != '{engine}' || self.task in [{tasks}]",
-               engine_tasks_message(engine))
+    return cel(f"!has(self.task) || (has(self.engine) ? self.engine : 'echo') != '{engine}' || "
+               f"self.task in {_cel_list(ENGINE_TASKS[engine])}", engine_tasks_message(engine))
 
 
 POOLING_NEEDS_NAME = ("model.task classify, score and rerank need model.name: a sequence-classification model "
@@ -550,7 +542,7 @@ class ModelSpec(_Model):
     # has(): the API server also checks each rule against the bare default {} (no nested defaults).
     model_config = ConfigDict(json_schema_extra=k8s(
         *(_engine_task_rule(engine) for engine in ENGINE_TASKS),
-        cel("!has(self.task) || !(self.task in ['classify', 'score', 'rerank']) || has(self.name)",
+        cel(f"!has(self.task) || !(self.task in {_cel_list(POOLING_TASKS)}) || has(self.name)",
             POOLING_NEEDS_NAME),
         cel("!has(self.engine) || self.engine != 'http' || (has(self.http) && has(self.http.baseUrl))",
             HTTP_NEEDS_URL)))
@@ -924,7 +916,8 @@ class JobSpec(_Model):
             "has(self.model.vllm.tensorParallelSize) ? self.model.vllm.tensorParallelSize : 1) * "
             "(has(self.model.vllm) && has(self.model.vllm.pipelineParallelSize) ? "
             "self.model.vllm.pipelineParallelSize : 1)", GPUS_FOR_VLLM, ".workers.gpus"),
-        cel("!has(self.model) || !has(self.model.engine) || !(self.model.engine in ['vllm', 'simulated', 'http']) || "
+        cel("!has(self.model) || !has(self.model.engine) || "
+            f"!(self.model.engine in {_cel_list(CONTINUOUS_ENGINES)}) || "
             "!has(self.batching) || (!has(self.batching.targetBatchTokens) && !has(self.batching.maxBatchSize))",
             BATCH_SHAPE_NOT_CONTINUOUS, ".batching"),
         cel("!has(self.output.partitionBy) || self.output.partitionBy != 'input' || !has(self.judge) || "

@@ -1,49 +1,29 @@
-"""Engine registry: the spec's `model.engine` picks one; heavy imports happen only when chosen."""
+"""Engine registry: the spec's `model.engine` and `model.task` pick a class from contract.engines' table;
+its module (and the heavy libraries it imports) is imported only when chosen."""
 
 from __future__ import annotations
 
+import importlib
+
+from bij.contract.engines import ENGINES
 from bij.engines.base import Engine, EngineConfig, Request, Result
+
+
+def engine_class(engine: str, task: str) -> type[Engine]:
+    """The class that runs `task` on `engine`, by its row in contract.engines.ENGINES."""
+    row = ENGINES.get(engine)
+    if row is None:
+        raise ValueError(f"unknown engine {engine!r}")
+    if task not in row.tasks:
+        raise ValueError(f"engine {engine} runs tasks {', '.join(row.tasks)}, not {task!r}")
+    module, name = row.class_path(task).split(":")
+    cls: type[Engine] = getattr(importlib.import_module(f"bij.engines.{module}"), name)
+    return cls
 
 
 def create_engine(engine: str, config: EngineConfig) -> Engine:
     """Build (not load) the engine named in the spec."""
-    if engine == "echo":
-        from bij.engines.echo import EchoEngine
-
-        return EchoEngine(config)
-    if engine in ("sentence-transformers", "transformers") and config.task in ("classify", "score", "rerank"):
-        # A cross-encoder (score, rerank) through sentence-transformers' CrossEncoder; a classifier through
-        # transformers' sequence-classification head (sentence-transformers has no classifier of its own).
-        from bij.engines.pooling import CrossEncoderEngine, SequenceClassifierEngine
-
-        if engine == "sentence-transformers" and config.task != "classify":
-            return CrossEncoderEngine(config)
-        return SequenceClassifierEngine(config)
-    if engine == "vllm" and config.task in ("classify", "score", "rerank"):
-        from bij.engines.vllm_pooling import VllmPoolingEngine
-
-        return VllmPoolingEngine(config)
-    if engine == "sentence-transformers":
-        from bij.engines.sentence_transformers import SentenceTransformersEngine
-
-        return SentenceTransformersEngine(config)
-    if engine == "transformers":
-        from bij.engines.transformers import TransformersEngine
-
-        return TransformersEngine(config)
-    if engine == "simulated":
-        from bij.engines.simulated import SimulatedEngine
-
-        return SimulatedEngine(config)
-    if engine == "vllm":
-        from bij.engines.vllm import VllmEngine
-
-        return VllmEngine(config)
-    if engine == "http":
-        from bij.engines.http import HttpEngine
-
-        return HttpEngine(config)
-    raise ValueError(f"unknown engine {engine!r}")
+    return engine_class(engine, config.task)(config)  # type: ignore[call-arg]
 
 
-__all__ = ["Engine", "EngineConfig", "Request", "Result", "create_engine"]
+__all__ = ["Engine", "EngineConfig", "Request", "Result", "create_engine", "engine_class"]

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from bij.contract.engines import POOLING_TASKS
 from bij.engines import hub
 from bij.engines.base import EngineBase, EngineConfig, Request, Result
 from bij.engines.prompts import pick_device
-
-POOLING_TASKS = ("classify", "score", "rerank")
 
 
 def row_pairs(task: str, req: Request) -> list[tuple[str, str | None]]:

@@ -36,6 +36,7 @@ import orjson
 from bij.contract.codes import OPENAI_ENDPOINTS
 from bij.contract.columns import carried as carried_columns
 from bij.contract.columns import clash_message, consumed, result_fields
+from bij.contract.engines import POOLING_TASKS  # the tasks that read text pairs and answer with a pooled head
 from bij.contract.prompt import TEMPLATE_ERROR, PromptError, compiled_template, render
 from bij.contract.sampling import (
     ADAPTERS,
@@ -70,8 +71,6 @@ if TYPE_CHECKING:  # annotations only: a publish pass never loads the spec model
 # Reserved field of re-dispatched rows (judge rounds): {"id", "attempts", "verdicts", "output"}.
 CARRY_FIELD = "_bij"
 
-# The tasks that read a pair of texts (or several) and answer with a pooled head's output (Result.pooled).
-POOLING_TASKS = ("classify", "score", "rerank")
 # The body fields each pooling endpoint takes (vLLM's ClassificationRequest, ScoreRequest, RerankRequest):
 # the texts, and what may come beside them without changing the answer.
 _POOLING_BODY = {
