@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
+from bij.contract.result_rows import id_key
 from bij.engines.echo import echo_embedding
 from bij.steps.planner import plan_round
 from bij.steps.publish import publish
-from bij.worker.inputs import InputOptions, id_key, parse_line
+from bij.worker.inputs import InputOptions, parse_line
 
 AT = (0, 120, 140)
 PLAIN = InputOptions(task="generate")

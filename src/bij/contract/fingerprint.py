@@ -15,15 +15,23 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from bij.contract.errors import BijError
 from bij.contract.plan import PlanObject
 from bij.contract.sampling import DEFAULT_MAX_TOKENS, DEFAULT_SEED, DEFAULT_TEMPERATURE
 from bij.contract.spec import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
 
-if TYPE_CHECKING:  # a type only: the spec's fingerprint is pure, `reconcile` imports it
-    from bij.storage import ObjectInfo
+
+class Listed(Protocol):
+    """An input object as a listing shows it (storage's ObjectInfo): the contract does not import storage."""
+
+    @property
+    def uri(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def version(self) -> str | None: ...
 
 ROW_FIELDS = (
     "input.uri", "input.format", "input.idField", "input.textField", "input.messagesField", "input.maxLineBytes",
@@ -87,7 +95,7 @@ def _show(value: Any) -> str:
     return text if isinstance(value, str) or len(text) <= 80 else text[:77] + "..."
 
 
-def input_changes(planned: Sequence[PlanObject], current: Sequence[ObjectInfo]) -> list[str]:
+def input_changes(planned: Sequence[PlanObject], current: Sequence[Listed]) -> list[str]:
     """How the input objects differ from the ones a plan was made with (URI, size, version)."""
     before = {o.uri: o for o in planned}
     now = {o.uri: o for o in current}

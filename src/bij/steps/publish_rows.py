@@ -45,10 +45,10 @@ from bij.contract import layout
 from bij.contract.codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK
 from bij.contract.columns import result_fields
 from bij.contract.publish_plan import PASSES, PublishPlan, PublishPlanError, Unit
+from bij.contract.result_rows import id_key, row_id, row_usage
 from bij.storage import NotFound, Storage, StorageError, open_storage
 from bij.storage.segments import LEVEL, ShardLog
 from bij.storage.writers import ResultShape, ResultWriter, writer_for
-from bij.worker.inputs import id_key, row_id, row_usage
 
 log = logging.getLogger("bij.worker")
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)

@@ -16,12 +16,12 @@ from typing import Any
 from bij.contract import layout
 from bij.contract.plan import Plan
 from bij.contract.records import encode, shard_record
+from bij.contract.result_rows import row_id, row_usage
 from bij.engines.base import Result
 from bij.engines.structured import SCHEMA_VIOLATION
 from bij.storage import Storage
 from bij.storage.parquet import is_int64
 from bij.storage.segments import ShardLog
-from bij.worker.inputs import row_id, row_usage
 from bij.worker.metrics import Metrics, Stats
 from bij.worker.reader import Chunk
 

@@ -36,7 +36,7 @@ import orjson
 from bij.contract.codes import OPENAI_ENDPOINTS
 from bij.contract.columns import carried as carried_columns
 from bij.contract.columns import clash_message, consumed, result_fields
-from bij.contract.engines import POOLING_TASKS  # the tasks that read text pairs and answer with a pooled head
+from bij.contract.engines import POOLING_TASKS
 from bij.contract.prompt import TEMPLATE_ERROR, PromptError, compiled_template, render
 from bij.contract.sampling import (
     ADAPTERS,
@@ -225,11 +225,6 @@ def carry(obj: dict[str, Any], opts: InputOptions) -> dict[str, Any] | str:
         if clash is not None:
             return clash
     return out
-
-
-def id_key(value: Any) -> str:
-    """A set key that keeps 1 and "1" apart: ids come back exactly as given."""
-    return ("s:" + value) if isinstance(value, str) else ("i:" + str(value))
 
 
 def _valid_id(value: Any) -> bool:
@@ -778,19 +773,6 @@ def _parse_pooling(body: dict[str, Any], kind: str, url: str, at: tuple[int, int
         if problem is not None:
             return _bad(at, "invalid_request" if problem[0] == "missing_text" else problem[0], problem[1], cid)
     return Row(at=at, id=cid, request=req, url=url, top_n=top_n)
-
-
-def row_id(row: dict[str, Any]) -> Any:
-    """The input id a published row carries: `custom_id` in OpenAI batch shape, else `id`."""
-    return row["custom_id"] if "custom_id" in row else row.get("id")
-
-
-def row_usage(row: dict[str, Any]) -> dict[str, int]:
-    """The token usage a published result row carries, in either output shape."""
-    usage = row.get("usage")
-    if usage is None and isinstance(row.get("response"), dict):
-        usage = row["response"].get("body", {}).get("usage")
-    return usage or {}
 
 
 def _usage(res: Result) -> dict[str, int]:
