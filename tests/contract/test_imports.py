@@ -38,6 +38,7 @@ PURE = {
     "bij.contract.canary",  # spec.canary's verdict and estimate: arithmetic over the canary step's figures
     "bij.contract.efficiency",  # how money and durations are written: arithmetic
     "bij.contract.engines",  # what each engine is: a table of data
+    "bij.contract.schemes",  # the storage schemes: a table of data
 }
 IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",
                     "zstandard", "pyarrow"}

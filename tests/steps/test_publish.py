@@ -614,7 +614,7 @@ def test_a_removal_failing_midway_leaves_the_job_published_and_a_rerun_removes_t
     logs = [o.uri for i in range(len(plan.shards))
             for o in file_place.storage.list(layout.shard_prefix(plan.round_prefix, i) + "/")]
     assert len(logs) >= 3
-    monkeypatch.setattr(storage, "PAGE", 2)  # pages of 2: the second delete request fails
+    monkeypatch.setattr(storage.base, "PAGE", 2)  # pages of 2: the second delete request fails
     failing = FailingDeletes(open_storage(job.spec.output.uri, job.spec.storage.s3), pages=1)
     monkeypatch.setattr(publish_module, "open_storage", lambda uri, s3: failing)
     manifest = publish(job)

@@ -68,7 +68,7 @@ def test_file_write_replaces_atomically_and_a_failed_write_keeps_the_old_object(
     def broken_fsync(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(storage.os, "fsync", broken_fsync)
+    monkeypatch.setattr(storage.file.os, "fsync", broken_fsync)
     # One line that names the object and says what to do, not a traceback.
     with pytest.raises(StorageError, match=r"cannot write file://.*obj.json: No space left on device: free some space"):
         fs.write_bytes(uri, b"half")
@@ -106,9 +106,9 @@ def test_create_writes_only_where_nothing_is(place):
 
 
 def test_a_streamed_write_holds_one_part_at_a_time_and_appears_whole(place, monkeypatch):
-    import bij.storage as storage_module
+    import bij.storage.base as storage_base
 
-    monkeypatch.setattr(storage_module, "MULTIPART_BYTES", 5 << 20)  # S3's smallest part but the last
+    monkeypatch.setattr(storage_base, "MULTIPART_BYTES", 5 << 20)  # S3's smallest part but the last
     uri = place.uri("files/big.jsonl")
     parts = [bytes([65 + i % 26]) * (1 << 20) for i in range(12)] + [b"tail\n"]
     assert place.storage.write_stream(uri, iter(parts)) == sum(map(len, parts))
@@ -413,7 +413,7 @@ class Scripted:
 @pytest.fixture
 def delays(monkeypatch) -> list[float]:
     slept: list[float] = []
-    monkeypatch.setattr(storage, "time", SimpleNamespace(sleep=slept.append))
+    monkeypatch.setattr(storage.s3, "time", SimpleNamespace(sleep=slept.append))
     return slept
 
 
@@ -590,7 +590,7 @@ def test_gs_goes_to_the_gcs_endpoint_whatever_the_s3_settings_say(monkeypatch):
 
 
 def test_gs_round_trip_sends_only_what_the_gcs_xml_api_takes(gs_place, monkeypatch):
-    import bij.storage as storage_module
+    import bij.storage.base as storage_base
 
     st = S3Storage(endpoint_url=gs_place.endpoint, region="us-east-1", scheme="gs", base_delay=0.001)
     sent: list[tuple[str, str, dict[str, str]]] = []
@@ -604,7 +604,7 @@ def test_gs_round_trip_sends_only_what_the_gcs_xml_api_takes(gs_place, monkeypat
     creates = [h for m, url, h in sent if m == "PUT" and url.endswith(claim.rsplit("/", 1)[1])]
     assert len(creates) >= 2  # one per create, or more where botocore sent one again
     assert all(h["if-none-match"] == b"*" and h["x-goog-if-generation-match"] == b"0" for h in creates)
-    monkeypatch.setattr(storage_module, "MULTIPART_BYTES", 5 << 20)
+    monkeypatch.setattr(storage_base, "MULTIPART_BYTES", 5 << 20)
     big = gs_place.uri("out/big.jsonl")
     parts = [bytes([65 + i]) * (1 << 20) for i in range(11)]
     assert st.write_stream(big, iter(parts)) == 11 << 20  # a multipart upload: GCS's XML API has it
@@ -661,7 +661,7 @@ def test_a_listing_that_pages_without_a_token_goes_on_after_the_last_key():
 
 
 def test_file_list_pages_stream_every_object_in_pages_and_delete_many_takes_them_all(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(storage, "PAGE", 4)
+    monkeypatch.setattr(storage.base, "PAGE", 4)
     for d in ("a", "a/deep", "b"):
         (tmp_path / d).mkdir()
         for i in range(5):

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from bij.contract.errors import BijError
 from bij.contract.plan import PlanObject
 from bij.contract.sampling import DEFAULT_MAX_TOKENS, DEFAULT_SEED, DEFAULT_TEMPERATURE
+from bij.contract.schemes import scheme_of
 from bij.contract.spec import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
 
 
@@ -114,8 +115,8 @@ def input_changes(planned: Sequence[PlanObject], current: Sequence[Listed]) -> l
         if b.size != o.size:
             changed.append(f"{uri} (size {b.size} -> {o.size})")
         elif b.version is not None and o.version is not None and b.version != o.version:
-            what = ("ETag" if uri.startswith(("s3://", "gs://", "http")) else "commit" if uri.startswith("hf://")
-                    else "mtime")
+            scheme = scheme_of(uri)
+            what = scheme.version if scheme is not None else "version"
             changed.append(f"{uri} (rewritten: {what} differs)")
     if changed:
         out.append(f"{len(changed)} input object(s) changed: {_first(changed)}")

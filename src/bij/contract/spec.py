@@ -26,6 +26,7 @@ from bij.contract.publish_plan import OutputFormat
 from bij.contract.sampling import DEFAULT_ROW_BUDGET, Basics, Sampling, basics, spec_defaults
 from bij.contract.sampling import from_spec as sampling_from_spec
 from bij.contract.schema import FREE_FORM, INT64, cel, k8s
+from bij.contract.schemes import WRITABLE, prefixes
 
 API_VERSION = "v1alpha1"
 KIND = "BatchInferenceJob"
@@ -1064,8 +1065,8 @@ class BatchInferenceJob(_Model):
 
 
 def _check_uri(uri: str) -> str:
-    if not uri.startswith(("file://", "s3://", "gs://")):
-        raise ValueError(f"must start with file://, s3:// or gs://, got {uri!r}")
+    if not uri.startswith(WRITABLE):
+        raise ValueError(f"must start with {prefixes(writable_only=True)}, got {uri!r}")
     for scheme in ("s3", "gs"):
         if uri.startswith(f"{scheme}://") and not re.match(URI_PATTERN, uri):
             raise ValueError(f"{scheme}:// needs a bucket ({scheme}://bucket/prefix), got {uri!r}")

@@ -21,6 +21,7 @@ from bij.contract.efficiency import fmt_money, status_fields
 from bij.contract.errors import BijError
 from bij.contract.plan import Plan
 from bij.contract.records import ShardRecord
+from bij.contract.schemes import WRITABLE
 from bij.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij.steps.progress import damage_records, live_records
 from bij.storage import NotFound, Storage, StorageError, open_storage
@@ -147,7 +148,7 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
 def target_manifest(target: str) -> tuple[str, Any]:
     """(manifest or output URI, S3 settings) for what `bij results`/`bij status` were given: a job's
     YAML (its output, with its spec.storage), or a bare URI (the standard AWS environment)."""
-    if target.startswith(("file://", "s3://", "gs://")):
+    if target.startswith(WRITABLE):
         return target, None
     job = load_job(target)
     return layout.manifest_uri(job), job.spec.storage.s3
@@ -284,7 +285,7 @@ def local_status_lines(store: Any, job: BatchInferenceJob) -> list[str]:
 def cli_status(args: argparse.Namespace) -> int:
     target: str = args.target
     try:
-        if target.startswith(("file://", "s3://", "gs://")):
+        if target.startswith(WRITABLE):
             _, _, manifest = load_manifest(target, None)  # a bare URI: the standard AWS environment
             lines = manifest_summary(manifest)
         else:

@@ -51,6 +51,11 @@ def _under(path: str, wanted: str) -> bool:
     return path == wanted or path.startswith(wanted if wanted.endswith("/") else wanted + "/")
 
 
+def open_hf(uri: str, s3: object = None) -> HfStorage:
+    """The storage of an hf:// input (a Hugging Face dataset): read-only, no settings."""
+    return HfStorage()
+
+
 class HfStorage(ReadOnlyInputs):
     """Read-only objects of Hub dataset repositories, through `huggingface_hub` and its cache."""
 

@@ -70,6 +70,11 @@ class TooSlow(TimeoutError):
     so a read retries it as it does a broken connection."""
 
 
+def open_http(uri: str, s3: object = None) -> HttpStorage:
+    """The storage of an https:// or http:// input: read-only, no settings."""
+    return HttpStorage()
+
+
 class HttpStorage(ReadOnlyInputs):
     """Read-only objects at http(s) URLs."""
 

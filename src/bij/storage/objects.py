@@ -24,7 +24,7 @@ class ObjectInfo:
     version: str | None = None
 
 
-# One page of a streamed listing (`Storage.list_pages`): at most `bij.storage.PAGE` objects.
+# One page of a streamed listing (`Storage.list_pages`): at most `bij.storage.base.PAGE` objects.
 ObjectPage = list[ObjectInfo]
 
 

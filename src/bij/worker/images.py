@@ -27,10 +27,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from bij.contract.schemes import WRITABLE
 from bij.engines.base import Image
 from bij.storage import NotFound, Storage, StorageError
 
-FETCHED_SCHEMES = ("file://", "s3://", "gs://")
+FETCHED_SCHEMES = WRITABLE  # where bij stores its own objects
 # Folders no image is ever read from, whatever input.imageRoot says (kernel and device files, the
 # host's configuration, a pod's service-account token).
 FORBIDDEN_DIRS = ("/proc", "/sys", "/dev", "/etc", "/run/secrets", "/var/run/secrets")
