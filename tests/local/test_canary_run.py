@@ -6,6 +6,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bij.contract import layout
 from bij.steps.planner import plan_round
 from bij.steps.publish import read_manifest
@@ -75,6 +77,12 @@ def test_a_canary_that_passes_is_estimated_and_its_rows_are_published_once(
     out = read_output(job)
     assert [(r["id"], r["output"]) for r in out.results] == [(r["id"], r["text"]) for r in inputs]
     assert out.manifest["counts"]["rows"] == 2000 and out.manifest["counts"]["duplicates"] == 0
+    # The estimate made from the canary, against round 0 as it ran: rows of one shape scale by their bytes.
+    checked = out.manifest["canary"]
+    assert checked["shards"] >= 1 and checked["actual"]["rows"] == 2000
+    assert abs(checked["error"]["rows"]) < 0.05 and checked["estimate"]["rows"] == pytest.approx(2000, rel=0.05)
+    assert set(checked["error"]) == {"rows", "laneSeconds", "cost"}
+    assert checked["actual"]["cost"] == pytest.approx(checked["actual"]["laneSeconds"] / 3600 * 2.5, abs=1e-3)
 
 
 def test_answers_cut_at_max_tokens_are_counted_and_end_the_job_canary_failed(file_place, make_job, worker_env,

@@ -60,15 +60,19 @@ class CanaryFigures:
 
     @classmethod
     def of(cls, records: Iterable[Mapping[str, Any]]) -> CanaryFigures:
-        """Summed from completion records (`ShardRecord`); counts a record lacks (an older worker's) are 0."""
-        recs = list(records)
-
-        def total(key: str) -> int:
-            return sum(int(r.get(key) or 0) for r in recs)
-
-        return cls(shards=len(recs), rows=total("rows"), errors=total("errors"), length_cuts=total("lengthCuts"),
-                   schema_violations=total("structuredViolations"), tokens_out=total("tokensOut"),
-                   lane_seconds=round(sum(float(r.get("seconds") or 0.0) for r in recs), 3), bytes=total("bytes"))
+        """Summed from completion records (`ShardRecord`) in one pass, holding none of them; counts a record
+        lacks (an older worker's) are 0."""
+        keys = ("rows", "errors", "lengthCuts", "structuredViolations", "tokensOut", "bytes")
+        sums = dict.fromkeys(keys, 0)
+        shards, seconds = 0, 0.0
+        for r in records:
+            shards += 1
+            seconds += float(r.get("seconds") or 0.0)
+            for k in keys:
+                sums[k] += int(r.get(k) or 0)
+        return cls(shards=shards, rows=sums["rows"], errors=sums["errors"], length_cuts=sums["lengthCuts"],
+                   schema_violations=sums["structuredViolations"], tokens_out=sums["tokensOut"],
+                   lane_seconds=round(seconds, 3), bytes=sums["bytes"])
 
     @property
     def rows_in(self) -> int:
@@ -126,6 +130,18 @@ def estimate(f: CanaryFigures, round_bytes: int, lanes: int, price_per_hour: flo
     if price_per_hour is not None:
         out["cost"] = round(lane_seconds / 3600 * price_per_hour * nodes_per_lane, 4)
     return out
+
+
+def accuracy(est: Mapping[str, Any], actual: CanaryFigures, price_per_hour: float | None,
+             nodes_per_lane: int = 1) -> dict[str, Any]:
+    """The canary's estimate of round 0 against round 0 as it ran: rows, lane-seconds and cost each, and the
+    estimate's error (estimate / actual - 1: +0.1 means 10% too high). Wall time is left out: only the
+    status knows when the round began and ended."""
+    done: dict[str, Any] = {"rows": actual.rows_in, "laneSeconds": round(actual.lane_seconds, 1)}
+    if price_per_hour is not None:
+        done["cost"] = round(actual.lane_seconds / 3600 * price_per_hour * nodes_per_lane, 4)
+    error = {k: round(float(est[k]) / float(v) - 1, 4) for k, v in done.items() if k in est and v}
+    return {"estimate": {k: est[k] for k in done if k in est}, "actual": done, "error": error}
 
 
 def describe_estimate(est: Mapping[str, Any]) -> str:

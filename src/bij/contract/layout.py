@@ -115,6 +115,11 @@ def round_manifest_uri(job: BatchInferenceJob, round_no: int) -> str:
     return join(round_prefix(job, round_no), "shards.json")
 
 
+def canary_uri(job: BatchInferenceJob) -> str:
+    """The canary step's figures (spec.canary): the manifest compares the estimate made from them with round 0."""
+    return join(round_prefix(job, 0), "canary.json")
+
+
 def owner_uri(job: BatchInferenceJob) -> str:
     return join(job.spec.output.uri, "_bij", "owner.json")
 

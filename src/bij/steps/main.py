@@ -161,6 +161,8 @@ def canary_figures(job: BatchInferenceJob, shards: int) -> dict[str, Any]:
         if len(examples) >= MOST_EXAMPLES:
             break
     out["examples"] = examples
+    # Kept beside round 0, so that the manifest can say how far the estimate made from it was off.
+    store.write_bytes(layout.canary_uri(job), json.dumps({k: v for k, v in out.items() if k != "examples"}).encode())
     return out
 
 

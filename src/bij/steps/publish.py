@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bij.contract import layout
+from bij.contract.canary import CanaryFigures, accuracy, estimate
 from bij.contract.efficiency import EfficiencySums, cost
 from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused, spec_changes
@@ -348,6 +349,9 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
                  t.tokens_in + t.tokens_out, job.spec.workers.nodes_per_lane)
     if spent is not None:
         manifest["cost"] = spent
+    checked = canary_check(job, store, plans)
+    if checked is not None:
+        manifest["canary"] = checked
     store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())
     if not job.spec.output.keep_intermediate:
         removal = remove_work_files(store, job, work_folders(plans, pplan))
@@ -355,6 +359,24 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
             # The manifest stands: a failed removal is a warning beside it, never a failed job.
             return {**manifest, REMOVAL_FAILED: removal.as_result()}
     return manifest
+
+
+def canary_check(job: BatchInferenceJob, store: Storage, plans: list[Plan]) -> dict[str, Any] | None:
+    """With spec.canary: the canary's estimate of round 0 (from the figures its step kept) against round 0's
+    completion records, streamed; None without a canary, or where its figures were never kept."""
+    if job.spec.canary is None or not plans:
+        return None
+    try:
+        figures = CanaryFigures.from_status(json.loads(store.read_bytes(layout.canary_uri(job))))
+    except NotFound:
+        return None
+    from bij.steps.progress import stream_records
+
+    w = job.spec.workers
+    round0 = CanaryFigures.of(rec for _, rec in stream_records(job, 0))
+    est = estimate(figures, round0.bytes, min(plans[0].lane_count, w.parallelism), w.price_per_hour,
+                   w.nodes_per_lane)
+    return {"shards": figures.shards, **accuracy(est, round0, w.price_per_hour, w.nodes_per_lane)}
 
 
 def work_folders(plans: list[Plan], publish_plan: PublishPlan) -> list[str]:
