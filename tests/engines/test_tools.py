@@ -15,7 +15,8 @@ from bij.contract.spec import SpecError, load_job
 from bij.engines.base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, ToolAsk
 from bij.engines.prompts import chat_messages, row_template_kwargs
 from bij.engines.tools import call_problem, forced_calls, forced_schema
-from bij.worker.inputs import InputOptions, Row, parse_line, result_row
+from bij.worker.inputs import InputOptions, Row, parse_line
+from bij.worker.result_rows import result_row
 
 VLLM_FIELDS = BASIC_SAMPLING | {"structuredOutput"}
 # A vLLM chat engine with a tool call parser that reads forced calls as JSON (hermes).
@@ -194,7 +195,7 @@ def test_the_spec_names_only_parsers_vllm_ships(tmp_path: Any) -> None:
 
 
 def test_a_plain_rows_result_carries_the_reasoning_beside_the_output() -> None:
-    from bij.worker.inputs import plain_result
+    from bij.worker.result_rows import plain_result
 
     parsed = Choice(output="yes", completion_tokens=7, finish_reason="stop", reasoning="ok", reasoning_tokens=2)
     row = plain_result(3, Result(output="yes", prompt_tokens=4, completion_tokens=7, extra={"parsed": parsed}))

@@ -679,7 +679,8 @@ def openai_line(url: str, **body: Any) -> bytes:
 
 def answer(engine: Any, line: bytes) -> dict[str, Any]:
     """An OpenAI line parsed against `engine`'s honours, run on it, and answered as the worker answers it."""
-    from bij.worker.inputs import InputOptions, merged_result, parse_line, result_row
+    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.result_rows import merged_result, result_row
 
     task = "chat" if b"/v1/chat/" in line else "generate"
     opts = InputOptions(format="openai", task=task, engine="vllm", honours=engine.honours)
@@ -856,7 +857,8 @@ def _answer(engine: Any, **body: Any) -> dict[str, Any]:
     """One OpenAI chat line through bij as the worker runs it: parsed, run, checked, answered."""
     from bij.engines.base import run_to_completion
     from bij.engines.structured import Validator
-    from bij.worker.inputs import InputOptions, parse_line, result_row
+    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.result_rows import result_row
 
     opts = InputOptions(format="openai", task="chat", engine="vllm", honours=engine.honours, max_tokens=200)
     line = _line(**body)
@@ -931,7 +933,8 @@ def test_auto_tool_calls_are_read_by_the_tool_parser_after_the_reasoning(thinker
     assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather"]
     assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
     assert parsed.output == ""  # nothing but the call: no content
-    from bij.worker.inputs import InputOptions, Row, result_row
+    from bij.worker.inputs import InputOptions, Row
+    from bij.worker.result_rows import result_row
 
     opts = InputOptions(format="openai", task="chat", engine="vllm")
     answer = result_row(Row(at=(0, 0, 0), id="r1", request=req, url="/v1/chat/completions"), res, opts)
@@ -978,7 +981,8 @@ def test_a_responses_line_is_answered_with_its_reasoning_item_and_message(thinke
     from openai.types.responses import Response
 
     from bij.engines.base import run_to_completion
-    from bij.worker.inputs import InputOptions, parse_line, result_row
+    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.result_rows import result_row
 
     opts = InputOptions(format="openai", task="chat", engine="vllm", honours=thinker.honours, max_tokens=200)
     line = json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/responses", "body": {
@@ -1107,7 +1111,8 @@ def test_forced_calls_on_a_random_model_keep_to_the_tools_schemas_with_or_withou
     its token cap cut it: the constraint holds the whole call, not only its envelope."""
     import jsonschema
 
-    from bij.worker.inputs import InputOptions, result_row
+    from bij.worker.inputs import InputOptions
+    from bij.worker.result_rows import result_row
 
     named = {"type": "function", "function": {"name": "get_weather"}}
     for engine in random_chat:

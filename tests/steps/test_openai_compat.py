@@ -112,7 +112,8 @@ def test_list_inputs_answer_one_line_with_an_item_per_input_in_the_sdks_shapes(
 
 def test_several_prompts_with_n_answers_are_numbered_prompt_major_as_openai_does() -> None:
     from bij.engines.base import Choice, Result
-    from bij.worker.inputs import InputOptions, Row, merged_result, result_row
+    from bij.worker.inputs import InputOptions, Row
+    from bij.worker.result_rows import merged_result, result_row
 
     def answers(prompt: str) -> Result:
         return Result(output=f"{prompt}0", prompt_tokens=2, completion_tokens=2,

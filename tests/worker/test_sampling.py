@@ -213,7 +213,8 @@ def test_n_answers_and_logprobs_come_out_in_openai_shapes_the_sdk_parses(url: st
     openai_types = pytest.importorskip("openai.types")
     from openai.types.chat import ChatCompletion
 
-    from bij.worker.inputs import Row, result_row
+    from bij.worker.inputs import Row
+    from bij.worker.result_rows import result_row
 
     kind = "chat" if "chat" in url else "generate"
     opts = InputOptions(format="openai", task=kind)
@@ -238,7 +239,7 @@ def test_n_answers_and_logprobs_come_out_in_openai_shapes_the_sdk_parses(url: st
 
 def test_n_answers_in_plain_rows_survive_parquet() -> None:
     from bij.storage.parquet import results_table, table_rows
-    from bij.worker.inputs import plain_result
+    from bij.worker.result_rows import plain_result
 
     rows = [plain_result(1, _answers()), {"id": 2, "output": "plain", "usage": {
         "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}]

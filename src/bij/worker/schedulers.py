@@ -36,11 +36,12 @@ from bij.engines.base import (
 from bij.worker.batcher import PrefixShare, first_batch, plan_batches, run_order
 from bij.worker.commits import CommitWriter
 from bij.worker.committer import Committer, length_cut
-from bij.worker.inputs import Row, redispatch_line, result_row
+from bij.worker.inputs import Row, redispatch_line
 from bij.worker.judge import Judge, Verdict, attempt_params
 from bij.worker.metrics import Metrics, Stats
 from bij.worker.prepare import OpenChunk, Preparer
 from bij.worker.reader import Line, Prefetcher
+from bij.worker.result_rows import result_row
 from bij.worker.stopflag import StopFlag
 
 # Padding a batch engine may waste before a batch is cut short (see batcher.plan_batches): for
