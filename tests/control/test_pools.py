@@ -220,9 +220,13 @@ def test_a_pools_job_left_behind_by_an_interrupted_move_is_deleted_again() -> No
 def test_pods_waiting_within_the_start_timeout_are_looked_at_again_when_it_runs_out() -> None:
     job = pooled(SPOT, OD)
     jobs = start(job, planned())
+    jobs[1]["status"]["completedIndexes"] = "0"  # pool od is under way
     waiting = [pod("emb-r0-p0", 0, created="2024-01-01T00:59:30Z", unschedulable=True)]
     d = decide(job, planned(), jobs, now=NOW, pods=waiting)
     assert isinstance(d, Wait) and d.recheck == pytest.approx(91.0)
+    # Its pods not listed yet (the operator lists them once they are slow to start): looked at again soon.
+    d = decide(job, planned(), jobs, now=NOW)
+    assert isinstance(d, Wait) and d.recheck == pytest.approx(31.0)
 
 
 def test_the_last_pool_keeps_its_lanes_however_long_its_pods_wait() -> None:

@@ -1218,6 +1218,10 @@ def _condition_message(state: JobStatus, type_: str) -> str | None:
 # --- worker pools (spec.workers.pools): the round's lanes in several Jobs, rules in `pools` -------------------
 
 
+# A pool's Job with pods and no lane done yet is looked at again this often, in case they find no node.
+POOL_RECHECK = 30.0
+
+
 def pool_jobs(job: BatchInferenceJob, round_no: int,
               observed_jobs: Sequence[Mapping[str, Any]]) -> list[tuple[str, int, Mapping[str, Any]]]:
     """The observed Jobs of round `round_no` that run lanes in a pool: (pool name, lane offset, the Job)."""
@@ -1329,6 +1333,9 @@ def pool_round(job: BatchInferenceJob, seen: Observation, r: int, lanes: int, pl
                                  message=f"round {r}: pool {pool.name} gives its lanes to pool "
                                          f"{spec_pools[to].name}: {why}")
         left = pools.start_timeout_left(v.name, pool, seen.pods, seen.now) if to is not None else None
+        if left is None and to is not None and v.active and not v.completed:
+            # Its pods are not looked at yet (the operator lists them once they are slow to start): soon.
+            left = min(float(pool.start_timeout_seconds), POOL_RECHECK)
         if left is not None:
             recheck = min(recheck, left + 1.0) if recheck is not None else left + 1.0
     name = ", ".join(views[k].name for k in wanted)
