@@ -680,6 +680,7 @@ def test_a_pool_with_no_schedulable_node_gives_its_lanes_to_the_next_and_every_r
     assert [(p["name"], p["lanes"], p.get("gaveUpRound")) for p in st["pools"]] == [("spot", 0, 0), ("cpu", 2, None)]
     assert "no node took its pods" in st["pools"][0]["message"]
     assert "PoolGaveUp" in env.reasons("pools")
+    assert set(st["cost"]["pools"]) == {"cpu"}  # only the cpu pool's pods worked, at its price
     assert "spot 0/0 (gave up)" in env.kubectl("get", "bij", "pools", "-o", "wide", "--no-headers")
 
 

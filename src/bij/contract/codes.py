@@ -50,6 +50,8 @@ REPORT_INTERVAL_ENV = "BIJ_REPORT_INTERVAL"
 # A pool's round Job (spec.workers.pools): its index i is lane LANE_OFFSET + i of the round, so lane ids are
 # unique across the pools' Jobs and every lane claims from the same round.
 LANE_OFFSET_ENV = "BIJ_LANE_OFFSET"
+# ... and the pool's name: its shard records name it, so cost is summed per pool at its price.
+POOL_ENV = "BIJ_POOL"
 # A pool's override of model.vllm.tensorParallelSize (its GPUs differ from the other pools').
 TENSOR_PARALLEL_ENV = "BIJ_TENSOR_PARALLEL_SIZE"
 

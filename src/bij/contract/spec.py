@@ -861,6 +861,13 @@ class WorkersSpec(_Model):
     in order (up to maxLanes each), and a pool whose pods cannot start gives its lanes to the next; each row is
     still done once. Empty: one pool, as workers says"""
 
+    @property
+    def pool_prices(self) -> dict[str, float | None] | None:
+        """Each pool's price per hour (its own, else pricePerHour); None without pools."""
+        if not self.pools:
+            return None
+        return {p.name: p.price_per_hour if p.price_per_hour is not None else self.price_per_hour for p in self.pools}
+
     @model_validator(mode="after")
     def _pools(self) -> WorkersSpec:
         names = [p.name for p in self.pools]

@@ -78,11 +78,15 @@ class Efficiency(_Status):
     engine_busy_fraction: float = 0.0
     rows_per_second_per_worker: float = 0.0
     tokens_per_second_per_worker: float = 0.0
+    worker_seconds_by_pool: dict[str, float] | None = None
+    """with spec.workers.pools, the worker seconds of each pool's pods"""
 
 
 class Cost(_Status):
     price_per_hour: float = 0.0
     total: float = 0.0
+    pools: dict[str, float] | None = None
+    """with spec.workers.pools, what each pool's pods cost at its price"""
     per_million_rows: float | None = Field(None, json_schema_extra={"nullable": True})
     per_million_tokens: float | None = Field(None, json_schema_extra={"nullable": True})
 

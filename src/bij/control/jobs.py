@@ -34,6 +34,7 @@ from bij.contract.codes import (
     NODES_PER_LANE_ANNOTATION,
     NODES_PER_LANE_ENV,
     POD_NAME_ENV,
+    POOL_ENV,
     POOL_LABEL,
     PUBLISH_LABEL,
     PUBLISH_PLAN_ANNOTATION,
@@ -620,7 +621,7 @@ def _pool_env(pool: WorkerPool | None, lane_offset: int) -> list[dict[str, str]]
     """A pool's Job: the lane its index 0 is, and its engine overrides."""
     if pool is None:
         return []
-    env = [{"name": LANE_OFFSET_ENV, "value": str(lane_offset)}]
+    env = [{"name": LANE_OFFSET_ENV, "value": str(lane_offset)}, {"name": POOL_ENV, "value": pool.name}]
     if pool.tensor_parallel_size is not None:
         env.append({"name": TENSOR_PARALLEL_ENV, "value": str(pool.tensor_parallel_size)})
     return env

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-from bij.contract.codes import CANARY_SHARDS_ENV, LANE_OFFSET_ENV, TENSOR_PARALLEL_ENV
+from bij.contract.codes import CANARY_SHARDS_ENV, LANE_OFFSET_ENV, POOL_ENV, TENSOR_PARALLEL_ENV
 from bij.contract.spec import BatchInferenceJob
 from bij.control.reconcile import format_ranges
 from bij.control.status import fmt_time, now_utc
@@ -102,7 +102,7 @@ class LocalJob:
         # Of the pod's own variables only those that say which shards and lanes it works (a canary Job's, a
         # pool's Job's).
         own = {e["name"]: str(e.get("value", "")) for e in container.get("env") or []
-               if e.get("name") in (CANARY_SHARDS_ENV, LANE_OFFSET_ENV, TENSOR_PARALLEL_ENV)}
+               if e.get("name") in (CANARY_SHARDS_ENV, LANE_OFFSET_ENV, POOL_ENV, TENSOR_PARALLEL_ENV)}
         self.env = {**env, **own, JOB_UID_ENV: self.uid}
         self.on_stdout = on_stdout
         self.say = say
