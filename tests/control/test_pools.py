@@ -15,7 +15,7 @@ from bij.control import pools
 from bij.control.jobs import render_job
 from bij.control.reconcile import CreateJob, FinishRound, MovePoolLanes, PatchJob, Wait, decide
 from bij.control.status import decision_status
-from bij.worker.main import lane_offset
+from bij.worker.main import engine_config, lane_offset
 from bij.worker.shard import BadConfig
 
 UID = "pool-uid"
@@ -162,7 +162,14 @@ def test_a_pools_job_runs_its_lanes_with_the_pools_placement_queue_gpus_and_engi
     assert "cloud.google.com/gke-spot" not in {t.get("key") for t in pod_spec.get("tolerations", [])}
 
 
-def test_a_pools_index_is_its_lane_offset_on() -> None:
+def test_a_pools_tensor_parallel_size_replaces_the_models_in_its_pods(monkeypatch: pytest.MonkeyPatch) -> None:
+    job = pooled(SPOT, OD)
+    assert engine_config(job.spec).vllm.get("tensorParallelSize", 1) == 1
+    monkeypatch.setenv(TENSOR_PARALLEL_ENV, "2")
+    assert engine_config(job.spec).vllm["tensorParallelSize"] == 2
+
+
+def test_a_pools_pod_works_its_lane_offset_plus_its_index() -> None:
     assert lane_offset({LANE_OFFSET_ENV: "6"}) == 6 and lane_offset({}) == 0
     with pytest.raises(BadConfig, match=LANE_OFFSET_ENV):
         lane_offset({LANE_OFFSET_ENV: "-1"})
