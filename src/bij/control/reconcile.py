@@ -1239,7 +1239,7 @@ def pool_jobs(job: BatchInferenceJob, round_no: int,
 def merged_view(name: str, r: int, views: Sequence[tuple[int, JobView]]) -> JobView:
     """One view of the pools' Jobs of a round (each with its first lane): their lanes by lane id, ended (and
     succeeded) once every one has."""
-    ended = all(v.succeeded or v.failed_for_good for _, v in views)
+    ended = bool(views) and all(v.succeeded or v.failed_for_good for _, v in views)
     conditions: dict[str, Condition] = {}
     if ended and all(v.succeeded for _, v in views):
         conditions["Complete"] = Condition(status=True, reason="", message="")
