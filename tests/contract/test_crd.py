@@ -97,10 +97,10 @@ def test_every_cel_rule_compiles() -> None:
 def test_printer_columns_point_at_fields_of_their_type() -> None:
     (version,) = crd()["spec"]["versions"]
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Phase", "Round", "Shards", "Rows", "Age", "Lanes", "Throughput", "ETA", "Cost", "Output",
-                             "Message"]
-    assert {n for n, c in columns.items() if c.get("priority") == 1} == {"Lanes", "Throughput", "ETA", "Cost", "Output",
-                                                                         "Message"}
+    assert list(columns) == ["Phase", "Round", "Shards", "Rows", "Age", "Lanes", "Pools", "Throughput", "ETA", "Cost",
+                             "Output", "Message"]
+    assert {n for n, c in columns.items() if c.get("priority") == 1} == {"Lanes", "Pools", "Throughput", "ETA", "Cost",
+                                                                         "Output", "Message"}
     schema = validate.crd_schema()
     for name, column in columns.items():
         if column["jsonPath"] == ".metadata.creationTimestamp":

@@ -25,6 +25,7 @@ PURE = {
     "bij.control.reconcile", "bij.contract.fingerprint", "bij.contract.rounds",
     "bij.control.stopping",  # whether cancel was asked or the deadline passed: the spec, the status, a clock
     "bij.control.permissions",  # the worker grants and the recorded answer about them (asked in access_review)
+    "bij.control.pools",  # spec.workers.pools: which lanes run in which pool, when a pool gives up (plain data)
     "bij.contract", "bij.contract.codes", "bij.contract.errors", "bij.contract.spec",
     "bij.contract.plan", "bij.contract.publish_plan", "bij.contract.globs",
     "bij.contract.step_report",  # a step's report as the status holds it: pydantic over plain data

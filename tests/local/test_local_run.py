@@ -656,3 +656,17 @@ def test_bij_run_whose_work_file_removal_fails_succeeds_with_a_warning_and_a_rer
     assert "nothing to do" in capsys.readouterr().err
     assert not log_lines(file_place, job)
     check_published(read_output(job), inputs)
+
+
+def test_pools_run_a_rounds_lanes_in_several_jobs_and_every_row_once(file_place, make_job, read_output, worker_env,
+                                                                   bij_bin, tmp_path):
+    # Locally every pool's Job runs (no node to wait for): lanes 0 in pool spot, 1-2 in pool od, one round.
+    inputs = rows(400)
+    spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 4096},
+                         workers={"parallelism": 3, "pools": [{"name": "spot", "maxLanes": 1}, {"name": "od"}]})
+    computed = tmp_path / "computed.txt"
+    p = bij_run(bij_bin, spec, worker_env(echo_log=computed))
+    assert p.returncode == 0, p.stderr
+    assert "in pool spot (lanes from 0)" in p.stderr and "in pool od (lanes from 1)" in p.stderr
+    check_published(read_output(job), inputs)
+    assert len(computed.read_text().splitlines()) == len(inputs)  # each row computed once, whichever pool ran it

@@ -69,6 +69,33 @@ def test_manifest_carries_efficiency_and_with_a_price_cost(file_place, make_job,
     assert "cost" not in publish(free) and "efficiency" in read_output(free).manifest
 
 
+def test_cost_is_summed_per_pool_at_each_pools_price() -> None:
+    records = [{"rows": 10, "errors": 0, "seconds": 3600.0, "pool": "spot"},
+               {"rows": 10, "errors": 0, "seconds": 1800.0, "modelLoadSeconds": 1800.0, "pool": "od"}]
+    eff = efficiency(records)
+    assert eff["workerSeconds"] == 7200.0 and eff["workerSecondsByPool"] == {"od": 3600.0, "spot": 3600.0}
+    spent = cost(3.0, eff["workerSeconds"], 20, 0, pool_prices={"spot": 1.0, "od": None},
+                 by_pool=eff["workerSecondsByPool"])
+    assert spent is not None and spent["pools"] == {"spot": 1.0, "od": 3.0} and spent["total"] == 4.0
+    # Priced pools without workers.pricePerHour still cost; the status says the same.
+    alone = status_fields(records, records, None, None, None, pool_prices={"spot": 1.0, "od": 2.0})
+    assert alone["cost"]["total"] == 3.0 and alone["cost"]["pools"] == {"spot": 1.0, "od": 2.0}
+
+
+def test_a_pools_pods_name_their_pool_in_the_shard_records_and_the_manifest_costs_it(
+        file_place, make_job, run_shards, monkeypatch) -> None:
+    rows = [{"id": i, "text": f"row {i}"} for i in range(50)]
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows),
+                      workers={"pricePerHour": 3.6, "pools": [{"name": "spot", "pricePerHour": 0.36}, {"name": "od"}]})
+    monkeypatch.setenv("BIJ_POOL", "spot")
+    run_shards(job)
+    manifest = publish(job)
+    eff, spent = manifest["efficiency"], manifest["cost"]
+    assert eff["workerSecondsByPool"] == {"spot": eff["workerSeconds"]}
+    assert math.isclose(spent["pools"]["spot"], 0.36 * eff["workerSeconds"] / 3600, rel_tol=1e-3, abs_tol=1e-6)
+    assert spent["total"] == spent["pools"]["spot"]
+
+
 @pytest.mark.parametrize("price", ["two dollars", "$2.50", -1, True])
 def test_a_price_that_is_not_a_number_names_the_field(price: object) -> None:
     spec = {"input": {"uri": "file:///in"}, "output": {"uri": "file:///out"}, "workers": {"pricePerHour": price}}

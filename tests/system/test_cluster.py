@@ -660,6 +660,30 @@ def test_spot_pods_land_only_on_the_providers_spot_nodes_and_gpu_requests_fit(en
     assert nodes == {"gke-spot-gpu-0"}
 
 
+def test_a_pool_with_no_schedulable_node_gives_its_lanes_to_the_next_and_every_row_runs_once(env: Env) -> None:
+    ids = job_ids(env)
+    pools = [
+        # The preferred pool: no node has its label, so its pods stay Pending (Unschedulable).
+        {"name": "spot", "nodeSelector": {"bij.test/pool": "absent"}, "startTimeoutSeconds": 5, "pricePerHour": 1.0},
+        {"name": "cpu", "nodeSelector": {"node.kubernetes.io/instance-type": "cpu-16"}, "pricePerHour": 3.0},
+    ]
+    env.create(env.doc("pools", workers={"parallelism": 2, "pools": pools}))
+    env.wait_phase("pools", "Succeeded", timeout=240)
+    assert_every_row_once(env.tmp / "out-pools" / "manifest.json", ids)
+    # Each row was computed once, by the lanes that moved to the cpu pool: the spot pool's pods never ran.
+    computed = [line for p in sorted(env.gates.glob("computed-pools-r0-*")) for line in p.read_text().splitlines()]
+    assert len(computed) == len(ids)
+    assert {p.name.rsplit("-", 1)[0] for p in env.gates.glob("computed-pools-r0-*")} == {"computed-pools-r0-p1f0"}
+    assert {p["spec"]["nodeName"] for p in env.pods("pools-r0-p1f0")} == {"ondemand-cpu-0"}
+    assert not env.jobs_named("pools-r0-p0")  # the spot pool's Job was deleted
+    st = env.status("pools")
+    assert [(p["name"], p["lanes"], p.get("gaveUpRound")) for p in st["pools"]] == [("spot", 0, 0), ("cpu", 2, None)]
+    assert "no node took its pods" in st["pools"][0]["message"]
+    assert "PoolGaveUp" in env.reasons("pools")
+    assert set(st["cost"]["pools"]) == {"cpu"}  # only the cpu pool's pods worked, at its price
+    assert "spot 0/0 (gave up)" in env.kubectl("get", "bij", "pools", "-o", "wide", "--no-headers")
+
+
 def test_deleting_the_bij_removes_its_jobs_and_pods_through_the_garbage_collector(env: Env) -> None:
     ids = job_ids(env)
     env.create(env.doc("gone"))

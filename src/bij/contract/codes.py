@@ -25,11 +25,13 @@ PUBLISH_LABEL = f"{API_GROUP}/publish-pass"  # a publish Job: its pass (ids, ded
 GENERATION_LABEL = f"{API_GROUP}/generation"  # a step Job: the bij's metadata.generation it ran for
 STEP_LABEL = f"{API_GROUP}/step"  # a step Job (bij.steps.main): plan-r<r>, finish-r<r>, publish-plan, manifest
 CANARY_LABEL = f"{API_GROUP}/canary"  # round 0's canary Job (spec.canary): "true"
+POOL_LABEL = f"{API_GROUP}/pool"  # a round Job of spec.workers.pools: the pool it runs in
 
 # Annotations: where a Job's work is described.
 MANIFEST_ANNOTATION = f"{API_GROUP}/manifest"  # a round Job: its round plan (shards.json)
 NODES_PER_LANE_ANNOTATION = f"{API_GROUP}/nodes-per-lane"  # a round Job: pods per lane (index i: lane i // n)
 PUBLISH_PLAN_ANNOTATION = f"{API_GROUP}/publish-plan"  # a publish Job: its publish plan (plan.json)
+LANE_OFFSET_ANNOTATION = f"{API_GROUP}/lane-offset"  # a pool's round Job: index i is lane offset + i
 
 # Where a pod sends its report (`bij.worker.report`): kube:<namespace>/<name> or dir:<folder>.
 REPORT_ENV = "BIJ_REPORT_TO"
@@ -45,6 +47,13 @@ JOB_UID_ENV = "BIJ_JOB_UID"
 JOB_NAME_ENV = "BIJ_JOB_NAME"
 # Seconds between two lane reports of a pod (`lane_report.report_interval` of the round's lane count).
 REPORT_INTERVAL_ENV = "BIJ_REPORT_INTERVAL"
+# A pool's round Job (spec.workers.pools): its index i is lane LANE_OFFSET + i of the round, so lane ids are
+# unique across the pools' Jobs and every lane claims from the same round.
+LANE_OFFSET_ENV = "BIJ_LANE_OFFSET"
+# ... and the pool's name: its shard records name it, so cost is summed per pool at its price.
+POOL_ENV = "BIJ_POOL"
+# A pool's override of model.vllm.tensorParallelSize (its GPUs differ from the other pools').
+TENSOR_PARALLEL_ENV = "BIJ_TENSOR_PARALLEL_SIZE"
 
 # A lane of several pods (spec.workers.nodesPerLane): the operator sets these on the round Job's pods and
 # opens these ports on the leader; bij.worker.group reads and listens on them.

@@ -42,6 +42,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Lanes", "type": "string", "description": "lanes (worker pods) done / lanes in the current round",
      "jsonPath": ".status.lanesSummary", "priority": 1},
+    {"name": "Pools", "type": "string", "description": "spec.workers.pools: lanes running / lanes per pool",
+     "jsonPath": ".status.poolsSummary", "priority": 1},
     {"name": "Throughput", "type": "number", "description": "rows per second over the last progress interval",
      "jsonPath": ".status.rowsPerSecond", "priority": 1},
     {"name": "ETA", "type": "string", "description": "time left in the current round at the rate so far",

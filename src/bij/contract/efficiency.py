@@ -22,13 +22,18 @@ class EfficiencySums:
     def __init__(self) -> None:
         self.worker = self.load = self.busy = 0.0
         self.rows = self.tokens = self.loads = 0
+        self.pools: dict[str, float] = {}  # worker seconds per pool (spec.workers.pools), from the records' pool
 
     def add(self, rec: Mapping[str, Any]) -> None:
         self.load += float(rec.get("modelLoadSeconds") or 0)
         # Records from before lanes count a load wherever one took time (one process per shard then).
         self.loads += (int(rec["modelLoads"]) if "modelLoads" in rec
                        else int(float(rec.get("modelLoadSeconds") or 0) > 0))
-        self.worker += float(rec.get("seconds") or 0) + float(rec.get("modelLoadSeconds") or 0)
+        seconds = float(rec.get("seconds") or 0) + float(rec.get("modelLoadSeconds") or 0)
+        self.worker += seconds
+        pool = rec.get("pool")
+        if isinstance(pool, str) and pool:
+            self.pools[pool] = self.pools.get(pool, 0.0) + seconds
         self.busy += float(rec.get("engineBusySeconds") or 0)
         self.rows += int(rec.get("rows") or 0)
         self.tokens += int(rec.get("tokensIn") or 0) + int(rec.get("tokensOut") or 0)
@@ -44,6 +49,7 @@ class EfficiencySums:
             "engineBusyFraction": round(busy / worker, 4) if worker else 0.0,
             "rowsPerSecondPerWorker": round(self.rows / worker, 3) if worker else 0.0,
             "tokensPerSecondPerWorker": round(self.tokens / worker, 3) if worker else 0.0,
+            **({"workerSecondsByPool": {k: round(v, 3) for k, v in sorted(self.pools.items())}} if self.pools else {}),
         }
 
 
@@ -57,19 +63,27 @@ def efficiency(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def cost(price_per_hour: float | None, worker_seconds: float, rows: int, tokens: int,
-         pods_per_lane: int = 1) -> dict[str, Any] | None:
+         pods_per_lane: int = 1, *, pool_prices: Mapping[str, float | None] | None = None,
+         by_pool: Mapping[str, float] | None = None) -> dict[str, Any] | None:
     """What the worker pods cost at `price_per_hour` (one pod, any currency); None without a price.
     `worker_seconds` are the lanes' (their leaders'); a lane of several pods (spec.workers.nodesPerLane)
-    costs that many pods meanwhile.
+    costs that many pods meanwhile. With spec.workers.pools, the seconds of each pool (`by_pool`, from
+    `efficiency`'s workerSecondsByPool) cost that pool's price (`pool_prices`), the rest `price_per_hour`;
+    ``pools`` then says what each pool cost.
 
     perMillionRows = total / rows x 1e6 (result rows), perMillionTokens likewise over tokens in + out.
     """
-    if price_per_hour is None:
+    prices = {k: v for k, v in (pool_prices or {}).items() if v is not None}
+    if price_per_hour is None and not prices:
         return None
-    total = price_per_hour * worker_seconds * pods_per_lane / 3600
+    per_pool = {name: (prices.get(name) or price_per_hour or 0.0) * s * pods_per_lane / 3600
+                for name, s in (by_pool or {}).items() if pool_prices is not None}
+    rest = worker_seconds - sum(s for name, s in (by_pool or {}).items() if name in per_pool)
+    total = sum(per_pool.values()) + (price_per_hour or 0.0) * max(0.0, rest) * pods_per_lane / 3600
     return {
         **({"podsPerLane": pods_per_lane} if pods_per_lane > 1 else {}),
-        "pricePerHour": price_per_hour,
+        **({"pools": {k: round(v, 6) for k, v in per_pool.items()}} if per_pool else {}),
+        "pricePerHour": price_per_hour if price_per_hour is not None else 0.0,
         "total": round(total, 6),
         "perMillionRows": round(total / rows * 1e6, 6) if rows else None,
         "perMillionTokens": round(total / tokens * 1e6, 6) if tokens else None,
@@ -109,7 +123,7 @@ def fmt_money(value: float | None) -> str:
 
 def status_fields(records: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]], round_bytes: int | None,
                   round_seconds: float | None, price_per_hour: float | None,
-                  pods_per_lane: int = 1) -> dict[str, Any]:
+                  pods_per_lane: int = 1, pool_prices: Mapping[str, float | None] | None = None) -> dict[str, Any]:
     """`efficiency`, `cost` (so far) and `eta` for the bij's status.
 
     `records` are every shard record so far (all rounds), `current` the current round's;
@@ -120,7 +134,8 @@ def status_fields(records: Sequence[Mapping[str, Any]], current: Sequence[Mappin
     out: dict[str, Any] = {"efficiency": eff}
     rows = sum(int(r.get("rows") or 0) for r in records)
     tokens = sum(int(r.get("tokensIn") or 0) + int(r.get("tokensOut") or 0) for r in records)
-    spent = cost(price_per_hour, eff["workerSeconds"], rows, tokens, pods_per_lane)
+    spent = cost(price_per_hour, eff["workerSeconds"], rows, tokens, pods_per_lane, pool_prices=pool_prices,
+                 by_pool=eff.get("workerSecondsByPool"))
     if spent is not None:
         out["cost"] = spent
     if round_bytes and round_seconds is not None:

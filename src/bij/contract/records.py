@@ -68,15 +68,18 @@ class ShardRecord(ShardCounts, total=False):
     round: int
     lane: int
     seconds: float  # time spent on the shard, earlier (preempted) runs included
+    pool: str  # spec.workers.pools: the pool whose pod wrote the record (its price counts the seconds)
     finishedAt: str
     updatedAt: str
 
 
 def shard_record(index: int, round_no: int, lane: int, counts: ShardCounts, seconds: float, *,
-                 finished: bool) -> ShardRecord:
-    """A completion record (`finished`) or a progress record of a shard."""
+                 finished: bool, pool: str | None = None) -> ShardRecord:
+    """A completion record (`finished`) or a progress record of a shard; `pool`: the pool its pod runs in."""
     rec: ShardRecord = {"index": index, "round": round_no, "lane": lane, **counts,  # type: ignore[typeddict-item]
                         "seconds": round(seconds, 3)}
+    if pool:
+        rec["pool"] = pool
     rec["finishedAt" if finished else "updatedAt"] = now_stamp()
     return rec
 

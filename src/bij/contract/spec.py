@@ -751,7 +751,47 @@ class ModelCacheSpec(_Model):
         return self
 
 
+# A pool's name goes into its Jobs' label and messages: a short DNS label.
+POOL_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,14}[a-z0-9])?$"
+MAX_POOLS = 8
+POOLS_UNIQUE = "workers.pools: each pool needs a name of its own"
+POOLS_NOT_GROUPS = "workers.pools cannot be combined with workers.nodesPerLane above 1"
+
+
+class WorkerPool(_Model):
+    """One place the worker pods may run (spec.workers.pools, in order of preference): its placement, its price
+    and how many lanes it takes; unset fields take spec.workers' value."""
+
+    name: str = Field(pattern=POOL_NAME_PATTERN)
+    """the pool's name (a DNS label of at most 16 characters), shown per pool in the status"""
+    node_selector: dict[str, str] = {}
+    """node labels this pool's worker pods must have (added to workers.nodeSelector)"""
+    affinity: dict[str, Any] | None = None
+    """a Pod affinity for this pool's pods; default workers.affinity"""
+    tolerations: list[Toleration] = Field([], json_schema_extra=k8s(maxItems=64))
+    """taints this pool's pods tolerate (added to workers.tolerations)"""
+    gpus: int | None = Field(None, ge=0, le=64)
+    """GPUs per worker pod in this pool; default workers.gpus"""
+    spot: bool | None = None
+    """whether this pool is spot/preemptible capacity; default workers.spot"""
+    price_per_hour: float | None = Field(None, ge=0, strict=True)
+    """price of one worker pod per hour in this pool; default workers.pricePerHour"""
+    max_lanes: int | None = Field(None, ge=1, le=10_000)
+    """at most this many lanes of a round in this pool; the rest go to the next pools; default no limit"""
+    start_timeout_seconds: int = Field(300, ge=1, le=86_400)
+    """a pool whose pods stay unschedulable this long (or are preempted again and again) gives its lanes to the
+    next pool for the rest of the round"""
+    queue_name: str | None = None
+    """Kueue LocalQueue of this pool's Jobs; default workers.queueName"""
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    """model.vllm.tensorParallelSize for this pool's pods (its GPUs differ); default the model's"""
+
+
 class WorkersSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=k8s(
+        cel("!has(self.pools) || size(self.pools) == 0 || !has(self.nodesPerLane) || self.nodesPerLane == 1",
+            POOLS_NOT_GROUPS, ".pools")))
+
     parallelism: int = Field(4, ge=1, le=10_000)
     """lanes (worker pods, or groups of nodesPerLane pods) that run at once; each works many shards"""
     image: str | None = None  # default: the operator's configured worker image
@@ -808,6 +848,27 @@ class WorkersSpec(_Model):
     """where the model's files are kept on the node: emptyDir, hostPath or a PVC"""
     env: dict[str, str] = {}
     """extra environment variables for the worker container"""
+    pools: list[WorkerPool] = Field([], json_schema_extra=k8s(
+        maxItems=MAX_POOLS, x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"]))
+    """places the worker pods may run, in order of preference (a spot pool first, say): a round's lanes fill them
+    in order (up to maxLanes each), and a pool whose pods cannot start gives its lanes to the next; each row is
+    still done once. Empty: one pool, as workers says"""
+
+    @property
+    def pool_prices(self) -> dict[str, float | None] | None:
+        """Each pool's price per hour (its own, else pricePerHour); None without pools."""
+        if not self.pools:
+            return None
+        return {p.name: p.price_per_hour if p.price_per_hour is not None else self.price_per_hour for p in self.pools}
+
+    @model_validator(mode="after")
+    def _pools(self) -> WorkersSpec:
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(POOLS_UNIQUE)
+        if self.pools and self.nodes_per_lane > 1:
+            raise ValueError(POOLS_NOT_GROUPS)
+        return self
 
 
 class JudgeSpec(_Model):

@@ -48,6 +48,21 @@ class Lanes(_Status):
     pods was lost; each is also a LaneGroupReplaced Warning Event"""
 
 
+class PoolLanes(_Status):
+    """One pool of spec.workers.pools in the current round: its lanes, and whether it gave them up."""
+
+    name: str = ""
+    lanes: int = 0
+    """lanes of the round running in this pool (its own and those it took over)"""
+    active: int = 0
+    done: int = 0
+    price_per_hour: float | None = None
+    gave_up_round: int | None = None
+    """the round in which this pool gave its lanes to the next pool (its pods could not start)"""
+    message: str | None = None
+    """why it gave up"""
+
+
 class Rows(_Status):
     done: int = Field(0, json_schema_extra=INT64)
     failed: int = Field(0, json_schema_extra=INT64)
@@ -63,11 +78,15 @@ class Efficiency(_Status):
     engine_busy_fraction: float = 0.0
     rows_per_second_per_worker: float = 0.0
     tokens_per_second_per_worker: float = 0.0
+    worker_seconds_by_pool: dict[str, float] | None = None
+    """with spec.workers.pools, the worker seconds of each pool's pods"""
 
 
 class Cost(_Status):
     price_per_hour: float = 0.0
     total: float = 0.0
+    pools: dict[str, float] | None = None
+    """with spec.workers.pools, what each pool's pods cost at its price"""
     per_million_rows: float | None = Field(None, json_schema_extra={"nullable": True})
     per_million_tokens: float | None = Field(None, json_schema_extra={"nullable": True})
 
@@ -168,6 +187,10 @@ class JobStatus(_Status):
     """spec.output.uri"""
     message: str | None = None
     """what the job is doing or waiting for, or why it failed"""
+    pools: list[PoolLanes] = []
+    """with spec.workers.pools, each pool's lanes in the current round (and the pools that gave up theirs)"""
+    pools_summary: str | None = None
+    """"<pool> <active>/<lanes>" per pool, for kubectl get -o wide"""
     rounds: list[RoundRecord] = []
     """one entry per finished or running round"""
     publish: dict[str, Any] | None = Field(None, json_schema_extra=FREE_FORM)

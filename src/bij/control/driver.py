@@ -68,6 +68,7 @@ from bij.control.reconcile import (
     Decision,
     FinishRound,
     MarkFailed,
+    MovePoolLanes,
     Nothing,
     PatchJob,
     Phase,
@@ -274,6 +275,8 @@ class Driver:
                 return self._canary_verdict(seen, d, now)
             case PatchJob():
                 return self._patch_round_job(seen, job, d, now)
+            case MovePoolLanes():
+                return self._move_pool_lanes(seen, d, now)
             case FinishRound():
                 return self._finish_round(seen, job, d, now)
             case PreparePublish():
@@ -323,15 +326,18 @@ class Driver:
         if job.spec.workers.nodes_per_lane > 1:
             # Before the Job: a lane's members find its leader by the name this Service gives it.
             self.backend.create_service(render_lane_service(job, owner_uid=job.metadata.uid))
+        pool = next((p for p in job.spec.workers.pools if p.name == d.pool), None)
         body = render_job(job, d.round, d.completions, layout.round_manifest_uri(job, d.round),
                           image=self.backend.worker_image, owner_uid=job.metadata.uid,
-                          file_volume=self.backend.file_volume)
+                          file_volume=self.backend.file_volume, pool=pool, name_suffix=d.name_suffix,
+                          lane_offset=d.lane_offset)
         created = self.create_job(seen, d, body, f"round {d.round}", "Pending")
         if created == "foreign":
             return Idle(d, recheck=CONFLICT_RECHECK)
         spec = body["spec"]
         msg = (f"round {d.round}: created Job {body['metadata']['name']} with {d.completions} lanes for "
                f"{d.shards.total if d.shards else '?'} shards, parallelism {spec['parallelism']}"
+               + (f", in pool {pool.name} (lanes from {d.lane_offset})" if pool is not None else "")
                + (", suspended" if spec.get("suspend") else ""))
         self.write_status(seen, {**self.base(seen, d, now), "message": msg},
                           event=("Normal", "RoundStarted", msg) if created == "created" else None)
@@ -378,6 +384,16 @@ class Driver:
                 None: f"parallelism set to {d.parallelism}"}[d.suspend]
         msg = d.message if d.phase == "Cancelling" else f"round {d.round}: Job {d.job_name} {what}"
         self.write_status(seen, {**self.base(seen, d, now), "message": msg}, event=("Normal", reason, msg))
+        return None
+
+    def _move_pool_lanes(self, seen: Observed, d: MovePoolLanes, now: dt.datetime) -> Idle | None:
+        """A pool gave its lanes up: said in the status first (so a restart never brings them back), then its
+        Jobs deleted; `decide()` creates the lanes in the next pool."""
+        first = not any(p.name == d.pool and p.gave_up_round == d.round for p in seen.state.pools)
+        self.write_status(seen, {**self.base(seen, d, now), "message": d.message},
+                          event=("Warning", "PoolGaveUp", d.message) if first else None)
+        for name in d.job_names:
+            self.backend.delete_job(name)
         return None
 
     def _finish_round(self, seen: Observed, job: BatchInferenceJob, d: FinishRound, now: dt.datetime) -> Idle | None:

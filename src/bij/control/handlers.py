@@ -30,7 +30,16 @@ import kopf
 import urllib3
 from kubernetes.client import ApiException
 
-from bij.contract.codes import JOB_LABEL, NODES_PER_LANE_ANNOTATION, PLURAL, PUBLISH_LABEL, ROUND_LABEL, STEP_LABEL
+from bij.contract.codes import (
+    JOB_LABEL,
+    LANE_OFFSET_ANNOTATION,
+    NODES_PER_LANE_ANNOTATION,
+    PLURAL,
+    POOL_LABEL,
+    PUBLISH_LABEL,
+    ROUND_LABEL,
+    STEP_LABEL,
+)
 from bij.contract.lane_report import REPORT_ANNOTATION, LaneTally, tally, tally_interval
 from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from bij.control.access_review import check_grants
@@ -147,12 +156,13 @@ class Api:
         self.batch.patch_namespaced_job(name, namespace, patch, _content_type="application/merge-patch+json",
                                         _preload_content=False)
 
-    def step_pods(self, namespace: str, bij: str) -> list[dict[str, Any]]:
+    def step_pods(self, namespace: str, bij: str, *, workers: bool = False) -> list[dict[str, Any]]:
         """The pods of a bij's step Jobs, as `reconcile.failed_pods` and `stuck_pods` read them (name, labels,
-        phase, container states); none where this operator may not list pods (an older chart's Role)."""
+        phase, conditions, container states); none where this operator may not list pods (an older chart's
+        Role). `workers`: its worker pods too (a pool's pods that may not find a node, `pools.gives_up`)."""
+        selector = f"{JOB_LABEL}={bij}" if workers else f"{JOB_LABEL}={bij},{STEP_LABEL}"
         try:
-            resp = self.core.list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={bij},{STEP_LABEL}",
-                                                 _preload_content=False)
+            resp = self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
         except ApiException as e:
             if e.status in (401, 403, 404):
                 log.warning("cannot list the pods of %s/%s's steps (%s): failures say less", namespace, bij, e.reason)
@@ -162,7 +172,8 @@ class Api:
         for pod in json.loads(resp.data).get("items") or []:
             meta, status = pod.get("metadata") or {}, pod.get("status") or {}
             out.append({"metadata": {k: meta[k] for k in ("name", "labels", "creationTimestamp") if k in meta},
-                        "status": {k: status[k] for k in ("phase", "reason", "message", "containerStatuses")
+                        "status": {k: status[k] for k in ("phase", "reason", "message", "conditions",
+                                                          "containerStatuses")
                                    if k in status}})
         return out
 
@@ -208,11 +219,12 @@ def job_essence(body: Mapping[str, Any]) -> dict[str, Any]:
     """What decisions read of a Job (`reconcile.JobView`), without its pod template."""
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
-    nodes = (meta.get("annotations") or {}).get(NODES_PER_LANE_ANNOTATION)
+    annotations = meta.get("annotations") or {}
+    kept = {k: annotations[k] for k in (NODES_PER_LANE_ANNOTATION, LANE_OFFSET_ANNOTATION) if k in annotations}
     return json.loads(json.dumps({
         "metadata": {k: meta[k] for k in ("name", "uid", "resourceVersion", "labels", "ownerReferences",
                                            "deletionTimestamp") if k in meta}
-        | ({"annotations": {NODES_PER_LANE_ANNOTATION: nodes}} if nodes else {}),
+        | ({"annotations": kept} if kept else {}),
         "spec": {k: spec[k] for k in ("completions", "parallelism", "suspend") if k in spec},
         "status": body.get("status") or {},
     }))
@@ -268,7 +280,10 @@ class KubeBackend:
         # A step's failed pods say why it is retried or failed; looked for only where one failed.
         failing = any(STEP_LABEL in (j["metadata"].get("labels") or {}) and (pods_failed(j) or slow_to_start(j))
                       for j in jobs)
-        pods = self.api.step_pods(self.namespace, self.name) if failing else []
+        # A pool's pods that may find no node (or are preempted) decide whether it gives its lanes up.
+        pool_waiting = any(POOL_LABEL in (j["metadata"].get("labels") or {}) and (pods_failed(j) or slow_to_start(j))
+                           for j in jobs)
+        pods = self.api.step_pods(self.namespace, self.name, workers=pool_waiting) if failing or pool_waiting else []
         return Observed(job=job, spec_error=None, status=status, generation=generation, output_uri=output_uri,
                         jobs=jobs, pods=pods, lanes=self.lane_tally(status, jobs))
 

@@ -28,10 +28,14 @@ from bij.contract.codes import (
     JOB_LABEL,
     JOB_NAME_ENV,
     JOB_UID_ENV,
+    LANE_OFFSET_ANNOTATION,
+    LANE_OFFSET_ENV,
     MANIFEST_ANNOTATION,
     NODES_PER_LANE_ANNOTATION,
     NODES_PER_LANE_ENV,
     POD_NAME_ENV,
+    POOL_ENV,
+    POOL_LABEL,
     PUBLISH_LABEL,
     PUBLISH_PLAN_ANNOTATION,
     RAY_PORT,
@@ -40,9 +44,18 @@ from bij.contract.codes import (
     ROUND_ENV,
     ROUND_LABEL,
     STEP_LABEL,
+    TENSOR_PARALLEL_ENV,
 )
 from bij.contract.lane_report import report_interval
-from bij.contract.spec import API_GROUP, API_VERSION, HTTP_AUTHORIZATION_ENV, KIND, BatchInferenceJob, job_to_dict
+from bij.contract.spec import (
+    API_GROUP,
+    API_VERSION,
+    HTTP_AUTHORIZATION_ENV,
+    KIND,
+    BatchInferenceJob,
+    WorkerPool,
+    job_to_dict,
+)
 from bij.control.permissions import DEFAULT_SERVICE_ACCOUNT
 from bij.control.reconcile import STEP_TRIES_ANNOTATION, desired_parallelism, step_job_name, step_key
 
@@ -192,8 +205,14 @@ def render_job(
     owner_uid: str | None = None,
     file_volume: FileVolume | None = None,
     group: bool = True,
+    pool: WorkerPool | None = None,
+    name_suffix: str = "",
+    lane_offset: int = 0,
 ) -> dict[str, Any]:
     """The batch/v1 Job that runs round `round_no` of `job` with `completions` lanes.
+
+    With `pool` (one of spec.workers.pools) the Job runs lanes ``lane_offset ..`` of the round in that pool: its
+    placement, GPUs, queue and engine overrides, named ``<bij>-r<round><name_suffix>`` (`pools.Placed.suffix`).
 
     A lane is one index, or with spec.workers.nodesPerLane = n > 1 (and `group`) n indexes: index i is
     rank i % n of lane i // n, rank 0 its leader (the bij worker and a Ray head), the others Ray workers
@@ -210,14 +229,19 @@ def render_job(
         raise ValueError(f"round must be >= 0, got {round_no}")
     lanes, completions = completions, completions * nodes
     labels = job_labels(job, round_no)
+    if pool is not None:
+        labels[POOL_LABEL] = pool.name
     metadata: dict[str, Any] = {
-        "name": job_name(job, round_no),
+        "name": job_name(job, round_no) + name_suffix,
         "namespace": job.metadata.namespace,
         "labels": dict(labels),
         "annotations": {MANIFEST_ANNOTATION: manifest_uri},
     }
-    if w.queue_name:
-        metadata["labels"][KUEUE_QUEUE_LABEL] = w.queue_name
+    queue_name = pool.queue_name if pool is not None and pool.queue_name else w.queue_name
+    if queue_name:
+        metadata["labels"][KUEUE_QUEUE_LABEL] = queue_name
+    if pool is not None:
+        metadata["annotations"][LANE_OFFSET_ANNOTATION] = str(lane_offset)
     if owner_uid:
         metadata["ownerReferences"] = [
             {
@@ -235,7 +259,7 @@ def render_job(
         "completions": completions,
         "parallelism": desired_parallelism(job, lanes) if nodes > 1 else min(w.parallelism, completions),
         # Kueue admits a queued Job by unsuspending it, so such a Job is created suspended.
-        "suspend": job.spec.suspend or bool(w.queue_name),
+        "suspend": job.spec.suspend or bool(queue_name),
         # Retries are counted per lane: one bad lane cannot use up the whole round's budget.
         "backoffLimitPerIndex": w.backoff_limit_per_index,
         # Lanes are independent and their finished chunks durable, so by default every lane gets
@@ -269,7 +293,7 @@ def render_job(
                 "labels": dict(labels),
                 "annotations": {"kubectl.kubernetes.io/default-container": WORKER_CONTAINER},
             },
-            "spec": _pod_spec(job, manifest_uri, w.image or image, file_volume),
+            "spec": _pod_spec(job, manifest_uri, w.image or image, file_volume, pool, lane_offset),
         },
     }
     if w.ttl_seconds_after_finished is not None:
@@ -289,7 +313,10 @@ def render_canary_job(job: BatchInferenceJob, completions: int, shards: int, man
     """Round 0's canary Job (spec.canary): the round's Job, but its `completions` lanes work only the plan's
     first `shards` shards (`CANARY_SHARDS_ENV`); what they make durable is round 0's, which the round's own
     Job then skips."""
-    body = render_job(job, 0, completions, manifest_uri, image=image, owner_uid=owner_uid, file_volume=file_volume)
+    # With spec.workers.pools, in the preferred pool (its lanes are the round's first).
+    pool = job.spec.workers.pools[0] if job.spec.workers.pools else None
+    body = render_job(job, 0, completions, manifest_uri, image=image, owner_uid=owner_uid, file_volume=file_volume,
+                      pool=pool)
     body["metadata"]["name"] = canary_job_name(job)
     for labels in (body["metadata"]["labels"], body["spec"]["template"]["metadata"]["labels"]):
         labels[CANARY_LABEL] = "true"
@@ -480,7 +507,8 @@ def _report_env(job: BatchInferenceJob) -> list[dict[str, Any]]:
 
 
 def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str,
-              file_volume: FileVolume | None = None) -> dict[str, Any]:
+              file_volume: FileVolume | None = None, pool: WorkerPool | None = None,
+              lane_offset: int = 0) -> dict[str, Any]:
     w = job.spec.workers
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
@@ -509,7 +537,7 @@ def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str,
         "imagePullPolicy": "IfNotPresent",
         "command": ["bij-worker"],
         "args": ["--manifest", manifest_uri, "--metrics-port", str(WORKER_METRICS_PORT)],
-        "env": _env(job, manifest_uri) + _report_env(job) + _http_env(job),
+        "env": _env(job, manifest_uri) + _report_env(job) + _http_env(job) + _pool_env(pool, lane_offset),
         "ports": [{"name": "metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"}],
         "volumeMounts": mounts,
         # readOnlyRootFilesystem stays off: vLLM, torch.compile and Triton write caches under $HOME.
@@ -525,7 +553,7 @@ def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str,
     if job.spec.storage.credentials_secret:
         # Credentials only by reference; the secret may also carry HF_TOKEN for gated models.
         container["envFrom"] = [{"secretRef": {"name": job.spec.storage.credentials_secret}}]
-    resources = _resources(job)
+    resources = _resources(job, pool)
     if resources:
         container["resources"] = resources
 
@@ -550,7 +578,7 @@ def _pod_spec(job: BatchInferenceJob, manifest_uri: str, image: str,
         "containers": [container],
         "volumes": volumes,
     }
-    node_selector, tolerations, affinity = _scheduling(job)
+    node_selector, tolerations, affinity = _scheduling(job, pool)
     if node_selector:
         pod["nodeSelector"] = node_selector
     if tolerations:
@@ -589,7 +617,26 @@ def _env(job: BatchInferenceJob, manifest_uri: str) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
-def _resources(job: BatchInferenceJob) -> dict[str, dict[str, str]]:
+def _pool_env(pool: WorkerPool | None, lane_offset: int) -> list[dict[str, str]]:
+    """A pool's Job: the lane its index 0 is, and its engine overrides."""
+    if pool is None:
+        return []
+    env = [{"name": LANE_OFFSET_ENV, "value": str(lane_offset)}, {"name": POOL_ENV, "value": pool.name}]
+    if pool.tensor_parallel_size is not None:
+        env.append({"name": TENSOR_PARALLEL_ENV, "value": str(pool.tensor_parallel_size)})
+    return env
+
+
+def pool_gpus(job: BatchInferenceJob, pool: WorkerPool | None) -> int:
+    """GPUs per worker pod in `pool`: its gpus, else what its tensorParallelSize needs with vLLM, else the job's."""
+    if pool is not None and pool.gpus is not None:
+        return pool.gpus
+    if pool is not None and pool.tensor_parallel_size is not None and job.spec.model.engine == "vllm":
+        return pool.tensor_parallel_size * job.spec.model.vllm.pipeline_parallel_size
+    return job.spec.gpus
+
+
+def _resources(job: BatchInferenceJob, pool: WorkerPool | None = None) -> dict[str, dict[str, str]]:
     w = job.spec.workers
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
@@ -598,7 +645,7 @@ def _resources(job: BatchInferenceJob) -> dict[str, dict[str, str]]:
     for name, value in (("cpu", w.cpu), ("memory", w.memory)):
         if value:
             requests[name] = limits[name] = value
-    gpus = job.spec.gpus
+    gpus = pool_gpus(job, pool)
     if gpus > 0:
         limits[GPU_RESOURCE] = str(gpus)  # extended resources: the request defaults to the limit
     out: dict[str, dict[str, str]] = {}
@@ -609,18 +656,21 @@ def _resources(job: BatchInferenceJob) -> dict[str, dict[str, str]]:
     return out
 
 
-def _scheduling(job: BatchInferenceJob) -> tuple[dict[str, str], list[dict[str, Any]], dict[str, Any]]:
-    """nodeSelector, tolerations and affinity: spot and GPU placement merged with the user's."""
+def _scheduling(job: BatchInferenceJob, pool: WorkerPool | None = None
+                ) -> tuple[dict[str, str], list[dict[str, Any]], dict[str, Any]]:
+    """nodeSelector, tolerations and affinity: spot and GPU placement merged with the user's (and the pool's)."""
     w = job.spec.workers
     node_selector: dict[str, str] = {}
     tolerations: list[dict[str, Any]] = []
-    affinity: dict[str, Any] = copy.deepcopy(w.affinity) if w.affinity else {}
-    if w.spot and w.spot_provider != "all":
+    own_affinity = pool.affinity if pool is not None and pool.affinity is not None else w.affinity
+    affinity: dict[str, Any] = copy.deepcopy(own_affinity) if own_affinity else {}
+    spot = pool.spot if pool is not None and pool.spot is not None else w.spot
+    if spot and w.spot_provider != "all":
         label, value = SPOT_NODE_LABELS[w.spot_provider]
         node_selector[label] = value
         if w.spot_provider in SPOT_TOLERATIONS:
             tolerations.append(dict(SPOT_TOLERATIONS[w.spot_provider]))
-    elif w.spot:
+    elif spot:
         # A nodeSelector cannot say "any of these labels": tolerate every spot taint and prefer
         # (not require) nodes with any spot label, so a cluster without spot nodes still runs.
         tolerations += [dict(t) for t in SPOT_TOLERATIONS.values()]
@@ -634,10 +684,13 @@ def _scheduling(job: BatchInferenceJob) -> tuple[dict[str, str], list[dict[str, 
                     "preference": {"matchExpressions": [{"key": label, "operator": "In", "values": [value]}]},
                 }
             )
-    if job.spec.gpus > 0:
+    if pool_gpus(job, pool) > 0:
         tolerations.append(dict(GPU_TOLERATION))
     node_selector.update(w.node_selector)
     tolerations += [t.model_dump(by_alias=True, exclude_none=True) for t in w.tolerations]
+    if pool is not None:
+        node_selector.update(pool.node_selector)
+        tolerations += [t.model_dump(by_alias=True, exclude_none=True) for t in pool.tolerations]
     unique: list[dict[str, Any]] = []
     for toleration in tolerations:
         if toleration not in unique:

@@ -40,7 +40,9 @@ from bij.contract.codes import (
     CANARY_LABEL,
     GENERATION_LABEL,
     JOB_LABEL,
+    LANE_OFFSET_ANNOTATION,
     NODES_PER_LANE_ANNOTATION,
+    POOL_LABEL,
     PUBLISH_LABEL,
     ROUND_LABEL,
 )
@@ -50,8 +52,9 @@ from bij.contract.publish_plan import PASSES as PUBLISH_PASSES
 from bij.contract.round_record import RoundRecord
 from bij.contract.rounds import RoundStats, needs_another_round
 from bij.contract.spec import BatchInferenceJob
-from bij.contract.status import JobStatus, Phase
+from bij.contract.status import JobStatus, Phase, PoolLanes
 from bij.contract.step_report import StepErrorCode, StepReport
+from bij.control import pools
 from bij.control.permissions import DEFAULT_SERVICE_ACCOUNT, STATUS_KEY, recheck_due, service_account_user
 from bij.control.stopping import Stop, stop_requested
 
@@ -233,6 +236,7 @@ class Decision:
     message: str
     shards: Shards | None = None
     lanes: Lanes | None = None
+    pools: tuple[PoolLanes, ...] | None = None  # spec.workers.pools: each pool's lanes, when its Jobs are observed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,6 +283,21 @@ class CreateJob(Decision):
 
     completions: int
     suspend: bool
+    # spec.workers.pools: the pool that runs these lanes (`pools.Placed`), its Job's name suffix and first lane.
+    pool: str | None = None
+    name_suffix: str = ""
+    lane_offset: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MovePoolLanes(Decision):
+    """A pool of spec.workers.pools gives its lanes to the next pool for the rest of the round: record that
+    (``pools``, a Warning Event), then delete its Jobs `job_names` (their pods never started, or keep being
+    preempted); the same lanes are then created in the next pool, and inherit their shards through the claims."""
+
+    pool: str
+    to_pool: str
+    job_names: tuple[str, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -899,6 +918,16 @@ def decide(
             return gate
     shards = Shards(done=min(shards_done, planned), total=planned) if shards_done is not None else None
 
+    if job.spec.workers.pools and planned:
+        got = pool_round(job, seen, r, lanes, planned, shards)
+        if isinstance(got, Decision):
+            return got
+        merged, pool_lanes, recheck = got
+        d = round_progress(job, seen, r, merged, planned, shards, lanes_reported, patch=False)
+        if isinstance(d, Wait) and d.recheck is None and recheck is not None:
+            d = dataclasses.replace(d, recheck=recheck)  # an unschedulable pod changes no Job: look again then
+        return dataclasses.replace(d, pools=pool_lanes)
+
     view = round_job(job, r, observed_jobs)
     if view is None:
         if planned == 0:
@@ -918,6 +947,13 @@ def decide(
         return Wait(round=r, phase="Pending", reason="WaitingForOldJob",
                     message=f"Job {view.name} belongs to an earlier object of this name; "
                             "waiting for it to be deleted")
+    return round_progress(job, seen, r, view, planned, shards, lanes_reported)
+
+
+def round_progress(job: BatchInferenceJob, seen: Observation, r: int, view: JobView, planned: int,
+                   shards: Shards | None, lanes_reported: LaneTally | None, *, patch: bool = True) -> Decision:
+    """The round from its Job (`view`; with pools, their Jobs merged): count and finish it once ended, keep the
+    Job in line with the spec (`patch`: suspend, parallelism), or say how far it got."""
     if lanes_reported is not None and lanes_reported.round == r:
         view = dataclasses.replace(view, groups_replaced=lanes_reported.groups_replaced,
                                    last_group_lost=lanes_reported.last_group_lost)
@@ -970,7 +1006,7 @@ def decide(
     want_parallelism = (desired_parallelism(job, view.completions // view.nodes_per_lane)
                         if view.completions else None)
     patch_parallelism = want_parallelism if want_parallelism and view.parallelism != want_parallelism else None
-    if patch_suspend is not None or patch_parallelism is not None:
+    if patch and (patch_suspend is not None or patch_parallelism is not None):
         verb = {True: "suspending", False: "resuming", None: "updating"}[patch_suspend]
         return PatchJob(round=r, phase="Suspended" if want_suspend else "Running",
                         reason="Suspended" if want_suspend else "Running",
@@ -1150,10 +1186,15 @@ def stopping_step(job: BatchInferenceJob, seen: Observation, stop: Stop) -> Deci
                             message=f"{stop.message} while round 0 could not be planned ({d.message}): nothing ran "
                                     "and nothing was published")
         return d
-    view = round_job(job, r, seen.jobs)
-    if view is None and r == 0:
-        view = canary_job(job, seen.jobs)  # stopped during the canary: its lanes drain the same way
-    if view is not None and is_ours(job, view) and not (view.succeeded or view.failed_for_good):
+    # With spec.workers.pools the round runs in several Jobs: each drains.
+    views = ([JobView.of(raw) for _, _, raw in pool_jobs(job, r, seen.jobs)] if job.spec.workers.pools
+             else [v for v in (round_job(job, r, seen.jobs),) if v is not None])
+    canary = canary_job(job, seen.jobs) if r == 0 else None
+    if not views and canary is not None:
+        views = [canary]  # stopped during the canary: its lanes drain the same way
+    for view in views:
+        if not is_ours(job, view) or view.succeeded or view.failed_for_good:
+            continue
         if not view.suspend:
             return PatchJob(round=r, phase="Cancelling", reason=stop.reason, lanes=view.lanes, job_name=view.name,
                             suspend=True,
@@ -1172,3 +1213,130 @@ def stopping_step(job: BatchInferenceJob, seen: Observation, stop: Stop) -> Deci
 
 def _condition_message(state: JobStatus, type_: str) -> str | None:
     return next((c.message for c in state.conditions if c.type == type_), None)
+
+
+# --- worker pools (spec.workers.pools): the round's lanes in several Jobs, rules in `pools` -------------------
+
+
+# A pool's Job with pods and no lane done yet is looked at again this often, in case they find no node.
+POOL_RECHECK = 30.0
+
+
+def pool_jobs(job: BatchInferenceJob, round_no: int,
+              observed_jobs: Sequence[Mapping[str, Any]]) -> list[tuple[str, int, Mapping[str, Any]]]:
+    """The observed Jobs of round `round_no` that run lanes in a pool: (pool name, lane offset, the Job)."""
+    out = []
+    for raw in observed_jobs:
+        meta = raw.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        offset = str((meta.get("annotations") or {}).get(LANE_OFFSET_ANNOTATION) or "")
+        if labels.get(JOB_LABEL) == job.metadata.name and labels.get(ROUND_LABEL) == str(round_no) \
+                and POOL_LABEL in labels and CANARY_LABEL not in labels and offset.isdigit():
+            out.append((str(labels[POOL_LABEL]), int(offset), raw))
+    return out
+
+
+def merged_view(name: str, r: int, views: Sequence[tuple[int, JobView]]) -> JobView:
+    """One view of the pools' Jobs of a round (each with its first lane): their lanes by lane id, ended (and
+    succeeded) once every one has."""
+    ended = bool(views) and all(v.succeeded or v.failed_for_good for _, v in views)
+    conditions: dict[str, Condition] = {}
+    if ended and all(v.succeeded for _, v in views):
+        conditions["Complete"] = Condition(status=True, reason="", message="")
+    elif ended:
+        failure = next(v.failure for _, v in views if v.failure is not None)
+        assert failure is not None
+        conditions["Failed"] = failure
+    return JobView(name=name, round=r, owner_uids=frozenset().union(*(v.owner_uids for _, v in views)),
+                   deleting=False, completions=sum(v.completions for _, v in views),
+                   parallelism=sum(v.parallelism or 0 for _, v in views),
+                   suspend=all(v.suspend for _, v in views), active=sum(v.active for _, v in views),
+                   terminating=sum(v.terminating for _, v in views),
+                   completed=frozenset(o + i for o, v in views for i in v.completed),
+                   failed=frozenset(o + i for o, v in views for i in v.failed), conditions=conditions)
+
+
+def pool_round(job: BatchInferenceJob, seen: Observation, r: int, lanes: int, planned: int,
+               shards: Shards | None) -> Decision | tuple[JobView, tuple[PoolLanes, ...], float | None]:
+    """Round `r` over spec.workers.pools (`pools`): create each block's Job in the pool it runs in now, move
+    the lanes of a pool that gives up, keep the Jobs suspended as the spec says; else the pools' Jobs merged
+    into one view, each pool's lanes for the status, and when to look again for a pool's start timeout."""
+    spec_pools = job.spec.workers.pools
+    index = {p.name: i for i, p in enumerate(spec_pools)}
+    recorded = {p.name: p for p in seen.state.pools}
+    gave_up = {index[n] for n, p in recorded.items() if n in index and p.gave_up_round == r}
+    placed = pools.placement(lanes, spec_pools, gave_up)
+    wanted = {(spec_pools[p.pool].name, p.block.offset): p for p in placed if p.lanes}
+    observed = {(name, offset): raw for name, offset, raw in pool_jobs(job, r, seen.jobs)}
+    views = {key: JobView.of(raw) for key, raw in observed.items()}
+
+    def status_of(moved: Mapping[str, str] | None = None) -> tuple[PoolLanes, ...]:
+        out = []
+        for i, p in enumerate(spec_pools):
+            mine = [(key, v) for key, v in views.items() if key[0] == p.name and key in wanted]
+            old = recorded.get(p.name)
+            gave = moved is not None and p.name in moved
+            out.append(PoolLanes(
+                name=p.name, lanes=sum(w.lanes for w in placed if w.pool == i),
+                active=sum(v.lanes.active for _, v in mine), done=sum(v.lanes.done for _, v in mine),
+                price_per_hour=p.price_per_hour if p.price_per_hour is not None else job.spec.workers.price_per_hour,
+                gave_up_round=r if gave else old.gave_up_round if old is not None else None,
+                message=moved[p.name] if moved is not None and gave else old.message if old is not None else None))
+        return tuple(out)
+
+    # Jobs of a pool that gave up: deleted (again, if an earlier attempt stopped before it could).
+    stale = [(key, v) for key, v in views.items() if key not in wanted and not v.deleting and is_ours(job, v)]
+    if stale:
+        (name, _), _ = stale[0]
+        to = pools.home(index.get(name, 0), len(spec_pools), gave_up)
+        return MovePoolLanes(round=r, phase="Pending", reason="PoolGaveUp", shards=shards, pools=status_of(),
+                             pool=name, to_pool=spec_pools[to].name if to is not None else name,
+                             job_names=tuple(v.name for _, v in stale),
+                             message=f"round {r}: pool {name} gave its lanes up; deleting its Jobs")
+    for key, p in wanted.items():
+        if key not in views:
+            suspend = job.spec.suspend
+            pool = spec_pools[p.pool]
+            moved = f" (taken over from pool {spec_pools[p.block.origin].name})" if p.pool != p.block.origin else ""
+            return CreateJob(round=r, phase="Suspended" if suspend else "Pending",
+                             reason="Suspended" if suspend else "RoundStarting", shards=shards or Shards(
+                                 done=0, total=planned), pools=status_of(),
+                             message=f"round {r}: creating the Job of pool {pool.name} for lanes "
+                                     f"{p.block.offset}-{p.block.offset + p.lanes - 1}{moved}",
+                             completions=p.lanes, suspend=suspend, pool=pool.name, name_suffix=p.suffix,
+                             lane_offset=p.block.offset)
+        if not is_ours(job, views[key]):
+            return Wait(round=r, phase="Pending", reason="WaitingForOldJob",
+                        message=f"Job {views[key].name} belongs to an earlier object of this name, or is being "
+                                "deleted; waiting for it to go")
+    recheck: float | None = None
+    for key, p in wanted.items():
+        v, pool = views[key], spec_pools[p.pool]
+        if v.succeeded or v.failed_for_good:
+            continue
+        want = job.spec.suspend
+        queued = bool(pool.queue_name or job.spec.workers.queue_name)
+        patch = True if want and not v.suspend else False if not want and v.suspend and not queued else None
+        if patch is not None:
+            return PatchJob(round=r, phase="Suspended" if want else "Running",
+                            reason="Suspended" if want else "Running", shards=shards, job_name=v.name,
+                            suspend=patch, pools=status_of(),
+                            message=f"round {r}: {'suspending' if want else 'resuming'} Job {v.name}")
+        if v.suspend:
+            continue
+        why = pools.gives_up(v.name, v.completions, pool, seen.pods, seen.now)
+        to = pools.next_pool(p.pool, len(spec_pools), gave_up)
+        if why is not None and to is not None:
+            return MovePoolLanes(round=r, phase="Pending", reason="PoolGaveUp", shards=shards,
+                                 pools=status_of({pool.name: why}), pool=pool.name, to_pool=spec_pools[to].name,
+                                 job_names=tuple(views[k].name for k in wanted if k[0] == pool.name),
+                                 message=f"round {r}: pool {pool.name} gives its lanes to pool "
+                                         f"{spec_pools[to].name}: {why}")
+        left = pools.start_timeout_left(v.name, pool, seen.pods, seen.now) if to is not None else None
+        if left is None and to is not None and v.active and not v.completed:
+            # Its pods are not looked at yet (the operator lists them once they are slow to start): soon.
+            left = min(float(pool.start_timeout_seconds), POOL_RECHECK)
+        if left is not None:
+            recheck = min(recheck, left + 1.0) if recheck is not None else left + 1.0
+    name = ", ".join(views[k].name for k in wanted)
+    return merged_view(name, r, [(k[1], views[k]) for k in wanted]), status_of(), recheck

@@ -150,6 +150,11 @@ def decision_status(
         patch["lanes"] = {"done": lanes.done, "failed": lanes.failed, "active": lanes.active, "total": lanes.total,
                           "replaced": lanes.replaced}
         patch["lanesSummary"] = lanes.summary
+    if decision.pools is not None:
+        patch["pools"] = [p.as_status() for p in decision.pools]
+        patch["poolsSummary"] = ", ".join(f"{p.name} {p.active}/{p.lanes}" + (" (gave up)" if p.gave_up_round ==
+                                                                                decision.round else "")
+                                          for p in decision.pools)
     if not old.get("startTime"):
         patch["startTime"] = fmt_time(now)
     if decision.phase in ("Succeeded", "Failed", "Cancelled", "Expired", "CanaryFailed") \

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-from bij.contract.codes import CANARY_SHARDS_ENV
+from bij.contract.codes import CANARY_SHARDS_ENV, LANE_OFFSET_ENV, POOL_ENV, TENSOR_PARALLEL_ENV
 from bij.contract.spec import BatchInferenceJob
 from bij.control.reconcile import format_ranges
 from bij.control.status import fmt_time, now_utc
@@ -78,6 +78,7 @@ class LocalJob:
         self.uid = str(meta.get("uid") or uuid.uuid4())
         self.namespace = str(meta.get("namespace") or "default")
         self.labels = dict(meta.get("labels") or {})
+        self.annotations = dict(meta.get("annotations") or {})
         self.completions = int(spec["completions"])
         self.parallelism = int(spec.get("parallelism") or 1)
         self.suspend = bool(spec.get("suspend"))
@@ -98,9 +99,10 @@ class LocalJob:
         # Runs the pod's args in this process (a thread per index) instead of `command`: for a short
         # storage step, whose interpreter start and imports cost more than its work (see _InProcess).
         self.in_process = in_process
-        # Of the pod's own variables only the one that says which shards its lanes work (a canary Job's).
+        # Of the pod's own variables only those that say which shards and lanes it works (a canary Job's, a
+        # pool's Job's).
         own = {e["name"]: str(e.get("value", "")) for e in container.get("env") or []
-               if e.get("name") == CANARY_SHARDS_ENV}
+               if e.get("name") in (CANARY_SHARDS_ENV, LANE_OFFSET_ENV, POOL_ENV, TENSOR_PARALLEL_ENV)}
         self.env = {**env, **own, JOB_UID_ENV: self.uid}
         self.on_stdout = on_stdout
         self.say = say
@@ -315,7 +317,7 @@ class LocalJob:
             status["conditions"] = conditions
         return {"apiVersion": "batch/v1", "kind": "Job",
                 "metadata": {"name": self.name, "namespace": self.namespace, "uid": self.uid,
-                             "labels": dict(self.labels)},
+                             "labels": dict(self.labels), "annotations": dict(self.annotations)},
                 "spec": {"completions": self.completions, "parallelism": self.parallelism, "suspend": self.suspend},
                 "status": status}
 

@@ -131,7 +131,8 @@ def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
     out: dict[str, Any] = {"done": done, "stats": current.stats(round_no, 0).as_status(),
                            "efficiency": eff, "damaged": damaged[:MOST_DAMAGED],
                            "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
-    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], rows, tokens, job.spec.workers.nodes_per_lane)
+    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], rows, tokens, job.spec.workers.nodes_per_lane,
+                 pool_prices=job.spec.workers.pool_prices, by_pool=eff.get("workerSecondsByPool"))
     if spent is not None:
         out["cost"] = spent
     return out

@@ -346,7 +346,8 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         "publishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], t.rows,
-                 t.tokens_in + t.tokens_out, job.spec.workers.nodes_per_lane)
+                 t.tokens_in + t.tokens_out, job.spec.workers.nodes_per_lane,
+                 pool_prices=job.spec.workers.pool_prices, by_pool=eff.get("workerSecondsByPool"))
     if spent is not None:
         manifest["cost"] = spent
     checked = canary_check(job, store, plans)

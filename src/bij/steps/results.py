@@ -251,7 +251,7 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
         lines.append("  no round planned: run `bij run` (or apply it to a cluster)")
         return lines
     fields = status_fields(records, current, None, None, job.spec.workers.price_per_hour,
-                           job.spec.workers.nodes_per_lane)
+                           job.spec.workers.nodes_per_lane, job.spec.workers.pool_prices)
     spent = fields.get("cost")
     lines += _efficiency_lines(fields["efficiency"], None)
     if spent:

@@ -7,6 +7,7 @@ metrics, and rewrites the shard's progress record now and then.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from operator import attrgetter
 from typing import Any
 
 from bij.contract import layout
+from bij.contract.codes import POOL_ENV
 from bij.contract.plan import Plan
 from bij.contract.records import encode, shard_record
 from bij.contract.result_rows import row_id, row_usage
@@ -180,7 +182,7 @@ class Committer:
         """Rewrite the shard's progress record: live counts, and the time spent on it so far."""
         self.last_report = time.monotonic()
         record = shard_record(self.index, self.plan.round, self.lane, self.stats.as_record(),
-                              time.monotonic() - self.t0, finished=False)
+                              time.monotonic() - self.t0, finished=False, pool=os.environ.get(POOL_ENV))
         self.out.write_bytes(layout.progress_uri(self.plan.round_prefix, self.index), encode(record))
 
     def count_final(self, rec: dict[str, Any]) -> None:

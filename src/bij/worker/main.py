@@ -41,7 +41,9 @@ from bij.contract.codes import (
     EXIT_GROUP_LOST,
     EXIT_OK,
     EXIT_TERMINATED,
+    LANE_OFFSET_ENV,
     REPORT_INTERVAL_ENV,
+    TENSOR_PARALLEL_ENV,
 )
 from bij.contract.lane_report import REPORT_SECONDS
 from bij.contract.plan import Plan
@@ -75,6 +77,9 @@ def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> Engi
     if spec.workers.nodes_per_lane > 1:
         vllm["distributedExecutorBackend"] = "ray"
         vllm["pipelineParallelSize"] = spec.workers.nodes_per_lane
+    tp = os.environ.get(TENSOR_PARALLEL_ENV)
+    if tp and tp.isdigit() and int(tp) > 0:
+        vllm["tensorParallelSize"] = int(tp)  # a pool's GPUs (spec.workers.pools[].tensorParallelSize)
     return EngineConfig(
         task=m.task,
         name=m.name,
@@ -91,6 +96,14 @@ def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> Engi
         chat_template_kwargs=dict(m.chat_template_kwargs or {}),
         adapters=dict(adapters or {}),
     )
+
+
+def lane_offset(env: Mapping[str, str] | None = None) -> int:
+    """The round's lane that this Job's index 0 is: env BIJ_LANE_OFFSET (a pool's Job, spec.workers.pools), else 0."""
+    raw = (os.environ if env is None else env).get(LANE_OFFSET_ENV) or "0"
+    if not raw.isdigit():
+        raise BadConfig(f"{LANE_OFFSET_ENV} must be a lane number, got {raw!r}")
+    return int(raw)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -235,7 +248,7 @@ class Lane:
     def setup(self, role: Role) -> None:
         """The plan, the reporter, the engine (not loaded yet), the group of pods and the claims; everything
         a lane cannot work with fails here as BadConfig."""
-        self.lane = lane = role.lane
+        self.lane = lane = role.lane + lane_offset()
         # The plan says where everything else is, and carries the spec whose storage settings every
         # later call uses; reading the plan itself takes them from the standard AWS environment
         # (AWS_ENDPOINT_URL, AWS_REGION), which the Job sets from the same spec.

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bij.contract import layout
+from bij.contract.codes import POOL_ENV
 from bij.contract.errors import BijError
 from bij.contract.plan import BadPlan, Plan
 from bij.contract.records import DamageRecord, decode_shard_record, encode, shard_record
@@ -307,7 +308,7 @@ class ShardWorker:
         # What the engine learnt it cannot serve at all (said once in the job's status, not per row).
         self.stats.notes = list(self.engine.notes)
         record = shard_record(self.index, self.round, self.lane, self.stats.as_record(), time.monotonic() - t0,
-                              finished=True)
+                              finished=True, pool=os.environ.get(POOL_ENV))
         self.out.write_bytes(layout.done_uri(self.plan.round_prefix, self.index), encode(record))
         if any(self.objects[obj].prefix is not None for obj, _, _ in self.pieces):
             # A damaged object of this shard was replaced and read to its end: nothing is damaged now.
