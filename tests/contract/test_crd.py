@@ -239,6 +239,10 @@ GOOD = [
     ("prompt-chat-with-system", with_spec(model={"task": "chat"},
                                           prompt={"system": "Be terse.", "template": "{{ row.title }}"})),
     ("prompt-embed-prefix", with_spec(prompt={"template": "query: {{ row.text }}"})),
+    ("notify-two-webhooks", with_spec(notify=[
+        {"url": "https://hooks.example.com/bij?team=a", "secretRef": {"name": "hooks", "key": "hmac"}},
+        {"url": "http://ops.monitoring.svc:8080/alerts", "secretRef": {"name": "ops", "key": "hmac"},
+         "events": ["failed", "canaryFailed", "expired"]}])),
     ("partition-by-input-judged-in-place", with_spec(
         output={"uri": "s3://bucket/out", "partitionBy": "input"}, model={"task": "generate"},
         judge={"type": "regex", "pattern": "x", "strategy": "inPlace"})),

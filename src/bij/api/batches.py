@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from bij.api.errors import BadRequest
+from bij.contract.codes import OPENAI_BATCH_LABEL
 from bij.contract.spec import MAX_DEADLINE_SECONDS
 from bij.contract.status import JobStatus, Rows
 
-LABEL = "batchinference.io/openai-batch"
+LABEL = OPENAI_BATCH_LABEL
 ANNOTATION = "batchinference.io/openai-batch"
 CANCELLING_AT = "batchinference.io/cancelling-at"
 MAX_METADATA = 16
