@@ -309,6 +309,8 @@ NAMESPACED_GRANTS = grants([
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["authorization.k8s.io"], "resources": ["localsubjectaccessreviews"], "verbs": ["create"]},
+    # spec.notify's signing key: get only, never list or watch.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
 ])
 CRD_GRANTS = grants([{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
                       "verbs": ["list", "watch"]}])
