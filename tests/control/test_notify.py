@@ -1,18 +1,16 @@
 """spec.notify: the signed POST of a job's end, its retries and its record, from the pure rules to `bij run`.
 
-The webhook is a real HTTP server in a thread that answers 500 to its first attempts, then 200."""
+The webhook is a real HTTP server in a thread that answers 500 to its first attempts, then 200
+(`webhook_receiver`)."""
 
 from __future__ import annotations
 
 import base64
 import copy
 import datetime as dt
-import http.server
 import json
 import socket
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,52 +25,6 @@ from bij.control.reconcile import MarkFailed, Nothing
 KEY = b"s3cret-hmac-key"
 FAST = notify.Backoff(attempts=4, first_delay=0.05, max_delay=0.2, timeout=2.0)
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.timezone.utc)
-
-
-class Webhook:
-    """A webhook receiver: records every POST (headers, body); answers `fail_first` of them 500, then 200."""
-
-    def __init__(self, fail_first: int = 0):
-        self.fail_first = fail_first
-        self.received: list[tuple[dict[str, str], bytes, int]] = []
-        hook = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
-                payload = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                code = 500 if len(hook.received) < hook.fail_first else 200
-                hook.received.append((dict(self.headers.items()), payload, code))
-                self.send_response(code)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/bij?team=a"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def delivered(self) -> list[tuple[dict[str, str], bytes]]:
-        return [(h, b) for h, b, code in self.received if code == 200]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def webhook() -> Iterator[Any]:
-    hooks: list[Webhook] = []
-
-    def make(fail_first: int = 0) -> Webhook:
-        hooks.append(Webhook(fail_first))
-        return hooks[-1]
-
-    yield make
-    for h in hooks:
-        h.close()
 
 
 def closed_port_url() -> str:
