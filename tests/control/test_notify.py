@@ -190,6 +190,20 @@ def test_openais_sdk_verifies_the_standard_webhook_headers_with_the_key_as_its_s
         client.webhooks.unwrap(payload.replace(b"Succeeded", b"Failed"), sent)
 
 
+def test_the_user_guides_verify_accepts_what_bij_sends_and_refuses_a_forgery() -> None:
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "user-guide.md").read_text()
+    start = guide.index("```python", guide.index("Verify the raw body")) + len("```python")
+    scope: dict[str, Any] = {}
+    exec(guide[start:guide.index("```", start)], scope)  # the guide's own code, as a receiver would copy it
+    payload = contract.body(a_job(target("https://a.example/x")), JobStatus.read(SUCCEEDED), "succeeded", NOW)
+    sent = contract.headers(KEY, payload, "succeeded", "evt_1", int(time.time()))
+    assert scope["verify"](KEY, payload, sent)
+    assert not scope["verify"](b"guessed", payload, sent)
+    assert not scope["verify"](KEY, payload.replace(b"Succeeded", b"Failed"), sent)
+
+
 def test_bij_run_reads_the_key_from_an_environment_variable_named_after_the_secret_ref() -> None:
     assert notify.secret_env(SecretKeyRef(name="team-hooks", key="hmac.key")) == "BIJ_SECRET_TEAM_HOOKS_HMAC_KEY"
 
