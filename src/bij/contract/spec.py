@@ -915,8 +915,8 @@ class CanarySpec(_Model):
 
 
 # spec.notify: the events a webhook may ask for, one per final phase (`contract.notify` maps them).
-NOTIFY_EVENTS = ("succeeded", "failed", "cancelled", "expired", "canaryFailed")
 NotifyEvent = Literal["succeeded", "failed", "cancelled", "expired", "canaryFailed"]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("succeeded", "failed", "cancelled", "expired", "canaryFailed")
 # A webhook: http(s), a host, an optional port, path and query; no user:password@ and no fragment.
 NOTIFY_URL_PATTERN = r"^https?://[^\s/?#@:]+(:[0-9]{1,5})?([/?][^\s#]*)?$"
 MAX_NOTIFY = 16

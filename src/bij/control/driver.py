@@ -238,7 +238,7 @@ class Driver:
             idle = self.apply(seen, job, last)
             if idle is not None:
                 if job.spec.notify and idle.decision is not None and idle.decision.phase in TERMINAL_PHASES:
-                    idle = self.notify(job, idle)
+                    idle = self.notify_ended(job, idle)
                 return until_deadline(idle, job, seen.status, now)
         log.warning("%s: still changing after %d steps; continuing shortly", last, MAX_STEPS)
         return Idle(last, recheck=1.0)
@@ -545,7 +545,7 @@ class Driver:
         log.info("worker grants of %s: %s", check.user, check.result)
         self.write_status(seen, patch, event=event)
 
-    def notify(self, job: BatchInferenceJob, idle: Idle) -> Idle:
+    def notify_ended(self, job: BatchInferenceJob, idle: Idle) -> Idle:
         """spec.notify's webhooks told that the bij ended: the POSTs due now (`notify.due`), each attempt recorded
         in ``status.notified``, an Event when one is delivered or given up, and the Notified condition; asked again
         when the next retry falls due. The phase stays what it is, whatever the webhooks answer."""
