@@ -303,6 +303,28 @@ def test_a_job_without_notify_never_reads_a_key_or_writes_notified() -> None:
     assert isinstance(idle.decision, Nothing) and "notified" not in backend.status and backend.events == []
 
 
+def test_the_operator_reads_the_key_from_the_named_secret_and_names_one_it_cannot_read() -> None:
+    from kubernetes.client import ApiException, V1ObjectMeta, V1Secret
+
+    from bij.control.handlers import Api, KubeBackend
+
+    class Core:
+        def read_namespaced_secret(self, name: str, namespace: str) -> V1Secret:
+            if name == "hooks":
+                return V1Secret(metadata=V1ObjectMeta(name=name), data={"hmac": base64.b64encode(KEY).decode()})
+            raise ApiException(status=403 if name == "theirs" else 404)
+
+    api = object.__new__(Api)
+    api.core = Core()  # type: ignore[assignment]
+    backend = KubeBackend(api, "ml", "emb", jobs={}, worker_image="img")
+    assert backend.notify_key(SecretKeyRef(name="hooks", key="hmac")) == KEY
+    for ref, says in ((SecretKeyRef(name="hooks", key="other"), "Secret ml/hooks has no key other"),
+                      (SecretKeyRef(name="gone", key="hmac"), "Secret ml/gone: not found"),
+                      (SecretKeyRef(name="theirs", key="hmac"), "Secret ml/theirs: the operator may not read it")):
+        with pytest.raises(LookupError, match=says):
+            backend.notify_key(ref)
+
+
 # --- bij run ------------------------------------------------------------------------------------------------
 
 
