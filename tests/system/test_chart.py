@@ -501,6 +501,22 @@ def test_bij_api_runs_the_model_map_under_its_own_account_with_exactly_its_grant
     assert service["spec"]["selector"] == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
 
 
+def test_bij_api_gets_its_webhooks_from_the_values_as_it_reads_them(chart: helm.Chart) -> None:
+    from bij.api.batches import webhook_notify
+
+    hooks = [{"url": "https://hooks.example.com/openai", "secretRef": {"name": "openai-webhook", "key": "secret"},
+              "events": ["batch.completed", "batch.failed"]}]
+    objects = api_objects(render(chart, {"api": {**WITH_API["api"], "webhooks": hooks}}))
+    webhooks = yaml.safe_load(one(objects, "ConfigMap")["data"]["webhooks.yaml"])
+    assert webhooks == hooks and webhook_notify(webhooks, "webhooks.yaml")[0]["events"] == \
+        ["succeeded", "failed", "canaryFailed"]
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "BIJ_API_WEBHOOKS", "value": "/etc/bij-api/webhooks.yaml"} in container["env"]
+    # None set: bij-api is not told to read a file that is not there.
+    (plain,) = one(api_objects(render(chart, WITH_API)), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert all(e["name"] != "BIJ_API_WEBHOOKS" for e in plain["env"])
+
+
 def test_bij_api_needs_a_files_prefix(chart: helm.Chart) -> None:
     with pytest.raises(helm.HelmError, match="api.filesPrefix is required"):
         chart.render({"api": {"enabled": True}}, name="bij", namespace=NAMESPACE)
