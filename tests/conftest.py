@@ -534,3 +534,20 @@ def run_shards() -> Any:
 def recording_echo() -> Any:
     """recording_echo(task="generate", max_input_tokens=None, fail_on=None, truncate=False) -> RecordingEcho."""
     return RecordingEcho
+
+
+@pytest.fixture
+def webhook() -> Iterator[Any]:
+    """webhook(fail_first=0) -> a `webhook_receiver.Webhook` on a free port, answering 500 to its first
+    `fail_first` POSTs; closed after the test."""
+    from webhook_receiver import Webhook
+
+    hooks: list[Webhook] = []
+
+    def make(fail_first: int = 0) -> Webhook:
+        hooks.append(Webhook(fail_first))
+        return hooks[-1]
+
+    yield make
+    for h in hooks:
+        h.close()

@@ -239,6 +239,10 @@ GOOD = [
     ("prompt-chat-with-system", with_spec(model={"task": "chat"},
                                           prompt={"system": "Be terse.", "template": "{{ row.title }}"})),
     ("prompt-embed-prefix", with_spec(prompt={"template": "query: {{ row.text }}"})),
+    ("notify-two-webhooks", with_spec(notify=[
+        {"url": "https://hooks.example.com/bij?team=a", "secretRef": {"name": "hooks", "key": "hmac"}},
+        {"url": "http://ops.monitoring.svc:8080/alerts", "secretRef": {"name": "ops", "key": "hmac"},
+         "events": ["failed", "canaryFailed", "expired"]}])),
     ("partition-by-input-judged-in-place", with_spec(
         output={"uri": "s3://bucket/out", "partitionBy": "input"}, model={"task": "generate"},
         judge={"type": "regex", "pattern": "x", "strategy": "inPlace"})),
@@ -286,6 +290,34 @@ def test_status_in_a_create_request_is_ignored() -> None:
 def test_cli_validate_says_valid(capsys: pytest.CaptureFixture[str]) -> None:
     assert bij_main(["validate", str(ROOT / "examples" / "judge-rounds.yaml")]) == 0
     assert capsys.readouterr().out == "valid\n"
+
+
+def test_cli_validate_says_which_webhooks_are_told_of_which_ends_and_where_the_key_comes_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = with_spec(notify=[{"url": "https://hooks.example.com/bij", "secretRef": {"name": "hooks", "key": "hmac"}},
+                            {"url": "http://ops.svc:8080/a", "secretRef": {"name": "ops", "key": "k"},
+                             "events": ["failed", "canaryFailed"]}])
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert bij_main(["validate", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "valid",
+        "notify: https://hooks.example.com/bij is told of succeeded, failed, cancelled, expired, canaryFailed (a POST "
+        "signed with Secret hooks, key hmac; bij run: env BIJ_SECRET_HOOKS_HMAC)",
+        "notify: http://ops.svc:8080/a is told of failed, canaryFailed (a POST signed with Secret ops, key k; bij run: "
+        "env BIJ_SECRET_OPS_K); http:// sends the body unencrypted (it is signed, not secret)"]
+
+
+def test_cli_validate_refuses_a_webhook_that_is_not_http_naming_it(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    doc = with_spec(notify=[{"url": "mailto:ops@example.com", "secretRef": {"name": "h", "key": "k"},
+                             "events": ["done"]}])
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert bij_main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert 'spec.notify[0].url: Invalid value: "mailto:ops@example.com"' in out
+    assert 'spec.notify[0].events[0]: Unsupported value: "done"' in out
 
 
 def test_cli_validate_lists_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

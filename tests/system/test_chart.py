@@ -309,6 +309,8 @@ NAMESPACED_GRANTS = grants([
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["authorization.k8s.io"], "resources": ["localsubjectaccessreviews"], "verbs": ["create"]},
+    # spec.notify's signing key: get only, never list or watch.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
 ])
 CRD_GRANTS = grants([{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
                       "verbs": ["list", "watch"]}])
@@ -497,6 +499,22 @@ def test_bij_api_runs_the_model_map_under_its_own_account_with_exactly_its_grant
         *{("batchinference.io", "batchinferencejobs", v) for v in ("get", "list", "create", "patch")}}
     service = one(objects, "Service")
     assert service["spec"]["selector"] == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
+
+
+def test_bij_api_gets_its_webhooks_from_the_values_as_it_reads_them(chart: helm.Chart) -> None:
+    from bij.api.batches import webhook_notify
+
+    hooks = [{"url": "https://hooks.example.com/openai", "secretRef": {"name": "openai-webhook", "key": "secret"},
+              "events": ["batch.completed", "batch.failed"]}]
+    objects = api_objects(render(chart, {"api": {**WITH_API["api"], "webhooks": hooks}}))
+    webhooks = yaml.safe_load(one(objects, "ConfigMap")["data"]["webhooks.yaml"])
+    assert webhooks == hooks and webhook_notify(webhooks, "webhooks.yaml")[0]["events"] == \
+        ["succeeded", "failed", "canaryFailed"]
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "BIJ_API_WEBHOOKS", "value": "/etc/bij-api/webhooks.yaml"} in container["env"]
+    # None set: bij-api is not told to read a file that is not there.
+    (plain,) = one(api_objects(render(chart, WITH_API)), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert all(e["name"] != "BIJ_API_WEBHOOKS" for e in plain["env"])
 
 
 def test_bij_api_needs_a_files_prefix(chart: helm.Chart) -> None:

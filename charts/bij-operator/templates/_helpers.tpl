@@ -107,6 +107,11 @@ cluster-scoped objects always go in the ClusterRole.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# spec.notify: the key that signs a bij's webhook POSTs, from the Secret its secretRef names (read once a
+# bij ends and names one; never listed or watched, and no other key is read).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 # Before a bij's first pod: does its worker service account hold every grant its pods use? Asked with a
 # LocalSubjectAccessReview in the bij's namespace (namespaced: a Role grants it; nothing else is read).
 - apiGroups: [authorization.k8s.io]

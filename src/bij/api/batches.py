@@ -14,16 +14,54 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from bij.api.errors import BadRequest
-from bij.contract.spec import MAX_DEADLINE_SECONDS
+from bij.contract.codes import OPENAI_BATCH_LABEL
+from bij.contract.spec import MAX_DEADLINE_SECONDS, NotifyTarget
 from bij.contract.status import JobStatus, Rows
 
-LABEL = "batchinference.io/openai-batch"
+LABEL = OPENAI_BATCH_LABEL
 ANNOTATION = "batchinference.io/openai-batch"
 CANCELLING_AT = "batchinference.io/cancelling-at"
 MAX_METADATA = 16
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+# OpenAI's batch webhook events, and the spec.notify events each stands for (a canary that failed is a failed
+# batch); bij-api's webhooks name the OpenAI ones, as an OpenAI project's webhook endpoint does.
+OPENAI_WEBHOOK_EVENTS: dict[str, tuple[str, ...]] = {
+    "batch.completed": ("succeeded",), "batch.failed": ("failed", "canaryFailed"),
+    "batch.cancelled": ("cancelled",), "batch.expired": ("expired",)}
+
+
+def webhook_notify(doc: Any, source: str) -> list[dict[str, Any]]:
+    """bij-api's webhooks (a YAML list of ``{url, secretRef: {name, key}, events: [batch.completed, ...]}``, events
+    default all four) as the spec.notify every batch's bij gets; ValueError naming the entry and field."""
+    if doc is None:
+        return []
+    if not isinstance(doc, list):
+        raise ValueError(f"{source}: must be a list of webhooks {{url, secretRef: {{name, key}}, events}}")
+    out = []
+    for i, entry in enumerate(doc):
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{source}[{i}]: must be a mapping with url, secretRef and events")
+        events = entry.get("events", list(OPENAI_WEBHOOK_EVENTS))
+        unknown = [e for e in events if e not in OPENAI_WEBHOOK_EVENTS] if isinstance(events, list) else [events]
+        if unknown or not events:
+            raise ValueError(f"{source}[{i}].events: must be a non-empty list of {', '.join(OPENAI_WEBHOOK_EVENTS)}, "
+                             f"got {events!r}")
+        target = {**entry, "events": [n for e in OPENAI_WEBHOOK_EVENTS if e in events
+                                      for n in OPENAI_WEBHOOK_EVENTS[e]]}
+        try:
+            NotifyTarget.model_validate(target)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"{source}[{i}].{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        out.append(target)
+    return out
 
 
 def window_seconds(window: Any) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import datetime as dt
 import json
 import logging
@@ -29,13 +30,25 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import yaml
 from aiohttp import BodyPartReader, web
 from kubernetes.client import ApiException
 
 from bij.api.auth import Authorizer, Caller
-from bij.api.batches import ANNOTATION, CANCELLING_AT, LABEL, batch_object, batch_of_file, bij_name, record, status_of
+from bij.api.batches import (
+    ANNOTATION,
+    CANCELLING_AT,
+    LABEL,
+    batch_object,
+    batch_of_file,
+    bij_name,
+    record,
+    status_of,
+    webhook_notify,
+)
 from bij.api.bodies import CreateBatch, ListFilesQuery, ListQuery, Purpose, UploadForm, parse
 from bij.api.errors import (
     ApiError,
@@ -135,8 +148,11 @@ async def errors(request: web.Request, handler: Callable[[web.Request], Awaitabl
 class Api:
     """The handlers, over a `FileStore`, a `ModelMap`, an `Authorizer` and `Kube`."""
 
-    def __init__(self, files: FileStore, models: ModelMap, auth: Authorizer, kube: Kube, s3: dict[str, str]):
+    def __init__(self, files: FileStore, models: ModelMap, auth: Authorizer, kube: Kube, s3: dict[str, str],
+                 notify: list[dict[str, Any]] | None = None):
         self.files, self.models, self.auth, self.kube, self.s3 = files, models, auth, kube, s3
+        # The webhooks every batch tells when it ends (--webhooks, `batches.webhook_notify`): its bij's spec.notify.
+        self.notify = notify or []
         # Ended batches' manifests, by URI: a published manifest never changes (a stopped bij never
         # publishes again, an output URI belongs to one bij), so each is read once.
         self.manifests: dict[str, dict[str, Any]] = {}
@@ -359,6 +375,8 @@ class Api:
                       output_uri=self.files.batch_output(who.namespace, batch_id), task=OPENAI_ENDPOINTS[endpoint],
                       deadline_seconds=body.deadline_seconds, served_name=key, labels={LABEL: "true"},
                       annotations={ANNOTATION: json.dumps(rec, sort_keys=True)})
+        if self.notify:
+            doc["spec"]["notify"] = copy.deepcopy(self.notify)
         if self.s3:  # the workers reach the files prefix as the server does
             doc["spec"]["storage"] = {**doc["spec"].get("storage", {}),
                                       "s3": {**doc["spec"].get("storage", {}).get("s3", {}), **self.s3}}
@@ -487,6 +505,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=int(os.environ.get("BIJ_API_PORT", "8000")))
     p.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint of the files prefix (also given to workers)")
     p.add_argument("--s3-region", default=None, help="S3 region of the files prefix (also given to workers)")
+    p.add_argument("--webhooks", default=os.environ.get("BIJ_API_WEBHOOKS"),
+                   help="YAML file: webhooks told when a batch ends, [{url, secretRef: {name, key}, events: "
+                        "[batch.completed, batch.failed, batch.cancelled, batch.expired]}] (env BIJ_API_WEBHOOKS); "
+                        "the Secret lies in each batch's namespace")
     p.add_argument("--auth-cache-seconds", type=float, default=30.0,
                    help="how long a token's TokenReview and SubjectAccessReview verdict is kept")
     return p.parse_args(argv)
@@ -505,10 +527,15 @@ def main(argv: list[str] | None = None) -> int:
     except ModelMapError as e:
         print(f"bij-api: {e}", file=sys.stderr)
         return 2
+    try:
+        notify = webhook_notify(yaml.safe_load(Path(args.webhooks).read_text()), args.webhooks) if args.webhooks else []
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        print(f"bij-api: --webhooks: {e}", file=sys.stderr)
+        return 2
     s3 = {k: v for k, v in (("endpointUrl", args.s3_endpoint_url), ("region", args.s3_region)) if v}
     api = kube_client()
     server = Api(FileStore(args.files_prefix, s3 or None), models, Authorizer(api, ttl=args.auth_cache_seconds),
-                 Kube(api), s3)
+                 Kube(api), s3, notify)
     log.info("bij-api on %s:%d, files under %s, models: %s", args.host, args.port, args.files_prefix,
              ", ".join(models.names) or "none")
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)

@@ -39,6 +39,7 @@ from bij.contract.spec import (
     SpecError,
     parse_job,
 )
+from bij.control.notify import secret_env
 
 # Schema violations after which the API server does not run the CEL rules (a rule could not
 # rely on the fields it reads), and what it says instead.
@@ -432,6 +433,8 @@ def cli_validate(args: argparse.Namespace) -> int:
             job = parse_job(doc)
             for line in canary_summary(job):
                 print(line)
+            for line in notify_summary(job):
+                print(line)
             for line in prompt_preview(job):
                 print(line)
     return 1 if failed else 0
@@ -454,6 +457,20 @@ def canary_summary(job: BatchInferenceJob) -> list[str]:
     stops = "; ".join(x for x in limits if x) or "no threshold set: it only measures, and estimates the job"
     return [f"canary: round 0's first shards holding about {rows} run alone first (whole shards); "
             f"the job stops there (CanaryFailed) on: {stops}"]
+
+
+def notify_summary(job: BatchInferenceJob) -> list[str]:
+    """What spec.notify will do: each webhook, the ends it is told of, and where its signing key comes from (the
+    Secret on a cluster, an environment variable with `bij run`)."""
+    out = []
+    for t in job.spec.notify:
+        ref = t.secret_ref
+        line = (f"notify: {t.url} is told of {', '.join(t.events)} (a POST signed with Secret {ref.name}, key "
+                f"{ref.key}; bij run: env {secret_env(ref)})")
+        if t.url.startswith("http://"):
+            line += "; http:// sends the body unencrypted (it is signed, not secret)"
+        out.append(line)
+    return out
 
 
 # Rows `bij validate` renders spec.prompt.template for.

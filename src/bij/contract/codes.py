@@ -26,6 +26,8 @@ GENERATION_LABEL = f"{API_GROUP}/generation"  # a step Job: the bij's metadata.g
 STEP_LABEL = f"{API_GROUP}/step"  # a step Job (bij.steps.main): plan-r<r>, finish-r<r>, publish-plan, manifest
 CANARY_LABEL = f"{API_GROUP}/canary"  # round 0's canary Job (spec.canary): "true"
 POOL_LABEL = f"{API_GROUP}/pool"  # a round Job of spec.workers.pools: the pool it runs in
+# A bij made by bij-api for an OpenAI batch (its name is batch-<hex> for batch_<hex>): "true".
+OPENAI_BATCH_LABEL = f"{API_GROUP}/openai-batch"
 
 # Annotations: where a Job's work is described.
 MANIFEST_ANNOTATION = f"{API_GROUP}/manifest"  # a round Job: its round plan (shards.json)

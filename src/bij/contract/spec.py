@@ -968,6 +968,45 @@ class CanarySpec(_Model):
     """... when a lane wrote fewer output tokens per second than this"""
 
 
+# spec.notify: the events a webhook may ask for, one per final phase (`contract.notify` maps them).
+NotifyEvent = Literal["succeeded", "failed", "cancelled", "expired", "canaryFailed"]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("succeeded", "failed", "cancelled", "expired", "canaryFailed")
+# A webhook: http(s), a host, an optional port, path and query; no user:password@ and no fragment.
+NOTIFY_URL_PATTERN = r"^https?://[^\s/?#@:]+(:[0-9]{1,5})?([/?][^\s#]*)?$"
+MAX_NOTIFY = 16
+
+
+class NotifyTarget(_Model):
+    """A webhook told when the job ends: one signed POST per event it asks for, retried with backoff (see
+    "Told when it ends" in the user guide)."""
+
+    url: str = Field(json_schema_extra=k8s(pattern=NOTIFY_URL_PATTERN, maxLength=MAX_URI))
+    """the http:// or https:// URL the POST goes to"""
+    secret_ref: SecretKeyRef
+    """the Secret's key (in the job's namespace) that signs each POST (HMAC-SHA256 in header X-Bij-Signature);
+    with bij run, env BIJ_SECRET_<NAME>_<KEY> (upper case, other characters _) holds the key instead"""
+    events: list[NotifyEvent] = Field(default_factory=lambda: list(NOTIFY_EVENTS), min_length=1,
+                                      max_length=len(NOTIFY_EVENTS),
+                                      json_schema_extra=k8s(x_kubernetes_list_type="set"))
+    """the ends it is told of: succeeded, failed, cancelled, expired, canaryFailed (default all)"""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        if not re.match(NOTIFY_URL_PATTERN, url) or len(url) > MAX_URI:
+            raise ValueError(f"must be an http:// or https:// URL with a host (no user:password@, no #fragment), "
+                             f"such as https://hooks.example.com/bij, got {url!r}")
+        return url
+
+    @field_validator("events")
+    @classmethod
+    def _events(cls, events: list[str]) -> list[str]:
+        twice = sorted({e for e in events if events.count(e) > 1})
+        if twice:
+            raise ValueError(f"each event at most once, got {', '.join(twice)} more than once")
+        return events
+
+
 class JobSpec(_Model):
     model_config = ConfigDict(json_schema_extra=k8s(
         cel("!has(self.judge) || self.model.task in ['generate', 'chat']", JUDGE_NEEDS_TEXT, ".judge"),
@@ -1033,6 +1072,10 @@ class JobSpec(_Model):
     deadline_seconds: int | None = Field(None, ge=1, le=MAX_DEADLINE_SECONDS, json_schema_extra=INT64)
     """seconds after creation at which the job stops as on cancel and publishes what is finished (phase Expired); a
     job already publishing finishes; at most 366 days"""
+    notify: list[NotifyTarget] = Field([], max_length=MAX_NOTIFY)
+    """webhooks told when the job ends (Succeeded, Failed, Cancelled, Expired, CanaryFailed): a POST of the job's
+    name, phase, counts and manifest URI (nothing of its rows), signed with a Secret's key, retried with backoff;
+    delivered or given up, it is recorded in status.notified"""
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:

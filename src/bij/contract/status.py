@@ -133,6 +133,18 @@ class WorkerPermissions(_Status):
     checks: int = 0
 
 
+class Notified(_Status):
+    """One webhook of spec.notify told (or being told) of the job's end: its attempts and their outcome."""
+
+    url: str
+    event: str
+    attempts: int = 0
+    delivered_at: str | None = Field(None, json_schema_extra=DATE_TIME)
+    next_attempt_at: str | None = Field(None, json_schema_extra=DATE_TIME)
+    last_error: str | None = None
+    gave_up: bool = False
+
+
 class Condition(_Status):
     type: str
     status: Literal["True", "False", "Unknown"]
@@ -202,6 +214,10 @@ class JobStatus(_Status):
     """The operator's check, before the first pod, that the worker service account holds every grant its
     pods use (a LocalSubjectAccessReview each); the WorkerPermissions condition says the same. While a grant
     is missing no pod starts and the check is repeated (checks in a row, backoff to 2 minutes)"""
+    notified: list[Notified] = []
+    """spec.notify's webhooks told of the job's end: one entry per URL and event, with its attempts, when it was
+    delivered, or the last error once the retries gave up (then the Notified condition, reason NotifyFailed, and a
+    Warning Event say so; the phase stays)"""
     conditions: list[Condition] = Field([], json_schema_extra={"x-kubernetes-list-type": "map",
                                                                "x-kubernetes-list-map-keys": ["type"]})
     """Ready, Running, Suspended, Succeeded and Failed from the phase; WorkerPermissions; StatusDamaged when a status
@@ -229,7 +245,7 @@ class JobStatus(_Status):
         `conditions` on its own, the others kept."""
         raw = dict(status or {})
         problems: list[str] = []
-        for key, model in (("rounds", RoundRecord), ("conditions", Condition)):
+        for key, model in (("rounds", RoundRecord), ("conditions", Condition), ("notified", Notified)):
             value = raw.get(key)
             if value is None:
                 continue

@@ -41,11 +41,15 @@ from bij.contract.codes import GENERATION_LABEL
 from bij.contract.efficiency import eta_seconds, fmt_duration
 from bij.contract.fingerprint import field_digests
 from bij.contract.lane_report import LaneTally
+from bij.contract.notify import body as notify_body
+from bij.contract.notify import delivery_id
+from bij.contract.notify import headers as notify_headers
 from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats
-from bij.contract.spec import BatchInferenceJob, SpecError
+from bij.contract.spec import BatchInferenceJob, SecretKeyRef, SpecError
 from bij.contract.status import JobStatus
 from bij.contract.step_report import REMOVAL_CONDITION, REMOVAL_FAILED
+from bij.control import notify
 from bij.control.jobs import (
     FileVolume,
     render_canary_job,
@@ -169,6 +173,10 @@ class Backend(Protocol):
     def event(self, type_: str, reason: str, message: str) -> None:
         """Post an Event about the bij (Normal or Warning)."""
 
+    def notify_key(self, ref: SecretKeyRef) -> bytes:
+        """The key that signs spec.notify's POSTs: a Secret's key in the bij's namespace (the operator), an
+        environment variable (`bij run`: `notify.secret_env`); LookupError, naming it, when there is none."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Idle:
@@ -192,8 +200,13 @@ class Driver:
     def __init__(self, backend: Backend, *, status_interval: float = STATUS_INTERVAL,
                  progress_interval: float = PROGRESS_INTERVAL,
                  on_decision: Callable[[Decision], None] | None = None,
-                 worker_grants: Callable[[str], GrantCheck] | None = None):
+                 worker_grants: Callable[[str], GrantCheck] | None = None,
+                 notify_backoff: notify.Backoff = notify.BACKOFF,
+                 send: Callable[[str, bytes, Mapping[str, str], float], str | None] = notify.post):
         self.backend = backend
+        # spec.notify: how often its webhooks are tried, and how a POST is made (`notify.post`).
+        self.notify_backoff = notify_backoff
+        self.send = send
         self.status_interval = status_interval
         self.progress_interval = progress_interval
         self.on_decision = on_decision
@@ -225,6 +238,8 @@ class Driver:
                 self.on_decision(last)
             idle = self.apply(seen, job, last)
             if idle is not None:
+                if job.spec.notify and idle.decision is not None and idle.decision.phase in TERMINAL_PHASES:
+                    idle = self.notify_ended(job, idle)
                 return until_deadline(idle, job, seen.status, now)
         log.warning("%s: still changing after %d steps; continuing shortly", last, MAX_STEPS)
         return Idle(last, recheck=1.0)
@@ -546,6 +561,54 @@ class Driver:
         log.info("worker grants of %s: %s", check.user, check.result)
         self.write_status(seen, patch, event=event)
 
+    def notify_ended(self, job: BatchInferenceJob, idle: Idle) -> Idle:
+        """spec.notify's webhooks told that the bij ended: the POSTs due now (`notify.due`), each attempt recorded
+        in ``status.notified``, an Event when one is delivered or given up, and the Notified condition; asked again
+        when the next retry falls due. The phase stays what it is, whatever the webhooks answer."""
+        seen = self.backend.observe()
+        if seen is None or seen.job is None:
+            return idle
+        state, now = seen.state, now_utc()
+        todo, wake = notify.due(job, state, now)
+        if not todo:
+            return wake_at(idle, wake)  # a retry not yet due (woken a little early): ask again then
+        changed = [notify.attempted(item.record, self.notify_one(job, state, item, now), now, self.notify_backoff)
+                   for item in todo]
+        patch: dict[str, Any] = {notify.STATUS_KEY: notify.merged(state, changed)}
+        after = JobStatus.read({**seen.status, **patch})
+        given_up = [r for r in after.notified if r.gave_up]
+        conditions = [c.as_status() for c in state.conditions]
+        if given_up:
+            told = "; ".join(f"{r.event} to {r.url} after {r.attempts} attempts: {r.last_error}" for r in given_up)
+            patch["conditions"] = set_condition(conditions, notify.CONDITION, False, "NotifyFailed",
+                                                f"not delivered: {told}", generation=seen.generation, now=now)
+        elif notify.settled(job, after):
+            patch["conditions"] = set_condition(conditions, notify.CONDITION, True, "Delivered",
+                                                "every webhook of spec.notify was told", generation=seen.generation,
+                                                now=now)
+        self.backend.write_status(patch)
+        for r in changed:
+            if r.delivered_at:
+                self.backend.event("Normal", "Notified", f"{r.event}: told {r.url} (attempt {r.attempts})")
+            elif r.gave_up:
+                self.backend.event("Warning", "NotifyFailed",
+                                   f"{r.event}: {r.url} was not told after {r.attempts} attempts ({r.last_error}); "
+                                   f"the bij stays {state.phase}")
+            else:
+                log.warning("%s/%s: notify %s to %s failed (attempt %d): %s; next at %s", job.metadata.namespace,
+                            job.metadata.name, r.event, r.url, r.attempts, r.last_error, r.next_attempt_at)
+        return wake_at(idle, notify.due(job, after, now)[1])
+
+    def notify_one(self, job: BatchInferenceJob, state: JobStatus, item: notify.Due, now: dt.datetime) -> str | None:
+        """One signed POST of the bij's end; None when delivered, else why not."""
+        try:
+            key = self.backend.notify_key(item.target.secret_ref)
+        except LookupError as e:
+            return f"no signing key: {e.args[0] if e.args else e}"
+        payload = notify_body(job, state, item.event, now)
+        sent = notify_headers(key, payload, item.event, delivery_id(job, item.event), int(time.time()))
+        return self.send(item.target.url, payload, sent, self.notify_backoff.timeout)
+
     def create_job(self, seen: Observed, d: Decision, body: dict[str, Any], what: str,
                    phase: Phase) -> Created:
         created = self.backend.create_job(body)
@@ -734,6 +797,13 @@ def unreadable(problems: Sequence[str]) -> str:
         return ""
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
     return "status entries left out as unreadable: " + "; ".join(problems[:5]) + more
+
+
+def wake_at(idle: Idle, wake: float | None) -> Idle:
+    """`idle`, asked again no later than `wake` seconds from now (None: as it was)."""
+    if wake is None:
+        return idle
+    return dataclasses.replace(idle, recheck=wake if idle.recheck is None else min(idle.recheck, wake))
 
 
 def until_deadline(idle: Idle, job: BatchInferenceJob, status: Mapping[str, Any], now: Any) -> Idle:

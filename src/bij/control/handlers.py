@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import dataclasses
 import datetime as dt
 import json
@@ -41,7 +42,7 @@ from bij.contract.codes import (
     STEP_LABEL,
 )
 from bij.contract.lane_report import REPORT_ANNOTATION, LaneTally, tally, tally_interval
-from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
+from bij.contract.spec import API_GROUP, API_VERSION, SecretKeyRef, SpecError, parse_job
 from bij.control.access_review import check_grants
 from bij.control.driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
 from bij.control.jobs import (
@@ -119,6 +120,20 @@ class Api:
             if e.status == 404:
                 return None
             raise
+
+    def secret_value(self, namespace: str, name: str, key: str) -> bytes:
+        """One key of a Secret (spec.notify's signing key); LookupError naming what is missing or refused."""
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except ApiException as e:
+            if e.status in (403, 404):
+                raise LookupError(f"Secret {namespace}/{name}: "
+                                  + ("not found" if e.status == 404 else "the operator may not read it")) from None
+            raise
+        data = secret.data or {}
+        if key not in data:
+            raise LookupError(f"Secret {namespace}/{name} has no key {key}")
+        return base64.b64decode(data[key])
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(API_GROUP, API_VERSION, namespace, PLURAL, name,
@@ -337,6 +352,9 @@ class KubeBackend:
 
     def write_status(self, patch: dict[str, Any]) -> None:
         self.api.patch_status(self.namespace, self.name, patch)
+
+    def notify_key(self, ref: SecretKeyRef) -> bytes:
+        return self.api.secret_value(self.namespace, ref.name, ref.key)
 
     def event(self, type_: str, reason: str, message: str) -> None:
         # kopf posts Events from its own task; this is safe from the driver's thread.

@@ -35,9 +35,10 @@ from bij.contract.efficiency import fmt_money
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.lane_report import tally
 from bij.contract.round_record import round_records
-from bij.contract.spec import BatchInferenceJob, CanarySpec, SpecError, load_job
+from bij.contract.spec import BatchInferenceJob, CanarySpec, SecretKeyRef, SpecError, load_job
 from bij.contract.status import JobStatus
 from bij.contract.step_report import REMOVAL_FAILED
+from bij.control import notify
 from bij.control.driver import Created, Driver, Observed
 from bij.control.jobs import FileVolume, render_job
 from bij.control.reconcile import STOPPED_PHASES, TERMINAL_PHASES, Retry, failure_reason
@@ -211,6 +212,14 @@ class LocalBackend:
     def event(self, type_: str, reason: str, message: str) -> None:
         print(f"bij: {message}", file=sys.stderr, flush=True)
 
+    def notify_key(self, ref: SecretKeyRef) -> bytes:
+        # No Secrets here: the key of spec.notify[].secretRef is an environment variable named after it.
+        name = notify.secret_env(ref)
+        value = os.environ.get(name)
+        if not value:
+            raise LookupError(f"set env {name} to the key of Secret {ref.name}, key {ref.key}")
+        return value.encode()
+
     # --- processes ------------------------------------------------------------------------------
 
     def round_progress(self, round_no: int) -> _Progress:
@@ -284,7 +293,8 @@ class LocalRunner:
     """Runs one job to the end through the operator's decisions, with worker subprocesses."""
 
     def __init__(self, job: BatchInferenceJob, parallelism: int | None = None, show_progress: bool = True,
-                 worker_cmd: list[str] | None = None, cancel: bool = False, canary_only: bool = False):
+                 worker_cmd: list[str] | None = None, cancel: bool = False, canary_only: bool = False,
+                 notify_backoff: notify.Backoff = notify.BACKOFF):
         if parallelism is not None and parallelism < 1:
             raise ValueError(f"--parallelism must be at least 1, got {parallelism}")
         refused = None if cancel else nodes_per_lane_refusal(job)
@@ -303,6 +313,7 @@ class LocalRunner:
             job = job.model_copy(update={"spec": job.spec.model_copy(update={"canary": CanarySpec()})})
         self.cancel = cancel
         self.canary_only = canary_only
+        self.notify_backoff = notify_backoff
         self.job = job
         self.output_claimed = False  # the plan step claimed the output for this job: its status may go there
         # The pod's command; a library user can run workers another way (a container, another venv).
@@ -387,7 +398,7 @@ class LocalRunner:
         # Nobody reads this status while it runs: refresh its row counts (from the lanes' reports) once a
         # minute, not every few seconds; phase changes are written at once.
         # Local processes run under no RBAC: no worker grants to check (worker_grants None).
-        driver = Driver(backend, status_interval=60.0, worker_grants=None)
+        driver = Driver(backend, status_interval=60.0, worker_grants=None, notify_backoff=self.notify_backoff)
         said: tuple[Any, Any] = (None, None)
         while True:
             if backend.stopping:
@@ -400,6 +411,10 @@ class LocalRunner:
                 said = (state.phase, state.message)
                 self.keep_status(store, status)
             if state.phase in TERMINAL_PHASES:
+                if not notify.settled(self.job, state) and idle.recheck is not None:
+                    # spec.notify's webhooks are told (or given up) before bij run ends, as the operator would.
+                    backend.wait(idle.recheck)
+                    continue
                 return self.finished(status)
             if self.canary_only and state.canary is not None and state.canary.verdict == "Passed":
                 # The verdict and estimate were said (the CanaryPassed Event); the rest runs on the next `bij run`.
