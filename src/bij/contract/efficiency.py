@@ -21,11 +21,14 @@ class EfficiencySums:
 
     def __init__(self) -> None:
         self.worker = self.load = self.busy = 0.0
-        self.rows = self.tokens = self.loads = 0
+        self.rows = self.tokens = self.loads = self.weights_bytes = 0
+        self.slowest_load = 0.0
         self.pools: dict[str, float] = {}  # worker seconds per pool (spec.workers.pools), from the records' pool
 
     def add(self, rec: Mapping[str, Any]) -> None:
         self.load += float(rec.get("modelLoadSeconds") or 0)
+        self.slowest_load = max(self.slowest_load, float(rec.get("modelLoadSeconds") or 0))
+        self.weights_bytes += int(rec.get("weightsBytes") or 0)
         # Records from before lanes count a load wherever one took time (one process per shard then).
         self.loads += (int(rec["modelLoads"]) if "modelLoads" in rec
                        else int(float(rec.get("modelLoadSeconds") or 0) > 0))
@@ -45,6 +48,9 @@ class EfficiencySums:
             "workerSeconds": round(worker, 3),
             "modelLoads": self.loads,
             "modelLoadSeconds": round(self.load, 3),
+            # The slowest lane's load (weights copied included), and the weights copied from object storage.
+            "slowestModelLoadSeconds": round(self.slowest_load, 3),
+            "weightsBytes": self.weights_bytes,
             "engineBusySeconds": round(busy, 3),
             "engineBusyFraction": round(busy / worker, 4) if worker else 0.0,
             "rowsPerSecondPerWorker": round(self.rows / worker, 3) if worker else 0.0,

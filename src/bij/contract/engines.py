@@ -26,6 +26,8 @@ class EngineRow:
     """a lane may span pods (workers.nodesPerLane above 1)"""
     classes: tuple[tuple[tuple[str, ...], str], ...]
     """(tasks, "module:Class" under bij.engines): the first entry naming a task runs it"""
+    weights: bool = False
+    """it loads model weights from a folder: model.name may be an object-store prefix of them"""
 
     def class_path(self, task: str) -> str:
         for tasks, path in self.classes:
@@ -42,13 +44,13 @@ ENGINES: dict[str, EngineRow] = {
                                        ((("embed",), _ST),
                                         # sentence-transformers has no classifier: transformers' head runs it
                                         (("classify",), "pooling:SequenceClassifierEngine"),
-                                        (("score", "rerank"), "pooling:CrossEncoderEngine"))),
+                                        (("score", "rerank"), "pooling:CrossEncoderEngine")), weights=True),
     "transformers": EngineRow(("generate", "chat", *POOLING_TASKS), False, None, False,
                               ((("generate", "chat"), "transformers:TransformersEngine"),
-                               (POOLING_TASKS, "pooling:SequenceClassifierEngine"))),
+                               (POOLING_TASKS, "pooling:SequenceClassifierEngine")), weights=True),
     "vllm": EngineRow(("generate", "chat", "embed", *POOLING_TASKS), True, "model.vllm.maxNumSeqs", True,
                       ((("generate", "chat", "embed"), "vllm:VllmEngine"),
-                       (POOLING_TASKS, "vllm_pooling:VllmPoolingEngine"))),
+                       (POOLING_TASKS, "vllm_pooling:VllmPoolingEngine")), weights=True),
     "simulated": EngineRow(("embed", "generate", "chat"), True, "model.simulated.maxNumSeqs", True,
                            ((("embed", "generate", "chat"), "simulated:SimulatedEngine"),)),
     "http": EngineRow(("embed", "generate", "chat"), True, "model.http.maxInFlight", False,
@@ -58,6 +60,8 @@ ENGINES: dict[str, EngineRow] = {
 ENGINE_TASKS: dict[str, tuple[str, ...]] = {name: row.tasks for name, row in ENGINES.items()}
 # Engines that schedule their own batches step by step (add and finish requests as they go).
 CONTINUOUS_ENGINES = tuple(name for name, row in ENGINES.items() if row.schedules_itself)
+# Engines that load weights from a folder (model.name may name an object-store prefix of them).
+WEIGHTS_ENGINES = tuple(name for name, row in ENGINES.items() if row.weights)
 # Engines whose lane may span pods (pipeline parallel across them).
 GROUP_ENGINES = tuple(name for name, row in ENGINES.items() if row.across_pods)
 

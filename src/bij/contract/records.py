@@ -42,6 +42,7 @@ class ShardCounts(TypedDict):
     engineBusySeconds: float
     modelLoadSeconds: float
     modelLoads: int
+    weightsBytes: int
     engineSteps: int
     meanOccupancy: float
     prefixShare: float

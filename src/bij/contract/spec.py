@@ -18,7 +18,15 @@ from pydantic.alias_generators import to_camel
 
 from bij.contract.codes import API_GROUP
 from bij.contract.columns import RESULT_FIELDS, consumed
-from bij.contract.engines import CONTINUOUS_ENGINES, ENGINE_TASKS, ENGINES, GROUP_ENGINES, POOLING_TASKS, names
+from bij.contract.engines import (
+    CONTINUOUS_ENGINES,
+    ENGINE_TASKS,
+    ENGINES,
+    GROUP_ENGINES,
+    POOLING_TASKS,
+    WEIGHTS_ENGINES,
+    names,
+)
 from bij.contract.errors import BijError
 from bij.contract.globs import check_glob, has_glob
 from bij.contract.prompt import compile_template
@@ -107,6 +115,10 @@ def _engine_task_rule(engine: str) -> dict[str, Any]:
                f"self.task in {_cel_list(ENGINE_TASKS[engine])}", engine_tasks_message(engine))
 
 
+WEIGHT_PREFIXES = ("s3://", "gs://")
+WEIGHTS_BY_URI = (f"model.name as a URI is the object-store prefix of the model's files "
+                  f"({', '.join(WEIGHT_PREFIXES)}), which engines {names(WEIGHTS_ENGINES)} load; give a Hugging Face "
+                  "id or a local path otherwise")
 POOLING_NEEDS_NAME = ("model.task classify, score and rerank need model.name: a sequence-classification model "
                       "(classify) or a cross-encoder with one label (score, rerank); no packaged model runs them")
 JUDGE_NEEDS_TEXT = "judge needs a generate or chat task: embeddings and pooling tasks have no text to judge"
@@ -546,14 +558,18 @@ class ModelSpec(_Model):
         cel(f"!has(self.task) || !(self.task in {_cel_list(POOLING_TASKS)}) || has(self.name)",
             POOLING_NEEDS_NAME),
         cel("!has(self.engine) || self.engine != 'http' || (has(self.http) && has(self.http.baseUrl))",
-            HTTP_NEEDS_URL)))
+            HTTP_NEEDS_URL),
+        cel("!has(self.name) || !self.name.contains('://') || ("
+            + " || ".join(f"self.name.startsWith('{p}')" for p in WEIGHT_PREFIXES)
+            + f") && has(self.engine) && self.engine in {_cel_list(WEIGHTS_ENGINES)}", WEIGHTS_BY_URI, ".name")))
 
     engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated", "http"] = "echo"
     """what runs the model: echo (answers with the input text, embeds it as a hash: for trying bij out),
     sentence-transformers (embeddings), transformers, vllm, simulated (continuous batching on a clock), or http
     (an OpenAI-compatible server that already runs, model.http; the pods need no GPU)"""
     name: str | None = None
-    """model name or path (Hugging Face id, or a path under the model cache)"""
+    """model name or path (Hugging Face id, or a path under the model cache), or an s3:// or gs:// prefix of the
+    model's files, copied into the model cache once per node before it loads"""
     served_name: str | None = Field(None, max_length=256)
     """the name OpenAI batch lines use for the base model (body.model) and results report; default: model.name.
     bij-api sets it to the model map's key"""
@@ -630,6 +646,9 @@ class ModelSpec(_Model):
             raise ValueError(engine_tasks_message(self.engine))
         if self.task in POOLING_TASKS and self.name is None:
             raise ValueError(POOLING_NEEDS_NAME)
+        if self.name and "://" in self.name and not (self.name.startswith(WEIGHT_PREFIXES)
+                                                    and self.engine in WEIGHTS_ENGINES):
+            raise ValueError(WEIGHTS_BY_URI)
         if self.engine == "http":
             if self.http is None or self.http.base_url is None:
                 raise ValueError(HTTP_NEEDS_URL)

@@ -2,22 +2,21 @@
 
 An adapter is a folder as PEFT saves it (`adapter_config.json` and the weights). A
 ``file://`` folder is used where it is; an ``s3://`` folder is copied into
-``$HF_HOME/bij-adapters/<digest of its URI>/`` (the pod's model cache volume) once: a copy is
-made in a temporary folder and renamed into place whole, so a pod killed mid-copy leaves no
-half adapter, and the next pod on the node reuses a finished one.
+``$HF_HOME/bij-adapters/<digest of its URI>/`` (the pod's model cache volume) once per node
+(`fetch.fetch_folder`): a pod killed mid-copy leaves no half adapter, and the next pod on the node
+reuses a finished one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bij.contract.errors import BijError
 from bij.storage import open_storage
+from bij.worker.fetch import fetch_folder
 
 
 class AdapterError(BijError):
@@ -65,25 +64,11 @@ def fetch_adapter(name: str, uri: str, s3: Any = None) -> str:
     objects = store.list(folder)
     if not objects:
         raise AdapterError(f"spec.model.adapters {name}: nothing at {folder}")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
-        for obj in objects:
-            rel = obj.uri[len(folder):]
-            if not rel or rel.endswith("/"):
-                continue
-            target = tmp / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with store.open_read(obj.uri) as src, open(target, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-        _check(name, uri, tmp)
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another process on this node finished the same copy first
-            if not (dest / "adapter_config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        fetch_folder(store, folder, objects, dest, lambda p: (p / "adapter_config.json").is_file())
+    except ValueError:
+        _check(name, uri, dest)  # says what is missing
+        raise
     return str(dest)
 
 

@@ -60,6 +60,7 @@ from bij.worker.reader import DamagedObject, ReplacementDiffers
 from bij.worker.report import LaneReporter, ReportError, sink_from_env
 from bij.worker.shard import BadConfig, ShardOutcome, ShardWorker, load_plan
 from bij.worker.stopflag import StopFlag
+from bij.worker.weights import WeightsError, is_remote, list_weights
 
 # How often a lane reports its progress to the operator (seconds; the round's Job sets it from its lane count).
 REPORT_INTERVAL = float(os.environ.get(REPORT_INTERVAL_ENV) or REPORT_SECONDS)
@@ -67,9 +68,10 @@ REPORT_INTERVAL = float(os.environ.get(REPORT_INTERVAL_ENV) or REPORT_SECONDS)
 log = logging.getLogger("bij.worker")
 
 
-def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> EngineConfig:
+def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None, model_path: str | None = None) -> EngineConfig:
     """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec);
-    `adapters`: the local folders of spec.model.adapters, once fetched. A lane of several pods
+    `adapters`: the local folders of spec.model.adapters, once fetched; `model_path`: the local folder of
+    weights named by an object-store prefix (`weights`), once fetched. A lane of several pods
     (spec.workers.nodesPerLane) runs vLLM with Ray's executor, one pipeline stage a pod."""
     m = spec.model
     basic = m.basics()
@@ -82,7 +84,7 @@ def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None) -> Engi
         vllm["tensorParallelSize"] = int(tp)  # a pool's GPUs (spec.workers.pools[].tensorParallelSize)
     return EngineConfig(
         task=m.task,
-        name=m.name,
+        name=model_path or m.name,
         max_tokens=basic.max_tokens,
         temperature=basic.temperature,
         seed=basic.seed,
@@ -269,9 +271,14 @@ class Lane:
             self.metrics.serve(self.args.metrics_port)
         engine_name = spec.model.engine
         try:
-            # The adapters' folders are known now; they are fetched just before the model loads.
-            self.engine = engine = create_engine(engine_name, engine_config(spec, adapter_folders(spec.model.adapters)))
+            # Weights named by an object-store prefix are listed now (their local folder is named by the
+            # listing) and copied into the model cache just before the model loads, as the adapters are.
+            self.weights = list_weights(str(spec.model.name), spec.storage.s3) if is_remote(spec.model.name) else None
+            self.engine = engine = create_engine(engine_name, engine_config(
+                spec, adapter_folders(spec.model.adapters), str(self.weights.path) if self.weights else None))
         except ValueError as e:
+            raise BadConfig(str(e)) from None
+        except WeightsError as e:
             raise BadConfig(str(e)) from None
         refused = refusal(engine_name, spec.model.own_sampling().asked(), engine.honours,
                           {**{k: f"spec.model.sampling.{k}" for k in ALL_FIELDS},
@@ -350,6 +357,12 @@ class Lane:
                 # Once per pod, with a shard to work (a lane with nothing left fetches nothing);
                 # a missing adapter fails the lane before the model loads.
                 fetch_adapters(spec.model.adapters, spec.storage.s3)
+            if self.weights is not None:
+                got = self.weights.fetch()
+                stats.weights_bytes = got.bytes
+                log.info("lane %d: model weights %s in %s: %d bytes copied in %.1f s%s", self.lane,
+                         self.weights.folder, got.path, got.bytes, got.seconds,
+                         "" if got.bytes else " (copied before, on this node)")
             self.engine.load()
         except AdapterError as e:
             raise BadConfig(str(e)) from None

@@ -31,6 +31,7 @@ class Stats:
     engine_busy_s: float = 0.0
     model_load_s: float = 0.0
     model_loads: int = 0  # model loads counted with this shard (a lane's process loads once, for its first)
+    weights_bytes: int = 0  # ... and the bytes of weights it copied from object storage before it
     started_at: float = 0.0
     engine_steps: int = 0  # continuous engines: steps taken
     occupied: int = 0  # ... and running sequences summed over those steps
@@ -68,6 +69,7 @@ class Stats:
             "judgeCalls": d["judge_calls"], "batches": d["batches"], "chunks": d["chunks"],
             "engineBusySeconds": round(d["engine_busy_s"], 3),
             "modelLoadSeconds": round(d["model_load_s"], 3), "modelLoads": d["model_loads"],
+            "weightsBytes": d["weights_bytes"],
             "engineSteps": d["engine_steps"], "meanOccupancy": round(self.occupancy, 4),
             "prefixShare": round(self.prefix_share, 4), "promptChars": d["prompt_chars"],
             "cachedTokens": d["cached_tokens"],

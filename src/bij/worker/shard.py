@@ -187,6 +187,7 @@ class ShardWorker:
             t0 = self.committer.t0 = t0 - float(before.get("seconds") or 0)
             self.stats.model_load_s += float(before.get("modelLoadSeconds") or 0)
             self.stats.model_loads += int(before.get("modelLoads") or 0)
+            self.stats.weights_bytes += int(before.get("weightsBytes") or 0)
             # Structured answers validated before the stop (their result rows do not say so): as far as
             # the last progress record counted them.
             self.stats.structured_validated += int(before.get("structuredValidated") or 0)
