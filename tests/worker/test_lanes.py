@@ -207,6 +207,7 @@ def work_round(store: CountingStore, shards: int, ticks_per_shard: list[int]) ->
                     busy[i] = (claim, left - 1)
                 else:  # the worker's completion record: not a claim decision, so not counted
                     store.objects[layout.done_uri(prefix, claim.shard)] = b"{}"
+                    lanes[i].finished(claim.shard)  # its marker in the lane's folder: a claims request
                 continue
             got = lanes[i].next()
             if got is None:
@@ -238,7 +239,8 @@ def test_claim_decisions_cost_the_same_few_requests_per_shard_at_any_shard_count
         assert holder.renew(Claim(worked[0][-1], 0, 0, "w0", 0.0))
         renewal[shards] = store.requests - before
     assert per_shard[400] <= 1.5 * per_shard[40], per_shard
-    assert per_shard[400] <= 4, per_shard
+    # At most 4, and a PUT per shard for its done marker (which spares every lane listing the round).
+    assert per_shard[400] <= 5, per_shard
     assert renewal[40] == renewal[400] <= 2, renewal
 
 
@@ -257,7 +259,7 @@ def test_a_lane_that_loses_a_steal_to_the_shards_own_lane_leaves_that_lanes_earl
     del store.creates[:]
     # b loses 4 to lane 0 itself: lane 0 claims its own shards in order, so 2 is taken too.
     assert b.next() is True
-    assert [u for u in store.creates if "/claims/" in u] == [b.uri(4, 0)]
+    assert [u for u in store.creates if "/lanes/" in u and u.endswith("-00000.json")] == [b.uri(4, 0)]
 
 
 rows = numbered

@@ -179,8 +179,38 @@ def claims_folder(round_prefix: str) -> str:
 
 
 def claim_uri(round_prefix: str, shard: int, generation: int) -> str:
-    """Claim `generation` of a shard (created once, conditionally; the newest holds the shard)."""
+    """Claim `generation` of a shard in a round begun before claims were kept by lane (`lane_claim_uri`)."""
     return join(round_prefix, "claims", f"{shard:05d}-{generation:05d}.json")
+
+
+def lane_folder(round_prefix: str, lane: int) -> str:
+    """What the round knows of the shards lane `lane` owns (shard % lanes == lane), so that a lane
+    starts, resumes and watches by listing one lane's folder, never the round's: the claims of those
+    shards, a marker per shard done, the lane's completion marker, and pointers to the shards of other
+    lanes that a process of this lane held (`bij.worker.lanes`)."""
+    return join(round_prefix, "lanes", f"{lane:05d}") + "/"
+
+
+def lane_claim_uri(round_prefix: str, lane: int, shard: int, generation: int) -> str:
+    """Claim `generation` of a shard of lane `lane` (created once, conditionally; the newest holds it)."""
+    return lane_folder(round_prefix, lane) + f"{shard:05d}-{generation:05d}.json"
+
+
+def lane_done_uri(round_prefix: str, lane: int, shard: int) -> str:
+    """A marker that a shard is done, in the folder of its lane (and of the lane that worked it): a
+    hint for listings; `done_uri` stays the record of completion."""
+    return lane_folder(round_prefix, lane) + f"{shard:05d}.done"
+
+
+def lane_held_uri(round_prefix: str, lane: int, shard: int, generation: int) -> str:
+    """A pointer, in the folder of lane `lane`, to claim `generation` of a shard of another lane that a
+    process of `lane` took: its replacement finds the shard without listing that lane."""
+    return lane_folder(round_prefix, lane) + f"{shard:05d}-{generation:05d}.held"
+
+
+def lane_complete_uri(round_prefix: str, lane: int) -> str:
+    """Every shard of lane `lane` is done, and of the lanes after it the count it holds ({"lanes": n})."""
+    return lane_folder(round_prefix, lane) + "complete.json"
 
 
 def rejected_folder(round_prefix: str) -> str:

@@ -45,12 +45,15 @@ does not drain at each shard's end; at most two shards of a lane are open at onc
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bij.contract import layout
 from bij.contract.records import ClaimRecord
@@ -62,6 +65,10 @@ log = logging.getLogger("bij.worker")
 DEFAULT_LEASE_SECONDS = 60.0
 _CLAIM_RE = re.compile(r"^(\d{5,})-(\d{5,})\.json$")
 _DONE_RE = re.compile(r"^(\d{5,})\.json$")
+_MARK_RE = re.compile(r"^(\d{5,})\.done$")  # in a lane's folder: the shard is done
+_HELD_RE = re.compile(r"^(\d{5,})-(\d{5,})\.held$")  # in a lane's folder: it held that claim
+_COMPLETE = "complete.json"
+STEAL_PROBES = 4  # lanes a lane with nothing left lists to find the busiest
 
 
 @dataclass(frozen=True)
@@ -81,8 +88,9 @@ def listing_requests(objects: int) -> int:
     return max(1, -(-objects // LIST_PAGE))
 
 
-class Claims:
-    """The claims of one round, seen from one worker process (`writer`) of lane `lane`.
+class RoundClaims:
+    """The claims of a round begun before claims were kept by lane: one folder for the round, listed
+    whole (O(round) requests at a lane's start and end). Seen from one worker process (`writer`).
 
     Not thread-safe across `next()` calls (the lane's thread makes them); `renew()` keeps no state
     and may run in any thread.
@@ -306,6 +314,10 @@ class Claims:
         self._pending = [s for s in self._pending if s not in self._done]
         return True
 
+    def finished(self, shard: int) -> None:
+        """The shard's completion record is written: this layout keeps no marker of its own."""
+        self._done.add(shard)
+
     def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
         """`next()`, waiting while others hold every shard left; None when all are done or when
         `stopped` is set."""
@@ -319,11 +331,331 @@ class Claims:
         return None
 
 
+class Claims:
+    """The claims of one round, seen from one worker process (`writer`) of lane `lane`, kept by lane:
+    what a lane reads to start, resume, steal and finish grows with a lane's share, not the round's.
+
+    Not thread-safe across `next()` calls (the lane's thread makes them); `renew()` keeps no state
+    and may run in any thread.
+    """
+
+    def __init__(self, store: Storage, round_prefix: str, *, lane: int, lanes: int, shards: int, writer: str,
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS, share: bool = True,
+                 clock: Callable[[], float] = time.time, probes: int = STEAL_PROBES,
+                 rng: random.Random | None = None):
+        self.store, self.prefix = store, round_prefix.rstrip("/")
+        self.share = share  # False: this lane's own shards only
+        self.lane, self.lanes, self.shards = lane, lanes, shards
+        self.writer, self.lease, self.clock = writer, float(lease_seconds), clock
+        self.probes, self.rng = probes, rng or random.Random()
+        # What this process learnt of the round (claims, markers and records stay while it runs).
+        self._started = False
+        self._done: set[int] = set()  # shards known done
+        self._newest: dict[int, int] = {}  # a claimed shard's newest claim generation (at least this one)
+        self._held: dict[int, Claim] = {}  # the last claim read (or made) of a shard, for its expiry
+        self._inherited: list[int] = []  # shards an earlier process of this lane held, to continue first
+        self._own_next = lane  # the next of this lane's own shards to try
+        self._stealing = share and lanes > 1
+        self._victim: int | None = None  # the lane stolen from, and its unstarted shards at its listing
+        self._free: list[int] = []
+        self._walk = 0  # lanes known complete, from this one on round the ring
+        self._marked = 0  # the count this lane's completion marker holds
+        self._pending: list[int] | None = None  # shards not known done of the lane the walk is at
+        self._listed = 0  # requests its listings cost (as on S3)
+
+    # --- what the store says -------------------------------------------------------------------
+
+    def owner(self, shard: int) -> int:
+        return shard % self.lanes
+
+    def uri(self, shard: int, generation: int) -> str:
+        return layout.lane_claim_uri(self.prefix, self.owner(shard), shard, generation)
+
+    def _lane_shards(self, lane: int) -> range:
+        return range(lane, self.shards, self.lanes)
+
+    def _list_lane(self, lane: int) -> tuple[bool, dict[int, int]]:
+        """Learn a lane's claims and done markers from one listing of its folder; whether it has a
+        completion marker, and the claims of other lanes' shards its processes held (shard: generation)."""
+        objects = self.store.list(layout.lane_folder(self.prefix, lane))
+        self._listed += listing_requests(len(objects))
+        complete, held = False, {}
+        for o in objects:
+            name = o.uri.rsplit("/", 1)[-1]
+            if m := _CLAIM_RE.match(name):
+                s, g = int(m.group(1)), int(m.group(2))
+                self._newest[s] = max(g, self._newest.get(s, -1))
+            elif m := _MARK_RE.match(name):
+                self._done.add(int(m.group(1)))
+            elif m := _HELD_RE.match(name):
+                s, g = int(m.group(1)), int(m.group(2))
+                held[s] = max(g, held.get(s, -1))
+            elif name == _COMPLETE:
+                complete = True
+        return complete, held
+
+    def _complete_count(self, lane: int) -> int:
+        """How many lanes from `lane` on are known complete, from its marker (0: none yet)."""
+        try:
+            return max(0, int(json.loads(self.store.read_bytes(layout.lane_complete_uri(self.prefix, lane)))["lanes"]))
+        except NotFound:
+            return 0
+        except (ValueError, KeyError, TypeError):
+            return 0  # a marker we cannot read says nothing
+
+    def _is_done(self, shard: int) -> bool:
+        if shard in self._done:
+            return True
+        if self.store.exists(layout.done_uri(self.prefix, shard)):
+            self._done.add(shard)
+            return True
+        return False
+
+    def read(self, shard: int, generation: int) -> Claim | None:
+        try:
+            rec = ClaimRecord.from_json(self.store.read_bytes(self.uri(shard, generation)), shard, generation)
+            return Claim(shard, generation, rec.lane, rec.writer, rec.expires_at)
+        except NotFound:
+            return None
+        except (ValueError, KeyError, TypeError):
+            # A claim we cannot read holds nothing: treat it as expired.
+            return Claim(shard, generation, -1, "", 0.0)
+
+    def _body(self, shard: int, generation: int) -> bytes:
+        return ClaimRecord(shard, generation, self.lane, self.writer, self.clock() + self.lease).to_json()
+
+    def take(self, shard: int, generation: int) -> Claim | None:
+        """Create claim `generation` of `shard`; None when another process created it first."""
+        won = self.store.create(self.uri(shard, generation), self._body(shard, generation))
+        self._newest[shard] = max(generation, self._newest.get(shard, -1))
+        if not won:
+            return None
+        if self.owner(shard) != self.lane:
+            # So that a replacement of this lane finds the shard in its own folder.
+            self.store.write_bytes(layout.lane_held_uri(self.prefix, self.lane, shard, generation), b"")
+        claim = Claim(shard, generation, self.lane, self.writer, self.clock() + self.lease)
+        self._held[shard] = claim
+        return claim
+
+    def renew(self, claim: Claim) -> bool:
+        """Extend our lease; False when a newer claim took the shard from us."""
+        # Claims are created generation after generation, so a newer one exists iff the next does.
+        if self.store.exists(self.uri(claim.shard, claim.generation + 1)):
+            return False
+        self.store.write_bytes(self.uri(claim.shard, claim.generation), self._body(claim.shard, claim.generation))
+        return True
+
+    def finished(self, shard: int) -> None:
+        """The shard's completion record is written: mark it done in its lane's folder (and in this
+        lane's, when it is another lane's shard), so that listings see it. A marker lost to a crash
+        costs only a HEAD of the record later."""
+        self._done.add(shard)
+        for lane in sorted({self.owner(shard), self.lane}):
+            try:
+                self.store.write_bytes(layout.lane_done_uri(self.prefix, lane, shard), b"")
+            except (StorageError, OSError) as e:
+                log.warning("lane %d: cannot mark shard %d done in lane %d's folder: %s", self.lane, shard, lane, e)
+
+    # --- which shard next ----------------------------------------------------------------------
+
+    def next(self) -> Claim | None | bool:
+        """Claim the next shard to work: a Claim; True when every shard left is held by a live
+        lease of someone else (wait and ask again); None when every shard is done."""
+        if not self._started:
+            self._start()
+        # 1. What an earlier process of this lane held: it has stopped (a replacement pod starts
+        #    only once the old one is gone), so its shards continue here first.
+        while self._inherited:
+            s = self._inherited.pop(0)
+            got = self.take(s, self._newest[s] + 1)
+            if got:
+                return got
+        # 2. This lane's own shards, in order; a lost create means someone took the shard.
+        while self._own_next < self.shards:
+            s = self._own_next
+            self._own_next += self.lanes
+            if s not in self._done and s not in self._newest:
+                got = self.take(s, 0)
+                if got:
+                    return got
+        # 3. Shards nobody started: from the end of the busiest of a few lanes looked at.
+        if self._stealing:
+            got = self._steal()
+            if got:
+                return got
+        # 4. Round the ring of lanes: shards whose holder stopped renewing; done when every lane is.
+        return self._watch()
+
+    def _start(self) -> None:
+        """Learn this lane's part of the round from one listing of its folder."""
+        self._started = True
+        complete, held = self._list_lane(self.lane)
+        if complete and self.share:
+            # Finished before (a replacement after its lane was done): go on from where its walk got.
+            self._walk = self._marked = max(1, self._complete_count(self.lane))
+        for s, g in sorted(self._newest.items()):
+            if s in self._done:
+                continue
+            c = self.read(s, g)
+            if c is None:
+                continue
+            self._held[s] = c
+            if c.lane == self.lane and c.writer != self.writer:
+                self._inherited.append(s)
+        for s, g in sorted(held.items()):
+            if s in self._done or not self.share:
+                continue
+            c = self.read(s, g)
+            if c is None or c.lane != self.lane or c.writer == self.writer:
+                continue
+            # The newest generation may be later: then the create is lost, and the shard is another's.
+            self._newest[s] = max(g, self._newest.get(s, -1))
+            self._held[s] = c
+            self._inherited.append(s)
+
+    def _steal(self) -> Claim | None:
+        while True:
+            if not self._free:
+                self._victim = self._probe()
+                if self._victim is None:
+                    # Unstarted shards only get fewer; those the probes missed, the walk finds.
+                    self._stealing = False
+                    return None
+            s = self._free.pop()
+            got = self.take(s, 0)
+            if got:
+                return got
+            winner = self.read(s, 0)
+            if winner is not None:
+                self._held[s] = winner
+                if winner.lane == self._victim:
+                    # Its own lane got there: a lane claims its own shards in order, so every
+                    # earlier one of them is taken as well.
+                    self._free.clear()
+
+    def _probe(self) -> int | None:
+        """List a few other lanes' folders (every one, where there are few); the one with the most
+        unstarted shards, which it keeps in `_free`."""
+        picks = [lane for lane in range(self.lanes) if lane != self.lane] if self.lanes - 1 <= self.probes \
+            else self._sample_others()
+        best: int | None = None
+        self._free = []
+        for lane in picks:
+            self._list_lane(lane)
+            free = [s for s in self._lane_shards(lane) if s not in self._done and s not in self._newest]
+            if len(free) > len(self._free):
+                best, self._free = lane, free
+        return best
+
+    def _sample_others(self) -> list[int]:
+        picks: set[int] = set()
+        while len(picks) < min(self.probes, self.lanes - 1):
+            lane = self.rng.randrange(self.lanes)
+            if lane != self.lane:
+                picks.add(lane)
+        return sorted(picks)
+
+    def _watch(self) -> Claim | None | bool:
+        """Walk the ring of lanes from this one: at each lane not known complete, take its shards
+        whose lease expired (or that nobody started), and wait while others hold them; a lane's
+        completion marker says how many lanes from it on are complete, so the walk jumps them.
+        Every lane walks the whole ring before it exits: while one lane lives, every shard of a
+        lane that died for good is taken over."""
+        span = self.lanes if self.share else 1
+        while self._walk < span:
+            lane = (self.lane + self._walk) % self.lanes
+            if self._pending is None:
+                if self._walk > 0:
+                    n = self._complete_count(lane)
+                    if n:
+                        self._walk += n
+                        continue
+                    self._list_lane(lane)
+                self._pending = [s for s in self._lane_shards(lane) if s not in self._done]
+            # Completion, one record at a time: the lane is not done while its first shard left is not.
+            while self._pending and self._is_done(self._pending[0]):
+                self._pending.pop(0)
+            if self._pending:
+                got = self._expired(self._pending)
+                if got is not None:
+                    return got
+                self._pending = [s for s in self._pending if s not in self._done]
+                self._mark()
+                return True
+            self._pending = None
+            self._walk += 1
+            marker = layout.lane_complete_uri(self.prefix, lane)
+            if lane != self.lane and self.share and not self.store.create(marker, b'{"lanes": 1}'):
+                self._walk += max(0, self._complete_count(lane) - 1)  # its own walk got further
+        self._mark()
+        return None
+
+    def _mark(self) -> None:
+        """Say in this lane's completion marker how far its walk got, for the walks of others to jump."""
+        walked = min(self._walk, self.lanes)
+        if self.share and walked > self._marked:
+            self.store.write_bytes(layout.lane_complete_uri(self.prefix, self.lane),
+                                   json.dumps({"lanes": walked}).encode())
+            self._marked = walked
+
+    def _expired(self, pending: list[int]) -> Claim | None:
+        """Take a shard of `pending` whose newest claim expired, or that was never claimed."""
+        now = self.clock()
+        unknown = float("-inf")
+        for s in sorted(pending, key=lambda s: self._held[s].expires_at if s in self._held else unknown):
+            known = self._held.get(s)
+            if known is not None and known.expires_at >= now:
+                break  # renewals only move an expiry later: nothing after this one has expired either
+            if s in self._done:
+                continue
+            if s not in self._newest:  # nobody started it, as far as the last listing said
+                got = self.take(s, 0)
+                if got:
+                    return got
+            g = self._newest.get(s, 0)
+            c = self.read(s, g)
+            if c is None:
+                continue
+            self._held[s] = c
+            if c.expires_at >= now:
+                continue
+            if self._is_done(s):  # a finished shard's claim is no longer renewed
+                continue
+            got = self.take(s, g + 1)
+            if got:
+                log.info("lane %d: took over shard %d from lane %d (its lease expired %.0f s ago)",
+                         self.lane, s, c.lane, now - c.expires_at)
+                return got
+        return None
+
+    def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
+        """`next()`, waiting while others hold every shard left; None when all are done or when
+        `stopped` is set."""
+        # Often enough that a lane waiting at the round's end exits soon after the last shard is done.
+        poll = poll if poll is not None else max(0.2, min(0.5, self.lease / 4))
+        while not stopped.is_set():
+            got = self.next()
+            if got is None or isinstance(got, Claim):
+                return got
+            stopped.wait(poll)
+        return None
+
+
+def open_claims(store: Storage, round_prefix: str, **kwargs: Any) -> Claims | RoundClaims:
+    """The claims of a round as its lanes keep them: by lane, unless the round was begun by a version
+    that kept them in one folder (a Job recreated by a newer operator mid-round), whose claims then
+    go on there, so that no shard is claimed in both places."""
+    first = next(iter(store.list_pages(layout.claims_folder(round_prefix))), [])
+    if first:
+        return RoundClaims(store, round_prefix, **kwargs)
+    return Claims(store, round_prefix, **kwargs)
+
+
 class LeaseKeeper:
     """Renews a claim every third of the lease while its shard is worked; calls `lost` once if a
     newer claim took the shard."""
 
-    def __init__(self, claims: Claims, claim: Claim, lost: Callable[[], None]):
+    def __init__(self, claims: Claims | RoundClaims, claim: Claim, lost: Callable[[], None]):
         self.claims, self.claim, self.lost = claims, claim, lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{claim.shard}", daemon=True)
