@@ -10,7 +10,9 @@
     <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable logs of one shard (one per writer, zstd frames)
     <output>/_bij/<job_id>/round-<r>/done/<index>.json  a shard's completion record
     <output>/_bij/<job_id>/round-<r>/progress/<index>.json  a running shard's live counts
-    <output>/_bij/<job_id>/round-<r>/claims/<index>-<generation>.json  which worker holds a shard
+    <output>/_bij/<job_id>/round-<r>/lanes/<lane>/    which worker holds each shard lane <lane> owns, which are
+                                                    done, whether the lane is (bij.worker.lanes)
+    <output>/_bij/<job_id>/round-<r>/claims/<index>-<generation>.json  the same, in a round begun before that
     <output>/_bij/<job_id>/round-<r>/rejected/<index>.jsonl  judge rounds: rejected rows, next round's input
     <output>/_bij/<job_id>/publish/                 the publish passes' plan, ids files, losers and shard summaries
     <output>/_bij/<job_id>/removed.json             what was removed after publishing (output.keepIntermediate)
@@ -209,7 +211,8 @@ def lane_held_uri(round_prefix: str, lane: int, shard: int, generation: int) -> 
 
 
 def lane_complete_uri(round_prefix: str, lane: int) -> str:
-    """Every shard of lane `lane` is done, and of the lanes after it the count it holds ({"lanes": n})."""
+    """Every shard of lane `lane` is done, and so of the lanes after it round the lanes' ring (see
+    `bij.worker.lanes.ring`), `n` lanes in all counting it ({"lanes": n})."""
     return lane_folder(round_prefix, lane) + "complete.json"
 
 

@@ -2,41 +2,51 @@
 
 A round's Job has one index per lane. Lane `i` works its own shards first (`i`,
 `i + lanes`, ...), in order; with none left it takes unfinished shards of other
-lanes: first ones nobody has started (from the end of the lane with the most
-left, so that lane keeps its order), then ones whose holder stopped renewing.
+lanes: first ones nobody has started (from the end of the busiest of a few lanes it
+looks at, so that lane keeps its order), then ones whose holder stopped renewing.
 
 Every shard a process works it first claims in the output store with a conditional
-create, so exactly one process wins each claim:
+create, so exactly one process wins each claim. What the round knows of a shard lives
+in the folder of the lane that owns it (shard % lanes), so that a lane reads its share,
+not the round:
 
-    <round>/claims/<shard:05d>-<generation:05d>.json   {"lane", "writer", "expiresAt"}
+    <round>/lanes/<lane:05d>/<shard:05d>-<generation:05d>.json   a claim {"lane", "writer", "expiresAt"}
+                             <shard:05d>.done                    the shard is done (a hint: done/ holds the record)
+                             <shard:05d>-<generation:05d>.held   this lane took that claim of another lane's shard
+                             complete.json                       every shard of the lane is done; {"lanes": n}
 
 The newest generation holds the shard. Its writer renews it (rewrites its own object
 with a later `expiresAt`) every third of the lease while it works, and gives the shard
 up as soon as it sees a newer generation. Anyone may take a shard whose newest claim
 has expired by creating the next generation; a new process of the same lane (the
 replacement pod after a preemption, which the Job starts only once the old pod has
-terminated) takes its lane's claims at once. A shard resumes from its durable prefix
-whoever works it, and two writers by accident cannot lose or duplicate a row: each
-writer appends to its own log (see segments.py).
+terminated) takes its lane's claims at once, those in its own folder and those its
+`.held` pointers name. A shard resumes from its durable prefix whoever works it, and two
+writers by accident cannot lose or duplicate a row: each writer appends to its own log
+(see segments.py).
 
-A lane exits once every shard of the round is done: while others still hold shards
-it waits, so that a shard whose holder dies is taken over when its lease expires.
+A lane exits once every shard of the round is done: it walks the ring of lanes (shuffled,
+the same for all), and at each lane not known complete takes its unstarted shards and
+those whose lease expired, waiting while others hold them; a lane verified complete gets
+`complete.json`, and a lane's own says how many lanes from it round the ring its walk has
+verified, so other walks jump them. Every lane walks the whole ring, so while one lane
+lives, the shards of lanes that died for good are taken over.
 
-A claim decision costs a few storage requests however many shards the round has:
+What a lane reads grows with its share and a few other lanes', not with the round:
 
-- Listings are few: the round's claims and completion records when the process starts, the
-  claims again when its own shards run out (and after a lost create, only while its listings
-  have cost no more requests than the claims it won), the completion records once more when
-  nothing is left to start. Each costs N / 1000 requests on S3 for N shards.
-- Between them the lane keeps what it learnt. Claims and completion records are never removed
-  while a round runs: a shard seen claimed stays claimed, one seen done stays done, and the
-  unstarted shards of a listing include every shard unstarted now.
-- The conditional create is the test. A lost create costs one request; one read of the winner
-  says whether the shard's own lane took it, and then that lane's earlier shards are taken
-  too (a lane claims its own shards in order).
-- A claim held by another is read again only once its last known expiry has passed (renewals
-  only move it later); completion is checked one record at a time, the first shard not known
-  done; a renewal asks whether the next generation exists (one HEAD).
+- To start (or resume), one listing of its own folder, and a read of each claim of its
+  own not done (at most the two shards a lane has open, and what it stole).
+- To steal, a listing each of `STEAL_PROBES` other lanes; the lane with the most
+  unstarted is taken from its end until its own lane's claim is met.
+- At the end, per lane the walk stops at: a GET of its marker and a listing of its
+  folder; lanes that finish in a random order stop a walk about ln(lanes) times.
+- Between them the lane keeps what it learnt (claims, markers and completion records
+  are never removed while a round runs); the conditional create is the test; a claim
+  held by another is read again only once its last known expiry has passed; completion
+  is checked one record at a time; a renewal asks whether the next generation exists.
+
+A round begun by a version that kept every claim in `<round>/claims/` goes on there
+(`RoundClaims`, which lists the round's claims and completion records whole).
 
 With a continuous-batching engine (vLLM, simulated) a lane starts its next shard as soon as
 every row of the current one is in the engine (`EngineShare`), so the engine's running batch
@@ -359,6 +369,8 @@ class Claims:
         self._victim: int | None = None  # the lane stolen from, and its unstarted shards at its listing
         self._free: list[int] = []
         self._walk = 0  # lanes known complete, from this one on round the ring
+        self._ring: list[int] | None = None  # the lanes in ring order, and this lane's place there
+        self._at = 0
         self._marked = 0  # the count this lane's completion marker holds
         self._pending: list[int] | None = None  # shards not known done of the lane the walk is at
         self._listed = 0  # requests its listings cost (as on S3)
@@ -490,9 +502,12 @@ class Claims:
         """Learn this lane's part of the round from one listing of its folder."""
         self._started = True
         complete, held = self._list_lane(self.lane)
-        if complete and self.share:
-            # Finished before (a replacement after its lane was done): go on from where its walk got.
-            self._walk = self._marked = max(1, self._complete_count(self.lane))
+        if complete:
+            # Every shard of the lane is done (a replacement after that): with sharing on, the walk
+            # goes on from where its marker says.
+            self._done.update(self._lane_shards(self.lane))
+            if self.share:
+                self._walk = self._marked = max(1, self._complete_count(self.lane))
         for s, g in sorted(self._newest.items()):
             if s in self._done:
                 continue
@@ -563,7 +578,7 @@ class Claims:
         lane that died for good is taken over."""
         span = self.lanes if self.share else 1
         while self._walk < span:
-            lane = (self.lane + self._walk) % self.lanes
+            lane = self._ring_lane(self._walk)
             if self._pending is None:
                 if self._walk > 0:
                     n = self._complete_count(lane)
@@ -590,6 +605,13 @@ class Claims:
         self._mark()
         return None
 
+    def _ring_lane(self, walk: int) -> int:
+        """The lane `walk` steps after this one round the ring (the same ring for every lane)."""
+        if self._ring is None:
+            self._ring = ring(self.lanes)
+            self._at = self._ring.index(self.lane)
+        return self._ring[(self._at + walk) % self.lanes]
+
     def _mark(self) -> None:
         """Say in this lane's completion marker how far its walk got, for the walks of others to jump."""
         walked = min(self._walk, self.lanes)
@@ -602,7 +624,8 @@ class Claims:
         """Take a shard of `pending` whose newest claim expired, or that was never claimed."""
         now = self.clock()
         unknown = float("-inf")
-        for s in sorted(pending, key=lambda s: self._held[s].expires_at if s in self._held else unknown):
+        # Unstarted shards of a lane that lives are taken from its end, as when stealing.
+        for s in sorted(pending, key=lambda s: (self._held[s].expires_at if s in self._held else unknown, -s)):
             known = self._held.get(s)
             if known is not None and known.expires_at >= now:
                 break  # renewals only move an expiry later: nothing after this one has expired either
@@ -639,6 +662,17 @@ class Claims:
                 return got
             stopped.wait(poll)
         return None
+
+
+def ring(lanes: int) -> list[int]:
+    """The lanes in the order their walks take them, shuffled the same for every lane: in index order,
+    lanes that finish in index order (pods start so) would each stop at every lane after them."""
+    def mix(lane: int) -> int:  # splitmix64: the same in every process, unlike hash() of a str
+        z = (lane + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        return z ^ (z >> 31)
+    return sorted(range(lanes), key=mix)
 
 
 def open_claims(store: Storage, round_prefix: str, **kwargs: Any) -> Claims | RoundClaims:
