@@ -391,7 +391,7 @@ class Claims:
         completion marker, and the claims of other lanes' shards its processes held (shard: generation)."""
         objects = self.store.list(layout.lane_folder(self.prefix, lane))
         self._listed += listing_requests(len(objects))
-        complete, held = False, {}
+        complete, held = False, dict[int, int]()
         for o in objects:
             name = o.uri.rsplit("/", 1)[-1]
             if m := _CLAIM_RE.match(name):
