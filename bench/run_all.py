@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = ["embed", "sorting", "echo_overhead", "memory", "kill_recompute", "simulated", "prefix", "lanes",
-           "many_shards", "publish_objects", "scale", "steps_scale", "vllm_peers", "http_engine"]
+           "many_shards", "publish_objects", "scale", "steps_scale", "claims_scale", "vllm_peers", "http_engine"]
 
 
 def run_vllm(model: str, extra: list[str]) -> dict[str, object]:

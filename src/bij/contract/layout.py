@@ -10,7 +10,9 @@
     <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable logs of one shard (one per writer, zstd frames)
     <output>/_bij/<job_id>/round-<r>/done/<index>.json  a shard's completion record
     <output>/_bij/<job_id>/round-<r>/progress/<index>.json  a running shard's live counts
-    <output>/_bij/<job_id>/round-<r>/claims/<index>-<generation>.json  which worker holds a shard
+    <output>/_bij/<job_id>/round-<r>/lanes/<lane>/    which worker holds each shard lane <lane> owns, which are
+                                                    done, whether the lane is (bij.worker.lanes)
+    <output>/_bij/<job_id>/round-<r>/claims/<index>-<generation>.json  the same, in a round begun before that
     <output>/_bij/<job_id>/round-<r>/rejected/<index>.jsonl  judge rounds: rejected rows, next round's input
     <output>/_bij/<job_id>/publish/                 the publish passes' plan, ids files, losers and shard summaries
     <output>/_bij/<job_id>/removed.json             what was removed after publishing (output.keepIntermediate)
@@ -184,8 +186,39 @@ def claims_folder(round_prefix: str) -> str:
 
 
 def claim_uri(round_prefix: str, shard: int, generation: int) -> str:
-    """Claim `generation` of a shard (created once, conditionally; the newest holds the shard)."""
+    """Claim `generation` of a shard in a round begun before claims were kept by lane (`lane_claim_uri`)."""
     return join(round_prefix, "claims", f"{shard:05d}-{generation:05d}.json")
+
+
+def lane_folder(round_prefix: str, lane: int) -> str:
+    """What the round knows of the shards lane `lane` owns (shard % lanes == lane), so that a lane
+    starts, resumes and watches by listing one lane's folder, never the round's: the claims of those
+    shards, a marker per shard done, the lane's completion marker, and pointers to the shards of other
+    lanes that a process of this lane held (`bij.worker.lanes`)."""
+    return join(round_prefix, "lanes", f"{lane:05d}") + "/"
+
+
+def lane_claim_uri(round_prefix: str, lane: int, shard: int, generation: int) -> str:
+    """Claim `generation` of a shard of lane `lane` (created once, conditionally; the newest holds it)."""
+    return lane_folder(round_prefix, lane) + f"{shard:05d}-{generation:05d}.json"
+
+
+def lane_done_uri(round_prefix: str, lane: int, shard: int) -> str:
+    """A marker that a shard is done, in the folder of its lane (and of the lane that worked it): a
+    hint for listings; `done_uri` stays the record of completion."""
+    return lane_folder(round_prefix, lane) + f"{shard:05d}.done"
+
+
+def lane_held_uri(round_prefix: str, lane: int, shard: int, generation: int) -> str:
+    """A pointer, in the folder of lane `lane`, to claim `generation` of a shard of another lane that a
+    process of `lane` took: its replacement finds the shard without listing that lane."""
+    return lane_folder(round_prefix, lane) + f"{shard:05d}-{generation:05d}.held"
+
+
+def lane_complete_uri(round_prefix: str, lane: int) -> str:
+    """Every shard of lane `lane` is done, and so of the lanes after it round the lanes' ring (see
+    `bij.worker.lanes.ring`), `n` lanes in all counting it ({"lanes": n})."""
+    return lane_folder(round_prefix, lane) + "complete.json"
 
 
 def rejected_folder(round_prefix: str) -> str:

@@ -3,7 +3,7 @@
 - `ShardRecord`: a shard's completion record (`done/<i>.json`, written once when every row is
   durable) and a running shard's progress record (`progress/<i>.json`, rewritten now and then);
   the same counts, with `finishedAt` or `updatedAt`
-- `ClaimRecord`: which worker holds a shard (`claims/<i>-<generation>.json`, see bij.worker.lanes)
+- `ClaimRecord`: which worker holds a shard (`lanes/<lane>/<i>-<generation>.json`, see bij.worker.lanes)
 - `OwnerRecord`: which job owns an output URI (`_bij/owner.json`)
 - `DamageRecord`: a `.zst` input object a shard found cut short or damaged (`damaged/<i>.json`)
 - `RemovedRecord`: what was removed after publishing (`_bij/<job>/removed.json`)

@@ -2,41 +2,51 @@
 
 A round's Job has one index per lane. Lane `i` works its own shards first (`i`,
 `i + lanes`, ...), in order; with none left it takes unfinished shards of other
-lanes: first ones nobody has started (from the end of the lane with the most
-left, so that lane keeps its order), then ones whose holder stopped renewing.
+lanes: first ones nobody has started (from the end of the busiest of a few lanes it
+looks at, so that lane keeps its order), then ones whose holder stopped renewing.
 
 Every shard a process works it first claims in the output store with a conditional
-create, so exactly one process wins each claim:
+create, so exactly one process wins each claim. What the round knows of a shard lives
+in the folder of the lane that owns it (shard % lanes), so that a lane reads its share,
+not the round:
 
-    <round>/claims/<shard:05d>-<generation:05d>.json   {"lane", "writer", "expiresAt"}
+    <round>/lanes/<lane:05d>/<shard:05d>-<generation:05d>.json   a claim {"lane", "writer", "expiresAt"}
+                             <shard:05d>.done                    the shard is done (a hint: done/ holds the record)
+                             <shard:05d>-<generation:05d>.held   this lane took that claim of another lane's shard
+                             complete.json                       every shard of the lane is done; {"lanes": n}
 
 The newest generation holds the shard. Its writer renews it (rewrites its own object
 with a later `expiresAt`) every third of the lease while it works, and gives the shard
 up as soon as it sees a newer generation. Anyone may take a shard whose newest claim
 has expired by creating the next generation; a new process of the same lane (the
 replacement pod after a preemption, which the Job starts only once the old pod has
-terminated) takes its lane's claims at once. A shard resumes from its durable prefix
-whoever works it, and two writers by accident cannot lose or duplicate a row: each
-writer appends to its own log (see segments.py).
+terminated) takes its lane's claims at once, those in its own folder and those its
+`.held` pointers name. A shard resumes from its durable prefix whoever works it, and two
+writers by accident cannot lose or duplicate a row: each writer appends to its own log
+(see segments.py).
 
-A lane exits once every shard of the round is done: while others still hold shards
-it waits, so that a shard whose holder dies is taken over when its lease expires.
+A lane exits once every shard of the round is done: it walks the ring of lanes (shuffled,
+the same for all), and at each lane not known complete takes its unstarted shards and
+those whose lease expired, waiting while others hold them; a lane verified complete gets
+`complete.json`, and a lane's own says how many lanes from it round the ring its walk has
+verified, so other walks jump them. Every lane walks the whole ring, so while one lane
+lives, the shards of lanes that died for good are taken over.
 
-A claim decision costs a few storage requests however many shards the round has:
+What a lane reads grows with its share and a few other lanes', not with the round:
 
-- Listings are few: the round's claims and completion records when the process starts, the
-  claims again when its own shards run out (and after a lost create, only while its listings
-  have cost no more requests than the claims it won), the completion records once more when
-  nothing is left to start. Each costs N / 1000 requests on S3 for N shards.
-- Between them the lane keeps what it learnt. Claims and completion records are never removed
-  while a round runs: a shard seen claimed stays claimed, one seen done stays done, and the
-  unstarted shards of a listing include every shard unstarted now.
-- The conditional create is the test. A lost create costs one request; one read of the winner
-  says whether the shard's own lane took it, and then that lane's earlier shards are taken
-  too (a lane claims its own shards in order).
-- A claim held by another is read again only once its last known expiry has passed (renewals
-  only move it later); completion is checked one record at a time, the first shard not known
-  done; a renewal asks whether the next generation exists (one HEAD).
+- To start (or resume), one listing of its own folder, and a read of each claim of its
+  own not done (at most the two shards a lane has open, and what it stole).
+- To steal, a listing each of `STEAL_PROBES` other lanes; the lane with the most
+  unstarted is taken from its end until its own lane's claim is met.
+- At the end, per lane the walk stops at: a GET of its marker and a listing of its
+  folder; lanes that finish in a random order stop a walk about ln(lanes) times.
+- Between them the lane keeps what it learnt (claims, markers and completion records
+  are never removed while a round runs); the conditional create is the test; a claim
+  held by another is read again only once its last known expiry has passed; completion
+  is checked one record at a time; a renewal asks whether the next generation exists.
+
+A round begun by a version that kept every claim in `<round>/claims/` goes on there
+(`RoundClaims`, which lists the round's claims and completion records whole).
 
 With a continuous-batching engine (vLLM, simulated) a lane starts its next shard as soon as
 every row of the current one is in the engine (`EngineShare`), so the engine's running batch
@@ -45,12 +55,15 @@ does not drain at each shard's end; at most two shards of a lane are open at onc
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bij.contract import layout
 from bij.contract.records import ClaimRecord
@@ -62,6 +75,10 @@ log = logging.getLogger("bij.worker")
 DEFAULT_LEASE_SECONDS = 60.0
 _CLAIM_RE = re.compile(r"^(\d{5,})-(\d{5,})\.json$")
 _DONE_RE = re.compile(r"^(\d{5,})\.json$")
+_MARK_RE = re.compile(r"^(\d{5,})\.done$")  # in a lane's folder: the shard is done
+_HELD_RE = re.compile(r"^(\d{5,})-(\d{5,})\.held$")  # in a lane's folder: it held that claim
+_COMPLETE = "complete.json"
+STEAL_PROBES = 4  # lanes a lane with nothing left lists to find the busiest
 
 
 @dataclass(frozen=True)
@@ -81,8 +98,9 @@ def listing_requests(objects: int) -> int:
     return max(1, -(-objects // LIST_PAGE))
 
 
-class Claims:
-    """The claims of one round, seen from one worker process (`writer`) of lane `lane`.
+class RoundClaims:
+    """The claims of a round begun before claims were kept by lane: one folder for the round, listed
+    whole (O(round) requests at a lane's start and end). Seen from one worker process (`writer`).
 
     Not thread-safe across `next()` calls (the lane's thread makes them); `renew()` keeps no state
     and may run in any thread.
@@ -306,6 +324,10 @@ class Claims:
         self._pending = [s for s in self._pending if s not in self._done]
         return True
 
+    def finished(self, shard: int) -> None:
+        """The shard's completion record is written: this layout keeps no marker of its own."""
+        self._done.add(shard)
+
     def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
         """`next()`, waiting while others hold every shard left; None when all are done or when
         `stopped` is set."""
@@ -319,11 +341,355 @@ class Claims:
         return None
 
 
+class Claims:
+    """The claims of one round, seen from one worker process (`writer`) of lane `lane`, kept by lane:
+    what a lane reads to start, resume, steal and finish grows with a lane's share, not the round's.
+
+    Not thread-safe across `next()` calls (the lane's thread makes them); `renew()` keeps no state
+    and may run in any thread.
+    """
+
+    def __init__(self, store: Storage, round_prefix: str, *, lane: int, lanes: int, shards: int, writer: str,
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS, share: bool = True,
+                 clock: Callable[[], float] = time.time, probes: int = STEAL_PROBES,
+                 rng: random.Random | None = None):
+        self.store, self.prefix = store, round_prefix.rstrip("/")
+        self.share = share  # False: this lane's own shards only
+        self.lane, self.lanes, self.shards = lane, lanes, shards
+        self.writer, self.lease, self.clock = writer, float(lease_seconds), clock
+        self.probes, self.rng = probes, rng or random.Random()
+        # What this process learnt of the round (claims, markers and records stay while it runs).
+        self._started = False
+        self._done: set[int] = set()  # shards known done
+        self._newest: dict[int, int] = {}  # a claimed shard's newest claim generation (at least this one)
+        self._held: dict[int, Claim] = {}  # the last claim read (or made) of a shard, for its expiry
+        self._inherited: list[int] = []  # shards an earlier process of this lane held, to continue first
+        self._own_next = lane  # the next of this lane's own shards to try
+        self._stealing = share and lanes > 1
+        self._victim: int | None = None  # the lane stolen from, and its unstarted shards at its listing
+        self._free: list[int] = []
+        self._walk = 0  # lanes known complete, from this one on round the ring
+        self._ring: list[int] | None = None  # the lanes in ring order, and this lane's place there
+        self._at = 0
+        self._marked = 0  # the count this lane's completion marker holds
+        self._pending: list[int] | None = None  # shards not known done of the lane the walk is at
+        self._listed = 0  # requests its listings cost (as on S3)
+
+    # --- what the store says -------------------------------------------------------------------
+
+    def owner(self, shard: int) -> int:
+        return shard % self.lanes
+
+    def uri(self, shard: int, generation: int) -> str:
+        return layout.lane_claim_uri(self.prefix, self.owner(shard), shard, generation)
+
+    def _lane_shards(self, lane: int) -> range:
+        return range(lane, self.shards, self.lanes)
+
+    def _list_lane(self, lane: int) -> tuple[bool, dict[int, int]]:
+        """Learn a lane's claims and done markers from one listing of its folder; whether it has a
+        completion marker, and the claims of other lanes' shards its processes held (shard: generation)."""
+        objects = self.store.list(layout.lane_folder(self.prefix, lane))
+        self._listed += listing_requests(len(objects))
+        complete, held = False, dict[int, int]()
+        for o in objects:
+            name = o.uri.rsplit("/", 1)[-1]
+            if m := _CLAIM_RE.match(name):
+                s, g = int(m.group(1)), int(m.group(2))
+                self._newest[s] = max(g, self._newest.get(s, -1))
+            elif m := _MARK_RE.match(name):
+                self._done.add(int(m.group(1)))
+            elif m := _HELD_RE.match(name):
+                s, g = int(m.group(1)), int(m.group(2))
+                held[s] = max(g, held.get(s, -1))
+            elif name == _COMPLETE:
+                complete = True
+        return complete, held
+
+    def _complete_count(self, lane: int) -> int:
+        """How many lanes from `lane` on are known complete, from its marker (0: none yet)."""
+        try:
+            return max(0, int(json.loads(self.store.read_bytes(layout.lane_complete_uri(self.prefix, lane)))["lanes"]))
+        except NotFound:
+            return 0
+        except (ValueError, KeyError, TypeError):
+            return 0  # a marker we cannot read says nothing
+
+    def _is_done(self, shard: int) -> bool:
+        if shard in self._done:
+            return True
+        if self.store.exists(layout.done_uri(self.prefix, shard)):
+            self._done.add(shard)
+            return True
+        return False
+
+    def read(self, shard: int, generation: int) -> Claim | None:
+        try:
+            rec = ClaimRecord.from_json(self.store.read_bytes(self.uri(shard, generation)), shard, generation)
+            return Claim(shard, generation, rec.lane, rec.writer, rec.expires_at)
+        except NotFound:
+            return None
+        except (ValueError, KeyError, TypeError):
+            # A claim we cannot read holds nothing: treat it as expired.
+            return Claim(shard, generation, -1, "", 0.0)
+
+    def _body(self, shard: int, generation: int) -> bytes:
+        return ClaimRecord(shard, generation, self.lane, self.writer, self.clock() + self.lease).to_json()
+
+    def take(self, shard: int, generation: int) -> Claim | None:
+        """Create claim `generation` of `shard`; None when another process created it first."""
+        won = self.store.create(self.uri(shard, generation), self._body(shard, generation))
+        self._newest[shard] = max(generation, self._newest.get(shard, -1))
+        if not won:
+            return None
+        if self.owner(shard) != self.lane:
+            # So that a replacement of this lane finds the shard in its own folder.
+            self.store.write_bytes(layout.lane_held_uri(self.prefix, self.lane, shard, generation), b"")
+        claim = Claim(shard, generation, self.lane, self.writer, self.clock() + self.lease)
+        self._held[shard] = claim
+        return claim
+
+    def renew(self, claim: Claim) -> bool:
+        """Extend our lease; False when a newer claim took the shard from us."""
+        # Claims are created generation after generation, so a newer one exists iff the next does.
+        if self.store.exists(self.uri(claim.shard, claim.generation + 1)):
+            return False
+        self.store.write_bytes(self.uri(claim.shard, claim.generation), self._body(claim.shard, claim.generation))
+        return True
+
+    def finished(self, shard: int) -> None:
+        """The shard's completion record is written: mark it done in its lane's folder (and in this
+        lane's, when it is another lane's shard), so that listings see it. A marker lost to a crash
+        costs only a HEAD of the record later."""
+        self._done.add(shard)
+        for lane in sorted({self.owner(shard), self.lane}):
+            try:
+                self.store.write_bytes(layout.lane_done_uri(self.prefix, lane, shard), b"")
+            except (StorageError, OSError) as e:
+                log.warning("lane %d: cannot mark shard %d done in lane %d's folder: %s", self.lane, shard, lane, e)
+
+    # --- which shard next ----------------------------------------------------------------------
+
+    def next(self) -> Claim | None | bool:
+        """Claim the next shard to work: a Claim; True when every shard left is held by a live
+        lease of someone else (wait and ask again); None when every shard is done."""
+        if not self._started:
+            self._start()
+        # 1. What an earlier process of this lane held: it has stopped (a replacement pod starts
+        #    only once the old one is gone), so its shards continue here first.
+        while self._inherited:
+            s = self._inherited.pop(0)
+            got = self.take(s, self._newest[s] + 1)
+            if got:
+                return got
+        # 2. This lane's own shards, in order; a lost create means someone took the shard.
+        while self._own_next < self.shards:
+            s = self._own_next
+            self._own_next += self.lanes
+            if s not in self._done and s not in self._newest:
+                got = self.take(s, 0)
+                if got:
+                    return got
+        # 3. Shards nobody started: from the end of the busiest of a few lanes looked at.
+        if self._stealing:
+            got = self._steal()
+            if got:
+                return got
+        # 4. Round the ring of lanes: shards whose holder stopped renewing; done when every lane is.
+        return self._watch()
+
+    def _start(self) -> None:
+        """Learn this lane's part of the round from one listing of its folder."""
+        self._started = True
+        complete, held = self._list_lane(self.lane)
+        if complete:
+            # Every shard of the lane is done (a replacement after that): with sharing on, the walk
+            # goes on from where its marker says.
+            self._done.update(self._lane_shards(self.lane))
+            if self.share:
+                self._walk = self._marked = max(1, self._complete_count(self.lane))
+        for s, g in sorted(self._newest.items()):
+            if s in self._done:
+                continue
+            c = self.read(s, g)
+            if c is None:
+                continue
+            self._held[s] = c
+            if c.lane == self.lane and c.writer != self.writer:
+                self._inherited.append(s)
+        for s, g in sorted(held.items()):
+            if s in self._done or not self.share:
+                continue
+            c = self.read(s, g)
+            if c is None or c.lane != self.lane or c.writer == self.writer:
+                continue
+            # The newest generation may be later: then the create is lost, and the shard is another's.
+            self._newest[s] = max(g, self._newest.get(s, -1))
+            self._held[s] = c
+            self._inherited.append(s)
+
+    def _steal(self) -> Claim | None:
+        while True:
+            if not self._free:
+                self._victim = self._probe()
+                if self._victim is None:
+                    # Unstarted shards only get fewer; those the probes missed, the walk finds.
+                    self._stealing = False
+                    return None
+            s = self._free.pop()
+            got = self.take(s, 0)
+            if got:
+                return got
+            winner = self.read(s, 0)
+            if winner is not None:
+                self._held[s] = winner
+                if winner.lane == self._victim:
+                    # Its own lane got there: a lane claims its own shards in order, so every
+                    # earlier one of them is taken as well.
+                    self._free.clear()
+
+    def _probe(self) -> int | None:
+        """List a few other lanes' folders (every one, where there are few); the one with the most
+        unstarted shards, which it keeps in `_free`."""
+        picks = [lane for lane in range(self.lanes) if lane != self.lane] if self.lanes - 1 <= self.probes \
+            else self._sample_others()
+        best: int | None = None
+        self._free = []
+        for lane in picks:
+            self._list_lane(lane)
+            free = [s for s in self._lane_shards(lane) if s not in self._done and s not in self._newest]
+            if len(free) > len(self._free):
+                best, self._free = lane, free
+        return best
+
+    def _sample_others(self) -> list[int]:
+        picks: set[int] = set()
+        while len(picks) < min(self.probes, self.lanes - 1):
+            lane = self.rng.randrange(self.lanes)
+            if lane != self.lane:
+                picks.add(lane)
+        return sorted(picks)
+
+    def _watch(self) -> Claim | None | bool:
+        """Walk the ring of lanes from this one: at each lane not known complete, take its shards
+        whose lease expired (or that nobody started), and wait while others hold them; a lane's
+        completion marker says how many lanes from it on are complete, so the walk jumps them.
+        Every lane walks the whole ring before it exits: while one lane lives, every shard of a
+        lane that died for good is taken over."""
+        span = self.lanes if self.share else 1
+        while self._walk < span:
+            lane = self._ring_lane(self._walk)
+            if self._pending is None:
+                if self._walk > 0:
+                    n = self._complete_count(lane)
+                    if n:
+                        self._walk += n
+                        continue
+                    self._list_lane(lane)
+                self._pending = [s for s in self._lane_shards(lane) if s not in self._done]
+            # Completion, one record at a time: the lane is not done while its first shard left is not.
+            while self._pending and self._is_done(self._pending[0]):
+                self._pending.pop(0)
+            if self._pending:
+                got = self._expired(self._pending)
+                if got is not None:
+                    return got
+                self._pending = [s for s in self._pending if s not in self._done]
+                self._mark()
+                return True
+            self._pending = None
+            self._walk += 1
+            marker = layout.lane_complete_uri(self.prefix, lane)
+            if lane != self.lane and self.share and not self.store.create(marker, b'{"lanes": 1}'):
+                self._walk += max(0, self._complete_count(lane) - 1)  # its own walk got further
+        self._mark()
+        return None
+
+    def _ring_lane(self, walk: int) -> int:
+        """The lane `walk` steps after this one round the ring (the same ring for every lane)."""
+        if self._ring is None:
+            self._ring = ring(self.lanes)
+            self._at = self._ring.index(self.lane)
+        return self._ring[(self._at + walk) % self.lanes]
+
+    def _mark(self) -> None:
+        """Say in this lane's completion marker how far its walk got, for the walks of others to jump."""
+        walked = min(self._walk, self.lanes)
+        if self.share and walked > self._marked:
+            self.store.write_bytes(layout.lane_complete_uri(self.prefix, self.lane),
+                                   json.dumps({"lanes": walked}).encode())
+            self._marked = walked
+
+    def _expired(self, pending: list[int]) -> Claim | None:
+        """Take a shard of `pending` whose newest claim expired, or that was never claimed."""
+        now = self.clock()
+        unknown = float("-inf")
+        # Unstarted shards of a lane that lives are taken from its end, as when stealing.
+        for s in sorted(pending, key=lambda s: (self._held[s].expires_at if s in self._held else unknown, -s)):
+            known = self._held.get(s)
+            if known is not None and known.expires_at >= now:
+                break  # renewals only move an expiry later: nothing after this one has expired either
+            if s in self._done:
+                continue
+            if s not in self._newest:  # nobody started it, as far as the last listing said
+                got = self.take(s, 0)
+                if got:
+                    return got
+            g = self._newest.get(s, 0)
+            c = self.read(s, g)
+            if c is None:
+                continue
+            self._held[s] = c
+            if c.expires_at >= now:
+                continue
+            if self._is_done(s):  # a finished shard's claim is no longer renewed
+                continue
+            got = self.take(s, g + 1)
+            if got:
+                log.info("lane %d: took over shard %d from lane %d (its lease expired %.0f s ago)",
+                         self.lane, s, c.lane, now - c.expires_at)
+                return got
+        return None
+
+    def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
+        """`next()`, waiting while others hold every shard left; None when all are done or when
+        `stopped` is set."""
+        # Often enough that a lane waiting at the round's end exits soon after the last shard is done.
+        poll = poll if poll is not None else max(0.2, min(0.5, self.lease / 4))
+        while not stopped.is_set():
+            got = self.next()
+            if got is None or isinstance(got, Claim):
+                return got
+            stopped.wait(poll)
+        return None
+
+
+def ring(lanes: int) -> list[int]:
+    """The lanes in the order their walks take them, shuffled the same for every lane: in index order,
+    lanes that finish in index order (pods start so) would each stop at every lane after them."""
+    def mix(lane: int) -> int:  # splitmix64: the same in every process, unlike hash() of a str
+        z = (lane + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        return z ^ (z >> 31)
+    return sorted(range(lanes), key=mix)
+
+
+def open_claims(store: Storage, round_prefix: str, **kwargs: Any) -> Claims | RoundClaims:
+    """The claims of a round as its lanes keep them: by lane, unless the round was begun by a version
+    that kept them in one folder (a Job recreated by a newer operator mid-round), whose claims then
+    go on there, so that no shard is claimed in both places."""
+    first = next(iter(store.list_pages(layout.claims_folder(round_prefix))), [])
+    if first:
+        return RoundClaims(store, round_prefix, **kwargs)
+    return Claims(store, round_prefix, **kwargs)
+
+
 class LeaseKeeper:
     """Renews a claim every third of the lease while its shard is worked; calls `lost` once if a
     newer claim took the shard."""
 
-    def __init__(self, claims: Claims, claim: Claim, lost: Callable[[], None]):
+    def __init__(self, claims: Claims | RoundClaims, claim: Claim, lost: Callable[[], None]):
         self.claims, self.claim, self.lost = claims, claim, lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{claim.shard}", daemon=True)

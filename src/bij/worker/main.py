@@ -54,7 +54,7 @@ from bij.engines.base import is_continuous
 from bij.storage import StorageError, open_storage
 from bij.worker.adapters import AdapterError, adapter_folders, fetch_adapters
 from bij.worker.group import GroupError, GroupLeader, Role, join_seconds, member_main, role_of
-from bij.worker.lanes import Claim, Claims, EngineShare, LeaseKeeper
+from bij.worker.lanes import Claim, Claims, EngineShare, LeaseKeeper, RoundClaims, open_claims
 from bij.worker.metrics import Metrics, Stats
 from bij.worker.reader import DamagedObject, ReplacementDiffers
 from bij.worker.report import LaneReporter, ReportError, sink_from_env
@@ -291,7 +291,7 @@ class Lane:
             raise BadConfig(f"spec.model.name: no model at {name}")
         if role.nodes > 1:
             self.group.leader = _form_group(role, self.group, self.stop, self.current, self.args.drain_seconds)
-        self.claims = Claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
+        self.claims = open_claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
                              lane=lane, lanes=lanes, shards=worked_shards(len(plan.shards), os.environ),
                              writer=uuid.uuid4().hex[:12],
                              lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
@@ -334,6 +334,7 @@ class Lane:
             else:
                 log.info("lane %d: shard %d done, %d rows, %d errors", lane, run.claim.shard, outcome.rows,
                          outcome.errors)
+                claims.finished(run.claim.shard)
             if after is None:
                 claim = claims.next_or_wait(stop.event)
                 after = self.start(claim) if claim is not None else None
@@ -452,7 +453,7 @@ def _form_group(role: Role, group: _Group, stop: StopFlag, current: list[StopFla
 class ShardRun:
     """One claimed shard worked in a thread of its own, its claim renewed meanwhile."""
 
-    def __init__(self, plan: Plan, claim: Claim, engine: Any, claims: Claims, share: EngineShare | None,
+    def __init__(self, plan: Plan, claim: Claim, engine: Any, claims: Claims | RoundClaims, share: EngineShare | None,
                  *, metrics: Metrics, progress: Callable[[dict[str, Any]], None], stats: Stats,
                  drain_seconds: float):
         self.claim = claim
