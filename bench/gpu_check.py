@@ -155,7 +155,6 @@ def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, token
     from bij.engines import EngineConfig, create_engine
     from bij.engines.base import Request
     from bij.worker.batcher import first_batch, run_order
-    from bij.worker.schedulers import MAX_PADDING_WASTE
 
     texts = json.loads(Path(texts_path).read_text())
     engine = create_engine("transformers", EngineConfig(task="generate", name=model_dir, device=device))
@@ -167,7 +166,8 @@ def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, token
     ranked, ranked_len, bij_batches = [texts[i] for i in order], [lengths[i] for i in order], []
     target = engine.batch_shape()[1]  # type: ignore[attr-defined]
     while ranked:
-        k = first_batch(ranked_len[:batch], target, batch, MAX_PADDING_WASTE)
+        # As the worker batches generation (shard.py): sorted, never cut short for padding (only embeddings are).
+        k = first_batch(ranked_len[:batch], target, batch, None)
         bij_batches.append(ranked[:k])
         ranked, ranked_len = ranked[k:], ranked_len[k:]
 
