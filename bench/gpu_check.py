@@ -18,16 +18,16 @@ made here by `make gpu-wheels`). Weights are random: throughput is what is measu
    (bench/vllm_real.py's comparison), output tokens/s, target >= 0.95; time to first commit.
    Without vLLM the check says so and measures the rest.
 
-`--cpu` runs sections 1 and 2 on the CPU at a small shape (Llama "small", a few thousand texts,
-a hundred prompts), each comparison --repeats times with the sides alternating: the median ratio
-counts and min-max is the spread. That is what `make bench` runs; on a GPU the per-step overheads
-(Python, host syncs, other threads holding the interpreter) weigh more, so a CPU ratio bounds, and
-does not replace, the GPU one.
+`--cpu` runs sections 1 and 2 on the CPU at a small shape (500 texts; 64 prompts x 48 tokens on
+Llama "small"), one torch thread a side, each comparison --repeats times with the sides alternating:
+the median ratio counts and min-max is the spread. That is what `make bench` runs. On a GPU the
+per-step overheads (Python, host syncs, other threads holding the interpreter) weigh more, so a CPU
+ratio does not stand in for the GPU one.
 
     python bench/gpu_check.py [--texts 50000] [--gen-rows 512] [--gen-tokens 128] [--shape 1b]
                               [--vllm-rows 4096] [--vllm-only]
     python bench/gpu_check.py --tiny      # a dry run on CPU with tiny sizes
-    python bench/gpu_check.py --cpu [--repeats 3]   # the same comparisons on CPU at a small shape (make bench)
+    python bench/gpu_check.py --cpu [--repeats 2]   # the same comparisons on CPU at a small shape (make bench)
     python bench/gpu_check.py --profile DIR   # also py-spy profiles of the bij runs (where bij's time goes)
 """
 
@@ -148,7 +148,7 @@ def generate_loop(model: Any, tok: Any, batches: list[list[str]], device: str, t
 def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, tokens: int) -> None:
     """Where a gap between bij and the generate loop comes from, in one process on one loaded model:
     the loop of child_generate, bij's engine (`run`) on the same batches, and the loop on the batches
-    bij's worker makes (longest first, cut by its batcher). Each twice, alternating; the faster counts."""
+    bij's worker makes (longest first, as its batcher cuts them). Each twice, alternating; the faster counts."""
     import torch
 
     from bij.contract.sampling import NO_SAMPLING, Sampling
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true",
                    help="the comparisons on CPU at a small shape, repeated (what make bench runs); no vLLM")
     p.add_argument("--repeats", type=int, default=None,
-                   help="runs of each comparison, sides alternating (default 1; 3 with --cpu)")
+                   help="runs of each comparison, sides alternating (default 1; 2 with --cpu)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="record the bij runs with py-spy (all their processes and threads) into DIR and print "
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                             "--inproc-rows": 32}.items():
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
-        args.repeats = args.repeats or 3
+        args.repeats = args.repeats or 2
         # One torch thread a process, both sides (the children inherit it): on a few cores shared with
         # other work, OpenMP's spinning threads make a two-thread side's time swing several-fold.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
