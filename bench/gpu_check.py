@@ -18,9 +18,16 @@ made here by `make gpu-wheels`). Weights are random: throughput is what is measu
    (bench/vllm_real.py's comparison), output tokens/s, target >= 0.95; time to first commit.
    Without vLLM the check says so and measures the rest.
 
+`--cpu` runs sections 1 and 2 on the CPU at a small shape (500 texts; 64 prompts x 48 tokens on
+Llama "small"), one torch thread a side, each comparison --repeats times with the sides alternating:
+the median ratio counts and min-max is the spread. That is what `make bench` runs. On a GPU the
+per-step overheads (Python, host syncs, other threads holding the interpreter) weigh more, so a CPU
+ratio does not stand in for the GPU one.
+
     python bench/gpu_check.py [--texts 50000] [--gen-rows 512] [--gen-tokens 128] [--shape 1b]
                               [--vllm-rows 4096] [--vllm-only]
     python bench/gpu_check.py --tiny      # a dry run on CPU with tiny sizes
+    python bench/gpu_check.py --cpu [--repeats 2]   # the same comparisons on CPU at a small shape (make bench)
     python bench/gpu_check.py --profile DIR   # also py-spy profiles of the bij runs (where bij's time goes)
 """
 
@@ -141,13 +148,13 @@ def generate_loop(model: Any, tok: Any, batches: list[list[str]], device: str, t
 def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, tokens: int) -> None:
     """Where a gap between bij and the generate loop comes from, in one process on one loaded model:
     the loop of child_generate, bij's engine (`run`) on the same batches, and the loop on the batches
-    bij's worker makes (longest first, cut by its batcher). Each twice, alternating; the faster counts."""
+    bij's worker makes (longest first, as its batcher cuts them). Each twice, alternating; the faster counts."""
     import torch
 
+    from bij.contract.sampling import NO_SAMPLING, Sampling
     from bij.engines import EngineConfig, create_engine
     from bij.engines.base import Request
     from bij.worker.batcher import first_batch, run_order
-    from bij.worker.schedulers import MAX_PADDING_WASTE
 
     texts = json.loads(Path(texts_path).read_text())
     engine = create_engine("transformers", EngineConfig(task="generate", name=model_dir, device=device))
@@ -159,7 +166,8 @@ def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, token
     ranked, ranked_len, bij_batches = [texts[i] for i in order], [lengths[i] for i in order], []
     target = engine.batch_shape()[1]  # type: ignore[attr-defined]
     while ranked:
-        k = first_batch(ranked_len[:batch], target, batch, MAX_PADDING_WASTE)
+        # As the worker batches generation (shard.py): sorted, never cut short for padding (only embeddings are).
+        k = first_batch(ranked_len[:batch], target, batch, None)
         bij_batches.append(ranked[:k])
         ranked, ranked_len = ranked[k:], ranked_len[k:]
 
@@ -170,12 +178,15 @@ def child_inproc(model_dir: str, texts_path: str, device: str, batch: int, token
     def loop(batches: list[list[str]]) -> int:
         return generate_loop(model, tok, batches, device, tokens)
 
-    def bij_engine(batches: list[list[str]]) -> int:
+    def bij_engine(batches: list[list[str]], sampling: Sampling | None = None) -> int:
         return sum(r.completion_tokens or 0 for b in batches
-                   for r in engine.run([Request(text=t, max_tokens=tokens) for t in b]))
+                   for r in engine.run([Request(text=t, max_tokens=tokens, sampling=sampling or NO_SAMPLING)
+                                        for t in b]))
 
     loop(in_order[:1])  # warm-up: kernels, allocator
+    # The engine with logprobs (5 top tokens): what recording them costs a step.
     sides = {"loop": lambda: loop(in_order), "engine": lambda: bij_engine(in_order),
+             "engine_logprobs": lambda: bij_engine(in_order, Sampling(logprobs=True, top_logprobs=5)),
              "loop_bij_batches": lambda: loop(bij_batches)}
     best: dict[str, float] = {}
     made: dict[str, int] = {}
@@ -207,7 +218,8 @@ def bij(work: Path, name: str, input_path: Path, model: dict[str, Any]) -> dict[
     wrap = None
     if PROFILE is not None:
         PROFILE.mkdir(parents=True, exist_ok=True)
-        wrap = [py_spy(), "record", "--subprocesses", "--threads", "-r", "50", "-f", "raw",
+        # --nonblocking: the sampled processes are never paused, so the profiled run's own pace holds.
+        wrap = [py_spy(), "record", "--subprocesses", "--threads", "--nonblocking", "-r", "50", "-f", "raw",
                 "-o", str(PROFILE / f"bij-{name}.txt"), "--"]
     wall = harness.run_bij(spec, phases=phases, wrap=wrap)
     print(f"bij run ({name}): {harness.phase_line(phases)}", flush=True)
@@ -224,7 +236,8 @@ def bij(work: Path, name: str, input_path: Path, model: dict[str, Any]) -> dict[
 
 def py_spy() -> str:
     """py-spy's binary: on the PATH, or where `make gpu-check` installs the wheels (bench/gpu_wheels.py)."""
-    found = shutil.which("py-spy") or next((str(p) for p in [Path("/tmp/bij-site/bin/py-spy")] if p.exists()), None)
+    beside = [Path(sys.executable).parent / "py-spy", Path("/tmp/bij-site/bin/py-spy")]  # this venv's, the wheels'
+    found = shutil.which("py-spy") or next((str(p) for p in beside if p.exists()), None)
     if found is None:
         raise SystemExit("gpu_check --profile: no py-spy (pip install py-spy, or make gpu-wheels again)")
     return found
@@ -273,12 +286,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-rows", type=int, default=4096, help="prompts for the vLLM comparison")
     p.add_argument("--vllm-only", action="store_true", help="only the vLLM comparison")
     p.add_argument("--tiny", action="store_true", help="dry run on CPU: tiny sizes and shape")
+    p.add_argument("--cpu", action="store_true",
+                   help="the comparisons on CPU at a small shape, repeated (what make bench runs); no vLLM")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of each comparison, sides alternating (default 1; 2 with --cpu)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="record the bij runs with py-spy (all their processes and threads) into DIR and print "
                         "where their samples went")
     p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        if not os.environ.get("BIJ_BENCH_PASSTHROUGH"):  # run_all passes flags meant for other benchmarks
+            p.error(f"unrecognized arguments: {' '.join(unknown)}")
+        print(f"gpu_check: ignoring flags for other benchmarks: {' '.join(unknown)}", file=sys.stderr)
     if args.child:
         kind, *rest = args.child
         if kind == "encode":
@@ -291,13 +312,27 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not (args.tiny or args.cpu) else "cpu"
     if args.tiny:
         args.texts, args.gen_rows, args.gen_tokens, args.shape, args.vllm_rows = 200, 16, 8, "tiny", 64
         args.inproc_rows = 16
+    elif args.cpu:
+        # Small, not tiny: the generate loop's steps cost what a GPU's per-step overheads cost, in kind.
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+        for flag, value in {"--texts": 500, "--gen-rows": 64, "--gen-tokens": 48, "--shape": "small",
+                            "--inproc-rows": 32}.items():
+            if flag not in given:
+                setattr(args, flag[2:].replace("-", "_"), value)
+        args.repeats = args.repeats or 2
+        # One torch thread a process, both sides (the children inherit it): on a few cores shared with
+        # other work, OpenMP's spinning threads make a two-thread side's time swing several-fold.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     elif device != "cuda":
-        print("gpu_check: no CUDA GPU here (use --tiny for a dry run on CPU)", file=sys.stderr)
+        print("gpu_check: no CUDA GPU here (use --cpu for the comparisons on CPU, --tiny for a dry run)",
+              file=sys.stderr)
         return 2
+    args.repeats = args.repeats or 1
     os.environ["BIJ_DEVICE"] = device
     global PROFILE
     PROFILE = Path(args.profile).resolve() if args.profile else None
@@ -311,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         llama = build_llama(work / "llama", args.shape, device)
         if not args.vllm_only:
             embed_and_generate(args, device, report, work, texts[: args.texts], llama)
-        vllm_path(args, device, report, work, texts, llama)
+        if not args.cpu:
+            vllm_path(args, device, report, work, texts, llama)
     finally:
         harness.cleanup(work, keep=False)
     print(f"gpu_check: {time.perf_counter() - t_start:.0f}s", flush=True)
@@ -353,60 +389,82 @@ def vllm_path(args: argparse.Namespace, device: str, report: harness.Report, wor
     report.ratio("vllm time to first commit after the load, seconds", bij_run["first_commit_s"], None)
 
 
+def spread(values: list[float]) -> str:
+    """`min-max over N runs` of a ratio measured more than once."""
+    return f"min-max {min(values):.3f}-{max(values):.3f} over {len(values)} runs" if len(values) > 1 else "1 run"
+
+
 def embed_and_generate(args: argparse.Namespace, device: str, report: harness.Report, work: Path,
                        texts: list[str], llama: Path) -> None:
-    """Sections 1 and 2: sentence-transformers and transformers against their bare libraries."""
-    # --- embeddings
+    """Sections 1 and 2: sentence-transformers and transformers against their bare libraries, each
+    --repeats times with the sides alternating (the median ratio counts, min-max is the spread)."""
+    from bij.engines import EngineConfig, create_engine
+
+    # --- inputs
     minilm = build_minilm(work / "minilm")
     emb_texts = work / "emb.json"
     emb_texts.write_text(json.dumps(texts))
     emb_input = work / "emb" / "rows.jsonl"
     harness.write_rows(emb_input, texts)
-    anchor = run_child("--child", "encode", str(minilm), str(emb_texts), device)
-    cand = bij(work, "embed", emb_input, {"engine": "sentence-transformers", "task": "embed",
-                                          "name": str(minilm)})
-    n = len(texts)
-    print(f"embed {n} texts on {device}: encode {n / anchor['encode_s']:.0f} rows/s (process "
-          f"{anchor['wall_s']:.1f}s); bij steady {n / cand['steady_s']:.0f} rows/s (bij run {cand['wall_s']:.1f}s, "
-          f"{cand['batches']} batches)", flush=True)
-    report.details["embed"] = {"bij": cand, "encode": anchor}
-    report.ratio("embed end to end: bij run / encode process", anchor["wall_s"] / cand["wall_s"], 0.95)
-    report.ratio("embed steady: bij / encode rows/s", anchor["encode_s"] / cand["steady_s"], 1.0)
-    # --- generation
     prompts = [t[:400] for t in texts[: args.gen_rows]]
     gen_texts = work / "gen.json"
     gen_texts.write_text(json.dumps(prompts))
     gen_input = work / "gen" / "rows.jsonl"
     harness.write_rows(gen_input, prompts)
-    cand = bij(work, "generate", gen_input, {"engine": "transformers", "task": "generate", "name": str(llama),
-                                             "maxTokens": args.gen_tokens})
-    from bij.engines import EngineConfig, create_engine
-
-    batch = create_engine("transformers", EngineConfig(task="generate", name=str(llama),
-                                                       device=device)).batch_shape()[0]  # type: ignore[attr-defined]
-    anchor = run_child("--child", "generate", str(llama), str(gen_texts), device, str(batch), str(args.gen_tokens))
-    m = len(prompts)
-    print(f"generate {m} prompts x {args.gen_tokens} tokens, Llama {args.shape} shape, batch {batch}: "
-          f"generate loop {anchor['tokens'] / anchor['generate_s']:.0f} tokens/s; bij "
-          f"{cand['tokens_out'] / cand['steady_s']:.0f} tokens/s", flush=True)
-    report.details["generate"] = {"bij": cand, "loop": anchor}
-    report.ratio("generate steady: bij / generate loop rows/s", anchor["generate_s"] / cand["steady_s"], 0.95)
-    report.ratio("generate end to end: bij run / generate process", anchor["wall_s"] / cand["wall_s"], None)
-    report.ratio("bij tokens/s", cand["tokens_out"] / cand["steady_s"], None)
-    report.ratio("generate loop tokens/s", anchor["tokens"] / anchor["generate_s"], None)
-    # Where a gap comes from: the engine against the loop in one process (same batches), and the
-    # loop on the batches bij's worker makes (its order and cuts).
-    part = min(m, args.inproc_rows)
+    part = min(len(prompts), args.inproc_rows)
     part_texts = work / "gen-part.json"
     part_texts.write_text(json.dumps(prompts[:part]))
-    split = run_child("--child", "inproc", str(llama), str(part_texts), device, str(batch), str(args.gen_tokens))
-    sec = split["seconds"]
-    print(f"generate in one process, {part} prompts: loop {sec['loop']:.1f}s ({split['batches']} batches), "
-          f"bij's engine {sec['engine']:.1f}s, loop on bij's {split['bij_batches']} batches "
-          f"{sec['loop_bij_batches']:.1f}s; tokens {split['tokens']}", flush=True)
-    report.details["generate in one process"] = split
-    report.ratio("generate in one process: loop / bij's engine, same batches", sec["loop"] / sec["engine"], None)
-    report.ratio("generate in one process: loop / loop on bij's batches", sec["loop"] / sec["loop_bij_batches"], None)
+    batch = create_engine("transformers", EngineConfig(task="generate", name=str(llama),
+                                                       device=device)).batch_shape()[0]  # type: ignore[attr-defined]
+    embed_model = {"engine": "sentence-transformers", "task": "embed", "name": str(minilm)}
+    gen_model = {"engine": "transformers", "task": "generate", "name": str(llama), "maxTokens": args.gen_tokens}
+    n, m = len(texts), len(prompts)
+    ratios: dict[str, list[float]] = {}
+    runs: list[dict[str, Any]] = []
+
+    def keep(name: str, value: float) -> None:
+        ratios.setdefault(name, []).append(value)
+
+    for i in range(args.repeats):
+        # --- embeddings
+        e_anchor = run_child("--child", "encode", str(minilm), str(emb_texts), device)
+        e_bij = bij(work, f"embed-{i}", emb_input, embed_model)
+        print(f"[{i}] embed {n} texts on {device}: encode {n / e_anchor['encode_s']:.0f} rows/s (process "
+              f"{e_anchor['wall_s']:.1f}s); bij steady {n / e_bij['steady_s']:.0f} rows/s (bij run "
+              f"{e_bij['wall_s']:.1f}s, {e_bij['batches']} batches)", flush=True)
+        keep("embed end to end: bij run / encode process", e_anchor["wall_s"] / e_bij["wall_s"])
+        keep("embed steady: bij / encode rows/s", e_anchor["encode_s"] / e_bij["steady_s"])
+        # --- generation
+        g_bij = bij(work, f"generate-{i}", gen_input, gen_model)
+        g_anchor = run_child("--child", "generate", str(llama), str(gen_texts), device, str(batch),
+                             str(args.gen_tokens))
+        print(f"[{i}] generate {m} prompts x {args.gen_tokens} tokens, Llama {args.shape} shape, batch {batch}: "
+              f"generate loop {g_anchor['tokens'] / g_anchor['generate_s']:.0f} tokens/s; bij "
+              f"{g_bij['tokens_out'] / g_bij['steady_s']:.0f} tokens/s (engine busy {g_bij['engine_busy_s']:.1f}s "
+              f"of {g_bij['steady_s']:.1f}s)", flush=True)
+        keep("generate steady: bij / generate loop rows/s", g_anchor["generate_s"] / g_bij["steady_s"])
+        keep("generate end to end: bij run / generate process", g_anchor["wall_s"] / g_bij["wall_s"])
+        keep("generate: loop / bij engine-busy seconds", g_anchor["generate_s"] / max(g_bij["engine_busy_s"], 1e-9))
+        keep("bij tokens/s", g_bij["tokens_out"] / g_bij["steady_s"])
+        keep("generate loop tokens/s", g_anchor["tokens"] / g_anchor["generate_s"])
+        # Where a gap comes from: bij's engine against the loop in one process on the same batches
+        # (no worker threads), and the loop on the batches bij's worker makes (its order and cuts).
+        split = run_child("--child", "inproc", str(llama), str(part_texts), device, str(batch), str(args.gen_tokens))
+        sec = split["seconds"]
+        print(f"[{i}] generate in one process, {part} prompts: loop {sec['loop']:.2f}s ({split['batches']} batches), "
+              f"bij's engine {sec['engine']:.2f}s, loop on bij's {split['bij_batches']} batches "
+              f"{sec['loop_bij_batches']:.2f}s, bij's engine with logprobs {sec['engine_logprobs']:.2f}s; "
+              f"tokens {split['tokens']}", flush=True)
+        keep("generate in one process: loop / bij's engine, same batches", sec["loop"] / sec["engine"])
+        keep("generate in one process: loop / loop on bij's batches", sec["loop"] / sec["loop_bij_batches"])
+        keep("generate in one process: bij's engine / with logprobs (5 top)", sec["engine"] / sec["engine_logprobs"])
+        runs.append({"embed": {"bij": e_bij, "encode": e_anchor}, "generate": {"bij": g_bij, "loop": g_anchor},
+                     "generate in one process": split})
+    report.details["runs"] = runs
+    targets = {"embed end to end: bij run / encode process": 0.95, "embed steady: bij / encode rows/s": 1.0,
+               "generate steady: bij / generate loop rows/s": 0.95}
+    for name, values in ratios.items():
+        report.ratio(name, harness.median(values), targets.get(name), note=spread(values))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ is ignored by the others) and writes its JSON summary into one folder
 not turned into a failure: the exit code is 0 unless a benchmark itself crashed.
 
 bench/vllm_overhead.py needs one CUDA GPU and vllm; it runs only with --vllm-model.
+bench/gpu_check.py runs here with --cpu (its comparisons on the CPU; `make gpu-check` runs it on a GPU).
 
     python bench/run_all.py [--only embed,memory] [--scale 2] [--repeats 3] [--out DIR]
 """
@@ -25,7 +26,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = ["embed", "sorting", "echo_overhead", "memory", "kill_recompute", "simulated", "prefix", "lanes",
-           "many_shards", "publish_objects", "scale", "steps_scale", "claims_scale", "vllm_peers", "http_engine"]
+           "many_shards", "publish_objects", "scale", "steps_scale", "claims_scale", "vllm_peers", "http_engine", "gpu_check"]
+# Flags a benchmark always gets here: gpu_check's comparisons on the CPU at a small shape (a few minutes).
+FLAGS = {"gpu_check": ["--cpu"]}
 
 
 def run_vllm(model: str, extra: list[str]) -> dict[str, object]:
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("skipped: vLLM is not installed (make vllm-env)", flush=True)
                 summaries.append({"bench": name, "skipped": "vLLM is not installed (make vllm-env)"})
                 continue
-        rc = subprocess.run([python, str(HERE / f"{name}.py"), "--out", str(out), *passthrough],
+        rc = subprocess.run([python, str(HERE / f"{name}.py"), "--out", str(out), *FLAGS.get(name, []), *passthrough],
                             env={**os.environ, "BIJ_BENCH_PASSTHROUGH": "1"}).returncode
         print(f"({name}: {time.perf_counter() - t0:.0f}s)", flush=True)
         path = out / f"{name}.json"

@@ -584,6 +584,29 @@ def test_transformers_keeps_logprobs_of_the_chosen_and_top_tokens_only(random_mo
     assert abs(first.logprob - float(raw.max())) < 1e-4 and abs(first.top[1][1] - float(raw.topk(2).values[1])) < 1e-4
 
 
+def test_transformers_logprobs_wait_for_no_device_read_while_generating() -> None:
+    """Each step's logprobs stay on the model's device until the batch ends: a read-back a step (`.tolist()`)
+    makes the host wait for a GPU twice a step. Meta tensors have no data, so any read-back fails on them."""
+    import torch
+
+    from bij.engines.transformers import _logprob_recorder
+
+    recorder = _logprob_recorder(3)
+    scores = torch.empty((2, 10), device="meta")
+    for step in range(4):
+        ids = torch.zeros((2, 5 + step), dtype=torch.long, device="meta")
+        assert recorder(ids, scores) is scores
+    assert len(recorder.chosen) == 3 and len(recorder.top) == 4
+    # finish() reads the whole batch back at once: steps x sequences, and (values, ids) per step.
+    recorder = _logprob_recorder(2)
+    for token in (1, 2):
+        recorder(torch.tensor([[0, token], [0, token]]), torch.arange(10.0).repeat(2, 1))
+    chosen, top = recorder.finish([[1, 2], [1, 3]])
+    lp = torch.log_softmax(torch.arange(10.0), -1)
+    assert chosen == [[float(lp[2])] * 2, [float(lp[2]), float(lp[3])]]
+    assert [ids for _, ids in top] == [[[9, 8], [9, 8]], [[9, 8], [9, 8]]]
+
+
 def test_chat_template_and_its_variables_from_the_spec_replace_the_tokenizers(tmp_path: Path) -> None:
     path = build_model(tmp_path, chat_template=False)
     template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"

@@ -507,34 +507,43 @@ class TransformersEngine(EngineBase):
 def _logprob_recorder(top: int) -> Any:
     """A logits processor that records, per step, the log-probability of the token chosen at the step
     before and the `top` most likely tokens (values and ids): O(rows x top) a step. Only the last
-    step's whole distribution is held, until the next step says which token was chosen from it."""
+    step's whole distribution is held, until the next step says which token was chosen from it.
+    What it records stays on the model's device until `finish`: reading it back every step would
+    make the host wait for the device twice a step."""
     import torch
     from transformers import LogitsProcessor
 
     class Recorder(LogitsProcessor):
         def __init__(self) -> None:
-            self.chosen: list[list[float]] = []  # step -> the chosen token's logprob, per sequence
-            self.top: list[tuple[list[list[float]], list[list[int]]]] = []  # step -> (values, ids)
+            self.chosen: list[Any] = []  # step -> the chosen token's logprob, per sequence (a tensor)
+            self.top: list[tuple[Any, Any]] = []  # step -> (values, ids), tensors of sequences x top
             self.last: Any = None  # the last step's log-probabilities (rows x vocab)
 
         def __call__(self, input_ids: Any, scores: Any) -> Any:
             if self.last is not None:
-                self.chosen.append(self.last.gather(1, input_ids[:, -1:].to(self.last.device))[:, 0].tolist())
+                self.chosen.append(self.last.gather(1, input_ids[:, -1:].to(self.last.device))[:, 0])
             lp = torch.log_softmax(scores.float(), dim=-1)
             if top:
                 best = lp.topk(top, dim=-1)
-                self.top.append((best.values.tolist(), best.indices.tolist()))
+                self.top.append((best.values, best.indices))
             self.last = lp
             return scores
 
         def finish(self, rows: list[list[int]]) -> tuple[list[list[float]], list[Any]]:
-            """The chosen tokens' logprobs and the top tokens per step, the last step's resolved from `rows`."""
+            """The chosen tokens' logprobs and the top tokens per step (lists, read back at once), the last
+            step's resolved from `rows`."""
             if self.last is not None:
                 step = len(self.chosen)
                 ids = torch.tensor([r[step] if step < len(r) else 0 for r in rows])[:, None]
-                self.chosen.append(self.last.gather(1, ids.to(self.last.device))[:, 0].tolist())
+                self.chosen.append(self.last.gather(1, ids.to(self.last.device))[:, 0])
                 self.last = None
-            return self.chosen, self.top
+            chosen: list[list[float]] = torch.stack(self.chosen).tolist() if self.chosen else []
+            tops: list[Any] = []
+            if self.top:
+                values = torch.stack([v for v, _ in self.top]).tolist()
+                indices = torch.stack([i for _, i in self.top]).tolist()
+                tops = list(zip(values, indices, strict=True))
+            return chosen, tops
 
     return Recorder()
 
