@@ -26,7 +26,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = ["embed", "sorting", "echo_overhead", "memory", "kill_recompute", "simulated", "prefix", "lanes",
-           "many_shards", "publish_objects", "scale", "steps_scale", "claims_scale", "vllm_peers", "http_engine", "gpu_check"]
+           "many_shards", "publish_objects", "scale", "steps_scale", "claims_scale", "vllm_peers", "http_engine",
+           "gpu_check"]
 # Flags a benchmark always gets here: gpu_check's comparisons on the CPU at a small shape (a few minutes).
 FLAGS = {"gpu_check": ["--cpu"]}
 
