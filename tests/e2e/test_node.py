@@ -385,6 +385,25 @@ def test_an_embedding_job_runs_to_succeeded_in_the_worker_image_with_every_row_o
             assert st.image.endswith(OPERATOR_IMAGE.split("/", 1)[1]), (step, st.image)
 
 
+def test_a_pool_whose_pods_find_no_node_gives_its_lanes_to_the_next_and_every_row_runs_once(ns: Ns) -> None:
+    ids = ns.put_rows(f"{ns.name}/pools-in/rows.jsonl", 200)
+    pools = [
+        # Preferred, but no node has its label: its pods stay Pending (Unschedulable) until it gives up.
+        {"name": "absent", "nodeSelector": {"bij.test/pool": "absent"}, "startTimeoutSeconds": 10},
+        {"name": "spot"},  # the workers' spot placement: the node
+    ]
+    ns.create("pools", ns.spec("pools", model={"engine": "echo", "task": "embed"},
+                               workers={"parallelism": 2, "pools": pools},
+                               sharding={"targetShardBytes": 4096, "chunkRows": 16}))
+    done = ns.wait_phase("pools", "Succeeded", timeout=600)
+    rows = ns.published(f"{ns.name}/pools-out/manifest.json")
+    assert sorted(r["id"] for r in rows) == sorted(ids)  # every row exactly once
+    assert [(p["name"], p["lanes"]) for p in done["pools"]] == [("absent", 0), ("spot", 2)]
+    assert "PoolGaveUp" in [e.reason for e in ns.events("pools")]
+    moved = [p for p in ns.pods("pools-r0-p1f0")]
+    assert moved and all(p.status.container_statuses[0].state.terminated.exit_code == 0 for p in moved)
+
+
 # --- eviction: SIGTERM to PID 1, drained, resumed ------------------------------------------------------
 
 
