@@ -21,7 +21,8 @@ RECORDS = [
 def test_efficiency_sums_worker_time_with_model_load_and_divides_by_it() -> None:
     eff = efficiency(RECORDS)
     assert eff == {"workerSeconds": 100.0, "modelLoads": 2, "modelLoadSeconds": 20.0, "engineBusySeconds": 60.0,
-                   "engineBusyFraction": 0.6, "rowsPerSecondPerWorker": 10.0, "tokensPerSecondPerWorker": 500.0}
+                   "engineBusyFraction": 0.6, "rowsPerSecondPerWorker": 10.0, "tokensPerSecondPerWorker": 500.0,
+                   "slowestModelLoadSeconds": 10.0, "weightsBytes": 0}
 
 
 def test_cost_per_million_rows_is_total_over_rows() -> None:

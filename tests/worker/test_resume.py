@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -217,12 +218,18 @@ def kill_9_after(p: subprocess.Popen[str], chunks: int, extra_s: float) -> bool:
     False when it ended by itself first."""
     assert p.stdout is not None
     seen = -1
-    while seen < chunks:
-        line = p.stdout.readline()
-        if not line:
-            return False
-        event = json.loads(line)["event"]
-        seen += event in ("resume", "chunk")
+    # A worker that never gets to work (it waits on a live lease) is killed after a while, not waited on forever.
+    watchdog = threading.Timer(90, p.kill)
+    watchdog.start()
+    try:
+        while seen < chunks:
+            line = p.stdout.readline()
+            if not line:
+                return False
+            event = json.loads(line)["event"]
+            seen += event in ("resume", "chunk")
+    finally:
+        watchdog.cancel()
     time.sleep(extra_s)
     if p.poll() is not None:
         return False
@@ -464,6 +471,19 @@ def test_second_writers_killed_at_many_points_while_the_first_works_lose_no_row(
     # grows as fast as a second writer can read it, and it is working whenever one starts.
     a = start_worker(bij_bin, worker_env(file_place, echo_delay=0.005, echo_hold=hold), manifest, 0,
                      stderr=subprocess.DEVNULL)
+    # A's events are read as they come (a full pipe would stop it), and second writers start once it holds
+    # the shard and works: one that started first would find A's claim live and wait for it instead.
+    working = threading.Event()
+
+    def drain() -> None:
+        assert a.stdout is not None
+        for line in a.stdout:
+            if json.loads(line)["event"] == "chunk":
+                working.set()
+        working.set()  # ended: the loop below sees it
+
+    threading.Thread(target=drain, daemon=True).start()
+    assert working.wait(120), "writer A never committed a chunk"
     kills = 0
     while kills < 8 and a.poll() is None:
         # B resumes (reads every log while A appends) and dies right after, or a chunk later.
@@ -473,7 +493,7 @@ def test_second_writers_killed_at_many_points_while_the_first_works_lose_no_row(
         b.wait(timeout=60)
         b.stdout.close()  # type: ignore[union-attr]
     hold.unlink()
-    a.communicate(timeout=120)
+    a.wait(timeout=120)
     assert a.returncode == 0
     assert kills >= 3, "second writers must come and go while writer A works"
     publish(job)

@@ -160,6 +160,10 @@ class RoundClaims:
         for s, g in self.newest().items():
             self._newest[s] = max(g, self._newest.get(s, -1))
 
+    def is_done(self, shard: int) -> bool:
+        """Whether the shard has a completion record (known, or one HEAD)."""
+        return self._is_done(shard)
+
     def _is_done(self, shard: int) -> bool:
         if shard in self._done:
             return True
@@ -414,6 +418,10 @@ class Claims:
             return 0
         except (ValueError, KeyError, TypeError):
             return 0  # a marker we cannot read says nothing
+
+    def is_done(self, shard: int) -> bool:
+        """Whether the shard has a completion record (known, or one HEAD)."""
+        return self._is_done(shard)
 
     def _is_done(self, shard: int) -> bool:
         if shard in self._done:

@@ -305,6 +305,10 @@ class Lane:
         # Nothing left to claim (a replacement pod after its shards were finished elsewhere):
         # done without loading the model.
         claim = claims.next_or_wait(stop.event)
+        while claim is not None and not self.loaded and claims.is_done(claim.shard):
+            # Finished elsewhere, its lane's marker lost to a crash: one HEAD of its record, not a model load.
+            claims.finished(claim.shard)
+            claim = claims.next_or_wait(stop.event)
         run = self.start(claim) if claim is not None else None
         while run is not None:
             while not run.tail.wait(0.2):
