@@ -256,23 +256,34 @@ def check_first_rows(job: BatchInferenceJob, objects: list[ObjectInfo]) -> None:
             raise PlanError(f"spec.input.passThrough: {clash_message(clash, f'line 1 of {o.uri}')}")
 
 
-def first_line(storage: Storage, uri: str, compressed: bool) -> bytes | None:
-    """An object's first line (decompressed for .zst), or None when it is longer than FIRST_ROW_BYTES
-    or cannot be read here (the worker reads it and says what is wrong)."""
+def read_head(storage: Storage, uri: str, compressed: bool, limit: int, stop_at_line: bool = False) -> bytes | None:
+    """An object's first `limit` bytes or more (decompressed for .zst; all of it when shorter), read in 64 KiB
+    blocks; with `stop_at_line` only until its first newline. None when it cannot be read here."""
     try:
         with storage.open_read(uri) as raw:
             stream: Any = zstandard.ZstdDecompressor().stream_reader(raw) if compressed else raw
             head = b""
-            while len(head) < FIRST_ROW_BYTES:
+            while len(head) < limit:
                 part = stream.read(64 << 10)
                 if not part:
-                    return head
+                    break
                 head += part
-                if b"\n" in head:
-                    return head.split(b"\n", 1)[0]
+                if stop_at_line and b"\n" in part:
+                    break
+            return head
     except (StorageError, zstandard.ZstdError, OSError):
         return None
-    return None
+
+
+def first_line(storage: Storage, uri: str, compressed: bool) -> bytes | None:
+    """An object's first line (decompressed for .zst), or None when it is longer than FIRST_ROW_BYTES
+    or cannot be read here (the worker reads it and says what is wrong)."""
+    head = read_head(storage, uri, compressed, FIRST_ROW_BYTES, stop_at_line=True)
+    if head is None:
+        return None
+    if b"\n" in head:
+        return head.split(b"\n", 1)[0]
+    return head if len(head) < FIRST_ROW_BYTES else None
 
 
 # What the canary's estimate of rows per byte reads of the input's first object.
@@ -282,16 +293,8 @@ SAMPLE_BYTES = 256 << 10
 def mean_row_bytes(storage: Storage, uri: str, compressed: bool) -> float:
     """The mean length of the lines in an object's first SAMPLE_BYTES (decompressed for .zst; a .zst shard's
     bytes are compressed, so there it counts fewer rows than there are); 1 KiB when none can be read."""
-    try:
-        with storage.open_read(uri) as raw:
-            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw) if compressed else raw
-            head = b""
-            while len(head) < SAMPLE_BYTES:
-                part = stream.read(64 << 10)
-                if not part:
-                    break
-                head += part
-    except (StorageError, zstandard.ZstdError, OSError):
+    head = read_head(storage, uri, compressed, SAMPLE_BYTES)
+    if head is None:
         return 1024.0
     lines = head.count(b"\n")
     if not lines:
