@@ -524,7 +524,7 @@ def run_shards() -> Any:
             engine = RecordingEcho(m.task, m.max_input_tokens, truncate=m.truncates)
         run.engine = engine  # type: ignore[attr-defined]
         engine.load()
-        todo = range(len(plan.shards)) if indexes is None else indexes
+        todo = range(plan.shard_total) if indexes is None else indexes
         return {i: ShardWorker(plan, i, engine, **kw).run() for i in todo}
 
     return run

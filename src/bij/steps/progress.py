@@ -159,7 +159,7 @@ def round_history(job: BatchInferenceJob, rounds: int) -> list[RoundStats]:
     for r in range(rounds):
         uri = layout.round_manifest_uri(job, r)
         plan = Plan.from_json(open_storage(uri, job.spec.storage.s3).read_bytes(uri), f"round plan {uri}")
-        out.append(round_tally(job, r).round.stats(r, len(plan.shards)))
+        out.append(round_tally(job, r).round.stats(r, plan.shard_total))
     return out
 
 

@@ -130,7 +130,8 @@ class _Totals:
 def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> Plan:
     uri = layout.round_manifest_uri(job, round_no)
     try:
-        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+        # A plan written in parts is read as its head: its parts only where a shard's pieces are wanted.
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
     except NotFound:
         raise PublishError(f"round {round_no} was never planned") from None
     except BadPlan as e:
@@ -146,7 +147,12 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
     prefix = layout.publish_prefix(job)
     unit_objects: list[list[int]] = []
     if job.spec.output.partition_by == "input":
-        unit_objects = [sorted({obj for obj, _, _ in shard}) for p in plans for shard in p.shards]
+        unit_objects = [[] for _ in range(sum(p.shard_total for p in plans))]
+        first = 0
+        for p in plans:
+            for index, shard in p.iter_pieces():
+                unit_objects[first + index] = sorted({obj for obj, _, _ in shard})
+            first += p.shard_total
         counted = [obj for objs in unit_objects for obj in objs]
         if len(plans) != 1 or len(counted) != len(set(counted)):
             raise PublishError("output.partitionBy input needs one round whose shards hold whole input objects; "
@@ -156,7 +162,7 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
         prefix=prefix,
         output_uri=job.spec.output.uri,
         units=[(r, index, layout.shard_prefix(p.round_prefix, index))
-               for r, p in enumerate(plans) for index in range(len(p.shards))],
+               for r, p in enumerate(plans) for index in range(p.shard_total)],
         object_names=[[o.display_name for o in p.objects] for p in plans],
         bucket_rows=bucket_rows,
         buckets=max(1, -(-rows // max(1, bucket_rows))),
@@ -183,7 +189,7 @@ def ids_cannot_repeat(plans: list[Plan], done: _Totals, partial: str | None) -> 
     every shard finished, its objects' display names distinct, and every final row's id none or generated
     from its own place (`placeIds` of the completion records: an id `<object>:<offset>` names one place).
     A record of an older worker, without `placeIds`, proves nothing. `done`: the sums of the records."""
-    if partial is not None or len(plans) != 1 or done.done_count != len(plans[0].shards):
+    if partial is not None or len(plans) != 1 or done.done_count != plans[0].shard_total:
         return False
     names = [o.display_name for o in plans[0].objects]
     if len(set(names)) != len(names):
@@ -258,10 +264,10 @@ def _read_done(store: Storage, plans: list[Plan], t: _Totals, partial: bool = Fa
     for r, plan in enumerate(plans):
         done = DoneIndexes()
         for index, rec in read_records(store, layout.done_folder(plan.round_prefix)):
-            if index < len(plan.shards):
+            if index < plan.shard_total:
                 done.add(index)
                 t.add_done(rec, (r, index))
-        missing = done.first_missing(len(plan.shards))
+        missing = done.first_missing(plan.shard_total)
         if missing is not None and not partial:
             raise PublishError(f"round {r} shard {missing} has not finished")
 
@@ -275,7 +281,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
     t = _Totals()
     _read_done(store, plans, t, partial=pplan.partial is not None)
     not_run = 0
-    t.rounds = [{"round": r, "shards": len(p.shards), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
+    t.rounds = [{"round": r, "shards": p.shard_total, "rows": 0, "errors": 0} for r, p in enumerate(plans)]
     for unit in range(len(pplan.units)):
         summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan.prefix, unit)))
         c = summary["counts"]

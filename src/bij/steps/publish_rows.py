@@ -474,7 +474,7 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
     last_round = round_no == len(plan.round_plans) - 1
     uri = plan.round_plans[round_no]
     try:
-        rplan = Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+        rplan = Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
     except NotFound:
         raise PublishPlanError(f"round plan {uri} does not exist") from None
     done = store.exists(layout.done_uri(rplan.round_prefix, shard))
@@ -517,7 +517,7 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
 
         columns = [c for c in (spec.id_field, spec.text_field, spec.messages_field, spec.sampling_field,
                                spec.adapter_field) if c]
-        for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.shards[shard],
+        for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.pieces(shard),
                                                   log_.state.cursor, columns, spec.max_line_bytes,
                                                   on_damaged="errorRow"):
             n += len(places)

@@ -239,7 +239,7 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
         rows = sum(int(rec.get("rows") or 0) for rec in current)
         errors = sum(int(rec.get("errors") or 0) for rec in current)
         truncated = sum(int(rec.get("truncated") or 0) for rec in current)
-        lines.append(f"  round {r}   {done}/{len(plan.shards)} shards done ({plan.lane_count} lanes), {rows:,} rows, "
+        lines.append(f"  round {r}   {done}/{plan.shard_total} shards done ({plan.lane_count} lanes), {rows:,} rows, "
                      f"{errors:,} errors, {truncated:,} truncated")
         for rec in damage_records(job, r):
             what = ("the round failed there; the rows before it are kept: replace the object and run again"

@@ -272,7 +272,7 @@ class Lane:
         if role.nodes > 1:
             self.group.leader = _form_group(role, self.group, self.stop, self.current, self.args.drain_seconds)
         self.claims = Claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
-                             lane=lane, lanes=lanes, shards=worked_shards(len(plan.shards), os.environ),
+                             lane=lane, lanes=lanes, shards=worked_shards(plan.shard_total, os.environ),
                              writer=uuid.uuid4().hex[:12],
                              lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
         # A continuous engine is shared by the lane's shards, so the next one starts during the
