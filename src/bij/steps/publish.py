@@ -12,11 +12,13 @@ deterministic: publishing again gives the same files and the same manifest.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from bij.contract import layout
+from bij.contract import manifest as manifest_lists
 from bij.contract.efficiency import EfficiencySums, cost
 from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused, spec_changes
@@ -56,9 +58,6 @@ class _Totals:
     tokens_in: int = 0
     tokens_out: int = 0
     reasoning_tokens: int = 0  # of tokens_out: what result rows' usage counts as reasoning
-    files: list[dict[str, Any]] = field(default_factory=list)
-    error_files: list[dict[str, Any]] = field(default_factory=list)
-    capped_files: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     # From the shards' completion records: how busy the engine was and what its prefix cache could reuse.
     busy_s: float = 0.0
@@ -274,9 +273,14 @@ def _read_done(store: Storage, plans: list[Plan], t: _Totals, partial: bool = Fa
 
 def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> dict[str, Any]:
     """After the passes: the manifest from the completion records and the passes' per-shard summaries,
-    O(shards), written last in one atomic write; then the work files go (keepIntermediate false)."""
+    read one at a time into running sums; its file lists, where longer than `manifest.PART_FILES`, go
+    into manifest parts written as they fill. The manifest is written last in one atomic write; then the
+    work files go (keepIntermediate false)."""
     out_uri = job.spec.output.uri
     store = open_storage(out_uri, job.spec.storage.s3)
+    # A folder of its own for each publish's parts: a manifest already published keeps reading its own.
+    lists = manifest_lists.PartWriter(lambda path, body: store.write_bytes(layout.join(out_uri, path), body),
+                                      time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4))
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
     t = _Totals()
     _read_done(store, plans, t, partial=pplan.partial is not None)
@@ -285,9 +289,8 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
     for unit in range(len(pplan.units)):
         summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan.prefix, unit)))
         c = summary["counts"]
-        t.files += summary["files"]
-        t.error_files += summary["errorFiles"]
-        t.capped_files += summary["cappedFiles"]
+        for key in manifest_lists.LISTS:
+            lists.add(key, summary[key])
         t.rows += c["rows"]
         t.errors += c["errors"]
         t.capped += c["capped"]
@@ -327,9 +330,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         "compression": job.spec.output.compression,
         "model": {"engine": job.spec.model.engine, "name": job.spec.model.name, "task": job.spec.model.task},
         "judge": job.spec.judge.type if job.spec.judge else None,
-        "files": t.files,
-        "errorFiles": t.error_files,
-        "cappedFiles": t.capped_files,
+        **lists.finish(),
         "counts": {"rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
                    "truncated": t.truncated, "inputRows": total + not_run,
                    "tokensIn": t.tokens_in, "tokensOut": t.tokens_out, "reasoningTokens": t.reasoning_tokens,
@@ -354,13 +355,24 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
                  t.tokens_in + t.tokens_out, job.spec.workers.nodes_per_lane)
     if spent is not None:
         manifest["cost"] = spent
+    before = _published_parts(store, job)
     store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())
+    for path in sorted(set(before) - set(manifest_lists.part_paths(manifest))):
+        store.delete(layout.join(out_uri, path))  # parts of the manifest this one replaced
     if not job.spec.output.keep_intermediate:
         removal = remove_work_files(store, job, work_folders(plans, pplan))
         if removal.error is not None:
             # The manifest stands: a failed removal is a warning beside it, never a failed job.
             return {**manifest, REMOVAL_FAILED: removal.as_result()}
     return manifest
+
+
+def _published_parts(store: Storage, job: BatchInferenceJob) -> list[str]:
+    """The parts of the manifest published before this one, if any."""
+    try:
+        return manifest_lists.part_paths(json.loads(store.read_bytes(layout.manifest_uri(job))))
+    except (NotFound, ValueError):
+        return []
 
 
 def work_folders(plans: list[Plan], publish_plan: PublishPlan) -> list[str]:
