@@ -160,8 +160,7 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
     plan = PublishPlan(
         prefix=prefix,
         output_uri=job.spec.output.uri,
-        units=[(r, index, layout.shard_prefix(p.round_prefix, index))
-               for r, p in enumerate(plans) for index in range(p.shard_total)],
+        round_shards=[(p.shard_total, p.round_prefix) for p in plans],
         object_names=[[o.display_name for o in p.objects] for p in plans],
         bucket_rows=bucket_rows,
         buckets=max(1, -(-rows // max(1, bucket_rows))),
@@ -286,7 +285,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
     _read_done(store, plans, t, partial=pplan.partial is not None)
     not_run = 0
     t.rounds = [{"round": r, "shards": p.shard_total, "rows": 0, "errors": 0} for r, p in enumerate(plans)]
-    for unit in range(len(pplan.units)):
+    for unit in range(pplan.unit_count):
         summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan.prefix, unit)))
         c = summary["counts"]
         for key in manifest_lists.LISTS:
