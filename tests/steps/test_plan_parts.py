@@ -108,3 +108,14 @@ def test_a_missing_plan_part_is_a_bad_configuration_naming_it(file_place, make_j
     file_place.storage.delete(gone)
     with pytest.raises(BadConfig, match="part"):
         ShardWorker(plan, 0 + 2 * plan.lane_count, object())  # type: ignore[arg-type]
+
+
+def test_a_plan_listing_no_shards_and_naming_no_parts_is_refused_naming_what_it_needs(file_place, make_job):
+    from bij.contract.plan import BadPlan
+
+    job = planned_job(file_place, make_job)
+    plan_round(job, 0)
+    doc = json.loads(file_place.storage.read_bytes(layout.round_manifest_uri(job, 0)))
+    for broken in ({k: v for k, v in doc.items() if k != "shards"}, {**doc, "shardCount": 4}):
+        with pytest.raises(BadPlan, match="needs shards, or shardCount and partShards"):
+            Plan.from_doc(broken, "round plan x")

@@ -221,11 +221,16 @@ class Plan(_Doc):
             raise BadPlan(f"{source} is not a JSON object")
         try:
             job = parse_job(doc.get("job"), source)  # the spec's own messages name the bad field
-            return cls.model_validate({**doc, "job": job})
+            plan = cls.model_validate({**doc, "job": job})
         except SpecError as e:
             raise BadPlan(str(e)) from None
         except ValidationError as e:
             raise BadPlan(f"{source} is not a round plan: {validation_problems(e)}") from None
+        # One document lists its shards; a head says how many there are and how its parts hold them.
+        if (plan.shard_count is None) != (plan.part_shards is None) or (
+                not plan.in_parts and "shards" not in plan.model_fields_set):
+            raise BadPlan(f"{source} is not a round plan: it needs shards, or shardCount and partShards")
+        return plan
 
     @classmethod
     def from_json(cls, data: bytes, source: str = "round plan") -> Plan:
