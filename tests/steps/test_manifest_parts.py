@@ -111,3 +111,15 @@ def test_a_manifest_with_as_many_files_as_a_part_holds_stays_one_document():
     w.add("errorFiles", [{"path": "e"}])
     assert w.finish() == {"files": [{"path": "a"}, {"path": "b"}], "errorFiles": [{"path": "e"}], "cappedFiles": []}
     assert written == []
+
+
+def test_starting_over_deletes_the_manifest_and_then_its_parts(file_place, make_job, run_shards, monkeypatch):
+    from bij.steps.planner import reset_output
+
+    job = published_job(file_place, make_job, run_shards)
+    monkeypatch.setenv("BIJ_MANIFEST_PART_FILES", "2")
+    manifest = publish(job)
+    assert manifest_lists.part_paths(manifest)
+    reset_output(job)
+    assert not file_place.storage.exists(layout.manifest_uri(job))
+    assert not file_place.storage.list(layout.join(job.spec.output.uri, manifest_lists.PARTS_FOLDER) + "/")

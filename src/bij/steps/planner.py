@@ -26,6 +26,7 @@ import orjson
 import zstandard
 
 from bij.contract import layout
+from bij.contract import manifest as manifest_lists
 from bij.contract.canary import canary_rows, leading_shards
 from bij.contract.columns import clash_message, first_clash
 from bij.contract.errors import BijError
@@ -558,8 +559,19 @@ def claim_output(job: BatchInferenceJob, store: Storage) -> None:
             f"{owner.namespace}/{owner.name} (recorded in {uri}); two jobs must not share an "
             "output: choose another spec.output.uri, or delete that job's output first")
     if owner.id != mine.id:
-        store.delete(layout.manifest_uri(job))
+        delete_manifest(job, store)
         store.write_bytes(uri, body)
+
+
+def delete_manifest(job: BatchInferenceJob, store: Storage) -> None:
+    """Delete the job's manifest, then the manifest parts it names (a manifest of many files)."""
+    try:
+        parts = manifest_lists.part_paths(orjson.loads(store.read_bytes(layout.manifest_uri(job))))
+    except (NotFound, ValueError):
+        parts = []
+    store.delete(layout.manifest_uri(job))
+    for path in parts:
+        store.delete(layout.join(job.spec.output.uri, path))
 
 
 def output_standing(job: BatchInferenceJob, store: Storage) -> Literal["ours", "unclaimed", "refused"]:
@@ -585,7 +597,7 @@ def reset_output(job: BatchInferenceJob) -> int:
     An output that overlaps the input is refused first (`PlanRefused`): those would be the input's files."""
     check_places(job)
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
-    store.delete(layout.manifest_uri(job))  # first: no reader may trust it over what follows
+    delete_manifest(job, store)  # first: no reader may trust it over what follows
     objects = store.list(layout.state_prefix(job) + "/")
     for o in objects:
         store.delete(o.uri)
