@@ -28,7 +28,7 @@ from bij.contract.records import ShardRecord
 from bij.contract.spec import BatchInferenceJob
 from bij.contract.step_report import REMOVAL_FAILED
 from bij.steps import publish_rows
-from bij.steps.progress import DoneIndexes, damage_records, read_records
+from bij.steps.progress import DoneIndexes, damage_records, read_in_order, read_records
 from bij.steps.removal import Removal, remove_work_files, removed_record, resume_removal
 from bij.storage import NotFound, Storage, open_storage
 from bij.storage.parquet import id_kind
@@ -285,8 +285,10 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
     _read_done(store, plans, t, partial=pplan.partial is not None)
     not_run = 0
     t.rounds = [{"round": r, "shards": p.shard_total, "rows": 0, "errors": 0} for r, p in enumerate(plans)]
-    for unit in range(pplan.unit_count):
-        summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan.prefix, unit)))
+    # In unit order (the file lists are), a bounded number of reads in flight: one round trip each on S3.
+    uris = (layout.publish_summary_uri(pplan.prefix, unit) for unit in range(pplan.unit_count))
+    for data in read_in_order(store, uris):
+        summary = json.loads(data)
         c = summary["counts"]
         for key in manifest_lists.LISTS:
             lists.add(key, summary[key])
