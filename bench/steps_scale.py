@@ -8,11 +8,15 @@ summaries of one file each. Each step then runs alone in a child process, which 
 - finish: the finish step's statistics (`steps.main.finish_round`);
 - publish-plan: `steps.publish.prepare_publish`, the completion records and the publish plan;
 - manifest: `steps.publish.finish_publish` (output.keepIntermediate true: no removal timed);
-- plan-read: what a lane does first, reading the round plan (`Plan.from_json`).
+- plan-read: what lane 0 reads of the round plan to work its own shards (`Plan.from_json`, and where the
+  plan is written in parts, `Plan.pieces` of each of its shards: the head and its parts, a few kept).
 
 The same children run the code of the base commit (--base, default main, exported with `git archive`)
-in the same run, on the same storage: the anchor. Targets (issue 38): peak RSS within 1.3x from the
-smallest to the largest N and under 512 MB; time per shard within 1.5x.
+in the same run, on the same storage: the anchor. The round plan is simulated as one document (what the
+base reads); before the new side's children run it is rewritten as the plan step of this version writes
+it (`planner.write_plan`: parts above `PART_SHARDS` shards), where that exists, and the base's manifest is
+removed (both sides publish a job never published before). Targets (issue 38): peak
+RSS within 1.3x from the smallest to the largest N and under 512 MB; time per shard within 1.5x.
 
     python bench/steps_scale.py [--shards 10000,100000] [--base main] [--keep]
 """
@@ -110,7 +114,18 @@ def child(step: str, root: Path) -> int:
         finish_publish(job, 1, pplan)
     elif step == "plan-read":
         uri = layout.round_manifest_uri(job, 0)
-        Plan.from_json(Path(uri.removeprefix("file://")).read_bytes(), uri)
+
+        def read(u: str) -> bytes:
+            return Path(u.removeprefix("file://")).read_bytes()
+
+        plan = Plan.from_json(read(uri), uri)
+        if hasattr(plan, "with_reader"):  # plans in parts: a lane reads its own shards' parts
+            plan = plan.with_reader(read)
+            for s in range(0, plan.shard_total, plan.lane_count):
+                plan.pieces(s)
+        else:
+            for s in range(0, len(plan.shards), plan.lane_count):
+                plan.shards[s]
     seconds = time.perf_counter() - t0
     print(json.dumps({"seconds": seconds, "rssMb": peak_rss_mb()}))
     return 0
@@ -128,6 +143,21 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def write_as_planned(src: Path, root: Path) -> None:
+    """Rewrite the simulated one-document plan as `src`'s plan step writes it (in parts where it would), and
+    remove the manifest the base's manifest step wrote: publish-plan and the manifest step read a manifest
+    already there (a republish), which the base's would make one of 100,000s of files."""
+    code = ("import sys; from pathlib import Path; from bij.contract import layout; "
+            "from bij.contract.plan import Plan; "
+            "from bij.contract.spec import parse_job; from bij.storage import open_storage; "
+            "from bij.steps import planner; import steps_scale as s; "
+            "job = parse_job(s.job_doc(Path(sys.argv[1]))); uri = layout.round_manifest_uri(job, 0); "
+            "store = open_storage(uri, None); store.delete(layout.manifest_uri(job)); "
+            "hasattr(planner, 'write_plan') and planner.write_plan(store, uri, Plan.from_json(store.read_bytes(uri)))")
+    subprocess.run([sys.executable, "-c", code, str(root)], check=True,
+                   env={**harness.os.environ, "PYTHONPATH": f"{src}:{Path(__file__).parent}"})
+
+
 def run_child(src: Path, step: str, root: Path) -> dict[str, float]:
     proc = subprocess.run([sys.executable, __file__, "--child", step, str(root)], capture_output=True, text=True,
                           env={**harness.os.environ, "PYTHONPATH": str(src)})
@@ -139,17 +169,20 @@ def run_child(src: Path, step: str, root: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, rows=0, repeats=1)
     p.add_argument("--shards", default="10000,100000", help="comma-separated shard counts")
-    p.add_argument("--base", default="main", help="the commit whose steps are the anchor")
+    p.add_argument("--base", default="main", help="the commit whose steps are the anchor ('none': no anchor, "
+                   "for N where the base would need GBs)")
     args = harness.parse(p, argv)
     counts = [int(n) for n in args.shards.split(",")]
     report = harness.Report("steps_scale")
     work = Path(tempfile.mkdtemp(prefix="bij-steps-scale-"))
     base = work / "base"
     base.mkdir()
-    archive = subprocess.run(["git", "-C", str(harness.REPO), "archive", args.base, "src"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
-    sides = {"new": harness.REPO / "src", "base": base / "src"}
+    sides = {"new": harness.REPO / "src"}
+    if args.base != "none":
+        archive = subprocess.run(["git", "-C", str(harness.REPO), "archive", args.base, "src"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        sides["base"] = base / "src"
     results: dict[str, dict[str, dict[int, dict[str, float]]]] = {s: {k: {} for k in STEPS} for s in sides}
     try:
         for n in counts:
@@ -157,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             simulate(root, n)
             print(f"simulated {n:,} shards in {time.perf_counter() - t0:.0f}s", flush=True)
-            for step in STEPS:  # the manifest step reads the publish plan the publish-plan step wrote
-                for side, src in sides.items():
-                    m = results[side][step][n] = run_child(src, step, root)
+            # The base first, on the one-document plan; then the plan as this version writes it, for the new.
+            for side in [s for s in ("base", "new") if s in sides]:
+                if side == "new":
+                    write_as_planned(sides[side], root)
+                for step in STEPS:  # the manifest step reads the publish plan the publish-plan step wrote
+                    m = results[side][step][n] = run_child(sides[side], step, root)
                     print(f"{side:4} {step:12} {n:>9,} shards: {m['rssMb']:7.1f} MB peak RSS, "
                           f"{m['seconds']:7.2f} s ({m['seconds'] / n * 1e6:6.1f} us/shard)", flush=True)
             if not args.keep:
@@ -174,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 report.ratio(f"{side} {step} s/shard {hi}/{lo}", per, TIME_FLAT if target else None, False)
                 if target:
                     report.ratio(f"{side} {step} peak RSS MB at {hi}", b["rssMb"], RSS_MB, False)
-            report.ratio(f"{step} RSS new/base at {hi}",
-                         results["new"][step][hi]["rssMb"] / results["base"][step][hi]["rssMb"], None)
+            if "base" in sides:
+                report.ratio(f"{step} RSS new/base at {hi}",
+                             results["new"][step][hi]["rssMb"] / results["base"][step][hi]["rssMb"], None)
         report.details["results"] = results
     finally:
         if not args.keep:

@@ -302,7 +302,13 @@ def read_output() -> Any:
                 rows += got
             return rows
 
-        return Output(manifest, rows_of(manifest["files"]), rows_of(manifest["errorFiles"]), raw)
+        from bij.contract.manifest import listed
+
+        def read_listed(path: str) -> bytes:  # a manifest part (one with more files than a part holds)
+            return store.read_bytes(out_uri + path)
+
+        return Output(manifest, rows_of(listed(manifest, "files", read_listed)),
+                      rows_of(listed(manifest, "errorFiles", read_listed)), raw)
 
     return read
 
@@ -524,7 +530,7 @@ def run_shards() -> Any:
             engine = RecordingEcho(m.task, m.max_input_tokens, truncate=m.truncates)
         run.engine = engine  # type: ignore[attr-defined]
         engine.load()
-        todo = range(len(plan.shards)) if indexes is None else indexes
+        todo = range(plan.shard_total) if indexes is None else indexes
         return {i: ShardWorker(plan, i, engine, **kw).run() for i in todo}
 
     return run

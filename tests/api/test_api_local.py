@@ -89,6 +89,27 @@ def test_a_completed_batch_has_its_usage_and_when_it_finalized(echo_api: Server,
     assert {line["response"]["body"]["model"] for line in out} == {"tiny-chat"}
 
 
+def test_an_output_file_whose_manifest_lists_its_files_in_parts_is_the_one_it_lists_in_one_document(
+        echo_api: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = echo_api.client
+    lines = [chat(i) for i in range(80)]  # three shards of 6000 bytes: three result files
+    served = {}
+    for parts in ("", "1"):  # one document; then every file in a part of its own
+        monkeypatch.setenv("BIJ_MANIFEST_PART_FILES", parts)
+        b = c.batches.create(input_file_id=upload(c, tmp_path, lines).id, endpoint="/v1/chat/completions",
+                             completion_window="24h")
+        assert echo_api.run(b.id) == 0
+        done = c.batches.retrieve(b.id)
+        manifest = json.loads(Path(echo_api.objects.items[(NAMESPACE, bij_name(b.id))]["status"]["manifestUri"]
+                                   .removeprefix("file://")).read_text())
+        assert ("parts" in manifest) == bool(parts) and (parts or len(manifest["files"]) > 1)
+        file = c.files.retrieve(done.output_file_id or "")
+        out = lines_of(c, done.output_file_id or "")
+        served[parts] = ([line["custom_id"] for line in out], [line["response"]["body"]["choices"] for line in out],
+                         file.bytes)
+    assert served[""] == served["1"] and len(served[""][0]) == 80
+
+
 def test_an_expired_batch_writes_each_request_never_run_as_batch_expired(echo_api: Server, tmp_path: Path) -> None:
     c = echo_api.client
     lines = [chat(i) for i in range(1000)]

@@ -237,7 +237,7 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
     assert inline["counts"]["duplicates"] == 2
     plan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
     assert plan.buckets == 13  # 124 rows, 10 ids a bucket
-    shards = len(plan.units)
+    shards = plan.unit_count
     # Two processes a pass, each working every other index of it.
     assert sorted((s["pass"], s["index"], s["indexes"]) for s in stats) == sorted(
         [(p, k, len(range(k, n, 2))) for p, n in (("ids", shards), ("dedupe", 13), ("write", shards))
@@ -302,7 +302,7 @@ def test_publishing_writes_objects_by_shards_and_output_parts_never_shards_times
     manifest = publish(job, bucket_rows=1000 // 100)  # 21 buckets of 10 ids
     prefix = layout.publish_prefix(job)
     plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
-    shards, buckets = len(plan.units), plan.buckets
+    shards, buckets = plan.unit_count, plan.buckets
     assert shards >= 8 and buckets == 21 and manifest["counts"]["duplicates"] == 5
     parts = sum(len(manifest[k]) for k in ("files", "errorFiles", "cappedFiles"))
     losers = [u for u in written if "/losers/" in u]
@@ -327,7 +327,7 @@ def test_a_publish_whose_ids_pass_ran_on_an_older_version_goes_on_from_its_bucke
     assert sum(len(places) for v in losers.values() for places in json.loads(v).values()) == 5
     # What a pass 1 of an older version left: a file per shard and bucket (zstd, or plain before that), and
     # order.json.
-    for unit in range(len(plan.units)):
+    for unit in range(plan.unit_count):
         for b in range(plan.buckets):
             data = publish_rows._read_ids(store, prefix, unit, b)
             uri = layout.publish_bucket_ids_uri(prefix, unit, b)
@@ -417,7 +417,7 @@ def test_a_job_whose_ids_are_all_generated_publishes_without_the_ids_and_dedupe_
     prefix = layout.publish_prefix(job)
     plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
     assert plan.unique_ids and (plan.count("ids"), plan.count("dedupe")) == (0, 0)
-    assert {s["pass"] for s in stats} == {"write"} and len(plan.units) >= 3
+    assert {s["pass"] for s in stats} == {"write"} and plan.unit_count >= 3
     assert file_place.storage.list(f"{prefix}/ids/") == []
     out = read_output(job)
     assert [r["output"] for r in out.results] == [r["text"] for r in inputs[:-1]]
@@ -425,7 +425,7 @@ def test_a_job_whose_ids_are_all_generated_publishes_without_the_ids_and_dedupe_
     # In this process (the passes' processes are their own): each shard's log is read once, by the write pass.
     scans.clear()
     publish(job)
-    assert sorted(scans) == sorted(u[2] for u in plan.units)
+    assert sorted(scans) == sorted(plan.unit(i)[2] for i in range(plan.unit_count))
 
 
 def test_an_id_given_as_another_rows_generated_id_still_loses_to_it(file_place, make_job, run_shards, read_output):
@@ -520,6 +520,19 @@ def test_a_publish_plan_written_before_the_typed_model_loads_and_is_written_byte
     doc = {**json.loads(OLD_PUBLISH_PLAN), "format": "jsonl", "idKind": None, "fileRows": 10}
     plan = PublishPlan.from_json(json.dumps(doc).encode())
     assert (plan.id_kind, plan.file_rows) == (None, 10) and json.loads(plan.to_json()) == doc
+
+
+def test_the_publish_plan_names_each_rounds_shard_count_not_each_shard(tmp_path):
+    # Its size, and the memory of every pass that reads it, stays the same whatever the shards.
+    doc = {**json.loads(OLD_PUBLISH_PLAN), "roundShards": [[2, "file:///data/out/_bij/job-1/round-0"],
+                                                           [1, "file:///data/out/_bij/job-1/round-1"]]}
+    del doc["units"]
+    plan = PublishPlan.from_json(json.dumps(doc).encode())
+    old = PublishPlan.from_json(OLD_PUBLISH_PLAN.encode())
+    assert [plan.unit(i) for i in range(plan.unit_count)] == old.units
+    assert (plan.count("ids"), plan.count("write")) == (3, 3) and "units" not in json.loads(plan.to_json())
+    with pytest.raises(IndexError, match="unit 3"):
+        plan.unit(3)
 
 
 @pytest.mark.parametrize("data, says", [

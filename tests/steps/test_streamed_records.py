@@ -122,3 +122,33 @@ def test_done_indexes_are_a_bitmap() -> None:
     assert list(done) == [0, 3, 9, 1_000_000]
     assert done.first_missing(4) == 1 and DoneIndexes().first_missing(0) is None
     assert len(done._bits) <= 2 * (1_000_000 // 8 + 1)  # bits, not a set of ints
+
+
+def test_objects_read_in_order_keep_their_order_with_reads_in_flight(tmp_path):
+    import threading
+    import time as _time
+
+    from bij.steps.progress import read_in_order
+    from bij.storage import FileStorage
+
+    store = FileStorage()
+    uris = []
+    for i in range(40):
+        path = tmp_path / f"{i:03d}.json"
+        path.write_bytes(str(i).encode())
+        uris.append(path.as_uri())
+    busy, most = [0], [0]
+    lock = threading.Lock()
+
+    class Slow:
+        def read_bytes(self, uri: str) -> bytes:
+            with lock:
+                busy[0] += 1
+                most[0] = max(most[0], busy[0])
+            _time.sleep(0.01 if uri.endswith("0.json") else 0.001)  # later reads land first
+            with lock:
+                busy[0] -= 1
+            return store.read_bytes(uri)
+
+    got = [int(b) for b in read_in_order(Slow(), uris, in_flight=8)]  # type: ignore[arg-type]
+    assert got == list(range(40)) and 1 < most[0] <= 8

@@ -63,6 +63,7 @@ from bij.api.errors import (
 )
 from bij.api.files import MAX_MODELS, FileStore, new_id
 from bij.api.models import ModelMap, ModelMapError, job_doc
+from bij.contract import manifest as manifest_lists
 from bij.contract.codes import OPENAI_ENDPOINTS, PLURAL
 from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from bij.storage import NotFound
@@ -239,10 +240,11 @@ class Api:
             manifest = await self._manifest(bij)
             if manifest is None:
                 raise NotFoundError(f"no file {file_id}: batch {batch_id} has not ended")
-            listed = manifest["files" if kind == "output" else "errorFiles"]
+            base = manifest["outputUri"].rstrip("/") + "/"
+            key = "files" if kind == "output" else "errorFiles"
+            listed = await asyncio.to_thread(self._listed, manifest, key, base)
             if not listed:
                 raise NotFoundError(f"no file {file_id}: batch {batch_id} has no {kind} rows")
-            base = manifest["outputUri"].rstrip("/") + "/"
             obj = {"id": file_id, "object": "file", "bytes": sum(int(f["bytes"]) for f in listed),
                    "created_at": batch_object(bij)["completed_at"] or batch_object(bij)["created_at"],
                    "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output", "status": "processed",
@@ -313,6 +315,10 @@ class Api:
         return web.json_response(self._model_object(request.match_info["id"]))
 
     # --- batches --------------------------------------------------------------------------------
+
+    def _listed(self, manifest: dict[str, Any], key: str, base: str) -> list[dict[str, Any]]:
+        """One of a manifest's file lists, read from its parts where it has them (`contract.manifest`)."""
+        return manifest_lists.listed(manifest, key, lambda path: self.files.store.read_bytes(base + path))
 
     async def _manifest(self, bij: dict[str, Any]) -> dict[str, Any] | None:
         """The manifest of an ended batch (completed, cancelled or expired), else None."""

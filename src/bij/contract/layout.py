@@ -7,6 +7,7 @@
                                                     (`partition_stem`), .parquet for Parquet results
     <output>/_bij/owner.json                        which job owns this output (namespace, name, id)
     <output>/_bij/<job_id>/round-<r>/shards.json    the round plan (written once)
+    <output>/_bij/<job_id>/round-<r>/plan/<lane>-<chunk>.json  a part of a large round plan
     <output>/_bij/<job_id>/round-<r>/shards/<index>/   durable logs of one shard (one per writer, zstd frames)
     <output>/_bij/<job_id>/round-<r>/done/<index>.json  a shard's completion record
     <output>/_bij/<job_id>/round-<r>/progress/<index>.json  a running shard's live counts
@@ -147,6 +148,11 @@ def publish_prefix(job: BatchInferenceJob) -> str:
 
 
 # --- one round, from its plan's round prefix ------------------------------------------------------
+
+
+def plan_part_uri(round_prefix: str, lane: int, chunk: int) -> str:
+    """A part of a round plan written in parts (`contract.plan`): some of one lane's own shards."""
+    return join(round_prefix, "plan", f"{lane:05d}-{chunk:05d}.json")
 
 
 def shard_prefix(round_prefix: str, index: int) -> str:

@@ -4,12 +4,16 @@ publish pass (`bij.steps.publish_rows`) and the operator's finish step read.
 On disk it is camelCase JSON:
 
     {"prefix": <output>/_bij/<job_id>/publish, "outputUri": ...,
-     "units": [[round, shard, shardPrefix], ...], "objectNames": [[name, ...] per round],
+     "roundShards": [[shards, roundPrefix] per round], "objectNames": [[name, ...] per round],
      "bucketRows": N, "buckets": B, "compression": "zstd" | "none", "format": "jsonl" | "parquet",
      "task": ..., "judge": bool, "idKind": "int" | "str" | "mixed" | null, "fileRows"?: N,
      "s3": {"endpointUrl"?: ..., "region"?: ...}, "partial"?: "Cancelled" | "Expired", "roundPlans"?: [uri, ...],
      "partitionBy"?: "input", "unitObjects"?: [[object index, ...] per unit], "partitions"?: [stem, ...],
      "uniqueIds"?: true}
+
+The passes' units are the rounds' shards in order, one index each (`unit`): a plan names each round's
+shard count and prefix, so it stays small whatever the shards. A plan written before lists every unit
+instead, `"units": [[round, shard, shardPrefix], ...]`, and is read as it is.
 
 `partitionBy` input (spec.output.partitionBy): the write pass publishes one file per input object, named
 `partitions[object]` (`layout.partition_stem`), for the objects of each unit (`unitObjects`: each lies
@@ -29,6 +33,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.alias_generators import to_camel
 
+from bij.contract import layout
 from bij.contract.errors import BijError, json_object, validation_problems
 
 PASSES = ("ids", "dedupe", "write")  # the row-level publish passes, in the order they run
@@ -52,7 +57,8 @@ class PublishPlan(BaseModel):
 
     prefix: str
     output_uri: str
-    units: list[Unit]
+    units: list[Unit] = []  # a plan written before roundShards: every unit listed
+    round_shards: list[tuple[int, str]] = []  # per round: (shards, round prefix), its units in order
     object_names: list[list[str]]  # per round, its objects' display names (error rows name them)
     bucket_rows: int
     buckets: int
@@ -89,6 +95,10 @@ class PublishPlan(BaseModel):
             del doc["partitionBy"], doc["unitObjects"], doc["partitions"]
         if not self.unique_ids:
             del doc["uniqueIds"]
+        if not self.round_shards:
+            del doc["roundShards"]
+        elif not self.units:
+            del doc["units"]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
@@ -105,4 +115,20 @@ class PublishPlan(BaseModel):
         dedupe where no id can repeat."""
         if self.unique_ids and pass_name in ("ids", "dedupe"):
             return 0
-        return self.buckets if pass_name == "dedupe" else len(self.units)
+        return self.buckets if pass_name == "dedupe" else self.unit_count
+
+    @property
+    def unit_count(self) -> int:
+        """The per-shard passes' indexes: every shard of every round."""
+        return len(self.units) if self.units else sum(n for n, _ in self.round_shards)
+
+    def unit(self, index: int) -> Unit:
+        """(round, shard, the shard's prefix) of a per-shard index."""
+        if self.units:
+            return self.units[index]
+        at = index
+        for r, (n, prefix) in enumerate(self.round_shards):
+            if 0 <= at < n:
+                return r, at, layout.shard_prefix(prefix, at)
+            at -= n
+        raise IndexError(f"unit {index} is out of range: the publish plan has {self.unit_count}")

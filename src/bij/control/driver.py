@@ -41,6 +41,7 @@ from bij.contract.codes import GENERATION_LABEL
 from bij.contract.efficiency import eta_seconds, fmt_duration
 from bij.contract.fingerprint import field_digests
 from bij.contract.lane_report import LaneTally
+from bij.contract.manifest import file_count
 from bij.contract.notify import body as notify_body
 from bij.contract.notify import delivery_id
 from bij.contract.notify import headers as notify_headers
@@ -625,11 +626,11 @@ class Driver:
         counts = manifest.get("counts") or {}
         uri = layout.manifest_uri(job)
         partial = (manifest.get("partial") or {}).get("phase")
-        files = manifest.get("files") or 0
+        files = file_count(manifest)
         codes = counts.get("errorCodes") or {}
         by_code = (": " + ", ".join(f"{n} {code}" for code, n in sorted(codes.items(), key=lambda e: -e[1]))
                    if codes else "")
-        msg = (f"published {counts.get('rows', 0)} rows in {files if isinstance(files, int) else len(files)} files "
+        msg = (f"published {counts.get('rows', 0)} rows in {files} files "
                f"({counts.get('errors', 0)} error rows{by_code}) to {uri}")
         if partial:
             msg = (f"{partial.lower()} ({manifest['partial'].get('reason', '')}): " + msg

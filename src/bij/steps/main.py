@@ -30,6 +30,7 @@ from bij.contract import layout
 from bij.contract.canary import MOST_EXAMPLES, CanaryFigures
 from bij.contract.efficiency import cost
 from bij.contract.fingerprint import PlanRefused
+from bij.contract.manifest import file_count
 from bij.contract.rounds import RoundSums
 from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
 from bij.contract.step_report import MOST_MESSAGE, REMOVAL_FAILED, StepError, StepErrorCode, StepReport
@@ -170,7 +171,7 @@ def canary_figures(job: BatchInferenceJob, shards: int) -> dict[str, Any]:
 def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """What the operator says about a published manifest (counts, file count, damaged objects)."""
     damaged = [{"message": str(o.get("message"))} for o in manifest.get("damagedObjects") or []]
-    summary = {"counts": dict(manifest.get("counts") or {}), "files": len(manifest.get("files") or []),
+    summary = {"counts": dict(manifest.get("counts") or {}), "files": file_count(manifest),
                "damagedObjects": damaged[:MOST_DAMAGED], "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
     notes = [str(n)[:MOST_MESSAGE] for n in manifest.get("notes") or []]
     if notes:  # what the engine could not serve at all, once each (a few: they go into the status message)

@@ -26,6 +26,7 @@ import orjson
 import zstandard
 
 from bij.contract import layout
+from bij.contract import manifest as manifest_lists
 from bij.contract.canary import canary_rows, leading_shards
 from bij.contract.columns import clash_message, first_clash
 from bij.contract.errors import BijError
@@ -75,13 +76,13 @@ class RoundPlan:
 def _round_plan(uri: str, plan: Plan) -> RoundPlan:
     objects = plan.objects
     if any(o.row_groups is not None for o in objects):
-        return RoundPlan(uri, len(plan.shards), len(objects),
+        return RoundPlan(uri, plan.shard_total, len(objects),
                          sum(sum(o.row_groups or []) for o in objects), "rows", plan.lane_count)
-    return RoundPlan(uri, len(plan.shards), len(objects), sum(o.size for o in objects), lanes=plan.lane_count)
+    return RoundPlan(uri, plan.shard_total, len(objects), sum(o.size for o in objects), lanes=plan.lane_count)
 
 
 def _with_canary(job: BatchInferenceJob, rp: RoundPlan, plan: Plan) -> RoundPlan:
-    if plan.round != 0 or job.spec.canary is None or not plan.shards:
+    if plan.round != 0 or job.spec.canary is None or not plan.shard_total:
         return rp
     return dataclasses.replace(rp, canary_shards=canary_shard_count(job, job.spec.canary, plan))
 
@@ -92,13 +93,15 @@ def canary_shard_count(job: BatchInferenceJob, spec: CanarySpec, plan: Plan) -> 
     `SAMPLE_BYTES` (uncompressed), so the canary runs whole shards: more rows than asked, or a few less
     where later lines are shorter than those."""
     objects = plan.objects
+    shard_rows = [0.0] * plan.shard_total
     if any(o.row_groups is not None for o in objects):
-        shard_rows = [float(sum(sum((objects[o].row_groups or [])[a:b]) for o, a, b in pieces))
-                      for pieces in plan.shards]
+        for index, pieces in plan.iter_pieces():
+            shard_rows[index] = float(sum(sum((objects[o].row_groups or [])[a:b]) for o, a, b in pieces))
     else:
         head = objects[0].uri
         per_row = mean_row_bytes(open_storage(head, job.spec.storage.s3), head, is_compressed(head))
-        shard_rows = [sum(b - a for _, a, b in pieces) / per_row for pieces in plan.shards]
+        for index, pieces in plan.iter_pieces():
+            shard_rows[index] = sum(b - a for _, a, b in pieces) / per_row
     return leading_shards(shard_rows, canary_rows(spec, sum(shard_rows)))
 
 
@@ -256,23 +259,34 @@ def check_first_rows(job: BatchInferenceJob, objects: list[ObjectInfo]) -> None:
             raise PlanError(f"spec.input.passThrough: {clash_message(clash, f'line 1 of {o.uri}')}")
 
 
-def first_line(storage: Storage, uri: str, compressed: bool) -> bytes | None:
-    """An object's first line (decompressed for .zst), or None when it is longer than FIRST_ROW_BYTES
-    or cannot be read here (the worker reads it and says what is wrong)."""
+def read_head(storage: Storage, uri: str, compressed: bool, limit: int, stop_at_line: bool = False) -> bytes | None:
+    """An object's first `limit` bytes or more (decompressed for .zst; all of it when shorter), read in 64 KiB
+    blocks; with `stop_at_line` only until its first newline. None when it cannot be read here."""
     try:
         with storage.open_read(uri) as raw:
             stream: Any = zstandard.ZstdDecompressor().stream_reader(raw) if compressed else raw
             head = b""
-            while len(head) < FIRST_ROW_BYTES:
+            while len(head) < limit:
                 part = stream.read(64 << 10)
                 if not part:
-                    return head
+                    break
                 head += part
-                if b"\n" in head:
-                    return head.split(b"\n", 1)[0]
+                if stop_at_line and b"\n" in part:
+                    break
+            return head
     except (StorageError, zstandard.ZstdError, OSError):
         return None
-    return None
+
+
+def first_line(storage: Storage, uri: str, compressed: bool) -> bytes | None:
+    """An object's first line (decompressed for .zst), or None when it is longer than FIRST_ROW_BYTES
+    or cannot be read here (the worker reads it and says what is wrong)."""
+    head = read_head(storage, uri, compressed, FIRST_ROW_BYTES, stop_at_line=True)
+    if head is None:
+        return None
+    if b"\n" in head:
+        return head.split(b"\n", 1)[0]
+    return head if len(head) < FIRST_ROW_BYTES else None
 
 
 # What the canary's estimate of rows per byte reads of the input's first object.
@@ -282,16 +296,8 @@ SAMPLE_BYTES = 256 << 10
 def mean_row_bytes(storage: Storage, uri: str, compressed: bool) -> float:
     """The mean length of the lines in an object's first SAMPLE_BYTES (decompressed for .zst; a .zst shard's
     bytes are compressed, so there it counts fewer rows than there are); 1 KiB when none can be read."""
-    try:
-        with storage.open_read(uri) as raw:
-            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw) if compressed else raw
-            head = b""
-            while len(head) < SAMPLE_BYTES:
-                part = stream.read(64 << 10)
-                if not part:
-                    break
-                head += part
-    except (StorageError, zstandard.ZstdError, OSError):
+    head = read_head(storage, uri, compressed, SAMPLE_BYTES)
+    if head is None:
         return 1024.0
     lines = head.count(b"\n")
     if not lines:
@@ -386,7 +392,7 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
             changes = input_changes(planned.objects, current)
             replaced = take_replacements(store, planned, current) if changes else None
             if replaced is not None:
-                store.write_bytes(uri, replaced.to_json())
+                write_plan(store, uri, replaced)
                 return _with_canary(job, _round_plan(uri, replaced), replaced)
         if changes:
             raise PlanRefused(
@@ -399,7 +405,7 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
             # to publish after a round failed on one) tells them so.
             planned = planned.model_copy(update={"job": planned.job.model_copy(update={"spec": planned.spec.model_copy(
                 update={"input": planned.spec.input.model_copy(update={"on_damaged_object": wanted})})})})
-            store.write_bytes(uri, planned.to_json())
+            write_plan(store, uri, planned)
         return _with_canary(job, _round_plan(uri, planned), planned)
     parquet = is_parquet_round(job, round_no)
     objects = _list_input(job, input_uri, parquet)
@@ -416,7 +422,7 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
         check_partition_names(plan)
     # Only a job that passed every check writes: a refused one leaves its output as it was.
     take_output(job, store)
-    store.write_bytes(uri, plan.to_json())
+    write_plan(store, uri, plan)
     return _with_canary(job, _round_plan(uri, plan), plan)
 
 
@@ -456,19 +462,36 @@ def take_replacements(store: Storage, planned: Plan, current: list[ObjectInfo]) 
         objects[i] = before.model_copy(update={"size": after.size, "version": after.version,
                                                "prefix": (found.offset, found.sha256)})
     # A .zst object is one whole piece of one shard: only its end moves.
-    shards = [[(obj, start, objects[obj].size if objects[obj] is not planned.objects[obj] else end)
-               for obj, start, end in shard] for shard in planned.shards]
+    shards: list[list[Piece]] = [[] for _ in range(planned.shard_total)]
+    try:
+        for index, shard in planned.iter_pieces():
+            shards[index] = [(obj, start, objects[obj].size if objects[obj] is not planned.objects[obj] else end)
+                             for obj, start, end in shard]
+    except (BadPlan, NotFound) as e:
+        raise PlanError(f"round plan {planned.round_prefix}: {e}") from None
     fingerprint = planned.fingerprint and planned.fingerprint.model_copy(
         update={"input": digest([[o.uri, o.size, o.version] for o in objects])})
-    return planned.model_copy(update={"objects": objects, "shards": shards, "fingerprint": fingerprint})
+    # Written anew as a whole, and cut into parts again by `write_plan`.
+    return planned.model_copy(update={"objects": objects, "shards": shards, "fingerprint": fingerprint,
+                                      "shard_count": None, "part_shards": None})
 
 
 def read_plan(store: Storage, uri: str) -> Plan:
-    """A round plan already written; one that cannot be read is a planning error no retry fixes."""
+    """A round plan already written (its parts read on demand); one that cannot be read is a planning error
+    no retry fixes."""
     try:
-        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
     except BadPlan as e:
         raise PlanError(str(e)) from None
+
+
+def write_plan(store: Storage, uri: str, plan: Plan) -> None:
+    """Write a round plan: a large one as its parts first, then its head (`Plan.split`), so that the
+    head's presence means every part is there. A head read back is written alone (its parts stand)."""
+    head, parts = plan.split()
+    for part_uri, body in parts.items():
+        store.write_bytes(part_uri, body)
+    store.write_bytes(uri, head.to_json())
 
 
 def _list_input(job: BatchInferenceJob, input_uri: str, parquet: bool = False) -> list[ObjectInfo]:
@@ -536,8 +559,19 @@ def claim_output(job: BatchInferenceJob, store: Storage) -> None:
             f"{owner.namespace}/{owner.name} (recorded in {uri}); two jobs must not share an "
             "output: choose another spec.output.uri, or delete that job's output first")
     if owner.id != mine.id:
-        store.delete(layout.manifest_uri(job))
+        delete_manifest(job, store)
         store.write_bytes(uri, body)
+
+
+def delete_manifest(job: BatchInferenceJob, store: Storage) -> None:
+    """Delete the job's manifest, then the manifest parts it names (a manifest of many files)."""
+    try:
+        parts = manifest_lists.part_paths(orjson.loads(store.read_bytes(layout.manifest_uri(job))))
+    except (NotFound, ValueError):
+        parts = []
+    store.delete(layout.manifest_uri(job))
+    for path in parts:
+        store.delete(layout.join(job.spec.output.uri, path))
 
 
 def output_standing(job: BatchInferenceJob, store: Storage) -> Literal["ours", "unclaimed", "refused"]:
@@ -563,7 +597,7 @@ def reset_output(job: BatchInferenceJob) -> int:
     An output that overlaps the input is refused first (`PlanRefused`): those would be the input's files."""
     check_places(job)
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
-    store.delete(layout.manifest_uri(job))  # first: no reader may trust it over what follows
+    delete_manifest(job, store)  # first: no reader may trust it over what follows
     objects = store.list(layout.state_prefix(job) + "/")
     for o in objects:
         store.delete(o.uri)
@@ -576,4 +610,4 @@ def plan_shards_for(job: BatchInferenceJob, round_no: int = 0) -> int:
     parquet = is_parquet_round(job, round_no)
     objects = _list_input(job, input_uri, parquet)
     footers = read_footers(job, objects) if parquet else None
-    return len(build_plan(job, round_no, objects, input_uri, footers=footers).shards)
+    return build_plan(job, round_no, objects, input_uri, footers=footers).shard_total

@@ -128,6 +128,23 @@ def read_records(store: Storage, folder: str, what: str = "completion",
                 future.cancel()
 
 
+def read_in_order(store: Storage, uris: Iterable[str], in_flight: int = READS_IN_FLIGHT) -> Iterator[bytes]:
+    """Each object's bytes, in the order of `uris`, with up to `in_flight` reads at a time (as
+    `read_records`, for objects whose names are known and whose order counts)."""
+    pending: deque[Future[bytes]] = deque()
+    with ThreadPoolExecutor(max(1, in_flight), thread_name_prefix="bij-reads") as pool:
+        try:
+            for uri in uris:
+                pending.append(pool.submit(store.read_bytes, uri))
+                if len(pending) >= in_flight:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:  # a consumer that stopped early (or a read that failed)
+                future.cancel()
+
+
 def round_tally(job: BatchInferenceJob, round_no: int, in_flight: int = READS_IN_FLIGHT) -> Tally:
     """The running sums of a round's completion records, read as a stream."""
     return Tally().add_all(stream_records(job, round_no, "done", in_flight))
@@ -159,7 +176,7 @@ def round_history(job: BatchInferenceJob, rounds: int) -> list[RoundStats]:
     for r in range(rounds):
         uri = layout.round_manifest_uri(job, r)
         plan = Plan.from_json(open_storage(uri, job.spec.storage.s3).read_bytes(uri), f"round plan {uri}")
-        out.append(round_tally(job, r).round.stats(r, len(plan.shards)))
+        out.append(round_tally(job, r).round.stats(r, plan.shard_total))
     return out
 
 

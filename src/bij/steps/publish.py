@@ -12,11 +12,13 @@ deterministic: publishing again gives the same files and the same manifest.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from bij.contract import layout
+from bij.contract import manifest as manifest_lists
 from bij.contract.canary import CanaryFigures, accuracy, estimate
 from bij.contract.efficiency import EfficiencySums, cost
 from bij.contract.errors import BijError
@@ -27,7 +29,7 @@ from bij.contract.records import ShardRecord
 from bij.contract.spec import BatchInferenceJob
 from bij.contract.step_report import REMOVAL_FAILED
 from bij.steps import publish_rows
-from bij.steps.progress import DoneIndexes, damage_records, read_records
+from bij.steps.progress import DoneIndexes, damage_records, read_in_order, read_records
 from bij.steps.removal import Removal, remove_work_files, removed_record, resume_removal
 from bij.storage import NotFound, Storage, open_storage
 from bij.storage.parquet import id_kind
@@ -57,9 +59,6 @@ class _Totals:
     tokens_in: int = 0
     tokens_out: int = 0
     reasoning_tokens: int = 0  # of tokens_out: what result rows' usage counts as reasoning
-    files: list[dict[str, Any]] = field(default_factory=list)
-    error_files: list[dict[str, Any]] = field(default_factory=list)
-    capped_files: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     # From the shards' completion records: how busy the engine was and what its prefix cache could reuse.
     busy_s: float = 0.0
@@ -131,7 +130,8 @@ class _Totals:
 def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> Plan:
     uri = layout.round_manifest_uri(job, round_no)
     try:
-        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+        # A plan written in parts is read as its head: its parts only where a shard's pieces are wanted.
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
     except NotFound:
         raise PublishError(f"round {round_no} was never planned") from None
     except BadPlan as e:
@@ -147,7 +147,12 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
     prefix = layout.publish_prefix(job)
     unit_objects: list[list[int]] = []
     if job.spec.output.partition_by == "input":
-        unit_objects = [sorted({obj for obj, _, _ in shard}) for p in plans for shard in p.shards]
+        unit_objects = [[] for _ in range(sum(p.shard_total for p in plans))]
+        first = 0
+        for p in plans:
+            for index, shard in p.iter_pieces():
+                unit_objects[first + index] = sorted({obj for obj, _, _ in shard})
+            first += p.shard_total
         counted = [obj for objs in unit_objects for obj in objs]
         if len(plans) != 1 or len(counted) != len(set(counted)):
             raise PublishError("output.partitionBy input needs one round whose shards hold whole input objects; "
@@ -156,8 +161,7 @@ def write_publish_plan(store: Storage, job: BatchInferenceJob, plans: list[Plan]
     plan = PublishPlan(
         prefix=prefix,
         output_uri=job.spec.output.uri,
-        units=[(r, index, layout.shard_prefix(p.round_prefix, index))
-               for r, p in enumerate(plans) for index in range(len(p.shards))],
+        round_shards=[(p.shard_total, p.round_prefix) for p in plans],
         object_names=[[o.display_name for o in p.objects] for p in plans],
         bucket_rows=bucket_rows,
         buckets=max(1, -(-rows // max(1, bucket_rows))),
@@ -184,7 +188,7 @@ def ids_cannot_repeat(plans: list[Plan], done: _Totals, partial: str | None) -> 
     every shard finished, its objects' display names distinct, and every final row's id none or generated
     from its own place (`placeIds` of the completion records: an id `<object>:<offset>` names one place).
     A record of an older worker, without `placeIds`, proves nothing. `done`: the sums of the records."""
-    if partial is not None or len(plans) != 1 or done.done_count != len(plans[0].shards):
+    if partial is not None or len(plans) != 1 or done.done_count != plans[0].shard_total:
         return False
     names = [o.display_name for o in plans[0].objects]
     if len(set(names)) != len(names):
@@ -259,30 +263,36 @@ def _read_done(store: Storage, plans: list[Plan], t: _Totals, partial: bool = Fa
     for r, plan in enumerate(plans):
         done = DoneIndexes()
         for index, rec in read_records(store, layout.done_folder(plan.round_prefix)):
-            if index < len(plan.shards):
+            if index < plan.shard_total:
                 done.add(index)
                 t.add_done(rec, (r, index))
-        missing = done.first_missing(len(plan.shards))
+        missing = done.first_missing(plan.shard_total)
         if missing is not None and not partial:
             raise PublishError(f"round {r} shard {missing} has not finished")
 
 
 def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> dict[str, Any]:
     """After the passes: the manifest from the completion records and the passes' per-shard summaries,
-    O(shards), written last in one atomic write; then the work files go (keepIntermediate false)."""
+    read one at a time into running sums; its file lists, where longer than `manifest.PART_FILES`, go
+    into manifest parts written as they fill. The manifest is written last in one atomic write; then the
+    work files go (keepIntermediate false)."""
     out_uri = job.spec.output.uri
     store = open_storage(out_uri, job.spec.storage.s3)
+    # A folder of its own for each publish's parts: a manifest already published keeps reading its own.
+    lists = manifest_lists.PartWriter(lambda path, body: store.write_bytes(layout.join(out_uri, path), body),
+                                      time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4))
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
     t = _Totals()
     _read_done(store, plans, t, partial=pplan.partial is not None)
     not_run = 0
-    t.rounds = [{"round": r, "shards": len(p.shards), "rows": 0, "errors": 0} for r, p in enumerate(plans)]
-    for unit in range(len(pplan.units)):
-        summary = json.loads(store.read_bytes(layout.publish_summary_uri(pplan.prefix, unit)))
+    t.rounds = [{"round": r, "shards": p.shard_total, "rows": 0, "errors": 0} for r, p in enumerate(plans)]
+    # In unit order (the file lists are), a bounded number of reads in flight: one round trip each on S3.
+    uris = (layout.publish_summary_uri(pplan.prefix, unit) for unit in range(pplan.unit_count))
+    for data in read_in_order(store, uris):
+        summary = json.loads(data)
         c = summary["counts"]
-        t.files += summary["files"]
-        t.error_files += summary["errorFiles"]
-        t.capped_files += summary["cappedFiles"]
+        for key in manifest_lists.LISTS:
+            lists.add(key, summary[key])
         t.rows += c["rows"]
         t.errors += c["errors"]
         t.capped += c["capped"]
@@ -322,9 +332,7 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
         "compression": job.spec.output.compression,
         "model": {"engine": job.spec.model.engine, "name": job.spec.model.name, "task": job.spec.model.task},
         "judge": job.spec.judge.type if job.spec.judge else None,
-        "files": t.files,
-        "errorFiles": t.error_files,
-        "cappedFiles": t.capped_files,
+        **lists.finish(),
         "counts": {"rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
                    "truncated": t.truncated, "inputRows": total + not_run,
                    "tokensIn": t.tokens_in, "tokensOut": t.tokens_out, "reasoningTokens": t.reasoning_tokens,
@@ -353,7 +361,10 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
     checked = canary_check(job, store, plans)
     if checked is not None:
         manifest["canary"] = checked
+    before = _published_parts(store, job)
     store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())
+    for path in sorted(set(before) - set(manifest_lists.part_paths(manifest))):
+        store.delete(layout.join(out_uri, path))  # parts of the manifest this one replaced
     if not job.spec.output.keep_intermediate:
         removal = remove_work_files(store, job, work_folders(plans, pplan))
         if removal.error is not None:
@@ -378,6 +389,14 @@ def canary_check(job: BatchInferenceJob, store: Storage, plans: list[Plan]) -> d
     est = estimate(figures, round0.bytes, min(plans[0].lane_count, w.parallelism), w.price_per_hour,
                    w.nodes_per_lane)
     return {"shards": figures.shards, **accuracy(est, round0, w.price_per_hour, w.nodes_per_lane)}
+
+
+def _published_parts(store: Storage, job: BatchInferenceJob) -> list[str]:
+    """The parts of the manifest published before this one, if any."""
+    try:
+        return manifest_lists.part_paths(json.loads(store.read_bytes(layout.manifest_uri(job))))
+    except (NotFound, ValueError):
+        return []
 
 
 def work_folders(plans: list[Plan], publish_plan: PublishPlan) -> list[str]:

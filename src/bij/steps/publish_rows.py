@@ -188,7 +188,7 @@ def run_ids(plan: PublishPlan, index: int, store: Storage) -> None:
     buckets = plan.buckets
     # bytearrays, not lists of orjson's bytes: each of those keeps a 4 KiB buffer.
     parts = [bytearray() for _ in range(buckets)]
-    unit = plan.units[index]
+    unit = plan.unit(index)
     last: tuple[int, int] = (-1, -1)
     ordered = True
     for rec in _records(store, unit, ordered=True):  # the log's own order: pass 1 needs no other
@@ -217,7 +217,7 @@ def run_dedupe(plan: PublishPlan, bucket: int, store: Storage) -> None:
     """Pass 2: the first occurrence of each id in bucket `bucket` wins; the results after it lose."""
     first: dict[str, tuple[int, int, int]] = {}
     results: list[tuple[str, tuple[int, int, int]]] = []
-    for unit in range(len(plan.units)):
+    for unit in range(plan.unit_count):
         data = _read_ids(store, plan.prefix, unit, bucket)
         for line in data.splitlines():
             key, obj, off, is_result = orjson.loads(line)
@@ -353,7 +353,7 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
 
 
 def _write(plan: PublishPlan, index: int, store: Storage, losers: set[tuple[int, int]], ordered: bool) -> None:
-    round_no, shard, _ = plan.units[index]
+    round_no, shard, _ = plan.unit(index)
     names = plan.object_names[round_no]
     name = f"r{round_no}-{shard:05d}"
     writer = writer_for(plan.format)
@@ -397,7 +397,7 @@ def _write(plan: PublishPlan, index: int, store: Storage, losers: set[tuple[int,
     codes: dict[str, int] = {}  # error rows by code
     last = (-1, -1)
     own_fields = result_fields(plan.task)  # a duplicate's error row carries its input columns, not its answer
-    for rec in _records(store, plan.units[index], ordered):
+    for rec in _records(store, plan.unit(index), ordered):
         row = rec["row"]
         if ordered:
             at = (rec["at"][0], rec["at"][1])
@@ -470,11 +470,11 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
     from bij.contract.plan import Plan
     from bij.worker.reader import iter_shard_blocks
 
-    round_no, shard, prefix = plan.units[index]
+    round_no, shard, prefix = plan.unit(index)
     last_round = round_no == len(plan.round_plans) - 1
     uri = plan.round_plans[round_no]
     try:
-        rplan = Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+        rplan = Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
     except NotFound:
         raise PublishPlanError(f"round plan {uri} does not exist") from None
     done = store.exists(layout.done_uri(rplan.round_prefix, shard))
@@ -517,7 +517,7 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
 
         columns = [c for c in (spec.id_field, spec.text_field, spec.messages_field, spec.sampling_field,
                                spec.adapter_field) if c]
-        for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.shards[shard],
+        for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.pieces(shard),
                                                   log_.state.cursor, columns, spec.max_line_bytes,
                                                   on_damaged="errorRow"):
             n += len(places)

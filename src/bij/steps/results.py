@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import sys
 from collections.abc import Iterator
 from typing import IO, Any
 
 from bij.contract import layout
+from bij.contract import manifest as manifest_lists
 from bij.contract.canary import describe_estimate
 from bij.contract.efficiency import fmt_money, status_fields
 from bij.contract.errors import BijError
@@ -65,6 +67,17 @@ def read_file(store: Storage, base: str, entry: dict[str, Any]) -> bytes:
     return data
 
 
+def listed_files(store: Storage, base: str, manifest: dict[str, Any], which: str) -> Iterator[dict[str, Any]]:
+    """The entries of one of the manifest's file lists (results, errors or capped), from its parts where it
+    has them (`contract.manifest`), one part in memory at a time."""
+    try:
+        yield from manifest_lists.iter_listed(manifest, FILE_LISTS[which], lambda path: store.read_bytes(base + path))
+    except manifest_lists.BadManifestPart as e:
+        raise ResultsError(str(e)) from None
+    except NotFound as e:
+        raise ResultsError(f"a part of the manifest at {base} is missing: {e}") from None
+
+
 def file_writer(entry: dict[str, Any]) -> ResultWriter:
     """The writer of a listed file, known by its suffix."""
     try:
@@ -76,7 +89,7 @@ def file_writer(entry: dict[str, Any]) -> ResultWriter:
 def iter_rows(uri: str, which: str, s3: Any) -> Iterator[dict[str, Any]]:
     """Every published row of `which` (results, errors or capped), in manifest order."""
     store, base, manifest = load_manifest(uri, s3)
-    for entry in manifest.get(FILE_LISTS[which]) or []:
+    for entry in listed_files(store, base, manifest, which):
         data = read_file(store, base, entry)
         yield from file_writer(entry).rows(data, entry["path"])
 
@@ -85,7 +98,7 @@ def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
     """Stream the rows as JSON lines; JSONL files are copied line for line. Returns the row count."""
     store, base, manifest = load_manifest(uri, s3)
     n = 0
-    for entry in manifest.get(FILE_LISTS[which]) or []:
+    for entry in listed_files(store, base, manifest, which):
         data = read_file(store, base, entry)
         for line in file_writer(entry).lines(data, entry["path"]):
             out.write(line + b"\n")
@@ -101,11 +114,12 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     store, base, manifest = load_manifest(uri, s3)
     if manifest.get("format") == "openai":
         raise ResultsError("OpenAI batch output lines stay JSON lines: use --format jsonl")
-    files = manifest.get("files") or []
+    files = listed_files(store, base, manifest, "results")
+    first = next(files, None)
     task = (manifest.get("model") or {}).get("task", "embed")
     judged = manifest.get("judge") is not None
     ids = "mixed"
-    if files and file_writer(files[0]) is not PARQUET:
+    if first is not None and file_writer(first) is not PARQUET:
         # Results not in Parquet: one pass for the id column's type, so the stream has one schema.
         ints = strs = 0
         for row in iter_rows(uri, "results", s3):
@@ -116,7 +130,7 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     n = 0
     sink = pa.PythonFile(out, mode="w")
     try:
-        for entry in files:
+        for entry in itertools.chain([first] if first is not None else [], files):
             data = read_file(store, base, entry)
             fmt = file_writer(entry)
             if fmt is PARQUET:  # its table as written
@@ -188,7 +202,7 @@ def manifest_summary(manifest: dict[str, Any]) -> list[str]:
     rounds = manifest.get("rounds") or []
     shards = sum(int(r.get("shards") or 0) for r in rounds)
     lines.append(f"  rounds    {len(rounds)}, {shards} shards")
-    lines.append(f"  rows      {c.get('rows', 0):,} results ({len(manifest.get('files') or [])} "
+    lines.append(f"  rows      {c.get('rows', 0):,} results ({manifest_lists.file_count(manifest, 'files')} "
                  f"{manifest.get('format', 'jsonl')} files), {c.get('errors', 0):,} errors, "
                  f"{c.get('truncated', 0):,} truncated, {c.get('capped', 0):,} capped, "
                  f"{c.get('duplicates', 0):,} duplicates")
@@ -240,7 +254,7 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
         rows = sum(int(rec.get("rows") or 0) for rec in current)
         errors = sum(int(rec.get("errors") or 0) for rec in current)
         truncated = sum(int(rec.get("truncated") or 0) for rec in current)
-        lines.append(f"  round {r}   {done}/{len(plan.shards)} shards done ({plan.lane_count} lanes), {rows:,} rows, "
+        lines.append(f"  round {r}   {done}/{plan.shard_total} shards done ({plan.lane_count} lanes), {rows:,} rows, "
                      f"{errors:,} errors, {truncated:,} truncated")
         for rec in damage_records(job, r):
             what = ("the round failed there; the rows before it are kept: replace the object and run again"

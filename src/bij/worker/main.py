@@ -292,9 +292,9 @@ class Lane:
         if role.nodes > 1:
             self.group.leader = _form_group(role, self.group, self.stop, self.current, self.args.drain_seconds)
         self.claims = open_claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
-                             lane=lane, lanes=lanes, shards=worked_shards(len(plan.shards), os.environ),
-                             writer=uuid.uuid4().hex[:12],
-                             lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
+                                  lane=lane, lanes=lanes, shards=worked_shards(plan.shard_total, os.environ),
+                                  writer=uuid.uuid4().hex[:12],
+                                  lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
         # A continuous engine is shared by the lane's shards, so the next one starts during the
         # current one's tail (judge jobs work chunk by chunk and do not overlap).
         self.share = EngineShare(engine) if is_continuous(engine) and not spec.judge else None

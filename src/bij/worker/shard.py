@@ -71,7 +71,8 @@ def load_plan(uri: str, s3: Any) -> Plan:
     unreadable plan is a bad configuration."""
     try:
         store = open_storage(uri, s3)
-        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}")
+        # A plan written in parts: a lane reads only the parts of the shards it works.
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
     except NotFound:
         raise BadConfig(f"round plan {uri} does not exist") from None
     except BadPlan as e:
@@ -105,13 +106,17 @@ class ShardWorker:
         stats: Stats | None = None,
         lane: int | None = None,
     ):
-        shards = plan.shards
-        if not 0 <= index < len(shards):
-            raise BadConfig(f"shard index {index} is out of range: the round has {len(shards)} shards")
+        if not 0 <= index < plan.shard_total:
+            raise BadConfig(f"shard index {index} is out of range: the round has {plan.shard_total} shards")
         self.plan, self.index, self.engine = plan, index, engine
         self.lane = index if lane is None else lane
         self.round = plan.round
-        self.pieces = shards[index]
+        try:
+            self.pieces = plan.pieces(index)
+        except NotFound as e:
+            raise BadConfig(f"round plan {plan.round_prefix}: a part is missing: {e}") from None
+        except BadPlan as e:
+            raise BadConfig(str(e)) from None
         self.objects = plan.objects
         self.names = [o.display_name for o in self.objects]
         spec = plan.spec
