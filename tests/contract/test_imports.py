@@ -40,6 +40,8 @@ PURE = {
     "bij.contract.efficiency",  # how money and durations are written: arithmetic
     "bij.contract.engines",  # what each engine is: a table of data
     "bij.contract.schemes",  # the storage schemes: a table of data
+    "bij.contract.layout",  # where a job's objects live: names joined into URIs
+    "bij.contract.formats",  # the output formats: a Literal
 }
 IMPURE_LIBRARIES = {"boto3", "botocore", "kopf", "kubernetes", "urllib3", "subprocess", "socket", "threading",
                     "zstandard", "pyarrow"}

@@ -35,12 +35,10 @@ from pydantic.alias_generators import to_camel
 
 from bij.contract import layout
 from bij.contract.errors import BijError, json_object, validation_problems
+from bij.contract.formats import OutputFormat
 
 PASSES = ("ids", "dedupe", "write")  # the row-level publish passes, in the order they run
 Unit = tuple[int, int, str]  # (round, shard, the shard's prefix): one index of the per-shard passes
-# spec.output.format: the formats of published result files, each written by its writer in
-# bij.storage.writers (declared here, not in the spec, so the passes load no spec model).
-OutputFormat = Literal["jsonl", "parquet"]
 
 
 class PublishPlanError(BijError):

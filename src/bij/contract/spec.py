@@ -28,9 +28,9 @@ from bij.contract.engines import (
     names,
 )
 from bij.contract.errors import BijError
+from bij.contract.formats import OutputFormat
 from bij.contract.globs import check_glob, has_glob
 from bij.contract.prompt import compile_template
-from bij.contract.publish_plan import OutputFormat
 from bij.contract.sampling import DEFAULT_ROW_BUDGET, Basics, Sampling, basics, spec_defaults
 from bij.contract.sampling import from_spec as sampling_from_spec
 from bij.contract.schema import FREE_FORM, INT64, cel, k8s
