@@ -1153,6 +1153,10 @@ JUSTIFIED = {
     ("", "services", "create"):
         "the headless Service of a bij whose lanes span several pods (spec.workers.nodesPerLane > 1); created only "
         "for such a bij (tests/control/test_render.py and tests/worker/test_group.py test it)",
+    ("", "secrets", "get"):
+        "the key that signs spec.notify's POSTs, read from the one Secret a bij names, only once it ends with a "
+        "webhook to tell (tests/control/test_notify.py::"
+        "test_the_operator_reads_the_key_from_the_named_secret_and_names_one_it_cannot_read)",
 }
 MODES = {
     "all-namespaces": {},
