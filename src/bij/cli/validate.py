@@ -455,7 +455,8 @@ def canary_summary(job: BatchInferenceJob) -> list[str]:
               f"fewer than {c.min_tokens_per_second_per_lane:g} output tokens/s per lane"
               if c.min_tokens_per_second_per_lane is not None else ""]
     stops = "; ".join(x for x in limits if x) or "no threshold set: it only measures, and estimates the job"
-    return [f"canary: round 0's first shards holding about {rows} run alone first (whole shards); "
+    return [f"canary: shards of round 0 spread over the input holding about {rows} run alone first "
+            "(whole shards); "
             f"the job stops there (CanaryFailed) on: {stops}"]
 
 

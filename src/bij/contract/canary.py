@@ -1,10 +1,14 @@
-"""The canary (spec.canary): the first shards of round 0 run alone, and their figures decide whether the rest runs.
+"""The canary (spec.canary): a few shards of round 0, spread over the input, run alone, and their figures decide
+whether the rest runs.
 
-Pure functions over plain data, shared by the plan step (how many shards the canary takes), the canary
-step (its figures, from the shards' completion records) and `decide()` (its verdict, the job's estimate):
+Pure functions over plain data, shared by the plan step (how many shards the canary takes), the workers and the
+canary step (which shards those are, and their figures, from the shards' completion records) and `decide()`
+(its verdict, the job's estimate):
 
 - `canary_rows`: the rows the canary asks for (spec.canary.rows, else 0.5% of the input's, at most 2,000);
-- `leading_shards`: how many of the plan's first shards hold that many rows (estimated);
+- `canary_shards`: which `count` shards of a round: spread over its plan (which is in input order), so that
+  a template, a schema or a length limit that only some stretch of the input breaks is met in the canary;
+- `spread_count`: how many such shards hold that many rows (estimated);
 - `CanaryFigures.of`: the shares and the tokens per second per lane, from completion records;
 - `broken`: the thresholds the figures break (empty: it passed);
 - `estimate`: the whole job's lane-time, wall time and cost at the canary's pace.
@@ -34,14 +38,30 @@ def canary_rows(spec: CanarySpec, input_rows: float) -> int:
     return max(1, min(CANARY_MAX_ROWS, math.ceil(input_rows * CANARY_SHARE)))
 
 
-def leading_shards(shard_rows: Sequence[float], wanted: int) -> int:
-    """How many of the first shards (rows each, estimated) hold `wanted` rows: one at least, all at most."""
-    total = 0.0
-    for i, rows in enumerate(shard_rows):
-        total += rows
-        if total >= wanted:
-            return i + 1
-    return len(shard_rows)
+def canary_shards(total: int, count: int) -> list[int]:
+    """The canary's `count` shards of a round of `total` shards, in order: the j-th at the middle of the j-th
+    of `count` equal stretches of the plan, which is in input order. All the round's shards when `count` is
+    the round's. Whichever lanes own them, the canary Job's lanes take them (`worker.lanes`, `only`)."""
+    count = max(0, min(count, total))
+    # Stretches are at least a shard long (count <= total), so their middles fall on distinct shards.
+    return [(2 * j + 1) * total // (2 * count) for j in range(count)]
+
+
+def spread_count(shard_rows: Sequence[float], wanted: int) -> int:
+    """How many shards `canary_shards` must take to hold `wanted` rows (each shard's rows estimated): one at
+    least, all at most. Grown from the mean shard's rows until they do (more rows than asked where the
+    shards taken are longer than the mean, never fewer unless the round holds fewer)."""
+    total = len(shard_rows)
+    if not total:
+        return 0
+    mean = max(sum(shard_rows) / total, 1e-9)
+    count = max(1, min(total, math.ceil(wanted / mean)))
+    while count < total:
+        got = sum(shard_rows[s] for s in canary_shards(total, count))
+        if got >= wanted:
+            break
+        count = min(total, count + max(1, math.ceil((wanted - got) / mean)))
+    return count
 
 
 @dataclass(frozen=True)

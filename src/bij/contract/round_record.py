@@ -41,7 +41,7 @@ class RoundRecord(BaseModel):
     errors: int = 0
     engine_calls: int = 0
     groups_replaced: int = 0
-    canary_shards: int = 0  # round 0 with spec.canary: its first shards, run alone first
+    canary_shards: int = 0  # round 0 with spec.canary: how many of its shards (`canary_shards`) run alone first
 
     @property
     def finished(self) -> bool:

@@ -1079,9 +1079,9 @@ class JobSpec(_Model):
     max_error_ratio: float | None = Field(None, ge=0, le=1)
     """fail the job when more than this share of rows are error rows"""
     canary: CanarySpec | None = None
-    """run the first shards of round 0 alone and stop (phase CanaryFailed, nothing more spent) if their rows
-    break these thresholds; their results are kept for the full run. The status then estimates the job's time
-    and cost"""
+    """run a few shards of round 0, spread over the input, alone and stop (phase CanaryFailed, nothing more
+    spent) if their rows break these thresholds; their results are kept for the full run. The status then
+    estimates the job's time and cost"""
     suspend: bool = False
     """suspend the round Job (running pods are stopped, durable work is kept)"""
     cancel: bool = False

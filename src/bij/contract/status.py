@@ -105,7 +105,7 @@ class CanaryEstimate(_Status):
 
 
 class Canary(_Status):
-    """spec.canary's run: round 0's first `shards` shards, run alone; their figures; the verdict."""
+    """spec.canary's run: `shards` shards of round 0 (spread over it), run alone; their figures; the verdict."""
 
     shards: int = 0
     verdict: Literal["Passed", "Failed"] | None = None

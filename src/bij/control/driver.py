@@ -329,7 +329,7 @@ class Driver:
         rounds.append(rec)
         msg = (f"round {d.round}: planned {shards} shards in {lanes} lanes from {int(got['objects'])} "
                f"input objects ({size:,} {got.get('unit') or 'bytes'})"
-               + (f"; the canary runs its first {canary} alone first" if canary else ""))
+               + (f"; the canary runs {canary} of them, spread over the input, alone first" if canary else ""))
         patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
                  "shards": {"done": 0, "total": shards}, "shardsSummary": f"0/{shards}"}
         if "rows" not in status:
@@ -361,15 +361,15 @@ class Driver:
 
     def _create_canary_job(self, seen: Observed, job: BatchInferenceJob, d: CreateCanaryJob,
                            now: dt.datetime) -> Idle | None:
-        """Round 0's canary Job (spec.canary): its lanes work the plan's first shards only."""
+        """Round 0's canary Job (spec.canary): its lanes work the canary's shards only (`canary_shards`)."""
         body = render_canary_job(job, d.completions, d.canary_shards, layout.round_manifest_uri(job, 0),
                                  image=self.backend.worker_image, owner_uid=job.metadata.uid,
                                  file_volume=self.backend.file_volume)
         created = self.create_job(seen, d, body, "canary", "Running")
         if created == "foreign":
             return Idle(d, recheck=CONFLICT_RECHECK)
-        msg = f"canary: created Job {body['metadata']['name']} with {d.completions} lanes for the first " \
-              f"{d.canary_shards} shards of round 0"
+        msg = f"canary: created Job {body['metadata']['name']} with {d.completions} lanes for " \
+              f"{d.canary_shards} shards of round 0, spread over the input"
         self.write_status(seen, {**self.base(seen, d, now), "message": msg, "canary": {"shards": d.canary_shards}},
                           event=("Normal", "CanaryStarted", msg) if created == "created" else None)
         return None

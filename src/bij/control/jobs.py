@@ -310,9 +310,9 @@ def canary_job_name(job: BatchInferenceJob) -> str:
 def render_canary_job(job: BatchInferenceJob, completions: int, shards: int, manifest_uri: str, *,
                       image: str = DEFAULT_WORKER_IMAGE, owner_uid: str | None = None,
                       file_volume: FileVolume | None = None) -> dict[str, Any]:
-    """Round 0's canary Job (spec.canary): the round's Job, but its `completions` lanes work only the plan's
-    first `shards` shards (`CANARY_SHARDS_ENV`); what they make durable is round 0's, which the round's own
-    Job then skips."""
+    """Round 0's canary Job (spec.canary): the round's Job, but its `completions` lanes work only `shards` shards
+    spread over the plan (`CANARY_SHARDS_ENV`; which ones, `contract.canary.canary_shards`); what they make
+    durable is round 0's, which the round's own Job then skips."""
     # With spec.workers.pools, in the preferred pool (its lanes are the round's first).
     pool = job.spec.workers.pools[0] if job.spec.workers.pools else None
     body = render_job(job, 0, completions, manifest_uri, image=image, owner_uid=owner_uid, file_volume=file_volume,

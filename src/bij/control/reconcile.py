@@ -302,8 +302,8 @@ class MovePoolLanes(Decision):
 
 @dataclass(frozen=True, kw_only=True)
 class CreateCanaryJob(Decision):
-    """Create round 0's canary Job (spec.canary): `completions` lanes that work the plan's first `canary_shards`
-    shards only (a 409 means an earlier attempt already did)."""
+    """Create round 0's canary Job (spec.canary): `completions` lanes that work only the `canary_shards` shards
+    `contract.canary.canary_shards` spreads over the round (a 409 means an earlier attempt already did)."""
 
     completions: int
     canary_shards: int
@@ -759,7 +759,7 @@ def canary_gate(job: BatchInferenceJob, seen: Observation, rec: RoundRecord,
         lanes = min(rec.lanes or k, k)
         return CreateCanaryJob(round=0, phase="Running", reason="CanaryStarting", completions=lanes,
                                canary_shards=k, shards=shards or Shards(done=0, total=k),
-                               message=f"canary: creating its Job for the first {k} of {rec.shards} shards of "
+                               message=f"canary: creating its Job for {k} of the {rec.shards} shards of "
                                        f"round 0 in {lanes} lanes")
     if not is_ours(job, view):
         return Wait(round=0, phase="Pending", reason="WaitingForOldJob",

@@ -27,10 +27,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from bij.contract import layout
-from bij.contract.canary import MOST_EXAMPLES, CanaryFigures
+from bij.contract.canary import MOST_EXAMPLES, CanaryFigures, canary_shards
 from bij.contract.efficiency import cost
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.manifest import file_count
+from bij.contract.plan import Plan
 from bij.contract.rounds import RoundSums
 from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
 from bij.contract.step_report import MOST_MESSAGE, REMOVAL_FAILED, StepError, StepErrorCode, StepReport
@@ -140,9 +141,12 @@ def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
 
 
 def canary_figures(job: BatchInferenceJob, shards: int) -> dict[str, Any]:
-    """The canary's figures (round 0's first `shards` shards, from their completion records) and a few of its
-    failing rows (id, code, message) read from their durable logs, for the verdict's message."""
-    records = {i: r for i, r in shard_records(job, 0).items() if i < shards}
+    """The canary's figures (its `shards` shards of round 0, `canary_shards`, from their completion records) and
+    a few of its failing rows (id, code, message) read from their durable logs, for the verdict's message."""
+    uri = layout.round_manifest_uri(job, 0)
+    plan = Plan.from_json(open_storage(uri, job.spec.storage.s3).read_bytes(uri), f"round plan {uri}")
+    ours = set(canary_shards(plan.shard_total, shards))
+    records = {i: r for i, r in shard_records(job, 0).items() if i in ours}
     out: dict[str, Any] = CanaryFigures.of(records.values()).as_status()
     out["done"] = len(records)
     store = open_storage(layout.round_prefix(job, 0), job.spec.storage.s3)

@@ -27,7 +27,7 @@ import zstandard
 
 from bij.contract import layout
 from bij.contract import manifest as manifest_lists
-from bij.contract.canary import canary_rows, leading_shards
+from bij.contract.canary import canary_rows, spread_count
 from bij.contract.columns import clash_message, first_clash
 from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused, digest, input_changes, row_fields, spec_changes
@@ -69,7 +69,7 @@ class RoundPlan:
     unit: str = "bytes"
     # The round Job's indexes: each a worker that loads the model once and works many shards.
     lanes: int = 0
-    # Round 0 with spec.canary: its first shards that run alone first (`canary_shard_count`).
+    # Round 0 with spec.canary: how many of its shards, spread over it, run alone first (`canary_shard_count`).
     canary_shards: int = 0
 
 
@@ -88,10 +88,10 @@ def _with_canary(job: BatchInferenceJob, rp: RoundPlan, plan: Plan) -> RoundPlan
 
 
 def canary_shard_count(job: BatchInferenceJob, spec: CanarySpec, plan: Plan) -> int:
-    """How many of round 0's first shards the canary runs: enough to hold `canary_rows` rows. Rows are counted
-    for Parquet (row groups) and estimated for JSONL from the mean line of the first object's first
-    `SAMPLE_BYTES` (uncompressed), so the canary runs whole shards: more rows than asked, or a few less
-    where later lines are shorter than those."""
+    """How many of round 0's shards the canary runs (`canary_shards`: spread over the round): enough to hold
+    `canary_rows` rows. Rows are counted for Parquet (row groups) and estimated for JSONL from the mean line of
+    the first object's first `SAMPLE_BYTES` (uncompressed), so the canary runs whole shards: more rows than
+    asked, or a few less where other lines are shorter than those."""
     objects = plan.objects
     shard_rows = [0.0] * plan.shard_total
     if any(o.row_groups is not None for o in objects):
@@ -102,7 +102,7 @@ def canary_shard_count(job: BatchInferenceJob, spec: CanarySpec, plan: Plan) -> 
         per_row = mean_row_bytes(open_storage(head, job.spec.storage.s3), head, is_compressed(head))
         for index, pieces in plan.iter_pieces():
             shard_rows[index] = sum(b - a for _, a, b in pieces) / per_row
-    return leading_shards(shard_rows, canary_rows(spec, sum(shard_rows)))
+    return spread_count(shard_rows, canary_rows(spec, sum(shard_rows)))
 
 
 def is_compressed(uri: str) -> bool:

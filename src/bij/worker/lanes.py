@@ -45,6 +45,11 @@ What a lane reads grows with its share and a few other lanes', not with the roun
   held by another is read again only once its last known expiry has passed; completion
   is checked one record at a time; a renewal asks whether the next generation exists.
 
+A canary Job (spec.canary) works a few shards of round 0 alone (`only`): its lanes keep
+their claims in the same folders, walk only the lanes holding those shards, and write no
+completion marker, since the round's own Job, which comes next, takes a marker to say that
+every shard of the lane is done.
+
 A round begun by a version that kept every claim in `<round>/claims/` goes on there
 (`RoundClaims`, which lists the round's claims and completion records whole).
 
@@ -108,10 +113,14 @@ class RoundClaims:
 
     def __init__(self, store: Storage, round_prefix: str, *, lane: int, lanes: int, shards: int, writer: str,
                  lease_seconds: float = DEFAULT_LEASE_SECONDS, share: bool = True,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, only: Sequence[int] | None = None):
         self.store, self.prefix = store, round_prefix.rstrip("/")
         self.share = share  # False: this lane's own shards only
         self.lane, self.lanes, self.shards = lane, lanes, shards
+        # The shards this process works: the round's, or `only` those (a canary Job's).
+        self._universe: Sequence[int] = range(shards) if only is None else sorted(only)
+        self._own: Sequence[int] = [s for s in self._universe if s % lanes == lane]
+        self._own_at = 0  # the next of this lane's own shards to try
         self.writer, self.lease, self.clock = writer, float(lease_seconds), clock
         # What this process learnt of the round (claims and completion records stay while it runs).
         self._started = False
@@ -119,7 +128,6 @@ class RoundClaims:
         self._newest: dict[int, int] = {}  # a claimed shard's newest claim generation (at least this one)
         self._held: dict[int, Claim] = {}  # the last claim read (or made) of a shard, for its expiry
         self._inherited: list[int] = []  # shards an earlier process of this lane held, to continue first
-        self._own_next = lane  # the next of this lane's own shards to try
         self._free: dict[int, list[int]] | None = None  # unstarted shards by lane, at the last claims listing
         self._pending: list[int] | None = None  # shards not known done, once nothing is left to start
         self._won = 0  # claims this process created
@@ -220,9 +228,9 @@ class RoundClaims:
             if got:
                 return got
         # 2. This lane's own shards, in order; a lost create means someone took the shard.
-        while self._own_next < self.shards:
-            s = self._own_next
-            self._own_next += self.lanes
+        while self._own_at < len(self._own):
+            s = self._own[self._own_at]
+            self._own_at += 1
             if s not in self._done and s not in self._newest:
                 got = self.take(s, 0)
                 if got:
@@ -239,8 +247,8 @@ class RoundClaims:
         """Learn the round from one listing of each kind; True when every shard of ours is done."""
         self._started = True
         self._done = self.done()
-        if all(s in self._done for s in range(self.shards) if self._mine(s)):
-            self._own_next, self._free, self._pending = self.shards, {}, []
+        if all(s in self._done for s in self._universe if self._mine(s)):
+            self._own_at, self._free, self._pending = len(self._own), {}, []
             return True
         self._learn_claims()
         for s, g in sorted(self._newest.items()):
@@ -285,7 +293,7 @@ class RoundClaims:
         """The unstarted shards of other lanes, from a listing of the round's claims."""
         self._learn_claims()
         self._free = {}
-        for s in range(self.shards):
+        for s in self._universe:
             if s % self.lanes != self.lane and s not in self._done and s not in self._newest:
                 self._free.setdefault(s % self.lanes, []).append(s)
 
@@ -293,7 +301,7 @@ class RoundClaims:
         if self._pending is None:
             # Nothing left to start: one listing says which shards others finished meanwhile.
             self._done |= self.done()
-            self._pending = [s for s in range(self.shards) if self._mine(s) and s not in self._done]
+            self._pending = [s for s in self._universe if self._mine(s) and s not in self._done]
         # Completion, one record at a time: the round is not done while the first shard left is not.
         while self._pending and self._is_done(self._pending[0]):
             self._pending.pop(0)
@@ -356,10 +364,20 @@ class Claims:
     def __init__(self, store: Storage, round_prefix: str, *, lane: int, lanes: int, shards: int, writer: str,
                  lease_seconds: float = DEFAULT_LEASE_SECONDS, share: bool = True,
                  clock: Callable[[], float] = time.time, probes: int = STEAL_PROBES,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, only: Sequence[int] | None = None):
         self.store, self.prefix = store, round_prefix.rstrip("/")
         self.share = share  # False: this lane's own shards only
         self.lane, self.lanes, self.shards = lane, lanes, shards
+        # `only`: this process works those shards of the round alone (a canary Job's), by lane. It then writes
+        # no completion marker: a marker says every shard of its lane is done, and the round's Job reads it.
+        self._only: dict[int, list[int]] | None = None
+        if only is not None:
+            self._only = {}
+            for s in sorted(only):
+                self._only.setdefault(s % lanes, []).append(s)
+        self._marks = share and only is None
+        self._own = self._lane_shards(lane)
+        self._own_at = 0  # the next of this lane's own shards to try
         self.writer, self.lease, self.clock = writer, float(lease_seconds), clock
         self.probes, self.rng = probes, rng or random.Random()
         # What this process learnt of the round (claims, markers and records stay while it runs).
@@ -368,7 +386,6 @@ class Claims:
         self._newest: dict[int, int] = {}  # a claimed shard's newest claim generation (at least this one)
         self._held: dict[int, Claim] = {}  # the last claim read (or made) of a shard, for its expiry
         self._inherited: list[int] = []  # shards an earlier process of this lane held, to continue first
-        self._own_next = lane  # the next of this lane's own shards to try
         self._stealing = share and lanes > 1
         self._victim: int | None = None  # the lane stolen from, and its unstarted shards at its listing
         self._free: list[int] = []
@@ -387,7 +404,9 @@ class Claims:
     def uri(self, shard: int, generation: int) -> str:
         return layout.lane_claim_uri(self.prefix, self.owner(shard), shard, generation)
 
-    def _lane_shards(self, lane: int) -> range:
+    def _lane_shards(self, lane: int) -> Sequence[int]:
+        if self._only is not None:
+            return self._only.get(lane, [])
         return range(lane, self.shards, self.lanes)
 
     def _list_lane(self, lane: int) -> tuple[bool, dict[int, int]]:
@@ -491,9 +510,9 @@ class Claims:
             if got:
                 return got
         # 2. This lane's own shards, in order; a lost create means someone took the shard.
-        while self._own_next < self.shards:
-            s = self._own_next
-            self._own_next += self.lanes
+        while self._own_at < len(self._own):
+            s = self._own[self._own_at]
+            self._own_at += 1
             if s not in self._done and s not in self._newest:
                 got = self.take(s, 0)
                 if got:
@@ -559,8 +578,10 @@ class Claims:
     def _probe(self) -> int | None:
         """List a few other lanes' folders (every one, where there are few); the one with the most
         unstarted shards, which it keeps in `_free`."""
-        picks = [lane for lane in range(self.lanes) if lane != self.lane] if self.lanes - 1 <= self.probes \
-            else self._sample_others()
+        # Lanes that hold shards this process works: every lane, or a canary's few.
+        holding = range(self.lanes) if self._only is None else sorted(self._only)
+        others = [lane for lane in holding if lane != self.lane]
+        picks = others if len(others) <= self.probes else self._sample_others(others)
         best: int | None = None
         self._free = []
         for lane in picks:
@@ -570,13 +591,8 @@ class Claims:
                 best, self._free = lane, free
         return best
 
-    def _sample_others(self) -> list[int]:
-        picks: set[int] = set()
-        while len(picks) < min(self.probes, self.lanes - 1):
-            lane = self.rng.randrange(self.lanes)
-            if lane != self.lane:
-                picks.add(lane)
-        return sorted(picks)
+    def _sample_others(self, others: Sequence[int]) -> list[int]:
+        return sorted(self.rng.sample(others, self.probes))
 
     def _watch(self) -> Claim | None | bool:
         """Walk the ring of lanes from this one: at each lane not known complete, take its shards
@@ -587,6 +603,9 @@ class Claims:
         span = self.lanes if self.share else 1
         while self._walk < span:
             lane = self._ring_lane(self._walk)
+            if self._pending is None and self._only is not None and not self._lane_shards(lane):
+                self._walk += 1  # a lane none of whose shards this process works (a canary's)
+                continue
             if self._pending is None:
                 if self._walk > 0:
                     n = self._complete_count(lane)
@@ -608,7 +627,7 @@ class Claims:
             self._pending = None
             self._walk += 1
             marker = layout.lane_complete_uri(self.prefix, lane)
-            if lane != self.lane and self.share and not self.store.create(marker, b'{"lanes": 1}'):
+            if lane != self.lane and self._marks and not self.store.create(marker, b'{"lanes": 1}'):
                 self._walk += max(0, self._complete_count(lane) - 1)  # its own walk got further
         self._mark()
         return None
@@ -623,7 +642,7 @@ class Claims:
     def _mark(self) -> None:
         """Say in this lane's completion marker how far its walk got, for the walks of others to jump."""
         walked = min(self._walk, self.lanes)
-        if self.share and walked > self._marked:
+        if self._marks and walked > self._marked:
             self.store.write_bytes(layout.lane_complete_uri(self.prefix, self.lane),
                                    json.dumps({"lanes": walked}).encode())
             self._marked = walked

@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from bij.contract.canary import canary_shards
 from bij.contract.codes import (
     CANARY_SHARDS_ENV,
     EXIT_BAD_CONFIG,
@@ -135,14 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def worked_shards(planned: int, env: Mapping[str, str]) -> int:
-    """The shards this process's lanes work: the round's, or a canary Job's first few (`CANARY_SHARDS_ENV`)."""
+def worked_shards(planned: int, env: Mapping[str, str]) -> list[int] | None:
+    """The shards this process's lanes work: None for the round's, or a canary Job's (`CANARY_SHARDS_ENV` says
+    how many; `canary_shards` which, spread over the round)."""
     raw = env.get(CANARY_SHARDS_ENV)
     if not raw:
-        return planned
+        return None
     if not raw.isdigit() or int(raw) < 1:
         raise BadConfig(f"{CANARY_SHARDS_ENV} must be a positive number of shards, not {raw!r}")
-    return min(planned, int(raw))
+    return canary_shards(planned, int(raw))
 
 
 class _Group:
@@ -292,7 +294,8 @@ class Lane:
         if role.nodes > 1:
             self.group.leader = _form_group(role, self.group, self.stop, self.current, self.args.drain_seconds)
         self.claims = open_claims(open_storage(plan.round_prefix, spec.storage.s3), plan.round_prefix,
-                                  lane=lane, lanes=lanes, shards=worked_shards(plan.shard_total, os.environ),
+                                  lane=lane, lanes=lanes, shards=plan.shard_total,
+                                  only=worked_shards(plan.shard_total, os.environ),
                                   writer=uuid.uuid4().hex[:12],
                                   lease_seconds=spec.workers.lease_seconds, share=plan.shares_shards)
         # A continuous engine is shared by the lane's shards, so the next one starts during the
