@@ -65,6 +65,25 @@ def test_the_batch_status_follows_the_bij_phase(doc: dict[str, Any], status: str
     assert status_of(doc) == status
 
 
+def canary_bij(phase: str, **status: Any) -> dict[str, Any]:
+    doc = bij(phase, **status)
+    doc["spec"]["canary"] = {"maxErrorShare": 0.05}
+    return doc
+
+
+@pytest.mark.parametrize("doc, status", [
+    (canary_bij("Planning"), "validating"),
+    (canary_bij("Running", rounds=[{"round": 0, "canaryShards": 2}], canary={"shards": 2}), "validating"),
+    (canary_bij("Suspended", rounds=[{"round": 0}], canary={"shards": 2}), "validating"),
+    (canary_bij("Running", rounds=[{"round": 0}], canary={"shards": 2, "verdict": "Passed"}), "in_progress"),
+    (canary_bij("CanaryFailed", canary={"shards": 2, "verdict": "Failed"}), "failed"),
+    (canary_bij("Publishing", canary={"shards": 2, "verdict": "Passed"}), "finalizing"),
+])
+def test_a_batch_is_validating_while_its_canary_runs_and_in_progress_once_it_passed(
+        doc: dict[str, Any], status: str) -> None:
+    assert status_of(doc) == status
+
+
 def test_a_finished_batch_names_its_output_and_error_files_and_counts_from_the_status() -> None:
     running = batch_object(bij("Running", rows={"done": 4, "failed": 1}, startTime="2024-01-01T00:00:05Z"))
     assert running["request_counts"] == {"total": 10, "completed": 4, "failed": 1}
@@ -199,6 +218,15 @@ def test_a_cross_encoder_serves_the_rerank_and_score_endpoints_and_not_chat() ->
         assert parse_job(doc).spec.model.task == task
     with pytest.raises(SpecError, match="supports tasks embed, classify, score and rerank"):
         parse_job(job_doc("b", "ns", template, task="chat", **common))
+
+
+def test_a_model_entry_may_give_its_batches_a_canary() -> None:
+    models = ModelMap.parse({"m": {"model": {"engine": "echo"}, "canary": {"rows": 20, "maxErrorShare": 0.05}}},
+                            "models.yaml")
+    doc = job_doc("b", "ns", models.template("m") or {}, task="chat", input_uri="file:///f/in.jsonl",
+                  output_uri="file:///f/out/", deadline_seconds=None)
+    canary = parse_job(doc).spec.canary
+    assert canary is not None and (canary.rows, canary.max_error_share) == (20, 0.05)
 
 
 @pytest.mark.parametrize("doc, message", [

@@ -142,7 +142,10 @@ def status_of(bij: Mapping[str, Any]) -> str:
         return "cancelling"
     if phase == "Cancelling":
         return "finalizing"  # the deadline passed: the finished part is being published
-    # Planning round 0 is validating; planning a judge round after it is work in progress.
+    # Planning round 0 is validating, and so is a canary (spec.canary) until it passed; planning a judge round
+    # after round 0 is work in progress.
+    if (bij.get("spec") or {}).get("canary") is not None and (st.canary is None or st.canary.verdict != "Passed"):
+        return "validating"
     if phase in ("Running", "Suspended") or (phase in ("Pending", "Planning") and st.rounds):
         return "in_progress"
     return "validating"

@@ -2,7 +2,8 @@
 
 Each key is a `model` string the API accepts (what the request lines' ``body.model`` says); its
 value is the part of a bij spec that decides how it runs: ``model`` (engine, name, vLLM settings),
-``workers`` (GPUs, spot, parallelism, env), ``batching``, ``sharding``, ``storage``::
+``workers`` (GPUs, spot, parallelism, env), ``batching``, ``sharding``, ``storage``, ``maxErrorRatio`` and
+``canary`` (a batch is ``validating`` while its canary runs, and ``failed`` if the canary stops it)::
 
     tiny-chat:
       model: {engine: vllm, name: /models/tiny-chat}
@@ -36,7 +37,7 @@ from bij.contract.codes import OPENAI_ENDPOINTS
 from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
 
 # The parts of a bij spec a model's entry may set; the server sets the others.
-TEMPLATE_KEYS = frozenset({"model", "workers", "batching", "sharding", "storage", "maxErrorRatio"})
+TEMPLATE_KEYS = frozenset({"model", "workers", "batching", "sharding", "storage", "maxErrorRatio", "canary"})
 
 
 class ModelMapError(ValueError):
