@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
+from bij.contract import codes
 from bij.contract.canary import CanaryFigures, broken, canary_rows, canary_shards, estimate, spread_count
 from bij.contract.spec import CanarySpec, parse_job
-from bij.control import reconcile as rc
-from bij.control.reconcile import (
+from bij.control import observe
+from bij.control.decisions import (
     CanaryVerdict,
     CheckCanary,
     CreateCanaryJob,
@@ -19,8 +20,8 @@ from bij.control.reconcile import (
     Nothing,
     PatchJob,
     Wait,
-    decide,
 )
+from bij.control.reconcile import decide
 
 UID = "0b6a2c1e-uid"
 SHARDS, CANARY = 40, 2
@@ -46,7 +47,7 @@ def planned(**extra: Any) -> dict[str, Any]:
 def canary_k8s_job(conditions: tuple[tuple[str, str], ...] = (), active: int = 0) -> dict[str, Any]:
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": "emb-r0-canary", "namespace": "ml",
-                         "labels": {rc.JOB_LABEL: "emb", rc.ROUND_LABEL: "0", rc.CANARY_LABEL: "true"},
+                         "labels": {codes.JOB_LABEL: "emb", codes.ROUND_LABEL: "0", codes.CANARY_LABEL: "true"},
                          "ownerReferences": [{"uid": UID}]},
             "spec": {"completions": CANARY, "parallelism": CANARY},
             "status": {"active": active,
@@ -63,7 +64,7 @@ def with_figures(status: dict[str, Any], **figures: Any) -> tuple[dict[str, Any]
               "tokensOut": 10_000, "laneSeconds": 20.0, "bytes": 40_000,
               "examples": [{"id": "doc-7", "code": "template_error", "message": "the row has no column 'title'"}],
               **figures}
-    step_job = {"metadata": {"name": "emb-canary", "uid": "canary-uid", "labels": {rc.JOB_LABEL: "emb"}},
+    step_job = {"metadata": {"name": "emb-canary", "uid": "canary-uid", "labels": {codes.JOB_LABEL: "emb"}},
                 "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
     return {**status, "reports": {"steps": {"emb-canary": {"jobUid": "canary-uid", "result": result}}}}, step_job
 
@@ -199,10 +200,10 @@ def test_the_canary_job_is_the_round_job_whose_lanes_work_only_the_first_shards(
     body = render_canary_job(job, 2, CANARY, "file:///data/out/_bij/x/round-0/shards.json")
     round_body = render_job(job, 0, 2, "file:///data/out/_bij/x/round-0/shards.json")
     assert body["metadata"]["name"] == "emb-r0-canary" != round_body["metadata"]["name"]
-    assert body["metadata"]["labels"][rc.CANARY_LABEL] == "true"
+    assert body["metadata"]["labels"][codes.CANARY_LABEL] == "true"
     (container,) = body["spec"]["template"]["spec"]["containers"]
     assert {"name": CANARY_SHARDS_ENV, "value": str(CANARY)} in container["env"]
-    assert rc.round_job(job, 0, [body]) is None and rc.canary_job(job, [body]) is not None
+    assert observe.round_job(job, 0, [body]) is None and observe.canary_job(job, [body]) is not None
 
 
 def test_a_worker_of_a_canary_job_works_only_the_canarys_spread_shards_and_refuses_a_bad_count() -> None:

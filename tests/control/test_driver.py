@@ -14,18 +14,10 @@ import pytest
 
 from bij.contract.codes import GENERATION_LABEL, JOB_LABEL, ROUND_LABEL, STEP_LABEL
 from bij.contract.spec import parse_job
+from bij.control.decisions import CreateJob, MarkFailed, PlanRound, Publish, RerunStep, Retry, Wait
 from bij.control.driver import Driver, Observed
-from bij.control.reconcile import (
-    CreateJob,
-    MarkFailed,
-    PlanRound,
-    Publish,
-    RerunStep,
-    Retry,
-    Wait,
-    decide,
-    parse_ranges,
-)
+from bij.control.observe import parse_ranges
+from bij.control.reconcile import decide
 from bij.local.jobs import LocalJob
 from bij.steps import main as steps
 
@@ -624,7 +616,7 @@ def test_a_step_pod_that_cannot_pull_its_image_is_said_naming_the_pod_and_the_re
 
 @pytest.mark.parametrize("stop", [{"cancel": True}, {"deadlineSeconds": 60}])
 def test_a_bij_whose_plan_step_cannot_start_still_ends_at_once_when_cancelled_or_expired(stop: dict[str, Any]) -> None:
-    from bij.control.reconcile import StopHeld
+    from bij.control.decisions import StopHeld
 
     name = "emb-plan-r0"
     pod = {"metadata": {"name": f"{name}-0-abcde", "labels": {"batch.kubernetes.io/job-name": name}},

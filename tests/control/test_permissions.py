@@ -15,9 +15,10 @@ from test_driver import FakeBackend
 
 from bij.contract.spec import parse_job
 from bij.control.access_review import check_grants
+from bij.control.decisions import CheckPermissions, Nothing, PlanRound, StopHeld, Wait
 from bij.control.driver import Driver
 from bij.control.permissions import RECHECK_FIRST, RECHECK_MAX, WORKER_GRANTS, GrantCheck, recheck_after, record
-from bij.control.reconcile import CheckPermissions, Nothing, PlanRound, StopHeld, Wait, decide
+from bij.control.reconcile import decide
 from bij.control.status import fmt_time
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.timezone.utc)

@@ -12,8 +12,9 @@ from pydantic import ValidationError
 from bij.contract.codes import LANE_OFFSET_ENV, POOL_LABEL, TENSOR_PARALLEL_ENV
 from bij.contract.spec import BatchInferenceJob, WorkerPool, WorkersSpec, parse_job
 from bij.control import pools
+from bij.control.decisions import CreateJob, FinishRound, MovePoolLanes, PatchJob, Wait
 from bij.control.jobs import render_job
-from bij.control.reconcile import CreateJob, FinishRound, MovePoolLanes, PatchJob, Wait, decide
+from bij.control.reconcile import decide
 from bij.control.status import decision_status
 from bij.worker.main import engine_config, lane_offset
 from bij.worker.shard import BadConfig

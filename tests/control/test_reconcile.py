@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
+from bij.contract import codes
 from bij.contract.lane_report import tally
 from bij.contract.spec import BatchInferenceJob, parse_job
-from bij.control import reconcile as rc
-from bij.control.reconcile import (
+from bij.control import observe
+from bij.control.decisions import (
     CreateJob,
     CreatePublishJob,
     FinishRound,
@@ -22,11 +23,10 @@ from bij.control.reconcile import (
     PreparePublish,
     Publish,
     Wait,
-    decide,
-    format_ranges,
-    parse_ranges,
-    round_stats,
 )
+from bij.control.observe import format_ranges, parse_ranges
+from bij.control.reconcile import decide
+from bij.control.rules.rounds import round_stats
 from bij.control.status import decision_status, phase_conditions, rows_progress, set_condition
 
 UID = "0b6a2c1e-uid"
@@ -73,7 +73,7 @@ def k8s_job(round_no: int = 0, *, completions: int = 8, parallelism: int = 4, su
     meta: dict[str, Any] = {
         "name": f"{name}-r{round_no}",
         "namespace": "ml",
-        "labels": {rc.JOB_LABEL: name, rc.ROUND_LABEL: str(round_no)},
+        "labels": {codes.JOB_LABEL: name, codes.ROUND_LABEL: str(round_no)},
     }
     if owner_uid:
         meta["ownerReferences"] = [{"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
@@ -98,7 +98,7 @@ def counted(status: dict[str, Any], done: int, round_no: int = 0, damaged: Seque
         dict[str, Any], dict[str, Any]]:
     """`status` with the report of round `round_no`'s finish step (`done` shards), and that step's Job."""
     name = f"emb-finish-r{round_no}"
-    step_job = {"metadata": {"name": name, "uid": "finish-uid", "labels": {rc.JOB_LABEL: "emb"}},
+    step_job = {"metadata": {"name": name, "uid": "finish-uid", "labels": {codes.JOB_LABEL: "emb"}},
                 "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
     report = {"jobUid": "finish-uid", "result": {"done": done, "damaged": list(damaged)}}
     return {**status, "reports": {"steps": {name: report}}}, step_job
@@ -171,8 +171,8 @@ def test_a_running_job_reports_shards_from_their_records_and_lanes_from_its_inde
     d = decide(make_job(), planned(), [k8s_job(completed="0-2,5", active=4)], shards_done=6)
     assert isinstance(d, Wait)
     assert d.phase == "Running"
-    assert d.shards == rc.Shards(done=6, total=8)
-    assert d.lanes == rc.Lanes(done=4, failed=0, active=4, total=8)
+    assert d.shards == observe.Shards(done=6, total=8)
+    assert d.lanes == observe.Lanes(done=4, failed=0, active=4, total=8)
     assert "6/8 shards done, 4/8 lanes done" in d.message
 
 
@@ -187,7 +187,7 @@ def test_failed_indexes_of_a_running_job_show_but_do_not_fail_the_bij_yet() -> N
     d = decide(make_job(), planned(), [k8s_job(completed="0-3", failed="6", active=3)], shards_done=5)
     assert isinstance(d, Wait)
     assert d.phase == "Running"
-    assert d.lanes == rc.Lanes(done=4, failed=1, active=3, total=8)
+    assert d.lanes == observe.Lanes(done=4, failed=1, active=3, total=8)
     assert "1 failed (6)" in d.message
 
 
@@ -239,7 +239,7 @@ def test_a_completed_job_finishes_the_round(condition: str) -> None:
     d = decide(make_job(), planned(), [job])
     assert isinstance(d, FinishRound)
     assert d.round == 0
-    assert d.shards == rc.Shards(done=8, total=8)
+    assert d.shards == observe.Shards(done=8, total=8)
 
 
 def test_a_condition_that_is_false_means_nothing() -> None:
@@ -273,8 +273,8 @@ def publishing(**passes_done: str) -> tuple[dict[str, Any], list[dict[str, Any]]
                     conditions=[("Complete", "True", "", "")] if state == "done" else
                     [("Failed", "True", "FailedIndexes", "Job has failed indexes")] if state == "failed" else [])
         j["metadata"]["name"] = f"emb-publish-{pass_name}"
-        del j["metadata"]["labels"][rc.ROUND_LABEL]
-        j["metadata"]["labels"][rc.PUBLISH_LABEL] = pass_name
+        del j["metadata"]["labels"][codes.ROUND_LABEL]
+        j["metadata"]["labels"][codes.PUBLISH_LABEL] = pass_name
         jobs.append(j)
     return status, jobs
 
@@ -314,7 +314,7 @@ def test_an_unfinished_round_whose_job_vanished_is_recreated() -> None:
 def test_an_empty_input_finishes_its_round_without_a_job() -> None:
     d = decide(make_job(), planned(shards=0), [])
     assert isinstance(d, FinishRound)
-    assert d.shards == rc.Shards(done=0, total=0)
+    assert d.shards == observe.Shards(done=0, total=0)
 
 
 def test_publishing_again_after_a_crash_mid_publish_is_the_decision() -> None:
@@ -354,7 +354,7 @@ def test_failed_lanes_whose_shards_the_others_finished_leave_the_round_whole() -
     status, step_job = counted(planned(shards=8, lanes=4), done=8)
     d = decide(make_job(), status, [job, step_job])
     assert isinstance(d, FinishRound) and d.result == {"done": 8, "damaged": []}
-    assert d.shards == rc.Shards(done=8, total=8)
+    assert d.shards == observe.Shards(done=8, total=8)
     assert "lane 2 failed; the other lanes finished its shards" in d.message
     assert d.failed_lanes == (2,)
     # Without the shard records the operator cannot tell: the Job's verdict stands.
@@ -474,10 +474,10 @@ def test_a_job_being_deleted_is_not_ours_to_finish() -> None:
 
 def test_a_job_of_the_same_name_without_our_label_is_not_ours() -> None:
     foreign = k8s_job(owner_uid=None)
-    del foreign["metadata"]["labels"][rc.JOB_LABEL]
-    assert not rc.owns(make_job(), foreign)
-    assert rc.owns(make_job(), k8s_job())
-    assert not rc.owns(make_job(), k8s_job(owner_uid="someone-else"))
+    del foreign["metadata"]["labels"][codes.JOB_LABEL]
+    assert not observe.owns(make_job(), foreign)
+    assert observe.owns(make_job(), k8s_job())
+    assert not observe.owns(make_job(), k8s_job(owner_uid="someone-else"))
 
 
 def test_locally_named_jobs_without_uid_match_by_labels() -> None:
@@ -553,8 +553,8 @@ def test_replaying_the_decisions_of_a_whole_run_reaches_succeeded_with_one_job_p
         elif isinstance(d, CreatePublishJob):
             created.append(d.pass_name)
             j = k8s_job(completions=d.completions, parallelism=d.completions, active=d.completions)
-            del j["metadata"]["labels"][rc.ROUND_LABEL]
-            j["metadata"]["labels"][rc.PUBLISH_LABEL] = d.pass_name
+            del j["metadata"]["labels"][codes.ROUND_LABEL]
+            j["metadata"]["labels"][codes.PUBLISH_LABEL] = d.pass_name
             jobs.append(j)
         elif isinstance(d, Wait):
             # The Job controller finishes every index of the Job last created.

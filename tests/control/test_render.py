@@ -630,7 +630,7 @@ def test_the_leaders_vllm_runs_rays_executor_one_pipeline_stage_a_pod() -> None:
 
 
 def test_the_operator_counts_a_lane_done_when_its_leader_is_and_failed_when_any_of_its_pods_is() -> None:
-    from bij.control.reconcile import JobView
+    from bij.control.observe import JobView
 
     job = make_job(**TWO_NODE_VLLM)
     body = render(job, completions=3)

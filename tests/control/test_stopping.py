@@ -19,7 +19,8 @@ from test_reconcile import UID, k8s_job, planned
 
 from bij.contract import layout
 from bij.contract.spec import parse_job
-from bij.control.reconcile import Nothing, PatchJob, PlanRound, PreparePublish, Publish, Wait, decide
+from bij.control.decisions import Nothing, PatchJob, PlanRound, PreparePublish, Publish, Wait
+from bij.control.reconcile import decide
 from bij.control.stopping import seconds_left, stop_requested
 
 NOW = dt.datetime(2024, 1, 1, 0, 10, tzinfo=dt.timezone.utc)

@@ -276,7 +276,7 @@ def test_a_partition_clash_fails_the_job_as_plan_refused(file_place, make_job, w
     # The operator's decision on the plan step's report, as `kubectl get bij` would show it: Failed, the
     # reason PlanRefused, the message naming both inputs; never a plan retried every few minutes.
     from bij.contract.status import JobStatus
-    from bij.control.reconcile import failure_reason
+    from bij.control.observe import failure_reason
     from bij.local.run import LocalRunner
 
     first = file_place.write_jsonl("in/c.jsonl", rows(5))

@@ -17,7 +17,8 @@ import zstandard
 
 from bij.contract import layout
 from bij.contract.records import DamageRecord
-from bij.control.reconcile import MarkFailed, decide
+from bij.control.decisions import MarkFailed
+from bij.control.reconcile import decide
 from bij.steps.publish import read_manifest
 
 ROWS = [{"id": i, "text": f"row {i} " + "z" * (i * 7 % 50)} for i in range(12000)]  # several zstd blocks

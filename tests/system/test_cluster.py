@@ -35,7 +35,7 @@ from cluster.harness import (
 )
 from kubernetes.client import ApiException
 
-from bij.control.reconcile import parse_ranges
+from bij.control.observe import parse_ranges
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 

@@ -48,21 +48,10 @@ from bij.contract.notify import headers as notify_headers
 from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats
 from bij.contract.spec import BatchInferenceJob, SecretKeyRef, SpecError
-from bij.contract.status import JobStatus
+from bij.contract.status import JobStatus, Phase
 from bij.contract.step_report import REMOVAL_CONDITION, REMOVAL_FAILED
 from bij.control import notify
-from bij.control.jobs import (
-    FileVolume,
-    render_canary_job,
-    render_job,
-    render_lane_service,
-    render_publish_job,
-    render_step_job,
-)
-from bij.control.permissions import CONDITION as PERMISSIONS_CONDITION
-from bij.control.permissions import STATUS_KEY as PERMISSIONS_KEY
-from bij.control.permissions import GrantCheck, condition, record
-from bij.control.reconcile import (
+from bij.control.decisions import (
     STOPPED_PHASES,
     TERMINAL_PHASES,
     CanaryVerdict,
@@ -76,7 +65,6 @@ from bij.control.reconcile import (
     MovePoolLanes,
     Nothing,
     PatchJob,
-    Phase,
     PlanRound,
     PreparePublish,
     Publish,
@@ -85,10 +73,21 @@ from bij.control.reconcile import (
     StepDecision,
     StopHeld,
     Wait,
-    decide,
-    format_ranges,
     name_conflict,
 )
+from bij.control.jobs import (
+    FileVolume,
+    render_canary_job,
+    render_job,
+    render_lane_service,
+    render_publish_job,
+    render_step_job,
+)
+from bij.control.observe import format_ranges
+from bij.control.permissions import CONDITION as PERMISSIONS_CONDITION
+from bij.control.permissions import STATUS_KEY as PERMISSIONS_KEY
+from bij.control.permissions import GrantCheck, condition, record
+from bij.control.reconcile import decide
 from bij.control.status import (
     decision_status,
     fmt_time,
@@ -130,7 +129,7 @@ class Observed:
     generation: int | None
     output_uri: str
     jobs: Sequence[Mapping[str, Any]]
-    # The pods of its step Jobs that failed (`reconcile.failed_pods` reads them): what a retry or a
+    # The pods of its step Jobs that failed (`observe.failed_pods` reads them): what a retry or a
     # failure says about the cause.
     pods: Sequence[Mapping[str, Any]] = ()
     # The current round's lane reports, summed by the backend from the lanes' own Leases (or files): the

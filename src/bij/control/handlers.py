@@ -44,6 +44,7 @@ from bij.contract.codes import (
 from bij.contract.lane_report import REPORT_ANNOTATION, LaneTally, tally, tally_interval
 from bij.contract.spec import API_GROUP, API_VERSION, SecretKeyRef, SpecError, parse_job
 from bij.control.access_review import check_grants
+from bij.control.decisions import Decision
 from bij.control.driver import PROGRESS_INTERVAL, STATUS_INTERVAL, Created, Driver, Observed
 from bij.control.jobs import (
     FileVolume,
@@ -52,8 +53,8 @@ from bij.control.jobs import (
     steps_image_default,
     worker_image_default,
 )
+from bij.control.observe import owns
 from bij.control.permissions import GrantCheck
-from bij.control.reconcile import Decision, owns
 
 # A waiting daemon wakes when one of its bij's Jobs changes; it looks for spec edits (and whether it
 # is to stop) this often, in memory, without an API call.
@@ -172,7 +173,7 @@ class Api:
                                         _preload_content=False)
 
     def step_pods(self, namespace: str, bij: str, *, workers: bool = False) -> list[dict[str, Any]]:
-        """The pods of a bij's step Jobs, as `reconcile.failed_pods` and `stuck_pods` read them (name, labels,
+        """The pods of a bij's step Jobs, as `observe.failed_pods` and `stuck_pods` read them (name, labels,
         phase, conditions, container states); none where this operator may not list pods (an older chart's
         Role). `workers`: its worker pods too (a pool's pods that may not find a node, `pools.gives_up`)."""
         selector = f"{JOB_LABEL}={bij}" if workers else f"{JOB_LABEL}={bij},{STEP_LABEL}"
@@ -231,7 +232,7 @@ class Api:
 
 
 def job_essence(body: Mapping[str, Any]) -> dict[str, Any]:
-    """What decisions read of a Job (`reconcile.JobView`), without its pod template."""
+    """What decisions read of a Job (`observe.JobView`), without its pod template."""
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
     annotations = meta.get("annotations") or {}

@@ -56,8 +56,10 @@ from bij.contract.spec import (
     WorkerPool,
     job_to_dict,
 )
+from bij.control.observe import step_job_name, step_key
 from bij.control.permissions import DEFAULT_SERVICE_ACCOUNT
-from bij.control.reconcile import STEP_TRIES_ANNOTATION, desired_parallelism, step_job_name, step_key
+from bij.control.rules.rounds import desired_parallelism
+from bij.control.rules.steps import STEP_TRIES_ANNOTATION
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/bij-project/bij-worker:0.1.0"
 WORKER_CONTAINER = "worker"

@@ -4,7 +4,7 @@ operator records of it: plain data, for `bij doctor` and for the operator before
 `WORKER_GRANTS` is the one list (the chart's worker Role is held equal to it by a test).
 `access_review.check_grants` asks the API server, one LocalSubjectAccessReview per grant. The operator
 records the answer in the bij's status (`record`, `condition`); `reconcile.decide()` reads that record
-to hold a bij whose pods would fail (`reconcile.permissions_gate`). The local runner (`bij run`) has no
+to hold a bij whose pods would fail (`rules.permissions.permissions_gate`). The local runner (`bij run`) has no
 RBAC and never asks.
 """
 

@@ -11,7 +11,7 @@ are preempted again and again: its blocks move, lane ids and all, to the next po
 never gives up: its lanes have nowhere to go. The next round starts from the preferred pool again, so
 capacity that came back to a cheaper pool is used.
 
-Plain functions over the spec, the observed Jobs and pods; `reconcile.pool_round` turns them into decisions.
+Plain functions over the spec, the observed Jobs and pods; `rules.pool_round.pool_round` turns them into decisions.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from bij.control.reconcile import Decision
+from bij.control.decisions import Decision
 
 CONDITION_TYPES = ("Ready", "Running", "Suspended", "Succeeded", "Failed")
 

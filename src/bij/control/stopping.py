@@ -1,7 +1,7 @@
 """Stopping a bij for good: ``spec.cancel: true``, or ``spec.deadlineSeconds`` passed.
 
 This module says whether and why a bij stops (`stop_requested`), and when its deadline comes;
-`reconcile.stopping_step` decides its steps, the same either way:
+`rules.stop.stopping_step` decides its steps, the same either way:
 
 1. plan round 0 if it never was, so that every input row is counted;
 2. suspend the current round's Job: its pods are deleted with their grace period, so each worker

@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from bij.contract.codes import CANARY_SHARDS_ENV, LANE_OFFSET_ENV, POOL_ENV, TENSOR_PARALLEL_ENV
 from bij.contract.spec import BatchInferenceJob
-from bij.control.reconcile import format_ranges
+from bij.control.observe import format_ranges
 from bij.control.status import fmt_time, now_utc
 from bij.worker.report import JOB_UID_ENV, POD_NAME_ENV
 
@@ -112,7 +112,7 @@ class LocalJob:
         self.procs: dict[int, tuple[subprocess.Popen[bytes] | _InProcess, float, threading.Thread]] = {}
         self.last_error: dict[int, str] = {}
         self.last_lines: dict[int, list[str]] = {}
-        # Each failed attempt as the API server shows a failed pod (what `reconcile.failed_pods` reads).
+        # Each failed attempt as the API server shows a failed pod (what `observe.failed_pods` reads).
         self.pods_failed: list[dict[str, Any]] = []
         self.completed: set[int] = set()
         self.failed: set[int] = set()
@@ -301,7 +301,7 @@ class LocalJob:
         return list(self.pods_failed)
 
     def view(self) -> dict[str, Any]:
-        """The Job as the API server would show it (what `reconcile.JobView` reads)."""
+        """The Job as the API server would show it (what `observe.JobView` reads)."""
         status: dict[str, Any] = {"active": len(self.procs)}
         if self.pods_failed:
             status["failed"] = len(self.pods_failed)

@@ -39,9 +39,10 @@ from bij.contract.spec import BatchInferenceJob, CanarySpec, SecretKeyRef, SpecE
 from bij.contract.status import JobStatus
 from bij.contract.step_report import REMOVAL_FAILED
 from bij.control import notify
+from bij.control.decisions import STOPPED_PHASES, TERMINAL_PHASES, Retry
 from bij.control.driver import Created, Driver, Observed
 from bij.control.jobs import FileVolume, render_job
-from bij.control.reconcile import STOPPED_PHASES, TERMINAL_PHASES, Retry, failure_reason
+from bij.control.observe import failure_reason
 from bij.local.jobs import LocalJob, worker_command, worker_env
 from bij.local.publish import publish
 from bij.steps.planner import PlanError, RoundPlan, output_standing, plan_round, reset_output
