@@ -176,7 +176,6 @@ class JobView:
                      total=self.completions // self.nodes_per_lane, replaced=self.groups_replaced)
 
 
-
 def failure_reason(state: JobStatus) -> str | None:
     """The reason on the ``Failed`` condition, if the bij is marked failed."""
     for c in state.conditions:

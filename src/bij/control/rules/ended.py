@@ -8,9 +8,7 @@ from bij.control.decisions import (
     STOPPED_PHASES,
     Nothing,
 )
-from bij.control.observe import (
-    failure_reason,
-)
+from bij.control.observe import failure_reason
 
 
 def ended(state: JobStatus) -> Nothing | None:

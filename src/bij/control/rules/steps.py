@@ -11,9 +11,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from bij.contract.codes import (
-    GENERATION_LABEL,
-)
+from bij.contract.codes import GENERATION_LABEL
 from bij.contract.spec import BatchInferenceJob
 from bij.contract.step_report import StepError, StepErrorCode
 from bij.control.decisions import (
