@@ -11,6 +11,11 @@ summaries of one file each. Each step then runs alone in a child process, which 
 - plan-read: what lane 0 reads of the round plan to work its own shards (`Plan.from_json`, and where the
   plan is written in parts, `Plan.pieces` of each of its shards: the head and its parts, a few kept).
 
+The step children cap glibc's malloc arenas first, as a step pod's main does (`bij.steps.arenas`), where
+the side's code has that; a lane (plan-read) does not. `--objects N` keeps the input at N objects at
+every size, so that what grows with the input's objects (the plan head lists them) is told apart from
+what grows with shards.
+
 The same children run the code of the base commit (--base, default main, exported with `git archive`)
 in the same run, on the same storage: the anchor. The round plan is simulated as one document (what the
 base reads); before the new side's children run it is rewritten as the plan step of this version writes
@@ -18,7 +23,7 @@ it (`planner.write_plan`: parts above `PART_SHARDS` shards), where that exists, 
 removed (both sides publish a job never published before). Targets (issue 38): peak
 RSS within 1.3x from the smallest to the largest N and under 512 MB; time per shard within 1.5x.
 
-    python bench/steps_scale.py [--shards 10000,100000] [--base main] [--keep]
+    python bench/steps_scale.py [--shards 10000,100000] [--objects 0] [--base main] [--keep]
 """
 
 from __future__ import annotations
@@ -56,21 +61,22 @@ def record(index: int) -> dict[str, Any]:
             "structuredViolations": 0, "notes": [], "seconds": 1.0, "finishedAt": "2026-12-06T00:00:00Z"}
 
 
-def simulate(root: Path, shards: int) -> None:
-    """A round of `shards` shards, every one done, in storage under `root` (plain writes, no fsync)."""
+def simulate(root: Path, shards: int, objects: int = 0) -> None:
+    """A round of `shards` shards, every one done, in storage under `root` (plain writes, no fsync); its input
+    is `objects` objects (0: one per `SHARDS_PER_OBJECT` shards)."""
     from bij.contract import layout
     from bij.contract.plan import Plan
     from bij.contract.spec import parse_job
 
     job = parse_job(job_doc(root))
     prefix = layout.round_prefix(job, 0)
-    objects = [{"uri": f"file://{root}/in/{o:06d}.jsonl", "size": SHARDS_PER_OBJECT * 1000, "name": f"{o:06d}.jsonl",
-                "version": "1"} for o in range(-(-shards // SHARDS_PER_OBJECT))]
+    per = -(-shards // objects) if objects else SHARDS_PER_OBJECT
+    inputs = [{"uri": f"file://{root}/in/{o:06d}.jsonl", "size": per * 1000, "name": f"{o:06d}.jsonl",
+               "version": "1"} for o in range(-(-shards // per))]
     plan = Plan.model_validate({
-        "round": 0, "roundPrefix": prefix, "inputUri": job.spec.input.uri, "job": job, "objects": objects,
+        "round": 0, "roundPrefix": prefix, "inputUri": job.spec.input.uri, "job": job, "objects": inputs,
         "fingerprint": {"spec": "s", "input": "i"}, "lanes": min(shards, 1000),
-        "shards": [[(i // SHARDS_PER_OBJECT, i % SHARDS_PER_OBJECT * 1000, (i % SHARDS_PER_OBJECT + 1) * 1000)]
-                   for i in range(shards)]})
+        "shards": [[(i // per, i % per * 1000, (i % per + 1) * 1000)] for i in range(shards)]})
     path = Path(layout.round_manifest_uri(job, 0).removeprefix("file://"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(plan.to_json())
@@ -96,6 +102,13 @@ def child(step: str, root: Path) -> int:
     from bij.contract.plan import Plan
     from bij.contract.spec import parse_job
 
+    if step != "plan-read":
+        try:  # as a step pod's main does, where this side's code does (`bij.steps.arenas`)
+            from bij.steps.arenas import cap_malloc_arenas
+        except ImportError:
+            pass
+        else:
+            cap_malloc_arenas()
     job = parse_job(job_doc(root))
     t0 = time.perf_counter()
     if step == "finish":
@@ -169,6 +182,8 @@ def run_child(src: Path, step: str, root: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, rows=0, repeats=1)
     p.add_argument("--shards", default="10000,100000", help="comma-separated shard counts")
+    p.add_argument("--objects", type=int, default=0, help="input objects of every round (default: one per "
+                   f"{SHARDS_PER_OBJECT} shards, so that they grow with the shards)")
     p.add_argument("--base", default="main", help="the commit whose steps are the anchor ('none': no anchor, "
                    "for N where the base would need GBs)")
     args = harness.parse(p, argv)
@@ -188,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             root = work / f"n{n}"
             t0 = time.perf_counter()
-            simulate(root, n)
+            simulate(root, n, args.objects)
             print(f"simulated {n:,} shards in {time.perf_counter() - t0:.0f}s", flush=True)
             # The base first, on the one-document plan; then the plan as this version writes it, for the new.
             for side in [s for s in ("base", "new") if s in sides]:

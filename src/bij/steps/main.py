@@ -36,6 +36,7 @@ from bij.contract.rounds import RoundSums
 from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
 from bij.contract.step_report import MOST_MESSAGE, REMOVAL_FAILED, StepError, StepErrorCode, StepReport
 from bij.steps import publish_rows
+from bij.steps.arenas import cap_malloc_arenas
 from bij.steps.planner import PlanError, plan_round
 from bij.steps.progress import Tally, damage_records, shard_records, stream_records
 from bij.steps.publish import (
@@ -244,6 +245,7 @@ def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
     INTERNAL (the pod is run again by its Job). `env`: the pod's environment (default this process's)."""
     env = os.environ if env is None else env
     args = parse_args(argv)
+    cap_malloc_arenas()  # before the record readers start: their arenas would grow with the step's length
     try:
         sink = sink_from_env(env)
     except ReportError as e:
