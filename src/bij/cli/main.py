@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "run":
-        from bij.local.run import cli_run
+        from bij.cli.run import cli_run
 
         return cli_run(args)
     if args.command == "cancel":
-        from bij.local.run import cli_cancel
+        from bij.cli.run import cli_cancel
 
         return cli_cancel(args)
     if args.command == "render":
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli_doctor(args)
     if args.command == "publish":
-        from bij.local.run import cli_publish
+        from bij.cli.run import cli_publish
 
         return cli_publish(args)
     parser.error(f"unknown command {args.command}")

@@ -18,7 +18,6 @@ what a stopped run finished and exits 0 once the job is Cancelled.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -35,19 +34,17 @@ from bij.contract.efficiency import fmt_money
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.lane_report import tally
 from bij.contract.round_record import round_records
-from bij.contract.spec import BatchInferenceJob, CanarySpec, SecretKeyRef, SpecError, load_job
+from bij.contract.spec import BatchInferenceJob, CanarySpec, SecretKeyRef
 from bij.contract.status import JobStatus
-from bij.contract.step_report import REMOVAL_FAILED
 from bij.control import notify
 from bij.control.decisions import STOPPED_PHASES, TERMINAL_PHASES, Retry
 from bij.control.driver import Created, Driver, Observed
 from bij.control.jobs import FileVolume, render_job
 from bij.control.observe import failure_reason
 from bij.local.jobs import LocalJob, worker_command, worker_env
-from bij.local.publish import publish
-from bij.steps.planner import PlanError, RoundPlan, output_standing, plan_round, reset_output
+from bij.steps.planner import PlanError, RoundPlan, output_standing, plan_round
 from bij.steps.progress import count_done, stream_records
-from bij.steps.publish import PublishError, read_manifest, removed_record
+from bij.steps.publish import read_manifest, removed_record
 from bij.steps.removal import resume_removal
 from bij.storage import StorageError, open_storage
 from bij.worker.report import LANES, REPORT_ENV, FolderSink, read_folder
@@ -525,85 +522,3 @@ def nodes_per_lane_refusal(job: BatchInferenceJob) -> str | None:
     return (f"spec.workers.nodesPerLane is {nodes}: a lane of several pods (a Ray head and Ray workers on "
             "different nodes) runs on Kubernetes only; `bij run` runs one process per lane: set "
             "nodesPerLane to 1 here (the model must fit one machine), or apply the job to a cluster")
-
-
-def cli_job(args: argparse.Namespace) -> BatchInferenceJob | None:
-    """The job `bij run` / `bij cancel` name, or None once the reason it cannot run is printed."""
-    try:
-        job = load_job(args.spec)
-    except SpecError as e:
-        print(f"bij: {e}", file=sys.stderr)
-        return None
-    if args.parallelism is not None and args.parallelism < 1:
-        print(f"bij: --parallelism must be at least 1, got {args.parallelism}", file=sys.stderr)
-        return None
-    refused = nodes_per_lane_refusal(job)
-    if refused and getattr(args, "command", None) != "cancel":
-        print(f"bij: {refused}", file=sys.stderr)
-        return None
-    return job
-
-
-def cli_cancel(args: argparse.Namespace) -> int:
-    """`bij cancel job.yaml`: stop a job for good and publish what its runs finished (phase Cancelled)."""
-    job = cli_job(args)
-    if job is None:
-        return EXIT_BAD_CONFIG
-    return LocalRunner(job, args.parallelism, show_progress=False, cancel=True).run()
-
-
-def cli_run(args: argparse.Namespace) -> int:
-    job = cli_job(args)
-    if job is None:
-        return EXIT_BAD_CONFIG
-    if args.restart:
-        try:
-            gone = reset_output(job)
-        except PlanRefused as e:
-            print(f"bij: --restart: {e}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
-        except StorageError as e:
-            print(f"bij: --restart: {e}", file=sys.stderr)
-            return EXIT_BAD_CONFIG if e.permanent else 1
-        print(f"bij: --restart: deleted the manifest and {gone} objects (plans, durable results) of "
-              f"{job.metadata.name} under {job.spec.output.uri}", file=sys.stderr)
-    return LocalRunner(job, args.parallelism, show_progress=not args.no_progress,
-                       canary_only=getattr(args, "canary_only", False)).run()
-
-
-def planned_rounds(job: BatchInferenceJob) -> int:
-    """How many rounds have a plan (publish covers all of them)."""
-    from bij.storage import open_storage
-
-    store = open_storage(job.spec.output.uri, job.spec.storage.s3)
-    n = 0
-    while store.exists(layout.round_manifest_uri(job, n)):
-        n += 1
-    return n
-
-
-def cli_publish(args: argparse.Namespace) -> int:
-    try:
-        job = load_job(args.spec)
-        stats: list[dict[str, Any]] = []
-        processes = job.spec.workers.parallelism if args.parallelism is None else args.parallelism
-        manifest = publish(job, rounds=max(1, planned_rounds(job)), processes=processes,
-                           bucket_rows=args.bucket_rows, stats=stats)
-    except (SpecError, PlanRefused) as e:
-        print(f"bij: {e}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except (PublishError, StorageError) as e:
-        print(f"bij: {e}", file=sys.stderr)
-        return EXIT_BAD_CONFIG if e.permanent else 1
-    if args.process_stats:
-        # This process's own peak (wait4 on it would also count its children's).
-        own = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")), 0)
-        with open(args.process_stats, "w") as f:
-            json.dump([*stats, {"pass": "driver", "index": 0, "maxRssKiB": own}], f)
-    failed = manifest.get(REMOVAL_FAILED)
-    if failed:
-        # Published: work files left behind are a warning, not a failed publish.
-        print(f"bij: warning: the manifest stands, but removing work files failed: {failed['error']}; the rest are "
-              f"left under {failed['left']} (run `bij publish` again to resume the removal)", file=sys.stderr)
-    print(json.dumps(manifest["counts"]))
-    return 0
