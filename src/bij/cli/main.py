@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli_validate(args)
     if args.command == "results":
-        from bij.steps.results import cli_results
+        from bij.cli.results import cli_results
 
         return cli_results(args)
     if args.command == "status":
-        from bij.steps.results import cli_status
+        from bij.cli.results import cli_status
 
         return cli_status(args)
     if args.command == "doctor":

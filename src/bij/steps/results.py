@@ -1,18 +1,17 @@
-"""`bij results` and `bij status`: published rows and a job's summary, without knowing the formats.
+"""What `bij results` and `bij status` read: published rows and a job's summary, without knowing the formats.
 
 `bij results MANIFEST_URI` streams the rows the manifest lists as JSON lines (or one
 Parquet stream), checking each file's sha256 against the manifest first; `bij status`
 says in a few lines where a job stands: rounds, shards, rows, errors, truncated, cost.
-Both read `file://` and `s3://` alike, through the one storage interface.
+Both read `file://` and `s3://` alike, through the one storage interface. Their command-line handlers are
+`bij.cli.results`.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import json
-import sys
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -23,8 +22,7 @@ from bij.contract.efficiency import fmt_money, status_fields
 from bij.contract.errors import BijError
 from bij.contract.plan import Plan
 from bij.contract.records import ShardRecord
-from bij.contract.schemes import WRITABLE
-from bij.contract.spec import BatchInferenceJob, SpecError, load_job
+from bij.contract.spec import BatchInferenceJob
 from bij.steps.progress import damage_records, live_records
 from bij.storage import NotFound, Storage, StorageError, open_storage
 from bij.storage.parquet import BeyondInt64, id_kind, is_int64, read_table, results_table
@@ -159,37 +157,6 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     return n
 
 
-def target_manifest(target: str) -> tuple[str, Any]:
-    """(manifest or output URI, S3 settings) for what `bij results`/`bij status` were given: a job's
-    YAML (its output, with its spec.storage), or a bare URI (the standard AWS environment)."""
-    if target.startswith(WRITABLE):
-        return target, None
-    job = load_job(target)
-    return layout.manifest_uri(job), job.spec.storage.s3
-
-
-def cli_results(args: argparse.Namespace) -> int:
-    which = "errors" if args.errors else "capped" if args.capped else "results"
-    out = sys.stdout.buffer
-    try:
-        uri, s3 = target_manifest(args.manifest)
-        if args.format == "parquet":
-            if which != "results":
-                raise ResultsError("error and capped rows are JSON lines: --format parquet reads results only")
-            if out.isatty():
-                raise ResultsError("--format parquet writes binary Parquet: redirect it to a file")
-            write_parquet(uri, out, s3)
-        else:
-            write_jsonl(uri, which, out, s3)
-        out.flush()
-    except (ResultsError, SpecError, StorageError) as e:
-        print(f"bij: {e}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # `bij results ... | head`
-        return 0
-    return 0
-
-
 # --- bij status -------------------------------------------------------------------------------------
 
 
@@ -294,18 +261,3 @@ def local_status_lines(store: Any, job: BatchInferenceJob) -> list[str]:
             line += f"; round 0 whole: {describe_estimate(canary['estimate'])}"
         lines.append(line)
     return lines
-
-
-def cli_status(args: argparse.Namespace) -> int:
-    target: str = args.target
-    try:
-        if target.startswith(WRITABLE):
-            _, _, manifest = load_manifest(target, None)  # a bare URI: the standard AWS environment
-            lines = manifest_summary(manifest)
-        else:
-            lines = job_summary(load_job(target))
-    except (ResultsError, SpecError, StorageError) as e:
-        print(f"bij: {e}", file=sys.stderr)
-        return 1
-    print("\n".join(lines))
-    return 0
