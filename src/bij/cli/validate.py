@@ -533,7 +533,7 @@ def _first_lines(path: str, parquet: bool, n: int) -> list[bytes]:
     lines: list[bytes] = []
     with open(path, "rb") as raw:
         stream = zstandard.ZstdDecompressor().stream_reader(raw) if path.endswith(".zst") else raw
-        for line in io.BufferedReader(stream) if path.endswith(".zst") else stream:  # type: ignore[arg-type]
+        for line in io.BufferedReader(stream) if path.endswith(".zst") else stream:
             if line.strip():
                 lines.append(line.rstrip(b"\n"))
             if len(lines) == n:

@@ -77,7 +77,7 @@ class ShardRecord(ShardCounts, total=False):
 def shard_record(index: int, round_no: int, lane: int, counts: ShardCounts, seconds: float, *,
                  finished: bool, pool: str | None = None) -> ShardRecord:
     """A completion record (`finished`) or a progress record of a shard; `pool`: the pool its pod runs in."""
-    rec: ShardRecord = {"index": index, "round": round_no, "lane": lane, **counts,  # type: ignore[typeddict-item]
+    rec: ShardRecord = {"index": index, "round": round_no, "lane": lane, **counts,
                         "seconds": round(seconds, 3)}
     if pool:
         rec["pool"] = pool

@@ -184,7 +184,7 @@ class SentenceTransformersEngine(EngineBase):
             features["token_type_ids"] = torch.zeros_like(features["input_ids"])
         with torch.inference_mode():
             out = self.model(batch_to_device(features, self.model.device))
-        return out["sentence_embedding"].float().cpu().tolist()  # type: ignore[no-any-return]
+        return out["sentence_embedding"].float().cpu().tolist()
 
     def _shortened(self, vec: list[float], d: int, tokens: int) -> Result:
         """The first `d` values of a Matryoshka embedding, normalised again (what vLLM's pooler does);

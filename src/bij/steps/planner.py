@@ -321,7 +321,7 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         round_prefix=layout.round_prefix(job, round_no),
         input_uri=input_uri,
-        judge_mode=JudgeMode(mode=mode.mode, final=mode.final),  # type: ignore[arg-type]
+        judge_mode=JudgeMode(mode=mode.mode, final=mode.final),
         job=job,
         objects=[
             PlanObject(uri=o.uri, size=o.size, name=o.uri[len(base):] if o.uri.startswith(base) else o.uri,
@@ -330,7 +330,7 @@ def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo],
         ],
         fingerprint=Fingerprint(spec=digest(row_fields(job_to_dict(job)["spec"])),
                                 input=digest([[o.uri, o.size, o.version] for o in objects])),
-        shards=[[tuple(p) for p in s] for s in shards],  # type: ignore[misc]
+        shards=[[tuple(p) for p in s] for s in shards],
         lanes=lanes_for(job, len(shards)),
     )
 

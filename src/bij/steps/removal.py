@@ -52,7 +52,7 @@ class Removal:
 def removed_record(store: Storage, job: BatchInferenceJob) -> RemovedRecord | None:
     """What was removed after the job was published, or None when its work files are all there."""
     try:
-        return json.loads(store.read_bytes(layout.removed_uri(job)))  # type: ignore[no-any-return]
+        return json.loads(store.read_bytes(layout.removed_uri(job)))
     except NotFound:
         return None
 

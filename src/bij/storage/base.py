@@ -106,7 +106,7 @@ def split_blocks(stream: Any, base_offset: int, block: int = 1 << 20,
         data = stream.read(block)
         if not data:
             break
-        lines: list[bytes | None] = data.split(b"\n")  # type: ignore[assignment]
+        lines: list[bytes | None] = data.split(b"\n")
         tail: bytes = lines.pop()  # type: ignore[assignment]
         if size and lines:  # the line left open by the last block ends in this one
             head: bytes = lines[0]  # type: ignore[assignment]

@@ -155,7 +155,7 @@ class HttpStorage(ReadOnlyInputs):
         return n
 
     def open_read(self, uri: str, start: int = 0, version: str | None = None) -> BinaryIO:
-        return io.BufferedReader(_ResumingHttpStream(self, uri, start, version),  # type: ignore[return-value]
+        return io.BufferedReader(_ResumingHttpStream(self, uri, start, version),
                                  buffer_size=1 << 20)
 
     def get(self, uri: str, start: int, version: str | None) -> _Body:
@@ -305,7 +305,7 @@ def _connection(http_class: Any, req: urllib.request.Request) -> Any:
             deadline.watch(conn.sock)
 
         conn.connect = watched_connect
-        return conn  # type: ignore[no-any-return]
+        return conn
 
     return connect
 

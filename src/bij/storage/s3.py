@@ -329,7 +329,7 @@ class S3Storage:
         return self._call("read", uri, lambda: self.client.get_object(**kwargs)["Body"])
 
     def open_read(self, uri: str, start: int = 0, version: str | None = None) -> BinaryIO:
-        return io.BufferedReader(_ResumingS3Stream(self, uri, start, version),  # type: ignore[return-value]
+        return io.BufferedReader(_ResumingS3Stream(self, uri, start, version),
                                  buffer_size=1 << 20)
 
     def read_bytes(self, uri: str) -> bytes:

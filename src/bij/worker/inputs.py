@@ -611,7 +611,7 @@ def _content_asks(msgs: list[dict[str, Any]], where: str) -> list[tuple[str, dic
             if kind == "text":
                 continue
             if kind == "image_url":
-                images.append((f"{where}[{i}].content[{j}]", part))  # type: ignore[arg-type]
+                images.append((f"{where}[{i}].content[{j}]", part))
             else:
                 return f"{where}[{i}].content[{j}] of type {kind!r} (only text and image_url parts are known)"
     return images

@@ -337,7 +337,7 @@ class JudgeLoop:
         live = []
         for rec in pending:
             line = rec["line"].encode()
-            row = self.prep.row(line, tuple(rec["at"]))  # type: ignore[arg-type]
+            row = self.prep.row(line, tuple(rec["at"]))
             row.id = rec["id"]
             # "attempts" counts every attempt so far, earlier rounds included.
             row.prior_attempts = int(rec["attempts"]) - int(rec["attemptsHere"])
