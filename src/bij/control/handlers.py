@@ -459,8 +459,10 @@ async def bij_jobs(namespace: str | None, labels: Mapping[str, str], body: kopf.
                    **_: Any) -> dict[Any, Any]:
     """The round and publish Jobs of each bij, by (namespace, bij name), as decisions read them; a
     change wakes the bij's daemon."""
-    key = (namespace, labels[JOB_LABEL])
-    wake = shared(memo).driven.get(key)  # type: ignore[arg-type]
+    bij = labels[JOB_LABEL]
+    key = (namespace, bij)
+    # `driven` holds only namespaced bijs (drive asserts a namespace): a Job of none wakes no daemon.
+    wake = shared(memo).driven.get((namespace, bij)) if namespace is not None else None
     if wake is not None:
         wake.set()
     return {key: job_essence(body)}
@@ -474,7 +476,8 @@ def _versions(jobs: Iterable[Mapping[str, Any]]) -> frozenset[tuple[str, str]]:
 async def step_reported(namespace: str | None, name: str | None, body: kopf.Body, memo: Any, **_: Any) -> None:
     """A change of the bij (a step's report into its status among them) wakes its daemon at once, which
     decides again if a step reported; no API call, nothing stored."""
-    wake = shared(memo).driven.get((namespace, name))  # type: ignore[arg-type]
+    # `driven` holds only named, namespaced bijs: an event without either wakes no daemon.
+    wake = shared(memo).driven.get((namespace, name)) if namespace is not None and name is not None else None
     if wake is not None:
         wake.set()
 

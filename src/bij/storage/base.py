@@ -4,7 +4,7 @@ splitting that readers of any scheme use."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, cast
 
 from bij.storage.objects import (
     ObjectInfo,
@@ -103,13 +103,13 @@ def split_blocks(stream: Any, base_offset: int, block: int = 1 << 20,
     size = 0  # its length so far
     pos = base_offset  # offset of its first byte
     while True:
-        data = stream.read(block)
+        data: bytes = stream.read(block)
         if not data:
             break
-        lines: list[bytes | None] = data.split(b"\n")
-        tail: bytes = lines.pop()  # type: ignore[assignment]
+        lines = data.split(b"\n")
+        tail = lines.pop()
         if size and lines:  # the line left open by the last block ends in this one
-            head: bytes = lines[0]  # type: ignore[assignment]
+            head = lines[0]
             n = size + len(head)
             if limit < 0 or n <= limit:
                 parts.append(head)
@@ -120,10 +120,11 @@ def split_blocks(stream: Any, base_offset: int, block: int = 1 << 20,
             pos += n + 1
             lines = lines[1:]
         if lines:
-            lengths: list[int] = list(map(len, lines))  # type: ignore[arg-type]
+            lengths = list(map(len, lines))
             if 0 <= limit < len(data):  # a line inside this block may be over the limit
-                lines = [line if n <= limit else None for line, n in zip(lines, lengths, strict=True)]
-            yield pos, lines, lengths
+                yield pos, [line if n <= limit else None for line, n in zip(lines, lengths, strict=True)], lengths
+            else:
+                yield pos, cast("list[bytes | None]", lines), lengths
             pos += sum(lengths) + len(lengths)
         if tail:
             size += len(tail)

@@ -297,7 +297,7 @@ class S3Storage:
                 kwargs["ContinuationToken"] = token
             elif start_after:
                 kwargs["StartAfter"] = start_after
-            page = self._call("list", uri, lambda kw=kwargs: self.client.list_objects_v2(**kw))  # type: ignore[misc]
+            page = self._call("list", uri, functools.partial(self.client.list_objects_v2, **kwargs))
             out: list[ObjectInfo] = []
             for obj in page.get("Contents", []):
                 k = obj["Key"]
@@ -454,7 +454,7 @@ class S3Storage:
             where = f"{self.scheme}://{bucket}/{keys[0]}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
             body = {"Objects": [{"Key": k} for k in keys], "Quiet": True}
             answer = self._call("delete", where,
-                                lambda b=bucket, d=body: self.client.delete_objects(Bucket=b, Delete=d))  # type: ignore[misc]
+                                functools.partial(self.client.delete_objects, Bucket=bucket, Delete=body))
             for err in answer.get("Errors") or []:
                 if err.get("Code") == "NoSuchKey":
                     continue  # gone already: what a delete wants
