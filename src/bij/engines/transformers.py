@@ -42,7 +42,7 @@ import importlib.util
 import json
 import re
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from bij.contract.sampling import TOKEN_IDS
 from bij.engines import hub
@@ -60,6 +60,9 @@ from bij.engines.base import (
 from bij.engines.prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 from bij.engines.structured import Validator, grammar_schema
 from bij.engines.tools import FORCED_TOOL_CHOICE, forced, forced_result, forced_schema
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # the type of grammar_from_json_schema's options
 
 
 class TransformersEngine(EngineBase):
@@ -331,13 +334,12 @@ class TransformersEngine(EngineBase):
             # processor serves one generate call.
             # (every row of this group has one: structured output is one of the group's knobs)
             eos = self._eos_ids[0] if self._eos_ids else tok.pad_token_id
+            shapes = cast("list[tuple[str, str]]", [r.sampling.structured_output for r in requests])
             if second:
-                grammar = _guidance_processor([_guidance_grammar(r.sampling.structured_output)  # type: ignore[arg-type]
-                                               for r in requests for _ in range(sampled)], self._llg,
-                                              self._eos_ids, eos)
+                grammar = _guidance_processor([_guidance_grammar(s) for s in shapes for _ in range(sampled)],
+                                              self._llg, self._eos_ids, eos)
             else:
-                grammars = [self._grammars[r.sampling.structured_output] for r in requests  # type: ignore[index]
-                            for _ in range(sampled)]
+                grammars = [self._grammars[s] for s in shapes for _ in range(sampled)]
                 grammar = _grammar_processor(grammars, eos)
             processors.append(grammar)
         if processors:
@@ -398,7 +400,7 @@ class TransformersEngine(EngineBase):
 
     def _stuck(self, req: Request, prompt_tokens: int, step: int) -> Result:
         """The error of a row whose grammar no token of the vocabulary could continue at `step`."""
-        structured: tuple[str, str] = req.sampling.structured_output  # type: ignore[assignment]
+        structured = cast("tuple[str, str]", req.sampling.structured_output)  # a stuck row has a grammar
         kind = structured[0]
         if step == 0:
             # Not even its first token: this grammar cannot be written with this tokenizer at all.
@@ -553,11 +555,12 @@ def _guidance_grammar(structured: tuple[str, str]) -> str:
     from llguidance import LLMatcher
 
     kind, text = structured
-    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as xgrammar writes
+    compact: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
+                                   "key_separator": ": "}  # as xgrammar writes
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(text, defaults=compact)  # type: ignore[arg-type]
+        return LLMatcher.grammar_from_json_schema(text, defaults=compact)
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)  # type: ignore[arg-type]
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(text)
     if kind == "choice":

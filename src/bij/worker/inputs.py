@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
@@ -378,7 +378,7 @@ def parse_plain_lines(lines: list[bytes], opts: InputOptions
     # Not None (a generated id), a float (orjson's reading of an integer beyond 64 bits), a bool.
     if not kinds <= {str, int} or (str in kinds and "" in ids):
         return None
-    texts: list[str] = list(map(dict.get, objs, repeat(opts.text_field)))  # type: ignore[arg-type]
+    texts = cast("list[str]", list(map(dict.get, objs, repeat(opts.text_field))))  # checked on the next line
     if set(map(type, texts)) != {str} or not all(texts) or any(map(str.isspace, texts)):
         return None
     if any(map(dict.__contains__, objs, repeat(CARRY_FIELD))) or \

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 from bij.engines.base import Engine, Request, Result
 from bij.engines.structured import SCHEMA_VIOLATION, Checked, Validator
@@ -53,6 +53,10 @@ class OpenChunk:
         """Row i's answer is back."""
         self.results[i] = res
         self.left -= 1
+
+    def answers(self) -> list[Result]:
+        """`results` once every row is back (`left` is 0): none of them None."""
+        return cast("list[Result]", self.results)
 
 
 class Preparer:
@@ -98,7 +102,7 @@ class Preparer:
         error row.
         """
         if set(map(type, chunk.data)) == {bytes}:
-            parsed = parse_plain_lines(chunk.data, self.opts)  # type: ignore[arg-type]
+            parsed = parse_plain_lines(cast("list[bytes]", chunk.data), self.opts)  # all bytes: checked above
             if parsed is not None:
                 ids, requests, carried = parsed
                 return OpenChunk(chunk, [], chunk.places, ids, requests, [None] * len(ids), len(ids),
@@ -120,9 +124,10 @@ class Preparer:
                 rows.extend([row] * len(row.parts))
             else:
                 rows.append(row)
-        work = [r.request if r.parts is None else r.parts[k] for r, k in _part_numbers(rows)]
+        # Every row kept here has a request (the others became error records above).
+        work = cast("list[Request]", [r.request if r.parts is None else r.parts[k] for r, k in _part_numbers(rows)])
         return OpenChunk(chunk, records, [r.at for r in rows], [r.id for r in rows],
-                         work, [None] * len(rows), len(rows), rows)  # type: ignore[arg-type]
+                         work, [None] * len(rows), len(rows), rows)
 
     def rows(self, lines: list[Line]) -> tuple[list[tuple[Row, bytes]], list[dict[str, Any]]]:
         """Lines as rows to run (each with its line), and the error records of those that cannot run
@@ -183,7 +188,7 @@ class Preparer:
         A chunk parsed in one pass whose results all have the common shape is encoded in one
         pass too (encode_plain_results) and counted in bulk; any other builds its records.
         """
-        results: list[Result] = op.results  # type: ignore[assignment]
+        results = op.answers()
         # A chunk parsed in one pass has the spec's sampling on every row: nothing to check without a grammar.
         checked = self.validator.check(op.requests, results) \
             if op.rows is not None or self.opts.sampling.structured_output is not None else Checked()

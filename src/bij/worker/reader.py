@@ -22,7 +22,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
-from typing import Any
+from typing import Any, cast
 
 import zstandard
 
@@ -164,9 +164,9 @@ def _place(obj: int, pos: int, lines: list[bytes | None], lengths: list[int], be
         lines, sizes, offs = lines[lo:hi], sizes[lo:hi], offs[lo:hi + 1]
     # The common block, checked in C: every line kept as it is.
     if None not in lines and all(lines):
-        full: list[bytes] = lines  # type: ignore[assignment]
+        full = cast("list[bytes]", lines)  # no None: checked just above
         if not any(map(bytes.isspace, full)) and not any(map(bytes.endswith, full, repeat(b"\r"))):
-            return list(zip(repeat(obj), offs, offs[1:], strict=False)), full, sizes  # type: ignore[return-value]
+            return list(zip(repeat(obj), offs, offs[1:], strict=False)), cast("list[bytes | InputProblem]", full), sizes
     places: list[Place] = []
     kept: list[bytes | InputProblem] = []
     kept_sizes: list[int] = []
@@ -317,7 +317,8 @@ class Prefetcher:
         self._prepare = prepare
         self.finished = False
         self.damaged: DamagedObject | None = None  # why the lines ended early (input.onDamagedObject: fail)
-        source: Iterable[Block] = lines if blocks else map(_one_line_block, lines)  # type: ignore[assignment,arg-type]
+        # `blocks` says which of the two `lines` is (iter_shard_blocks' blocks or single lines).
+        source = cast("Iterable[Block]", lines) if blocks else map(_one_line_block, cast("Iterable[Line]", lines))
         self._thread = threading.Thread(target=self._run, args=(source, chunk_rows), daemon=True,
                                         name="bij-prefetch")
         self._thread.start()

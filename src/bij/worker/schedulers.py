@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import repeat
-from typing import Any
+from typing import Any, cast
 
 from bij.contract.errors import BijError
 from bij.engines.base import (
@@ -228,7 +228,7 @@ class StreamScheduler:
                 while opened and opened[0].left == 0:
                     op = opened[0]
                     if op.final is None:
-                        self.committer.count_tokens(op.results)  # type: ignore[arg-type]
+                        self.committer.count_tokens(op.answers())
                         op.final, op.tally = self.prep.encode(op)
                     idle = taken >= len(pending) and not (stepper is not None and stepper.unfinished())
                     if not writer.put((op.chunk, op.final, op.tally), block=idle):
@@ -363,7 +363,7 @@ class JudgeLoop:
                 return False
             retry: list[_Live] = []
             self.committer.count_tokens(results)
-            checked = self.prep.validator.check([item.row.request for item in live], results)  # type: ignore[misc]
+            checked = self.prep.validator.check(cast("list[Request]", [item.row.request for item in live]), results)
             validated += checked.validated
             repaired += checked.repaired
             verdicts = self._verdicts(live, results)
@@ -419,7 +419,7 @@ class JudgeLoop:
         idx = [i for i, r in enumerate(results) if r.error is None]
         verdicts: list[Verdict | None] = [None] * len(live)
         if idx:
-            reqs: list[Request] = [live[i].row.request for i in idx]  # type: ignore[misc]
+            reqs = cast("list[Request]", [live[i].row.request for i in idx])  # a live row has a request
             outs = [str(results[i].output) if results[i].output is not None
                     else json.dumps(results[i].embedding) for i in idx]
             t = time.perf_counter()
