@@ -11,6 +11,10 @@ summaries of one file each. Each step then runs alone in a child process, which 
 - plan-read: what lane 0 reads of the round plan to work its own shards (`Plan.from_json`, and where the
   plan is written in parts, `Plan.pieces` of each of its shards: the head and its parts, a few kept).
 
+`--store s3` puts the round in a bucket of versitygw (the tests' S3 server, `make s3-bin`): the simulated
+objects are written into its posix folder directly (S3 would take 2 PUTs a shard), and the steps read them
+through S3 (LIST, GET): the requests each step makes are counted from the server's access log.
+
 The step children cap glibc's malloc arenas first, as a step pod's main does (`bij.steps.arenas`), where
 the side's code has that; a lane (plan-read) does not. `--objects N` keeps the input at N objects at
 every size, so that what grows with the input's objects (the plan head lists them) is told apart from
@@ -23,12 +27,13 @@ it (`planner.write_plan`: parts above `PART_SHARDS` shards), where that exists, 
 removed (both sides publish a job never published before). Targets (issue 38): peak
 RSS within 1.3x from the smallest to the largest N and under 512 MB; time per shard within 1.5x.
 
-    python bench/steps_scale.py [--shards 10000,100000] [--objects 0] [--base main] [--keep]
+    python bench/steps_scale.py [--shards 10000,100000] [--objects 0] [--store file|s3] [--base main] [--keep]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -43,13 +48,35 @@ import harness
 STEPS = ("finish", "publish-plan", "manifest", "plan-read")
 RSS_FLAT, RSS_MB, TIME_FLAT = 1.3, 512.0, 1.5
 SHARDS_PER_OBJECT = 100
+# "<endpoint> <folder>": the round lives in versitygw's bucket `bench`, whose objects are files under <folder>.
+S3_ENV = "BIJ_BENCH_S3"
+BUCKET = "bench"
+
+
+def place(root: Path) -> tuple[str, dict[str, Any] | None]:
+    """Where the round under `root` lives: its base URI and spec.storage.s3 (None on file://)."""
+    s3 = os.environ.get(S3_ENV)
+    if not s3:
+        return f"file://{root}", None
+    return f"s3://{BUCKET}/{root.name}", {"endpointUrl": s3.split(" ", 1)[0], "region": "us-east-1"}
+
+
+def local_path(uri: str) -> Path:
+    """The file behind `uri`: itself on file://, the server's file on s3:// (written there directly)."""
+    if uri.startswith("s3://"):
+        return Path(os.environ[S3_ENV].split(" ", 1)[1]) / uri.removeprefix("s3://")
+    return Path(uri.removeprefix("file://"))
 
 
 def job_doc(root: Path) -> dict[str, Any]:
+    base, s3 = place(root)
+    spec: dict[str, Any] = {"input": {"uri": f"{base}/in/"},
+                            "output": {"uri": f"{base}/out/", "compression": "none", "keepIntermediate": True},
+                            "model": {"engine": "echo", "task": "generate"}}
+    if s3:
+        spec["storage"] = {"s3": s3}
     return {"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob", "metadata": {"name": "scale"},
-            "spec": {"input": {"uri": f"file://{root}/in/"},
-                     "output": {"uri": f"file://{root}/out/", "compression": "none", "keepIntermediate": True},
-                     "model": {"engine": "echo", "task": "generate"}}}
+            "spec": spec}
 
 
 def record(index: int) -> dict[str, Any]:
@@ -71,21 +98,21 @@ def simulate(root: Path, shards: int, objects: int = 0) -> None:
     job = parse_job(job_doc(root))
     prefix = layout.round_prefix(job, 0)
     per = -(-shards // objects) if objects else SHARDS_PER_OBJECT
-    inputs = [{"uri": f"file://{root}/in/{o:06d}.jsonl", "size": per * 1000, "name": f"{o:06d}.jsonl",
+    inputs = [{"uri": f"{place(root)[0]}/in/{o:06d}.jsonl", "size": per * 1000, "name": f"{o:06d}.jsonl",
                "version": "1"} for o in range(-(-shards // per))]
     plan = Plan.model_validate({
         "round": 0, "roundPrefix": prefix, "inputUri": job.spec.input.uri, "job": job, "objects": inputs,
         "fingerprint": {"spec": "s", "input": "i"}, "lanes": min(shards, 1000),
         "shards": [[(i // per, i % per * 1000, (i % per + 1) * 1000)] for i in range(shards)]})
-    path = Path(layout.round_manifest_uri(job, 0).removeprefix("file://"))
+    path = local_path(layout.round_manifest_uri(job, 0))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(plan.to_json())
     del plan
-    done = Path(layout.done_folder(prefix).removeprefix("file://"))
+    done = local_path(layout.done_folder(prefix))
     done.mkdir(parents=True)
     for i in range(shards):
         (done / f"{i:05d}.json").write_text(json.dumps(record(i)))
-    summaries = Path(layout.join(layout.publish_prefix(job), "shards").removeprefix("file://"))
+    summaries = local_path(layout.join(layout.publish_prefix(job), "shards"))
     summaries.mkdir(parents=True)
     for i in range(shards):
         (summaries / f"{i:05d}.json").write_text(json.dumps({
@@ -123,13 +150,13 @@ def child(step: str, root: Path) -> int:
         from bij.steps import publish_rows
         from bij.steps.publish import finish_publish
 
-        pplan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), None)
+        pplan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
         finish_publish(job, 1, pplan)
     elif step == "plan-read":
-        uri = layout.round_manifest_uri(job, 0)
+        from bij.storage import open_storage
 
-        def read(u: str) -> bytes:
-            return Path(u.removeprefix("file://")).read_bytes()
+        uri = layout.round_manifest_uri(job, 0)
+        read = open_storage(uri, job.spec.storage.s3).read_bytes
 
         plan = Plan.from_json(read(uri), uri)
         if hasattr(plan, "with_reader"):  # plans in parts: a lane reads its own shards' parts
@@ -165,18 +192,49 @@ def write_as_planned(src: Path, root: Path) -> None:
             "from bij.contract.spec import parse_job; from bij.storage import open_storage; "
             "from bij.steps import planner; import steps_scale as s; "
             "job = parse_job(s.job_doc(Path(sys.argv[1]))); uri = layout.round_manifest_uri(job, 0); "
-            "store = open_storage(uri, None); store.delete(layout.manifest_uri(job)); "
+            "store = open_storage(uri, job.spec.storage.s3); store.delete(layout.manifest_uri(job)); "
             "hasattr(planner, 'write_plan') and planner.write_plan(store, uri, Plan.from_json(store.read_bytes(uri)))")
     subprocess.run([sys.executable, "-c", code, str(root)], check=True,
                    env={**harness.os.environ, "PYTHONPATH": f"{src}:{Path(__file__).parent}"})
 
 
-def run_child(src: Path, step: str, root: Path) -> dict[str, float]:
+def run_child(src: Path, step: str, root: Path, access_log: Path | None = None) -> dict[str, float]:
+    """One step's seconds and peak RSS (and with `access_log`, the S3 server's, the requests it made)."""
+    before = _lines(access_log)
     proc = subprocess.run([sys.executable, __file__, "--child", step, str(root)], capture_output=True, text=True,
                           env={**harness.os.environ, "PYTHONPATH": str(src)})
     if proc.returncode != 0:
         raise RuntimeError(f"{step} on {src} failed: {proc.stderr[-2000:]}")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    out = dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    if access_log is not None:
+        out["requests"] = _lines(access_log) - before
+    return out
+
+
+def _lines(path: Path | None) -> int:
+    if path is None or not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
+def start_s3(work: Path) -> Any:
+    """versitygw on a folder of `work`, with bucket `bench`, this process's environment pointed at it (the
+    children inherit it)."""
+    sys.path[:0] = [str(harness.REPO / "tests"), str(harness.REPO / "tests" / "s3server")]
+    import boto3
+    import s3server
+
+    exe = s3server.binary()
+    if exe is None:
+        raise SystemExit("--store s3 needs versitygw: make s3-bin")
+    server = s3server.S3Server(exe, work / "s3")
+    server.start()
+    os.environ.update({**server.root.env(), "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+                       "AWS_EC2_METADATA_DISABLED": "true", S3_ENV: f"{server.endpoint} {server.data}"})
+    os.environ.pop("AWS_ENDPOINT_URL", None)
+    boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket=BUCKET)
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", default="10000,100000", help="comma-separated shard counts")
     p.add_argument("--objects", type=int, default=0, help="input objects of every round (default: one per "
                    f"{SHARDS_PER_OBJECT} shards, so that they grow with the shards)")
+    p.add_argument("--store", choices=("file", "s3"), default="file", help="where the round lives: file://, or "
+                   "versitygw's S3 (make s3-bin)")
     p.add_argument("--base", default="main", help="the commit whose steps are the anchor ('none': no anchor, "
                    "for N where the base would need GBs)")
     args = harness.parse(p, argv)
@@ -199,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
         sides["base"] = base / "src"
     results: dict[str, dict[str, dict[int, dict[str, float]]]] = {s: {k: {} for k in STEPS} for s in sides}
+    server = start_s3(work) if args.store == "s3" else None
+    access_log = server.access_log if server is not None else None
     try:
         for n in counts:
             root = work / f"n{n}"
@@ -210,11 +272,14 @@ def main(argv: list[str] | None = None) -> int:
                 if side == "new":
                     write_as_planned(sides[side], root)
                 for step in STEPS:  # the manifest step reads the publish plan the publish-plan step wrote
-                    m = results[side][step][n] = run_child(sides[side], step, root)
+                    m = results[side][step][n] = run_child(sides[side], step, root, access_log)
+                    asked = f", {m['requests']:,} requests ({m['requests'] / n:.3f} a shard)" if "requests" in m else ""
                     print(f"{side:4} {step:12} {n:>9,} shards: {m['rssMb']:7.1f} MB peak RSS, "
-                          f"{m['seconds']:7.2f} s ({m['seconds'] / n * 1e6:6.1f} us/shard)", flush=True)
+                          f"{m['seconds']:7.2f} s ({m['seconds'] / n * 1e6:6.1f} us/shard){asked}", flush=True)
             if not args.keep:
-                shutil.rmtree(root)
+                shutil.rmtree(root, ignore_errors=True)  # on s3 the round is the server's files
+                if server is not None:
+                    shutil.rmtree(local_path(place(root)[0]), ignore_errors=True)
         lo, hi = counts[0], counts[-1]
         for step in STEPS:
             for side in sides:
@@ -225,11 +290,16 @@ def main(argv: list[str] | None = None) -> int:
                 report.ratio(f"{side} {step} s/shard {hi}/{lo}", per, TIME_FLAT if target else None, False)
                 if target:
                     report.ratio(f"{side} {step} peak RSS MB at {hi}", b["rssMb"], RSS_MB, False)
+                if "requests" in a and a["requests"] and b["requests"]:
+                    report.ratio(f"{side} {step} requests/shard {hi}/{lo}",
+                                 (b["requests"] / hi) / (a["requests"] / lo), None, False)
             if "base" in sides:
                 report.ratio(f"{step} RSS new/base at {hi}",
                              results["new"][step][hi]["rssMb"] / results["base"][step][hi]["rssMb"], None)
         report.details["results"] = results
     finally:
+        if server is not None:
+            server.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     report.write(args.out)
