@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from recording import RecordingStorage
 
 from bij.contract import layout
 from bij.contract import manifest as manifest_lists
@@ -16,20 +17,6 @@ from bij.steps import publish_rows
 from bij.steps.publish import publish
 from bij.steps.results import ResultsError, manifest_summary, write_jsonl, write_parquet
 from bij.storage import open_storage
-
-
-class RecordingStorage:
-    """The real storage, with every whole-object write recorded in order."""
-
-    def __init__(self, inner: Any, writes: list[str]):
-        self.inner, self.writes = inner, writes
-
-    def write_bytes(self, uri: str, data: bytes) -> None:
-        self.writes.append(uri)
-        self.inner.write_bytes(uri, data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def published_job(place: Any, make_job: Any, run_shards: Any) -> Any:

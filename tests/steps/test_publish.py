@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import zstandard
+from recording import RecordingStorage
 
 from bij import storage
 from bij.contract import layout
@@ -24,20 +25,6 @@ from bij.steps.publish_rows import PublishPlanError
 from bij.storage import StorageError, open_storage
 from bij.storage.segments import ShardLog
 from bij.worker.shard import load_plan
-
-
-class RecordingStorage:
-    """The real storage, with the order of every whole-object write recorded."""
-
-    def __init__(self, inner: Any, writes: list[str]):
-        self.inner, self.writes = inner, writes
-
-    def write_bytes(self, uri: str, data: bytes) -> None:
-        self.writes.append(uri)
-        self.inner.write_bytes(uri, data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def rows(n: int, prefix: str = "r") -> list[dict[str, Any]]:

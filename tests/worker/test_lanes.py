@@ -114,6 +114,21 @@ def test_without_sharing_a_lane_works_only_its_own_shards(tmp_path: Path) -> Non
     assert a.next() is None
 
 
+def work_in_turn(tmp_path: Path, lanes: list[Claims]) -> dict[int, list[int]]:
+    """Each lane claims and finishes a shard in turn until every one has none left; the shards each worked."""
+    worked: dict[int, list[int]] = {c.lane: [] for c in lanes}
+    while lanes:
+        for c in list(lanes):
+            got = c.next()
+            if got is None:
+                lanes.remove(c)
+            elif isinstance(got, Claim):
+                finish(tmp_path, got.shard)
+                c.finished(got.shard)
+                worked[c.lane].append(got.shard)
+    return worked
+
+
 def test_a_canarys_lanes_work_only_its_spread_shards_then_the_rounds_lanes_work_their_own_in_order(
         tmp_path: Path) -> None:
     # Round 0 of 12 shards in 3 lanes; its canary Job runs 2 lanes on the canary's shards, 2, 6 and 10 (lanes 2,
@@ -123,30 +138,11 @@ def test_a_canarys_lanes_work_only_its_spread_shards_then_the_rounds_lanes_work_
     store = FileStorage()
     canary = [Claims(store, f"file://{tmp_path}/round-0", lane=i, lanes=3, shards=12, writer=f"c{i}",
                      lease_seconds=30, only=only) for i in range(2)]
-    worked: list[int] = []
-    while canary:
-        for c in list(canary):
-            got = c.next()
-            if got is None:
-                canary.remove(c)
-            elif isinstance(got, Claim):
-                finish(tmp_path, got.shard)
-                c.finished(got.shard)
-                worked.append(got.shard)
-    assert sorted(worked) == only
+    worked = work_in_turn(tmp_path, canary)
+    assert sorted(s for shards in worked.values() for s in shards) == only
     # No completion marker: the round's lanes take one to say every shard of the lane is done.
     assert not [o.uri for o in store.list(f"file://{tmp_path}/round-0/lanes/") if o.uri.endswith("complete.json")]
-    lanes = [claims(tmp_path, i, lanes=3, shards=12) for i in range(3)]
-    got_by_lane: dict[int, list[int]] = {i: [] for i in range(3)}
-    while lanes:
-        for c in list(lanes):
-            got = c.next()
-            if got is None:
-                lanes.remove(c)
-            elif isinstance(got, Claim):
-                finish(tmp_path, got.shard)
-                c.finished(got.shard)
-                got_by_lane[c.lane].append(got.shard)
+    got_by_lane = work_in_turn(tmp_path, [claims(tmp_path, i, lanes=3, shards=12) for i in range(3)])
     # Each its own shards in order, none of the canary's again.
     assert got_by_lane == {0: [0, 3, 9], 1: [1, 4, 7], 2: [5, 8, 11]}
 
