@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: images install demo test test-slow test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin cluster-up cluster-down api-demo gpu-wheels gpu-check
+.PHONY: images install demo test test-slow test-fast test-vllm vllm-env bench lint e2e sync-crd clean cluster-bin s3-bin azure-bin cluster-up cluster-down api-demo gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -57,6 +57,11 @@ cluster-bin:
 s3-bin:
 	@bash tests/s3server/build.sh || { [ "$$CI" != true ] && echo "make: no versitygw; the S3 tests will run on moto"; }
 
+# Azurite, Microsoft's Azure Storage emulator, the Blob service the az:// tests run against, from npm into
+# .azurite (a minute the first time). Without npm the az:// tests are skipped, except in CI.
+azure-bin:
+	@bash tests/azureserver/install.sh || { [ "$$CI" != true ] && echo "make: no Azurite; the az:// tests will be skipped"; }
+
 cluster-up: install
 	PYTHONPATH=tests $(PY) -m cluster up
 
@@ -74,7 +79,7 @@ api-demo: cluster-up
 # warm machine; `make test-slow` runs them, and CI runs both.
 VLLM_TESTS = tests/engines/test_vllm.py tests/engines/test_http_vllm.py tests/engines/test_vllm_pooling.py tests/worker/test_group.py
 
-test: install cluster-bin s3-bin
+test: install cluster-bin s3-bin azure-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not e2e and not slow and not vllm" $(PYTEST_ARGS)
 	@if [ -f $(VLLM_VENV)/.installed ]; then \
 		echo "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm $(VLLM_TESTS)"; \
@@ -83,13 +88,13 @@ test: install cluster-bin s3-bin
 		echo "make test: no $(VLLM_VENV), so the vLLM tier (tests/engines/test_vllm.py) was skipped: make vllm-env builds it"; \
 	fi
 
-test-slow: install cluster-bin s3-bin
+test-slow: install cluster-bin s3-bin azure-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "slow and not e2e" $(PYTEST_ARGS)
 
 test-vllm: vllm-env
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q -m vllm $(VLLM_TESTS) $(VLLM_PYTEST_ARGS)
 
-test-fast: install s3-bin
+test-fast: install s3-bin azure-bin
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: install

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import azureserver
 import pytest
 import s3server
 import yaml
@@ -154,6 +155,9 @@ class Place:
             return {}
         if self.scheme == "gs":  # the stand-in checks the region V4 signs with (GCS takes "auto")
             return {"BIJ_GCS_ENDPOINT_URL": self.endpoint, "BIJ_GCS_REGION": "us-east-1"}
+        if self.scheme == "az":  # the account and its key, as the Azure CLI reads them
+            return {"AZURE_STORAGE_ACCOUNT": azureserver.ACCOUNT, "AZURE_STORAGE_KEY": azureserver.KEY,
+                    "AZURE_STORAGE_BLOB_ENDPOINT": self.endpoint}
         return {"AWS_ENDPOINT_URL": self.endpoint}
 
     def write_jsonl(self, name: str, rows: list[Any], *, zst: bool = False) -> str:
@@ -199,6 +203,33 @@ def gs_place(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Place:
     bucket = f"bij-gcs-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
     place = Place("gs", f"gs://{bucket}/data/", s3_endpoint)
+    for k, v in place.env().items():
+        monkeypatch.setenv(k, v)
+    return place
+
+
+@pytest.fixture(scope="session")
+def az_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[azureserver.Azurite]:
+    """Azurite's Blob service (`make azure-bin`), one per session; skipped without it, except in CI."""
+    exe = azureserver.binary()
+    if exe is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must run the az:// tests on Azurite: `make azure-bin` did not install it (is npm there?)")
+        pytest.skip("needs Azurite, the Azure Blob emulator: make azure-bin (needs npm)")
+    server = azureserver.Azurite(exe, tmp_path_factory.mktemp("azurite"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def az_place(az_service: azureserver.Azurite, monkeypatch: pytest.MonkeyPatch) -> Place:
+    """An az:// place: a fresh container of the session's Azurite, its account in this test's environment."""
+    container = f"bij-test-{uuid.uuid4().hex[:12]}"
+    azureserver.create_container(az_service.endpoint, container)
+    place = Place("az", f"az://{container}/data/", az_service.endpoint)
     for k, v in place.env().items():
         monkeypatch.setenv(k, v)
     return place

@@ -58,26 +58,31 @@ BAD = [
     ("pvc-cache-without-claim", with_spec(workers={"modelCache": {"type": "pvc", "claimName": ""}}),
      'spec.workers.modelCache: Invalid value: modelCache.type pvc needs modelCache.claimName'),
     ("ftp-input", with_spec(input={"uri": "ftp://example.com/in.jsonl"}),
-     'spec.input.uri: Invalid value: "ftp://example.com/in.jsonl": must start with file://, s3://, gs://, https:// or hf://'),
+     'spec.input.uri: Invalid value: "ftp://example.com/in.jsonl": '
+     'must start with file://, s3://, gs://, az://, https://, http:// or hf://'),
     ("https-input-without-an-object", with_spec(input={"uri": "https://example.com/data/"}),
-     'spec.input.uri: Invalid value: "https://example.com/data/": must start with file://, s3://, gs://, https:// or hf://'),
+     'spec.input.uri: Invalid value: "https://example.com/data/": '
+     'must start with file://, s3://, gs://, az://, https://, http:// or hf://'),
     ("https-output", with_spec(output={"uri": "https://example.com/out/r.jsonl"}),
-     'spec.output.uri: Invalid value: "https://example.com/out/r.jsonl": must start with file://, s3:// or gs://'),
+     'spec.output.uri: Invalid value: "https://example.com/out/r.jsonl": must start with file://, s3://, gs:// or az://'),
     ("vllm-with-a-batch-shape", with_spec(model={"engine": "vllm", "name": "m", "task": "generate"},
                                           batching={"maxBatchSize": 64}),
      "spec.batching: Invalid value: batching.targetBatchTokens and batching.maxBatchSize shape"),
     ("output-with-a-glob", with_spec(output={"uri": "s3://b/out-*/"}),
      'spec.output.uri: Invalid value: "s3://b/out-*/": an output is one folder: no wildcards'),
     ("s3-output-without-bucket", with_spec(output={"uri": "s3://"}),
-     'spec.output.uri: Invalid value: "s3://": must start with file://, s3:// or gs://'),
+     'spec.output.uri: Invalid value: "s3://": must start with file://, s3://, gs:// or az://'),
     ("s3-input-with-an-empty-bucket", with_spec(input={"uri": "s3:///"}),
-     'spec.input.uri: Invalid value: "s3:///": must start with file://, s3://, gs://, https:// or hf://, as '
-     's3://bucket/prefix or gs://bucket/prefix (a bucket)'),
+     'spec.input.uri: Invalid value: "s3:///": '
+     'must start with file://, s3://, gs://, az://, https://, http:// or hf://, as file:///absolute/path or '
+     'file://relative/path (a path), s3://bucket/prefix (a bucket), gs://bucket/prefix (a bucket), '
+     'az://container/prefix (a container)'),
     ("gs-output-without-bucket", with_spec(output={"uri": "gs:///out/"}),
-     'spec.output.uri: Invalid value: "gs:///out/": must start with file://, s3:// or gs://, as s3://bucket/prefix or '
-     'gs://bucket/prefix (a bucket)'),
+     'spec.output.uri: Invalid value: "gs:///out/": must start with file://, s3://, gs:// or az://, as '
+     'file:///absolute/path or file://relative/path (a path), s3://bucket/prefix (a bucket), '
+     'gs://bucket/prefix (a bucket), az://container/prefix (a container)'),
     ("file-output-without-path", with_spec(output={"uri": "file://"}),
-     'spec.output.uri: Invalid value: "file://": must start with file://, s3:// or gs://'),
+     'spec.output.uri: Invalid value: "file://": must start with file://, s3://, gs:// or az://'),
     ("endpoint-not-a-url", with_spec(storage={"s3": {"endpointUrl": "not a url::"}}),
      'spec.storage.s3.endpointUrl: Invalid value: "not a url::": spec.storage.s3.endpointUrl in body should match'),
     ("output-is-the-input", with_spec(input={"uri": "s3://b/data"}, output={"uri": "s3://b/data/"}),

@@ -169,15 +169,20 @@ def test_the_storage_probe_reaches_gs_through_the_gcs_endpoint(gs_place: Any) ->
     ("gs://in/data/", {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}, "ok"),
     ("gs://in/data/", {"HF_TOKEN"}, "fail"),  # GCS's XML API signs with an HMAC key only
     ("s3://in/data/", {"HF_TOKEN"}, "warn"),  # S3 may sign with the pod's own identity (IRSA)
+    ("az://in/data/", {"AZURE_STORAGE_CONNECTION_STRING"}, "ok"),
+    ("az://in/data/", {"AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_SAS_TOKEN"}, "ok"),
+    ("az://in/data/", {"AZURE_STORAGE_ACCOUNT"}, "fail"),  # an account without its key or a SAS cannot sign
 ])
-def test_a_gs_job_needs_an_hmac_key_in_its_secret(uri: str, keys: set[str], level: str) -> None:
+def test_a_gs_or_az_job_needs_a_key_its_store_takes_in_its_secret(uri: str, keys: set[str], level: str) -> None:
     from types import SimpleNamespace
 
     doctor = Doctor.__new__(Doctor)
     doctor.core = SimpleNamespace(read_namespaced_secret=lambda name, ns: SimpleNamespace(
         data=dict.fromkeys(keys, "eA=="), string_data=None))
-    finding = doctor.secret("team", "keys", job(input={"uri": uri}))
+    finding = doctor.secret("team", "keys", job(input={"uri": uri}, output={"uri": uri.replace("data/", "out/")}))
     assert finding.level == level, finding
-    if level == "fail":
+    if level == "fail" and uri.startswith("az://"):
+        assert "az:// needs AZURE_STORAGE_CONNECTION_STRING" in finding.detail and "connection-string" in finding.fix
+    elif level == "fail":
         assert "gs:// needs a Cloud Storage HMAC key" in finding.detail
         assert "gcloud storage hmac create" in finding.fix and "AWS_SECRET_ACCESS_KEY=SECRET" in finding.fix

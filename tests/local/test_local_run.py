@@ -56,6 +56,22 @@ def test_bij_run_publishes_and_prints_the_manifest_path(place, make_job, read_ou
     check_published(out, inputs, errors=1)
 
 
+def test_bij_run_reads_and_publishes_on_azure_blob_storage(az_place, make_job, read_output, worker_env, bij_bin):
+    """az:// is one module (storage/azure.py) and one row of contract.schemes: a whole job on it, input to
+    manifest, against Azurite's Blob service, every lane a process signing with the account's key."""
+    inputs = rows(300)
+    spec, job = make_job(az_place, az_place.write_jsonl("in.jsonl", [*inputs, "not json"]),
+                         sharding={"targetShardBytes": 8192}, output={"keepIntermediate": True})
+    p = bij_run(bij_bin, spec, worker_env(az_place))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == layout.manifest_uri(job) and job.spec.output.uri.startswith("az://")
+    out = read_output(job)
+    assert len(out.manifest["files"]) == plan_round(job, 0).shard_count >= 3
+    check_published(out, inputs, errors=1)
+    # Segments, never appends: the lanes' durable logs on az:// are immutable blobs.
+    assert any("/seg-" in o.uri for o in az_place.storage.list(az_place.base))
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_second_run_is_a_no_op_that_republishes_the_same_files(keep, file_place, make_job, read_output, log_lines,
                                                                  worker_env, bij_bin, tmp_path):
@@ -190,7 +206,7 @@ def one_line(p: subprocess.CompletedProcess[str]) -> str:
     ({}, ["--parallelism", "-1"], "--parallelism must be at least 1, got -1"),
     ({"input": {"uri": "s3:///"}}, [], "spec.input.uri: s3:// needs a bucket (s3://bucket/prefix)"),
     ({"input": {"uri": "gs:///in/"}}, [], "spec.input.uri: gs:// needs a bucket (gs://bucket/prefix)"),
-    ({"output": {"uri": "gcs://b/out/"}}, [], "spec.output.uri: must start with file://, s3:// or gs://"),
+    ({"output": {"uri": "gcs://b/out/"}}, [], "spec.output.uri: must start with file://, s3://, gs:// or az://"),
     ({"output": {"uri": "file://"}}, [], "spec.output.uri: file:// needs a path (file:///absolute/path"),
     ({"storage": {"s3": {"endpointUrl": "not a url::"}}}, [],
      "spec.storage.s3.endpointUrl: must be an http(s) URL such as https://s3.example.com:9000"),

@@ -15,7 +15,8 @@ from bij.storage import StorageError, open_storage
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.prefix)
-def test_each_scheme_opens_the_storage_of_its_own_module(scheme):
+def test_each_scheme_opens_the_storage_of_its_own_module(scheme, monkeypatch):
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "AccountName=acme;AccountKey=a2V5")  # az:// needs one
     module, name = scheme.opener.split(":")
     uri = scheme.prefix + ("tmp/x" if scheme.prefix == "file://" else "bucket/x")
     got = open_storage(uri, None)
@@ -30,6 +31,6 @@ def test_the_specs_uri_rule_takes_the_writable_schemes_only():
 
 
 def test_a_scheme_not_in_the_table_is_refused_naming_the_ones_that_are():
-    with pytest.raises(StorageError, match=r"unsupported URI 'ftp://h/x': use file://, s3:// or gs:// "
+    with pytest.raises(StorageError, match=r"unsupported URI 'ftp://h/x': use file://, s3://, gs:// or az:// "
                                            r"\(or https://, http://, hf:// for an input\)"):
         open_storage("ftp://h/x", None)

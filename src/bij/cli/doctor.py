@@ -296,6 +296,16 @@ class Doctor:
                            f"gcloud storage hmac create SERVICE_ACCOUNT_EMAIL, then kubectl -n {namespace} create "
                            f"secret generic {name} --from-literal=AWS_ACCESS_KEY_ID=ACCESS_ID "
                            "--from-literal=AWS_SECRET_ACCESS_KEY=SECRET")
+        signs_azure = "AZURE_STORAGE_CONNECTION_STRING" in keys or (
+            "AZURE_STORAGE_ACCOUNT" in keys and ({"AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN"} & keys))
+        if any(u.startswith("az://") for u in uris) and not signs_azure:
+            # az:// signs with the account's key or a SAS: the Blob service takes no other credential from bij.
+            return Finding("secret", "fail", f"Secret {namespace}/{name} has no Azure storage credentials: az:// "
+                           "needs AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY or "
+                           "AZURE_STORAGE_SAS_TOKEN",
+                           f"kubectl -n {namespace} create secret generic {name} "
+                           "--from-literal=AZURE_STORAGE_CONNECTION_STRING=\"$(az storage account "
+                           "show-connection-string -n ACCOUNT -o tsv)\"")
         if any(u.startswith("s3://") for u in uris) and lacking:
             return Finding("secret", "warn", f"Secret {namespace}/{name} has no {' or '.join(lacking)}; its pods "
                            "sign S3 requests with whatever identity the pod has (IRSA, workload identity)")

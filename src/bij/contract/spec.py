@@ -34,7 +34,7 @@ from bij.contract.prompt import compile_template
 from bij.contract.sampling import DEFAULT_ROW_BUDGET, Basics, Sampling, basics, spec_defaults
 from bij.contract.sampling import from_spec as sampling_from_spec
 from bij.contract.schema import FREE_FORM, INT64, cel, k8s
-from bij.contract.schemes import WRITABLE, prefixes
+from bij.contract.schemes import REMOTE, SCHEMES, WRITABLE, forms, prefixes, scheme_of, uri_pattern
 
 API_VERSION = "v1alpha1"
 KIND = "BatchInferenceJob"
@@ -115,7 +115,7 @@ def _engine_task_rule(engine: str) -> dict[str, Any]:
                f"self.task in {_cel_list(ENGINE_TASKS[engine])}", engine_tasks_message(engine))
 
 
-WEIGHT_PREFIXES = ("s3://", "gs://")
+WEIGHT_PREFIXES = REMOTE
 WEIGHTS_BY_URI = (f"model.name as a URI is the object-store prefix of the model's files "
                   f"({', '.join(WEIGHT_PREFIXES)}), which engines {names(WEIGHTS_ENGINES)} load; give a Hugging Face "
                   "id or a local path otherwise")
@@ -154,21 +154,23 @@ class _Model(BaseModel):
 
 # An S3 endpoint: scheme, host, optional port and path (botocore refuses anything else).
 ENDPOINT_PATTERN = r"^https?://[^\s/?#:]+(:[0-9]{1,5})?(/[^\s]*)?$"
-# s3://bucket[/key] or gs://bucket[/key] with a bucket; file:// with a path (absolute, or relative to the
-# working directory).
-URI_PATTERN = r"^((s3|gs)://[^/]+(/.*)?|file://.+)$"  # the CRD's rule says the same
-# An input may also be one object at an http(s) URL (a web server, a presigned S3 / signed GCS URL).
-HTTP_PATTERN = r"^https?://[^/?#]+/[^?#]*[^/?#](\?.*)?$"
-# Or files of a dataset of the Hugging Face Hub (storage_hf).
-HF_PATTERN = r"^hf://datasets/[^/@]+/[^/@]+(@[^/]+)?(/.*)?$"
+# A URI of a writable scheme (s3://bucket[/key], file:// with a path, ...) or of any scheme an input may
+# name: made from contract.schemes' rows, as the CRD's rules are.
+URI_PATTERN = uri_pattern(writable_only=True)
+INPUT_PATTERN = uri_pattern()
+HTTP_PATTERN = "^(" + "|".join(s.pattern for s in SCHEMES if s.prefix.startswith("http")) + ")$"
+HF_PATTERN = "^(" + "|".join(s.pattern for s in SCHEMES if s.prefix == "hf://") + ")$"
 # What the API server checks of a URI (CEL's matches(): RE2, a pattern inside a single-quoted string).
 MAX_URI = 4096
-INPUT_URI_RULE = cel(
-    "self.matches('^((s3|gs)://[^/]+(/.*)?|file://.+|https?://[^/?#]+/[^?#]*[^/?#](\\\\?.*)?"
-    "|hf://datasets/[^/@]+/[^/@]+(@[^/]+)?(/.*)?)$')",
-    "must start with file://, s3://, gs://, https:// or hf://, as s3://bucket/prefix or gs://bucket/prefix (a "
-    "bucket), file:///path (a path), https://host/object or hf://datasets/owner/name/path")
-STORE_URI_RULE = "self.matches('^((s3|gs)://[^/]+(/.*)?|file://.+)$')"
+
+
+def _matches(pattern: str) -> str:
+    return "self.matches('" + pattern.replace("\\", "\\\\") + "')"
+
+
+INPUT_URI_RULE = cel(_matches(INPUT_PATTERN), f"must start with {prefixes()}, as {forms()}")
+STORE_URI_RULE = _matches(URI_PATTERN)
+STORE_URI_MESSAGE = f"must start with {prefixes(writable_only=True)}, as {forms(writable_only=True)}"
 
 
 class S3Options(_Model):
@@ -208,7 +210,8 @@ class InputSpec(_Model):
             ".passThrough")))
 
     uri: str = Field(json_schema_extra=k8s(INPUT_URI_RULE, maxLength=MAX_URI))
-    """file:///path, s3://bucket/prefix or gs://bucket/prefix (Google Cloud Storage), or a glob below a folder:
+    """file:///path, s3://bucket/prefix, gs://bucket/prefix (Google Cloud Storage) or az://container/prefix (Azure
+    Blob Storage), or a glob below a folder:
     s3://bucket/logs/2026-*/part-*.jsonl, file:///data/**/*.jsonl (* and ? within a name, [abc], ** any folders),
     or one object at an https:// URL (a presigned or signed URL too), or files of a Hugging Face Hub dataset:
     hf://datasets/OWNER/NAME[@REVISION]/PATH"""
@@ -319,10 +322,10 @@ class InputSpec(_Model):
 
 class OutputSpec(_Model):
     uri: str = Field(json_schema_extra=k8s(
-        cel(STORE_URI_RULE, "must start with file://, s3:// or gs://, as s3://bucket/prefix or gs://bucket/prefix "
-            "(a bucket) or file:///path (a path)"),
+        cel(STORE_URI_RULE, STORE_URI_MESSAGE),
         cel("!self.matches('[*?\\\\[]')", "an output is one folder: no wildcards (* ? [)"), maxLength=MAX_URI))
-    """file:///path, s3://bucket/prefix or gs://bucket/prefix; manifest.json is written here last"""
+    """file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix; manifest.json is written
+    here last"""
     format: OutputFormat = "jsonl"
     """result files as JSON lines or Parquet (error and capped files stay JSON lines)"""
     compression: Literal["zstd", "none"] = "zstd"
@@ -524,9 +527,9 @@ class AdapterSpec(_Model):
 
     name: str = Field(pattern=ADAPTER_NAME)
     """the name rows ask for the adapter by"""
-    uri: str = Field(json_schema_extra=k8s(cel(STORE_URI_RULE, "must start with file://, s3:// or gs://"),
+    uri: str = Field(json_schema_extra=k8s(cel(STORE_URI_RULE, STORE_URI_MESSAGE),
                                            maxLength=MAX_URI))
-    """the adapter's folder as PEFT saves it: file://, s3:// or gs://"""
+    """the adapter's folder as PEFT saves it: file://, s3://, gs:// or az://"""
 
     @field_validator("uri")
     @classmethod
@@ -1190,11 +1193,9 @@ class BatchInferenceJob(_Model):
 def _check_uri(uri: str) -> str:
     if not uri.startswith(WRITABLE):
         raise ValueError(f"must start with {prefixes(writable_only=True)}, got {uri!r}")
-    for scheme in ("s3", "gs"):
-        if uri.startswith(f"{scheme}://") and not re.match(URI_PATTERN, uri):
-            raise ValueError(f"{scheme}:// needs a bucket ({scheme}://bucket/prefix), got {uri!r}")
-    if not re.match(URI_PATTERN, uri):
-        raise ValueError(f"file:// needs a path (file:///absolute/path or file://relative/path), got {uri!r}")
+    scheme = scheme_of(uri)
+    if scheme is not None and not re.match(f"^({scheme.pattern})$", uri):
+        raise ValueError(f"{scheme.prefix} needs {scheme.needs} ({scheme.form}), got {uri!r}")
     return uri
 
 

@@ -17,12 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from bij.contract.errors import BijError
-from bij.contract.schemes import WRITABLE
+from bij.contract.schemes import REMOTE
 from bij.storage import ObjectInfo, Storage, open_storage
 from bij.worker.fetch import Fetched, fetch_folder
-
-# Where weights may be named by a prefix: the object stores (a file:// or plain path is loaded where it is).
-REMOTE = tuple(p for p in WRITABLE if p != "file://")
 
 
 class WeightsError(BijError):
