@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(argv[1:])
     if argv and argv[0] == "operator":
-        from bij.control.handlers import main as operator_main
+        from bij.control.operator import main as operator_main
 
         return operator_main(argv[1:])
     if argv and argv[0] == "api":
