@@ -10,9 +10,9 @@ import kopf
 
 from bij.control.driver import STATUS_INTERVAL
 from bij.control.handlers import Operator
-from bij.control.jobs import step_resources_default
 from bij.control.operator_config import OperatorConfig
 from bij.control.operator_metrics import OperatorMetrics
+from bij.control.step_jobs import step_resources_default
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from bij.control.driver import PROGRESS_INTERVAL, STATUS_INTERVAL
-from bij.control.jobs import FileVolume, steps_image_default, worker_image_default
+from bij.control.file_volume import FileVolume
+from bij.control.jobs import worker_image_default
+from bij.control.step_jobs import steps_image_default
 
 
 @dataclasses.dataclass
