@@ -25,7 +25,8 @@ from bij.steps.publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved
 from bij.steps.publish_rows import PublishPlanError
 from bij.steps.results import ResultsError
 from bij.storage import NotFound, ObjectChanged, S3Storage, StorageError
-from bij.worker.lanes import Claim, LeaseKeeper
+from bij.worker.claim import Claim
+from bij.worker.lanes import LeaseKeeper
 from bij.worker.reader import CorruptInput
 from bij.worker.shard import BadConfig, EngineFailure
 
