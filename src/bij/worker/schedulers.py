@@ -36,7 +36,8 @@ from bij.engines.base import (
 from bij.worker.batcher import PrefixShare, first_batch, plan_batches, run_order
 from bij.worker.commits import CommitWriter
 from bij.worker.committer import Committer, length_cut
-from bij.worker.inputs import Row, redispatch_line
+from bij.worker.input_row import Row
+from bij.worker.inputs import redispatch_line
 from bij.worker.judge import Judge, Verdict, attempt_params
 from bij.worker.metrics import Metrics, Stats
 from bij.worker.prepare import OpenChunk, Preparer
