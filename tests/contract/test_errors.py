@@ -20,7 +20,7 @@ from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.spec import SpecError
 from bij.steps import planner
-from bij.steps.planner import PlanError
+from bij.steps.plan_input import PlanError
 from bij.steps.publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved
 from bij.steps.publish_rows import PublishPlanError
 from bij.steps.results import ResultsError
