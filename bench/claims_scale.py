@@ -41,7 +41,9 @@ from bij.contract import layout  # noqa: E402
 from bij.contract.records import ClaimRecord  # noqa: E402
 from bij.storage import NotFound, ObjectInfo  # noqa: E402
 from bij.worker import lanes as lanes_module  # noqa: E402
-from bij.worker.lanes import Claim, Claims, RoundClaims, listing_requests, open_claims, ring  # noqa: E402
+from bij.worker.claim import Claim, listing_requests  # noqa: E402
+from bij.worker.lanes import Claims, open_claims, ring  # noqa: E402
+from bij.worker.round_claims import RoundClaims  # noqa: E402
 
 FLAT = 1.5  # new layout, largest / smallest round, per case
 PREFIX = "s3://bucket/out/_bij/job/round-0"

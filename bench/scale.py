@@ -130,7 +130,7 @@ class OperatorPart(threading.Thread):
     def __init__(self, kubeconfig: Path, ns: str, name: str, fold: bool, interval: float):
         super().__init__(daemon=True)
         assert os.environ.get("KUBECONFIG") == str(kubeconfig)  # read by the client when it is imported
-        from bij.control.handlers import Api
+        from bij.control.kube_api import Api
 
         self.api = Api()
         self.interval = interval

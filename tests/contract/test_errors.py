@@ -20,12 +20,13 @@ from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.spec import SpecError
 from bij.steps import planner
-from bij.steps.planner import PlanError
+from bij.steps.plan_input import PlanError
 from bij.steps.publish import ErrorRatioExceeded, PublishError, WorkFilesRemoved
 from bij.steps.publish_rows import PublishPlanError
 from bij.steps.results import ResultsError
 from bij.storage import NotFound, ObjectChanged, S3Storage, StorageError
-from bij.worker.lanes import Claim, LeaseKeeper
+from bij.worker.claim import Claim
+from bij.worker.lanes import LeaseKeeper
 from bij.worker.reader import CorruptInput
 from bij.worker.shard import BadConfig, EngineFailure
 

@@ -643,7 +643,7 @@ def test_a_bij_whose_plan_step_cannot_start_still_ends_at_once_when_cancelled_or
 
 
 def test_the_operator_looks_at_a_steps_pods_only_once_one_failed_or_is_slow_to_start() -> None:
-    from bij.control.handlers import pods_failed, slow_to_start
+    from bij.control.backend import pods_failed, slow_to_start
 
     running = {"status": {"active": 1, "ready": 0, "startTime": "2026-01-01T12:00:00Z"}}
     started = NOW.timestamp()

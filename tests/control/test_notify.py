@@ -306,7 +306,8 @@ def test_a_job_without_notify_never_reads_a_key_or_writes_notified() -> None:
 def test_the_operator_reads_the_key_from_the_named_secret_and_names_one_it_cannot_read() -> None:
     from kubernetes.client import ApiException, V1ObjectMeta, V1Secret
 
-    from bij.control.handlers import Api, KubeBackend
+    from bij.control.backend import KubeBackend
+    from bij.control.kube_api import Api
 
     class Core:
         def read_namespaced_secret(self, name: str, namespace: str) -> V1Secret:

@@ -6,7 +6,8 @@ import urllib.request
 
 from ports import free_port
 
-from bij.control.handlers import OperatorMetrics, parse_args
+from bij.control.operator import parse_args
+from bij.control.operator_metrics import OperatorMetrics
 
 
 def test_metrics_endpoint_counts_decisions_by_kind() -> None:

@@ -16,7 +16,7 @@ from bij.cli.main import main as bij_main
 from bij.contract import layout
 from bij.contract.codes import JOB_LABEL, PUBLISH_LABEL, ROUND_LABEL
 from bij.contract.spec import BatchInferenceJob, load_job, parse_job
-from bij.control import jobs
+from bij.control import file_volume, jobs, step_jobs, worker_pod
 from bij.control.jobs import render_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,7 +239,7 @@ def test_a_step_job_is_one_pod_of_the_workers_identity_with_the_spec_and_no_gpu(
                                     "tolerations": [{"key": "gpu", "operator": "Exists"}], "spot": True,
                                     "cpu": "8", "memory": "64Gi", "priorityClassName": "gpu-batch"},
                    storage={"credentialsSecret": "team-a-s3"})
-    body = jobs.render_step_job(job, "plan", 2, image="steps:1", owner_uid="u-1")
+    body = step_jobs.render_step_job(job, "plan", 2, image="steps:1", owner_uid="u-1")
     assert body["metadata"]["name"] == f"{job.metadata.name}-plan-r2"
     assert body["metadata"]["labels"]["batchinference.io/step"] == "plan-r2"
     assert "batchinference.io/round" not in body["metadata"]["labels"]  # never taken for the round's Job
@@ -262,10 +262,10 @@ def test_a_step_job_is_one_pod_of_the_workers_identity_with_the_spec_and_no_gpu(
     # Asked for, the steps go where the workers go (a cluster whose every node is tainted for GPUs).
     there = make_job(workers={"gpus": 1, "nodeSelector": {"pool": "h100"}, "stepsOnWorkerNodes": True,
                               "tolerations": [{"key": "gpu", "operator": "Exists"}]})
-    placed = pod(jobs.render_step_job(there, "plan", 0, image="steps:1"))
+    placed = pod(step_jobs.render_step_job(there, "plan", 0, image="steps:1"))
     assert placed["nodeSelector"] == {"pool": "h100"}
     assert {"key": "gpu", "operator": "Exists"} in placed["tolerations"]
-    assert jobs.GPU_TOLERATION in placed["tolerations"] and "nvidia.com/gpu" not in str(placed["containers"])
+    assert worker_pod.GPU_TOLERATION in placed["tolerations"] and "nvidia.com/gpu" not in str(placed["containers"])
     args = steps.parse_args(container(body)["args"][1:])
     assert container(body)["args"][0] == "step" and args.kind == "plan" and args.round == 2
     assert args.key == body["metadata"]["name"]
@@ -276,42 +276,43 @@ def test_step_pods_take_the_charts_step_resources_and_a_bad_value_is_named(monke
     job = make_job()
     big = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
     monkeypatch.setenv("BIJ_STEP_RESOURCES", json.dumps(big))
-    assert container(jobs.render_step_job(job, "finish", 0, image="steps:1"))["resources"] == big
+    assert container(step_jobs.render_step_job(job, "finish", 0, image="steps:1"))["resources"] == big
     for bad in ("{not json", '{"limits": 4}', '{"memory": "1Gi"}'):
         monkeypatch.setenv("BIJ_STEP_RESOURCES", bad)
         with pytest.raises(ValueError, match="BIJ_STEP_RESOURCES"):
-            jobs.render_step_job(job, "finish", 0, image="steps:1")
+            step_jobs.render_step_job(job, "finish", 0, image="steps:1")
 
 
 def test_the_shared_file_volume_is_mounted_into_every_kind_of_pod_of_a_bij() -> None:
-    volume = jobs.FileVolume.from_env({jobs.FILE_STORAGE_ENV: json.dumps(
+    volume = file_volume.FileVolume.from_env({file_volume.FILE_STORAGE_ENV: json.dumps(
         {"mountPath": "/data/", "volume": {"persistentVolumeClaim": {"claimName": "shared"}}})})
     assert volume is not None and volume.mount_path == "/data"
     job = make_job(input={"uri": "file:///data/in/"}, output={"uri": "file:///data/out/"})
     for body in (render(job, file_volume=volume),
-                 jobs.render_publish_job(job, "ids", 2, "file:///data/out/p.json", file_volume=volume),
-                 jobs.render_step_job(job, "plan", 0, file_volume=volume)):
+                 step_jobs.render_publish_job(job, "ids", 2, "file:///data/out/p.json", file_volume=volume),
+                 step_jobs.render_step_job(job, "plan", 0, file_volume=volume)):
         assert {"name": "bij-files", "persistentVolumeClaim": {"claimName": "shared"}} in pod(body)["volumes"]
         assert {"name": "bij-files", "mountPath": "/data"} in container(body)["volumeMounts"]
     assert not any(v["name"] == "bij-files" for v in pod(render(job))["volumes"])
 
 
 def test_file_uris_on_a_cluster_need_the_shared_volume_and_must_lie_under_it() -> None:
-    volume = jobs.FileVolume("/data", {"hostPath": {"path": "/data"}})
+    volume = file_volume.FileVolume("/data", {"hostPath": {"path": "/data"}})
     job = make_job(input={"uri": "file:///data/in/"}, output={"uri": "file:///elsewhere/out/"},
                    model={"engine": "vllm", "name": "m", "adapters": [{"name": "a", "uri": "file:///data/a/"}]})
-    (outside,) = jobs.file_uri_problems(job, volume)
+    (outside,) = file_volume.file_uri_problems(job, volume)
     assert outside.startswith("spec.output.uri: file:///elsewhere/out/ is outside the shared volume at /data")
     assert "fileStorage.mountPath" in outside
-    none = jobs.file_uri_problems(job, None)
+    none = file_volume.file_uri_problems(job, None)
     assert [p.split(":")[0] for p in none] == ["spec.input.uri", "spec.output.uri", "spec.model.adapters[0].uri"]
     assert all("set the chart value fileStorage" in p for p in none)
-    assert jobs.file_uri_problems(make_job(), None) == []  # s3:// needs no volume
-    assert not jobs.file_uri_problems(make_job(input={"uri": "file:///data"}, output={"uri": "s3://b/o"}),
+    assert file_volume.file_uri_problems(make_job(), None) == []  # s3:// needs no volume
+    assert not file_volume.file_uri_problems(make_job(input={"uri": "file:///data"}, output={"uri": "s3://b/o"}),
                                       volume)
-    assert jobs.file_uri_problems(make_job(input={"uri": "file:///database/in"}), volume)  # a prefix, not a folder
+    # a prefix, not a folder
+    assert file_volume.file_uri_problems(make_job(input={"uri": "file:///database/in"}), volume)
     with pytest.raises(ValueError, match="BIJ_FILE_STORAGE"):
-        jobs.FileVolume.from_env({jobs.FILE_STORAGE_ENV: '{"mountPath": "data", "volume": {}}'})
+        file_volume.FileVolume.from_env({file_volume.FILE_STORAGE_ENV: '{"mountPath": "data", "volume": {}}'})
 
 
 def test_gpus_cpu_and_memory() -> None:
@@ -408,7 +409,7 @@ def test_spot_on_all_providers_tolerates_every_taint_and_prefers_any_spot_label(
     assert "requiredDuringSchedulingIgnoredDuringExecution" not in node_affinity
     preferred = node_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
     terms = {(e["key"], e["values"][0]) for p in preferred for e in p["preference"]["matchExpressions"]}
-    assert terms == set(jobs.SPOT_NODE_LABELS.values())
+    assert terms == set(worker_pod.SPOT_NODE_LABELS.values())
 
 
 def test_spot_placement_merges_with_the_users_placement() -> None:
@@ -426,7 +427,7 @@ def test_spot_placement_merges_with_the_users_placement() -> None:
     node_affinity = spec["affinity"]["nodeAffinity"]
     assert node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] == \
         user_affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert len(node_affinity["preferredDuringSchedulingIgnoredDuringExecution"]) == 1 + len(jobs.SPOT_NODE_LABELS)
+    assert len(node_affinity["preferredDuringSchedulingIgnoredDuringExecution"]) == 1 + len(worker_pod.SPOT_NODE_LABELS)
     assert spec["tolerations"].count(user_toleration) == 1  # no duplicates
     assert job.spec.workers.affinity == user_affinity  # the spec itself is left alone
 
@@ -503,7 +504,7 @@ def test_a_publish_pass_job_runs_every_nth_index_of_the_pass_without_gpu_or_spot
     job = make_job(model={"engine": "vllm", "task": "generate", "name": "m"},
                    workers={"spot": True, "spotProvider": "gke", "nodeSelector": {"pool": "batch"},
                             "cpu": "2", "memory": "8Gi"})
-    body = jobs.render_publish_job(job, "dedupe", 3, "s3://b/out/_bij/t/publish/plan.json", image="img:1",
+    body = step_jobs.render_publish_job(job, "dedupe", 3, "s3://b/out/_bij/t/publish/plan.json", image="img:1",
                                    owner_uid="u-1")
     assert body["metadata"]["name"] == f"{job.metadata.name}-publish-dedupe"
     labels = body["metadata"]["labels"]
@@ -526,7 +527,7 @@ def test_a_publish_pass_job_runs_every_nth_index_of_the_pass_without_gpu_or_spot
 def test_a_publish_pass_job_runs_all_its_pods_at_once_whatever_the_rounds_parallelism() -> None:
     # `bij publish --parallelism 2` of a job whose workers.parallelism is 1: two stride pods, both at once.
     job = make_job(workers={"parallelism": 1})
-    spec = jobs.render_publish_job(job, "write", 2, "file:///o/_bij/t/publish/plan.json")["spec"]
+    spec = step_jobs.render_publish_job(job, "write", 2, "file:///o/_bij/t/publish/plan.json")["spec"]
     assert (spec["completions"], spec["parallelism"]) == (2, 2)
 
 
@@ -597,7 +598,8 @@ def test_a_member_lost_is_not_counted_against_the_indexes_of_its_group_but_bad_c
 
 def test_publish_and_step_jobs_of_a_bij_with_lanes_of_several_pods_are_plain_pods() -> None:
     job = make_job(**TWO_NODE_VLLM)
-    for body in (jobs.render_publish_job(job, "ids", 3, "s3://b/p.json"), jobs.render_step_job(job, "plan", 0)):
+    for body in (step_jobs.render_publish_job(job, "ids", 3, "s3://b/p.json"),
+                 step_jobs.render_step_job(job, "plan", 0)):
         assert body["spec"]["completions"] in (1, 3)
         assert "subdomain" not in pod(body)
         assert "BIJ_NODES_PER_LANE" not in env(body)

@@ -159,7 +159,8 @@ def test_minilm_embeds_token_ids_as_the_text_they_tokenize_to(minilm: Any) -> No
 def test_token_ids_beyond_the_vocabulary_fail_their_row_alone_naming_it(minilm: Any) -> None:
     import json
 
-    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.input_row import InputOptions
+    from bij.worker.inputs import parse_line
     from bij.worker.result_rows import merged_result, result_row
 
     opts = InputOptions(format="openai", task="embed", engine="sentence-transformers", honours=minilm.honours)

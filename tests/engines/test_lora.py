@@ -100,7 +100,8 @@ def test_a_job_routes_rows_by_openai_model_and_refuses_unknown_names(models: tup
 
 
 def test_an_adapter_row_on_an_engine_without_adapters_is_unsupported() -> None:
-    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.input_row import InputOptions
+    from bij.worker.inputs import parse_line
 
     opts = InputOptions(task="generate", engine="echo", honours=frozenset({"maxTokens"}), adapters=frozenset({"fr"}))
     line = json.dumps({"id": 1, "text": "x", "adapter": "fr"}).encode()

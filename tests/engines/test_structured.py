@@ -111,7 +111,8 @@ def test_with_the_judges_schema_as_structured_output_every_row_passes_at_round_z
 
 
 def test_openai_response_format_reaches_the_engine_as_structured_output() -> None:
-    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.input_row import InputOptions
+    from bij.worker.inputs import parse_line
 
     opts = InputOptions(format="openai", task="chat", engine="transformers",
                         honours=frozenset({"structuredOutput", "maxTokens", "temperature", "seed"}))

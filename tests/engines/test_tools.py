@@ -15,7 +15,8 @@ from bij.contract.spec import SpecError, load_job
 from bij.engines.base import BASIC_SAMPLING, Choice, EngineConfig, Request, Result, ToolAsk
 from bij.engines.prompts import chat_messages, row_template_kwargs
 from bij.engines.tools import call_problem, forced_calls, forced_schema
-from bij.worker.inputs import InputOptions, Row, parse_line
+from bij.worker.input_row import InputOptions, Row
+from bij.worker.inputs import parse_line
 from bij.worker.result_rows import result_row
 
 VLLM_FIELDS = BASIC_SAMPLING | {"structuredOutput"}

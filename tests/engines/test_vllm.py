@@ -679,7 +679,8 @@ def openai_line(url: str, **body: Any) -> bytes:
 
 def answer(engine: Any, line: bytes) -> dict[str, Any]:
     """An OpenAI line parsed against `engine`'s honours, run on it, and answered as the worker answers it."""
-    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.input_row import InputOptions
+    from bij.worker.inputs import parse_line
     from bij.worker.result_rows import merged_result, result_row
 
     task = "chat" if b"/v1/chat/" in line else "generate"
@@ -857,7 +858,8 @@ def _answer(engine: Any, **body: Any) -> dict[str, Any]:
     """One OpenAI chat line through bij as the worker runs it: parsed, run, checked, answered."""
     from bij.engines.base import run_to_completion
     from bij.engines.structured import Validator
-    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.input_row import InputOptions
+    from bij.worker.inputs import parse_line
     from bij.worker.result_rows import result_row
 
     opts = InputOptions(format="openai", task="chat", engine="vllm", honours=engine.honours, max_tokens=200)
@@ -933,7 +935,7 @@ def test_auto_tool_calls_are_read_by_the_tool_parser_after_the_reasoning(thinker
     assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather"]
     assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
     assert parsed.output == ""  # nothing but the call: no content
-    from bij.worker.inputs import InputOptions, Row
+    from bij.worker.input_row import InputOptions, Row
     from bij.worker.result_rows import result_row
 
     opts = InputOptions(format="openai", task="chat", engine="vllm")
@@ -981,7 +983,8 @@ def test_a_responses_line_is_answered_with_its_reasoning_item_and_message(thinke
     from openai.types.responses import Response
 
     from bij.engines.base import run_to_completion
-    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.input_row import InputOptions
+    from bij.worker.inputs import parse_line
     from bij.worker.result_rows import result_row
 
     opts = InputOptions(format="openai", task="chat", engine="vllm", honours=thinker.honours, max_tokens=200)
@@ -1090,7 +1093,8 @@ def _run_lines(engine: Any, bodies: list[dict[str, Any]]) -> list[tuple[Any, Res
     """OpenAI chat lines through bij as the worker runs them: parsed, run, checked."""
     from bij.engines.base import run_to_completion
     from bij.engines.structured import Validator
-    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.input_row import InputOptions
+    from bij.worker.inputs import parse_line
 
     opts = InputOptions(format="openai", task="chat", engine="vllm", honours=engine.honours, max_tokens=120,
                         temperature=1.0)
@@ -1111,7 +1115,7 @@ def test_forced_calls_on_a_random_model_keep_to_the_tools_schemas_with_or_withou
     its token cap cut it: the constraint holds the whole call, not only its envelope."""
     import jsonschema
 
-    from bij.worker.inputs import InputOptions
+    from bij.worker.input_row import InputOptions
     from bij.worker.result_rows import result_row
 
     named = {"type": "function", "function": {"name": "get_weather"}}

@@ -101,7 +101,7 @@ def test_a_manifest_with_as_many_files_as_a_part_holds_stays_one_document():
 
 
 def test_starting_over_deletes_the_manifest_and_then_its_parts(file_place, make_job, run_shards, monkeypatch):
-    from bij.steps.planner import reset_output
+    from bij.steps.output_claim import reset_output
 
     job = published_job(file_place, make_job, run_shards)
     monkeypatch.setenv("BIJ_MANIFEST_PART_FILES", "2")

@@ -112,7 +112,7 @@ def test_list_inputs_answer_one_line_with_an_item_per_input_in_the_sdks_shapes(
 
 def test_several_prompts_with_n_answers_are_numbered_prompt_major_as_openai_does() -> None:
     from bij.engines.base import Choice, Result
-    from bij.worker.inputs import InputOptions, Row
+    from bij.worker.input_row import InputOptions, Row
     from bij.worker.result_rows import merged_result, result_row
 
     def answers(prompt: str) -> Result:
@@ -158,7 +158,7 @@ def test_a_judge_job_refuses_a_line_with_several_prompts_naming_why() -> None:
 
     from bij.engines.base import EngineConfig
     from bij.engines.echo import EchoEngine
-    from bij.worker.inputs import InputOptions
+    from bij.worker.input_row import InputOptions
     from bij.worker.prepare import Preparer
 
     opts = InputOptions(format="openai", task="generate", engine="echo", honours=frozenset({"maxTokens"}))

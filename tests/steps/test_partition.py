@@ -14,8 +14,9 @@ import zstandard
 from bij.contract import layout
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.spec import SpecError, parse_job
-from bij.steps.planner import plan_round, plan_shards
+from bij.steps.planner import plan_round
 from bij.steps.publish import publish
+from bij.steps.sharding import plan_shards
 from bij.worker.shard import load_plan
 
 
@@ -160,7 +161,8 @@ def test_an_input_beside_a_folder_of_its_own_name_is_not_a_clash(file_place, mak
 
 
 def test_a_plan_written_before_the_clash_check_is_refused_on_the_next_run(file_place, make_job) -> None:
-    from bij.steps.planner import build_plan, input_objects
+    from bij.steps.plan_input import input_objects
+    from bij.steps.planner import build_plan
 
     file_place.write_jsonl("in/c.jsonl", rows("c", 3))
     file_place.write_jsonl("in/c.jsonl.zst/d.jsonl", rows("d", 3))

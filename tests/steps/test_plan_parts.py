@@ -10,7 +10,8 @@ import pytest
 from bij.contract import layout
 from bij.contract import plan as plan_module
 from bij.contract.plan import Plan
-from bij.steps.planner import _list_input, build_plan, plan_round
+from bij.steps.plan_input import list_input
+from bij.steps.planner import build_plan, plan_round
 from bij.steps.publish import publish
 from bij.worker.shard import ShardWorker, load_plan
 
@@ -35,7 +36,7 @@ def test_a_lane_reads_only_the_parts_of_its_own_shards(file_place, make_job, mon
     uri = layout.round_manifest_uri(job, 0)
     head = json.loads(file_place.storage.read_bytes(uri))
     assert head["shards"] == [] and head["shardCount"] == rp.shard_count > 3 * 3 * 2 and head["partShards"] == 3
-    whole = build_plan(job, 0, _list_input(job, job.spec.input.uri), job.spec.input.uri)
+    whole = build_plan(job, 0, list_input(job, job.spec.input.uri), job.spec.input.uri)
     reads: list[str] = []
 
     def read(u: str) -> bytes:

@@ -17,7 +17,9 @@ from bij.contract import layout
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.globs import glob_matches, split_glob
 from bij.contract.plan import PlanObject
-from bij.steps.planner import PlanError, input_objects, plan_round, plan_shards
+from bij.steps.plan_input import PlanError, input_objects
+from bij.steps.planner import plan_round
+from bij.steps.sharding import plan_shards
 from bij.storage import FileStorage, ObjectInfo
 from bij.worker.reader import iter_shard
 

@@ -361,7 +361,8 @@ def test_a_server_that_ignores_range_and_if_match_and_sends_another_version_is_r
 
 def test_an_object_without_a_validator_is_refused_by_the_planner(web: Server, file_place: Any,
                                                                  make_job: Any) -> None:
-    from bij.steps.planner import PlanError, plan_round
+    from bij.steps.plan_input import PlanError
+    from bij.steps.planner import plan_round
 
     (web.root / "a.jsonl").write_bytes(jsonl(rows(50)))
     web.no_validator = True

@@ -13,7 +13,8 @@ import pytest
 
 from bij.contract import layout
 from bij.engines.echo import echo_embedding
-from bij.steps.planner import PlanError, plan_round
+from bij.steps.plan_input import PlanError
+from bij.steps.planner import plan_round
 from bij.steps.publish import publish
 from bij.storage import parquet
 from bij.worker.shard import load_plan

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from bij.contract.spec import parse_job
-from bij.control import jobs
+from bij.control import jobs, step_jobs, worker_pod
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "bij-operator"
@@ -189,7 +189,7 @@ def test_operator_deployment_defaults(chart: helm.Chart) -> None:
     # Step Jobs run bij without an engine: by default the operator's own image.
     assert env["BIJ_STEPS_IMAGE"] == container["image"]
     # Step pods get the same resources from the chart as the operator gives them without it.
-    assert json.loads(env["BIJ_STEP_RESOURCES"]) == jobs.STEP_RESOURCES
+    assert json.loads(env["BIJ_STEP_RESOURCES"]) == step_jobs.STEP_RESOURCES
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
 
 
@@ -272,7 +272,7 @@ def test_file_storage_is_off_by_default_and_names_its_volume_to_the_operator_whe
     assert "BIJ_FILE_STORAGE" not in {e["name"] for e in operator_container(render(chart))["env"]}
     on = {"fileStorage": {"mountPath": "/data", "volume": {"persistentVolumeClaim": {"claimName": "shared"}}}}
     env = {e["name"]: e.get("value") for e in operator_container(render(chart, on))["env"]}
-    from bij.control.jobs import FileVolume
+    from bij.control.file_volume import FileVolume
 
     volume = FileVolume.from_env(env)
     assert volume == FileVolume("/data", {"persistentVolumeClaim": {"claimName": "shared"}})
@@ -404,7 +404,7 @@ def test_pod_monitor_scrapes_the_pods_of_round_jobs(chart: helm.Chart) -> None:
     assert selector.items() <= template["metadata"]["labels"].items()
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
-    assert ports[endpoint["port"]] == jobs.WORKER_METRICS_PORT
+    assert ports[endpoint["port"]] == worker_pod.WORKER_METRICS_PORT
     # The completion index of a round Job's pod is its lane (a lane works many shards).
     targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
     assert targets == {"bij": ["__meta_kubernetes_pod_label_batchinference_io_job"],

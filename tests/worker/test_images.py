@@ -18,7 +18,8 @@ from bij.contract.sampling import IMAGES
 from bij.engines.base import BASIC_SAMPLING, EngineBase, Image
 from bij.storage import open_storage
 from bij.worker.images import ImageProblem, fetch_images
-from bij.worker.inputs import InputOptions, parse_line
+from bij.worker.input_row import InputOptions
+from bij.worker.inputs import parse_line
 
 VISION = InputOptions(format="openai", task="chat", engine="vllm", honours=BASIC_SAMPLING | {IMAGES},
                       max_image_bytes=64)

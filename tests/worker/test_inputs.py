@@ -11,7 +11,8 @@ from bij.contract.result_rows import id_key
 from bij.engines.echo import echo_embedding
 from bij.steps.planner import plan_round
 from bij.steps.publish import publish
-from bij.worker.inputs import InputOptions, parse_line
+from bij.worker.input_row import InputOptions
+from bij.worker.inputs import parse_line
 
 AT = (0, 120, 140)
 PLAIN = InputOptions(task="generate")

@@ -254,7 +254,7 @@ def test_round_plans_carry_their_mode(tmp_path: Path) -> None:
 
 
 def test_every_round_is_cut_into_shards_per_lane_within_the_size_limits(tmp_path: Path) -> None:
-    from bij.steps.planner import round_target_bytes
+    from bij.steps.sharding import round_target_bytes
 
     write_rows(tmp_path / "in" / "a.jsonl", 10)
     doc = job_doc(tmp_path, {"type": "regex", "pattern": "x"})

@@ -21,8 +21,10 @@ from bij.contract.canary import canary_shards
 from bij.steps.planner import plan_round
 from bij.steps.publish import publish
 from bij.storage import FileStorage, NotFound, ObjectInfo
-from bij.worker import lanes as lanes_module
-from bij.worker.lanes import STEAL_PROBES, Claim, Claims, LeaseKeeper, RoundClaims, open_claims
+from bij.worker import claim as claim_module
+from bij.worker.claim import Claim
+from bij.worker.lanes import STEAL_PROBES, Claims, LeaseKeeper, open_claims
+from bij.worker.round_claims import RoundClaims
 
 
 class Clock:
@@ -260,7 +262,7 @@ def work_round(store: CountingStore, shards: int, ticks_per_shard: list[int]) ->
 def test_claim_decisions_cost_the_same_few_requests_per_shard_at_any_shard_count(monkeypatch) -> None:
     # Each decision once listed every claim and completion record of the round, so a round cost
     # O(shards^2) requests: at 10,000 shards on S3, hundreds of thousands of LISTs.
-    monkeypatch.setattr(lanes_module, "LIST_PAGE", 10, raising=False)
+    monkeypatch.setattr(claim_module, "LIST_PAGE", 10, raising=False)
     per_shard, renewal = {}, {}
     for shards in (40, 400):
         store = CountingStore(page=10)
@@ -283,7 +285,7 @@ def test_claim_decisions_cost_the_same_few_requests_per_shard_at_any_shard_count
 
 def test_a_lane_that_loses_a_steal_to_the_shards_own_lane_leaves_that_lanes_earlier_shards(monkeypatch) -> None:
     # Listings priced high (a request per object listed), so a lost create is not followed by a listing.
-    monkeypatch.setattr(lanes_module, "LIST_PAGE", 1)
+    monkeypatch.setattr(claim_module, "LIST_PAGE", 1)
     store = CountingStore(page=1)
     prefix = "s3://bucket/job/round-0"
     a, b = (Claims(store, prefix, lane=i, lanes=2, shards=8, writer=f"w{i}", clock=Clock()) for i in (0, 1))
@@ -478,7 +480,7 @@ def test_bij_run_loads_the_model_once_per_lane(parallelism, file_place, make_job
 def test_an_engine_share_routes_each_shards_results_to_it_and_drops_a_closed_ones() -> None:
     from bij.engines import EngineConfig, create_engine
     from bij.engines.base import Request
-    from bij.worker.lanes import EngineShare
+    from bij.worker.engine_share import EngineShare
 
     engine: Any = create_engine("simulated", EngineConfig(task="generate", max_tokens=8,
                                                           simulated={"maxNumSeqs": 4, "stepSeconds": 0.0}))

@@ -16,9 +16,11 @@ import zstandard
 
 from bij.contract.columns import RESULT_FIELDS
 from bij.contract.spec import SpecError, load_job, parse_job
-from bij.steps.planner import PlanError, plan_round
+from bij.steps.plan_input import PlanError
+from bij.steps.planner import plan_round
 from bij.steps.publish import publish
-from bij.worker.inputs import InputOptions, parquet_columns, parse_line
+from bij.worker.input_row import InputOptions, parquet_columns
+from bij.worker.inputs import parse_line
 from bij.worker.shard import StopFlag
 
 sys.path.insert(0, str(Path(__file__).parent.parent))

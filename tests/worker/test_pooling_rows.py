@@ -21,7 +21,8 @@ from bij.engines import create_engine  # noqa: E402
 from bij.engines.base import EngineConfig, Request  # noqa: E402
 from bij.steps.publish import publish  # noqa: E402
 from bij.storage.parquet import read_table, table_rows  # noqa: E402
-from bij.worker.inputs import InputOptions, parse_line  # noqa: E402
+from bij.worker.input_row import InputOptions  # noqa: E402
+from bij.worker.inputs import parse_line  # noqa: E402
 
 AT = (0, 0, 10)
 

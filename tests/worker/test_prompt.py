@@ -17,7 +17,8 @@ from bij.contract.spec import SpecError, load_job
 from bij.engines.echo import echo_embedding
 from bij.steps.planner import plan_round
 from bij.steps.publish import publish
-from bij.worker.inputs import InputOptions, parse_line
+from bij.worker.input_row import InputOptions
+from bij.worker.inputs import parse_line
 
 TITLED = "{{ row.title }}: {{ row.body }}"
 

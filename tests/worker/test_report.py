@@ -15,7 +15,7 @@ import pytest
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.step_report import StepErrorCode, StepReport
 from bij.steps import main as steps
-from bij.steps.planner import PlanError
+from bij.steps.plan_input import PlanError
 from bij.storage import StorageError, StorageRefused
 from bij.worker import report
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from bij.engines.base import BASIC_SAMPLING, Choice, Result
-from bij.worker.inputs import InputOptions, Row, parse_line
+from bij.worker.input_row import InputOptions, Row
+from bij.worker.inputs import parse_line
 from bij.worker.result_rows import result_row
 
 OPTS = InputOptions(format="openai", task="chat", engine="vllm", model_name="m",

@@ -593,7 +593,7 @@ def test_results_encoded_a_chunk_at_once_are_the_records_resume_and_publish_read
     """The one-pass encoding of the common result shape writes, byte for byte, what the records would."""
     from bij.engines.base import Result
     from bij.storage.segments import encode_plain_results, loads_record
-    from bij.worker.inputs import InputOptions, Row
+    from bij.worker.input_row import InputOptions, Row
     from bij.worker.result_rows import result_row
 
     rnd = random.Random(3)

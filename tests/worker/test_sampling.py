@@ -11,7 +11,8 @@ from bij.cli.validate import check_document
 from bij.contract.sampling import NO_SAMPLING, Sampling
 from bij.contract.spec import SpecError, job_to_dict, load_job, parse_job
 from bij.engines.base import BASIC_SAMPLING, CHAT_TEMPLATE_FIELDS
-from bij.worker.inputs import InputOptions, parse_line, parse_plain_lines
+from bij.worker.input_row import InputOptions
+from bij.worker.inputs import parse_line, parse_plain_lines
 from bij.worker.main import engine_config
 
 TRANSFORMERS = BASIC_SAMPLING | {"topP", "topK", "minP", "repetitionPenalty", "stop"}
@@ -213,7 +214,7 @@ def test_n_answers_and_logprobs_come_out_in_openai_shapes_the_sdk_parses(url: st
     openai_types = pytest.importorskip("openai.types")
     from openai.types.chat import ChatCompletion
 
-    from bij.worker.inputs import Row
+    from bij.worker.input_row import Row
     from bij.worker.result_rows import result_row
 
     kind = "chat" if "chat" in url else "generate"

@@ -30,14 +30,11 @@ from typing import Any, Literal
 
 from bij.contract.spec import BatchInferenceJob, SpecError, job_to_dict, load_job
 from bij.control.access_review import check_grants
-from bij.control.jobs import (
-    FILE_STORAGE_ENV,
-    FileVolume,
-    render_step_job,
-    worker_image_default,
-)
+from bij.control.file_volume import FILE_STORAGE_ENV, FileVolume
 from bij.control.jobs import render_job as _render_job
+from bij.control.jobs import worker_image_default
 from bij.control.permissions import DEFAULT_SERVICE_ACCOUNT
+from bij.control.step_jobs import render_step_job
 
 Level = Literal["ok", "warn", "fail"]
 # Image problems a pod shows while waiting: it will never start as it is.

@@ -7,9 +7,39 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    # `worker`, `operator` and `api` take their own flags: hand the rest through untouched.
+    if argv and argv[0] == "worker":
+        from bij.cli.worker import main as worker_main
+
+        return worker_main(argv[1:])
+    if argv and argv[0] == "operator":
+        from bij.control.operator import main as operator_main
+
+        return operator_main(argv[1:])
+    if argv and argv[0] == "api":
+        from bij.api.server import main as api_main
+
+        return api_main(argv[1:])
+    return _dispatch(parser, parser.parse_args(argv))
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bij", description="Batch inference on spot GPUs.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_and_cancel(sub)
+    sub.add_parser("worker", help="the pod entry point (same as bij-worker)", add_help=False)
+    _add_render_and_validate(sub)
+    _add_publish_and_readers(sub)
+    _add_doctor(sub)
+    sub.add_parser("operator", help="run the kopf operator (in-cluster or with a kubeconfig)", add_help=False)
+    sub.add_parser("api", help="run bij-api, the OpenAI Files and Batches API (same as bij-api)", add_help=False)
+    return parser
 
+
+def _add_run_and_cancel(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("run", help="run a BatchInferenceJob on this machine (resumes when run again)")
     p.add_argument("spec", help="BatchInferenceJob YAML")
     p.add_argument("--parallelism", type=int, default=None, help="worker processes (default: spec.workers.parallelism)")
@@ -26,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallelism", type=int, default=None,
                    help="publish processes (default: spec.workers.parallelism)")
 
-    sub.add_parser("worker", help="the pod entry point (same as bij-worker)", add_help=False)
 
+def _add_render_and_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("render", help="print the Job the operator would create for a round")
     p.add_argument("spec")
     p.add_argument("--round", type=int, default=0)
@@ -37,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check a spec against the CRD schema and its rules, offline")
     p.add_argument("spec")
 
+
+def _add_publish_and_readers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("publish", help="publish the manifest of a finished job (normally automatic)")
     p.add_argument("spec")
     p.add_argument("--parallelism", type=int, default=None,
@@ -59,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("target", help="the job's YAML (read with its spec.storage), or its manifest URI (file://, s3:// or "
                                   "gs://...; S3 settings from the AWS environment)")
 
+
+def _add_doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="is a namespace ready for bijs? the worker identity's grants, its Secret, "
                                       "nodes that fit, and storage as the job's pods see it")
     p.add_argument("spec", nargs="?", default=None,
@@ -70,26 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, else ~/.kube/config)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds the probe pod may take (default 300)")
 
-    sub.add_parser("operator", help="run the kopf operator (in-cluster or with a kubeconfig)", add_help=False)
-    sub.add_parser("api", help="run bij-api, the OpenAI Files and Batches API (same as bij-api)", add_help=False)
 
-    if argv is None:
-        argv = sys.argv[1:]
-    # `worker`, `operator` and `api` take their own flags: hand the rest through untouched.
-    if argv and argv[0] == "worker":
-        from bij.cli.worker import main as worker_main
-
-        return worker_main(argv[1:])
-    if argv and argv[0] == "operator":
-        from bij.control.handlers import main as operator_main
-
-        return operator_main(argv[1:])
-    if argv and argv[0] == "api":
-        from bij.api.server import main as api_main
-
-        return api_main(argv[1:])
-
-    args = parser.parse_args(argv)
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "run":
         from bij.cli.run import cli_run
 

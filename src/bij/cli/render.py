@@ -10,7 +10,7 @@ import yaml
 from bij.contract import layout
 from bij.contract.spec import SpecError, load_job
 from bij.control.jobs import render_job, render_lane_service, worker_image_default
-from bij.steps import planner
+from bij.steps import plan_input, planner, sharding
 from bij.storage import StorageError
 
 
@@ -30,7 +30,7 @@ def cli_render(args: argparse.Namespace) -> int:
     if completions is None:
         try:
             completions = planner.plan_shards_for(job, args.round)
-        except (planner.PlanError, StorageError, OSError) as e:
+        except (plan_input.PlanError, StorageError, OSError) as e:
             print(f"cannot plan round {args.round} of {job.metadata.name}: {e}", file=sys.stderr)
             print("pass --shards N to render without reading the input", file=sys.stderr)
             return 1
@@ -42,7 +42,7 @@ def cli_render(args: argparse.Namespace) -> int:
         rendered = render_job(
             job,
             args.round,
-            planner.lanes_for(job, completions),
+            sharding.lanes_for(job, completions),
             layout.round_manifest_uri(job, args.round),
             image=args.image or worker_image_default(),
             owner_uid=job.metadata.uid,

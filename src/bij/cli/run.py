@@ -15,7 +15,7 @@ from bij.contract.spec import BatchInferenceJob, SpecError, load_job
 from bij.contract.step_report import REMOVAL_FAILED
 from bij.local.publish import publish
 from bij.local.run import LocalRunner, nodes_per_lane_refusal
-from bij.steps.planner import reset_output
+from bij.steps.output_claim import reset_output
 from bij.steps.publish import PublishError
 from bij.storage import StorageError
 

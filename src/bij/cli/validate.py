@@ -481,9 +481,10 @@ PREVIEW_ROWS = 3
 def prompt_preview(job: BatchInferenceJob, rows: int = PREVIEW_ROWS) -> list[str]:
     """spec.prompt rendered for the first `rows` rows of a file:// input, as the worker renders them (the
     request each row becomes, or its error row); nothing when the job has no prompt or its input is elsewhere."""
-    from bij.steps.planner import input_objects
+    from bij.steps.plan_input import input_objects
     from bij.storage import StorageError, open_storage
-    from bij.worker.inputs import InputOptions, parse_line
+    from bij.worker.input_row import InputOptions
+    from bij.worker.inputs import parse_line
 
     spec = job.spec
     if spec.prompt is None:

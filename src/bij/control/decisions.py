@@ -46,7 +46,7 @@ class StepDecision(Decision):
     result: Mapping[str, Any] | None = None
 
     def step_args(self) -> dict[str, Any]:
-        """The step's kind, round and arguments (`jobs.render_step_job`)."""
+        """The step's kind, round and arguments (`step_jobs.render_step_job`)."""
         raise NotImplementedError
 
 

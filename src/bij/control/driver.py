@@ -75,14 +75,8 @@ from bij.control.decisions import (
     Wait,
     name_conflict,
 )
-from bij.control.jobs import (
-    FileVolume,
-    render_canary_job,
-    render_job,
-    render_lane_service,
-    render_publish_job,
-    render_step_job,
-)
+from bij.control.file_volume import FileVolume
+from bij.control.jobs import render_canary_job, render_job, render_lane_service
 from bij.control.observe import format_ranges
 from bij.control.permissions import CONDITION as PERMISSIONS_CONDITION
 from bij.control.permissions import STATUS_KEY as PERMISSIONS_KEY
@@ -97,6 +91,7 @@ from bij.control.status import (
     set_condition,
     status_differs,
 )
+from bij.control.step_jobs import render_publish_job, render_step_job
 from bij.control.stopping import seconds_left
 
 log = logging.getLogger("bij.driver")

@@ -1,5 +1,5 @@
 """`bij publish` on one machine: the publish plan, its three row-level passes run as the Jobs the
-operator would create for them (`jobs.render_publish_job`) by the local Job controller, then the
+operator would create for them (`step_jobs.render_publish_job`) by the local Job controller, then the
 manifest. With no processes the passes run in this process (`bij.steps.publish.publish`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from bij.contract.publish_plan import PublishPlan
 from bij.contract.spec import BatchInferenceJob
-from bij.control.jobs import render_publish_job
+from bij.control.step_jobs import render_publish_job
 from bij.local.jobs import LocalJob, worker_command, worker_env
 from bij.steps import publish_rows
 from bij.steps.publish import PublishError, finish_publish, prepare_publish, run_passes

@@ -39,10 +39,13 @@ from bij.contract.status import JobStatus
 from bij.control import notify
 from bij.control.decisions import STOPPED_PHASES, TERMINAL_PHASES, Retry
 from bij.control.driver import Created, Driver, Observed
-from bij.control.jobs import FileVolume, render_job
+from bij.control.file_volume import FileVolume
+from bij.control.jobs import render_job
 from bij.control.observe import failure_reason
 from bij.local.jobs import LocalJob, worker_command, worker_env
-from bij.steps.planner import PlanError, RoundPlan, output_standing, plan_round
+from bij.steps.output_claim import output_standing
+from bij.steps.plan_input import PlanError
+from bij.steps.planner import RoundPlan, plan_round
 from bij.steps.progress import count_done, stream_records
 from bij.steps.publish import read_manifest, removed_record
 from bij.steps.removal import resume_removal

@@ -37,7 +37,8 @@ from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
 from bij.contract.step_report import MOST_MESSAGE, REMOVAL_FAILED, StepError, StepErrorCode, StepReport
 from bij.steps import publish_rows
 from bij.steps.arenas import cap_malloc_arenas
-from bij.steps.planner import PlanError, plan_round
+from bij.steps.plan_input import PlanError
+from bij.steps.planner import plan_round
 from bij.steps.progress import Tally, damage_records, shard_records, stream_records
 from bij.steps.publish import (
     ErrorRatioExceeded,

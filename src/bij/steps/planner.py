@@ -1,7 +1,7 @@
-"""Cut a round's input into shards from object sizes alone, and write the round plan once.
+"""Plan a round: its input cut into shards from object sizes alone, the round plan written once.
 
 Planning never reads rows beyond each JSONL object's first (the pass-through columns'
-check, `check_first_rows`): it is O(number of objects). A shard is a list of
+check, `plan_input.check_first_rows`): it is O(number of objects). A shard (`sharding`) is a list of
 pieces ``[object index, start, end)``. A plain JSONL piece owns every line whose
 first byte lies in ``[start, end)`` — the reader aligns to line starts — so byte
 ranges can be cut anywhere and no line is read twice or lost. A `.zst` object
@@ -17,46 +17,33 @@ works many shards with its model loaded once (see bij.worker.lanes).
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import orjson
-import zstandard
 
 from bij.contract import layout
-from bij.contract import manifest as manifest_lists
 from bij.contract.canary import canary_rows, spread_count
-from bij.contract.columns import clash_message, first_clash
-from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused, digest, input_changes, row_fields, spec_changes
-from bij.contract.globs import glob_matches, split_glob
+from bij.contract.globs import split_glob
 from bij.contract.plan import PLAN_VERSION, BadPlan, Fingerprint, JudgeMode, Plan, PlanObject
-from bij.contract.records import DamageRecord, OwnerRecord
+from bij.contract.records import DamageRecord
 from bij.contract.rounds import RoundMode, round_mode
-from bij.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, CanarySpec, job_to_dict, uris_overlap
+from bij.contract.spec import BatchInferenceJob, CanarySpec, job_to_dict
+from bij.steps.output_claim import check_places, take_output
+from bij.steps.plan_input import (
+    INPUT_SUFFIXES,
+    PlanError,
+    check_first_rows,
+    is_compressed,
+    list_input,
+    mean_row_bytes,
+    read_footers,
+)
 from bij.steps.progress import round_history
-from bij.storage import NotFound, ObjectInfo, Storage, StorageError, StorageRefused, open_storage
+from bij.steps.sharding import Piece, lanes_for, plan_shards, round_target_bytes
+from bij.storage import NotFound, ObjectInfo, Storage, open_storage
 from bij.storage.parquet import SUFFIX as PARQUET_SUFFIX
-from bij.storage.parquet import Footer, read_footer
+from bij.storage.parquet import Footer
 from bij.storage.writers import writer_for
-
-INPUT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".jsonl.zst", ".ndjson.zst", ".json.zst")
-# A temp file of an atomic write untouched this long was left by a killed writer.
-STALE_TEMP_SECONDS = 600.0
-
-Piece = tuple[int, int, int]  # (object index, start, end)
-
-
-class PlanError(BijError):
-    """The input cannot be planned (nothing there, wrong files); names the URI.
-
-    `permanent`: the same on every retry (`bij run` exits 42); otherwise an outage that may pass.
-    """
-
-    def __init__(self, message: str, permanent: bool = True):
-        super().__init__(message, permanent=permanent)
 
 
 @dataclass(frozen=True)
@@ -105,102 +92,6 @@ def canary_shard_count(job: BatchInferenceJob, spec: CanarySpec, plan: Plan) -> 
     return spread_count(shard_rows, canary_rows(spec, sum(shard_rows)))
 
 
-def is_compressed(uri: str) -> bool:
-    return layout.object_path(uri).endswith(".zst")
-
-
-def input_objects(objects: list[ObjectInfo], input_uri: str = "", parquet: bool = False) -> list[ObjectInfo]:
-    """The objects that are input rows: JSONL files, plain or zstd (or Parquet files); empty ones
-    skipped, and so is anything whose name or folder (at any depth below `input_uri`) starts with
-    "_" or "." (`_temporary/`, `.staging/`, `_bij/`, `_SUCCESS`)."""
-    suffixes = (PARQUET_SUFFIX,) if parquet else INPUT_SUFFIXES
-    base = input_uri.rstrip("/")
-    out = []
-    for o in objects:
-        if not layout.object_path(o.uri).endswith(suffixes) or o.size <= 0:
-            continue
-        rel = o.uri[len(base):] if base and o.uri.startswith(base) else o.uri.rsplit("/", 1)[-1]
-        if any(part.startswith((".", "_")) for part in rel.split("/") if part):
-            continue
-        out.append(o)
-    return out
-
-
-def plan_shards(sizes: list[tuple[int, bool]], target_bytes: int,
-                groups: dict[int, list[int]] | None = None, whole: bool = False) -> list[list[Piece]]:
-    """Shards for objects given as (size, compressed), in object order. Pure and O(objects + shards).
-
-    An object in `groups` (Parquet: the compressed bytes of each row group) is cut between
-    row groups, and its pieces are ``[object, first group, end group)``. With `whole`
-    (output.partitionBy input) no object is cut: each is one piece of one shard.
-    """
-    if whole:
-        whole_groups = {i: [sum(g)] for i, g in (groups or {}).items()}
-        cut = plan_shards([(size, True) for size, _ in sizes], target_bytes, whole_groups)
-        # A Parquet object's one piece spans all its row groups.
-        return [[(i, 0, len(groups[i])) if groups and i in groups else (i, a, b) for i, a, b in shard]
-                for shard in cut]
-    shards: list[list[Piece]] = []
-    current: list[Piece] = []
-    fill = 0
-    for idx, (size, compressed) in enumerate(sizes):
-        if size <= 0:
-            continue
-        if groups is not None and idx in groups:
-            start = 0
-            for g, group_bytes in enumerate(groups[idx]):
-                if fill > 0 and fill + group_bytes > target_bytes:
-                    if g > start:
-                        current.append((idx, start, g))
-                    shards.append(current)
-                    current, fill, start = [], 0, g
-                fill += group_bytes
-            if len(groups[idx]) > start:
-                current.append((idx, start, len(groups[idx])))
-            if fill >= target_bytes:
-                shards.append(current)
-                current, fill = [], 0
-            continue
-        if compressed:
-            if current and fill + size > target_bytes:
-                shards.append(current)
-                current, fill = [], 0
-            current.append((idx, 0, size))
-            fill += size
-            if fill >= target_bytes:
-                shards.append(current)
-                current, fill = [], 0
-            continue
-        offset = 0
-        while offset < size:
-            take = min(size - offset, target_bytes - fill)
-            current.append((idx, offset, offset + take))
-            offset += take
-            fill += take
-            if fill >= target_bytes:
-                shards.append(current)
-                current, fill = [], 0
-    if current:
-        shards.append(current)
-    return shards
-
-
-def round_target_bytes(job: BatchInferenceJob, round_no: int, total_bytes: int) -> int:
-    """Shard size for a round: at most targetShardBytes, and small enough for `shardsPerLane`
-    shards per lane, so the shards still running at a round's end are short and a lane that
-    is done takes over the rest; never below minShardBytes (or targetShardBytes, if smaller).
-    A judge round after the first, holding only the rows rejected before, is cut the same way."""
-    sharding = job.spec.sharding
-    target = sharding.target_shard_bytes
-    share = -(-total_bytes // (sharding.shards_per_lane * job.spec.workers.parallelism))
-    return max(min(target, sharding.min_shard_bytes), min(target, share))
-
-
-def lanes_for(job: BatchInferenceJob, shards: int) -> int:
-    """The round Job's indexes: workers.parallelism, never more than there are shards."""
-    return min(job.spec.workers.parallelism, shards)
-
-
 def round_inputs(job: BatchInferenceJob, round_no: int) -> str:
     """Where a round's input rows are: the spec's input for round 0, else the last round's rejects."""
     if round_no == 0:
@@ -211,98 +102,6 @@ def round_inputs(job: BatchInferenceJob, round_no: int) -> str:
 def is_parquet_round(job: BatchInferenceJob, round_no: int) -> bool:
     """Round 0 of a Parquet job reads Parquet; later rounds read the JSONL rows a judge rejected."""
     return round_no == 0 and job.spec.input.format == "parquet"
-
-
-def read_footers(job: BatchInferenceJob, objects: list[ObjectInfo]) -> dict[int, Footer]:
-    """Each Parquet object's footer (a ranged read at its end, no row read), checked for the
-    columns the spec names: a missing text column is a planning error that names the field."""
-    inp = job.spec.input
-    footers: dict[int, Footer] = {}
-    for i, o in enumerate(objects):
-        try:
-            footer = read_footer(open_storage(o.uri, job.spec.storage.s3), o.uri, o.size)
-        except (OSError, ValueError) as e:  # pyarrow: ArrowInvalid is a ValueError, a bad footer
-            raise PlanError(f"spec.input.uri: {o.uri} is not a readable Parquet file: {e}") from None
-        wanted = [inp.text_field] + ([inp.messages_field] if inp.messages_field else [])
-        # With spec.prompt the prompt comes from the template's columns: a row missing one is its error row.
-        if job.spec.prompt is None and not any(c in footer.columns for c in wanted):
-            field = "spec.input.textField" + (" / spec.input.messagesField" if inp.messages_field else "")
-            raise PlanError(f"{field}: {o.uri} has no column {' or '.join(map(repr, wanted))} "
-                            f"(its columns: {', '.join(footer.columns)})")
-        clash = first_clash(footer.columns, inp.consumed_columns()) if inp.carries_every_column() else None
-        if clash is not None:
-            raise PlanError(f"spec.input.passThrough: {clash_message(clash, f'in {o.uri}')}")
-        footers[i] = footer
-    return footers
-
-
-# How much of an object's start the planner reads for its first row (a longer first row is left
-# to the worker, which makes any row with a clashing column an error row naming it).
-FIRST_ROW_BYTES = 1 << 20
-
-
-def check_first_rows(job: BatchInferenceJob, objects: list[ObjectInfo]) -> None:
-    """Refuse a JSONL job whose rows would carry a column named like a result field (input.passThrough
-    unset: every column is carried), from the first row of each object: one short read per object."""
-    inp = job.spec.input
-    if not inp.carries_every_column():
-        return
-    skip = inp.consumed_columns()
-    for o in objects:
-        line = first_line(open_storage(o.uri, job.spec.storage.s3), o.uri, is_compressed(o.uri))
-        try:
-            row = orjson.loads(line) if line else None
-        except ValueError:
-            continue  # a bad first row is the worker's to report, as an error row
-        clash = first_clash(row, skip) if isinstance(row, dict) else None
-        if clash is not None:
-            raise PlanError(f"spec.input.passThrough: {clash_message(clash, f'line 1 of {o.uri}')}")
-
-
-def read_head(storage: Storage, uri: str, compressed: bool, limit: int, stop_at_line: bool = False) -> bytes | None:
-    """An object's first `limit` bytes or more (decompressed for .zst; all of it when shorter), read in 64 KiB
-    blocks; with `stop_at_line` only until its first newline. None when it cannot be read here."""
-    try:
-        with storage.open_read(uri) as raw:
-            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw) if compressed else raw
-            head = b""
-            while len(head) < limit:
-                part = stream.read(64 << 10)
-                if not part:
-                    break
-                head += part
-                if stop_at_line and b"\n" in part:
-                    break
-            return head
-    except (StorageError, zstandard.ZstdError, OSError):
-        return None
-
-
-def first_line(storage: Storage, uri: str, compressed: bool) -> bytes | None:
-    """An object's first line (decompressed for .zst), or None when it is longer than FIRST_ROW_BYTES
-    or cannot be read here (the worker reads it and says what is wrong)."""
-    head = read_head(storage, uri, compressed, FIRST_ROW_BYTES, stop_at_line=True)
-    if head is None:
-        return None
-    if b"\n" in head:
-        return head.split(b"\n", 1)[0]
-    return head if len(head) < FIRST_ROW_BYTES else None
-
-
-# What the canary's estimate of rows per byte reads of the input's first object.
-SAMPLE_BYTES = 256 << 10
-
-
-def mean_row_bytes(storage: Storage, uri: str, compressed: bool) -> float:
-    """The mean length of the lines in an object's first SAMPLE_BYTES (decompressed for .zst; a .zst shard's
-    bytes are compressed, so there it counts fewer rows than there are); 1 KiB when none can be read."""
-    head = read_head(storage, uri, compressed, SAMPLE_BYTES)
-    if head is None:
-        return 1024.0
-    lines = head.count(b"\n")
-    if not lines:
-        return float(max(len(head), 1024))
-    return (head.rindex(b"\n") + 1) / lines
 
 
 def build_plan(job: BatchInferenceJob, round_no: int, objects: list[ObjectInfo], input_uri: str,
@@ -388,7 +187,7 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
         if not changes and partitioned(job, round_no):
             check_partition_names(planned)  # a plan an earlier version wrote, before it checked these
         if round_no == 0 and not changes:
-            current = _list_input(job, input_uri, is_parquet_round(job, 0))
+            current = list_input(job, input_uri, is_parquet_round(job, 0))
             changes = input_changes(planned.objects, current)
             replaced = take_replacements(store, planned, current) if changes else None
             if replaced is not None:
@@ -408,7 +207,7 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
             write_plan(store, uri, planned)
         return _with_canary(job, _round_plan(uri, planned), planned)
     parquet = is_parquet_round(job, round_no)
-    objects = _list_input(job, input_uri, parquet)
+    objects = list_input(job, input_uri, parquet)
     if not objects and round_no == 0:
         looked = PARQUET_SUFFIX if parquet else ", ".join(INPUT_SUFFIXES)
         raise PlanError(f"spec.input.uri: no input at {input_uri} (looked for non-empty {looked} files)")
@@ -424,13 +223,6 @@ def plan_round(job: BatchInferenceJob, round_no: int = 0) -> RoundPlan:
     take_output(job, store)
     write_plan(store, uri, plan)
     return _with_canary(job, _round_plan(uri, plan), plan)
-
-
-def take_output(job: BatchInferenceJob, store: Storage) -> None:
-    """Claim the output for this job (`claim_output`), and remove the temp files of atomic writes that a
-    kill cut short (file:// only; a PUT leaves none)."""
-    claim_output(job, store)
-    store.remove_stale_temp(job.spec.output.uri, STALE_TEMP_SECONDS)
 
 
 def take_replacements(store: Storage, planned: Plan, current: list[ObjectInfo]) -> Plan | None:
@@ -494,120 +286,10 @@ def write_plan(store: Storage, uri: str, plan: Plan) -> None:
     store.write_bytes(uri, head.to_json())
 
 
-def _list_input(job: BatchInferenceJob, input_uri: str, parquet: bool = False) -> list[ObjectInfo]:
-    base, pattern = split_glob(input_uri)
-    try:
-        listed = open_storage(base, job.spec.storage.s3).list(base)
-        if pattern is not None:
-            listed = [o for o in listed if glob_matches(pattern, o.uri[len(base):])]
-        objects = input_objects(listed, base, parquet)
-    except StorageRefused as e:  # stays a refusal: the bij fails rather than waiting for input to appear
-        raise StorageRefused(f"spec.input.uri: cannot list {input_uri}: {e}") from None
-    except StorageError as e:
-        raise PlanError(f"spec.input.uri: cannot list {input_uri}: {e}", permanent=e.permanent) from None
-    check_versions(objects)
-    return objects
-
-
-def check_versions(objects: list[ObjectInfo]) -> None:
-    """Refuse an input object without a version (an https:// server that sends neither a strong ETag nor
-    Last-Modified): shards read it at different times, and nothing could tell when it changed between
-    them, so rows of two versions could be published as one input."""
-    for o in objects:
-        if o.version is None:
-            raise PlanError(f"spec.input.uri: {o.uri} has no version to plan against: the server sends neither a "
-                            "strong ETag nor a Last-Modified date, so a change between two shards' reads could not "
-                            "be told. Serve it with an ETag (S3, GCS and common web servers do), or copy it to "
-                            "s3:// or file://")
-
-
-def local_place(uri: str) -> str:
-    """A URI with a file:// path made absolute, links resolved (the place it names on this machine)."""
-    if uri.startswith("file://"):
-        return "file://" + os.path.realpath(uri[len("file://"):]) + ("/" if uri.endswith("/") else "")
-    return uri
-
-
-def check_places(job: BatchInferenceJob) -> None:
-    """Refuse an output that is the input, lies inside it or contains it, with file:// paths resolved
-    (the spec check compares the URIs as written)."""
-    # A glob's input is everything it may match: the folder listed for it.
-    if uris_overlap(local_place(split_glob(job.spec.input.uri)[0]), local_place(job.spec.output.uri)):
-        raise PlanRefused(f"{OVERLAP_MESSAGE} (input {job.spec.input.uri}, output {job.spec.output.uri})")
-
-
-def claim_output(job: BatchInferenceJob, store: Storage) -> None:
-    """Record this job as the owner of its output URI, or refuse when another job owns it.
-
-    The owner is the job's namespace and name. The same name with another id is the same job
-    made again (deleted and re-applied): it takes the output over and starts a new generation,
-    and the old generation's manifest is removed first, so no reader trusts it over new files.
-    """
-    uri = layout.owner_uri(job)
-    mine = OwnerRecord(job.metadata.namespace, job.metadata.name, job.job_id)
-    body = mine.to_json()
-    if store.create(uri, body):
-        return
-    try:
-        owner = OwnerRecord.from_json(store.read_bytes(uri))
-    except (NotFound, ValueError):
-        store.write_bytes(uri, body)  # removed or damaged in between: ours now
-        return
-    if not owner.same_job(mine):
-        raise PlanRefused(
-            f"spec.output.uri: {job.spec.output.uri} belongs to BatchInferenceJob "
-            f"{owner.namespace}/{owner.name} (recorded in {uri}); two jobs must not share an "
-            "output: choose another spec.output.uri, or delete that job's output first")
-    if owner.id != mine.id:
-        delete_manifest(job, store)
-        store.write_bytes(uri, body)
-
-
-def delete_manifest(job: BatchInferenceJob, store: Storage) -> None:
-    """Delete the job's manifest, then the manifest parts it names (a manifest of many files)."""
-    try:
-        parts = manifest_lists.part_paths(orjson.loads(store.read_bytes(layout.manifest_uri(job))))
-    except (NotFound, ValueError):
-        parts = []
-    store.delete(layout.manifest_uri(job))
-    for path in parts:
-        store.delete(layout.join(job.spec.output.uri, path))
-
-
-def output_standing(job: BatchInferenceJob, store: Storage) -> Literal["ours", "unclaimed", "refused"]:
-    """Where the job's output stands with the plan step's checks, read only: "ours" once `claim_output`
-    recorded this job as its owner, "refused" when it overlaps the input or another job owns it, else
-    "unclaimed". A StorageError when it cannot be read."""
-    try:
-        check_places(job)
-    except PlanRefused:
-        return "refused"
-    try:
-        owner = OwnerRecord.from_json(store.read_bytes(layout.owner_uri(job)))
-    except NotFound:
-        return "unclaimed"
-    except ValueError:
-        return "refused"  # damaged: the plan step decides (`claim_output` takes it over)
-    mine = OwnerRecord(job.metadata.namespace, job.metadata.name, job.job_id)
-    return "ours" if owner.same_job(mine) and owner.id == mine.id else "refused"
-
-
-def reset_output(job: BatchInferenceJob) -> int:
-    """Start the job over: delete its manifest, then its plans and durable results (how many objects).
-    An output that overlaps the input is refused first (`PlanRefused`): those would be the input's files."""
-    check_places(job)
-    store = open_storage(job.spec.output.uri, job.spec.storage.s3)
-    delete_manifest(job, store)  # first: no reader may trust it over what follows
-    objects = store.list(layout.state_prefix(job) + "/")
-    for o in objects:
-        store.delete(o.uri)
-    return len(objects)
-
-
 def plan_shards_for(job: BatchInferenceJob, round_no: int = 0) -> int:
     """How many shards a round would have, without writing anything (for `bij render`)."""
     input_uri = round_inputs(job, round_no)
     parquet = is_parquet_round(job, round_no)
-    objects = _list_input(job, input_uri, parquet)
+    objects = list_input(job, input_uri, parquet)
     footers = read_footers(job, objects) if parquet else None
     return build_plan(job, round_no, objects, input_uri, footers=footers).shard_total

@@ -43,7 +43,7 @@ def length_cut(res: Result) -> bool:
 
 
 def place_id(names: list[str], at: list[int]) -> str:
-    """The id a row without one gets: its object's display name and its offset (`inputs._parse_plain`).
+    """The id a row without one gets: its object's display name and its offset (`plain_rows.parse_plain`).
     Rows of one round whose ids are all their own places' are unique (publishing need not look)."""
     return f"{names[at[0]]}:{at[1]}"
 

@@ -54,11 +54,14 @@ from bij.engines import EngineConfig, create_engine
 from bij.engines.base import is_continuous
 from bij.storage import StorageError, open_storage
 from bij.worker.adapters import AdapterError, adapter_folders, fetch_adapters
+from bij.worker.claim import Claim
+from bij.worker.engine_share import EngineShare
 from bij.worker.group import GroupError, GroupLeader, Role, join_seconds, member_main, role_of
-from bij.worker.lanes import Claim, Claims, EngineShare, LeaseKeeper, RoundClaims, open_claims
+from bij.worker.lanes import Claims, LeaseKeeper, open_claims
 from bij.worker.metrics import Metrics, Stats
 from bij.worker.reader import DamagedObject, ReplacementDiffers
 from bij.worker.report import LaneReporter, ReportError, sink_from_env
+from bij.worker.round_claims import RoundClaims
 from bij.worker.shard import BadConfig, ShardOutcome, ShardWorker, load_plan
 from bij.worker.stopflag import StopFlag
 from bij.worker.weights import WeightsError, is_remote, list_weights

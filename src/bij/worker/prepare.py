@@ -20,7 +20,8 @@ from bij.storage.parquet import is_int64
 from bij.storage.segments import ShardLog, encode_plain_results
 from bij.worker.committer import Tally, length_cut
 from bij.worker.images import ImageProblem, fetch_images
-from bij.worker.inputs import InputOptions, Row, parse_line, parse_plain_lines
+from bij.worker.input_row import InputOptions, Row
+from bij.worker.inputs import parse_line, parse_plain_lines
 from bij.worker.reader import Chunk, InputProblem, Line
 from bij.worker.result_rows import error_row, merged_result, result_row
 

@@ -16,7 +16,7 @@ from bij.contract.engines import POOLING_TASKS
 from bij.engines import tools
 from bij.engines.base import Choice, Result, TokenLogprob
 from bij.worker import responses
-from bij.worker.inputs import InputOptions, Row
+from bij.worker.input_row import InputOptions, Row
 
 
 def _usage(res: Result) -> dict[str, int]:

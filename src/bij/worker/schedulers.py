@@ -36,7 +36,8 @@ from bij.engines.base import (
 from bij.worker.batcher import PrefixShare, first_batch, plan_batches, run_order
 from bij.worker.commits import CommitWriter
 from bij.worker.committer import Committer, length_cut
-from bij.worker.inputs import Row, redispatch_line
+from bij.worker.input_row import Row
+from bij.worker.inputs import redispatch_line
 from bij.worker.judge import Judge, Verdict, attempt_params
 from bij.worker.metrics import Metrics, Stats
 from bij.worker.prepare import OpenChunk, Preparer
@@ -186,110 +187,138 @@ class StreamScheduler:
         queue is full. After a stop request no chunk joins; rows in the window still run
         until the drain time is over, and whole chunks that finish are committed.
         """
-        engine, b = self.engine, self.batching
+        engine = self.engine
         stepper = engine if is_continuous(engine) else None  # submit / step: its own continuous batching
-        continuous = stepper is not None
-        writer = CommitWriter(self.committer.commit_chunks, b.commit_slots)
-        opened: deque[OpenChunk] = deque()
-        pending: list[tuple[OpenChunk, int]] = []  # rows in the window not yet given to the engine
-        pending_tokens: list[int] = []  # their prompt tokens, in the same order
-        taken = 0  # how many of `pending` went to the engine since it was last ordered
-        tags: dict[int, tuple[OpenChunk, int]] = {}
-        next_tag = 0
-        open_rows = 0
-        share = PrefixShare()
+        writer = CommitWriter(self.committer.commit_chunks, self.batching.commit_slots)
+        w = _Window()
         try:
             while True:
                 writer.check()
                 if self.stop.drain_expired():
                     return False
-                # Fill the window with whole chunks (the reader keeps `prefetchChunks` ready, so this
-                # waits only when reading is slower than the engine, which then starves anyway).
-                joined = False
-                while not prefetch.finished and not self.stop.requested and (
-                        not opened or open_rows + b.chunk_rows <= b.window):
-                    item = prefetch.next_chunk()
-                    self.metrics.queue_depth.set(prefetch.depth())
-                    if item is None:
-                        break
-                    op = self.prep.count(item if isinstance(item, OpenChunk) else self.prep.parse(item))
-                    opened.append(op)
-                    open_rows += len(op.chunk.places)
-                    if op.left == len(op.results):  # every row goes to the engine
-                        pending.extend(zip(repeat(op), range(op.left)))
-                        pending_tokens.extend(op.tokens)
-                    else:
-                        todo = [i for i, res in enumerate(op.results) if res is None]
-                        pending.extend(zip(repeat(op), todo))
-                        pending_tokens.extend(op.tokens[i] for i in todo)
-                    joined = True
-                # Chunks whose rows are all back leave the window, in input order, for the commit
-                # writer; with its queue full they wait in the window while the engine has work.
-                while opened and opened[0].left == 0:
-                    op = opened[0]
-                    if op.final is None:
-                        self.committer.count_tokens(op.answers())
-                        op.final, op.tally = self.prep.encode(op)
-                    idle = taken >= len(pending) and not (stepper is not None and stepper.unfinished())
-                    if not writer.put((op.chunk, op.final, op.tally), block=idle):
-                        break
-                    opened.popleft()
-                    open_rows -= len(op.chunk.places)
-                if not opened:
+                joined = self._fill(w, prefetch)
+                self._release(w, writer, stepper)
+                if not w.opened:
                     if prefetch.finished or self.stop.requested:
                         break
                     continue  # the window has room again
                 if joined:
-                    pending, pending_tokens = pending[taken:], pending_tokens[taken:]
-                    taken = 0
-                    by_prefix = b.prefix_order and continuous
-                    texts = [request_text(op.requests[i]) for op, i in pending] if by_prefix else []
-                    order = run_order(texts, pending_tokens, by_prefix=by_prefix, by_length=b.sort)
-                    pending = list(map(pending.__getitem__, order))
-                    pending_tokens = list(map(pending_tokens.__getitem__, order))
+                    self._reorder(w, continuous=stepper is not None)
                 if stepper is not None:
-                    # Keep the engine's own queue short: rows wait here, in window order, so that
-                    # a chunk that joins later can still run before them where that is better.
-                    most = stepper.concurrency()
-                    room = most + max(1, most // 8) - stepper.unfinished()
-                    while room > 0 and taken < len(pending):
-                        op, i = pending[taken]
-                        taken += 1
-                        req = op.requests[i]
-                        share.add(request_text(req))
-                        try:
-                            stepper.submit(next_tag, req)
-                        except ValueError as e:
-                            op.place(i, refused(e))
-                            continue
-                        tags[next_tag] = (op, i)
-                        next_tag += 1
-                        room -= 1
-                    if prefetch.finished and taken >= len(pending) and self.on_tail is not None:
-                        # Every row is in the engine: only the shard's tail runs. The lane may start
-                        # its next shard now, so the engine does not drain between them.
-                        self.on_tail()
-                        self.on_tail = None
-                    if stepper.unfinished():
-                        for tag, res in self.calls.step(stepper):
-                            op, i = tags.pop(tag)
-                            op.place(i, res)
-                elif taken < len(pending):
-                    k = first_batch(itertools.islice(pending_tokens, taken, taken + b.max_batch),
-                                    b.target_tokens, b.max_batch, b.padding_waste if b.sort else None)
-                    items = pending[taken:taken + k]
-                    tokens = pending_tokens[taken:taken + k]
-                    taken += k
-                    # No prefix share here: a batch engine has no prefix cache to reuse it.
-                    out = self.calls.batch([op.requests[i] for op, i in items], tokens)
-                    for (op, i), res in zip(items, out, strict=True):
-                        op.results[i] = res
-                        op.left -= 1
+                    self._feed(w, stepper, prefetch)
+                elif w.taken < len(w.pending):
+                    self._batch(w)
         finally:
-            self.stats.prefix_shared_chars += share.shared
-            self.stats.prompt_chars += share.total
+            self.stats.prefix_shared_chars += w.share.shared
+            self.stats.prompt_chars += w.share.total
             writer.close()
         return prefetch.finished
+
+    def _fill(self, w: _Window, prefetch: Prefetcher) -> bool:
+        """Fill the window with whole chunks (the reader keeps `prefetchChunks` ready, so this waits only
+        when reading is slower than the engine, which then starves anyway); whether any joined."""
+        b = self.batching
+        joined = False
+        while not prefetch.finished and not self.stop.requested and (
+                not w.opened or w.rows + b.chunk_rows <= b.window):
+            item = prefetch.next_chunk()
+            self.metrics.queue_depth.set(prefetch.depth())
+            if item is None:
+                break
+            op = self.prep.count(item if isinstance(item, OpenChunk) else self.prep.parse(item))
+            w.opened.append(op)
+            w.rows += len(op.chunk.places)
+            if op.left == len(op.results):  # every row goes to the engine
+                w.pending.extend(zip(repeat(op), range(op.left)))
+                w.pending_tokens.extend(op.tokens)
+            else:
+                todo = [i for i, res in enumerate(op.results) if res is None]
+                w.pending.extend(zip(repeat(op), todo))
+                w.pending_tokens.extend(op.tokens[i] for i in todo)
+            joined = True
+        return joined
+
+    def _release(self, w: _Window, writer: CommitWriter, stepper: ContinuousEngine | None) -> None:
+        """Chunks whose rows are all back leave the window, in input order, for the commit writer; with
+        its queue full they wait in the window while the engine has work."""
+        while w.opened and w.opened[0].left == 0:
+            op = w.opened[0]
+            if op.final is None:
+                self.committer.count_tokens(op.answers())
+                op.final, op.tally = self.prep.encode(op)
+            idle = w.taken >= len(w.pending) and not (stepper is not None and stepper.unfinished())
+            if not writer.put((op.chunk, op.final, op.tally), block=idle):
+                break
+            w.opened.popleft()
+            w.rows -= len(op.chunk.places)
+
+    def _reorder(self, w: _Window, *, continuous: bool) -> None:
+        """Put the rows not yet given to the engine in their run order (by prefix, by length)."""
+        b = self.batching
+        pending, tokens = w.pending[w.taken:], w.pending_tokens[w.taken:]
+        w.taken = 0
+        by_prefix = b.prefix_order and continuous
+        texts = [request_text(op.requests[i]) for op, i in pending] if by_prefix else []
+        order = run_order(texts, tokens, by_prefix=by_prefix, by_length=b.sort)
+        w.pending = list(map(pending.__getitem__, order))
+        w.pending_tokens = list(map(tokens.__getitem__, order))
+
+    def _feed(self, w: _Window, stepper: ContinuousEngine, prefetch: Prefetcher) -> None:
+        """Give a continuous engine rows while its queue is short, then take what one step answers."""
+        # Keep the engine's own queue short: rows wait here, in window order, so that
+        # a chunk that joins later can still run before them where that is better.
+        most = stepper.concurrency()
+        room = most + max(1, most // 8) - stepper.unfinished()
+        while room > 0 and w.taken < len(w.pending):
+            op, i = w.pending[w.taken]
+            w.taken += 1
+            req = op.requests[i]
+            w.share.add(request_text(req))
+            try:
+                stepper.submit(w.next_tag, req)
+            except ValueError as e:
+                op.place(i, refused(e))
+                continue
+            w.tags[w.next_tag] = (op, i)
+            w.next_tag += 1
+            room -= 1
+        if prefetch.finished and w.taken >= len(w.pending) and self.on_tail is not None:
+            # Every row is in the engine: only the shard's tail runs. The lane may start
+            # its next shard now, so the engine does not drain between them.
+            self.on_tail()
+            self.on_tail = None
+        if stepper.unfinished():
+            for tag, res in self.calls.step(stepper):
+                op, i = w.tags.pop(tag)
+                op.place(i, res)
+
+    def _batch(self, w: _Window) -> None:
+        """Run the next batch of the window's rows through a batch engine."""
+        b = self.batching
+        k = first_batch(itertools.islice(w.pending_tokens, w.taken, w.taken + b.max_batch),
+                        b.target_tokens, b.max_batch, b.padding_waste if b.sort else None)
+        items = w.pending[w.taken:w.taken + k]
+        tokens = w.pending_tokens[w.taken:w.taken + k]
+        w.taken += k
+        # No prefix share here: a batch engine has no prefix cache to reuse it.
+        out = self.calls.batch([op.requests[i] for op, i in items], tokens)
+        for (op, i), res in zip(items, out, strict=True):
+            op.results[i] = res
+            op.left -= 1
+
+
+class _Window:
+    """The chunks a stream has open, and their rows not yet given to the engine (`StreamScheduler.run`)."""
+
+    def __init__(self) -> None:
+        self.opened: deque[OpenChunk] = deque()
+        self.rows = 0  # rows of the open chunks
+        self.pending: list[tuple[OpenChunk, int]] = []  # rows in the window not yet given to the engine
+        self.pending_tokens: list[int] = []  # their prompt tokens, in the same order
+        self.taken = 0  # how many of `pending` went to the engine since it was last ordered
+        self.tags: dict[int, tuple[OpenChunk, int]] = {}  # a continuous engine's rows, by the tag given it
+        self.next_tag = 0
+        self.share = PrefixShare()
 
 
 @dataclass

@@ -39,7 +39,7 @@ from bij.contract.records import DamageRecord, decode_shard_record, encode, shar
 from bij.engines.base import Engine, is_continuous
 from bij.storage import NotFound, Storage, StorageError, open_storage
 from bij.worker.committer import Committer
-from bij.worker.inputs import InputOptions, parquet_columns
+from bij.worker.input_row import InputOptions, parquet_columns
 from bij.worker.judge import Judge
 from bij.worker.metrics import Metrics, Stats
 from bij.worker.prepare import Preparer
