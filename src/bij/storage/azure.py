@@ -356,11 +356,14 @@ class AzureStorage:
 
 
 class _ResumingBlobStream(ReopeningBody):
-    """A GET body that re-opens at the current offset when the connection breaks."""
+    """A GET body that re-opens at the current offset when the connection breaks. A read without a planned
+    version keeps the first response's ETag, so a reopened stream never continues with another version's
+    bytes; a body cut short is a break, never the blob's end."""
 
     def __init__(self, storage: AzureStorage, uri: str, start: int, version: str | None = None):
         self.storage, self.uri, self.pos, self.version = storage, uri, start, version
         self.body: Any = None
+        self.end: int | None = None  # where the blob ends, as the response said
         self.failures = 0
 
     def readinto(self, b: Any) -> int:
@@ -368,7 +371,13 @@ class _ResumingBlobStream(ReopeningBody):
             try:
                 if self.body is None:
                     self.body = self.storage._get(self.uri, self.pos, self.version)
+                    self.version = self.version or self.body.getheader("ETag")
+                    length = self.body.getheader("Content-Length")
+                    self.end = self.pos + int(length) if length is not None else None
                 n: int = self.body.readinto(b)
+                if not n and len(b) and self.end is not None and self.pos < self.end:
+                    # http.client ends a body cut short with a plain EOF: never take it for the blob's end.
+                    raise http.client.IncompleteRead(b"", self.end - self.pos)
                 self.pos += n
                 self.failures = 0
                 return n
