@@ -205,16 +205,26 @@ class Engine(Protocol):
 
     def run(self, requests: list[Request]) -> list[Result]: ...
 
+    def close(self) -> None:
+        """Let go of what the engine holds outside this process's memory (engine processes, connections),
+        once its process has no more work for it; calling it again does nothing. The worker calls it
+        once, as the lane ends (bij.worker.main), on every path."""
+        ...
+
 
 class EngineBase:
     """What an engine that has nothing to say about them declares: no steps counted, no notes, no
-    preferred batch shape. Every engine subclasses it and sets the capabilities `Engine` names."""
+    preferred batch shape, nothing to let go of at close. Every engine subclasses it and sets the
+    capabilities `Engine` names."""
 
     steps: int = 0
     occupied: int = 0
     notes: Sequence[str] = ()
 
     def batch_shape(self) -> tuple[int, int] | None:
+        return None
+
+    def close(self) -> None:
         return None
 
 

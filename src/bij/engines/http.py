@@ -217,7 +217,7 @@ class HttpEngine(EstimatedTokens, EngineBase):
         self.window = Window(self.max_in_flight)
         # Daemon threads, not a ThreadPoolExecutor: a request hanging until its timeout must not hold up
         # the worker's exit after it dropped the row (an executor's threads are joined at exit).
-        self._queue: queue.SimpleQueue[_Send] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Send | None] = queue.SimpleQueue()  # None: a thread's last
         self._threads: list[threading.Thread] = []
         self._sends: dict[int, _Send] = {}
         # Sends whose answer came back, as they come: a step takes them in O(answers), where waiting on every
@@ -345,9 +345,22 @@ class HttpEngine(EstimatedTokens, EngineBase):
         self._sends[tag] = send
         self._queue.put(send)
 
+    def close(self) -> None:
+        """Drop every row not yet returned and end the sending threads, each closing its kept-alive
+        connection once its request on the wire (if any) is over; a thread is not waited for. Again:
+        nothing."""
+        self.abort()
+        threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        self._drop_connection()  # the preflight's, on this thread
+
     def _serve(self) -> None:
         while True:
             send = self._queue.get()
+            if send is None:
+                self._drop_connection()
+                return
             if not send.future.set_running_or_notify_cancel():
                 continue  # dropped before it was sent
             try:

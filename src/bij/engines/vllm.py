@@ -84,6 +84,8 @@ from bij.engines.tools import FORCED_TOOL_CHOICE, REASONING_EFFORT, TOOLS
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
 _LLM: Any = None
 _LLM_KWARGS: dict[str, Any] | None = None
+# LLMs closed (close_llm): kept until shutdown_llm, so that closing one frees nothing as the process exits.
+_CLOSED: list[Any] = []
 
 # Seeds torch's generators take (vLLM seeds one per seeded request; a larger one fails the engine step).
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -202,6 +204,7 @@ def shutdown_llm() -> None:
     """Drop this process's LLM so that another can be built (tests; a worker simply exits)."""
     global _LLM, _LLM_KWARGS
     _LLM, _LLM_KWARGS = None, None
+    _CLOSED.clear()
     gc.collect()
     try:
         import torch
@@ -213,7 +216,7 @@ def shutdown_llm() -> None:
 
 
 def holds_llm() -> bool:
-    """Whether this process has built its vLLM engine."""
+    """Whether this process has built its vLLM engine (and not closed it)."""
     return _LLM is not None
 
 
@@ -221,10 +224,17 @@ def close_llm() -> None:
     """Stop this process's engine processes now (where vLLM runs its engine core in processes of
     its own), when the process is about to exit with every result durable. vLLM's own exit path
     sends them SIGTERM and waits up to 5 s before it kills them: nothing of theirs is needed any
-    more, so they are killed at once (the driver frees the accelerator's memory with them)."""
-    if _LLM is None:
+    more, so they are killed at once (the driver frees the accelerator's memory with them).
+
+    The LLM is kept referenced, not freed: freeing the model and the device's context is the
+    interpreter teardown the worker skips at exit (bij.cli.worker). A later `shared_llm` builds a
+    new one. Closing again does nothing."""
+    global _LLM, _LLM_KWARGS
+    llm, _LLM, _LLM_KWARGS = _LLM, None, None
+    if llm is None:
         return
-    core = getattr(getattr(_LLM, "llm_engine", None), "engine_core", None)
+    _CLOSED.append(llm)
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None:
         return
     try:
@@ -357,6 +367,14 @@ class VllmEngine(EngineBase):
         if self.llm is None:
             raise RuntimeError("VllmEngine.load() must run before count_tokens() or run()")
         return self.llm
+
+    def close(self) -> None:
+        """Stop the process's LLM (close_llm: its engine core processes, and its Ray workers on the other
+        pods of a lane that spans several); an engine never loaded, or closed before, has none."""
+        if self.llm is None:
+            return
+        self.llm = None
+        close_llm()
 
     def max_input_tokens(self) -> int | None:
         """max_model_len (minus one for the first generated token), or config.max_input_tokens if smaller."""

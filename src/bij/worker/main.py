@@ -51,7 +51,7 @@ from bij.contract.plan import Plan
 from bij.contract.sampling import ALL_FIELDS, refusal
 from bij.contract.spec import JobSpec
 from bij.engines import EngineConfig, create_engine
-from bij.engines.base import is_continuous
+from bij.engines.base import Engine, is_continuous
 from bij.storage import StorageError, open_storage
 from bij.worker.adapters import AdapterError, adapter_folders, fetch_adapters
 from bij.worker.group import GroupError, GroupLeader, Role, join_seconds, member_main, role_of
@@ -169,6 +169,7 @@ class Lane:
         self.reporter: LaneReporter | None = None  # set once the plan says which round this is
         self.lane = -1
         self.loaded = False
+        self.unclosed: Engine | None = None  # the engine once built (setup), until closed (close_engine)
 
     def on_signal(self, signum: int, frame: Any) -> None:
         if self.stop.requested:
@@ -189,7 +190,25 @@ class Lane:
             self.reporter.on_event(event)
 
     def run(self) -> int:
-        """Work the lane; the exit code the Job's podFailurePolicy reads (see the module's docstring)."""
+        """Work the lane; the exit code the Job's podFailurePolicy reads (see the module's docstring). The
+        engine is closed as it ends, whatever ended it."""
+        try:
+            return self._run()
+        finally:
+            self.close_engine()
+
+    def close_engine(self) -> None:
+        """Close the lane's engine (Engine.close), the first time only: as the lane ends, and in a lane of
+        several pods before its group goes (a vLLM engine's Ray workers on the members)."""
+        engine, self.unclosed = self.unclosed, None
+        if engine is None:
+            return
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - the pod exits next; nothing it could still commit is lost
+            log.exception("closing the engine")
+
+    def _run(self) -> int:
         completed = False
         try:
             role = self.role()
@@ -229,7 +248,7 @@ class Lane:
             self.close(completed)
         log.info("lane %d: every shard of the round is done", self.lane)
         if self.group.leader is not None:
-            _close_engine()  # before its pipeline stages on the members go
+            self.close_engine()  # before its pipeline stages on the members go
             self.group.leader.finish()  # members stop their Ray nodes and succeed with this pod
             self.group.leader.close()
         return EXIT_OK
@@ -276,7 +295,7 @@ class Lane:
             # Weights named by an object-store prefix are listed now (their local folder is named by the
             # listing) and copied into the model cache just before the model loads, as the adapters are.
             self.weights = list_weights(str(spec.model.name), spec.storage.s3) if is_remote(spec.model.name) else None
-            self.engine = engine = create_engine(engine_name, engine_config(
+            self.engine = self.unclosed = engine = create_engine(engine_name, engine_config(
                 spec, adapter_folders(spec.model.adapters), str(self.weights.path) if self.weights else None))
         except ValueError as e:
             raise BadConfig(str(e)) from None
@@ -415,19 +434,9 @@ class Lane:
                 self.reporter.group_lost(f"lane {self.lane}: {regroup}")
             self.reporter.close()
         if self.group.leader is not None and not completed:
-            _close_engine()
+            self.close_engine()
             # Members see `regroup`, or the channel drop without `done`.
             self.group.leader.close(regroup=regroup is not None)
-
-
-def _close_engine() -> None:
-    """Stop a vLLM engine spread over the lane's pods before the group goes (its Ray workers on them)."""
-    vllm = sys.modules.get("bij.engines.vllm")
-    if vllm is not None and vllm.holds_llm():
-        try:
-            vllm.close_llm()
-        except Exception:  # noqa: BLE001 - the pod exits next; nothing it could still commit is lost
-            log.exception("stopping the engine")
 
 
 def _form_group(role: Role, group: _Group, stop: StopFlag, current: list[StopFlag],
