@@ -92,11 +92,12 @@ def test_closing_an_engine_twice_does_nothing_the_second_time():
 
 
 def test_the_http_engine_ends_its_sending_threads_at_close():
+    from bij.contract.spec import HttpOptions
     from bij.engines.http import HttpEngine
 
     # Nothing listens on port 9 of localhost: each row fails fast, no server needed.
-    engine = HttpEngine(EngineConfig(task="generate", name="m", http={
-        "baseUrl": "http://127.0.0.1:9", "maxInFlight": 3, "retries": 0, "timeoutSeconds": 1}))
+    engine = HttpEngine(EngineConfig(task="generate", name="m", http=HttpOptions(
+        base_url="http://127.0.0.1:9", max_in_flight=3, retries=0, timeout_seconds=1)))
     engine.submit(0, Request(text="hi"))
     threads = list(engine._threads)
     assert len(threads) == 3

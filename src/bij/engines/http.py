@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bij.contract.spec import HTTP_AUTHORIZATION_ENV as AUTHORIZATION_ENV
+from bij.contract.spec import HttpOptions
 from bij.engines.base import (
     BASIC_SAMPLING,
     EngineBase,
@@ -197,20 +198,18 @@ class HttpEngine(EstimatedTokens, EngineBase):
     parallel_prepare = True  # its threads wait on sockets, which lets go of the interpreter
 
     def __init__(self, config: EngineConfig):
-        opts = config.http
+        opts = config.http or HttpOptions()  # validated as the spec validates it (contract.spec.HttpOptions)
         self.config = config
-        self.base_url = str(opts.get("baseUrl") or "").rstrip("/")
+        self.base_url = (opts.base_url or "").rstrip("/")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"model.http.baseUrl must be an http:// or https:// URL, not {self.base_url!r}")
-        served = opts.get("servedModel") or config.name
+        served = opts.served_model or config.name
         if not served:
             raise ValueError("model.http.servedModel (or model.name) must name the server's model")
-        self.served_model = str(served)
-        self.max_in_flight = int(opts.get("maxInFlight", 64))
-        self.timeout = float(opts.get("timeoutSeconds", 600))
-        self.retries = int(opts.get("retries", 3))
-        if self.max_in_flight < 1 or self.timeout <= 0 or self.retries < 0:
-            raise ValueError("model.http: maxInFlight must be >= 1, timeoutSeconds > 0, retries >= 0")
+        self.served_model = served
+        self.max_in_flight = opts.max_in_flight
+        self.timeout = opts.timeout_seconds
+        self.retries = opts.retries
         self.honours = frozenset() if config.task == "embed" else BASIC_SAMPLING | frozenset(SENT_FIELDS)
         self.path = {"chat": "/v1/chat/completions", "generate": "/v1/completions",
                      "embed": "/v1/embeddings"}[config.task]

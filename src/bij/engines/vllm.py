@@ -100,19 +100,17 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
                cpu: bool = False) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` from the engine config.
 
-    Every key of `config.vllm` (camelCase, from spec.model.vllm) is passed through as its
-    snake_case `LLM`/`EngineArgs` name. `has_runner`/`version` describe the installed
-    vLLM and decide how the embedding (pooling) model is requested; `cpu`: vLLM's CPU build.
+    Every option of `config.vllm` (spec.model.vllm) that is set is passed as its `LLM`/`EngineArgs`
+    name (the option's own snake_case name), then each of its engineArgs, over them. `has_runner`/`version`
+    describe the installed vLLM and decide how the embedding (pooling) model is requested; `cpu`: vLLM's
+    CPU build.
     """
     if not config.name:
         raise ValueError("engine vllm needs model.name (a model directory or a Hugging Face id)")
     kwargs: dict[str, Any] = {"model": config.name, "seed": config.seed}
-    for key, value in config.vllm.items():
-        if snake_case(key) in ("engine_args", "tool_call_parser"):
-            # engineArgs: free-form, over the named knobs; toolCallParser: bij's (as vLLM's server's) alone.
-            continue
-        kwargs[snake_case(key)] = value
-    for key, value in (config.vllm.get("engineArgs") or config.vllm.get("engine_args") or {}).items():
+    # engineArgs: free-form, over the named knobs; toolCallParser: bij's (as vLLM's server's) alone.
+    kwargs.update(config.vllm.model_dump(mode="json", exclude_none=True, exclude={"engine_args", "tool_call_parser"}))
+    for key, value in config.vllm.engine_args.items():
         kwargs[snake_case(key)] = value
     if config.adapters:
         kwargs["enable_lora"] = True
@@ -316,7 +314,7 @@ class VllmEngine(EngineBase):
             # A forced call (required, a named function) is served with or without a tool call parser, as
             # vLLM's server serves it; tool_choice auto needs the parser to read the calls.
             self.honours = self.honours | {FORCED_TOOL_CHOICE}
-            if config.vllm.get("toolCallParser") or config.vllm.get("tool_call_parser"):
+            if config.vllm.tool_call_parser:
                 self.honours = self.honours | {TOOLS}
         self._parsing: ChatParsing | None = None  # vLLM's reasoning and tool call parsers (chat)
         self._chat: dict[str, Request] = {}  # chat requests in the engine whose answers are parsed
@@ -407,8 +405,8 @@ class VllmEngine(EngineBase):
     def concurrency(self) -> int:
         """Sequences vLLM runs at once (max_num_seqs: the spec's, else the loaded engine's own default)."""
         if self._concurrency is None:
-            given = self.config.vllm.get("maxNumSeqs", self.config.vllm.get("max_num_seqs"))
-            engine_args = self.config.vllm.get("engineArgs") or self.config.vllm.get("engine_args") or {}
+            given = self.config.vllm.max_num_seqs
+            engine_args = self.config.vllm.engine_args
             given = engine_args.get("maxNumSeqs", engine_args.get("max_num_seqs", given))
             if given is None and self.engine is not None:
                 given = getattr(getattr(getattr(self.engine, "vllm_config", None), "scheduler_config", None),

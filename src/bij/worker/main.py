@@ -49,7 +49,7 @@ from bij.contract.codes import (
 from bij.contract.lane_report import REPORT_SECONDS
 from bij.contract.plan import Plan
 from bij.contract.sampling import ALL_FIELDS, refusal
-from bij.contract.spec import JobSpec
+from bij.contract.spec import ENGINE_OPTIONS, JobSpec
 from bij.engines import EngineConfig, create_engine
 from bij.engines.base import Engine, is_continuous
 from bij.storage import StorageError, open_storage
@@ -70,19 +70,24 @@ log = logging.getLogger("bij.worker")
 
 
 def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None, model_path: str | None = None) -> EngineConfig:
-    """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec);
+    """The engine's settings from spec.model (the engines' options as the spec parsed them);
     `adapters`: the local folders of spec.model.adapters, once fetched; `model_path`: the local folder of
     weights named by an object-store prefix (`weights`), once fetched. A lane of several pods
     (spec.workers.nodesPerLane) runs vLLM with Ray's executor, one pipeline stage a pod."""
     m = spec.model
     basic = m.basics()
-    vllm = m.vllm.model_dump(mode="json", by_alias=True, exclude_none=True)
+    lane: dict[str, Any] = {}  # what the lane sets of model.vllm
     if spec.workers.nodes_per_lane > 1:
-        vllm["distributedExecutorBackend"] = "ray"
-        vllm["pipelineParallelSize"] = spec.workers.nodes_per_lane
+        # The executor is an engine argument (spec.model.vllm.engineArgs may still name its own).
+        lane["engine_args"] = {"distributed_executor_backend": "ray", **m.vllm.engine_args}
+        lane["pipeline_parallel_size"] = spec.workers.nodes_per_lane
     tp = os.environ.get(TENSOR_PARALLEL_ENV)
     if tp and tp.isdigit() and int(tp) > 0:
-        vllm["tensorParallelSize"] = int(tp)  # a pool's GPUs (spec.workers.pools[].tensorParallelSize)
+        lane["tensor_parallel_size"] = int(tp)  # a pool's GPUs (spec.workers.pools[].tensorParallelSize)
+    # Each engine's options as the spec parsed them (model.vllm, model.http, ...), typed, to the engine.
+    options: dict[str, Any] = {engine: getattr(m, engine) for engine in ENGINE_OPTIONS}
+    if lane:
+        options["vllm"] = m.vllm.model_copy(update=lane)
     return EngineConfig(
         task=m.task,
         name=model_path or m.name,
@@ -91,9 +96,7 @@ def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None, model_p
         seed=basic.seed,
         max_input_tokens=m.max_input_tokens,
         truncate=m.truncates,
-        vllm=vllm,
-        simulated=m.simulated.model_dump(mode="json", by_alias=True, exclude_none=True),
-        http=m.http.model_dump(mode="json", by_alias=True, exclude_none=True) if m.http else {},
+        **options,
         device=os.environ.get("BIJ_DEVICE") or None,
         chat_template=m.chat_template,
         chat_template_kwargs=dict(m.chat_template_kwargs or {}),
