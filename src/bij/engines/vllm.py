@@ -100,8 +100,8 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
                cpu: bool = False) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` from the engine config.
 
-    Every option of `config.vllm` (spec.model.vllm) that is set is passed as its `LLM`/`EngineArgs`
-    name (the option's own snake_case name), then each of its engineArgs, over them. `has_runner`/`version`
+    Every option of `config.vllm` (spec.model.vllm, its defaults included) that is not None is passed
+    as its `LLM`/`EngineArgs` name (the option's own snake_case name), then each of its engineArgs, over them. `has_runner`/`version`
     describe the installed vLLM and decide how the embedding (pooling) model is requested; `cpu`: vLLM's
     CPU build.
     """
