@@ -532,6 +532,9 @@ class RecordingEcho:
     def batch_shape(self) -> None:
         return None
 
+    def close(self) -> None:
+        self.inner.close()
+
     def run(self, requests: list[Any]) -> list[Any]:
         from bij.engines.base import request_text
 

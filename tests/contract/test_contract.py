@@ -44,8 +44,8 @@ def test_the_worker_takes_its_defaults_from_the_spec_model() -> None:
     assert (opts.max_tokens, opts.temperature, opts.truncate) == (basic.max_tokens, basic.temperature, True)
     cfg = engine_config(spec)
     assert cfg.max_tokens == basic.max_tokens
-    assert cfg.vllm["gpuMemoryUtilization"] == defaults.vllm.gpu_memory_utilization  # camelCase, as planned
-    assert "maxNumSeqs" not in cfg.vllm  # unset: vLLM's own default
+    assert cfg.vllm == spec.model.vllm == defaults.vllm  # the spec's options, typed, as planned
+    assert cfg.vllm.max_num_seqs is None  # unset: vLLM's own default
 
 
 def test_a_plan_written_is_the_plan_read() -> None:

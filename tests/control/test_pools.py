@@ -165,9 +165,9 @@ def test_a_pools_job_runs_its_lanes_with_the_pools_placement_queue_gpus_and_engi
 
 def test_a_pools_tensor_parallel_size_replaces_the_models_in_its_pods(monkeypatch: pytest.MonkeyPatch) -> None:
     job = pooled(SPOT, OD)
-    assert engine_config(job.spec).vllm.get("tensorParallelSize", 1) == 1
+    assert engine_config(job.spec).vllm.tensor_parallel_size == 1
     monkeypatch.setenv(TENSOR_PARALLEL_ENV, "2")
-    assert engine_config(job.spec).vllm["tensorParallelSize"] == 2
+    assert engine_config(job.spec).vllm.tensor_parallel_size == 2
 
 
 def test_a_pools_pod_works_its_lane_offset_plus_its_index() -> None:

@@ -455,6 +455,8 @@ def test_llm_kwargs_pass_every_spec_knob_through() -> None:
         "model": "/models/m", "seed": 3, "gpu_memory_utilization": 0.8, "max_num_seqs": 64,
         "enable_prefix_caching": False, "quantization": "fp8", "max_model_len": 4096,
         "tensor_parallel_size": 2, "dtype": "bfloat16",
+        # The spec's defaults for what the spec left out.
+        "pipeline_parallel_size": 1, "enforce_eager": False,
     }
 
 
@@ -465,9 +467,10 @@ def test_engine_args_pass_through_over_the_named_knobs_and_unknown_names_are_fou
                           vllm={"maxNumSeqs": 64, "engineArgs": {"maxNumBatchedTokens": 512, "max_num_seqs": 32,
                                                                  "swap_space": 4}})
     kwargs = llm_kwargs(config)
-    assert kwargs == {"model": "/models/m", "seed": 0, "max_num_seqs": 32, "max_num_batched_tokens": 512,
-                      "swap_space": 4, "enable_lora": True}
-    known = {"model", "seed", "max_num_seqs", "max_num_batched_tokens", "enable_lora"}
+    defaults = llm_kwargs(EngineConfig(task="generate", name="/models/m"))  # the spec's defaults
+    assert kwargs == {**defaults, "max_num_seqs": 32, "max_num_batched_tokens": 512, "swap_space": 4,
+                      "enable_lora": True}
+    known = {*defaults, "max_num_seqs", "max_num_batched_tokens", "enable_lora"}
     assert unknown_arguments(kwargs, known) == ["swap_space"]
 
 

@@ -43,10 +43,9 @@ pytestmark = pytest.mark.vllm
 
 MAX_POSITIONS = 320
 SERVED = "tiny"
-# The same knobs for the server (flags) and the in-process engine (EngineConfig.vllm): what decides tokens.
-KNOBS = {"maxModelLen": MAX_POSITIONS, "maxNumSeqs": 8, "enforceEager": True, "kvCacheMemoryBytes": 1 << 28}
-SPEC_VLLM = {**{k: v for k, v in KNOBS.items() if k != "kvCacheMemoryBytes"},
-             "engineArgs": {"kvCacheMemoryBytes": KNOBS["kvCacheMemoryBytes"]}}
+# The same knobs for the server (flags) and the in-process engine (spec.model.vllm): what decides tokens.
+KNOBS = {"maxModelLen": MAX_POSITIONS, "maxNumSeqs": 8, "enforceEager": True,
+         "engineArgs": {"kvCacheMemoryBytes": 1 << 28}}
 FLAGS = ["--max-model-len", str(MAX_POSITIONS), "--max-num-seqs", "8", "--enforce-eager",
          "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0", "--disable-log-stats",
          "--uvicorn-log-level", "warning"]
@@ -116,7 +115,7 @@ def run_both(file_place: Any, make_job: Any, run_shards: Any, read_output: Any, 
     run_shards(by_http, engine=engine)
     publish(by_http)
     _, by_vllm = make_job(file_place, uri, out_dir="vllm/",
-                          model={"engine": "vllm", "task": task, "name": str(model), "vllm": SPEC_VLLM}, **spec)
+                          model={"engine": "vllm", "task": task, "name": str(model), "vllm": KNOBS}, **spec)
     adapter.shutdown_llm()  # one LLM per process: this task's
     try:
         run_shards(by_vllm, engine=create_engine("vllm", EngineConfig(task=task, name=str(model), vllm=KNOBS)))

@@ -55,7 +55,7 @@ MAX_POSITIONS = 320
 # (this process holds pytest and vLLM); jobs use gpuMemoryUtilization, on the CPU build the share
 # of host memory for the model and its KV cache, less what the process already holds.
 KNOBS = {"maxModelLen": MAX_POSITIONS, "maxNumSeqs": 8, "enablePrefixCaching": True, "enforceEager": True,
-         "kvCacheMemoryBytes": 1 << 28}
+         "engineArgs": {"kvCacheMemoryBytes": 1 << 28}}
 SPEC_VLLM = {"maxModelLen": MAX_POSITIONS, "maxNumSeqs": 8, "enablePrefixCaching": True, "enforceEager": True,
              "gpuMemoryUtilization": 0.15}
 
@@ -480,10 +480,11 @@ def test_an_engine_argument_the_installed_vllm_does_not_know_fails_before_anythi
     from bij.engines.vllm import _known_arguments, llm_kwargs, unknown_arguments
 
     good = EngineConfig(task="generate", name=str(wired_model),
-                        vllm={**KNOBS, "engineArgs": {"maxNumBatchedTokens": 512, "disable_log_stats": True}})
+                        vllm={**KNOBS, "engineArgs": {**KNOBS["engineArgs"], "maxNumBatchedTokens": 512,
+                                                       "disable_log_stats": True}})
     assert unknown_arguments(llm_kwargs(good), _known_arguments(vllm)) == []
     bad = create_engine("vllm", EngineConfig(task="generate", name=str(wired_model),
-                                             vllm={**KNOBS, "engineArgs": {"max_num_seqz": 4}}))
+                                             vllm={**KNOBS, "engineArgs": {**KNOBS["engineArgs"], "max_num_seqz": 4}}))
     with pytest.raises(ValueError, match="has no engine argument max_num_seqz"):
         bad.load()  # raised before any LLM is built: this process's one LLM is untouched
 

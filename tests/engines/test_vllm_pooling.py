@@ -23,7 +23,7 @@ pytestmark = pytest.mark.vllm
 
 # vLLM's CPU attention takes heads of 64 (hidden 128, 2 heads); eager and a small KV cache for 2 cores. Its
 # kernels (and dtype) differ from torch's: answers agree to 1e-2.
-KNOBS = {"maxModelLen": 128, "enforceEager": True, "kvCacheMemoryBytes": 1 << 26}
+KNOBS = {"maxModelLen": 128, "enforceEager": True, "engineArgs": {"kvCacheMemoryBytes": 1 << 26}}
 QUERY = "what is a pet"
 DOCUMENTS = ["the cat sat on the mat", "x y z", "the dog ran fast"]
 

@@ -29,14 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     code = work_main(argv)
     if argv is None:
         # The process's lane has ended: every result it committed is fsynced and its completion
-        # records are written (or its failure is reported). The interpreter's teardown is skipped: it
-        # frees the model and the device's context and joins the engine's threads, 1.6 s for a small
-        # model on CPU here and more with a GPU, between a lane's last commit and its Job's end. vLLM's
-        # engine processes are ended first rather than after vLLM's 5 s grace period at exit; the
-        # multiprocessing resource tracker still removes the engine's shared memory once this process is gone.
-        vllm = sys.modules.get("bij.engines.vllm")
-        if vllm is not None and vllm.holds_llm():
-            vllm.close_llm()
+        # records are written (or its failure is reported), and its engine is closed (Engine.close: vLLM's
+        # engine processes ended now rather than after vLLM's 5 s grace period at exit). The interpreter's
+        # teardown is skipped: it frees the model and the device's context and joins the engine's threads,
+        # 1.6 s for a small model on CPU here and more with a GPU, between a lane's last commit and its
+        # Job's end; the multiprocessing resource tracker still removes the engine's shared memory once
+        # this process is gone.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -473,6 +474,30 @@ class HttpOptions(_Model):
         if url is not None and not re.match(ENDPOINT_PATTERN, url):
             raise ValueError(f"must be an http(s) URL such as http://vllm.inference.svc:8000, got {url!r}")
         return url
+
+
+# Each engine's options, by the engine's name: what spec.model.<engine> carries. The worker hands them to the
+# engine as they are (EngineConfig); an engine not named here takes none.
+ENGINE_OPTIONS: dict[str, type[_Model]] = {"vllm": VllmOptions, "simulated": SimulatedOptions, "http": HttpOptions}
+_Options = TypeVar("_Options", bound=_Model)
+
+
+def unknown_option(engine: str, key: str) -> str:
+    """Why spec.model.<engine>.<key> is refused: the options the engine takes."""
+    takes = ", ".join(f.alias or name for name, f in ENGINE_OPTIONS[engine].model_fields.items())
+    return f"engine {engine} has no option {key!r} (model.{engine} takes {takes})"
+
+
+def engine_options(kind: type[_Options], given: Mapping[str, Any] | _Options) -> _Options:
+    """An engine's options (kind: a class of ENGINE_OPTIONS) from spec.model.<engine>'s mapping (camelCase or
+    snake_case keys), as the spec parses them; a ValueError names each key the engine does not take."""
+    if isinstance(given, kind):
+        return given
+    engine = next(name for name, options in ENGINE_OPTIONS.items() if options is kind)
+    try:
+        return kind.model_validate(dict(given))
+    except ValidationError as e:
+        raise ValueError("; ".join(_format_errors(e, f"model.{engine}."))) from None
 
 
 class SamplingSpec(_Model):
@@ -1213,6 +1238,10 @@ def uris_overlap(a: str, b: str) -> bool:
     return fa.startswith(fb) or fb.startswith(fa)
 
 
+# The path of an engine's option (spec.model.vllm.maxNumSeqs): the engine and the key.
+_ENGINE_OPTION = re.compile(r"(?:^|\.)model\.(" + "|".join(ENGINE_OPTIONS) + r")\.([^.]+)$")
+
+
 def _format_errors(err: ValidationError, prefix: str = "") -> list[str]:
     problems = []
     for e in err.errors():
@@ -1223,6 +1252,9 @@ def _format_errors(err: ValidationError, prefix: str = "") -> list[str]:
             msg = msg[len("Value error, ") :]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
+            option = _ENGINE_OPTION.search(path)
+            if option is not None:
+                msg = unknown_option(option[1], option[2])
         problems.append(f"{path}: {msg}")
     return problems
 

@@ -8,6 +8,7 @@ from itertools import repeat
 from typing import Any, Protocol, TypeGuard
 
 from bij.contract.sampling import DEFAULT_MAX_TOKENS, DEFAULT_SEED, DEFAULT_TEMPERATURE, NO_SAMPLING, Sampling
+from bij.contract.spec import ENGINE_OPTIONS, HttpOptions, SimulatedOptions, VllmOptions, engine_options
 
 # What every engine honours: how many tokens, how random, which seed (see the table in docs/user-guide.md, "Sampling").
 BASIC_SAMPLING: frozenset[str] = frozenset({"maxTokens", "temperature", "seed"})
@@ -124,15 +125,25 @@ class EngineConfig:
     max_input_tokens: int | None = None
     # Cut prompts over max_input_tokens() to it instead of refusing them (spec.model.truncate).
     truncate: bool = False
-    vllm: dict[str, Any] = field(default_factory=dict)
-    simulated: dict[str, Any] = field(default_factory=dict)
-    http: dict[str, Any] = field(default_factory=dict)  # spec.model.http (engine http), camelCase keys
+    # The engines' options as spec.model carries them (model.vllm, model.simulated, model.http), typed and
+    # validated: one field per engine of contract.spec.ENGINE_OPTIONS, named after it. A config built by hand
+    # (tests, benchmarks) may give the spec's mapping instead: it is parsed here, once, and a key the engine
+    # does not take is a ValueError naming it and the engine.
+    vllm: VllmOptions = field(default_factory=VllmOptions)
+    simulated: SimulatedOptions = field(default_factory=SimulatedOptions)
+    http: HttpOptions | None = None
     device: str | None = None  # None: cuda when available, else cpu
     # Chat prompts: a template instead of the tokenizer's own, and variables it reads.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # LoRA adapters by name: their local folders (fetched by the worker before the engine loads).
     adapters: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, kind in ENGINE_OPTIONS.items():
+            given = getattr(self, name)
+            if given is not None and not isinstance(given, kind):
+                object.__setattr__(self, name, engine_options(kind, given))
 
 
 class Engine(Protocol):
@@ -205,16 +216,26 @@ class Engine(Protocol):
 
     def run(self, requests: list[Request]) -> list[Result]: ...
 
+    def close(self) -> None:
+        """Let go of what the engine holds outside this process's memory (engine processes, connections),
+        once its process has no more work for it; calling it again does nothing. The worker calls it
+        once, as the lane ends (bij.worker.main), on every path."""
+        ...
+
 
 class EngineBase:
     """What an engine that has nothing to say about them declares: no steps counted, no notes, no
-    preferred batch shape. Every engine subclasses it and sets the capabilities `Engine` names."""
+    preferred batch shape, nothing to let go of at close. Every engine subclasses it and sets the
+    capabilities `Engine` names."""
 
     steps: int = 0
     occupied: int = 0
     notes: Sequence[str] = ()
 
     def batch_shape(self) -> tuple[int, int] | None:
+        return None
+
+    def close(self) -> None:
         return None
 
 

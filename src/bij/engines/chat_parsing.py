@@ -40,8 +40,8 @@ class ChatParsing:
     def __init__(self, config: EngineConfig, tokenizer: Any, model_config: Any = None):
         from vllm.parser.parser_manager import ParserManager
 
-        self.reasoning = config.vllm.get("reasoningParser") or config.vllm.get("reasoning_parser")
-        self.tool_calls = config.vllm.get("toolCallParser") or config.vllm.get("tool_call_parser")
+        self.reasoning = config.vllm.reasoning_parser
+        self.tool_calls = config.vllm.tool_call_parser
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = model_config

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bij.contract.spec import HTTP_AUTHORIZATION_ENV as AUTHORIZATION_ENV
+from bij.contract.spec import HttpOptions
 from bij.engines.base import (
     BASIC_SAMPLING,
     EngineBase,
@@ -197,27 +198,25 @@ class HttpEngine(EstimatedTokens, EngineBase):
     parallel_prepare = True  # its threads wait on sockets, which lets go of the interpreter
 
     def __init__(self, config: EngineConfig):
-        opts = config.http
+        opts = config.http or HttpOptions()  # validated as the spec validates it (contract.spec.HttpOptions)
         self.config = config
-        self.base_url = str(opts.get("baseUrl") or "").rstrip("/")
+        self.base_url = (opts.base_url or "").rstrip("/")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"model.http.baseUrl must be an http:// or https:// URL, not {self.base_url!r}")
-        served = opts.get("servedModel") or config.name
+        served = opts.served_model or config.name
         if not served:
             raise ValueError("model.http.servedModel (or model.name) must name the server's model")
-        self.served_model = str(served)
-        self.max_in_flight = int(opts.get("maxInFlight", 64))
-        self.timeout = float(opts.get("timeoutSeconds", 600))
-        self.retries = int(opts.get("retries", 3))
-        if self.max_in_flight < 1 or self.timeout <= 0 or self.retries < 0:
-            raise ValueError("model.http: maxInFlight must be >= 1, timeoutSeconds > 0, retries >= 0")
+        self.served_model = served
+        self.max_in_flight = opts.max_in_flight
+        self.timeout = opts.timeout_seconds
+        self.retries = opts.retries
         self.honours = frozenset() if config.task == "embed" else BASIC_SAMPLING | frozenset(SENT_FIELDS)
         self.path = {"chat": "/v1/chat/completions", "generate": "/v1/completions",
                      "embed": "/v1/embeddings"}[config.task]
         self.window = Window(self.max_in_flight)
         # Daemon threads, not a ThreadPoolExecutor: a request hanging until its timeout must not hold up
         # the worker's exit after it dropped the row (an executor's threads are joined at exit).
-        self._queue: queue.SimpleQueue[_Send] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Send | None] = queue.SimpleQueue()  # None: a thread's last
         self._threads: list[threading.Thread] = []
         self._sends: dict[int, _Send] = {}
         # Sends whose answer came back, as they come: a step takes them in O(answers), where waiting on every
@@ -345,9 +344,22 @@ class HttpEngine(EstimatedTokens, EngineBase):
         self._sends[tag] = send
         self._queue.put(send)
 
+    def close(self) -> None:
+        """Drop every row not yet returned and end the sending threads, each closing its kept-alive
+        connection once its request on the wire (if any) is over; a thread is not waited for. Again:
+        nothing."""
+        self.abort()
+        threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        self._drop_connection()  # the preflight's, on this thread
+
     def _serve(self) -> None:
         while True:
             send = self._queue.get()
+            if send is None:
+                self._drop_connection()
+                return
             if not send.future.set_running_or_notify_cancel():
                 continue  # dropped before it was sent
             try:

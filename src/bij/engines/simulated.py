@@ -48,11 +48,9 @@ class SimulatedEngine(EngineBase):
         self.config = config
         # Its output is deterministic (temperature and seed change nothing) and maxTokens caps it.
         self.honours = frozenset() if config.task == "embed" else BASIC_SAMPLING
-        self.max_num_seqs = int(sim.get("maxNumSeqs", 256))
-        self.step_seconds = float(sim.get("stepSeconds", 0.02))
-        self.load_seconds = float(sim.get("loadSeconds", 0.0))
-        if self.max_num_seqs < 1 or self.step_seconds < 0 or self.load_seconds < 0:
-            raise ValueError("model.simulated: maxNumSeqs must be >= 1, stepSeconds and loadSeconds >= 0")
+        self.max_num_seqs = sim.max_num_seqs  # validated as the spec validates them (contract.spec.SimulatedOptions)
+        self.step_seconds = sim.step_seconds
+        self.load_seconds = sim.load_seconds
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self.steps = 0  # steps taken

@@ -84,6 +84,8 @@ from bij.engines.tools import FORCED_TOOL_CHOICE, REASONING_EFFORT, TOOLS
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
 _LLM: Any = None
 _LLM_KWARGS: dict[str, Any] | None = None
+# LLMs closed (close_llm): kept until shutdown_llm, so that closing one frees nothing as the process exits.
+_CLOSED: list[Any] = []
 
 # Seeds torch's generators take (vLLM seeds one per seeded request; a larger one fails the engine step).
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -98,19 +100,17 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
                cpu: bool = False) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` from the engine config.
 
-    Every key of `config.vllm` (camelCase, from spec.model.vllm) is passed through as its
-    snake_case `LLM`/`EngineArgs` name. `has_runner`/`version` describe the installed
-    vLLM and decide how the embedding (pooling) model is requested; `cpu`: vLLM's CPU build.
+    Every option of `config.vllm` (spec.model.vllm, its defaults included) that is not None is passed
+    as its `LLM`/`EngineArgs` name (the option's own snake_case name), then each of its engineArgs, over them. `has_runner`/`version`
+    describe the installed vLLM and decide how the embedding (pooling) model is requested; `cpu`: vLLM's
+    CPU build.
     """
     if not config.name:
         raise ValueError("engine vllm needs model.name (a model directory or a Hugging Face id)")
     kwargs: dict[str, Any] = {"model": config.name, "seed": config.seed}
-    for key, value in config.vllm.items():
-        if snake_case(key) in ("engine_args", "tool_call_parser"):
-            # engineArgs: free-form, over the named knobs; toolCallParser: bij's (as vLLM's server's) alone.
-            continue
-        kwargs[snake_case(key)] = value
-    for key, value in (config.vllm.get("engineArgs") or config.vllm.get("engine_args") or {}).items():
+    # engineArgs: free-form, over the named knobs; toolCallParser: bij's (as vLLM's server's) alone.
+    kwargs.update(config.vllm.model_dump(mode="json", exclude_none=True, exclude={"engine_args", "tool_call_parser"}))
+    for key, value in config.vllm.engine_args.items():
         kwargs[snake_case(key)] = value
     if config.adapters:
         kwargs["enable_lora"] = True
@@ -202,6 +202,7 @@ def shutdown_llm() -> None:
     """Drop this process's LLM so that another can be built (tests; a worker simply exits)."""
     global _LLM, _LLM_KWARGS
     _LLM, _LLM_KWARGS = None, None
+    _CLOSED.clear()
     gc.collect()
     try:
         import torch
@@ -213,7 +214,7 @@ def shutdown_llm() -> None:
 
 
 def holds_llm() -> bool:
-    """Whether this process has built its vLLM engine."""
+    """Whether this process has built its vLLM engine (and not closed it)."""
     return _LLM is not None
 
 
@@ -221,10 +222,17 @@ def close_llm() -> None:
     """Stop this process's engine processes now (where vLLM runs its engine core in processes of
     its own), when the process is about to exit with every result durable. vLLM's own exit path
     sends them SIGTERM and waits up to 5 s before it kills them: nothing of theirs is needed any
-    more, so they are killed at once (the driver frees the accelerator's memory with them)."""
-    if _LLM is None:
+    more, so they are killed at once (the driver frees the accelerator's memory with them).
+
+    The LLM is kept referenced, not freed: freeing the model and the device's context is the
+    interpreter teardown the worker skips at exit (bij.cli.worker). A later `shared_llm` builds a
+    new one. Closing again does nothing."""
+    global _LLM, _LLM_KWARGS
+    llm, _LLM, _LLM_KWARGS = _LLM, None, None
+    if llm is None:
         return
-    core = getattr(getattr(_LLM, "llm_engine", None), "engine_core", None)
+    _CLOSED.append(llm)
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None:
         return
     try:
@@ -306,7 +314,7 @@ class VllmEngine(EngineBase):
             # A forced call (required, a named function) is served with or without a tool call parser, as
             # vLLM's server serves it; tool_choice auto needs the parser to read the calls.
             self.honours = self.honours | {FORCED_TOOL_CHOICE}
-            if config.vllm.get("toolCallParser") or config.vllm.get("tool_call_parser"):
+            if config.vllm.tool_call_parser:
                 self.honours = self.honours | {TOOLS}
         self._parsing: ChatParsing | None = None  # vLLM's reasoning and tool call parsers (chat)
         self._chat: dict[str, Request] = {}  # chat requests in the engine whose answers are parsed
@@ -358,6 +366,14 @@ class VllmEngine(EngineBase):
             raise RuntimeError("VllmEngine.load() must run before count_tokens() or run()")
         return self.llm
 
+    def close(self) -> None:
+        """Stop the process's LLM (close_llm: its engine core processes, and its Ray workers on the other
+        pods of a lane that spans several); an engine never loaded, or closed before, has none."""
+        if self.llm is None:
+            return
+        self.llm = None
+        close_llm()
+
     def max_input_tokens(self) -> int | None:
         """max_model_len (minus one for the first generated token), or config.max_input_tokens if smaller."""
         self._loaded()
@@ -389,8 +405,8 @@ class VllmEngine(EngineBase):
     def concurrency(self) -> int:
         """Sequences vLLM runs at once (max_num_seqs: the spec's, else the loaded engine's own default)."""
         if self._concurrency is None:
-            given = self.config.vllm.get("maxNumSeqs", self.config.vllm.get("max_num_seqs"))
-            engine_args = self.config.vllm.get("engineArgs") or self.config.vllm.get("engine_args") or {}
+            given = self.config.vllm.max_num_seqs
+            engine_args = self.config.vllm.engine_args
             given = engine_args.get("maxNumSeqs", engine_args.get("max_num_seqs", given))
             if given is None and self.engine is not None:
                 given = getattr(getattr(getattr(self.engine, "vllm_config", None), "scheduler_config", None),

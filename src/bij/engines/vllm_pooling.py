@@ -11,7 +11,7 @@ from typing import Any
 
 from bij.engines.base import EngineConfig
 from bij.engines.pooling import _PairEngine
-from bij.engines.vllm import llm_kwargs, shared_llm
+from bij.engines.vllm import close_llm, llm_kwargs, shared_llm
 
 
 class VllmPoolingEngine(_PairEngine):
@@ -39,6 +39,13 @@ class VllmPoolingEngine(_PairEngine):
         self.device = "cuda"
         self.tokenizer = llm.get_tokenizer()
         self.llm = llm
+
+    def close(self) -> None:
+        """Stop the process's LLM (close_llm), once loaded; again: nothing."""
+        if self.llm is None:
+            return
+        self.llm = None
+        close_llm()
 
     def batch_shape(self) -> tuple[int, int]:
         """Pairs per call to vLLM: a chunk's worth, which vLLM schedules by its own token budget."""

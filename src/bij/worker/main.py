@@ -49,9 +49,9 @@ from bij.contract.codes import (
 from bij.contract.lane_report import REPORT_SECONDS
 from bij.contract.plan import Plan
 from bij.contract.sampling import ALL_FIELDS, refusal
-from bij.contract.spec import JobSpec
+from bij.contract.spec import ENGINE_OPTIONS, JobSpec
 from bij.engines import EngineConfig, create_engine
-from bij.engines.base import is_continuous
+from bij.engines.base import Engine, is_continuous
 from bij.storage import StorageError, open_storage
 from bij.worker.adapters import AdapterError, adapter_folders, fetch_adapters
 from bij.worker.claim import Claim
@@ -73,19 +73,24 @@ log = logging.getLogger("bij.worker")
 
 
 def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None, model_path: str | None = None) -> EngineConfig:
-    """The engine's settings from spec.model (engine options as camelCase dicts, as in the spec);
+    """The engine's settings from spec.model (the engines' options as the spec parsed them);
     `adapters`: the local folders of spec.model.adapters, once fetched; `model_path`: the local folder of
     weights named by an object-store prefix (`weights`), once fetched. A lane of several pods
     (spec.workers.nodesPerLane) runs vLLM with Ray's executor, one pipeline stage a pod."""
     m = spec.model
     basic = m.basics()
-    vllm = m.vllm.model_dump(mode="json", by_alias=True, exclude_none=True)
+    lane: dict[str, Any] = {}  # what the lane sets of model.vllm
     if spec.workers.nodes_per_lane > 1:
-        vllm["distributedExecutorBackend"] = "ray"
-        vllm["pipelineParallelSize"] = spec.workers.nodes_per_lane
+        # The executor is an engine argument (spec.model.vllm.engineArgs may still name its own).
+        lane["engine_args"] = {"distributed_executor_backend": "ray", **m.vllm.engine_args}
+        lane["pipeline_parallel_size"] = spec.workers.nodes_per_lane
     tp = os.environ.get(TENSOR_PARALLEL_ENV)
     if tp and tp.isdigit() and int(tp) > 0:
-        vllm["tensorParallelSize"] = int(tp)  # a pool's GPUs (spec.workers.pools[].tensorParallelSize)
+        lane["tensor_parallel_size"] = int(tp)  # a pool's GPUs (spec.workers.pools[].tensorParallelSize)
+    # Each engine's options as the spec parsed them (model.vllm, model.http, ...), typed, to the engine.
+    options: dict[str, Any] = {engine: getattr(m, engine) for engine in ENGINE_OPTIONS}
+    if lane:
+        options["vllm"] = m.vllm.model_copy(update=lane)
     return EngineConfig(
         task=m.task,
         name=model_path or m.name,
@@ -94,9 +99,7 @@ def engine_config(spec: JobSpec, adapters: dict[str, str] | None = None, model_p
         seed=basic.seed,
         max_input_tokens=m.max_input_tokens,
         truncate=m.truncates,
-        vllm=vllm,
-        simulated=m.simulated.model_dump(mode="json", by_alias=True, exclude_none=True),
-        http=m.http.model_dump(mode="json", by_alias=True, exclude_none=True) if m.http else {},
+        **options,
         device=os.environ.get("BIJ_DEVICE") or None,
         chat_template=m.chat_template,
         chat_template_kwargs=dict(m.chat_template_kwargs or {}),
@@ -172,6 +175,7 @@ class Lane:
         self.reporter: LaneReporter | None = None  # set once the plan says which round this is
         self.lane = -1
         self.loaded = False
+        self.unclosed: Engine | None = None  # the engine once built (setup), until closed (close_engine)
 
     def on_signal(self, signum: int, frame: Any) -> None:
         if self.stop.requested:
@@ -192,7 +196,25 @@ class Lane:
             self.reporter.on_event(event)
 
     def run(self) -> int:
-        """Work the lane; the exit code the Job's podFailurePolicy reads (see the module's docstring)."""
+        """Work the lane; the exit code the Job's podFailurePolicy reads (see the module's docstring). The
+        engine is closed as it ends, whatever ended it."""
+        try:
+            return self._run()
+        finally:
+            self.close_engine()
+
+    def close_engine(self) -> None:
+        """Close the lane's engine (Engine.close), the first time only: as the lane ends, and in a lane of
+        several pods before its group goes (a vLLM engine's Ray workers on the members)."""
+        engine, self.unclosed = self.unclosed, None
+        if engine is None:
+            return
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - the pod exits next; nothing it could still commit is lost
+            log.exception("closing the engine")
+
+    def _run(self) -> int:
         completed = False
         try:
             role = self.role()
@@ -232,7 +254,7 @@ class Lane:
             self.close(completed)
         log.info("lane %d: every shard of the round is done", self.lane)
         if self.group.leader is not None:
-            _close_engine()  # before its pipeline stages on the members go
+            self.close_engine()  # before its pipeline stages on the members go
             self.group.leader.finish()  # members stop their Ray nodes and succeed with this pod
             self.group.leader.close()
         return EXIT_OK
@@ -279,7 +301,7 @@ class Lane:
             # Weights named by an object-store prefix are listed now (their local folder is named by the
             # listing) and copied into the model cache just before the model loads, as the adapters are.
             self.weights = list_weights(str(spec.model.name), spec.storage.s3) if is_remote(spec.model.name) else None
-            self.engine = engine = create_engine(engine_name, engine_config(
+            self.engine = self.unclosed = engine = create_engine(engine_name, engine_config(
                 spec, adapter_folders(spec.model.adapters), str(self.weights.path) if self.weights else None))
         except ValueError as e:
             raise BadConfig(str(e)) from None
@@ -418,19 +440,9 @@ class Lane:
                 self.reporter.group_lost(f"lane {self.lane}: {regroup}")
             self.reporter.close()
         if self.group.leader is not None and not completed:
-            _close_engine()
+            self.close_engine()
             # Members see `regroup`, or the channel drop without `done`.
             self.group.leader.close(regroup=regroup is not None)
-
-
-def _close_engine() -> None:
-    """Stop a vLLM engine spread over the lane's pods before the group goes (its Ray workers on them)."""
-    vllm = sys.modules.get("bij.engines.vllm")
-    if vllm is not None and vllm.holds_llm():
-        try:
-            vllm.close_llm()
-        except Exception:  # noqa: BLE001 - the pod exits next; nothing it could still commit is lost
-            log.exception("stopping the engine")
 
 
 def _form_group(role: Role, group: _Group, stop: StopFlag, current: list[StopFlag],
