@@ -460,6 +460,18 @@ def test_llm_kwargs_pass_every_spec_knob_through() -> None:
     }
 
 
+@pytest.mark.parametrize("task", ["embed", "classify", "score", "rerank"])
+def test_a_pooling_task_leaves_prefix_caching_to_vllm_unless_engine_args_ask(task: str) -> None:
+    """The spec's enablePrefixCaching (default true) is a generate and chat knob: asked of a BERT cross-encoder,
+    vLLM's load fails (no KV cache group it can reuse); engineArgs still reach it."""
+    from bij.engines.vllm import llm_kwargs
+
+    assert "enable_prefix_caching" not in llm_kwargs(EngineConfig(task=task, name="/models/m"))
+    asked = EngineConfig(task=task, name="/models/m", vllm={"engineArgs": {"enablePrefixCaching": True}})
+    assert llm_kwargs(asked)["enable_prefix_caching"] is True
+    assert llm_kwargs(EngineConfig(task="generate", name="/models/m"))["enable_prefix_caching"] is True
+
+
 def test_engine_args_pass_through_over_the_named_knobs_and_unknown_names_are_found() -> None:
     from bij.engines.vllm import llm_kwargs, unknown_arguments
 

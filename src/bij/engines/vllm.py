@@ -60,6 +60,7 @@ from collections.abc import MutableMapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from bij.contract.engines import POOLING_TASKS
 from bij.contract.sampling import IMAGES, TOKEN_IDS
 from bij.engines.base import (
     BASIC_SAMPLING,
@@ -81,6 +82,9 @@ from bij.engines.prompts import GREEDY_EPS, prompt_ids, truncate_prompt
 from bij.engines.structured import grammar_schema
 from bij.engines.tools import FORCED_TOOL_CHOICE, REASONING_EFFORT, TOOLS
 
+# The tasks vLLM's pooling runner runs (embeddings and the classify, score and rerank heads).
+POOLING_RUNNER_TASKS = ("embed", *POOLING_TASKS)
+
 # One LLM per process: it claims most of the GPU's memory, a second would not fit.
 _LLM: Any = None
 _LLM_KWARGS: dict[str, Any] | None = None
@@ -101,15 +105,20 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
     """Keyword arguments for `vllm.LLM` from the engine config.
 
     Every option of `config.vllm` (spec.model.vllm, its defaults included) that is not None is passed
-    as its `LLM`/`EngineArgs` name (the option's own snake_case name), then each of its engineArgs, over them. `has_runner`/`version`
-    describe the installed vLLM and decide how the embedding (pooling) model is requested; `cpu`: vLLM's
-    CPU build.
+    as its `LLM`/`EngineArgs` name (the option's own snake_case name), then each of its engineArgs, over
+    them. `has_runner`/`version` describe the installed vLLM and decide how the embedding (pooling) model
+    is requested; `cpu`: vLLM's CPU build.
     """
     if not config.name:
         raise ValueError("engine vllm needs model.name (a model directory or a Hugging Face id)")
     kwargs: dict[str, Any] = {"model": config.name, "seed": config.seed}
     # engineArgs: free-form, over the named knobs; toolCallParser: bij's (as vLLM's server's) alone.
     kwargs.update(config.vllm.model_dump(mode="json", exclude_none=True, exclude={"engine_args", "tool_call_parser"}))
+    if config.task in POOLING_RUNNER_TASKS:
+        # Prefix caching is a generate and chat knob: vLLM decides it for a pooling model itself (off for an
+        # encoder such as a BERT cross-encoder, whose KV cache it cannot reuse, where asking for it fails the
+        # load). engineArgs may still ask for it.
+        kwargs.pop("enable_prefix_caching", None)
     for key, value in config.vllm.engine_args.items():
         kwargs[snake_case(key)] = value
     if config.adapters:
@@ -120,7 +129,7 @@ def llm_kwargs(config: EngineConfig, *, has_runner: bool = True, version: tuple[
             # (vllm-project/vllm#48421). One slot more than there are adapters keeps the last one
             # empty for good (slots fill from the first free one): its delta is zero.
             kwargs["max_loras"] = max(int(kwargs.get("max_loras") or 1), len(config.adapters)) + 1
-    if config.task in ("embed", "classify", "score", "rerank"):  # the pooling runner
+    if config.task in POOLING_RUNNER_TASKS:  # the pooling runner
         if has_runner:
             kwargs["runner"] = "pooling"
         else:
