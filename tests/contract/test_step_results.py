@@ -155,12 +155,16 @@ def test_a_manifest_as_published_before_the_model_reads_into_it_and_writes_back_
     one: dict[str, Any] = {}
     for k, v in MANIFEST.items():
         if k == "parts":
-            one.update({"files": [{"path": "results/a.jsonl.zst", "rows": 8, "bytes": 10, "sha256": "cd"}],
+            one.update({"files": [{"path": "results/a.jsonl.zst", "rows": 8, "bytes": 10, "sha256": "cd",
+                                   "input": "day=1/a.jsonl", "round": 0, "shard": 0}],
                         "errorFiles": [], "cappedFiles": []})
         elif k not in ("fileCounts", "partial", "cost", "canary"):
             one[k] = v
     text = json.dumps(one, indent=2).encode()
     assert Manifest.parse(text).to_json() == text and Manifest.parse(text).file_count() == 1
+    listed = Manifest.parse(text).files
+    assert listed is not None and (listed[0].path, listed[0].input, listed[0].rows) == \
+        ("results/a.jsonl.zst", "day=1/a.jsonl", 8)
 
 
 def test_a_manifest_with_a_failed_removal_carries_it_beside_never_in_the_document() -> None:

@@ -65,7 +65,7 @@ from bij.api.files import MAX_MODELS, FileStore, new_id
 from bij.api.models import ModelMap, ModelMapError, job_doc
 from bij.contract import manifest as manifest_lists
 from bij.contract.codes import OPENAI_ENDPOINTS, PLURAL
-from bij.contract.manifest import Manifest
+from bij.contract.manifest import Manifest, ManifestFile
 from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from bij.storage import NotFound
 
@@ -246,13 +246,13 @@ class Api:
             listed = await asyncio.to_thread(self._listed, manifest, key, base)
             if not listed:
                 raise NotFoundError(f"no file {file_id}: batch {batch_id} has no {kind} rows")
-            obj = {"id": file_id, "object": "file", "bytes": sum(int(f["bytes"]) for f in listed),
+            obj = {"id": file_id, "object": "file", "bytes": sum(f.bytes for f in listed),
                    "created_at": batch_object(bij)["completed_at"] or batch_object(bij)["created_at"],
                    "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output", "status": "processed",
                    "expires_at": None, "status_details": None}
-            if any(str(f["path"]).endswith(".zst") for f in listed):
+            if any(f.path.endswith(".zst") for f in listed):
                 raise BadRequest(f"{file_id} is stored compressed; this server serves plain JSON lines only")
-            return obj, [base + f["path"] for f in listed]
+            return obj, [base + f.path for f in listed]
         meta = await asyncio.to_thread(self.files.meta, who.namespace, file_id)
         if meta is None:
             raise NotFoundError(f"no file {file_id}")
@@ -317,7 +317,7 @@ class Api:
 
     # --- batches --------------------------------------------------------------------------------
 
-    def _listed(self, manifest: Manifest, key: str, base: str) -> list[dict[str, Any]]:
+    def _listed(self, manifest: Manifest, key: str, base: str) -> list[ManifestFile]:
         """One of a manifest's file lists, read from its parts where it has them (`contract.manifest`)."""
         return manifest_lists.listed(manifest, key, lambda path: self.files.store.read_bytes(base + path))
 

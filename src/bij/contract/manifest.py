@@ -202,7 +202,15 @@ class RemovalFailed(_Doc):
     error: str | None = None
 
 
-FileEntry = dict[str, Any]  # {"path", "rows", "bytes", "sha256", ...}: what a shard summary lists, as it is
+class ManifestFile(_Doc):
+    """A published file: its path under the output, rows, bytes and sha256 (`bij results` checks it), the
+    input object it holds the rows of (output.partitionBy input), and where it came from (kept as written)."""
+
+    path: str
+    rows: int = 0
+    bytes: int = 0
+    sha256: str = ""
+    input: str | None = None  # output.partitionBy input: the input object, relative to the input's folder
 
 
 class Manifest(_Doc):
@@ -219,9 +227,9 @@ class Manifest(_Doc):
     model: ManifestModel = ManifestModel()
     judge: str | None = None
     # Either the lists themselves, or (more than `PART_FILES` files) `parts` and `fileCounts`.
-    files: list[FileEntry] | None = None
-    error_files: list[FileEntry] | None = None
-    capped_files: list[FileEntry] | None = None
+    files: list[ManifestFile] | None = None
+    error_files: list[ManifestFile] | None = None
+    capped_files: list[ManifestFile] | None = None
     parts: list[ManifestPart] | None = None
     file_counts: dict[str, int] | None = None
     counts: ManifestCounts = ManifestCounts()
@@ -257,11 +265,11 @@ class Manifest(_Doc):
             return int(self.file_counts[key])
         return len(self.listed_here(key) or [])
 
-    def listed_here(self, key: str) -> list[FileEntry] | None:
+    def listed_here(self, key: str) -> list[ManifestFile] | None:
         """One list as the manifest itself holds it (None where it is in parts, or absent)."""
         if key not in LISTS:
             raise ValueError(f"{key!r} is not a manifest file list ({', '.join(LISTS)})")
-        here: list[FileEntry] | None = getattr(self, _FIELDS[key])
+        here: list[ManifestFile] | None = getattr(self, _FIELDS[key])
         return here
 
     def part_paths(self) -> list[str]:
@@ -292,7 +300,7 @@ def of(manifest: Manifest | Mapping[str, Any]) -> Manifest:
     return manifest if isinstance(manifest, Manifest) else Manifest.parse(manifest)
 
 
-def iter_listed(manifest: Manifest | Mapping[str, Any], key: str, read: Read) -> Iterator[dict[str, Any]]:
+def iter_listed(manifest: Manifest | Mapping[str, Any], key: str, read: Read) -> Iterator[ManifestFile]:
     """The entries of one list (`files`, `errorFiles`, `cappedFiles`) in order, from the manifest itself or
     from its parts, one part in memory at a time."""
     m = of(manifest)
@@ -303,10 +311,14 @@ def iter_listed(manifest: Manifest | Mapping[str, Any], key: str, read: Read) ->
     for part in m.parts:
         if not getattr(part, _FIELDS[key]):
             continue  # the part lists none of these: not read
-        yield from read_part(part, read)[key]
+        for entry in read_part(part, read)[key]:
+            try:
+                yield ManifestFile.model_validate(entry)
+            except ValidationError as e:
+                raise BadManifestPart(f"manifest part {part.path} lists a file that is not one: {_first(e)}") from None
 
 
-def listed(manifest: Manifest | Mapping[str, Any], key: str, read: Read) -> list[dict[str, Any]]:
+def listed(manifest: Manifest | Mapping[str, Any], key: str, read: Read) -> list[ManifestFile]:
     """One list of the manifest, whole (see `iter_listed`)."""
     return list(iter_listed(manifest, key, read))
 

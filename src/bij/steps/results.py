@@ -20,7 +20,7 @@ from bij.contract import manifest as manifest_lists
 from bij.contract.canary import describe_estimate
 from bij.contract.efficiency import fmt_money, status_fields
 from bij.contract.errors import BijError
-from bij.contract.manifest import CostFigures, EfficiencyFigures, Manifest
+from bij.contract.manifest import CostFigures, EfficiencyFigures, Manifest, ManifestFile
 from bij.contract.plan import Plan
 from bij.contract.records import ShardRecord
 from bij.contract.spec import BatchInferenceJob
@@ -55,18 +55,18 @@ def load_manifest(uri: str, s3: Any) -> tuple[Storage, str, Manifest]:
     return store, where.rsplit("/", 1)[0] + "/", manifest
 
 
-def read_file(store: Storage, base: str, entry: dict[str, Any]) -> bytes:
+def read_file(store: Storage, base: str, entry: ManifestFile) -> bytes:
     """A listed file's bytes, after checking them against the manifest's sha256."""
-    uri = base + entry["path"]
+    uri = base + entry.path
     data = store.read_bytes(uri)
     digest = hashlib.sha256(data).hexdigest()
-    if digest != entry.get("sha256"):
-        raise ResultsError(f"{uri}: sha256 {digest} does not match the manifest's {entry.get('sha256')}; "
+    if digest != entry.sha256:
+        raise ResultsError(f"{uri}: sha256 {digest} does not match the manifest's {entry.sha256}; "
                            "the file changed after it was published")
     return data
 
 
-def listed_files(store: Storage, base: str, manifest: Manifest, which: str) -> Iterator[dict[str, Any]]:
+def listed_files(store: Storage, base: str, manifest: Manifest, which: str) -> Iterator[ManifestFile]:
     """The entries of one of the manifest's file lists (results, errors or capped), from its parts where it
     has them (`contract.manifest`), one part in memory at a time."""
     try:
@@ -77,10 +77,10 @@ def listed_files(store: Storage, base: str, manifest: Manifest, which: str) -> I
         raise ResultsError(f"a part of the manifest at {base} is missing: {e}") from None
 
 
-def file_writer(entry: dict[str, Any]) -> ResultWriter:
+def file_writer(entry: ManifestFile) -> ResultWriter:
     """The writer of a listed file, known by its suffix."""
     try:
-        return writer_of_path(entry["path"])
+        return writer_of_path(entry.path)
     except ValueError as e:
         raise ResultsError(str(e)) from None
 
@@ -90,7 +90,7 @@ def iter_rows(uri: str, which: str, s3: Any) -> Iterator[dict[str, Any]]:
     store, base, manifest = load_manifest(uri, s3)
     for entry in listed_files(store, base, manifest, which):
         data = read_file(store, base, entry)
-        yield from file_writer(entry).rows(data, entry["path"])
+        yield from file_writer(entry).rows(data, entry.path)
 
 
 def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
@@ -99,7 +99,7 @@ def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
     n = 0
     for entry in listed_files(store, base, manifest, which):
         data = read_file(store, base, entry)
-        for line in file_writer(entry).lines(data, entry["path"]):
+        for line in file_writer(entry).lines(data, entry.path):
             out.write(line + b"\n")
             n += 1
     return n
@@ -136,16 +136,16 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
                 table = read_table(data)
             else:
                 try:
-                    table = results_table(list(fmt.rows(data, entry["path"])), task, ids, judged)
+                    table = results_table(list(fmt.rows(data, entry.path)), task, ids, judged)
                 except BeyondInt64 as e:
-                    raise ResultsError(f"{entry['path']}: {e}; read the results as JSON lines") from None
+                    raise ResultsError(f"{entry.path}: {e}; read the results as JSON lines") from None
             if writer is None:
                 writer = pq.ParquetWriter(sink, table.schema, compression="zstd")
             try:
                 table = table.cast(writer.schema)
             except (ValueError, TypeError, NotImplementedError):  # pyarrow: ArrowInvalid is a ValueError
                 raise ResultsError(
-                    f"{entry['path']} has other columns than the files before it ({', '.join(table.column_names)} "
+                    f"{entry.path} has other columns than the files before it ({', '.join(table.column_names)} "
                     f"against {', '.join(writer.schema.names)}): its rows carry other pass-through columns "
                     "(input.passThrough); read the files one by one, or as JSON lines") from None
             writer.write_table(table)
