@@ -319,17 +319,17 @@ def read_output() -> Any:
         manifest = json.loads(store.read_bytes(out_uri + "manifest.json"))
         raw: dict[str, bytes] = {}
 
-        def rows_of(files: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        def rows_of(files: list[Any]) -> list[dict[str, Any]]:  # the manifest's `ManifestFile`s
             rows: list[dict[str, Any]] = []
             for f in files:
-                data = store.read_bytes(out_uri + f["path"])
-                raw[f["path"]] = data
-                assert hashlib.sha256(data).hexdigest() == f["sha256"], f["path"]
-                assert len(data) == f["bytes"], f["path"]
-                if f["path"].endswith(".zst"):
+                data = store.read_bytes(out_uri + f.path)
+                raw[f.path] = data
+                assert hashlib.sha256(data).hexdigest() == f.sha256, f.path
+                assert len(data) == f.bytes, f.path
+                if f.path.endswith(".zst"):
                     data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30)
                 got = [json.loads(line) for line in data.splitlines()]
-                assert len(got) == f["rows"], f["path"]
+                assert len(got) == f.rows, f.path
                 rows += got
             return rows
 

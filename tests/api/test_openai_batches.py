@@ -23,6 +23,7 @@ from bij.api.batches import (
 from bij.api.files import LineStats
 from bij.api.models import ModelMap, ModelMapError, job_doc
 from bij.contract.codes import OPENAI_ENDPOINTS
+from bij.contract.manifest import Manifest
 from bij.contract.spec import SpecError, parse_job
 
 BATCH = "batch_0123456789abcdef01234567"
@@ -102,8 +103,8 @@ def test_a_finished_batch_names_its_output_and_error_files_and_counts_from_the_s
         (1704067290, 1704067320, output_file_id(BATCH, "output"))
 
 
-MANIFEST = {"counts": {"rows": 9, "errors": 1, "tokensIn": 120, "tokensOut": 45, "reasoningTokens": 7},
-            "engine": {"cachedTokens": 32}}
+MANIFEST = Manifest.parse({"counts": {"rows": 9, "errors": 1, "tokensIn": 120, "tokensOut": 45,
+                                      "reasoningTokens": 7}, "engine": {"cachedTokens": 32}})
 
 
 def test_an_ended_batch_has_the_usage_its_manifest_counts_and_when_it_began_finalizing() -> None:

@@ -34,6 +34,8 @@ PURE = {
     "bij.contract", "bij.contract.codes", "bij.contract.errors", "bij.contract.spec",
     "bij.contract.plan", "bij.contract.publish_plan", "bij.contract.globs",
     "bij.contract.step_report",  # a step's report as the status holds it: pydantic over plain data
+    "bij.contract.step_results",  # each step kind's result in that report: pydantic over plain data
+    "bij.contract.manifest",  # the manifest's model (a manifest step's summary counts it): reads only what it is given
     "bij.contract.lane_report",  # a lane's report as the status holds it: pydantic over plain data
     "bij.contract.round_record",  # a round's record as the status holds it: pydantic over plain data
     "bij.contract.columns",  # the names a published row uses: the spec refuses them as pass-through columns

@@ -586,13 +586,13 @@ def test_bij_run_publishes_one_file_per_input_file_with_its_columns(place, make_
     p = bij_run(bij_bin, spec, worker_env(place))
     assert p.returncode == 0, p.stderr
     manifest = read_manifest(job)
-    assert manifest is not None
-    assert [(f["path"], f["input"], f["rows"]) for f in manifest["files"]] == [
+    assert manifest is not None and manifest.files is not None
+    assert [(f.path, f.input, f.rows) for f in manifest.files] == [
         ("results/day=1/a.jsonl", "day=1/a.jsonl", 250), ("results/day=2/b.jsonl", "day=2/b.jsonl.zst", 60)]
-    assert manifest["errorFiles"] == [] and manifest["counts"]["rows"] == 310
+    assert manifest.error_files == [] and manifest.counts.rows == 310
     out = job.spec.output.uri.rstrip("/") + "/"
-    for entry, inputs in zip(manifest["files"], (a, b), strict=True):
-        got = [json.loads(line) for line in place.storage.read_bytes(out + entry["path"]).splitlines()]
+    for entry, inputs in zip(manifest.files, (a, b), strict=True):
+        got = [json.loads(line) for line in place.storage.read_bytes(out + entry.path).splitlines()]
         assert [r["id"] for r in got] == [r["id"] for r in inputs]  # every row once, in input order
         assert [r["output"] for r in got] == [r["text"] for r in inputs]
         assert [{k: v for k, v in r.items() if k not in ("id", "output", "usage")} for r in got] == [

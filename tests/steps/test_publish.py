@@ -13,10 +13,12 @@ from recording import RecordingStorage
 
 from bij import storage
 from bij.contract import layout
+from bij.contract.manifest import Manifest
 from bij.contract.publish_plan import PublishPlan
 from bij.engines.base import estimate_tokens
 from bij.engines.echo import echo_embedding
 from bij.local.publish import publish as publish_in_processes
+from bij.local.publish import publish_manifest
 from bij.steps import publish as publish_module
 from bij.steps import publish_rows
 from bij.steps.planner import plan_round
@@ -400,7 +402,7 @@ def test_a_job_whose_ids_are_all_generated_publishes_without_the_ids_and_dedupe_
 
     monkeypatch.setattr(ShardLog, "scan", scan)
     stats: list[dict[str, Any]] = []
-    manifest = publish_in_processes(job, processes=2, stats=stats)
+    manifest = publish_manifest(job, processes=2, stats=stats)
     prefix = layout.publish_prefix(job)
     plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
     assert plan.unique_ids and (plan.count("ids"), plan.count("dedupe")) == (0, 0)
@@ -408,7 +410,7 @@ def test_a_job_whose_ids_are_all_generated_publishes_without_the_ids_and_dedupe_
     assert file_place.storage.list(f"{prefix}/ids/") == []
     out = read_output(job)
     assert [r["output"] for r in out.results] == [r["text"] for r in inputs[:-1]]
-    assert len(set(out.result_ids)) == 60 and manifest["counts"]["errors"] == 1
+    assert len(set(out.result_ids)) == 60 and manifest.counts.errors == 1
     # In this process (the passes' processes are their own): each shard's log is read once, by the write pass.
     scans.clear()
     publish(job)
@@ -588,7 +590,7 @@ def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file
     refused = r"work files removed at .*\(output.keepIntermediate: false\).* new output URI"
     with pytest.raises(PublishError, match=refused):
         publish(job)
-    assert read_manifest(job) == manifest
+    assert read_manifest(job) == Manifest.parse(manifest)
 
 
 class FailingDeletes:
@@ -635,7 +637,7 @@ def test_a_removal_failing_midway_leaves_the_job_published_and_a_rerun_removes_t
     assert not any(file_place.storage.exists(uri) for uri in logs)
     record = json.loads(file_place.storage.read_bytes(layout.removed_uri(job)))
     assert record["finishedAt"] and record["objects"] >= len(logs) and "failed" not in record
-    assert read_manifest(job) == manifest
+    assert read_manifest(job) == Manifest.parse(manifest)
 
 
 def test_the_reasoning_tokens_result_rows_report_are_counted(file_place, make_job, run_shards):

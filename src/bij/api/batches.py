@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from bij.api.errors import BadRequest
 from bij.contract.codes import OPENAI_BATCH_LABEL
+from bij.contract.manifest import Manifest
 from bij.contract.spec import MAX_DEADLINE_SECONDS, NotifyTarget
 from bij.contract.status import JobStatus, Rows
 
@@ -151,22 +152,22 @@ def status_of(bij: Mapping[str, Any]) -> str:
     return "validating"
 
 
-def usage_of(manifest: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def usage_of(manifest: Manifest | None) -> dict[str, Any] | None:
     """OpenAI's batch ``usage`` from what the published manifest counts: prompt and completion tokens
     of the result rows, the prompt tokens the engine's prefix cache served, and the reasoning tokens
     the result rows' usage names. None before there is a manifest."""
-    if not manifest:
+    if manifest is None:
         return None
-    counts = manifest.get("counts") or {}
-    tokens_in, tokens_out = int(counts.get("tokensIn") or 0), int(counts.get("tokensOut") or 0)
-    return {"input_tokens": tokens_in,
-            "input_tokens_details": {"cached_tokens": int((manifest.get("engine") or {}).get("cachedTokens") or 0)},
-            "output_tokens": tokens_out,
-            "output_tokens_details": {"reasoning_tokens": int(counts.get("reasoningTokens") or 0)},
-            "total_tokens": tokens_in + tokens_out}
+    counts = manifest.counts
+    cached = manifest.engine.cached_tokens if manifest.engine is not None else 0
+    return {"input_tokens": counts.tokens_in,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": counts.tokens_out,
+            "output_tokens_details": {"reasoning_tokens": counts.reasoning_tokens},
+            "total_tokens": counts.tokens_in + counts.tokens_out}
 
 
-def batch_object(bij: Mapping[str, Any], manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def batch_object(bij: Mapping[str, Any], manifest: Manifest | None = None) -> dict[str, Any]:
     """The OpenAI Batch object of a bij made by `bij-api`; `manifest`, once published, gives its usage."""
     rec = record(bij)
     meta = bij.get("metadata") or {}

@@ -65,6 +65,7 @@ from bij.api.files import MAX_MODELS, FileStore, new_id
 from bij.api.models import ModelMap, ModelMapError, job_doc
 from bij.contract import manifest as manifest_lists
 from bij.contract.codes import OPENAI_ENDPOINTS, PLURAL
+from bij.contract.manifest import Manifest, ManifestFile
 from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
 from bij.storage import NotFound
 
@@ -156,7 +157,7 @@ class Api:
         self.notify = notify or []
         # Ended batches' manifests, by URI: a published manifest never changes (a stopped bij never
         # publishes again, an output URI belongs to one bij), so each is read once.
-        self.manifests: dict[str, dict[str, Any]] = {}
+        self.manifests: dict[str, Manifest] = {}
         self.started = int(time.time())
 
     def app(self) -> web.Application:
@@ -240,18 +241,18 @@ class Api:
             manifest = await self._manifest(bij)
             if manifest is None:
                 raise NotFoundError(f"no file {file_id}: batch {batch_id} has not ended")
-            base = manifest["outputUri"].rstrip("/") + "/"
+            base = manifest.output_uri.rstrip("/") + "/"
             key = "files" if kind == "output" else "errorFiles"
             listed = await asyncio.to_thread(self._listed, manifest, key, base)
             if not listed:
                 raise NotFoundError(f"no file {file_id}: batch {batch_id} has no {kind} rows")
-            obj = {"id": file_id, "object": "file", "bytes": sum(int(f["bytes"]) for f in listed),
+            obj = {"id": file_id, "object": "file", "bytes": sum(f.bytes for f in listed),
                    "created_at": batch_object(bij)["completed_at"] or batch_object(bij)["created_at"],
                    "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output", "status": "processed",
                    "expires_at": None, "status_details": None}
-            if any(str(f["path"]).endswith(".zst") for f in listed):
+            if any(f.path.endswith(".zst") for f in listed):
                 raise BadRequest(f"{file_id} is stored compressed; this server serves plain JSON lines only")
-            return obj, [base + f["path"] for f in listed]
+            return obj, [base + f.path for f in listed]
         meta = await asyncio.to_thread(self.files.meta, who.namespace, file_id)
         if meta is None:
             raise NotFoundError(f"no file {file_id}")
@@ -316,11 +317,11 @@ class Api:
 
     # --- batches --------------------------------------------------------------------------------
 
-    def _listed(self, manifest: dict[str, Any], key: str, base: str) -> list[dict[str, Any]]:
+    def _listed(self, manifest: Manifest, key: str, base: str) -> list[ManifestFile]:
         """One of a manifest's file lists, read from its parts where it has them (`contract.manifest`)."""
         return manifest_lists.listed(manifest, key, lambda path: self.files.store.read_bytes(base + path))
 
-    async def _manifest(self, bij: dict[str, Any]) -> dict[str, Any] | None:
+    async def _manifest(self, bij: dict[str, Any]) -> Manifest | None:
         """The manifest of an ended batch (completed, cancelled or expired), else None."""
         uri = (bij.get("status") or {}).get("manifestUri")
         if not uri or status_of(bij) not in FINAL:
@@ -328,7 +329,7 @@ class Api:
         if uri not in self.manifests:
             if len(self.manifests) >= MANIFESTS_KEPT:
                 self.manifests.pop(next(iter(self.manifests)))
-            self.manifests[uri] = json.loads(await asyncio.to_thread(self.files.store.read_bytes, uri))
+            self.manifests[uri] = Manifest.parse(await asyncio.to_thread(self.files.store.read_bytes, uri), uri)
         return self.manifests[uri]
 
     async def _batch(self, bij: dict[str, Any]) -> dict[str, Any]:

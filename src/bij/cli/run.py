@@ -12,8 +12,7 @@ from bij.contract import layout
 from bij.contract.codes import EXIT_BAD_CONFIG
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.spec import BatchInferenceJob, SpecError, load_job
-from bij.contract.step_report import REMOVAL_FAILED
-from bij.local.publish import publish
+from bij.local.publish import publish_manifest
 from bij.local.run import LocalRunner, nodes_per_lane_refusal
 from bij.steps.output_claim import reset_output
 from bij.steps.publish import PublishError
@@ -80,8 +79,8 @@ def cli_publish(args: argparse.Namespace) -> int:
         job = load_job(args.spec)
         stats: list[dict[str, Any]] = []
         processes = job.spec.workers.parallelism if args.parallelism is None else args.parallelism
-        manifest = publish(job, rounds=max(1, planned_rounds(job)), processes=processes,
-                           bucket_rows=args.bucket_rows, stats=stats)
+        manifest = publish_manifest(job, rounds=max(1, planned_rounds(job)), processes=processes,
+                                    bucket_rows=args.bucket_rows, stats=stats)
     except (SpecError, PlanRefused) as e:
         print(f"bij: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -93,10 +92,10 @@ def cli_publish(args: argparse.Namespace) -> int:
         own = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")), 0)
         with open(args.process_stats, "w") as f:
             json.dump([*stats, {"pass": "driver", "index": 0, "maxRssKiB": own}], f)
-    failed = manifest.get(REMOVAL_FAILED)
-    if failed:
+    failed = manifest.work_files_removal
+    if failed is not None:
         # Published: work files left behind are a warning, not a failed publish.
-        print(f"bij: warning: the manifest stands, but removing work files failed: {failed['error']}; the rest are "
-              f"left under {failed['left']} (run `bij publish` again to resume the removal)", file=sys.stderr)
-    print(json.dumps(manifest["counts"]))
+        print(f"bij: warning: the manifest stands, but removing work files failed: {failed.error}; the rest are "
+              f"left under {failed.left} (run `bij publish` again to resume the removal)", file=sys.stderr)
+    print(json.dumps(manifest.counts.as_json()))
     return 0

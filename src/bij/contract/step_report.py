@@ -6,10 +6,11 @@
     {"jobUid": ..., "pod": ..., "error": {"code": "PlanRefused", "message": ..., "permanent": true}}
 
 `jobUid` names the Job that made it, so a report left by a deleted Job of the same name is never
-taken. An error is sorted by its `code`, a name of this contract that stays when the code raising it
-is renamed or moved: `reconcile.decide()` turns each code into a decision (fail, retry later), and
-`INTERNAL` (an error no code names: a bug, a crash) into a retry of the pod by its Job, bounded by the
-spec's backoff fields, then Failed with the message.
+taken. `result` is the JSON of its step kind's model (`step_results`), read into that model in one
+place (`control.rules.steps.step`). An error is sorted by its `code`, a name of this contract that
+stays when the code raising it is renamed or moved: `reconcile.decide()` turns each code into a
+decision (fail, retry later), and `INTERNAL` (an error no code names: a bug, a crash) into a retry of
+the pod by its Job, bounded by the spec's backoff fields, then Failed with the message.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-# The key of a manifest step's result (and of `finish_publish`'s answer, never of the manifest itself)
+# The key of a manifest step's result (`ManifestSummary.work_files_removal`; beside a manifest, never in it)
 # when removing work files failed after the manifest was written: {"removed", "bytes", "left", "error"}.
 # The bij still succeeds, with the Condition `REMOVAL_CONDITION` False and a Warning Event.
 REMOVAL_FAILED = "workFilesRemoval"
@@ -64,7 +65,7 @@ class StepError(_Model):
 class StepReport(_Model):
     job_uid: str = ""
     pod: str = ""
-    result: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None  # `step_results.parse_result(kind, result)` reads it
     error: StepError | None = None
 
     def as_status(self) -> dict[str, Any]:

@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from bij.contract.status import Phase, PoolLanes
+from bij.contract.step_results import (
+    CanaryResult,
+    FinishResult,
+    ManifestSummary,
+    PlanResult,
+    PublishPlanResult,
+    StepResult,
+)
 from bij.control.observe import Lanes, Shards
 
 # Cancelled and Expired: stopped for good by spec.cancel or spec.deadlineSeconds, the finished part published.
@@ -41,9 +49,9 @@ class Decision:
 @dataclass(frozen=True, kw_only=True)
 class StepDecision(Decision):
     """A decision whose storage work runs as a step Job (`steps`): ``result`` None means create that
-    Job (`step` decided it may run); else the step's result, to be recorded."""
+    Job (`step` decided it may run); else the step's result, to be recorded (its kind's model)."""
 
-    result: Mapping[str, Any] | None = None
+    result: StepResult | None = None
 
     def step_args(self) -> dict[str, Any]:
         """The step's kind, round and arguments (`step_jobs.render_step_job`)."""
@@ -71,6 +79,8 @@ class StopHeld(Decision):
 @dataclass(frozen=True, kw_only=True)
 class PlanRound(StepDecision):
     """Plan round `round` (idempotent) and record it in ``status.rounds``."""
+
+    result: PlanResult | None = None
 
     def step_args(self) -> dict[str, Any]:
         return {"kind": "plan", "round_no": self.round}
@@ -114,6 +124,7 @@ class CheckCanary(StepDecision):
     then `canary_verdict` decides."""
 
     canary_shards: int
+    result: CanaryResult | None = None
 
     def step_args(self) -> dict[str, Any]:
         # The step's `rounds` argument carries the canary's shard count.
@@ -144,6 +155,7 @@ class FinishRound(StepDecision):
     its finish step counted (``result``)."""
 
     failed_lanes: tuple[int, ...] = ()  # lanes that failed for good while the others finished every shard
+    result: FinishResult | None = None
 
     def step_args(self) -> dict[str, Any]:
         return {"kind": "finish", "round_no": self.round}
@@ -156,6 +168,7 @@ class PreparePublish(StepDecision):
 
     rounds: int
     partial: str | None = None
+    result: PublishPlanResult | None = None
 
     def step_args(self) -> dict[str, Any]:
         return {"kind": "publish-plan", "round_no": 0, "rounds": self.rounds, "partial": self.partial}
@@ -179,6 +192,7 @@ class Publish(StepDecision):
     rounds: int
     partial: str | None = None
     plan_uri: str = ""
+    result: ManifestSummary | None = None
 
     def step_args(self) -> dict[str, Any]:
         return {"kind": "manifest", "round_no": 0, "rounds": self.rounds, "plan_uri": self.plan_uri}

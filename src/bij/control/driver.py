@@ -41,7 +41,6 @@ from bij.contract.codes import GENERATION_LABEL
 from bij.contract.efficiency import eta_seconds, fmt_duration
 from bij.contract.fingerprint import field_digests
 from bij.contract.lane_report import LaneTally
-from bij.contract.manifest import file_count
 from bij.contract.notify import body as notify_body
 from bij.contract.notify import delivery_id
 from bij.contract.notify import headers as notify_headers
@@ -49,7 +48,8 @@ from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats
 from bij.contract.spec import BatchInferenceJob, SecretKeyRef, SpecError
 from bij.contract.status import JobStatus, Phase
-from bij.contract.step_report import REMOVAL_CONDITION, REMOVAL_FAILED
+from bij.contract.step_report import REMOVAL_CONDITION
+from bij.contract.step_results import FinishResult, ManifestSummary
 from bij.control import notify
 from bij.control.decisions import (
     STOPPED_PHASES,
@@ -244,16 +244,8 @@ class Driver:
         to stop."""
         try:
             return self._apply(seen, job, d)
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(d, StepDecision) and d.result is not None:
-                # A result this operator cannot read (a pod of another bij version): said, never raised.
-                what = d.step_args()
-                unreadable = MarkFailed(round=d.round, phase="Failed", reason="StepFailed", event="StepFailed",
-                                        message=f"step {what['kind']} of round {what['round_no']}: its result "
-                                                f"cannot be read ({type(e).__name__}: {e}); are the steps' image "
-                                                "and the operator of one version?")
-                return self.apply_failure(seen, unreadable, job)
-            if not isinstance(e, ValueError) or not isinstance(d, (CreateJob, CreatePublishJob)):
+        except ValueError as e:
+            if not isinstance(d, (CreateJob, CreatePublishJob)):
                 raise
             # The Job cannot be made from this spec (more lanes than an Indexed Job may have): only a spec
             # change helps.
@@ -311,18 +303,18 @@ class Driver:
         status = seen.status
         got = d.result
         assert got is not None
-        shards, lanes, size = int(got["shards"]), int(got["lanes"]), int(got["bytes"])
+        shards, lanes, size = got.shards, got.lanes, got.bytes
         rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
         rec: dict[str, Any] = {"round": d.round, "shards": shards, "lanes": lanes,
                                "bytes": size, "startTime": fmt_time(now)}
         if d.round == 0:
             rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
-        canary = int(got.get("canaryShards") or 0)
+        canary = got.canary_shards
         if canary:
             rec["canaryShards"] = canary
         rounds.append(rec)
-        msg = (f"round {d.round}: planned {shards} shards in {lanes} lanes from {int(got['objects'])} "
-               f"input objects ({size:,} {got.get('unit') or 'bytes'})"
+        msg = (f"round {d.round}: planned {shards} shards in {lanes} lanes from {got.objects} "
+               f"input objects ({size:,} {got.unit or 'bytes'})"
                + (f"; the canary runs {canary} of them, spread over the input, alone first" if canary else ""))
         patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
                  "shards": {"done": 0, "total": shards}, "shardsSummary": f"0/{shards}"}
@@ -410,14 +402,10 @@ class Driver:
         """The round-statistics step's result: the round's record completed (its lanes' reports, in their
         Leases, are no longer read: they go with the round's Job)."""
         status = seen.status
-        end = d.result or {}
+        end = d.result or FinishResult()
         this = round_records(status).get(d.round)
         planned = this.shards if this is not None else 0
-        counted = end.get("stats") or {}
-        stats = RoundStats(round=d.round, shards=planned, approved=int(counted.get("approved") or 0),
-                           rejected=int(counted.get("rejected") or 0), capped=int(counted.get("capped") or 0),
-                           errors=int(counted.get("errors") or 0),
-                           engine_calls=int(counted.get("engineCalls") or 0))
+        stats = end.stats.stats(d.round, planned)
         rounds = []
         for rec in status.get("rounds") or []:
             if rec.get("round") == d.round:
@@ -436,7 +424,7 @@ class Driver:
             msg += f"; lane groups replaced: {d.lanes.replaced}"
         patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
                  **self.progress(seen, d.round, now, ended=stats),
-                 **{k: end[k] for k in ("efficiency", "cost") if k in end}}
+                 **{k: v for k, v in end.as_result().items() if k in ("efficiency", "cost")}}
         self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
         return None
 
@@ -445,10 +433,10 @@ class Driver:
         """The publish plan step's result: the publish record the passes follow (or the manifest, when one stands)."""
         got = d.result
         assert got is not None
-        if "published" in got:
+        if got.published is not None:
             # Published before the status said so (a restart in between): the manifest stands.
-            return self.published(seen, job, d, got["published"])
-        plan_uri, passes = str(got["planUri"]), {str(k): int(v) for k, v in dict(got["passes"]).items()}
+            return self.published(seen, job, d, got.published)
+        plan_uri, passes = got.plan_uri, dict(got.passes)
         msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
             + " indexes" + (" (partial)" if d.partial else "")
         # startedAt: when publishing began (bij-api's finalizing_at).
@@ -614,53 +602,52 @@ class Driver:
                               if seen.status.get("message") != conflict.message else None)
         return created
 
-    def published(self, seen: Observed, job: BatchInferenceJob, d: Decision, manifest: Mapping[str, Any]) -> Idle:
+    def published(self, seen: Observed, job: BatchInferenceJob, d: Decision, manifest: ManifestSummary) -> Idle:
         """Phase Succeeded with what the manifest says (Cancelled or Expired for a partial manifest)."""
         now = now_utc()
-        counts = manifest.get("counts") or {}
+        counts = manifest.counts
         uri = layout.manifest_uri(job)
-        partial = (manifest.get("partial") or {}).get("phase")
-        files = file_count(manifest)
-        codes = counts.get("errorCodes") or {}
+        partial = manifest.partial.phase if manifest.partial is not None else None
+        codes = counts.error_codes
         by_code = (": " + ", ".join(f"{n} {code}" for code, n in sorted(codes.items(), key=lambda e: -e[1]))
                    if codes else "")
-        msg = (f"published {counts.get('rows', 0)} rows in {files} files "
-               f"({counts.get('errors', 0)} error rows{by_code}) to {uri}")
-        if partial:
-            msg = (f"{partial.lower()} ({manifest['partial'].get('reason', '')}): " + msg
-                   + f"; {counts.get('notRun', 0)} rows not run")
-        structured = counts.get("structured") or {}
-        if structured.get("validated") or structured.get("violations"):
+        msg = (f"published {counts.rows} rows in {manifest.files} files "
+               f"({counts.errors} error rows{by_code}) to {uri}")
+        if partial and manifest.partial is not None:
+            msg = (f"{partial.lower()} ({manifest.partial.reason}): " + msg
+                   + f"; {counts.not_run or 0} rows not run")
+        structured = counts.structured
+        if structured.validated or structured.violations:
             # Structured answers checked after decoding (bij.engines.structured).
-            msg += (f"; structured answers: {structured.get('validated', 0)} validated "
-                    f"({structured.get('repaired', 0)} repaired on a second grammar backend), "
-                    f"{structured.get('violations', 0)} schema_violation error rows")
-        for note in manifest.get("notes") or []:
+            msg += (f"; structured answers: {structured.validated} validated "
+                    f"({structured.repaired} repaired on a second grammar backend), "
+                    f"{structured.violations} schema_violation error rows")
+        for note in manifest.notes:
             msg += f"; {note}"  # what the engine could not serve at all, once each (not per row)
-        damaged = [str(o.get("message")) for o in manifest.get("damagedObjects") or []]
+        damaged = [o.message for o in manifest.damaged_objects]
         if damaged:
             # input.onDamagedObject errorRow: published without what lay behind the break; never silent.
             msg += "; damaged input (one corrupt_input error row each, the rest unread): " + "; ".join(damaged)
-        if counts.get("capped"):
+        if counts.capped:
             # Never silent: rows the judge still rejected at the cap are published apart and said so.
-            capped = (f"RetryCapReached: {counts['capped']} rows were still rejected by the judge at the cap; "
+            capped = (f"RetryCapReached: {counts.capped} rows were still rejected by the judge at the cap; "
                       "they are in the manifest's cappedFiles")
             msg += f"; {capped}"
             self.backend.event("Warning", "RetryCapReached", capped)
-        removal = manifest.get(REMOVAL_FAILED) or {}
-        if removal:
+        removal = manifest.work_files_removal
+        if removal is not None:
             # The manifest stands: work files left behind are a warning, never a failed bij.
-            left = (f"RemovalFailed: removing work files failed after {removal.get('removed', 0)} objects: "
-                    f"{removal.get('error')}; the rest are left under {removal.get('left')} (a rerun resumes "
+            left = (f"RemovalFailed: removing work files failed after {removal.removed} objects: "
+                    f"{removal.error}; the rest are left under {removal.left} (a rerun resumes "
                     "the removal, or a bucket lifecycle rule on the _bij/ prefix removes them)")
             msg += f"; {left}"
             self.backend.event("Warning", "RemovalFailed", left)
         done = dataclasses.replace(d, phase=partial or "Succeeded", reason=partial or "Published", message=msg)
-        rows = {"done": int(counts.get("rows", 0)), "failed": int(counts.get("errors", 0))}
+        rows = {"done": counts.rows, "failed": counts.errors}
         if partial:
-            rows["notRun"] = int(counts.get("notRun", 0))
+            rows["notRun"] = counts.not_run or 0
         patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg, "rows": rows}
-        if removal:
+        if removal is not None:
             patch["conditions"] = set_condition(patch["conditions"], REMOVAL_CONDITION, False, "RemovalFailed",
                                                 left, generation=seen.generation, now=now)
         patch.update({k: v for k, v in self.progress(seen, d.round, now).items() if k != "rows"})

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from bij.contract.manifest import Manifest
 from bij.contract.publish_plan import PublishPlan
 from bij.contract.spec import BatchInferenceJob
+from bij.contract.step_report import REMOVAL_FAILED
 from bij.control.step_jobs import render_publish_job
 from bij.local.jobs import LocalJob, worker_command, worker_env
 from bij.steps import publish_rows
@@ -39,8 +41,18 @@ def run_passes_in_processes(job: BatchInferenceJob, plan_uri: str, plan: Publish
 
 def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
             bucket_rows: int | None = None, stats: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`publish_manifest`, returning the manifest's document as written (with `REMOVAL_FAILED` beside its
+    fields where removing work files failed): what benchmarks read, as a reader of manifest.json would."""
+    manifest = publish_manifest(job, rounds, processes, bucket_rows, stats)
+    removal = manifest.work_files_removal
+    return {**manifest.as_json(), **({REMOVAL_FAILED: removal.as_json()} if removal is not None else {})}
+
+
+def publish_manifest(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
+                     bucket_rows: int | None = None, stats: list[dict[str, Any]] | None = None) -> Manifest:
     """Publish rounds 0..rounds-1 (`bij.steps.publish.publish`), the passes in `processes` worker
-    processes (0: in this one). Returns the manifest."""
+    processes (0: in this one). Returns the manifest (with `work_files_removal` where removing work files
+    failed after it was written)."""
     plan_uri, plan = prepare_publish(job, rounds, bucket_rows)
     if processes <= 0:
         run_passes(plan)

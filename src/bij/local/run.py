@@ -33,6 +33,7 @@ from bij.contract.codes import EXIT_BAD_CONFIG, PUBLISH_LABEL, ROUND_LABEL, STEP
 from bij.contract.efficiency import fmt_money
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.lane_report import tally
+from bij.contract.manifest import EfficiencyFigures, Manifest
 from bij.contract.round_record import round_records
 from bij.contract.spec import BatchInferenceJob, CanarySpec, SecretKeyRef
 from bij.contract.status import JobStatus
@@ -374,10 +375,10 @@ class LocalRunner:
             return EXIT_BAD_CONFIG
         store = open_storage(self.job.spec.output.uri, self.job.spec.storage.s3)
         published = read_manifest(self.job)
-        if published is not None and published.get("partial"):
+        if published is not None and published.partial is not None:
             return self.stopped_before(published)
         if published is not None and self.cancel:
-            print(f"bij: {self.job.metadata.name} was published whole at {published.get('publishedAt')}: nothing to "
+            print(f"bij: {self.job.metadata.name} was published whole at {published.published_at}: nothing to "
                   "cancel", file=sys.stderr)
             print(layout.manifest_uri(self.job))
             return 0
@@ -450,11 +451,12 @@ class LocalRunner:
         except (StorageError, OSError):
             pass
 
-    def stopped_before(self, manifest: dict[str, Any]) -> int:
+    def stopped_before(self, manifest: Manifest) -> int:
         """A rerun of a job that was cancelled or expired: its partial manifest stands."""
-        phase = manifest["partial"]["phase"]
-        print(f"bij: {self.job.metadata.name} was {phase.lower()} ({manifest['partial']['reason']}) and its finished "
-              f"part published at {manifest.get('publishedAt')}: it never runs or publishes again; to run it anew, "
+        assert manifest.partial is not None
+        phase = manifest.partial.phase
+        print(f"bij: {self.job.metadata.name} was {phase.lower()} ({manifest.partial.reason}) and its finished "
+              f"part published at {manifest.published_at}: it never runs or publishes again; to run it anew, "
               "bij run --restart (deletes its results) or choose a new spec.output.uri", file=sys.stderr)
         print(layout.manifest_uri(self.job))
         return 0 if self.cancel and phase == "Cancelled" else EXIT_STOPPED
@@ -463,10 +465,10 @@ class LocalRunner:
         """The exit code and last words of a job that ended."""
         if status.get("phase") in STOPPED_PHASES:
             manifest = read_manifest(self.job)
-            assert manifest is not None and manifest.get("partial"), "stopped without a partial manifest"
-            c = manifest["partial"]["counts"]
-            print(f"bij: {status['phase'].lower()}: {c['completed']:,} rows completed, {c['failed']:,} failed, "
-                  f"{c['notRun']:,} not run", file=sys.stderr)
+            assert manifest is not None and manifest.partial is not None, "stopped without a partial manifest"
+            c = manifest.partial.counts
+            print(f"bij: {status['phase'].lower()}: {c.completed:,} rows completed, {c.failed:,} failed, "
+                  f"{c.not_run:,} not run", file=sys.stderr)
             self.summary(manifest)
             return 0 if self.cancel and status["phase"] == "Cancelled" else EXIT_STOPPED
         if status.get("phase") == "CanaryFailed":
@@ -481,22 +483,22 @@ class LocalRunner:
         self.summary(manifest)
         return 0
 
-    def summary(self, manifest: dict[str, Any]) -> None:
+    def summary(self, manifest: Manifest) -> None:
         """What the run cost and what to know about its rows (the Published Event said where they are)."""
-        c = manifest["counts"]
-        eff, spent = manifest["efficiency"], manifest.get("cost")
-        print(f"bij: {eff['workerSeconds']:,.1f} worker seconds ({eff['modelLoads']} model loads, "
-              f"{eff['modelLoadSeconds']:,.1f} s), engine busy {eff['engineBusyFraction']:.0%}, "
-              f"{eff['rowsPerSecondPerWorker']:,.1f} rows/s per worker", file=sys.stderr)
+        c = manifest.counts
+        eff, spent = manifest.efficiency or EfficiencyFigures(), manifest.cost
+        print(f"bij: {eff.worker_seconds:,.1f} worker seconds ({eff.model_loads} model loads, "
+              f"{eff.model_load_seconds:,.1f} s), engine busy {eff.engine_busy_fraction:.0%}, "
+              f"{eff.rows_per_second_per_worker:,.1f} rows/s per worker", file=sys.stderr)
         if spent is not None:
-            print(f"bij: cost {fmt_money(spent['total'])} at {spent['pricePerHour']:g}/hour per worker: "
-                  f"{fmt_money(spent['perMillionRows'])} per million rows, "
-                  f"{fmt_money(spent['perMillionTokens'])} per million tokens", file=sys.stderr)
-        if c.get("truncated"):
-            print(f"bij: {c['truncated']:,} rows were longer than the model's input limit and were truncated "
+            print(f"bij: cost {fmt_money(spent.total)} at {spent.price_per_hour:g}/hour per worker: "
+                  f"{fmt_money(spent.per_million_rows)} per million rows, "
+                  f"{fmt_money(spent.per_million_tokens)} per million tokens", file=sys.stderr)
+        if c.truncated:
+            print(f"bij: {c.truncated:,} rows were longer than the model's input limit and were truncated "
                   f"(marked \"truncated\": true in their result)", file=sys.stderr)
-        if c.get("capped"):
-            print(f"bij: RetryCapReached: {c['capped']:,} rows were still rejected at the cap; "
+        if c.capped:
+            print(f"bij: RetryCapReached: {c.capped:,} rows were still rejected at the cap; "
                   f"they are in the manifest's cappedFiles", file=sys.stderr)
         print(layout.manifest_uri(self.job))
 

@@ -30,11 +30,22 @@ from bij.contract import layout
 from bij.contract.canary import MOST_EXAMPLES, CanaryFigures, canary_shards
 from bij.contract.efficiency import cost
 from bij.contract.fingerprint import PlanRefused
-from bij.contract.manifest import file_count
+from bij.contract.manifest import CostFigures, EfficiencyFigures, Manifest
 from bij.contract.plan import Plan
 from bij.contract.rounds import RoundSums
 from bij.contract.spec import BatchInferenceJob, SpecError, parse_job
-from bij.contract.step_report import MOST_MESSAGE, REMOVAL_FAILED, StepError, StepErrorCode, StepReport
+from bij.contract.step_report import StepError, StepErrorCode, StepReport
+from bij.contract.step_results import (
+    MOST_DAMAGED,
+    CanaryExample,
+    CanaryResult,
+    FinishResult,
+    FinishStats,
+    ManifestSummary,
+    PlanResult,
+    PublishPlanResult,
+    StepResult,
+)
 from bij.steps import publish_rows
 from bij.steps.arenas import cap_malloc_arenas
 from bij.steps.plan_input import PlanError
@@ -55,8 +66,6 @@ from bij.worker.report import JOB_UID_ENV, POD_NAME_ENV, ReportError, put_with_r
 log = logging.getLogger("bij.step")
 
 KINDS = ("plan", "finish", "canary", "publish-plan", "manifest")
-# Damaged objects named in a result at most: the status stays small; the manifest lists them all.
-MOST_DAMAGED = 20
 # Where a container's termination message goes (the kubelet shows it in the pod's status).
 TERMINATION_LOG = "/dev/termination-log"
 
@@ -76,17 +85,15 @@ _CODES: tuple[tuple[type[BaseException], StepErrorCode], ...] = (
 
 
 def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 0,
-             plan_uri: str = "", partial: str | None = None) -> dict[str, Any]:
-    """Do one step's storage work for `job` and return its small result."""
+             plan_uri: str = "", partial: str | None = None) -> StepResult:
+    """Do one step's storage work for `job` and return its small result (`contract.step_results`)."""
     if kind == "plan":
         plan = plan_round(job, round_no)
-        out = {"manifestUri": plan.manifest_uri, "shards": plan.shard_count, "objects": plan.objects,
-               "bytes": plan.total_bytes, "unit": plan.unit, "lanes": plan.lanes}
-        if plan.canary_shards:
-            out["canaryShards"] = plan.canary_shards
-        return out
+        return PlanResult(manifest_uri=plan.manifest_uri, shards=plan.shard_count, objects=plan.objects,
+                          bytes=plan.total_bytes, unit=plan.unit, lanes=plan.lanes,
+                          **({"canary_shards": plan.canary_shards} if plan.canary_shards else {}))
     if kind == "finish":
-        return finish_round(job, round_no)
+        return round_figures(job, round_no)
     if kind == "canary":
         return canary_figures(job, rounds)
     if kind == "publish-plan":
@@ -98,9 +105,9 @@ def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 
             if found is None:
                 raise
             if e.removal is not None and e.removal.error is not None:
-                found = {**found, REMOVAL_FAILED: e.removal.as_result()}
-            return {"published": manifest_summary(found)}
-        return {"planUri": uri, "passes": {p: pplan.count(p) for p in publish_rows.PASSES}}
+                found = found.model_copy(update={"work_files_removal": e.removal.as_result()})
+            return PublishPlanResult(published=manifest_summary(found))
+        return PublishPlanResult(plan_uri=uri, passes={p: pplan.count(p) for p in publish_rows.PASSES})
     if kind == "manifest":
         try:
             pplan = publish_rows.load(plan_uri, job.spec.storage.s3)
@@ -116,6 +123,11 @@ def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 
 
 
 def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
+    """The finish step's result as its report carries it (`round_figures`), for benchmarks and tests."""
+    return round_figures(job, round_no).as_result()
+
+
+def round_figures(job: BatchInferenceJob, round_no: int) -> FinishResult:
     """A round whose Job ended: how many shards are done, its statistics (what the judge and
     spec.maxErrorRatio decide on), the damaged objects its workers stopped at, and the efficiency and
     cost of rounds 0..round_no, all from the workers' records: time O(shards), memory flat."""
@@ -132,27 +144,26 @@ def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
     eff = every.efficiency.result()
     rows, tokens = every.rows, every.tokens
     damaged = [rec.describe() for rec in damage_records(job, round_no) if rec.mode == "fail"]
-    out: dict[str, Any] = {"done": done, "stats": current.stats(round_no, 0).as_status(),
-                           "efficiency": eff, "damaged": damaged[:MOST_DAMAGED],
-                           "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
+    out: dict[str, Any] = {"done": done, "stats": FinishStats.of(current.stats(round_no, 0)),
+                           "efficiency": EfficiencyFigures.model_validate(eff), "damaged": damaged[:MOST_DAMAGED],
+                           "damaged_more": max(0, len(damaged) - MOST_DAMAGED)}
     spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], rows, tokens, job.spec.workers.nodes_per_lane,
                  pool_prices=job.spec.workers.pool_prices, by_pool=eff.get("workerSecondsByPool"))
     if spent is not None:
-        out["cost"] = spent
-    return out
+        out["cost"] = CostFigures.model_validate(spent)
+    return FinishResult(**out)
 
 
-def canary_figures(job: BatchInferenceJob, shards: int) -> dict[str, Any]:
+def canary_figures(job: BatchInferenceJob, shards: int) -> CanaryResult:
     """The canary's figures (its `shards` shards of round 0, `canary_shards`, from their completion records) and
     a few of its failing rows (id, code, message) read from their durable logs, for the verdict's message."""
     uri = layout.round_manifest_uri(job, 0)
     plan = Plan.from_json(open_storage(uri, job.spec.storage.s3).read_bytes(uri), f"round plan {uri}")
     ours = set(canary_shards(plan.shard_total, shards))
     records = {i: r for i, r in shard_records(job, 0).items() if i in ours}
-    out: dict[str, Any] = CanaryFigures.of(records.values()).as_status()
-    out["done"] = len(records)
+    figures = CanaryFigures.of(records.values()).as_status()
     store = open_storage(layout.round_prefix(job, 0), job.spec.storage.s3)
-    examples: list[dict[str, Any]] = []
+    examples: list[CanaryExample] = []
     for i in sorted(records):
         if not records[i].get("errors"):
             continue
@@ -162,33 +173,20 @@ def canary_figures(job: BatchInferenceJob, shards: int) -> dict[str, Any]:
             row = rec.get("row") or {}
             err = row.get("error") or {}
             rid = row.get("id", row.get("custom_id"))
-            examples.append({"id": None if rid is None else str(rid), "code": str(err.get("code") or ""),
-                             "message": str(err.get("message") or "")[:300]})
+            examples.append(CanaryExample(id=None if rid is None else str(rid), code=str(err.get("code") or ""),
+                                          message=str(err.get("message") or "")[:300]))
             if len(examples) >= MOST_EXAMPLES:
                 break
         if len(examples) >= MOST_EXAMPLES:
             break
-    out["examples"] = examples
     # Kept beside round 0, so that the manifest can say how far the estimate made from it was off.
-    store.write_bytes(layout.canary_uri(job), json.dumps({k: v for k, v in out.items() if k != "examples"}).encode())
-    return out
+    store.write_bytes(layout.canary_uri(job), json.dumps({**figures, "done": len(records)}).encode())
+    return CanaryResult.model_validate({**figures, "done": len(records), "examples": examples})
 
 
-def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
+def manifest_summary(manifest: Manifest) -> ManifestSummary:
     """What the operator says about a published manifest (counts, file count, damaged objects)."""
-    damaged = [{"message": str(o.get("message"))} for o in manifest.get("damagedObjects") or []]
-    summary = {"counts": dict(manifest.get("counts") or {}), "files": file_count(manifest),
-               "damagedObjects": damaged[:MOST_DAMAGED], "damagedMore": max(0, len(damaged) - MOST_DAMAGED)}
-    notes = [str(n)[:MOST_MESSAGE] for n in manifest.get("notes") or []]
-    if notes:  # what the engine could not serve at all, once each (a few: they go into the status message)
-        summary["notes"] = notes[:MOST_DAMAGED]
-    if manifest.get("partial"):
-        summary["partial"] = dict(manifest["partial"])  # Cancelled or Expired: the phase it ends in
-    if manifest.get(REMOVAL_FAILED):
-        # Removing work files failed after the manifest was written: a warning, not a failure.
-        failed = dict(manifest[REMOVAL_FAILED])
-        summary[REMOVAL_FAILED] = {**failed, "error": str(failed.get("error"))[:MOST_MESSAGE]}
-    return summary
+    return ManifestSummary.of(manifest)
 
 
 def error_of(e: BaseException) -> StepError:
@@ -225,7 +223,7 @@ def step_report(args: argparse.Namespace, job_uid: str, pod: str = "") -> StepRe
         else:
             log.info("step %s: %s", args.kind, e)  # the driver says it (once) where the bij's messages go
         return StepReport(job_uid=job_uid, pod=pod, error=error)
-    return StepReport(job_uid=job_uid, pod=pod, result=result)
+    return StepReport(job_uid=job_uid, pod=pod, result=result.as_result())
 
 
 def say_last_words(message: str, path: str = TERMINATION_LOG) -> None:

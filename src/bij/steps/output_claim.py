@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-import orjson
-
 from bij.contract import layout
 from bij.contract import manifest as manifest_lists
 from bij.contract.fingerprint import PlanRefused
@@ -73,8 +71,8 @@ def claim_output(job: BatchInferenceJob, store: Storage) -> None:
 def delete_manifest(job: BatchInferenceJob, store: Storage) -> None:
     """Delete the job's manifest, then the manifest parts it names (a manifest of many files)."""
     try:
-        parts = manifest_lists.part_paths(orjson.loads(store.read_bytes(layout.manifest_uri(job))))
-    except (NotFound, ValueError):
+        parts = manifest_lists.Manifest.parse(store.read_bytes(layout.manifest_uri(job))).part_paths()
+    except (NotFound, ValueError, manifest_lists.BadManifest):
         parts = []
     store.delete(layout.manifest_uri(job))
     for path in parts:

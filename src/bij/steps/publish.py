@@ -23,6 +23,19 @@ from bij.contract.canary import CanaryFigures, accuracy, estimate
 from bij.contract.efficiency import EfficiencySums, cost
 from bij.contract.errors import BijError
 from bij.contract.fingerprint import PlanRefused, spec_changes
+from bij.contract.manifest import (
+    CanaryCheck,
+    CostFigures,
+    DamagedObject,
+    EfficiencyFigures,
+    EngineFigures,
+    Manifest,
+    ManifestCounts,
+    ManifestJob,
+    ManifestModel,
+    ManifestRound,
+    Partial,
+)
 from bij.contract.plan import BadPlan, Plan
 from bij.contract.publish_plan import PublishPlan
 from bij.contract.records import ShardRecord
@@ -120,11 +133,11 @@ class _Totals:
         counts of integer and string ids (a record without them counts as mixed)."""
         return id_kind(self.int_ids, self.str_ids) if self.ids_counted else id_kind(None, None)
 
-    def engine(self) -> dict[str, Any]:
-        return {"busySeconds": round(self.busy_s, 3), "steps": self.steps,
-                "meanOccupancy": round(self.occupancy_steps / self.steps, 4) if self.steps else None,
-                "prefixShare": round(self.shared_chars / self.prompt_chars, 4) if self.prompt_chars else None,
-                "cachedTokens": self.cached_tokens}
+    def engine(self) -> EngineFigures:
+        return EngineFigures(busy_seconds=round(self.busy_s, 3), steps=self.steps,
+                             mean_occupancy=round(self.occupancy_steps / self.steps, 4) if self.steps else None,
+                             prefix_share=round(self.shared_chars / self.prompt_chars, 4) if self.prompt_chars
+                             else None, cached_tokens=self.cached_tokens)
 
 
 def load_round_plan(store: Storage, job: BatchInferenceJob, round_no: int) -> Plan:
@@ -205,7 +218,9 @@ def run_passes(plan: PublishPlan) -> None:
 
 
 def publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | None = None) -> dict[str, Any]:
-    """Write result/error/capped files for rounds 0..rounds-1 and then the manifest. Returns the manifest.
+    """Write result/error/capped files for rounds 0..rounds-1 and then the manifest. Returns the manifest's
+    document as written (with `REMOVAL_FAILED` beside its fields where removing work files failed): what
+    tests and benchmarks read, as a reader of manifest.json would.
 
     The row-level work runs in the passes of `bij.steps.publish_rows`, here in this process
     (`bij.local.publish` runs them in worker processes); this function reads only plans,
@@ -216,7 +231,9 @@ def publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | None = N
     """
     plan_uri, pplan = prepare_publish(job, rounds, bucket_rows)
     run_passes(pplan)
-    return finish_publish(job, rounds, pplan)
+    manifest = finish_publish(job, rounds, pplan)
+    removal = manifest.work_files_removal
+    return {**manifest.as_json(), **({REMOVAL_FAILED: removal.as_json()} if removal is not None else {})}
 
 
 def prepare_publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | None = None,
@@ -228,7 +245,8 @@ def prepare_publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | 
     and the plan."""
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
     try:
-        stopped = (json.loads(store.read_bytes(layout.manifest_uri(job))).get("partial") or {}).get("phase")
+        published = Manifest.parse(store.read_bytes(layout.manifest_uri(job)), layout.manifest_uri(job))
+        stopped = published.partial.phase if published.partial is not None else None
     except NotFound:
         stopped = None
     if stopped:
@@ -271,11 +289,12 @@ def _read_done(store: Storage, plans: list[Plan], t: _Totals, partial: bool = Fa
             raise PublishError(f"round {r} shard {missing} has not finished")
 
 
-def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> dict[str, Any]:
+def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> Manifest:
     """After the passes: the manifest from the completion records and the passes' per-shard summaries,
     read one at a time into running sums; its file lists, where longer than `manifest.PART_FILES`, go
     into manifest parts written as they fill. The manifest is written last in one atomic write; then the
-    work files go (keepIntermediate false)."""
+    work files go (keepIntermediate false): where that fails, the manifest returned says so in
+    `work_files_removal` (never written into manifest.json)."""
     out_uri = job.spec.output.uri
     store = open_storage(out_uri, job.spec.storage.s3)
     # A folder of its own for each publish's parts: a manifest already published keeps reading its own.
@@ -322,54 +341,54 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> d
             f"error rows are in {layout.join(out_uri, 'errors')}/"
         )
     eff = t.eff.result()
-    manifest: dict[str, Any] = {
-        "apiVersion": f"{job.api_version}",
-        "kind": "BatchInferenceJobManifest",
-        "job": {"name": job.metadata.name, "namespace": job.metadata.namespace, "id": job.job_id},
-        "outputUri": out_uri,
-        # What the result files hold: JSON lines (plain or OpenAI batch output) or Parquet.
-        "format": "openai" if job.spec.input.format == "openai" else job.spec.output.format,
-        "compression": job.spec.output.compression,
-        "model": {"engine": job.spec.model.engine, "name": job.spec.model.name, "task": job.spec.model.task},
-        "judge": job.spec.judge.type if job.spec.judge else None,
-        **lists.finish(),
-        "counts": {"rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
-                   "truncated": t.truncated, "inputRows": total + not_run,
-                   "tokensIn": t.tokens_in, "tokensOut": t.tokens_out, "reasoningTokens": t.reasoning_tokens,
-                   **({"notRun": not_run} if pplan.partial else {}),
-                   # Error rows by code; structured answers checked after decoding (bij.engines.structured).
-                   "errorCodes": dict(sorted(t.error_codes.items())),
-                   "structured": {"validated": t.structured_validated, "repaired": t.structured_repaired,
-                                  "violations": t.structured_violations}},
-        # What the engine could not serve at all (a grammar its tokenizer cannot write), said once each.
-        "notes": t.notes,
-        "rounds": t.rounds,
-        **(partial_fields(pplan.partial, t.rows, t.errors, not_run) if pplan.partial else {}),
-        # input.onDamagedObject errorRow: objects published without what lay behind their break.
-        "damagedObjects": [{"round": r, "shard": rec.shard, "object": rec.name, "offset": rec.offset,
-                            "reason": rec.reason, "message": rec.describe()}
-                           for r in range(rounds) for rec in damage_records(job, r)],
-        "engine": t.engine(),
-        "efficiency": eff,
-        "publishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
     spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], t.rows,
                  t.tokens_in + t.tokens_out, job.spec.workers.nodes_per_lane,
                  pool_prices=job.spec.workers.pool_prices, by_pool=eff.get("workerSecondsByPool"))
-    if spent is not None:
-        manifest["cost"] = spent
     checked = canary_check(job, store, plans)
-    if checked is not None:
-        manifest["canary"] = checked
+    counts = ManifestCounts.model_validate({
+        "rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
+        "truncated": t.truncated, "inputRows": total + not_run,
+        "tokensIn": t.tokens_in, "tokensOut": t.tokens_out, "reasoningTokens": t.reasoning_tokens,
+        **({"notRun": not_run} if pplan.partial else {}),
+        # Error rows by code; structured answers checked after decoding (bij.engines.structured).
+        "errorCodes": dict(sorted(t.error_codes.items())),
+        "structured": {"validated": t.structured_validated, "repaired": t.structured_repaired,
+                       "violations": t.structured_violations}})
+    manifest = Manifest(
+        api_version=f"{job.api_version}",
+        kind="BatchInferenceJobManifest",
+        job=ManifestJob(name=job.metadata.name, namespace=job.metadata.namespace, id=job.job_id),
+        output_uri=out_uri,
+        # What the result files hold: JSON lines (plain or OpenAI batch output) or Parquet.
+        format="openai" if job.spec.input.format == "openai" else job.spec.output.format,
+        compression=job.spec.output.compression,
+        model=ManifestModel(engine=job.spec.model.engine, name=job.spec.model.name, task=job.spec.model.task),
+        judge=job.spec.judge.type if job.spec.judge else None,
+        **lists.finish(),
+        counts=counts,
+        # What the engine could not serve at all (a grammar its tokenizer cannot write), said once each.
+        notes=t.notes,
+        rounds=[ManifestRound.model_validate(r) for r in t.rounds],
+        **({"partial": partial_fields(pplan.partial, t.rows, t.errors, not_run)} if pplan.partial else {}),
+        # input.onDamagedObject errorRow: objects published without what lay behind their break.
+        damaged_objects=[DamagedObject(round=r, shard=rec.shard, object=rec.name, offset=rec.offset,
+                                       reason=rec.reason, message=rec.describe())
+                         for r in range(rounds) for rec in damage_records(job, r)],
+        engine=t.engine(),
+        efficiency=EfficiencyFigures.model_validate(eff),
+        published_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **({"cost": CostFigures.model_validate(spent)} if spent is not None else {}),
+        **({"canary": CanaryCheck.model_validate(checked)} if checked is not None else {}),
+    )
     before = _published_parts(store, job)
-    store.write_bytes(layout.manifest_uri(job), json.dumps(manifest, indent=2).encode())
-    for path in sorted(set(before) - set(manifest_lists.part_paths(manifest))):
+    store.write_bytes(layout.manifest_uri(job), manifest.to_json())
+    for path in sorted(set(before) - set(manifest.part_paths())):
         store.delete(layout.join(out_uri, path))  # parts of the manifest this one replaced
     if not job.spec.output.keep_intermediate:
         removal = remove_work_files(store, job, work_folders(plans, pplan))
         if removal.error is not None:
             # The manifest stands: a failed removal is a warning beside it, never a failed job.
-            return {**manifest, REMOVAL_FAILED: removal.as_result()}
+            return manifest.model_copy(update={"work_files_removal": removal.as_result()})
     return manifest
 
 
@@ -394,8 +413,8 @@ def canary_check(job: BatchInferenceJob, store: Storage, plans: list[Plan]) -> d
 def _published_parts(store: Storage, job: BatchInferenceJob) -> list[str]:
     """The parts of the manifest published before this one, if any."""
     try:
-        return manifest_lists.part_paths(json.loads(store.read_bytes(layout.manifest_uri(job))))
-    except (NotFound, ValueError):
+        return Manifest.parse(store.read_bytes(layout.manifest_uri(job))).part_paths()
+    except (NotFound, ValueError, manifest_lists.BadManifest):
         return []
 
 
@@ -406,12 +425,12 @@ def work_folders(plans: list[Plan], publish_plan: PublishPlan) -> list[str]:
     return folders + [layout.join(publish_plan.prefix, sub) + "/" for sub in ("ids", "losers")]
 
 
-def partial_fields(phase: str, completed: int, failed: int, not_run: int) -> dict[str, Any]:
+def partial_fields(phase: str, completed: int, failed: int, not_run: int) -> Partial:
     """What marks a manifest partial: the phase the job stopped in and its rows completed (results),
     failed (error rows) and not run (no worker finished them), which add up to the input's rows."""
     reason = "spec.cancel" if phase == "Cancelled" else "spec.deadlineSeconds"
-    return {"partial": {"phase": phase, "reason": reason,
-                        "counts": {"completed": completed, "failed": failed, "notRun": not_run}}}
+    return Partial.model_validate({"phase": phase, "reason": reason,
+                                   "counts": {"completed": completed, "failed": failed, "notRun": not_run}})
 
 
 class WorkFilesRemoved(PublishError):
@@ -423,10 +442,10 @@ class WorkFilesRemoved(PublishError):
         self.removal = removal
 
 
-def read_manifest(job: BatchInferenceJob) -> dict[str, Any] | None:
+def read_manifest(job: BatchInferenceJob) -> Manifest | None:
     """The published manifest, or None when the job has not been published."""
     store = open_storage(job.spec.output.uri, job.spec.storage.s3)
     try:
-        return dict(json.loads(store.read_bytes(layout.manifest_uri(job))))
+        return Manifest.parse(store.read_bytes(layout.manifest_uri(job)), layout.manifest_uri(job))
     except NotFound:
         return None

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from bij.contract import layout
+from bij.contract.manifest import RemovalFailed
 from bij.contract.records import RemovedRecord, now_stamp
 from bij.contract.spec import BatchInferenceJob
 from bij.storage import NotFound, Storage, StorageError
@@ -43,10 +43,10 @@ class Removal:
                 f"{self.error}; the rest are left under {self.left} (the next `bij run` or publish resumes "
                 "the removal, or a bucket lifecycle rule on the _bij/ prefix can remove them)")
 
-    def as_result(self) -> dict[str, Any]:
+    def as_result(self) -> RemovalFailed:
         """What a step's result says about it (`workFilesRemoval`), for the driver's Condition."""
-        return {"removed": self.record["objects"], "bytes": self.record["bytes"], "left": self.left,
-                "error": self.error}
+        return RemovalFailed(removed=self.record["objects"], bytes=self.record["bytes"], left=self.left,
+                             error=self.error)
 
 
 def removed_record(store: Storage, job: BatchInferenceJob) -> RemovedRecord | None:

@@ -20,6 +20,7 @@ from bij.contract import manifest as manifest_lists
 from bij.contract.canary import describe_estimate
 from bij.contract.efficiency import fmt_money, status_fields
 from bij.contract.errors import BijError
+from bij.contract.manifest import CostFigures, EfficiencyFigures, Manifest, ManifestFile
 from bij.contract.plan import Plan
 from bij.contract.records import ShardRecord
 from bij.contract.spec import BatchInferenceJob
@@ -40,32 +41,32 @@ def manifest_location(uri: str) -> str:
     return uri if uri.endswith(".json") else layout.join(uri, "manifest.json")
 
 
-def load_manifest(uri: str, s3: Any) -> tuple[Storage, str, dict[str, Any]]:
+def load_manifest(uri: str, s3: Any) -> tuple[Storage, str, Manifest]:
     """(storage, base URI of the listed paths, manifest) for a manifest URI or an output URI, read with
     the job's S3 settings (see `open_storage`)."""
     where = manifest_location(uri)
     store = open_storage(where, s3)
     try:
-        manifest = json.loads(store.read_bytes(where))
+        manifest = Manifest.parse(store.read_bytes(where), where)
     except NotFound:
         raise ResultsError(f"no manifest at {where}: the job has not been published (or the URI is wrong)") from None
-    except ValueError as e:
-        raise ResultsError(f"{where} is not a manifest: {e}") from None
+    except manifest_lists.BadManifest as e:
+        raise ResultsError(str(e)) from None
     return store, where.rsplit("/", 1)[0] + "/", manifest
 
 
-def read_file(store: Storage, base: str, entry: dict[str, Any]) -> bytes:
+def read_file(store: Storage, base: str, entry: ManifestFile) -> bytes:
     """A listed file's bytes, after checking them against the manifest's sha256."""
-    uri = base + entry["path"]
+    uri = base + entry.path
     data = store.read_bytes(uri)
     digest = hashlib.sha256(data).hexdigest()
-    if digest != entry.get("sha256"):
-        raise ResultsError(f"{uri}: sha256 {digest} does not match the manifest's {entry.get('sha256')}; "
+    if digest != entry.sha256:
+        raise ResultsError(f"{uri}: sha256 {digest} does not match the manifest's {entry.sha256}; "
                            "the file changed after it was published")
     return data
 
 
-def listed_files(store: Storage, base: str, manifest: dict[str, Any], which: str) -> Iterator[dict[str, Any]]:
+def listed_files(store: Storage, base: str, manifest: Manifest, which: str) -> Iterator[ManifestFile]:
     """The entries of one of the manifest's file lists (results, errors or capped), from its parts where it
     has them (`contract.manifest`), one part in memory at a time."""
     try:
@@ -76,10 +77,10 @@ def listed_files(store: Storage, base: str, manifest: dict[str, Any], which: str
         raise ResultsError(f"a part of the manifest at {base} is missing: {e}") from None
 
 
-def file_writer(entry: dict[str, Any]) -> ResultWriter:
+def file_writer(entry: ManifestFile) -> ResultWriter:
     """The writer of a listed file, known by its suffix."""
     try:
-        return writer_of_path(entry["path"])
+        return writer_of_path(entry.path)
     except ValueError as e:
         raise ResultsError(str(e)) from None
 
@@ -89,7 +90,7 @@ def iter_rows(uri: str, which: str, s3: Any) -> Iterator[dict[str, Any]]:
     store, base, manifest = load_manifest(uri, s3)
     for entry in listed_files(store, base, manifest, which):
         data = read_file(store, base, entry)
-        yield from file_writer(entry).rows(data, entry["path"])
+        yield from file_writer(entry).rows(data, entry.path)
 
 
 def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
@@ -98,7 +99,7 @@ def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
     n = 0
     for entry in listed_files(store, base, manifest, which):
         data = read_file(store, base, entry)
-        for line in file_writer(entry).lines(data, entry["path"]):
+        for line in file_writer(entry).lines(data, entry.path):
             out.write(line + b"\n")
             n += 1
     return n
@@ -110,12 +111,12 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     import pyarrow.parquet as pq
 
     store, base, manifest = load_manifest(uri, s3)
-    if manifest.get("format") == "openai":
+    if manifest.format == "openai":
         raise ResultsError("OpenAI batch output lines stay JSON lines: use --format jsonl")
     files = listed_files(store, base, manifest, "results")
     first = next(files, None)
-    task = (manifest.get("model") or {}).get("task", "embed")
-    judged = manifest.get("judge") is not None
+    task = manifest.model.task or "embed"
+    judged = manifest.judge is not None
     ids = "mixed"
     if first is not None and file_writer(first) is not PARQUET:
         # Results not in Parquet: one pass for the id column's type, so the stream has one schema.
@@ -135,16 +136,16 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
                 table = read_table(data)
             else:
                 try:
-                    table = results_table(list(fmt.rows(data, entry["path"])), task, ids, judged)
+                    table = results_table(list(fmt.rows(data, entry.path)), task, ids, judged)
                 except BeyondInt64 as e:
-                    raise ResultsError(f"{entry['path']}: {e}; read the results as JSON lines") from None
+                    raise ResultsError(f"{entry.path}: {e}; read the results as JSON lines") from None
             if writer is None:
                 writer = pq.ParquetWriter(sink, table.schema, compression="zstd")
             try:
                 table = table.cast(writer.schema)
             except (ValueError, TypeError, NotImplementedError):  # pyarrow: ArrowInvalid is a ValueError
                 raise ResultsError(
-                    f"{entry['path']} has other columns than the files before it ({', '.join(table.column_names)} "
+                    f"{entry.path} has other columns than the files before it ({', '.join(table.column_names)} "
                     f"against {', '.join(writer.schema.names)}): its rows carry other pass-through columns "
                     "(input.passThrough); read the files one by one, or as JSON lines") from None
             writer.write_table(table)
@@ -160,43 +161,41 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
 # --- bij status -------------------------------------------------------------------------------------
 
 
-def manifest_summary(manifest: dict[str, Any]) -> list[str]:
+def manifest_summary(manifest: Manifest) -> list[str]:
     """A published job in a few lines."""
-    c = manifest.get("counts") or {}
-    job = manifest.get("job") or {}
-    lines = [f"{job.get('name', '?')}: published {manifest.get('publishedAt', '?')} to "
-             f"{manifest.get('outputUri', '?')}"]
-    rounds = manifest.get("rounds") or []
-    shards = sum(int(r.get("shards") or 0) for r in rounds)
-    lines.append(f"  rounds    {len(rounds)}, {shards} shards")
-    lines.append(f"  rows      {c.get('rows', 0):,} results ({manifest_lists.file_count(manifest, 'files')} "
-                 f"{manifest.get('format', 'jsonl')} files), {c.get('errors', 0):,} errors, "
-                 f"{c.get('truncated', 0):,} truncated, {c.get('capped', 0):,} capped, "
-                 f"{c.get('duplicates', 0):,} duplicates")
-    lines.append(f"  tokens    {c.get('tokensIn', 0):,} in, {c.get('tokensOut', 0):,} out")
-    partial = manifest.get("partial")
-    if partial:
-        pc = partial.get("counts") or {}
-        lines.append(f"  partial   {str(partial.get('phase', '?')).lower()} ({partial.get('reason', '?')}): "
-                     f"{pc.get('completed', 0):,} completed, {pc.get('failed', 0):,} failed, "
-                     f"{pc.get('notRun', 0):,} not run")
-    for o in manifest.get("damagedObjects") or []:
-        lines.append(f"  damaged   {o.get('message')}: one corrupt_input error row, the rest of it unread")
-    lines += _efficiency_lines(manifest.get("efficiency"), manifest.get("cost"))
+    c = manifest.counts
+    lines = [f"{manifest.job.name or '?'}: published {manifest.published_at or '?'} to "
+             f"{manifest.output_uri or '?'}"]
+    shards = sum(r.shards for r in manifest.rounds)
+    lines.append(f"  rounds    {len(manifest.rounds)}, {shards} shards")
+    lines.append(f"  rows      {c.rows:,} results ({manifest.file_count('files')} "
+                 f"{manifest.format} files), {c.errors:,} errors, "
+                 f"{c.truncated:,} truncated, {c.capped:,} capped, "
+                 f"{c.duplicates:,} duplicates")
+    lines.append(f"  tokens    {c.tokens_in:,} in, {c.tokens_out:,} out")
+    partial = manifest.partial
+    if partial is not None:
+        pc = partial.counts
+        lines.append(f"  partial   {partial.phase.lower()} ({partial.reason or '?'}): "
+                     f"{pc.completed:,} completed, {pc.failed:,} failed, "
+                     f"{pc.not_run:,} not run")
+    for o in manifest.damaged_objects:
+        lines.append(f"  damaged   {o.message}: one corrupt_input error row, the rest of it unread")
+    lines += _efficiency_lines(manifest.efficiency, manifest.cost)
     return lines
 
 
-def _efficiency_lines(eff: dict[str, Any] | None, spent: dict[str, Any] | None) -> list[str]:
+def _efficiency_lines(eff: EfficiencyFigures | None, spent: CostFigures | None) -> list[str]:
     lines = []
     if eff:
-        lines.append(f"  workers   {eff['workerSeconds']:,.1f} s ({eff.get('modelLoads', 0)} model loads, "
-                     f"{eff['modelLoadSeconds']:,.1f} s), "
-                     f"engine busy {eff['engineBusyFraction']:.0%}, {eff['rowsPerSecondPerWorker']:,.1f} rows/s "
-                     f"and {eff['tokensPerSecondPerWorker']:,.0f} tokens/s per worker")
+        lines.append(f"  workers   {eff.worker_seconds:,.1f} s ({eff.model_loads} model loads, "
+                     f"{eff.model_load_seconds:,.1f} s), "
+                     f"engine busy {eff.engine_busy_fraction:.0%}, {eff.rows_per_second_per_worker:,.1f} rows/s "
+                     f"and {eff.tokens_per_second_per_worker:,.0f} tokens/s per worker")
     if spent:
-        lines.append(f"  cost      {fmt_money(spent['total'])} at {spent['pricePerHour']:g}/hour per worker: "
-                     f"{fmt_money(spent.get('perMillionRows'))} per million rows, "
-                     f"{fmt_money(spent.get('perMillionTokens'))} per million tokens")
+        lines.append(f"  cost      {fmt_money(spent.total)} at {spent.price_per_hour:g}/hour per worker: "
+                     f"{fmt_money(spent.per_million_rows)} per million rows, "
+                     f"{fmt_money(spent.per_million_tokens)} per million tokens")
     return lines
 
 
@@ -234,7 +233,7 @@ def job_summary(job: BatchInferenceJob) -> list[str]:
     fields = status_fields(records, current, None, None, job.spec.workers.price_per_hour,
                            job.spec.workers.nodes_per_lane, job.spec.workers.pool_prices)
     spent = fields.get("cost")
-    lines += _efficiency_lines(fields["efficiency"], None)
+    lines += _efficiency_lines(EfficiencyFigures.model_validate(fields["efficiency"]), None)
     if spent:
         lines.append(f"  cost      {fmt_money(spent['total'])} so far at {spent['pricePerHour']:g}/hour per worker")
     return lines

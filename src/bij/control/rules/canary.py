@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from bij.contract.canary import CanaryFigures, broken, describe_estimate, estimate
+from bij.contract.canary import broken, describe_estimate, estimate
 from bij.contract.round_record import RoundRecord
 from bij.contract.spec import BatchInferenceJob
+from bij.contract.step_results import CanaryResult
 from bij.control.decisions import (
     CanaryVerdict,
     CheckCanary,
@@ -66,23 +64,23 @@ def canary_gate(job: BatchInferenceJob, seen: Observation, rec: RoundRecord,
                                                                     f"{k} shards"))
     if not isinstance(counted, CheckCanary) or counted.result is None:
         return counted
-    done = int(counted.result.get("done") or 0)
+    done = counted.result.done
     if done < k or (view.failure is not None and view.failure.reason == "PodFailurePolicy"):
         # Lanes failed with canary shards left, or a worker said the configuration is bad (exit 42).
         return job_failed(0, view, Shards(done=done, total=k))
     return canary_verdict(job, rec, counted.result)
 
 
-def canary_verdict(job: BatchInferenceJob, rec: RoundRecord, result: Mapping[str, Any]) -> CanaryVerdict:
+def canary_verdict(job: BatchInferenceJob, rec: RoundRecord, result: CanaryResult) -> CanaryVerdict:
     """The canary's figures (the canary step's `result`) against spec.canary's thresholds, and the estimate of
     round 0 whole at its pace."""
     spec = job.spec.canary
     assert spec is not None
-    figures = CanaryFigures.from_status(result)
+    figures = result.figures()
     failures = broken(spec, figures)
     w = job.spec.workers
     est = estimate(figures, rec.bytes, min(rec.lanes or 1, w.parallelism), w.price_per_hour, w.nodes_per_lane)
-    examples = [dict(e) for e in result.get("examples") or []]
+    examples = [e.as_result() for e in result.examples]
     canary = {**figures.as_status(), "verdict": "Failed" if failures else "Passed", "broken": failures,
               "examples": examples, "estimate": est}
     canary.pop("bytes", None)

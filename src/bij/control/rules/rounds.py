@@ -13,6 +13,7 @@ from bij.contract.lane_report import LaneTally
 from bij.contract.rounds import RoundStats, needs_another_round
 from bij.contract.spec import BatchInferenceJob
 from bij.contract.status import JobStatus
+from bij.contract.step_results import FinishResult
 from bij.control.decisions import (
     CreateJob,
     Decision,
@@ -53,7 +54,7 @@ def single_job_round(job: BatchInferenceJob, seen: Observation, r: int, lanes: i
     if view is None:
         if planned == 0:
             # Empty input: nothing to run, the round is trivially finished.
-            return FinishRound(round=r, phase="Running", reason="RoundFinished", result={"done": 0},
+            return FinishRound(round=r, phase="Running", reason="RoundFinished", result=FinishResult(done=0),
                                message=f"round {r} has no shards", shards=Shards(done=0, total=0))
         # Not created yet, or deleted before it finished: (re)create it. Workers resume from
         # what is durable, so a recreated Job redoes no finished rows.
@@ -84,8 +85,8 @@ def round_ended(job: BatchInferenceJob, seen: Observation, r: int, view: JobView
     if not isinstance(counting, FinishRound) or counting.result is None:
         return counting
     end = counting.result
-    shards = Shards(done=min(int(end.get("done") or 0), planned), total=planned)
-    damaged = [str(m) for m in end.get("damaged") or []]
+    shards = Shards(done=min(end.done, planned), total=planned)
+    damaged = list(end.damaged)
     if view.failed_for_good:
         bad_config = view.failure is not None and view.failure.reason == "PodFailurePolicy"
         if bad_config and damaged:

@@ -1,7 +1,8 @@
 """The step life cycle: one-pod Jobs that do the storage work, decided like rounds.
 
 `step()` decides from a step's Job, its pods and its report: run it, wait, say a retry, retry a
-passing failure (`expected_failure`), fail the bij naming the step, or record its ``result``.
+passing failure (`expected_failure`), fail the bij naming the step, or record its ``result``, read
+here into its kind's model (`contract.step_results`) and nowhere else.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from bij.contract.codes import GENERATION_LABEL
 from bij.contract.spec import BatchInferenceJob
 from bij.contract.step_report import StepError, StepErrorCode
+from bij.contract.step_results import UnreadableResult, parse_result
 from bij.control.decisions import (
     Decision,
     MarkFailed,
@@ -71,7 +73,14 @@ def step(job: BatchInferenceJob, seen: Observation, want: StepDecision) -> Decis
     meta = raw.get("metadata") or {}
     report = step_report(seen.status, name, meta.get("uid"))
     if report is not None and report.result is not None:
-        return dataclasses.replace(want, result=report.result)
+        try:
+            return dataclasses.replace(want, result=parse_result(kind, report.result))
+        except UnreadableResult as e:
+            # A result this operator cannot read (a pod of another bij version): said, never raised.
+            return MarkFailed(round=want.round, phase="Failed", reason="StepFailed", event="StepFailed",
+                              shards=want.shards,
+                              message=f"step {kind} of round {round_no}: its result cannot be read ({e}); are "
+                                      "the steps' image and the operator of one version?")
     error = report.error if report is not None else None
     if error is not None and error.code is not StepErrorCode.INTERNAL:
         made_for = (meta.get("labels") or {}).get(GENERATION_LABEL)
