@@ -36,7 +36,7 @@ import struct
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 import zstandard
@@ -49,6 +49,9 @@ from bij.contract.result_rows import id_key, row_id, row_usage
 from bij.storage import NotFound, Storage, StorageError, open_storage
 from bij.storage.segments import LEVEL, ShardLog
 from bij.storage.writers import ResultShape, ResultWriter, writer_for
+
+if TYPE_CHECKING:
+    from bij.contract.plan import Plan
 
 log = logging.getLogger("bij.worker")
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
@@ -466,17 +469,9 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
     shard's durable log and the input after its cursor: bounded by the shard, in the pass's pod.
     With OpenAI batch input, `emit` gets each one's error line (`not_run_line`).
     """
-    # Here only: a whole publish loads no spec model (the round plan carries the job's spec).
-    from bij.contract.plan import Plan
-    from bij.worker.reader import iter_shard_blocks
-
     round_no, shard, prefix = plan.unit(index)
     last_round = round_no == len(plan.round_plans) - 1
-    uri = plan.round_plans[round_no]
-    try:
-        rplan = Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
-    except NotFound:
-        raise PublishPlanError(f"round plan {uri} does not exist") from None
+    rplan = _round_plan(plan, round_no, store)
     done = store.exists(layout.done_uri(rplan.round_prefix, shard))
     if done and not (last_round and plan.judge):
         return 0
@@ -487,10 +482,39 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
         emit(not_run_line(plan.partial, cid, names[at[0]], at[1]))
 
     line_of = not_run if emit is not None and rplan.spec.input.format == "openai" else None
+    log_ = ShardLog(store, prefix)
+    n, between = _not_run_in_log(log_, last_round, line_of)
+    if not done:
+        for place, cid in between:
+            n += 1
+            if line_of:
+                line_of(cid, place)
+        n += _not_run_after(plan, rplan, shard, log_.state.cursor, line_of)
+    return n
+
+
+def _round_plan(plan: PublishPlan, round_no: int, store: Storage) -> Plan:
+    """Round `round_no`'s plan (shards.json), reading its parts from `store`."""
+    # Here only: a whole publish loads no spec model (the round plan carries the job's spec).
+    from bij.contract.plan import Plan
+
+    uri = plan.round_plans[round_no]
+    try:
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
+    except NotFound:
+        raise PublishPlanError(f"round plan {uri} does not exist") from None
+
+
+_LineOf = Callable[[Any, tuple[int, int]], None]  # a not-run row's error line, from its custom_id and place
+
+
+def _not_run_in_log(log_: ShardLog, last_round: bool,
+                    line_of: _LineOf | None) -> tuple[int, list[tuple[tuple[int, int], Any]]]:
+    """Scan a shard's durable log: the rows the judge rejected in the last round published (each given to
+    `line_of` as it is read), and the rows between attempts (no final record), in input order, with their ids."""
     attempts: dict[tuple[int, int], Any] = {}
     finals: set[tuple[int, int]] = set()
     n = 0
-    log_ = ShardLog(store, prefix)
     for rec in log_.scan():
         place = (rec["at"][0], rec["at"][1])
         if rec["kind"] == "attempt":
@@ -501,29 +525,32 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
             n += 1
             if line_of:
                 line_of(row_id(rec["row"]), place)
-    if not done:
-        for place in sorted(set(attempts) - finals):
-            n += 1
-            if line_of:
-                line_of(attempts[place], place)
-        spec = rplan.spec.input
-        stores: dict[str, Storage] = {}
+    return n, [(place, attempts[place]) for place in sorted(set(attempts) - finals)]
 
-        def storage_for(u: str) -> Storage:
-            scheme = u.split("://", 1)[0]
-            if scheme not in stores:
-                stores[scheme] = open_storage(u, plan.s3)
-            return stores[scheme]
 
-        columns = [c for c in (spec.id_field, spec.text_field, spec.messages_field, spec.sampling_field,
-                               spec.adapter_field) if c]
-        for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.pieces(shard),
-                                                  log_.state.cursor, columns, spec.max_line_bytes,
-                                                  on_damaged="errorRow"):
-            n += len(places)
-            if line_of:
-                for (obj, off, _), line in zip(places, lines, strict=True):
-                    line_of(_custom_id(line), (obj, off))
+def _not_run_after(plan: PublishPlan, rplan: Plan, shard: int, cursor: tuple[int, int],
+                   line_of: _LineOf | None) -> int:
+    """The shard's input rows after its durable `cursor` (each given to `line_of`)."""
+    from bij.worker.reader import iter_shard_blocks
+
+    spec = rplan.spec.input
+    stores: dict[str, Storage] = {}
+
+    def storage_for(u: str) -> Storage:
+        scheme = u.split("://", 1)[0]
+        if scheme not in stores:
+            stores[scheme] = open_storage(u, plan.s3)
+        return stores[scheme]
+
+    columns = [c for c in (spec.id_field, spec.text_field, spec.messages_field, spec.sampling_field,
+                           spec.adapter_field) if c]
+    n = 0
+    for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.pieces(shard),
+                                              cursor, columns, spec.max_line_bytes, on_damaged="errorRow"):
+        n += len(places)
+        if line_of:
+            for (obj, off, _), line in zip(places, lines, strict=True):
+                line_of(_custom_id(line), (obj, off))
     return n
 
 
