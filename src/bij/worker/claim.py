@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bij.contract import layout
@@ -49,6 +49,9 @@ class ClaimsBase:
     _done: set[int]  # shards known done
     _newest: dict[int, int]  # a claimed shard's newest claim generation (at least this one)
     _held: dict[int, Claim]  # the last claim read (or made) of a shard, for its expiry
+    _inherited: list[int]  # shards an earlier process of this lane held, to continue first
+    _own: Sequence[int]  # this lane's own shards, in order
+    _own_at: int  # the next of them to try
 
     def uri(self, shard: int, generation: int) -> str:
         raise NotImplementedError
@@ -61,6 +64,26 @@ class ClaimsBase:
     def _won_claim(self, shard: int, generation: int) -> None:
         """This process created claim `generation` of `shard` (before `take` returns it)."""
         raise NotImplementedError
+
+    def _inherited_or_own(self) -> Claim | None:
+        """The first two places `next` looks in, the same however claims are kept; None when neither
+        has a shard left to take."""
+        # 1. What an earlier process of this lane held: it has stopped (a replacement pod starts
+        #    only once the old one is gone), so its shards continue here first.
+        while self._inherited:
+            s = self._inherited.pop(0)
+            got = self.take(s, self._newest[s] + 1)
+            if got:
+                return got
+        # 2. This lane's own shards, in order; a lost create means someone took the shard.
+        while self._own_at < len(self._own):
+            s = self._own[self._own_at]
+            self._own_at += 1
+            if s not in self._done and s not in self._newest:
+                got = self.take(s, 0)
+                if got:
+                    return got
+        return None
 
     def is_done(self, shard: int) -> bool:
         """Whether the shard has a completion record (known, or one HEAD)."""

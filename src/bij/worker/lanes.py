@@ -191,21 +191,10 @@ class Claims(ClaimsBase):
         lease of someone else (wait and ask again); None when every shard is done."""
         if not self._started:
             self._start()
-        # 1. What an earlier process of this lane held: it has stopped (a replacement pod starts
-        #    only once the old one is gone), so its shards continue here first.
-        while self._inherited:
-            s = self._inherited.pop(0)
-            got = self.take(s, self._newest[s] + 1)
-            if got:
-                return got
-        # 2. This lane's own shards, in order; a lost create means someone took the shard.
-        while self._own_at < len(self._own):
-            s = self._own[self._own_at]
-            self._own_at += 1
-            if s not in self._done and s not in self._newest:
-                got = self.take(s, 0)
-                if got:
-                    return got
+        # 1. What an earlier process of this lane held; 2. this lane's own shards, in order.
+        got = self._inherited_or_own()
+        if got:
+            return got
         # 3. Shards nobody started: from the end of the busiest of a few lanes looked at.
         if self._stealing:
             got = self._steal()
