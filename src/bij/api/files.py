@@ -118,8 +118,20 @@ class FileStore:
         """Stream `chunks` to storage as one new file; returns its File object (with ``lines``,
         ``models`` and ``urls`` the upload saw, kept beside it)."""
         file_id = new_id("file-")
-        uri = self.content_uri(namespace, file_id)
         stats = LineStats()
+        size = await self._write_content(self.content_uri(namespace, file_id), file_id, chunks, stats)
+        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
+               "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+        meta = {**obj, "lines": stats.lines, "models": sorted(stats.models), "model_lines": stats.model_lines,
+                "more_models": stats.more_models, "urls": sorted(stats.urls), "url_lines": stats.url_lines,
+                "created_ns": time.time_ns()}
+        await asyncio.to_thread(self.store.write_bytes, self.meta_uri(namespace, file_id),
+                                json.dumps(meta).encode())
+        return obj
+
+    async def _write_content(self, uri: str, file_id: str, chunks: AsyncIterator[bytes], stats: LineStats) -> int:
+        """Stream `chunks` to `uri` through a writer thread (at most QUEUE_PARTS behind), feeding `stats`
+        on the way; the bytes written. An upload that fails or is cut off leaves nothing at `uri`."""
         q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=QUEUE_PARTS)
 
         def parts() -> Iterator[bytes]:
@@ -153,28 +165,9 @@ class FileStore:
             stats.close()
             await put(None)
         except BaseException as e:
-            if not writer.done():
-                # The writer drops what it wrote (temp file, multipart upload) once told; wait for that.
-                while True:
-                    try:
-                        q.put_nowait(ConnectionAbortedError(f"upload of {file_id} stopped: {e!r}"))
-                        break
-                    except queue.Full:
-                        await asyncio.wait([writer], timeout=0.01)
-                        if writer.done():
-                            break
-            await asyncio.wait([writer])
-            writer.exception()  # retrieved: the error to report is the upload's own
+            await _abort_writer(q, writer, ConnectionAbortedError(f"upload of {file_id} stopped: {e!r}"))
             raise
-        size = await writer
-        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
-               "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
-        meta = {**obj, "lines": stats.lines, "models": sorted(stats.models), "model_lines": stats.model_lines,
-                "more_models": stats.more_models, "urls": sorted(stats.urls), "url_lines": stats.url_lines,
-                "created_ns": time.time_ns()}
-        await asyncio.to_thread(self.store.write_bytes, self.meta_uri(namespace, file_id),
-                                json.dumps(meta).encode())
-        return obj
+        return await writer
 
     def meta(self, namespace: str, file_id: str) -> dict[str, Any] | None:
         """An uploaded file's record (its File object and what the upload saw), or None."""
@@ -216,6 +209,23 @@ class FileStore:
                     yield data
             finally:
                 f.close()
+
+
+async def _abort_writer(q: queue.Queue[bytes | BaseException | None], writer: asyncio.Future[int],
+                        error: BaseException) -> None:
+    """Tell a writer still running that the upload stopped (it drops what it wrote: temp file, multipart
+    upload) and wait for it; its own error is retrieved, so the error to report stays the upload's."""
+    if not writer.done():
+        while True:
+            try:
+                q.put_nowait(error)
+                break
+            except queue.Full:
+                await asyncio.wait([writer], timeout=0.01)
+                if writer.done():
+                    break
+    await asyncio.wait([writer])
+    writer.exception()
 
 
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")

@@ -36,7 +36,7 @@ import struct
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 import zstandard
@@ -49,6 +49,9 @@ from bij.contract.result_rows import id_key, row_id, row_usage
 from bij.storage import NotFound, Storage, StorageError, open_storage
 from bij.storage.segments import LEVEL, ShardLog
 from bij.storage.writers import ResultShape, ResultWriter, writer_for
+
+if TYPE_CHECKING:
+    from bij.contract.plan import Plan
 
 log = logging.getLogger("bij.worker")
 FILE_ROWS = 100_000  # rows in one published file part (a shard's files are cut into parts of this many)
@@ -353,107 +356,138 @@ def run_write(plan: PublishPlan, index: int, store: Storage) -> None:
 
 
 def _write(plan: PublishPlan, index: int, store: Storage, losers: set[tuple[int, int]], ordered: bool) -> None:
-    round_no, shard, _ = plan.unit(index)
-    names = plan.object_names[round_no]
-    name = f"r{round_no}-{shard:05d}"
-    writer = writer_for(plan.format)
-    error_writer = writer_for(writer.error_format)
-    results: _FileParts | _PartitionFile = _FileParts(plan, store, "results", name, writer)
-    errors: _FileParts | _PartitionFile = _FileParts(plan, store, "errors", name, error_writer)
-    capped: _FileParts | _PartitionFile = _FileParts(plan, store, "capped", name, error_writer)
+    unit = _UnitWriter(plan, store, index, losers)
+    if plan.partial is not None:
+        unit.add_not_run(index)
     # output.partitionBy input: the unit's objects lie whole in it; each gets its own files, one object at a time.
     partitions = list(plan.unit_objects[index]) if plan.partition_by == "input" else []
-    files: dict[str, list[dict[str, Any]]] = {"files": [], "errorFiles": [], "cappedFiles": []}
-    current = -1
-
-    counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
-              "tokensOut": 0, "reasoningTokens": 0}
-    # OpenAI batch lines a stopped batch never ran each get their batch_expired / batch_cancelled line
-    # in the error files (their object's, when partitioned), as OpenAI writes them; they stay counted
-    # as notRun, not as errors.
-    not_run: list[dict[str, Any]] = []
-    if plan.partial is not None:
-        counts["notRun"] = count_not_run(plan, index, store, emit=not_run.append)
-    index_of = {n: k for k, n in enumerate(names)}
-    not_run_of: dict[int, list[dict[str, Any]]] = {}  # by input object, for partitioned files
-    for line in not_run:
-        not_run_of.setdefault(index_of[line["object"]], []).append(line)
-
-    def finish(obj: int) -> None:
-        """Close the current object's files and open the next object's (`obj`; -1: none)."""
-        nonlocal results, errors, capped, current
-        if current >= 0:
-            for line in not_run_of.pop(current, []):
-                errors.add(line)
-            for key, part in (("files", results), ("errorFiles", errors), ("cappedFiles", capped)):
-                part.close(always=key == "files")
-                files[key] += [{**f, "input": names[current]} for f in part.files]
-        current = obj
-        if obj >= 0:
-            stem = plan.partitions[obj]
-            results = _PartitionFile(plan, store, "results", stem, writer)
-            errors = _PartitionFile(plan, store, "errors", stem, error_writer)
-            capped = _PartitionFile(plan, store, "capped", stem, error_writer)
-    codes: dict[str, int] = {}  # error rows by code
     last = (-1, -1)
-    own_fields = result_fields(plan.task)  # a duplicate's error row carries its input columns, not its answer
     for rec in _records(store, plan.unit(index), ordered):
-        row = rec["row"]
         if ordered:
             at = (rec["at"][0], rec["at"][1])
             if at <= last:
                 raise _OutOfOrder
             last = at
         while partitions and rec["at"][0] >= partitions[0]:  # this record's object, and any without rows before it
-            finish(partitions.pop(0))
-        if rec["kind"] == "result":
-            if (rec["at"][0], rec["at"][1]) in losers:
-                rid = row_id(row)
-                counts["duplicates"] += 1
-                counts["errors"] += 1
-                lost: dict[str, Any] = {"id": rid, "error": {
-                    "code": "duplicate_id",
-                    "message": f"id {json.dumps(rid)} was seen before; the first occurrence wins"},
-                    "object": names[rec["at"][0]], "offset": rec["at"][1]}
-                if "custom_id" in row:  # an OpenAI batch line's error, in that shape like every other error row
-                    lost["custom_id"], lost["response"] = rid, None
-                else:  # its pass-through columns, as every error row of a plain input
-                    lost.update((k, v) for k, v in row.items() if k not in own_fields)
-                errors.add(lost)
-                codes["duplicate_id"] = codes.get("duplicate_id", 0) + 1
-                continue
-            results.add(row)
-            counts["rows"] += 1
-            counts["truncated"] += bool(row.get("truncated"))
-            u = row_usage(row)
-            counts["tokensIn"] += u.get("prompt_tokens", 0)
-            counts["tokensOut"] += u.get("completion_tokens", 0)
-            details: Any = u.get("completion_tokens_details") or {}  # OpenAI's usage breakdown, when there is one
-            counts["reasoningTokens"] += int(details.get("reasoning_tokens") or 0)
-        elif rec["kind"] == "capped":
-            capped.add(row)
-            counts["capped"] += 1
-        else:
-            errors.add(row)
-            counts["errors"] += 1
-            code = str((row.get("error") or {}).get("code") or "unknown")
-            codes[code] = codes.get(code, 0) + 1
+            unit.next_object(partitions.pop(0))
+        unit.add(rec)
     if plan.partition_by == "input":
         while partitions:
-            finish(partitions.pop(0))
-        finish(-1)
+            unit.next_object(partitions.pop(0))
+        unit.next_object(-1)
     else:
-        for line in not_run:
-            errors.add(line)
-        for key, parts in (("files", results), ("errorFiles", errors), ("cappedFiles", capped)):
+        unit.close()
+    store.write_bytes(layout.publish_summary_uri(plan.prefix, index), json.dumps(unit.summary()).encode())
+
+
+class _UnitWriter:
+    """Pass 3's output for one unit: its results, errors and capped rows (with output.partitionBy input,
+    each input object's own files, one object at a time), the files written, and what they count."""
+
+    def __init__(self, plan: PublishPlan, store: Storage, index: int, losers: set[tuple[int, int]]):
+        self.plan, self.store, self.index, self.losers = plan, store, index, losers
+        self.round_no, self.shard, _ = plan.unit(index)
+        self.names = plan.object_names[self.round_no]
+        name = f"r{self.round_no}-{self.shard:05d}"
+        self.writer = writer_for(plan.format)
+        self.error_writer = writer_for(self.writer.error_format)
+        self.results: _FileParts | _PartitionFile = _FileParts(plan, store, "results", name, self.writer)
+        self.errors: _FileParts | _PartitionFile = _FileParts(plan, store, "errors", name, self.error_writer)
+        self.capped: _FileParts | _PartitionFile = _FileParts(plan, store, "capped", name, self.error_writer)
+        self.files: dict[str, list[dict[str, Any]]] = {"files": [], "errorFiles": [], "cappedFiles": []}
+        self.current = -1  # the input object whose files are open (partitioned); -1: none
+        self.counts = {"rows": 0, "errors": 0, "capped": 0, "duplicates": 0, "truncated": 0, "tokensIn": 0,
+                       "tokensOut": 0, "reasoningTokens": 0}
+        self.codes: dict[str, int] = {}  # error rows by code
+        self.own_fields = result_fields(plan.task)  # a duplicate's error row carries its input columns, not its answer
+        self.not_run: list[dict[str, Any]] = []
+        self.not_run_of: dict[int, list[dict[str, Any]]] = {}  # by input object, for partitioned files
+
+    def add_not_run(self, index: int) -> None:
+        """A partial publish: count the rows no worker finished. OpenAI batch lines a stopped batch never ran
+        each get their batch_expired / batch_cancelled line in the error files (their object's, when
+        partitioned), as OpenAI writes them; they stay counted as notRun, not as errors."""
+        self.counts["notRun"] = count_not_run(self.plan, index, self.store, emit=self.not_run.append)
+        index_of = {n: k for k, n in enumerate(self.names)}
+        for line in self.not_run:
+            self.not_run_of.setdefault(index_of[line["object"]], []).append(line)
+
+    def next_object(self, obj: int) -> None:
+        """Close the current object's files and open the next object's (`obj`; -1: none)."""
+        plan, store = self.plan, self.store
+        if self.current >= 0:
+            for line in self.not_run_of.pop(self.current, []):
+                self.errors.add(line)
+            for key, part in (("files", self.results), ("errorFiles", self.errors), ("cappedFiles", self.capped)):
+                part.close(always=key == "files")
+                self.files[key] += [{**f, "input": self.names[self.current]} for f in part.files]
+        self.current = obj
+        if obj >= 0:
+            stem = plan.partitions[obj]
+            self.results = _PartitionFile(plan, store, "results", stem, self.writer)
+            self.errors = _PartitionFile(plan, store, "errors", stem, self.error_writer)
+            self.capped = _PartitionFile(plan, store, "capped", stem, self.error_writer)
+
+    def close(self) -> None:
+        """Not partitioned: add the not-run lines to the errors and write the last part of each kind."""
+        for line in self.not_run:
+            self.errors.add(line)
+        for key, parts in (("files", self.results), ("errorFiles", self.errors), ("cappedFiles", self.capped)):
             parts.close()
-            files[key] = parts.files
-    where = {"round": round_no, "shard": shard}
-    summary = {**where, "counts": {**counts, "errorCodes": codes},
-               "files": [{**f, **where} for f in files["files"]],
-               "errorFiles": [{**f, **where} for f in files["errorFiles"]],
-               "cappedFiles": [{**f, **where} for f in files["cappedFiles"]]}
-    store.write_bytes(layout.publish_summary_uri(plan.prefix, index), json.dumps(summary).encode())
+            self.files[key] = parts.files
+
+    def add(self, rec: dict[str, Any]) -> None:
+        """One durable record: a result (a duplicate_id error row for an id seen before), a capped or an error row."""
+        row = rec["row"]
+        if rec["kind"] == "result":
+            if (rec["at"][0], rec["at"][1]) in self.losers:
+                self.counts["duplicates"] += 1
+                self._error(self._duplicate(rec), "duplicate_id")
+                return
+            self.results.add(row)
+            self._count_result(row)
+        elif rec["kind"] == "capped":
+            self.capped.add(row)
+            self.counts["capped"] += 1
+        else:
+            self._error(row, str((row.get("error") or {}).get("code") or "unknown"))
+
+    def _error(self, row: dict[str, Any], code: str) -> None:
+        self.errors.add(row)
+        self.counts["errors"] += 1
+        self.codes[code] = self.codes.get(code, 0) + 1
+
+    def _duplicate(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """The error row of a result whose id was seen before (the first occurrence wins)."""
+        row = rec["row"]
+        rid = row_id(row)
+        lost: dict[str, Any] = {"id": rid, "error": {
+            "code": "duplicate_id",
+            "message": f"id {json.dumps(rid)} was seen before; the first occurrence wins"},
+            "object": self.names[rec["at"][0]], "offset": rec["at"][1]}
+        if "custom_id" in row:  # an OpenAI batch line's error, in that shape like every other error row
+            lost["custom_id"], lost["response"] = rid, None
+        else:  # its pass-through columns, as every error row of a plain input
+            lost.update((k, v) for k, v in row.items() if k not in self.own_fields)
+        return lost
+
+    def _count_result(self, row: dict[str, Any]) -> None:
+        counts = self.counts
+        counts["rows"] += 1
+        counts["truncated"] += bool(row.get("truncated"))
+        u = row_usage(row)
+        counts["tokensIn"] += u.get("prompt_tokens", 0)
+        counts["tokensOut"] += u.get("completion_tokens", 0)
+        details: Any = u.get("completion_tokens_details") or {}  # OpenAI's usage breakdown, when there is one
+        counts["reasoningTokens"] += int(details.get("reasoning_tokens") or 0)
+
+    def summary(self) -> dict[str, Any]:
+        """The unit's publish summary: its counts, error codes and files, each saying its round and shard."""
+        where = {"round": self.round_no, "shard": self.shard}
+        return {**where, "counts": {**self.counts, "errorCodes": self.codes},
+                "files": [{**f, **where} for f in self.files["files"]],
+                "errorFiles": [{**f, **where} for f in self.files["errorFiles"]],
+                "cappedFiles": [{**f, **where} for f in self.files["cappedFiles"]]}
 
 
 def count_not_run(plan: PublishPlan, index: int, store: Storage,
@@ -466,17 +500,9 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
     shard's durable log and the input after its cursor: bounded by the shard, in the pass's pod.
     With OpenAI batch input, `emit` gets each one's error line (`not_run_line`).
     """
-    # Here only: a whole publish loads no spec model (the round plan carries the job's spec).
-    from bij.contract.plan import Plan
-    from bij.worker.reader import iter_shard_blocks
-
     round_no, shard, prefix = plan.unit(index)
     last_round = round_no == len(plan.round_plans) - 1
-    uri = plan.round_plans[round_no]
-    try:
-        rplan = Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
-    except NotFound:
-        raise PublishPlanError(f"round plan {uri} does not exist") from None
+    rplan = _round_plan(plan, round_no, store)
     done = store.exists(layout.done_uri(rplan.round_prefix, shard))
     if done and not (last_round and plan.judge):
         return 0
@@ -487,10 +513,39 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
         emit(not_run_line(plan.partial, cid, names[at[0]], at[1]))
 
     line_of = not_run if emit is not None and rplan.spec.input.format == "openai" else None
+    log_ = ShardLog(store, prefix)
+    n, between = _not_run_in_log(log_, last_round, line_of)
+    if not done:
+        for place, cid in between:
+            n += 1
+            if line_of:
+                line_of(cid, place)
+        n += _not_run_after(plan, rplan, shard, log_.state.cursor, line_of)
+    return n
+
+
+def _round_plan(plan: PublishPlan, round_no: int, store: Storage) -> Plan:
+    """Round `round_no`'s plan (shards.json), reading its parts from `store`."""
+    # Here only: a whole publish loads no spec model (the round plan carries the job's spec).
+    from bij.contract.plan import Plan
+
+    uri = plan.round_plans[round_no]
+    try:
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}").with_reader(store.read_bytes)
+    except NotFound:
+        raise PublishPlanError(f"round plan {uri} does not exist") from None
+
+
+_LineOf = Callable[[Any, tuple[int, int]], None]  # a not-run row's error line, from its custom_id and place
+
+
+def _not_run_in_log(log_: ShardLog, last_round: bool,
+                    line_of: _LineOf | None) -> tuple[int, list[tuple[tuple[int, int], Any]]]:
+    """Scan a shard's durable log: the rows the judge rejected in the last round published (each given to
+    `line_of` as it is read), and the rows between attempts (no final record), in input order, with their ids."""
     attempts: dict[tuple[int, int], Any] = {}
     finals: set[tuple[int, int]] = set()
     n = 0
-    log_ = ShardLog(store, prefix)
     for rec in log_.scan():
         place = (rec["at"][0], rec["at"][1])
         if rec["kind"] == "attempt":
@@ -501,29 +556,32 @@ def count_not_run(plan: PublishPlan, index: int, store: Storage,
             n += 1
             if line_of:
                 line_of(row_id(rec["row"]), place)
-    if not done:
-        for place in sorted(set(attempts) - finals):
-            n += 1
-            if line_of:
-                line_of(attempts[place], place)
-        spec = rplan.spec.input
-        stores: dict[str, Storage] = {}
+    return n, [(place, attempts[place]) for place in sorted(set(attempts) - finals)]
 
-        def storage_for(u: str) -> Storage:
-            scheme = u.split("://", 1)[0]
-            if scheme not in stores:
-                stores[scheme] = open_storage(u, plan.s3)
-            return stores[scheme]
 
-        columns = [c for c in (spec.id_field, spec.text_field, spec.messages_field, spec.sampling_field,
-                               spec.adapter_field) if c]
-        for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.pieces(shard),
-                                                  log_.state.cursor, columns, spec.max_line_bytes,
-                                                  on_damaged="errorRow"):
-            n += len(places)
-            if line_of:
-                for (obj, off, _), line in zip(places, lines, strict=True):
-                    line_of(_custom_id(line), (obj, off))
+def _not_run_after(plan: PublishPlan, rplan: Plan, shard: int, cursor: tuple[int, int],
+                   line_of: _LineOf | None) -> int:
+    """The shard's input rows after its durable `cursor` (each given to `line_of`)."""
+    from bij.worker.reader import iter_shard_blocks
+
+    spec = rplan.spec.input
+    stores: dict[str, Storage] = {}
+
+    def storage_for(u: str) -> Storage:
+        scheme = u.split("://", 1)[0]
+        if scheme not in stores:
+            stores[scheme] = open_storage(u, plan.s3)
+        return stores[scheme]
+
+    columns = [c for c in (spec.id_field, spec.text_field, spec.messages_field, spec.sampling_field,
+                           spec.adapter_field) if c]
+    n = 0
+    for places, lines, _ in iter_shard_blocks(storage_for, rplan.objects, rplan.pieces(shard),
+                                              cursor, columns, spec.max_line_bytes, on_damaged="errorRow"):
+        n += len(places)
+        if line_of:
+            for (obj, off, _), line in zip(places, lines, strict=True):
+                line_of(_custom_id(line), (obj, off))
     return n
 
 

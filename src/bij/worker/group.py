@@ -429,58 +429,77 @@ def run_member(role: Role, host: str, *, drain_seconds: float, ray: bool = True,
     node: RayNode | None = None
     try:
         if ray:
-            # The leader starts its Ray head as it opens the channel: join Ray once the head answers.
-            try:
-                head = _connect(host, ray_port(), time.monotonic() + join_seconds(), stop)
-            except GroupError as e:
-                log.error("%s", e)
-                return EXIT_FAILED
-            if head is None:
-                return EXIT_TERMINATED
-            head.close()
-            node = RayNode.worker(f"{host}:{ray_port()}")
+            joined = _join_ray(host, stop)
+            if isinstance(joined, int):
+                return joined
+            node = joined
         sock.sendall(f"join {role.rank}\n".encode())
         sock.settimeout(0.5)
-        buffer = b""
-        said_leaving_at: float | None = None
-        while True:
-            if stop.is_set() and said_leaving_at is None:
-                log.info("lane %d member %d: SIGTERM, the leader drains before this node stops", role.lane, role.rank)
-                try:
-                    sock.sendall(b"leaving\n")
-                except OSError:
-                    return EXIT_TERMINATED
-                said_leaving_at = time.monotonic()
-            if said_leaving_at is not None and time.monotonic() - said_leaving_at > drain_seconds:
-                return EXIT_TERMINATED
-            if node is not None and not node.alive():
-                log.error("lane %d member %d: this pod's Ray node exited (%s)", role.lane, role.rank,
-                          node.proc.returncode)
-                return EXIT_TERMINATED if said_leaving_at is not None else EXIT_FAILED
-            try:
-                data = sock.recv(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                if said_leaving_at is not None:
-                    return EXIT_TERMINATED
-                if b"regroup\n" in buffer:
-                    log.warning("lane %d member %d: the leader replaces the group", role.lane, role.rank)
-                    return EXIT_GROUP_LOST
-                log.error("lane %d member %d: the leader is gone before the lane was done", role.lane, role.rank)
-                if report is not None:
-                    report(f"lane {role.lane}: the leader is gone (seen by member {role.rank})")
-                return EXIT_GROUP_LOST
-            buffer += data
-            if b"done\n" in buffer:
-                log.info("lane %d member %d: the lane is done", role.lane, role.rank)
-                return EXIT_OK
+        return _follow_leader(role, sock, node, stop, drain_seconds, report)
     finally:
         sock.close()
         if node is not None:
             node.stop()
+
+
+def _join_ray(host: str, stop: threading.Event) -> RayNode | int:
+    """Join the leader's Ray head once it answers (the leader starts it as it opens the channel): this
+    pod's Ray node, or the exit code when the head cannot be reached (EXIT_FAILED) or SIGTERM came first."""
+    try:
+        head = _connect(host, ray_port(), time.monotonic() + join_seconds(), stop)
+    except GroupError as e:
+        log.error("%s", e)
+        return EXIT_FAILED
+    if head is None:
+        return EXIT_TERMINATED
+    head.close()
+    return RayNode.worker(f"{host}:{ray_port()}")
+
+
+def _follow_leader(role: Role, sock: socket.socket, node: RayNode | None, stop: threading.Event,
+                   drain_seconds: float, report: Callable[[str], None] | None) -> int:
+    """Listen on the joined group channel until the lane is done, the leader is gone, this pod's Ray node
+    exits or, after SIGTERM (said to the leader as `leaving`), the drain time is up; the member's exit code."""
+    buffer = b""
+    said_leaving_at: float | None = None
+    while True:
+        if stop.is_set() and said_leaving_at is None:
+            log.info("lane %d member %d: SIGTERM, the leader drains before this node stops", role.lane, role.rank)
+            try:
+                sock.sendall(b"leaving\n")
+            except OSError:
+                return EXIT_TERMINATED
+            said_leaving_at = time.monotonic()
+        if said_leaving_at is not None and time.monotonic() - said_leaving_at > drain_seconds:
+            return EXIT_TERMINATED
+        if node is not None and not node.alive():
+            log.error("lane %d member %d: this pod's Ray node exited (%s)", role.lane, role.rank,
+                      node.proc.returncode)
+            return EXIT_TERMINATED if said_leaving_at is not None else EXIT_FAILED
+        try:
+            data = sock.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            data = b""
+        if not data:
+            return EXIT_TERMINATED if said_leaving_at is not None else _leader_closed(role, buffer, report)
+        buffer += data
+        if b"done\n" in buffer:
+            log.info("lane %d member %d: the lane is done", role.lane, role.rank)
+            return EXIT_OK
+
+
+def _leader_closed(role: Role, buffer: bytes, report: Callable[[str], None] | None) -> int:
+    """The leader closed the channel before `done`: it replaces the group (it said `regroup`) or it is gone
+    without a word, which `report` says as the leader would have. Either way EXIT_GROUP_LOST."""
+    if b"regroup\n" in buffer:
+        log.warning("lane %d member %d: the leader replaces the group", role.lane, role.rank)
+        return EXIT_GROUP_LOST
+    log.error("lane %d member %d: the leader is gone before the lane was done", role.lane, role.rank)
+    if report is not None:
+        report(f"lane {role.lane}: the leader is gone (seen by member {role.rank})")
+    return EXIT_GROUP_LOST
 
 
 def member_main(role: Role, drain_seconds: float) -> int:

@@ -70,9 +70,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bij.contract import layout
-from bij.contract.records import ClaimRecord
 from bij.storage import NotFound, Storage, StorageError
-from bij.worker.claim import CLAIM_RE, DEFAULT_LEASE_SECONDS, Claim, listing_requests
+from bij.worker.claim import CLAIM_RE, DEFAULT_LEASE_SECONDS, Claim, ClaimsBase, listing_requests
 from bij.worker.round_claims import RoundClaims
 
 log = logging.getLogger("bij.worker")
@@ -83,7 +82,7 @@ _COMPLETE = "complete.json"
 STEAL_PROBES = 4  # lanes a lane with nothing left lists to find the busiest
 
 
-class Claims:
+class Claims(ClaimsBase):
     """The claims of one round, seen from one worker process (`writer`) of lane `lane`, kept by lane:
     what a lane reads to start, resume, steal and finish grows with a lane's share, not the round's.
 
@@ -168,51 +167,11 @@ class Claims:
         except (ValueError, KeyError, TypeError):
             return 0  # a marker we cannot read says nothing
 
-    def is_done(self, shard: int) -> bool:
-        """Whether the shard has a completion record (known, or one HEAD)."""
-        return self._is_done(shard)
-
-    def _is_done(self, shard: int) -> bool:
-        if shard in self._done:
-            return True
-        if self.store.exists(layout.done_uri(self.prefix, shard)):
-            self._done.add(shard)
-            return True
-        return False
-
-    def read(self, shard: int, generation: int) -> Claim | None:
-        try:
-            rec = ClaimRecord.from_json(self.store.read_bytes(self.uri(shard, generation)), shard, generation)
-            return Claim(shard, generation, rec.lane, rec.writer, rec.expires_at)
-        except NotFound:
-            return None
-        except (ValueError, KeyError, TypeError):
-            # A claim we cannot read holds nothing: treat it as expired.
-            return Claim(shard, generation, -1, "", 0.0)
-
-    def _body(self, shard: int, generation: int) -> bytes:
-        return ClaimRecord(shard, generation, self.lane, self.writer, self.clock() + self.lease).to_json()
-
-    def take(self, shard: int, generation: int) -> Claim | None:
-        """Create claim `generation` of `shard`; None when another process created it first."""
-        won = self.store.create(self.uri(shard, generation), self._body(shard, generation))
-        self._newest[shard] = max(generation, self._newest.get(shard, -1))
-        if not won:
-            return None
+    def _won_claim(self, shard: int, generation: int) -> None:
+        """Another lane's shard taken leaves a `.held` pointer in this lane's folder."""
         if self.owner(shard) != self.lane:
             # So that a replacement of this lane finds the shard in its own folder.
             self.store.write_bytes(layout.lane_held_uri(self.prefix, self.lane, shard, generation), b"")
-        claim = Claim(shard, generation, self.lane, self.writer, self.clock() + self.lease)
-        self._held[shard] = claim
-        return claim
-
-    def renew(self, claim: Claim) -> bool:
-        """Extend our lease; False when a newer claim took the shard from us."""
-        # Claims are created generation after generation, so a newer one exists iff the next does.
-        if self.store.exists(self.uri(claim.shard, claim.generation + 1)):
-            return False
-        self.store.write_bytes(self.uri(claim.shard, claim.generation), self._body(claim.shard, claim.generation))
-        return True
 
     def finished(self, shard: int) -> None:
         """The shard's completion record is written: mark it done in its lane's folder (and in this
@@ -232,21 +191,10 @@ class Claims:
         lease of someone else (wait and ask again); None when every shard is done."""
         if not self._started:
             self._start()
-        # 1. What an earlier process of this lane held: it has stopped (a replacement pod starts
-        #    only once the old one is gone), so its shards continue here first.
-        while self._inherited:
-            s = self._inherited.pop(0)
-            got = self.take(s, self._newest[s] + 1)
-            if got:
-                return got
-        # 2. This lane's own shards, in order; a lost create means someone took the shard.
-        while self._own_at < len(self._own):
-            s = self._own[self._own_at]
-            self._own_at += 1
-            if s not in self._done and s not in self._newest:
-                got = self.take(s, 0)
-                if got:
-                    return got
+        # 1. What an earlier process of this lane held; 2. this lane's own shards, in order.
+        got = self._inherited_or_own()
+        if got:
+            return got
         # 3. Shards nobody started: from the end of the busiest of a few lanes looked at.
         if self._stealing:
             got = self._steal()
@@ -406,18 +354,6 @@ class Claims:
                 log.info("lane %d: took over shard %d from lane %d (its lease expired %.0f s ago)",
                          self.lane, s, c.lane, now - c.expires_at)
                 return got
-        return None
-
-    def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
-        """`next()`, waiting while others hold every shard left; None when all are done or when
-        `stopped` is set."""
-        # Often enough that a lane waiting at the round's end exits soon after the last shard is done.
-        poll = poll if poll is not None else max(0.2, min(0.5, self.lease / 4))
-        while not stopped.is_set():
-            got = self.next()
-            if got is None or isinstance(got, Claim):
-                return got
-            stopped.wait(poll)
         return None
 
 

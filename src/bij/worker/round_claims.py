@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 from bij.contract import layout
-from bij.contract.records import ClaimRecord
-from bij.storage import NotFound, Storage
-from bij.worker.claim import CLAIM_RE, DEFAULT_LEASE_SECONDS, Claim, listing_requests
+from bij.storage import Storage
+from bij.worker.claim import CLAIM_RE, DEFAULT_LEASE_SECONDS, Claim, ClaimsBase, listing_requests
 
 log = logging.getLogger("bij.worker")
 
 _DONE_RE = re.compile(r"^(\d{5,})\.json$")
 
 
-class RoundClaims:
+class RoundClaims(ClaimsBase):
     """The claims of a round begun before claims were kept by lane: one folder for the round, listed
     whole (O(round) requests at a lane's start and end). Seen from one worker process (`writer`).
 
@@ -84,49 +82,9 @@ class RoundClaims:
         for s, g in self.newest().items():
             self._newest[s] = max(g, self._newest.get(s, -1))
 
-    def is_done(self, shard: int) -> bool:
-        """Whether the shard has a completion record (known, or one HEAD)."""
-        return self._is_done(shard)
-
-    def _is_done(self, shard: int) -> bool:
-        if shard in self._done:
-            return True
-        if self.store.exists(layout.done_uri(self.prefix, shard)):
-            self._done.add(shard)
-            return True
-        return False
-
-    def read(self, shard: int, generation: int) -> Claim | None:
-        try:
-            rec = ClaimRecord.from_json(self.store.read_bytes(self.uri(shard, generation)), shard, generation)
-            return Claim(shard, generation, rec.lane, rec.writer, rec.expires_at)
-        except NotFound:
-            return None
-        except (ValueError, KeyError, TypeError):
-            # A claim we cannot read holds nothing: treat it as expired.
-            return Claim(shard, generation, -1, "", 0.0)
-
-    def _body(self, shard: int, generation: int) -> bytes:
-        return ClaimRecord(shard, generation, self.lane, self.writer, self.clock() + self.lease).to_json()
-
-    def take(self, shard: int, generation: int) -> Claim | None:
-        """Create claim `generation` of `shard`; None when another process created it first."""
-        won = self.store.create(self.uri(shard, generation), self._body(shard, generation))
-        self._newest[shard] = max(generation, self._newest.get(shard, -1))
-        if not won:
-            return None
+    def _won_claim(self, shard: int, generation: int) -> None:
+        """Counted: listing again to steal costs no more requests than the claims won (`_steal`)."""
         self._won += 1
-        claim = Claim(shard, generation, self.lane, self.writer, self.clock() + self.lease)
-        self._held[shard] = claim
-        return claim
-
-    def renew(self, claim: Claim) -> bool:
-        """Extend our lease; False when a newer claim took the shard from us."""
-        # Claims are created generation after generation, so a newer one exists iff the next does.
-        if self.store.exists(self.uri(claim.shard, claim.generation + 1)):
-            return False
-        self.store.write_bytes(self.uri(claim.shard, claim.generation), self._body(claim.shard, claim.generation))
-        return True
 
     # --- which shard next ----------------------------------------------------------------------
 
@@ -136,21 +94,10 @@ class RoundClaims:
         if not self._started:
             if self._start():
                 return None
-        # 1. What an earlier process of this lane held: it has stopped (a replacement pod starts
-        #    only once the old one is gone), so its shards continue here first.
-        while self._inherited:
-            s = self._inherited.pop(0)
-            got = self.take(s, self._newest[s] + 1)
-            if got:
-                return got
-        # 2. This lane's own shards, in order; a lost create means someone took the shard.
-        while self._own_at < len(self._own):
-            s = self._own[self._own_at]
-            self._own_at += 1
-            if s not in self._done and s not in self._newest:
-                got = self.take(s, 0)
-                if got:
-                    return got
+        # 1. What an earlier process of this lane held; 2. this lane's own shards, in order.
+        got = self._inherited_or_own()
+        if got:
+            return got
         # 3. Shards nobody started: from the end of the lane with the most left.
         if self.share:
             got = self._steal()
@@ -255,15 +202,3 @@ class RoundClaims:
     def finished(self, shard: int) -> None:
         """The shard's completion record is written: this layout keeps no marker of its own."""
         self._done.add(shard)
-
-    def next_or_wait(self, stopped: threading.Event, poll: float | None = None) -> Claim | None:
-        """`next()`, waiting while others hold every shard left; None when all are done or when
-        `stopped` is set."""
-        # Often enough that a lane waiting at the round's end exits soon after the last shard is done.
-        poll = poll if poll is not None else max(0.2, min(0.5, self.lease / 4))
-        while not stopped.is_set():
-            got = self.next()
-            if got is None or isinstance(got, Claim):
-                return got
-            stopped.wait(poll)
-        return None

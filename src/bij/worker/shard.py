@@ -179,17 +179,47 @@ class ShardWorker:
 
     def run(self) -> ShardOutcome:
         """Work the shard to its end, or until asked to stop."""
-        t0 = self.committer.t0 = time.monotonic()
+        self.committer.t0 = time.monotonic()
+        done = self._done_before()
+        if done is not None:
+            return done
+        self._carry_earlier_runs()
+        t0 = self.committer.t0
+        pending = self._resume_log()
+        state = self.log.state
+        attempts_loop = self._judge_loop()
+        if pending and not attempts_loop.resume(pending):
+            return self._stopped()
+        blocks = iter_shard_blocks(self.storage_for, self.objects, self.pieces, state.cursor,
+                                   parquet_columns(self.opts), self.max_line, on_damaged=self.on_damaged)
+        # Engines whose compute lets go of the interpreter (torch, vLLM) get the next chunks parsed in
+        # the reader thread meanwhile; for the others it would only take turns with them.
+        parse = self.prep.parse if self.judge is None and self.engine.parallel_prepare else None
+        prefetch = Prefetcher(blocks, self.chunk_rows, self.depth, prepare=parse, blocks=True)
+        if not self._work(prefetch, attempts_loop):
+            return self._stopped()
+        if prefetch.damaged is not None:
+            # Every row before the break is durable now; the round fails here, naming the object.
+            self._damaged(prefetch.damaged)
+        self._finish(t0)
+        return ShardOutcome("done", self.stats.rows, self.stats.errors)
+
+    def _done_before(self) -> ShardOutcome | None:
+        """The outcome of an earlier run that finished the shard (its completion record), or None."""
         done_at = layout.done_uri(self.plan.round_prefix, self.index)
-        if self.out.exists(done_at):
-            done = decode_shard_record(self.out.read_bytes(done_at), f"completion record {done_at}")
-            self.progress({"event": "done", "index": self.index, "rows": done["rows"], "errors": done["errors"]})
-            return ShardOutcome("done", done["rows"], done["errors"])
-        # Time earlier runs of this shard spent (a preempted pod's last progress record) counts
-        # towards this shard's worker seconds, so a job's cost includes the work it lost.
+        if not self.out.exists(done_at):
+            return None
+        done = decode_shard_record(self.out.read_bytes(done_at), f"completion record {done_at}")
+        self.progress({"event": "done", "index": self.index, "rows": done["rows"], "errors": done["errors"]})
+        return ShardOutcome("done", done["rows"], done["errors"])
+
+    def _carry_earlier_runs(self) -> None:
+        """Time earlier runs of this shard spent (a preempted pod's last progress record) counts
+        towards this shard's worker seconds, so a job's cost includes the work it lost; so do the
+        model loads and the structured answers that record counted."""
         try:
             before = decode_shard_record(self.out.read_bytes(layout.progress_uri(self.plan.round_prefix, self.index)))
-            t0 = self.committer.t0 = t0 - float(before.get("seconds") or 0)
+            self.committer.t0 -= float(before.get("seconds") or 0)
             self.stats.model_load_s += float(before.get("modelLoadSeconds") or 0)
             self.stats.model_loads += int(before.get("modelLoads") or 0)
             self.stats.weights_bytes += int(before.get("weightsBytes") or 0)
@@ -199,6 +229,10 @@ class ShardWorker:
             self.stats.structured_repaired += int(before.get("structuredRepaired") or 0)
         except (NotFound, ValueError):
             pass
+
+    def _resume_log(self) -> list[dict[str, Any]]:
+        """Count what the durable log holds and return the rows between attempts when the worker
+        stopped (to continue at their next attempt), in input order."""
         # Stream the durable log: resuming a long shard must not hold its records in memory.
         resumed_bytes = records = 0
         attempts: dict[tuple[int, int], dict[str, Any]] = {}  # rows between attempts, by place
@@ -216,38 +250,30 @@ class ShardWorker:
                 attempts.pop(place, None)
             resumed_bytes += rec["at"][2] - rec["at"][1]
             self.committer.count_final(rec)
-        state = self.log.state
-        # Rows between attempts when the worker stopped: continue them at their next attempt.
         pending = [rec for _, rec in sorted(attempts.items())]
         resumed_bytes += sum(rec["at"][2] - rec["at"][1] for rec in pending)
         if records:
             log.info("shard %d: resuming after %d durable records (%d rows between attempts, %d torn bytes skipped)",
-                     self.index, records, len(pending), state.torn_bytes)
+                     self.index, records, len(pending), self.log.state.torn_bytes)
         self.stats.bytes = resumed_bytes
         self.progress({"event": "resume", "index": self.index, "rows": self.stats.rows,
                        "errors": self.stats.errors, "bytes": resumed_bytes})
-        attempts_loop = self._judge_loop()
-        if pending and not attempts_loop.resume(pending):
-            return self._stopped()
+        return pending
 
-        blocks = iter_shard_blocks(self.storage_for, self.objects, self.pieces, state.cursor,
-                                   parquet_columns(self.opts), self.max_line, on_damaged=self.on_damaged)
-        # Engines whose compute lets go of the interpreter (torch, vLLM) get the next chunks parsed in
-        # the reader thread meanwhile; for the others it would only take turns with them.
-        parse = self.prep.parse if self.judge is None and self.engine.parallel_prepare else None
-        prefetch = Prefetcher(blocks, self.chunk_rows, self.depth, prepare=parse, blocks=True)
+    def _work(self, prefetch: Prefetcher, attempts_loop: JudgeLoop) -> bool:
+        """Run the read-ahead chunks through the engine (attempt by attempt for a judge job, streamed
+        otherwise); True when the shard's input ran to its end, False when asked to stop."""
         self.metrics.engine_stopped()
         steps0, occupied0 = self.engine.steps, self.engine.occupied
         try:
             if self.judge is not None:
-                finished = attempts_loop.by_chunk(prefetch)
-            else:
-                stream = StreamScheduler(self.engine, self.prep, self.committer, self.calls, self.batching,
-                                         stop=self.stop, metrics=self.metrics, stats=self.stats, on_tail=self.on_tail)
-                try:
-                    finished = stream.run(prefetch)
-                finally:
-                    self.on_tail = stream.on_tail
+                return attempts_loop.by_chunk(prefetch)
+            stream = StreamScheduler(self.engine, self.prep, self.committer, self.calls, self.batching,
+                                     stop=self.stop, metrics=self.metrics, stats=self.stats, on_tail=self.on_tail)
+            try:
+                return stream.run(prefetch)
+            finally:
+                self.on_tail = stream.on_tail
         finally:
             prefetch.close()
             steps = self.engine.steps - steps0
@@ -255,13 +281,6 @@ class ShardWorker:
                 self.stats.engine_steps += steps
                 self.stats.occupied += self.engine.occupied - occupied0
                 self.stats.max_num_seqs = self.engine.concurrency()
-        if not finished:
-            return self._stopped()
-        if prefetch.damaged is not None:
-            # Every row before the break is durable now; the round fails here, naming the object.
-            self._damaged(prefetch.damaged)
-        self._finish(t0)
-        return ShardOutcome("done", self.stats.rows, self.stats.errors)
 
     def _judge_loop(self) -> JudgeLoop:
         """The loop that runs rows attempt by attempt (a judge job's chunks, rows resumed between attempts)."""
