@@ -17,7 +17,8 @@ from bij.contract.manifest import Manifest
 from bij.contract.spec import parse_job
 from bij.contract.step_results import PlanResult
 from bij.control.decisions import CreateJob, MarkFailed, PlanRound, Publish, RerunStep, Retry, Wait
-from bij.control.driver import Driver, Observed
+from bij.control.driver import Driver
+from bij.control.driver_types import Observed
 from bij.control.observe import parse_ranges
 from bij.control.reconcile import decide
 from bij.local.jobs import LocalJob

@@ -20,7 +20,8 @@ from bij.contract.spec import SecretKeyRef, parse_job
 from bij.contract.status import JobStatus
 from bij.control import notify
 from bij.control.decisions import MarkFailed, Nothing
-from bij.control.driver import Driver, Observed
+from bij.control.driver import Driver
+from bij.control.driver_types import Observed
 
 KEY = b"s3cret-hmac-key"
 FAST = notify.Backoff(attempts=4, first_delay=0.05, max_delay=0.2, timeout=2.0)

@@ -22,7 +22,7 @@ from bij.contract.codes import (
 from bij.contract.lane_report import LaneTally, tally, tally_interval
 from bij.contract.spec import SecretKeyRef, SpecError, parse_job
 from bij.control.access_review import check_grants
-from bij.control.driver import Created, Observed
+from bij.control.driver_types import Created, Observed
 from bij.control.file_volume import FileVolume, file_uri_problems
 from bij.control.kube_api import Api
 from bij.control.observe import owns

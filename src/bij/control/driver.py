@@ -16,7 +16,7 @@ its report, as a round is: the driver only creates and deletes step Jobs and rec
 
 Backends:
 
-- `handlers.KubeBackend`: the Kubernetes API (status subresource, batch/v1 Jobs owned by the
+- `backend.KubeBackend`: the Kubernetes API (status subresource, batch/v1 Jobs owned by the
   bij, Events), driven by one kopf daemon per bij.
 - `local.LocalBackend`: `bij run` on one machine; status kept in memory, Jobs run as local
   processes with `JOB_COMPLETION_INDEX` by a small Indexed Job controller, Events printed.
@@ -24,32 +24,27 @@ Backends:
 Every step is idempotent (deterministic Job names, "exists" means an earlier attempt did it,
 planning and publishing rewrite nothing), so a driver stopped anywhere continues where it
 stopped when asked again.
+
+`Driver` is the one class; its parts, by what they do, are mixins beside this module: what it works with
+(`driver_types`: `Observed`, `Backend`, `Idle`), the status it writes (`driver_status`), its Jobs and
+storage steps (`driver_steps`), publishing (`driver_publish`), failures (`driver_failures`) and
+spec.notify (`driver_notify`). Here: the loop, and the decisions of rounds, the canary and waiting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from bij.contract import layout
-from bij.contract.codes import GENERATION_LABEL
-from bij.contract.efficiency import eta_seconds, fmt_duration
 from bij.contract.fingerprint import field_digests
-from bij.contract.lane_report import LaneTally
-from bij.contract.notify import body as notify_body
-from bij.contract.notify import delivery_id
-from bij.contract.notify import headers as notify_headers
 from bij.contract.round_record import round_records
-from bij.contract.rounds import RoundStats
-from bij.contract.spec import BatchInferenceJob, SecretKeyRef, SpecError
-from bij.contract.status import JobStatus, Phase
-from bij.contract.step_report import REMOVAL_CONDITION
-from bij.contract.step_results import FinishResult, ManifestSummary
+from bij.contract.spec import BatchInferenceJob
+from bij.contract.step_results import FinishResult
 from bij.control import notify
 from bij.control.decisions import (
     STOPPED_PHASES,
@@ -73,9 +68,12 @@ from bij.control.decisions import (
     StepDecision,
     StopHeld,
     Wait,
-    name_conflict,
 )
-from bij.control.file_volume import FileVolume
+from bij.control.driver_failures import FailureMixin
+from bij.control.driver_notify import NotifyMixin
+from bij.control.driver_publish import PublishMixin
+from bij.control.driver_steps import CONFLICT_RECHECK
+from bij.control.driver_types import Backend, Idle, Observed
 from bij.control.jobs import render_canary_job, render_job, render_lane_service
 from bij.control.observe import format_ranges
 from bij.control.permissions import CONDITION as PERMISSIONS_CONDITION
@@ -83,15 +81,12 @@ from bij.control.permissions import STATUS_KEY as PERMISSIONS_KEY
 from bij.control.permissions import GrantCheck, condition, record
 from bij.control.reconcile import decide
 from bij.control.status import (
-    decision_status,
     fmt_time,
     now_utc,
-    parse_time,
     phase_conditions,
     set_condition,
     status_differs,
 )
-from bij.control.step_jobs import render_publish_job, render_step_job
 from bij.control.stopping import seconds_left
 
 log = logging.getLogger("bij.driver")
@@ -103,89 +98,12 @@ STATUS_INTERVAL = 5.0
 PROGRESS_INTERVAL = 30.0
 # Steps applied per reconcile before yielding; a whole run takes about ten.
 MAX_STEPS = 16
-# The condition that names status entries bij cannot read (Driver.say_damage).
-DAMAGED_CONDITION = "StatusDamaged"
-# A Job of our name that belongs to someone else is looked at again this often.
-CONFLICT_RECHECK = 15.0
 # A step Job deleted to run anew, or one that succeeded before its report shows in the status read:
 # look again this soon.
 REPORT_RECHECK = 1.0
 
-Created = Literal["created", "exists", "foreign"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Observed:
-    """What a backend sees of the bij: its spec (parsed, or why it cannot be), status and Jobs."""
-
-    job: BatchInferenceJob | None
-    spec_error: SpecError | None
-    status: Mapping[str, Any]
-    generation: int | None
-    output_uri: str
-    jobs: Sequence[Mapping[str, Any]]
-    # The pods of its step Jobs that failed (`observe.failed_pods` reads them): what a retry or a
-    # failure says about the cause.
-    pods: Sequence[Mapping[str, Any]] = ()
-    # The current round's lane reports, summed by the backend from the lanes' own Leases (or files): the
-    # one thing the driver sees of them, the same size for any number of lanes.
-    lanes: LaneTally | None = None
-
-    @functools.cached_property
-    def state(self) -> JobStatus:
-        """The status, typed (what does not parse is left out and named: `say_damage`)."""
-        return JobStatus.read(self.status)
-
-
-class Backend(Protocol):
-    """Where the driver's steps take effect."""
-
-    worker_image: str
-    steps_image: str  # the image of step Jobs (bij without an engine)
-    # The volume file:// URIs lie on, mounted into every pod (the chart's fileStorage); None: no volume.
-    file_volume: FileVolume | None
-
-    def observe(self) -> Observed | None:
-        """The bij now; None when it is gone (deleted, or being deleted)."""
-
-    def create_job(self, body: dict[str, Any]) -> Created:
-        """Create a batch/v1 Job owned by the bij: "exists" when an earlier attempt of ours did,
-        "foreign" when a Job of that name belongs to someone else (never adopted or replaced)."""
-
-    def create_service(self, body: dict[str, Any]) -> None:
-        """Create a v1 Service owned by the bij (the headless Service of lanes of several pods); one that
-        exists already is fine."""
-
-    def patch_job(self, name: str, spec: dict[str, Any]) -> None:
-        """Merge `spec` into the Job's spec (suspend, parallelism)."""
-
-    def delete_job(self, name: str) -> None:
-        """Delete a step Job (and its pods) so that the step runs again; gone already is fine."""
-
-    def write_status(self, patch: dict[str, Any]) -> None:
-        """Merge-patch the bij's status."""
-
-    def event(self, type_: str, reason: str, message: str) -> None:
-        """Post an Event about the bij (Normal or Warning)."""
-
-    def notify_key(self, ref: SecretKeyRef) -> bytes:
-        """The key that signs spec.notify's POSTs: a Secret's key in the bij's namespace (the operator), an
-        environment variable (`bij run`: `notify.secret_env`); LookupError, naming it, when there is none."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Idle:
-    """Where a reconcile stopped: the last decision, and when to ask again without a change.
-
-    ``recheck`` None: only when something changes (a Job, the spec). ``gone``: the bij was deleted.
-    """
-
-    decision: Decision | None
-    recheck: float | None = None
-    gone: bool = False
-
-
-class Driver:
+class Driver(PublishMixin, NotifyMixin, FailureMixin):
     """Steps one bij forward through a backend. One driver per bij; not shared between threads.
 
     ``worker_grants``: where the bij's pods run under RBAC (the operator), asks the API server whether its
@@ -428,39 +346,6 @@ class Driver:
         self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
         return None
 
-    def _prepare_publish(self, seen: Observed, job: BatchInferenceJob, d: PreparePublish,
-                         now: dt.datetime) -> Idle | None:
-        """The publish plan step's result: the publish record the passes follow (or the manifest, when one stands)."""
-        got = d.result
-        assert got is not None
-        if got.published is not None:
-            # Published before the status said so (a restart in between): the manifest stands.
-            return self.published(seen, job, d, got.published)
-        plan_uri, passes = got.plan_uri, dict(got.passes)
-        msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
-            + " indexes" + (" (partial)" if d.partial else "")
-        # startedAt: when publishing began (bij-api's finalizing_at).
-        record: dict[str, Any] = {"rounds": d.rounds, "planUri": plan_uri, "passes": passes,
-                                  "startedAt": fmt_time(now)}
-        if d.partial:
-            record["partial"] = d.partial
-        self.write_status(seen, {**self.base(seen, d, now), "message": msg, "publish": record})
-        return None
-
-    def _create_publish_job(self, seen: Observed, job: BatchInferenceJob, d: CreatePublishJob,
-                            now: dt.datetime) -> Idle | None:
-        """The Job of one publish pass."""
-        body = render_publish_job(job, d.pass_name, d.completions, d.plan_uri, image=self.backend.worker_image,
-                                  owner_uid=job.metadata.uid, file_volume=self.backend.file_volume)
-        created = self.create_job(seen, d, body, "publishing", "Publishing")
-        if created == "foreign":
-            return Idle(d, recheck=CONFLICT_RECHECK)
-        pods = f"{d.completions} pod" + ("s" if d.completions != 1 else "")
-        msg = f"publishing: created Job {body['metadata']['name']} for pass {d.pass_name} ({pods})"
-        self.write_status(seen, {**self.base(seen, d, now), "message": msg},
-                          event=("Normal", "PublishPassStarted", msg) if created == "created" else None)
-        return None
-
     def _stop_held(self, seen: Observed, job: BatchInferenceJob, d: StopHeld, now: dt.datetime) -> Idle | None:
         """Cancelled or expired before anything ran: said once, and not Ready (there is no manifest)."""
         if d.job_name:
@@ -506,19 +391,7 @@ class Driver:
         self.write_status(seen, patch)
         return Idle(d, recheck=recheck)
 
-    # --- steps shared by several decisions ----------------------------------------------------------
-
-    def apply_failure(self, seen: Observed, d: Decision, job: BatchInferenceJob | None = None) -> Idle:
-        """A failed bij (MarkFailed) or a step to try again later (Retry): status, one Event per message."""
-        now = now_utc()
-        patch = {**self.base(seen, d, now), "message": d.message}
-        if isinstance(d, MarkFailed) and job is not None:
-            patch.update(self.progress(seen, d.round, now))
-        # Once per message: a recoverable failure (SpecChanged) is decided again on every change.
-        first = seen.state.message != d.message
-        reason = d.reason if isinstance(d, Retry) else d.event if isinstance(d, MarkFailed) else "Failed"
-        self.write_status(seen, patch, event=("Warning", reason, d.message) if first else None)
-        return Idle(d, recheck=d.delay if isinstance(d, Retry) else None)
+    # --- the worker identity's grants (where pods run under RBAC) ---------------------------------
 
     def check_permissions(self, seen: Observed, d: CheckPermissions, now: Any) -> None:
         """Ask whether the worker identity holds its grants; record the answer (``status.workerPermissions``,
@@ -543,249 +416,6 @@ class Driver:
                 event = ("Normal", "PermissionsGranted", f"{message}: the bij goes on")
         log.info("worker grants of %s: %s", check.user, check.result)
         self.write_status(seen, patch, event=event)
-
-    def notify_ended(self, job: BatchInferenceJob, idle: Idle) -> Idle:
-        """spec.notify's webhooks told that the bij ended: the POSTs due now (`notify.due`), each attempt recorded
-        in ``status.notified``, an Event when one is delivered or given up, and the Notified condition; asked again
-        when the next retry falls due. The phase stays what it is, whatever the webhooks answer."""
-        seen = self.backend.observe()
-        if seen is None or seen.job is None:
-            return idle
-        state, now = seen.state, now_utc()
-        todo, wake = notify.due(job, state, now)
-        if not todo:
-            return wake_at(idle, wake)  # a retry not yet due (woken a little early): ask again then
-        changed = [notify.attempted(item.record, self.notify_one(job, state, item, now), now, self.notify_backoff)
-                   for item in todo]
-        patch: dict[str, Any] = {notify.STATUS_KEY: notify.merged(state, changed)}
-        after = JobStatus.read({**seen.status, **patch})
-        given_up = [r for r in after.notified if r.gave_up]
-        conditions = [c.as_status() for c in state.conditions]
-        if given_up:
-            told = "; ".join(f"{r.event} to {r.url} after {r.attempts} attempts: {r.last_error}" for r in given_up)
-            patch["conditions"] = set_condition(conditions, notify.CONDITION, False, "NotifyFailed",
-                                                f"not delivered: {told}", generation=seen.generation, now=now)
-        elif notify.settled(job, after):
-            patch["conditions"] = set_condition(conditions, notify.CONDITION, True, "Delivered",
-                                                "every webhook of spec.notify was told", generation=seen.generation,
-                                                now=now)
-        self.backend.write_status(patch)
-        for r in changed:
-            if r.delivered_at:
-                self.backend.event("Normal", "Notified", f"{r.event}: told {r.url} (attempt {r.attempts})")
-            elif r.gave_up:
-                self.backend.event("Warning", "NotifyFailed",
-                                   f"{r.event}: {r.url} was not told after {r.attempts} attempts ({r.last_error}); "
-                                   f"the bij stays {state.phase}")
-            else:
-                log.warning("%s/%s: notify %s to %s failed (attempt %d): %s; next at %s", job.metadata.namespace,
-                            job.metadata.name, r.event, r.url, r.attempts, r.last_error, r.next_attempt_at)
-        return wake_at(idle, notify.due(job, after, now)[1])
-
-    def notify_one(self, job: BatchInferenceJob, state: JobStatus, item: notify.Due, now: dt.datetime) -> str | None:
-        """One signed POST of the bij's end; None when delivered, else why not."""
-        try:
-            key = self.backend.notify_key(item.target.secret_ref)
-        except LookupError as e:
-            return f"no signing key: {e.args[0] if e.args else e}"
-        payload = notify_body(job, state, item.event, now)
-        sent = notify_headers(key, payload, item.event, delivery_id(job, item.event), int(time.time()))
-        return self.send(item.target.url, payload, sent, self.notify_backoff.timeout)
-
-    def create_job(self, seen: Observed, d: Decision, body: dict[str, Any], what: str,
-                   phase: Phase) -> Created:
-        created = self.backend.create_job(body)
-        if created == "foreign":
-            conflict = name_conflict(d, body["metadata"]["name"], what, phase)
-            self.write_status(seen, {**self.base(seen, conflict, now_utc()), "message": conflict.message},
-                              event=("Warning", "JobNameConflict", conflict.message)
-                              if seen.status.get("message") != conflict.message else None)
-        return created
-
-    def published(self, seen: Observed, job: BatchInferenceJob, d: Decision, manifest: ManifestSummary) -> Idle:
-        """Phase Succeeded with what the manifest says (Cancelled or Expired for a partial manifest)."""
-        now = now_utc()
-        counts = manifest.counts
-        uri = layout.manifest_uri(job)
-        partial = manifest.partial.phase if manifest.partial is not None else None
-        codes = counts.error_codes
-        by_code = (": " + ", ".join(f"{n} {code}" for code, n in sorted(codes.items(), key=lambda e: -e[1]))
-                   if codes else "")
-        msg = (f"published {counts.rows} rows in {manifest.files} files "
-               f"({counts.errors} error rows{by_code}) to {uri}")
-        if partial and manifest.partial is not None:
-            msg = (f"{partial.lower()} ({manifest.partial.reason}): " + msg
-                   + f"; {counts.not_run or 0} rows not run")
-        structured = counts.structured
-        if structured.validated or structured.violations:
-            # Structured answers checked after decoding (bij.engines.structured).
-            msg += (f"; structured answers: {structured.validated} validated "
-                    f"({structured.repaired} repaired on a second grammar backend), "
-                    f"{structured.violations} schema_violation error rows")
-        for note in manifest.notes:
-            msg += f"; {note}"  # what the engine could not serve at all, once each (not per row)
-        damaged = [o.message for o in manifest.damaged_objects]
-        if damaged:
-            # input.onDamagedObject errorRow: published without what lay behind the break; never silent.
-            msg += "; damaged input (one corrupt_input error row each, the rest unread): " + "; ".join(damaged)
-        if counts.capped:
-            # Never silent: rows the judge still rejected at the cap are published apart and said so.
-            capped = (f"RetryCapReached: {counts.capped} rows were still rejected by the judge at the cap; "
-                      "they are in the manifest's cappedFiles")
-            msg += f"; {capped}"
-            self.backend.event("Warning", "RetryCapReached", capped)
-        removal = manifest.work_files_removal
-        if removal is not None:
-            # The manifest stands: work files left behind are a warning, never a failed bij.
-            left = (f"RemovalFailed: removing work files failed after {removal.removed} objects: "
-                    f"{removal.error}; the rest are left under {removal.left} (a rerun resumes "
-                    "the removal, or a bucket lifecycle rule on the _bij/ prefix removes them)")
-            msg += f"; {left}"
-            self.backend.event("Warning", "RemovalFailed", left)
-        done = dataclasses.replace(d, phase=partial or "Succeeded", reason=partial or "Published", message=msg)
-        rows = {"done": counts.rows, "failed": counts.errors}
-        if partial:
-            rows["notRun"] = counts.not_run or 0
-        patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg, "rows": rows}
-        if removal is not None:
-            patch["conditions"] = set_condition(patch["conditions"], REMOVAL_CONDITION, False, "RemovalFailed",
-                                                left, generation=seen.generation, now=now)
-        patch.update({k: v for k, v in self.progress(seen, d.round, now).items() if k != "rows"})
-        self.write_status(seen, patch, event=("Normal", partial or "Published", msg))
-        return Idle(done)
-
-    def mark_invalid(self, seen: Observed, err: SpecError) -> None:
-        """Phase Failed with the validation problems; posted once per distinct message."""
-        msg = "invalid spec: " + "; ".join(err.problems)
-        now = now_utc()
-        patch = {"phase": "Failed", "message": msg, "observedGeneration": seen.generation,
-                 "conditions": phase_conditions(seen.status.get("conditions") or [], "Failed", "InvalidSpec", msg,
-                                                generation=seen.generation, now=now)}
-        if seen.status.get("message") != msg:
-            self.write_status(seen, patch, event=("Warning", "InvalidSpec", msg))
-
-    def say_damage(self, seen: Observed, state: JobStatus) -> bool:
-        """Status entries bij cannot read (written by something else, or damaged) are left out where they are
-        read; here they are named in the StatusDamaged condition and a Warning Event, once, and the condition
-        turns False when they are gone. A damaged condition is dropped (conditions are rewritten whole),
-        said in the Event. True when the status was written."""
-        said = next((c for c in state.conditions if c.type == DAMAGED_CONDITION), None)
-        dropped = [p for p in state.problems if p.startswith("status.conditions")]
-        lasting = [p for p in state.problems if p not in dropped]
-        message = unreadable(lasting)
-        new = bool(lasting) and (said is None or said.status != "True" or said.message != message)
-        conditions = [c.as_status() for c in state.conditions]
-        now = now_utc()
-        if new:
-            conditions = set_condition(conditions, DAMAGED_CONDITION, True, "UnreadableEntries", message,
-                                       generation=seen.generation, now=now)
-        elif not lasting and said is not None and said.status == "True":
-            conditions = set_condition(conditions, DAMAGED_CONDITION, False, "Readable",
-                                       "every status entry is readable", generation=seen.generation, now=now)
-        elif not dropped:
-            return False
-        self.backend.write_status({"conditions": conditions})
-        if new or dropped:
-            log.warning("%s: %s", seen.output_uri, unreadable(state.problems))
-            self.backend.event("Warning", DAMAGED_CONDITION, unreadable(state.problems))
-        return True
-
-    def base(self, seen: Observed, d: Decision, now: Any) -> dict[str, Any]:
-        """The status fields every decision sets (phase, round, shards, conditions, ...)."""
-        return decision_status(seen.status, d, generation=seen.generation, now=now, output_uri=seen.output_uri)
-
-    def write_status(self, seen: Observed, patch: dict[str, Any], event: tuple[str, str, str] | None = None) -> None:
-        """Merge-patch the status (only if it changes) and post the Event."""
-        if status_differs(seen.status, patch):
-            self.backend.write_status(patch)
-        if event is not None:
-            self.backend.event(*event)
-
-    # --- storage steps, run as Jobs in the bij's namespace (bij.steps.main) ---------------------
-
-    def run_step(self, seen: Observed, job: BatchInferenceJob, d: StepDecision) -> Idle | None:
-        """Create the one-pod Job of step `d` (`decide()` saw none): its pod reports into the bij's status,
-        and `decide()` takes it from there. None: look again (something changed)."""
-        args = d.step_args()
-        body = render_step_job(job, **args, image=self.backend.steps_image, owner_uid=job.metadata.uid,
-                               file_volume=self.backend.file_volume)
-        body["metadata"]["labels"][GENERATION_LABEL] = str(seen.generation or 0)
-        name = body["metadata"]["name"]
-        created = self.create_job(seen, d, body, f"{d.message}: step {args['kind']}", d.phase)
-        if created == "foreign":
-            return Idle(d, recheck=CONFLICT_RECHECK)
-        if created == "created":
-            log.info("%s/%s: step %s runs in Job %s", job.metadata.namespace, job.metadata.name, args["kind"], name)
-            # The phase from the start (Planning, Publishing, ...), not only once the step reports.
-            self.write_status(seen, {**self.base(seen, d, now_utc()), "message": f"{d.message} (step Job {name})"})
-        return None
-
-    # --- progress from the pods' reports (the operator reads no storage) ------------------------------
-
-    def shards_done(self, seen: Observed) -> int | None:
-        """How many shards of the current round its lanes reported finished; None when no round runs.
-        A lane counts only shards it finished itself, so the sum counts each shard once."""
-        state = seen.state
-        rec = state.round_records().get(state.current_round)
-        if rec is None or rec.finished or state.phase in TERMINAL_PHASES:
-            return None
-        return self.reported(seen, state.current_round).shards_done
-
-    @staticmethod
-    def reported(seen: Observed, round_no: int) -> LaneTally:
-        """Round `round_no`'s lane reports as the backend summed them (none, for another round)."""
-        return seen.lanes if seen.lanes is not None and seen.lanes.round == round_no else LaneTally(round=round_no)
-
-    def progress(self, seen: Observed, round_no: int, now: Any,
-                 ended: RoundStats | None = None) -> dict[str, Any]:
-        """``rows`` and ``rowsPerSecond``: the finished rounds' counts in ``status.rounds``, and the
-        current round's (its statistics once `ended`, else what its lanes reported); ``eta`` of the
-        running round from the input its lanes reported done."""
-        state = seen.state
-        done = failed = 0
-        records = state.round_records()
-        for r, rec in records.items():
-            # A finished round counts from its record (the current one too: while publishing, say),
-            # unless its statistics are being recorded right now (`ended`).
-            if rec.finished and not (r == round_no and ended is not None):
-                done += rec.approved
-                failed += rec.errors
-        this_round = records.get(round_no)
-        finished = this_round is not None and this_round.finished
-        current = LaneTally(round=round_no) if finished else self.reported(seen, round_no)
-        if ended is not None:
-            done += ended.approved
-            failed += ended.errors
-        else:
-            done += current.rows
-            failed += current.errors
-        started = state.start_time or min((r.start_time for r in records.values() if r.start_time),
-                                                 default=None)
-        out: dict[str, Any] = {"rows": {"done": done, "failed": failed}}
-        start = parse_time(started)
-        if start is not None:
-            elapsed = (now - start).total_seconds()
-            out["rowsPerSecond"] = round(done / elapsed, 2) if elapsed > 0 else 0.0
-        round_start = parse_time(this_round.start_time if this_round is not None else None)
-        size = this_round.bytes if this_round is not None else 0
-        if ended is None and size and round_start is not None and current.pods:
-            out["eta"] = fmt_duration(eta_seconds(current.bytes, size, (now - round_start).total_seconds()))
-        return out
-
-
-def unreadable(problems: Sequence[str]) -> str:
-    """What the StatusDamaged condition and Event say of `problems` (at most five named)."""
-    if not problems:
-        return ""
-    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-    return "status entries left out as unreadable: " + "; ".join(problems[:5]) + more
-
-
-def wake_at(idle: Idle, wake: float | None) -> Idle:
-    """`idle`, asked again no later than `wake` seconds from now (None: as it was)."""
-    if wake is None:
-        return idle
-    return dataclasses.replace(idle, recheck=wake if idle.recheck is None else min(idle.recheck, wake))
 
 
 def until_deadline(idle: Idle, job: BatchInferenceJob, status: Mapping[str, Any], now: Any) -> Idle:

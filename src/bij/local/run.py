@@ -39,7 +39,8 @@ from bij.contract.spec import BatchInferenceJob, CanarySpec, SecretKeyRef
 from bij.contract.status import JobStatus
 from bij.control import notify
 from bij.control.decisions import STOPPED_PHASES, TERMINAL_PHASES, Retry
-from bij.control.driver import Created, Driver, Observed
+from bij.control.driver import Driver
+from bij.control.driver_types import Created, Observed
 from bij.control.file_volume import FileVolume
 from bij.control.jobs import render_job
 from bij.control.observe import failure_reason
