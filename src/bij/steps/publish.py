@@ -125,6 +125,11 @@ class _Totals:
                 self.first_noted[note] = where
 
     @property
+    def total(self) -> int:
+        """The rows published: results, error rows and capped rows."""
+        return self.rows + self.errors + self.capped
+
+    @property
     def notes(self) -> list[str]:
         return sorted(self.first_noted, key=lambda note: self.first_noted[note])
 
@@ -303,6 +308,22 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> M
     plans = [load_round_plan(store, job, r) for r in range(rounds)]
     t = _Totals()
     _read_done(store, plans, t, partial=pplan.partial is not None)
+    not_run = _read_summaries(store, pplan, plans, t, lists)
+    if job.spec.judge is not None:
+        # The judge's view of each round (rows in, approved, rejected, approval rate).
+        from bij.steps.progress import round_history
+
+        t.rounds = [{**h.as_status(), "rows": d["rows"], "errors": d["errors"]}
+                    for h, d in zip(round_history(job, rounds), t.rounds, strict=True)]
+    _check_error_ratio(job, t, pplan)
+    manifest = _manifest(job, store, plans, pplan, t, not_run, lists)
+    return _write_manifest(store, job, manifest, plans, pplan)
+
+
+def _read_summaries(store: Storage, pplan: PublishPlan, plans: list[Plan], t: _Totals,
+                    lists: manifest_lists.PartWriter) -> int:
+    """Add the passes' per-shard summaries to `t` (and each round's rows to `t.rounds`), their file lists to
+    `lists`; the rows not run (a partial publish)."""
     not_run = 0
     t.rounds = [{"round": r, "shards": p.shard_total, "rows": 0, "errors": 0} for r, p in enumerate(plans)]
     # In unit order (the file lists are), a bounded number of reads in flight: one round trip each on S3.
@@ -325,40 +346,49 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> M
         t.rounds[summary["round"]]["rows"] += c["rows"]
         t.rounds[summary["round"]]["errors"] += c["errors"]
         not_run += int(c.get("notRun", 0))
-    if job.spec.judge is not None:
-        # The judge's view of each round (rows in, approved, rejected, approval rate).
-        from bij.steps.progress import round_history
+    return not_run
 
-        t.rounds = [{**h.as_status(), "rows": d["rows"], "errors": d["errors"]}
-                    for h, d in zip(round_history(job, rounds), t.rounds, strict=True)]
-    total = t.rows + t.errors + t.capped
+
+def _check_error_ratio(job: BatchInferenceJob, t: _Totals, pplan: PublishPlan) -> None:
+    """ErrorRatioExceeded when more rows failed than spec.maxErrorRatio allows."""
+    total = t.total
     ratio = t.errors / total if total else 0.0
     limit = job.spec.max_error_ratio
     # A stopped job publishes what it has, whatever share of it failed: that was asked for.
     if limit is not None and ratio > limit and pplan.partial is None:
         raise ErrorRatioExceeded(
             f"{t.errors} of {total} rows failed ({ratio:.1%}), above spec.maxErrorRatio {limit:.1%}; "
-            f"error rows are in {layout.join(out_uri, 'errors')}/"
+            f"error rows are in {layout.join(job.spec.output.uri, 'errors')}/"
         )
-    eff = t.eff.result()
-    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], t.rows,
-                 t.tokens_in + t.tokens_out, job.spec.workers.nodes_per_lane,
-                 pool_prices=job.spec.workers.pool_prices, by_pool=eff.get("workerSecondsByPool"))
-    checked = canary_check(job, store, plans)
-    counts = ManifestCounts.model_validate({
+
+
+def _counts(t: _Totals, not_run: int, pplan: PublishPlan) -> ManifestCounts:
+    """The manifest's row and token counts."""
+    return ManifestCounts.model_validate({
         "rows": t.rows, "errors": t.errors, "capped": t.capped, "duplicates": t.duplicates,
-        "truncated": t.truncated, "inputRows": total + not_run,
+        "truncated": t.truncated, "inputRows": t.total + not_run,
         "tokensIn": t.tokens_in, "tokensOut": t.tokens_out, "reasoningTokens": t.reasoning_tokens,
         **({"notRun": not_run} if pplan.partial else {}),
         # Error rows by code; structured answers checked after decoding (bij.engines.structured).
         "errorCodes": dict(sorted(t.error_codes.items())),
         "structured": {"validated": t.structured_validated, "repaired": t.structured_repaired,
                        "violations": t.structured_violations}})
-    manifest = Manifest(
+
+
+def _manifest(job: BatchInferenceJob, store: Storage, plans: list[Plan], pplan: PublishPlan, t: _Totals,
+              not_run: int, lists: manifest_lists.PartWriter) -> Manifest:
+    """The manifest of the sums in `t`, with its efficiency, cost and canary figures (its last parts written)."""
+    eff = t.eff.result()
+    spent = cost(job.spec.workers.price_per_hour, eff["workerSeconds"], t.rows,
+                 t.tokens_in + t.tokens_out, job.spec.workers.nodes_per_lane,
+                 pool_prices=job.spec.workers.pool_prices, by_pool=eff.get("workerSecondsByPool"))
+    checked = canary_check(job, store, plans)
+    counts = _counts(t, not_run, pplan)
+    return Manifest(
         api_version=f"{job.api_version}",
         kind="BatchInferenceJobManifest",
         job=ManifestJob(name=job.metadata.name, namespace=job.metadata.namespace, id=job.job_id),
-        output_uri=out_uri,
+        output_uri=job.spec.output.uri,
         # What the result files hold: JSON lines (plain or OpenAI batch output) or Parquet.
         format="openai" if job.spec.input.format == "openai" else job.spec.output.format,
         compression=job.spec.output.compression,
@@ -373,17 +403,23 @@ def finish_publish(job: BatchInferenceJob, rounds: int, pplan: PublishPlan) -> M
         # input.onDamagedObject errorRow: objects published without what lay behind their break.
         damaged_objects=[DamagedObject(round=r, shard=rec.shard, object=rec.name, offset=rec.offset,
                                        reason=rec.reason, message=rec.describe())
-                         for r in range(rounds) for rec in damage_records(job, r)],
+                         for r in range(len(plans)) for rec in damage_records(job, r)],
         engine=t.engine(),
         efficiency=EfficiencyFigures.model_validate(eff),
         published_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **({"cost": CostFigures.model_validate(spent)} if spent is not None else {}),
         **({"canary": CanaryCheck.model_validate(checked)} if checked is not None else {}),
     )
+
+
+def _write_manifest(store: Storage, job: BatchInferenceJob, manifest: Manifest, plans: list[Plan],
+                    pplan: PublishPlan) -> Manifest:
+    """Write the manifest (last, one atomic write), delete the parts of the one it replaced, then remove the
+    work files (keepIntermediate false); a failed removal is said in the manifest returned."""
     before = _published_parts(store, job)
     store.write_bytes(layout.manifest_uri(job), manifest.to_json())
     for path in sorted(set(before) - set(manifest.part_paths())):
-        store.delete(layout.join(out_uri, path))  # parts of the manifest this one replaced
+        store.delete(layout.join(job.spec.output.uri, path))  # parts of the manifest this one replaced
     if not job.spec.output.keep_intermediate:
         removal = remove_work_files(store, job, work_folders(plans, pplan))
         if removal.error is not None:
