@@ -34,7 +34,7 @@ from bij.contract.globs import check_glob, has_glob
 from bij.contract.prompt import compile_template
 from bij.contract.sampling import DEFAULT_ROW_BUDGET, Basics, Sampling, basics, spec_defaults
 from bij.contract.sampling import from_spec as sampling_from_spec
-from bij.contract.schema import FREE_FORM, INT64, cel, k8s
+from bij.contract.schema import FREE_FORM, INT64, cel, cel_list, k8s
 from bij.contract.schemes import REMOTE, SCHEMES, WRITABLE, forms, prefixes, scheme_of, uri_pattern
 
 API_VERSION = "v1alpha1"
@@ -107,13 +107,9 @@ def engine_tasks_message(engine: str) -> str:
         f"engine {engine} only supports task {tasks[0]}"
 
 
-def _cel_list(values: tuple[str, ...]) -> str:
-    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
-
-
 def _engine_task_rule(engine: str) -> dict[str, Any]:
     return cel(f"!has(self.task) || (has(self.engine) ? self.engine : 'echo') != '{engine}' || "
-               f"self.task in {_cel_list(ENGINE_TASKS[engine])}", engine_tasks_message(engine))
+               f"self.task in {cel_list(ENGINE_TASKS[engine])}", engine_tasks_message(engine))
 
 
 WEIGHT_PREFIXES = REMOTE
@@ -583,13 +579,13 @@ class ModelSpec(_Model):
     # has(): the API server also checks each rule against the bare default {} (no nested defaults).
     model_config = ConfigDict(json_schema_extra=k8s(
         *(_engine_task_rule(engine) for engine in ENGINE_TASKS),
-        cel(f"!has(self.task) || !(self.task in {_cel_list(POOLING_TASKS)}) || has(self.name)",
+        cel(f"!has(self.task) || !(self.task in {cel_list(POOLING_TASKS)}) || has(self.name)",
             POOLING_NEEDS_NAME),
         cel("!has(self.engine) || self.engine != 'http' || (has(self.http) && has(self.http.baseUrl))",
             HTTP_NEEDS_URL),
         cel("!has(self.name) || !self.name.contains('://') || ("
             + " || ".join(f"self.name.startsWith('{p}')" for p in WEIGHT_PREFIXES)
-            + f") && has(self.engine) && self.engine in {_cel_list(WEIGHTS_ENGINES)}", WEIGHTS_BY_URI, ".name")))
+            + f") && has(self.engine) && self.engine in {cel_list(WEIGHTS_ENGINES)}", WEIGHTS_BY_URI, ".name")))
 
     engine: Literal["echo", "sentence-transformers", "transformers", "vllm", "simulated", "http"] = "echo"
     """what runs the model: echo (answers with the input text, embeds it as a hash: for trying bij out),
@@ -1065,7 +1061,7 @@ class JobSpec(_Model):
             "(has(self.model.vllm) && has(self.model.vllm.pipelineParallelSize) ? "
             "self.model.vllm.pipelineParallelSize : 1)", GPUS_FOR_VLLM, ".workers.gpus"),
         cel("!has(self.model) || !has(self.model.engine) || "
-            f"!(self.model.engine in {_cel_list(CONTINUOUS_ENGINES)}) || "
+            f"!(self.model.engine in {cel_list(CONTINUOUS_ENGINES)}) || "
             "!has(self.batching) || (!has(self.batching.targetBatchTokens) && !has(self.batching.maxBatchSize))",
             BATCH_SHAPE_NOT_CONTINUOUS, ".batching"),
         cel("!has(self.output.partitionBy) || self.output.partitionBy != 'input' || !has(self.judge) || "
