@@ -46,7 +46,8 @@ from bij.contract.notify import delivery_id
 from bij.contract.notify import headers as notify_headers
 from bij.contract.round_record import round_records
 from bij.contract.rounds import RoundStats
-from bij.contract.spec import BatchInferenceJob, SecretKeyRef, SpecError
+from bij.contract.spec import BatchInferenceJob, SpecError
+from bij.contract.spec_base import SecretKeyRef
 from bij.contract.status import JobStatus, Phase
 from bij.contract.step_report import REMOVAL_CONDITION
 from bij.contract.step_results import FinishResult, ManifestSummary
