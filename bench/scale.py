@@ -145,7 +145,8 @@ class OperatorPart(threading.Thread):
         return time.thread_time()
 
     def watch(self) -> None:
-        from bij.contract.spec import API_GROUP, API_VERSION
+        from bij.contract.codes import API_GROUP
+        from bij.contract.spec import API_VERSION
 
         path = f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{self.ns}/batchinferencejobs"
         resp = self.api._client.call_api(path, "GET", query_params=[("watch", "true"),
@@ -180,8 +181,9 @@ class OperatorPart(threading.Thread):
 def one_run(cluster: Any, meters: Meters, custom: Any, ns: str, sa_dir: Path, design: str, lanes: int,
             seconds: float) -> dict[str, Any]:
     """N lanes of one design for `seconds`; what they cost."""
+    from bij.contract.codes import API_GROUP
     from bij.contract.lane_report import report_interval, tally_interval
-    from bij.contract.spec import API_GROUP, API_VERSION
+    from bij.contract.spec import API_VERSION
 
     name = f"scale-{design[0]}{lanes}-{uuid.uuid4().hex[:4]}"
     custom.create_namespaced_custom_object(API_GROUP, API_VERSION, ns, "batchinferencejobs", {

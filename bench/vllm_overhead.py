@@ -49,7 +49,7 @@ def synthetic_prompts(rows: int, min_words: int, max_words: int, seed: int = 0) 
 
 def engine_config(args: argparse.Namespace) -> Any:
     """The EngineConfig the worker builds from the spec this benchmark writes."""
-    from bij.contract.spec import ModelSpec
+    from bij.contract.spec_model import ModelSpec
     from bij.engines.base import EngineConfig
 
     model = ModelSpec.model_validate(model_section(args))

@@ -69,7 +69,7 @@ def model_section(model: Path, args: Any) -> dict[str, Any]:
 
 
 def engine_config(section: dict[str, Any]) -> Any:
-    from bij.contract.spec import ModelSpec
+    from bij.contract.spec_model import ModelSpec
     from bij.engines.base import EngineConfig
 
     m = ModelSpec.model_validate(section)

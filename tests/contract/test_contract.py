@@ -12,7 +12,7 @@ import pytest
 from bij.contract import layout
 from bij.contract.plan import BadPlan, JudgeMode, Plan
 from bij.contract.records import BadRecord, decode_shard_record
-from bij.contract.spec import ModelSpec
+from bij.contract.spec_model import ModelSpec
 from bij.storage import StorageError
 from bij.worker.input_row import InputOptions
 from bij.worker.main import engine_config

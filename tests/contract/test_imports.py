@@ -32,6 +32,7 @@ PURE = {
     "bij.control.permissions",  # the worker grants and the recorded answer about them (asked in access_review)
     "bij.control.pools",  # spec.workers.pools: which lanes run in which pool, when a pool gives up (plain data)
     "bij.contract", "bij.contract.codes", "bij.contract.errors", "bij.contract.spec",
+    "bij.contract.spec_base", "bij.contract.spec_io", "bij.contract.spec_model", "bij.contract.spec_workers",
     "bij.contract.plan", "bij.contract.publish_plan", "bij.contract.globs",
     "bij.contract.step_report",  # a step's report as the status holds it: pydantic over plain data
     "bij.contract.step_results",  # each step kind's result in that report: pydantic over plain data

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from bij.contract import notify as contract
-from bij.contract.spec import SecretKeyRef, parse_job
+from bij.contract.spec import parse_job
+from bij.contract.spec_base import SecretKeyRef
 from bij.contract.status import JobStatus
 from bij.control import notify
 from bij.control.decisions import MarkFailed, Nothing

@@ -10,7 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from bij.contract.codes import LANE_OFFSET_ENV, POOL_LABEL, TENSOR_PARALLEL_ENV
-from bij.contract.spec import BatchInferenceJob, WorkerPool, WorkersSpec, parse_job
+from bij.contract.spec import BatchInferenceJob, parse_job
+from bij.contract.spec_workers import WorkerPool, WorkersSpec
 from bij.control import pools
 from bij.control.decisions import CreateJob, FinishRound, MovePoolLanes, PatchJob, Wait
 from bij.control.jobs import render_job

@@ -9,7 +9,8 @@ import typing
 import pytest
 
 from bij.contract.engines import ENGINES
-from bij.contract.spec import ENGINE_OPTIONS, ModelSpec, SpecError, VllmOptions, parse_spec
+from bij.contract.spec import SpecError, parse_spec
+from bij.contract.spec_model import ENGINE_OPTIONS, ModelSpec, VllmOptions
 from bij.engines import EngineConfig, create_engine, engine_class
 
 

@@ -139,7 +139,7 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
         return set(inspect.signature(f).parameters)
 
     # LLM(model, runner=..., seed=..., **EngineArgs): every spec.model.vllm knob is an EngineArgs field.
-    from bij.contract.spec import VllmOptions
+    from bij.contract.spec_model import VllmOptions
 
     assert {"model", "runner", "seed"} <= params(LLM.__init__)
     fields = set(EngineArgs.__dataclass_fields__)
@@ -878,7 +878,7 @@ def test_the_parsers_bij_names_are_the_ones_the_installed_vllm_ships() -> None:
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 
-    from bij.contract.spec import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from bij.contract.spec_model import REASONING_PARSERS, TOOL_CALL_PARSERS
 
     assert set(REASONING_PARSERS) <= set(ReasoningParserManager.list_registered())
     assert set(TOOL_CALL_PARSERS) <= set(ToolParserManager.list_registered())

@@ -566,7 +566,8 @@ def test_a_publish_pass_process_loads_no_engine_and_no_spec_model(file_place, ma
     probe = ("import sys; from bij.cli.worker import main; "
              f"rc = main(['publish', '--plan', {uri!r}, '--pass', 'write', '--index', '0']); "
              "print(rc, sorted(m for m in sys.modules if m in ('torch', 'transformers', 'bij.engines.echo', "
-             "'bij.contract.spec', 'bij.worker.main', 'bij.worker.shard', 'bij.worker.lanes', "
+             "'bij.contract.spec', 'bij.contract.spec_base', 'bij.contract.spec_io', 'bij.contract.spec_model', "
+             "'bij.contract.spec_workers', 'bij.worker.main', 'bij.worker.shard', 'bij.worker.lanes', "
              "'bij.worker.engine_share')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split(None, 1) == ["0", "[]\n"], out

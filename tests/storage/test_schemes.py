@@ -10,7 +10,7 @@ import re
 import pytest
 
 from bij.contract.schemes import SCHEMES, WRITABLE
-from bij.contract.spec import URI_PATTERN
+from bij.contract.spec_io import URI_PATTERN
 from bij.storage import StorageError, open_storage
 
 

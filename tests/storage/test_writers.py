@@ -14,7 +14,7 @@ import pytest
 
 from bij.cli import validate
 from bij.contract.publish_plan import PublishPlan
-from bij.contract.spec import OutputSpec
+from bij.contract.spec_io import OutputSpec
 from bij.steps.publish import publish
 from bij.steps.results import iter_rows, write_jsonl
 from bij.storage.writers import WRITERS, ResultShape, writer_of_path

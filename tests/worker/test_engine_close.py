@@ -92,7 +92,7 @@ def test_closing_an_engine_twice_does_nothing_the_second_time():
 
 
 def test_the_http_engine_ends_its_sending_threads_at_close():
-    from bij.contract.spec import HttpOptions
+    from bij.contract.spec_model import HttpOptions
     from bij.engines.http import HttpEngine
 
     # Nothing listens on port 9 of localhost: each row fails fast, no server needed.

@@ -99,7 +99,7 @@ def test_a_prefix_with_nothing_under_it_is_refused_naming_it(file_place):
     ({"engine": "transformers", "task": "generate", "name": "https://example.com/m"}, False),
 ])
 def test_a_model_named_by_a_uri_must_be_an_object_store_prefix_for_an_engine_that_loads_weights(spec, ok):
-    from bij.contract.spec import ModelSpec
+    from bij.contract.spec_model import ModelSpec
 
     if ok:
         ModelSpec.model_validate(spec)

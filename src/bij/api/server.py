@@ -64,9 +64,9 @@ from bij.api.errors import (
 from bij.api.files import MAX_MODELS, FileStore, new_id
 from bij.api.models import ModelMap, ModelMapError, job_doc
 from bij.contract import manifest as manifest_lists
-from bij.contract.codes import OPENAI_ENDPOINTS, PLURAL
+from bij.contract.codes import API_GROUP, OPENAI_ENDPOINTS, PLURAL
 from bij.contract.manifest import Manifest, ManifestFile
-from bij.contract.spec import API_GROUP, API_VERSION, SpecError, parse_job
+from bij.contract.spec import API_VERSION, SpecError, parse_job
 from bij.storage import NotFound
 
 log = logging.getLogger("bij.api")

@@ -27,18 +27,10 @@ import jsonschema
 import yaml
 import zstandard
 
+from bij.contract.codes import API_GROUP
 from bij.contract.crd import crd
 from bij.contract.globs import glob_matches, split_glob
-from bij.contract.spec import (
-    API_GROUP,
-    API_VERSION,
-    CANARY_MAX_ROWS,
-    CANARY_SHARE,
-    KIND,
-    BatchInferenceJob,
-    SpecError,
-    parse_job,
-)
+from bij.contract.spec import API_VERSION, CANARY_MAX_ROWS, CANARY_SHARE, KIND, BatchInferenceJob, SpecError, parse_job
 from bij.control.notify import secret_env
 
 # Schema violations after which the API server does not run the CEL rules (a rule could not

@@ -1,10 +1,10 @@
 """What each engine is, in one table: the tasks it runs, whether it schedules its own batches, whether a
 lane may span pods, and the class that runs each task.
 
-The spec's checks and the CRD's rules are made from it (contract/spec.py), the worker builds engines
-from it (engines.create_engine), and tests/engines/test_engine_rows.py holds every class to its row. A
-new engine is its module under bij/engines and one row here (and its name in ModelSpec.engine's Literal,
-which the same test checks).
+The spec's checks and the CRD's rules are made from it (contract/spec_model.py, contract/spec.py), the
+worker builds engines from it (engines.create_engine), and tests/engines/test_engine_rows.py holds every
+class to its row. A new engine is its module under bij/engines and one row here (and its name in
+ModelSpec.engine's Literal, which the same test checks).
 """
 
 from __future__ import annotations

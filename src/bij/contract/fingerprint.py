@@ -21,7 +21,8 @@ from bij.contract.errors import BijError
 from bij.contract.plan import PlanObject
 from bij.contract.sampling import DEFAULT_MAX_TOKENS, DEFAULT_SEED, DEFAULT_TEMPERATURE
 from bij.contract.schemes import scheme_of
-from bij.contract.spec import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_LINE_BYTES, BatchInferenceJob, job_to_dict
+from bij.contract.spec import BatchInferenceJob, job_to_dict
+from bij.contract.spec_io import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_LINE_BYTES
 
 
 class Listed(Protocol):

@@ -26,6 +26,11 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str
     return out
 
 
+def cel_list(values: tuple[str, ...]) -> str:
+    """A CEL list literal of these strings (`['a', 'b']`), for a rule's `in`."""
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
 def k8s(*rules: dict[str, str], **extra: Any) -> dict[str, Any]:
     """A `json_schema_extra` with these CEL rules and other schema keys (`maxLength=4096`, ...).
 

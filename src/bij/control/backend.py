@@ -20,7 +20,8 @@ from bij.contract.codes import (
     STEP_LABEL,
 )
 from bij.contract.lane_report import LaneTally, tally, tally_interval
-from bij.contract.spec import SecretKeyRef, SpecError, parse_job
+from bij.contract.spec import SpecError, parse_job
+from bij.contract.spec_base import SecretKeyRef
 from bij.control.access_review import check_grants
 from bij.control.driver_types import Created, Observed
 from bij.control.file_volume import FileVolume, file_uri_problems

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from bij.contract.lane_report import LaneTally
-from bij.contract.spec import BatchInferenceJob, SecretKeyRef, SpecError
+from bij.contract.spec import BatchInferenceJob, SpecError
+from bij.contract.spec_base import SecretKeyRef
 from bij.contract.status import JobStatus
 from bij.control.decisions import Decision
 from bij.control.file_volume import FileVolume

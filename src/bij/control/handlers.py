@@ -27,8 +27,8 @@ import kopf
 import urllib3
 from kubernetes.client import ApiException
 
-from bij.contract.codes import JOB_LABEL, PLURAL
-from bij.contract.spec import API_GROUP, API_VERSION
+from bij.contract.codes import API_GROUP, JOB_LABEL, PLURAL
+from bij.contract.spec import API_VERSION
 from bij.control.backend import KubeBackend, job_essence
 from bij.control.driver import Driver
 from bij.control.kube_api import Api

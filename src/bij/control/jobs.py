@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from bij.contract.codes import (
+    API_GROUP,
     CANARY_LABEL,
     CANARY_SHARDS_ENV,
     EXIT_BAD_CONFIG,
@@ -31,13 +32,8 @@ from bij.contract.codes import (
     ROUND_ENV,
     ROUND_LABEL,
 )
-from bij.contract.spec import (
-    API_GROUP,
-    API_VERSION,
-    KIND,
-    BatchInferenceJob,
-    WorkerPool,
-)
+from bij.contract.spec import API_VERSION, KIND, BatchInferenceJob
+from bij.contract.spec_workers import WorkerPool
 from bij.control.file_volume import FileVolume
 from bij.control.rules.rounds import desired_parallelism
 from bij.control.worker_pod import WORKER_CONTAINER, pod_spec

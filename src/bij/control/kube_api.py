@@ -13,9 +13,9 @@ from typing import Any, cast
 
 from kubernetes.client import ApiException
 
-from bij.contract.codes import JOB_LABEL, PLURAL, ROUND_LABEL, STEP_LABEL
+from bij.contract.codes import API_GROUP, JOB_LABEL, PLURAL, ROUND_LABEL, STEP_LABEL
 from bij.contract.lane_report import REPORT_ANNOTATION
-from bij.contract.spec import API_GROUP, API_VERSION
+from bij.contract.spec import API_VERSION
 
 # A running round's lane Leases are listed this many a request (summed every `lane_report.tally_interval`).
 LEASE_PAGE = 500

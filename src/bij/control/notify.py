@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bij.contract.notify import event_of
-from bij.contract.spec import BatchInferenceJob, NotifyTarget, SecretKeyRef
+from bij.contract.spec import BatchInferenceJob, NotifyTarget
+from bij.contract.spec_base import SecretKeyRef
 from bij.contract.status import JobStatus, Notified
 from bij.control.status import fmt_time, parse_time
 

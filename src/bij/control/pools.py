@@ -21,7 +21,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bij.contract.spec import WorkerPool
+from bij.contract.spec_workers import WorkerPool
 
 # A pool whose pods were preempted this many times per lane it runs in one round gives up its lanes.
 PREEMPTIONS_PER_LANE = 3

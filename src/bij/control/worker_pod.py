@@ -18,7 +18,9 @@ from bij.contract.codes import (
     TENSOR_PARALLEL_ENV,
 )
 from bij.contract.lane_report import report_interval
-from bij.contract.spec import HTTP_AUTHORIZATION_ENV, BatchInferenceJob, WorkerPool
+from bij.contract.spec import BatchInferenceJob
+from bij.contract.spec_model import HTTP_AUTHORIZATION_ENV
+from bij.contract.spec_workers import WorkerPool
 from bij.control.file_volume import FILE_VOLUME, FileVolume
 from bij.control.permissions import DEFAULT_SERVICE_ACCOUNT
 

@@ -8,7 +8,7 @@ from itertools import repeat
 from typing import Any, Protocol, TypeGuard
 
 from bij.contract.sampling import DEFAULT_MAX_TOKENS, DEFAULT_SEED, DEFAULT_TEMPERATURE, NO_SAMPLING, Sampling
-from bij.contract.spec import ENGINE_OPTIONS, HttpOptions, SimulatedOptions, VllmOptions, engine_options
+from bij.contract.spec_model import ENGINE_OPTIONS, HttpOptions, SimulatedOptions, VllmOptions, engine_options
 
 # What every engine honours: how many tokens, how random, which seed (see the table in docs/user-guide.md, "Sampling").
 BASIC_SAMPLING: frozenset[str] = frozenset({"maxTokens", "temperature", "seed"})
@@ -126,7 +126,7 @@ class EngineConfig:
     # Cut prompts over max_input_tokens() to it instead of refusing them (spec.model.truncate).
     truncate: bool = False
     # The engines' options as spec.model carries them (model.vllm, model.simulated, model.http), typed and
-    # validated: one field per engine of contract.spec.ENGINE_OPTIONS, named after it. A config built by hand
+    # validated: one field per engine of contract.spec_model.ENGINE_OPTIONS, named after it. A config built by hand
     # (tests, benchmarks) may give the spec's mapping instead: it is parsed here, once, and a key the engine
     # does not take is a ValueError naming it and the engine.
     vllm: VllmOptions = field(default_factory=VllmOptions)

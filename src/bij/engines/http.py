@@ -35,8 +35,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from bij.contract.spec import HTTP_AUTHORIZATION_ENV as AUTHORIZATION_ENV
-from bij.contract.spec import HttpOptions
+from bij.contract.spec_model import HTTP_AUTHORIZATION_ENV as AUTHORIZATION_ENV
+from bij.contract.spec_model import HttpOptions
 from bij.engines.base import (
     BASIC_SAMPLING,
     EngineBase,
@@ -198,7 +198,7 @@ class HttpEngine(EstimatedTokens, EngineBase):
     parallel_prepare = True  # its threads wait on sockets, which lets go of the interpreter
 
     def __init__(self, config: EngineConfig):
-        opts = config.http or HttpOptions()  # validated as the spec validates it (contract.spec.HttpOptions)
+        opts = config.http or HttpOptions()  # validated as the spec validates it (contract.spec_model.HttpOptions)
         self.config = config
         self.base_url = (opts.base_url or "").rstrip("/")
         if not self.base_url.startswith(("http://", "https://")):

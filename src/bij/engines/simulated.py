@@ -48,7 +48,8 @@ class SimulatedEngine(EngineBase):
         self.config = config
         # Its output is deterministic (temperature and seed change nothing) and maxTokens caps it.
         self.honours = frozenset() if config.task == "embed" else BASIC_SAMPLING
-        self.max_num_seqs = sim.max_num_seqs  # validated as the spec validates them (contract.spec.SimulatedOptions)
+        # Validated as the spec validates them (contract.spec_model.SimulatedOptions).
+        self.max_num_seqs = sim.max_num_seqs
         self.step_seconds = sim.step_seconds
         self.load_seconds = sim.load_seconds
         self._waiting: deque[_Seq] = deque()

@@ -35,7 +35,8 @@ from bij.contract.fingerprint import PlanRefused
 from bij.contract.lane_report import tally
 from bij.contract.manifest import EfficiencyFigures, Manifest
 from bij.contract.round_record import round_records
-from bij.contract.spec import BatchInferenceJob, CanarySpec, SecretKeyRef
+from bij.contract.spec import BatchInferenceJob, CanarySpec
+from bij.contract.spec_base import SecretKeyRef
 from bij.contract.status import JobStatus
 from bij.control import notify
 from bij.control.decisions import STOPPED_PHASES, TERMINAL_PHASES, Retry

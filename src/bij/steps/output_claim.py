@@ -12,7 +12,8 @@ from bij.contract import manifest as manifest_lists
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.globs import split_glob
 from bij.contract.records import OwnerRecord
-from bij.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob, uris_overlap
+from bij.contract.spec import OVERLAP_MESSAGE, BatchInferenceJob
+from bij.contract.spec_io import uris_overlap
 from bij.storage import NotFound, Storage, open_storage
 
 # A temp file of an atomic write untouched this long was left by a killed writer.

@@ -49,7 +49,8 @@ from bij.contract.codes import (
 from bij.contract.lane_report import REPORT_SECONDS
 from bij.contract.plan import Plan
 from bij.contract.sampling import ALL_FIELDS, refusal
-from bij.contract.spec import ENGINE_OPTIONS, JobSpec
+from bij.contract.spec import JobSpec
+from bij.contract.spec_model import ENGINE_OPTIONS
 from bij.engines import EngineConfig, create_engine
 from bij.engines.base import Engine, is_continuous
 from bij.storage import StorageError, open_storage

@@ -29,7 +29,7 @@ import zstandard
 from bij.contract import layout
 from bij.contract.errors import BijError
 from bij.contract.plan import Piece, PlanObject
-from bij.contract.spec import DEFAULT_MAX_LINE_BYTES
+from bij.contract.spec_io import DEFAULT_MAX_LINE_BYTES
 from bij.storage import Storage, split_blocks
 from bij.storage.parquet import iter_parquet_piece
 

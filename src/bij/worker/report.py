@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bij.contract.codes import (
+    API_GROUP,
     JOB_LABEL,
     JOB_NAME_ENV,
     JOB_UID_ENV,
@@ -52,7 +53,7 @@ from bij.contract.codes import (
 )
 from bij.contract.lane_report import REPORT_ANNOTATION, REPORT_SECONDS, LaneReport
 from bij.contract.records import now_stamp
-from bij.contract.spec import API_GROUP, API_VERSION
+from bij.contract.spec import API_VERSION
 
 __all__ = ["JOB_UID_ENV", "POD_NAME_ENV", "REPORT_ENV"]  # and what is defined below
 
