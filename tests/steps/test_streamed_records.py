@@ -74,6 +74,37 @@ def test_records_are_read_in_parallel_a_bounded_number_at_a_time(tmp_path) -> No
     assert elapsed < 160 * 0.01 / 3  # serial reads would take 1.6 s
 
 
+class PagedListing(FileStorage):
+    """Local files listed 20 a page; a read of the first page's records waits (up to 10 s) for the second
+    page to be asked for, and says whether it was."""
+
+    def __init__(self) -> None:
+        self.second_page_asked = threading.Event()
+        self.waited_in_vain = 0
+
+    def list_pages(self, uri: str) -> Any:
+        objects = self.list(uri)
+        for n, start in enumerate(range(0, len(objects), 20)):
+            if n == 1:
+                self.second_page_asked.set()
+            yield objects[start:start + 20]
+
+    def read_bytes(self, uri: str) -> bytes:
+        if int(uri.rsplit("/", 1)[-1][:-5]) < 20 and not self.second_page_asked.wait(10):
+            self.waited_in_vain += 1
+        return super().read_bytes(uri)
+
+
+def test_the_next_page_is_listed_while_this_pages_records_are_read(tmp_path) -> None:
+    """A listing's round trip per page overlaps the reads of the page before (on an object store a LIST of
+    1,000 keys is a round trip the 16 reads in flight would otherwise wait for)."""
+    prefix = f"file://{tmp_path}/round-0"
+    write_done(prefix, 50)
+    store = PagedListing()
+    assert sorted(i for i, _ in read_records(store, layout.done_folder(prefix))) == list(range(50))
+    assert store.waited_in_vain == 0
+
+
 def test_finish_holds_running_sums_not_the_rounds_records(file_place, make_job) -> None:
     _, job = make_job(file_place, file_place.uri("in.jsonl"))
     shards = 3000

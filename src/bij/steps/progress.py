@@ -1,9 +1,10 @@
 """What the workers have finished: their per-shard completion records.
 
-A step reads a round's records as a stream (`stream_records`): the listing goes by pages, a bounded
-pool of threads reads `READS_IN_FLIGHT` records at a time, and each record is added to running sums
-(`Tally`) and dropped. Memory holds a page and the records in flight whatever the shard count, and
-the reads take (records / READS_IN_FLIGHT) round trips. What a caller needs per shard (which are done)
+A step reads a round's records as a stream (`stream_records`): the listing goes by pages, the next page
+asked for while the records of this one are read, a bounded pool of threads reads `READS_IN_FLIGHT`
+records at a time, and each record is added to running sums (`Tally`) and dropped. Memory holds two
+pages and the records in flight whatever the shard count, and the reads take (records /
+READS_IN_FLIGHT) round trips, the listing's hidden behind them. What a caller needs per shard (which are done)
 is a bitmap (`DoneIndexes`), an eighth of a byte a shard.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 from bij.contract import layout
 from bij.contract.efficiency import EfficiencySums
@@ -24,6 +26,17 @@ from bij.storage import NotFound, Storage, open_storage
 # Record reads in flight at once: enough to hide an object store's latency, few enough that memory
 # stays a handful of records (a record is a few KB).
 READS_IN_FLIGHT = 16
+T = TypeVar("T")
+
+
+def listed_ahead(pages: Iterator[T]) -> Iterator[T]:
+    """`pages` as they come, the next one asked for (in a thread of its own) while the caller works on this
+    one: a listing's round trip per page overlaps the reads of the page before instead of stalling them."""
+    with ThreadPoolExecutor(1, thread_name_prefix="bij-list") as lister:
+        coming = lister.submit(next, pages, None)
+        while (page := coming.result()) is not None:
+            coming = lister.submit(next, pages, None)
+            yield page
 
 
 class DoneIndexes:
@@ -113,7 +126,7 @@ def read_records(store: Storage, folder: str, what: str = "completion",
     pending: deque[tuple[int, str, Future[bytes | None]]] = deque()
     with ThreadPoolExecutor(max(1, in_flight), thread_name_prefix="bij-records") as pool:
         try:
-            for page in store.list_pages(folder):
+            for page in listed_ahead(store.list_pages(folder)):
                 for obj in page:
                     name = obj.uri.rsplit("/", 1)[-1]
                     if not name.endswith(".json") or not name[:-5].isdigit():
