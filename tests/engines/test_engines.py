@@ -605,16 +605,16 @@ def test_transformers_logprobs_wait_for_no_device_read_while_generating() -> Non
     makes the host wait for a GPU twice a step. Meta tensors have no data, so any read-back fails on them."""
     import torch
 
-    from bij.engines.transformers import _logprob_recorder
+    from bij.engines.transformers_decoding import logprob_recorder
 
-    recorder = _logprob_recorder(3)
+    recorder = logprob_recorder(3)
     scores = torch.empty((2, 10), device="meta")
     for step in range(4):
         ids = torch.zeros((2, 5 + step), dtype=torch.long, device="meta")
         assert recorder(ids, scores) is scores
     assert len(recorder.chosen) == 3 and len(recorder.top) == 4
     # finish() reads the whole batch back at once: steps x sequences, and (values, ids) per step.
-    recorder = _logprob_recorder(2)
+    recorder = logprob_recorder(2)
     for token in (1, 2):
         recorder(torch.tensor([[0, token], [0, token]]), torch.arange(10.0).repeat(2, 1))
     chosen, top = recorder.finish([[1, 2], [1, 3]])
