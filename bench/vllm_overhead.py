@@ -75,7 +75,7 @@ def raw_child(args: argparse.Namespace) -> None:
     """Runs in a child process: print one JSON line with the raw vLLM timings."""
     from vllm import SamplingParams
 
-    from bij.engines.vllm import shared_llm
+    from bij.engines.vllm_llm import shared_llm
 
     prompts = synthetic_prompts(args.rows, args.min_words, args.max_words)
     t0 = time.perf_counter()

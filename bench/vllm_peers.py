@@ -16,7 +16,7 @@ process started from nothing and loads the model once:
 Each side keeps its own process layout, as a user gets it: raw and run-batch take vLLM's default,
 its engine core and model worker in processes of their own (spawned on the CPU platform, each
 importing vLLM again); bij's worker runs the engine in its own process on the CPU platform
-(`engines/vllm.py: engine_in_process`) and vLLM's default elsewhere. VLLM_ENABLE_V1_MULTIPROCESSING
+(`engines/vllm_llm.py: engine_in_process`) and vLLM's default elsewhere. VLLM_ENABLE_V1_MULTIPROCESSING
 set in the bench's environment gives raw and bij the same layout (run-batch's `AsyncLLM` always
 runs its engine core apart).
 

@@ -81,7 +81,7 @@ def raw_child(section_json: str, prompts_path: str) -> int:
     """A child process: load the LLM as the worker does, time one `LLM.generate` on every prompt."""
     from vllm import SamplingParams
 
-    from bij.engines.vllm import shared_llm
+    from bij.engines.vllm_llm import shared_llm
 
     section = json.loads(section_json)
     texts = json.loads(Path(prompts_path).read_text())

@@ -620,7 +620,7 @@ def test_lanes_of_several_pods_need_an_engine_that_spans_them() -> None:
 
 
 def test_the_leaders_vllm_runs_rays_executor_one_pipeline_stage_a_pod() -> None:
-    from bij.engines.vllm import llm_kwargs
+    from bij.engines.vllm_llm import llm_kwargs
     from bij.worker.main import engine_config
 
     job = make_job(**TWO_NODE_VLLM)

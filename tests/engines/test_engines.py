@@ -444,7 +444,7 @@ def test_simulated_engine_sleeps_each_step() -> None:
 
 
 def test_llm_kwargs_pass_every_spec_knob_through() -> None:
-    from bij.engines.vllm import llm_kwargs
+    from bij.engines.vllm_llm import llm_kwargs
 
     config = EngineConfig(
         task="generate", name="/models/m", seed=3,
@@ -464,7 +464,7 @@ def test_llm_kwargs_pass_every_spec_knob_through() -> None:
 def test_a_pooling_task_leaves_prefix_caching_to_vllm_unless_engine_args_ask(task: str) -> None:
     """The spec's enablePrefixCaching (default true) is a generate and chat knob: asked of a BERT cross-encoder,
     vLLM's load fails (no KV cache group it can reuse); engineArgs still reach it."""
-    from bij.engines.vllm import llm_kwargs
+    from bij.engines.vllm_llm import llm_kwargs
 
     assert "enable_prefix_caching" not in llm_kwargs(EngineConfig(task=task, name="/models/m"))
     asked = EngineConfig(task=task, name="/models/m", vllm={"engineArgs": {"enablePrefixCaching": True}})
@@ -473,7 +473,7 @@ def test_a_pooling_task_leaves_prefix_caching_to_vllm_unless_engine_args_ask(tas
 
 
 def test_engine_args_pass_through_over_the_named_knobs_and_unknown_names_are_found() -> None:
-    from bij.engines.vllm import llm_kwargs, unknown_arguments
+    from bij.engines.vllm_llm import llm_kwargs, unknown_arguments
 
     config = EngineConfig(task="generate", name="/models/m", adapters={"fr": "/a/fr"},
                           vllm={"maxNumSeqs": 64, "engineArgs": {"maxNumBatchedTokens": 512, "max_num_seqs": 32,
@@ -487,7 +487,7 @@ def test_engine_args_pass_through_over_the_named_knobs_and_unknown_names_are_fou
 
 
 def test_on_vllms_cpu_build_one_lora_slot_more_than_adapters_stays_empty_for_base_rows() -> None:
-    from bij.engines.vllm import llm_kwargs
+    from bij.engines.vllm_llm import llm_kwargs
 
     two = {"fr": "/a/fr", "de": "/a/de"}
     assert "max_loras" not in llm_kwargs(EngineConfig(task="generate", name="m", adapters=two))
@@ -498,7 +498,7 @@ def test_on_vllms_cpu_build_one_lora_slot_more_than_adapters_stays_empty_for_bas
 
 
 def test_on_vllms_cpu_platform_the_engine_runs_in_the_workers_process_unless_the_environment_says() -> None:
-    from bij.engines.vllm import engine_in_process
+    from bij.engines.vllm_llm import engine_in_process
 
     cpu: dict[str, str] = {}
     engine_in_process(cpu, cpu=True)
@@ -512,7 +512,7 @@ def test_on_vllms_cpu_platform_the_engine_runs_in_the_workers_process_unless_the
 
 
 def test_llm_kwargs_ask_for_a_pooling_model_in_each_vllm_generation() -> None:
-    from bij.engines.vllm import llm_kwargs
+    from bij.engines.vllm_llm import llm_kwargs
 
     config = EngineConfig(task="embed", name="m")
     assert llm_kwargs(config, has_runner=True)["runner"] == "pooling"
@@ -605,16 +605,16 @@ def test_transformers_logprobs_wait_for_no_device_read_while_generating() -> Non
     makes the host wait for a GPU twice a step. Meta tensors have no data, so any read-back fails on them."""
     import torch
 
-    from bij.engines.transformers import _logprob_recorder
+    from bij.engines.transformers_decoding import logprob_recorder
 
-    recorder = _logprob_recorder(3)
+    recorder = logprob_recorder(3)
     scores = torch.empty((2, 10), device="meta")
     for step in range(4):
         ids = torch.zeros((2, 5 + step), dtype=torch.long, device="meta")
         assert recorder(ids, scores) is scores
     assert len(recorder.chosen) == 3 and len(recorder.top) == 4
     # finish() reads the whole batch back at once: steps x sequences, and (values, ids) per step.
-    recorder = _logprob_recorder(2)
+    recorder = logprob_recorder(2)
     for token in (1, 2):
         recorder(torch.tensor([[0, token], [0, token]]), torch.arange(10.0).repeat(2, 1))
     chosen, top = recorder.finish([[1, 2], [1, 3]])

@@ -32,8 +32,7 @@ vllm = pytest.importorskip("vllm", reason=HOW)
 from ports import free_port  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 
-from bij.engines import create_engine  # noqa: E402
-from bij.engines import vllm as adapter  # noqa: E402
+from bij.engines import create_engine, vllm_llm  # noqa: E402
 from bij.engines.base import EngineConfig  # noqa: E402
 from bij.engines.http import HttpEngine, ServerRefused  # noqa: E402
 from bij.steps.publish import publish  # noqa: E402
@@ -116,11 +115,11 @@ def run_both(file_place: Any, make_job: Any, run_shards: Any, read_output: Any, 
     publish(by_http)
     _, by_vllm = make_job(file_place, uri, out_dir="vllm/",
                           model={"engine": "vllm", "task": task, "name": str(model), "vllm": KNOBS}, **spec)
-    adapter.shutdown_llm()  # one LLM per process: this task's
+    vllm_llm.shutdown_llm()  # one LLM per process: this task's
     try:
         run_shards(by_vllm, engine=create_engine("vllm", EngineConfig(task=task, name=str(model), vllm=KNOBS)))
     finally:
-        adapter.shutdown_llm()
+        vllm_llm.shutdown_llm()
     publish(by_vllm)
     return read_output(by_http), read_output(by_vllm)
 

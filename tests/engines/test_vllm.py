@@ -42,7 +42,7 @@ from tiny_models import CHAT_TEMPLATE, IDS, build_model, chain_after  # noqa: E4
 
 from bij.contract import layout  # noqa: E402
 from bij.contract.codes import EXIT_TERMINATED  # noqa: E402
-from bij.engines import create_engine  # noqa: E402
+from bij.engines import create_engine, vllm_llm  # noqa: E402
 from bij.engines import vllm as adapter  # noqa: E402
 from bij.engines.base import EngineConfig, Request, Result  # noqa: E402
 
@@ -68,11 +68,11 @@ def wired_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def gen(wired_model: Path) -> Any:
     """A generate engine on the wired model; its LLM is this process's one, shared by the tests that reuse it."""
-    adapter.shutdown_llm()
+    vllm_llm.shutdown_llm()
     engine = create_engine("vllm", EngineConfig(task="generate", name=str(wired_model), vllm=KNOBS))
     engine.load()
     yield engine
-    adapter.shutdown_llm()
+    vllm_llm.shutdown_llm()
 
 
 def config(model: Path, **kw: Any) -> EngineConfig:
@@ -97,7 +97,9 @@ def words(res: Result) -> list[str] | None:
 
 
 def _adapter_tree() -> ast.Module:
-    return ast.parse(Path(adapter.__file__).read_text())
+    """The adapter's modules as one tree: the engine and the process's LLM it shares."""
+    trees = [ast.parse(Path(m.__file__).read_text()) for m in (adapter, vllm_llm)]
+    return ast.Module(body=[node for t in trees for node in t.body], type_ignores=[])
 
 
 def test_adapter_touches_no_private_vllm_name() -> None:
@@ -144,7 +146,7 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
     assert {"model", "runner", "seed"} <= params(LLM.__init__)
     fields = set(EngineArgs.__dataclass_fields__)
     # engine_args: free-form, checked below; tool_call_parser: bij's own, as the parser is vLLM's server's.
-    knobs = {adapter.snake_case(k) for k in VllmOptions.model_fields} - {"engine_args", "tool_call_parser"}
+    knobs = {vllm_llm.snake_case(k) for k in VllmOptions.model_fields} - {"engine_args", "tool_call_parser"}
     assert knobs <= fields, knobs - fields
     assert callable(LLM.get_tokenizer) and callable(LLMEngine.from_engine_args)
     # LLMEngine: the loop vLLM's offline examples drive (LLM.llm_engine is one; checked on a live one below).
@@ -170,7 +172,7 @@ def test_adapter_matches_the_installed_vllm_signatures() -> None:
     assert {"request_id", "outputs", "prompt_token_ids", "num_cached_tokens", "finished"} <= params(
         PoolingRequestOutput)
     assert callable(EmbeddingRequestOutput.from_base)
-    assert issubclass(VLLMClientError, Exception) and VLLMClientError in adapter.refusals()
+    assert issubclass(VLLMClientError, Exception) and VLLMClientError in vllm_llm.refusals()
 
 
 def test_the_llm_holds_an_llm_engine_with_the_model_limit(gen: Any) -> None:
@@ -477,7 +479,7 @@ def test_vllm_honours_each_rows_stop_n_logprobs_and_choice(gen: Any) -> None:
 
 
 def test_an_engine_argument_the_installed_vllm_does_not_know_fails_before_anything_loads(wired_model: Path) -> None:
-    from bij.engines.vllm import _known_arguments, llm_kwargs, unknown_arguments
+    from bij.engines.vllm_llm import _known_arguments, llm_kwargs, unknown_arguments
 
     good = EngineConfig(task="generate", name=str(wired_model),
                         vllm={**KNOBS, "engineArgs": {**KNOBS["engineArgs"], "maxNumBatchedTokens": 512,
@@ -842,12 +844,12 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     # One token a character: tools in the prompt take hundreds.
     model = build_marker_model(tmp_path_factory.mktemp("marker"), max_positions=1024)
-    adapter.shutdown_llm()
+    vllm_llm.shutdown_llm()
     engine = create_engine("vllm", EngineConfig(task="chat", name=str(model), vllm={
         **KNOBS, "maxModelLen": 1024, "reasoningParser": "deepseek_r1", "toolCallParser": "hermes"}))
     engine.load()
     yield engine
-    adapter.shutdown_llm()
+    vllm_llm.shutdown_llm()
 
 
 def _line(**body: Any) -> bytes:
@@ -1081,13 +1083,13 @@ def random_chat(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from byte_model import build_byte_model
 
     model = build_byte_model(tmp_path_factory.mktemp("bytes"))
-    adapter.shutdown_llm()
+    vllm_llm.shutdown_llm()
     knobs = {**KNOBS, "maxModelLen": 256}
     engines = [loaded(create_engine("vllm", EngineConfig(task="chat", name=str(model), chat_template=BYTE_CHAT,
                                                          vllm={**knobs, **parser})))
                for parser in ({"toolCallParser": "hermes"}, {})]
     yield engines
-    adapter.shutdown_llm()
+    vllm_llm.shutdown_llm()
 
 
 def _run_lines(engine: Any, bodies: list[dict[str, Any]]) -> list[tuple[Any, Result]]:

@@ -15,8 +15,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from tiny_models import CLASSIFIER_LABELS, build_bert_head  # noqa: E402
 
-from bij.engines import create_engine  # noqa: E402
-from bij.engines import vllm as adapter  # noqa: E402
+from bij.engines import create_engine, vllm_llm  # noqa: E402
 from bij.engines.base import EngineConfig, Request  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -30,7 +29,7 @@ DOCUMENTS = ["the cat sat on the mat", "x y z", "the dog ran fast"]
 
 def engines(path: Path, task: str) -> tuple[Any, Any]:
     """The vllm engine and the transformers one on the same model (one LLM a process: the vllm one is new)."""
-    adapter.shutdown_llm()
+    vllm_llm.shutdown_llm()
     config = {"task": task, "name": str(path), "truncate": True}
     served = create_engine("vllm", EngineConfig(vllm=KNOBS, **config))
     served.load()
@@ -57,7 +56,7 @@ def test_vllm_reranks_and_scores_as_the_cross_encoder_head_does(tmp_path: Path) 
         assert [r.pooled["score"] for r in served.run(pairs)] == pytest.approx(
             [r.pooled["score"] for r in direct.run(pairs)], abs=1e-2)
     finally:
-        adapter.shutdown_llm()
+        vllm_llm.shutdown_llm()
 
 
 def test_vllm_classifies_with_the_labels_of_id2label(tmp_path: Path) -> None:
@@ -70,7 +69,7 @@ def test_vllm_classifies_with_the_labels_of_id2label(tmp_path: Path) -> None:
             assert g.pooled["probs"] == pytest.approx(w.pooled["probs"], abs=1e-2)
             assert g.pooled["label"] == w.pooled["label"] and g.pooled["label"] in CLASSIFIER_LABELS.values()
     finally:
-        adapter.shutdown_llm()
+        vllm_llm.shutdown_llm()
 
 
 def test_rerank_rows_run_through_the_worker_on_vllm_and_bad_rows_are_error_rows(
@@ -94,4 +93,4 @@ def test_rerank_rows_run_through_the_worker_on_vllm_and_bad_rows_are_error_rows(
         assert [(e["id"], e["error"]["code"]) for e in out.errors] == [("bad", "invalid_text")]
         assert "field 'documents'[0] must be a string, got int" in out.errors[0]["error"]["message"]
     finally:
-        adapter.shutdown_llm()
+        vllm_llm.shutdown_llm()

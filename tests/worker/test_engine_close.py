@@ -110,19 +110,19 @@ def test_the_http_engine_ends_its_sending_threads_at_close():
 
 
 def test_the_vllm_engine_stops_the_processes_llm_once(monkeypatch):
-    from bij.engines import vllm
+    from bij.engines import vllm, vllm_llm
 
     stops: list[Any] = []
     core = SimpleNamespace(shutdown=lambda timeout=None: stops.append(timeout))
     llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core))
-    monkeypatch.setattr(vllm, "_LLM", llm)
-    monkeypatch.setattr(vllm, "_LLM_KWARGS", {"model": "m"})
-    monkeypatch.setattr(vllm, "_CLOSED", [])
+    monkeypatch.setattr(vllm_llm, "_LLM", llm)
+    monkeypatch.setattr(vllm_llm, "_LLM_KWARGS", {"model": "m"})
+    monkeypatch.setattr(vllm_llm, "_CLOSED", [])
     engine = vllm.VllmEngine(EngineConfig(task="generate", name="m"))
     engine.close()  # never loaded: nothing of its own to stop
-    assert stops == [] and vllm.holds_llm()
+    assert stops == [] and vllm_llm.holds_llm()
     engine.llm = llm  # as load() leaves it
     engine.close()
     engine.close()
     assert stops == [0]  # at once, not after vLLM's grace period
-    assert not vllm.holds_llm() and vllm._CLOSED == [llm]  # kept, not freed, as the process exits
+    assert not vllm_llm.holds_llm() and vllm_llm._CLOSED == [llm]  # kept, not freed, as the process exits

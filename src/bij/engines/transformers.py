@@ -42,7 +42,7 @@ import importlib.util
 import json
 import re
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 from bij.contract.sampling import TOKEN_IDS
 from bij.engines import hub
@@ -60,9 +60,15 @@ from bij.engines.base import (
 from bij.engines.prompts import GREEDY_EPS, count_prompt_tokens, pick_device, prompt_ids, truncate_prompt
 from bij.engines.structured import Validator, grammar_schema
 from bij.engines.tools import FORCED_TOOL_CHOICE, forced, forced_result, forced_schema
-
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions  # the type of grammar_from_json_schema's options
+from bij.engines.transformers_decoding import (
+    can_start,
+    grammar_processor,
+    guidance_grammar,
+    guidance_processor,
+    logprob_recorder,
+    stop_at,
+    stop_strings,
+)
 
 
 class TransformersEngine(EngineBase):
@@ -276,18 +282,46 @@ class TransformersEngine(EngineBase):
 
     def _generate(self, knobs: _Knobs, requests: list[Request], prompts: list[list[int]],
                   second: bool = False) -> list[Result]:
+        """One generate call for rows that share `knobs`: their results, in order."""
         import torch
-        from transformers import StoppingCriteriaList
 
-        (temperature, top_p, top_k, min_p, repetition_penalty, stop, n, want_logprobs, top_logprobs, structured,
-         adapter) = knobs
         # n sampled answers per row; greedy answers are all the same, so one is made and repeated.
-        sampled = n if temperature > 0 else 1
-        model, tok = self.model, self.tokenizer
-        batch = tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+        sampled = knobs.n if knobs.temperature > 0 else 1
+        batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
         input_ids = batch["input_ids"].to(self.device)
         attention_mask = batch["attention_mask"].to(self.device)
         width = input_ids.shape[1]
+        caps, max_new = self._caps(requests, width)
+        kwargs = self._sampling_kwargs(knobs, requests, max_new)
+        recorder, grammar = self._processors(knobs, requests, sampled, second, kwargs)
+        if knobs.stop:
+            from transformers import StoppingCriteriaList
+
+            kwargs["stopping_criteria"] = StoppingCriteriaList([stop_strings(self.tokenizer, knobs.stop, width)])
+        if sampled > 1:
+            # Answers of one row come out next to each other: row 0's n, then row 1's.
+            kwargs["num_return_sequences"] = sampled
+            caps = [c for c in caps for _ in range(sampled)]
+        if max_new > 0:
+            with torch.inference_mode(), self._adapter(knobs.adapter):
+                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            new = out[:, width:].cpu()
+        else:
+            new = torch.empty((len(prompts) * sampled, 0), dtype=torch.long)
+        rows, texts, counts, finish = self._decoded(new, caps, knobs.stop)
+        stuck: dict[int, int] = grammar.stuck if grammar is not None else {}
+        if knobs.n == 1 and not knobs.logprobs and not stuck:
+            return [
+                Result(output=text, prompt_tokens=len(p), completion_tokens=k, extra={"finish_reason": f})
+                for text, p, k, f in zip(texts, prompts, counts, finish, strict=True)
+            ]
+        lps = self._logprobs(recorder, rows, counts) if knobs.logprobs else [None] * len(rows)
+        answers = [Choice(output=t, completion_tokens=k, finish_reason=f, logprobs=lp)
+                   for t, k, f, lp in zip(texts, counts, finish, lps, strict=True)]
+        return self._results(knobs, requests, prompts, sampled, answers, stuck, second)
+
+    def _caps(self, requests: list[Request], width: int) -> tuple[list[int], int]:
+        """Each row's token cap and the call's max_new_tokens, within the model's position table."""
         # Rows in one batch share the step count: generate for the longest ask, cut each row to its own.
         caps = [r.max_tokens for r in requests]
         max_new = max(caps)
@@ -296,61 +330,68 @@ class TransformersEngine(EngineBase):
             room = max(0, self._max_positions - width)
             max_new = min(max_new, room)
             caps = [min(c, room) for c in caps]
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "pad_token_id": tok.pad_token_id}
+        return caps, max_new
+
+    def _sampling_kwargs(self, knobs: _Knobs, requests: list[Request], max_new: int) -> dict[str, Any]:
+        """generate's arguments for the knobs' sampling; a sampled call seeds torch first."""
+        import torch
+
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "pad_token_id": self.tokenizer.pad_token_id}
         if self._eos_ids:
             kwargs["eos_token_id"] = self._eos_ids
-        if temperature > 0:
+        if knobs.temperature > 0:
             seed = requests[0].seed if requests[0].seed is not None else self.config.seed
             torch.manual_seed(seed)
-            kwargs.update(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
-            if min_p:
-                kwargs["min_p"] = min_p
+            kwargs.update(do_sample=True, temperature=knobs.temperature, top_k=knobs.top_k, top_p=knobs.top_p)
+            if knobs.min_p:
+                kwargs["min_p"] = knobs.min_p
         else:
             kwargs.update(do_sample=False)
+        return kwargs
+
+    def _processors(self, knobs: _Knobs, requests: list[Request], sampled: int, second: bool,
+                    kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """Add the call's logits processors to `kwargs`: (the logprob recorder, the grammar processor),
+        each None when the knobs do not ask for it."""
         processors: list[Any] = []
         recorder: Any = None
-        if want_logprobs:
+        if knobs.logprobs:
             # The model's own distribution (raw logits), as vLLM reports logprobs by default: recorded
             # first, before any processor changes it, and only the chosen and the top tokens are kept
             # (never a step's whole vocabulary, which n x maxTokens steps would multiply).
-            recorder = _logprob_recorder(top_logprobs)
+            recorder = logprob_recorder(knobs.top_logprobs)
             processors.append(recorder)
-        if repetition_penalty != 1.0:
-            if want_logprobs:  # after the recorder (generate's own would run before every custom one)
+        if knobs.repetition_penalty != 1.0:
+            if knobs.logprobs:  # after the recorder (generate's own would run before every custom one)
                 from transformers import RepetitionPenaltyLogitsProcessor
 
-                processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+                processors.append(RepetitionPenaltyLogitsProcessor(knobs.repetition_penalty))
             else:
-                kwargs["repetition_penalty"] = repetition_penalty
-        if stop:
-            kwargs["stopping_criteria"] = StoppingCriteriaList([_stop_strings(tok, stop, width)])
-        if sampled > 1:
-            # Answers of one row come out next to each other: row 0's n, then row 1's.
-            kwargs["num_return_sequences"] = sampled
-            caps = [c for c in caps for _ in range(sampled)]
+                kwargs["repetition_penalty"] = knobs.repetition_penalty
         grammar: Any = None
-        if structured:
+        if knobs.structured:
             # One grammar per generated sequence (rows may each have their own schema); a
             # processor serves one generate call.
             # (every row of this group has one: structured output is one of the group's knobs)
-            eos = self._eos_ids[0] if self._eos_ids else tok.pad_token_id
+            eos = self._eos_ids[0] if self._eos_ids else self.tokenizer.pad_token_id
             shapes = cast("list[tuple[str, str]]", [r.sampling.structured_output for r in requests])
             if second:
-                grammar = _guidance_processor([_guidance_grammar(s) for s in shapes for _ in range(sampled)],
-                                              self._llg, self._eos_ids, eos)
+                grammar = guidance_processor([guidance_grammar(s) for s in shapes for _ in range(sampled)],
+                                             self._llg, self._eos_ids, eos)
             else:
                 grammars = [self._grammars[s] for s in shapes for _ in range(sampled)]
-                grammar = _grammar_processor(grammars, eos)
+                grammar = grammar_processor(grammars, eos)
             processors.append(grammar)
         if processors:
             kwargs["logits_processor"] = processors
-        if max_new > 0:
-            with torch.inference_mode(), self._adapter(adapter):
-                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-            new = out[:, width:].cpu()
-        else:
-            new = torch.empty((len(prompts) * sampled, 0), dtype=torch.long)
+        return recorder, grammar
 
+    def _decoded(self, new: Any, caps: list[int], stop: tuple[str, ...]
+                 ) -> tuple[list[list[int]], list[str], list[int], list[str]]:
+        """The generated ids per sequence, their texts, kept token counts and finish reasons."""
+        import torch
+
+        tok = self.tokenizer
         # Tokens up to and including the first EOS; after it come only pads.
         steps = new.shape[1]
         if self._eos_ids and steps:
@@ -366,18 +407,16 @@ class TransformersEngine(EngineBase):
         texts = tok.batch_decode([row[:k] for row, k in zip(rows, counts, strict=True)], skip_special_tokens=True)
         if stop:
             for i, (row, k) in enumerate(zip(rows, counts, strict=True)):
-                cut = _stop_at(tok, row[:k], stop)
+                cut = stop_at(tok, row[:k], stop)
                 if cut is not None:
                     counts[i], texts[i], finish[i] = cut[0], cut[1], "stop"
-        stuck: dict[int, int] = grammar.stuck if grammar is not None else {}
-        if n == 1 and not want_logprobs and not stuck:
-            return [
-                Result(output=text, prompt_tokens=len(p), completion_tokens=k, extra={"finish_reason": f})
-                for text, p, k, f in zip(texts, prompts, counts, finish, strict=True)
-            ]
-        lps = self._logprobs(recorder, rows, counts) if want_logprobs else [None] * len(rows)
-        answers = [Choice(output=t, completion_tokens=k, finish_reason=f, logprobs=lp)
-                   for t, k, f, lp in zip(texts, counts, finish, lps, strict=True)]
+        return rows, texts, counts, finish
+
+    def _results(self, knobs: _Knobs, requests: list[Request], prompts: list[list[int]], sampled: int,
+                 answers: list[Choice], stuck: dict[int, int], second: bool) -> list[Result]:
+        """Each row's result from its `sampled` answers (n when sampled, one repeated when greedy);
+        a row with a sequence its grammar could not continue fails."""
+        n = knobs.n
         results = []
         for i, p in enumerate(prompts):
             dead = [stuck[j] for j in range(i * sampled, (i + 1) * sampled) if j in stuck]
@@ -388,7 +427,7 @@ class TransformersEngine(EngineBase):
             mine = answers[i * sampled:(i + 1) * sampled]
             if sampled < n:
                 mine = [replace(mine[0]) for _ in range(n)]
-            if n == 1 and not want_logprobs:
+            if n == 1 and not knobs.logprobs:
                 results.append(Result(output=mine[0].output, prompt_tokens=len(p),
                                       completion_tokens=mine[0].completion_tokens,
                                       extra={"finish_reason": mine[0].finish_reason}))
@@ -457,7 +496,7 @@ class TransformersEngine(EngineBase):
         compiler = self._compiler
         if json_kind and "json" not in self._checked:
             self._checked.add("json")
-            if not _can_start(compiler.compile_builtin_json_grammar()):
+            if not can_start(compiler.compile_builtin_json_grammar()):
                 return "unsupported", self._unserved("json", (
                     f"structured output jsonSchema and jsonObject cannot be served: the tokenizer of model "
                     f"{self.config.name} ({type(self.tokenizer).__name__}) has no token that can start a JSON value"))
@@ -506,187 +545,6 @@ class TransformersEngine(EngineBase):
         return out
 
 
-def _logprob_recorder(top: int) -> Any:
-    """A logits processor that records, per step, the log-probability of the token chosen at the step
-    before and the `top` most likely tokens (values and ids): O(rows x top) a step. Only the last
-    step's whole distribution is held, until the next step says which token was chosen from it.
-    What it records stays on the model's device until `finish`: reading it back every step would
-    make the host wait for the device twice a step."""
-    import torch
-    from transformers import LogitsProcessor
-
-    class Recorder(LogitsProcessor):
-        def __init__(self) -> None:
-            self.chosen: list[Any] = []  # step -> the chosen token's logprob, per sequence (a tensor)
-            self.top: list[tuple[Any, Any]] = []  # step -> (values, ids), tensors of sequences x top
-            self.last: Any = None  # the last step's log-probabilities (rows x vocab)
-
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
-            if self.last is not None:
-                self.chosen.append(self.last.gather(1, input_ids[:, -1:].to(self.last.device))[:, 0])
-            lp = torch.log_softmax(scores.float(), dim=-1)
-            if top:
-                best = lp.topk(top, dim=-1)
-                self.top.append((best.values, best.indices))
-            self.last = lp
-            return scores
-
-        def finish(self, rows: list[list[int]]) -> tuple[list[list[float]], list[Any]]:
-            """The chosen tokens' logprobs and the top tokens per step (lists, read back at once), the last
-            step's resolved from `rows`."""
-            if self.last is not None:
-                step = len(self.chosen)
-                ids = torch.tensor([r[step] if step < len(r) else 0 for r in rows])[:, None]
-                self.chosen.append(self.last.gather(1, ids.to(self.last.device))[:, 0])
-                self.last = None
-            chosen: list[list[float]] = torch.stack(self.chosen).tolist() if self.chosen else []
-            tops: list[Any] = []
-            if self.top:
-                values = torch.stack([v for v, _ in self.top]).tolist()
-                indices = torch.stack([i for _, i in self.top]).tolist()
-                tops = list(zip(values, indices, strict=True))
-            return chosen, tops
-
-    return Recorder()
-
-
-def _guidance_grammar(structured: tuple[str, str]) -> str:
-    """A row's structured output as an llguidance grammar (compact JSON, as with xgrammar)."""
-    from llguidance import LLMatcher
-
-    kind, text = structured
-    compact: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
-                                   "key_separator": ": "}  # as xgrammar writes
-    if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(text, defaults=compact)
-    if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)
-    if kind == "regex":
-        return LLMatcher.grammar_from_regex(text)
-    if kind == "choice":
-        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(text)))
-    return LLMatcher.grammar_from_lark(text)
-
-
-def _guidance_processor(grammars: list[str], tokenizer: Any, eos_ids: list[int], eos: int) -> Any:
-    """The second grammar backend's logits processor (llguidance), one grammar per sequence; a
-    sequence it cannot continue is ended with EOS and listed in `stuck`, as `_grammar_processor` does."""
-    import llguidance
-    import llguidance.torch
-    import torch
-    from transformers import LogitsProcessor
-
-    class Guidance(LogitsProcessor):
-        def __init__(self) -> None:
-            self.matchers = [llguidance.LLMatcher(tokenizer, g, log_level=0) for g in grammars]
-            self.mask = llguidance.torch.allocate_token_bitmask(len(grammars), tokenizer.vocab_size)
-            self.stuck: dict[int, int] = {}
-            self.done: set[int] = set()
-            self.step = 0
-
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
-            device = scores.device
-            on_cpu = scores.to("cpu") if device.type != "cuda" else scores
-            for i, m in enumerate(self.matchers):
-                if i in self.stuck or i in self.done:
-                    continue
-                if self.step:
-                    token = int(input_ids[i, -1])
-                    if token in eos_ids:
-                        self.done.add(i)
-                        continue
-                    if not m.consume_token(token) or m.is_error():
-                        self.stuck[i] = self.step
-                        continue
-                llguidance.torch.fill_next_token_bitmask(m, self.mask, i)
-                if m.is_error() or not bool(self.mask[i].any()):
-                    self.stuck[i] = self.step
-                    continue
-                llguidance.torch.apply_token_bitmask_inplace(on_cpu[i], self.mask[i])
-            for i in self.stuck:
-                on_cpu[i, :] = -torch.inf
-                on_cpu[i, eos] = 0.0
-            self.step += 1
-            return on_cpu.to(device) if on_cpu.device != device else on_cpu
-
-    return Guidance()
-
-
-def _can_start(grammar: Any) -> bool:
-    """Whether some token of the vocabulary can begin an output of `grammar`."""
-    import xgrammar
-
-    matcher = xgrammar.GrammarMatcher(grammar)
-    mask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
-    matcher.fill_next_token_bitmask(mask, 0)
-    return bool(mask.any())
-
-
-def _grammar_processor(grammars: list[Any], eos: int) -> Any:
-    """A logits processor that keeps each sequence to its grammar (xgrammar's masks).
-
-    Unlike xgrammar's own processor for transformers, which asserts that every sampled token
-    is accepted, a sequence its grammar cannot continue (no token of the vocabulary fits: the
-    tokenizer cannot write it) is ended with EOS and listed in `stuck` (sequence -> step): its
-    row fails alone, the batch goes on.
-    """
-    import torch
-    import xgrammar
-    from transformers import LogitsProcessor
-
-    class Grammars(LogitsProcessor):
-        def __init__(self) -> None:
-            self.matchers = [xgrammar.GrammarMatcher(g) for g in grammars]
-            self.mask = xgrammar.allocate_token_bitmask(len(grammars), grammars[0].tokenizer_info.vocab_size)
-            self.stuck: dict[int, int] = {}
-            self.step = 0
-
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
-            live = []
-            for i, m in enumerate(self.matchers):
-                if i in self.stuck or m.is_terminated():
-                    continue
-                if self.step and not m.accept_token(int(input_ids[i, -1])):
-                    self.stuck[i] = self.step
-                    continue
-                if m.is_terminated():  # it just took its stop token
-                    continue
-                m.fill_next_token_bitmask(self.mask, i)
-                if not bool(self.mask[i].any()):
-                    self.stuck[i] = self.step
-                    continue
-                live.append(i)
-            device = scores.device
-            on_cpu = scores.to("cpu") if device.type != "cuda" else scores
-            if live:
-                xgrammar.apply_token_bitmask_inplace(on_cpu, self.mask.to(on_cpu.device), indices=live)
-            for i in self.stuck:
-                on_cpu[i, :] = -torch.inf
-                on_cpu[i, eos] = 0.0
-            self.step += 1
-            return on_cpu.to(device) if on_cpu.device != device else on_cpu
-
-    return Grammars()
-
-
-def _stop_strings(tok: Any, stop: tuple[str, ...], width: int) -> Any:
-    """A stopping criterion that ends a row's generation once its decoded text holds a stop string.
-
-    transformers' own `stop_strings` works from token surface forms, which some tokenizers
-    (word-level ones with a WordPiece decoder) cannot give; decoding the generated ids works
-    for every tokenizer.
-    """
-    import torch
-    from transformers import StoppingCriteria
-
-    class StopStrings(StoppingCriteria):
-        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-            texts = tok.batch_decode(input_ids[:, width:], skip_special_tokens=True)
-            return torch.tensor([any(s in t for s in stop) for t in texts], device=input_ids.device)
-
-    return StopStrings()
-
-
 class _Knobs(NamedTuple):
     """What one generate call shares: rows that differ in any of these run in separate calls."""
 
@@ -712,24 +570,3 @@ def _knobs(req: Request) -> _Knobs:
         repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty, stop=s.stop or (),
         n=s.n or 1, logprobs=bool(s.logprobs), top_logprobs=s.top_logprobs or 0,
         structured=s.structured_output is not None, adapter=req.adapter)
-
-
-def _stop_at(tok: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[int, str] | None:
-    """(tokens generated, text before the stop string) when a stop string shows in the decoded
-    `ids`, else None. The fewest tokens whose text holds a stop string are found by bisection
-    (holding one only grows with more tokens); the stop string itself is not part of the text."""
-    def first(text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-        return min(hits) if hits else None
-
-    if first(tok.decode(ids, skip_special_tokens=True)) is None:
-        return None
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if first(tok.decode(ids[:mid], skip_special_tokens=True)) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    text = tok.decode(ids[:lo], skip_special_tokens=True)
-    return lo, text[: first(text)]

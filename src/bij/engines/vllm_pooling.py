@@ -11,7 +11,7 @@ from typing import Any
 
 from bij.engines.base import EngineConfig
 from bij.engines.pooling import _PairEngine
-from bij.engines.vllm import close_llm, llm_kwargs, shared_llm
+from bij.engines.vllm_llm import close_llm, llm_kwargs, shared_llm
 
 
 class VllmPoolingEngine(_PairEngine):
