@@ -88,6 +88,18 @@ class FakeServer:
                     n, total = server.sends[key], len(server.bodies)
                     server.in_flight += 1
                     server.peak = max(server.peak, server.in_flight)
+                answered = False
+
+                def done() -> None:
+                    # A request is in flight until it is answered: counted off before the answer is on its way,
+                    # else a client that sends its next request the moment it has one would be seen with one
+                    # more than it holds.
+                    nonlocal answered
+                    if not answered:
+                        answered = True
+                        with server.lock:
+                            server.in_flight -= 1
+
                 try:
                     verdict = server.policy(body, n, total)
                     if verdict == "hang":
@@ -99,6 +111,7 @@ class FakeServer:
                     else:
                         status, headers, text = verdict
                         out = text.encode()
+                    done()
                     self.send_response(status)
                     for k, v in headers.items():
                         self.send_header(k, v)
@@ -107,8 +120,7 @@ class FakeServer:
                     self.end_headers()
                     self.wfile.write(out)
                 finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                    done()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

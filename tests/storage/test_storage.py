@@ -173,8 +173,8 @@ def test_open_storage_shares_one_s3_client_per_endpoint(monkeypatch):
 def test_open_storage_picks_by_scheme_and_rejects_others():
     assert isinstance(open_storage("file:///x", None), FileStorage)
     assert isinstance(open_storage("s3://b/k", {"endpointUrl": "http://127.0.0.1:9"}), S3Storage)
-    with pytest.raises(StorageError, match="az://b/k.*use file://, s3:// or gs://"):
-        open_storage("az://b/k", None)
+    with pytest.raises(StorageError, match="wasbs://b/k.*use file://, s3://, gs:// or az://"):
+        open_storage("wasbs://b/k", None)
     with pytest.raises(StorageError, match="no bucket"):
         split_s3("s3:///k")
 

@@ -62,13 +62,13 @@ def test_an_image_row_on_an_engine_without_vision_is_unsupported_never_the_text_
     assert (row.request, row.error) == (None, "engine echo cannot honour an image_url content part")
 
 
-@pytest.mark.parametrize("url", ["https://example.com/cat.png", "http://10.0.0.1/x.jpg", "az://bucket/x.png",
+@pytest.mark.parametrize("url", ["https://example.com/cat.png", "http://10.0.0.1/x.jpg", "wasbs://bucket/x.png",
                                  "ftp://x/y.png", "cat.png", "file://"])
 def test_other_schemes_are_refused_with_the_reason(url: str) -> None:
     row = parse(line(part(url)), VISION)
     assert row.error_code == "unsupported"
     assert row.error.startswith("body.messages[0].content[1].image_url.url: ")
-    assert "images are not fetched (data: URLs, file://, s3:// and gs:// are" in row.error
+    assert "images are not fetched (data: URLs, file://, s3://, gs:// and az:// are" in row.error
 
 
 def test_a_data_url_over_max_image_bytes_is_image_too_large_and_one_at_the_limit_is_taken() -> None:

@@ -276,7 +276,7 @@ class ModelSpec(SpecModel):
     sentence-transformers (embeddings), transformers, vllm, simulated (continuous batching on a clock), or http
     (an OpenAI-compatible server that already runs, model.http; the pods need no GPU)"""
     name: str | None = None
-    """model name or path (Hugging Face id, or a path under the model cache), or an s3:// or gs:// prefix of the
+    """model name or path (Hugging Face id, or a path under the model cache), or an s3://, gs:// or az:// prefix of the
     model's files, copied into the model cache once per node before it loads"""
     served_name: str | None = Field(None, max_length=256)
     """the name OpenAI batch lines use for the base model (body.model) and results report; default: model.name.

@@ -73,8 +73,9 @@ def parse_image(part: dict[str, Any], where: str, limit: int) -> Image:
     if url.startswith(FETCHED_SCHEMES) and len(url) > len(url.split("://", 1)[0]) + 3:
         return Image(url)
     scheme = url.split(":", 1)[0] if ":" in url else url[:20]
+    fetched = ", ".join(FETCHED_SCHEMES[:-1]) + " and " + FETCHED_SCHEMES[-1]
     raise ImageProblem("unsupported", f"{where}.image_url.url: {json.dumps(scheme)[:40]} images are not fetched "
-                       "(data: URLs, file://, s3:// and gs:// are; a worker need not reach the internet, and a web URL "
+                       f"(data: URLs, {fetched} are; a worker need not reach the internet, and a web URL "
                        "may answer differently when the row runs again)")
 
 
