@@ -413,6 +413,8 @@ class Scripted:
 @pytest.fixture
 def delays(monkeypatch) -> list[float]:
     slept: list[float] = []
+    # The retries' backoff (storage.objects.retrying) and a broken read's (the resuming stream in storage.s3).
+    monkeypatch.setattr(storage.objects, "time", SimpleNamespace(sleep=slept.append))
     monkeypatch.setattr(storage.s3, "time", SimpleNamespace(sleep=slept.append))
     return slept
 

@@ -25,14 +25,13 @@ import hmac
 import http.client
 import io
 import os
-import random
 import threading
 import time
 import urllib.parse
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from bij.storage import base
 from bij.storage.objects import (
@@ -43,7 +42,10 @@ from bij.storage.objects import (
     ReopeningBody,
     StorageError,
     StorageRefused,
+    retrying,
 )
+
+T = TypeVar("T")
 
 API_VERSION = "2021-12-02"
 _TRANSIENT = {408, 429, 500, 502, 503, 504}
@@ -186,30 +188,25 @@ class AzureStorage:
             raise _Failed(response.status, code or response.reason, message)
         return response
 
-    def _call(self, what: str, uri: str, fn: Any) -> Any:
+    def _call(self, what: str, uri: str, fn: Callable[[], T]) -> T:
         """Run `fn` with retries of what can pass; every failure names the URI (and the account, never its
         key)."""
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                return fn()
-            except _Failed as e:
-                missing_blob = e.status == 404 and not e.code.endswith("ContainerNotFound")
-                if missing_blob or e.code in {"BlobNotFound", "ResourceNotFound"}:
-                    raise NotFound(f"{uri}: no such object") from None
-                if e.status == 412 or e.code == "ConditionNotMet":
-                    raise ObjectChanged(f"{uri} was replaced after the job was planned (ETag differs)") from None
-                if e.status == 403 or e.code in {"AuthenticationFailed", "AuthorizationFailure"}:
-                    raise StorageRefused(f"{what} {uri} as account {self.account.name}: {e}") from None
-                if e.status not in _TRANSIENT:
-                    raise StorageError(f"{what} {uri}: {e}", permanent=True) from None
-                error: Exception = e
-            except (OSError, http.client.HTTPException) as e:
+        def fatal(e: BaseException) -> StorageError | None:
+            if not isinstance(e, _Failed):  # the connection broke: a new one for the next try
                 self._drop_connection()
-                error = e
-            if attempt == self.max_attempts:
-                raise StorageError(f"{what} {uri}: still failing after {attempt} attempts: {error}") from None
-            time.sleep(min(10.0, self.base_delay * 2 ** (attempt - 1)) * (0.5 + random.random()))
-        raise AssertionError("unreachable")
+                return None
+            missing_blob = e.status == 404 and not e.code.endswith("ContainerNotFound")
+            if missing_blob or e.code in {"BlobNotFound", "ResourceNotFound"}:
+                return NotFound(f"{uri}: no such object")
+            if e.status == 412 or e.code == "ConditionNotMet":
+                return ObjectChanged(f"{uri} was replaced after the job was planned (ETag differs)")
+            if e.status == 403 or e.code in {"AuthenticationFailed", "AuthorizationFailure"}:
+                return StorageRefused(f"{what} {uri} as account {self.account.name}: {e}")
+            if e.status not in _TRANSIENT:
+                return StorageError(f"{what} {uri}: {e}", permanent=True)
+            return None
+        return retrying(what, uri, fn, catch=(_Failed, OSError, http.client.HTTPException), fatal=fatal,
+                        attempts=self.max_attempts, base_delay=self.base_delay)
 
     def _request(self, what: str, method: str, uri: str, **kw: Any) -> tuple[bytes, http.client.HTTPResponse]:
         def go() -> tuple[bytes, http.client.HTTPResponse]:

@@ -5,14 +5,21 @@ errors a storage operation ends in."""
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Iterator
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 # The errors live in the contract, so that a record's decoder can raise one without importing storage.
 from bij.contract.errors import NotFound, ObjectChanged, StorageError, StorageRefused
 
-__all__ = ["NotFound", "ObjectChanged", "ObjectInfo", "ObjectPage", "ReadOnlyInputs", "StorageError", "StorageRefused"]
+T = TypeVar("T")
+
+__all__ = [
+    "NotFound", "ObjectChanged", "ObjectInfo", "ObjectPage", "ReadOnlyInputs", "StorageError", "StorageRefused",
+    "retrying",
+]
 
 
 @dataclass(frozen=True)
@@ -102,3 +109,23 @@ class ReopeningBody(io.RawIOBase):
     def close(self) -> None:
         self._close_body()
         super().close()
+
+
+def retrying(what: str, uri: str, fn: Callable[[], T], *, catch: tuple[type[BaseException], ...],
+             fatal: Callable[[BaseException], StorageError | None], attempts: int, base_delay: float,
+             describe: Callable[[BaseException], str] = str) -> T:
+    """`fn()`, retried while it fails in a way that can pass. `fatal(e)` says what an error in `catch` ends
+    in now (NotFound, ObjectChanged, a refusal, a permanent StorageError), or None when it may pass: then it
+    is tried again after an exponential backoff with jitter (at most 10 s), and the last of `attempts` ends
+    in a StorageError naming the operation, the URI, the attempts and `describe(e)`."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except catch as e:  # classified by `fatal`
+            now = fatal(e)
+            if now is not None:
+                raise now from None
+            if attempt == attempts:
+                raise StorageError(f"{what} {uri}: still failing after {attempt} attempts: {describe(e)}") from None
+        time.sleep(min(10.0, base_delay * 2 ** (attempt - 1)) * (0.5 + random.random()))
+    raise AssertionError("unreachable")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import io
 import os
-import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, BinaryIO, TypeVar
@@ -22,6 +21,7 @@ from bij.storage.objects import (
     ReopeningBody,
     StorageError,
     StorageRefused,
+    retrying,
 )
 
 T = TypeVar("T")
@@ -246,26 +246,20 @@ class S3Storage:
     def _call(self, what: str, uri: str, fn: Callable[[], T]) -> T:
         from botocore.exceptions import ClientError
 
-        errors = _client_errors()
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                return fn()
-            except errors as e:  # classified below
-                if isinstance(e, ClientError):
-                    code = str(e.response.get("Error", {}).get("Code", ""))
-                    if code in {"NoSuchKey", "404", "NotFound"}:
-                        raise NotFound(f"{uri}: no such object") from None
-                    if code == "PreconditionFailed":  # IfMatch / IfNoneMatch
-                        raise ObjectChanged(f"{uri} was replaced after the job was planned (ETag differs)") from None
-                if _is_refused(e):
-                    raise StorageRefused(f"{what} {uri}{self._as_whom()}: {_describe(e)}") from None
-                if not _is_transient(e):
-                    raise StorageError(f"{what} {uri}: {_describe(e)}", permanent=True) from None
-                if attempt == self.max_attempts:
-                    raise StorageError(f"{what} {uri}: still failing after {attempt} attempts: {_describe(e)}") \
-                        from None
-                time.sleep(min(10.0, self.base_delay * 2 ** (attempt - 1)) * (0.5 + random.random()))
-        raise AssertionError("unreachable")
+        def fatal(e: BaseException) -> StorageError | None:
+            if isinstance(e, ClientError):
+                code = str(e.response.get("Error", {}).get("Code", ""))
+                if code in {"NoSuchKey", "404", "NotFound"}:
+                    return NotFound(f"{uri}: no such object")
+                if code == "PreconditionFailed":  # IfMatch / IfNoneMatch
+                    return ObjectChanged(f"{uri} was replaced after the job was planned (ETag differs)")
+            if _is_refused(e):
+                return StorageRefused(f"{what} {uri}{self._as_whom()}: {_describe(e)}")
+            if not _is_transient(e):
+                return StorageError(f"{what} {uri}: {_describe(e)}", permanent=True)
+            return None
+        return retrying(what, uri, fn, catch=_client_errors(), fatal=fatal, attempts=self.max_attempts,
+                        base_delay=self.base_delay, describe=_describe)
 
     def access_key_id(self) -> str | None:
         """The access key id this client signs with (never the secret); None without credentials, or
