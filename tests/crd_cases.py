@@ -119,7 +119,7 @@ BAD = [
      'spec.workers.gpus: Invalid value: workers.gpus must be at least'),
     ("parquet-from-openai-lines", with_spec(input={"uri": "file:///in", "format": "openai"},
                                             output={"uri": "file:///out", "format": "parquet"}),
-     'spec.output.format: Invalid value: output.format parquet needs input.format jsonl or parquet'),
+     'spec.output.format: Invalid value: output.format other than jsonl needs input.format jsonl or parquet'),
     ("price-as-words", with_spec(workers={"pricePerHour": "two dollars"}),
      'spec.workers.pricePerHour: Invalid value: "string": spec.workers.pricePerHour in body must be of type number'),
     ("negative-price", with_spec(workers={"pricePerHour": -1}),

@@ -98,7 +98,7 @@ def test_string_ids_only_make_a_string_column_and_judge_columns_come_along(file_
 def test_parquet_output_refuses_openai_input() -> None:
     from bij.contract.spec import SpecError, parse_spec
 
-    with pytest.raises(SpecError, match="output.format parquet needs input.format jsonl or parquet"):
+    with pytest.raises(SpecError, match="output.format other than jsonl needs input.format jsonl or parquet"):
         parse_spec({"input": {"uri": "file:///in", "format": "openai"},
                     "output": {"uri": "file:///out", "format": "parquet"}})
 

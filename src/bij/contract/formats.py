@@ -6,4 +6,4 @@ from __future__ import annotations
 
 from typing import Literal
 
-OutputFormat = Literal["jsonl", "parquet"]
+OutputFormat = Literal["jsonl", "parquet", "csv"]

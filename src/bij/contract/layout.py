@@ -4,7 +4,7 @@
     <output>/results/r<round>-<index>.jsonl[.zst]  published result files
     <output>/errors/r<round>-<index>.jsonl[.zst]   published error rows
     <output>/results/<input name>.jsonl[.zst]      ... with output.partitionBy input: one per input object
-                                                    (`partition_stem`), .parquet for Parquet results
+                                                    (`partition_stem`), .parquet / .csv[.zst] for Parquet / CSV results
     <output>/_bij/owner.json                        which job owns this output (namespace, name, id)
     <output>/_bij/<job_id>/round-<r>/shards.json    the round plan (written once)
     <output>/_bij/<job_id>/round-<r>/plan/<lane>-<chunk>.json  a part of a large round plan

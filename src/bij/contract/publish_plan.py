@@ -5,7 +5,7 @@ On disk it is camelCase JSON:
 
     {"prefix": <output>/_bij/<job_id>/publish, "outputUri": ...,
      "roundShards": [[shards, roundPrefix] per round], "objectNames": [[name, ...] per round],
-     "bucketRows": N, "buckets": B, "compression": "zstd" | "none", "format": "jsonl" | "parquet",
+     "bucketRows": N, "buckets": B, "compression": "zstd" | "none", "format": "jsonl" | "parquet" | "csv",
      "task": ..., "judge": bool, "idKind": "int" | "str" | "mixed" | null, "fileRows"?: N,
      "s3": {"endpointUrl"?: ..., "region"?: ...}, "partial"?: "Cancelled" | "Expired", "roundPlans"?: [uri, ...],
      "partitionBy"?: "input", "unitObjects"?: [[object index, ...] per unit], "partitions"?: [stem, ...],

@@ -39,8 +39,9 @@ MAX_NAME_LEN = 52
 
 
 # The CRD's rules (on the models below) say the same.
-PARQUET_NOT_OPENAI = (
-    "output.format parquet needs input.format jsonl or parquet: OpenAI batch output is JSON lines by definition"
+JSONL_FOR_OPENAI = (
+    "output.format other than jsonl needs input.format jsonl or parquet: OpenAI batch output is JSON lines by "
+    "definition"
 )
 PARTITION_NEEDS_ONE_ROUND = (
     "output.partitionBy input needs judge.strategy inPlace (or no judge): rows a judge round re-dispatches "
@@ -238,8 +239,8 @@ class NotifyTarget(SpecModel):
 class JobSpec(SpecModel):
     model_config = ConfigDict(json_schema_extra=k8s(
         cel("!has(self.judge) || self.model.task in ['generate', 'chat']", JUDGE_NEEDS_TEXT, ".judge"),
-        cel("!has(self.output.format) || !has(self.input.format) || self.output.format != 'parquet' || "
-            "self.input.format != 'openai'", PARQUET_NOT_OPENAI, ".output.format"),
+        cel("!has(self.output.format) || !has(self.input.format) || self.output.format == 'jsonl' || "
+            "self.input.format != 'openai'", JSONL_FOR_OPENAI, ".output.format"),
         cel("!has(self.model) || !has(self.model.engine) || self.model.engine != 'vllm' || !has(self.workers) || "
             "!has(self.workers.gpus) || self.workers.gpus >= (has(self.model.vllm) && "
             "has(self.model.vllm.tensorParallelSize) ? self.model.vllm.tensorParallelSize : 1) * "
@@ -309,8 +310,8 @@ class JobSpec(SpecModel):
     def _cross_field(self) -> JobSpec:
         if self.judge is not None and self.model.task not in ("generate", "chat"):
             raise ValueError(JUDGE_NEEDS_TEXT)
-        if self.output.format == "parquet" and self.input.format == "openai":
-            raise ValueError(PARQUET_NOT_OPENAI)
+        if self.output.format != "jsonl" and self.input.format == "openai":
+            raise ValueError(JSONL_FOR_OPENAI)
         if self.output.partition_by == "input" and self.judge is not None and self.judge.strategy != "inPlace":
             raise ValueError(PARTITION_NEEDS_ONE_ROUND)
         nodes = self.workers.nodes_per_lane

@@ -204,7 +204,7 @@ class OutputSpec(SpecModel):
     """file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix; manifest.json is written
     here last"""
     format: OutputFormat = "jsonl"
-    """result files as JSON lines or Parquet (error and capped files stay JSON lines)"""
+    """result files as JSON lines, Parquet or CSV (error and capped files stay JSON lines)"""
     compression: Literal["zstd", "none"] = "zstd"
     """compression of the result files: zstd or none"""
     keep_intermediate: bool = False

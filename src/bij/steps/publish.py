@@ -389,7 +389,7 @@ def _manifest(job: BatchInferenceJob, store: Storage, plans: list[Plan], pplan: 
         kind="BatchInferenceJobManifest",
         job=ManifestJob(name=job.metadata.name, namespace=job.metadata.namespace, id=job.job_id),
         output_uri=job.spec.output.uri,
-        # What the result files hold: JSON lines (plain or OpenAI batch output) or Parquet.
+        # What the result files hold: JSON lines (plain or OpenAI batch output), Parquet or CSV.
         format="openai" if job.spec.input.format == "openai" else job.spec.output.format,
         compression=job.spec.output.compression,
         model=ManifestModel(engine=job.spec.model.engine, name=job.spec.model.name, task=job.spec.model.task),

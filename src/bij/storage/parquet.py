@@ -24,7 +24,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,12 +170,18 @@ def table_bytes(table: Any, compression: str) -> bytes:
 
 def table_rows(table: Any) -> Iterator[dict[str, Any]]:
     """Rows of a results table in the JSONL result shape (the inverse of `results_table`)."""
-    names = set(table.column_names)
-    # A pooling task's own columns (its probs are float32: a row has them as the file holds them).
-    pooled = [c for c in table.column_names if any(c in f for f in TASK_FIELDS.values())]
+    yield from result_rows(table.column_names, table.to_pylist())
+
+
+def result_rows(columns: list[str], records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Rows in the JSONL result shape from records of the result columns `results_table` lays out, by
+    column name (Parquet's, and CSV's, bij.storage.writers.csv)."""
+    names = set(columns)
+    # A pooling task's own columns (its probs are float32 in Parquet: a row has them as the file holds them).
+    pooled = [c for c in columns if any(c in f for f in TASK_FIELDS.values())]
     pooled = pooled if "output" not in names and "embedding" not in names else []
-    carried = [c for c in table.column_names if c not in RESULT_FIELDS and c not in pooled]
-    for rec in table.to_pylist():
+    carried = [c for c in columns if c not in RESULT_FIELDS and c not in pooled]
+    for rec in records:
         rid = rec.get("id")
         if ID_INT in names and rec.get(ID_INT) is not None:
             rid = rec[ID_INT]

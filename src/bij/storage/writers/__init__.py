@@ -7,12 +7,13 @@ the publish plan and `bij results` look formats up here and nowhere else.
 from __future__ import annotations
 
 from bij.storage.writers.base import FilePart, FileStream, ResultShape, ResultWriter
+from bij.storage.writers.csv import CSV
 from bij.storage.writers.jsonl import JSONL
 from bij.storage.writers.parquet import PARQUET
 
-WRITERS: dict[str, ResultWriter] = {w.name: w for w in (JSONL, PARQUET)}
+WRITERS: dict[str, ResultWriter] = {w.name: w for w in (JSONL, PARQUET, CSV)}
 
-__all__ = ["JSONL", "PARQUET", "WRITERS", "FilePart", "FileStream", "ResultShape", "ResultWriter", "writer_for",
+__all__ = ["CSV", "JSONL", "PARQUET", "WRITERS", "FilePart", "FileStream", "ResultShape", "ResultWriter", "writer_for",
            "writer_of_path"]
 
 
