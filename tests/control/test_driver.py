@@ -269,10 +269,10 @@ def test_rows_count_every_finished_round_also_while_the_last_one_publishes(file_
               {"round": 1, "startTime": "2026-01-01T00:00:00Z"}]
     backend.status = {"round": 1, "rounds": rounds}
     # Round 1 running: round 0's record and what round 1's lanes reported so far.
-    assert driver.progress(backend.observe(), 1, now_utc())["rows"] == {"done": 47, "failed": 3}
+    assert driver.progress(backend.observe(), 1, now_utc()).as_patch()["rows"] == {"done": 47, "failed": 3}
     # Round 1 finished and publishing: both records, and no lane report counted twice.
     rounds[1].update(completionTime="2026-01-01T00:01:00Z", approved=9, errors=1)
-    assert driver.progress(backend.observe(), 1, now_utc())["rows"] == {"done": 49, "failed": 3}
+    assert driver.progress(backend.observe(), 1, now_utc()).as_patch()["rows"] == {"done": 49, "failed": 3}
 
 
 def test_rows_a_lane_reports_reach_the_status_while_its_shard_is_still_running(file_place, make_job) -> None:

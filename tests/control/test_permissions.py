@@ -14,6 +14,7 @@ from kubernetes.client import ApiException
 from test_driver import FakeBackend
 
 from bij.contract.spec import parse_job
+from bij.contract.status import WorkerPermissions
 from bij.control.access_review import check_grants
 from bij.control.decisions import CheckPermissions, Nothing, PlanRound, StopHeld, Wait
 from bij.control.driver import Driver
@@ -85,8 +86,9 @@ def test_an_operator_that_may_not_ask_gets_unknown_not_missing() -> None:
 # --- decide(): ask, hold, go on ------------------------------------------------------------------------
 
 
-def recorded(check: GrantCheck, at: dt.datetime = NOW, previous: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"workerPermissions": record(check, previous, fmt_time(at))}
+def recorded(check: GrantCheck, at: dt.datetime = NOW,
+             previous: WorkerPermissions | None = None) -> dict[str, Any]:
+    return {"workerPermissions": record(check, previous, fmt_time(at)).as_status()}
 
 
 MISSING = GrantCheck("team", "bij-worker", WORKER_GRANTS)
@@ -123,10 +125,10 @@ def test_rechecks_back_off_to_a_cap_and_count_only_answers_that_stay_missing() -
     rec = record(MISSING, None, fmt_time(NOW))
     for n in (2, 3):
         rec = record(MISSING, rec, fmt_time(NOW))
-        assert rec["checks"] == n
-    assert record(GrantCheck("team", "bij-worker"), rec, fmt_time(NOW))["checks"] == 1
-    assert record(GrantCheck("team", "other", WORKER_GRANTS), rec, fmt_time(NOW))["checks"] == 1
-    status = {"workerPermissions": rec}
+        assert rec.checks == n
+    assert record(GrantCheck("team", "bij-worker"), rec, fmt_time(NOW)).checks == 1
+    assert record(GrantCheck("team", "other", WORKER_GRANTS), rec, fmt_time(NOW)).checks == 1
+    status = {"workerPermissions": rec.as_status()}
     d = decide(a_job(), status, [], now=NOW + dt.timedelta(seconds=1), check_permissions=True)
     assert isinstance(d, Wait) and d.recheck == pytest.approx(4 * RECHECK_FIRST - 1)
 

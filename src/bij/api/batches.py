@@ -182,7 +182,7 @@ def batch_object(bij: Mapping[str, Any], manifest: Manifest | None = None) -> di
     done, failed = rows.done, rows.failed + (rows.not_run or 0)
     final = status in ("completed", "cancelled", "expired")
     # Finalizing began when publishing did; an expired batch's, at its deadline (it stops, then publishes).
-    finalizing = _epoch((st.publish or {}).get("startedAt"))
+    finalizing = _epoch(st.publish.started_at if st.publish is not None else None)
     if status == "expired" or (status == "finalizing" and st.phase == "Cancelling"):
         finalizing = expires
     obj: dict[str, Any] = {

@@ -45,10 +45,14 @@ class RoundStats:
         judged = self.approved + self.rejected + self.capped
         return self.approved / judged if judged else 1.0
 
+    def as_fields(self) -> dict[str, Any]:
+        """The statistics' fields of one entry of status.rounds (`RoundRecord`), by field name."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "rows_in": self.rows_in, "approval_rate": round(self.approval_rate, 4)}
+
     def as_status(self) -> dict[str, Any]:
-        """The statistics' fields of one entry of status.rounds (`RoundRecord`), camelCase."""
-        fields = {to_camel(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**fields, "rowsIn": self.rows_in, "approvalRate": round(self.approval_rate, 4)}
+        """`as_fields`, camelCase."""
+        return {to_camel(k): v for k, v in self.as_fields().items()}
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_serializer
 from pydantic.alias_generators import to_camel
 
+from bij.contract.manifest import CostFigures, EfficiencyFigures
 from bij.contract.round_record import RoundRecord
 from bij.contract.schema import FREE_FORM, INT64
 
@@ -23,6 +24,7 @@ DATE_TIME: dict[str, Any] = {"format": "date-time"}
 # What the bij is doing (status.phase): decided by `bij.control.reconcile.decide`.
 Phase = Literal["Pending", "Planning", "Running", "Suspended", "Publishing", "Succeeded", "Failed", "Cancelling",
                 "Cancelled", "Expired", "CanaryFailed"]
+ConditionStatus = Literal["True", "False", "Unknown"]
 
 
 class _Status(BaseModel):
@@ -145,9 +147,24 @@ class Notified(_Status):
     gave_up: bool = False
 
 
+class PublishRecord(_Status):
+    """The publish of the results, once its plan is made: the passes follow it, then the manifest."""
+
+    rounds: int | None = None
+    """rounds 0..rounds-1 are published"""
+    plan_uri: str | None = None
+    """the publish plan the passes' pods read"""
+    passes: dict[str, int] | None = None
+    """each pass's count of indexes (a pass of 0 runs no Job)"""
+    started_at: str | None = Field(None, json_schema_extra=DATE_TIME)
+    """when publishing began (bij-api's finalizing_at)"""
+    partial: str | None = None
+    """Cancelled or Expired: the finished part of a stopped job is published"""
+
+
 class Condition(_Status):
     type: str
-    status: Literal["True", "False", "Unknown"]
+    status: ConditionStatus
     reason: str | None = None
     message: str | None = None
     last_transition_time: str | None = Field(None, json_schema_extra=DATE_TIME)
@@ -205,7 +222,7 @@ class JobStatus(_Status):
     """"<pool> <active>/<lanes>" per pool, for kubectl get -o wide"""
     rounds: list[RoundRecord] = []
     """one entry per finished or running round"""
-    publish: dict[str, Any] | None = Field(None, json_schema_extra=FREE_FORM)
+    publish: PublishRecord | None = None
     """the publish of the results, once it began: its plan, the passes done, when it started, and
     whether it publishes the finished part of a stopped job (partial)"""
     canary: Canary | None = None
@@ -270,6 +287,54 @@ class JobStatus(_Status):
                     raw.pop(to_camel(key), None)
         out._problems = problems
         return out
+
+
+class StatusPatch(_Status):
+    """A JSON merge patch of the status, as the operator writes it: only the fields set are written (`as_patch`),
+    a field set to None deletes it. Fields written whole (a merge patch replaces a list whole) are written as the
+    contract serializes them (`as_status`); ``canary`` and the entries of ``rounds``, ``efficiency`` and ``cost``
+    with the fields they were made (or read) with, so that the canary's start sets only its shard count."""
+
+    phase: Phase | None = None
+    round: int | None = None
+    observed_generation: int | None = None
+    output_uri: str | None = None
+    message: str | None = None
+    shards: Shards | None = None
+    shards_summary: str | None = None
+    lanes: Lanes | None = None
+    lanes_summary: str | None = None
+    pools: list[PoolLanes] | None = None
+    pools_summary: str | None = None
+    rows: Rows | None = None
+    rows_per_second: float | None = None
+    eta: str | None = None
+    efficiency: EfficiencyFigures | None = None
+    """as the round-statistics step reported them (`FinishResult`)"""
+    cost: CostFigures | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+    manifest_uri: str | None = None
+    rounds: list[RoundRecord] | None = None
+    publish: PublishRecord | None = None
+    canary: Canary | None = None
+    worker_permissions: WorkerPermissions | None = None
+    notified: list[Notified] | None = None
+    conditions: list[Condition] | None = None
+
+    @field_serializer("shards", "lanes", "pools", "rows", "publish", "worker_permissions", "notified", "conditions")
+    def _whole(self, value: _Status | list[_Status] | None) -> Any:
+        if isinstance(value, list):
+            return [v.as_status() for v in value]
+        return None if value is None else value.as_status()
+
+    def as_patch(self) -> dict[str, Any]:
+        """The merge patch: the fields set, camelCase (None where one is deleted)."""
+        return self.model_dump(by_alias=True, exclude_unset=True, mode="json")
+
+    def updated(self, other: StatusPatch, *, leave: tuple[str, ...] = ()) -> StatusPatch:
+        """This patch with the fields `other` sets (but those named in `leave`) set as there."""
+        return self.model_copy(update={k: getattr(other, k) for k in other.model_fields_set if k not in leave})
 
 
 def _first_error(e: ValidationError, key: str | None = None) -> str:

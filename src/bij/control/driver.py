@@ -42,8 +42,9 @@ from typing import Any
 
 from bij.contract import layout
 from bij.contract.fingerprint import field_digests
-from bij.contract.round_record import round_records
+from bij.contract.round_record import RoundRecord
 from bij.contract.spec import BatchInferenceJob
+from bij.contract.status import Canary, Rows, Shards, StatusPatch
 from bij.contract.step_results import FinishResult
 from bij.control import notify
 from bij.control.decisions import (
@@ -77,15 +78,14 @@ from bij.control.driver_types import Backend, Idle, Observed
 from bij.control.jobs import render_canary_job, render_job, render_lane_service
 from bij.control.observe import format_ranges
 from bij.control.permissions import CONDITION as PERMISSIONS_CONDITION
-from bij.control.permissions import STATUS_KEY as PERMISSIONS_KEY
 from bij.control.permissions import GrantCheck, condition, record
 from bij.control.reconcile import decide
 from bij.control.status import (
     fmt_time,
     now_utc,
-    phase_conditions,
-    set_condition,
     status_differs,
+    with_condition,
+    with_phase_conditions,
 )
 from bij.control.stopping import seconds_left
 
@@ -183,7 +183,7 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
                 return None
             case RerunStep():
                 self.backend.delete_job(d.job_name)
-                self.write_status(seen, {**self.base(seen, d, now), "message": d.message})
+                self.write_status(seen, self.base(seen, d, now, d.message))
                 return Idle(d, recheck=REPORT_RECHECK)  # once its Job is gone, the step is made anew
             case PlanRound():
                 return self._plan_round(seen, job, d, now)
@@ -218,26 +218,23 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
 
     def _plan_round(self, seen: Observed, job: BatchInferenceJob, d: PlanRound, now: dt.datetime) -> Idle | None:
         """The plan step's result: the round's record in status.rounds, its shard count, a RoundPlanned Event."""
-        status = seen.status
         got = d.result
         assert got is not None
         shards, lanes, size = got.shards, got.lanes, got.bytes
-        rounds = [r for r in status.get("rounds") or [] if r.get("round") != d.round]
-        rec: dict[str, Any] = {"round": d.round, "shards": shards, "lanes": lanes,
-                               "bytes": size, "startTime": fmt_time(now)}
-        if d.round == 0:
-            rec["specDigests"] = field_digests(job)  # decide() refuses a later edit of these fields
         canary = got.canary_shards
+        rec = RoundRecord(round=d.round, shards=shards, lanes=lanes, bytes=size, start_time=fmt_time(now))
+        if d.round == 0:
+            rec = rec.model_copy(update={"spec_digests": field_digests(job)})  # decide() refuses a later edit
         if canary:
-            rec["canaryShards"] = canary
-        rounds.append(rec)
+            rec = rec.model_copy(update={"canary_shards": canary})
+        rounds = [r for r in seen.state.rounds if r.round != d.round] + [rec]
         msg = (f"round {d.round}: planned {shards} shards in {lanes} lanes from {got.objects} "
                f"input objects ({size:,} {got.unit or 'bytes'})"
                + (f"; the canary runs {canary} of them, spread over the input, alone first" if canary else ""))
-        patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
-                 "shards": {"done": 0, "total": shards}, "shardsSummary": f"0/{shards}"}
-        if "rows" not in status:
-            patch["rows"] = {"done": 0, "failed": 0}  # so the ROWS column reads 0, not <none>
+        patch = self.base(seen, d, now, msg)
+        patch.rounds, patch.shards, patch.shards_summary = rounds, Shards(done=0, total=shards), f"0/{shards}"
+        if "rows" not in seen.status:
+            patch.rows = Rows(done=0, failed=0)  # so the ROWS column reads 0, not <none>
         self.write_status(seen, patch, event=("Normal", "RoundPlanned", msg))
         return None
 
@@ -259,7 +256,7 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
                f"{d.shards.total if d.shards else '?'} shards, parallelism {spec['parallelism']}"
                + (f", in pool {pool.name} (lanes from {d.lane_offset})" if pool is not None else "")
                + (", suspended" if spec.get("suspend") else ""))
-        self.write_status(seen, {**self.base(seen, d, now), "message": msg},
+        self.write_status(seen, self.base(seen, d, now, msg),
                           event=("Normal", "RoundStarted", msg) if created == "created" else None)
         return None
 
@@ -274,16 +271,18 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
             return Idle(d, recheck=CONFLICT_RECHECK)
         msg = f"canary: created Job {body['metadata']['name']} with {d.completions} lanes for " \
               f"{d.canary_shards} shards of round 0, spread over the input"
-        self.write_status(seen, {**self.base(seen, d, now), "message": msg, "canary": {"shards": d.canary_shards}},
-                          event=("Normal", "CanaryStarted", msg) if created == "created" else None)
+        patch = self.base(seen, d, now, msg)
+        patch.canary = Canary(shards=d.canary_shards)
+        self.write_status(seen, patch, event=("Normal", "CanaryStarted", msg) if created == "created" else None)
         return None
 
     def _canary_verdict(self, seen: Observed, d: CanaryVerdict, now: dt.datetime) -> Idle | None:
         """The canary's figures, verdict and estimate in ``status.canary``, the Canary condition and an Event;
         CanaryFailed is final (`decide()` says Nothing from then on)."""
-        patch = {**self.base(seen, d, now), "message": d.message, "canary": dict(d.canary)}
-        patch["conditions"] = set_condition(patch["conditions"], "Canary", d.passed, d.reason, d.message,
-                                            generation=seen.generation, now=now)
+        patch = self.base(seen, d, now, d.message)
+        patch.canary = Canary.model_validate(d.canary)
+        patch.conditions = with_condition(patch.conditions or [], "Canary", d.passed, d.reason, d.message,
+                                          generation=seen.generation, now=now)
         self.write_status(seen, patch, event=("Normal" if d.passed else "Warning", d.reason, d.message))
         # Passed: stop here and ask again at once, so that `bij run --canary-only` sees the verdict before the
         # round's own Job is made.
@@ -303,14 +302,14 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
         what = {True: "suspended (durable work is kept)", False: "resumed",
                 None: f"parallelism set to {d.parallelism}"}[d.suspend]
         msg = d.message if d.phase == "Cancelling" else f"round {d.round}: Job {d.job_name} {what}"
-        self.write_status(seen, {**self.base(seen, d, now), "message": msg}, event=("Normal", reason, msg))
+        self.write_status(seen, self.base(seen, d, now, msg), event=("Normal", reason, msg))
         return None
 
     def _move_pool_lanes(self, seen: Observed, d: MovePoolLanes, now: dt.datetime) -> Idle | None:
         """A pool gave its lanes up: said in the status first (so a restart never brings them back), then its
         Jobs deleted; `decide()` creates the lanes in the next pool."""
         first = not any(p.name == d.pool and p.gave_up_round == d.round for p in seen.state.pools)
-        self.write_status(seen, {**self.base(seen, d, now), "message": d.message},
+        self.write_status(seen, self.base(seen, d, now, d.message),
                           event=("Warning", "PoolGaveUp", d.message) if first else None)
         for name in d.job_names:
             self.backend.delete_job(name)
@@ -319,18 +318,14 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
     def _finish_round(self, seen: Observed, job: BatchInferenceJob, d: FinishRound, now: dt.datetime) -> Idle | None:
         """The round-statistics step's result: the round's record completed (its lanes' reports, in their
         Leases, are no longer read: they go with the round's Job)."""
-        status = seen.status
         end = d.result or FinishResult()
-        this = round_records(status).get(d.round)
+        this = seen.state.round_records().get(d.round)
         planned = this.shards if this is not None else 0
         stats = end.stats.stats(d.round, planned)
-        rounds = []
-        for rec in status.get("rounds") or []:
-            if rec.get("round") == d.round:
-                rec = {**rec, **stats.as_status(), "completionTime": fmt_time(now)}
-                if d.lanes is not None and d.lanes.replaced:
-                    rec["groupsReplaced"] = d.lanes.replaced  # its lanes' reports are read no more
-            rounds.append(rec)
+        done = {**stats.as_fields(), "completion_time": fmt_time(now)}
+        if d.lanes is not None and d.lanes.replaced:
+            done["groups_replaced"] = d.lanes.replaced  # its lanes' reports are read no more
+        rounds = [r.model_copy(update=done) if r.round == d.round else r for r in seen.state.rounds]
         msg = f"round {d.round} finished: {d.shards.summary if d.shards else '0/0'} shards, " \
               f"{stats.approved} rows, {stats.errors} error rows"
         if job.spec.judge is not None:
@@ -340,9 +335,12 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
             msg += f"; {noun} {format_ranges(d.failed_lanes)} failed, the other lanes finished their shards"
         if d.lanes is not None and d.lanes.replaced:
             msg += f"; lane groups replaced: {d.lanes.replaced}"
-        patch = {**self.base(seen, d, now), "rounds": rounds, "message": msg,
-                 **self.progress(seen, d.round, now, ended=stats),
-                 **{k: v for k, v in end.as_result().items() if k in ("efficiency", "cost")}}
+        patch = self.base(seen, d, now, msg).updated(self.progress(seen, d.round, now, ended=stats))
+        patch.rounds = rounds
+        if "efficiency" in end.model_fields_set:
+            patch.efficiency = end.efficiency
+        if "cost" in end.model_fields_set:
+            patch.cost = end.cost
         self.write_status(seen, patch, event=("Normal", "RoundFinished", msg))
         return None
 
@@ -350,9 +348,9 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
         """Cancelled or expired before anything ran: said once, and not Ready (there is no manifest)."""
         if d.job_name:
             self.backend.delete_job(d.job_name)
-        patch = {**self.base(seen, d, now), "message": d.message}
-        patch["conditions"] = set_condition(patch["conditions"], "Ready", False, d.reason, d.message,
-                                            generation=seen.generation, now=now)
+        patch = self.base(seen, d, now, d.message)
+        patch.conditions = with_condition(patch.conditions or [], "Ready", False, d.reason, d.message,
+                                          generation=seen.generation, now=now)
         self.write_status(seen, patch, event=("Normal", d.phase, d.message))
         return Idle(d)
 
@@ -360,17 +358,17 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
         """Finished: only observedGeneration and the conditions kept current after spec edits (a bij stopped
         before anything ran published nothing: it stays not Ready)."""
         unpublished = d.phase in STOPPED_PHASES and not seen.state.manifest_uri
-        patch = {"observedGeneration": seen.generation,
-                 "conditions": phase_conditions(seen.status.get("conditions") or [], d.phase, d.reason, d.message,
-                                                generation=seen.generation, now=now,
-                                                ready=False if unpublished else None)}
+        patch = StatusPatch(observed_generation=seen.generation,
+                            conditions=with_phase_conditions(seen.state.conditions, d.phase, d.reason, d.message,
+                                                             generation=seen.generation, now=now,
+                                                             ready=False if unpublished else None))
         self.write_status(seen, patch)
         return Idle(d)
 
     def _wait(self, seen: Observed, d: Wait, now: dt.datetime) -> Idle:
         """Nothing to do but wait: progress written at most once a status interval, a warning at once."""
         status, state = seen.status, seen.state
-        patch = {**self.base(seen, d, now), "message": d.message}
+        patch = self.base(seen, d, now, d.message)
         phase_changed = state.phase != d.phase or state.round != d.round
         if d.warning and state.message != d.message:
             # A step's pod failed and its Job runs it again: said at once, once.
@@ -380,13 +378,14 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
         # The rows the lanes reported count as a change too: a lane can commit many chunks of one shard
         # while the decision (shards, lanes, message) stays the same.
         progress = self.progress(seen, d.round, now)
-        if not status_differs(status, {**patch, "rows": progress["rows"]}) and not phase_changed:
+        if not status_differs(status, patch.updated(progress, leave=("rows_per_second", "eta")).as_patch()) \
+                and not phase_changed:
             return Idle(d, recheck=recheck)
         wait = self.last_progress + self.status_interval - time.monotonic()
         if not phase_changed and wait > 0:
             # Progress only: write it at the end of the interval, once, whatever happens meanwhile.
             return Idle(d, recheck=wait)
-        patch.update(progress)
+        patch = patch.updated(progress)
         self.last_progress = time.monotonic()
         self.write_status(seen, patch)
         return Idle(d, recheck=recheck)
@@ -398,21 +397,21 @@ class Driver(PublishMixin, NotifyMixin, FailureMixin):
         the WorkerPermissions Condition) and say it in an Event when it changed. `decide()` takes it from there."""
         assert self.worker_grants is not None  # decided only where grants are checked
         check = self.worker_grants(d.service_account)
-        previous = seen.status.get(PERMISSIONS_KEY)
-        previous = previous if isinstance(previous, Mapping) else {}
+        previous = seen.state.worker_permissions
         rec = record(check, previous, fmt_time(now))
         truth, reason, message = condition(check)
-        patch = {**self.base(seen, d, now), "message": d.message, PERMISSIONS_KEY: rec}
-        patch["conditions"] = set_condition(patch["conditions"], PERMISSIONS_CONDITION, truth, reason, message,
-                                            generation=seen.generation, now=now)
-        was = (previous.get("serviceAccount"), previous.get("result"), previous.get("missing"))
+        patch = self.base(seen, d, now, d.message)
+        patch.worker_permissions = rec
+        patch.conditions = with_condition(patch.conditions or [], PERMISSIONS_CONDITION, truth, reason, message,
+                                          generation=seen.generation, now=now)
+        was = (previous.service_account, previous.result, previous.missing) if previous is not None else None
         event: tuple[str, str, str] | None = None
-        if was != (rec["serviceAccount"], rec["result"], rec["missing"]):
+        if was != (rec.service_account, rec.result, rec.missing):
             if check.result == "Missing":
                 event = ("Warning", "MissingPermissions", message)
             elif check.result == "Unknown":
                 event = ("Warning", "PermissionsNotChecked", message)
-            elif previous.get("result") == "Missing":
+            elif previous is not None and previous.result == "Missing":
                 event = ("Normal", "PermissionsGranted", f"{message}: the bij goes on")
         log.info("worker grants of %s: %s", check.user, check.result)
         self.write_status(seen, patch, event=event)

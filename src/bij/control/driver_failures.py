@@ -7,11 +7,11 @@ import logging
 from collections.abc import Sequence
 
 from bij.contract.spec import BatchInferenceJob, SpecError
-from bij.contract.status import JobStatus
+from bij.contract.status import JobStatus, StatusPatch
 from bij.control.decisions import Decision, MarkFailed, Retry
 from bij.control.driver_status import StatusMixin
 from bij.control.driver_types import Idle, Observed
-from bij.control.status import now_utc, phase_conditions, set_condition
+from bij.control.status import now_utc, with_condition, with_phase_conditions
 
 log = logging.getLogger("bij.driver")
 
@@ -25,9 +25,9 @@ class FailureMixin(StatusMixin):
     def apply_failure(self, seen: Observed, d: Decision, job: BatchInferenceJob | None = None) -> Idle:
         """A failed bij (MarkFailed) or a step to try again later (Retry): status, one Event per message."""
         now = now_utc()
-        patch = {**self.base(seen, d, now), "message": d.message}
+        patch = self.base(seen, d, now, d.message)
         if isinstance(d, MarkFailed) and job is not None:
-            patch.update(self.progress(seen, d.round, now))
+            patch = patch.updated(self.progress(seen, d.round, now))
         # Once per message: a recoverable failure (SpecChanged) is decided again on every change.
         first = seen.state.message != d.message
         reason = d.reason if isinstance(d, Retry) else d.event if isinstance(d, MarkFailed) else "Failed"
@@ -38,10 +38,10 @@ class FailureMixin(StatusMixin):
         """Phase Failed with the validation problems; posted once per distinct message."""
         msg = "invalid spec: " + "; ".join(err.problems)
         now = now_utc()
-        patch = {"phase": "Failed", "message": msg, "observedGeneration": seen.generation,
-                 "conditions": phase_conditions(seen.status.get("conditions") or [], "Failed", "InvalidSpec", msg,
-                                                generation=seen.generation, now=now)}
-        if seen.status.get("message") != msg:
+        patch = StatusPatch(phase="Failed", message=msg, observed_generation=seen.generation,
+                            conditions=with_phase_conditions(seen.state.conditions, "Failed", "InvalidSpec", msg,
+                                                             generation=seen.generation, now=now))
+        if seen.state.message != msg:
             self.write_status(seen, patch, event=("Warning", "InvalidSpec", msg))
 
     def say_damage(self, seen: Observed, state: JobStatus) -> bool:
@@ -54,17 +54,17 @@ class FailureMixin(StatusMixin):
         lasting = [p for p in state.problems if p not in dropped]
         message = unreadable(lasting)
         new = bool(lasting) and (said is None or said.status != "True" or said.message != message)
-        conditions = [c.as_status() for c in state.conditions]
+        conditions = state.conditions
         now = now_utc()
         if new:
-            conditions = set_condition(conditions, DAMAGED_CONDITION, True, "UnreadableEntries", message,
+            conditions = with_condition(conditions, DAMAGED_CONDITION, True, "UnreadableEntries", message,
                                        generation=seen.generation, now=now)
         elif not lasting and said is not None and said.status == "True":
-            conditions = set_condition(conditions, DAMAGED_CONDITION, False, "Readable",
+            conditions = with_condition(conditions, DAMAGED_CONDITION, False, "Readable",
                                        "every status entry is readable", generation=seen.generation, now=now)
         elif not dropped:
             return False
-        self.backend.write_status({"conditions": conditions})
+        self.put_status(StatusPatch(conditions=conditions))
         if new or dropped:
             log.warning("%s: %s", seen.output_uri, unreadable(state.problems))
             self.backend.event("Warning", DAMAGED_CONDITION, unreadable(state.problems))

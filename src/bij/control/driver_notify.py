@@ -6,17 +6,16 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from bij.contract.notify import body as notify_body
 from bij.contract.notify import delivery_id
 from bij.contract.notify import headers as notify_headers
 from bij.contract.spec import BatchInferenceJob
-from bij.contract.status import JobStatus
+from bij.contract.status import JobStatus, StatusPatch
 from bij.control import notify
 from bij.control.driver_status import StatusMixin
 from bij.control.driver_types import Idle, wake_at
-from bij.control.status import now_utc, set_condition
+from bij.control.status import now_utc, with_condition
 
 log = logging.getLogger("bij.driver")
 
@@ -40,19 +39,19 @@ class NotifyMixin(StatusMixin):
             return wake_at(idle, wake)  # a retry not yet due (woken a little early): ask again then
         changed = [notify.attempted(item.record, self.notify_one(job, state, item, now), now, self.notify_backoff)
                    for item in todo]
-        patch: dict[str, Any] = {notify.STATUS_KEY: notify.merged(state, changed)}
-        after = JobStatus.read({**seen.status, **patch})
+        patch = StatusPatch(notified=notify.merged(state, changed))
+        after = JobStatus.read({**seen.status, **patch.as_patch()})
         given_up = [r for r in after.notified if r.gave_up]
-        conditions = [c.as_status() for c in state.conditions]
+        conditions = state.conditions
         if given_up:
             told = "; ".join(f"{r.event} to {r.url} after {r.attempts} attempts: {r.last_error}" for r in given_up)
-            patch["conditions"] = set_condition(conditions, notify.CONDITION, False, "NotifyFailed",
+            patch.conditions = with_condition(conditions, notify.CONDITION, False, "NotifyFailed",
                                                 f"not delivered: {told}", generation=seen.generation, now=now)
         elif notify.settled(job, after):
-            patch["conditions"] = set_condition(conditions, notify.CONDITION, True, "Delivered",
+            patch.conditions = with_condition(conditions, notify.CONDITION, True, "Delivered",
                                                 "every webhook of spec.notify was told", generation=seen.generation,
                                                 now=now)
-        self.backend.write_status(patch)
+        self.put_status(patch)
         for r in changed:
             if r.delivered_at:
                 self.backend.event("Normal", "Notified", f"{r.event}: told {r.url} (attempt {r.attempts})")

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from typing import Any
 
 from bij.contract import layout
 from bij.contract.spec import BatchInferenceJob
+from bij.contract.status import PublishRecord, Rows
 from bij.contract.step_report import REMOVAL_CONDITION
 from bij.contract.step_results import ManifestSummary
 from bij.control.decisions import CreatePublishJob, Decision, PreparePublish
 from bij.control.driver_steps import CONFLICT_RECHECK, StepMixin
 from bij.control.driver_types import Idle, Observed
-from bij.control.status import fmt_time, now_utc, set_condition
+from bij.control.status import fmt_time, now_utc, with_condition
 from bij.control.step_jobs import render_publish_job
 
 
@@ -32,12 +32,10 @@ class PublishMixin(StepMixin):
         plan_uri, passes = got.plan_uri, dict(got.passes)
         msg = f"publishing {d.rounds} round(s): passes " + ", ".join(f"{p} {n}" for p, n in passes.items()) \
             + " indexes" + (" (partial)" if d.partial else "")
-        # startedAt: when publishing began (bij-api's finalizing_at).
-        record: dict[str, Any] = {"rounds": d.rounds, "planUri": plan_uri, "passes": passes,
-                                  "startedAt": fmt_time(now)}
-        if d.partial:
-            record["partial"] = d.partial
-        self.write_status(seen, {**self.base(seen, d, now), "message": msg, "publish": record})
+        patch = self.base(seen, d, now, msg)
+        patch.publish = PublishRecord(rounds=d.rounds, plan_uri=plan_uri, passes=passes, started_at=fmt_time(now),
+                                      partial=d.partial or None)
+        self.write_status(seen, patch)
         return None
 
     def _create_publish_job(self, seen: Observed, job: BatchInferenceJob, d: CreatePublishJob,
@@ -50,7 +48,7 @@ class PublishMixin(StepMixin):
             return Idle(d, recheck=CONFLICT_RECHECK)
         pods = f"{d.completions} pod" + ("s" if d.completions != 1 else "")
         msg = f"publishing: created Job {body['metadata']['name']} for pass {d.pass_name} ({pods})"
-        self.write_status(seen, {**self.base(seen, d, now), "message": msg},
+        self.write_status(seen, self.base(seen, d, now, msg),
                           event=("Normal", "PublishPassStarted", msg) if created == "created" else None)
         return None
 
@@ -95,13 +93,11 @@ class PublishMixin(StepMixin):
             msg += f"; {left}"
             self.backend.event("Warning", "RemovalFailed", left)
         done = dataclasses.replace(d, phase=partial or "Succeeded", reason=partial or "Published", message=msg)
-        rows = {"done": counts.rows, "failed": counts.errors}
-        if partial:
-            rows["notRun"] = counts.not_run or 0
-        patch = {**self.base(seen, done, now), "manifestUri": uri, "message": msg, "rows": rows}
+        patch = self.base(seen, done, now, msg).updated(self.progress(seen, d.round, now), leave=("rows",))
+        patch.manifest_uri = uri
+        patch.rows = Rows(done=counts.rows, failed=counts.errors, not_run=(counts.not_run or 0) if partial else None)
         if removal is not None:
-            patch["conditions"] = set_condition(patch["conditions"], REMOVAL_CONDITION, False, "RemovalFailed",
-                                                left, generation=seen.generation, now=now)
-        patch.update({k: v for k, v in self.progress(seen, d.round, now).items() if k != "rows"})
+            patch.conditions = with_condition(patch.conditions or [], REMOVAL_CONDITION, False, "RemovalFailed",
+                                              left, generation=seen.generation, now=now)
         self.write_status(seen, patch, event=("Normal", partial or "Published", msg))
         return Idle(done)

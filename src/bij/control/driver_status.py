@@ -8,9 +8,10 @@ from typing import Any
 from bij.contract.efficiency import eta_seconds, fmt_duration
 from bij.contract.lane_report import LaneTally
 from bij.contract.rounds import RoundStats
+from bij.contract.status import StatusPatch
 from bij.control.decisions import TERMINAL_PHASES, Decision
 from bij.control.driver_types import Backend, Observed
-from bij.control.status import decision_status, parse_time, status_differs
+from bij.control.status import decision_patch, parse_time, rows_patch, status_differs
 
 
 class StatusMixin:
@@ -18,16 +19,23 @@ class StatusMixin:
 
     backend: Backend
 
-    def base(self, seen: Observed, d: Decision, now: Any) -> dict[str, Any]:
-        """The status fields every decision sets (phase, round, shards, conditions, ...)."""
-        return decision_status(seen.status, d, generation=seen.generation, now=now, output_uri=seen.output_uri)
+    def base(self, seen: Observed, d: Decision, now: Any, message: str | None = None) -> StatusPatch:
+        """The status fields every decision sets (phase, round, shards, conditions, ...), and `message`."""
+        patch = decision_patch(seen.state, d, generation=seen.generation, now=now, output_uri=seen.output_uri)
+        if message is not None:
+            patch.message = message
+        return patch
 
-    def write_status(self, seen: Observed, patch: dict[str, Any], event: tuple[str, str, str] | None = None) -> None:
+    def write_status(self, seen: Observed, patch: StatusPatch, event: tuple[str, str, str] | None = None) -> None:
         """Merge-patch the status (only if it changes) and post the Event."""
-        if status_differs(seen.status, patch):
-            self.backend.write_status(patch)
+        if status_differs(seen.status, patch.as_patch()):
+            self.put_status(patch)
         if event is not None:
             self.backend.event(*event)
+
+    def put_status(self, patch: StatusPatch) -> None:
+        """Merge-patch the status: the one place a patch becomes the JSON the backend writes."""
+        self.backend.write_status(patch.as_patch())
 
     # --- progress from the pods' reports (the operator reads no storage) ------------------------------
 
@@ -46,7 +54,7 @@ class StatusMixin:
         return seen.lanes if seen.lanes is not None and seen.lanes.round == round_no else LaneTally(round=round_no)
 
     def progress(self, seen: Observed, round_no: int, now: Any,
-                 ended: RoundStats | None = None) -> dict[str, Any]:
+                 ended: RoundStats | None = None) -> StatusPatch:
         """``rows`` and ``rowsPerSecond``: the finished rounds' counts in ``status.rounds``, and the
         current round's (its statistics once `ended`, else what its lanes reported); ``eta`` of the
         running round from the input its lanes reported done."""
@@ -70,14 +78,10 @@ class StatusMixin:
             failed += current.errors
         started = state.start_time or min((r.start_time for r in records.values() if r.start_time),
                                                  default=None)
-        out: dict[str, Any] = {"rows": {"done": done, "failed": failed}}
-        start = parse_time(started)
-        if start is not None:
-            elapsed = (now - start).total_seconds()
-            out["rowsPerSecond"] = round(done / elapsed, 2) if elapsed > 0 else 0.0
+        out = rows_patch(done, failed, started, now)
         round_start = parse_time(this_round.start_time if this_round is not None else None)
         size = this_round.bytes if this_round is not None else 0
         if ended is None and size and round_start is not None and current.pods:
-            out["eta"] = fmt_duration(eta_seconds(current.bytes, size, (now - round_start).total_seconds()))
+            out.eta = fmt_duration(eta_seconds(current.bytes, size, (now - round_start).total_seconds()))
         return out
 

@@ -29,9 +29,9 @@ class StepMixin(StatusMixin):
         created = self.backend.create_job(body)
         if created == "foreign":
             conflict = name_conflict(d, body["metadata"]["name"], what, phase)
-            self.write_status(seen, {**self.base(seen, conflict, now_utc()), "message": conflict.message},
+            self.write_status(seen, self.base(seen, conflict, now_utc(), conflict.message),
                               event=("Warning", "JobNameConflict", conflict.message)
-                              if seen.status.get("message") != conflict.message else None)
+                              if seen.state.message != conflict.message else None)
         return created
 
     def run_step(self, seen: Observed, job: BatchInferenceJob, d: StepDecision) -> Idle | None:
@@ -48,5 +48,5 @@ class StepMixin(StatusMixin):
         if created == "created":
             log.info("%s/%s: step %s runs in Job %s", job.metadata.namespace, job.metadata.name, args["kind"], name)
             # The phase from the start (Planning, Publishing, ...), not only once the step reports.
-            self.write_status(seen, {**self.base(seen, d, now_utc()), "message": f"{d.message} (step Job {name})"})
+            self.write_status(seen, self.base(seen, d, now_utc(), f"{d.message} (step Job {name})"))
         return None

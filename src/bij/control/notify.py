@@ -27,7 +27,6 @@ from bij.control.status import fmt_time, parse_time
 
 # The condition that says how the webhooks fared (True: every one told; False: one given up).
 CONDITION = "Notified"
-STATUS_KEY = "notified"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +114,13 @@ def attempted(rec: Notified, error: str | None, now: dt.datetime, backoff: Backo
     return rec.model_copy(update={"attempts": attempts, "next_attempt_at": at, "last_error": error})
 
 
-def merged(state: JobStatus, changed: Sequence[Notified]) -> list[dict[str, Any]]:
-    """``status.notified`` with `changed` in place of their (URL, event) entries, as the status patch writes it
-    (a merge patch replaces a list whole)."""
+def merged(state: JobStatus, changed: Sequence[Notified]) -> list[Notified]:
+    """``status.notified`` with `changed` in place of their (URL, event) entries (a merge patch replaces a list
+    whole)."""
     out = records(state)
     for rec in changed:
         out[(rec.url, rec.event)] = rec
-    return [r.model_dump(by_alias=True, exclude_none=True, exclude_defaults=False) for r in out.values()]
+    return list(out.values())
 
 
 def secret_env(ref: SecretKeyRef) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from bij.contract.codes import API_GROUP, PLURAL
+from bij.contract.status import WorkerPermissions
 
 # The worker identity's service account when spec.workers.serviceAccountName names none (the chart's).
 DEFAULT_SERVICE_ACCOUNT = "bij-worker"
@@ -123,15 +124,15 @@ def condition(check: GrantCheck) -> tuple[bool | None, str, str]:
     return True, "Granted", check.describe()
 
 
-def record(check: GrantCheck, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+def record(check: GrantCheck, previous: WorkerPermissions | None, now: str) -> WorkerPermissions:
     """``status.workerPermissions``: whose grants were asked about, the answer, when, and how many answers
     in a row said the same identity lacks a grant (the re-check's backoff)."""
-    previous = previous or {}
-    again = previous.get("serviceAccount") == check.service_account and previous.get("result") == "Missing"
+    again = previous is not None and previous.service_account == check.service_account \
+        and previous.result == "Missing"
     _, _, message = condition(check)
-    return {"serviceAccount": check.service_account, "result": check.result,
-            "missing": [g.what for g in check.missing], "message": message, "checkTime": now,
-            "checks": (int(previous.get("checks") or 0) + 1 if again else 1) if check.result == "Missing" else 1}
+    checks = (previous.checks + 1 if again and previous is not None else 1) if check.result == "Missing" else 1
+    return WorkerPermissions(service_account=check.service_account, result=check.result,
+                             missing=[g.what for g in check.missing], message=message, check_time=now, checks=checks)
 
 
 def recheck_due(rec: Mapping[str, Any], now: dt.datetime) -> float:

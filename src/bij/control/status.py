@@ -1,10 +1,11 @@
 """What ``kubectl get bij`` shows: status fields and conditions, built from a decision.
 
-Pure functions that build the status merge patch (plain dicts, as the API takes them; the status is
-read typed through `bij.contract.status.JobStatus`). Conditions follow the Kubernetes API conventions:
-a list keyed by ``type``, each with ``status`` ("True"/"False"), ``reason``
-(CamelCase), ``message``, ``lastTransitionTime`` (changes only when ``status``
-flips) and ``observedGeneration``. Beside the phase's own types, ``WorkerPermissions``
+Pure functions that build the status merge patch as a `bij.contract.status.StatusPatch` (turned into the
+JSON the API takes where it is written: `StatusPatch.as_patch`); the status is read typed through
+`bij.contract.status.JobStatus`. `set_condition`, `phase_conditions` and `decision_status` are the same on
+the status as JSON. Conditions follow the Kubernetes API conventions: a list keyed by ``type``, each with
+``status`` ("True"/"False"), ``reason`` (CamelCase), ``message``, ``lastTransitionTime`` (changes only
+when ``status`` flips) and ``observedGeneration``. Beside the phase's own types, ``WorkerPermissions``
 (`permissions.condition`) says whether the worker identity holds every grant its pods use.
 """
 
@@ -14,6 +15,7 @@ import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from bij.contract.status import Condition, ConditionStatus, JobStatus, Lanes, Rows, Shards, StatusPatch
 from bij.control.decisions import Decision
 
 CONDITION_TYPES = ("Ready", "Running", "Suspended", "Succeeded", "Failed")
@@ -37,8 +39,8 @@ def parse_time(text: str | None) -> dt.datetime | None:
         return None
 
 
-def set_condition(
-    conditions: Iterable[Mapping[str, Any]],
+def with_condition(
+    conditions: Iterable[Condition],
     type_: str,
     status: bool | None,
     reason: str,
@@ -46,33 +48,30 @@ def set_condition(
     *,
     generation: int | None,
     now: dt.datetime,
-) -> list[dict[str, Any]]:
+) -> list[Condition]:
     """`conditions` with `type_` set (`status` None: "Unknown"); ``lastTransitionTime`` moves only when the
     status flips."""
-    value = "Unknown" if status is None else "True" if status else "False"
-    out: list[dict[str, Any]] = []
+    value: ConditionStatus = "Unknown" if status is None else "True" if status else "False"
+    out: list[Condition] = []
     found = False
     for c in conditions:
-        c = dict(c)
-        if c.get("type") == type_:
+        if c.type == type_:
             found = True
-            if c.get("status") != value or not c.get("lastTransitionTime"):
-                c["lastTransitionTime"] = fmt_time(now)
-            c.update(status=value, reason=reason, message=message)
+            update: dict[str, Any] = {"status": value, "reason": reason, "message": message}
+            if c.status != value or not c.last_transition_time:
+                update["last_transition_time"] = fmt_time(now)
             if generation is not None:
-                c["observedGeneration"] = generation
+                update["observed_generation"] = generation
+            c = c.model_copy(update=update)
         out.append(c)
     if not found:
-        c = {"type": type_, "status": value, "reason": reason, "message": message,
-             "lastTransitionTime": fmt_time(now)}
-        if generation is not None:
-            c["observedGeneration"] = generation
-        out.append(c)
+        out.append(Condition(type=type_, status=value, reason=reason, message=message,
+                             last_transition_time=fmt_time(now), observed_generation=generation))
     return out
 
 
-def phase_conditions(
-    conditions: Iterable[Mapping[str, Any]],
+def with_phase_conditions(
+    conditions: Iterable[Condition],
     phase: str,
     reason: str,
     message: str,
@@ -80,7 +79,7 @@ def phase_conditions(
     generation: int | None,
     now: dt.datetime,
     ready: bool | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Condition]:
     """All condition types, derived from one phase. The true ones carry `reason`/`message`. `ready`: Ready
     as given rather than from the phase (False for a bij stopped before anything ran: nothing is published)."""
     truth = {
@@ -91,15 +90,31 @@ def phase_conditions(
         "Succeeded": phase == "Succeeded",
         "Failed": phase in ("Failed", "CanaryFailed"),
     }
-    out: list[dict[str, Any]] = [dict(c) for c in conditions]
+    out = list(conditions)
     for type_ in CONDITION_TYPES:
         if truth[type_] or type_ == "Ready":
             # Ready always explains itself: why the results are (not yet) readable.
             r, m = reason, message
         else:
             r, m = f"Not{type_}", f"phase is {phase}"
-        out = set_condition(out, type_, truth[type_], r, m, generation=generation, now=now)
+        out = with_condition(out, type_, truth[type_], r, m, generation=generation, now=now)
     return out
+
+
+def set_condition(conditions: Iterable[Mapping[str, Any]], type_: str, status: bool | None, reason: str,
+                  message: str, *, generation: int | None, now: dt.datetime) -> list[dict[str, Any]]:
+    """`with_condition` on conditions as JSON (as the status holds them)."""
+    out = with_condition([Condition.model_validate(c) for c in conditions], type_, status, reason, message,
+                         generation=generation, now=now)
+    return [c.as_status() for c in out]
+
+
+def phase_conditions(conditions: Iterable[Mapping[str, Any]], phase: str, reason: str, message: str, *,
+                     generation: int | None, now: dt.datetime, ready: bool | None = None) -> list[dict[str, Any]]:
+    """`with_phase_conditions` on conditions as JSON (as the status holds them)."""
+    out = with_phase_conditions([Condition.model_validate(c) for c in conditions], phase, reason, message,
+                                generation=generation, now=now, ready=ready)
+    return [c.as_status() for c in out]
 
 
 def rows_progress(
@@ -116,51 +131,58 @@ def rows_progress(
     for rec in records:
         done += int(rec.get("rows") or 0)
         failed += int(rec.get("errors") or 0)
-    out: dict[str, Any] = {"rows": {"done": done, "failed": failed}}
+    return rows_patch(done, failed, started, now).as_patch()
+
+
+def rows_patch(done: int, failed: int, started: str | None, now: dt.datetime) -> StatusPatch:
+    """``rows``, and ``rowsPerSecond`` over wall time since `started` (when it is known)."""
+    patch = StatusPatch(rows=Rows(done=done, failed=failed))
     start = parse_time(started)
     if start is not None:
         elapsed = (now - start).total_seconds()
-        out["rowsPerSecond"] = round(done / elapsed, 2) if elapsed > 0 else 0.0
-    return out
+        patch.rows_per_second = round(done / elapsed, 2) if elapsed > 0 else 0.0
+    return patch
 
 
-def decision_status(
-    old: Mapping[str, Any],
+def decision_patch(
+    old: JobStatus,
     decision: Decision,
     *,
     generation: int | None,
     now: dt.datetime,
     output_uri: str,
-) -> dict[str, Any]:
+) -> StatusPatch:
     """The status merge-patch that shows `decision` (phase, round, shards, lanes, conditions)."""
-    patch: dict[str, Any] = {
-        "phase": decision.phase,
-        "round": decision.round,
-        "outputUri": output_uri,
-        "observedGeneration": generation,
-        "conditions": phase_conditions(old.get("conditions") or [], decision.phase, decision.reason,
-                                       decision.message, generation=generation, now=now),
-    }
+    patch = StatusPatch(phase=decision.phase, round=decision.round, output_uri=output_uri,
+                        observed_generation=generation,
+                        conditions=with_phase_conditions(old.conditions, decision.phase, decision.reason,
+                                                         decision.message, generation=generation, now=now))
     if decision.shards is not None:
         s = decision.shards
-        patch["shards"] = {"done": s.done, "total": s.total}
-        patch["shardsSummary"] = s.summary
+        patch.shards = Shards(done=s.done, total=s.total)
+        patch.shards_summary = s.summary
     if decision.lanes is not None:
         lanes = decision.lanes
-        patch["lanes"] = {"done": lanes.done, "failed": lanes.failed, "active": lanes.active, "total": lanes.total,
-                          "replaced": lanes.replaced}
-        patch["lanesSummary"] = lanes.summary
+        patch.lanes = Lanes(done=lanes.done, failed=lanes.failed, active=lanes.active, total=lanes.total,
+                            replaced=lanes.replaced)
+        patch.lanes_summary = lanes.summary
     if decision.pools is not None:
-        patch["pools"] = [p.as_status() for p in decision.pools]
-        patch["poolsSummary"] = ", ".join(f"{p.name} {p.active}/{p.lanes}" + (" (gave up)" if p.gave_up_round ==
-                                                                                decision.round else "")
-                                          for p in decision.pools)
-    if not old.get("startTime"):
-        patch["startTime"] = fmt_time(now)
-    if decision.phase in ("Succeeded", "Failed", "Cancelled", "Expired", "CanaryFailed") \
-            and not old.get("completionTime"):
-        patch["completionTime"] = fmt_time(now)
+        patch.pools = list(decision.pools)
+        patch.pools_summary = ", ".join(f"{p.name} {p.active}/{p.lanes}" + (" (gave up)" if p.gave_up_round ==
+                                                                              decision.round else "")
+                                        for p in decision.pools)
+    if not old.start_time:
+        patch.start_time = fmt_time(now)
+    if decision.phase in ("Succeeded", "Failed", "Cancelled", "Expired", "CanaryFailed") and not old.completion_time:
+        patch.completion_time = fmt_time(now)
     return patch
+
+
+def decision_status(old: Mapping[str, Any], decision: Decision, *, generation: int | None, now: dt.datetime,
+                    output_uri: str) -> dict[str, Any]:
+    """`decision_patch` on the status as JSON, as the merge patch writes it."""
+    return decision_patch(JobStatus.read(old), decision, generation=generation, now=now,
+                          output_uri=output_uri).as_patch()
 
 
 def status_differs(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:

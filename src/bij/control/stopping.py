@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bij.contract.spec import BatchInferenceJob
+from bij.contract.status import JobStatus
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ def seconds_left(job: BatchInferenceJob, status: Mapping[str, Any], now: dt.date
 def stop_requested(job: BatchInferenceJob, status: Mapping[str, Any], now: dt.datetime) -> Stop | None:
     """Whether the bij must stop now: cancel asked for, or the deadline passed. None once publishing
     of the whole job has begun (it finishes) or when neither applies."""
-    publish = status.get("publish") or {}
-    if publish and not publish.get("partial"):
+    publish = JobStatus.read(status).publish
+    if publish is not None and not publish.partial:
         return None
     if job.spec.cancel:
         return Stop("Cancelled", "Cancelling", "spec.cancel is true")

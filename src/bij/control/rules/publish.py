@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from bij.contract.publish_plan import PASSES as PUBLISH_PASSES
 from bij.contract.spec import BatchInferenceJob
 from bij.control.decisions import (
@@ -31,13 +29,13 @@ def publishing(job: BatchInferenceJob, seen: Observation, r: int, partial: str |
     """
     rounds = r + 1
     observed_jobs = seen.jobs
-    rec = seen.state.publish or {}
-    if rec.get("rounds") != rounds or not rec.get("planUri") or not isinstance(rec.get("passes"), Mapping):
+    rec = seen.state.publish
+    if rec is None or rec.rounds != rounds or not rec.plan_uri or rec.passes is None:
         return step(job, seen, PreparePublish(round=r, phase="Publishing", reason="Publishing", partial=partial,
                                               message=f"publishing {rounds} round(s): planning the publish passes",
                                               rounds=rounds))
     for pass_name in PUBLISH_PASSES:
-        count = int(rec["passes"].get(pass_name) or 0)
+        count = rec.passes.get(pass_name) or 0
         if count == 0:
             continue
         view = publish_job(job, pass_name, observed_jobs)
@@ -46,7 +44,7 @@ def publishing(job: BatchInferenceJob, seen: Observation, r: int, partial: str |
             return CreatePublishJob(round=r, phase="Publishing", reason="Publishing",
                                     message=f"publishing: pass {pass_name}, {count} indexes in {pods} pods",
                                     rounds=rounds, pass_name=pass_name, completions=pods,
-                                    plan_uri=str(rec["planUri"]))
+                                    plan_uri=rec.plan_uri)
         if not is_ours(job, view):
             return Wait(round=r, phase="Publishing", reason="WaitingForOldJob",
                         message=f"Job {view.name} belongs to an earlier object of this name; "
@@ -62,4 +60,4 @@ def publishing(job: BatchInferenceJob, seen: Observation, r: int, partial: str |
                         message=f"publishing: pass {pass_name}, {lanes.done}/{lanes.total} pods done")
     return step(job, seen, Publish(round=r, phase="Publishing", reason="Publishing", partial=partial,
                                    message=f"publishing the manifest of {rounds} round(s)", rounds=rounds,
-                                   plan_uri=str(rec["planUri"])))
+                                   plan_uri=rec.plan_uri))
