@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 import pytest
-from test_reconcile import UID, k8s_job, planned
+from rules.builders import UID, k8s_job, planned
 
 from bij.contract import layout
 from bij.contract.spec import parse_job
