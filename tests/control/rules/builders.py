@@ -10,7 +10,10 @@ from typing import Any
 from bij.contract import codes
 from bij.contract.spec import BatchInferenceJob, parse_job
 from bij.contract.status import JobStatus
-from bij.control.observe import JobView, Observation
+from bij.control.decisions import CreateJob
+from bij.control.jobs import render_job
+from bij.control.observe import Observation
+from bij.control.reconcile import decide
 
 UID = "0b6a2c1e-uid"
 NOW = dt.datetime(2024, 1, 1, 1, 0, tzinfo=dt.timezone.utc)
@@ -135,9 +138,9 @@ def reported(status: Mapping[str, Any], name: str, report: dict[str, Any], uid: 
     return {**status, "reports": {"steps": {name: {"jobUid": uid, **report}}}}
 
 
-def pod(job_name: str, index: int = 0, *, failed_with: int | None = None, waiting: str | None = None,
+def step_pod(job_name: str, index: int = 0, *, failed_with: int | None = None, waiting: str | None = None,
         created: str = "2024-01-01T00:30:00Z") -> dict[str, Any]:
-    """A pod of Job `job_name`: failed with an exit code, waiting for a reason (ErrImagePull), or running."""
+    """A pod of step Job `job_name`: failed with an exit code, waiting for a reason (ErrImagePull), or running."""
     container: dict[str, Any] = {"name": "worker"}
     phase = "Running"
     if failed_with is not None:
@@ -160,5 +163,124 @@ def observation(status: Mapping[str, Any] | None = None, jobs: Sequence[Mapping[
                        now=now)
 
 
-def view(raw: Mapping[str, Any]) -> JobView:
-    return JobView.of(raw)
+# --- the worker identity's grants ----------------------------------------------------------------------
+
+PATCH_STATUS = "patch batchinferencejobs/status.batchinference.io"
+
+
+# --- spec.canary ---------------------------------------------------------------------------------------
+
+SHARDS, CANARY = 40, 2
+
+
+def canary_bij(canary: dict[str, Any] | None, price: float | None = None, **more: Any) -> Any:
+    """A bij of the echo engine generating, with spec.canary `canary` (None: none)."""
+    spec: dict[str, Any] = {**more, "input": {"uri": "file:///data/in"}, "output": {"uri": "file:///data/out"},
+                            "model": {"engine": "echo", "task": "generate"}, "workers": {"parallelism": 4}}
+    if price is not None:
+        spec["workers"]["pricePerHour"] = price
+    if canary is not None:
+        spec["canary"] = canary
+    return parse_job({"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
+                      "metadata": {"name": "emb", "namespace": "ml", "uid": UID}, "spec": spec})
+
+
+def canary_planned(**extra: Any) -> dict[str, Any]:
+    """Round 0 planned with `CANARY` canary shards of its `SHARDS`."""
+    rec = {"round": 0, "shards": SHARDS, "lanes": 4, "bytes": 4_000_000, "startTime": "2024-01-01T00:00:00Z",
+           "canaryShards": CANARY}
+    return {"phase": "Running", "round": 0, "rounds": [rec], **extra}
+
+
+def canary_k8s_job(conditions: tuple[tuple[str, str], ...] = (), active: int = 0) -> dict[str, Any]:
+    """Round 0's canary Job; `conditions`: (type, reason), each true."""
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "emb-r0-canary", "namespace": "ml",
+                         "labels": {codes.JOB_LABEL: "emb", codes.ROUND_LABEL: "0", codes.CANARY_LABEL: "true"},
+                         "ownerReferences": [{"uid": UID}]},
+            "spec": {"completions": CANARY, "parallelism": CANARY},
+            "status": {"active": active,
+                       "conditions": [{"type": t, "status": "True", "reason": r} for t, r in conditions]}}
+
+
+CANARY_DONE = canary_k8s_job((("Complete", ""),))
+
+
+def with_figures(status: dict[str, Any], **figures: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`status` with the canary step's report (100 rows over the 2 canary shards, 1% of the input's bytes, unless
+    `figures` say otherwise), and that step's Job."""
+    result = {"done": CANARY, "shards": CANARY, "rows": 100, "errors": 0, "lengthCuts": 0, "schemaViolations": 0,
+              "tokensOut": 10_000, "laneSeconds": 20.0, "bytes": 40_000,
+              "examples": [{"id": "doc-7", "code": "template_error", "message": "the row has no column 'title'"}],
+              **figures}
+    step_job = {"metadata": {"name": "emb-canary", "uid": "canary-uid", "labels": {codes.JOB_LABEL: "emb"}},
+                "spec": {}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    return {**status, "reports": {"steps": {"emb-canary": {"jobUid": "canary-uid", "result": result}}}}, step_job
+
+
+# --- spec.workers.pools --------------------------------------------------------------------------------
+
+SPOT = {"name": "spot", "nodeSelector": {"pool": "spot"}, "spot": True, "pricePerHour": 1.0, "maxLanes": 2,
+        "startTimeoutSeconds": 120, "queueName": "spot-queue", "gpus": 1, "tensorParallelSize": 1}
+OD = {"name": "od", "nodeSelector": {"pool": "od"}, "pricePerHour": 3.0, "gpus": 2, "tensorParallelSize": 2}
+
+
+def pooled(*pool_specs: dict[str, Any], suspend: bool = False) -> BatchInferenceJob:
+    """A bij of 4 lanes at once over spec.workers.pools `pool_specs`, in order of preference."""
+    return parse_job({"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
+                      "metadata": {"name": "emb", "namespace": "ml", "uid": UID},
+                      "spec": {"input": {"uri": "file:///data/in"}, "output": {"uri": "file:///data/out"},
+                               "model": {"engine": "vllm", "task": "generate", "name": "m"},
+                               "workers": {"parallelism": 4, "pools": list(pool_specs)}, "suspend": suspend}})
+
+
+def pool_planned(round_no: int = 0, shards: int = 8, lanes: int = 4, **status: Any) -> dict[str, Any]:
+    """Round `round_no` planned in `lanes` lanes, the rounds before it finished; `status`: more status fields."""
+    rounds = [{"round": r, "shards": shards, "lanes": lanes, "startTime": "2024-01-01T00:00:00Z",
+               "completionTime": "2024-01-01T00:30:00Z"} for r in range(round_no)]
+    rounds.append({"round": round_no, "shards": shards, "lanes": lanes, "startTime": "2024-01-01T00:00:00Z"})
+    return {"phase": "Running", "round": round_no, "rounds": rounds, **status}
+
+
+def made(job: BatchInferenceJob, d: CreateJob, **status: Any) -> dict[str, Any]:
+    """The Job the driver would create for `d`, as the API server then shows it."""
+    pool = next(p for p in job.spec.workers.pools if p.name == d.pool)
+    body = render_job(job, d.round, d.completions, "file:///data/out/_bij/emb/round-0/shards.json",
+                      owner_uid=UID, pool=pool, name_suffix=d.name_suffix, lane_offset=d.lane_offset)
+    body["metadata"]["uid"] = f"uid-{body['metadata']['name']}"
+    body["spec"]["suspend"] = False  # admitted by Kueue
+    body["status"] = status
+    return body
+
+
+def pool_pod(job_name: str, index: int, *, created: str, unschedulable: bool = False, running: bool = False,
+             preempted: bool = False) -> dict[str, Any]:
+    """A pod of a pool's Job: pending (`unschedulable`: no node takes it), running, or preempted."""
+    conditions = []
+    phase = "Pending"
+    if unschedulable:
+        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                           "message": "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."})
+    if running:
+        phase = "Running"
+        conditions.append({"type": "PodScheduled", "status": "True"})
+    if preempted:
+        phase = "Failed"
+        conditions += [{"type": "PodScheduled", "status": "True"},
+                       {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]
+    return {"metadata": {"name": f"{job_name}-{index}-x", "creationTimestamp": created,
+                         "labels": {"batch.kubernetes.io/job-name": job_name}},
+            "status": {"phase": phase, "conditions": conditions}}
+
+
+def env_of(body: dict[str, Any]) -> dict[str, str]:
+    (container,) = body["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def start_pools(job: BatchInferenceJob, status: dict[str, Any]) -> list[dict[str, Any]]:
+    """Decide until no Job is left to create; the Jobs made."""
+    jobs: list[dict[str, Any]] = []
+    while isinstance(d := decide(job, status, jobs, now=NOW), CreateJob):
+        jobs.append(made(job, d, active=d.completions))
+    return jobs
