@@ -10,19 +10,28 @@ import pytest
 
 from bij.contract.spec import parse_job
 from bij.control.decisions import (
+    CreatePublishJob,
+    MarkFailed,
     Nothing,
     PatchJob,
     PlanRound,
     PreparePublish,
     Publish,
+    StopHeld,
     Wait,
 )
 from bij.control.reconcile import decide
-from bij.control.stopping import seconds_left, stop_requested
+from bij.control.rules.stop import stopping_step
+from bij.control.stopping import Stop, seconds_left, stop_requested
 from rules.builders import (
     UID,
+    canary_k8s_job,
     k8s_job,
+    observation,
     planned,
+    publish_pass_job,
+    step_job,
+    step_pod,
 )
 
 NOW = dt.datetime(2024, 1, 1, 0, 10, tzinfo=dt.timezone.utc)
@@ -115,3 +124,53 @@ def test_a_job_whose_whole_publish_began_finishes_it_despite_cancel():
 def test_a_stopped_job_is_left_alone_even_when_the_spec_changes_back(phase):
     d = decide(stoppable(cancel=False), {**planned(0), "phase": phase}, [k8s_job(0, active=4)], now=NOW)
     assert isinstance(d, Nothing) and d.phase == phase
+
+
+# --- stopping_step(): plan round 0, drain the round's Jobs, publish the finished part -----------------------
+
+CANCEL = Stop("Cancelled", "Cancelling", "spec.cancel is true")
+EXPIRE = Stop("Expired", "DeadlineExceeded", "spec.deadlineSeconds (600) passed at 2024-01-01T00:10:00Z")
+PARTIAL_PLAN = {"publish": {"rounds": 1, "planUri": "file:///p.json", "partial": "Cancelled",
+                            "passes": {"ids": 8, "dedupe": 0, "write": 0}}}
+
+
+@pytest.mark.parametrize(("status", "jobs", "pods", "stop", "kind", "fields"), [
+    ({}, [], [], CANCEL, PlanRound, {"round": 0, "phase": "Cancelling", "reason": "Cancelling"}),
+    # The plan step's pod cannot start: nothing ran, so the bij ends at once.
+    ({}, [step_job("emb-plan-r0")], [step_pod("emb-plan-r0", waiting="ErrImagePull")], CANCEL, StopHeld,
+     {"phase": "Cancelled", "reason": "Cancelled", "job_name": "emb-plan-r0"}),
+    (planned(), [k8s_job(active=4)], [], CANCEL, PatchJob,
+     {"job_name": "emb-r0", "suspend": True, "phase": "Cancelling", "reason": "Cancelling"}),
+    (planned(), [suspended_job(active=2)], [], CANCEL, Wait, {"phase": "Cancelling", "reason": "Cancelling"}),
+    (planned(), [suspended_job(terminating=3)], [], CANCEL, Wait, {"phase": "Cancelling"}),
+    (planned(), [suspended_job(acted=False)], [], CANCEL, Wait, {"phase": "Cancelling"}),
+    (planned(), [suspended_job()], [], CANCEL, PreparePublish,
+     {"rounds": 1, "partial": "Cancelled", "phase": "Cancelling", "reason": "Cancelling"}),
+    (planned(), [suspended_job()], [], EXPIRE, PreparePublish,
+     {"partial": "Expired", "phase": "Cancelling", "reason": "DeadlineExceeded"}),
+    # A Job that ended, or an earlier object's, has nothing to drain.
+    (planned(), [k8s_job(completed="0-7", conditions=[("Complete", "True", "", "")])], [], CANCEL, PreparePublish,
+     {"partial": "Cancelled"}),
+    (planned(), [k8s_job(failed="1", conditions=[("Failed", "True", "FailedIndexes", "")])], [], CANCEL,
+     PreparePublish, {"partial": "Cancelled"}),
+    (planned(), [k8s_job(active=4, owner_uid="uid-of-the-old-object")], [], CANCEL, PreparePublish,
+     {"partial": "Cancelled"}),
+    # Stopped during round 0's canary: its lanes drain the same way; in a later round it is no round's Job.
+    (planned(), [canary_k8s_job(active=2)], [], CANCEL, PatchJob, {"job_name": "emb-r0-canary", "suspend": True}),
+    (planned(1), [canary_k8s_job(active=2)], [], CANCEL, PreparePublish, {"rounds": 2, "partial": "Cancelled"}),
+    ({**planned(), **PARTIAL_PLAN}, [suspended_job()], [], CANCEL, CreatePublishJob,
+     {"pass_name": "ids", "phase": "Cancelling", "reason": "Cancelling"}),
+    ({**planned(), **PARTIAL_PLAN}, [suspended_job(), publish_pass_job("ids", "failed")], [], CANCEL, MarkFailed,
+     {"phase": "Failed", "reason": "PublishFailed"}),
+], ids=["unplanned", "plan-cannot-start", "running", "draining-active", "draining-terminating", "suspend-not-seen",
+        "drained", "drained-expired", "job-completed", "job-failed", "old-objects-job", "during-canary",
+        "canary-after-round-0", "publish-pass", "publish-pass-failed"])
+def test_stopping_step(status: dict[str, Any], jobs: list[dict[str, Any]], pods: list[dict[str, Any]], stop: Stop,
+                       kind: type, fields: dict[str, Any]) -> None:
+    got = stopping_step(stoppable(cancel=True), observation(status, jobs, pods), stop)
+    assert isinstance(got, kind), got
+    assert {k: getattr(got, k) for k in fields} == fields
+    if got.phase == "Cancelling":
+        assert got.message.startswith(stop.message)
+    if isinstance(got, (PreparePublish, CreatePublishJob)):
+        assert got.message.endswith("(partial)")
