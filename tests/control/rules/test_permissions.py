@@ -19,6 +19,7 @@ from bij.control.decisions import (
 )
 from bij.control.permissions import RECHECK_FIRST, RECHECK_MAX, WORKER_GRANTS, GrantCheck, recheck_after, record
 from bij.control.reconcile import decide
+from bij.control.rules.permissions import held_before_first_pod
 from bij.control.status import fmt_time
 from rules.builders import (
     PATCH_STATUS,
@@ -128,3 +129,42 @@ def test_a_bij_already_under_way_and_bij_run_are_never_held() -> None:
     # Without RBAC (bij run), a missing-grant record or none: planning goes on.
     for status in ({}, recorded(MISSING)):
         assert isinstance(decide(a_job(), status, [], now=NOW), PlanRound)
+
+
+# --- held_before_first_pod(): ask, hold, stop held, or go on ------------------------------------------------
+
+GRANTED = GrantCheck("team", "bij-worker")
+CANNOT_ASK = GrantCheck("team", "bij-worker", cannot_ask="create localsubjectaccessreviews: 403 Forbidden")
+JOBS = {"plain": a_job(), "runner": a_job("runner"), "cancelled": stopping(a_job(), cancel=True),
+        "deadline 60s": stopping(a_job(), deadline_seconds=60)}
+
+
+@pytest.mark.parametrize(("job", "check", "later", "kind", "fields"), [
+    ("plain", None, 0.0, CheckPermissions, {"reason": "CheckingPermissions", "service_account": "bij-worker"}),
+    # The answer recorded is another service account's: ask about this one.
+    ("runner", MISSING, 0.0, CheckPermissions, {"reason": "CheckingPermissions", "service_account": "runner"}),
+    ("plain", GRANTED, 0.0, None, {}),
+    ("plain", CANNOT_ASK, 0.0, None, {}),  # an operator that may not ask never holds a bij
+    ("plain", MISSING, 5.0, Wait, {"reason": "MissingPermissions", "phase": "Pending", "recheck": RECHECK_FIRST - 5}),
+    ("plain", MISSING, RECHECK_FIRST, CheckPermissions, {"reason": "MissingPermissions"}),
+    ("cancelled", MISSING, 5.0, StopHeld, {"phase": "Cancelled", "reason": "Cancelled", "round": 0}),
+    ("cancelled", MISSING, RECHECK_FIRST, StopHeld, {"phase": "Cancelled"}),
+    # A stop before the grants are known asks first; one granted goes on (and stops as usual).
+    ("cancelled", None, 0.0, CheckPermissions, {"reason": "CheckingPermissions"}),
+    ("cancelled", GRANTED, 0.0, None, {}),
+    ("deadline 60s", MISSING, 10.0, Wait, {"reason": "MissingPermissions"}),
+    ("deadline 60s", MISSING, 60.0, StopHeld, {"phase": "Expired", "reason": "Expired"}),
+], ids=["unasked", "another-service-account", "granted", "cannot-ask", "missing", "missing-recheck-due",
+        "missing-cancelled", "missing-recheck-due-cancelled", "unasked-cancelled", "granted-cancelled",
+        "missing-deadline-ahead", "missing-deadline-passed"])
+def test_held_before_first_pod(job: str, check: GrantCheck | None, later: float, kind: type | None,
+                               fields: dict[str, Any]) -> None:
+    status = recorded(check) if check is not None else {}
+    got = held_before_first_pod(JOBS[job], status, NOW + dt.timedelta(seconds=later))
+    if kind is None:
+        assert got is None
+        return
+    assert isinstance(got, kind), got
+    assert {k: getattr(got, k) for k in fields} == pytest.approx(fields)
+    if kind is StopHeld:
+        assert PATCH_STATUS in got.message and got.message.endswith("nothing ran and nothing was published")
