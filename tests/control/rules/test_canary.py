@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from bij.contract.status import JobStatus
 from bij.control.decisions import (
     CanaryVerdict,
     CheckCanary,
@@ -18,12 +19,15 @@ from bij.control.decisions import (
     Wait,
 )
 from bij.control.reconcile import decide
+from bij.control.rules.canary import canary_gate
 from rules.builders import (
     CANARY,
     CANARY_DONE,
+    UID,
     canary_bij,
     canary_k8s_job,
     canary_planned,
+    observation,
     with_figures,
 )
 
@@ -104,3 +108,59 @@ def test_a_canary_job_that_failed_with_shards_left_fails_the_job() -> None:
     job_failed = canary_k8s_job((("Failed", "BackoffLimitExceeded"),))
     d = decide(canary_bij({"maxErrorShare": 0.1}), status, [job_failed, step_job])
     assert isinstance(d, MarkFailed) and "1 of 2 shards undone" in d.message
+
+
+# --- canary_gate(): round 0's canary Job, its count, its verdict ---------------------------------------------
+
+SPEC = {"maxErrorShare": 0.1}
+JOBS = {"plain": canary_bij(SPEC), "suspended": canary_bij(SPEC, suspend=True)}
+_queued = canary_bij(SPEC)
+JOBS["queued"] = _queued.model_copy(update={"spec": _queued.spec.model_copy(update={
+    "workers": _queued.spec.workers.model_copy(update={"queue_name": "gpu"})})})
+
+
+def canary_job(*, suspend: bool = False, owner: str = UID, conditions: tuple[tuple[str, str], ...] = (),
+               active: int = 0) -> dict[str, Any]:
+    raw = canary_k8s_job(conditions, active=active)
+    raw["spec"]["suspend"] = suspend
+    raw["metadata"]["ownerReferences"] = [{"uid": owner}]
+    return raw
+
+
+@pytest.mark.parametrize(("job", "extra", "observed", "figures", "kind", "fields"), [
+    ("plain", {"canary": {"shards": CANARY, "verdict": "Passed"}}, [], None, None, {}),
+    ("plain", {}, [], None, CreateCanaryJob, {"completions": CANARY, "canary_shards": CANARY, "phase": "Running"}),
+    ("plain", {}, [canary_job(owner="uid-of-the-old-object", active=2)], None, Wait, {"reason": "WaitingForOldJob"}),
+    ("plain", {}, [canary_job(active=2)], None, Wait, {"reason": "Canary", "phase": "Running"}),
+    ("suspended", {}, [canary_job(active=2)], None, PatchJob,
+     {"suspend": True, "phase": "Suspended", "job_name": "emb-r0-canary"}),
+    ("plain", {}, [canary_job(suspend=True)], None, PatchJob, {"suspend": False, "reason": "Canary"}),
+    # Kueue admits a queued Job by unsuspending it: never the operator.
+    ("queued", {}, [canary_job(suspend=True)], None, Wait, {"reason": "Queued", "phase": "Pending"}),
+    ("suspended", {}, [canary_job(suspend=True)], None, Wait, {"reason": "Suspended", "phase": "Suspended"}),
+    ("plain", {}, [CANARY_DONE], None, CheckCanary, {"result": None, "reason": "CanaryChecking"}),
+    ("plain", {}, [CANARY_DONE], {"done": 1}, MarkFailed, {"reason": "JobFailed", "phase": "Failed"}),
+    # A worker said the configuration is bad (exit 42): failed, though every canary shard got done.
+    ("plain", {}, [canary_job(conditions=(("Failed", "PodFailurePolicy"),))], {}, MarkFailed,
+     {"reason": "PodFailurePolicy"}),
+    ("plain", {}, [CANARY_DONE], {}, CanaryVerdict, {"passed": True, "phase": "Running", "reason": "CanaryPassed"}),
+    ("plain", {}, [CANARY_DONE], {"errors": 100}, CanaryVerdict,
+     {"passed": False, "phase": "CanaryFailed", "reason": "CanaryFailed"}),
+], ids=["passed-before", "no-job", "old-objects-job", "running", "suspend", "resume", "queued", "held-suspended",
+        "ended-uncounted", "shards-left", "bad-configuration", "within-thresholds", "threshold-broken"])
+def test_canary_gate(job: str, extra: dict[str, Any], observed: list[dict[str, Any]], figures: dict[str, Any] | None,
+                     kind: type | None, fields: dict[str, Any]) -> None:
+    status = canary_planned(**extra)
+    jobs = list(observed)
+    if figures is not None:
+        status, step = with_figures(status, **figures)
+        jobs.append(step)
+    rec = JobStatus.read(status).round_records()[0]
+    got = canary_gate(JOBS[job], observation(status, jobs), rec, 1)
+    if kind is None:
+        assert got is None
+        return
+    assert isinstance(got, kind), got
+    assert {k: getattr(got, k) for k in fields} == fields
+    if isinstance(got, (Wait, PatchJob)) and got.reason != "WaitingForOldJob":
+        assert got.shards is not None and got.shards.summary == "1/2"
