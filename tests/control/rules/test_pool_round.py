@@ -4,6 +4,9 @@ and the pools' Jobs: tests/control/test_pools.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from bij.contract.codes import LANE_OFFSET_ENV
@@ -17,6 +20,7 @@ from bij.control.decisions import (
 )
 from bij.control.jobs import render_job
 from bij.control.reconcile import decide
+from bij.control.rules.pool_round import pool_round
 from bij.control.status import decision_status
 from rules.builders import (
     NOW,
@@ -25,6 +29,7 @@ from rules.builders import (
     UID,
     env_of,
     made,
+    observation,
     pool_planned,
     pool_pod,
     pooled,
@@ -125,3 +130,74 @@ def test_a_spec_without_pools_keeps_one_round_job_named_as_before() -> None:
     assert isinstance(d, CreateJob) and d.pool is None and d.pools is None
     body = render_job(job, 0, d.completions, "file:///m")
     assert body["metadata"]["name"] == "emb-r0" and LANE_OFFSET_ENV not in env_of(body)
+
+
+# --- pool_round(): each pool's Job, moving a pool's lanes, the Jobs merged -----------------------------------
+
+
+def _old_object(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    jobs[0]["metadata"]["ownerReferences"] = [{"uid": "uid-of-the-old-object"}]
+    return jobs
+
+
+def _all_suspended(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for j in jobs:
+        j["spec"]["suspend"] = True
+    return jobs
+
+
+def _all_done(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for j in jobs:
+        j["status"] = {"completedIndexes": "0-1", "conditions": [{"type": "Complete", "status": "True"}]}
+    return jobs
+
+
+def _od_under_way(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    jobs[1]["status"]["completedIndexes"] = "0"
+    return jobs
+
+
+def _unschedulable(created: str) -> list[dict[str, Any]]:
+    return [pool_pod("emb-r0-p0", i, created=created, unschedulable=True) for i in range(2)]
+
+
+GAVE_UP = {"pools": [{"name": "spot", "gaveUpRound": 0, "message": "no node"}, {"name": "od"}]}
+
+
+@pytest.mark.parametrize(("status", "observe", "pods", "suspend", "kind", "fields"), [
+    ({}, lambda js: [], [], False, CreateJob,
+     {"pool": "spot", "lane_offset": 0, "completions": 2, "name_suffix": "-p0", "suspend": False}),
+    ({}, lambda js: [], [], True, CreateJob, {"pool": "spot", "suspend": True, "phase": "Suspended"}),
+    ({}, lambda js: js[:1], [], False, CreateJob, {"pool": "od", "lane_offset": 2, "completions": 2}),
+    ({}, _old_object, [], False, Wait, {"reason": "WaitingForOldJob"}),
+    # Spot gave its lanes up this round, its Job is still there (a move cut short): deleted again.
+    (GAVE_UP, lambda js: js, [], False, MovePoolLanes, {"pool": "spot", "to_pool": "od", "job_names": ("emb-r0-p0",)}),
+    (GAVE_UP, lambda js: js[1:], [], False, CreateJob, {"pool": "od", "lane_offset": 0, "name_suffix": "-p1f0"}),
+    ({}, lambda js: js, [], True, PatchJob, {"suspend": True, "job_name": "emb-r0-p0"}),
+    # Spot's Job is queued in Kueue (its pool's queueName): only od's is resumed by the operator.
+    ({}, _all_suspended, [], False, PatchJob, {"suspend": False, "job_name": "emb-r0-p1"}),
+    ({}, lambda js: js, _unschedulable("2024-01-01T00:55:00Z"), False, MovePoolLanes,
+     {"pool": "spot", "to_pool": "od", "job_names": ("emb-r0-p0",)}),
+    # Within spot's start timeout: merged, looked at again when it runs out (or soon, its pods not listed yet).
+    ({}, _od_under_way, _unschedulable("2024-01-01T00:59:30Z"), False, tuple, {"recheck": 91.0}),
+    ({}, lambda js: js, [], False, tuple, {"recheck": 31.0, "name": "emb-r0-p0, emb-r0-p1", "completions": 4}),
+    ({}, _all_done, [], False, tuple, {"recheck": None, "succeeded": True}),
+    # A Job that ended is not suspended.
+    ({}, _all_done, [], True, tuple, {"succeeded": True}),
+], ids=["no-job", "no-job-suspended", "spill-to-next-pool", "old-objects-job", "gave-up-job-left",
+        "gave-up-lanes-moved", "suspend", "resume-unqueued", "no-node-past-timeout", "within-timeout", "running",
+        "all-done", "all-done-suspended"])
+def test_pool_round(status: dict[str, Any], observe: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+                    pods: list[dict[str, Any]], suspend: bool, kind: type, fields: dict[str, Any]) -> None:
+    jobs = observe(start_pools(pooled(SPOT, OD), pool_planned()))
+    status = pool_planned(**status)
+    got = pool_round(pooled(SPOT, OD, suspend=suspend), observation(status, jobs, pods), 0, 4, 8, None)
+    assert isinstance(got, kind), got
+    if isinstance(got, tuple):
+        merged, lanes, recheck = got
+        assert {k: recheck if k == "recheck" else getattr(merged, k) for k in fields} == fields
+        assert [(p.name, p.lanes) for p in lanes] == [("spot", 2), ("od", 2)]
+        return
+    assert {k: getattr(got, k) for k in fields} == fields
+    if isinstance(got, MovePoolLanes) and pods:
+        assert got.pools is not None and got.pools[0].gave_up_round == 0 and "no node took its pods" in got.message
