@@ -24,9 +24,9 @@ from bij.control.decisions import (
 )
 from bij.control.observe import JobView, Shards
 from bij.control.reconcile import decide
-from bij.control.rules.rounds import job_failed, round_stats, spec_changed
+from bij.control.rules.rounds import job_failed, round_stats, single_job_round, spec_changed
 from bij.control.status import decision_status
-from rules.builders import JUDGE, counted, k8s_job, make_job, planned
+from rules.builders import JUDGE, counted, k8s_job, make_job, observation, planned
 
 # --- the round's Job -----------------------------------------------------------------------------------
 
@@ -398,3 +398,60 @@ def test_round_records_are_read_typed_and_an_entry_that_is_no_record_is_left_out
     assert state.round_records() == got and len(state.problems) == 3  # each entry left out is named
     assert round_stats(state) == [got[0].stats()]  # round 1 has not finished
     assert round_records({"rounds": "garbage"}) == {}
+
+
+# --- single_job_round(): a round in one Job, from its Job alone ------------------------------------------------
+
+FAILED_INDEXES = ("Failed", "True", "FailedIndexes", "Job has failed indexes")
+EXIT_42 = ("FailureTarget", "True", "PodFailurePolicy",
+           "Container worker for pod ml/emb-r0-3-x failed with exit code 42 matching FailJob rule at index 3")
+
+
+@pytest.mark.parametrize(("spec", "planned_shards", "job", "finished", "kind", "fields"), [
+    ({}, 0, None, None, FinishRound, {"reason": "RoundFinished", "shards": Shards(done=0, total=0)}),
+    ({}, 8, None, None, CreateJob, {"completions": 4, "suspend": False, "phase": "Pending", "reason": "RoundStarting"}),
+    ({"suspend": True}, 8, None, None, CreateJob, {"suspend": True, "phase": "Suspended"}),
+    ({}, 8, {"owner_uid": "uid-of-the-old-object", "active": 4}, None, Wait, {"reason": "WaitingForOldJob"}),
+    ({"suspend": True}, 8, {"active": 4}, None, PatchJob, {"suspend": True, "parallelism": None}),
+    ({}, 8, {"suspend": True}, None, PatchJob, {"suspend": False, "phase": "Running"}),
+    ({"queue": "gpu"}, 8, {"suspend": True}, None, Wait, {"reason": "Queued", "phase": "Pending"}),
+    ({"suspend": True}, 8, {"suspend": True}, None, Wait, {"reason": "Suspended", "phase": "Suspended"}),
+    ({"parallelism": 2}, 8, {"completions": 4, "active": 4}, None, PatchJob, {"suspend": None, "parallelism": 2}),
+    ({"parallelism": 16}, 8, {"completions": 4, "active": 4}, None, Wait, {"reason": "Running"}),
+    ({}, 8, {"completions": 4}, None, Wait, {"reason": "WaitingForPods", "phase": "Pending"}),
+    ({}, 8, {"completions": 4, "active": 4, "completed": "0"}, None, Wait, {"reason": "Running", "phase": "Running"}),
+    # No pod active, but lanes got done: running (between pods), not waiting for the first.
+    ({}, 8, {"completions": 4, "completed": "0-1"}, None, Wait, {"reason": "Running", "phase": "Running"}),
+    # Its Job ended: its finish step counts the shards first, then the round finishes or fails.
+    ({}, 8, {"completions": 4, "completed": "0-3", "conditions": [("Complete", "True", "", "")]}, None, FinishRound,
+     {"reason": "RoundFinishing", "result": None}),
+    ({}, 8, {"completions": 4, "completed": "0-3", "conditions": [("Complete", "True", "", "")]}, 8, FinishRound,
+     {"reason": "RoundFinished", "shards": Shards(done=8, total=8), "failed_lanes": ()}),
+    ({}, 8, {"completions": 4, "completed": "0-2", "failed": "3", "conditions": [FAILED_INDEXES]}, 6, MarkFailed,
+     {"reason": "FailedIndexes", "failed_lanes": (3,), "shards": Shards(done=6, total=8)}),
+    ({}, 8, {"completions": 4, "completed": "0-2", "failed": "3", "conditions": [FAILED_INDEXES]}, 8, FinishRound,
+     {"reason": "RoundFinished", "failed_lanes": (3,)}),
+    ({}, 8, {"completions": 4, "conditions": [EXIT_42]}, 8, MarkFailed, {"reason": "PodFailurePolicy",
+                                                                        "failed_lanes": (3,)}),
+    ({}, 8, {"completions": 4, "conditions": [EXIT_42]}, (5, "in/a.jsonl: gzip stream cut"), MarkFailed,
+     {"reason": "DamagedInput", "event": "DamagedInput"}),
+    # A damaged object counted, but no worker stopped at it (no exit 42): the lanes' failure is the cause.
+    ({}, 8, {"completions": 4, "completed": "0-2", "failed": "3", "conditions": [FAILED_INDEXES]},
+     (6, "in/a.jsonl: gzip stream cut"), MarkFailed, {"reason": "FailedIndexes"}),
+], ids=["empty-round", "no-job", "no-job-suspended", "old-objects-job", "suspend", "resume", "queued",
+        "held-suspended", "parallelism", "parallelism-capped", "waiting-for-pods", "running",
+        "running-between-pods", "ended-uncounted", "succeeded", "lanes-failed-shards-left",
+        "lanes-failed-others-finished", "bad-configuration", "damaged-input", "damaged-without-exit-42"])
+def test_single_job_round(spec: dict[str, Any], planned_shards: int, job: dict[str, Any] | None,
+                          finished: int | tuple[int, str] | None, kind: type, fields: dict[str, Any]) -> None:
+    status = planned(shards=planned_shards, lanes=4)
+    jobs = [k8s_job(**job)] if job is not None else []
+    if finished is not None:
+        done, damaged = finished if isinstance(finished, tuple) else (finished, "")
+        status, step = counted(status, done=done, damaged=[damaged] if damaged else [])
+        jobs.append(step)
+    got = single_job_round(make_job(**spec), observation(status, jobs), 0, 4, planned_shards, None, None)
+    assert isinstance(got, kind), got
+    assert {k: getattr(got, k) for k in fields} == fields
+    if isinstance(got, MarkFailed) and got.reason == "DamagedInput":
+        assert "damaged input: in/a.jsonl: gzip stream cut" in got.message
