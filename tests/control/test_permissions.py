@@ -20,7 +20,6 @@ from bij.control.driver import Driver
 from bij.control.permissions import RECHECK_FIRST, WORKER_GRANTS
 from bij.control.status import fmt_time
 
-NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.timezone.utc)
 EVERY_GRANT = (f"{PATCH_STATUS}, create leases.coordination.k8s.io, patch leases.coordination.k8s.io")
 
 

@@ -4,11 +4,9 @@ The round over its pools in decide(): tests/control/rules/test_pool_round.py."""
 
 from __future__ import annotations
 
-import datetime as dt
-
 import pytest
 from pydantic import ValidationError
-from rules.builders import OD, SPOT, env_of, pool_pod, pooled
+from rules.builders import NOW, OD, SPOT, env_of, pool_pod, pooled
 
 from bij.contract.codes import LANE_OFFSET_ENV, POOL_LABEL, TENSOR_PARALLEL_ENV
 from bij.contract.spec_workers import WorkerPool, WorkersSpec
@@ -16,9 +14,6 @@ from bij.control import pools
 from bij.control.jobs import render_job
 from bij.worker.main import engine_config, lane_offset
 from bij.worker.shard import BadConfig
-
-NOW = dt.datetime(2024, 1, 1, 1, 0, tzinfo=dt.timezone.utc)
-
 
 # --- the rules ------------------------------------------------------------------------------------------------
 
