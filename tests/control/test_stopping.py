@@ -1,12 +1,11 @@
 """spec.cancel and spec.deadlineSeconds: drain, publish the finished part as a partial manifest, never again.
 
-The decisions are pure (`decide()` with a clock); `bij run` and `bij cancel` take them on real
-worker processes, so the rows published, failed and not run are checked against the input.
+The decisions are pure (`decide()` with a clock: tests/control/rules/test_stop.py); `bij run` and `bij cancel`
+take them here on real worker processes, so the rows published, failed and not run are checked against the input.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import signal
@@ -15,105 +14,8 @@ import time
 from typing import Any
 
 import pytest
-from test_reconcile import UID, k8s_job, planned
 
 from bij.contract import layout
-from bij.contract.spec import parse_job
-from bij.control.decisions import Nothing, PatchJob, PlanRound, PreparePublish, Publish, Wait
-from bij.control.reconcile import decide
-from bij.control.stopping import seconds_left, stop_requested
-
-NOW = dt.datetime(2024, 1, 1, 0, 10, tzinfo=dt.timezone.utc)
-
-
-def stoppable(*, cancel: bool = False, deadline: int | None = None, created: str | None = "2024-01-01T00:00:00Z"):
-    spec: dict[str, Any] = {"input": {"uri": "file:///data/in"}, "output": {"uri": "file:///data/out"},
-                            "model": {"engine": "echo", "task": "embed"}, "workers": {"parallelism": 4},
-                            "cancel": cancel}
-    if deadline is not None:
-        spec["deadlineSeconds"] = deadline
-    meta: dict[str, Any] = {"name": "emb", "namespace": "ml", "uid": UID}
-    if created:
-        meta["creationTimestamp"] = created
-    return parse_job({"apiVersion": "batchinference.io/v1alpha1", "kind": "BatchInferenceJob",
-                      "metadata": meta, "spec": spec})
-
-
-def suspended_job(active: int = 0, terminating: int = 0, acted: bool = True) -> dict[str, Any]:
-    job = k8s_job(0, suspend=True, active=active,
-                  conditions=[("Suspended", "True", "JobSuspended", "Job suspended")] if acted else ())
-    job["status"]["terminating"] = terminating
-    return job
-
-
-# --- decisions ---------------------------------------------------------------------------------------------
-
-
-def test_cancel_suspends_the_running_round_job_so_its_workers_drain():
-    d = decide(stoppable(cancel=True), planned(0), [k8s_job(0, active=4)], shards_done=3, now=NOW)
-    assert isinstance(d, PatchJob) and d.suspend is True and d.job_name == "emb-r0"
-    assert (d.phase, d.reason) == ("Cancelling", "Cancelling")
-
-
-@pytest.mark.parametrize("pods", [dict(active=2), dict(terminating=3), dict(acted=False)],
-                         ids=["active", "terminating", "controller-not-acted-yet"])
-def test_nothing_is_published_while_a_worker_may_still_commit(pods):
-    d = decide(stoppable(cancel=True), planned(0), [suspended_job(**pods)], shards_done=3, now=NOW)
-    assert isinstance(d, Wait) and d.phase == "Cancelling"
-
-
-def test_once_drained_the_rounds_so_far_publish_as_a_partial_manifest():
-    job = stoppable(cancel=True)
-    d = decide(job, planned(1), [suspended_job()], shards_done=3, now=NOW)
-    assert isinstance(d, PreparePublish) and d.partial == "Cancelled" and d.rounds == 2
-    publish = {"rounds": 2, "planUri": "file:///data/out/_bij/x/publish/plan.json", "partial": "Cancelled",
-               "passes": {"ids": 0, "dedupe": 0, "write": 0}}
-    d = decide(job, {**planned(1), "phase": "Cancelling", "publish": publish}, [suspended_job()], now=NOW)
-    assert isinstance(d, Publish) and d.partial == "Cancelled" and d.phase == "Cancelling"
-
-
-def test_a_round_job_that_already_ended_is_not_waited_for():
-    done = k8s_job(0, completed="0-7", conditions=[("Complete", "True", "", "")])
-    d = decide(stoppable(cancel=True), planned(0), [done], shards_done=8, now=NOW)
-    assert isinstance(d, PreparePublish) and d.partial == "Cancelled"
-
-
-def test_cancel_before_round_0_was_planned_plans_it_so_every_row_is_counted():
-    d = decide(stoppable(cancel=True), {}, [], now=NOW)
-    assert isinstance(d, PlanRound) and d.round == 0 and d.phase == "Cancelling"
-
-
-def test_the_deadline_expires_a_running_job_the_same_way():
-    job = stoppable(deadline=600)  # created 00:00, so it ran out at 00:10
-    d = decide(job, planned(0), [k8s_job(0, active=4)], shards_done=3, now=NOW - dt.timedelta(seconds=1))
-    assert not isinstance(d, PatchJob)  # one second before: it runs on
-    assert seconds_left(job, planned(0), NOW - dt.timedelta(seconds=1)) == 1.0
-    d = decide(job, planned(0), [k8s_job(0, active=4)], shards_done=3, now=NOW)
-    assert isinstance(d, PatchJob) and d.suspend and d.reason == "DeadlineExceeded"
-    d = decide(job, planned(0), [suspended_job()], now=NOW)
-    assert isinstance(d, PreparePublish) and d.partial == "Expired"
-
-
-def test_without_a_creation_time_the_deadline_counts_from_the_status_start_time():
-    job = stoppable(deadline=60, created=None)
-    assert stop_requested(job, {}, NOW) is None
-    stop = stop_requested(job, {"startTime": "2024-01-01T00:09:00Z"}, NOW)
-    assert stop is not None and stop.phase == "Expired"
-
-
-def test_a_job_whose_whole_publish_began_finishes_it_despite_cancel():
-    publish = {"rounds": 1, "planUri": "file:///data/out/_bij/x/publish/plan.json",
-               "passes": {"ids": 0, "dedupe": 0, "write": 0}}
-    d = decide(stoppable(cancel=True), {**planned(0, done=True), "phase": "Publishing", "publish": publish}, [],
-               now=NOW)
-    assert isinstance(d, Publish) and d.partial is None and d.phase == "Publishing"
-
-
-@pytest.mark.parametrize("phase", ["Cancelled", "Expired"])
-def test_a_stopped_job_is_left_alone_even_when_the_spec_changes_back(phase):
-    d = decide(stoppable(cancel=False), {**planned(0), "phase": phase}, [k8s_job(0, active=4)], now=NOW)
-    assert isinstance(d, Nothing) and d.phase == phase
-
 
 # --- bij run / bij cancel, with real worker processes -----------------------------------------------------
 
