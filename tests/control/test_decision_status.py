@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import datetime as dt
 
-from rules.builders import k8s_job, make_job, planned
+from rules.builders import (
+    decision_status,
+    k8s_job,
+    make_job,
+    phase_conditions,
+    planned,
+    rows_progress,
+    set_condition,
+)
 
 from bij.control.reconcile import decide
-from bij.control.status import decision_status, phase_conditions, rows_progress, set_condition
 
 T0 = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
 

@@ -2,8 +2,7 @@
 
 Pure functions that build the status merge patch as a `bij.contract.status.StatusPatch` (turned into the
 JSON the API takes where it is written: `StatusPatch.as_patch`); the status is read typed through
-`bij.contract.status.JobStatus`. `set_condition`, `phase_conditions` and `decision_status` are the same on
-the status as JSON. Conditions follow the Kubernetes API conventions: a list keyed by ``type``, each with
+`bij.contract.status.JobStatus`. Conditions follow the Kubernetes API conventions: a list keyed by ``type``, each with
 ``status`` ("True"/"False"), ``reason`` (CamelCase), ``message``, ``lastTransitionTime`` (changes only
 when ``status`` flips) and ``observedGeneration``. Beside the phase's own types, ``WorkerPermissions``
 (`permissions.condition`) says whether the worker identity holds every grant its pods use.
@@ -101,39 +100,6 @@ def with_phase_conditions(
     return out
 
 
-def set_condition(conditions: Iterable[Mapping[str, Any]], type_: str, status: bool | None, reason: str,
-                  message: str, *, generation: int | None, now: dt.datetime) -> list[dict[str, Any]]:
-    """`with_condition` on conditions as JSON (as the status holds them)."""
-    out = with_condition([Condition.model_validate(c) for c in conditions], type_, status, reason, message,
-                         generation=generation, now=now)
-    return [c.as_status() for c in out]
-
-
-def phase_conditions(conditions: Iterable[Mapping[str, Any]], phase: str, reason: str, message: str, *,
-                     generation: int | None, now: dt.datetime, ready: bool | None = None) -> list[dict[str, Any]]:
-    """`with_phase_conditions` on conditions as JSON (as the status holds them)."""
-    out = with_phase_conditions([Condition.model_validate(c) for c in conditions], phase, reason, message,
-                                generation=generation, now=now, ready=ready)
-    return [c.as_status() for c in out]
-
-
-def rows_progress(
-    records: Iterable[Mapping[str, Any]],
-    started: str | None,
-    now: dt.datetime,
-) -> dict[str, Any]:
-    """``rows`` and ``rowsPerSecond`` from the finished shards' completion records.
-
-    Throughput is over wall time since ``startTime``: what a user waiting for the job sees,
-    including scheduling and preemption, not the per-pod engine speed.
-    """
-    done = failed = 0
-    for rec in records:
-        done += int(rec.get("rows") or 0)
-        failed += int(rec.get("errors") or 0)
-    return rows_patch(done, failed, started, now).as_patch()
-
-
 def rows_patch(done: int, failed: int, started: str | None, now: dt.datetime) -> StatusPatch:
     """``rows``, and ``rowsPerSecond`` over wall time since `started` (when it is known)."""
     patch = StatusPatch(rows=Rows(done=done, failed=failed))
@@ -176,13 +142,6 @@ def decision_patch(
     if decision.phase in ("Succeeded", "Failed", "Cancelled", "Expired", "CanaryFailed") and not old.completion_time:
         patch.completion_time = fmt_time(now)
     return patch
-
-
-def decision_status(old: Mapping[str, Any], decision: Decision, *, generation: int | None, now: dt.datetime,
-                    output_uri: str) -> dict[str, Any]:
-    """`decision_patch` on the status as JSON, as the merge patch writes it."""
-    return decision_patch(JobStatus.read(old), decision, generation=generation, now=now,
-                          output_uri=output_uri).as_patch()
 
 
 def status_differs(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:

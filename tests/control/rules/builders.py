@@ -4,16 +4,17 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from bij.contract import codes
 from bij.contract.spec import BatchInferenceJob, parse_job
-from bij.contract.status import JobStatus
-from bij.control.decisions import CreateJob
+from bij.contract.status import Condition, JobStatus
+from bij.control.decisions import CreateJob, Decision
 from bij.control.jobs import render_job
 from bij.control.observe import Observation
 from bij.control.reconcile import decide
+from bij.control.status import decision_patch, rows_patch, with_condition, with_phase_conditions
 
 UID = "0b6a2c1e-uid"
 NOW = dt.datetime(2024, 1, 1, 1, 0, tzinfo=dt.timezone.utc)
@@ -284,3 +285,46 @@ def start_pools(job: BatchInferenceJob, status: dict[str, Any]) -> list[dict[str
     while isinstance(d := decide(job, status, jobs, now=NOW), CreateJob):
         jobs.append(made(job, d, active=d.completions))
     return jobs
+
+
+# --- the status patch as JSON, as the merge patch writes it (the driver builds it typed: control.status) ---
+
+
+def set_condition(conditions: Iterable[Mapping[str, Any]], type_: str, status: bool | None, reason: str,
+                  message: str, *, generation: int | None, now: dt.datetime) -> list[dict[str, Any]]:
+    """`with_condition` on conditions as JSON (as the status holds them)."""
+    out = with_condition([Condition.model_validate(c) for c in conditions], type_, status, reason, message,
+                         generation=generation, now=now)
+    return [c.as_status() for c in out]
+
+
+def phase_conditions(conditions: Iterable[Mapping[str, Any]], phase: str, reason: str, message: str, *,
+                     generation: int | None, now: dt.datetime, ready: bool | None = None) -> list[dict[str, Any]]:
+    """`with_phase_conditions` on conditions as JSON (as the status holds them)."""
+    out = with_phase_conditions([Condition.model_validate(c) for c in conditions], phase, reason, message,
+                                generation=generation, now=now, ready=ready)
+    return [c.as_status() for c in out]
+
+
+def rows_progress(
+    records: Iterable[Mapping[str, Any]],
+    started: str | None,
+    now: dt.datetime,
+) -> dict[str, Any]:
+    """``rows`` and ``rowsPerSecond`` from the finished shards' completion records.
+
+    Throughput is over wall time since ``startTime``: what a user waiting for the job sees,
+    including scheduling and preemption, not the per-pod engine speed.
+    """
+    done = failed = 0
+    for rec in records:
+        done += int(rec.get("rows") or 0)
+        failed += int(rec.get("errors") or 0)
+    return rows_patch(done, failed, started, now).as_patch()
+
+
+def decision_status(old: Mapping[str, Any], decision: Decision, *, generation: int | None, now: dt.datetime,
+                    output_uri: str) -> dict[str, Any]:
+    """`decision_patch` on the status as JSON, as the merge patch writes it."""
+    return decision_patch(JobStatus.read(old), decision, generation=generation, now=now,
+                          output_uri=output_uri).as_patch()

@@ -21,12 +21,12 @@ from bij.control.decisions import (
 from bij.control.jobs import render_job
 from bij.control.reconcile import decide
 from bij.control.rules.pool_round import pool_round
-from bij.control.status import decision_status
 from rules.builders import (
     NOW,
     OD,
     SPOT,
     UID,
+    decision_status,
     env_of,
     made,
     observation,

@@ -25,8 +25,7 @@ from bij.control.decisions import (
 from bij.control.observe import JobView, Shards
 from bij.control.reconcile import decide
 from bij.control.rules.rounds import job_failed, round_stats, single_job_round, spec_changed
-from bij.control.status import decision_status
-from rules.builders import JUDGE, counted, k8s_job, make_job, observation, planned
+from rules.builders import JUDGE, counted, decision_status, k8s_job, make_job, observation, planned
 
 # --- the round's Job -----------------------------------------------------------------------------------
 
