@@ -548,7 +548,9 @@ def test_every_step_killed_twice_is_run_again_and_the_job_completes(file_place, 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), workers={"backoffLimitPerIndex": 2})
     assert run_killing_steps(tmp_path, job, 2, worker_env(file_place), bij_bin) == 0
     check_published(read_output(job), inputs)
-    assert not Path(layout.local_status_uri(job)[len("file://"):]).exists()  # published: the manifest says it all
+    # Kept once published too, as the API server keeps a bij's status: the next `bij run` restores it.
+    kept = json.loads(Path(layout.local_status_uri(job)[len("file://"):]).read_text())
+    assert kept["phase"] == "Succeeded" and kept["manifestUri"] == layout.manifest_uri(job)
     said = capfd.readouterr().err
     for key in ("plan-r0", "finish-r0", "publish-plan", "manifest"):
         assert len(list((tmp_path / "kills").glob(f"t-{key}.*"))) == 3, key

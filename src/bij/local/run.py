@@ -403,7 +403,7 @@ class LocalRunner:
         # minute, not every few seconds; phase changes are written at once.
         # Local processes run under no RBAC: no worker grants to check (worker_grants None).
         driver = Driver(backend, status_interval=60.0, worker_grants=None, notify_backoff=self.notify_backoff)
-        said: tuple[Any, Any] = (None, None)
+        kept: dict[str, Any] | None = None
         while True:
             if backend.stopping:
                 backend.wait_stopped()
@@ -411,8 +411,9 @@ class LocalRunner:
                 return 130
             idle = driver.reconcile()
             status, state = backend.status, JobStatus.read(backend.status)
-            if (state.phase, state.message) != said:
-                said = (state.phase, state.message)
+            if status != kept:
+                # Every change, as the operator's status writes (progress at most once a status interval).
+                kept = json.loads(json.dumps(status))
                 self.keep_status(store, status)
             if state.phase in TERMINAL_PHASES:
                 if not notify.settled(self.job, state) and idle.recheck is not None:
@@ -431,8 +432,9 @@ class LocalRunner:
             backend.wait(min(idle.recheck or 1.0, 1.0))
 
     def keep_status(self, store: Any, status: dict[str, Any]) -> None:
-        """What `kubectl get bij` would show, where `bij status` reads it (layout.local_status_uri); gone once
-        published. Best effort: a status that cannot be kept does not stop the run.
+        """The whole status, kept at layout.local_status_uri as the API server keeps a bij's: what `bij status` shows
+        (as `kubectl get bij` would), published or not.
+        Best effort: a status that cannot be kept does not stop the run.
 
         Kept once the plan step claimed the output for this job; before that only a failure that is not a
         refusal (a plan step that crashed), and never where the output overlaps the input or is another
@@ -444,12 +446,7 @@ class LocalRunner:
             crashed = status.get("phase") == "Failed" and failure_reason(JobStatus.read(status)) != "PlanRefused"
             if standing == "refused" or (standing == "unclaimed" and not crashed):
                 return
-            if status.get("phase") in ("Succeeded", *STOPPED_PHASES):
-                if store.exists(uri):
-                    store.delete(uri)
-                return
-            kept = {k: status[k] for k in ("phase", "message", "round", "conditions", "canary") if k in status}
-            store.write_bytes(uri, json.dumps(kept).encode())
+            store.write_bytes(uri, json.dumps(status).encode())
         except (StorageError, OSError):
             pass
 
