@@ -379,8 +379,6 @@ class LocalRunner:
             return EXIT_BAD_CONFIG
         self.store = store = open_storage(self.job.spec.output.uri, self.job.spec.storage.s3)
         self.over = self.restore_status(store)
-        if self.job.spec.deadline_seconds is not None and self.job.metadata.creation_timestamp is None:
-            self.backend.job = self.job = with_start_time(self.job, store)
         if self.over is not None and self.over.partial is None and not self.cancel:
             self.published_before(store)
         backend = self.backend
@@ -440,9 +438,10 @@ class LocalRunner:
         restarts, so that `decide()` takes the rerun up; the manifest when the job was published (its phase then
         Succeeded, Cancelled or Expired, which `decide()` leaves alone), else None.
 
-        Only where the output is this job's (else the plan step refuses it, as on any run). A job not published gets
-        none back: its rerun plans round 0 again, which refuses a changed spec or input, and it resumes after a
-        failure, which on a cluster is final."""
+        Only where the output is this job's (else the plan step refuses it, as on any run). A job not published
+        gets its startTime back alone, from which spec.deadlineSeconds counts (as the operator's does without a
+        creationTimestamp): its rerun plans round 0 again, which refuses a changed spec or input, and it resumes
+        after a failure, which on a cluster is final."""
         if output_standing(self.job, store) != "ours":
             return None
         self.output_claimed = True
@@ -453,6 +452,9 @@ class LocalRunner:
         kept = kept if isinstance(kept, dict) else {}
         manifest = read_manifest(self.job)
         if manifest is None:
+            started = kept.get("startTime") or round_planned_at(self.job, store)
+            if started:
+                self.backend.status = {"startTime": started}
             return None
         phase = manifest.partial.phase if manifest.partial is not None else "Succeeded"
         if kept.get("phase") != phase:
@@ -538,19 +540,17 @@ class LocalRunner:
         print(layout.manifest_uri(self.job))
 
 
-def with_start_time(job: BatchInferenceJob, store: Any) -> BatchInferenceJob:
-    """`job` with the time its spec.deadlineSeconds counts from: when round 0 was planned (its first
-    run), or now when it never was."""
+def round_planned_at(job: BatchInferenceJob, store: Any) -> str | None:
+    """When round 0 was planned, or None: the start of a job whose status was not kept, or kept by a bij of an
+    earlier version without its startTime."""
     from bij.contract.plan import Plan
     from bij.storage import NotFound
 
     uri = layout.round_manifest_uri(job, 0)
     try:
-        started = Plan.from_json(store.read_bytes(uri), f"round plan {uri}").created_at
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}").created_at
     except NotFound:
-        started = None
-    started = started or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return job.model_copy(update={"metadata": job.metadata.model_copy(update={"creation_timestamp": started})})
+        return None
 
 
 def nodes_per_lane_refusal(job: BatchInferenceJob) -> str | None:
