@@ -351,3 +351,6 @@ def test_bij_run_tells_the_webhook_before_it_exits_retrying_while_it_fails(webho
     assert doc["type"] == "batch.completed" and doc["bij"]["rows"] == {"done": 20, "failed": 0}
     assert doc["bij"]["manifestUri"] == file_place.uri("out/manifest.json")
     assert "row 1" not in payload.decode()  # nothing of the rows themselves
+    # A rerun takes the kept status up, the webhook's record with it: told once, as by an operator restarted.
+    assert LocalRunner(job, show_progress=False, notify_backoff=FAST).run() == 0
+    assert len(hook.received) == 2

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,6 +97,28 @@ def test_a_deadline_expires_bij_run_with_the_finished_rows_published(file_place,
     assert "expired" in p.stderr
     counts = check_partial(read_output(job), inputs, "Expired")
     assert counts["notRun"] > 0
+
+
+def test_a_rerun_counts_the_deadline_from_the_start_its_kept_status_says(file_place, make_job, read_output,
+                                                                          worker_env, monkeypatch, capsys):
+    """Ctrl-C stays a pause: a rerun keeps counting spec.deadlineSeconds from the first run's start, as the
+    operator does from the bij's, in the status it kept."""
+    from bij.local.run import LocalRunner
+    from bij.steps.planner import plan_round
+
+    inputs = rows(40)
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), deadlineSeconds=60)
+    plan_round(job, 0)  # an earlier run planned it and stopped
+    kept = Path(layout.local_status_uri(job)[len("file://"):])
+    kept.write_text(json.dumps({"phase": "Running", "round": 0, "startTime": "2024-01-01T00:00:00Z"}))
+    for k, v in worker_env(file_place).items():
+        monkeypatch.setenv(k, v)
+    # Restored with the status, the first run's start is where the deadline counts from: long passed.
+    runner = LocalRunner(job, show_progress=False)
+    assert runner.run() == 3
+    assert "bij: expired (spec.deadlineSeconds): published 0 rows" in capsys.readouterr().err
+    assert runner.backend.status["startTime"] == "2024-01-01T00:00:00Z"
+    assert check_partial(read_output(job), inputs, "Expired")["notRun"] == len(inputs)
 
 
 @pytest.mark.parametrize("how", ["deadline", "cancel", "deadline-partitioned"])

@@ -73,8 +73,9 @@ def test_bij_run_reads_and_publishes_on_azure_blob_storage(az_place, make_job, r
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_a_second_run_is_a_no_op_that_republishes_the_same_files(keep, file_place, make_job, read_output, log_lines,
-                                                                 worker_env, bij_bin, tmp_path):
+def test_a_second_run_is_a_no_op_that_leaves_the_published_files_as_they_were(keep, file_place, make_job,
+                                                                              read_output, log_lines, worker_env,
+                                                                              bij_bin, tmp_path):
     inputs = rows(300)
     spec, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
                          sharding={"targetShardBytes": 8192}, output={"compression": "zstd", "keepIntermediate": keep})
@@ -88,12 +89,34 @@ def test_a_second_run_is_a_no_op_that_republishes_the_same_files(keep, file_plac
     assert not computed.exists()  # no row was computed again
     assert log_lines(file_place, job) == logs
     assert second.raw == first.raw
-    if keep:
-        assert {k: v for k, v in second.manifest.items() if k != "publishedAt"} == \
-            {k: v for k, v in first.manifest.items() if k != "publishedAt"}
-    else:  # nothing left to publish from: the manifest stands as it was
-        assert second.manifest == first.manifest and "nothing to do" in p.stderr
+    # Succeeded: decide() leaves it alone, as the operator does a Succeeded bij; the manifest stands as it was.
+    assert second.manifest == first.manifest and "nothing to do" in p.stderr
     check_published(second, inputs)
+
+
+def test_a_rerun_of_a_published_job_takes_its_kept_status_up_and_decide_leaves_it_alone(
+        file_place, make_job, worker_env, monkeypatch, capsys):
+    from bij.local.run import LocalRunner
+
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(40)), output={"keepIntermediate": True})
+    for k, v in worker_env(file_place).items():
+        monkeypatch.setenv(k, v)
+    first = LocalRunner(job, show_progress=False)
+    assert first.run() == 0
+    published = read_manifest(job)
+    again = LocalRunner(job, show_progress=False)
+    assert again.run() == 0
+    # The Succeeded status came back, as the operator finds it after a restart: no step, no round, no publish.
+    assert again.backend.jobs == {} and read_manifest(job) == published
+    assert again.backend.status["startTime"] == first.backend.status["startTime"]
+    assert "nothing to do" in capsys.readouterr().err
+    assert LocalRunner(job, show_progress=False, cancel=True).run() == 0
+    assert "was published whole at" in capsys.readouterr().err and read_manifest(job) == published
+    # Published by a bij that kept no status once published: the manifest says how it ended.
+    Path(layout.local_status_uri(job)[len("file://"):]).unlink()
+    third = LocalRunner(job, show_progress=False)
+    assert third.run() == 0 and third.backend.jobs == {} and third.backend.status["phase"] == "Succeeded"
+    assert read_manifest(job) == published
 
 
 def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(file_place, make_job, read_output, log_lines, worker_env,
@@ -548,7 +571,9 @@ def test_every_step_killed_twice_is_run_again_and_the_job_completes(file_place, 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), workers={"backoffLimitPerIndex": 2})
     assert run_killing_steps(tmp_path, job, 2, worker_env(file_place), bij_bin) == 0
     check_published(read_output(job), inputs)
-    assert not Path(layout.local_status_uri(job)[len("file://"):]).exists()  # published: the manifest says it all
+    # Kept once published too, as the API server keeps a bij's status: the next `bij run` restores it.
+    kept = json.loads(Path(layout.local_status_uri(job)[len("file://"):]).read_text())
+    assert kept["phase"] == "Succeeded" and kept["manifestUri"] == layout.manifest_uri(job)
     said = capfd.readouterr().err
     for key in ("plan-r0", "finish-r0", "publish-plan", "manifest"):
         assert len(list((tmp_path / "kills").glob(f"t-{key}.*"))) == 3, key

@@ -133,8 +133,8 @@ def removed_uri(job: BatchInferenceJob) -> str:
 
 
 def local_status_uri(job: BatchInferenceJob) -> str:
-    """`bij run`'s status (phase, message, conditions) while it runs or after it stopped short of
-    publishing, for `bij status`; removed once the job is published."""
+    """`bij run`'s status, kept whole as the API server keeps a bij's, published or not: what `bij status`
+    shows, and what the next `bij run` takes up."""
     return join(state_prefix(job), "local-status.json")
 
 

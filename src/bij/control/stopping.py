@@ -13,8 +13,8 @@ This module says whether and why a bij stops (`stop_requested`), and when its de
 5. phase Cancelled or Expired. Neither is left again: a stopped bij never publishes again.
 
 A bij whose publishing has already begun finishes it (phase Succeeded): its rows are all done.
-The deadline counts from ``metadata.creationTimestamp`` (for `bij run`, from when round 0 was
-planned), or from ``status.startTime`` when there is none.
+The deadline counts from ``metadata.creationTimestamp``, or from ``status.startTime`` when there is none
+(`bij run`: its first run's, which a rerun restores with the status it kept).
 """
 
 from __future__ import annotations

@@ -320,6 +320,8 @@ class LocalRunner:
         self.notify_backoff = notify_backoff
         self.job = job
         self.output_claimed = False  # the plan step claimed the output for this job: its status may go there
+        self.over: Manifest | None = None  # published before this run (`restore_status`): decide() leaves it alone
+        self.store: Any = None
         # The pod's command; a library user can run workers another way (a container, another venv).
         self.worker_cmd = worker_cmd or worker_command()
         self.parallelism = job.spec.workers.parallelism
@@ -375,35 +377,16 @@ class LocalRunner:
             print(f"bij: {self.job.metadata.name} is suspended (spec.suspend: true): nothing was run; "
                   "set spec.suspend to false to run it", file=sys.stderr)
             return EXIT_BAD_CONFIG
-        store = open_storage(self.job.spec.output.uri, self.job.spec.storage.s3)
-        published = read_manifest(self.job)
-        if published is not None and published.partial is not None:
-            return self.stopped_before(published)
-        if published is not None and self.cancel:
-            print(f"bij: {self.job.metadata.name} was published whole at {published.published_at}: nothing to "
-                  "cancel", file=sys.stderr)
-            print(layout.manifest_uri(self.job))
-            return 0
-        if self.job.spec.deadline_seconds is not None and self.job.metadata.creation_timestamp is None:
-            self.backend.job = self.job = with_start_time(self.job, store)
-        removed = removed_record(store, self.job)
-        if removed is not None and read_manifest(self.job) is not None:
-            plan_round(self.job, 0)  # a changed spec or input is refused here as on any rerun
-            resumed = resume_removal(store, self.job)  # a removal cut short goes on; the manifest stands
-            warning = resumed.warning() if resumed is not None else None
-            if warning:
-                print(f"bij: warning: {warning}", file=sys.stderr)
-            # A rerun of a finished job: nothing to work, and its logs are gone (keepIntermediate false).
-            print(f"bij: {self.job.metadata.name} was published before; its work files were removed at "
-                  f"{removed.get('removedAt')} (output.keepIntermediate: false), nothing to do", file=sys.stderr)
-            print(layout.manifest_uri(self.job))
-            return 0
+        self.store = store = open_storage(self.job.spec.output.uri, self.job.spec.storage.s3)
+        self.over = self.restore_status(store)
+        if self.over is not None and self.over.partial is None and not self.cancel:
+            self.published_before(store)
         backend = self.backend
         # Nobody reads this status while it runs: refresh its row counts (from the lanes' reports) once a
         # minute, not every few seconds; phase changes are written at once.
         # Local processes run under no RBAC: no worker grants to check (worker_grants None).
         driver = Driver(backend, status_interval=60.0, worker_grants=None, notify_backoff=self.notify_backoff)
-        said: tuple[Any, Any] = (None, None)
+        kept: dict[str, Any] | None = None
         while True:
             if backend.stopping:
                 backend.wait_stopped()
@@ -411,8 +394,9 @@ class LocalRunner:
                 return 130
             idle = driver.reconcile()
             status, state = backend.status, JobStatus.read(backend.status)
-            if (state.phase, state.message) != said:
-                said = (state.phase, state.message)
+            if status != kept:
+                # Every change, as the operator's status writes (progress at most once a status interval).
+                kept = json.loads(json.dumps(status))
                 self.keep_status(store, status)
             if state.phase in TERMINAL_PHASES:
                 if not notify.settled(self.job, state) and idle.recheck is not None:
@@ -431,8 +415,9 @@ class LocalRunner:
             backend.wait(min(idle.recheck or 1.0, 1.0))
 
     def keep_status(self, store: Any, status: dict[str, Any]) -> None:
-        """What `kubectl get bij` would show, where `bij status` reads it (layout.local_status_uri); gone once
-        published. Best effort: a status that cannot be kept does not stop the run.
+        """The whole status, kept at layout.local_status_uri as the API server keeps a bij's: what `bij status` shows
+        (as `kubectl get bij` would), published or not, and what the next `bij run` takes up (`restore_status`).
+        Best effort: a status that cannot be kept does not stop the run.
 
         Kept once the plan step claimed the output for this job; before that only a failure that is not a
         refusal (a plan step that crashed), and never where the output overlaps the input or is another
@@ -444,27 +429,77 @@ class LocalRunner:
             crashed = status.get("phase") == "Failed" and failure_reason(JobStatus.read(status)) != "PlanRefused"
             if standing == "refused" or (standing == "unclaimed" and not crashed):
                 return
-            if status.get("phase") in ("Succeeded", *STOPPED_PHASES):
-                if store.exists(uri):
-                    store.delete(uri)
-                return
-            kept = {k: status[k] for k in ("phase", "message", "round", "conditions", "canary") if k in status}
-            store.write_bytes(uri, json.dumps(kept).encode())
+            store.write_bytes(uri, json.dumps(status).encode())
         except (StorageError, OSError):
             pass
 
-    def stopped_before(self, manifest: Manifest) -> int:
-        """A rerun of a job that was cancelled or expired: its partial manifest stands."""
-        assert manifest.partial is not None
-        phase = manifest.partial.phase
-        print(f"bij: {self.job.metadata.name} was {phase.lower()} ({manifest.partial.reason}) and its finished "
-              f"part published at {manifest.published_at}: it never runs or publishes again; to run it anew, "
-              "bij run --restart (deletes its results) or choose a new spec.output.uri", file=sys.stderr)
+    def restore_status(self, store: Any) -> Manifest | None:
+        """The status the last run kept (`keep_status`) put back, as the operator finds a bij's status when it
+        restarts, so that `decide()` takes the rerun up; the manifest when the job was published (its phase then
+        Succeeded, Cancelled or Expired, which `decide()` leaves alone), else None.
+
+        Only where the output is this job's (else the plan step refuses it, as on any run). A job not published
+        gets its startTime back alone, from which spec.deadlineSeconds counts (as the operator's does without a
+        creationTimestamp): its rerun plans round 0 again, which refuses a changed spec or input, and it resumes
+        after a failure, which on a cluster is final."""
+        if output_standing(self.job, store) != "ours":
+            return None
+        self.output_claimed = True
+        try:
+            kept = json.loads(store.read_bytes(layout.local_status_uri(self.job)))
+        except (StorageError, OSError, ValueError):
+            kept = None
+        kept = kept if isinstance(kept, dict) else {}
+        manifest = read_manifest(self.job)
+        if manifest is None:
+            started = kept.get("startTime") or round_planned_at(self.job, store)
+            if started:
+                self.backend.status = {"startTime": started}
+            return None
+        phase = manifest.partial.phase if manifest.partial is not None else "Succeeded"
+        if kept.get("phase") != phase:
+            # Published by a bij that kept no status once published (or it was lost): what its manifest says.
+            said = f"{phase.lower()} ({manifest.partial.reason}): " if manifest.partial is not None else ""
+            kept = {"phase": phase, "manifestUri": layout.manifest_uri(self.job),
+                    "message": f"{said}published at {manifest.published_at}"}
+        self.backend.status = kept
+        return manifest
+
+    def published_before(self, store: Any) -> None:
+        """A rerun of a job published whole, where `bij run` does what the operator (which leaves a Succeeded bij
+        alone, whatever its spec says) does not: refuse a changed spec or input, as any rerun does, and finish a
+        removal of work files cut short (its RemovalFailed warning says a rerun does)."""
+        plan_round(self.job, 0)
+        resumed = resume_removal(store, self.job)
+        warning = resumed.warning() if resumed is not None else None
+        if warning:
+            print(f"bij: warning: {warning}", file=sys.stderr)
+
+    def over_before(self, manifest: Manifest) -> int:
+        """The exit code and last words of a rerun of a job that was over before it (`decide()` left it alone)."""
+        name = self.job.metadata.name
+        partial = manifest.partial
+        if partial is not None:
+            print(f"bij: {name} was {partial.phase.lower()} ({partial.reason}) and its finished part published at "
+                  f"{manifest.published_at}: it never runs or publishes again; to run it anew, bij run --restart "
+                  "(deletes its results) or choose a new spec.output.uri", file=sys.stderr)
+        elif self.cancel:
+            print(f"bij: {name} was published whole at {manifest.published_at}: nothing to cancel", file=sys.stderr)
+        elif (removed := removed_record(self.store, self.job)) is not None:
+            # Nothing to work, and its logs are gone (keepIntermediate false).
+            print(f"bij: {name} was published before; its work files were removed at {removed.get('removedAt')} "
+                  "(output.keepIntermediate: false), nothing to do", file=sys.stderr)
+        else:
+            print(f"bij: {name} was published before, at {manifest.published_at}: nothing to do", file=sys.stderr)
         print(layout.manifest_uri(self.job))
-        return 0 if self.cancel and phase == "Cancelled" else EXIT_STOPPED
+        if partial is not None and not (self.cancel and partial.phase == "Cancelled"):
+            return EXIT_STOPPED
+        return 0
 
     def finished(self, status: dict[str, Any]) -> int:
         """The exit code and last words of a job that ended."""
+        if self.over is not None:
+            return self.over_before(self.over)
         if status.get("phase") in STOPPED_PHASES:
             manifest = read_manifest(self.job)
             assert manifest is not None and manifest.partial is not None, "stopped without a partial manifest"
@@ -505,19 +540,17 @@ class LocalRunner:
         print(layout.manifest_uri(self.job))
 
 
-def with_start_time(job: BatchInferenceJob, store: Any) -> BatchInferenceJob:
-    """`job` with the time its spec.deadlineSeconds counts from: when round 0 was planned (its first
-    run), or now when it never was."""
+def round_planned_at(job: BatchInferenceJob, store: Any) -> str | None:
+    """When round 0 was planned, or None: the start of a job whose status was not kept, or kept by a bij of an
+    earlier version without its startTime."""
     from bij.contract.plan import Plan
     from bij.storage import NotFound
 
     uri = layout.round_manifest_uri(job, 0)
     try:
-        started = Plan.from_json(store.read_bytes(uri), f"round plan {uri}").created_at
+        return Plan.from_json(store.read_bytes(uri), f"round plan {uri}").created_at
     except NotFound:
-        started = None
-    started = started or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return job.model_copy(update={"metadata": job.metadata.model_copy(update={"creation_timestamp": started})})
+        return None
 
 
 def nodes_per_lane_refusal(job: BatchInferenceJob) -> str | None:
