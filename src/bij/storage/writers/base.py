@@ -36,6 +36,24 @@ class FilePart(Protocol):
         ...
 
 
+class HeldRows:
+    """A `FilePart` that holds its rows as they come and encodes them all at once: for a format that sees
+    every row before it chooses its columns (Parquet, CSV). `encode` makes the file of a shape's rows."""
+
+    def __init__(self, shape: ResultShape, encode: Callable[[list[dict[str, Any]], ResultShape], bytes]):
+        self.shape, self.encode = shape, encode
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def finish(self) -> bytes:
+        return self.encode(self.rows, self.shape)
+
+
 class FileStream(Protocol):
     """One file of any number of rows (output.partitionBy input), kept in spool files as it fills so
     that memory stays bounded."""

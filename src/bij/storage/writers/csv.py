@@ -43,7 +43,7 @@ from bij.storage import exact_json
 from bij.storage.exact_json import may_hold_big_int
 from bij.storage.parquet import ID_INT, is_int64, result_rows
 from bij.storage.segments import encode_records
-from bij.storage.writers.base import ResultShape
+from bij.storage.writers.base import HeldRows, ResultShape
 
 LEVEL = 3  # zstd level of published files
 LINE_END = "\r\n"
@@ -166,22 +166,11 @@ class _Encoder:
         return self.cctx.compress(data) + (self.cctx.flush() if last else b"")
 
 
-class _Part:
-    def __init__(self, shape: ResultShape):
-        self.shape = shape
-        self.rows: list[dict[str, Any]] = []
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def finish(self) -> bytes:
-        encoder = _Encoder(_Columns(self.shape, *_scan(self.rows, self.shape.task)), self.shape.compression)
-        for row in self.rows:
-            encoder.add(row)
-        return encoder.take(last=True)
+def _encode_part(rows: list[dict[str, Any]], shape: ResultShape) -> bytes:
+    encoder = _Encoder(_Columns(shape, *_scan(rows, shape.task)), shape.compression)
+    for row in rows:
+        encoder.add(row)
+    return encoder.take(last=True)
 
 
 class _Stream:
@@ -242,8 +231,8 @@ class CsvWriter:
     def suffix(self, compression: str) -> str:
         return ".csv.zst" if compression == "zstd" else ".csv"
 
-    def part(self, shape: ResultShape) -> _Part:
-        return _Part(shape)
+    def part(self, shape: ResultShape) -> HeldRows:
+        return HeldRows(shape, _encode_part)
 
     def stream(self, shape: ResultShape, spool: Callable[[], IO[bytes]], batch_rows: int) -> _Stream:
         return _Stream(shape, spool, batch_rows)

@@ -13,23 +13,11 @@ import orjson
 from bij.contract.columns import RESULT_FIELDS
 from bij.storage.parquet import SUFFIX, encode_results, read_table, results_table, table_bytes, table_rows
 from bij.storage.segments import encode_records, loads_record
-from bij.storage.writers.base import ResultShape
+from bij.storage.writers.base import HeldRows, ResultShape
 
 
-class _Part:
-    def __init__(self, shape: ResultShape):
-        self.shape = shape
-        self.rows: list[dict[str, Any]] = []
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def finish(self) -> bytes:
-        s = self.shape
-        return encode_results(self.rows, s.task, s.id_kind, s.judged, s.compression)
+def _encode_part(rows: list[dict[str, Any]], s: ResultShape) -> bytes:
+    return encode_results(rows, s.task, s.id_kind, s.judged, s.compression)
 
 
 class _Stream:
@@ -108,8 +96,8 @@ class ParquetWriter:
     def suffix(self, compression: str) -> str:
         return SUFFIX
 
-    def part(self, shape: ResultShape) -> _Part:
-        return _Part(shape)
+    def part(self, shape: ResultShape) -> HeldRows:
+        return HeldRows(shape, _encode_part)
 
     def stream(self, shape: ResultShape, spool: Callable[[], IO[bytes]], batch_rows: int) -> _Stream:
         return _Stream(shape, spool, batch_rows)
