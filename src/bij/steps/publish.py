@@ -408,7 +408,7 @@ def _manifest(job: BatchInferenceJob, store: Storage, plans: list[Plan], pplan: 
         efficiency=EfficiencyFigures.model_validate(eff),
         published_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **({"cost": CostFigures.model_validate(spent)} if spent is not None else {}),
-        **({"canary": CanaryCheck.model_validate(checked)} if checked is not None else {}),
+        **({"canary": checked} if checked is not None else {}),
     )
 
 
@@ -428,7 +428,7 @@ def _write_manifest(store: Storage, job: BatchInferenceJob, manifest: Manifest, 
     return manifest
 
 
-def canary_check(job: BatchInferenceJob, store: Storage, plans: list[Plan]) -> dict[str, Any] | None:
+def canary_check(job: BatchInferenceJob, store: Storage, plans: list[Plan]) -> CanaryCheck | None:
     """With spec.canary: the canary's estimate of round 0 (from the figures its step kept) against round 0's
     completion records, streamed; None without a canary, or where its figures were never kept."""
     if job.spec.canary is None or not plans:
@@ -443,7 +443,7 @@ def canary_check(job: BatchInferenceJob, store: Storage, plans: list[Plan]) -> d
     round0 = CanaryFigures.of(rec for _, rec in stream_records(job, 0))
     est = estimate(figures, round0.bytes, min(plans[0].lane_count, w.parallelism), w.price_per_hour,
                    w.nodes_per_lane)
-    return {"shards": figures.shards, **accuracy(est, round0, w.price_per_hour, w.nodes_per_lane)}
+    return accuracy(est, round0, figures.shards, w.price_per_hour, w.nodes_per_lane)
 
 
 def _published_parts(store: Storage, job: BatchInferenceJob) -> list[str]:
