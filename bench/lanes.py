@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bij.contract.efficiency import efficiency
     from bij.contract.spec import load_job
-    from bij.local.publish import publish as bij_publish
+    from bij.local.publish import publish_manifest
     from bij.local.run import LocalRunner
     from bij.steps.planner import plan_round
     from bij.storage import open_storage
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 publish_s = None
                 if ok and publish:
                     t0 = time.perf_counter()
-                    manifest = bij_publish(job, rounds=1, processes=args.lanes)
+                    manifest = publish_manifest(job, rounds=1, processes=args.lanes)
                     publish_s = time.perf_counter() - t0
             if not ok:
                 raise RuntimeError(f"{name}: the round failed: {msg}\n{said.getvalue()[-3000:]}")
@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             exactly_once = sorted(r["index"] for r in records) == list(range(planned.shard_count)) \
                 and sum(int(r["rows"]) + int(r["errors"]) for r in records) == args.rows
             if publish:
-                ids = [json.loads(line)["id"] for f in manifest["files"]
-                       for line in (out / f["path"]).read_text().splitlines()]
+                ids = [json.loads(line)["id"] for f in manifest.files or []
+                       for line in (out / f.path).read_text().splitlines()]
                 exactly_once = exactly_once and len(ids) == len(set(ids)) == args.rows \
                     and set(ids) == {f"doc-{i:07d}" for i in range(args.rows)}
             taken = [] if legacy else sorted(r["index"] for r in records if r["lane"] != r["index"] % planned.lanes)

@@ -10,6 +10,7 @@
 - `make_job`: write a BatchInferenceJob YAML (echo engine by default) and load it.
 - `read_output`: the published manifest, checked against its files (rows, sha256),
   and every result and error row; `log_lines`: a round's raw durable records per shard.
+- `publish_doc`: publish (the typed `publish_manifest`) and read back manifest.json as written.
 - `run_shards`: plan round 0 and work its shards in this process (`recording_echo`:
   the echo engine, recording what it ran).
 - `bij_bin`, `worker_env`: the environment for real `bij` / `bij-worker` subprocesses, with an
@@ -342,6 +343,24 @@ def read_output() -> Any:
                       rows_of(listed(manifest, "errorFiles", read_listed)), raw)
 
     return read
+
+
+@pytest.fixture
+def publish_doc() -> Any:
+    """publish_doc(job, rounds=1, processes=0, bucket_rows=None) -> dict: publish with the typed
+    `bij.local.publish.publish_manifest` (the passes in this process unless `processes`) and return the
+    document written to `layout.manifest_uri(job)`, parsed: manifest.json, the public contract."""
+    from bij.contract import layout
+    from bij.local.publish import publish_manifest
+    from bij.storage import open_storage
+
+    def publish(job: Any, rounds: int = 1, processes: int = 0, bucket_rows: int | None = None) -> dict[str, Any]:
+        publish_manifest(job, rounds, processes, bucket_rows)
+        uri = layout.manifest_uri(job)
+        doc: dict[str, Any] = json.loads(open_storage(uri, job.spec.storage.s3).read_bytes(uri))
+        return doc
+
+    return publish
 
 
 def shard_log_lines(place: Place, job: Any, round_no: int = 0) -> dict[int, list[dict[str, Any]]]:

@@ -103,8 +103,8 @@ def test_a_malformed_shard_record_is_a_permanent_error_naming_it(broken: bytes, 
 
 def test_the_operator_reads_shard_records_through_the_contract_and_names_a_bad_one(file_place, make_job,
                                                                                   run_shards) -> None:
+    from bij.local.publish import publish_manifest
     from bij.steps.progress import live_records, shard_records
-    from bij.steps.publish import publish
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": i, "text": f"t{i}"} for i in range(9)]))
     run_shards(job)
@@ -115,7 +115,7 @@ def test_the_operator_reads_shard_records_through_the_contract_and_names_a_bad_o
         with pytest.raises(BadRecord, match=f"completion record {done} is not a shard record: no errors"):
             read(job, 0)
     with pytest.raises(BadRecord, match=f"completion record {done}"):
-        publish(job)
+        publish_manifest(job)
     progress = layout.progress_uri(layout.round_prefix(job, 0), 1)
     file_place.storage.write_bytes(done, OLD_DONE_RECORD)
     file_place.storage.write_bytes(progress, b"{")

@@ -19,7 +19,7 @@ from bij.contract import layout
 from bij.contract.spec import SpecError, parse_spec
 from bij.engines import create_engine
 from bij.engines.http import HttpEngine, retry_after_seconds
-from bij.steps.publish import publish
+from bij.local.publish import publish_manifest
 from bij.worker.main import engine_config
 
 # policy(body, sends of this row so far including this one, sends in all) -> None (answer) | (status, headers,
@@ -159,7 +159,7 @@ def run_job(file_place: Any, make_job: Any, run_shards: Any, read_output: Any, r
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows), model=model, **spec)
     engine = create_engine("http", engine_config(job.spec))
     run_shards(job, engine=engine)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     out.engine = engine
     return out

@@ -35,7 +35,7 @@ from tiny_models import build_model  # noqa: E402
 from bij.engines import create_engine, vllm_llm  # noqa: E402
 from bij.engines.base import EngineConfig  # noqa: E402
 from bij.engines.http import HttpEngine, ServerRefused  # noqa: E402
-from bij.steps.publish import publish  # noqa: E402
+from bij.local.publish import publish_manifest  # noqa: E402
 from bij.worker.main import engine_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -112,7 +112,7 @@ def run_both(file_place: Any, make_job: Any, run_shards: Any, read_output: Any, 
     _, by_http = make_job(file_place, uri, out_dir="http/", model=http_model(url, task, model), **spec)
     engine = create_engine("http", engine_config(by_http.spec))
     run_shards(by_http, engine=engine)
-    publish(by_http)
+    publish_manifest(by_http)
     _, by_vllm = make_job(file_place, uri, out_dir="vllm/",
                           model={"engine": "vllm", "task": task, "name": str(model), "vllm": KNOBS}, **spec)
     vllm_llm.shutdown_llm()  # one LLM per process: this task's
@@ -120,7 +120,7 @@ def run_both(file_place: Any, make_job: Any, run_shards: Any, read_output: Any, 
         run_shards(by_vllm, engine=create_engine("vllm", EngineConfig(task=task, name=str(model), vllm=KNOBS)))
     finally:
         vllm_llm.shutdown_llm()
-    publish(by_vllm)
+    publish_manifest(by_vllm)
     return read_output(by_http), read_output(by_vllm)
 
 

@@ -314,7 +314,7 @@ def test_a_tokenizer_that_cannot_write_json_fails_those_rows_alone_and_says_so_o
     """15 chat rows on a word-level (WordPiece-decoded) tokenizer, 6 asking for a JSON schema: the job
     publishes, the 6 are `unsupported` error rows naming why, the other 9 are answered, and the reason
     is in the manifest's notes once."""
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     rows = [{"id": i, "text": "a b", **({"sampling": {"structuredOutput": {"jsonSchema": schema}}}
@@ -324,7 +324,7 @@ def test_a_tokenizer_that_cannot_write_json_fails_those_rows_alone_and_says_so_o
                       batching={"maxBatchSize": 4})
     engine = TransformersEngine(EngineConfig(task="chat", name=str(wordpiece_model), device="cpu", max_tokens=8))
     run_shards(job, engine=engine)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     out = read_output(job)
     structured = [r["id"] for r in rows if "sampling" in r]
     assert len(structured) == 6
@@ -333,8 +333,8 @@ def test_a_tokenizer_that_cannot_write_json_fails_those_rows_alone_and_says_so_o
     for e in out.errors:
         assert e["error"]["code"] == "unsupported"
         assert "has no token that can start a JSON value" in e["error"]["message"]
-    assert len(manifest["notes"]) == 1 and "no token that can start a JSON value" in manifest["notes"][0]
-    assert manifest["counts"]["errorCodes"] == {"unsupported": 6}
+    assert len(manifest.notes) == 1 and "no token that can start a JSON value" in manifest.notes[0]
+    assert manifest.counts.error_codes == {"unsupported": 6}
 
 
 def test_structured_rows_on_a_byte_level_model_are_never_an_invalid_success(
@@ -342,7 +342,7 @@ def test_structured_rows_on_a_byte_level_model_are_never_an_invalid_success(
     """Schemas with maxLength, nested arrays, enums, patterns and uniqueItems (which the grammar does not
     enforce), sampled at temperature 1 beside plain rows: every published answer validates, every
     other structured row is an error row carrying its answer, and the plain rows are answered."""
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
     choice = ["red", "green"]
     asks = [{"jsonSchema": BOUNDED}, {"jsonSchema": SCHEMAS[1]}, {"regex": "[a-c]{2}-[0-9]"}, {"choice": choice}]
@@ -353,7 +353,7 @@ def test_structured_rows_on_a_byte_level_model_are_never_an_invalid_success(
                              "temperature": 1.0})
     engine = TransformersEngine(EngineConfig(task="generate", name=str(byte_model), device="cpu"))
     run_shards(job, engine=engine)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     out = read_output(job)
     by_id = {r["id"]: r for r in rows}
     answered = 0
@@ -373,14 +373,14 @@ def test_structured_rows_on_a_byte_level_model_are_never_an_invalid_success(
     for e in out.errors:
         assert e["error"]["code"] == "schema_violation" and "output" in e and "breaks its structured output" in \
             e["error"]["message"]
-    s = manifest["counts"]["structured"]
-    assert s["validated"] >= answered > 0
-    assert s["violations"] == len(out.errors) == manifest["counts"]["errorCodes"].get("schema_violation", 0)
+    s = manifest.counts.structured
+    assert s.validated >= answered > 0
+    assert s.violations == len(out.errors) == manifest.counts.error_codes.get("schema_violation", 0)
 
 
 def test_a_thousand_structured_rows_every_success_validates(
         byte_model: Path, file_place: Any, make_job: Any, run_shards: Any, read_output: Any) -> None:
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
     schema = {"type": "object", "properties": {"label": {"enum": ["cat", "dog", "bird"]},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -391,16 +391,16 @@ def test_a_thousand_structured_rows_every_success_validates(
                              "temperature": 1.0, "structuredOutput": {"jsonSchema": schema}},
                       batching={"maxBatchSize": 64}, sharding={"targetShardBytes": 1 << 20, "chunkRows": 250})
     run_shards(job, engine=TransformersEngine(EngineConfig(task="generate", name=str(byte_model), device="cpu")))
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     out = read_output(job)
     assert len(out.results) + len(out.errors) == 1000
     finished = [r for r in out.results if r["usage"]["completion_tokens"] < 32]  # the rest hit the cap
     assert len(finished) > 700
     for r in finished:
         jsonschema.validate(json.loads(r["output"]), schema)
-    assert manifest["counts"]["structured"]["validated"] == len(finished)
+    assert manifest.counts.structured.validated == len(finished)
     assert {e["error"]["code"] for e in out.errors} <= {"schema_violation"}
-    assert manifest["counts"]["structured"]["violations"] == len(out.errors)
+    assert manifest.counts.structured.violations == len(out.errors)
 
 
 def test_a_broken_answer_is_retried_once_on_the_second_grammar_backend(byte_model: Path) -> None:
@@ -444,7 +444,7 @@ def test_each_costly_or_odd_row_fails_alone_beside_good_rows(
     runs: nothing of it is ever held), a seed beyond 64 bits on a line with a NaN (read by the standard
     library's parser), a schema whose uniqueItems the grammar does not enforce, and good rows: the good
     rows are answered, each other row is an answer that keeps its schema or an error row naming why."""
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
     unique = {"type": "array", "items": {"enum": [0, 1]}, "uniqueItems": True, "minItems": 2, "maxItems": 2}
     lines = [json.dumps({"id": i, "text": f"good {i}"}) for i in range(4)]
@@ -457,7 +457,7 @@ def test_each_costly_or_odd_row_fails_alone_beside_good_rows(
     _, job = make_job(file_place, uri, model={"engine": "transformers", "name": str(byte_model), "task": "generate",
                                               "maxTokens": 12, "temperature": 1.0})
     run_shards(job, engine=TransformersEngine(EngineConfig(task="generate", name=str(byte_model), device="cpu")))
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     results = {r["id"]: r for r in out.results}
     errors = {e["id"]: e["error"] for e in out.errors}

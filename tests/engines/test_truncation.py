@@ -8,7 +8,7 @@ import pytest
 
 from bij.contract.spec import parse_spec
 from bij.engines.echo import echo_embedding
-from bij.steps.publish import publish
+from bij.local.publish import publish_manifest
 
 LONG = "0123456789" * 10  # 100 bytes: 25 estimated tokens for the echo engine
 
@@ -35,7 +35,7 @@ def test_truncate_defaults_to_true_for_embed_only(task: str, expected: bool) -> 
 def test_embed_cuts_a_long_row_marks_it_and_counts_it(file_place, make_job, run_shards, read_output) -> None:
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows()), model=spec_for("embed", None))
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.errors == []
     by_id = {r["id"]: r for r in out.results}
@@ -53,7 +53,7 @@ def test_truncate_false_keeps_a_long_embed_row_an_error(file_place, make_job, ru
     metrics = Metrics()
     run_shards(job, metrics=metrics)
     assert metrics.registry.get_sample_value("bij_row_errors_total", {"code": "too_many_tokens"}) == 1
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [(e["id"], e["error"]["code"]) for e in out.errors] == [(2, "too_many_tokens")]
     assert out.manifest["counts"]["truncated"] == 0
@@ -63,13 +63,13 @@ def test_generate_refuses_long_prompts_unless_asked_to_truncate(file_place, make
                                                                read_output) -> None:
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows()), model=spec_for("generate", None))
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     assert [e["error"]["code"] for e in read_output(job).errors] == ["too_many_tokens"]
 
     _, job = make_job(file_place, file_place.write_jsonl("in2.jsonl", rows()), out_dir="out2/",
                       model=spec_for("generate", True))
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     long = next(r for r in out.results if r["id"] == 2)
     assert long["output"] == LONG[-20:] and long["truncated"] is True  # generation keeps the tail
@@ -81,7 +81,7 @@ def test_truncated_openai_lines_carry_the_mark(file_place, make_job, run_shards,
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", lines), model=spec_for("embed", None),
                       input={"format": "openai"})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     (line,) = read_output(job).results
     assert line["truncated"] is True and line["response"]["body"]["usage"]["prompt_tokens"] == 5
 

@@ -399,8 +399,8 @@ def test_bij_run_embeds_through_a_pooling_model_head_truncated(
 @pytest.mark.parametrize("drain", [60.0, 0.0], ids=["in-flight-rows-finish", "in-flight-rows-recomputed"])
 def test_sigterm_finishes_or_drops_rows_in_the_engine_and_a_rerun_loses_none(
         drain, file_place, make_job, read_output, log_lines, worker_env, bij_bin, wired_model):
+    from bij.local.publish import publish_manifest
     from bij.steps.planner import plan_round
-    from bij.steps.publish import publish
 
     inputs = rows(96, prefix=4)
     _, job = vllm_job(make_job, file_place, inputs, wired_model,
@@ -445,7 +445,7 @@ def test_sigterm_finishes_or_drops_rows_in_the_engine_and_a_rerun_loses_none(
     assert p.returncode == 0, err[-3000:]
     places = Counter((r["at"][0], r["at"][1]) for recs in log_lines(file_place, job).values() for r in recs)
     assert len(places) == len(inputs) and max(places.values()) == 1
-    publish(job)
+    publish_manifest(job)
     res = read_output(job)
     assert res.result_ids == [r["id"] for r in inputs]
     assert [r["output"].split() for r in res.results] == [expected(r["text"], 40) for r in inputs]

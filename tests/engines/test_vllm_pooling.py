@@ -74,7 +74,7 @@ def test_vllm_classifies_with_the_labels_of_id2label(tmp_path: Path) -> None:
 
 def test_rerank_rows_run_through_the_worker_on_vllm_and_bad_rows_are_error_rows(
         tmp_path: Path, file_place: Any, make_job: Any, run_shards: Any, read_output: Any) -> None:
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
     path = build_bert_head(tmp_path / "ce", num_labels=1, max_positions=128, hidden_size=128)
     lines = [{"id": i, "query": QUERY, "documents": DOCUMENTS[: i + 1]} for i in range(3)]
@@ -84,7 +84,7 @@ def test_rerank_rows_run_through_the_worker_on_vllm_and_bad_rows_are_error_rows(
     served, direct = engines(path, "rerank")
     try:
         run_shards(job, served)
-        publish(job)
+        publish_manifest(job)
         out = read_output(job)
         want = direct.run([Request(text=QUERY, documents=DOCUMENTS[: i + 1]) for i in range(3)])
         by_id = {r["id"]: r["results"] for r in out.results}

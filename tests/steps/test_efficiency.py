@@ -8,7 +8,7 @@ import pytest
 
 from bij.contract.efficiency import cost, efficiency, eta_seconds, fmt_duration, fmt_money, status_fields
 from bij.contract.spec import SpecError, parse_spec
-from bij.steps.publish import publish
+from bij.local.publish import publish_manifest
 
 RECORDS = [
     {"rows": 600, "errors": 1, "tokensIn": 30000, "tokensOut": 0, "seconds": 50.0, "modelLoadSeconds": 10.0,
@@ -57,17 +57,21 @@ def test_manifest_carries_efficiency_and_with_a_price_cost(file_place, make_job,
     rows = [{"id": i, "text": f"row {i}"} for i in range(50)]
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows), workers={"pricePerHour": 3.6})
     run_shards(job)
-    manifest = publish(job)
-    eff, spent = manifest["efficiency"], manifest["cost"]
-    assert eff["workerSeconds"] > 0 and 0 <= eff["engineBusyFraction"] <= 1
-    assert math.isclose(eff["rowsPerSecondPerWorker"], 50 / eff["workerSeconds"], rel_tol=1e-2)
-    assert math.isclose(spent["total"], 3.6 * eff["workerSeconds"] / 3600, rel_tol=1e-3, abs_tol=1e-6)
-    assert math.isclose(spent["perMillionRows"], spent["total"] / 50 * 1e6, rel_tol=1e-3)
-    assert read_output(job).manifest["cost"] == spent
+    manifest = publish_manifest(job)
+    eff, spent = manifest.efficiency, manifest.cost
+    assert eff is not None and spent is not None
+    assert eff.worker_seconds > 0 and 0 <= eff.engine_busy_fraction <= 1
+    assert math.isclose(eff.rows_per_second_per_worker, 50 / eff.worker_seconds, rel_tol=1e-2)
+    assert math.isclose(spent.total, 3.6 * eff.worker_seconds / 3600, rel_tol=1e-3, abs_tol=1e-6)
+    assert spent.per_million_rows is not None
+    assert math.isclose(spent.per_million_rows, spent.total / 50 * 1e6, rel_tol=1e-3)
+    assert read_output(job).manifest["cost"] == spent.as_json()
 
     _, free = make_job(file_place, file_place.write_jsonl("in2.jsonl", rows), out_dir="out2/")
     run_shards(free)
-    assert "cost" not in publish(free) and "efficiency" in read_output(free).manifest
+    publish_manifest(free)
+    written = read_output(free).manifest
+    assert "cost" not in written and "efficiency" in written
 
 
 def test_cost_is_summed_per_pool_at_each_pools_price() -> None:
@@ -90,11 +94,12 @@ def test_a_pools_pods_name_their_pool_in_the_shard_records_and_the_manifest_cost
                       workers={"pricePerHour": 3.6, "pools": [{"name": "spot", "pricePerHour": 0.36}, {"name": "od"}]})
     monkeypatch.setenv("BIJ_POOL", "spot")
     run_shards(job)
-    manifest = publish(job)
-    eff, spent = manifest["efficiency"], manifest["cost"]
-    assert eff["workerSecondsByPool"] == {"spot": eff["workerSeconds"]}
-    assert math.isclose(spent["pools"]["spot"], 0.36 * eff["workerSeconds"] / 3600, rel_tol=1e-3, abs_tol=1e-6)
-    assert spent["total"] == spent["pools"]["spot"]
+    manifest = publish_manifest(job)
+    eff, spent = manifest.efficiency, manifest.cost
+    assert eff is not None and spent is not None and spent.pools is not None
+    assert eff.worker_seconds_by_pool == {"spot": eff.worker_seconds}
+    assert math.isclose(spent.pools["spot"], 0.36 * eff.worker_seconds / 3600, rel_tol=1e-3, abs_tol=1e-6)
+    assert spent.total == spent.pools["spot"]
 
 
 @pytest.mark.parametrize("price", ["two dollars", "$2.50", -1, True])

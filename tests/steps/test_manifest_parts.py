@@ -13,9 +13,9 @@ from recording import RecordingStorage
 from bij.contract import layout
 from bij.contract import manifest as manifest_lists
 from bij.contract.manifest import Manifest
+from bij.local.publish import publish_manifest
 from bij.steps import publish as publish_module
 from bij.steps import publish_rows
-from bij.steps.publish import publish
 from bij.steps.results import ResultsError, manifest_summary, write_jsonl, write_parquet
 from bij.storage import open_storage
 
@@ -36,13 +36,13 @@ def rows_out(job: Any, which: str = "results") -> bytes:
 
 
 def test_a_manifest_in_parts_is_read_as_the_one_document_it_stands_for(file_place, make_job, run_shards,
-                                                                        read_output, monkeypatch):
+                                                                        read_output, publish_doc, monkeypatch):
     job = published_job(file_place, make_job, run_shards)
-    one = publish(job)
+    one = publish_doc(job)
     assert "parts" not in one and len(one["files"]) > 5
     results, errors, summary = rows_out(job), rows_out(job, "errors"), manifest_summary(Manifest.parse(one))
     monkeypatch.setenv("BIJ_MANIFEST_PART_FILES", "3")
-    parted = publish(job)
+    parted = publish_doc(job)
     assert "files" not in parted and "errorFiles" not in parted
     assert [p["files"] + p["errorFiles"] + p["cappedFiles"] for p in parted["parts"]][:-1] == \
         [3] * (len(parted["parts"]) - 1)
@@ -64,7 +64,7 @@ def test_a_manifest_in_parts_is_read_as_the_one_document_it_stands_for(file_plac
     assert read_output(job).results == [json.loads(line) for line in results.splitlines()]
     # Published again in one document, the parts of the manifest it replaced go.
     monkeypatch.delenv("BIJ_MANIFEST_PART_FILES")
-    again = publish(job)
+    again = publish_doc(job)
     assert drop_time(again) == drop_time(one)
     assert not store.list(layout.join(job.spec.output.uri, manifest_lists.PARTS_FOLDER) + "/")
 
@@ -75,8 +75,8 @@ def test_manifest_parts_are_written_before_the_manifest(file_place, make_job, ru
     for module in (publish_module, publish_rows):
         monkeypatch.setattr(module, "open_storage", lambda uri, s3: RecordingStorage(open_storage(uri, s3), writes))
     monkeypatch.setenv("BIJ_MANIFEST_PART_FILES", "2")
-    manifest = publish(job)
-    parts = [layout.join(job.spec.output.uri, p) for p in Manifest.parse(manifest).part_paths()]
+    manifest = publish_manifest(job)
+    parts = [layout.join(job.spec.output.uri, p) for p in manifest.part_paths()]
     assert len(parts) > 2 and set(parts) <= set(writes)
     assert writes.index(layout.manifest_uri(job)) > max(writes.index(p) for p in parts)
 
@@ -85,8 +85,8 @@ def test_a_manifest_part_changed_after_publishing_is_refused_naming_it(file_plac
                                                                        monkeypatch):
     job = published_job(file_place, make_job, run_shards)
     monkeypatch.setenv("BIJ_MANIFEST_PART_FILES", "2")
-    manifest = publish(job)
-    path = Manifest.parse(manifest).part_paths()[1]
+    manifest = publish_manifest(job)
+    path = manifest.part_paths()[1]
     file_place.storage.write_bytes(layout.join(job.spec.output.uri, path), b'{"files": []}')
     with pytest.raises(ResultsError, match=path):
         rows_out(job)
@@ -106,8 +106,8 @@ def test_starting_over_deletes_the_manifest_and_then_its_parts(file_place, make_
 
     job = published_job(file_place, make_job, run_shards)
     monkeypatch.setenv("BIJ_MANIFEST_PART_FILES", "2")
-    manifest = publish(job)
-    assert Manifest.parse(manifest).part_paths()
+    manifest = publish_manifest(job)
+    assert manifest.part_paths()
     reset_output(job)
     assert not file_place.storage.exists(layout.manifest_uri(job))
     assert not file_place.storage.list(layout.join(job.spec.output.uri, manifest_lists.PARTS_FOLDER) + "/")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bij.steps.publish import publish
+from bij.local.publish import publish_manifest
 
 openai_types = pytest.importorskip("openai.types")
 chat_types = pytest.importorskip("openai.types.chat")
@@ -38,7 +38,7 @@ def test_result_bodies_and_error_lines_validate_against_the_openai_sdk(
     _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
                       input={"format": "openai"}, model={"task": task})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [r["custom_id"] for r in out.results] == ["ok-1", "ok-2"]
     for line in out.results:
@@ -77,7 +77,7 @@ def test_list_inputs_answer_one_line_with_an_item_per_input_in_the_sdks_shapes(
                       model={"task": "embed", "maxInputTokens": 8, "truncate": False},
                       sharding={"targetShardBytes": 4096, "chunkRows": 2})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     bodies = {r["custom_id"]: r["response"]["body"] for r in out.results}
     assert list(bodies) == ["three", "one", "packed"]
@@ -102,7 +102,7 @@ def test_list_inputs_answer_one_line_with_an_item_per_input_in_the_sdks_shapes(
     _, job = make_job(file_place, file_place.write_jsonl("c.jsonl", lines), input={"format": "openai"},
                       model={"task": "generate"}, name="c", out_dir="out-c/")
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     two, solo = (openai_types.Completion.model_validate(r["response"]["body"]) for r in out.results)
     assert [(c.index, c.text) for c in two.choices] == [(0, "once upon"), (1, "a time")]
@@ -143,7 +143,7 @@ def test_a_continuous_engine_answers_every_prompt_of_a_line_in_that_line(
     from bij.engines.simulated import SimulatedEngine
 
     run_shards(job, SimulatedEngine(EngineConfig(task="generate", simulated={"stepSeconds": 0, "maxNumSeqs": 4})))
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [r["custom_id"] for r in out.results] == ["r0", "r1", "r2"] and out.errors == []
     for i, line in enumerate(out.results):
@@ -203,7 +203,7 @@ def test_all_minilm_answers_input_lists_in_base64_and_dimensions_only_where_decl
     _, job = make_job(file_place, file_place.write_jsonl("e.jsonl", lines), input={"format": "openai"},
                       model={"engine": "sentence-transformers", "task": "embed"})
     run_shards(job, engine)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     bodies = {r["custom_id"]: r["response"]["body"] for r in out.results}
     alone = [r.embedding for r in engine.run([Request(text=t) for t in texts])]
@@ -249,7 +249,7 @@ def test_a_line_of_several_prompts_is_durable_whole_or_not_at_all_and_a_rerun_ru
     engine = recording_echo()
     assert run_shards(job, engine=engine)[0].rows == 60
     assert sorted(engine.seen) == sorted(p for line in lines[durable:] for p in line["body"]["prompt"])
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [r["custom_id"] for r in out.results] == [f"r{i}" for i in range(60)] and out.errors == []
     for line, r in zip(lines, out.results, strict=True):
@@ -262,7 +262,7 @@ def test_one_prompt_that_breaks_the_engine_fails_its_line_alone_naming_it(
              for i in range(8)]
     _, job = make_job(file_place, file_place.write_jsonl("c.jsonl", lines), input={"format": "openai"})
     run_shards(job, engine=recording_echo(fail_on="poison"))
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [r["custom_id"] for r in out.results] == [f"r{i}" for i in range(8) if i != 3]
     (err,) = out.errors

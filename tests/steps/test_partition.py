@@ -15,7 +15,6 @@ from bij.contract import layout
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.spec import SpecError, parse_job
 from bij.steps.planner import plan_round
-from bij.steps.publish import publish
 from bij.steps.sharding import plan_shards
 from bij.worker.shard import load_plan
 
@@ -50,7 +49,8 @@ def test_partition_stems_drop_the_input_suffix() -> None:
     assert layout.partition_problem("a/b") is None
 
 
-def test_each_input_file_is_published_as_one_file_of_the_same_relative_name(place, make_job, run_shards) -> None:
+def test_each_input_file_is_published_as_one_file_of_the_same_relative_name(place, make_job, run_shards,
+                                                                            publish_doc) -> None:
     a, b = rows("a", 300), rows("b", 40)
     place.write_jsonl("in/2026-01/x.jsonl", a)
     place.write_jsonl("in/2026-02/y.jsonl", [*b[:20], {"id": "b-bad", "text": ""}, *b[20:], b[3]])
@@ -61,7 +61,7 @@ def test_each_input_file_is_published_as_one_file_of_the_same_relative_name(plac
     plan = load_plan(plan_round(job, 0).manifest_uri, job.spec.storage.s3)
     assert [len(s) for s in plan.shards] == [1, 1]  # each object whole, however small the shard target
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_doc(job)
     assert [(f["path"], f["input"], f["rows"]) for f in manifest["files"]] == [
         ("results/2026-01/x.jsonl.zst", "2026-01/x.jsonl", 300), ("results/2026-02/y.jsonl.zst", "2026-02/y.jsonl", 40)]
     assert [(f["path"], f["rows"]) for f in manifest["errorFiles"]] == [("errors/2026-02/y.jsonl.zst", 2)]
@@ -72,10 +72,10 @@ def test_each_input_file_is_published_as_one_file_of_the_same_relative_name(plac
     assert sorted(e["error"]["code"] for e in errors) == ["duplicate_id", "empty_text"]
     assert manifest["counts"]["rows"] == 340 and manifest["counts"]["errors"] == 2
     # Publishing again gives the same files.
-    assert publish(job)["files"] == manifest["files"]
+    assert publish_doc(job)["files"] == manifest["files"]
 
 
-def test_parquet_input_publishes_one_parquet_file_per_input_file(file_place, make_job, run_shards) -> None:
+def test_parquet_input_publishes_one_parquet_file_per_input_file(file_place, make_job, run_shards, publish_doc) -> None:
     for name, n in (("p/part-0.parquet", 120), ("p/part-1.parquet", 30)):
         table = pa.table({"id": [f"{name}:{i}" for i in range(n)], "text": [f"t{i}" for i in range(n)],
                           "lang": ["de"] * n})
@@ -85,19 +85,20 @@ def test_parquet_input_publishes_one_parquet_file_per_input_file(file_place, mak
     _, job = make_job(file_place, file_place.uri("in/"), input={"format": "parquet"},
                       output={"format": "parquet", "partitionBy": "input"}, sharding={"targetShardBytes": 1024})
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_doc(job)
     assert [f["path"] for f in manifest["files"]] == ["results/p/part-0.parquet", "results/p/part-1.parquet"]
     part0 = published(file_place, job, manifest["files"][0])
     assert [r["id"] for r in part0] == [f"p/part-0.parquet:{i}" for i in range(120)]
     assert {r["lang"] for r in part0} == {"de"}
 
 
-def test_an_input_file_with_no_result_rows_still_has_its_result_file(file_place, make_job, run_shards) -> None:
+def test_an_input_file_with_no_result_rows_still_has_its_result_file(file_place, make_job, run_shards,
+                                                                      publish_doc) -> None:
     file_place.write_jsonl("in/a.jsonl", rows("a", 5))
     file_place.write_jsonl("in/b.jsonl", [{"id": "b", "text": ""}])
     _, job = make_job(file_place, file_place.uri("in/"), output={"partitionBy": "input"})
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_doc(job)
     assert [(f["path"], f["rows"]) for f in manifest["files"]] == [("results/a.jsonl", 5), ("results/b.jsonl", 0)]
     assert [f["path"] for f in manifest["errorFiles"]] == ["errors/b.jsonl"]
 
@@ -185,7 +186,8 @@ def test_partitioning_by_input_refuses_judge_rounds() -> None:
     assert parse_job(doc).spec.output.partition_by == "input"
 
 
-def test_a_large_partition_is_built_in_batches_and_spooled(file_place, make_job, run_shards, monkeypatch) -> None:
+def test_a_large_partition_is_built_in_batches_and_spooled(file_place, make_job, run_shards, monkeypatch,
+                                                            publish_doc) -> None:
     from bij.steps import publish_rows
 
     # Batches of 7 rows and a spool that goes to disk after 100 bytes: the file is still one file.
@@ -197,7 +199,7 @@ def test_a_large_partition_is_built_in_batches_and_spooled(file_place, make_job,
         _, job = make_job(file_place, file_place.uri("in/"), name=fmt, out_dir=f"out-{fmt}/",
                           output={"partitionBy": "input", "format": fmt, "compression": compression})
         run_shards(job)
-        (entry,) = publish(job)["files"]
+        (entry,) = publish_doc(job)["files"]
         got = published(file_place, job, entry)
         assert entry["rows"] == 30 and [r["id"] for r in got] == list(range(30))
         if fmt == "jsonl":

@@ -10,9 +10,9 @@ import pytest
 from bij.contract import layout
 from bij.contract import plan as plan_module
 from bij.contract.plan import Plan
+from bij.local.publish import publish_manifest
 from bij.steps.plan_input import list_input
 from bij.steps.planner import build_plan, plan_round
-from bij.steps.publish import publish
 from bij.worker.shard import ShardWorker, load_plan
 
 
@@ -62,9 +62,9 @@ def test_a_round_planned_in_parts_publishes_what_one_plan_document_does(file_pla
     run_shards(parted)
     assert load_plan(layout.round_manifest_uri(parted, 0), None).in_parts
     assert not load_plan(layout.round_manifest_uri(one, 0), None).in_parts
-    a, b = publish(one), publish(parted)
+    a, b = publish_manifest(one), publish_manifest(parted)
     assert read_output(one).results == read_output(parted).results
-    assert a["counts"] == b["counts"] and a["rounds"] == b["rounds"]
+    assert a.counts == b.counts and a.rounds == b.rounds
 
 
 def test_the_parts_are_written_before_the_plan_head(file_place, make_job, monkeypatch):

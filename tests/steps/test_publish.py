@@ -13,16 +13,14 @@ from recording import RecordingStorage
 
 from bij import storage
 from bij.contract import layout
-from bij.contract.manifest import Manifest
 from bij.contract.publish_plan import PublishPlan
 from bij.engines.base import estimate_tokens
 from bij.engines.echo import echo_embedding
-from bij.local.publish import publish as publish_in_processes
 from bij.local.publish import publish_manifest
 from bij.steps import publish as publish_module
 from bij.steps import publish_rows
 from bij.steps.planner import plan_round
-from bij.steps.publish import PublishError, WorkFilesRemoved, publish, read_manifest
+from bij.steps.publish import PublishError, WorkFilesRemoved, read_manifest
 from bij.steps.publish_rows import PublishPlanError
 from bij.storage import StorageError, open_storage
 from bij.storage.segments import ShardLog
@@ -41,25 +39,26 @@ def test_the_manifest_is_written_last_and_once(place, make_job, run_shards, read
     for module in (publish_module, publish_rows):
         monkeypatch.setattr(module, "open_storage",
                             lambda uri, s3: RecordingStorage(open_storage(uri, s3), writes))
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     out = read_output(job)
     published = [w for w in writes if not w.startswith(layout.state_prefix(job))]  # not the passes' work files
     assert published[-1] == layout.manifest_uri(job)
     assert writes.count(layout.manifest_uri(job)) == 1
-    listed = [layout.join(job.spec.output.uri, f["path"]) for f in manifest["files"] + manifest["errorFiles"]]
-    assert set(listed) == set(published[:-1]) and len(manifest["files"]) >= 2
+    files, error_files = manifest.files or [], manifest.error_files or []
+    listed = [layout.join(job.spec.output.uri, f.path) for f in files + error_files]
+    assert set(listed) == set(published[:-1]) and len(files) >= 2
     # Only the record of the removed work files comes after the manifest (output.keepIntermediate false):
     # written before the first delete, and once more when the removal finished.
     assert writes[writes.index(layout.manifest_uri(job)) + 1:] == [layout.removed_uri(job)] * 2
-    assert out.manifest == manifest
+    assert out.manifest == manifest.as_json()  # the manifest returned is the one written
 
 
-def test_counts_and_checksums_describe_the_files(file_place, make_job, run_shards, read_output):
+def test_counts_and_checksums_describe_the_files(file_place, make_job, run_shards, read_output, publish_doc):
     good = rows(120)
     inputs: list[Any] = good[:60] + ["{oops", {"id": "e", "text": ""}] + good[60:]
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 2048})
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_doc(job)
     out = read_output(job)  # checks rows, bytes and sha256 of every listed file
     tokens = sum(estimate_tokens(r["text"]) for r in good)
     assert manifest["counts"] == {"rows": 120, "errors": 2, "capped": 0, "duplicates": 0, "truncated": 0,
@@ -80,12 +79,12 @@ def test_ids_repeated_across_shards_are_published_once_and_1_differs_from_1_as_a
     file_place.write_jsonl("in/2.jsonl", second)
     _, job = make_job(file_place, file_place.uri("in/"), sharding={"targetShardBytes": 1024})
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == [r["id"] for r in first + second[:-2]]
     assert [(e["id"], e["error"]["code"], e["object"]) for e in out.errors] == [
         (1, "duplicate_id", "2.jsonl"), ("a3", "duplicate_id", "2.jsonl")]
-    assert manifest["counts"]["duplicates"] == 2
+    assert manifest.counts.duplicates == 2
 
 
 def test_a_duplicate_pods_records_are_published_once(s3_place, make_job, run_shards, read_output):
@@ -96,7 +95,7 @@ def test_a_duplicate_pods_records_are_published_once(s3_place, make_job, run_sha
     log = ShardLog(s3_place.storage, layout.shard_prefix(plan.round_prefix, 0), writer_id="speculative-pod")
     records = log.read().records
     log.append(records[::-1])  # the same rows again, from another writer
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == [r["id"] for r in inputs] and out.errors == []
 
@@ -108,11 +107,11 @@ def test_an_error_ratio_above_max_error_ratio_fails_and_writes_no_manifest(limit
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), maxErrorRatio=limit)
     run_shards(job)
     if ok:
-        assert publish(job)["counts"]["errors"] == 2
+        assert publish_manifest(job).counts.errors == 2
         assert read_manifest(job) is not None
         return
     with pytest.raises(PublishError, match=r"2 of 10 rows failed \(20.0%\), above spec.maxErrorRatio 19.0%"):
-        publish(job)
+        publish_manifest(job)
     assert read_manifest(job) is None
 
 
@@ -122,7 +121,7 @@ def test_publishing_before_every_shard_finished_fails_and_writes_no_manifest(fil
     plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
     file_place.storage.delete(layout.done_uri(plan.round_prefix, 1))
     with pytest.raises(PublishError, match="shard 1 has not finished"):
-        publish(job)
+        publish_manifest(job)
     assert read_manifest(job) is None
 
 
@@ -131,12 +130,12 @@ def test_result_files_are_zstd_or_plain_jsonl(compression, suffix, place, make_j
     inputs = rows(30)
     _, job = make_job(place, place.write_jsonl("in.jsonl", inputs), output={"compression": compression})
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     out = read_output(job)
-    assert manifest["compression"] == compression
-    [f] = manifest["files"]
-    assert f["path"] == f"results/r0-00000{suffix}"
-    data = out.raw[f["path"]]
+    assert manifest.compression == compression
+    [f] = manifest.files or []
+    assert f.path == f"results/r0-00000{suffix}"
+    data = out.raw[f.path]
     if compression == "zstd":
         assert data.startswith(b"\x28\xb5\x2f\xfd")  # the zstd frame magic
         data = zstandard.ZstdDecompressor().decompress(data)
@@ -162,9 +161,9 @@ def test_openai_batch_input_gets_openai_batch_output(task, url, file_place, make
     _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
                       input={"format": "openai"}, model={"task": task, "name": "my-model"})
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     out = read_output(job)
-    assert manifest["format"] == "openai"
+    assert manifest.format == "openai"
     for i, (row, text) in enumerate(zip(out.results, texts, strict=True)):
         assert row["custom_id"] == f"req-{i}" and row["error"] is None and row["id"].startswith("batch_req_")
         assert row["response"]["status_code"] == 200
@@ -180,13 +179,13 @@ def test_openai_batch_input_gets_openai_batch_output(task, url, file_place, make
         assert body["usage"]["prompt_tokens"] >= 1
 
 
-def test_publishing_again_gives_the_same_files(file_place, make_job, run_shards, read_output):
+def test_publishing_again_gives_the_same_files(file_place, make_job, run_shards, read_output, publish_doc):
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(100) + ["bad"]),
                       sharding={"targetShardBytes": 2048}, output={"compression": "zstd", "keepIntermediate": True})
     run_shards(job)
-    first = publish(job)
+    first = publish_doc(job)
     raw = read_output(job).raw
-    second = publish(job)
+    second = publish_doc(job)
     assert {k: v for k, v in first.items() if k != "publishedAt"} == \
         {k: v for k, v in second.items() if k != "publishedAt"}
     assert read_output(job).raw == raw
@@ -201,8 +200,8 @@ def test_publishing_with_a_spec_that_decides_rows_differently_is_refused(file_pl
     run_shards(job)
     _, renamed = make_job(file_place, uri, model={"name": "a-model-that-made-nothing"})
     with pytest.raises(PlanRefused, match='spec.model.name changed from null to "a-model-that-made-nothing"'):
-        publish(renamed)  # the manifest would name a model that made none of the rows
-    assert publish(job)["model"]["name"] is None
+        publish_manifest(renamed)  # the manifest would name a model that made none of the rows
+    assert publish_manifest(job).model.name is None
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -210,7 +209,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(file_place, make_job, run_shards,
-                                                                               read_output):
+                                                                               read_output, publish_doc):
     first = [{"id": 7, "text": "seven"}] + rows(60, "a") + ["bad line"]
     second = rows(30, "b") + [{"id": 7, "text": "seven again"}, {"id": "a5", "text": "a5 again"}] + rows(30, "c")
     file_place.write_jsonl("in/1.jsonl", first)
@@ -218,11 +217,12 @@ def test_worker_processes_and_many_small_buckets_publish_what_one_process_does(f
     _, job = make_job(file_place, file_place.uri("in/"), sharding={"targetShardBytes": 1024},
                       output={"keepIntermediate": True})
     run_shards(job)
-    inline = publish(job)
+    inline = publish_doc(job)
     raw = read_output(job).raw
     stats: list[dict[str, Any]] = []
-    spread = publish_in_processes(job, processes=2, bucket_rows=10, stats=stats)
-    assert _same(inline, spread) and read_output(job).raw == raw
+    publish_manifest(job, processes=2, bucket_rows=10, stats=stats)
+    spread = read_output(job)
+    assert _same(inline, spread.manifest) and spread.raw == raw
     assert inline["counts"]["duplicates"] == 2
     plan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
     assert plan.buckets == 13  # 124 rows, 10 ids a bucket
@@ -243,11 +243,11 @@ def test_published_files_and_the_manifest_are_readable_by_group_and_others(file_
     run_shards(job)
     old = os.umask(0o022)  # what a pod or a login shell has
     try:
-        manifest = publish(job)
+        manifest = publish_manifest(job)
     finally:
         os.umask(old)
     out = Path(job.spec.output.uri[len("file://"):])
-    paths = [f["path"] for kind in ("files", "errorFiles", "cappedFiles") for f in manifest[kind]]
+    paths = [f.path for files in (manifest.files, manifest.error_files, manifest.capped_files) for f in files or []]
     assert {p.split("/")[0] for p in paths} == {"results", "errors", "capped"}
     for path in [*paths, "manifest.json"]:
         assert (out / path).stat().st_mode & 0o777 == 0o644, path
@@ -263,10 +263,10 @@ def test_the_spec_sizes_the_publish_buckets_and_bij_publish_bucket_rows_override
     _, plan = publish_module.prepare_publish(job)
     assert (plan.bucket_rows, plan.buckets) == (1000, 3)
     assert publish_rows.count(plan, "dedupe") == 3
-    manifest = publish(job)
-    assert manifest["counts"]["rows"] == 2500 and read_output(job).result_ids == [r["id"] for r in inputs]
-    # `bij publish --bucket-rows` (and `publish(bucket_rows=)`) wins over the spec.
-    publish(job, bucket_rows=2000)
+    manifest = publish_manifest(job)
+    assert manifest.counts.rows == 2500 and read_output(job).result_ids == [r["id"] for r in inputs]
+    # `bij publish --bucket-rows` (and `publish_manifest(bucket_rows=)`) wins over the spec.
+    publish_manifest(job, bucket_rows=2000)
     assert publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3).buckets == 2
     _, default = make_job(file_place, file_place.uri("in.jsonl"), out_dir="out2/")
     assert default.spec.output.publish_bucket_rows == 250_000
@@ -288,12 +288,12 @@ def test_publishing_writes_objects_by_shards_and_output_parts_never_shards_times
             return _real(self, uri, data)
 
         monkeypatch.setattr(storage.FileStorage, name, record)
-    manifest = publish(job, bucket_rows=1000 // 100)  # 21 buckets of 10 ids
+    manifest = publish_manifest(job, bucket_rows=1000 // 100)  # 21 buckets of 10 ids
     prefix = layout.publish_prefix(job)
     plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
     shards, buckets = plan.unit_count, plan.buckets
-    assert shards >= 8 and buckets == 21 and manifest["counts"]["duplicates"] == 5
-    parts = sum(len(manifest[k]) for k in ("files", "errorFiles", "cappedFiles"))
+    assert shards >= 8 and buckets == 21 and manifest.counts.duplicates == 5
+    parts = sum(manifest.file_count(k) for k in ("files", "errorFiles", "cappedFiles"))
     losers = [u for u in written if "/losers/" in u]
     assert 1 <= len(losers) <= 5  # only buckets with duplicates
     # ids files and summaries (2 a shard), output parts, the buckets with losers, the plan and the manifest.
@@ -307,7 +307,7 @@ def test_a_publish_whose_ids_pass_ran_on_an_older_version_goes_on_from_its_bucke
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
                       output={"keepIntermediate": True})
     run_shards(job)
-    publish(job, bucket_rows=10)
+    publish_manifest(job, bucket_rows=10)
     raw = read_output(job).raw
     prefix = layout.publish_prefix(job)
     plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
@@ -340,21 +340,21 @@ def test_a_losers_file_an_earlier_publish_left_does_not_count_once_its_bucket_ha
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"targetShardBytes": 1024},
                       output={"keepIntermediate": True})
     run_shards(job)
-    publish(job, bucket_rows=10)
+    publish_manifest(job, bucket_rows=10)
     prefix = layout.publish_prefix(job)
     assert file_place.storage.list(layout.publish_losers_folder(prefix)) == []
     # As a publish of other rows (or other buckets) would have left them: in a bucket, and beyond the buckets.
     for b in (0, 99):
         file_place.storage.write_bytes(layout.publish_losers_uri(prefix, b), b'{"0": [[0, 0]], "1": [[0, 0]]}')
-    manifest = publish(job, bucket_rows=10)
-    assert manifest["counts"]["duplicates"] == 0 and read_output(job).result_ids == [r["id"] for r in inputs]
+    manifest = publish_manifest(job, bucket_rows=10)
+    assert manifest.counts.duplicates == 0 and read_output(job).result_ids == [r["id"] for r in inputs]
 
 
 def test_an_ids_file_of_another_publish_plan_is_refused_naming_it(file_place, make_job, run_shards):
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(50)), sharding={"targetShardBytes": 1024},
                       output={"keepIntermediate": True})
     run_shards(job)
-    publish(job, bucket_rows=10)
+    publish_manifest(job, bucket_rows=10)
     prefix = layout.publish_prefix(job)
     plan = publish_rows.load(layout.publish_plan_uri(prefix), job.spec.storage.s3)
     other = plan.model_copy(update={"buckets": plan.buckets + 1})
@@ -378,9 +378,9 @@ def test_a_log_written_out_of_input_order_is_published_in_input_order(with_ids, 
     log = ShardLog(file_place.storage, layout.shard_prefix(plan.round_prefix, 0))
     log.append(records[40:])  # a later writer's rows first, as a resumed writer's log can list first
     log.append(records[:40])
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     out = read_output(job)
-    assert [r["output"] for r in out.results] == [r["text"] for r in inputs] and manifest["counts"]["rows"] == 60
+    assert [r["output"] for r in out.results] == [r["text"] for r in inputs] and manifest.counts.rows == 60
     # Without ids no ids pass ran to say the log was out of order: the write pass found it out.
     pplan = publish_rows.load(layout.publish_plan_uri(layout.publish_prefix(job)), job.spec.storage.s3)
     assert pplan.unique_ids is not with_ids
@@ -413,7 +413,7 @@ def test_a_job_whose_ids_are_all_generated_publishes_without_the_ids_and_dedupe_
     assert len(set(out.result_ids)) == 60 and manifest.counts.errors == 1
     # In this process (the passes' processes are their own): each shard's log is read once, by the write pass.
     scans.clear()
-    publish(job)
+    publish_manifest(job)
     assert sorted(scans) == sorted(plan.unit(i)[2] for i in range(plan.unit_count))
 
 
@@ -422,16 +422,16 @@ def test_an_id_given_as_another_rows_generated_id_still_loses_to_it(file_place, 
     file_place.write_jsonl("in.jsonl", inputs)
     _, job = make_job(file_place, file_place.uri("in.jsonl"), sharding={"targetShardBytes": 1024})
     run_shards(job)
-    first = publish(job)
+    first = publish_manifest(job)
     generated = read_output(job).result_ids[0]  # "<object>:<offset>" of the first row
-    assert first["counts"]["duplicates"] == 0 and _publish_plan(job).unique_ids
+    assert first.counts.duplicates == 0 and _publish_plan(job).unique_ids
     # The same id given by a row of another shard: no longer provably unique, so the passes look.
     file_place.write_jsonl("in.jsonl", [*inputs, {"id": generated, "text": "given"}])
     _, job = make_job(file_place, file_place.uri("in.jsonl"), sharding={"targetShardBytes": 1024}, out_dir="out2/")
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     assert [(e["id"], e["error"]["code"]) for e in read_output(job).errors] == [(generated, "duplicate_id")]
-    assert manifest["counts"]["duplicates"] == 1
+    assert manifest.counts.duplicates == 1
     assert not _publish_plan(job).unique_ids
 
 
@@ -445,8 +445,8 @@ def test_a_shard_with_more_rows_than_a_file_holds_is_published_in_parts(file_pla
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), output={"compression": "zstd"})
     run_shards(job)
     monkeypatch.setattr(publish_rows, "FILE_ROWS", 10)
-    manifest = publish(job)
-    assert [(f["path"], f["rows"]) for f in manifest["files"]] == [
+    manifest = publish_manifest(job)
+    assert [(f.path, f.rows) for f in manifest.files or []] == [
         ("results/r0-00000.jsonl.zst", 10), ("results/r0-00000-001.jsonl.zst", 10),
         ("results/r0-00000-002.jsonl.zst", 5)]
     assert read_output(job).result_ids == [r["id"] for r in inputs]
@@ -547,7 +547,7 @@ def test_a_publish_pass_with_an_index_out_of_range_is_a_bad_configuration(file_p
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)), output={"keepIntermediate": True})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     uri = layout.publish_plan_uri(layout.publish_prefix(job))
     assert main(["publish", "--plan", uri, "--pass", "dedupe", "--index", "1"]) == 42
     assert main(["publish", "--plan", uri + ".missing", "--pass", "ids", "--index", "0"]) == 42
@@ -561,7 +561,7 @@ def test_a_publish_pass_process_loads_no_engine_and_no_spec_model(file_place, ma
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows(5)), output={"keepIntermediate": True})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     uri = layout.publish_plan_uri(layout.publish_prefix(job))
     probe = ("import sys; from bij.cli.worker import main; "
              f"rc = main(['publish', '--plan', {uri!r}, '--pass', 'write', '--index', '0']); "
@@ -580,18 +580,19 @@ def test_after_publishing_the_work_files_go_and_publishing_again_is_refused(file
     run_shards(job)
     plan = load_plan(layout.round_manifest_uri(job, 0), job.spec.storage.s3)
     logs = file_place.storage.list(layout.shard_prefix(plan.round_prefix, 0) + "/")
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     state = {o.uri for o in file_place.storage.list(layout.state_prefix(job) + "/")}
     assert logs and not state & {o.uri for o in logs}  # the durable logs are gone
     # Plans and records stay.
     assert layout.round_manifest_uri(job, 0) in state and layout.done_uri(plan.round_prefix, 0) in state
     removed = json.loads(file_place.storage.read_bytes(layout.removed_uri(job)))
     assert removed["objects"] >= len(logs) and removed["bytes"] > 0
-    assert read_output(job).manifest == manifest  # what was published is untouched
+    assert manifest.work_files_removal is None
+    assert read_output(job).manifest == manifest.as_json()  # what was published is untouched
     refused = r"work files removed at .*\(output.keepIntermediate: false\).* new output URI"
     with pytest.raises(PublishError, match=refused):
-        publish(job)
-    assert read_manifest(job) == Manifest.parse(manifest)
+        publish_manifest(job)
+    assert read_manifest(job) == manifest
 
 
 class FailingDeletes:
@@ -621,24 +622,25 @@ def test_a_removal_failing_midway_leaves_the_job_published_and_a_rerun_removes_t
     monkeypatch.setattr(storage.base, "PAGE", 2)  # pages of 2: the second delete request fails
     failing = FailingDeletes(open_storage(job.spec.output.uri, job.spec.storage.s3), pages=1)
     monkeypatch.setattr(publish_module, "open_storage", lambda uri, s3: failing)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     # Published: the manifest is written and returned, and the failure rides beside it as a warning.
-    warning = manifest.pop("workFilesRemoval")
-    assert warning["error"].endswith("SlowDown") and warning["left"] == layout.state_prefix(job) + "/"
-    assert warning["removed"] == 2
-    assert read_output(job).manifest == manifest
+    warning = manifest.work_files_removal
+    assert warning is not None and warning.error is not None
+    assert warning.error.endswith("SlowDown") and warning.left == layout.state_prefix(job) + "/"
+    assert warning.removed == 2
+    assert read_output(job).manifest == manifest.as_json()  # the warning is never written into it
     assert sum(file_place.storage.exists(uri) for uri in logs) == len(logs) - 2  # one page went
     record = json.loads(file_place.storage.read_bytes(layout.removed_uri(job)))
     assert "finishedAt" not in record and record["failed"].endswith("SlowDown") and record["objects"] == 2
     # A second publish finds the job published, and resumes the removal on the way.
     monkeypatch.setattr(publish_module, "open_storage", open_storage)
     with pytest.raises(WorkFilesRemoved) as refused:
-        publish(job)
+        publish_manifest(job)
     assert refused.value.removal is not None and refused.value.removal.error is None
     assert not any(file_place.storage.exists(uri) for uri in logs)
     record = json.loads(file_place.storage.read_bytes(layout.removed_uri(job)))
     assert record["finishedAt"] and record["objects"] >= len(logs) and "failed" not in record
-    assert read_manifest(job) == Manifest.parse(manifest)
+    assert read_manifest(job) == manifest.model_copy(update={"work_files_removal": None})
 
 
 def test_the_reasoning_tokens_result_rows_report_are_counted(file_place, make_job, run_shards):
@@ -655,5 +657,5 @@ def test_the_reasoning_tokens_result_rows_report_are_counted(file_place, make_jo
     for i, rec in enumerate(records):
         rec["row"]["usage"]["completion_tokens_details"] = {"reasoning_tokens": i}
     ShardLog(file_place.storage, prefix).append(records)
-    counts = publish(job)["counts"]
-    assert counts["rows"] == 30 and counts["reasoningTokens"] == sum(range(30))
+    counts = publish_manifest(job).counts
+    assert counts.rows == 30 and counts.reasoning_tokens == sum(range(30))

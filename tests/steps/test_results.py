@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from bij.cli.main import main as bij_main
 from bij.contract import layout
-from bij.steps.publish import publish
+from bij.local.publish import publish_manifest
 
 ROWS: list[Any] = [{"id": 1, "text": "one"}, {"id": "1", "text": "string one"}, {"id": "x", "text": "ex"},
                    '{"id": "broken", ', {"id": 2**70, "text": "big"}, {"text": "no id"}]
@@ -26,7 +26,7 @@ def run(argv: list[str], capsysbinary: Any) -> tuple[int, bytes, str]:
 def published(place: Any, make_job: Any, run_shards: Any, **spec: Any) -> Any:
     _, job = make_job(place, place.write_jsonl("in.jsonl", ROWS), **spec)
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     return job
 
 
@@ -93,12 +93,12 @@ def test_status_summarizes_a_published_job_and_a_running_one(place, make_job, ru
     assert rc == 0, err
     assert "not published yet" in text and "round 0   1/" in text and "truncated" in text and "so far" in text
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     rc, out, _ = run(["status", layout.manifest_uri(job)], capsysbinary)
     text = out.decode()
-    c = manifest["counts"]
-    assert rc == 0 and f"{c['rows']:,} results" in text and f"{c['errors']:,} errors" in text
-    assert f"{c['truncated']:,} truncated" in text and c["truncated"] > 0
+    c = manifest.counts
+    assert rc == 0 and f"{c.rows:,} results" in text and f"{c.errors:,} errors" in text
+    assert f"{c.truncated:,} truncated" in text and c.truncated > 0
     assert "cost" in text and "per million rows" in text
     rc, out2, _ = run(["status", str(path)], capsysbinary)
     assert out2 == out  # a published job's spec gives the manifest's summary

@@ -11,7 +11,7 @@ from typing import Any
 
 from bij.contract import layout
 from bij.contract.records import ShardRecord, encode, shard_record
-from bij.steps.main import finish_round
+from bij.steps.main import round_figures
 from bij.steps.progress import READS_IN_FLIGHT, DoneIndexes, read_records
 from bij.steps.publish import prepare_publish
 from bij.storage import FileStorage, open_storage
@@ -111,14 +111,14 @@ def test_finish_holds_running_sums_not_the_rounds_records(file_place, make_job) 
     write_done(layout.round_prefix(job, 0), shards)
     tracemalloc.start()
     try:
-        out = finish_round(job, 0)
+        out = round_figures(job, 0)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert out["done"] == shards
-    assert out["stats"]["approved"] == 10 * shards and out["stats"]["rejected"] == 2 * shards
-    assert out["stats"]["engineCalls"] == 3 * shards
-    assert out["efficiency"]["workerSeconds"] == shards * 1.0
+    assert out.done == shards
+    assert out.stats.approved == 10 * shards and out.stats.rejected == 2 * shards
+    assert out.stats.engine_calls == 3 * shards
+    assert out.efficiency is not None and out.efficiency.worker_seconds == shards * 1.0
     # The records decoded whole take ~3 KB each (9 MB here); a page of the listing and the reads in
     # flight take well under 2 MB.
     assert peak < 2 << 20, f"finish peaked at {peak / 2**20:.1f} MiB for {shards} records"

@@ -13,9 +13,9 @@ import pytest
 
 from bij.contract import layout
 from bij.engines.echo import echo_embedding
+from bij.local.publish import publish_manifest
 from bij.steps.plan_input import PlanError
 from bij.steps.planner import plan_round
-from bij.steps.publish import publish
 from bij.storage import parquet
 from bij.worker.shard import load_plan
 from bij.worker.stopflag import StopFlag
@@ -49,9 +49,9 @@ def test_embeddings_publish_as_parquet_with_a_float32_list_column(place, make_jo
     _, job = make_job(place, place.write_jsonl("in.jsonl", rows), output={"format": "parquet"},
                       model={"task": "embed", "maxInputTokens": 4})
     run_shards(job)
-    manifest = publish(job)
+    publish_manifest(job)
+    manifest, tables = read_results(place, job)
     assert manifest["format"] == "parquet"
-    _, tables = read_results(place, job)
     table = pa.concat_tables(tables)
     assert table.schema.field("embedding").type == pa.list_(pa.float32())
     assert table.schema.field("id").type == pa.int64()
@@ -69,7 +69,7 @@ def test_mixed_ids_keep_their_integers_in_a_second_column(file_place, make_job, 
     rows = [{"id": i, "text": f"t{n}"} for n, i in enumerate(ids)] + [{"text": "no id"}]
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows), output={"format": "parquet"})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     _, tables = read_results(file_place, job)
     table = pa.concat_tables(tables)
     assert table.column("id").type == pa.string()
@@ -86,7 +86,7 @@ def test_string_ids_only_make_a_string_column_and_judge_columns_come_along(file_
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows), output={"format": "parquet"},
                       judge={"type": "regex", "pattern": "^ok$", "strategy": "inPlace", "maxAttempts": 1})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     _, tables = read_results(file_place, job)
     table = pa.concat_tables(tables)
     assert table.column("id").type == pa.string() and parquet.ID_INT not in table.column_names
@@ -130,7 +130,7 @@ def test_parquet_input_is_cut_by_row_groups_and_every_row_comes_back_in_order(pl
     assert [p[1] for p in pieces][0] == 0 and pieces[-1][2] == 10
     assert all(a[2] == b[1] for a, b in zip(pieces, pieces[1:], strict=False))  # contiguous, no group twice
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [r["output"] for r in out.results] == table.column("body").to_pylist()
     want_ids = [i if i % 10 else f"part-0.parquet:{i}" for i in range(500)]
@@ -188,6 +188,6 @@ def test_a_stopped_parquet_shard_resumes_where_it_stopped(file_place, make_job, 
     assert run_shards(job, engine=engine)[0].rows == 200
     bodies = table.column("body").to_pylist()
     assert sorted(engine.seen) == sorted(bodies[durable:])  # nothing durable ran again
-    publish(job)
+    publish_manifest(job)
     assert [r["output"] for r in read_output(job).results] == bodies
     assert layout.manifest_uri(job).endswith("manifest.json")

@@ -18,7 +18,7 @@ from bij.cli import validate
 from bij.contract.publish_plan import PublishPlan
 from bij.contract.spec import API_VERSION
 from bij.contract.spec_io import OutputSpec
-from bij.steps.publish import publish
+from bij.local.publish import publish_manifest
 from bij.steps.results import iter_rows, write_jsonl
 from bij.storage.writers import WRITERS, ResultShape, writer_of_path
 
@@ -143,14 +143,14 @@ def test_a_publish_writes_with_the_writer_registered_for_its_format(file_place, 
     _, job = make_job(file_place, file_place.uri("in/"),
                       output={"format": "parquet", "compression": "zstd", "partitionBy": partition_by})
     run_shards(job)
-    manifest = publish(job)
-    (entry,) = manifest["files"]
-    assert entry["path"] in ("results/r0-00000.tsv", "results/a.tsv") and entry["rows"] == 12
-    data = file_place.storage.read_bytes(job.spec.output.uri + entry["path"])
+    manifest = publish_manifest(job)
+    (entry,) = manifest.files or []
+    assert entry.path in ("results/r0-00000.tsv", "results/a.tsv") and entry.rows == 12
+    data = file_place.storage.read_bytes(job.spec.output.uri + entry.path)
     assert data == b"".join(fake.line({"id": r["id"], "output": r["text"]}) for r in inputs[:12])
-    assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["bytes"] == len(data)
+    assert entry.sha256 == hashlib.sha256(data).hexdigest() and entry.bytes == len(data)
     # Error rows are in the writer's error format; bij results reads each file with its own writer.
-    assert [f["path"].rsplit(".", 2)[1:] for f in manifest["errorFiles"]] == [["jsonl", "zst"]]
+    assert [f.path.rsplit(".", 2)[1:] for f in manifest.error_files or []] == [["jsonl", "zst"]]
     assert [(r["id"], r["output"]) for r in iter_rows(job.spec.output.uri, "results", None)] == [
         (r["id"], r["text"]) for r in inputs[:12]]
     out = io.BytesIO()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bij.steps.publish import publish
+from bij.local.publish import publish_manifest
 from bij.worker.batcher import plan_batches
 from bij.worker.reader import Line, Prefetcher
 
@@ -52,7 +52,7 @@ def test_results_come_back_in_input_order_whatever_order_the_engine_ran(sort, fi
                       batching={"sortByLength": sort, "targetBatchTokens": 2000, "maxBatchSize": 16})
     engine = recording_echo()
     run_shards(job, engine=engine)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [(r["id"], r["output"]) for r in out.results] == [(r["id"], r["text"]) for r in rows]
     ran = engine.seen

@@ -259,9 +259,9 @@ def group_env(worker_env: Any, place: Any, nodes: int) -> dict[str, str]:
 
 
 def results(job: Any, read_output: Any) -> dict[int, str]:
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
-    publish(job)
+    publish_manifest(job)
     out = read_output(job).results
     ids = [r["id"] for r in out]
     assert len(ids) == len(set(ids)), "a row published twice"

@@ -193,7 +193,7 @@ class ImageBytes(EngineBase):
 
 def test_a_job_fetches_each_rows_images_before_the_engine_sees_them(file_place, make_job, run_shards,
                                                                     read_output, tmp_path: Path) -> None:
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
     (tmp_path / "a.png").write_bytes(b"a" * 10)
     (tmp_path / "big.png").write_bytes(b"b" * 65)
@@ -209,7 +209,7 @@ def test_a_job_fetches_each_rows_images_before_the_engine_sees_them(file_place, 
                       input={"format": "openai", "maxImageBytes": 64, "imageRoot": f"file://{tmp_path}"},
                       model={"task": "chat"})
     run_shards(job, ImageBytes())
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in out.results}
     assert answers == {"two": "10:a 3:d", "one": "5:e"}
@@ -224,7 +224,7 @@ def test_a_job_fetches_each_rows_images_before_the_engine_sees_them(file_place, 
 def test_a_job_refuses_image_rows_on_an_engine_without_vision(file_place, make_job, run_shards,
                                                               read_output, tmp_path: Path) -> None:
     """On echo every image row is an unsupported error row, whatever its image; text rows are answered."""
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
     (tmp_path / "pic.png").write_bytes(b"p" * 10)
     text = {"custom_id": "text", "method": "POST", "url": "/v1/chat/completions",
@@ -233,7 +233,7 @@ def test_a_job_refuses_image_rows_on_an_engine_without_vision(file_place, make_j
     _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
                       input={"format": "openai"}, model={"task": "chat"})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [r["custom_id"] for r in out.results] == ["text"]
     assert [(e["custom_id"], e["error"]["code"], e["error"]["message"]) for e in out.errors] == [

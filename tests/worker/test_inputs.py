@@ -9,8 +9,8 @@ import pytest
 
 from bij.contract.result_rows import id_key
 from bij.engines.echo import echo_embedding
+from bij.local.publish import publish_manifest
 from bij.steps.planner import plan_round
-from bij.steps.publish import publish
 from bij.worker.input_row import InputOptions
 from bij.worker.inputs import parse_line
 
@@ -125,7 +125,7 @@ def test_every_bad_row_kind_lands_in_an_error_file_with_its_place_and_the_job_go
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", lines),
                       model={"maxInputTokens": 50}, sharding={"chunkRows": 4})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [(r["id"], r["output"]) for r in out.results] == [("ok-1", "first"), ("ok-2", "last")]
     where = offsets(lines)
@@ -146,7 +146,7 @@ def test_an_id_repeated_across_shards_keeps_the_first_in_input_order(file_place,
     shards = plan_round(job, 0).shard_count
     assert shards >= 4
     run_shards(job, indexes=list(reversed(range(shards))))  # the order shards finish in does not matter
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == [r["id"] for r in a + b[:-1]]
     assert [r["output"] for r in out.results if r["id"] == "dup"] == ["from a"]
@@ -163,7 +163,7 @@ def test_rows_without_id_get_the_same_generated_id_on_every_run(file_place, make
     for out_dir in ("out1/", "out2/"):
         _, job = make_job(file_place, uri, out_dir=out_dir)
         run_shards(job)
-        publish(job)
+        publish_manifest(job)
         out = read_output(job)
         ids.append((out.result_ids, [e["id"] for e in out.errors]))
     where = offsets(lines)
@@ -181,7 +181,7 @@ def test_openai_batch_errors_carry_custom_id_and_place(file_place, make_job, run
     _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
                       input={"format": "openai"}, model={"task": "chat"})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == ["c1", "c5"]
     where = offsets(lines)
@@ -195,7 +195,7 @@ def test_embed_rows_get_the_echo_vector_of_their_text(file_place, make_job, run_
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", [{"id": t, "text": t} for t in texts]),
                       model={"task": "embed"})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [(r["id"], r["embedding"]) for r in out.results] == [(t, echo_embedding(t)) for t in texts]
 
@@ -216,7 +216,7 @@ def test_lone_surrogates_and_overlong_lines_become_error_rows_and_the_job_goes_o
     rows[11] = json.dumps({"id": 11, "text": "x" * 5000})  # longer than maxLineBytes
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", rows), input={"maxLineBytes": 1024})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == [i for i in range(20) if i not in (3, 11)]
     errors = {e["error"]["code"]: e for e in out.errors}
@@ -247,7 +247,7 @@ def test_with_error_rows_a_cut_or_damaged_zst_object_ends_in_an_error_row_naming
     _, job = make_job(place, place.uri("in/"), input={"onDamagedObject": "errorRow"},
                       sharding={"chunkRows": 100, "targetShardBytes": 1 << 20})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     (err,) = out.errors
     assert err["object"] == "b.jsonl.zst" and err["error"]["code"] == "corrupt_input"
@@ -271,7 +271,7 @@ def test_a_zst_object_of_several_frames_is_read_to_its_end(file_place, make_job,
     file_place.storage.write_bytes(file_place.uri("in.jsonl.zst"), frames)
     _, job = make_job(file_place, file_place.uri("in.jsonl.zst"))
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     assert read_output(job).result_ids == list(range(30))
 
 

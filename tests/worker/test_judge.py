@@ -187,10 +187,10 @@ def test_kill_during_attempt_k_resumes_at_attempt_k(tmp_path: Path) -> None:
     assert {r.seed for r in second.calls[0]} == {attempt_params(0.0, 0, 3)[1]}
     assert len(second.calls[0]) == len(first.calls[2]) - sum(
         1 for r in first.calls[2] if coin_engine.coin(r.text or "", r.seed) < 10)
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
-    m = publish(job, rounds=1)
-    assert m["counts"]["rows"] + m["counts"]["capped"] == 40
+    m = publish_manifest(job, rounds=1)
+    assert m.counts.rows + m.counts.capped == 40
 
 
 def test_llm_judge_asks_the_same_engine() -> None:

@@ -18,8 +18,8 @@ from input_rows import numbered
 
 from bij.contract import layout
 from bij.contract.canary import canary_shards
+from bij.local.publish import publish_manifest
 from bij.steps.planner import plan_round
-from bij.steps.publish import publish
 from bij.storage import FileStorage, NotFound, ObjectInfo
 from bij.worker import claim as claim_module
 from bij.worker.claim import Claim
@@ -443,7 +443,7 @@ def test_a_lane_killed_mid_shard_and_never_restarted_is_taken_over_after_its_lea
     assert "took over shard 0 from lane 0" in err
     done = [json.loads(line) for line in out.splitlines() if json.loads(line)["event"] == "done"]
     assert sorted(e["index"] for e in done) == list(range(plan.shard_count))
-    publish(job)
+    publish_manifest(job)
     out_rows = read_output(job).results
     assert sorted(r["id"] for r in out_rows) == [r["id"] for r in inputs]  # every row exactly once
     # Lane 1 resumed shard 0 after what lane 0 made durable: at most lane 0's window was computed twice.

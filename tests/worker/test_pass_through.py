@@ -16,9 +16,9 @@ import zstandard
 
 from bij.contract.columns import RESULT_FIELDS
 from bij.contract.spec import SpecError, load_job, parse_job
+from bij.local.publish import publish_manifest
 from bij.steps.plan_input import PlanError
 from bij.steps.planner import plan_round
-from bij.steps.publish import publish
 from bij.worker.input_row import InputOptions, parquet_columns
 from bij.worker.inputs import parse_line
 from bij.worker.shard import StopFlag
@@ -47,7 +47,7 @@ def test_results_carry_every_column_the_request_does_not_consume(place, make_job
     inputs = rows(120)
     _, job = make_job(place, place.write_jsonl("in/a.jsonl", inputs), sharding={"targetShardBytes": 2048})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [r["id"] for r in out.results] == list(range(120))
     for r, want in zip(out.results, inputs, strict=True):
@@ -61,7 +61,7 @@ def test_a_listed_column_is_carried_and_no_other(file_place, make_job, run_shard
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs),
                       input={"passThrough": ["text", "lang", "absent"]})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [(r["text"], r["lang"]) for r in out.results] == [(r["text"], r["lang"]) for r in inputs]
     assert not any("meta" in r or "absent" in r for r in out.results)  # a column a row lacks is left out
@@ -72,7 +72,7 @@ def test_an_empty_list_carries_nothing(file_place, make_job, run_shards, read_ou
                                                                                    "lang": "de"}]),
                       input={"passThrough": []})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert {tuple(r) for r in out.results} == {("id", "output", "usage")}
     assert set(out.errors[0]) == {"id", "error", "object", "offset"}
@@ -82,7 +82,7 @@ def test_error_rows_and_duplicate_ids_carry_the_columns_too(file_place, make_job
     inputs = [*rows(20), {"id": "empty", "text": "", "lang": "xx"}, {"id": 3, "text": "again", "lang": "dup"}]
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs))
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     errors = {e["error"]["code"]: e for e in out.errors}
     assert errors["empty_text"]["lang"] == "xx" and errors["empty_text"]["id"] == "empty"
@@ -111,7 +111,7 @@ def test_a_later_row_with_a_clashing_column_is_an_error_row_naming_it(file_place
     inputs[17] = {"id": 17, "text": "row 17", "output": "not the answer", "lang": "de"}
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs))
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     (err,) = out.errors
     assert (err["id"], err["error"]["code"]) == (17, "invalid_row")
@@ -163,7 +163,7 @@ def test_integers_beyond_64_bits_in_carried_columns_come_back_exactly(file_place
     inputs = [*big_rows(40), {"id": "empty", "text": "", "big": 2**70}, {"id": 2**70, "text": "x", "n": 2**64}]
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs))
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert exactly([{k: r[k] for k in ("id", "big", "nested")} for r in out.results[:40]]) == \
         exactly([{k: r[k] for k in ("id", "big", "nested")} for r in inputs[:40]])
@@ -186,14 +186,14 @@ def test_a_parquet_result_refuses_a_carried_integer_beyond_64_bits_naming_the_co
     inputs[25]["nested"] = {"x": [2**80]}
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs), output={"format": "parquet"})
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     got = pa.concat_tables([pq.read_table(pa.BufferReader(file_place.storage.read_bytes(
-        file_place.uri("out/" + f["path"])))) for f in manifest["files"]])
+        file_place.uri("out/" + f.path)))) for f in manifest.files or []])
     assert got.column("id").to_pylist() == [i for i in range(40) if i not in (3, 25)]
     assert got.schema.field("n").type == pa.int64()  # never a float
     assert got.column("n").to_pylist() == [r["n"] for r in inputs if r["id"] not in (3, 25)]
-    errors = [json.loads(line) for f in manifest["errorFiles"]
-              for line in file_place.storage.read_bytes(file_place.uri("out/" + f["path"])).splitlines()]
+    errors = [json.loads(line) for f in manifest.error_files or []
+              for line in file_place.storage.read_bytes(file_place.uri("out/" + f.path)).splitlines()]
     assert [(e["id"], e["error"]["code"]) for e in errors] == [(3, "invalid_row"), (25, "invalid_row")]
     assert errors[0]["error"]["message"].startswith("column 'n' holds an integer beyond 64 bits (at n), which a "
                                                     "Parquet result (output.format: parquet) cannot hold")
@@ -208,7 +208,7 @@ def test_a_users_bij_field_is_an_error_row_and_takes_no_id_from_it(file_place, m
     inputs.insert(20, {"id": "many", "text": "bad history", "_bij": {"attempts": "many"}})
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs))
     assert {o.status for o in run_shards(job).values()} == {"done"}
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [(r["id"], r["output"], r["lang"]) for r in out.results] == [(f"g-{i}", f"row {i}", "de") for i in range(40)]
     offset = sum(len(json.dumps(r)) + 1 for r in inputs[:10])
@@ -262,9 +262,9 @@ def test_parquet_input_carries_its_columns_to_parquet_results(place, make_job, r
     _, job = make_job(place, place.uri("in/"), input={"format": "parquet", "idField": "doc_id", "textField": "body"},
                       output={"format": "parquet"}, sharding={"targetShardBytes": 2048})
     run_shards(job)
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     got = pa.concat_tables([pq.read_table(pa.BufferReader(place.storage.read_bytes(
-        place.uri("out/" + f["path"])))) for f in manifest["files"]])
+        place.uri("out/" + f.path)))) for f in manifest.files or []])
     assert got.column_names[-3:] == ["lang", "score", "blob"]
     assert got.column("id").to_pylist() == list(range(200))
     assert got.column("lang").to_pylist() == table.column("lang").to_pylist()
@@ -280,7 +280,7 @@ def test_a_narrowed_list_reads_only_those_parquet_columns(file_place, make_job, 
     assert parquet_columns(InputOptions.from_spec(job.spec)) == ["doc_id", "body", "sampling", "adapter", "lang"]
     assert parquet_columns(InputOptions()) is None  # every column
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     assert {tuple(r) for r in read_output(job).results} == {("id", "output", "usage", "lang")}
 
 
@@ -312,7 +312,7 @@ def test_carried_columns_survive_a_stop_and_resume(file_place, make_job, run_sha
     engine = recording_echo()
     assert run_shards(job, engine=engine)[0].rows == 200
     assert len(engine.seen) == 200 - first[0].rows  # the durable rows did not run again
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [(r["id"], r["lang"], r["meta"]) for r in out.results] == [(r["id"], r["lang"], r["meta"]) for r in inputs]
 
@@ -325,6 +325,6 @@ def test_one_parquet_stream_of_files_with_other_columns_is_refused_naming_the_fi
     file_place.write_jsonl("in/b.jsonl", [{"id": 2, "text": "b", "score": 0.5}])
     _, job = make_job(file_place, file_place.uri("in/"), output={"partitionBy": "input"})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     with pytest.raises(ResultsError, match=r"^results/b.jsonl has other columns than the files before it"):
         write_parquet(job.spec.output.uri, io.BytesIO(), None)

@@ -19,7 +19,7 @@ from tiny_models import CLASSIFIER_LABELS, build_bert_head  # noqa: E402
 
 from bij.engines import create_engine  # noqa: E402
 from bij.engines.base import EngineConfig, Request  # noqa: E402
-from bij.steps.publish import publish  # noqa: E402
+from bij.local.publish import publish_manifest  # noqa: E402
 from bij.storage.parquet import read_table, table_rows  # noqa: E402
 from bij.worker.input_row import InputOptions  # noqa: E402
 from bij.worker.inputs import parse_line  # noqa: E402
@@ -124,7 +124,7 @@ def test_classify_rows_publish_labels_from_id2label_and_the_heads_probabilities(
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", lines),
                       model={"engine": "transformers", "task": "classify", "name": str(classifier)})
     run_shards(job, engine_for(job))
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     tok = AutoTokenizer.from_pretrained(classifier)
     model = AutoModelForSequenceClassification.from_pretrained(classifier).eval()
@@ -154,18 +154,18 @@ def test_rerank_rows_publish_their_documents_best_first_in_jsonl_and_parquet(
                           output={"format": fmt},
                           model={"engine": "sentence-transformers", "task": "rerank", "name": str(cross_encoder)})
         run_shards(job, engine_for(job))
-        manifest = publish(job)
+        manifest = publish_manifest(job)
         if fmt == "jsonl":
             out = read_output(job)
             results = out.results
             assert [(e["id"], e["error"]["code"]) for e in out.errors] == [("q3", "invalid_text")]
         else:  # read back as `bij results` reads a Parquet file
             table = read_table(file_place.storage.read_bytes(file_place.uri(f"out-{fmt}/" +
-                                                                            manifest["files"][0]["path"])))
+                                                                            manifest.files[0].path)))
             assert table.schema.field("results").type == pa.list_(
                 pa.struct([("index", pa.int64()), ("relevance_score", pa.float64())]))
             results = list(table_rows(table))
-            assert manifest["counts"]["errors"] == 1
+            assert manifest.counts.errors == 1
         by_id = {r["id"]: r for r in results}
         for rid, query, n in (("q1", "what is a pet", 4), ("q2", "a b", 2)):
             scores = ce.predict([(query, d) for d in docs[:n]]).tolist()
@@ -181,9 +181,9 @@ def test_classify_probs_are_a_float32_list_column_in_parquet(file_place, make_jo
                       output={"format": "parquet"},
                       model={"engine": "sentence-transformers", "task": "classify", "name": str(classifier)})
     run_shards(job, engine_for(job))
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     table = pq.read_table(pa.BufferReader(file_place.storage.read_bytes(
-        file_place.uri("out/" + manifest["files"][0]["path"]))))
+        file_place.uri("out/" + manifest.files[0].path))))
     assert table.schema.field("probs").type == pa.list_(pa.float32())
     assert table.schema.field("label").type == pa.string()
     assert table.column("label").to_pylist()[0] in CLASSIFIER_LABELS.values()
@@ -204,7 +204,7 @@ def test_openai_pooling_lines_are_answered_in_vllms_response_shapes(
                           out_dir=f"out-{task}/", input={"format": "openai"},
                           model={"engine": "transformers", "task": task, "name": str(path), "servedName": "m"})
         run_shards(job, engine_for(job))
-        publish(job)
+        publish_manifest(job)
         (result,) = read_output(job).results
         assert result["custom_id"] == task and result["error"] is None
         assert result["response"]["status_code"] == 200

@@ -15,8 +15,8 @@ from bij.cli.main import main as bij_main
 from bij.contract.fingerprint import PlanRefused
 from bij.contract.spec import SpecError, load_job
 from bij.engines.echo import echo_embedding
+from bij.local.publish import publish_manifest
 from bij.steps.planner import plan_round
-from bij.steps.publish import publish
 from bij.worker.input_row import InputOptions
 from bij.worker.inputs import parse_line
 
@@ -31,7 +31,7 @@ def test_generate_rows_get_the_template_rendered_over_their_columns(file_place, 
                                                                     read_output) -> None:
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", articles(40)), prompt={"template": TITLED})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.errors == []
     assert [(r["id"], r["output"]) for r in out.results] == [(i, f"Title {i}: body of {i}") for i in range(40)]
@@ -48,7 +48,7 @@ def test_parquet_rows_are_read_for_every_column_the_template_may_use(file_place,
     _, job = make_job(file_place, file_place.uri("in/"), input={"format": "parquet", "passThrough": ["lang"]},
                       prompt={"template": TITLED})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.errors == []
     assert [(r["output"], r["lang"]) for r in out.results] == [(f"Title {i}: body of {i}", "en") for i in range(30)]
@@ -64,7 +64,7 @@ def test_chat_rows_get_the_system_message_then_the_rendered_user_message(file_pl
     assert row.request.messages == [{"role": "system", "content": "Summarise in one line."},
                                     {"role": "user", "content": "T: B"}]
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     # The echo engine answers with the messages' contents, one a line.
     assert [r["output"] for r in out.results] == [f"Summarise in one line.\nTitle {i}: body of {i}" for i in range(3)]
@@ -75,7 +75,7 @@ def test_embed_rows_get_the_instruction_prefix(file_place, make_job, run_shards,
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs), model={"task": "embed"},
                       prompt={"template": "Represent this question for retrieval: {{ row.text }}"})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert run_shards.engine.seen == [f"Represent this question for retrieval: query {i}" for i in range(5)]
     assert [r["embedding"] for r in out.results] == [
@@ -88,7 +88,7 @@ def test_a_row_missing_a_column_is_one_template_error_row_naming_it(file_place, 
     del inputs[4]["body"]
     _, job = make_job(file_place, file_place.write_jsonl("in/a.jsonl", inputs), prompt={"template": TITLED})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [r["id"] for r in out.results] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
     (bad,) = out.errors

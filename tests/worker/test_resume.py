@@ -21,8 +21,8 @@ import zstandard
 from bij.contract import layout
 from bij.contract.codes import EXIT_FAILED, EXIT_TERMINATED
 from bij.contract.plan import Plan
+from bij.local.publish import publish_manifest
 from bij.steps.planner import plan_round
-from bij.steps.publish import publish
 from bij.storage.segments import DamagedLog, ShardLog, frame_length
 from bij.worker.shard import ShardWorker, StopFlag, load_plan
 
@@ -99,7 +99,7 @@ def test_resume_skips_rows_already_durable(file_place, make_job, run_shards, rec
     second = run_shards(job, engine=engine)
     assert second[0].status == "done" and second[0].rows == 100
     assert sorted(engine.seen) == sorted(r["text"] for r in inputs[durable:])  # batches run sorted by length
-    publish(job)
+    publish_manifest(job)
     check_complete(read_output(job), inputs)
 
 
@@ -167,7 +167,7 @@ def test_a_torn_last_frame_is_skipped_and_only_its_rows_recomputed(file_place, m
     run_shards(job, engine=engine)
     assert sorted(engine.seen) == sorted(r["row"]["output"] for r in lost)
     assert places_once(log_lines, file_place, job) == 40
-    publish(job)
+    publish_manifest(job)
     check_complete(read_output(job), inputs)
 
 
@@ -202,7 +202,7 @@ def test_a_torn_tail_never_skips_an_earlier_row_of_its_chunk(file_place, make_jo
             assert places_once(log_lines, file_place, job) == len(inputs), (keep, partial)
             # Only rows whose records were cut run again.
             assert len(engine.seen) <= len(inputs) - sum(len(frame_records(f)) for f in frames[:keep])
-            publish(job)
+            publish_manifest(job)
             check_complete(read_output(job), inputs)
 
 
@@ -290,7 +290,7 @@ def test_kill_9_at_many_points_then_rerun_publishes_every_row_once(place, make_j
     computed = sum(len(logs[i].read_text().splitlines()) for i in shards if logs[i].exists())
     total_kills = sum(kills.values())
     assert good <= computed <= good + total_kills * (window + queued * chunk_rows), (good, computed, total_kills)
-    publish(job)
+    publish_manifest(job)
     check_complete(read_output(job), inputs)
 
 
@@ -447,7 +447,7 @@ def test_a_shard_logged_before_compression_resumes_and_publishes(place, make_job
     names = sorted(o.uri.rsplit("/", 1)[-1] for o in place.storage.list(prefix + "/"))
     assert any(n.endswith(".jsonl") for n in names) and any(n.endswith(".jsonl.zst") for n in names)
     assert places_once(log_lines, place, job) == len(inputs)
-    publish(job)
+    publish_manifest(job)
     check_complete(read_output(job), inputs)
 
 
@@ -496,7 +496,7 @@ def test_second_writers_killed_at_many_points_while_the_first_works_lose_no_row(
     a.wait(timeout=120)
     assert a.returncode == 0
     assert kills >= 3, "second writers must come and go while writer A works"
-    publish(job)
+    publish_manifest(job)
     check_complete(read_output(job), inputs)
 
 
@@ -547,7 +547,7 @@ def test_sigterm_mid_chunk_exits_143_within_the_drain_time_and_loses_nothing(
     _, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert places_once(log_lines, file_place, job) == len(inputs)
-    publish(job)
+    publish_manifest(job)
     check_complete(read_output(job), inputs)
 
 
@@ -570,7 +570,7 @@ def test_failed_segment_upload_fails_the_worker_and_a_rerun_completes(s3_place, 
     _, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert places_once(log_lines, s3_place, job) == len(inputs)
-    publish(job)
+    publish_manifest(job)
     check_complete(read_output(job), inputs)
 
 

@@ -166,7 +166,7 @@ def test_spec_sampling_problems_name_the_fields(tmp_path: Any, model: dict[str, 
 
 def test_a_job_answers_what_it_can_and_refuses_the_rest_in_input_order(file_place, make_job, run_shards,
                                                                          read_output) -> None:
-    from bij.steps.publish import publish
+    from bij.local.publish import publish_manifest
 
     def line(cid: str, **body: Any) -> dict[str, Any]:
         return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
@@ -177,7 +177,7 @@ def test_a_job_answers_what_it_can_and_refuses_the_rest_in_input_order(file_plac
     _, job = make_job(file_place, file_place.write_jsonl("batch.jsonl", lines),
                       input={"format": "openai"}, model={"task": "chat"})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [(r["custom_id"], r["response"]["body"]["choices"][0]["message"]["content"]) for r in out.results] == [
         ("plain", "text of plain"), ("neutral", "text of neutral"), ("seeded", "text of seeded")]

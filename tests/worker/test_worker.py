@@ -13,8 +13,8 @@ from input_rows import numbered
 from bij.contract import layout
 from bij.contract.codes import EXIT_BAD_CONFIG
 from bij.contract.plan import Plan
+from bij.local.publish import publish_manifest
 from bij.steps.planner import plan_round
-from bij.steps.publish import publish
 from bij.worker.prepare import Preparer
 from bij.worker.shard import (
     BadConfig,
@@ -67,7 +67,7 @@ def test_one_row_that_breaks_the_engine_fails_alone(file_place, make_job, run_sh
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs),
                       batching={"maxBatchSize": 16}, sharding={"chunkRows": 40})
     run_shards(job, engine=recording_echo(fail_on="poison"))
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == [r["id"] for r in inputs if r["id"] != 17]
     [err] = out.errors
@@ -85,7 +85,7 @@ def test_rows_that_each_break_the_engine_are_error_rows_when_a_plain_request_sti
                       batching={"maxBatchSize": 4, "sortByLength": False}, sharding={"chunkRows": 20})
     engine = recording_echo(fail_on="poison")
     run_shards(job, engine=engine)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == [r["id"] for r in inputs if not str(r["text"]).startswith("poison")]
     assert sorted(e["id"] for e in out.errors) == [4, 5, 6, 7]
@@ -99,10 +99,10 @@ def test_a_job_whose_every_row_fails_alone_still_publishes_its_error_file(
     inputs = [{"id": i, "text": f"poison {i}"} for i in range(12)]
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), batching={"maxBatchSize": 4})
     run_shards(job, engine=recording_echo(fail_on="poison"))
-    manifest = publish(job)
+    manifest = publish_manifest(job)
     out = read_output(job)
     assert out.results == [] and sorted(e["id"] for e in out.errors) == list(range(12))
-    assert manifest["counts"]["errorCodes"] == {"engine_rejected": 12} and manifest["errorFiles"]
+    assert manifest.counts.error_codes == {"engine_rejected": 12} and manifest.error_files
 
 
 def test_an_empty_exception_still_names_its_type_and_where_it_was_raised(
@@ -122,7 +122,7 @@ def test_an_empty_exception_still_names_its_type_and_where_it_was_raised(
 
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", inputs), sharding={"chunkRows": 6})
     run_shards(job, engine=Asserting())
-    publish(job)
+    publish_manifest(job)
     [err] = read_output(job).errors
     assert err["id"] == 2 and err["error"]["code"] == "engine_rejected"
     assert err["error"]["message"].startswith("the engine failed on this row: AssertionError raised at test_worker.py:")
@@ -150,7 +150,7 @@ def test_chat_rows_can_carry_messages(file_place, make_job, run_shards, read_out
     _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", lines), model={"task": "chat"},
                       input={"messagesField": "messages"})
     run_shards(job)
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert [(r["id"], r["output"]) for r in out.results] == [("m", "hi\nthere"), ("t", "plain")]
     assert [(e["id"], e["error"]["code"]) for e in out.errors] == [("bad", "invalid_messages")]
@@ -250,7 +250,7 @@ def test_a_compressed_input_resumes_inside_the_object(place, make_job, run_shard
     engine = recording_echo()
     run_shards(job, engine=engine)
     assert sorted(engine.seen) == sorted(r["text"] for r in inputs[durable:])
-    publish(job)
+    publish_manifest(job)
     assert read_output(job).result_ids == [r["id"] for r in inputs]
 
 
@@ -313,7 +313,7 @@ def test_a_continuous_engine_runs_rows_of_several_chunks_at_once(file_place, mak
     assert max(running) == 8 and done["engineSteps"] == len(running)
     assert done["meanOccupancy"] == pytest.approx(sum(running) / (8 * len(running)), abs=1e-3)
     assert done["meanOccupancy"] > 0.6 and done["chunks"] == 30
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == list(range(60))
     assert [r["output"] for r in out.results] == [r["text"] for r in inputs]
@@ -332,7 +332,7 @@ def test_a_batch_engine_cuts_batches_from_the_whole_window_sorted_by_length(file
     # The four chunks fill the window before anything runs: the first batch has the longest rows of all.
     assert [len(t) // 4 for t in engine.batches[0]] == [90, 81, 70, 64]
     assert [len(t) // 4 for t in engine.seen] == sorted(lengths, reverse=True)
-    publish(job)
+    publish_manifest(job)
     assert read_output(job).result_ids == list(range(16))
 
 
@@ -371,7 +371,7 @@ def test_prompts_sharing_a_prefix_run_together_and_the_share_is_reported(file_pl
                           sharding={"chunkRows": 8, "targetShardBytes": 1 << 20},
                           batching={"prefixOrder": prefix, "inFlightRows": 48})
         run_shards(job, engine=simulated_engine(16))
-        publish(job)
+        publish_manifest(job)
         out = read_output(job)
         assert out.result_ids == list(range(96))
         share[prefix] = out.manifest["engine"]["prefixShare"]
@@ -448,7 +448,7 @@ def test_chunks_parsed_in_the_reader_thread_give_the_same_output(file_place, mak
     finally:
         Preparer.parse = parse  # type: ignore[method-assign]
     assert parsed_in == {"bij-prefetch"}
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == list(range(75))
     assert [e["error"]["code"] for e in out.errors] == ["invalid_json", "missing_text"]
@@ -482,7 +482,7 @@ def test_chunks_of_plain_rows_and_chunks_with_bad_rows_give_the_same_records(fil
     offset = file_place.storage.read_bytes(uri).index(b'{"id": 99, "text": ')
     assert bad["at"][1] == offset and bad["row"]["offset"] == offset and bad["row"]["object"].endswith("in.jsonl")
     assert bad["row"]["error"]["code"] == "invalid_json" and "not valid JSON" in bad["row"]["error"]["message"]
-    publish(job)
+    publish_manifest(job)
     out = read_output(job)
     assert out.result_ids == [r["id"] for r in [*good[:32], {"id": "1"}, *good[32:]]]
     assert [type(i) for i in out.result_ids] == [type(r["id"]) for r in [*good[:32], {"id": "1"}, *good[32:]]]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bij.contract.efficiency import fmt_money
+from bij.contract.manifest import CanaryCheck
 from bij.contract.spec import CANARY_MAX_ROWS, CANARY_SHARE, CanarySpec
 
 # Failing rows the verdict quotes (ids and error messages): enough to see the pattern, the status stays small.
@@ -152,16 +153,16 @@ def estimate(f: CanaryFigures, round_bytes: int, lanes: int, price_per_hour: flo
     return out
 
 
-def accuracy(est: Mapping[str, Any], actual: CanaryFigures, price_per_hour: float | None,
-             nodes_per_lane: int = 1) -> dict[str, Any]:
-    """The canary's estimate of round 0 against round 0 as it ran: rows, lane-seconds and cost each, and the
-    estimate's error (estimate / actual - 1: +0.1 means 10% too high). Wall time is left out: only the
-    status knows when the round began and ended."""
+def accuracy(est: Mapping[str, Any], actual: CanaryFigures, shards: int, price_per_hour: float | None,
+             nodes_per_lane: int = 1) -> CanaryCheck:
+    """The canary's estimate of round 0 (made from its `shards` shards) against round 0 as it ran: rows,
+    lane-seconds and cost each, and the estimate's error (estimate / actual - 1: +0.1 means 10% too high).
+    Wall time is left out: only the status knows when the round began and ended."""
     done: dict[str, Any] = {"rows": actual.rows_in, "laneSeconds": round(actual.lane_seconds, 1)}
     if price_per_hour is not None:
         done["cost"] = round(actual.lane_seconds / 3600 * price_per_hour * nodes_per_lane, 4)
     error = {k: round(float(est[k]) / float(v) - 1, 4) for k, v in done.items() if k in est and v}
-    return {"estimate": {k: est[k] for k in done if k in est}, "actual": done, "error": error}
+    return CanaryCheck(shards=shards, estimate={k: est[k] for k in done if k in est}, actual=done, error=error)
 
 
 def describe_estimate(est: Mapping[str, Any]) -> str:

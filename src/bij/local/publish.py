@@ -1,6 +1,6 @@
 """`bij publish` on one machine: the publish plan, its three row-level passes run as the Jobs the
 operator would create for them (`step_jobs.render_publish_job`) by the local Job controller, then the
-manifest. With no processes the passes run in this process (`bij.steps.publish.publish`)."""
+manifest. With no processes the passes run in this process (`bij.steps.publish.run_passes`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 from bij.contract.manifest import Manifest
 from bij.contract.publish_plan import PublishPlan
 from bij.contract.spec import BatchInferenceJob
-from bij.contract.step_report import REMOVAL_FAILED
 from bij.control.step_jobs import render_publish_job
 from bij.local.jobs import LocalJob, worker_command, worker_env
 from bij.steps import publish_rows
@@ -39,20 +38,12 @@ def run_passes_in_processes(job: BatchInferenceJob, plan_uri: str, plan: Publish
             raise e
 
 
-def publish(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
-            bucket_rows: int | None = None, stats: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """`publish_manifest`, returning the manifest's document as written (with `REMOVAL_FAILED` beside its
-    fields where removing work files failed): what benchmarks read, as a reader of manifest.json would."""
-    manifest = publish_manifest(job, rounds, processes, bucket_rows, stats)
-    removal = manifest.work_files_removal
-    return {**manifest.as_json(), **({REMOVAL_FAILED: removal.as_json()} if removal is not None else {})}
-
-
 def publish_manifest(job: BatchInferenceJob, rounds: int = 1, processes: int = 0,
                      bucket_rows: int | None = None, stats: list[dict[str, Any]] | None = None) -> Manifest:
-    """Publish rounds 0..rounds-1 (`bij.steps.publish.publish`), the passes in `processes` worker
-    processes (0: in this one). Returns the manifest (with `work_files_removal` where removing work files
-    failed after it was written)."""
+    """Publish rounds 0..rounds-1: the publish plan (`prepare_publish`), its passes in `processes` worker
+    processes (0: in this one, `run_passes`), then the manifest (`finish_publish`). Returns the manifest as
+    written (with `work_files_removal` where removing work files failed after it was written).
+    `bucket_rows` overrides spec.output.publishBucketRows (`bij publish --bucket-rows`)."""
     plan_uri, plan = prepare_publish(job, rounds, bucket_rows)
     if processes <= 0:
         run_passes(plan)

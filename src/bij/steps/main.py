@@ -122,11 +122,6 @@ def run_step(kind: str, job: BatchInferenceJob, round_no: int, *, rounds: int = 
     raise ValueError(f"unknown step {kind!r}; expected one of {', '.join(KINDS)}")
 
 
-def finish_round(job: BatchInferenceJob, round_no: int) -> dict[str, Any]:
-    """The finish step's result as its report carries it (`round_figures`), for benchmarks and tests."""
-    return round_figures(job, round_no).as_result()
-
-
 def round_figures(job: BatchInferenceJob, round_no: int) -> FinishResult:
     """A round whose Job ended: how many shards are done, its statistics (what the judge and
     spec.maxErrorRatio decide on), the damaged objects its workers stopped at, and the efficiency and

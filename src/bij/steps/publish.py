@@ -7,6 +7,10 @@ shard, and then the manifest with row counts and checksums. The row-level work
 runs in bounded-memory passes (`bij.steps.publish_rows`), as worker processes
 or in this one; what is done here grows with shards, never with rows. It is
 deterministic: publishing again gives the same files and the same manifest.
+
+A publish is three steps: `prepare_publish` (the publish plan), the passes (`run_passes` in this
+process, or each as a Job), then `finish_publish` (the manifest, returned as the `Manifest` model);
+`bij.local.publish.publish_manifest` runs the three on one machine (`bij publish`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from bij.contract.plan import BadPlan, Plan
 from bij.contract.publish_plan import PublishPlan
 from bij.contract.records import ShardRecord
 from bij.contract.spec import BatchInferenceJob
-from bij.contract.step_report import REMOVAL_FAILED
 from bij.steps import publish_rows
 from bij.steps.progress import DoneIndexes, damage_records, read_in_order, read_records
 from bij.steps.removal import Removal, remove_work_files, removed_record, resume_removal
@@ -222,25 +225,6 @@ def run_passes(plan: PublishPlan) -> None:
             publish_rows.run_pass(plan, pass_name, index)
 
 
-def publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | None = None) -> dict[str, Any]:
-    """Write result/error/capped files for rounds 0..rounds-1 and then the manifest. Returns the manifest's
-    document as written (with `REMOVAL_FAILED` beside its fields where removing work files failed): what
-    tests and benchmarks read, as a reader of manifest.json would.
-
-    The row-level work runs in the passes of `bij.steps.publish_rows`, here in this process
-    (`bij.local.publish` runs them in worker processes); this function reads only plans,
-    completion records and per-shard summaries, O(shards).
-    `bucket_rows` overrides spec.output.publishBucketRows (`bij publish --bucket-rows`).
-    Rows a judge still rejected at the cap go to `capped/` files with their last
-    output, attempts and verdicts, and are counted in `counts.capped`.
-    """
-    plan_uri, pplan = prepare_publish(job, rounds, bucket_rows)
-    run_passes(pplan)
-    manifest = finish_publish(job, rounds, pplan)
-    removal = manifest.work_files_removal
-    return {**manifest.as_json(), **({REMOVAL_FAILED: removal.as_json()} if removal is not None else {})}
-
-
 def prepare_publish(job: BatchInferenceJob, rounds: int = 1, bucket_rows: int | None = None,
                     partial: str | None = None) -> tuple[str, PublishPlan]:
     """Check that rounds 0..rounds-1 are whole and made by this spec, and write the publish plan the
@@ -408,7 +392,7 @@ def _manifest(job: BatchInferenceJob, store: Storage, plans: list[Plan], pplan: 
         efficiency=EfficiencyFigures.model_validate(eff),
         published_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **({"cost": CostFigures.model_validate(spent)} if spent is not None else {}),
-        **({"canary": CanaryCheck.model_validate(checked)} if checked is not None else {}),
+        **({"canary": checked} if checked is not None else {}),
     )
 
 
@@ -428,7 +412,7 @@ def _write_manifest(store: Storage, job: BatchInferenceJob, manifest: Manifest, 
     return manifest
 
 
-def canary_check(job: BatchInferenceJob, store: Storage, plans: list[Plan]) -> dict[str, Any] | None:
+def canary_check(job: BatchInferenceJob, store: Storage, plans: list[Plan]) -> CanaryCheck | None:
     """With spec.canary: the canary's estimate of round 0 (from the figures its step kept) against round 0's
     completion records, streamed; None without a canary, or where its figures were never kept."""
     if job.spec.canary is None or not plans:
@@ -443,7 +427,7 @@ def canary_check(job: BatchInferenceJob, store: Storage, plans: list[Plan]) -> d
     round0 = CanaryFigures.of(rec for _, rec in stream_records(job, 0))
     est = estimate(figures, round0.bytes, min(plans[0].lane_count, w.parallelism), w.price_per_hour,
                    w.nodes_per_lane)
-    return {"shards": figures.shards, **accuracy(est, round0, w.price_per_hour, w.nodes_per_lane)}
+    return accuracy(est, round0, figures.shards, w.price_per_hour, w.nodes_per_lane)
 
 
 def _published_parts(store: Storage, job: BatchInferenceJob) -> list[str]:
