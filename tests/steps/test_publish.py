@@ -529,7 +529,7 @@ def test_the_publish_plan_names_each_rounds_shard_count_not_each_shard(tmp_path)
     (b"[1, 2]", "is not a JSON object"),
     (OLD_PUBLISH_PLAN.replace('"buckets": 1,', "").encode(), "buckets: Field required"),
     (OLD_PUBLISH_PLAN.replace('"buckets": 1,', '"buckets": "many",').encode(), "buckets:"),
-    (OLD_PUBLISH_PLAN.replace('"format": "parquet"', '"format": "csv"').encode(), "format:"),
+    (OLD_PUBLISH_PLAN.replace('"format": "parquet"', '"format": "xlsx"').encode(), "format:"),
 ])
 def test_an_unreadable_publish_plan_is_a_publish_plan_error_naming_it(tmp_path, data, says):
     from bij.cli.worker import main

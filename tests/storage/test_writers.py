@@ -301,7 +301,7 @@ PUBLISHED: list[Any] = [{"id": 1, "text": 'one, "two"\nthree'}, {"id": "1", "tex
 
 @pytest.mark.parametrize("partition_by", ["shard", "input"])
 def test_a_csv_job_publishes_csv_files_and_bij_results_reads_them_as_the_jsonl_job_does(
-        file_place, make_job, run_shards, partition_by: str) -> None:
+        file_place, make_job, run_shards, publish_doc, partition_by: str) -> None:
     file_place.write_jsonl("in/a.jsonl", PUBLISHED)
     jobs = {}
     for fmt in ("jsonl", "csv"):
@@ -309,7 +309,7 @@ def test_a_csv_job_publishes_csv_files_and_bij_results_reads_them_as_the_jsonl_j
                           output={"format": fmt, "compression": "zstd", "partitionBy": partition_by},
                           sharding={"targetShardBytes": 1024, "chunkRows": 2})
         run_shards(job)
-        manifest = publish(job)
+        manifest = publish_doc(job)
         jobs[fmt] = job
     assert manifest["format"] == "csv"
     assert all(f["path"].endswith(".csv.zst") for f in manifest["files"])
