@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from bij.contract import layout
 from bij.contract import notify as contract
 from bij.contract.spec import parse_job
 from bij.contract.spec_base import SecretKeyRef
@@ -352,5 +353,10 @@ def test_bij_run_tells_the_webhook_before_it_exits_retrying_while_it_fails(webho
     assert doc["bij"]["manifestUri"] == file_place.uri("out/manifest.json")
     assert "row 1" not in payload.decode()  # nothing of the rows themselves
     # A rerun takes the kept status up, the webhook's record with it: told once, as by an operator restarted.
+    assert LocalRunner(job, show_progress=False, notify_backoff=FAST).run() == 0
+    assert len(hook.received) == 2
+    # Nor when the status was not kept (published by an older bij, or the file lost): the run that published
+    # told the webhook before it ended; the rerun records it as not told again.
+    file_place.storage.delete(layout.local_status_uri(job))
     assert LocalRunner(job, show_progress=False, notify_backoff=FAST).run() == 0
     assert len(hook.received) == 2

@@ -37,7 +37,7 @@ from bij.contract.manifest import EfficiencyFigures, Manifest
 from bij.contract.round_record import round_records
 from bij.contract.spec import BatchInferenceJob, CanarySpec
 from bij.contract.spec_base import SecretKeyRef
-from bij.contract.status import JobStatus
+from bij.contract.status import JobStatus, Notified
 from bij.control import notify
 from bij.control.decisions import STOPPED_PHASES, TERMINAL_PHASES, Retry
 from bij.control.driver import Driver
@@ -458,10 +458,7 @@ class LocalRunner:
             return None
         phase = manifest.partial.phase if manifest.partial is not None else "Succeeded"
         if kept.get("phase") != phase:
-            # Published by a bij that kept no status once published (or it was lost): what its manifest says.
-            said = f"{phase.lower()} ({manifest.partial.reason}): " if manifest.partial is not None else ""
-            kept = {"phase": phase, "manifestUri": layout.manifest_uri(self.job),
-                    "message": f"{said}published at {manifest.published_at}"}
+            kept = status_of_manifest(self.job, manifest, phase)
         self.backend.status = kept
         return manifest
 
@@ -538,6 +535,21 @@ class LocalRunner:
             print(f"bij: RetryCapReached: {c.capped:,} rows were still rejected at the cap; "
                   f"they are in the manifest's cappedFiles", file=sys.stderr)
         print(layout.manifest_uri(self.job))
+
+
+def status_of_manifest(job: BatchInferenceJob, manifest: Manifest, phase: str) -> dict[str, Any]:
+    """The status of a job published by a bij that kept no status once published (or whose kept status was
+    lost): what its manifest says. Its spec.notify webhooks are not told again: that run told them before it
+    ended, and whether they answered is not known here, so each is recorded as given up, saying why."""
+    said = f"{phase.lower()} ({manifest.partial.reason}): " if manifest.partial is not None else ""
+    status: dict[str, Any] = {"phase": phase, "manifestUri": layout.manifest_uri(job),
+                              "message": f"{said}published at {manifest.published_at}"}
+    why = "published by an earlier run whose status was not kept: not told again"
+    told = [Notified(url=target.url, event=event, gave_up=True, last_error=why).as_status()
+            for target, event in notify.wanted(job, JobStatus.read(status))]
+    if told:
+        status["notified"] = told
+    return status
 
 
 def round_planned_at(job: BatchInferenceJob, store: Any) -> str | None:
