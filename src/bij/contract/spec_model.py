@@ -134,7 +134,7 @@ class HttpOptions(SpecModel):
 
     base_url: str | None = Field(None, json_schema_extra=k8s(pattern=ENDPOINT_PATTERN))
     """the server's URL without /v1, e.g. http://vllm.inference.svc:8000; rows go to /v1/chat/completions,
-    /v1/completions or /v1/embeddings by model.task"""
+    /v1/completions, /v1/embeddings, or vLLM's /classify, /score or /rerank by model.task"""
     served_model: str | None = Field(None, max_length=256)
     """the model name the server knows, sent as every body's model; default model.name"""
     headers_secret: SecretKeyRef | None = None
@@ -286,7 +286,7 @@ class ModelSpec(SpecModel):
     classify (a label and class probabilities for the row's text: a sequence-classification model), score (the
     relevance of input.pairField to input.textField: a cross-encoder) or rerank (input.documentsField ranked by
     relevance to input.queryField: a cross-encoder); classify, score and rerank run on engines transformers,
-    sentence-transformers and vllm"""
+    sentence-transformers, vllm and http"""
     # No defaults here (nor in the CRD): unset is None, so a spec the API server defaulted still tells
     # whether its user set these or model.sampling's (sampling.SPEC_DEFAULTS applies where neither does).
     max_tokens: int | None = Field(None, ge=1)

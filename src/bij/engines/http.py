@@ -16,6 +16,9 @@ back, so one slow row holds up no other (each sending thread keeps its connectio
 Before the lane's first row, `load` asks the server whether it serves `servedModel` (GET /v1/models, or one
 tiny request where the server has no such list): a wrong baseUrl, model or credential fails the lane as a
 bad configuration naming the URL and the status, instead of turning every row into an error row.
+
+`HttpTransport` is all of that, whatever the task; `HttpEngine` sends embed, generate and chat rows to the
+OpenAI endpoints, and `http_pooling.HttpPoolingEngine` classify, score and rerank rows to vLLM's.
 """
 
 from __future__ import annotations
@@ -189,13 +192,18 @@ PREFLIGHT_TIMEOUT = 10.0  # seconds one preflight request may take at most
 PREFLIGHT_WAIT = 1.0  # seconds before the preflight's next try, doubled per try
 
 
-class HttpEngine(EstimatedTokens, EngineBase):
-    """Rows sent to an OpenAI-compatible server: `model.http: {baseUrl, servedModel, maxInFlight, ...}`."""
+class HttpTransport(EstimatedTokens, EngineBase):
+    """What every http engine class shares: `model.http: {baseUrl, servedModel, maxInFlight, ...}`, the
+    preflight, the sending threads and their kept-alive connections, the window, retries and error rows. A
+    subclass says where its task's rows go (`path`), what each sends (`body`) and reads back (`_result`), and
+    the one tiny row a preflight may send (`tiny_request`)."""
 
     name = "http"
     continuous = True  # submit / step: answers come back as they arrive, the window bounds what is in flight
     schedules_itself = True
     parallel_prepare = True  # its threads wait on sockets, which lets go of the interpreter
+    honours: frozenset[str] = frozenset()
+    path: str  # where the task's rows go, under baseUrl (set by the subclass)
 
     def __init__(self, config: EngineConfig):
         opts = config.http or HttpOptions()  # validated as the spec validates it (contract.spec_model.HttpOptions)
@@ -210,9 +218,6 @@ class HttpEngine(EstimatedTokens, EngineBase):
         self.max_in_flight = opts.max_in_flight
         self.timeout = opts.timeout_seconds
         self.retries = opts.retries
-        self.honours = frozenset() if config.task == "embed" else BASIC_SAMPLING | frozenset(SENT_FIELDS)
-        self.path = {"chat": "/v1/chat/completions", "generate": "/v1/completions",
-                     "embed": "/v1/embeddings"}[config.task]
         self.window = Window(self.max_in_flight)
         # Daemon threads, not a ThreadPoolExecutor: a request hanging until its timeout must not hold up
         # the worker's exit after it dropped the row (an executor's threads are joined at exit).
@@ -254,7 +259,7 @@ class HttpEngine(EstimatedTokens, EngineBase):
             raise ServerRefused(f"{self.base_url}/v1/models does not list model.http.servedModel "
                                 f"{self.served_model!r}; it serves: {listed}")
         if answer.status in (404, 405, 501):  # no model list here: one tiny request shows what the rows would meet
-            tiny = self.body(Request(text="Hi", max_tokens=1, temperature=0.0))
+            tiny = self.body(self.tiny_request())
             answer = self._try(lambda: self._call("POST", self.path, json.dumps(tiny).encode(), self.timeout))
             if answer.status is not None and 200 <= answer.status < 300:
                 return
@@ -300,35 +305,6 @@ class HttpEngine(EstimatedTokens, EngineBase):
     def stats(self) -> dict[str, Any]:
         """The congestion window's story: its size now, smallest and largest, cuts, sends, pauses."""
         return self.window.stats()
-
-    def body(self, req: Request) -> dict[str, Any]:
-        """The OpenAI body the server expects for this row (model = servedModel)."""
-        out: dict[str, Any] = {"model": self.served_model}
-        if self.config.task == "embed":
-            out["input"] = self._text(req, head=True)
-            return out
-        if self.config.task == "chat":
-            out["messages"] = req.messages if req.messages is not None else [{"role": "user", "content": req.text}]
-        else:
-            out["prompt"] = self._text(req, head=False)
-        out["max_tokens"] = req.max_tokens
-        out["temperature"] = req.temperature
-        if req.seed is not None:
-            out["seed"] = req.seed
-        s = req.sampling
-        for key in SENT_FIELDS.values():
-            value = getattr(s, key)  # the body's name is the Sampling field's
-            if value is not None:
-                out[key] = list(value) if isinstance(value, tuple) else value
-        return out
-
-    def _text(self, req: Request, head: bool) -> str:
-        text = request_text(req)
-        limit = self.config.max_input_tokens
-        if self.config.truncate and limit is not None and estimate_tokens(text) > limit:
-            # The worker marked this row truncated by the same estimate: cut it so.
-            text = truncate_text(text, limit, head=head)
-        return text
 
     def concurrency(self) -> int:
         return self.max_in_flight
@@ -485,6 +461,60 @@ class HttpEngine(EstimatedTokens, EngineBase):
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+    def tiny_request(self) -> Request:
+        """The one small row a preflight sends to a server without a model list."""
+        raise NotImplementedError
+
+    def body(self, req: Request) -> dict[str, Any]:
+        """The JSON body the server expects for this row (model = servedModel)."""
+        raise NotImplementedError
+
+    def _result(self, req: Request, raw: bytes) -> Result:
+        """The row's result from the server's answer (2xx); one it cannot read is the row's error row."""
+        raise NotImplementedError
+
+
+class HttpEngine(HttpTransport):
+    """Rows sent to an OpenAI-compatible server's /v1/chat/completions, /v1/completions or /v1/embeddings."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.honours = frozenset() if config.task == "embed" else BASIC_SAMPLING | frozenset(SENT_FIELDS)
+        self.path = {"chat": "/v1/chat/completions", "generate": "/v1/completions",
+                     "embed": "/v1/embeddings"}[config.task]
+
+    def tiny_request(self) -> Request:
+        return Request(text="Hi", max_tokens=1, temperature=0.0)
+
+    def body(self, req: Request) -> dict[str, Any]:
+        """The OpenAI body the server expects for this row (model = servedModel)."""
+        out: dict[str, Any] = {"model": self.served_model}
+        if self.config.task == "embed":
+            out["input"] = self._text(req, head=True)
+            return out
+        if self.config.task == "chat":
+            out["messages"] = req.messages if req.messages is not None else [{"role": "user", "content": req.text}]
+        else:
+            out["prompt"] = self._text(req, head=False)
+        out["max_tokens"] = req.max_tokens
+        out["temperature"] = req.temperature
+        if req.seed is not None:
+            out["seed"] = req.seed
+        s = req.sampling
+        for key in SENT_FIELDS.values():
+            value = getattr(s, key)  # the body's name is the Sampling field's
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def _text(self, req: Request, head: bool) -> str:
+        text = request_text(req)
+        limit = self.config.max_input_tokens
+        if self.config.truncate and limit is not None and estimate_tokens(text) > limit:
+            # The worker marked this row truncated by the same estimate: cut it so.
+            text = truncate_text(text, limit, head=head)
+        return text
 
     def _result(self, req: Request, raw: bytes) -> Result:
         try:
