@@ -42,3 +42,14 @@ def test_an_empty_or_missing_status_reads_as_nothing_yet() -> None:
     for raw in (None, {}):
         st = JobStatus.read(raw)
         assert st.phase is None and st.rounds == [] and st.problems == []
+
+
+def test_a_status_patch_names_only_fields_of_the_status_under_their_own_names() -> None:
+    """StatusPatch lists the status fields the operator writes beside JobStatus, which reads them: a field
+    added to one and not the other, or spelled apart, fails here rather than writing a key nothing reads."""
+    from bij.contract.status import StatusPatch
+
+    status = {name: field.alias or name for name, field in JobStatus.model_fields.items()}
+    for name, field in StatusPatch.model_fields.items():
+        assert name in status, f"StatusPatch.{name} is no field of JobStatus"
+        assert (field.alias or name) == status[name]
