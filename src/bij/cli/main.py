@@ -84,8 +84,9 @@ def _add_publish_and_readers(sub: argparse._SubParsersAction[argparse.ArgumentPa
     which = p.add_mutually_exclusive_group()
     which.add_argument("--errors", action="store_true", help="the error rows instead of the results")
     which.add_argument("--capped", action="store_true", help="rows still rejected by the judge at the cap")
-    p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",
-                   help="jsonl: JSON lines on stdout (default); parquet: one Parquet stream of the results")
+    p.add_argument("--format", choices=["jsonl", "parquet", "csv"], default="jsonl",
+                   help="jsonl: JSON lines on stdout (default); parquet: one Parquet stream of the results; "
+                        "csv: one CSV stream of the results, as output.format csv writes them")
 
     p = sub.add_parser("status", help="a short summary of a job: rounds, shards, rows, errors, truncated, cost")
     p.add_argument("target", help="the job's YAML (read with its spec.storage), or its manifest URI (file://, s3:// or "
