@@ -70,6 +70,11 @@ def test_bij_run_reads_and_publishes_on_azure_blob_storage(az_place, make_job, r
     check_published(out, inputs, errors=1)
     # Segments, never appends: the lanes' durable logs on az:// are immutable blobs.
     assert any("/seg-" in o.uri for o in az_place.storage.list(az_place.base))
+    # `bij results` on the bare az:// URI signs with the account the environment names, as its help says.
+    got = subprocess.run([bij_bin("bij"), "results", layout.manifest_uri(job)], env=worker_env(az_place),
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert [json.loads(line) for line in got.stdout.splitlines()] == out.results
 
 
 @pytest.mark.parametrize("keep", [True, False])

@@ -102,3 +102,37 @@ def test_status_summarizes_a_published_job_and_a_running_one(place, make_job, ru
     assert "cost" in text and "per million rows" in text
     rc, out2, _ = run(["status", str(path)], capsysbinary)
     assert out2 == out  # a published job's spec gives the manifest's summary
+
+
+def test_results_of_a_jsonl_job_convert_to_csv_that_reads_back_as_its_rows(file_place, make_job, run_shards,
+                                                                        capsysbinary) -> None:
+    from bij.storage.writers import CSV
+
+    last = {"id": "last", "text": "late", "lang": "fr"}  # a pass-through column first seen in the last file
+    _, job = make_job(file_place, file_place.write_jsonl("in.jsonl", ROWS * 40 + [last]),
+                      sharding={"targetShardBytes": 1024, "chunkRows": 2}, input={"passThrough": ["lang"]})
+    run_shards(job)
+    publish_manifest(job)
+    manifest = json.loads(file_place.storage.read_bytes(layout.manifest_uri(job)))
+    assert len(manifest["files"]) > 1  # one stream, one header, of several files
+    rc, out, err = run(["results", layout.manifest_uri(job), "--format", "csv"], capsysbinary)
+    assert rc == 0, err
+    header = out.split(b"\r\n", 1)[0].decode()
+    assert header == "id,id_int,output,prompt_tokens,completion_tokens,truncated,lang"  # mixed ids: id is text
+    rc, lines, _ = run(["results", layout.manifest_uri(job)], capsysbinary)
+    rows = [json.loads(line) for line in lines.splitlines()]
+    # CSV keeps integer ids in int64 as Parquet does: one beyond 64 bits comes back as its text; a column a row
+    # lacks is null.
+    expected = [{"lang": None, **r} | ({"id": str(r["id"])} if r["id"] == 2**70 else {}) for r in rows]
+    assert rows[-1]["lang"] == "fr" and list(CSV.rows(out, "all.csv")) == expected
+    rc, _, err = run(["results", layout.manifest_uri(job), "--errors", "--format", "csv"], capsysbinary)
+    assert rc == 1 and "--format csv reads results only" in err
+
+
+def test_results_of_a_csv_job_stream_as_its_one_file(file_place, make_job, run_shards, capsysbinary) -> None:
+    job = published(file_place, make_job, run_shards, output={"format": "csv", "compression": "none"})
+    manifest = json.loads(file_place.storage.read_bytes(layout.manifest_uri(job)))
+    assert [f["path"].endswith(".csv") for f in manifest["files"]] == [True]
+    rc, out, err = run(["results", layout.manifest_uri(job), "--format", "csv"], capsysbinary)
+    assert rc == 0, err
+    assert out == file_place.storage.read_bytes(layout.join(job.spec.output.uri, manifest["files"][0]["path"]))

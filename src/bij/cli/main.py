@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bij.contract.schemes import prefixes
+
+BARE_URI_CREDENTIALS = "a bare URI's credentials from the standard environment: AWS's, or the Azure CLI's for az://"
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
@@ -80,16 +84,17 @@ def _add_publish_and_readers(sub: argparse._SubParsersAction[argparse.ArgumentPa
 
     p = sub.add_parser("results", help="print published rows as JSON lines (checks every file's sha256)")
     p.add_argument("manifest", help="the job's YAML (its output, read with its spec.storage), or the manifest's or "
-                                    "output's URI (file://, s3:// or gs://...; S3 settings from the AWS environment)")
+                                    f"output's URI ({prefixes(writable_only=True)}; {BARE_URI_CREDENTIALS})")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--errors", action="store_true", help="the error rows instead of the results")
     which.add_argument("--capped", action="store_true", help="rows still rejected by the judge at the cap")
-    p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",
-                   help="jsonl: JSON lines on stdout (default); parquet: one Parquet stream of the results")
+    p.add_argument("--format", choices=["jsonl", "parquet", "csv"], default="jsonl",
+                   help="jsonl: JSON lines on stdout (default); parquet: one Parquet stream of the results; "
+                        "csv: one CSV stream of the results, as output.format csv writes them")
 
     p = sub.add_parser("status", help="a short summary of a job: rounds, shards, rows, errors, truncated, cost")
-    p.add_argument("target", help="the job's YAML (read with its spec.storage), or its manifest URI (file://, s3:// or "
-                                  "gs://...; S3 settings from the AWS environment)")
+    p.add_argument("target", help="the job's YAML (read with its spec.storage), or its manifest URI "
+                                  f"({prefixes(writable_only=True)}; {BARE_URI_CREDENTIALS})")
 
 
 def _add_doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -10,7 +10,15 @@ from typing import Any
 from bij.contract import layout
 from bij.contract.schemes import WRITABLE
 from bij.contract.spec import SpecError, load_job
-from bij.steps.results import ResultsError, job_summary, load_manifest, manifest_summary, write_jsonl, write_parquet
+from bij.steps.results import (
+    ResultsError,
+    job_summary,
+    load_manifest,
+    manifest_summary,
+    write_csv,
+    write_jsonl,
+    write_parquet,
+)
 from bij.storage import StorageError
 
 
@@ -28,12 +36,14 @@ def cli_results(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
     try:
         uri, s3 = target_manifest(args.manifest)
+        if args.format != "jsonl" and which != "results":
+            raise ResultsError(f"error and capped rows are JSON lines: --format {args.format} reads results only")
         if args.format == "parquet":
-            if which != "results":
-                raise ResultsError("error and capped rows are JSON lines: --format parquet reads results only")
             if out.isatty():
                 raise ResultsError("--format parquet writes binary Parquet: redirect it to a file")
             write_parquet(uri, out, s3)
+        elif args.format == "csv":
+            write_csv(uri, out, s3)
         else:
             write_jsonl(uri, which, out, s3)
         out.flush()

@@ -1,7 +1,7 @@
 """What `bij results` and `bij status` read: published rows and a job's summary, without knowing the formats.
 
 `bij results MANIFEST_URI` streams the rows the manifest lists as JSON lines (or one
-Parquet stream), checking each file's sha256 against the manifest first; `bij status`
+Parquet or CSV stream), checking each file's sha256 against the manifest first; `bij status`
 says in a few lines where a job stands: rounds, shards, rows, errors, truncated, cost.
 Both read `file://` and `s3://` alike, through the one storage interface. Their command-line handlers are
 `bij.cli.results`.
@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -27,9 +29,10 @@ from bij.contract.spec import BatchInferenceJob
 from bij.steps.progress import damage_records, live_records
 from bij.storage import NotFound, Storage, StorageError, open_storage
 from bij.storage.parquet import BeyondInt64, id_kind, is_int64, read_table, results_table
-from bij.storage.writers import PARQUET, ResultWriter, writer_of_path
+from bij.storage.writers import CSV, PARQUET, ResultShape, ResultWriter, writer_of_path
 
 FILE_LISTS = {"results": "files", "errors": "errorFiles", "capped": "cappedFiles"}
+CSV_BATCH_ROWS = 10_000  # rows encoded at a time as `bij results --format csv` writes
 
 
 class ResultsError(BijError):
@@ -105,6 +108,15 @@ def write_jsonl(uri: str, which: str, out: IO[bytes], s3: Any) -> int:
     return n
 
 
+def results_id_kind(uri: str, s3: Any) -> str:
+    """The `id` column's type for all of a job's results ('int', 'str' or 'mixed'), from one pass over them."""
+    ints = strs = 0
+    for row in iter_rows(uri, "results", s3):
+        ints += is_int64(row.get("id"))
+        strs += not is_int64(row.get("id"))
+    return id_kind(ints, strs)
+
+
 def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     """All result rows as one Parquet stream (the schema `output.format: parquet` writes)."""
     import pyarrow as pa
@@ -119,12 +131,7 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     judged = manifest.judge is not None
     ids = "mixed"
     if first is not None and file_writer(first) is not PARQUET:
-        # Results not in Parquet: one pass for the id column's type, so the stream has one schema.
-        ints = strs = 0
-        for row in iter_rows(uri, "results", s3):
-            ints += is_int64(row.get("id"))
-            strs += not is_int64(row.get("id"))
-        ids = id_kind(ints, strs)
+        ids = results_id_kind(uri, s3)  # results not in Parquet: the stream has one schema
     writer: Any = None
     n = 0
     sink = pa.PythonFile(out, mode="w")
@@ -155,6 +162,27 @@ def write_parquet(uri: str, out: IO[bytes], s3: Any) -> int:
     finally:
         if writer is not None:
             writer.close()
+    return n
+
+
+def write_csv(uri: str, out: IO[bytes], s3: Any) -> int:
+    """All result rows as one uncompressed CSV stream, with the columns and cells `output.format: csv` writes
+    (bij.storage.writers.csv), from results in any format. It reads the results twice (the `id` column's
+    type, then the rows) and spools them on local disk, as publishing a CSV file does: the header, which
+    names every pass-through column, comes before the first row."""
+    _, _, manifest = load_manifest(uri, s3)
+    if manifest.format == "openai":
+        raise ResultsError("OpenAI batch output lines stay JSON lines: use --format jsonl")
+    shape = ResultShape(manifest.model.task or "embed", results_id_kind(uri, s3), manifest.judge is not None, "none")
+    stream = CSV.stream(shape, tempfile.TemporaryFile, CSV_BATCH_ROWS)
+    n = 0
+    try:
+        for row in iter_rows(uri, "results", s3):
+            stream.add(row)
+            n += 1
+        shutil.copyfileobj(stream.finish(), out)
+    finally:
+        stream.discard()
     return n
 
 
