@@ -18,7 +18,7 @@ import pytest
 from bij.contract import layout
 from bij.contract.spec import SpecError, parse_spec
 from bij.engines import create_engine
-from bij.engines.http import HttpEngine, retry_after_seconds
+from bij.engines.http import HttpEngine, Window, retry_after_seconds
 from bij.local.publish import publish_manifest
 from bij.worker.main import engine_config
 
@@ -268,7 +268,7 @@ def test_429_with_retry_after_and_503s_shrink_the_window_and_every_row_still_suc
     took = time.monotonic() - start
     assert out.errors == [] and len(out.results) == 60
     stats = out.engine.stats()
-    assert stats["cuts"] >= 2 and stats["smallest"] < 4  # it started at 4 and halved
+    assert stats["cuts"] >= 2 and stats["smallest"] < 4  # it started at 4 and was cut
     assert stats["pausedSeconds"] >= 0.5 and took >= 1.0  # the Retry-After was waited
     first_ok = server.arrivals[6]  # the first request after the six 429s
     assert first_ok - server.arrivals[0] >= 0.9
@@ -334,6 +334,34 @@ def test_the_window_grows_additively_up_to_max_in_flight(server: FakeServer) -> 
     results = engine.run([Request(text=f"r{i}") for i in range(200)])
     assert [r.output for r in results] == [f"re: r{i}" for i in range(200)]  # in order
     assert engine.stats()["largest"] == 8 and server.peak <= 8
+
+
+def round_trips(window: Window, capacity: int, n: int) -> tuple[list[int], int]:
+    """`n` round trips against a fleet that takes `capacity` requests at once: each sends as many as the
+    window holds and the fleet refuses (429) those over its capacity. (Rows served each round trip, refused.)"""
+    served, refused = [], 0
+    for _ in range(n):
+        sent = int(window.size)
+        tickets = [window.acquire() for _ in range(sent)]
+        for i, ticket in enumerate(tickets):
+            window.release(ticket, congested=i >= capacity, retry_after=None)
+        served.append(min(sent, capacity))
+        refused += max(0, sent - capacity)
+    return served, refused
+
+
+def test_the_window_stays_near_what_the_fleet_takes_and_aims_lower_when_the_fleet_takes_less() -> None:
+    window = Window(128)
+    served, refused = round_trips(window, 32, 400)
+    assert window.cuts >= 5 and max(served) == 32  # it found the fleet's capacity, again and again
+    # Halving and adding one a round trip served 0.79 of the capacity; near the ceiling it serves over 0.9.
+    assert sum(served[100:]) >= 0.9 * 32 * 300
+    assert refused <= 0.02 * sum(served)  # probing past the ceiling costs few refusals
+    served, _ = round_trips(window, 16, 200)  # other lanes came: the fleet takes 16 of this lane's requests
+    assert window.ceiling is not None and window.ceiling < 17
+    assert sum(served[100:]) >= 0.9 * 16 * 100  # halving: 0.83
+    served, _ = round_trips(window, 64, 100)  # they left: the probing finds the room within tens of round trips
+    assert served.index(64) < 40
 
 
 def test_an_aborted_row_is_not_sent_again_and_no_thread_holds_up_the_exit(server: FakeServer) -> None:

@@ -6,9 +6,14 @@ sends each row's request to `model.http.baseUrl` and reads the answer. It is a c
 thread pool as soon as the congestion window has room, and a step returns whichever answers came
 back, so one slow row holds up no other (each sending thread keeps its connection alive):
 
-- the window grows by one request per window's worth of successes (additive increase) and halves
-  on a 429, a 503, a 504 or a timeout (multiplicative decrease, at most once per round trip), between
-  1 and `maxInFlight`;
+- the window is cut to 0.7 of itself on a 429, a 503, a 504 or a timeout (at most once per round trip),
+  and the size it was cut at is the fleet's ceiling; it then grows by a request per window's worth of
+  successes before any cut, and after one as BIC (Xu, Harfoush and Rhee, 2004) does: halfway back to the
+  ceiling each round trip (at least 0.1, at most 4 requests), then slowly past it and faster the longer no
+  cut comes, so it spends its time near what the fleet takes rather than climbing back from half of it
+  (halving and adding one a round trip kept it at about 3/4 of the ceiling). A cut below the last ceiling
+  (the fleet took on other lanes) sets the ceiling lower still, leaving room for them. Between 1 and
+  `maxInFlight`;
 - a `Retry-After` on such an answer pauses every request of the lane until it has passed;
 - 408, 429, 5xx, timeouts and lost connections are retried, anything else is the row's error row at
   once; a row is sent at most `retries + 1` times, and its error row carries the last status and body.
@@ -61,6 +66,9 @@ CONGESTION = frozenset({429, 503, 504})  # the fleet says it is full: shrink the
 BODY_CUT = 1000  # characters of a server's error body kept in the error row
 MAX_RETRY_AFTER = 300.0  # seconds; a longer Retry-After is waited this long
 START_WINDOW = 4
+CUT = 0.7  # the window after a congestion signal, of what it was (TCP CUBIC's beta, RFC 9438)
+STEP_MIN = 0.1  # requests a round trip the window grows by, at least, once it has been cut
+STEP_MAX = 4.0  # and at most
 BACKOFF_BASE = 0.05  # seconds before a retry without Retry-After, doubled per attempt (jittered)
 BACKOFF_MAX = 5.0
 STEP_WAIT = 0.5  # seconds a step waits for an answer before it hands control back to the worker
@@ -101,7 +109,8 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
 
 
 class Window:
-    """The lane's congestion window (AIMD) and its shared pause, over every request the engine sends."""
+    """The lane's congestion window and its shared pause, over every request the engine sends: cut to `CUT`
+    of itself on congestion, grown as BIC grows it (see the module's docstring)."""
 
     def __init__(self, max_in_flight: int, start: int = START_WINDOW):
         self.max = max_in_flight
@@ -111,6 +120,7 @@ class Window:
         self.smallest = self.size
         self.largest = self.size
         self.cuts = 0
+        self.ceiling: float | None = None  # the size of the last cut: what the fleet took then
         self.sent = 0
         self.paused_seconds = 0.0  # time requests were held back by Retry-After
         self._pause_until = 0.0
@@ -161,21 +171,36 @@ class Window:
             self.in_flight -= 1
             if congested:
                 if ticket > self._cut_at:
-                    self.size = max(1.0, self.size / 2)
-                    self._cut_at = self.sent
-                    self.cuts += 1
-                    self.smallest = min(self.smallest, self.size)
+                    self._cut()
                 if retry_after:
                     self._pause_until = max(self._pause_until, time.monotonic() + retry_after)
             else:
-                self.size = min(float(self.max), self.size + 1 / self.size)
+                self.size = min(float(self.max), self.size + self._step() / self.size)
                 self.largest = max(self.largest, self.size)
             self._wake_next()
+
+    def _cut(self) -> None:
+        size = self.size
+        # Cut below the last ceiling: the fleet serves more than this lane now; aim lower (BIC's fast convergence).
+        self.ceiling = size * (1 + CUT) / 2 if self.ceiling is not None and size < self.ceiling else size
+        self.size = max(1.0, size * CUT)
+        self._cut_at = self.sent
+        self.cuts += 1
+        self.smallest = min(self.smallest, self.size)
+
+    def _step(self) -> float:
+        """Requests the window grows by over a round trip (a window's worth of successes)."""
+        if self.ceiling is None:
+            return 1.0
+        if self.size < self.ceiling:  # binary search toward the ceiling
+            return min(STEP_MAX, max(STEP_MIN, (self.ceiling - self.size) / 2))
+        return min(STEP_MAX, max(STEP_MIN, self.size - self.ceiling))  # past it: probing, faster with no cut
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"window": self.size, "smallest": self.smallest, "largest": self.largest, "cuts": self.cuts,
-                    "sent": self.sent, "peakInFlight": self.peak_in_flight, "pausedSeconds": self.paused_seconds}
+                    "ceiling": self.ceiling, "sent": self.sent, "peakInFlight": self.peak_in_flight,
+                    "pausedSeconds": self.paused_seconds}
 
 
 class ServerRefused(ValueError):
@@ -303,7 +328,8 @@ class HttpTransport(EstimatedTokens, EngineBase):
             return None
 
     def stats(self) -> dict[str, Any]:
-        """The congestion window's story: its size now, smallest and largest, cuts, sends, pauses."""
+        """The congestion window's story: its size now, smallest and largest, cuts, the last ceiling, sends,
+        pauses."""
         return self.window.stats()
 
     def concurrency(self) -> int:
