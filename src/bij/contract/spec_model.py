@@ -141,7 +141,7 @@ class HttpOptions(SpecModel):
     """a Secret's key whose value is sent as the Authorization header (a bare key as Bearer); with bij run set
     env BIJ_HTTP_AUTHORIZATION instead"""
     max_in_flight: int = Field(64, ge=1, le=4096)
-    """requests one lane has in flight at most; below it the lane finds the server's capacity itself (a congestion window)"""
+    """requests one lane has in flight at most; below it the lane's congestion window finds the server's capacity"""
     timeout_seconds: float = Field(600, gt=0, le=86400)
     """seconds one request may take; a timeout is retried, and counts as the server being full"""
     retries: int = Field(3, ge=0, le=20)
