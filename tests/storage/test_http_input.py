@@ -63,6 +63,9 @@ def _handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
 
         def _answer(self, body: bool) -> None:
             server.requests.append((self.command, self.path, self.headers.get("Range", "")))
+            # Whether to cut this body is read as the request arrives: a handler still answering a request the
+            # client gave up on must not take a cut a later part of the test set up for the next request.
+            break_after = server.break_after
             target = server.redirects.get(self.path.split("?", 1)[0])
             if target is not None:
                 self.send_response(302)
@@ -118,8 +121,8 @@ def _handler(server: Server) -> type[http.server.BaseHTTPRequestHandler]:
             if server.trickle_body:
                 self._trickle(data_out, server.trickle_body)
                 return
-            if server.break_after and len(data_out) > server.break_after:
-                cut, server.break_after = server.break_after, 0
+            if break_after and len(data_out) > break_after:
+                cut, server.break_after = break_after, 0
                 self.wfile.write(data_out[:cut])
                 self.wfile.flush()
                 if server.after_break:  # before the cut: the reopened read must find it done
