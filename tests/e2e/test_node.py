@@ -516,8 +516,12 @@ def test_a_step_pod_killed_by_its_memory_limit_is_retried_then_fails_the_bij_nam
     assert "exit code 137 (OOMKilled)" in message, message
     cond = next(c for c in failed["conditions"] if c["type"] == "Failed")
     assert cond["status"] == "True" and "OOMKilled" in cond["message"]
-    reasons = [e.reason for e in ns.events("oom")]
-    assert "StepRetrying" in reasons and "StepFailed" in reasons, reasons
+    from cluster.harness import wait_for
+
+    # kopf posts the StepFailed Event from its own task, after the status patch that set the phase.
+    reasons = wait_for(lambda: (lambda r: r if "StepFailed" in r else None)([e.reason for e in ns.events("oom")]),
+                       30, "the StepFailed Event")
+    assert "StepRetrying" in reasons, reasons
     retry = next(e for e in ns.events("oom") if e.reason == "StepRetrying")
     assert retry.type == "Warning" and "OOMKilled" in retry.message
     assert ns.no_manifest("oom")
