@@ -491,8 +491,10 @@ def test_a_step_pod_whose_image_cannot_be_pulled_is_shown_and_the_bij_can_still_
         assert "Job pull-plan-r0, pod pull-plan-r0-0-" in st["message"]
         ready = next(c for c in st["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "False" and ready["reason"] == "StepCannotStart", ready
-        stuck = [e for e in ns.events("pull") if e.reason == "StepCannotStart"]
-        assert stuck and stuck[0].type == "Warning" and "localhost/bij-no-such-steps" in stuck[0].message
+        # kopf posts the Event from its own task, after the status patch.
+        stuck = wait_for(lambda: [e for e in ns.events("pull") if e.reason == "StepCannotStart"] or None, 30,
+                         "the StepCannotStart Event")
+        assert stuck[0].type == "Warning" and "localhost/bij-no-such-steps" in stuck[0].message
 
         # Cancelling it cannot wait for a plan step that will never start: it ends now, nothing ran.
         ns.custom.patch_namespaced_custom_object(GROUP, VERSION, ns.name, PLURAL, "pull", {"spec": {"cancel": True}})
